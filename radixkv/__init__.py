@@ -1,0 +1,31 @@
+"""radixkv: a prefix-caching LLM runtime built around a token-level radix tree over a paged KV cache.
+
+Public API (vLLM-shaped): ``from radixkv import LLM, SamplingParams``.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    # Lazy imports keep `import radixkv.cache` free of the model stack.
+    if name == "LLM":
+        from radixkv.llm import LLM
+
+        return LLM
+    if name == "AsyncLLM":
+        from radixkv.async_llm import AsyncLLM
+
+        return AsyncLLM
+    if name == "SamplingParams":
+        from radixkv.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from radixkv import outputs
+
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'radixkv' has no attribute {name!r}")

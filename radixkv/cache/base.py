@@ -1,0 +1,65 @@
+"""The prefix-cache interface the engine talks to.
+
+A prefix cache is a pure index from token sequences to KV slot indices: it owns no KV memory.
+The engine owns the :class:`~radixkv.cache.allocator.SlotAllocator`; the cache hands slots back
+to it only through the tensors returned by :meth:`PrefixCache.evict` and :meth:`PrefixCache.reset`.
+
+Implementations: :class:`~radixkv.cache.radix_tree.RadixCache` (SGLang's RadixAttention tree,
+Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024),
+:class:`~radixkv.cache.hash_cache.HashBlockCache` (vLLM's automatic prefix caching with chained
+block hashes) and :class:`~radixkv.cache.hash_cache.NoPrefixCache` (caching off).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol, Sequence, Union, runtime_checkable
+
+import torch
+
+Tokens = Union[Sequence[int], torch.Tensor]
+"""A token sequence: a sequence of ints or a 1-D integer tensor."""
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """The longest cached prefix of a token sequence.
+
+    Attributes:
+        slots: 1-D ``torch.int64`` CPU tensor, the KV slot of every matched token, in order.
+        length: number of matched tokens (``== len(slots)``); a multiple of ``page_size``.
+        node: opaque handle of the deepest cached entry ending exactly at ``length``; pass it to
+            ``inc_lock_ref`` / ``dec_lock_ref``. For the radix tree it is a tree node (the root
+            when nothing matched).
+    """
+
+    slots: torch.Tensor
+    length: int
+    node: Any
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """What the engine needs from a prefix cache (sizes are in tokens)."""
+
+    page_size: int
+
+    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult: ...
+
+    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int: ...
+
+    def inc_lock_ref(self, node: Any) -> None: ...
+
+    def dec_lock_ref(self, node: Any) -> None: ...
+
+    def evict(self, num_tokens: int) -> torch.Tensor: ...
+
+    def evictable_size(self) -> int: ...
+
+    def protected_size(self) -> int: ...
+
+    def total_size(self) -> int: ...
+
+    def reset(self) -> torch.Tensor: ...
+
+    def check_integrity(self) -> None: ...

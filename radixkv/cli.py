@@ -1,0 +1,26 @@
+"""The `radixkv` console script: `radixkv replay ...` (the main job) and `radixkv serve ...`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` (default: sys.argv[1:]) and run the chosen subcommand; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="radixkv", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from radixkv import replay
+    from radixkv.server import cli as server_cli
+
+    replay.add_arguments(sub.add_parser("replay", help="replay ShareGPT conversations, radix cache on vs off"))
+    server_cli.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "replay":
+        return replay.run(args)
+    return server_cli.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
