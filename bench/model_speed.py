@@ -1,0 +1,167 @@
+"""Model speed: radixkv's ModelRunner vs transformers, measured side by side in the same run.
+
+Prefill tokens/s for one prompt of each length in ``--prefill-lens`` and decode tokens/s at each
+batch size in ``--decode-batches`` (each request has a ``--context``-token prompt, then
+``--decode-steps`` greedy steps are timed; prefill is excluded). transformers runs its own KV
+cache (``DynamicCache``) with the same weights (the radixkv cache directory of the model), same
+dtype, same threads; decode is also timed through ``generate(do_sample=False)`` (what most users
+call). Each measure runs ``--repeats`` times, alternating radixkv and transformers, and keeps
+each one's best time (shared machines are noisy). Prints the ratios radixkv / transformers.
+
+    python bench/model_speed.py                       # default model, CPU, fp32
+    python bench/model_speed.py --decode-batches 1 16 --prefill-lens 512 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+from radixkv.model_runner import ModelRunner
+from radixkv.models import load_model
+
+
+def _tokens(n: int, batch: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (batch, n), generator=g)
+
+
+class _Ours:
+    def __init__(self, loaded, num_slots: int, max_batch: int, max_len: int, backend: str) -> None:
+        self.runner = ModelRunner(loaded, num_slots=num_slots, page_size=1, max_running_requests=max_batch,
+                                  max_context_len=max_len, attention_backend=backend)
+
+    def _setup(self, batch: int, total_len: int) -> list[int]:
+        pool = self.runner.req_to_token_pool
+        rows = [pool.alloc() for _ in range(batch)]
+        for i, r in enumerate(rows):
+            pool.write(r, 0, torch.arange(i * total_len, (i + 1) * total_len))
+        return rows
+
+    def _release(self, rows: list[int]) -> None:
+        for r in rows:
+            self.runner.req_to_token_pool.free(r)
+
+    def prefill(self, ids: torch.Tensor) -> float:
+        rows = self._setup(1, ids.shape[1])
+        batch = self.runner.build_batch(ids[0], rows, [0], [ids.shape[1]])
+        t = time.perf_counter()
+        self.runner.forward(batch)
+        dt = time.perf_counter() - t
+        self._release(rows)
+        return dt
+
+    def decode(self, ids: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
+        bs, n = ids.shape
+        rows = self._setup(bs, n + steps)
+        batch = self.runner.build_batch(ids.reshape(-1), rows, [0] * bs, [n] * bs)
+        nxt = self.runner.forward(batch).argmax(-1)
+        out = [nxt]
+        t = time.perf_counter()
+        for s in range(steps):
+            batch = self.runner.build_batch(nxt, rows, [n + s] * bs, [1] * bs)
+            nxt = self.runner.forward(batch).argmax(-1)
+            out.append(nxt)
+        dt = time.perf_counter() - t
+        self._release(rows)
+        return dt, torch.stack(out, 1)
+
+
+class _HF:
+    def __init__(self, hf_dir, dtype) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True).eval()
+
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor) -> float:
+        t = time.perf_counter()
+        self.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, steps: int) -> tuple[float, torch.Tensor]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        nxt = out.logits[:, -1].argmax(-1)
+        toks = [nxt]
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = self.model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1)
+            toks.append(nxt)
+        return time.perf_counter() - t, torch.stack(toks, 1)
+
+    @torch.inference_mode()
+    def decode_generate(self, ids: torch.Tensor, steps: int) -> float:
+        """Decode seconds through ``generate(do_sample=False)``: time(1 + steps tokens) - time(1 token)."""
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+
+        def run(n: int) -> float:
+            t = time.perf_counter()
+            self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+            return time.perf_counter() - t
+
+        return run(steps + 1) - run(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 2048])
+    ap.add_argument("--decode-batches", type=int, nargs="*", default=[1, 16])
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens per request before decoding")
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per measure (alternating); the best is kept")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+
+    loaded = load_model(args.model, device="cpu", dtype=torch.float32)
+    vocab = loaded.hf_config.vocab_size
+    max_b = max(args.decode_batches + [1])
+    max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1])
+    ours = _Ours(loaded, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend)
+    hf = _HF(loaded.hf_dir, torch.float32)
+    print(f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print("transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
+          "generate() = model.generate(do_sample=False)")
+    print(f"{'measure':<34}{'radixkv':>12}{'transformers':>14}{'ratio':>8}{'generate()':>12}{'ratio':>8}")
+
+    warm = _tokens(32, 1, vocab, 0)
+    ours.prefill(warm), hf.prefill(warm)
+    r = max(1, args.repeats)
+    for n in args.prefill_lens:
+        ids = _tokens(n, 1, vocab, n)
+        ta, tb = float("inf"), float("inf")
+        for _ in range(r):  # alternate the two and keep each one's best run
+            ta, tb = min(ta, ours.prefill(ids)), min(tb, hf.prefill(ids))
+        a, b = n / ta, n / tb
+        print(f"{f'prefill {n} tokens (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x")
+    for bs in args.decode_batches:
+        ids = _tokens(args.context, bs, vocab, 1000 + bs)
+        ta = tb = tc = float("inf")
+        for _ in range(r):
+            t, toks_a = ours.decode(ids, args.decode_steps)
+            ta = min(ta, t)
+            t, toks_b = hf.decode(ids, args.decode_steps)
+            tb = min(tb, t)
+            tc = min(tc, hf.decode_generate(ids, args.decode_steps))
+        a, b, c = (bs * args.decode_steps / x for x in (ta, tb, tc))
+        same = (toks_a == toks_b).float().mean().item()
+        print(f"{f'decode batch {bs} (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x{c:>12.1f}{a / c:>7.2f}x"
+              f"   same greedy tokens {same:.0%}")
+
+
+if __name__ == "__main__":
+    main()

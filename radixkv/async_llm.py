@@ -1,0 +1,407 @@
+"""`AsyncLLM`: the engine loop in a background thread, streamed to asyncio callers.
+
+The synchronous :class:`~radixkv.engine.Engine` is driven by exactly one thread (the *engine
+thread*), which alternates between applying queued commands (add, abort, cache stats, flush)
+and calling ``Engine.step()``. Every engine method therefore runs on that thread only, so the
+engine needs no locks. Callers on any asyncio event loop talk to it through a thread-safe
+command queue and receive outputs through a per-request :class:`asyncio.Queue`, filled with
+``loop.call_soon_threadsafe``; no caller ever blocks the model loop and the model loop never
+blocks an event loop. Requests submitted concurrently are batched by the engine's scheduler
+(continuous batching), because the engine thread admits all of them before its next step.
+
+The design follows vLLM's ``AsyncLLM`` / SGLang's tokenizer-manager split (an output-collector
+per request fed by one background loop), reduced to one process and one thread.
+
+Example::
+
+    import asyncio
+    from radixkv import AsyncLLM, SamplingParams
+
+    async def main():
+        async with AsyncLLM(model="smollm2-135m") as llm:
+            async for out in llm.generate("The capital of France is", SamplingParams(max_tokens=8)):
+                print(out.outputs[0].text)       # cumulative text so far
+
+    asyncio.run(main())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Hashable, Sequence
+
+from radixkv.outputs import RequestOutput
+from radixkv.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shut down, or ``Engine.step()`` raised); no more requests."""
+
+
+@dataclass
+class _Stream:
+    """Where the engine thread delivers one request's outputs: an asyncio queue on its loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Thread-safe: schedule ``item`` onto the caller's loop (no-op if that loop is closed)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed; nobody is listening
+            pass
+
+
+_STOP = object()
+_ABORTED = object()  # delivered to a stream whose request was aborted via AsyncLLM.abort()
+
+
+class AsyncLLM:
+    """Asynchronous, streaming front end of :class:`~radixkv.engine.Engine`.
+
+    Args:
+        model: model name or path, as for :class:`~radixkv.llm.LLM` (ignored when ``engine`` is given).
+        engine: an existing ``Engine`` to drive instead of building one. AsyncLLM takes it over:
+            afterwards only the engine thread should call its methods.
+        **kwargs: :class:`~radixkv.config.EngineConfig` fields (``device``, ``dtype``,
+            ``page_size``, ``max_total_tokens``, ``prefix_cache``, ``enable_prefix_caching``,
+            ``attention_backend``, ``max_running_requests``, ``chunked_prefill_size``,
+            ``schedule_policy``, ...) plus the ``Engine`` keywords ``model_runner``,
+            ``tokenizer`` and ``eos_token_ids``. Not allowed together with ``engine``.
+
+    Thread model: one daemon thread named ``radixkv-engine``; all public methods are safe to call
+    from any thread and any event loop (one AsyncLLM can serve several loops at once).
+
+    Raises:
+        ValueError: an unknown keyword, keywords together with ``engine``, or an invalid engine
+            option (naming the field).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", *, engine: Any = None, **kwargs: Any):
+        if engine is None:
+            from radixkv.config import EngineConfig
+            from radixkv.engine import Engine
+
+            engine_kwargs = {k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids") if k in kwargs}
+            unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"AsyncLLM: unknown argument(s) {unknown}; valid: {sorted(EngineConfig.__dataclass_fields__)}")
+            engine = Engine(EngineConfig(model=model, **kwargs), **engine_kwargs)
+        elif kwargs:
+            raise ValueError(f"AsyncLLM: engine options {sorted(kwargs)} given together with an engine")
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Engine-thread-only state: request_id -> stream of a request the engine still runs.
+        self._streams: dict[str, _Stream] = {}
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._lock = threading.Lock()  # orders "check alive + enqueue" against "stop + drain"
+        self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine(cls, engine: Any) -> "AsyncLLM":
+        """Drive an existing :class:`~radixkv.engine.Engine` (same as ``AsyncLLM(engine=engine)``)."""
+        return cls(engine=engine)
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's (transformers) tokenizer; read-only use is thread-safe."""
+        return self.engine.tokenizer
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest sequence (prompt + output tokens) the engine accepts."""
+        return int(self.engine.max_context_len)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread is alive and has not failed."""
+        return self._dead is None and self._thread.is_alive()
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """The reason the engine thread stopped (None while it runs)."""
+        return self._dead
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        namespace: Hashable = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit one request and stream its cumulative outputs.
+
+        Args:
+            prompt: text (tokenized with the engine's tokenizer without added special tokens,
+                as ``LLM.generate`` does; no chat template) or a sequence of token ids.
+            sampling_params: default ``SamplingParams()``.
+            request_id: unique among unfinished requests; a fresh ``"req-<uuid>"`` when None.
+            prompt_token_ids: token ids, as an alternative to ``prompt`` (then ``prompt`` must
+                be None or the text those ids came from, kept for the output).
+            namespace: prefix-cache namespace (requests only share cache within one namespace).
+
+        Yields:
+            ``RequestOutput`` snapshots, cumulative (``outputs[i].text`` / ``token_ids`` hold
+            everything generated so far); the last one has ``finished == True``. When the
+            consumer falls behind, intermediate snapshots are skipped (each one contains the
+            previous), never the final one.
+
+        Raises:
+            ValueError: invalid prompt or sampling params (raised by ``Engine.add_request``,
+                before anything is yielded), or a duplicate ``request_id``.
+            EngineDeadError: the engine thread is not running.
+
+        Cancellation: if the consuming task is cancelled, or the generator is closed before the
+        final output (``break`` out of ``async for``, a client disconnect), the request is
+        aborted in the engine, which releases its KV slots.
+        """
+        self._check_alive()
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        text: str | None
+        if prompt_token_ids is not None:
+            ids, text = list(prompt_token_ids), prompt if isinstance(prompt, str) else None
+        elif isinstance(prompt, str):
+            ids, text = list(self.engine.tokenizer.encode(prompt, add_special_tokens=False)), prompt
+        elif prompt is not None:
+            ids, text = list(prompt), None
+        else:
+            raise ValueError("prompt: one of prompt or prompt_token_ids is required")
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        stream = _Stream(loop=asyncio.get_running_loop())
+
+        def add(engine: Any) -> None:
+            if rid in self._streams:
+                raise ValueError(f"request_id {rid!r} is already running")
+            engine.add_request(ids, sampling_params, request_id=rid, prompt=text, namespace=namespace)
+            self._streams[rid] = stream
+
+        finished = False
+        try:
+            await asyncio.wrap_future(self._submit(add))
+            while True:
+                item = await stream.queue.get()
+                while not stream.queue.empty() and not _is_final(item):
+                    item = stream.queue.get_nowait()  # skip to the newest cumulative snapshot
+                if isinstance(item, BaseException):
+                    finished = True  # the engine thread already dropped this request
+                    raise item
+                if item is _ABORTED:
+                    finished = True
+                    return
+                finished = bool(item.finished)
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort_nowait(rid, stream)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort an unfinished request by id (no-op if it already finished or is unknown).
+
+        The engine releases the request's KV slots; its ``generate`` iterator then ends without
+        a further output. Callers usually abort by cancelling or closing that iterator instead.
+        """
+        await asyncio.wrap_future(self._submit(lambda e: self._abort_in_thread(request_id, None)))
+
+    async def cache_stats(self) -> dict:
+        """``Engine.cache_stats()`` taken on the engine thread between steps (a consistent snapshot)."""
+        return await asyncio.wrap_future(self._submit(lambda e: dict(e.cache_stats())))
+
+    def get_cache_stats(self, timeout: float | None = 60.0) -> dict:
+        """Blocking form of :meth:`cache_stats` for threads without an event loop.
+
+        Raises:
+            TimeoutError: the engine thread did not answer within ``timeout`` seconds.
+        """
+        return self._submit(lambda e: dict(e.cache_stats())).result(timeout)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Flush the prefix cache; False (and nothing done) while any request is unfinished."""
+        return await asyncio.wrap_future(self._submit(self._reset_in_thread))
+
+    async def num_unfinished_requests(self) -> int:
+        """Requests submitted through this AsyncLLM whose streams are still open. An aborted
+        request leaves this count at once; the engine releases its slots at its next step
+        (``Engine.has_unfinished_requests()`` stays True until then)."""
+        return await asyncio.wrap_future(self._submit(lambda e: len(self._streams)))
+
+    async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result.
+
+        Use for read-only inspection (scheduler queue lengths, pool sizes) without racing a step.
+        """
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the engine thread after its current step. Unfinished requests are aborted and
+        their streams raise ``EngineDeadError``. Idempotent; safe from any thread."""
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._commands.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLM":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine thread has stopped: {self._dead!r}") from self._dead
+        if self._closing:
+            raise EngineDeadError("AsyncLLM is shut down")
+
+    def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Queue ``fn(engine)`` for the engine thread; the future gets its result or exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            try:
+                self._check_alive()
+            except EngineDeadError as exc:
+                fut.set_exception(exc)
+                return fut
+            self._commands.put((fn, fut))
+        return fut
+
+    def _abort_nowait(self, rid: str, stream: _Stream) -> None:
+        with self._lock:
+            if self._dead is None and not self._closing:
+                self._commands.put((lambda e: self._abort_in_thread(rid, stream), None))
+
+    def _abort_in_thread(self, rid: str, stream: _Stream | None) -> None:
+        # Only a request still in _streams is unfinished in the engine, so a request that
+        # finished in the same step as its consumer gave up is never aborted twice.
+        current = self._streams.get(rid)
+        if current is None or (stream is not None and current is not stream):
+            return
+        del self._streams[rid]
+        self.engine.abort_request(rid)
+        current.put(_ABORTED)
+        logger.debug("aborted %s", rid)
+
+    def _reset_in_thread(self, engine: Any) -> bool:
+        if self._streams:
+            return False
+        # With no stream open, what the engine still holds are aborts it applies at its next
+        # step (a client that just went away): apply them so the flush is not refused for them.
+        for _ in range(4):
+            if not engine.has_unfinished_requests():
+                break
+            self._step_once()
+        return bool(engine.reset_prefix_cache())
+
+    def _step_once(self) -> None:
+        """One ``Engine.step()``; each output goes to its request's stream (if still open)."""
+        for out in self.engine.step():
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)  # the engine builds a fresh RequestOutput every step
+
+    def _apply(self, cmd: Any) -> bool:
+        """Apply one command on the engine thread; False means stop."""
+        if cmd is _STOP:
+            return False
+        fn, fut = cmd
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return True
+        try:
+            result = fn(self.engine)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the caller
+            if fut is None:
+                logger.exception("engine command failed")
+            else:
+                fut.set_exception(exc)
+        else:
+            if fut is not None:
+                fut.set_result(result)
+        return True
+
+    def _run(self) -> None:
+        """The engine thread: commands, then one step, until stopped or the engine fails."""
+        try:
+            while True:
+                busy = self.engine.has_unfinished_requests()
+                try:  # block only when there is nothing to step
+                    cmd = self._commands.get(block=not busy)
+                except queue.Empty:
+                    cmd = None
+                while cmd is not None:
+                    if not self._apply(cmd):
+                        raise _Stopped
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        cmd = None
+                if self.engine.has_unfinished_requests():
+                    self._step_once()
+        except _Stopped:
+            self._fail_all(EngineDeadError("AsyncLLM is shut down"), abort=True)
+        except BaseException as exc:  # noqa: BLE001 - the engine is unusable after this
+            logger.exception("engine step failed; AsyncLLM stops")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"engine failed: {exc!r}"), abort=False)
+        finally:
+            if self._dead is None:
+                self._dead = EngineDeadError("AsyncLLM is shut down")
+
+    def _fail_all(self, exc: BaseException, abort: bool) -> None:
+        with self._lock:  # no command can be enqueued after this point
+            self._closing = True
+        for rid, stream in list(self._streams.items()):
+            if abort:
+                self.engine.abort_request(rid)
+            stream.put(type(exc)(*exc.args))  # one exception object per waiting task
+        if abort and self._streams:
+            try:  # the engine applies aborts at its next step, which releases their slots
+                self.engine.step()
+            except Exception:  # noqa: BLE001 - shutting down; the streams are told already
+                logger.exception("releasing aborted requests at shutdown failed")
+        self._streams.clear()
+        while True:  # answer commands that will never run
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd is not _STOP and cmd[1] is not None and cmd[1].set_running_or_notify_cancel():
+                cmd[1].set_exception(exc)
+
+
+class _Stopped(Exception):
+    """Internal: the stop sentinel was read."""
+
+
+def _is_final(item: Any) -> bool:
+    return item is _ABORTED or isinstance(item, BaseException) or bool(getattr(item, "finished", False))

@@ -1,0 +1,78 @@
+"""Attention backends over the paged KV pool.
+
+``create_attention_backend(name, device, kv_pool, num_q_heads, sm_scale=None, **kwargs)``:
+
+* ``"torch"``: :class:`~radixkv.attention.torch_backend.TorchAttentionBackend` (CPU or CUDA).
+* ``"flashinfer"``: ``radixkv.attention.flashinfer_backend.FlashInferAttentionBackend``
+  (CUDA only; the module is imported only here, so CPU installs never import flashinfer).
+* ``"auto"``: FlashInfer on a CUDA device when its backend imports and constructs, else torch.
+  The choice (and the reason for a fallback) is logged at INFO level.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Union
+
+import torch
+
+from radixkv.attention.base import AttentionBackend
+from radixkv.attention.metadata import ForwardBatch
+from radixkv.attention.torch_backend import TorchAttentionBackend
+from radixkv.kv_pool import KVPool
+
+__all__ = ["AttentionBackend", "ForwardBatch", "TorchAttentionBackend", "create_attention_backend", "BACKEND_NAMES"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "torch", "flashinfer")
+
+
+def _flashinfer(kv_pool: KVPool, num_q_heads: int, sm_scale: float | None, **kwargs: Any) -> AttentionBackend:
+    from radixkv.attention.flashinfer_backend import FlashInferAttentionBackend  # lazy: pulls in flashinfer
+
+    return FlashInferAttentionBackend(kv_pool, num_q_heads, sm_scale, **kwargs)
+
+
+def create_attention_backend(
+    name: str,
+    device: Union[str, torch.device],
+    kv_pool: KVPool,
+    num_q_heads: int,
+    sm_scale: float | None = None,
+    **kwargs: Any,
+) -> AttentionBackend:
+    """Build the attention backend called ``name`` for ``kv_pool``.
+
+    Args:
+        name: ``"auto"``, ``"torch"`` or ``"flashinfer"``.
+        device: the model's device (FlashInfer needs CUDA).
+        kv_pool: the KV pool the backend writes and reads.
+        num_q_heads: query heads per layer.
+        sm_scale: softmax scale (default ``1/sqrt(head_dim)``).
+        **kwargs: passed to the FlashInfer backend only (e.g. workspace size).
+
+    Raises:
+        ValueError: unknown ``name``, or ``"flashinfer"`` on a non-CUDA device.
+        ImportError / RuntimeError: ``"flashinfer"`` requested explicitly but unusable.
+    """
+    device = torch.device(device)
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "torch":
+        return TorchAttentionBackend(kv_pool, num_q_heads, sm_scale)
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise ValueError(f"attention_backend 'flashinfer' needs a CUDA device, got {device}")
+        return _flashinfer(kv_pool, num_q_heads, sm_scale, **kwargs)
+    # auto
+    if device.type == "cuda":
+        try:
+            backend = _flashinfer(kv_pool, num_q_heads, sm_scale, **kwargs)
+            logger.info("attention backend: flashinfer (auto, device %s)", device)
+            return backend
+        except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
+            logger.info("attention backend: torch (auto; flashinfer unavailable: %s: %s)", type(exc).__name__, exc)
+    else:
+        logger.info("attention backend: torch (auto, device %s)", device)
+    return TorchAttentionBackend(kv_pool, num_q_heads, sm_scale)

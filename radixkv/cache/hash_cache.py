@@ -1,0 +1,357 @@
+"""vLLM-style automatic prefix caching (chained block hashes) and a no-op cache, behind the
+:class:`~radixkv.cache.base.PrefixCache` protocol so the engine can swap them for the radix tree.
+
+:class:`HashBlockCache` follows vLLM's automatic prefix caching (vLLM docs, "Automatic Prefix
+Caching" design; Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention", SOSP 2023):
+
+* only *full* blocks of ``page_size`` tokens are cached;
+* block ``i``'s key is ``H(key[i-1], tokens[i*B:(i+1)*B], extra_keys)`` with ``extra_keys`` holding
+  the namespace, so a key identifies the block *and its whole prefix*; ``H`` is SHA-256 over a
+  stable byte serialization by default (``hash_algo="builtin"`` uses Python's 64-bit ``hash``,
+  faster but with a small collision risk, as vLLM's ``builtin`` option);
+* a lookup hashes the prompt's full blocks in order and stops at the first miss;
+* every cached block has a reference count (``lock_ref``: running requests using it); blocks whose
+  count drops to zero stay cached in an LRU *free queue* and are evicted lazily, least recently
+  freed first. A request's blocks are released tail first, so a chain's tail leaves before its
+  head. Any unreferenced block can go, also one whose descendants stay cached: those become
+  unreachable (a lookup stops at the missing parent) until the parent's key is cached again.
+
+The differences from the token-level radix tree are the point of comparing them: the hash cache
+never shares a partial block (a prompt that diverges inside a block re-computes that whole block),
+and eviction is per block, not per leaf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from collections import OrderedDict
+from typing import Hashable, Sequence
+
+import numpy as np
+import torch
+
+from radixkv.cache.base import MatchResult, Tokens
+
+__all__ = ["HashBlockCache", "NoPrefixCache", "BlockChain"]
+
+_ROOT_SHA = b"\x00" * 32
+_EMPTY = torch.empty(0, dtype=torch.int64)
+
+
+def _as_token_array(tokens: Tokens) -> np.ndarray:
+    """``tokens`` as a 1-D int64 numpy array (ValueError if it is not 1-D integer data)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} "
+                             f"dtype {tokens.dtype}")
+        return tokens.detach().to("cpu", torch.int64).numpy()
+    arr = np.asarray(tokens if len(tokens) else [], dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be a 1-D sequence of ints, got shape {arr.shape}")
+    return arr
+
+
+def _as_slot_array(slots: torch.Tensor) -> np.ndarray:
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype.is_floating_point:
+        raise ValueError("slots must be a 1-D integer torch.Tensor")
+    return slots.detach().to("cpu", torch.int64).numpy()
+
+
+class _Block:
+    """One cached full block: its key, the first of its ``page_size`` contiguous slots, its
+    reference count, and whether it is still the table entry for its key."""
+
+    __slots__ = ("key", "start", "ref", "live")
+
+    def __init__(self, key: Hashable, start: int) -> None:
+        self.key = key
+        self.start = start
+        self.ref = 0
+        self.live = True
+
+
+class BlockChain:
+    """The handle :meth:`HashBlockCache.match_prefix` returns as ``MatchResult.node``: the matched
+    blocks, root first (empty when nothing matched). Locking it pins every block in the chain."""
+
+    __slots__ = ("blocks",)
+
+    def __init__(self, blocks: tuple) -> None:
+        self.blocks = blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __repr__(self) -> str:
+        return f"BlockChain({len(self.blocks)} blocks)"
+
+
+class HashBlockCache:
+    """Automatic prefix caching with chained block hashes (see the module docstring).
+
+    Args:
+        page_size: tokens per block (``>= 1``); a block's slots are one page of the engine's
+            :class:`~radixkv.cache.allocator.SlotAllocator` (contiguous, ascending).
+        hash_algo: ``"sha256"`` (default; collision-safe, stable across processes) or
+            ``"builtin"`` (Python ``hash`` of a tuple; faster, 64-bit).
+
+    Sizes (``evictable_size`` etc.) are in tokens (= slots). Slots are 1-D ``torch.int64`` CPU
+    tensors. Raises ``ValueError`` for a bad ``page_size``/``hash_algo``, malformed ``tokens`` or
+    ``slots``, ``len(slots) != len(tokens)``, a block whose slots are not one contiguous page, a
+    negative ``num_tokens``, and ``dec_lock_ref`` below zero; ``RuntimeError`` for ``reset``
+    while blocks are locked.
+    """
+
+    def __init__(self, page_size: int = 16, hash_algo: str = "sha256") -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if hash_algo not in ("sha256", "builtin"):
+            raise ValueError(f"hash_algo must be 'sha256' or 'builtin', got {hash_algo!r}")
+        self.page_size = page_size
+        self.hash_algo = hash_algo
+        self._offsets = np.arange(page_size, dtype=np.int64)
+        self._table: dict[Hashable, _Block] = {}
+        # Unreferenced cached blocks, least recently freed first (vLLM's free block queue).
+        self._free: OrderedDict[int, _Block] = OrderedDict()
+        self._num_blocks = 0  # table entries + retired (replaced) blocks not yet evicted
+        self._num_locked = 0  # blocks with ref > 0
+
+    # ------------------------------------------------------------------ hashing
+    def block_keys(self, tokens: Tokens, namespace: Hashable = None) -> list:
+        """Chained keys of the full blocks of ``tokens`` (``len(tokens) // page_size`` of them)."""
+        arr = _as_token_array(tokens)
+        n = len(arr) // self.page_size
+        if n == 0:
+            return []
+        blocks = arr[: n * self.page_size].reshape(n, self.page_size)
+        keys = []
+        if self.hash_algo == "builtin":
+            parent: Hashable = None
+            for row in blocks.tolist():
+                parent = hash((parent, tuple(row), namespace))
+                keys.append(parent)
+            return keys
+        extra = pickle.dumps(namespace, protocol=4)
+        parent_b = _ROOT_SHA
+        for row in blocks.astype("<i8"):
+            h = hashlib.sha256(parent_b)
+            h.update(row.tobytes())
+            h.update(extra)
+            parent_b = h.digest()
+            keys.append(parent_b)
+        return keys
+
+    # ------------------------------------------------------------------ protocol
+    def _slots_of(self, blocks: Sequence[_Block]) -> torch.Tensor:
+        if not blocks:
+            return _EMPTY.clone()
+        starts = np.fromiter((b.start for b in blocks), dtype=np.int64, count=len(blocks))
+        return torch.from_numpy((starts[:, None] + self._offsets).reshape(-1))
+
+    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+        """Longest cached run of leading full blocks of ``tokens`` (stops at the first miss).
+
+        Returns ``MatchResult(slots [length] int64, length (multiple of page_size), node)`` with
+        ``node`` a :class:`BlockChain` of the matched blocks. Does not change LRU order (a block's
+        place in the free queue is set when it is released, as in vLLM)."""
+        found = []
+        table = self._table
+        for key in self.block_keys(tokens, namespace):
+            blk = table.get(key)
+            if blk is None:
+                break
+            found.append(blk)
+        return MatchResult(self._slots_of(found), len(found) * self.page_size, BlockChain(tuple(found)))
+
+    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
+        """Cache the full blocks of ``tokens`` whose KV lives in ``slots`` (``len(slots) ==
+        len(tokens)``).
+
+        Returns the number of leading tokens whose blocks were already cached: the cache keeps
+        its own slots for those and the caller frees its duplicates among ``slots[:returned]``.
+        For every later full block the cache takes ownership of the caller's slots (the new
+        blocks start unreferenced, i.e. evictable, and join the free queue tail first). The caller keeps (and frees) the partial tail
+        ``slots[len(tokens)//page_size*page_size:]``. A block key found again *after* a missing
+        block belongs to an orphan (its parent was evicted, so nothing can lock it): the caller's
+        block replaces it as the table entry and the orphan is moved to the front of the free
+        queue, to be returned by the next :meth:`evict`.
+        """
+        arr = _as_token_array(tokens)
+        sl = _as_slot_array(slots)
+        if len(sl) != len(arr):
+            raise ValueError(f"len(slots) must equal len(tokens) ({len(arr)}), got {len(sl)}")
+        keys = self.block_keys(arr, namespace)
+        if not keys:
+            return 0
+        ps = self.page_size
+        pages = sl[: len(keys) * ps].reshape(len(keys), ps)
+        starts = pages[:, 0]
+        if ps > 1:
+            ok = (pages - starts[:, None] == self._offsets).all(axis=1)
+            if not ok.all():
+                i = int(np.argmin(ok))
+                raise ValueError(f"slots of block {i} (tokens {i * ps}..{(i + 1) * ps - 1}) must "
+                                 f"be one page: {ps} contiguous ascending slots")
+        starts_l = starts.tolist()
+        table, free = self._table, self._free
+        prefix_blocks = 0
+        n = len(keys)
+        while prefix_blocks < n and keys[prefix_blocks] in table:
+            prefix_blocks += 1
+        # New blocks join the free queue tail first (as vLLM frees a finished request's blocks),
+        # so under pressure a chain loses its tail before its head.
+        for i in range(n - 1, prefix_blocks - 1, -1):
+            key = keys[i]
+            old = table.get(key)
+            if old is not None:  # an orphan (unreferenced): retire it, to be evicted first
+                old.live = False
+                if old.ref == 0:
+                    free.move_to_end(id(old), last=False)
+            blk = _Block(key, starts_l[i])
+            table[key] = blk
+            free[id(blk)] = blk
+            self._num_blocks += 1  # a retired orphan keeps its count until evicted
+        return prefix_blocks * ps
+
+    def inc_lock_ref(self, node: BlockChain) -> None:
+        """Pin every block of ``node`` (ref += 1; a block leaving ref 0 leaves the free queue)."""
+        free = self._free
+        for blk in node.blocks:
+            if blk.ref == 0:
+                del free[id(blk)]
+                self._num_locked += 1
+            blk.ref += 1
+
+    def dec_lock_ref(self, node: BlockChain) -> None:
+        """Unpin every block of ``node``; blocks reaching ref 0 join the free queue's tail, the
+        chain's last block first (so tails are evicted before heads). ValueError below zero."""
+        for blk in node.blocks:
+            if blk.ref <= 0:
+                raise ValueError("dec_lock_ref on a block whose lock_ref is already 0")
+        free = self._free
+        for blk in reversed(node.blocks):
+            blk.ref -= 1
+            if blk.ref == 0:
+                free[id(blk)] = blk
+                self._num_locked -= 1
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Evict unreferenced blocks, least recently freed first, until at least ``num_tokens``
+        slots are freed or none is left; returns their slots (1-D int64) for the allocator."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        out = []
+        freed = 0
+        free, table = self._free, self._table
+        while freed < num_tokens and free:
+            _, blk = free.popitem(last=False)
+            if blk.live:
+                del table[blk.key]
+                blk.live = False
+            self._num_blocks -= 1
+            out.append(blk)
+            freed += self.page_size
+        return self._slots_of(out)
+
+    def evictable_size(self) -> int:
+        """Tokens in unreferenced cached blocks (what :meth:`evict` can free)."""
+        return len(self._free) * self.page_size
+
+    def protected_size(self) -> int:
+        """Tokens in cached blocks locked by at least one request."""
+        return self._num_locked * self.page_size
+
+    def total_size(self) -> int:
+        """Tokens (= slots) the cache holds."""
+        return self._num_blocks * self.page_size
+
+    def reset(self) -> torch.Tensor:
+        """Drop everything; returns all slots the cache held. RuntimeError if any block is locked."""
+        if self._num_locked:
+            raise RuntimeError(f"reset() while {self._num_locked} blocks are locked")
+        out = self._slots_of(list(self._free.values()))
+        self._table.clear()
+        self._free.clear()
+        self._num_blocks = 0
+        return out
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the table, free queue, counters or slot ownership disagree."""
+        ps = self.page_size
+        live = list(self._table.values())
+        retired = [b for b in self._free.values() if not b.live]
+        for k, b in self._table.items():
+            if b.key != k or not b.live:
+                raise AssertionError("table entry does not match its block")
+        for b in self._free.values():
+            if b.ref != 0:
+                raise AssertionError("free queue holds a referenced block")
+        locked = sum(1 for b in live if b.ref > 0)
+        if any(b.ref < 0 for b in live):
+            raise AssertionError("negative lock_ref")
+        if sum(1 for b in live if b.ref == 0) + len(retired) != len(self._free):
+            raise AssertionError("an unreferenced block is missing from the free queue")
+        if locked != self._num_locked or len(live) + len(retired) != self._num_blocks:
+            raise AssertionError("block counters disagree with the table")
+        if self.evictable_size() + self.protected_size() != self.total_size():
+            raise AssertionError("evictable + protected != total")
+        starts = [b.start for b in live] + [b.start for b in retired]
+        if ps > 1 and any(s % ps for s in starts):
+            raise AssertionError("a block does not start on a page boundary")
+        if len(set(starts)) != len(starts):
+            raise AssertionError("a slot is owned by two cached blocks")
+
+
+class NoPrefixCache:
+    """Prefix caching off: nothing is ever cached, the engine's normal code path frees every slot.
+
+    ``match_prefix`` always returns an empty match (``length`` 0, ``node`` None).
+    ``insert(tokens, slots)`` caches nothing and returns ``len(tokens) // page_size * page_size``,
+    i.e. it reports every whole page as "already cached", so the caller frees all of those slots
+    as duplicates and the unaligned tail as usual: every slot goes back to the allocator. Locking,
+    eviction and reset are no-ops (``evict``/``reset`` return an empty tensor), all sizes are 0.
+    """
+
+    def __init__(self, page_size: int = 1) -> None:
+        if not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = page_size
+
+    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+        _as_token_array(tokens)
+        return MatchResult(_EMPTY.clone(), 0, None)
+
+    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
+        arr = _as_token_array(tokens)
+        sl = _as_slot_array(slots)
+        if len(sl) != len(arr):
+            raise ValueError(f"len(slots) must equal len(tokens) ({len(arr)}), got {len(sl)}")
+        return len(arr) // self.page_size * self.page_size
+
+    def inc_lock_ref(self, node) -> None:
+        return None
+
+    def dec_lock_ref(self, node) -> None:
+        return None
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return _EMPTY.clone()
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def reset(self) -> torch.Tensor:
+        return _EMPTY.clone()
+
+    def check_integrity(self) -> None:
+        return None

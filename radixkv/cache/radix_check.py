@@ -1,0 +1,96 @@
+"""Debug helpers of :class:`~radixkv.cache.radix_tree.RadixCache`: the full invariant check
+and the readable dump (kept apart so the tree module holds only the data structure)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from radixkv.cache.radix_tree import RadixCache, TreeNode
+
+__all__ = ["check_tree", "format_tree"]
+
+
+def check_tree(tree: "RadixCache") -> None:
+    """Implements :meth:`RadixCache.check_integrity` (raises RuntimeError)."""
+
+    def fail(msg: str) -> None:
+        raise RuntimeError(f"RadixCache integrity: {msg}")
+
+    ps = tree.page_size
+    pb = tree._page_bytes
+    total = protected = 0
+    leaves = set()
+    seen_slots = []
+    for ns, ns_root in tree.root.children.items():
+        if ns_root.parent is not tree.root or ns_root.key or ns_root.namespace != ns:
+            fail(f"bad namespace root for {ns!r}")
+        if not ns_root.children and ns_root.lock_ref == 0:
+            fail(f"empty namespace root {ns!r} kept")
+    for node in tree._iter_nodes():
+        if node.parent is not tree.root:
+            if not node.key or len(node.key) % pb:
+                fail(f"edge of {len(node.key)} bytes, not a positive multiple of "
+                     f"{ps} int32 tokens: {node!r}")
+            if node.value.dtype != np.int64 or 4 * len(node.value) != len(node.key):
+                fail(f"{len(node.value)} slots for {len(node.key) // 4} tokens: {node!r}")
+            if node.namespace != node.parent.namespace:
+                fail(f"namespace differs from its parent's: {node!r}")
+            if node.last_access > node.parent.last_access:
+                fail(f"last_access newer than its parent's: {node!r}")
+            if not node.children and node.lock_ref == 0:
+                leaves.add(node.uid)
+                e = node.lru
+                if not (e is True and tree._lru_new.get(node.uid) is node
+                        or e == (node.last_access, node.uid, node) and e in tree._lru_old):
+                    fail(f"evictable leaf with a missing or bad LRU entry: {node!r}")
+            elif node.lru is not None:
+                fail(f"non-evictable node in the LRU set: {node!r}")
+        if node.lock_ref < 0:
+            fail(f"negative lock_ref: {node!r}")
+        if node.lock_ref < sum(c.lock_ref for c in node.children.values()):
+            fail(f"lock_ref below the sum of its children's: {node!r}")
+        for ck, child in node.children.items():
+            if child.parent is not node or ck != child.key[:pb]:
+                fail(f"bad child link to {child!r}")
+        total += len(node.value)
+        if node.lock_ref > 0:
+            protected += len(node.value)
+        seen_slots.append(node.value)
+    in_set = [e[1] for e in tree._lru_old] + list(tree._lru_new)
+    if set(in_set) != leaves or len(in_set) != len(leaves):
+        fail(f"LRU set has {len(in_set)} entries, expected {len(leaves)}")
+    times = [n.last_access for n in tree._lru_new.values()]
+    if times != sorted(times):
+        fail("the OrderedDict of evictable leaves is out of last_access order")
+    if total != tree._total or protected != tree._protected:
+        fail(f"sizes total={tree._total} protected={tree._protected}, "
+             f"recomputed total={total} protected={protected}")
+    all_slots = np.sort(np.concatenate(seen_slots)) if seen_slots else np.empty(0, np.int64)
+    if (all_slots[1:] == all_slots[:-1]).any():
+        fail("a slot is held by two tree positions")
+
+
+def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
+    """Implements :meth:`RadixCache.pretty_print`."""
+    lines = [f"RadixCache(page_size={tree.page_size}, total={tree._total}, "
+             f"protected={tree._protected}, evictable={tree.evictable_size()}, "
+             f"evictable_leaves={len(tree._lru_new) + len(tree._lru_old)})"]
+
+    def show(node: TreeNode, depth: int) -> None:
+        toks = node.tokens()
+        text = " ".join(map(str, toks[:max_tokens])) + (" ..." if len(toks) > max_tokens
+                                                          else "")
+        lines.append(f"{'  ' * depth}[{text}] len={len(toks)} "
+                     f"slots={int(node.value[0])}..{int(node.value[-1])} "
+                     f"lock_ref={node.lock_ref} t={node.last_access}")
+        for c in sorted(node.children.values(), key=lambda c: c.tokens()[:1]):
+            show(c, depth + 1)
+
+    for ns, ns_root in tree.root.children.items():
+        lines.append(f"namespace {ns!r}: lock_ref={ns_root.lock_ref}")
+        for c in sorted(ns_root.children.values(), key=lambda c: c.tokens()[:1]):
+            show(c, 1)
+    return "\n".join(lines)

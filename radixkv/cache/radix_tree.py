@@ -1,0 +1,439 @@
+"""Token-level radix tree from token sequences to KV slots (SGLang's RadixAttention).
+
+Algorithm: the radix tree of Zheng et al., "SGLang: Efficient Execution of Structured Language
+Model Programs" (2024), section 3: every edge holds a run of tokens and the KV slot of each of
+them; a lookup walks from the root comparing whole edges, splitting an edge where a match ends
+inside it; unlocked leaves are evicted least-recently-used first, and a parent whose last child
+goes becomes a leaf in its turn.
+
+Representation (docs/cache.md has the measurements behind it):
+
+* an edge's tokens are a ``bytes`` object of int32 ids (4 bytes a token, native byte order) and
+  its slots a ``numpy.int64`` array: compact, compared with ``memcmp``, freed in one piece;
+* children are found through a dict keyed by the child's first page of tokens as ``bytes``
+  (the first token when ``page_size == 1``);
+* packing a token list to int32, the common-prefix length of two int32 buffers and the descent
+  loop run in the C helper ``radixkv.cache._cprefix`` when it is built, else in pure Python
+  (same results; see :mod:`radixkv.cache.token_keys`);
+* the evictable leaves (no children, ``lock_ref == 0``) are kept, incrementally, in two ordered
+  containers: a node enters when it becomes an unlocked leaf and leaves when it gets a child, is
+  locked or is evicted, so eviction never scans the tree. A leaf entering with the current time
+  (a new leaf, a refreshed leaf) is appended to an ``OrderedDict`` (which stays sorted because
+  the clock only grows; O(1) append, move-to-end and pop-oldest); one entering with an older
+  time (unlocked by ``dec_lock_ref``, or a parent whose last child was evicted) goes into a
+  ``sortedcontainers.SortedList`` of ``(last_access, uid, node)``. ``evict`` takes the older of
+  the two heads each time: exact LRU order;
+* ``last_access`` is a logical clock bumped once per ``match_prefix`` / ``insert`` call.
+
+Namespaces: the root has one child per namespace (an empty-key node, dropped when emptied);
+lookups start there, so sequences in different namespaces never share a node.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from itertools import count
+from typing import Any, Hashable, Iterator, Optional
+
+import numpy as np
+import torch
+from sortedcontainers import SortedList
+
+from radixkv.cache import token_keys
+from radixkv.cache.base import MatchResult, Tokens
+from radixkv.cache.radix_check import check_tree, format_tree
+from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens
+
+__all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
+
+_uids = count()
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+class TreeNode:
+    """One edge of the tree and the node it leads to.
+
+    Attributes:
+        key: the edge's token ids as an int32 buffer (``bytes``; empty for the root and the
+            namespace roots).
+        value: the edge's KV slots, ``numpy.int64`` array of ``len(key) // 4`` entries.
+        children: child nodes keyed by their first page of tokens (``bytes``).
+        parent: the parent node; ``None`` for the root and for nodes no longer in a tree.
+        lock_ref: number of live locks whose path passes through this node.
+        last_access: logical time of the last match/insert that walked through this node.
+        namespace: the namespace this node belongs to.
+        lru: where the node sits in the evictable-leaf set: ``None`` (not in it), ``True`` (in
+            the OrderedDict of current-time entries) or its ``SortedList`` entry tuple.
+    """
+
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid",
+                 "namespace", "lru")
+
+    def __init__(self, key: bytes, value: np.ndarray, parent: Optional["TreeNode"],
+                 namespace: Hashable, last_access: int) -> None:
+        self.key = key
+        self.value = value
+        self.children: dict = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = last_access
+        self.uid = next(_uids)
+        self.namespace = namespace
+        self.lru: Any = None
+
+    def tokens(self) -> list:
+        """The edge's token ids as a list of int."""
+        return np.frombuffer(self.key, dtype=np.int32).tolist()
+
+    def __repr__(self) -> str:
+        return (f"TreeNode(uid={self.uid}, len={len(self.value)}, lock_ref={self.lock_ref}, "
+                f"last_access={self.last_access}, children={len(self.children)})")
+
+
+class RadixCache:
+    """Radix tree over token sequences mapping every cached token to its KV slot.
+
+    Implements :class:`radixkv.cache.base.PrefixCache`. It owns no KV memory: slots come from
+    the caller's :class:`~radixkv.cache.allocator.SlotAllocator` through :meth:`insert` and go
+    back through the tensors returned by :meth:`evict` and :meth:`reset`. Not thread-safe.
+
+    Args:
+        page_size: tokens per KV page (int >= 1). With ``page_size > 1`` every edge holds a whole
+            number of pages, matches are floored to whole pages and only whole pages are
+            inserted.
+
+    Raises:
+        ValueError: ``page_size`` is not an int >= 1.
+    """
+
+    def __init__(self, page_size: int = 1) -> None:
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self._page_bytes = 4 * page_size
+        self._clock = 0
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self.root = TreeNode(b"", _EMPTY, None, None, 0)
+        self._lru_new: OrderedDict = OrderedDict()  # uid -> node, oldest first
+        self._lru_old: SortedList = SortedList()  # (last_access, uid, node)
+        self._total = 0
+        self._protected = 0
+
+    # ------------------------------------------------------------------ evictable-leaf set
+
+    def _lru_add(self, node: TreeNode) -> None:
+        if node.last_access == self._clock:
+            self._lru_new[node.uid] = node
+            node.lru = True
+        else:
+            node.lru = (node.last_access, node.uid, node)
+            self._lru_old.add(node.lru)
+
+    def _lru_remove(self, node: TreeNode) -> None:
+        if node.lru is True:
+            del self._lru_new[node.uid]
+        else:
+            self._lru_old.remove(node.lru)
+        node.lru = None
+
+    def _lru_refresh(self, node: TreeNode) -> None:
+        """Re-files an evictable leaf whose last_access was just set to the current clock."""
+        if node.lru is True:
+            self._lru_new.move_to_end(node.uid)
+        else:
+            self._lru_old.remove(node.lru)
+            self._lru_new[node.uid] = node
+            node.lru = True
+
+    # ------------------------------------------------------------------ lookup / insertion
+
+    def _walk(self, node: TreeNode, kb: bytes, n: int, tick: int) -> tuple:
+        """Walks the first ``n`` tokens of ``kb`` down from ``node``, splitting the last edge
+        if the match ends inside it. Sets ``last_access = tick`` on every node on the way.
+
+        Returns ``(node, pos, values)``: the deepest node, ending exactly at ``pos`` matched
+        tokens, and the slot arrays of the edges on the way.
+        """
+        node, pos, values, child, m = token_keys.walk(node, kb, n, self.page_size, tick)
+        if child is not None:
+            node = self._split(child, m)
+            node.last_access = tick
+            values.append(node.value)
+            pos += m
+        return node, pos, values
+
+    def _split(self, node: TreeNode, m: int) -> TreeNode:
+        """Cuts ``node``'s edge after ``m`` tokens; returns the new upper node.
+
+        ``node`` keeps the lower part, its children, lock_ref, last_access and LRU entry, so
+        handles to it stay valid and still cover the same tokens.
+        """
+        pb = self._page_bytes
+        parent = node.parent
+        key = node.key
+        upper = TreeNode(key[: m << 2], node.value[:m], parent, node.namespace,
+                         node.last_access)
+        upper.lock_ref = node.lock_ref
+        parent.children[key[:pb]] = upper
+        node.key = key = key[m << 2 :]
+        node.value = node.value[m:]
+        node.parent = upper
+        upper.children[key[:pb]] = node
+        return upper
+
+    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+        """Finds the longest cached prefix of ``tokens`` in ``namespace``.
+
+        When the match ends inside an edge the edge is split there (at a page boundary), so
+        ``.node`` always ends exactly at ``.length``. The last-access time of the matched path,
+        and only of it, is refreshed.
+
+        Args:
+            tokens: token ids (list/tuple/array of int, or 1-D integer tensor), each in the
+                int32 range.
+            namespace: any hashable; only sequences inserted with an equal namespace match.
+
+        Returns:
+            :class:`MatchResult`: ``slots`` (1-D int64 CPU tensor, a fresh copy), ``length``
+            (``len(tokens)`` floored to ``page_size`` at most, a multiple of it) and ``node``
+            (the tree root when nothing matched; locking the root is a no-op).
+
+        Raises:
+            ValueError: ``tokens`` is not 1-D integer or holds an id outside int32.
+        """
+        kb = pack_tokens(tokens)
+        n = len(kb) >> 2
+        if self.page_size > 1:
+            n -= n % self.page_size
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None or n == 0:
+            return MatchResult(torch.empty(0, dtype=torch.int64), 0, self.root)
+        self._clock += 1
+        node, pos, values = self._walk(ns_root, kb, n, self._clock)
+        if pos == 0:
+            return MatchResult(torch.empty(0, dtype=torch.int64), 0, self.root)
+        ns_root.last_access = self._clock
+        if node.lru is not None:
+            self._lru_refresh(node)
+        slots = values[0].copy() if len(values) == 1 else np.concatenate(values)
+        return MatchResult(torch.from_numpy(slots), pos, node)
+
+    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
+        """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
+
+        Ownership rule: with ``p`` the return value and ``n = len(tokens)`` floored to a
+        multiple of ``page_size``, the tree takes ownership of ``slots[p:n]``. The caller keeps
+        (and must free) ``slots[:p]`` (duplicates of slots the tree already holds for those
+        positions; the tree keeps its own) and ``slots[n:]`` (the unaligned tail). The path to
+        the sequence is refreshed; if it ends inside an edge that edge is split, so a later
+        ``match_prefix(tokens)`` returns a node ending exactly at ``n``.
+
+        Args:
+            tokens: token ids (list/tuple/array of int, or 1-D integer tensor), int32 range.
+            slots: 1-D integer CPU tensor (or sequence), the KV slot of every token;
+                ``len(slots) == len(tokens)``.
+            namespace: any hashable.
+
+        Returns:
+            ``p``, the number of leading tokens that were already cached (a multiple of
+            ``page_size``, at most ``n``).
+
+        Raises:
+            ValueError: ``tokens`` and ``slots`` differ in length, either is not 1-D integer,
+                ``slots`` is not on the CPU, or a token id is outside int32.
+        """
+        kb = pack_tokens(tokens)
+        value = as_slot_array(slots)
+        n = len(kb) >> 2
+        if n != len(value):
+            raise ValueError(f"tokens and slots must have the same length, got "
+                             f"len(tokens)={n} and len(slots)={len(value)}")
+        ps = self.page_size
+        if ps > 1:
+            n -= n % ps
+        if n == 0:
+            return 0
+        self._clock += 1
+        tick = self._clock
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None:
+            ns_root = TreeNode(b"", _EMPTY, self.root, namespace, tick)
+            self.root.children[namespace] = ns_root
+        ns_root.last_access = tick
+        node, pos, _ = self._walk(ns_root, kb, n, tick)
+        if pos < n:
+            off = pos << 2
+            leaf = TreeNode(kb[off : n << 2], value[pos:n].copy(), node, namespace, tick)
+            node.children[kb[off : off + self._page_bytes]] = leaf
+            self._total += n - pos
+            if node.lru is not None:
+                self._lru_remove(node)
+            self._lru_new[leaf.uid] = leaf
+            leaf.lru = True
+        elif node.lru is not None:
+            self._lru_refresh(node)
+        return pos
+
+    # ------------------------------------------------------------------ locking
+
+    def _check_live(self, node: TreeNode) -> None:
+        if not isinstance(node, TreeNode):
+            raise ValueError(f"node must be a TreeNode from match_prefix, got "
+                             f"{type(node).__name__}")
+        if node.parent is None and node is not self.root:
+            raise ValueError("node is no longer in the tree (it was evicted or the cache reset)")
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        """Pins the path from ``node`` to the root: its tokens become protected (not evictable).
+
+        Raises:
+            ValueError: ``node`` is not a live node of this tree.
+        """
+        self._check_live(node)
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                self._protected += len(node.value)
+                if node.lru is not None:
+                    self._lru_remove(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        """Unpins the path from ``node`` to the root (undoes one :meth:`inc_lock_ref`).
+
+        Raises:
+            ValueError: ``node`` is not a live node of this tree.
+            RuntimeError: unbalanced call: a node on the path has ``lock_ref == 0`` (nothing is
+                changed then).
+        """
+        self._check_live(node)
+        n = node
+        while n.parent is not None:
+            if n.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref without a matching inc_lock_ref on {n!r}")
+            n = n.parent
+        while node.parent is not None:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.value)
+                if not node.children and node.key:
+                    self._lru_add(node)
+            node = node.parent
+
+    # ------------------------------------------------------------------ eviction
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """Frees least-recently-used unlocked leaves until ``num_tokens`` are freed.
+
+        A parent whose last child is evicted becomes a leaf and competes (by its own last-access
+        time) in the same call. Stops early when nothing evictable is left; may free more than
+        asked (whole edges are freed).
+
+        Args:
+            num_tokens: tokens to free (int >= 0).
+
+        Returns:
+            1-D int64 CPU tensor of the freed slots (empty if none), for the caller to return to
+            its allocator.
+
+        Raises:
+            ValueError: ``num_tokens`` is negative.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        new, old = self._lru_new, self._lru_old
+        pb = self._page_bytes
+        freed = []
+        done = 0
+        while done < num_tokens and (new or old):
+            if old:
+                if new:
+                    head = next(iter(new.values()))
+                    take_old = old[0][:2] < (head.last_access, head.uid)
+                else:
+                    take_old = True
+            else:
+                take_old = False
+            node = old.pop(0)[2] if take_old else new.popitem(last=False)[1]
+            node.lru = None
+            freed.append(node.value)
+            done += len(node.value)
+            parent = node.parent
+            del parent.children[node.key[:pb]]
+            node.parent = None
+            if not parent.children and parent.lock_ref == 0:
+                if parent.key:
+                    self._lru_add(parent)
+                else:  # an emptied namespace root
+                    del self.root.children[parent.namespace]
+                    parent.parent = None
+        self._total -= done
+        if not freed:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(freed))
+
+    def reset(self) -> torch.Tensor:
+        """Empties the tree; returns every slot it held (1-D int64 CPU tensor) for the caller to
+        free. Nodes handed out before become invalid.
+
+        Raises:
+            RuntimeError: some node is locked (nothing is changed then).
+        """
+        if any(ns.lock_ref for ns in self.root.children.values()):
+            raise RuntimeError("reset() while nodes are locked "
+                               f"(protected_size={self._protected})")
+        values = []
+        for node in self._iter_nodes():
+            values.append(node.value)
+            node.parent = None
+            node.lru = None
+        self._init_state()
+        if not values:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(values))
+
+    # ------------------------------------------------------------------ sizes and checks
+
+    def evictable_size(self) -> int:
+        """Cached tokens with ``lock_ref == 0`` (leaves now, inner nodes after their subtree)."""
+        return self._total - self._protected
+
+    def protected_size(self) -> int:
+        """Cached tokens on a locked path."""
+        return self._protected
+
+    def total_size(self) -> int:
+        """All cached tokens (``evictable_size() + protected_size()``)."""
+        return self._total
+
+    def num_nodes(self) -> int:
+        """Nodes holding tokens (neither the root nor namespace roots)."""
+        return sum(1 for n in self._iter_nodes() if n.key)
+
+    def _iter_nodes(self) -> Iterator[TreeNode]:
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_integrity(self) -> None:
+        """Verifies every invariant with a full walk (for tests; O(tree size)).
+
+        Checks: parent/child links and child keys; edge lengths (non-empty, whole pages, one
+        int64 slot per token); no slot held twice; ``lock_ref >= 0`` and a parent's lock_ref at
+        least the sum of its children's; a child never accessed later than its parent; the two
+        LRU containers hold exactly the unlocked leaves (the OrderedDict in last_access order);
+        the size counters.
+
+        Raises:
+            RuntimeError: naming the first broken invariant.
+        """
+        check_tree(self)
+
+    def pretty_print(self, max_tokens: int = 8) -> str:
+        """Readable dump: a header with the sizes, then one line per node, indented by depth,
+        with its first ``max_tokens`` tokens, slot range, lock_ref and last_access."""
+        return format_tree(self, max_tokens)

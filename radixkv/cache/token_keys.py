@@ -1,0 +1,176 @@
+"""Token keys of the radix tree: int32 packing and common-prefix length, C or pure Python.
+
+An edge's tokens are stored as a ``bytes`` object of int32 ids (4 bytes a token, native byte
+order). ``pack_int32``, ``common_prefix_len`` and the tree descent ``walk`` come from the
+optional C helper ``radixkv.cache._cprefix`` (csrc/prefix_match.c) when it is built, else they
+are the pure-Python :func:`pack_int32_py` / :func:`common_prefix_len_py` / :func:`walk_py` (same
+results; tested equal). ``RADIXKV_NO_CEXT=1`` forces the Python path; callers look the
+functions up on this module at call time, so :func:`use_python_path` can swap them.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+
+import numpy as np
+import torch
+
+from radixkv.cache.base import Tokens
+
+__all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "walk", "pack_int32_py",
+           "common_prefix_len_py", "walk_py", "pack_tokens", "as_slot_array", "use_python_path"]
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
+
+
+def pack_int32_py(seq) -> bytes:
+    """int32 buffer (native byte order) of a list/tuple of token ids (pure Python).
+
+    Raises:
+        ValueError: an id outside the int32 range. TypeError: an item that is not an int.
+    """
+    try:
+        return array("i", seq).tobytes()
+    except OverflowError:
+        raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, "
+                         f"{_INT32_MAX}])") from None
+
+
+def common_prefix_len_py(a: bytes, b: bytes, start: int, limit: int) -> int:
+    """Common-prefix length, in tokens, of int32 buffers ``a`` and ``b[start:limit]``.
+
+    Args:
+        a, b: int32 token buffers.
+        start, limit: token range of ``b`` compared, ``0 <= start <= limit <= len(b) // 4``.
+
+    Returns:
+        The largest ``m <= min(len(a) // 4, limit - start)`` with ``a[:m] == b[start:start+m]``.
+        One ``memcmp`` when the whole range matches, else a binary search over prefixes.
+    """
+    n = min(len(a) >> 2, limit - start)
+    off = start << 2
+    if a[: n << 2] == b[off : off + (n << 2)]:
+        return n
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if a[: mid << 2] == b[off : off + (mid << 2)]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def walk_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
+    """The radix tree's descent (pure Python; same contract as the C ``walk``).
+
+    From ``node``, follows the child keyed by the next page of ``kb`` while the child's whole
+    edge matches the first ``n`` tokens of ``kb``, setting each such child's ``last_access`` to
+    ``tick`` and collecting its ``value``.
+
+    Args:
+        node: start node (``children`` dict keyed by first-page bytes; ``key`` bytes; ``value``).
+        kb: int32 token buffer of the query.
+        n: tokens of ``kb`` to match, a multiple of ``page_size``.
+        page_size: tokens per page.
+        tick: the access time to record.
+
+    Returns:
+        ``(node, pos, values, split_child, m)``: the deepest fully matched node, the tokens
+        matched up to it, the collected slot arrays, and, when the walk stopped at an edge that
+        matches only its first ``m`` tokens (``m`` a positive multiple of ``page_size``), that
+        child (not updated; the caller splits it), else ``None`` and 0.
+    """
+    pb = page_size << 2
+    pos = 0
+    values = []
+    cpl = common_prefix_len
+    while pos < n:
+        child = node.children.get(kb[pos << 2 : (pos << 2) + pb])
+        if child is None:
+            break
+        m = cpl(child.key, kb, pos, n)
+        if page_size > 1:
+            m -= m % page_size
+        if m < len(child.value):
+            return node, pos, values, child, m
+        child.last_access = tick
+        values.append(child.value)
+        pos += m
+        node = child
+    return node, pos, values, None, 0
+
+
+try:  # the optional C helper (csrc/prefix_match.c); the Python path is used when it is absent
+    if os.environ.get("RADIXKV_NO_CEXT") == "1":
+        raise ImportError("disabled by RADIXKV_NO_CEXT=1")
+    from radixkv.cache._cprefix import common_prefix_len, pack_int32, walk
+
+    HAS_CEXT = True
+except ImportError:
+    HAS_CEXT = False
+    common_prefix_len = common_prefix_len_py
+    pack_int32 = pack_int32_py
+    walk = walk_py
+
+
+def pack_tokens(tokens: Tokens) -> bytes:
+    """int32 buffer of a token sequence; ValueError for bad shapes, dtypes or ranges."""
+    if isinstance(tokens, (list, tuple)):
+        return pack_int32(tokens)
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
+            raise ValueError(f"tokens must be a 1-D integer tensor, got shape "
+                             f"{tuple(tokens.shape)} dtype {tokens.dtype}")
+        tokens = tokens.cpu().numpy()
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} "
+                             f"dtype {tokens.dtype}")
+        if tokens.dtype != np.int32:
+            if tokens.size and (tokens.min() < _INT32_MIN or tokens.max() > _INT32_MAX):
+                raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, "
+                                 f"{_INT32_MAX}])")
+            tokens = tokens.astype(np.int32)
+        return tokens.tobytes()
+    if isinstance(tokens, array) and tokens.typecode == "i":
+        return tokens.tobytes()
+    return pack_int32(list(tokens))
+
+
+def as_slot_array(slots: torch.Tensor) -> np.ndarray:
+    """int64 numpy view (or copy) of a 1-D integer CPU tensor or sequence of slots."""
+    if isinstance(slots, torch.Tensor):
+        try:
+            arr = slots.numpy()  # raises for CUDA tensors and tensors that require grad
+        except (TypeError, RuntimeError) as e:
+            raise ValueError(f"slots must be a plain CPU tensor ({e})") from None
+    else:
+        arr = np.asarray(slots)
+    if arr.ndim == 1 and arr.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"slots must be a 1-D integer tensor, got shape {arr.shape} "
+                         f"dtype {arr.dtype}")
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+
+
+class use_python_path:
+    """Context manager: inside it the pure-Python helpers are used even if the C one is built
+    (for tests and the benchmark's C-vs-Python comparison)."""
+
+    _names = ("pack_int32", "common_prefix_len", "walk")
+
+    def __enter__(self) -> "use_python_path":
+        g = globals()
+        self._saved = [g[k] for k in self._names]
+        for k in self._names:
+            g[k] = g[k + "_py"]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        g = globals()
+        for k, v in zip(self._names, self._saved):
+            g[k] = v

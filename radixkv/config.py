@@ -1,0 +1,110 @@
+"""`EngineConfig`: every knob of the engine, with defaults resolved against the device and model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+PREFIX_CACHES = ("radix", "hash", "none")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of an :class:`~radixkv.engine.Engine` (and of ``LLM``, which takes the same names).
+
+    Raises ``ValueError`` naming the field from :meth:`resolve` for any invalid value.
+    """
+
+    model: str = "smollm2-135m"
+    """Model name or path (see :func:`radixkv.models.loader.load_model`)."""
+
+    device: str = "auto"
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+
+    dtype: Union[str, torch.dtype] = "auto"
+    """"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16" or a torch dtype."""
+
+    page_size: int = 1
+    """Tokens per KV page (>= 1). Prefix matches are floored to whole pages when > 1."""
+
+    max_total_tokens: Optional[int] = None
+    """KV pool capacity in tokens (rounded down to whole pages). Default: 32768 on CPU (1.4 GiB
+    of float32 K/V for SmolLM2-135M); on CUDA 40% of the free memory, at most 1M tokens."""
+
+    max_context_len: Optional[int] = None
+    """Longest sequence (prompt + output). Default: the model's max_position_embeddings, capped
+    at max_total_tokens."""
+
+    prefix_cache: str = "radix"
+    """"radix" (token-level radix tree), "hash" (vLLM-style chained block hashes) or "none"."""
+
+    enable_prefix_caching: bool = True
+    """False is the same as prefix_cache="none"."""
+
+    attention_backend: str = "auto"
+    """"auto", "torch" or "flashinfer"."""
+
+    max_running_requests: Optional[int] = None
+    """Requests admitted at once (rows of req_to_token). Default 64 on CPU, 256 on CUDA."""
+
+    chunked_prefill_size: Optional[int] = None
+    """Prefill token budget of one step; longer prompts are split. Default 2048 on CPU, 8192 on CUDA."""
+
+    schedule_policy: str = "lpm"
+    """"lpm" (longest cached prefix first, as SGLang) or "fcfs"."""
+
+    seed: int = 0
+    """Seed of the engine's generator, used by requests without their own seed."""
+
+    hash_algo: str = "sha256"
+    """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
+
+    def resolve(self) -> "EngineConfig":
+        """Validate and fill the "auto"/None defaults that do not need the model; returns self."""
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={self.device!r} but CUDA is not available")
+        if isinstance(self.dtype, str):
+            if self.dtype == "auto":
+                self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+            elif self.dtype in _DTYPES:
+                self.dtype = _DTYPES[self.dtype]
+            else:
+                raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if not self.enable_prefix_caching:
+            self.prefix_cache = "none"
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.schedule_policy not in ("lpm", "fcfs"):
+            raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
+        cuda = dev.type == "cuda"
+        if self.max_running_requests is None:
+            self.max_running_requests = 256 if cuda else 64
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = 8192 if cuda else 2048
+        for name in ("max_running_requests", "chunked_prefill_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_total_tokens is not None and (not isinstance(self.max_total_tokens, int)
+                                                  or self.max_total_tokens < self.page_size):
+            raise ValueError(f"max_total_tokens must be an integer >= page_size ({self.page_size}), "
+                             f"got {self.max_total_tokens!r}")
+        if self.max_context_len is not None and (not isinstance(self.max_context_len, int) or self.max_context_len < 2):
+            raise ValueError(f"max_context_len must be an integer >= 2, got {self.max_context_len!r}")
+        return self
+
+    def default_max_total_tokens(self, bytes_per_token: int) -> int:
+        """The KV capacity used when ``max_total_tokens`` is None (see its docstring)."""
+        if torch.device(self.device).type == "cuda":
+            free, _ = torch.cuda.mem_get_info(torch.device(self.device))
+            return max(self.page_size, min(1 << 20, int(free * 0.4) // bytes_per_token))
+        return 32768

@@ -1,0 +1,139 @@
+"""`LLM`: the offline, vLLM-shaped entry point (``generate``, ``chat``, cache stats)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from radixkv.config import EngineConfig
+from radixkv.engine import Engine
+from radixkv.outputs import RequestOutput
+from radixkv.sampling_params import SamplingParams
+
+Message = Dict[str, str]
+
+
+class LLM:
+    """Offline batched generation with prefix caching.
+
+    Args:
+        model: model name or path ("smollm2-135m" is SmolLM2-135M-Instruct).
+        **kwargs: any :class:`~radixkv.config.EngineConfig` field: device ("auto"), dtype ("auto"),
+            page_size (1), max_total_tokens (KV pool capacity in tokens), max_context_len,
+            prefix_cache ("radix" | "hash" | "none"), enable_prefix_caching (False = "none"),
+            attention_backend ("auto"), max_running_requests, chunked_prefill_size,
+            schedule_policy ("lpm" | "fcfs"), seed; and ``loaded_model`` (a
+            :class:`~radixkv.models.loader.LoadedModel` to share weights between engines).
+
+    Raises:
+        ValueError: unknown keyword or invalid value (naming the field).
+    """
+
+    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+        engine_kwargs = {k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids", "loaded_model") if k in kwargs}
+        fields = EngineConfig.__dataclass_fields__
+        unknown = sorted(set(kwargs) - set(fields))
+        if unknown:
+            raise ValueError(f"LLM: unknown argument(s) {unknown}; valid: {sorted(fields)}")
+        self.engine = Engine(EngineConfig(model=model, **kwargs), **engine_kwargs)
+
+    @property
+    def tokenizer(self):
+        """The model's transformers tokenizer."""
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Union[None, str, Sequence[str]] = None,
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
+        use_tqdm: bool = True,
+    ) -> List[RequestOutput]:
+        """Generate for a batch of prompts; all are submitted at once and run to completion.
+
+        Args:
+            prompts: a str or a list of str (tokenized with the model's tokenizer, no template).
+            sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
+            prompt_token_ids: token-id lists instead of ``prompts``.
+            use_tqdm: show a progress bar over finished requests.
+
+        Returns:
+            One finished :class:`RequestOutput` per prompt, in input order.
+
+        Raises:
+            ValueError: neither or both of ``prompts`` / ``prompt_token_ids``, a length mismatch with
+                ``sampling_params``, or any invalid request (then nothing is submitted).
+        """
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("generate: give exactly one of prompts or prompt_token_ids")
+        if prompts is not None:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        else:
+            texts = None
+            ids = [list(p) for p in prompt_token_ids]
+        return self._run(ids, texts, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+        sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> List[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
+        each rendered with the model's chat template (plus the assistant generation prompt)."""
+        if not messages:
+            raise ValueError("chat: messages is empty")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        texts = [self.render_chat(c, add_generation_prompt) for c in convs]
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        return self._run(ids, texts, sampling_params, use_tqdm)
+
+    def render_chat(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        """The chat-template text of one conversation."""
+        for m in conversation:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"chat: every message needs 'role' and 'content', got {m!r}")
+        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
+    def _run(self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool) -> List[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(ids)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(ids):
+                raise ValueError(f"generate: {len(params)} sampling_params for {len(ids)} prompts")
+        engine = self.engine
+        rids = []
+        try:
+            for i, (p_ids, p) in enumerate(zip(ids, params)):
+                rids.append(engine.add_request(p_ids, p, prompt=None if texts is None else texts[i]))
+        except ValueError:
+            for rid in rids:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        results: Dict[str, RequestOutput] = {}
+        wanted = set(rids)
+        bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm)
+        try:
+            while len(results) < len(rids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [results[r] for r in rids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (False while requests run)."""
+        return self.engine.reset_prefix_cache()
+
+    def cache_stats(self) -> Dict[str, Any]:
+        """See :meth:`radixkv.engine.Engine.cache_stats`."""
+        return self.engine.cache_stats()

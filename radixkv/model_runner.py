@@ -1,0 +1,165 @@
+"""ModelRunner: one model, its KV pool, its block table and its attention backend.
+
+The engine builds one runner and, every step, a :class:`~radixkv.attention.metadata.ForwardBatch`
+(through :meth:`ModelRunner.build_batch` after writing the requests' slots into
+``runner.req_to_token_pool.req_to_token``), then calls :meth:`ModelRunner.forward` to get the
+logits of the rows it samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence, Union
+
+import torch
+
+from radixkv.attention import AttentionBackend, ForwardBatch, create_attention_backend
+from radixkv.kv_pool import KVPool, ReqToTokenPool
+from radixkv.models.layers import CausalLM
+from radixkv.models.registry import sliding_window_limit
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs forward passes of a :class:`~radixkv.models.layers.CausalLM` over a paged KV pool.
+
+    Args:
+        model: a ``CausalLM`` or a :class:`~radixkv.models.loader.LoadedModel` (its model and
+            config are used).
+        hf_config: the transformers config; default ``model.config``.
+        num_slots: KV capacity in tokens (multiple of ``page_size``); required unless ``kv_pool``.
+        page_size: tokens per KV page.
+        max_running_requests: rows of the block table (requests in flight at once).
+        max_context_len: longest sequence (prompt + output) a request may reach; default
+            ``min(max_position_embeddings, num_slots)``.
+        device, dtype: where and in what precision the model and the KV pool live; default the
+            model's. The model is moved/cast when they differ.
+        attention_backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or an
+            :class:`~radixkv.attention.base.AttentionBackend` built for ``kv_pool``.
+        kv_pool: use this pool instead of allocating one.
+
+    For the positional form of the architecture contract, ``ModelRunner(model, kv_pool,
+    attention_backend)`` is accepted too.
+
+    Attributes:
+        model, hf_config, kv_pool, req_to_token_pool, attn_backend, device, dtype, page_size,
+        max_context_len, vocab_size.
+
+    Raises:
+        ValueError: missing/invalid sizes, a pool that does not fit the model, or
+            ``max_context_len`` above the model's sliding window (not implemented: attention
+            here is always full causal).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        hf_config: Any = None,
+        num_slots: int | None = None,
+        page_size: int = 1,
+        max_running_requests: int = 256,
+        max_context_len: int | None = None,
+        device: Union[str, torch.device, None] = None,
+        dtype: torch.dtype | None = None,
+        attention_backend: Union[str, AttentionBackend] = "auto",
+        kv_pool: KVPool | None = None,
+    ) -> None:
+        if isinstance(hf_config, KVPool):  # contract form ModelRunner(model, kv_pool, backend)
+            kv_pool, hf_config = hf_config, None
+            if isinstance(num_slots, (str, AttentionBackend)):
+                attention_backend, num_slots = num_slots, None
+        if hasattr(model, "model") and hasattr(model, "hf_config") and not isinstance(model, CausalLM):
+            hf_config = hf_config if hf_config is not None else model.hf_config
+            model = model.model
+        if not isinstance(model, CausalLM):
+            raise ValueError(
+                f"ModelRunner: model must be a radixkv CausalLM or LoadedModel, got {type(model).__name__}"
+            )
+        self.hf_config = hf_config if hf_config is not None else model.config
+        param = next(model.parameters())
+        self.device = torch.device(device) if device is not None else param.device
+        self.dtype = dtype if dtype is not None else param.dtype
+        if param.device != self.device or param.dtype != self.dtype:
+            model = model.to(device=self.device, dtype=self.dtype)
+        self.model = model.eval()
+
+        if kv_pool is None:
+            if num_slots is None:
+                raise ValueError("ModelRunner: num_slots is required when no kv_pool is given")
+            kv_pool = KVPool(
+                model.num_layers, model.num_kv_heads, model.head_dim, int(num_slots), page_size,
+                self.dtype, self.device,
+            )
+        elif (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim) != (
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+        ):
+            raise ValueError(
+                f"ModelRunner: kv_pool (layers, kv_heads, head_dim) = "
+                f"{(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim)} does not fit the model "
+                f"{(model.num_layers, model.num_kv_heads, model.head_dim)}"
+            )
+        self.kv_pool = kv_pool
+        self.page_size = kv_pool.page_size
+
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", kv_pool.num_slots))
+        if max_context_len is None:
+            max_context_len = min(max_pos, kv_pool.num_slots)
+        if max_context_len < 1:
+            raise ValueError(f"ModelRunner: max_context_len must be >= 1, got {max_context_len}")
+        window = sliding_window_limit(self.hf_config)
+        if window is not None and max_context_len > window:
+            raise ValueError(
+                f"ModelRunner: max_context_len {max_context_len} exceeds the model's sliding_window {window} "
+                "(sliding-window attention is not implemented; pass max_context_len <= sliding_window)"
+            )
+        self.max_context_len = int(max_context_len)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
+
+        if isinstance(attention_backend, AttentionBackend):
+            if attention_backend.kv_pool is not kv_pool:
+                raise ValueError("ModelRunner: the given attention backend was built for another kv_pool")
+            self.attn_backend = attention_backend
+        else:
+            self.attn_backend = create_attention_backend(attention_backend, self.device, kv_pool, model.num_heads)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        logger.info(
+            "ModelRunner: %d layers, %d slots (page_size %d, %d bytes/token, %.1f MiB KV), backend %s",
+            model.num_layers,
+            kv_pool.num_slots,
+            kv_pool.page_size,
+            kv_pool.bytes_per_token,
+            kv_pool.total_bytes / 2**20,
+            self.attn_backend.name,
+        )
+
+    def build_batch(
+        self,
+        input_ids: Union[Sequence[int], torch.Tensor],
+        req_rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        logits_indices: Sequence[int] | None = None,
+    ) -> ForwardBatch:
+        """:meth:`ForwardBatch.build` over this runner's block table, page size and device."""
+        return ForwardBatch.build(
+            input_ids,
+            req_rows,
+            prefix_lens,
+            extend_lens,
+            self.req_to_token_pool.req_to_token,
+            self.page_size,
+            logits_indices=logits_indices,
+            device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Run the model on ``batch``: writes the new tokens' K/V into the pool (every layer) and
+        returns float32 logits ``[S, vocab_size]`` for ``batch.logits_indices``."""
+        if batch.page_size != self.page_size:
+            raise ValueError(f"ModelRunner.forward: batch.page_size {batch.page_size} != {self.page_size}")
+        self.attn_backend.plan(batch)
+        return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logits_indices)

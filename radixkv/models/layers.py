@@ -1,0 +1,236 @@
+"""Llama-family decoder over a flattened token batch (no padding), using the paged KV cache.
+
+One module implements the architecture shared by Llama 2/3 (incl. ``llama3`` RoPE scaling),
+SmolLM2, Qwen2 (bias on q/k/v) and Mistral: pre-norm decoder layers with RMSNorm, rotary position
+embeddings (the "rotate half" form, Su et al. 2021, as in Hugging Face transformers), grouped-query
+attention (Ainslie et al. 2023) through an :class:`~radixkv.attention.base.AttentionBackend`, and a
+SwiGLU MLP (Shazeer 2020). Logits are computed only for the rows that will be sampled.
+
+Weights use Hugging Face names (``model.layers.N.self_attn.q_proj.weight`` ...) at load time;
+internally q/k/v and gate/up are fused into one matmul each (:meth:`CausalLM.load_weights` splits
+the checkpoint tensors into the fused parameters).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixkv.attention.base import AttentionBackend
+
+
+def config_head_dim(cfg) -> int:
+    """``cfg.head_dim`` when set, else ``hidden_size // num_attention_heads``."""
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich 2019) computed in float32, as transformers does."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = float(eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel, same math
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin of RoPE at arbitrary positions.
+
+    The inverse frequencies and the attention scaling come from transformers'
+    ``ROPE_INIT_FUNCTIONS`` for the config's ``rope_type`` (default, linear, llama3, yarn, ...), so
+    every scaling variant matches the reference implementation; ``dynamic`` (NTK that changes
+    with the sequence length) is rejected.
+    """
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(cfg, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "dynamic" or rope_type == "longrope":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (sequence-length dependent)")
+        head_dim = config_head_dim(cfg)
+        if rope_type == "default":
+            base = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [T]`` int64 -> ``(cos, sin)`` each ``[T, 1, head_dim]`` of ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_scaling).to(dtype).unsqueeze(1)
+        sin = (emb.sin() * self.attention_scaling).to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by the angles in ``cos``/``sin`` ``[T, 1, D]`` (rotate-half form)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin
+
+
+class Attention(nn.Module):
+    """Self-attention with fused q/k/v projection; KV handled by the attention backend."""
+
+    def __init__(self, cfg, layer_id: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = config_head_dim(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        bias = qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=bool(getattr(cfg, "attention_bias", False)))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        o = attn.forward(self.layer_id, q, k, v.view(t, self.num_kv_heads, self.head_dim))
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {act!r}")
+        self.inter = int(cfg.intermediate_size)
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_id: int, qkv_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, qkv_bias)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, qkv_bias) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg)
+
+
+_QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
+_GATE_UP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)$")
+
+
+class CausalLM(nn.Module):
+    """A Llama-family causal LM over a flattened batch.
+
+    Args:
+        config: a transformers ``PretrainedConfig`` (Llama / Qwen2 / Mistral fields).
+
+    ``forward(input_ids [T] int64, positions [T] int64, attn, logits_indices [S] int64)``
+    returns float32 logits ``[S, vocab_size]``; ``attn`` must have been planned for the batch.
+    """
+
+    qkv_bias: bool = False
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, self.qkv_bias)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn0 = self.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        self.num_layers = len(self.model.layers)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, attn)
+        h = self.model.norm(h[logits_indices])
+        return F.linear(h, self.lm_head_weight()).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters.
+
+        Raises:
+            ValueError: an unknown tensor name, a shape mismatch, or parameters left unset.
+        """
+        params = dict(self.named_parameters())
+        unset = set(params)
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_off = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the output projection
+            m = _QKV.match(name)
+            g = _GATE_UP.match(name)
+            if m:
+                target = f"model.layers.{m.group(1)}.self_attn.qkv_proj.{m.group(3)}"
+                start, size = qkv_off[m.group(2)]
+            elif g:
+                target = f"model.layers.{g.group(1)}.mlp.gate_up_proj.{g.group(3)}"
+                inter = self.model.layers[0].mlp.inter
+                start, size = (0 if g.group(2) == "gate" else inter), inter
+            else:
+                target, start, size = name, None, None
+            if target not in params:
+                raise ValueError(f"load_weights: unexpected tensor {name!r}")
+            dst = params[target] if start is None else params[target].narrow(0, start, size)
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"load_weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            unset.discard(target)
+        if unset:
+            raise ValueError(f"load_weights: parameters missing from the checkpoint: {sorted(unset)[:5]}")

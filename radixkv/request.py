@@ -1,0 +1,120 @@
+"""`Request`: one sequence being generated, with its KV-slot bookkeeping.
+
+Slot ranges of a request (positions are token positions, all ranges half-open; see
+docs/engine.md for the table of what is owned, handed to the cache or freed at each step)::
+
+    [0, prefix_len)            borrowed: slots of a cached prefix, locked in the prefix cache
+                               (``prefix_node``) or shared with sibling samples (``shared``)
+    [prefix_len, kv_len)       owned, K/V computed
+    [kv_len, len(slots))       owned, allocated, K/V not computed yet (the tokens of the current
+                               forward, and with page_size > 1 the rest of the last page)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Hashable, List, Optional
+
+import torch
+
+from radixkv.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life cycle."""
+
+    WAITING = "waiting"  # in the waiting queue (new or retracted)
+    PREFILL = "prefill"  # admitted, prompt (or retracted history) partly computed
+    DECODE = "decode"  # every token but the last has K/V; one new token per step
+    FINISHED = "finished"
+
+
+class SharedPrefix:
+    """Slots of a prompt prefix shared by the ``n`` samples of one request when no prefix cache
+    holds it (``prefix_cache="none"``): a reference count; the last holder frees the slots.
+
+    Attributes:
+        slots: ``list[int]`` KV slots of positions ``[0, len(slots))``, page aligned.
+        ref: number of requests holding it.
+    """
+
+    def __init__(self, slots: List[int]) -> None:
+        self.slots = slots
+        self.ref = 0
+
+
+class Request:
+    """One sequence: a prompt, its output so far, and where its K/V lives.
+
+    Args:
+        request_id: id of the user request (``n`` samples share it).
+        index: sample index in ``[0, n)``.
+        prompt_token_ids: the prompt (non-empty list of ints).
+        params: the sampling parameters.
+        namespace: prefix-cache namespace (requests only share prefixes within one namespace).
+        generator: this sample's ``torch.Generator`` (None when unseeded).
+
+    Attributes:
+        output_token_ids: sampled tokens.
+        status: a :class:`RequestStatus`.
+        row: the request's row of ``req_to_token`` while admitted, else None.
+        slots: ``list[int]``, the KV slot of each position ``[0, len(slots))`` (see module doc).
+        prefix_len: length of the borrowed prefix.
+        prefix_node: the locked prefix-cache handle, or None.
+        shared: the :class:`SharedPrefix` it holds a reference on, or None.
+        kv_len: positions whose K/V is computed.
+        admit_seq: admission counter value (the highest is the "newest" request, retracted first).
+        num_cached_tokens: prompt tokens served from the cache at first admission (None before).
+        num_retractions: how many times it was retracted.
+        fork_pending: samples still to fork from this one once its prompt is computed (n > 1).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: List[int],
+        params: SamplingParams,
+        namespace: Hashable = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        self.request_id = request_id
+        self.index = index
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.namespace = namespace
+        self.generator = generator
+        self.output_token_ids: List[int] = []
+        self.status = RequestStatus.WAITING
+        self.row: Optional[int] = None
+        self.slots: List[int] = []
+        self.prefix_len = 0
+        self.prefix_node: Any = None
+        self.shared: Optional[SharedPrefix] = None
+        self.kv_len = 0
+        self.admit_seq = -1
+        self.num_cached_tokens: Optional[int] = None
+        self.num_retractions = 0
+        self.fork_pending = 0
+        self.finish_reason: Optional[str] = None
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        """Prompt followed by the output so far."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def seq_len(self) -> int:
+        """``len(prompt) + len(output)``."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_admitted(self) -> bool:
+        """True while it holds a ``req_to_token`` row (prefill or decode)."""
+        return self.row is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id}#{self.index}, {self.status.value}, seq_len={self.seq_len}, "
+            f"prefix_len={self.prefix_len}, kv_len={self.kv_len}, slots={len(self.slots)})"
+        )

@@ -1,0 +1,94 @@
+"""Token sampling: greedy, temperature, top-k, top-p (nucleus) and min-p, with per-request seeds.
+
+Each row of the logits is sampled with its own ``torch.Generator`` when the request has a seed,
+so a seeded request gives the same tokens whatever else is in the batch. The filters follow the
+usual order (as in Hugging Face's logits processors and vLLM's sampler): temperature scaling,
+then top-k, top-p (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020) and
+min-p (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024), then one multinomial draw.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from radixkv.sampling_params import SamplingParams
+
+
+def make_generator(seed: Optional[int], device: torch.device | str) -> Optional[torch.Generator]:
+    """A ``torch.Generator`` on ``device`` seeded with ``seed``, or None when ``seed`` is None."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed))
+    return gen
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature-scaled log-probabilities of one row with top-k / top-p / min-p applied.
+
+    Args:
+        logits: ``[V]`` float tensor of raw logits.
+        params: the request's sampling parameters (``temperature`` must be > 0).
+
+    Returns:
+        ``[V]`` float32 tensor, ``-inf`` where a token was filtered out.
+    """
+    x = logits.float() / params.temperature
+    vocab = x.shape[-1]
+    if params.top_k > 0 and params.top_k < vocab:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token is always kept).
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[Optional[torch.Generator]],
+    default_generator: Optional[torch.Generator] = None,
+) -> List[int]:
+    """Sample one token per row.
+
+    Args:
+        logits: ``[S, V]`` float32 logits, one row per sequence being sampled.
+        params: ``S`` sampling parameters (greedy rows use argmax).
+        generators: ``S`` per-row generators (None: use ``default_generator``).
+        default_generator: generator for unseeded rows (None: torch's global RNG).
+
+    Returns:
+        ``S`` token ids (Python ints).
+
+    Raises:
+        ValueError: when the three lengths differ.
+    """
+    if not (logits.shape[0] == len(params) == len(generators)):
+        raise ValueError(
+            f"sample: logits rows ({logits.shape[0]}), params ({len(params)}) and generators "
+            f"({len(generators)}) must have the same length"
+        )
+    out: List[int] = [0] * len(params)
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if greedy_rows:
+        ids = torch.argmax(logits[greedy_rows], dim=-1).tolist()
+        for i, t in zip(greedy_rows, ids):
+            out[i] = int(t)
+    for i, p in enumerate(params):
+        if p.greedy:
+            continue
+        logp = filter_logits(logits[i], p)
+        gen = generators[i] if generators[i] is not None else default_generator
+        out[i] = int(torch.multinomial(logp.exp(), 1, generator=gen).item())
+    return out

@@ -1,0 +1,162 @@
+"""The OpenAI-compatible FastAPI app over an :class:`~radixkv.async_llm.AsyncLLM`.
+
+Routes:
+
+| method | path | answer |
+|---|---|---|
+| POST | ``/v1/completions`` | OpenAI completion (JSON, or SSE chunks with ``stream``) |
+| POST | ``/v1/chat/completions`` | OpenAI chat completion (JSON, or SSE chunks with ``stream``) |
+| GET | ``/v1/models`` | the served model |
+| GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
+| GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
+| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...) |
+| POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished |
+
+Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
+JSON, schema and value errors, unknown model, too-long prompt), 404/405 for unknown routes,
+503 when the engine has stopped, 500 otherwise. The handlers only await the AsyncLLM, so they
+never block the engine thread, and concurrent requests batch together in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+
+from radixkv.async_llm import AsyncLLM, EngineDeadError
+from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from radixkv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from radixkv.server.serving import ClientDisconnected, OpenAIServing
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["create_app"]
+
+DEFAULT_SERVED_MODEL_NAME = "smollm2-135m"
+
+
+def create_app(
+    llm: AsyncLLM,
+    served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
+    model_aliases: tuple[str, ...] = (),
+    shutdown_engine: bool = False,
+) -> FastAPI:
+    """Build the app.
+
+    Args:
+        llm: the running AsyncLLM the app submits requests to.
+        served_model_name: the ``model`` name clients use and ``/v1/models`` lists.
+        model_aliases: more names accepted as ``model`` (e.g. the ``--model`` path).
+        shutdown_engine: shut ``llm`` down when the app's lifespan ends (``radixkv serve``).
+
+    Returns:
+        A FastAPI app; ``app.state.llm``, ``app.state.metrics`` and ``app.state.serving`` hold its parts.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        if shutdown_engine:
+            llm.shutdown()
+
+    app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
+    metrics = ServerMetrics()
+    serving = OpenAIServing(llm, served_model_name, metrics, model_aliases)
+    app.state.llm, app.state.metrics, app.state.serving = llm, metrics, serving
+
+    def error(exc: APIError) -> JSONResponse:
+        metrics.request_errors.labels(status=str(exc.status_code)).inc()
+        return JSONResponse(exc.to_dict(), status_code=exc.status_code)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error(APIError(str(exc.detail), status_code=exc.status_code, code=None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error(APIError(str(exc), status_code=503, type="server_error", code="engine_dead"))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("internal error")
+        return error(APIError(f"internal error: {exc!r}", status_code=500, type="server_error", code="internal_error"))
+
+    async def parse(request: Request, model: type) -> Any:
+        body = await request.body()
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
+        if not isinstance(data, dict):
+            raise APIError("the request body must be a JSON object", None)
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+            param = loc[0] if loc else None
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            raise APIError(f"{where}: {err.get('msg')}", param) from exc
+
+    def respond(result: Any) -> Response:
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return respond(await serving.completions(await parse(request, CompletionRequest), request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return respond(await serving.chat(await parse(request, ChatCompletionRequest), request))
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = ModelCard(id=served_model_name, max_model_len=llm.max_context_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if llm.is_running:
+            return Response(status_code=200)
+        raise EngineDeadError(f"the engine thread has stopped: {llm.dead_error!r}")
+
+    @app.get("/cache_stats")
+    async def cache_stats() -> dict:
+        return await llm.cache_stats()
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        metrics.update_engine(await llm.cache_stats())
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        if await llm.reset_prefix_cache():
+            return {"flushed": True, "message": "the prefix cache was flushed"}
+        running = await llm.num_unfinished_requests()
+        raise APIError(
+            f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
+            None,
+            status_code=409,
+            code="requests_running",
+        )
+
+    return app

@@ -1,0 +1,81 @@
+"""`radixkv serve`: start the OpenAI-compatible server (FastAPI app under uvicorn).
+
+Example::
+
+    radixkv serve --model smollm2-135m --host 127.0.0.1 --port 30000
+    python -m radixkv serve --page-size 16 --max-total-tokens 65536 --prefix-cache radix
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
+
+__all__ = ["add_arguments", "run", "engine_kwargs_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `serve` flags to ``parser`` (engine options mirror ``LLM(...)``'s keywords)."""
+    g = parser.add_argument_group("model and engine")
+    g.add_argument("--model", default="smollm2-135m", help="model name, GGUF file or HF directory (default: %(default)s)")
+    g.add_argument(
+        "--served-model-name", default=None,
+        help=f"name clients send as `model` (default: {DEFAULT_SERVED_MODEL_NAME!r} for the default model, else --model)",
+    )  # fmt: skip
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (default: %(default)s)")
+    g.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: %(default)s)")
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens (default: engine's)")
+    g.add_argument("--max-running-requests", type=int, default=None, help="running-batch size limit (default: engine's)")
+    g.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill token budget per step (default: engine's)")
+    g.add_argument("--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch or flashinfer (default: %(default)s)")
+    g.add_argument(
+        "--prefix-cache", choices=["radix", "hash", "none"], default="radix",
+        help="prefix cache: radix tree, hashed blocks, or none (default: %(default)s)",
+    )  # fmt: skip
+    g.add_argument("--disable-prefix-caching", action="store_true", help="same as --prefix-cache none")
+    h = parser.add_argument_group("HTTP")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
+    h.add_argument("--port", type=int, default=30000, help="port (default: %(default)s)")
+    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The :class:`~radixkv.config.EngineConfig` fields for parsed `serve` flags (options left
+    unset are omitted, so the engine's own defaults apply)."""
+    kw: dict[str, Any] = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        attention_backend=args.attention_backend,
+        schedule_policy=args.schedule_policy,
+        prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
+    )
+    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
+        if getattr(args, name) is not None:
+            kw[name] = getattr(args, name)
+    return kw
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the engine, then serve until interrupted; returns the exit code."""
+    import uvicorn
+
+    from radixkv.async_llm import AsyncLLM
+    from radixkv.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
+    llm = AsyncLLM(**engine_kwargs_from_args(args))
+    app = create_app(llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True)
+    print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.shutdown()
+    return 0

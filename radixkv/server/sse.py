@@ -1,0 +1,90 @@
+"""Server-sent-event helpers: the ``data: ...`` framing, streamed-text deltas with stop-string
+hold-back, and merging several output streams (one per prompt) into one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Sequence
+
+__all__ = ["Deltas", "chain", "close_all", "merge", "sse"]
+
+
+class Deltas:
+    """Per-choice streamed-text bookkeeping (what was sent; stop-string hold-back)."""
+
+    def __init__(self, stop: Sequence[str] | None):
+        self.hold = max((len(s) for s in stop or ()), default=1) - 1
+        self.sent: dict[int, int] = {}
+        self.done: set[int] = set()
+
+    def take(self, index: int, text: str, finished: bool) -> str:
+        """The not-yet-sent part of cumulative ``text`` that is safe to send now."""
+        start = self.sent.get(index, 0)
+        end = len(text) if finished else max(start, len(text) - self.hold)
+        self.sent[index] = end
+        return text[start:end]
+
+    def finish(self, index: int) -> bool:
+        """True the first time ``index`` finishes (its finish chunk is sent once)."""
+        if index in self.done:
+            return False
+        self.done.add(index)
+        return True
+
+
+async def chain(firsts: list, rest: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    """The first output of every prompt, then the later ones as they arrive."""
+    for i, out in enumerate(firsts):
+        yield i, out
+    async for item in rest:
+        yield item
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def close_all(gens: list) -> None:
+    """``aclose()`` every async generator (an unfinished ``AsyncLLM.generate`` aborts its request)."""
+    for g in gens:
+        try:
+            await g.aclose()
+        except Exception:  # noqa: BLE001 - closing is best effort; each close aborts its request
+            pass
+
+
+async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators, yielding (iterator index, item) as items arrive.
+    Closing or cancelling the merged iterator cancels every source (which aborts its request)."""
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g: AsyncIterator) -> None:
+        try:
+            async for item in g:
+                await q.put((i, item))
+            await q.put((i, done))
+        except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
+            await q.put((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,273 @@
+"""AsyncLLM on the real engine (default model, CPU): streaming, batching, aborts, shutdown.
+
+One engine per module. Every test runs its own ``asyncio.run`` loop, so the AsyncLLM is also
+checked to serve several event loops one after another. After each test the KV pool must be
+whole: free + evictable == capacity and protected == 0, with no unfinished request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixkv.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
+from radixkv.sampling_params import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [
+    "The capital of France is",
+    "List three colors:",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    eng = Engine(EngineConfig(model="smollm2-135m", device="cpu", page_size=1, max_total_tokens=8192))
+    batch_sizes: list[int] = []
+    real_step = eng.step
+
+    def recording_step():
+        outs = real_step()
+        batch_sizes.append(len(outs))
+        return outs
+
+    eng.step = recording_step  # records how many requests each step served
+    eng.batch_sizes = batch_sizes
+    return eng
+
+
+@pytest.fixture(scope="module")
+def llm(engine):
+    with AsyncLLM(engine=engine) as a:
+        yield a
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 120.0) -> None:
+    """Wait until the engine holds no request (an abort is applied at the engine's next step)."""
+    deadline = time.time() + timeout
+    while asyncio.run(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())):
+        assert time.time() < deadline, "the engine still has unfinished requests"
+        time.sleep(0.02)
+
+
+def assert_pool_whole(llm: AsyncLLM) -> dict:
+    wait_idle(llm)
+    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))  # every slot owned once
+    stats = llm.get_cache_stats()
+    assert stats["free"] + stats["evictable"] == stats["capacity"], stats
+    assert stats["protected"] == 0, stats
+    assert asyncio.run(llm.num_unfinished_requests()) == 0
+    assert asyncio.run(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())) is False
+    return stats
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+async def collect(llm: AsyncLLM, prompt, params, request_id=None) -> list:
+    return [out async for out in llm.generate(prompt, params, request_id)]
+
+
+def test_stream_is_cumulative_and_ends_finished(llm):
+    outs = asyncio.run(collect(llm, PROMPTS[0], greedy(12, ignore_eos=True), "cumulative-1"))
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    assert {o.request_id for o in outs} == {"cumulative-1"}
+    final = outs[-1].outputs[0]
+    assert len(final.token_ids) == 12 and final.finish_reason == "length"
+    for a, b in zip(outs, outs[1:]):  # each snapshot extends the previous one
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert len(tb) > len(ta) and tb[: len(ta)] == ta
+        assert b.outputs[0].text.startswith(a.outputs[0].text)
+    assert outs[-1].prompt == PROMPTS[0]
+    assert outs[-1].prompt_token_ids == list(llm.tokenizer.encode(PROMPTS[0], add_special_tokens=False))
+    assert_pool_whole(llm)
+
+
+def test_concurrent_requests_batch_and_match_sequential(llm, engine):
+    params = greedy(10, ignore_eos=True)
+    sequential = [asyncio.run(collect(llm, p, params))[-1] for p in PROMPTS]
+    engine.batch_sizes.clear()
+
+    async def together():
+        return await asyncio.gather(*(collect(llm, p, params) for p in PROMPTS))
+
+    concurrent = [outs[-1] for outs in asyncio.run(together())]
+    # All four were decoded in one batch at least once (continuous batching).
+    assert max(engine.batch_sizes) == len(PROMPTS)
+    for s, c in zip(sequential, concurrent):
+        assert c.outputs[0].token_ids == s.outputs[0].token_ids
+        assert c.outputs[0].text == s.outputs[0].text
+        # The sequential run cached each prompt: at page_size 1 all but its last token hit.
+        assert c.num_cached_tokens == len(c.prompt_token_ids) - 1
+    assert_pool_whole(llm)
+
+
+def test_token_id_prompt_and_n_samples(llm):
+    ids = list(llm.tokenizer.encode(PROMPTS[1], add_special_tokens=False))
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=3, ignore_eos=True)
+    final = asyncio.run(collect(llm, ids, params))[-1]
+    assert final.prompt_token_ids == ids and final.prompt is None
+    assert [c.index for c in final.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in final.outputs)
+    again = asyncio.run(collect(llm, ids, params))[-1]  # same seed, same samples
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in final.outputs]
+    assert_pool_whole(llm)
+
+
+def test_closing_the_iterator_aborts_and_releases_slots(llm):
+    async def run():
+        async with contextlib.aclosing(llm.generate(PROMPTS[3], greedy(400, ignore_eos=True), "closed-1")) as gen:
+            seen = 0
+            async for out in gen:
+                seen += 1
+                assert not out.finished
+                if seen == 3:
+                    break
+        return await llm.num_unfinished_requests()
+
+    assert asyncio.run(run()) == 0
+    assert_pool_whole(llm)
+
+
+def test_cancelling_the_task_aborts_and_releases_slots(llm):
+    async def run():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in llm.generate(PROMPTS[2], greedy(400, ignore_eos=True), "cancelled-1"):
+                first.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), 120)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await llm.num_unfinished_requests()
+
+    assert asyncio.run(run()) == 0
+    assert_pool_whole(llm)
+
+
+def test_abort_by_id_ends_the_stream(llm):
+    async def run():
+        outs = []
+        async for out in llm.generate(PROMPTS[0], greedy(400, ignore_eos=True), "by-id-1"):
+            outs.append(out)
+            if len(outs) == 2:
+                await llm.abort("by-id-1")
+        return outs
+
+    outs = asyncio.run(run())
+    assert 2 <= len(outs) < 400 and not outs[-1].finished
+    assert_pool_whole(llm)
+
+
+def test_bad_input_raises_value_error_and_engine_stays_usable(llm):
+    ctx = llm.max_context_len
+
+    async def expect_value_error(prompt, params, request_id=None):
+        with pytest.raises(ValueError):
+            await collect(llm, prompt, params, request_id)
+
+    asyncio.run(expect_value_error([], greedy(4)))
+    asyncio.run(expect_value_error([1] * ctx, greedy(4)))  # no room for one new token
+    asyncio.run(expect_value_error([llm.engine.vocab_size], greedy(4)))  # token id outside the vocabulary
+
+    async def duplicate_id():
+        gen = llm.generate(PROMPTS[3], greedy(400, ignore_eos=True), "dup-1")
+        async with contextlib.aclosing(gen):
+            await gen.__anext__()
+            with pytest.raises(ValueError, match="dup-1"):
+                await collect(llm, PROMPTS[0], greedy(2), "dup-1")
+
+    asyncio.run(duplicate_id())
+    final = asyncio.run(collect(llm, PROMPTS[1], greedy(3, ignore_eos=True)))[-1]
+    assert final.finished and len(final.outputs[0].token_ids) == 3
+    assert_pool_whole(llm)
+
+
+def test_reset_prefix_cache_refuses_while_running_then_flushes(llm):
+    async def run():
+        gen = llm.generate(PROMPTS[3], greedy(400, ignore_eos=True), "flush-1")
+        async with contextlib.aclosing(gen):
+            await gen.__anext__()
+            refused = await llm.reset_prefix_cache()
+        flushed = await llm.reset_prefix_cache()
+        final = (await collect(llm, PROMPTS[0], greedy(2)))[-1]
+        return refused, flushed, final
+
+    refused, flushed, final = asyncio.run(run())
+    assert refused is False and flushed is True
+    assert final.num_cached_tokens == 0  # the cache was empty
+    stats = assert_pool_whole(llm)
+    assert stats["evictable"] > 0  # the last request was cached again
+
+
+def test_usable_from_another_threads_event_loop(llm):
+    result: dict = {}
+
+    def worker():
+        result["out"] = asyncio.run(collect(llm, PROMPTS[0], greedy(4, ignore_eos=True)))[-1]
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(300)
+    assert result["out"].finished and len(result["out"].outputs[0].token_ids) == 4
+
+
+def test_shutdown_fails_unfinished_streams_and_refuses_new_requests(engine, llm):
+    async def run():
+        gen = llm.generate(PROMPTS[2], greedy(400, ignore_eos=True), "shutdown-1")
+        await gen.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in gen:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(llm, PROMPTS[0], greedy(2))
+
+    asyncio.run(run())
+    assert not llm.is_running
+    # The engine thread has stopped, so the engine may be inspected directly: the unfinished
+    # request was aborted at shutdown and its slots released.
+    assert not engine.has_unfinished_requests()
+    stats = engine.cache_stats()
+    assert stats["free"] + stats["evictable"] == stats["capacity"] and stats["protected"] == 0
+
+
+def test_engine_failure_is_reported_to_waiters(engine, llm):
+    assert not llm.is_running  # the previous test shut the module's AsyncLLM down
+    real_step = engine.step
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    engine.step = broken_step
+    try:
+        failing = AsyncLLM(engine=engine)
+
+        async def run():
+            with pytest.raises(EngineDeadError, match="simulated device failure"):
+                await collect(failing, PROMPTS[0], greedy(2))
+
+        asyncio.run(run())
+        failing._thread.join(30)
+        assert not failing.is_running and isinstance(failing.dead_error, RuntimeError)
+        with pytest.raises(EngineDeadError):
+            asyncio.run(failing.cache_stats())
+    finally:
+        engine.step = real_step

@@ -1,0 +1,226 @@
+"""Stateful property test: RadixCache + SlotAllocator against a brute-force oracle.
+
+Hypothesis drives random inserts, matches, lock/unlock, evictions, resets and slot holds over
+short sequences from a 3-token alphabet (so edges branch and split all the time), in two
+namespaces, at page_size 1 and 4. The *_derived rules reuse a prefix of an earlier insert plus a
+random tail, so that long edges are matched, extended and split deep inside, not only near
+the root. The oracle is a plain dict per namespace from every cached
+page-aligned prefix (a tuple of tokens) to the slots of its last page.
+
+After every step: check_integrity(); sizes are non-negative and equal the oracle's; the
+protected size equals the number of distinct locked prefix pages; allocator available + tree
+evictable + tree protected + slots held by the test == capacity (so no slot leaks and, with the
+allocator's double-free check, none is owned twice).
+
+CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each page size (up to
+12,000 steps in all; ~16 s of CPU, 20-45 s wall on the busy 2-core dev machine), derandomized so
+every run checks the same cases. RADIXKV_SOAK=1 runs 20,000 examples of up to 100 steps each
+(~330x more; hours) with fresh random seeds each run.
+"""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from radixkv.cache import RadixCache, SlotAllocator
+
+SOAK = os.environ.get("RADIXKV_SOAK") == "1"
+MAX_EXAMPLES = 20_000 if SOAK else 150
+STEPS = 100 if SOAK else 40
+CAPACITY = 96  # slots; small so that inserts hit "no room" and must evict
+NAMESPACES = [None, "lora-b"]
+
+tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=14)
+tail_st = st.lists(st.integers(0, 2), min_size=0, max_size=6)
+ns_st = st.sampled_from(NAMESPACES)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    page_size = 1
+
+    @initialize()
+    def setup(self):
+        self.tree = RadixCache(self.page_size)
+        self.alloc = SlotAllocator(CAPACITY, self.page_size)
+        self.cached = {ns: {} for ns in NAMESPACES}  # prefix tuple -> slots of its last page
+        self.locks = []  # (namespace, locked prefix tuple, node)
+        self.held = []  # slot tensors the test holds (like running requests)
+        self.seen = []  # (namespace, tokens) of past inserts, to derive long shared prefixes
+
+    # ---------------------------------------------------------------- oracle helpers
+
+    def oracle_match(self, ns, toks):
+        ps = self.page_size
+        n = len(toks) - len(toks) % ps
+        slots = []
+        for end in range(ps, n + 1, ps):
+            page = self.cached[ns].get(tuple(toks[:end]))
+            if page is None:
+                break
+            slots.extend(page)
+        return slots
+
+    def alloc_with_eviction(self, n):
+        s = self.alloc.alloc(n)
+        if s is None:
+            self.do_evict(n - self.alloc.available_size())
+            s = self.alloc.alloc(n)
+        return s
+
+    def do_evict(self, num):
+        evictable = self.tree.evictable_size()
+        freed = self.tree.evict(num)
+        got = freed.tolist()
+        assert len(got) == len(set(got))
+        assert len(got) >= min(num, 1) or evictable == 0
+        if len(got) < num:
+            assert self.tree.evictable_size() == 0
+        self.alloc.free(freed)  # raises on a double free or a slot never allocated
+        gone = set(got)
+        ps = self.page_size
+        for ns in NAMESPACES:
+            for key in [k for k, page in self.cached[ns].items() if page[0] in gone]:
+                assert set(self.cached[ns][key]) <= gone  # whole pages go
+                del self.cached[ns][key]
+            for key in self.cached[ns]:  # what remains is still prefix-closed
+                assert len(key) == ps or key[:-ps] in self.cached[ns]
+        for ns, prefix, _ in self.locks:  # a protected token is never freed
+            for end in range(ps, len(prefix) + 1, ps):
+                assert prefix[:end] in self.cached[ns]
+
+    # ---------------------------------------------------------------- rules
+
+    def derived(self, i, cut, tail):
+        """A past insert's first ``cut`` tokens plus ``tail``: a query sharing a long prefix."""
+        ns, toks = self.seen[i % len(self.seen)]
+        return ns, toks[:cut] + tail
+
+    @rule(toks=tokens_st, ns=ns_st)
+    def insert(self, toks, ns):
+        self.do_insert(toks, ns)
+
+    @precondition(lambda self: self.seen)
+    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st)
+    def insert_derived(self, i, cut, tail):
+        self.do_insert(*reversed(self.derived(i, cut, tail)))
+
+    @precondition(lambda self: self.seen)
+    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st)
+    def match_derived(self, i, cut, tail):
+        ns, toks = self.derived(i, cut, tail)
+        self.match(toks, ns)
+
+    @precondition(lambda self: self.seen)
+    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st)
+    def lock_derived(self, i, cut, tail):
+        ns, toks = self.derived(i, cut, tail)
+        self.lock(toks, ns)
+
+    def do_insert(self, toks, ns):
+        ps = self.page_size
+        n_alloc = -(-len(toks) // ps) * ps
+        slots = self.alloc_with_eviction(n_alloc)
+        if slots is None:
+            return
+        expected_p = len(self.oracle_match(ns, toks))
+        p = self.tree.insert(toks, slots[: len(toks)], namespace=ns)
+        assert p == expected_p
+        n = len(toks) - len(toks) % ps
+        for end in range(p + ps, n + 1, ps):
+            self.cached[ns][tuple(toks[:end])] = slots[end - ps : end].tolist()
+        # The caller frees its duplicates and its unaligned tail (whole pages).
+        self.alloc.free(slots[:p])
+        self.alloc.free(slots[n:])
+        if toks:
+            self.seen.append((ns, toks))
+
+    @rule(toks=tokens_st, ns=ns_st)
+    def match(self, toks, ns):
+        r = self.tree.match_prefix(toks, namespace=ns)
+        expected = self.oracle_match(ns, toks)
+        assert r.length == len(expected) == len(r.slots)
+        assert r.slots.tolist() == expected
+
+    @rule(toks=tokens_st, ns=ns_st)
+    def lock(self, toks, ns):
+        r = self.tree.match_prefix(toks, namespace=ns)
+        if r.length:
+            self.tree.inc_lock_ref(r.node)
+            self.locks.append((ns, tuple(toks[: r.length]), r.node))
+
+    @precondition(lambda self: self.locks)
+    @rule(i=st.integers(0, 1000))
+    def unlock(self, i):
+        _, _, node = self.locks.pop(i % len(self.locks))
+        self.tree.dec_lock_ref(node)
+
+    @rule(toks=tokens_st, ns=ns_st)
+    def unbalanced_unlock_raises(self, toks, ns):
+        r = self.tree.match_prefix(toks, namespace=ns)
+        if r.length and r.node.lock_ref == 0:
+            before = (self.tree.protected_size(), self.tree.evictable_size())
+            with pytest.raises(RuntimeError):
+                self.tree.dec_lock_ref(r.node)
+            assert (self.tree.protected_size(), self.tree.evictable_size()) == before
+
+    @rule(num=st.integers(0, 40))
+    def evict(self, num):
+        self.do_evict(num)
+
+    @rule(k=st.integers(1, 6))
+    def hold_slots(self, k):
+        s = self.alloc_with_eviction(k * self.page_size)
+        if s is not None:
+            self.held.append(s)
+
+    @precondition(lambda self: self.held)
+    @rule(i=st.integers(0, 1000))
+    def release_slots(self, i):
+        self.alloc.free(self.held.pop(i % len(self.held)))
+
+    @rule()
+    def reset(self):
+        if self.locks:
+            with pytest.raises(RuntimeError):
+                self.tree.reset()
+            return
+        freed = self.tree.reset()
+        assert len(freed) == sum(len(p) for c in self.cached.values() for p in c.values())
+        self.alloc.free(freed)
+        self.cached = {ns: {} for ns in NAMESPACES}
+
+    # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def consistent(self):
+        t = self.tree
+        t.check_integrity()
+        ps = self.page_size
+        total = ps * sum(len(c) for c in self.cached.values())
+        locked_pages = {(ns, prefix[:end]) for ns, prefix, _ in self.locks
+                        for end in range(ps, len(prefix) + 1, ps)}
+        assert t.total_size() == total
+        assert t.protected_size() == ps * len(locked_pages)
+        assert t.evictable_size() == total - ps * len(locked_pages) >= 0
+        held = sum(len(s) for s in self.held)
+        assert self.alloc.available_size() + t.evictable_size() + t.protected_size() + held \
+            == CAPACITY
+
+
+class CacheMachinePage4(CacheMachine):
+    page_size = 4
+
+
+_settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None,
+                     derandomize=not SOAK, database=None,
+                     suppress_health_check=[HealthCheck.too_slow])
+
+TestRadixCachePage1 = CacheMachine.TestCase
+TestRadixCachePage1.settings = _settings
+TestRadixCachePage4 = CacheMachinePage4.TestCase
+TestRadixCachePage4.settings = _settings
+
+pytestmark = pytest.mark.timeout(None if SOAK else 600)

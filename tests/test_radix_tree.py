@@ -1,0 +1,449 @@
+"""RadixCache unit tests with exact expected values (tokens, slots, sizes, eviction order)."""
+
+import random
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+from radixkv.cache import MatchResult, PrefixCache, RadixCache, SlotAllocator
+from radixkv.cache import radix_tree, token_keys
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def S(*xs):
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def edges(tree, ns=None):
+    """{tokens tuple of every edge: (slots list, lock_ref)} of one namespace."""
+    out = {}
+    stack = list(tree.root.children[ns].children.values()) if ns in tree.root.children else []
+    while stack:
+        n = stack.pop()
+        out[tuple(n.tokens())] = (n.value.tolist(), n.lock_ref)
+        stack.extend(n.children.values())
+    return out
+
+
+def test_is_a_prefix_cache():
+    assert isinstance(RadixCache(), PrefixCache)
+    with pytest.raises(ValueError, match="page_size"):
+        RadixCache(0)
+
+
+def test_empty_key():
+    t = RadixCache()
+    r = t.match_prefix([])
+    assert isinstance(r, MatchResult)
+    assert r.length == 0 and r.slots.dtype == torch.int64 and r.slots.tolist() == []
+    assert r.node is t.root
+    assert t.insert([], S()) == 0
+    assert t.total_size() == 0 and t.root.children == {}
+    t.inc_lock_ref(r.node)  # locking the root is a no-op
+    t.dec_lock_ref(r.node)
+    assert t.protected_size() == 0
+    t.check_integrity()
+
+
+def test_key_shorter_than_one_page():
+    t = RadixCache(page_size=4)
+    assert t.insert([1, 2, 3], S(10, 11, 12)) == 0
+    assert t.total_size() == 0  # nothing inserted: the caller frees all three slots
+    assert t.match_prefix([1, 2, 3]).length == 0
+    assert t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15)) == 0
+    assert t.total_size() == 4  # only the whole page; the caller frees slots 14, 15
+    r = t.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert (r.length, r.slots.tolist()) == (4, [10, 11, 12, 13])
+    assert t.match_prefix([1, 2, 3, 9, 5]).length == 0  # partial page never matches
+    t.check_integrity()
+
+
+def test_match_ending_exactly_at_edge_end_does_not_split():
+    t = RadixCache()
+    t.insert([1, 2, 3], S(10, 11, 12))
+    t.insert([1, 2, 3, 4, 5], S(90, 91, 92, 13, 14))
+    assert edges(t) == {(1, 2, 3): ([10, 11, 12], 0), (4, 5): ([13, 14], 0)}
+    r = t.match_prefix([1, 2, 3, 9])
+    assert (r.length, r.slots.tolist(), r.node.tokens()) == (3, [10, 11, 12], [1, 2, 3])
+    assert t.num_nodes() == 2
+    r = t.match_prefix([1, 2, 3, 4, 5, 6])
+    assert (r.length, r.slots.tolist(), r.node.tokens()) == (5, [10, 11, 12, 13, 14], [4, 5])
+    t.check_integrity()
+
+
+@pytest.mark.parametrize("query,length,upper,lower", [
+    ([1, 2, 3, 7], 3, (1, 2, 3), (4, 5, 6)),  # middle of the edge
+    ([1, 9], 1, (1,), (2, 3, 4, 5, 6)),  # offset 1
+    ([1, 2, 3, 4, 5], 5, (1, 2, 3, 4, 5), (6,)),  # query ends inside the edge
+])
+def test_split_inside_an_edge(query, length, upper, lower):
+    t = RadixCache()
+    t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15))
+    r = t.match_prefix(query)
+    assert r.length == length and r.slots.tolist() == list(range(10, 10 + length))
+    assert tuple(r.node.tokens()) == upper
+    assert edges(t) == {upper: (list(range(10, 10 + length)), 0),
+                        lower: (list(range(10 + length, 16)), 0)}
+    t.check_integrity()
+
+
+def test_split_at_page_boundary():
+    t = RadixCache(page_size=2)
+    t.insert([1, 2, 3, 4, 5, 6, 7, 8], S(*range(20, 28)))
+    r = t.match_prefix([1, 2, 3, 9, 5])
+    assert (r.length, r.slots.tolist(), r.node.tokens()) == (2, [20, 21], [1, 2])
+    assert edges(t) == {(1, 2): ([20, 21], 0), (3, 4, 5, 6, 7, 8): ([22, 23, 24, 25, 26, 27], 0)}
+    assert t.insert([1, 2, 3, 4, 9, 9, 9], S(*range(30, 37))) == 4
+    assert edges(t)[(9, 9)] == ([34, 35], 0)  # slot 36 (partial page) stays the caller's
+    assert t.total_size() == 10
+    t.check_integrity()
+
+
+def test_insert_prefix_of_cached_key_and_extension():
+    t = RadixCache()
+    assert t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15)) == 0
+    assert t.insert([1, 2, 3], S(50, 51, 52)) == 3  # all cached; the tree keeps 10, 11, 12
+    assert t.total_size() == 6
+    assert t.match_prefix([1, 2, 3]).slots.tolist() == [10, 11, 12]
+    assert t.insert([1, 2, 3, 4, 5, 6, 7, 8], S(60, 61, 62, 63, 64, 65, 16, 17)) == 6
+    assert t.total_size() == 8
+    r = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
+    assert r.slots.tolist() == [10, 11, 12, 13, 14, 15, 16, 17] and r.length == 8
+    assert edges(t) == {(1, 2, 3): ([10, 11, 12], 0), (4, 5, 6): ([13, 14, 15], 0),
+                        (7, 8): ([16, 17], 0)}
+    t.check_integrity()
+
+
+def test_one_token_key():
+    t = RadixCache()
+    assert t.insert([7], S(3)) == 0
+    r = t.match_prefix([7, 8])
+    assert (r.length, r.slots.tolist(), r.node.tokens()) == (1, [3], [7])
+    assert t.insert([7], S(4)) == 1
+    assert t.evict(1).tolist() == [3]
+    assert t.total_size() == 0 and t.root.children == {}
+    t.check_integrity()
+
+
+def test_lru_order_follows_access_not_insertion():
+    t = RadixCache()
+    t.insert([1, 1], S(0, 1))  # oldest insert
+    t.insert([2, 2], S(2, 3))
+    t.insert([3, 3], S(4, 5))
+    assert t.match_prefix([1, 1]).length == 2  # touch the oldest
+    assert t.evict(1).tolist() == [2, 3]  # [2, 2] is now least recently used
+    assert t.evict(1).tolist() == [4, 5]
+    assert t.evict(1).tolist() == [0, 1]
+    assert t.total_size() == 0
+
+
+def test_match_refreshes_only_the_matched_part_of_a_split():
+    t = RadixCache()
+    t.insert([1, 2, 3, 4], S(0, 1, 2, 3))
+    t.insert([5, 6], S(4, 5))
+    t.match_prefix([1, 2, 9])  # splits [1 2 | 3 4]; [3, 4] keeps its old access time
+    assert t.evict(1).tolist() == [2, 3]
+    assert t.evict(1).tolist() == [4, 5]
+    assert t.evict(1).tolist() == [0, 1]
+
+
+def test_parent_evicted_after_its_last_child_in_the_same_call():
+    t = RadixCache()
+    t.insert([1, 2, 3, 4], S(0, 1, 2, 3))
+    t.insert([1, 2, 5, 6], S(9, 9, 4, 5))
+    t.insert([7], S(6))
+    assert t.evict(5).tolist() == [2, 3, 4, 5, 0, 1]  # children, then their parent [1, 2]
+    assert edges(t) == {(7,): ([6], 0)}
+    assert (t.total_size(), t.evictable_size()) == (1, 1)
+    t.check_integrity()
+
+
+def test_lock_after_split_pins_exactly_the_matched_tokens():
+    t = RadixCache()
+    t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15))
+    r = t.match_prefix([1, 2, 3, 9])
+    t.inc_lock_ref(r.node)
+    assert (t.protected_size(), t.evictable_size(), t.total_size()) == (3, 3, 6)
+    assert t.evict(100).tolist() == [13, 14, 15]
+    assert edges(t) == {(1, 2, 3): ([10, 11, 12], 1)}
+    assert t.evict(100).tolist() == []
+    t.dec_lock_ref(r.node)
+    assert (t.protected_size(), t.evictable_size()) == (0, 3)
+    with pytest.raises(RuntimeError, match="dec_lock_ref"):
+        t.dec_lock_ref(r.node)  # unbalanced
+    assert (t.protected_size(), t.evictable_size()) == (0, 3)
+    assert t.evict(1).tolist() == [10, 11, 12]
+    with pytest.raises(ValueError, match="no longer in the tree"):
+        t.inc_lock_ref(r.node)
+    t.check_integrity()
+
+
+def test_lock_survives_a_later_split_of_the_locked_edge():
+    t = RadixCache()
+    t.insert([1, 2, 3, 4], S(0, 1, 2, 3))
+    r = t.match_prefix([1, 2, 3, 4])
+    t.inc_lock_ref(r.node)
+    t.match_prefix([1, 2, 8])  # splits the locked edge
+    assert edges(t) == {(1, 2): ([0, 1], 1), (3, 4): ([2, 3], 1)}
+    assert t.protected_size() == 4
+    t.dec_lock_ref(r.node)
+    assert t.protected_size() == 0 and t.evictable_size() == 4
+    t.check_integrity()
+
+
+def test_evict_with_nothing_evictable_returns_empty():
+    t = RadixCache()
+    out = t.evict(10)
+    assert out.dtype == torch.int64 and out.tolist() == []
+    t.insert([1, 2], S(0, 1))
+    t.inc_lock_ref(t.match_prefix([1, 2]).node)
+    assert t.evict(10).tolist() == [] and t.total_size() == 2
+    assert t.evict(0).tolist() == []
+    with pytest.raises(ValueError, match="num_tokens"):
+        t.evict(-1)
+
+
+def test_same_tokens_in_two_namespaces():
+    t = RadixCache()
+    assert t.insert([1, 2, 3], S(0, 1, 2), namespace="lora-a") == 0
+    assert t.insert([1, 2, 3], S(3, 4, 5), namespace=("salt", 7)) == 0
+    assert t.match_prefix([1, 2, 3], namespace="lora-a").slots.tolist() == [0, 1, 2]
+    assert t.match_prefix([1, 2, 3], namespace=("salt", 7)).slots.tolist() == [3, 4, 5]
+    assert t.match_prefix([1, 2, 3]).length == 0  # default namespace None is a third one
+    assert t.total_size() == 6
+    r = t.match_prefix([1, 2], namespace="lora-a")
+    t.inc_lock_ref(r.node)
+    assert sorted(t.evict(100).tolist()) == [2, 3, 4, 5]
+    assert list(t.root.children) == ["lora-a"]  # the emptied namespace is dropped
+    t.dec_lock_ref(r.node)
+    t.check_integrity()
+
+
+def test_insert_validation():
+    t = RadixCache()
+    with pytest.raises(ValueError, match=r"len\(tokens\)=3 and len\(slots\)=2"):
+        t.insert([1, 2, 3], S(0, 1))
+    with pytest.raises(ValueError, match="int32"):
+        t.insert([2**31], S(0))
+    with pytest.raises(ValueError, match="int32"):
+        t.match_prefix(torch.tensor([2**40]))
+    with pytest.raises(ValueError, match="1-D integer"):
+        t.match_prefix(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="1-D integer"):
+        t.insert([1], torch.tensor([[0]]))
+    assert t.total_size() == 0
+
+
+def test_token_input_types_agree():
+    t = RadixCache()
+    t.insert(torch.tensor([5, 6, 7], dtype=torch.int32), S(0, 1, 2))
+    for q in ([5, 6, 7], (5, 6, 7), np.array([5, 6, 7]), array("i", [5, 6, 7]),
+              array("q", [5, 6, 7]), torch.tensor([5, 6, 7]), range(5, 8)):
+        assert t.match_prefix(q).slots.tolist() == [0, 1, 2]
+    assert t.insert([5, 6, 7], [9, 9, 9]) == 3
+
+
+def test_reset_returns_every_slot_and_refuses_while_locked():
+    t = RadixCache()
+    t.insert([1, 2, 3], S(0, 1, 2))
+    t.insert([1, 5], S(7, 3))
+    r = t.match_prefix([1, 5])
+    t.inc_lock_ref(r.node)
+    with pytest.raises(RuntimeError, match="locked"):
+        t.reset()
+    assert t.total_size() == 4
+    t.dec_lock_ref(r.node)
+    assert sorted(t.reset().tolist()) == [0, 1, 2, 3]
+    assert (t.total_size(), t.evictable_size(), t.protected_size()) == (0, 0, 0)
+    assert t.reset().tolist() == []
+    t.check_integrity()
+
+
+def test_pretty_print_and_integrity_check_catch_corruption():
+    t = RadixCache()
+    t.insert([1, 2, 3], S(0, 1, 2))
+    t.insert([1, 2, 4], S(9, 9, 3))
+    text = t.pretty_print()
+    assert "total=4" in text and "[1 2] len=2 slots=0..1" in text and "[4] len=1" in text
+    t.check_integrity()
+    node = t.match_prefix([1, 2, 4]).node
+    node.lock_ref = 1  # bypassing inc_lock_ref breaks the size counters
+    with pytest.raises(RuntimeError, match="integrity"):
+        t.check_integrity()
+    node.lock_ref = 0
+    node.value = np.array([0], dtype=np.int64)  # slot 0 now held twice
+    with pytest.raises(RuntimeError, match="two tree positions"):
+        t.check_integrity()
+
+
+@pytest.mark.skipif(not radix_tree.HAS_CEXT, reason="C helper not built")
+def test_c_helpers_equal_python_helpers():
+    from radixkv.cache import _cprefix
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = [rng.choice([rng.randrange(3), -rng.randrange(2**31)]) for _ in range(40)]
+        ab, bb = _cprefix.pack_int32(a), _cprefix.pack_int32(tuple(b))
+        assert ab == token_keys.pack_int32_py(a) and bb == token_keys.pack_int32_py(b)
+        start = rng.randrange(0, 41)
+        limit = rng.randrange(start, 41)
+        assert _cprefix.common_prefix_len(ab, bb, start, limit) == \
+            token_keys.common_prefix_len_py(ab, bb, start, limit)
+        # and against the definition
+        n = min(len(a), limit - start)
+        m = next((i for i in range(n) if a[i] != b[start + i]), n)
+        assert token_keys.common_prefix_len_py(ab, bb, start, limit) == m
+    edge_ids = [0, 1, -1, 2**30 - 1, 2**30, -(2**30), -(2**30) - 1, 2**31 - 1, -(2**31), True]
+    assert _cprefix.pack_int32(edge_ids) == token_keys.pack_int32_py(edge_ids) \
+        == np.array(edge_ids, dtype=np.int32).tobytes()
+    for bad in ([2**31], [-(2**31) - 1], [2**70]):
+        with pytest.raises(ValueError):
+            _cprefix.pack_int32(bad)
+        with pytest.raises(ValueError):
+            token_keys.pack_int32_py(bad)
+    with pytest.raises(ValueError):
+        _cprefix.common_prefix_len(b"", b"\0" * 8, 1, 3)
+
+
+@pytest.mark.skipif(not radix_tree.HAS_CEXT, reason="C helper not built")
+def test_tree_with_and_without_c_helper_agree():
+    def run():
+        rng = random.Random(3)
+        log = []
+        for ps in (1, 4):
+            log += run_one(rng, ps)
+        return log
+
+    def run_one(rng, ps):
+        t, alloc, log = RadixCache(ps), SlotAllocator(8192, ps), []
+        for _ in range(400):
+            toks = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+            ns = rng.choice([None, "b"])
+            if rng.random() < 0.5:
+                slots = alloc.alloc(-(-len(toks) // ps) * ps)
+                p = t.insert(toks, slots[: len(toks)], namespace=ns)
+                alloc.free(slots[:p])
+                alloc.free(slots[len(toks) - len(toks) % ps :])
+                log.append(p)
+            elif rng.random() < 0.8:
+                r = t.match_prefix(toks, namespace=ns)
+                log.append((r.length, r.slots.tolist(), r.node.uid - t.root.uid))
+            else:
+                freed = t.evict(rng.randrange(1, 20))
+                alloc.free(freed)
+                log.append(freed.tolist())
+        t.check_integrity()
+        return log
+
+    with_c = run()
+    with token_keys.use_python_path():
+        assert token_keys.walk is token_keys.walk_py
+        with_py = run()
+    assert token_keys.walk is not token_keys.walk_py
+    assert with_py == with_c
+
+
+def test_package_works_without_the_c_helper():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from radixkv.cache import RadixCache, token_keys as k; "
+            "assert not k.HAS_CEXT and k.common_prefix_len is k.common_prefix_len_py; "
+            "assert k.pack_int32 is k.pack_int32_py and k.walk is k.walk_py; "
+            "t = RadixCache(); t.insert([1, 2, 3], torch.arange(3)); "
+            "m = t.match_prefix([1, 2, 9]); assert (m.length, m.slots.tolist()) == (2, [0, 1]); "
+            "t.check_integrity(); print('ok')")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, RADIXKV_NO_CEXT="1",
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_unlocked_older_leaf_goes_before_newer_leaves():
+    t = RadixCache()
+    t.insert([1, 1], S(0, 1))
+    r = t.match_prefix([1, 1])
+    t.inc_lock_ref(r.node)
+    t.insert([2, 2], S(2, 3))
+    t.insert([3, 3], S(4, 5))
+    t.dec_lock_ref(r.node)  # [1, 1] is evictable again, with its older access time
+    assert t.evict(1).tolist() == [0, 1]
+    t.match_prefix([2, 2])
+    assert t.evict(1).tolist() == [4, 5]
+    assert t.evict(1).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_every_eviction_takes_a_least_recently_used_leaf(page_size):
+    """Checks each evict(1) against a full scan of the evictable leaves' access times."""
+    rng = random.Random(11 + page_size)
+    t, alloc = RadixCache(page_size), SlotAllocator(1 << 14, page_size)
+    locks = []
+    for step in range(1500):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 16))]
+        op = rng.random()
+        if op < 0.35:
+            slots = alloc.alloc(-(-len(toks) // page_size) * page_size)
+            p = t.insert(toks, slots[: len(toks)])
+            n = len(toks) - len(toks) % page_size
+            alloc.free(slots[:p])
+            alloc.free(slots[n:])
+        elif op < 0.6:
+            t.match_prefix(toks)
+        elif op < 0.7:
+            r = t.match_prefix(toks)
+            if r.length:
+                t.inc_lock_ref(r.node)
+                locks.append(r.node)
+        elif op < 0.8 and locks:
+            t.dec_lock_ref(locks.pop(rng.randrange(len(locks))))
+        else:
+            leaves = [n for n in t._iter_nodes()
+                      if n.key and not n.children and n.lock_ref == 0]
+            freed = t.evict(1)
+            alloc.free(freed)
+            if not leaves:
+                assert freed.tolist() == []
+                continue
+            oldest = min(n.last_access for n in leaves)
+            assert freed.tolist() in [n.value.tolist() for n in leaves
+                                      if n.last_access == oldest]
+        if step % 50 == 0:
+            t.check_integrity()
+    t.check_integrity()
+
+
+@pytest.mark.skipif(not radix_tree.HAS_CEXT, reason="C helper not built")
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_c_walk_equals_python_walk(page_size):
+    from radixkv.cache import _cprefix
+
+    rng = random.Random(5)
+    t = RadixCache(page_size)
+    slot = 0
+    for _ in range(60):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        t.insert(toks, torch.arange(slot, slot + len(toks)))
+        slot += len(toks)
+    ns_root = t.root.children[None]
+    for _ in range(300):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(0, 24))]
+        kb = token_keys.pack_int32_py(toks)
+        n = len(toks) - len(toks) % page_size
+        c = _cprefix.walk(ns_root, kb, n, page_size, 7)
+        p = token_keys.walk_py(ns_root, kb, n, page_size, 7)
+        assert c[0] is p[0] and c[1] == p[1] and c[3] is p[3] and c[4] == p[4]
+        assert [v.tolist() for v in c[2]] == [v.tolist() for v in p[2]]
+        assert c[1] + c[4] == sum(len(v) for v in c[2]) + c[4] <= n
+    with pytest.raises(ValueError, match="page_size"):
+        _cprefix.walk(ns_root, b"\0" * 12, 3, 2, 0)
+    with pytest.raises(ValueError):
+        _cprefix.walk(ns_root, b"\0" * 4, 2, 1, 0)

@@ -1,0 +1,72 @@
+"""SamplingParams validation and the sampler's filters (CPU, no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixkv.sampler import filter_logits, make_generator, sample
+from radixkv.sampling_params import SamplingParams
+
+
+def test_defaults_and_alias():
+    p = SamplingParams()
+    assert (p.n, p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 16, 1.0, 1.0, -1, 0.0)
+    assert SamplingParams(max_new_tokens=7).max_tokens == 7
+    assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=0.5).clone(seed=3).seed == 3
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_new_tokens": -1}, "max_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 1.1}, "min_p"),
+    ({"n": 0}, "n"),
+    ({"seed": 1.5}, "seed"),
+    ({"stop": [""]}, "stop"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 4.9]])
+    p = SamplingParams(temperature=0)
+    assert sample(logits, [p, p], [None, None]) == [1, 0]
+
+
+def test_top_k_top_p_min_p_filters():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    keep = lambda p: torch.isfinite(filter_logits(logits, p)).tolist()  # noqa: E731
+    assert keep(SamplingParams(top_k=2)) == [True, True, False, False]
+    # nucleus: 0.5 + 0.3 reaches 0.8, so 0.8 keeps two tokens and 0.81 keeps three
+    assert keep(SamplingParams(top_p=0.8)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.81)) == [True, True, True, False]
+    # min_p 0.2 of the top probability 0.5 is 0.1
+    assert keep(SamplingParams(min_p=0.2)) == [True, True, True, False]
+    out = filter_logits(logits, SamplingParams(top_k=2))
+    assert torch.allclose(out[:2].exp(), torch.tensor([0.5, 0.3]) / 0.8)
+
+
+def test_seeded_sampling_reproducible_and_filtered():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0, top_k=5, seed=11)
+    a = [sample(logits, [p] * 3, [make_generator(11, "cpu") for _ in range(3)]) for _ in range(2)]
+    assert a[0] == a[1]
+    top5 = torch.topk(logits, 5).indices.tolist()
+    assert all(t in top5[i] for i, t in enumerate(a[0]))
+    draws = {tuple(sample(logits, [p] * 3, [None] * 3)) for _ in range(20)}
+    assert len(draws) > 1
+
+
+def test_sample_length_mismatch():
+    with pytest.raises(ValueError, match="same length"):
+        sample(torch.zeros(2, 4), [SamplingParams()], [None])

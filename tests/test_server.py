@@ -1,0 +1,468 @@
+"""The OpenAI-compatible server on the real engine (default model, CPU), called with the
+official ``openai`` client over HTTP on a free loopback port.
+
+One server per module (uvicorn in a thread of this process, so the engine's cache statistics
+can be read directly through the AsyncLLM). ``max_tokens`` stays small to keep the module quick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixkv.async_llm import AsyncLLM  # noqa: E402
+from radixkv.server.app import create_app  # noqa: E402
+from radixkv.server.serving import render_chat  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "smollm2-135m"
+SYSTEM = (
+    "You are a careful assistant for a hardware store. Answer in one short sentence, name the "
+    "aisle when you can, and never invent products that the store does not sell."
+)
+
+
+class Server:
+    """uvicorn serving the app on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    engine = Engine(EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384))
+    batch_sizes: list[int] = []
+    real_step = engine.step
+
+    def recording_step():
+        outs = real_step()
+        batch_sizes.append(len(outs))
+        return outs
+
+    engine.step = recording_step  # records how many requests each step served
+    a = AsyncLLM(engine=engine)
+    a.batch_sizes = batch_sizes
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = Server(create_app(llm, served_model_name=MODEL))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def chat_messages(user: str, system: str = SYSTEM) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+
+
+def prompt_ids(llm: AsyncLLM, messages: list[dict]) -> list[int]:
+    return render_chat(llm.tokenizer, messages)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def assert_pool_whole(llm: AsyncLLM) -> dict:
+    wait_idle(llm)  # an abort is applied at the engine's next step
+    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))  # every slot owned once
+    stats = llm.get_cache_stats()
+    assert stats["free"] + stats["evictable"] == stats["capacity"], stats
+    assert stats["protected"] == 0, stats
+    assert asyncio.run(llm.num_unfinished_requests()) == 0
+    return stats
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while asyncio.run(llm.num_unfinished_requests()) or asyncio.run(
+        llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())
+    ):
+        assert time.time() < deadline, "requests still unfinished"
+        time.sleep(0.05)
+
+
+def flush(server) -> httpx.Response:
+    return httpx.post(server.base_url + "/flush_cache", timeout=60)
+
+
+def scrape(server) -> dict:
+    """GET /metrics parsed with prometheus_client's parser: {(sample name, labels): value}."""
+    text = httpx.get(server.base_url + "/metrics", timeout=60).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+# ---------------------------------------------------------------------------------- basics
+
+
+def test_models_and_health(server, client, llm):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].max_model_len == llm.max_context_len
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_chat_completion(client, llm):
+    messages = chat_messages("Where do I find hammers?")
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert r.object == "chat.completion" and r.model == MODEL and len(r.choices) == 1
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(prompt_ids(llm, messages))
+    assert 1 <= r.usage.completion_tokens <= 8
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert isinstance(cached, int) and 0 <= cached <= r.usage.prompt_tokens - 1
+    assert_pool_whole(llm)
+
+
+def test_stream_joins_to_the_greedy_answer_with_the_same_usage(client, llm):
+    messages = chat_messages("Do you sell garden hoses?")
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [plain.choices[0].finish_reason]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    # With include_usage, every chunk carries usage=None except the last, choice-less one.
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    n_prompt = len(prompt_ids(llm, messages))
+    assert last.usage.prompt_tokens == plain.usage.prompt_tokens == n_prompt
+    assert last.usage.completion_tokens == plain.usage.completion_tokens
+    # The same prompt was just served: at page_size 1 every prompt token but the last is cached.
+    assert last.usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+    assert_pool_whole(llm)
+
+
+def test_completions_text_token_ids_batch_and_stream(client, llm):
+    prompt = "The three primary colors are"
+    ids = list(llm.tokenizer.encode(prompt, add_special_tokens=False))
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    b = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert a.object == "text_completion" and a.choices[0].text == b.choices[0].text
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens == len(ids)
+    assert b.usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    both = client.completions.create(model=MODEL, prompt=[prompt, "Water boils at"], max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in both.choices] == [0, 1, 2, 3]
+    assert both.choices[0].text == both.choices[1].text == a.choices[0].text  # greedy: n copies
+    assert both.usage.prompt_tokens == len(ids) + len(llm.tokenizer.encode("Water boils at", add_special_tokens=False))
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == a.choices[0].text
+    assert_pool_whole(llm)
+
+
+def test_stop_strings_and_seed(client, llm):
+    messages = chat_messages("What can I use to glue wood?")
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    text = full.choices[0].message.content
+    assert len(text) > 12, text
+    stop = text[6:10]  # a stop string the greedy answer is known to contain
+    cut = text[: text.find(stop)]
+    stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=[stop])
+    assert stopped.choices[0].message.content == cut and stopped.choices[0].finish_reason == "stop"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0, stop=[stop], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == cut  # no stop text leaked
+    a, b = (
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=1.0, seed=11)
+        for _ in range(2)
+    )
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- cache reporting
+
+
+def test_cached_tokens_cold_then_shared_system_prompt_then_flushed(server, client, llm):
+    system = "You are the help desk of a public library. Be brief and kind. " * 3
+    first, second = chat_messages("How late are you open?", system), chat_messages("Can I renew a book?", system)
+    assert flush(server).status_code == 200
+    r1 = client.chat.completions.create(model=MODEL, messages=first, max_tokens=4, temperature=0)
+    assert r1.usage.prompt_tokens_details.cached_tokens == 0  # cold: the cache was just flushed
+    r2 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0)
+    shared = common_prefix(prompt_ids(llm, first), prompt_ids(llm, second))
+    assert shared > 40  # the system prompt and the template around it
+    assert r2.usage.prompt_tokens_details.cached_tokens == min(shared, r2.usage.prompt_tokens - 1)
+    # n > 1: the prompt is counted once, and cached once.
+    r3 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0.9, seed=3, n=3)
+    assert len(r3.choices) == 3 and [c.index for c in r3.choices] == [0, 1, 2]
+    assert r3.usage.prompt_tokens == r2.usage.prompt_tokens
+    assert r3.usage.prompt_tokens_details.cached_tokens == r3.usage.prompt_tokens - 1
+    assert 3 <= r3.usage.completion_tokens <= 3 * 4  # summed over the choices
+    # After a flush the same request is cold again.
+    assert flush(server).json() == {"flushed": True, "message": "the prefix cache was flushed"}
+    r4 = client.chat.completions.create(model=MODEL, messages=second, max_tokens=4, temperature=0)
+    assert r4.usage.prompt_tokens_details.cached_tokens == 0
+    assert r4.choices[0].message.content == r2.choices[0].message.content
+    assert_pool_whole(llm)
+
+
+def test_flush_cache_is_refused_while_a_request_runs(server, llm):
+    body = {"model": MODEL, "prompt": "Count from one to one hundred:", "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            refused = http.post("/flush_cache")
+            assert refused.status_code == 409
+            err = refused.json()["error"]
+            assert "unfinished" in err["message"] and err["code"] == "requests_running"
+    wait_idle(llm)
+    assert flush(server).status_code == 200
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- load and aborts
+
+
+def test_32_concurrent_streaming_clients(server, llm):
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    llm.batch_sizes.clear()
+
+    async def one(i: int):
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=chat_messages(f"Question {i}: where are the screws of size {i}?"),
+            max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True},
+        )  # fmt: skip
+        text, finish, usage = "", None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage is not None:
+                usage = chunk.usage
+        return text, finish, usage
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 32
+    for text, finish, usage in results:
+        assert finish in ("stop", "length") and usage is not None
+        assert 1 <= usage.completion_tokens <= 6
+        assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens - 1
+    # Requests shared the engine's batches rather than running one by one.
+    print("outputs per engine step:", llm.batch_sizes)
+    assert max(llm.batch_sizes) >= 16, llm.batch_sizes
+    wait_idle(llm)
+    assert_pool_whole(llm)
+
+
+def test_client_disconnect_mid_stream_aborts_and_releases_slots(server, llm):
+    before = scrape(server)
+    body = {"model": MODEL, "messages": chat_messages("Tell me a long story."), "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            contents = 0
+            for line in resp.iter_lines():
+                if line.startswith("data:") and '"content"' in line:
+                    contents += 1
+                if contents == 3:
+                    break  # leaving the block closes the connection mid-stream
+    wait_idle(llm)
+    after = scrape(server)
+    key = ("radixkv_requests_finished_total", (("finish_reason", "abort"),))
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    # The aborted request never reached its 400 tokens.
+    gen = ("radixkv_generation_tokens_total", ())
+    assert after[gen] == before[gen]
+    assert_pool_whole(llm)
+
+
+def test_client_disconnect_of_a_non_streamed_request_aborts_it(server, llm):
+    before = scrape(server)
+    body = {"model": MODEL, "prompt": "Write a very long essay about rivers.", "max_tokens": 2000, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=2.0)
+    wait_idle(llm, timeout=120)
+    after = scrape(server)
+    key = ("radixkv_requests_finished_total", (("finish_reason", "abort"),))
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    gen = ("radixkv_generation_tokens_total", ())
+    assert after[gen] == before[gen]
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_parse_and_move(server, client, llm):
+    before = scrape(server)
+    messages = chat_messages("Do you cut keys?")
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+    after = scrape(server)
+    req = ("radixkv_requests_total", (("endpoint", "chat"),))
+    assert after[req] == before.get(req, 0) + 1
+    for name, delta in (
+        ("radixkv_prompt_tokens_total", r.usage.prompt_tokens),
+        ("radixkv_cached_tokens_total", r.usage.prompt_tokens_details.cached_tokens),
+        ("radixkv_generation_tokens_total", r.usage.completion_tokens),
+    ):
+        assert after[(name, ())] == before.get((name, ()), 0) + delta, name
+    assert after[("radixkv_time_to_first_token_seconds_count", ())] == before[("radixkv_time_to_first_token_seconds_count", ())] + 1
+    stats = llm.get_cache_stats()
+    assert after[("radixkv_kv_capacity_tokens", ())] == stats["capacity"]
+    assert after[("radixkv_page_size", ())] == 1
+    assert after[("radixkv_num_requests_running", ())] == 0 and after[("radixkv_num_requests_waiting", ())] == 0
+    assert after[("radixkv_cache_hit_rate", ())] == pytest.approx(stats["hit_rate"])
+    assert after[("radixkv_evicted_tokens_total", ())] == stats["evicted_tokens"]
+    assert after[("radixkv_kv_free_tokens", ())] + after[("radixkv_kv_evictable_tokens", ())] == stats["capacity"]
+
+
+# ---------------------------------------------------------------------------------- bad input
+
+
+def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
+    chat = "/v1/chat/completions"
+    comp = "/v1/completions"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def j(obj) -> bytes:
+        return json.dumps(obj).encode()
+
+    return [
+        ("malformed json", chat, b'{"model": "smollm2-135m", "messages": [', None),
+        ("missing messages", chat, j({"model": MODEL}), "messages"),
+        ("empty messages", chat, j({"model": MODEL, "messages": []}), "messages"),
+        ("missing prompt", comp, j({"model": MODEL}), "prompt"),
+        ("empty prompt", comp, j({"model": MODEL, "prompt": ""}), "prompt"),
+        ("prompt longer than context (ids)", comp, j({"model": MODEL, "prompt": [42] * ctx}), "prompt"),
+        ("prompt longer than context (chat)", chat,
+         j({"model": MODEL, "messages": [{"role": "user", "content": "hello " * ctx}]}), "messages"),
+        ("max_tokens < 1", chat, j({"model": MODEL, "messages": msgs, "max_tokens": 0}), "max_tokens"),
+        ("max_tokens beyond context", chat, j({"model": MODEL, "messages": msgs, "max_tokens": ctx}), "max_tokens"),
+        ("temperature < 0", chat, j({"model": MODEL, "messages": msgs, "temperature": -0.5}), "temperature"),
+        ("top_p = 0", chat, j({"model": MODEL, "messages": msgs, "top_p": 0}), "top_p"),
+        ("top_p > 1", comp, j({"model": MODEL, "prompt": "hi", "top_p": 1.5}), "top_p"),
+        ("n < 1", chat, j({"model": MODEL, "messages": msgs, "n": 0}), "n"),
+        ("token id outside the vocabulary", comp, j({"model": MODEL, "prompt": [10**6]}), "prompt"),
+        ("unknown model", chat, j({"model": "gpt-4o", "messages": msgs}), "model"),
+        ("wrong type", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": "many"}), "max_tokens"),
+    ]  # fmt: skip
+
+
+def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(server, client, llm):
+    cases = _bad_inputs(llm.max_context_len)
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for name, path, body, param in cases:
+            r = http.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert r.status_code == 400, (name, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, name
+            assert err["type"] == "invalid_request_error" and err["message"], name
+            assert err["param"] == param, (name, err)
+            ok = http.post(path, json={"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
+                                       "max_tokens": 1})  # fmt: skip
+            assert ok.status_code == 200, (name, ok.text)
+    # The official client surfaces the same error as BadRequestError.
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=2.0)
+    assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
+    wait_idle(llm)
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- CLI
+
+
+def test_serve_cli_starts_and_answers(tmp_path):
+    """`python -m radixkv serve` in a subprocess: /health, /v1/models, one completion."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--device", "cpu",
+           "--max-total-tokens", "2048", "--page-size", "4", "--served-model-name", "tiny", "--log-level", "warning"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert [m.id for m in c.models.list().data] == ["tiny"]
+        r = c.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
+        assert r.usage.completion_tokens == 2 or r.choices[0].finish_reason == "stop"
+        stats = httpx.get(base + "/cache_stats", timeout=30).json()
+        assert stats["capacity"] == 2048 and stats["page_size"] == 4
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    assert proc.returncode is not None
