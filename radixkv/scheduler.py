@@ -375,11 +375,19 @@ class Scheduler:
                 r.slots, r.prefix_len, r.kv_len = [], 0, 0
 
     def after_forward(self, batch: ScheduledBatch) -> None:
-        """Advance ``kv_len`` of every request of ``batch``; finished prefills start decoding."""
+        """Advance ``kv_len`` of every request of ``batch``; finished prefills start decoding.
+
+        With a prefix cache, every prefill chunk's whole pages go into the cache right away
+        (:meth:`_hand_over`, as SGLang's ``cache_unfinished_req``), so requests admitted while this
+        one still runs share its prompt instead of recomputing it.
+        """
         for r, e in zip(batch.reqs, batch.extend_lens):
+            was_prefill = r.status == RequestStatus.PREFILL
             r.kv_len += e
-            if r.status == RequestStatus.PREFILL and r.kv_len == r.seq_len:
+            if was_prefill and r.kv_len == r.seq_len:
                 r.status = RequestStatus.DECODE
+            if was_prefill and self.caching:
+                self._hand_over(r, r.kv_len)
 
     # ------------------------------------------------------------------ accounting
     def reset_cache(self) -> bool:

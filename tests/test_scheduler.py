@@ -184,6 +184,29 @@ def test_chunked_prefill_own_chunks_are_not_hits():
     assert_no_leak(eng)
 
 
+@pytest.mark.parametrize("cache,page_size", [(c, ps) for c in ("radix", "hash") for ps in (1, 4)])
+def test_running_request_shares_its_prefilled_prompt(cache, page_size):
+    """A prompt is cached as soon as its prefill ends (chunk by chunk), not only at finish: a
+    request arriving while the first one still decodes reuses the shared system prompt."""
+    rng = random.Random(5)
+    system = [rng.randrange(1, VOCAB) for _ in range(45)]
+    a, b = system + [1, 2, 3], system + [4, 5]
+    eng = make_engine(page_size=page_size, cache=cache, chunk=16)
+    rid_a = eng.add_request(a, greedy(20))
+    while eng.scheduler.running == [] or eng.scheduler.running[0].status.name != "DECODE":
+        eng.step()
+        eng.check_integrity()
+    assert eng.cache_stats()["protected"] == len(a) // page_size * page_size
+    rid_b = eng.add_request(b, greedy(5))
+    done = run_all(eng)
+    assert done[rid_a].num_cached_tokens == 0  # its own earlier chunks are not hits
+    assert done[rid_b].num_cached_tokens == len(system) // page_size * page_size
+    assert done[rid_a].outputs[0].token_ids == reference(a, 20)
+    assert done[rid_b].outputs[0].token_ids == reference(b, 5)
+    assert eng.cache_stats()["prefill_tokens"] == len(a) + len(b) - len(system) // page_size * page_size
+    assert_no_leak(eng)
+
+
 @pytest.mark.parametrize("cache,page_size", CASES)
 def test_tiny_pool_evicts_and_retracts(cache, page_size):
     rng = random.Random(2)
