@@ -14,6 +14,12 @@
  *
  * walk(node, kb, n, page_size, tick): the descent of RadixCache._walk (see below).
  *
+ * walk_slots(node, kb, n, page_size, tick): walk() plus the matched slots, concatenated into
+ *   one bytearray of int64 (match_prefix's slot read-out in one copy).
+ *
+ * read_int64(address, count): copy of count int64 values at a contiguous CPU tensor's
+ *   data_ptr() (insert's slot read-out without Tensor.numpy()).
+ *
  * All are tested equal to the pure-Python versions (radixkv/cache/token_keys.py and
  * RadixCache._walk_py).
  */
@@ -121,6 +127,29 @@ common_prefix_len(PyObject *self, PyObject *args)
 
 static PyObject *str_children, *str_key, *str_value, *str_last_access;
 
+/* Appends the first `count` int64 slots (all of them when count == -1) of `value` (an object
+ * with a contiguous buffer of 8-byte items: the tree's numpy.int64 slot arrays) to
+ * out[*filled:], never past out[cap]. Returns 0, or -1 with an error set. */
+static int
+copy_slots(PyObject *value, Py_ssize_t count, char *out, Py_ssize_t cap, Py_ssize_t *filled)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(value, &view, PyBUF_SIMPLE) < 0) return -1;
+    if (count < 0) count = view.len / 8;
+    if (view.itemsize != 8 || view.len % 8 || view.len / 8 < count
+            || count > (cap - *filled) / 8) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "walk_slots: node.value must hold one int64 slot "
+                        "per token");
+        return -1;
+    }
+    memcpy(out + *filled, view.buf, (size_t)count * 8);
+    *filled += count * 8;
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+
 /* walk(node, kb, n, page_size, tick) -> (node, pos, values, split_child, m)
  *
  * The radix tree's descent (RadixCache._walk without the split): from `node`, follow the child
@@ -132,7 +161,7 @@ static PyObject *str_children, *str_key, *str_value, *str_last_access;
  * `last_access`.
  */
 static PyObject *
-walk(PyObject *self, PyObject *args)
+walk_impl(PyObject *args, int want_slots)
 {
     PyObject *node, *tick;
     const char *kb;
@@ -189,12 +218,75 @@ walk(PyObject *self, PyObject *args)
         Py_DECREF(node);
         node = child; /* owned */
     }
-    result = Py_BuildValue("(OnOOn)", node, pos, values, split_child, m);
+    if (!want_slots) {
+        result = Py_BuildValue("(OnOOn)", node, pos, values, split_child, m);
+    } else {
+        /* walk_slots: one bytearray of the pos + m matched slots, no intermediate list */
+        Py_ssize_t cap = (pos + m) * 8, filled = 0, nv = PyList_GET_SIZE(values);
+        PyObject *buf = PyByteArray_FromStringAndSize(NULL, cap);
+        if (buf == NULL) goto fail;
+        char *out = PyByteArray_AS_STRING(buf);
+        for (Py_ssize_t i = 0; i < nv; i++) {
+            if (copy_slots(PyList_GET_ITEM(values, i), -1, out, cap, &filled) < 0) {
+                Py_DECREF(buf); goto fail;
+            }
+        }
+        if (split_child != Py_None) {
+            PyObject *v = PyObject_GetAttr(split_child, str_value);
+            int rc = v == NULL ? -1 : copy_slots(v, m, out, cap, &filled);
+            Py_XDECREF(v);
+            if (rc < 0) { Py_DECREF(buf); goto fail; }
+        }
+        if (filled != cap) {
+            PyErr_SetString(PyExc_ValueError, "walk_slots: node.value must hold one int64 "
+                            "slot per token");
+            Py_DECREF(buf); goto fail;
+        }
+        result = Py_BuildValue("(OnNOn)", node, pos, buf, split_child, m);
+    }
 fail:
     Py_DECREF(node);
     Py_DECREF(values);
     Py_DECREF(split_child);
     return result;
+}
+
+/* read_int64(address, count) -> bytes: a copy of `count` int64 values at `address`.
+ * For RadixCache.insert's slot read-out from a contiguous int64 CPU tensor (the caller checks
+ * the tensor and passes tensor.data_ptr() + 8 * start; the tensor stays alive during the call).
+ * Same as ctypes.string_at(address, 8 * count), without ctypes' call overhead. */
+static PyObject *
+read_int64(PyObject *self, PyObject *args)
+{
+    unsigned long long addr;
+    Py_ssize_t count;
+    if (!PyArg_ParseTuple(args, "Kn:read_int64", &addr, &count)) return NULL;
+    if (count < 0 || (addr == 0 && count > 0) || count > PY_SSIZE_T_MAX / 8) {
+        PyErr_Format(PyExc_ValueError, "read_int64: need a non-null address and count >= 0, "
+                     "got count=%zd", count);
+        return NULL;
+    }
+    return PyBytes_FromStringAndSize((const char *)(uintptr_t)addr, count * 8);
+}
+
+static PyObject *
+walk(PyObject *self, PyObject *args)
+{
+    return walk_impl(args, 0);
+}
+
+/* walk_slots(node, kb, n, page_size, tick) -> (node, pos, slots, split_child, m)
+ *
+ * walk() plus the slot read-out of a match: `slots` is a new bytearray holding the int64 slots
+ * of every fully matched edge and, when split_child is not None, the first m slots of
+ * split_child's edge (pos + m slots in all); the caller wraps it in a tensor with
+ * torch.frombuffer (one copy in all, instead of a concatenate plus a conversion). The pure-Python
+ * walk_slots_py returns a numpy.int64 array instead (see radixkv/cache/token_keys.py).
+ */
+static PyObject *
+walk_slots(PyObject *self, PyObject *args)
+{
+    return walk_impl(args, 1);
 }
 
 static PyMethodDef methods[] = {
@@ -207,6 +299,12 @@ static PyMethodDef methods[] = {
     {"walk", walk, METH_VARARGS,
      "walk(node, kb, n, page_size, tick) -> (node, pos, values, split_child, m): the radix "
      "tree's descent over the first n int32 tokens of kb (see csrc/prefix_match.c)."},
+    {"read_int64", read_int64, METH_VARARGS,
+     "read_int64(address: int, count: int) -> bytes: copy of count int64 values at address "
+     "(a contiguous CPU tensor's data_ptr())."},
+    {"walk_slots", walk_slots, METH_VARARGS,
+     "walk_slots(node, kb, n, page_size, tick) -> (node, pos, slots: bytearray, split_child, m):"
+     " walk() plus the int64 slots of the matched tokens, split edge's first m included."},
     {NULL, NULL, 0, NULL},
 };
 

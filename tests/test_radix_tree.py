@@ -447,3 +447,77 @@ def test_c_walk_equals_python_walk(page_size):
         _cprefix.walk(ns_root, b"\0" * 12, 3, 2, 0)
     with pytest.raises(ValueError):
         _cprefix.walk(ns_root, b"\0" * 4, 2, 1, 0)
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_walk_slots_returns_the_matched_slots(page_size):
+    """walk_slots (C and Python) == walk plus the slots of the matched tokens, split edge's
+    first m included, checked against slots inserted as arange (slot == insertion position)."""
+    impls = [token_keys.walk_slots_py]
+    if radix_tree.HAS_CEXT:
+        from radixkv.cache import _cprefix
+
+        impls.append(_cprefix.walk_slots)
+    rng = random.Random(9)
+    t = RadixCache(page_size)
+    oracle = {}  # (prefix up to the end of position i's page, i) -> slot of position i
+    slot = 0
+    for _ in range(60):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
+        n = len(toks) - len(toks) % page_size
+        p = t.insert(toks, torch.arange(slot, slot + len(toks)))
+        for i in range(p, n):
+            oracle[tuple(toks[: (i // page_size + 1) * page_size]), i] = slot + i
+        slot += len(toks)
+    ns_root = t.root.children[None]
+    for _ in range(300):
+        toks = [rng.randrange(3) for _ in range(rng.randrange(0, 24))]
+        kb = token_keys.pack_int32_py(toks)
+        n = len(toks) - len(toks) % page_size
+        w = token_keys.walk_py(ns_root, kb, n, page_size, 7)
+        for impl in impls:
+            node, pos, buf, child, m = impl(ns_root, kb, n, page_size, 7)
+            assert isinstance(buf, bytearray if impl is not token_keys.walk_slots_py
+                              else np.ndarray)
+            assert node is w[0] and pos == w[1] and child is w[3] and m == w[4]
+            got = np.frombuffer(bytes(buf), dtype=np.int64).tolist()
+            assert got == [oracle[tuple(toks[: (i // page_size + 1) * page_size]), i]
+                           for i in range(pos + m)]
+
+
+@pytest.mark.parametrize("impl", ["py", "c"])
+def test_read_int64_copies_a_tensor_range(impl):
+    if impl == "c":
+        if not radix_tree.HAS_CEXT:
+            pytest.skip("C helper not built")
+        from radixkv.cache._cprefix import read_int64
+    else:
+        read_int64 = token_keys.read_int64_py
+    x = torch.tensor([5, -1, 2**40, 7], dtype=torch.int64)
+    addr = token_keys.slot_tensor_address(x)
+    assert addr == x.data_ptr()
+    assert np.frombuffer(read_int64(addr + 8, 2), dtype=np.int64).tolist() == [-1, 2**40]
+    assert read_int64(addr, 0) == b""
+    with pytest.raises(ValueError, match="count"):
+        read_int64(addr, -1)
+    # anything but a contiguous 1-D int64 CPU tensor takes the validating slow path
+    assert token_keys.slot_tensor_address(x[::2]) == -1
+    assert token_keys.slot_tensor_address(x.to(torch.int32)) == -1
+    assert token_keys.slot_tensor_address([1, 2]) == -1
+    assert token_keys.slot_tensor_address(x.view(2, 2)) == -1
+
+
+def test_insert_reads_slots_from_any_valid_input():
+    """The contiguous-tensor fast path and the validating path (strided, int32, list, numpy,
+    offset view) store the same slots: the tree keeps its own 4, takes the rest."""
+    toks = list(range(10))
+    for slots in (torch.arange(200, 210), torch.arange(200, 220)[::2],
+                  torch.arange(200, 210, dtype=torch.int32), list(range(200, 210)),
+                  np.arange(200, 210), torch.arange(198, 210)[2:]):
+        t = RadixCache()
+        assert t.insert(toks[:4], torch.arange(100, 104)) == 0
+        assert t.insert(toks, slots) == 4
+        r = t.match_prefix(toks)
+        assert r.slots.dtype == torch.int64 and r.length == 10
+        assert r.slots.tolist() == [100, 101, 102, 103] + [int(s) for s in list(slots)[4:]]
+        t.check_integrity()

@@ -12,9 +12,11 @@ Representation (docs/cache.md has the measurements behind it):
   its slots a ``numpy.int64`` array: compact, compared with ``memcmp``, freed in one piece;
 * children are found through a dict keyed by the child's first page of tokens as ``bytes``
   (the first token when ``page_size == 1``);
-* packing a token list to int32, the common-prefix length of two int32 buffers and the descent
-  loop run in the C helper ``radixkv.cache._cprefix`` when it is built, else in pure Python
-  (same results; see :mod:`radixkv.cache.token_keys`);
+* packing a token list to int32, the common-prefix length of two int32 buffers, the descent
+  loop with a match's slot read-out (one ``bytearray`` for ``torch.frombuffer``) and an
+  insert's read of the new slots from the tensor's memory run in the C helper
+  ``radixkv.cache._cprefix`` when it is built, else in pure Python (same results; see
+  :mod:`radixkv.cache.token_keys`);
 * the evictable leaves (no children, ``lock_ref == 0``) are kept, incrementally, in two ordered
   containers: a node enters when it becomes an unlocked leaf and leaves when it gets a child, is
   locked or is evicted, so eviction never scans the tree. A leaf entering with the current time
@@ -42,12 +44,27 @@ from sortedcontainers import SortedList
 from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, Tokens
 from radixkv.cache.radix_check import check_tree, format_tree
-from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens
+from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, slot_tensor_address
 
 __all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
 
 _uids = count()
 _EMPTY = np.empty(0, dtype=np.int64)
+_frombuffer = torch.frombuffer
+_np_frombuffer = np.frombuffer
+_new_object = object.__new__
+
+
+def _match_result(slots: torch.Tensor, length: int, node: Any) -> MatchResult:
+    """``MatchResult(slots, length, node)`` without the frozen dataclass's ``__init__`` (three
+    ``object.__setattr__`` calls, half the cost of a cached match): fills the instance dict
+    directly. Same object, fields, equality and immutability as the regular constructor."""
+    r = _new_object(MatchResult)
+    d = r.__dict__
+    d["slots"] = slots
+    d["length"] = length
+    d["node"] = node
+    return r
 
 
 class TreeNode:
@@ -149,21 +166,6 @@ class RadixCache:
 
     # ------------------------------------------------------------------ lookup / insertion
 
-    def _walk(self, node: TreeNode, kb: bytes, n: int, tick: int) -> tuple:
-        """Walks the first ``n`` tokens of ``kb`` down from ``node``, splitting the last edge
-        if the match ends inside it. Sets ``last_access = tick`` on every node on the way.
-
-        Returns ``(node, pos, values)``: the deepest node, ending exactly at ``pos`` matched
-        tokens, and the slot arrays of the edges on the way.
-        """
-        node, pos, values, child, m = token_keys.walk(node, kb, n, self.page_size, tick)
-        if child is not None:
-            node = self._split(child, m)
-            node.last_access = tick
-            values.append(node.value)
-            pos += m
-        return node, pos, values
-
     def _split(self, node: TreeNode, m: int) -> TreeNode:
         """Cuts ``node``'s edge after ``m`` tokens; returns the new upper node.
 
@@ -205,20 +207,32 @@ class RadixCache:
         """
         kb = pack_tokens(tokens)
         n = len(kb) >> 2
-        if self.page_size > 1:
-            n -= n % self.page_size
+        ps = self.page_size
+        if ps > 1:
+            n -= n % ps
         ns_root = self.root.children.get(namespace)
         if ns_root is None or n == 0:
-            return MatchResult(torch.empty(0, dtype=torch.int64), 0, self.root)
-        self._clock += 1
-        node, pos, values = self._walk(ns_root, kb, n, self._clock)
+            return _match_result(torch.empty(0, dtype=torch.int64), 0, self.root)
+        self._clock = tick = self._clock + 1
+        node, pos, buf, child, m = token_keys.walk_slots(ns_root, kb, n, ps, tick)
+        if child is not None:
+            node = self._split(child, m)
+            node.last_access = tick
+            pos += m
         if pos == 0:
-            return MatchResult(torch.empty(0, dtype=torch.int64), 0, self.root)
-        ns_root.last_access = self._clock
-        if node.lru is not None:
+            return _match_result(torch.empty(0, dtype=torch.int64), 0, self.root)
+        ns_root.last_access = tick
+        lru = node.lru
+        if lru is True:  # the common case of _lru_refresh, inlined
+            self._lru_new.move_to_end(node.uid)
+        elif lru is not None:
             self._lru_refresh(node)
-        slots = values[0].copy() if len(values) == 1 else np.concatenate(values)
-        return MatchResult(torch.from_numpy(slots), pos, node)
+        # buf: a fresh buffer of the pos matched int64 slots that the tensor shares: a
+        # bytearray from the C helper (one copy, against np.concatenate + torch.from_numpy),
+        # a numpy array from the pure-Python path.
+        if type(buf) is bytearray:
+            return _match_result(_frombuffer(buf, dtype=torch.int64), pos, node)
+        return _match_result(torch.from_numpy(buf), pos, node)
 
     def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
         """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
@@ -245,27 +259,41 @@ class RadixCache:
                 ``slots`` is not on the CPU, or a token id is outside int32.
         """
         kb = pack_tokens(tokens)
-        value = as_slot_array(slots)
         n = len(kb) >> 2
-        if n != len(value):
+        addr = slot_tensor_address(slots)
+        if addr >= 0:  # a contiguous int64 CPU tensor: read its slots in place, no numpy view
+            value = None
+            nslots = slots.shape[0]
+        else:
+            value = as_slot_array(slots)
+            nslots = len(value)
+        if n != nslots:
             raise ValueError(f"tokens and slots must have the same length, got "
-                             f"len(tokens)={n} and len(slots)={len(value)}")
+                             f"len(tokens)={n} and len(slots)={nslots}")
         ps = self.page_size
         if ps > 1:
             n -= n % ps
         if n == 0:
             return 0
-        self._clock += 1
-        tick = self._clock
+        self._clock = tick = self._clock + 1
         ns_root = self.root.children.get(namespace)
         if ns_root is None:
             ns_root = TreeNode(b"", _EMPTY, self.root, namespace, tick)
             self.root.children[namespace] = ns_root
         ns_root.last_access = tick
-        node, pos, _ = self._walk(ns_root, kb, n, tick)
+        node, pos, _, child, m = token_keys.walk(ns_root, kb, n, ps, tick)
+        if child is not None:
+            node = self._split(child, m)
+            node.last_access = tick
+            pos += m
         if pos < n:
+            if value is None:
+                new = _np_frombuffer(token_keys.read_int64(addr + (pos << 3), n - pos),
+                                     dtype=np.int64)
+            else:
+                new = value[pos:n].copy()
             off = pos << 2
-            leaf = TreeNode(kb[off : n << 2], value[pos:n].copy(), node, namespace, tick)
+            leaf = TreeNode(kb[off : n << 2], new, node, namespace, tick)
             node.children[kb[off : off + self._page_bytes]] = leaf
             self._total += n - pos
             if node.lru is not None:

@@ -1,15 +1,18 @@
 """Token keys of the radix tree: int32 packing and common-prefix length, C or pure Python.
 
 An edge's tokens are stored as a ``bytes`` object of int32 ids (4 bytes a token, native byte
-order). ``pack_int32``, ``common_prefix_len`` and the tree descent ``walk`` come from the
+order). ``pack_int32``, ``common_prefix_len``, the tree descent ``walk`` and ``walk_slots`` (the
+descent plus the slot read-out of a match) come from the
 optional C helper ``radixkv.cache._cprefix`` (csrc/prefix_match.c) when it is built, else they
-are the pure-Python :func:`pack_int32_py` / :func:`common_prefix_len_py` / :func:`walk_py` (same
+are the pure-Python :func:`pack_int32_py` / :func:`common_prefix_len_py` / :func:`walk_py` /
+:func:`walk_slots_py` (same
 results; tested equal). ``RADIXKV_NO_CEXT=1`` forces the Python path; callers look the
 functions up on this module at call time, so :func:`use_python_path` can swap them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 from array import array
 
@@ -18,8 +21,9 @@ import torch
 
 from radixkv.cache.base import Tokens
 
-__all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "walk", "pack_int32_py",
-           "common_prefix_len_py", "walk_py", "pack_tokens", "as_slot_array", "use_python_path"]
+__all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "walk", "walk_slots", "pack_int32_py",
+           "common_prefix_len_py", "walk_py", "walk_slots_py", "read_int64", "read_int64_py",
+           "pack_tokens", "as_slot_array", "slot_tensor_address", "use_python_path"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
@@ -103,10 +107,43 @@ def walk_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
     return node, pos, values, None, 0
 
 
+def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
+    """:func:`walk_py` plus the slot read-out of a match (pure Python; same contract as the C
+    ``walk_slots``).
+
+    Returns:
+        ``(node, pos, slots, split_child, m)`` as :func:`walk_py`, except that ``slots`` holds
+        the ``pos + m`` int64 slots of the matched tokens in a fresh buffer: every fully
+        matched edge's, then the first ``m`` of ``split_child``'s edge. The C version returns a
+        ``bytearray`` (for ``torch.frombuffer``), this one a ``numpy.int64`` array (for
+        ``torch.from_numpy``, cheaper than a further copy in pure Python).
+    """
+    node, pos, values, child, m = walk_py(node, kb, n, page_size, tick)
+    if child is not None:
+        values.append(child.value[:m])
+    if not values:
+        return node, pos, np.empty(0, dtype=np.int64), child, m
+    return node, pos, values[0].copy() if len(values) == 1 else np.concatenate(values), child, m
+
+
+def read_int64_py(address: int, count: int) -> bytes:
+    """Copy of ``count`` int64 values at ``address`` (pure Python, via ``ctypes``; same contract
+    as the C ``read_int64``). ``address`` must come from :func:`slot_tensor_address` (plus
+    ``8 * start``) of a tensor that stays alive during the call.
+
+    Raises:
+        ValueError: ``count < 0``, or a null ``address`` with ``count > 0``.
+    """
+    if count < 0 or (address == 0 and count > 0):
+        raise ValueError(f"read_int64: need a non-null address and count >= 0, got "
+                         f"count={count}")
+    return ctypes.string_at(address, count << 3) if count else b""
+
+
 try:  # the optional C helper (csrc/prefix_match.c); the Python path is used when it is absent
     if os.environ.get("RADIXKV_NO_CEXT") == "1":
         raise ImportError("disabled by RADIXKV_NO_CEXT=1")
-    from radixkv.cache._cprefix import common_prefix_len, pack_int32, walk
+    from radixkv.cache._cprefix import common_prefix_len, pack_int32, read_int64, walk, walk_slots
 
     HAS_CEXT = True
 except ImportError:
@@ -114,6 +151,8 @@ except ImportError:
     common_prefix_len = common_prefix_len_py
     pack_int32 = pack_int32_py
     walk = walk_py
+    walk_slots = walk_slots_py
+    read_int64 = read_int64_py
 
 
 def pack_tokens(tokens: Tokens) -> bytes:
@@ -140,6 +179,19 @@ def pack_tokens(tokens: Tokens) -> bytes:
     return pack_int32(list(tokens))
 
 
+_Tensor, _int64 = torch.Tensor, torch.int64
+
+
+def slot_tensor_address(slots) -> int:
+    """``slots.data_ptr()`` when ``slots`` is a 1-D contiguous ``torch.int64`` CPU tensor (the
+    common case, read directly with ``read_int64``), else -1 (the caller falls back to
+    :func:`as_slot_array`, which validates and converts everything else)."""
+    if (type(slots) is _Tensor and slots.dtype is _int64 and slots.is_cpu
+            and slots.dim() == 1 and slots.is_contiguous()):
+        return slots.data_ptr()
+    return -1
+
+
 def as_slot_array(slots: torch.Tensor) -> np.ndarray:
     """int64 numpy view (or copy) of a 1-D integer CPU tensor or sequence of slots."""
     if isinstance(slots, torch.Tensor):
@@ -161,7 +213,7 @@ class use_python_path:
     """Context manager: inside it the pure-Python helpers are used even if the C one is built
     (for tests and the benchmark's C-vs-Python comparison)."""
 
-    _names = ("pack_int32", "common_prefix_len", "walk")
+    _names = ("pack_int32", "common_prefix_len", "walk", "walk_slots", "read_int64")
 
     def __enter__(self) -> "use_python_path":
         g = globals()
