@@ -32,9 +32,10 @@ def _tokens(n: int, batch: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 class _Ours:
-    def __init__(self, loaded, num_slots: int, max_batch: int, max_len: int, backend: str) -> None:
+    def __init__(self, loaded, num_slots: int, max_batch: int, max_len: int, backend: str,
+                 quantization: str | None = None) -> None:
         self.runner = ModelRunner(loaded, num_slots=num_slots, page_size=1, max_running_requests=max_batch,
-                                  max_context_len=max_len, attention_backend=backend)
+                                  max_context_len=max_len, attention_backend=backend, quantization=quantization)
 
     def _setup(self, batch: int, total_len: int) -> list[int]:
         pool = self.runner.req_to_token_pool
@@ -122,6 +123,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per measure (alternating); the best is kept")
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--quantization", nargs="*", default=["int8"],
+                    help="also time radixkv with these weight quantizations (rows 'radixkv int8'); none: fp32 only")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,6 +136,11 @@ def main() -> None:
     max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1])
     ours = _Ours(loaded, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend)
     hf = _HF(loaded.hf_dir, torch.float32)
+    quant = {}
+    for q in args.quantization:  # a separately loaded copy: quantization replaces layers in place
+        ql = load_model(args.model, device="cpu", dtype=torch.float32)
+        quant[q] = _Ours(ql, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend,
+                         quantization=q)
     print(f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
     print("transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
           "generate() = model.generate(do_sample=False)")
@@ -140,20 +148,33 @@ def main() -> None:
 
     warm = _tokens(32, 1, vocab, 0)
     ours.prefill(warm), hf.prefill(warm)
+    for qo in quant.values():
+        qo.prefill(warm)
     r = max(1, args.repeats)
     for n in args.prefill_lens:
         ids = _tokens(n, 1, vocab, n)
         ta, tb = float("inf"), float("inf")
-        for _ in range(r):  # alternate the two and keep each one's best run
+        tq = {q: float("inf") for q in quant}
+        for _ in range(r):  # alternate them and keep each one's best run
             ta, tb = min(ta, ours.prefill(ids)), min(tb, hf.prefill(ids))
+            for q, qo in quant.items():
+                tq[q] = min(tq[q], qo.prefill(ids))
         a, b = n / ta, n / tb
         print(f"{f'prefill {n} tokens (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x")
+        for q in quant:
+            aq = n / tq[q]
+            print(f"{f'  radixkv {q}, prefill {n}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x")
     for bs in args.decode_batches:
         ids = _tokens(args.context, bs, vocab, 1000 + bs)
         ta = tb = tc = float("inf")
+        tq = {q: float("inf") for q in quant}
+        toks_q = {}
         for _ in range(r):
             t, toks_a = ours.decode(ids, args.decode_steps)
             ta = min(ta, t)
+            for q, qo in quant.items():
+                t, toks_q[q] = qo.decode(ids, args.decode_steps)
+                tq[q] = min(tq[q], t)
             t, toks_b = hf.decode(ids, args.decode_steps)
             tb = min(tb, t)
             tc = min(tc, hf.decode_generate(ids, args.decode_steps))
@@ -161,6 +182,11 @@ def main() -> None:
         same = (toks_a == toks_b).float().mean().item()
         print(f"{f'decode batch {bs} (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x{c:>12.1f}{a / c:>7.2f}x"
               f"   same greedy tokens {same:.0%}")
+        for q in quant:
+            aq = bs * args.decode_steps / tq[q]
+            sq = (toks_q[q] == toks_a).float().mean().item()
+            print(f"{f'  radixkv {q}, decode batch {bs}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x{c:>12.1f}{aq / c:>7.2f}x"
+                  f"   greedy tokens equal to fp32 {sq:.0%}")
 
 
 if __name__ == "__main__":

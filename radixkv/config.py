@@ -48,6 +48,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"auto", "torch" or "flashinfer"."""
 
+    quantization: Optional[str] = None
+    """None (exact weights) or "int8": CPU-only, lossy int8 linear layers for decode speed
+    (see docs/model.md for its measured speed and accuracy)."""
+
     max_running_requests: Optional[int] = None
     """Requests admitted at once (rows of req_to_token). Default 64 on CPU, 256 on CUDA."""
 

