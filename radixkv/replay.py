@@ -149,9 +149,9 @@ def format_table(rows: List[dict]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``radixkv replay``."""
-    parser.add_argument("--conversations", type=int, default=6, help="conversations replayed at once (default 6)")
-    parser.add_argument("--turns", type=int, default=3, help="user turns per conversation (default 3)")
-    parser.add_argument("--max-tokens", type=int, default=24, help="max tokens per reply (default 24)")
+    parser.add_argument("--conversations", type=int, default=8, help="conversations replayed at once (default 8)")
+    parser.add_argument("--turns", type=int, default=4, help="user turns per conversation (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="max tokens per reply (default 32)")
     parser.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
     parser.add_argument("--max-total-tokens", type=int, default=None,
                         help="KV pool capacity in tokens (default: the engine's, 32768 on CPU)")
@@ -191,6 +191,12 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     t_load = time.perf_counter()
     loaded = loaded_model if loaded_model is not None else load_model(args.model, cfg.device, cfg.dtype)
     print(f"model {args.model} loaded in {time.perf_counter() - t_load:.1f} s on {cfg.device}", file=sys.stderr)
+    # Untimed warm-up (first turn, 2 tokens, no cache): torch's first calls of each kernel and
+    # shape are slow, which would otherwise penalize whichever mode is timed first.
+    warm = LLM(args.model, device=cfg.device, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+               prefix_cache="none", loaded_model=loaded)
+    replay_mode(warm, [c[:1] for c in convs], 2, progress=False)
+    del warm
     for mode in modes:
         llm = LLM(args.model, device=cfg.device, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
                   prefix_cache=MODES[mode], loaded_model=loaded)
