@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     server_cli.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.command == "replay":
-        return replay.run(args)
+        try:
+            return replay.run(args)
+        except ValueError as e:  # an engine limit (e.g. --max-total-tokens too small for a prompt)
+            print(f"radixkv replay: {e}", file=sys.stderr)
+            return 2
     return server_cli.run(args)
 
 
