@@ -273,27 +273,21 @@ class OpenAIServing:
             ]
             return CompletionResponse(id=rid, model=self.served_model_name, choices=choices, usage=usage(outs)).model_dump()
 
-        async def stream() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[str]:
             deltas = Deltas(params.stop)
             latest = list(firsts)
-            try:
-                async for p, out in chain(firsts, rest):
-                    latest[p] = out
-                    for c in out.outputs:
-                        k = p * n + c.index
-                        text = deltas.take(k, c.text, c.finish_reason is not None)
-                        reason = c.finish_reason if c.finish_reason is not None and deltas.finish(k) else None
-                        if text or reason:
-                            yield chunk([CompletionChoice(index=k, text=text, finish_reason=reason)])
-                if req.include_usage:
-                    yield chunk([], usage(latest))
-            except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
-                yield sse(APIError(str(exc), type="server_error", code="internal_error").to_dict())
-            finally:
-                await rest.aclose()
-            yield "data: [DONE]\n\n"
+            async for p, out in chain(firsts, rest):
+                latest[p] = out
+                for c in out.outputs:
+                    k = p * n + c.index
+                    text = deltas.take(k, c.text, c.finish_reason is not None)
+                    reason = c.finish_reason if c.finish_reason is not None and deltas.finish(k) else None
+                    if text or reason:
+                        yield chunk([CompletionChoice(index=k, text=text, finish_reason=reason)])
+            if req.include_usage:
+                yield chunk([], usage(latest))
 
-        return stream()
+        return _framed(events(), rest)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> dict | AsyncIterator[str]:
         """``POST /v1/chat/completions``: a response dict, or an SSE chunk stream when ``stream``."""
@@ -321,26 +315,34 @@ class OpenAIServing:
                 id=rid, model=self.served_model_name, choices=choices, usage=usage([out])
             ).model_dump()
 
-        async def stream() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[str]:
             deltas = Deltas(params.stop)
             latest = firsts[0]
-            try:
-                for i in range(params.n):
-                    yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
-                async for _, out in chain(firsts, rest):
-                    latest = out
-                    for c in out.outputs:
-                        text = deltas.take(c.index, c.text, c.finish_reason is not None)
-                        if text:
-                            yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text))])
-                        if c.finish_reason is not None and deltas.finish(c.index):
-                            yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)])
-                if req.include_usage:
-                    yield chunk([], usage([latest]))
-            except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
-                yield sse(APIError(str(exc), type="server_error", code="internal_error").to_dict())
-            finally:
-                await rest.aclose()
-            yield "data: [DONE]\n\n"
+            for i in range(params.n):
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            async for _, out in chain(firsts, rest):
+                latest = out
+                for c in out.outputs:
+                    text = deltas.take(c.index, c.text, c.finish_reason is not None)
+                    if text:
+                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text))])
+                    if c.finish_reason is not None and deltas.finish(c.index):
+                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)])
+            if req.include_usage:
+                yield chunk([], usage([latest]))
 
-        return stream()
+        return _framed(events(), rest)
+
+
+async def _framed(events: AsyncIterator[str], rest) -> AsyncIterator[str]:
+    """An SSE response body: ``events``, then ``data: [DONE]``. An error after the headers were
+    sent is reported in-band as an OpenAI error event; the engine streams in ``rest`` are closed
+    in every case (closing aborts unfinished requests, so a disconnect frees their KV slots)."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
+        yield sse(APIError(str(exc), type="server_error", code="internal_error").to_dict())
+    finally:
+        await rest.aclose()
+    yield "data: [DONE]\n\n"
