@@ -1,6 +1,8 @@
 /* radixkv.cache._cprefix: the radix tree's hot loops, in C.
  *
- * Tokens are stored as int32 buffers (bytes objects, native byte order, 4 bytes a token).
+ * An edge's tokens are an int32 buffer (bytes, native byte order, 4 bytes a token) and its KV
+ * slots an int64 buffer (bytes, 8 bytes a token). A query's tokens are either a list/tuple of
+ * Python ints, read in place (no packed copy is made for a lookup), or an int32 bytes buffer.
  *
  * pack_int32(seq) -> bytes
  *   seq: a list or tuple of ints. Returns their int32 buffer.
@@ -12,21 +14,56 @@
  *   with a[:m] == b[start:start + m] token by token; 0 <= start <= limit <= len(b) // 4.
  *   Compares 8 bytes at a time and finds the first differing token with a count-trailing-zeros.
  *
- * walk(node, kb, n, page_size, tick): the descent of RadixCache._walk (see below).
+ * match_walk(node, tokens, page_size, tick) -> (node, pos, slots, split_child, m)
+ *   RadixCache.match_prefix's descent and slot read-out (see descend() below).
  *
- * walk_slots(node, kb, n, page_size, tick): walk() plus the matched slots, concatenated into
- *   one bytearray of int64 (match_prefix's slot read-out in one copy).
+ * insert_walk(node, tokens, page_size, tick, address) -> (node, pos, split_child, m, tail_key,
+ *   tail_slots): RadixCache.insert's descent, plus the new leaf's key and slots.
  *
- * read_int64(address, count): copy of count int64 values at a contiguous CPU tensor's
- *   data_ptr() (insert's slot read-out without Tensor.numpy()).
- *
- * All are tested equal to the pure-Python versions (radixkv/cache/token_keys.py and
- * RadixCache._walk_py).
+ * Both validate every token before they change anything (a bad id raises with the tree
+ * untouched). They are tested equal to the pure-Python versions in
+ * radixkv/cache/token_keys.py (match_walk_py, insert_walk_py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+/* One token id as int32: 0, or -1 with ValueError/TypeError set (i: its position). */
+static inline int
+item_to_int32(PyObject *o, Py_ssize_t i, int32_t *out)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
+        Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)o);
+        if (c >= INT32_MIN && c <= INT32_MAX) {
+            *out = (int32_t)c;
+            return 0;
+        }
+    }
+#else
+    /* Fast path for exact ints of at most one 30-bit digit (every realistic token id):
+     * value = sign * digit, with Py_SIZE in {-1, 0, 1}. */
+    if (Py_IS_TYPE(o, &PyLong_Type) && PyLong_SHIFT == 30) {
+        Py_ssize_t sz = Py_SIZE(o);
+        if ((size_t)(sz + 1) <= 2) {
+            *out = (int32_t)(sz * (Py_ssize_t)((PyLongObject *)o)->ob_digit[0]);
+            return 0;
+        }
+    }
+#endif
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v < INT32_MIN || v > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError,
+                     "token id at position %zd does not fit in int32 "
+                     "(must be in [-2147483648, 2147483647])", i);
+        return -1;
+    }
+    *out = (int32_t)v;
+    return 0;
+}
 
 static PyObject *
 pack_int32(PyObject *self, PyObject *seq)
@@ -42,44 +79,10 @@ pack_int32(PyObject *self, PyObject *seq)
     int32_t *dst = (int32_t *)PyBytes_AS_STRING(out);
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = items[i];
-#if PY_VERSION_HEX >= 0x030C0000
-        if (PyLong_CheckExact(o) && PyUnstable_Long_IsCompact((PyLongObject *)o)) {
-            Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)o);
-            if (c >= INT32_MIN && c <= INT32_MAX) {
-                dst[i] = (int32_t)c;
-                continue;
-            }
-        }
-#else
-        /* Fast path for exact ints of at most one 30-bit digit (every realistic token id). */
-        if (PyLong_CheckExact(o) && PyLong_SHIFT == 30) {
-            Py_ssize_t sz = Py_SIZE(o);
-            if (sz == 0) {
-                dst[i] = 0;
-                continue;
-            }
-            if (sz == 1 || sz == -1) {
-                int32_t d = (int32_t)((PyLongObject *)o)->ob_digit[0];
-                dst[i] = sz == 1 ? d : -d;
-                continue;
-            }
-        }
-#endif
-        int overflow = 0;
-        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-        if (v == -1 && PyErr_Occurred()) {
+        if (item_to_int32(items[i], i, dst + i) < 0) {
             Py_DECREF(out);
             return NULL;
         }
-        if (overflow || v < INT32_MIN || v > INT32_MAX) {
-            Py_DECREF(out);
-            PyErr_Format(PyExc_ValueError,
-                         "token id at position %zd does not fit in int32 "
-                         "(must be in [-2147483648, 2147483647])", i);
-            return NULL;
-        }
-        dst[i] = (int32_t)v;
     }
     return out;
 }
@@ -125,64 +128,123 @@ common_prefix_len(PyObject *self, PyObject *args)
     return PyLong_FromSsize_t(prefix_tokens(a, b + start * 4, n));
 }
 
-static PyObject *str_children, *str_key, *str_value, *str_last_access;
+/* ------------------------------------------------------------------ query tokens */
 
-/* Appends the first `count` int64 slots (all of them when count == -1) of `value` (an object
- * with a contiguous buffer of 8-byte items: the tree's numpy.int64 slot arrays) to
- * out[*filled:], never past out[cap]. Returns 0, or -1 with an error set. */
+/* A query: an int32 buffer (buf) or the items of a list/tuple of ints (items). No Python code
+ * runs while one is in use (only bytes hashing/compares and slot attribute access), so the
+ * borrowed item array stays valid. `checked`: items [0, checked) are known to be valid ids. */
+typedef struct {
+    const char *buf;
+    PyObject **items;
+    Py_ssize_t len, checked;
+} Query;
+
 static int
-copy_slots(PyObject *value, Py_ssize_t count, char *out, Py_ssize_t cap, Py_ssize_t *filled)
+query_init(Query *q, PyObject *tokens)
 {
-    Py_buffer view;
-    if (PyObject_GetBuffer(value, &view, PyBUF_SIMPLE) < 0) return -1;
-    if (count < 0) count = view.len / 8;
-    if (view.itemsize != 8 || view.len % 8 || view.len / 8 < count
-            || count > (cap - *filled) / 8) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_ValueError, "walk_slots: node.value must hold one int64 slot "
-                        "per token");
-        return -1;
+    q->checked = 0;
+    if (PyBytes_Check(tokens)) {
+        if (PyBytes_GET_SIZE(tokens) % 4) {
+            PyErr_SetString(PyExc_ValueError, "token buffer length must be a multiple of 4");
+            return -1;
+        }
+        q->buf = PyBytes_AS_STRING(tokens);
+        q->items = NULL;
+        q->len = PyBytes_GET_SIZE(tokens) / 4;
+        q->checked = q->len;
+        return 0;
     }
-    memcpy(out + *filled, view.buf, (size_t)count * 8);
-    *filled += count * 8;
-    PyBuffer_Release(&view);
+    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
+        q->buf = NULL;
+        q->items = PySequence_Fast_ITEMS(tokens);
+        q->len = PySequence_Fast_GET_SIZE(tokens);
+        return 0;
+    }
+    PyErr_Format(PyExc_TypeError, "tokens must be a list, tuple or int32 bytes, got %.100s",
+                 Py_TYPE(tokens)->tp_name);
+    return -1;
+}
+
+/* Writes tokens [start, end) as int32 to dst. 0 or -1 (error set). */
+static int
+query_pack(Query *q, Py_ssize_t start, Py_ssize_t end, char *dst)
+{
+    if (q->buf) {
+        memcpy(dst, q->buf + start * 4, (size_t)(end - start) * 4);
+        return 0;
+    }
+    for (Py_ssize_t i = start; i < end; i++) {
+        int32_t v;
+        if (item_to_int32(q->items[i], i, &v) < 0) return -1;
+        memcpy(dst + (i - start) * 4, &v, 4);
+    }
+    if (end > q->checked) q->checked = end;
     return 0;
 }
 
-
-/* walk(node, kb, n, page_size, tick) -> (node, pos, values, split_child, m)
- *
- * The radix tree's descent (RadixCache._walk without the split): from `node`, follow the child
- * keyed by the next page of `kb` (int32 tokens) while the child's whole edge matches the first
- * `n` tokens, setting each child's last_access = tick and collecting its `value`. Stops at a
- * missing child (split_child None) or at an edge that matches only its first m tokens (m floored
- * to page_size; split_child is that child, not updated; the caller splits it). Nodes are any
- * objects with `children` (dict keyed by first-page bytes), `key` (bytes), `value` and a writable
- * `last_access`.
- */
-static PyObject *
-walk_impl(PyObject *args, int want_slots)
+/* Length of the common prefix of the edge key (int32) and tokens [pos, pos + lim): -1 on a bad
+ * token id (error set). */
+static Py_ssize_t
+query_prefix(Query *q, const char *key, Py_ssize_t pos, Py_ssize_t lim)
 {
-    PyObject *node, *tick;
-    const char *kb;
-    Py_ssize_t kblen, n, ps;
-    if (!PyArg_ParseTuple(args, "Oy#nnO:walk", &node, &kb, &kblen, &n, &ps, &tick))
-        return NULL;
-    if (ps < 1 || n < 0 || n > kblen / 4 || n % ps) {
-        PyErr_Format(PyExc_ValueError, "walk: need page_size >= 1 and 0 <= n <= len(kb) // 4, "
-                     "n %% page_size == 0; got n=%zd page_size=%zd", n, ps);
-        return NULL;
+    if (q->buf) return prefix_tokens(key, q->buf + pos * 4, lim);
+    /* blocks of 64: convert (the tight loop of pack_int32), then compare 8 bytes at a time */
+    int32_t block[64];
+    Py_ssize_t j = 0;
+    while (j < lim) {
+        Py_ssize_t b = lim - j < 64 ? lim - j : 64;
+        PyObject **items = q->items + pos + j;
+        for (Py_ssize_t i = 0; i < b; i++)
+            if (item_to_int32(items[i], pos + j + i, block + i) < 0) return -1;
+        if (pos + j + b > q->checked) q->checked = pos + j + b;
+        Py_ssize_t c = prefix_tokens(key + j * 4, (const char *)block, b);
+        j += c;
+        if (c < b) break;
     }
-    PyObject *values = PyList_New(0);
-    if (values == NULL) return NULL;
-    Py_INCREF(node);
-    PyObject *split_child = Py_None, *result = NULL;
-    Py_INCREF(split_child);
+    return j;
+}
+
+/* Checks every token not read yet. 0 or -1 (error set). */
+static int
+query_check_rest(Query *q)
+{
+    for (Py_ssize_t i = q->checked; i < q->len; i++) {
+        int32_t v;
+        if (item_to_int32(q->items[i], i, &v) < 0) return -1;
+    }
+    q->checked = q->len;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the descent */
+
+static PyObject *str_children, *str_key, *str_value, *str_last_access;
+
+#define PATH_INLINE 32
+
+/* The radix tree's descent from `node` over the first n tokens of q (n % ps == 0): follow the
+ * child keyed by the next page of tokens while the child's whole edge matches. Stops at a
+ * missing child (*split_child NULL, *m 0) or at an edge that matches only its first m tokens
+ * (m floored to ps; *split_child is that child: the caller splits it). When out != NULL the
+ * matched slots (node.value, int64 bytes) are copied there, out[8 * i] for token i, the split
+ * edge's first m included. Nothing is modified: the fully matched nodes are returned in path[]
+ * (new references, *depth of them; the caller sets their last_access once every token has been
+ * checked). Returns 0 or -1 (error set, references released). */
+static int
+descend(PyObject *node, Query *q, Py_ssize_t n, Py_ssize_t ps, char *out, PyObject ***path,
+        Py_ssize_t *depth, Py_ssize_t *cap, Py_ssize_t *pos_out, PyObject **split_child,
+        Py_ssize_t *m_out)
+{
     Py_ssize_t pos = 0, m = 0;
+    *split_child = NULL;
+    char page[4 * 64];
+    char *pagebuf = ps <= 64 ? page : PyMem_Malloc((size_t)ps * 4);
+    if (pagebuf == NULL) { PyErr_NoMemory(); return -1; }
     while (pos < n) {
         PyObject *children = PyObject_GetAttr(node, str_children);
         if (children == NULL) goto fail;
-        PyObject *ck = PyBytes_FromStringAndSize(kb + pos * 4, ps * 4);
+        if (query_pack(q, pos, pos + ps, pagebuf) < 0) { Py_DECREF(children); goto fail; }
+        PyObject *ck = PyBytes_FromStringAndSize(pagebuf, ps * 4);
         if (ck == NULL) { Py_DECREF(children); goto fail; }
         PyObject *child = PyDict_GetItemWithError(children, ck); /* borrowed */
         Py_XINCREF(child);
@@ -195,98 +257,164 @@ walk_impl(PyObject *args, int want_slots)
         PyObject *ckey = PyObject_GetAttr(child, str_key);
         if (ckey == NULL) { Py_DECREF(child); goto fail; }
         if (!PyBytes_Check(ckey)) {
-            PyErr_SetString(PyExc_TypeError, "walk: node.key must be bytes");
+            PyErr_SetString(PyExc_TypeError, "node.key must be bytes");
             Py_DECREF(ckey); Py_DECREF(child); goto fail;
         }
         Py_ssize_t clen = PyBytes_GET_SIZE(ckey) / 4, lim = n - pos;
-        m = prefix_tokens(PyBytes_AS_STRING(ckey), kb + pos * 4, clen < lim ? clen : lim);
+        m = query_prefix(q, PyBytes_AS_STRING(ckey), pos, clen < lim ? clen : lim);
         Py_DECREF(ckey);
+        if (m < 0) { Py_DECREF(child); goto fail; }
         m -= m % ps;
+        Py_ssize_t take = m < clen ? m : clen;
+        if (out != NULL && take > 0) {
+            PyObject *value = PyObject_GetAttr(child, str_value);
+            if (value == NULL) { Py_DECREF(child); goto fail; }
+            if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != clen * 8) {
+                PyErr_SetString(PyExc_ValueError, "node.value must be bytes holding one int64 "
+                                "slot per token");
+                Py_DECREF(value); Py_DECREF(child); goto fail;
+            }
+            memcpy(out + pos * 8, PyBytes_AS_STRING(value), (size_t)take * 8);
+            Py_DECREF(value);
+        }
         if (m < clen) {
-            Py_DECREF(split_child);
-            split_child = child; /* owned */
+            if (m == 0) { /* cannot happen: the child's first page is the dict key */
+                Py_DECREF(child);
+            } else {
+                *split_child = child; /* owned */
+            }
             break;
         }
         m = 0;
-        if (PyObject_SetAttr(child, str_last_access, tick) < 0) { Py_DECREF(child); goto fail; }
-        PyObject *value = PyObject_GetAttr(child, str_value);
-        if (value == NULL) { Py_DECREF(child); goto fail; }
-        int rc = PyList_Append(values, value);
-        Py_DECREF(value);
-        if (rc < 0) { Py_DECREF(child); goto fail; }
+        if (*depth == *cap) {
+            Py_ssize_t ncap = *cap * 2;
+            PyObject **np = PyMem_Malloc((size_t)ncap * sizeof(PyObject *));
+            if (np == NULL) { PyErr_NoMemory(); Py_DECREF(child); goto fail; }
+            memcpy(np, *path, (size_t)*depth * sizeof(PyObject *));
+            if (*cap != PATH_INLINE) PyMem_Free(*path);
+            *path = np;
+            *cap = ncap;
+        }
+        (*path)[(*depth)++] = child; /* owned */
         pos += clen;
-        Py_DECREF(node);
-        node = child; /* owned */
+        node = child;
     }
-    if (!want_slots) {
-        result = Py_BuildValue("(OnOOn)", node, pos, values, split_child, m);
-    } else {
-        /* walk_slots: one bytearray of the pos + m matched slots, no intermediate list */
-        Py_ssize_t cap = (pos + m) * 8, filled = 0, nv = PyList_GET_SIZE(values);
-        PyObject *buf = PyByteArray_FromStringAndSize(NULL, cap);
-        if (buf == NULL) goto fail;
-        char *out = PyByteArray_AS_STRING(buf);
-        for (Py_ssize_t i = 0; i < nv; i++) {
-            if (copy_slots(PyList_GET_ITEM(values, i), -1, out, cap, &filled) < 0) {
-                Py_DECREF(buf); goto fail;
-            }
-        }
-        if (split_child != Py_None) {
-            PyObject *v = PyObject_GetAttr(split_child, str_value);
-            int rc = v == NULL ? -1 : copy_slots(v, m, out, cap, &filled);
-            Py_XDECREF(v);
-            if (rc < 0) { Py_DECREF(buf); goto fail; }
-        }
-        if (filled != cap) {
-            PyErr_SetString(PyExc_ValueError, "walk_slots: node.value must hold one int64 "
-                            "slot per token");
-            Py_DECREF(buf); goto fail;
-        }
-        result = Py_BuildValue("(OnNOn)", node, pos, buf, split_child, m);
-    }
+    if (pagebuf != page) PyMem_Free(pagebuf);
+    *pos_out = pos;
+    *m_out = m;
+    return 0;
 fail:
-    Py_DECREF(node);
-    Py_DECREF(values);
-    Py_DECREF(split_child);
+    if (pagebuf != page) PyMem_Free(pagebuf);
+    Py_CLEAR(*split_child);
+    return -1;
+}
+
+static void
+release_path(PyObject **path, Py_ssize_t depth, Py_ssize_t cap)
+{
+    for (Py_ssize_t i = 0; i < depth; i++) Py_DECREF(path[i]);
+    if (cap != PATH_INLINE) PyMem_Free(path);
+}
+
+/* Sets last_access = tick on the matched path. 0 or -1. */
+static int
+touch_path(PyObject **path, Py_ssize_t depth, PyObject *tick)
+{
+    for (Py_ssize_t i = 0; i < depth; i++)
+        if (PyObject_SetAttr(path[i], str_last_access, tick) < 0) return -1;
+    return 0;
+}
+
+/* match_walk(node, tokens, page_size, tick) -> (node, pos, slots, split_child, m)
+ *
+ * n = len(tokens) floored to page_size. Descends from `node` (descend() above), then, every
+ * token being valid, sets last_access = tick on each fully matched node. Returns the deepest
+ * fully matched node (`node` itself when none), the tokens matched up to it, a new bytearray of
+ * the pos + m matched int64 slots (the split edge's first m included) for torch.frombuffer,
+ * and the split child (None, m 0 when there is none). */
+static PyObject *
+match_walk(PyObject *self, PyObject *args)
+{
+    PyObject *node, *tokens, *tick;
+    Py_ssize_t ps;
+    if (!PyArg_ParseTuple(args, "OOnO:match_walk", &node, &tokens, &ps, &tick)) return NULL;
+    if (ps < 1) {
+        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %zd", ps);
+        return NULL;
+    }
+    Query q;
+    if (query_init(&q, tokens) < 0) return NULL;
+    Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
+    PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
+    PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * 8), *result = NULL;
+    if (buf == NULL) return NULL;
+    if (descend(node, &q, n, ps, PyByteArray_AS_STRING(buf), &path, &depth, &cap, &pos,
+                &split_child, &m) < 0)
+        goto done;
+    if (query_check_rest(&q) < 0 || touch_path(path, depth, tick) < 0) goto done;
+    if (PyByteArray_Resize(buf, (pos + m) * 8) < 0) goto done;
+    result = Py_BuildValue("(OnOOn)", depth ? path[depth - 1] : node, pos, buf,
+                           split_child ? split_child : Py_None, m);
+done:
+    Py_XDECREF(split_child);
+    release_path(path, depth, cap);
+    Py_DECREF(buf);
     return result;
 }
 
-/* read_int64(address, count) -> bytes: a copy of `count` int64 values at `address`.
- * For RadixCache.insert's slot read-out from a contiguous int64 CPU tensor (the caller checks
- * the tensor and passes tensor.data_ptr() + 8 * start; the tensor stays alive during the call).
- * Same as ctypes.string_at(address, 8 * count), without ctypes' call overhead. */
+/* insert_walk(node, tokens, page_size, tick, address) -> (node, pos, split_child, m, tail_key,
+ *                                                         tail_slots)
+ *
+ * match_walk's descent without the slot read-out, plus what a new leaf needs, with
+ * s = pos + m and n = len(tokens) floored to page_size: tail_key, the int32 bytes of tokens
+ * [s, n) (b"" when s == n), and, when address >= 0, tail_slots, the bytes of the int64 slots
+ * [s, n) read at `address` (a contiguous int64 CPU tensor's data_ptr(), of at least n slots,
+ * kept alive by the caller); None when address < 0. ValueError for a null address with
+ * slots to read. */
 static PyObject *
-read_int64(PyObject *self, PyObject *args)
+insert_walk(PyObject *self, PyObject *args)
 {
-    unsigned long long addr;
-    Py_ssize_t count;
-    if (!PyArg_ParseTuple(args, "Kn:read_int64", &addr, &count)) return NULL;
-    if (count < 0 || (addr == 0 && count > 0) || count > PY_SSIZE_T_MAX / 8) {
-        PyErr_Format(PyExc_ValueError, "read_int64: need a non-null address and count >= 0, "
-                     "got count=%zd", count);
+    PyObject *node, *tokens, *tick;
+    Py_ssize_t ps;
+    long long addr;
+    if (!PyArg_ParseTuple(args, "OOnOL:insert_walk", &node, &tokens, &ps, &tick, &addr))
+        return NULL;
+    if (ps < 1) {
+        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %zd", ps);
         return NULL;
     }
-    return PyBytes_FromStringAndSize((const char *)(uintptr_t)addr, count * 8);
-}
-
-static PyObject *
-walk(PyObject *self, PyObject *args)
-{
-    return walk_impl(args, 0);
-}
-
-/* walk_slots(node, kb, n, page_size, tick) -> (node, pos, slots, split_child, m)
- *
- * walk() plus the slot read-out of a match: `slots` is a new bytearray holding the int64 slots
- * of every fully matched edge and, when split_child is not None, the first m slots of
- * split_child's edge (pos + m slots in all); the caller wraps it in a tensor with
- * torch.frombuffer (one copy in all, instead of a concatenate plus a conversion). The pure-Python
- * walk_slots_py returns a numpy.int64 array instead (see radixkv/cache/token_keys.py).
- */
-static PyObject *
-walk_slots(PyObject *self, PyObject *args)
-{
-    return walk_impl(args, 1);
+    Query q;
+    if (query_init(&q, tokens) < 0) return NULL;
+    Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
+    PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
+    PyObject *tail_key = NULL, *tail_slots = NULL, *result = NULL;
+    if (descend(node, &q, n, ps, NULL, &path, &depth, &cap, &pos, &split_child, &m) < 0)
+        goto done;
+    Py_ssize_t s = pos + m;
+    tail_key = PyBytes_FromStringAndSize(NULL, (n - s) * 4);
+    if (tail_key == NULL || query_pack(&q, s, n, PyBytes_AS_STRING(tail_key)) < 0) goto done;
+    if (query_check_rest(&q) < 0) goto done;
+    if (addr == 0 && n > s) {
+        PyErr_SetString(PyExc_ValueError, "insert_walk: null slot address");
+        goto done;
+    }
+    if (addr >= 0) {
+        tail_slots = PyBytes_FromStringAndSize((const char *)(uintptr_t)addr + s * 8,
+                                               (n - s) * 8);
+        if (tail_slots == NULL) goto done;
+    } else {
+        tail_slots = Py_None;
+        Py_INCREF(tail_slots);
+    }
+    if (touch_path(path, depth, tick) < 0) goto done;
+    result = Py_BuildValue("(OnOnOO)", depth ? path[depth - 1] : node, pos,
+                           split_child ? split_child : Py_None, m, tail_key, tail_slots);
+done:
+    Py_XDECREF(split_child);
+    Py_XDECREF(tail_key);
+    Py_XDECREF(tail_slots);
+    release_path(path, depth, cap);
+    return result;
 }
 
 static PyMethodDef methods[] = {
@@ -296,22 +424,19 @@ static PyMethodDef methods[] = {
      "common_prefix_len(a: bytes, b: bytes, start: int, limit: int) -> int\n\n"
      "Largest m <= min(len(a) // 4, limit - start) with a[:m] == b[start:start + m], in int32 "
      "tokens."},
-    {"walk", walk, METH_VARARGS,
-     "walk(node, kb, n, page_size, tick) -> (node, pos, values, split_child, m): the radix "
-     "tree's descent over the first n int32 tokens of kb (see csrc/prefix_match.c)."},
-    {"read_int64", read_int64, METH_VARARGS,
-     "read_int64(address: int, count: int) -> bytes: copy of count int64 values at address "
-     "(a contiguous CPU tensor's data_ptr())."},
-    {"walk_slots", walk_slots, METH_VARARGS,
-     "walk_slots(node, kb, n, page_size, tick) -> (node, pos, slots: bytearray, split_child, m):"
-     " walk() plus the int64 slots of the matched tokens, split edge's first m included."},
+    {"match_walk", match_walk, METH_VARARGS,
+     "match_walk(node, tokens, page_size, tick) -> (node, pos, slots: bytearray, split_child, "
+     "m): the radix tree's descent with the matched slots (see csrc/prefix_match.c)."},
+    {"insert_walk", insert_walk, METH_VARARGS,
+     "insert_walk(node, tokens, page_size, tick, address) -> (node, pos, split_child, m, "
+     "tail_key, tail_slots): the descent of an insert plus the new leaf's key and slots."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "radixkv.cache._cprefix",
-    "C helpers for radixkv's radix tree: int32 token packing and common-prefix length.", -1,
-    methods,
+    "C helpers for radixkv's radix tree: token packing, prefix compare and the tree's descent.",
+    -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -23,7 +23,7 @@ def edges(tree, ns=None):
     stack = list(tree.root.children[ns].children.values()) if ns in tree.root.children else []
     while stack:
         n = stack.pop()
-        out[tuple(n.tokens())] = (n.value.tolist(), n.lock_ref)
+        out[tuple(n.tokens())] = (n.slots(), n.lock_ref)
         stack.extend(n.children.values())
     return out
 
@@ -274,7 +274,7 @@ def test_pretty_print_and_integrity_check_catch_corruption():
     with pytest.raises(RuntimeError, match="integrity"):
         t.check_integrity()
     node.lock_ref = 0
-    node.value = np.array([0], dtype=np.int64)  # slot 0 now held twice
+    node.value = np.array([0], dtype=np.int64).tobytes()  # slot 0 now held twice
     with pytest.raises(RuntimeError, match="two tree positions"):
         t.check_integrity()
 
@@ -341,9 +341,9 @@ def test_tree_with_and_without_c_helper_agree():
 
     with_c = run()
     with token_keys.use_python_path():
-        assert token_keys.walk is token_keys.walk_py
+        assert token_keys.match_walk is token_keys.match_walk_py
         with_py = run()
-    assert token_keys.walk is not token_keys.walk_py
+    assert token_keys.match_walk is not token_keys.match_walk_py
     assert with_py == with_c
 
 
@@ -354,7 +354,7 @@ def test_package_works_without_the_c_helper():
 
     code = ("import torch; from radixkv.cache import RadixCache, token_keys as k; "
             "assert not k.HAS_CEXT and k.common_prefix_len is k.common_prefix_len_py; "
-            "assert k.pack_int32 is k.pack_int32_py and k.walk is k.walk_py; "
+            "assert k.pack_int32 is k.pack_int32_py and k.match_walk is k.match_walk_py; "
             "t = RadixCache(); t.insert([1, 2, 3], torch.arange(3)); "
             "m = t.match_prefix([1, 2, 9]); assert (m.length, m.slots.tolist()) == (2, [0, 1]); "
             "t.check_integrity(); print('ok')")
@@ -414,50 +414,28 @@ def test_every_eviction_takes_a_least_recently_used_leaf(page_size):
                 assert freed.tolist() == []
                 continue
             oldest = min(n.last_access for n in leaves)
-            assert freed.tolist() in [n.value.tolist() for n in leaves
+            assert freed.tolist() in [n.slots() for n in leaves
                                       if n.last_access == oldest]
         if step % 50 == 0:
             t.check_integrity()
     t.check_integrity()
 
 
-@pytest.mark.skipif(not radix_tree.HAS_CEXT, reason="C helper not built")
-@pytest.mark.parametrize("page_size", [1, 2])
-def test_c_walk_equals_python_walk(page_size):
-    from radixkv.cache import _cprefix
-
-    rng = random.Random(5)
-    t = RadixCache(page_size)
-    slot = 0
-    for _ in range(60):
-        toks = [rng.randrange(3) for _ in range(rng.randrange(1, 20))]
-        t.insert(toks, torch.arange(slot, slot + len(toks)))
-        slot += len(toks)
-    ns_root = t.root.children[None]
-    for _ in range(300):
-        toks = [rng.randrange(3) for _ in range(rng.randrange(0, 24))]
-        kb = token_keys.pack_int32_py(toks)
-        n = len(toks) - len(toks) % page_size
-        c = _cprefix.walk(ns_root, kb, n, page_size, 7)
-        p = token_keys.walk_py(ns_root, kb, n, page_size, 7)
-        assert c[0] is p[0] and c[1] == p[1] and c[3] is p[3] and c[4] == p[4]
-        assert [v.tolist() for v in c[2]] == [v.tolist() for v in p[2]]
-        assert c[1] + c[4] == sum(len(v) for v in c[2]) + c[4] <= n
-    with pytest.raises(ValueError, match="page_size"):
-        _cprefix.walk(ns_root, b"\0" * 12, 3, 2, 0)
-    with pytest.raises(ValueError):
-        _cprefix.walk(ns_root, b"\0" * 4, 2, 1, 0)
-
-
-@pytest.mark.parametrize("page_size", [1, 2])
-def test_walk_slots_returns_the_matched_slots(page_size):
-    """walk_slots (C and Python) == walk plus the slots of the matched tokens, split edge's
-    first m included, checked against slots inserted as arange (slot == insertion position)."""
-    impls = [token_keys.walk_slots_py]
+def _walk_impls():
+    impls = [(token_keys.match_walk_py, token_keys.insert_walk_py)]
     if radix_tree.HAS_CEXT:
         from radixkv.cache import _cprefix
 
-        impls.append(_cprefix.walk_slots)
+        impls.append((_cprefix.match_walk, _cprefix.insert_walk))
+    return impls
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_walks_return_the_matched_path_slots_and_tail(page_size):
+    """match_walk / insert_walk (C and Python, list and int32-bytes queries) against the
+    definition: the deepest fully matched node, the matched length, the slots of the matched
+    tokens (split edge's first m included; slots were inserted as arange, so slot == insertion
+    position), and for an insert the new leaf's key and slots."""
     rng = random.Random(9)
     t = RadixCache(page_size)
     oracle = {}  # (prefix up to the end of position i's page, i) -> slot of position i
@@ -472,39 +450,67 @@ def test_walk_slots_returns_the_matched_slots(page_size):
     ns_root = t.root.children[None]
     for _ in range(300):
         toks = [rng.randrange(3) for _ in range(rng.randrange(0, 24))]
-        kb = token_keys.pack_int32_py(toks)
         n = len(toks) - len(toks) % page_size
-        w = token_keys.walk_py(ns_root, kb, n, page_size, 7)
-        for impl in impls:
-            node, pos, buf, child, m = impl(ns_root, kb, n, page_size, 7)
-            assert isinstance(buf, bytearray if impl is not token_keys.walk_slots_py
-                              else np.ndarray)
-            assert node is w[0] and pos == w[1] and child is w[3] and m == w[4]
-            got = np.frombuffer(bytes(buf), dtype=np.int64).tolist()
-            assert got == [oracle[tuple(toks[: (i // page_size + 1) * page_size]), i]
-                           for i in range(pos + m)]
+        kb = token_keys.pack_int32_py(toks)
+        # the definition: longest cached prefix, floored to pages
+        length = max(i for i in range(0, n + 1, page_size)
+                     if i == 0 or (tuple(toks[: (i - 1) // page_size * page_size + page_size]),
+                                   i - 1) in oracle)
+        results = []
+        for match_walk, insert_walk in _walk_impls():
+            for q in (toks, tuple(toks), kb):
+                node, pos, buf, child, m = match_walk(ns_root, q, page_size, 7)
+                assert isinstance(buf, bytearray)
+                assert pos + m == length and (child is None) == (m == 0)
+                got = np.frombuffer(bytes(buf), dtype=np.int64).tolist()
+                assert got == [oracle[tuple(toks[: (i // page_size + 1) * page_size]), i]
+                               for i in range(length)]
+                src = torch.arange(100, 100 + len(toks))
+                addr = token_keys.slot_tensor_address(src)
+                w = insert_walk(ns_root, q, page_size, 7, addr)
+                assert w[:4] == (node, pos, child, m)
+                assert w[4] == kb[length * 4 : n * 4]
+                assert np.frombuffer(w[5], dtype=np.int64).tolist() == list(range(100 + length,
+                                                                                  100 + n))
+                assert insert_walk(ns_root, q, page_size, 7, -1)[5] is None
+                results.append((node, pos, child, m))
+        assert all(r == results[0] for r in results)
 
 
-@pytest.mark.parametrize("impl", ["py", "c"])
-def test_read_int64_copies_a_tensor_range(impl):
-    if impl == "c":
-        if not radix_tree.HAS_CEXT:
-            pytest.skip("C helper not built")
-        from radixkv.cache._cprefix import read_int64
-    else:
-        read_int64 = token_keys.read_int64_py
-    x = torch.tensor([5, -1, 2**40, 7], dtype=torch.int64)
-    addr = token_keys.slot_tensor_address(x)
-    assert addr == x.data_ptr()
-    assert np.frombuffer(read_int64(addr + 8, 2), dtype=np.int64).tolist() == [-1, 2**40]
-    assert read_int64(addr, 0) == b""
-    with pytest.raises(ValueError, match="count"):
-        read_int64(addr, -1)
-    # anything but a contiguous 1-D int64 CPU tensor takes the validating slow path
-    assert token_keys.slot_tensor_address(x[::2]) == -1
-    assert token_keys.slot_tensor_address(x.to(torch.int32)) == -1
-    assert token_keys.slot_tensor_address([1, 2]) == -1
-    assert token_keys.slot_tensor_address(x.view(2, 2)) == -1
+def test_walks_validate_every_token_before_changing_anything():
+    t = RadixCache(1)
+    t.insert([1, 2, 3, 4], torch.arange(4))
+    ns_root = t.root.children[None]
+    leaf = t.match_prefix([1, 2, 3, 4]).node
+    before = leaf.last_access
+    for match_walk, insert_walk in _walk_impls():
+        for bad in ([1, 2, 3, 4, 2**31], [1, 2, 9, 2**40], [2**31, 1]):
+            with pytest.raises(ValueError):
+                match_walk(ns_root, bad, 1, 99)
+            with pytest.raises(ValueError):
+                insert_walk(ns_root, bad, 1, 99, -1)
+        with pytest.raises(TypeError):
+            match_walk(ns_root, [1, 2, 3, 4, 1.5], 1, 99)
+        assert leaf.last_access == before and ns_root.last_access == before
+    with pytest.raises(ValueError):
+        t.match_prefix([1, 2, 3, 4, 2**31])
+    with pytest.raises(ValueError):
+        t.insert([1, 2, 9, 2**31], torch.arange(10, 14))
+    with pytest.raises(ValueError):
+        t.match_prefix([2**31], namespace="unseen")
+    t.check_integrity()
+    assert t.total_size() == 4 and "unseen" not in t.root.children
+    if radix_tree.HAS_CEXT:
+        from radixkv.cache import _cprefix
+
+        with pytest.raises(ValueError, match="page_size"):
+            _cprefix.match_walk(ns_root, [1], 0, 0)
+        with pytest.raises(TypeError):
+            _cprefix.match_walk(ns_root, {1, 2}, 1, 0)
+        with pytest.raises(ValueError):
+            _cprefix.match_walk(ns_root, b"\0" * 5, 1, 0)
+        with pytest.raises(ValueError, match="null"):
+            _cprefix.insert_walk(ns_root, [7], 1, 0, 0)
 
 
 def test_insert_reads_slots_from_any_valid_input():

@@ -12,8 +12,7 @@ block hashes) and :class:`~radixkv.cache.hash_cache.NoPrefixCache` (caching off)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Hashable, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, Hashable, NamedTuple, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -21,9 +20,9 @@ Tokens = Union[Sequence[int], torch.Tensor]
 """A token sequence: a sequence of ints or a 1-D integer tensor."""
 
 
-@dataclass(frozen=True)
-class MatchResult:
-    """The longest cached prefix of a token sequence.
+class MatchResult(NamedTuple):
+    """The longest cached prefix of a token sequence (an immutable named tuple, as SGLang's
+    ``MatchResult``: cheap to build on the hot path, unpackable as ``slots, length, node``).
 
     Attributes:
         slots: 1-D ``torch.int64`` CPU tensor, the KV slot of every matched token, in order.

@@ -34,8 +34,9 @@ def check_tree(tree: "RadixCache") -> None:
             if not node.key or len(node.key) % pb:
                 fail(f"edge of {len(node.key)} bytes, not a positive multiple of "
                      f"{ps} int32 tokens: {node!r}")
-            if node.value.dtype != np.int64 or 4 * len(node.value) != len(node.key):
-                fail(f"{len(node.value)} slots for {len(node.key) // 4} tokens: {node!r}")
+            if type(node.value) is not bytes or len(node.value) != 2 * len(node.key):
+                fail(f"{len(node.value)} slot bytes for {len(node.key) // 4} tokens "
+                     f"(need 8 a token): {node!r}")
             if node.namespace != node.parent.namespace:
                 fail(f"namespace differs from its parent's: {node!r}")
             if node.last_access > node.parent.last_access:
@@ -55,10 +56,10 @@ def check_tree(tree: "RadixCache") -> None:
         for ck, child in node.children.items():
             if child.parent is not node or ck != child.key[:pb]:
                 fail(f"bad child link to {child!r}")
-        total += len(node.value)
+        total += len(node.key) >> 2
         if node.lock_ref > 0:
-            protected += len(node.value)
-        seen_slots.append(node.value)
+            protected += len(node.key) >> 2
+        seen_slots.append(np.frombuffer(node.value, dtype=np.int64))
     in_set = [e[1] for e in tree._lru_old] + list(tree._lru_new)
     if set(in_set) != leaves or len(in_set) != len(leaves):
         fail(f"LRU set has {len(in_set)} entries, expected {len(leaves)}")
@@ -81,10 +82,11 @@ def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
 
     def show(node: TreeNode, depth: int) -> None:
         toks = node.tokens()
+        slots = node.slots()
         text = " ".join(map(str, toks[:max_tokens])) + (" ..." if len(toks) > max_tokens
                                                           else "")
         lines.append(f"{'  ' * depth}[{text}] len={len(toks)} "
-                     f"slots={int(node.value[0])}..{int(node.value[-1])} "
+                     f"slots={slots[0]}..{slots[-1]} "
                      f"lock_ref={node.lock_ref} t={node.last_access}")
         for c in sorted(node.children.values(), key=lambda c: c.tokens()[:1]):
             show(c, depth + 1)

@@ -9,14 +9,16 @@ goes becomes a leaf in its turn.
 Representation (docs/cache.md has the measurements behind it):
 
 * an edge's tokens are a ``bytes`` object of int32 ids (4 bytes a token, native byte order) and
-  its slots a ``numpy.int64`` array: compact, compared with ``memcmp``, freed in one piece;
+  its slots a ``bytes`` object of int64 slot indices (8 bytes a token): compact, compared with
+  ``memcmp``, copied with ``memcpy``, freed in one piece;
 * children are found through a dict keyed by the child's first page of tokens as ``bytes``
   (the first token when ``page_size == 1``);
-* packing a token list to int32, the common-prefix length of two int32 buffers, the descent
-  loop with a match's slot read-out (one ``bytearray`` for ``torch.frombuffer``) and an
-  insert's read of the new slots from the tensor's memory run in the C helper
-  ``radixkv.cache._cprefix`` when it is built, else in pure Python (same results; see
-  :mod:`radixkv.cache.token_keys`);
+* the descent runs in the C helper ``radixkv.cache._cprefix`` when it is built, else in pure
+  Python (same results; see :mod:`radixkv.cache.token_keys`): ``match_walk`` reads a query's
+  list of ints in place (no packed copy), compares whole edges, validates every token before it
+  touches the tree, and copies the matched slots into one ``bytearray`` that becomes the result
+  tensor (``torch.frombuffer``); ``insert_walk`` returns, with the descent, the new leaf's key
+  and its slots read straight from the caller's tensor memory;
 * the evictable leaves (no children, ``lock_ref == 0``) are kept, incrementally, in two ordered
   containers: a node enters when it becomes an unlocked leaf and leaves when it gets a child, is
   locked or is evicted, so eviction never scans the tree. A leaf entering with the current time
@@ -44,27 +46,22 @@ from sortedcontainers import SortedList
 from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, Tokens
 from radixkv.cache.radix_check import check_tree, format_tree
-from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, slot_tensor_address
+from radixkv.cache.token_keys import (HAS_CEXT, as_slot_array, pack_tokens, query_tokens,
+                                      slot_tensor_address)
 
 __all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
 
 _uids = count()
-_EMPTY = np.empty(0, dtype=np.int64)
+_EMPTY = b""
 _frombuffer = torch.frombuffer
-_np_frombuffer = np.frombuffer
-_new_object = object.__new__
+_int64 = torch.int64
+_tuple_new = tuple.__new__
 
 
 def _match_result(slots: torch.Tensor, length: int, node: Any) -> MatchResult:
-    """``MatchResult(slots, length, node)`` without the frozen dataclass's ``__init__`` (three
-    ``object.__setattr__`` calls, half the cost of a cached match): fills the instance dict
-    directly. Same object, fields, equality and immutability as the regular constructor."""
-    r = _new_object(MatchResult)
-    d = r.__dict__
-    d["slots"] = slots
-    d["length"] = length
-    d["node"] = node
-    return r
+    """``MatchResult(slots, length, node)`` through ``tuple.__new__`` directly (the named
+    tuple's generated ``__new__`` is a Python function; this skips that frame)."""
+    return _tuple_new(MatchResult, (slots, length, node))
 
 
 class TreeNode:
@@ -73,7 +70,8 @@ class TreeNode:
     Attributes:
         key: the edge's token ids as an int32 buffer (``bytes``; empty for the root and the
             namespace roots).
-        value: the edge's KV slots, ``numpy.int64`` array of ``len(key) // 4`` entries.
+        value: the edge's KV slots as an int64 buffer (``bytes``, native byte order, 8 bytes
+            a token: ``len(value) == 2 * len(key)``); :meth:`slots` decodes it.
         children: child nodes keyed by their first page of tokens (``bytes``).
         parent: the parent node; ``None`` for the root and for nodes no longer in a tree.
         lock_ref: number of live locks whose path passes through this node.
@@ -86,7 +84,7 @@ class TreeNode:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid",
                  "namespace", "lru")
 
-    def __init__(self, key: bytes, value: np.ndarray, parent: Optional["TreeNode"],
+    def __init__(self, key: bytes, value: bytes, parent: Optional["TreeNode"],
                  namespace: Hashable, last_access: int) -> None:
         self.key = key
         self.value = value
@@ -102,8 +100,12 @@ class TreeNode:
         """The edge's token ids as a list of int."""
         return np.frombuffer(self.key, dtype=np.int32).tolist()
 
+    def slots(self) -> list:
+        """The edge's KV slot indices as a list of int."""
+        return np.frombuffer(self.value, dtype=np.int64).tolist()
+
     def __repr__(self) -> str:
-        return (f"TreeNode(uid={self.uid}, len={len(self.value)}, lock_ref={self.lock_ref}, "
+        return (f"TreeNode(uid={self.uid}, len={len(self.key) >> 2}, lock_ref={self.lock_ref}, "
                 f"last_access={self.last_access}, children={len(self.children)})")
 
 
@@ -175,12 +177,13 @@ class RadixCache:
         pb = self._page_bytes
         parent = node.parent
         key = node.key
-        upper = TreeNode(key[: m << 2], node.value[:m], parent, node.namespace,
+        value = node.value
+        upper = TreeNode(key[: m << 2], value[: m << 3], parent, node.namespace,
                          node.last_access)
         upper.lock_ref = node.lock_ref
         parent.children[key[:pb]] = upper
         node.key = key = key[m << 2 :]
-        node.value = node.value[m:]
+        node.value = value[m << 3 :]
         node.parent = upper
         upper.children[key[:pb]] = node
         return upper
@@ -205,34 +208,28 @@ class RadixCache:
         Raises:
             ValueError: ``tokens`` is not 1-D integer or holds an id outside int32.
         """
-        kb = pack_tokens(tokens)
-        n = len(kb) >> 2
-        ps = self.page_size
-        if ps > 1:
-            n -= n % ps
+        q = query_tokens(tokens)
         ns_root = self.root.children.get(namespace)
-        if ns_root is None or n == 0:
-            return _match_result(torch.empty(0, dtype=torch.int64), 0, self.root)
+        if ns_root is None:
+            if type(q) is not bytes:
+                pack_tokens(q)  # validates the ids
+            return _match_result(torch.empty(0, dtype=_int64), 0, self.root)
         self._clock = tick = self._clock + 1
-        node, pos, buf, child, m = token_keys.walk_slots(ns_root, kb, n, ps, tick)
+        node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
         if child is not None:
             node = self._split(child, m)
             node.last_access = tick
             pos += m
         if pos == 0:
-            return _match_result(torch.empty(0, dtype=torch.int64), 0, self.root)
+            return _match_result(torch.empty(0, dtype=_int64), 0, self.root)
         ns_root.last_access = tick
         lru = node.lru
         if lru is True:  # the common case of _lru_refresh, inlined
             self._lru_new.move_to_end(node.uid)
         elif lru is not None:
             self._lru_refresh(node)
-        # buf: a fresh buffer of the pos matched int64 slots that the tensor shares: a
-        # bytearray from the C helper (one copy, against np.concatenate + torch.from_numpy),
-        # a numpy array from the pure-Python path.
-        if type(buf) is bytearray:
-            return _match_result(_frombuffer(buf, dtype=torch.int64), pos, node)
-        return _match_result(torch.from_numpy(buf), pos, node)
+        # buf: a fresh bytearray of the pos matched int64 slots, which the tensor shares
+        return _match_result(_frombuffer(buf, dtype=_int64), pos, node)
 
     def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
         """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
@@ -258,10 +255,10 @@ class RadixCache:
             ValueError: ``tokens`` and ``slots`` differ in length, either is not 1-D integer,
                 ``slots`` is not on the CPU, or a token id is outside int32.
         """
-        kb = pack_tokens(tokens)
-        n = len(kb) >> 2
+        q = query_tokens(tokens)
+        n = len(q) if type(q) is not bytes else len(q) >> 2
         addr = slot_tensor_address(slots)
-        if addr >= 0:  # a contiguous int64 CPU tensor: read its slots in place, no numpy view
+        if addr >= 0:  # a contiguous int64 CPU tensor: its slots are read in place
             value = None
             nslots = slots.shape[0]
         else:
@@ -271,31 +268,29 @@ class RadixCache:
             raise ValueError(f"tokens and slots must have the same length, got "
                              f"len(tokens)={n} and len(slots)={nslots}")
         ps = self.page_size
-        if ps > 1:
-            n -= n % ps
-        if n == 0:
+        if n < ps:
+            if type(q) is not bytes:
+                pack_tokens(q)  # validates the ids
             return 0
         self._clock = tick = self._clock + 1
         ns_root = self.root.children.get(namespace)
-        if ns_root is None:
+        new_ns = ns_root is None
+        if new_ns:
             ns_root = TreeNode(b"", _EMPTY, self.root, namespace, tick)
+        node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
+        if new_ns:  # only once the ids are known to be valid
             self.root.children[namespace] = ns_root
         ns_root.last_access = tick
-        node, pos, _, child, m = token_keys.walk(ns_root, kb, n, ps, tick)
         if child is not None:
             node = self._split(child, m)
             node.last_access = tick
             pos += m
-        if pos < n:
-            if value is None:
-                new = _np_frombuffer(token_keys.read_int64(addr + (pos << 3), n - pos),
-                                     dtype=np.int64)
-            else:
-                new = value[pos:n].copy()
-            off = pos << 2
-            leaf = TreeNode(kb[off : n << 2], new, node, namespace, tick)
-            node.children[kb[off : off + self._page_bytes]] = leaf
-            self._total += n - pos
+        if tail_key:
+            if new is None:
+                new = value[pos : pos + (len(tail_key) >> 2)].tobytes()
+            leaf = TreeNode(tail_key, new, node, namespace, tick)
+            node.children[tail_key[: self._page_bytes]] = leaf
+            self._total += len(tail_key) >> 2
             if node.lru is not None:
                 self._lru_remove(node)
             self._lru_new[leaf.uid] = leaf
@@ -322,7 +317,7 @@ class RadixCache:
         self._check_live(node)
         while node.parent is not None:
             if node.lock_ref == 0:
-                self._protected += len(node.value)
+                self._protected += len(node.key) >> 2
                 if node.lru is not None:
                     self._lru_remove(node)
             node.lock_ref += 1
@@ -345,7 +340,7 @@ class RadixCache:
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._protected -= len(node.value)
+                self._protected -= len(node.key) >> 2
                 if not node.children and node.key:
                     self._lru_add(node)
             node = node.parent
@@ -387,7 +382,7 @@ class RadixCache:
             node = old.pop(0)[2] if take_old else new.popitem(last=False)[1]
             node.lru = None
             freed.append(node.value)
-            done += len(node.value)
+            done += len(node.key) >> 2
             parent = node.parent
             del parent.children[node.key[:pb]]
             node.parent = None
@@ -399,8 +394,8 @@ class RadixCache:
                     parent.parent = None
         self._total -= done
         if not freed:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.from_numpy(np.concatenate(freed))
+            return torch.empty(0, dtype=_int64)
+        return _frombuffer(bytearray().join(freed), dtype=_int64)
 
     def reset(self) -> torch.Tensor:
         """Empties the tree; returns every slot it held (1-D int64 CPU tensor) for the caller to
@@ -418,9 +413,10 @@ class RadixCache:
             node.parent = None
             node.lru = None
         self._init_state()
+        values = bytearray().join(values)
         if not values:
-            return torch.empty(0, dtype=torch.int64)
-        return torch.from_numpy(np.concatenate(values))
+            return torch.empty(0, dtype=_int64)
+        return _frombuffer(values, dtype=_int64)
 
     # ------------------------------------------------------------------ sizes and checks
 

@@ -1,12 +1,13 @@
-"""Token keys of the radix tree: int32 packing and common-prefix length, C or pure Python.
+"""Token keys of the radix tree and its descent, in C or pure Python.
 
 An edge's tokens are stored as a ``bytes`` object of int32 ids (4 bytes a token, native byte
-order). ``pack_int32``, ``common_prefix_len``, the tree descent ``walk`` and ``walk_slots`` (the
-descent plus the slot read-out of a match) come from the
-optional C helper ``radixkv.cache._cprefix`` (csrc/prefix_match.c) when it is built, else they
-are the pure-Python :func:`pack_int32_py` / :func:`common_prefix_len_py` / :func:`walk_py` /
-:func:`walk_slots_py` (same
-results; tested equal). ``RADIXKV_NO_CEXT=1`` forces the Python path; callers look the
+order), its slots as a ``bytes`` object of int64 slot indices. ``pack_int32``,
+``common_prefix_len``, ``match_walk`` (``match_prefix``'s descent plus the slot read-out) and
+``insert_walk`` (``insert``'s descent plus the new leaf's key and slots) come from the optional C
+helper ``radixkv.cache._cprefix`` (csrc/prefix_match.c) when it is built, else they are the
+pure-Python :func:`pack_int32_py` / :func:`common_prefix_len_py` / :func:`match_walk_py` /
+:func:`insert_walk_py` (same results; tested equal). The C walks read a query's list of ints in
+place, without packing it first. ``RADIXKV_NO_CEXT=1`` forces the Python path; callers look the
 functions up on this module at call time, so :func:`use_python_path` can swap them.
 """
 
@@ -21,9 +22,10 @@ import torch
 
 from radixkv.cache.base import Tokens
 
-__all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "walk", "walk_slots", "pack_int32_py",
-           "common_prefix_len_py", "walk_py", "walk_slots_py", "read_int64", "read_int64_py",
-           "pack_tokens", "as_slot_array", "slot_tensor_address", "use_python_path"]
+__all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "match_walk", "insert_walk",
+           "pack_int32_py", "common_prefix_len_py", "match_walk_py", "insert_walk_py", "walk_py",
+           "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "as_slot_array",
+           "slot_tensor_address", "use_python_path"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
@@ -72,24 +74,24 @@ def walk_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
 
     From ``node``, follows the child keyed by the next page of ``kb`` while the child's whole
     edge matches the first ``n`` tokens of ``kb``, setting each such child's ``last_access`` to
-    ``tick`` and collecting its ``value``.
+    ``tick``.
 
     Args:
-        node: start node (``children`` dict keyed by first-page bytes; ``key`` bytes; ``value``).
+        node: start node (``children`` dict keyed by first-page bytes; ``key`` int32 bytes;
+            ``value`` int64 slot bytes).
         kb: int32 token buffer of the query.
         n: tokens of ``kb`` to match, a multiple of ``page_size``.
         page_size: tokens per page.
         tick: the access time to record.
 
     Returns:
-        ``(node, pos, values, split_child, m)``: the deepest fully matched node, the tokens
-        matched up to it, the collected slot arrays, and, when the walk stopped at an edge that
-        matches only its first ``m`` tokens (``m`` a positive multiple of ``page_size``), that
-        child (not updated; the caller splits it), else ``None`` and 0.
+        ``(node, pos, split_child, m)``: the deepest fully matched node, the tokens matched up
+        to it, and, when the walk stopped at an edge that matches only its first ``m`` tokens
+        (``m`` a positive multiple of ``page_size``), that child (not updated; the caller
+        splits it), else ``None`` and 0.
     """
     pb = page_size << 2
     pos = 0
-    values = []
     cpl = common_prefix_len
     while pos < n:
         child = node.children.get(kb[pos << 2 : (pos << 2) + pb])
@@ -98,13 +100,12 @@ def walk_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
         m = cpl(child.key, kb, pos, n)
         if page_size > 1:
             m -= m % page_size
-        if m < len(child.value):
-            return node, pos, values, child, m
+        if m << 2 < len(child.key):
+            return node, pos, child, m
         child.last_access = tick
-        values.append(child.value)
         pos += m
         node = child
-    return node, pos, values, None, 0
+    return node, pos, None, 0
 
 
 def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
@@ -112,24 +113,26 @@ def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
     ``walk_slots``).
 
     Returns:
-        ``(node, pos, slots, split_child, m)`` as :func:`walk_py`, except that ``slots`` holds
-        the ``pos + m`` int64 slots of the matched tokens in a fresh buffer: every fully
-        matched edge's, then the first ``m`` of ``split_child``'s edge. The C version returns a
-        ``bytearray`` (for ``torch.frombuffer``), this one a ``numpy.int64`` array (for
-        ``torch.from_numpy``, cheaper than a further copy in pure Python).
+        ``(node, pos, slots, split_child, m)`` as :func:`walk_py`, plus ``slots``: a new
+        ``bytearray`` of the ``pos + m`` matched int64 slots (every fully matched edge's, then
+        the first ``m`` of ``split_child``'s edge), for ``torch.frombuffer``. (Collected
+        afterwards through the matched nodes' ``parent`` links.)
     """
-    node, pos, values, child, m = walk_py(node, kb, n, page_size, tick)
+    end, pos, child, m = walk_py(node, kb, n, page_size, tick)
+    values = []
+    cur = end
+    while cur is not node:
+        values.append(cur.value)
+        cur = cur.parent
+    values.reverse()
     if child is not None:
-        values.append(child.value[:m])
-    if not values:
-        return node, pos, np.empty(0, dtype=np.int64), child, m
-    return node, pos, values[0].copy() if len(values) == 1 else np.concatenate(values), child, m
+        values.append(child.value[: m << 3])
+    return end, pos, bytearray().join(values), child, m
 
 
 def read_int64_py(address: int, count: int) -> bytes:
-    """Copy of ``count`` int64 values at ``address`` (pure Python, via ``ctypes``; same contract
-    as the C ``read_int64``). ``address`` must come from :func:`slot_tensor_address` (plus
-    ``8 * start``) of a tensor that stays alive during the call.
+    """Copy of ``count`` int64 values at ``address`` (via ``ctypes``). ``address`` must come from
+    :func:`slot_tensor_address` (plus ``8 * start``) of a tensor that stays alive during the call.
 
     Raises:
         ValueError: ``count < 0``, or a null ``address`` with ``count > 0``.
@@ -140,19 +143,68 @@ def read_int64_py(address: int, count: int) -> bytes:
     return ctypes.string_at(address, count << 3) if count else b""
 
 
+def _as_int32_bytes(tokens) -> bytes:
+    return tokens if type(tokens) is bytes else pack_int32_py(tokens)
+
+
+def match_walk_py(node, tokens, page_size: int, tick: int) -> tuple:
+    """``match_prefix``'s descent and slot read-out (pure Python; same contract as the C
+    ``match_walk``).
+
+    Args:
+        node: the namespace root to start from.
+        tokens: list/tuple of int, or an int32 ``bytes`` buffer; ``n = len(tokens)`` floored to
+            ``page_size`` tokens are matched. Every token is validated before anything changes.
+        page_size: tokens per page (>= 1).
+        tick: the access time recorded on the fully matched nodes.
+
+    Returns:
+        ``(node, pos, slots, split_child, m)`` as :func:`walk_slots_py`.
+
+    Raises:
+        ValueError / TypeError: a token id that is not an int in the int32 range.
+    """
+    kb = _as_int32_bytes(tokens)
+    n = len(kb) >> 2
+    return walk_slots_py(node, kb, n - n % page_size, page_size, tick)
+
+
+def insert_walk_py(node, tokens, page_size: int, tick: int, address: int) -> tuple:
+    """``insert``'s descent plus the new leaf's key and slots (pure Python; same contract as
+    the C ``insert_walk``).
+
+    Args:
+        node, tokens, page_size, tick: as :func:`match_walk_py`.
+        address: :func:`slot_tensor_address` of the caller's slot tensor (at least ``n`` int64
+            slots, alive during the call), or -1 when the slots are not such a tensor.
+
+    Returns:
+        ``(node, pos, split_child, m, tail_key, tail_slots)``: the first four as :func:`walk_py`;
+        with ``s = pos + m``, ``tail_key`` is the int32 bytes of tokens ``[s, n)`` and
+        ``tail_slots`` the bytes of slots ``[s, n)`` read at ``address`` (``None`` when
+        ``address < 0``).
+    """
+    kb = _as_int32_bytes(tokens)
+    n = len(kb) >> 2
+    n -= n % page_size
+    node, pos, child, m = walk_py(node, kb, n, page_size, tick)
+    s = pos + m
+    tail_slots = read_int64_py(address + (s << 3), n - s) if address >= 0 else None
+    return node, pos, child, m, kb[s << 2 : n << 2], tail_slots
+
+
 try:  # the optional C helper (csrc/prefix_match.c); the Python path is used when it is absent
     if os.environ.get("RADIXKV_NO_CEXT") == "1":
         raise ImportError("disabled by RADIXKV_NO_CEXT=1")
-    from radixkv.cache._cprefix import common_prefix_len, pack_int32, read_int64, walk, walk_slots
+    from radixkv.cache._cprefix import common_prefix_len, insert_walk, match_walk, pack_int32
 
     HAS_CEXT = True
 except ImportError:
     HAS_CEXT = False
     common_prefix_len = common_prefix_len_py
     pack_int32 = pack_int32_py
-    walk = walk_py
-    walk_slots = walk_slots_py
-    read_int64 = read_int64_py
+    match_walk = match_walk_py
+    insert_walk = insert_walk_py
 
 
 def pack_tokens(tokens: Tokens) -> bytes:
@@ -177,6 +229,15 @@ def pack_tokens(tokens: Tokens) -> bytes:
     if isinstance(tokens, array) and tokens.typecode == "i":
         return tokens.tobytes()
     return pack_int32(list(tokens))
+
+
+def query_tokens(tokens: Tokens):
+    """``tokens`` as the walk helpers take them: a list or tuple unchanged (read in place and
+    validated by the walk), anything else packed by :func:`pack_tokens` into int32 bytes."""
+    t = type(tokens)
+    if t is list or t is tuple:
+        return tokens
+    return pack_tokens(tokens)
 
 
 _Tensor, _int64 = torch.Tensor, torch.int64
@@ -213,7 +274,7 @@ class use_python_path:
     """Context manager: inside it the pure-Python helpers are used even if the C one is built
     (for tests and the benchmark's C-vs-Python comparison)."""
 
-    _names = ("pack_int32", "common_prefix_len", "walk", "walk_slots", "read_int64")
+    _names = ("pack_int32", "common_prefix_len", "match_walk", "insert_walk")
 
     def __enter__(self) -> "use_python_path":
         g = globals()
