@@ -178,3 +178,31 @@ def test_runner_contract_form_and_errors(pair):
     if getattr(cfg, "sliding_window", None):
         with pytest.raises(ValueError, match="sliding_window"):
             ModelRunner(ours, cfg, num_slots=64, max_context_len=cfg.sliding_window + 1)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 128, 129, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weight_major_linear_equals_f_linear(rows, with_bias):
+    """layers.linear computes (W @ x.T).T for up to SMALL_M_ROWS float32 CPU rows (decode) and
+    F.linear otherwise; either way the values are F.linear's up to float32 rounding, the output
+    is a contiguous [rows, out] tensor, and the Linear module holds nn.Linear's parameters."""
+    from torch.nn import functional as F
+
+    from radixkv.models import layers
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(200, 96, generator=g) / 10
+    b = torch.randn(200, generator=g) if with_bias else None
+    y = layers.linear(x, w, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == (rows, 200) and y.dtype == torch.float32 and y.is_contiguous()
+    torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
+    assert layers.SMALL_M_ROWS == 128  # the crossover measured in docs/model.md
+    lin = layers.Linear(96, 200, bias=with_bias)
+    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == set(torch.nn.Linear(96, 200, bias=with_bias).state_dict())
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if with_bias:
+            lin.bias.copy_(b)
+        torch.testing.assert_close(lin(x).double(), ref, atol=1e-5, rtol=1e-5)

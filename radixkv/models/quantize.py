@@ -1,7 +1,8 @@
 """Opt-in int8 weight quantization of the linear layers, for CPU decode speed.
 
-On a CPU, decode is bound by reading the weights: every step streams all of them (540 MB for
-SmolLM2-135M in float32) for only a few rows of activations. ``quantize_model(model, "int8")``
+On a CPU, a decode step is bound by the GEMMs over all the weights (135M parameters for
+SmolLM2-135M) for only a few rows of activations, and float32 GEMM throughput caps it
+(docs/model.md); int8 arithmetic does more per cycle. ``quantize_model(model, "int8")``
 replaces every decoder projection (fused q/k/v, o, fused gate/up, down) and the output
 projection (``lm_head``, or the tied embedding matrix) by :class:`Int8DynamicLinear`: weights
 stored as int8, symmetric, one scale per output channel; activations scaled per token row to
