@@ -325,6 +325,17 @@ touch_path(PyObject **path, Py_ssize_t depth, PyObject *tick)
     return 0;
 }
 
+/* The walks' shared argument checks: page_size >= 1 and a valid query. 0 or -1. */
+static int
+walk_query(Query *q, PyObject *tokens, Py_ssize_t ps)
+{
+    if (ps < 1) {
+        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %zd", ps);
+        return -1;
+    }
+    return query_init(q, tokens);
+}
+
 /* match_walk(node, tokens, page_size, tick) -> (node, pos, slots, split_child, m)
  *
  * n = len(tokens) floored to page_size. Descends from `node` (descend() above), then, every
@@ -337,13 +348,10 @@ match_walk(PyObject *self, PyObject *args)
 {
     PyObject *node, *tokens, *tick;
     Py_ssize_t ps;
-    if (!PyArg_ParseTuple(args, "OOnO:match_walk", &node, &tokens, &ps, &tick)) return NULL;
-    if (ps < 1) {
-        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %zd", ps);
-        return NULL;
-    }
     Query q;
-    if (query_init(&q, tokens) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "OOnO:match_walk", &node, &tokens, &ps, &tick)
+            || walk_query(&q, tokens, ps) < 0)
+        return NULL;
     Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
     PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
     PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * 8), *result = NULL;
@@ -377,14 +385,10 @@ insert_walk(PyObject *self, PyObject *args)
     PyObject *node, *tokens, *tick;
     Py_ssize_t ps;
     long long addr;
-    if (!PyArg_ParseTuple(args, "OOnOL:insert_walk", &node, &tokens, &ps, &tick, &addr))
-        return NULL;
-    if (ps < 1) {
-        PyErr_Format(PyExc_ValueError, "page_size must be >= 1, got %zd", ps);
-        return NULL;
-    }
     Query q;
-    if (query_init(&q, tokens) < 0) return NULL;
+    if (!PyArg_ParseTuple(args, "OOnOL:insert_walk", &node, &tokens, &ps, &tick, &addr)
+            || walk_query(&q, tokens, ps) < 0)
+        return NULL;
     Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
     PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
     PyObject *tail_key = NULL, *tail_slots = NULL, *result = NULL;
