@@ -6,7 +6,9 @@
  *
  * pack_int32(seq) -> bytes
  *   seq: a list or tuple of ints. Returns their int32 buffer.
- *   Raises ValueError (an id outside the int32 range) or TypeError (an item that is not an int).
+ *   Raises ValueError (an id outside the int32 range) or NotAnInt, a TypeError (an item that is
+ *   not an int or int subclass: never converted here, since its __index__ could run Python code
+ *   that mutates the sequence being read; the Python caller converts and retries).
  *   Same result as array.array("i", seq).tobytes(), about 10x faster.
  *
  * common_prefix_len(a, b, start, limit) -> int
@@ -21,7 +23,7 @@
  *   tail_slots): RadixCache.insert's descent, plus the new leaf's key and slots.
  *
  * Both validate every token before they change anything (a bad id raises with the tree
- * untouched). They are tested equal to the pure-Python versions in
+ * untouched) and raise NotAnInt for an item that is not an int (see pack_int32). They are tested equal to the pure-Python versions in
  * radixkv/cache/token_keys.py (match_walk_py, insert_walk_py).
  */
 #define PY_SSIZE_T_CLEAN
@@ -29,7 +31,10 @@
 #include <stdint.h>
 #include <string.h>
 
-/* One token id as int32: 0, or -1 with ValueError/TypeError set (i: its position). */
+static PyObject *NotAnInt; /* TypeError subclass: an item that is not an int */
+
+/* One token id as int32: 0, or -1 with ValueError (out of int32 range) or NotAnInt set (i: its
+ * position). */
 static inline int
 item_to_int32(PyObject *o, Py_ssize_t i, int32_t *out)
 {
@@ -52,7 +57,15 @@ item_to_int32(PyObject *o, Py_ssize_t i, int32_t *out)
         }
     }
 #endif
-    int overflow = 0;
+    if (!PyLong_Check(o)) {
+        /* Not an int: converting it could run Python code (__index__) that mutates the list
+         * whose items are being read. The caller converts the sequence in Python and retries
+         * (radixkv.cache.token_keys.int_tokens). */
+        PyErr_Format(NotAnInt, "token id at position %zd is a %.100s, not an int", i,
+                     Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    int overflow = 0; /* an int or int subclass: no Python code runs */
     long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
     if (v == -1 && PyErr_Occurred()) return -1;
     if (overflow || v < INT32_MIN || v > INT32_MAX) {
@@ -451,5 +464,12 @@ PyInit__cprefix(void)
     str_value = PyUnicode_InternFromString("value");
     str_last_access = PyUnicode_InternFromString("last_access");
     if (!str_children || !str_key || !str_value || !str_last_access) return NULL;
-    return PyModule_Create(&module);
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    NotAnInt = PyErr_NewException("radixkv.cache._cprefix.NotAnInt", PyExc_TypeError, NULL);
+    if (NotAnInt == NULL || PyModule_AddObjectRef(mod, "NotAnInt", NotAnInt) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

@@ -176,7 +176,7 @@ def test_lock_after_split_pins_exactly_the_matched_tokens():
         t.dec_lock_ref(r.node)  # unbalanced
     assert (t.protected_size(), t.evictable_size()) == (0, 3)
     assert t.evict(1).tolist() == [10, 11, 12]
-    with pytest.raises(ValueError, match="no longer in the tree"):
+    with pytest.raises(ValueError, match="not in this tree"):
         t.inc_lock_ref(r.node)
     t.check_integrity()
 
@@ -527,3 +527,66 @@ def test_insert_reads_slots_from_any_valid_input():
         assert r.slots.dtype == torch.int64 and r.length == 10
         assert r.slots.tolist() == [100, 101, 102, 103] + [int(s) for s in list(slots)[4:]]
         t.check_integrity()
+
+
+def test_list_items_that_are_not_ints_are_converted_safely():
+    """The C walk never runs an item's __index__ while it reads the list in place (that code
+    could change the list under it); such lists are converted in Python first. An __index__ that
+    empties the list mid-read must not crash, and an insert whose tokens change length while
+    being read is refused with the tree unchanged."""
+    t = RadixCache(1)
+    t.insert(list(range(100)), torch.arange(100))
+    assert t.match_prefix([np.int64(0), np.int32(1), 2, True]).length == 3  # True == 1 != 3
+    assert t.insert(np.arange(5, dtype=np.int64).tolist() + [np.int16(7)],
+                    torch.arange(200, 206)) == 5
+    lst = []
+
+    class ClearsTheList:
+        def __index__(self):
+            lst.clear()
+            return 5
+
+    before = (t.total_size(), t.pretty_print())
+    lst.extend(list(range(50)) + [ClearsTheList()] + list(range(1000, 1300)))
+    with pytest.raises(ValueError, match="changed length"):
+        t.match_prefix(lst)
+    lst[:] = list(range(50)) + [ClearsTheList()] + list(range(1000, 1300))
+    with pytest.raises(ValueError, match="changed length"):
+        t.insert(lst, torch.arange(500, 500 + len(lst)))
+    assert (t.total_size(), t.pretty_print()) == before
+    for bad, pos in (([1, 2.5], 1), ([None], 0), (["a"], 0)):
+        with pytest.raises(TypeError, match=f"position {pos}"):
+            t.match_prefix(bad)
+    t.check_integrity()
+
+
+def test_foreign_node_bad_evict_arguments_and_slot_ranges_raise_cleanly():
+    a, b = RadixCache(), RadixCache()
+    a.insert([1, 2, 3], S(0, 1, 2))
+    b.insert([1, 2, 3], S(5, 6, 7))
+    foreign = b.match_prefix([1, 2, 3]).node
+    with pytest.raises(ValueError, match="another cache"):
+        a.inc_lock_ref(foreign)
+    with pytest.raises(ValueError, match="another cache"):
+        a.dec_lock_ref(foreign)
+    a.check_integrity()
+    assert a.protected_size() == 0
+    for bad in (None, "3", -1, True, 1.5):
+        with pytest.raises(ValueError, match="num_tokens"):
+            a.evict(bad)
+    assert a.evict(np.int64(1)).tolist() == [0, 1, 2]
+    for bad in ([2**63], [2**63, -1], np.array([2**63], dtype=np.uint64)):
+        with pytest.raises(ValueError, match="int64"):
+            a.insert([5], bad)
+    assert a.total_size() == 0
+    a.check_integrity()
+
+
+def test_pretty_print_any_depth_and_non_contiguous_slots():
+    t = RadixCache()
+    for i in range(1, 1200):  # a chain of 1199 nodes, deeper than Python's recursion limit
+        t.insert(list(range(i)), torch.arange(i))
+    assert len(t.pretty_print().splitlines()) == 2 + 1199
+    u = RadixCache()
+    u.insert([1, 2, 3, 4], torch.tensor([30, 10, 20, 40]))
+    assert "[1 2 3 4] len=4 slots=[30 10 20 40]" in u.pretty_print()

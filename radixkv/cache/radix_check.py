@@ -74,25 +74,33 @@ def check_tree(tree: "RadixCache") -> None:
         fail("a slot is held by two tree positions")
 
 
+def _slot_text(slots: list, max_tokens: int) -> str:
+    """``a..b`` for an ascending run of consecutive slots, else the first ``max_tokens``."""
+    if slots == list(range(slots[0], slots[0] + len(slots))):
+        return f"{slots[0]}..{slots[-1]}"
+    return "[" + " ".join(map(str, slots[:max_tokens])) + (" ...]" if len(slots) > max_tokens
+                                                            else "]")
+
+
 def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
-    """Implements :meth:`RadixCache.pretty_print`."""
+    """Implements :meth:`RadixCache.pretty_print` (iterative: any depth)."""
     lines = [f"RadixCache(page_size={tree.page_size}, total={tree._total}, "
              f"protected={tree._protected}, evictable={tree.evictable_size()}, "
              f"evictable_leaves={len(tree._lru_new) + len(tree._lru_old)})"]
 
-    def show(node: TreeNode, depth: int) -> None:
-        toks = node.tokens()
-        slots = node.slots()
-        text = " ".join(map(str, toks[:max_tokens])) + (" ..." if len(toks) > max_tokens
-                                                          else "")
-        lines.append(f"{'  ' * depth}[{text}] len={len(toks)} "
-                     f"slots={slots[0]}..{slots[-1]} "
-                     f"lock_ref={node.lock_ref} t={node.last_access}")
-        for c in sorted(node.children.values(), key=lambda c: c.tokens()[:1]):
-            show(c, depth + 1)
+    def children(node: "TreeNode") -> list:
+        return sorted(node.children.values(), key=lambda c: c.tokens()[:1])
 
     for ns, ns_root in tree.root.children.items():
         lines.append(f"namespace {ns!r}: lock_ref={ns_root.lock_ref}")
-        for c in sorted(ns_root.children.values(), key=lambda c: c.tokens()[:1]):
-            show(c, 1)
+        stack = [(c, 1) for c in reversed(children(ns_root))]
+        while stack:
+            node, depth = stack.pop()
+            toks = node.tokens()
+            text = " ".join(map(str, toks[:max_tokens])) + (" ..." if len(toks) > max_tokens
+                                                              else "")
+            lines.append(f"{'  ' * depth}[{text}] len={len(toks)} "
+                         f"slots={_slot_text(node.slots(), max_tokens)} "
+                         f"lock_ref={node.lock_ref} t={node.last_access}")
+            stack.extend((c, depth + 1) for c in reversed(children(node)))
     return "\n".join(lines)

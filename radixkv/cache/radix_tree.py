@@ -35,6 +35,7 @@ lookups start there, so sequences in different namespaces never share a node.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 from itertools import count
 from typing import Any, Hashable, Iterator, Optional
@@ -215,7 +216,14 @@ class RadixCache:
                 pack_tokens(q)  # validates the ids
             return _match_result(torch.empty(0, dtype=_int64), 0, self.root)
         self._clock = tick = self._clock + 1
-        node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
+        try:
+            node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
+        except token_keys.NotAnInt:  # numpy integers etc. in a list: convert, then walk
+            n = len(q)
+            q = token_keys.int_tokens(q)
+            if len(q) != n:  # an item's __index__ changed the list
+                raise ValueError(f"tokens changed length while being read ({n} -> {len(q)})")
+            node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
         if child is not None:
             node = self._split(child, m)
             node.last_access = tick
@@ -244,7 +252,9 @@ class RadixCache:
         Args:
             tokens: token ids (list/tuple/array of int, or 1-D integer tensor), int32 range.
             slots: 1-D integer CPU tensor (or sequence), the KV slot of every token;
-                ``len(slots) == len(tokens)``.
+                ``len(slots) == len(tokens)``. They come from the caller's allocator: the tree
+                does not check that they are unique, non-negative or allocated
+                (:meth:`check_integrity` finds a slot held twice).
             namespace: any hashable.
 
         Returns:
@@ -277,7 +287,13 @@ class RadixCache:
         new_ns = ns_root is None
         if new_ns:
             ns_root = TreeNode(b"", _EMPTY, self.root, namespace, tick)
-        node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
+        try:
+            node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
+        except token_keys.NotAnInt:  # numpy integers etc. in a list: convert, then walk
+            q = token_keys.int_tokens(q)
+            if len(q) != n:  # an item's __index__ changed the list
+                raise ValueError(f"tokens changed length while being read ({n} -> {len(q)})")
+            node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
         if new_ns:  # only once the ids are known to be valid
             self.root.children[namespace] = ns_root
         ns_root.last_access = tick
@@ -305,8 +321,12 @@ class RadixCache:
         if not isinstance(node, TreeNode):
             raise ValueError(f"node must be a TreeNode from match_prefix, got "
                              f"{type(node).__name__}")
-        if node.parent is None and node is not self.root:
-            raise ValueError("node is no longer in the tree (it was evicted or the cache reset)")
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            raise ValueError("node is not in this tree (it was evicted, the cache was reset, or "
+                             "it comes from another cache)")
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pins the path from ``node`` to the root: its tokens become protected (not evictable).
@@ -362,10 +382,16 @@ class RadixCache:
             its allocator.
 
         Raises:
-            ValueError: ``num_tokens`` is negative.
+            ValueError: ``num_tokens`` is not an int >= 0.
         """
+        try:
+            if isinstance(num_tokens, bool):
+                raise TypeError
+            num_tokens = operator.index(num_tokens)
+        except TypeError:
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}") from None
         if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+            raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         new, old = self._lru_new, self._lru_old
         pb = self._page_bytes
         freed = []

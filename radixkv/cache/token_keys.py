@@ -14,6 +14,7 @@ functions up on this module at call time, so :func:`use_python_path` can swap th
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 from array import array
 
@@ -24,7 +25,8 @@ from radixkv.cache.base import Tokens
 
 __all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "match_walk", "insert_walk",
            "pack_int32_py", "common_prefix_len_py", "match_walk_py", "insert_walk_py", "walk_py",
-           "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "as_slot_array",
+           "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "int_tokens", "NotAnInt",
+           "as_slot_array",
            "slot_tensor_address", "use_python_path"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -39,6 +41,10 @@ def pack_int32_py(seq) -> bytes:
     """
     try:
         return array("i", seq).tobytes()
+    except IndexError:  # an item's __index__ shortened the list
+        raise ValueError("tokens changed length while being read") from None
+    except TypeError:  # not an integer: int_tokens raises naming the position
+        return array("i", int_tokens(seq)).tobytes()
     except OverflowError:
         raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, "
                          f"{_INT32_MAX}])") from None
@@ -193,24 +199,52 @@ def insert_walk_py(node, tokens, page_size: int, tick: int, address: int) -> tup
     return node, pos, child, m, kb[s << 2 : n << 2], tail_slots
 
 
+class _NoSuchError(TypeError):
+    """Stands for the C helper's NotAnInt when the helper is absent (never raised)."""
+
+
 try:  # the optional C helper (csrc/prefix_match.c); the Python path is used when it is absent
     if os.environ.get("RADIXKV_NO_CEXT") == "1":
         raise ImportError("disabled by RADIXKV_NO_CEXT=1")
-    from radixkv.cache._cprefix import common_prefix_len, insert_walk, match_walk, pack_int32
+    from radixkv.cache._cprefix import (NotAnInt, common_prefix_len, insert_walk, match_walk,
+                                        pack_int32)
 
     HAS_CEXT = True
 except ImportError:
     HAS_CEXT = False
+    NotAnInt = _NoSuchError
     common_prefix_len = common_prefix_len_py
     pack_int32 = pack_int32_py
     match_walk = match_walk_py
     insert_walk = insert_walk_py
 
 
+def int_tokens(seq) -> list:
+    """A new list of the ``int`` values of ``seq``'s items (``operator.index`` of each: numpy
+    integers, other integer-like objects). The C helper reads a list's items in place and leaves
+    items that are not ints to this (it raises ``NotAnInt``), because converting one runs
+    arbitrary ``__index__`` code that could change the list under it.
+
+    Raises:
+        TypeError: an item that is not an integer, naming its position.
+    """
+    out = []
+    for i, t in enumerate(seq):
+        try:
+            out.append(operator.index(t))
+        except TypeError:
+            raise TypeError(f"token id at position {i} must be an int, got "
+                            f"{type(t).__name__}") from None
+    return out
+
+
 def pack_tokens(tokens: Tokens) -> bytes:
     """int32 buffer of a token sequence; ValueError for bad shapes, dtypes or ranges."""
     if isinstance(tokens, (list, tuple)):
-        return pack_int32(tokens)
+        try:
+            return pack_int32(tokens)
+        except NotAnInt:
+            return pack_int32(int_tokens(tokens))
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
             raise ValueError(f"tokens must be a 1-D integer tensor, got shape "
@@ -254,7 +288,11 @@ def slot_tensor_address(slots) -> int:
 
 
 def as_slot_array(slots: torch.Tensor) -> np.ndarray:
-    """int64 numpy view (or copy) of a 1-D integer CPU tensor or sequence of slots."""
+    """int64 numpy view (or copy) of a 1-D integer CPU tensor or sequence of slots.
+
+    Raises:
+        ValueError: not 1-D, not integers, not on the CPU, or a value outside int64.
+    """
     if isinstance(slots, torch.Tensor):
         try:
             arr = slots.numpy()  # raises for CUDA tensors and tensors that require grad
@@ -265,8 +303,11 @@ def as_slot_array(slots: torch.Tensor) -> np.ndarray:
     if arr.ndim == 1 and arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError(f"slots must be a 1-D integer tensor, got shape {arr.shape} "
-                         f"dtype {arr.dtype}")
+        what = ("integers in the int64 range" if arr.ndim == 1 and arr.dtype.kind in "fO"
+                and not isinstance(slots, (torch.Tensor, np.ndarray)) else "a 1-D integer tensor")
+        raise ValueError(f"slots must be {what}, got shape {arr.shape} dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"slots must fit in int64, got {int(arr.max())}")
     return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
