@@ -206,3 +206,30 @@ def test_weight_major_linear_equals_f_linear(rows, with_bias):
         if with_bias:
             lin.bias.copy_(b)
         torch.testing.assert_close(lin(x).double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_cache_key_depends_on_content_not_path_or_mtime(tmp_path):
+    """The dequantized-GGUF cache is keyed by size + SHA-256 of the first and last MiB, so the
+    same file installed in two virtual environments shares one cache; any change of those bytes
+    or of the size gives a new key."""
+    import os
+    import shutil
+
+    from radixkv.models import loader
+
+    data = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: head, middle and tail differ in position
+    a = tmp_path / "a" / "m.gguf"
+    b = tmp_path / "b" / "m.gguf"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    a.write_bytes(data)
+    shutil.copyfile(a, b)
+    os.utime(b, (1, 1))
+    assert loader._gguf_signature(a) == loader._gguf_signature(b)
+    for pos in (0, len(data) - 1):
+        c = bytearray(data)
+        c[pos] ^= 1
+        b.write_bytes(bytes(c))
+        assert loader._gguf_signature(a) != loader._gguf_signature(b)
+    b.write_bytes(data + b"\0")
+    assert loader._gguf_signature(a) != loader._gguf_signature(b)

@@ -11,7 +11,8 @@ Dequantizing a GGUF through transformers takes tens of seconds (~50 s for the de
 2 cores), so the first load writes the result as a plain Hugging Face directory (float32
 safetensors + tokenizer + config, via ``save_pretrained``) under ``$RADIXKV_CACHE_DIR``
 (default ``~/.cache/radixkv``): ``<cache>/smollm2-135m/`` for the default model,
-``<cache>/gguf-<stem>-<hash>/`` for other GGUF files (hash of path, size and mtime). Later loads
+``<cache>/gguf-<stem>-<hash>/`` for other GGUF files (hash of the file's size and a SHA-256 of
+its first and last MiB, so copies of one file share a cache). Later loads
 read that directory in seconds. A file lock makes concurrent first loads safe.
 
 Nothing is fetched from a model hub: every transformers call uses ``local_files_only=True``.
@@ -85,9 +86,22 @@ def default_gguf_path() -> Path:
     return path
 
 
+_FINGERPRINT_BYTES = 1 << 20
+
+
 def _gguf_signature(path: Path) -> dict:
-    st = path.stat()
-    return {"gguf": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    """What identifies a GGUF file's dequantized cache: its size and a SHA-256 of its first and
+    last MiB (the header, tensor index and the tail of the data; ~2 ms). Independent of the
+    file's path and mtime, so the same model installed in several virtual environments shares
+    one cache (a path/mtime key made two venvs re-dequantize it in turn, ~45 s each)."""
+    size = path.stat().st_size
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        h.update(f.read(_FINGERPRINT_BYTES))
+        if size > _FINGERPRINT_BYTES:
+            f.seek(max(_FINGERPRINT_BYTES, size - _FINGERPRINT_BYTES))
+            h.update(f.read(_FINGERPRINT_BYTES))
+    return {"format": 2, "size": size, "sha256_head_tail": h.hexdigest()}
 
 
 def _cache_is_valid(cache_dir: Path, sig: dict) -> bool:
