@@ -242,7 +242,8 @@ static PyObject *str_children, *str_key, *str_value, *str_last_access;
  * matched slots (node.value, int64 bytes) are copied there, out[8 * i] for token i, the split
  * edge's first m included. Nothing is modified: the fully matched nodes are returned in path[]
  * (new references, *depth of them; the caller sets their last_access once every token has been
- * checked). Returns 0 or -1 (error set, references released). */
+ * checked). Returns 0, or -1 with an error set (split_child released; the caller still
+ * releases path[0:*depth]). */
 static int
 descend(PyObject *node, Query *q, Py_ssize_t n, Py_ssize_t ps, char *out, PyObject ***path,
         Py_ssize_t *depth, Py_ssize_t *cap, Py_ssize_t *pos_out, PyObject **split_child,

@@ -23,11 +23,10 @@ import torch
 
 from radixkv.cache.base import Tokens
 
-__all__ = ["HAS_CEXT", "pack_int32", "common_prefix_len", "match_walk", "insert_walk",
+__all__ = ["HAS_CEXT", "NotAnInt", "pack_int32", "common_prefix_len", "match_walk", "insert_walk",
            "pack_int32_py", "common_prefix_len_py", "match_walk_py", "insert_walk_py", "walk_py",
-           "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "int_tokens", "NotAnInt",
-           "as_slot_array",
-           "slot_tensor_address", "use_python_path"]
+           "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "int_tokens",
+           "as_slot_array", "slot_tensor_address", "use_python_path"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
@@ -115,8 +114,8 @@ def walk_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
 
 
 def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
-    """:func:`walk_py` plus the slot read-out of a match (pure Python; same contract as the C
-    ``walk_slots``).
+    """:func:`walk_py` plus the slot read-out of a match (pure Python; the descent of
+    :func:`match_walk_py`, same results as the C ``match_walk``).
 
     Returns:
         ``(node, pos, slots, split_child, m)`` as :func:`walk_py`, plus ``slots``: a new
