@@ -219,10 +219,7 @@ class RadixCache:
         try:
             node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
         except token_keys.NotAnInt:  # numpy integers etc. in a list: convert, then walk
-            n = len(q)
-            q = token_keys.int_tokens(q)
-            if len(q) != n:  # an item's __index__ changed the list
-                raise ValueError(f"tokens changed length while being read ({n} -> {len(q)})")
+            q = token_keys.int_tokens_for_retry(q)
             node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
         if child is not None:
             node = self._split(child, m)
@@ -290,9 +287,7 @@ class RadixCache:
         try:
             node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
         except token_keys.NotAnInt:  # numpy integers etc. in a list: convert, then walk
-            q = token_keys.int_tokens(q)
-            if len(q) != n:  # an item's __index__ changed the list
-                raise ValueError(f"tokens changed length while being read ({n} -> {len(q)})")
+            q = token_keys.int_tokens_for_retry(q)
             node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
         if new_ns:  # only once the ids are known to be valid
             self.root.children[namespace] = ns_root

@@ -26,7 +26,7 @@ from radixkv.cache.base import Tokens
 __all__ = ["HAS_CEXT", "NotAnInt", "pack_int32", "common_prefix_len", "match_walk", "insert_walk",
            "pack_int32_py", "common_prefix_len_py", "match_walk_py", "insert_walk_py", "walk_py",
            "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "int_tokens",
-           "as_slot_array", "slot_tensor_address", "use_python_path"]
+           "int_tokens_for_retry", "as_slot_array", "slot_tensor_address", "use_python_path"]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
@@ -234,6 +234,20 @@ def int_tokens(seq) -> list:
         except TypeError:
             raise TypeError(f"token id at position {i} must be an int, got "
                             f"{type(t).__name__}") from None
+    return out
+
+
+def int_tokens_for_retry(seq) -> list:
+    """:func:`int_tokens` of a list a C walk refused with ``NotAnInt``, for the retry.
+
+    Raises:
+        ValueError: the list changed length while being read (an item's ``__index__`` did it).
+        TypeError: an item that is not an integer, naming its position.
+    """
+    n = len(seq)
+    out = int_tokens(seq)
+    if len(out) != n:
+        raise ValueError(f"tokens changed length while being read ({n} -> {len(out)})")
     return out
 
 
