@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens per request before decoding")
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="runs per measure (alternating); the best is kept")
-    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--backend", default="auto", help="attention backend (auto: cpu when the native kernels work)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--quantization", nargs="*", default=["int8"],
                     help="also time radixkv with these weight quantizations (rows 'radixkv int8'); none: fp32 only")

@@ -46,7 +46,8 @@ class EngineConfig:
     """False is the same as prefix_cache="none"."""
 
     attention_backend: str = "auto"
-    """"auto", "torch" or "flashinfer"."""
+    """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA, cpu on
+    an AVX2 CPU with a float32 KV pool, else torch."""
 
     quantization: Optional[str] = None
     """None (exact weights) or "int8": CPU-only, lossy int8 linear layers for decode speed

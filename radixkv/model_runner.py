@@ -36,7 +36,7 @@ class ModelRunner:
             ``min(max_position_embeddings, num_slots)``.
         device, dtype: where and in what precision the model and the KV pool live; default the
             model's. The model is moved/cast when they differ.
-        attention_backend: ``"auto"``, ``"torch"``, ``"flashinfer"`` or an
+        attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"flashinfer"`` or an
             :class:`~radixkv.attention.base.AttentionBackend` built for ``kv_pool``.
         kv_pool: use this pool instead of allocating one.
         quantization: ``None`` (default) or ``"int8"``: quantize the model's linear layers in place

@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from radixkv.attention import TorchAttentionBackend, create_attention_backend
+from radixkv import cpu_kernels
+from radixkv.attention import CPUAttentionBackend, TorchAttentionBackend, create_attention_backend
 from radixkv.attention.metadata import ForwardBatch
 from radixkv.kv_pool import KVPool, ReqToTokenPool
 
@@ -121,8 +122,25 @@ def _scenario(seed, page_size, hq, hkv, head_dim=8):
 @pytest.mark.parametrize("max_pad_waste", [1.0, 100.0])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_torch_backend_matches_naive(page_size, hq, hkv, max_pad_waste, seed):
-    pool, r2t, rows, prefix, extend, batch, q, k, v = _scenario(seed, page_size, hq, hkv)
-    backend = TorchAttentionBackend(pool, hq, max_pad_waste=max_pad_waste)
+    _check_backend_against_naive(
+        lambda pool: TorchAttentionBackend(pool, hq, max_pad_waste=max_pad_waste), seed, page_size, hq, hkv
+    )
+
+
+@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA")
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("native_max_q", [1, 8, 64])  # decode only / short extends too / everything
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cpu_backend_matches_naive(page_size, hq, hkv, native_max_q, seed):
+    _check_backend_against_naive(
+        lambda pool: CPUAttentionBackend(pool, hq, native_max_q=native_max_q), seed, page_size, hq, hkv, head_dim=16
+    )
+
+
+def _check_backend_against_naive(make, seed, page_size, hq, hkv, head_dim=8):
+    pool, r2t, rows, prefix, extend, batch, q, k, v = _scenario(seed, page_size, hq, hkv, head_dim)
+    backend = make(pool)
     backend.plan(batch)
     layer = 1
     out = backend.forward(layer, q, k, v)
@@ -136,7 +154,17 @@ def test_torch_backend_matches_naive(page_size, hq, hkv, max_pad_waste, seed):
 
 def test_create_attention_backend_cpu():
     pool = KVPool(1, 2, 8, 16)
-    assert isinstance(create_attention_backend("auto", "cpu", pool, 4), TorchAttentionBackend)
+    auto = create_attention_backend("auto", "cpu", pool, 4)
+    assert type(auto) is (CPUAttentionBackend if cpu_kernels.AVAILABLE else TorchAttentionBackend)
+    if cpu_kernels.AVAILABLE:
+        assert type(create_attention_backend("cpu", "cpu", pool, 4)) is CPUAttentionBackend
+    # the native kernel needs float32 and head_dim % 8 == 0: auto falls back, "cpu" refuses
+    odd = KVPool(1, 2, 6, 16)
+    assert type(create_attention_backend("auto", "cpu", odd, 4)) is TorchAttentionBackend
+    with pytest.raises(ValueError, match="CPUAttentionBackend: .*(head_dim 6|_ckernels)"):
+        create_attention_backend("cpu", "cpu", odd, 4)
+    half = KVPool(1, 2, 8, 16, dtype=torch.bfloat16)
+    assert type(create_attention_backend("auto", "cpu", half, 4)) is TorchAttentionBackend
     assert isinstance(create_attention_backend("torch", "cpu", pool, 4), TorchAttentionBackend)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         create_attention_backend("flashinfer", "cpu", pool, 4)

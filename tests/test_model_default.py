@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from model_helpers import PagedRequests
+from radixkv import cpu_kernels
 from radixkv.model_runner import ModelRunner
 
 pytestmark = pytest.mark.timeout(900)
@@ -52,9 +53,23 @@ def models():
     return loaded, hf
 
 
-def _runner(loaded, page_size):
+def _runner(loaded, page_size, backend="torch"):
     return ModelRunner(loaded, num_slots=4096, page_size=page_size, max_running_requests=8, max_context_len=512,
-                       attention_backend="torch")
+                       attention_backend=backend)
+
+
+_GENERATE_CACHE: dict = {}
+
+
+def _generate(hf, tok, prompt):
+    """transformers' greedy 32 tokens for ``prompt`` (computed once per prompt)."""
+    key = tuple(prompt)
+    if key not in _GENERATE_CACHE:
+        with torch.no_grad():
+            _GENERATE_CACHE[key] = hf.generate(
+                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+                max_new_tokens=32, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+    return _GENERATE_CACHE[key]
 
 
 def _chat_ids(tok, text):
@@ -88,11 +103,13 @@ def test_logits_match_transformers_with_extend(models, page_size):
     torch.testing.assert_close(first[1], ref_b, atol=ATOL, rtol=0)
 
 
-def test_greedy_32_tokens_equal_generate(models):
+# "cpu": native kernels; its decode steps run each decoder layer as one native call
+@pytest.mark.parametrize("backend", ["torch"] + (["cpu"] if cpu_kernels.AVAILABLE else []))
+def test_greedy_32_tokens_equal_generate(models, backend):
     loaded, hf = models
     tok = loaded.tokenizer
     prompts = [_chat_ids(tok, p) for p in _sharegpt_prompts(5)]
-    reqs = PagedRequests(_runner(loaded, 1))
+    reqs = PagedRequests(_runner(loaded, 1, backend))
     # all 5 requests prefilled together, then decoded together (batch 5)
     logits = reqs.forward([(str(i), p) for i, p in enumerate(prompts)])
     ours = [[int(l.argmax())] for l in logits]
@@ -100,11 +117,13 @@ def test_greedy_32_tokens_equal_generate(models):
         logits = reqs.forward([(str(i), [o[-1]]) for i, o in enumerate(ours)])
         for o, l in zip(ours, logits):
             o.append(int(l.argmax()))
-    for p, o in zip(prompts, ours):
+    # the last decode step's logits (batch 5) equal transformers' for the same sequences
+    for p, o, l in zip(prompts, ours, logits):
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              do_sample=False, max_new_tokens=32,
-                              pad_token_id=tok.pad_token_id)[0, len(p):].tolist()
+            ref_logits = hf(torch.tensor([p + o[:-1]])).logits[0, -1:]
+        torch.testing.assert_close(l, ref_logits, atol=ATOL, rtol=0)
+    for p, o in zip(prompts, ours):
+        ref = _generate(hf, tok, p)
         # generate stops early only at EOS; ours decodes on, so compare the common part
         assert len(ref) == 32 or ref[-1] == tok.eos_token_id
         assert o[: len(ref)] == ref, (tok.decode(o), tok.decode(ref))

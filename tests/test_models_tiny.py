@@ -16,8 +16,9 @@ from transformers import MistralForCausalLM as HFMistral
 from transformers import Qwen2ForCausalLM as HFQwen2
 
 from model_helpers import PagedRequests
+from radixkv import cpu_kernels
 from radixkv.model_runner import ModelRunner
-from radixkv.models import build_model, get_model_class
+from radixkv.models import build_model, get_model_class, native_decode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,6 +56,10 @@ def _configs():
             Qwen2Config(num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False, **COMMON),
             HFQwen2,
         ),
+        "qwen2-gqa-bias-hd16": (  # head_dim 16: the native CPU kernels run it (they need a multiple of 8)
+            Qwen2Config(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **COMMON),
+            HFQwen2,
+        ),
         "mistral-gqa": (
             MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096, tie_word_embeddings=False,
                           head_dim=16, **COMMON),
@@ -81,9 +86,21 @@ def pair(request):
     return cfg, hf, ours.eval()
 
 
-def _runner(ours, cfg, page_size):
+# "cpu": the native kernels (decode-sized batches run each decoder layer as one native call,
+# radixkv/models/native_decode.py); "torch": the reference modules and attention.
+BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.AVAILABLE else [])
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def _runner(ours, cfg, page_size, backend="torch"):
+    if backend == "cpu" and ours.head_dim % 8:
+        pytest.skip(f"the native CPU kernels need head_dim % 8 == 0 (this config: {ours.head_dim})")
     return ModelRunner(ours, cfg, num_slots=64 * 16, page_size=page_size, max_running_requests=8,
-                       max_context_len=256, attention_backend="torch")
+                       max_context_len=256, attention_backend=backend)
 
 
 def _hf_logits(hf, ids):
@@ -97,19 +114,19 @@ def _prompt(seed, n, vocab=97):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_single_prompt_all_positions(pair, page_size):
+def test_single_prompt_all_positions(pair, page_size, backend):
     cfg, hf, ours = pair
     ids = _prompt(1, 37)
-    reqs = PagedRequests(_runner(ours, cfg, page_size))
+    reqs = PagedRequests(_runner(ours, cfg, page_size, backend))
     (got,) = reqs.forward([("a", ids)], all_logits=True)
     torch.testing.assert_close(got, _hf_logits(hf, ids), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_batch_of_prompts(pair, page_size):
+def test_batch_of_prompts(pair, page_size, backend):
     cfg, hf, ours = pair
     prompts = [_prompt(10 + i, n) for i, n in enumerate([5, 40, 17, 1, 33])]
-    reqs = PagedRequests(_runner(ours, cfg, page_size), seed=page_size)
+    reqs = PagedRequests(_runner(ours, cfg, page_size, backend), seed=page_size)
     got = reqs.forward([(f"r{i}", p) for i, p in enumerate(prompts)], all_logits=True)
     for p, g in zip(prompts, got):
         torch.testing.assert_close(g, _hf_logits(hf, p), atol=ATOL, rtol=0)
@@ -117,11 +134,11 @@ def test_batch_of_prompts(pair, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("k", [5, 19])
-def test_extend_over_cached_prefix(pair, page_size, k):
+def test_extend_over_cached_prefix(pair, page_size, k, backend):
     cfg, hf, ours = pair
     ids = _prompt(2, 45)
     ref = _hf_logits(hf, ids)
-    reqs = PagedRequests(_runner(ours, cfg, page_size))
+    reqs = PagedRequests(_runner(ours, cfg, page_size, backend))
     (first,) = reqs.forward([("a", ids[:k])], all_logits=True)
     (rest,) = reqs.forward([("a", ids[k:])], all_logits=True)
     torch.testing.assert_close(first, ref[:k], atol=ATOL, rtol=0)
@@ -129,10 +146,13 @@ def test_extend_over_cached_prefix(pair, page_size, k):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_decode_steps_and_mixed_batch(pair, page_size):
+def test_decode_steps_and_mixed_batch(pair, page_size, backend, monkeypatch):
     cfg, hf, ours = pair
     a, b, c = _prompt(3, 20), _prompt(4, 31), _prompt(5, 26)
-    reqs = PagedRequests(_runner(ours, cfg, page_size), seed=7)
+    reqs = PagedRequests(_runner(ours, cfg, page_size, backend), seed=7)
+    fused = []  # forward passes that ran the decoder layers natively (radixkv/models/native_decode.py)
+    real_run_layers = native_decode.run_layers
+    monkeypatch.setattr(native_decode, "run_layers", lambda *a, **k: fused.append(1) or real_run_layers(*a, **k))
     first = reqs.forward([("a", a), ("b", b[:9])])
     torch.testing.assert_close(first[1], _hf_logits(hf, b[:9])[-1:], atol=ATOL, rtol=0)
     a.append(int(first[0].argmax()))
@@ -148,6 +168,9 @@ def test_decode_steps_and_mixed_batch(pair, page_size):
             ref = _hf_logits(hf, seq)[-1:]
             torch.testing.assert_close(g, ref, atol=ATOL, rtol=0, msg=f"step {step} request {rid}")
             seq.append(int(g.argmax()))
+    # the native path served exactly the pure-decode steps (1-5: every request brings one token;
+    # the first two passes carry prefills longer than native_max_q); the torch backend never uses it
+    assert len(fused) == (5 if backend == "cpu" else 0)
 
 
 def test_build_model_random_init_runs(pair):
@@ -233,3 +256,20 @@ def test_gguf_cache_key_depends_on_content_not_path_or_mtime(tmp_path):
         assert loader._gguf_signature(a) != loader._gguf_signature(b)
     b.write_bytes(data + b"\0")
     assert loader._gguf_signature(a) != loader._gguf_signature(b)
+
+
+def test_torch_only_path_when_native_kernels_are_unavailable(pair, monkeypatch):
+    """Without the C extension (or AVX2), every op falls back to torch: same logits."""
+    cfg, hf, ours = pair
+    monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
+    a, b = _prompt(21, 12), _prompt(22, 7)
+    reqs = PagedRequests(ModelRunner(ours, cfg, num_slots=256, max_running_requests=4, max_context_len=64,
+                                     attention_backend="auto"))
+    assert reqs.runner.attn_backend.name == "torch"
+    first = reqs.forward([("a", a), ("b", b)])
+    for seq, g in zip((a, b), first):
+        torch.testing.assert_close(g, _hf_logits(hf, seq)[-1:], atol=ATOL, rtol=0)
+        seq.append(int(g.argmax()))
+    got = reqs.forward([("a", [a[-1]]), ("b", [b[-1]])])  # a decode step: 2 rows
+    for seq, g in zip((a, b), got):
+        torch.testing.assert_close(g, _hf_logits(hf, seq)[-1:], atol=ATOL, rtol=0)

@@ -2,10 +2,14 @@
 
 ``create_attention_backend(name, device, kv_pool, num_q_heads, sm_scale=None, **kwargs)``:
 
-* ``"torch"``: :class:`~radixkv.attention.torch_backend.TorchAttentionBackend` (CPU or CUDA).
+* ``"torch"``: :class:`~radixkv.attention.torch_backend.TorchAttentionBackend` (CPU or CUDA),
+  the reference.
+* ``"cpu"``: :class:`~radixkv.attention.cpu_backend.CPUAttentionBackend`, the reference with a
+  native kernel for decode rows (float32 pool on an AVX2/FMA CPU).
 * ``"flashinfer"``: ``radixkv.attention.flashinfer_backend.FlashInferAttentionBackend``
   (CUDA only; the module is imported only here, so CPU installs never import flashinfer).
-* ``"auto"``: FlashInfer on a CUDA device when its backend imports and constructs, else torch.
+* ``"auto"``: FlashInfer on a CUDA device when its backend imports and constructs; on the CPU,
+  ``"cpu"`` when the pool supports it; else torch.
   The choice (and the reason for a fallback) is logged at INFO level.
 """
 
@@ -17,15 +21,16 @@ from typing import Any, Union
 import torch
 
 from radixkv.attention.base import AttentionBackend
+from radixkv.attention.cpu_backend import CPUAttentionBackend, native_unsupported_reason
 from radixkv.attention.metadata import ForwardBatch
 from radixkv.attention.torch_backend import TorchAttentionBackend
 from radixkv.kv_pool import KVPool
 
-__all__ = ["AttentionBackend", "ForwardBatch", "TorchAttentionBackend", "create_attention_backend", "BACKEND_NAMES"]
+__all__ = ["AttentionBackend", "CPUAttentionBackend", "ForwardBatch", "TorchAttentionBackend", "create_attention_backend", "BACKEND_NAMES"]
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "flashinfer")
+BACKEND_NAMES = ("auto", "torch", "cpu", "flashinfer")
 
 
 def _flashinfer(kv_pool: KVPool, num_q_heads: int, sm_scale: float | None, **kwargs: Any) -> AttentionBackend:
@@ -45,7 +50,7 @@ def create_attention_backend(
     """Build the attention backend called ``name`` for ``kv_pool``.
 
     Args:
-        name: ``"auto"``, ``"torch"`` or ``"flashinfer"``.
+        name: ``"auto"``, ``"torch"``, ``"cpu"`` or ``"flashinfer"``.
         device: the model's device (FlashInfer needs CUDA).
         kv_pool: the KV pool the backend writes and reads.
         num_q_heads: query heads per layer.
@@ -53,7 +58,8 @@ def create_attention_backend(
         **kwargs: passed to the FlashInfer backend only (e.g. workspace size).
 
     Raises:
-        ValueError: unknown ``name``, or ``"flashinfer"`` on a non-CUDA device.
+        ValueError: unknown ``name``, ``"flashinfer"`` on a non-CUDA device, or ``"cpu"`` for a
+            pool it cannot serve.
         ImportError / RuntimeError: ``"flashinfer"`` requested explicitly but unusable.
     """
     device = torch.device(device)
@@ -61,6 +67,8 @@ def create_attention_backend(
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "torch":
         return TorchAttentionBackend(kv_pool, num_q_heads, sm_scale)
+    if name == "cpu":
+        return CPUAttentionBackend(kv_pool, num_q_heads, sm_scale)
     if name == "flashinfer":
         if device.type != "cuda":
             raise ValueError(f"attention_backend 'flashinfer' needs a CUDA device, got {device}")
@@ -74,5 +82,9 @@ def create_attention_backend(
         except Exception as exc:  # noqa: BLE001 - any failure means "not usable here"
             logger.info("attention backend: torch (auto; flashinfer unavailable: %s: %s)", type(exc).__name__, exc)
     else:
-        logger.info("attention backend: torch (auto, device %s)", device)
+        reason = native_unsupported_reason(kv_pool)
+        if reason is None:
+            logger.info("attention backend: cpu (auto, device %s)", device)
+            return CPUAttentionBackend(kv_pool, num_q_heads, sm_scale)
+        logger.info("attention backend: torch (auto, device %s; native cpu kernel unusable: %s)", device, reason)
     return TorchAttentionBackend(kv_pool, num_q_heads, sm_scale)

@@ -70,10 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
                 f"TorchAttentionBackend.plan: batch.page_size {batch.page_size} != kv_pool.page_size {self.page_size}"
             )
         self._batch = batch
+        self._groups = self._plan_groups(batch, range(batch.batch_size))
+
+    def _plan_groups(self, batch: ForwardBatch, reqs) -> list[_Group]:
+        """The padded groups (module docstring) covering requests ``reqs`` of ``batch``."""
         extend = batch.extend_lens_cpu.tolist()
         prefix = batch.prefix_lens_cpu.tolist()
-        decode = [i for i, e in enumerate(extend) if e == 1]
-        rest = [i for i, e in enumerate(extend) if e > 1]
+        decode = [i for i in reqs if extend[i] == 1]
+        rest = [i for i in reqs if extend[i] > 1]
         groups: list[list[int]] = []
         if decode:
             groups.append(decode)
@@ -84,7 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
                 groups.append(rest)
             else:
                 groups.extend([i] for i in rest)
-        self._groups = [self._make_group(batch, g, extend, prefix) for g in groups]
+        return [self._make_group(batch, g, extend, prefix) for g in groups]
 
     def _make_group(self, batch: ForwardBatch, reqs: list[int], extend: list[int], prefix: list[int]) -> _Group:
         dev = self.device
@@ -133,15 +137,18 @@ class TorchAttentionBackend(AttentionBackend):
     # --------------------------------------------------------------- forward
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._batch is None:
-            raise RuntimeError("TorchAttentionBackend.forward called before plan()")
-        batch = self._batch
-        self.kv_pool.write(layer_id, batch.out_slots, k, v)
+            raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
+        self.kv_pool.write(layer_id, self._batch.out_slots, k, v)
+        # a single unpadded group covers every row in order: no gather of q, no scatter of out
+        in_order = len(self._groups) == 1 and self._groups[0].q_valid is None
+        return self._attend_groups(layer_id, q, None if in_order else torch.empty_like(q))
+
+    def _attend_groups(self, layer_id: int, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the planned groups' rows, written into ``out`` (``None``: the single
+        in-order group's output is returned as it is)."""
         k_all = self.kv_pool.k_slots(layer_id)
         v_all = self.kv_pool.v_slots(layer_id)
         hkv, g, d = self.num_kv_heads, self.group_size, self.head_dim
-        # a single unpadded group covers every row in order: no gather of q, no scatter of out
-        in_order = len(self._groups) == 1 and self._groups[0].q_valid is None
-        out = None if in_order else torch.empty_like(q)
         for grp in self._groups:
             bg, qmax = grp.q_rows.shape
             lmax = grp.kv_slots.shape[1]
@@ -150,12 +157,12 @@ class TorchAttentionBackend(AttentionBackend):
             vg = v_all.index_select(0, kv_idx).view(bg, lmax, hkv, d).transpose(1, 2).to(q.dtype)
             if grp.is_causal:
                 # one fresh prefill (qmax == lmax): SDPA's own causal kernel, heads not folded
-                qg = q if in_order else q.index_select(0, grp.q_rows.reshape(-1))
+                qg = q if out is None else q.index_select(0, grp.q_rows.reshape(-1))
                 qg = qg.reshape(1, qmax, hkv * g, d).transpose(1, 2)
                 o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=self.sm_scale, enable_gqa=g > 1)
                 o = o.transpose(1, 2).reshape(qmax, hkv * g, d)
             else:
-                qg = q if in_order else q.index_select(0, grp.q_rows.reshape(-1))
+                qg = q if out is None else q.index_select(0, grp.q_rows.reshape(-1))
                 qg = qg.reshape(bg, qmax, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(bg, hkv, g * qmax, d)
                 o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=grp.mask, scale=self.sm_scale)
                 o = o.view(bg, hkv, g, qmax, d).permute(0, 3, 1, 2, 4).reshape(bg * qmax, hkv * g, d)

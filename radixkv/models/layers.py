@@ -20,40 +20,94 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from radixkv import cpu_kernels
 from radixkv.attention.base import AttentionBackend
+from radixkv.models import native_decode
 
 
 SMALL_M_ROWS = 128
 """Row counts (2 to this) for which :func:`linear` uses the weight-major product on the CPU."""
 
+PACKED_MAX_ROWS = 64
+"""Row counts (1 to this) for which :func:`linear` uses radixkv's packed-weight GEMM on the CPU."""
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``x [M, K]``, ``weight [N, K]`` -> ``[M, N]``), computed on
-    the CPU for a few rows (decode batches, ``2 <= M <= SMALL_M_ROWS``, float32) as
-    ``(weight @ x.T).T``.
 
-    Same result up to float32 rounding (another summation order), and much faster there: MKL's
-    sgemm streams a large ``[N, K]`` left operand against a small packed right one far better
-    than the ``x @ weight.T`` layout ``F.linear`` uses. Measured on the 2-core CPU box
-    (docs/model.md): SmolLM2's 30 layers' projections at ``M = 16`` take ~66 ms against ~90-111
-    ms, the 49152-row output projection ~21 ms against ~40 ms; at ``M = 1`` (a matrix-vector
-    product) and from ``M`` ~ 256 up (prefill) the gain is gone, so those, other devices and
-    other dtypes use ``F.linear``.
+class PackCache:
+    """Holds the :class:`~radixkv.cpu_kernels.PackedWeight` of one weight tensor, rebuilt when
+    the tensor is replaced or changed in place (its address or ``_version`` moves)."""
+
+    __slots__ = ("_key", "_packed")
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._packed: cpu_kernels.PackedWeight | None = None
+
+    def get(self, weight: torch.Tensor) -> "cpu_kernels.PackedWeight":
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if key != self._key:
+            self._packed = cpu_kernels.PackedWeight(weight)
+            self._key = key
+        return self._packed
+
+
+def native_rows(x: torch.Tensor) -> bool:
+    """True when the native CPU kernels serve these rows: ``x`` is float32 on the CPU with at most
+    :data:`PACKED_MAX_ROWS` rows (a decode-sized batch), the kernels are available and no
+    gradient is being recorded. Larger batches (prefill) use torch's multi-threaded ops."""
+    return (
+        cpu_kernels.AVAILABLE
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= PACKED_MAX_ROWS
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: PackCache | None = None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``x [M, K]``, ``weight [N, K]`` -> ``[M, N]``), with two
+    faster float32 CPU paths for decode-sized batches (same values up to float32 rounding):
+
+    * ``1 <= M <= PACKED_MAX_ROWS``, a ``pack`` cache given, the native kernels available and
+      no gradient needed: :func:`radixkv.cpu_kernels.packed_linear` on the weight repacked once
+      into 16-column panels (an AVX2 register-blocked GEMM; ~1.3-2x MKL here, see
+      docs/model.md). The packed copy costs the weight's bytes again.
+    * else ``2 <= M <= SMALL_M_ROWS``: ``(weight @ x.T).T``. MKL's sgemm streams a large
+      ``[N, K]`` left operand against a small packed right one far better than the ``x @ W.T``
+      layout ``F.linear`` uses (measured 1.35-1.9x at ``M = 16`` on the 2-core CPU box).
+
+    Larger ``M`` (prefill), other devices and other dtypes use ``F.linear``.
     """
-    if x.dim() == 2 and 1 < x.shape[0] <= SMALL_M_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-        if bias is None:
-            y = torch.mm(weight, x.t())
-        else:
-            y = torch.addmm(bias.unsqueeze(1), weight, x.t())
-        return y.t().contiguous()
+    if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32:
+        m = x.shape[0]
+        if (
+            pack is not None
+            and 1 <= m <= PACKED_MAX_ROWS
+            and cpu_kernels.AVAILABLE
+            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
+        ):
+            return cpu_kernels.packed_linear(x, pack.get(weight), bias)
+        if 1 < m <= SMALL_M_ROWS:
+            if bias is None:
+                y = torch.mm(weight, x.t())
+            else:
+                y = torch.addmm(bias.unsqueeze(1), weight, x.t())
+            return y.t().contiguous()
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose forward is :func:`linear` (same parameters and state dict)."""
+    """``nn.Linear`` whose forward is :func:`linear` (same parameters and state dict), with its
+    own packed-weight cache."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pack = PackCache()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.pack)
 
 
 def config_head_dim(cfg) -> int:
@@ -62,14 +116,30 @@ def config_head_dim(cfg) -> int:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Zhang & Sennrich 2019) computed in float32, as transformers does."""
+    """Root-mean-square norm (Zhang & Sennrich 2019) computed in float32, as transformers does.
+
+    ``norm(x)`` returns the normed ``x``. ``norm(x, residual)`` first forms ``residual + x`` (the
+    decoder's skip connection, fused as in vLLM's ``fused_add_rms_norm``) and returns
+    ``(normed, new_residual)``; on the native CPU path the residual tensor is updated in place.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = float(eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if native_rows(x) and not (torch.is_grad_enabled() and self.weight.requires_grad):
+            if residual is None:
+                return cpu_kernels.add_rms_norm(None, x.contiguous(), self.weight, self.eps)
+            residual = residual.contiguous()
+            return cpu_kernels.add_rms_norm(x.contiguous(), residual, self.weight, self.eps), residual
+        if residual is None:
+            return self._norm(x)
+        residual = residual + x
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # one fused kernel, same math
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -138,9 +208,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        qkv = self.qkv_proj(x)
+        if native_rows(qkv) and cos.is_contiguous() and cos.dtype == torch.float32:
+            # q and k heads are adjacent in each row: one in-place pass rotates both
+            cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
+                              cos.view(t, self.head_dim), sin.view(t, self.head_dim))
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(t, self.num_heads, self.head_dim)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+            k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         o = attn.forward(self.layer_id, q, k, v.view(t, self.num_kv_heads, self.head_dim))
         return self.o_proj(o.reshape(t, self.q_size))
 
@@ -159,7 +238,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if native_rows(gate_up):
+            return self.down_proj(cpu_kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.inter, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -171,9 +253,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos, sin, attn: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos, sin, attn: AttentionBackend):
+        """``h``: the previous layer's output delta (or the embeddings, with ``residual=None``).
+        Returns ``(delta, residual)``; the hidden state after the layer is ``residual + delta``."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn), residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -216,6 +305,7 @@ class CausalLM(nn.Module):
         # set by radixkv.models.quantize.quantize_model: replaces the output projection
         self.logits_proj: nn.Module | None = None
         self.quantization: str | None = None
+        self.lm_head_pack = PackCache()
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -229,12 +319,19 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, h.dtype)
-        for layer in self.model.layers:
-            h = layer(h, cos, sin, attn)
-        h = self.model.norm(h[logits_indices])
+        residual = None
+        if self.num_layers and native_decode.eligible(self, attn, h.shape[0], h.dtype):
+            h, residual = native_decode.run_layers(self, h, cos, sin, attn)
+        else:
+            for layer in self.model.layers:
+                h, residual = layer(h, residual, cos, sin, attn)
+        if residual is None:  # no decoder layers
+            h = self.model.norm(h[logits_indices])
+        else:
+            h, _ = self.model.norm(h[logits_indices], residual[logits_indices])
         if self.logits_proj is not None:
             return self.logits_proj(h).float()
-        return linear(h, self.lm_head_weight()).float()
+        return linear(h, self.lm_head_weight(), None, self.lm_head_pack).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=None, help="running-batch size limit (default: engine's)")
     g.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill token budget per step (default: engine's)")
     g.add_argument("--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)")
-    g.add_argument("--attention-backend", default="auto", help="auto, torch or flashinfer (default: %(default)s)")
+    g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
     g.add_argument(
         "--prefix-cache", choices=["radix", "hash", "none"], default="radix",
         help="prefix cache: radix tree, hashed blocks, or none (default: %(default)s)",

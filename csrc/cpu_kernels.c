@@ -1,0 +1,859 @@
+/* radixkv._ckernels: float32 CPU kernels for the decode step (AVX2 + FMA, a small thread pool).
+ *
+ * The Python wrappers and the checks on every argument live in radixkv/cpu_kernels.py (and
+ * radixkv/models/native_decode.py for decode_layer); the functions here trust their arguments:
+ * raw addresses of contiguous float32 / int32 / int64 buffers, passed as integers.
+ *
+ * available() -> bool
+ *   True when this CPU has AVX2 and FMA (checked at run time; the module is built for any
+ *   x86-64, only the kernels are compiled for AVX2). Every other function needs it.
+ *
+ * sgemm_packed(x, M, K, ldx, wp, N, bias, c, ldc, nthreads)
+ *   C[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]). x: X, rows ldx floats apart. wp: W packed in
+ *   panels of 16 output columns, [ceil(N / 16), K, 16] (panel p holds W[16p : 16p + 16, :]
+ *   transposed, zero-padded past N). bias: bias[N] or 0. c: C, rows ldc floats apart.
+ *   Method: the register-blocked micro-kernel of Goto & van de Geijn (2008) / BLIS (Van Zee &
+ *   van de Geijn 2015): a 6 x 16 block of C lives in 12 AVX registers; each k step loads one
+ *   packed W row (16 floats, one cache line) and broadcasts 6 X values. See gemm_task for the
+ *   blocking and the prefetching. Each C element is one float32 FMA chain over k (a summation
+ *   order other than MKL's: equal up to float32 rounding).
+ *
+ * paged_attention(q, req_meta, n_req, kv_indices, page_size, k_cache, v_cache, num_q_heads,
+ *                 num_kv_heads, head_dim, sm_scale, out, nthreads)
+ *   FlashInfer-paged-prefill semantics (causal, bottom-right aligned) for the requests given.
+ *   req_meta: int32 [4, n_req]: first query row, query count q_len, offset into kv_indices
+ *   (kv_indptr) and KV length kv_len of each request. q / out: [T, Hq, D]. Position p of a
+ *   request lives in slot page * page_size + p % page_size of k_cache / v_cache ([num_slots,
+ *   Hkv, D]), page = kv_indices[kv_indptr + p / page_size]. Query row j attends to positions
+ *   0 .. kv_len - q_len + j. GQA: query head h reads KV head h / (Hq / Hkv). Softmax in float32,
+ *   max subtracted (two passes, not online). head_dim must be a multiple of 8.
+ *
+ * add_rms_norm(delta, residual, out, M, K, w, eps), rope_inplace(x, T, nh, d, ldx, cos, sin),
+ * silu_mul(gate_up, out, M, I): RMSNorm with the residual add fused, rotate-half RoPE in place,
+ *   SwiGLU's silu(gate) * up (one thread each; see the functions).
+ *
+ * decode_layer(...): one decoder layer (norms, packed GEMMs, RoPE, K/V write, attention, SwiGLU)
+ *   in one call, for radixkv/models/native_decode.py; see py_decode_layer.
+ *
+ * advise_hugepages(addr, nbytes) -> bool: madvise(MADV_HUGEPAGE) on the 2 MiB pages inside.
+ *
+ * Threads: a pthread pool (nthreads - 1 workers; the caller is thread 0), started on first use
+ * and restarted after fork(); workers poll briefly for the next task, then sleep. The GIL is
+ * released while a kernel runs; one task runs at a time.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define RK_X86 1
+#include <immintrin.h>
+#else
+#define RK_X86 0
+#endif
+
+#define MAX_THREADS 64
+
+/* ------------------------------------------------------------------ thread pool */
+
+typedef void (*task_fn)(void *arg, int tid, int nthreads);
+
+#ifndef SPIN_ITERS
+#define SPIN_ITERS 30000 /* pause loops (~0.5-1 ms) a worker polls for the next task before sleeping:
+                           * longer than the gaps between the kernels of one forward pass */
+#endif
+
+static inline void
+cpu_relax(void)
+{
+#if RK_X86
+    _mm_pause();
+#endif
+}
+
+/* Every started worker takes part in every task (workers with tid >= nthreads only check in), so
+ * each observes each generation exactly once: the caller waits for all of them before the next. */
+static struct {
+    pthread_mutex_t run_mu; /* one task at a time (kernels run without the GIL) */
+    pthread_mutex_t mu;     /* guards sleepers and the start condition */
+    pthread_cond_t start_cv;
+    pthread_t th[MAX_THREADS];
+    unsigned long first_gen[MAX_THREADS + 1]; /* gen when worker i was created */
+    int started;       /* workers running */
+    int sleepers;      /* workers blocked on start_cv */
+    unsigned long gen; /* bumped (release) for every task; read with acquire */
+    int pending;       /* workers that have not finished the current task */
+    task_fn fn;
+    void *arg;
+    int nthreads; /* threads working on the current task (caller included) */
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void *
+worker_main(void *p)
+{
+    int tid = (int)(intptr_t)p;
+    unsigned long seen = __atomic_load_n(&pool.first_gen[tid], __ATOMIC_ACQUIRE);
+    for (;;) {
+        unsigned long g;
+        int spins = 0;
+        while ((g = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE)) == seen) {
+            if (++spins < SPIN_ITERS) {
+                cpu_relax();
+                continue;
+            }
+            pthread_mutex_lock(&pool.mu);
+            pool.sleepers++;
+            while (__atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE) == seen)
+                pthread_cond_wait(&pool.start_cv, &pool.mu);
+            pool.sleepers--;
+            pthread_mutex_unlock(&pool.mu);
+            spins = 0;
+        }
+        seen = g;
+        if (tid < pool.nthreads)
+            pool.fn(pool.arg, tid, pool.nthreads);
+        __atomic_fetch_sub(&pool.pending, 1, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static void
+pool_after_fork_child(void)
+{
+    /* the workers did not survive fork(): start new ones on next use */
+    pthread_mutex_init(&pool.run_mu, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.start_cv, NULL);
+    pool.started = 0;
+    pool.sleepers = 0;
+    pool.pending = 0;
+}
+
+/* Runs fn(arg, tid, n) for tid in [0, n) on n threads (the caller is tid 0). */
+static void
+run_parallel(task_fn fn, void *arg, int n)
+{
+    if (n > MAX_THREADS)
+        n = MAX_THREADS;
+    if (n <= 1) {
+        fn(arg, 0, 1);
+        return;
+    }
+    pthread_mutex_lock(&pool.run_mu);
+    while (pool.started < n - 1) {
+        __atomic_store_n(&pool.first_gen[pool.started + 1], pool.gen, __ATOMIC_RELEASE);
+        if (pthread_create(&pool.th[pool.started], NULL, worker_main, (void *)(intptr_t)(pool.started + 1)) != 0)
+            break;
+        pool.started++;
+    }
+    if (pool.started < n - 1)
+        n = pool.started + 1;
+    if (n <= 1) {
+        pthread_mutex_unlock(&pool.run_mu);
+        fn(arg, 0, 1);
+        return;
+    }
+    pool.fn = fn;
+    pool.arg = arg;
+    pool.nthreads = n;
+    __atomic_store_n(&pool.pending, pool.started, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&pool.mu);
+    __atomic_store_n(&pool.gen, pool.gen + 1, __ATOMIC_RELEASE);
+    if (pool.sleepers)
+        pthread_cond_broadcast(&pool.start_cv);
+    pthread_mutex_unlock(&pool.mu);
+    fn(arg, 0, n);
+    for (long spins = 0; __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0; spins++) {
+        if (spins < 100000)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+    pthread_mutex_unlock(&pool.run_mu);
+}
+
+/* ------------------------------------------------------------------ exp */
+
+#if RK_X86
+/* exp(x) for 8 floats: x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite split of ln2), exp(r) by
+ * its degree-6 Taylor/minimax polynomial (Cephes expf coefficients, S. Moshier), times 2^n built
+ * in the exponent bits. Relative error ~2 ulp; x is clamped to [-87.3, 88.7] (no inf/denormals:
+ * exp(-87.3) ~ 1e-38 stands in for 0, which only the softmax of -inf-free scores sees). */
+__attribute__((target("avx2,fma"))) static inline __m256
+exp256(__m256 x)
+{
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* ------------------------------------------------------------------ GEMM */
+
+#define NR 16
+#define MR 6
+#ifndef PF_HINT
+#define PF_HINT _MM_HINT_T1
+#endif
+#ifndef KC
+#define KC 128 /* rows of a weight panel per block (8 KiB) */
+#endif
+#ifndef PF_BLOCKS
+#define PF_BLOCKS 2 /* blocks ahead that are prefetched */
+#endif
+
+typedef struct {
+    const float *x;
+    Py_ssize_t M, K, ldx;
+    const float *wp;
+    Py_ssize_t N;
+    const float *bias;
+    float *c;
+    Py_ssize_t ldc;
+    Py_ssize_t chunk; /* panels taken at a time */
+    Py_ssize_t next;  /* next untaken panel (atomic): threads that start late take less */
+} gemm_args;
+
+#if RK_X86
+/* C[0:mr, 0:nv] (+)= X[0:mr, k0 : k0 + kc] @ panel block (+ bias): the block's kc rows of the
+ * panel (64 bytes each) stay in L1 while every row block of X uses them. first: start from 0
+ * (else from C); bias: added (last block only, else NULL); pf: a line to prefetch per k step
+ * (NULL: none). Inlined with constant mr. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+ukernel(const int mr, Py_ssize_t kc, const float *x, Py_ssize_t ldx, const float *wp, const float *pf, float *c,
+        Py_ssize_t ldc, const float *bias, int nv, int first)
+{
+    __m256 acc[MR][2];
+    float tmp[NR];
+    for (int i = 0; i < mr; i++) {
+        if (first) {
+            acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        } else if (nv == NR) {
+            acc[i][0] = _mm256_loadu_ps(c + i * ldc);
+            acc[i][1] = _mm256_loadu_ps(c + i * ldc + 8);
+        } else {
+            memset(tmp, 0, sizeof tmp);
+            memcpy(tmp, c + i * ldc, (size_t)nv * sizeof(float));
+            acc[i][0] = _mm256_loadu_ps(tmp);
+            acc[i][1] = _mm256_loadu_ps(tmp + 8);
+        }
+    }
+    for (Py_ssize_t k = 0; k < kc; k++) {
+        if (pf)
+            _mm_prefetch((const char *)(pf + k * NR), PF_HINT);
+        __m256 w0 = _mm256_loadu_ps(wp + k * NR);
+        __m256 w1 = _mm256_loadu_ps(wp + k * NR + 8);
+        for (int i = 0; i < mr; i++) {
+            __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+            acc[i][0] = _mm256_fmadd_ps(a, w0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(a, w1, acc[i][1]);
+        }
+    }
+    if (bias) {
+        float bb[NR] = {0};
+        memcpy(bb, bias, (size_t)nv * sizeof(float));
+        __m256 b0 = _mm256_loadu_ps(bb), b1 = _mm256_loadu_ps(bb + 8);
+        for (int i = 0; i < mr; i++) {
+            acc[i][0] = _mm256_add_ps(acc[i][0], b0);
+            acc[i][1] = _mm256_add_ps(acc[i][1], b1);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        if (nv == NR) {
+            _mm256_storeu_ps(c + i * ldc, acc[i][0]);
+            _mm256_storeu_ps(c + i * ldc + 8, acc[i][1]);
+        } else {
+            _mm256_storeu_ps(tmp, acc[i][0]);
+            _mm256_storeu_ps(tmp + 8, acc[i][1]);
+            memcpy(c + i * ldc, tmp, (size_t)nv * sizeof(float));
+        }
+    }
+}
+
+/* Panels are taken in chunks (atomic counter). Within a panel, K is walked in blocks of KC rows
+ * (KC * 64 bytes, L1-resident) and every row block of X passes over a block before the next is
+ * read: the weight stream from memory then advances at a steady pace with all M rows' work, and
+ * the first pass over each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
+ * weight stream. */
+__attribute__((target("avx2,fma"))) static void
+gemm_task(void *p, int tid, int nthreads)
+{
+    gemm_args *a = (gemm_args *)p;
+    const Py_ssize_t panels = (a->N + NR - 1) / NR, K = a->K;
+    for (;;) {
+        Py_ssize_t p0 = __atomic_fetch_add(&a->next, a->chunk, __ATOMIC_RELAXED);
+        if (p0 >= panels)
+            break;
+        Py_ssize_t p1 = p0 + a->chunk < panels ? p0 + a->chunk : panels;
+        for (Py_ssize_t pi = p0; pi < p1; pi++) {
+            const float *panel = a->wp + pi * K * NR;
+            Py_ssize_t n0 = pi * NR;
+            int nv = (int)(a->N - n0 < NR ? a->N - n0 : NR);
+            for (Py_ssize_t k0 = 0; k0 < K; k0 += KC) {
+                Py_ssize_t kc = K - k0 < KC ? K - k0 : KC;
+                const float *wp = panel + k0 * NR;
+                const float *bias = a->bias && k0 + kc >= K ? a->bias + n0 : NULL;
+                const float *pf = wp + PF_BLOCKS * KC * NR; /* may run past the end: prefetch never faults */
+                for (Py_ssize_t m0 = 0; m0 < a->M; m0 += MR) {
+                    Py_ssize_t mr = a->M - m0 < MR ? a->M - m0 : MR;
+                    const float *x = a->x + m0 * a->ldx + k0;
+                    float *c = a->c + m0 * a->ldc + n0;
+                    const float *pfp = m0 == 0 ? pf : NULL;
+                    int first = k0 == 0;
+                    switch (mr) {
+                    case 6: ukernel(6, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
+                    case 5: ukernel(5, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
+                    case 4: ukernel(4, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
+                    case 3: ukernel(3, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
+                    case 2: ukernel(2, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
+                    default: ukernel(1, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
+                    }
+                }
+            }
+        }
+    }
+}
+#endif
+
+#if RK_X86
+/* C[M, N] = X @ W^T (+ bias) on nthreads threads (see the header). */
+static void
+gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const float *wp, Py_ssize_t N, const float *bias,
+     float *c, Py_ssize_t ldc, int nthreads)
+{
+    Py_ssize_t panels = (N + NR - 1) / NR;
+    int n = nthreads < 1 ? 1 : nthreads;
+    if (panels < 2 * n) /* too little work to share */
+        n = 1;
+    Py_ssize_t chunk = panels / (2 * n); /* large chunks: prefetching runs within a chunk */
+    gemm_args a = {x, M, K, ldx, wp, N, bias, c, ldc, chunk < 1 ? 1 : chunk, 0};
+    run_parallel(gemm_task, &a, n);
+}
+#endif
+
+static int
+cpu_ok(void)
+{
+    static int ok = -1;
+    if (ok < 0) {
+#if RK_X86 && defined(__GNUC__)
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+        ok = 0;
+#endif
+    }
+    return ok;
+}
+
+static PyObject *
+py_available(PyObject *self, PyObject *noargs)
+{
+    return PyBool_FromLong(cpu_ok());
+}
+
+static PyObject *
+py_sgemm_packed(PyObject *self, PyObject *args)
+{
+    Py_ssize_t x, M, K, ldx, wp, N, bias, c, ldc, nthreads;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &x, &M, &K, &ldx, &wp, &N, &bias, &c, &ldc, &nthreads))
+        return NULL;
+    if (!cpu_ok()) {
+        PyErr_SetString(PyExc_RuntimeError, "sgemm_packed needs a CPU with AVX2 and FMA");
+        return NULL;
+    }
+#if RK_X86
+    Py_BEGIN_ALLOW_THREADS
+    gemm((const float *)x, M, K, ldx, (const float *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads);
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ paged attention */
+
+#ifndef KV_PREFETCH
+#define KV_PREFETCH 24 /* positions ahead whose K rows are prefetched */
+#endif
+
+typedef struct {
+    const float *q;
+    Py_ssize_t ldq; /* floats between query rows (>= hq * d) */
+    const int32_t *q_start, *q_len, *kv_start, *kv_len;
+    Py_ssize_t n_req;
+    const int32_t *kv_indices;
+    Py_ssize_t page_size;
+    const float *k_cache, *v_cache;
+    int hq, hkv, d;
+    float sm_scale;
+    float *out;
+    Py_ssize_t units; /* query rows: sum over requests of q_len */
+    Py_ssize_t max_kv;
+    Py_ssize_t next; /* next untaken unit (atomic) */
+} attn_args;
+
+#if RK_X86
+__attribute__((target("avx2,fma"))) static inline float
+hmax256(__m256 v)
+{
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+__attribute__((target("avx2,fma"))) static inline float
+hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* scores[p0 .. p0 + 8) of one head: q . k over d for 8 positions, reduced with a horizontal-add
+ * tree into one register (8 accumulators share each q chunk). */
+__attribute__((target("avx2,fma"))) static inline __m256
+qk8(const float *qh, const float *const kp[8], int d)
+{
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int e = 0; e < d; e += 8) {
+        __m256 qv = _mm256_loadu_ps(qh + e);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[0] + e), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[1] + e), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[2] + e), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[3] + e), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[4] + e), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[5] + e), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[6] + e), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kp[7] + e), a7);
+    }
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* out[h0 + i][e0 + 8c ...] = inv[h0 + i] * sum_p w[h0 + i][p] v_p[e0 + 8c ...] for i < hc, c < nc:
+ * hc * nc accumulators stay in registers over all positions. Inlined with constant hc, nc. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+pv_block(const int hc, const int nc, const float *v_base, const Py_ssize_t *slot, Py_ssize_t row_len, Py_ssize_t n,
+         const float *w, const float *inv, float *out, int d)
+{
+    __m256 acc[3][4];
+    for (int i = 0; i < hc; i++)
+        for (int c = 0; c < nc; c++)
+            acc[i][c] = _mm256_setzero_ps();
+    for (Py_ssize_t p = 0; p < n; p++) {
+        const float *vp = v_base + slot[p] * row_len;
+        for (int i = 0; i < hc; i++) {
+            __m256 wv = _mm256_broadcast_ss(w + i * n + p);
+            for (int c = 0; c < nc; c++)
+                acc[i][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vp + 8 * c), acc[i][c]);
+        }
+    }
+    for (int i = 0; i < hc; i++) {
+        __m256 sv = _mm256_set1_ps(inv[i]);
+        for (int c = 0; c < nc; c++)
+            _mm256_storeu_ps(out + i * d + 8 * c, _mm256_mul_ps(sv, acc[i][c]));
+    }
+}
+
+/* One query row (all heads) against its n visible positions. scratch: n slots + hq * n scores.
+ * Pass 1 computes every head's scores 8 positions at a time, pass 2 the softmax weights, pass 3
+ * the weighted sum of V with the outputs held in registers. */
+__attribute__((target("avx2,fma"))) static void
+attend_row(const attn_args *a, Py_ssize_t r, Py_ssize_t row, Py_ssize_t n, float *scratch)
+{
+    const int d = a->d, hq = a->hq, hkv = a->hkv, g = hq / hkv;
+    const Py_ssize_t ps = a->page_size, row_len = (Py_ssize_t)hkv * d;
+    const int32_t *pages = a->kv_indices + a->kv_start[r];
+    const float *qrow = a->q + row * a->ldq;
+    float *orow = a->out + row * hq * d;
+    Py_ssize_t *slot = (Py_ssize_t *)scratch;
+    float *scores = scratch + 2 * n; /* Py_ssize_t is two floats wide */
+    for (Py_ssize_t p0 = 0, pg = 0; p0 < n; p0 += ps, pg++) { /* page by page: no division */
+        Py_ssize_t base = (Py_ssize_t)pages[pg] * ps, m = n - p0 < ps ? n - p0 : ps;
+        for (Py_ssize_t i = 0; i < m; i++)
+            slot[p0 + i] = base + i;
+    }
+    /* pass 1: scores[h][p] = q_h . k_p * scale, 8 positions at a time for every head (their K
+     * rows are read once into L1); the next block's K rows and this block's V rows (for pass 3)
+     * are prefetched meanwhile */
+    const __m256 vscale = _mm256_set1_ps(a->sm_scale);
+    const Py_ssize_t row_bytes = row_len * (Py_ssize_t)sizeof(float);
+    Py_ssize_t p = 0;
+    for (; p + 8 <= n; p += 8) {
+        for (Py_ssize_t j = p + KV_PREFETCH; j < p + KV_PREFETCH + 8 && j < n; j++)
+            for (Py_ssize_t b = 0; b < row_bytes; b += 64)
+                _mm_prefetch((const char *)(a->k_cache + slot[j] * row_len) + b, _MM_HINT_T0);
+        if (p == 0) /* the first blocks */
+            for (Py_ssize_t j = 0; j < KV_PREFETCH && j < n; j++)
+                for (Py_ssize_t b = 0; b < row_bytes; b += 64)
+                    _mm_prefetch((const char *)(a->k_cache + slot[j] * row_len) + b, _MM_HINT_T0);
+        for (Py_ssize_t j = p; j < p + 8; j++)
+            for (Py_ssize_t b = 0; b < row_bytes; b += 64)
+                _mm_prefetch((const char *)(a->v_cache + slot[j] * row_len) + b, _MM_HINT_T1);
+        for (int h = 0; h < hq; h++) {
+            const float *kb = a->k_cache + (Py_ssize_t)(h / g) * d;
+            const float *kp[8];
+            for (int j = 0; j < 8; j++)
+                kp[j] = kb + slot[p + j] * row_len;
+            _mm256_storeu_ps(scores + (Py_ssize_t)h * n + p, _mm256_mul_ps(qk8(qrow + (Py_ssize_t)h * d, kp, d), vscale));
+        }
+    }
+    for (; p < n; p++) {
+        for (int h = 0; h < hq; h++) {
+            const float *kp = a->k_cache + slot[p] * row_len + (Py_ssize_t)(h / g) * d, *qh = qrow + (Py_ssize_t)h * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int e = 0; e < d; e += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e), _mm256_loadu_ps(kp + e), acc);
+            scores[(Py_ssize_t)h * n + p] = hsum256(acc) * a->sm_scale;
+        }
+    }
+    /* pass 2: unnormalized softmax weights exp(s - max) per head, and 1 / their sum */
+    float inv_stack[64];
+    float *inv = hq <= 64 ? inv_stack : scores + (Py_ssize_t)hq * n; /* scratch has room (see attn_task) */
+    for (int h = 0; h < hq; h++) {
+        float *s = scores + (Py_ssize_t)h * n;
+        Py_ssize_t p = 0;
+        __m256 vmx = _mm256_set1_ps(s[0]);
+        for (; p + 8 <= n; p += 8)
+            vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(s + p));
+        float mx = hmax256(vmx);
+        for (; p < n; p++)
+            mx = s[p] > mx ? s[p] : mx;
+        __m256 vm = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+        for (p = 0; p + 8 <= n; p += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
+            _mm256_storeu_ps(s + p, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        if (p < n) { /* tail through a padded buffer: same exp as the vector lanes */
+            float t[8];
+            int m = (int)(n - p);
+            for (int i = 0; i < 8; i++)
+                t[i] = i < m ? s[p + i] - mx : -87.3f;
+            __m256 e = exp256(_mm256_loadu_ps(t));
+            _mm256_storeu_ps(t, e);
+            for (int i = 0; i < m; i++)
+                s[p + i] = t[i];
+            vsum = _mm256_add_ps(vsum, _mm256_blendv_ps(_mm256_setzero_ps(), e,
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+        }
+        inv[h] = 1.f / hsum256(vsum);
+    }
+    /* pass 3: out_h = inv_h * sum_p w_hp v_p, by (KV head, <= 3 query heads, <= 32 dims) blocks */
+    for (int kvh = 0; kvh < hkv; kvh++) {
+        const float *vb = a->v_cache + (Py_ssize_t)kvh * d;
+        for (int h0 = kvh * g; h0 < (kvh + 1) * g; h0 += 3) {
+            int hc = (kvh + 1) * g - h0 < 3 ? (kvh + 1) * g - h0 : 3;
+            for (int e0 = 0; e0 < d; e0 += 32) {
+                int nc = (d - e0) / 8 < 4 ? (d - e0) / 8 : 4;
+                const float *w = scores + (Py_ssize_t)h0 * n;
+                float *o = orow + (Py_ssize_t)h0 * d + e0;
+                const float *vbe = vb + e0;
+                switch (hc * 4 + nc) {
+#define PV(HC, NC) case HC * 4 + NC: pv_block(HC, NC, vbe, slot, row_len, n, w, inv + h0, o, d); break;
+                PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
+                PV(3, 1) PV(3, 2) PV(3, 3) PV(3, 4)
+#undef PV
+                }
+            }
+        }
+    }
+}
+
+/* Work units are query rows, numbered request by request, taken one at a time (atomic). */
+__attribute__((target("avx2,fma"))) static void
+attn_task(void *p, int tid, int nthreads)
+{
+    attn_args *a = (attn_args *)p;
+    size_t per = (size_t)(a->max_kv > 0 ? a->max_kv : 1);
+    float *scratch = NULL;
+    Py_ssize_t r = 0, first = 0; /* request r owns units [first, first + q_len[r]) */
+    for (;;) {
+        Py_ssize_t u = __atomic_fetch_add(&a->next, 1, __ATOMIC_RELAXED);
+        if (u >= a->units)
+            break;
+        if (!scratch && !(scratch = (float *)malloc(sizeof(float) * (per * (size_t)(2 + a->hq) + (size_t)a->hq))))
+            abort();
+        while (u >= first + a->q_len[r]) /* units only grow: walk forward */
+            first += a->q_len[r++];
+        Py_ssize_t j = u - first, nq = a->q_len[r];
+        attend_row(a, r, a->q_start[r] + j, a->kv_len[r] - nq + j + 1, scratch);
+    }
+    free(scratch);
+}
+#endif
+
+#if RK_X86
+/* meta: [4, n_req] int32 (first query row, query count, kv_indptr, KV length) per request. */
+static void
+paged_attention(const float *q, Py_ssize_t ldq, const int32_t *meta, Py_ssize_t n_req, const int32_t *kv_indices,
+                Py_ssize_t page_size, const float *k_cache, const float *v_cache, int hq, int hkv, int d,
+                float sm_scale, float *out, int nthreads)
+{
+    attn_args a = {q, ldq, meta, meta + n_req, meta + 2 * n_req, meta + 3 * n_req, n_req, kv_indices, page_size,
+                   k_cache, v_cache, hq, hkv, d, sm_scale, out, 0, 0, 0};
+    for (Py_ssize_t r = 0; r < n_req; r++) {
+        a.units += a.q_len[r];
+        if (a.kv_len[r] > a.max_kv)
+            a.max_kv = a.kv_len[r];
+    }
+    int n = nthreads < 1 ? 1 : nthreads;
+    if (a.units < n)
+        n = (int)(a.units > 0 ? a.units : 1);
+    run_parallel(attn_task, &a, n);
+}
+#endif
+
+static PyObject *
+py_paged_attention(PyObject *self, PyObject *args)
+{
+    Py_ssize_t q, q_start, n_req, kv_indices, page_size, k_cache, v_cache;
+    Py_ssize_t hq, hkv, d, out, nthreads;
+    double sm_scale;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnndnn", &q, &q_start, &n_req, &kv_indices, &page_size, &k_cache, &v_cache,
+                          &hq, &hkv, &d, &sm_scale, &out, &nthreads))
+        return NULL;
+    if (!cpu_ok()) {
+        PyErr_SetString(PyExc_RuntimeError, "paged_attention needs a CPU with AVX2 and FMA");
+        return NULL;
+    }
+#if RK_X86
+    Py_BEGIN_ALLOW_THREADS
+    paged_attention((const float *)q, hq * d, (const int32_t *)q_start, n_req, (const int32_t *)kv_indices, page_size,
+                    (const float *)k_cache, (const float *)v_cache, (int)hq, (int)hkv, (int)d, (float)sm_scale,
+                    (float *)out, (int)nthreads);
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ elementwise (one thread) */
+
+#if RK_X86
+/* residual += delta (when delta); out = w * residual / sqrt(mean(residual^2) + eps), per row. */
+__attribute__((target("avx2,fma"))) static void
+add_rms_norm(const float *delta, float *res, float *out, Py_ssize_t M, Py_ssize_t K, const float *w, float eps)
+{
+    for (Py_ssize_t m = 0; m < M; m++) {
+        float *r = res + m * K, *o = out + m * K;
+        if (delta) {
+            const float *dl = delta + m * K;
+            for (Py_ssize_t k = 0; k < K; k++)
+                r[k] += dl[k];
+        }
+        __m256 acc = _mm256_setzero_ps();
+        Py_ssize_t k = 0;
+        for (; k + 8 <= K; k += 8) {
+            __m256 v = _mm256_loadu_ps(r + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum256(acc);
+        for (; k < K; k++)
+            ss += r[k] * r[k];
+        float scale = 1.f / sqrtf(ss / (float)K + eps);
+        for (k = 0; k < K; k++)
+            o[k] = w[k] * (r[k] * scale);
+    }
+}
+
+/* Rotate-half RoPE in place on T rows of nh heads (head h of row t at x + t * ldx + h * d):
+ * x1' = x1 cos1 - x2 sin1, x2' = x2 cos2 + x1 sin2, with cos / sin [T, d] (halves 1 and 2). */
+__attribute__((target("avx2,fma"))) static void
+rope_inplace(float *x, Py_ssize_t T, Py_ssize_t nh, Py_ssize_t d, Py_ssize_t ldx, const float *cos, const float *sin)
+{
+    Py_ssize_t half = d / 2;
+    for (Py_ssize_t t = 0; t < T; t++) {
+        const float *c = cos + t * d, *sn = sin + t * d;
+        for (Py_ssize_t h = 0; h < nh; h++) {
+            float *x1 = x + t * ldx + h * d, *x2 = x1 + half;
+            for (Py_ssize_t i = 0; i < half; i++) {
+                float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * sn[i];
+                x2[i] = b * c[half + i] + a * sn[half + i];
+            }
+        }
+    }
+}
+
+/* out[m, i] = silu(gu[m, i]) * gu[m, I + i], silu(g) = g / (1 + exp(-g)). */
+__attribute__((target("avx2,fma"))) static void
+silu_mul(const float *gu, float *out, Py_ssize_t M, Py_ssize_t I)
+{
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (Py_ssize_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = out + m * I;
+        Py_ssize_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++)
+            o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* K/V of T new tokens (rows ldk / ldv floats apart, row_len floats each) into their slots. */
+static void
+write_kv(const float *k, Py_ssize_t ldk, const float *v, Py_ssize_t ldv, const int64_t *slots, Py_ssize_t T,
+         Py_ssize_t row_len, float *k_cache, float *v_cache)
+{
+    for (Py_ssize_t t = 0; t < T; t++) {
+        memcpy(k_cache + slots[t] * row_len, k + t * ldk, sizeof(float) * (size_t)row_len);
+        memcpy(v_cache + slots[t] * row_len, v + t * ldv, sizeof(float) * (size_t)row_len);
+    }
+}
+#endif
+
+static PyObject *
+py_add_rms_norm(PyObject *self, PyObject *args)
+{
+    Py_ssize_t delta, res, out, M, K, w;
+    double eps;
+    if (!PyArg_ParseTuple(args, "nnnnnnd", &delta, &res, &out, &M, &K, &w, &eps))
+        return NULL;
+#if RK_X86
+    if (cpu_ok())
+        add_rms_norm((const float *)delta, (float *)res, (float *)out, M, K, (const float *)w, (float)eps);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_rope_inplace(PyObject *self, PyObject *args)
+{
+    Py_ssize_t x, T, nh, d, ldx, cos, sin;
+    if (!PyArg_ParseTuple(args, "nnnnnnn", &x, &T, &nh, &d, &ldx, &cos, &sin))
+        return NULL;
+#if RK_X86
+    if (cpu_ok())
+        rope_inplace((float *)x, T, nh, d, ldx, (const float *)cos, (const float *)sin);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_silu_mul(PyObject *self, PyObject *args)
+{
+    Py_ssize_t gu, out, M, I;
+    if (!PyArg_ParseTuple(args, "nnnn", &gu, &out, &M, &I))
+        return NULL;
+#if RK_X86
+    if (cpu_ok())
+        silu_mul((const float *)gu, (float *)out, M, I);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_advise_hugepages(PyObject *self, PyObject *args)
+{
+    Py_ssize_t addr, nbytes;
+    if (!PyArg_ParseTuple(args, "nn", &addr, &nbytes))
+        return NULL;
+#ifdef MADV_HUGEPAGE
+    /* only whole 2 MiB pages inside the range; pages not yet touched get transparent huge pages */
+    uintptr_t lo = ((uintptr_t)addr + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
+    uintptr_t hi = ((uintptr_t)addr + (uintptr_t)nbytes) & ~(uintptr_t)((2u << 20) - 1);
+    if (hi > lo && madvise((void *)lo, hi - lo, MADV_HUGEPAGE) == 0)
+        Py_RETURN_TRUE;
+#endif
+    Py_RETURN_FALSE;
+}
+
+/* ------------------------------------------------------------------ one decoder layer */
+
+
+/* decode_layer: one Llama-family decoder layer over M rows, every step native (no Python between):
+ *   residual += delta (skipped for the first layer: first = 1);   x = RMSNorm_in(residual)
+ *   qkv = x @ Wqkv^T (+ b);  RoPE on its q and k heads;  k, v -> the layer's KV slots (out_slots)
+ *   attn = paged_attention(q, meta ...)   (all M rows; FlashInfer semantics, as paged_attention)
+ *   delta = attn @ Wo^T (+ b);  residual += delta;  x = RMSNorm_post(residual)
+ *   act = silu(x @ Wgate^T) * (x @ Wup^T)   (one packed gate|up GEMM);  delta = act @ Wdown^T (+ b)
+ * On return residual + delta is the layer's output. Buffers (float32, caller-owned): x [M, H],
+ * qkv [M, (hq + 2 hkv) d], attn [M, hq d], gu [M, 2 I], act [M, I], delta [M, H]. */
+static PyObject *
+py_decode_layer(PyObject *self, PyObject *args)
+{
+    Py_ssize_t M, H, delta, first, residual, in_w, post_w, qkv_wp, qkv_b, o_wp, o_b, gu_wp, gu_b, down_wp, down_b, inter;
+    Py_ssize_t hq, hkv, d, cos, sin, meta, n_req, kv_indices, page_size, k_cache, v_cache, out_slots;
+    Py_ssize_t x_buf, qkv_buf, attn_buf, gu_buf, act_buf, nthreads;
+    double eps, sm_scale;
+    if (!PyArg_ParseTuple(args, "nnnnnnndnnnnnnnnnnnnnnnnnnnnndnnnnnn", &M, &H, &delta, &first, &residual, &in_w, &post_w,
+                          &eps, &qkv_wp, &qkv_b, &o_wp, &o_b, &gu_wp, &gu_b, &down_wp, &down_b, &inter, &hq, &hkv,
+                          &d, &cos, &sin, &meta, &n_req, &kv_indices, &page_size, &k_cache, &v_cache, &out_slots,
+                          &sm_scale, &x_buf, &qkv_buf, &attn_buf, &gu_buf, &act_buf, &nthreads))
+        return NULL;
+    if (!cpu_ok()) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_layer needs a CPU with AVX2 and FMA");
+        return NULL;
+    }
+#if RK_X86
+    const Py_ssize_t qs = hq * d, kvs = hkv * d, nqkv = qs + 2 * kvs;
+    float *x = (float *)x_buf, *qkv = (float *)qkv_buf, *at = (float *)attn_buf, *gu = (float *)gu_buf;
+    float *act = (float *)act_buf, *res = (float *)residual, *dl = (float *)delta;
+    int nt = (int)nthreads;
+    Py_BEGIN_ALLOW_THREADS
+    add_rms_norm(first ? NULL : (const float *)dl, res, x, M, H, (const float *)in_w, (float)eps);
+    gemm(x, M, H, H, (const float *)qkv_wp, nqkv, (const float *)qkv_b, qkv, nqkv, nt);
+    rope_inplace(qkv, M, hq + hkv, d, nqkv, (const float *)cos, (const float *)sin);
+    write_kv(qkv + qs, nqkv, qkv + qs + kvs, nqkv, (const int64_t *)out_slots, M, kvs, (float *)k_cache,
+             (float *)v_cache);
+    paged_attention(qkv, nqkv, (const int32_t *)meta, n_req, (const int32_t *)kv_indices, page_size,
+                    (const float *)k_cache, (const float *)v_cache, (int)hq, (int)hkv, (int)d, (float)sm_scale, at,
+                    nt);
+    gemm(at, M, qs, qs, (const float *)o_wp, H, (const float *)o_b, dl, H, nt);
+    add_rms_norm(dl, res, x, M, H, (const float *)post_w, (float)eps);
+    gemm(x, M, H, H, (const float *)gu_wp, 2 * inter, (const float *)gu_b, gu, 2 * inter, nt);
+    silu_mul(gu, act, M, inter);
+    gemm(act, M, inter, inter, (const float *)down_wp, H, (const float *)down_b, dl, H, nt);
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"available", py_available, METH_NOARGS, "True when the CPU has AVX2 and FMA."},
+    {"sgemm_packed", py_sgemm_packed, METH_VARARGS, "C = X @ W^T (+ bias) with W packed in 16-column panels."},
+    {"advise_hugepages", py_advise_hugepages, METH_VARARGS, "madvise(MADV_HUGEPAGE) the whole 2 MiB pages of a range."},
+    {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual += delta; out = RMSNorm(residual) * w."},
+    {"rope_inplace", py_rope_inplace, METH_VARARGS, "Rotate-half RoPE in place."},
+    {"silu_mul", py_silu_mul, METH_VARARGS, "out = silu(gate) * up."},
+    {"decode_layer", py_decode_layer, METH_VARARGS, "One decoder layer, every step native (see the source)."},
+    {"paged_attention", py_paged_attention, METH_VARARGS, "Causal paged attention (FlashInfer semantics)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "radixkv._ckernels", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__ckernels(void)
+{
+    static int atfork_done = 0;
+    if (!atfork_done) {
+        pthread_atfork(NULL, NULL, pool_after_fork_child);
+        atfork_done = 1;
+    }
+    return PyModule_Create(&moddef);
+}

@@ -1,0 +1,106 @@
+"""Native CPU paged attention: decode and short extends in C, the rest through the torch reference.
+
+:class:`CPUAttentionBackend` sends every request with at most ``native_max_q`` new tokens (decode
+steps, short extends) to :func:`radixkv.cpu_kernels.paged_attention`, which reads K/V straight
+from the pool through ``kv_indptr`` / ``kv_indices`` (no gathered copy of the context) and
+attends one (query row, KV head) pair at a time over two threads. Requests with more new tokens
+(prefills) go through :class:`~radixkv.attention.torch_backend.TorchAttentionBackend`'s padded
+SDPA groups, where SDPA's blocked kernel wins. Same semantics as the reference (FlashInfer's
+paged prefill, causal, bottom-right aligned); tests/test_cpu_kernels.py checks the two equal.
+
+Needs the ``radixkv._ckernels`` extension on an AVX2/FMA CPU, a float32 pool on the CPU and a
+head_dim that is a multiple of 8; ``create_attention_backend("auto", "cpu", ...)`` picks it when
+all hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixkv import cpu_kernels
+from radixkv.attention.metadata import ForwardBatch
+from radixkv.attention.torch_backend import TorchAttentionBackend
+from radixkv.kv_pool import KVPool
+
+
+def native_unsupported_reason(kv_pool: KVPool) -> str | None:
+    """Why :class:`CPUAttentionBackend` cannot serve ``kv_pool`` (``None``: it can)."""
+    if not cpu_kernels.AVAILABLE:
+        return "radixkv._ckernels is not built or the CPU lacks AVX2/FMA"
+    if kv_pool.device.type != "cpu":
+        return f"the KV pool is on {kv_pool.device}, not the CPU"
+    if kv_pool.dtype != torch.float32:
+        return f"the KV pool is {kv_pool.dtype}, not float32"
+    if kv_pool.head_dim % 8:
+        return f"head_dim {kv_pool.head_dim} is not a multiple of 8"
+    return None
+
+
+class CPUAttentionBackend(TorchAttentionBackend):
+    """Paged attention with a native kernel for decode rows (module docstring).
+
+    Args:
+        kv_pool, num_q_heads, sm_scale, max_pad_waste: as in
+            :class:`~radixkv.attention.torch_backend.TorchAttentionBackend`.
+        native_max_q: requests with at most this many new tokens use the native kernel.
+
+    Raises:
+        ValueError: the pool or the CPU does not support the native kernel
+            (:func:`native_unsupported_reason`).
+    """
+
+    name = "cpu"
+
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        num_q_heads: int,
+        sm_scale: float | None = None,
+        max_pad_waste: float = 2.0,
+        native_max_q: int = 16,
+    ) -> None:
+        reason = native_unsupported_reason(kv_pool)
+        if reason is not None:
+            raise ValueError(f"CPUAttentionBackend: {reason}")
+        super().__init__(kv_pool, num_q_heads, sm_scale, max_pad_waste)
+        self.native_max_q = int(native_max_q)
+        self._meta = torch.zeros(4, 0, dtype=torch.int32)
+        self._kv_indices = torch.zeros(0, dtype=torch.int32)
+        self._out_slots = torch.zeros(0, dtype=torch.int64)
+
+    def plan(self, batch: ForwardBatch) -> None:
+        if batch.page_size != self.page_size:
+            raise ValueError(f"CPUAttentionBackend.plan: batch.page_size {batch.page_size} != kv_pool.page_size {self.page_size}")
+        self._batch = batch
+        extend = batch.extend_lens_cpu.to(torch.int64)
+        native = extend <= self.native_max_q
+        # per native request: first query row, query count, first page in kv_indices, KV length
+        self._meta = torch.stack(
+            [batch.qo_indptr_cpu[:-1][native], extend[native], batch.kv_indptr_cpu[:-1][native], batch.seq_lens_cpu[native]]
+        ).to(torch.int32).contiguous()
+        self._kv_indices = batch.kv_indices.to(torch.int32).contiguous()
+        self._out_slots = batch.out_slots.to(torch.int64).contiguous()
+        self._groups = self._plan_groups(batch, (~native).nonzero().flatten().tolist())
+
+    def native_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(req_meta [4, R] int32, kv_indices int32, out_slots [T] int64)`` of the planned batch
+        when every request goes to the native kernel (a decode batch), else ``None``. For
+        :mod:`radixkv.models.native_decode`, which runs whole decoder layers natively and writes
+        K/V and attends through exactly this plan."""
+        if self._batch is None or self._groups:
+            return None
+        return self._meta, self._kv_indices, self._out_slots
+
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._batch is None:
+            raise RuntimeError("CPUAttentionBackend.forward called before plan()")
+        self.kv_pool.write(layer_id, self._batch.out_slots, k, v)
+        q = q.to(torch.float32).contiguous()
+        out = torch.empty_like(q)
+        cpu_kernels.paged_attention(
+            q, out, self._meta, self._kv_indices, self.page_size,
+            self.kv_pool.k_slots(layer_id), self.kv_pool.v_slots(layer_id), self.sm_scale,
+        )
+        if self._groups:
+            self._attend_groups(layer_id, q, out)
+        return out

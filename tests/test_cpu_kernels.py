@@ -1,0 +1,161 @@
+"""The native CPU kernels (radixkv/cpu_kernels.py, csrc/cpu_kernels.c) against torch references.
+
+The attention kernel is checked against a float64 reference in tests/test_attention_torch.py and
+the fused decoder layer against transformers in tests/test_models_tiny.py / test_model_default.py.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radixkv import cpu_kernels as ck
+from radixkv.models.layers import PackCache, apply_rope, linear
+
+pytestmark = pytest.mark.skipif(not ck.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA")
+
+
+def _f64_linear(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 16, 64])
+@pytest.mark.parametrize("n, k", [(16, 8), (17, 200), (960, 576), (100, 1536), (33, 129)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_float64(m, n, k, with_bias):
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    got = ck.packed_linear(x, ck.PackedWeight(w), b)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    # float32 accumulation over k terms of size ~1: error ~ sqrt(k) * 2^-24 * |terms|
+    torch.testing.assert_close(got.double(), _f64_linear(x, w, b), atol=2e-5 * k**0.5, rtol=0)
+
+
+def test_packed_linear_strided_rows_and_errors():
+    w = torch.randn(40, 24)
+    pw = ck.PackedWeight(w)
+    assert pw.data.shape == (3, 24, 16) and torch.equal(pw.data[2, :, 8:], torch.zeros(24, 8))  # padded past N
+    big = torch.randn(5, 30)
+    x = big[:, 3:27]  # rows 30 floats apart
+    torch.testing.assert_close(ck.packed_linear(x, pw).double(), _f64_linear(x, w), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="x has 23 columns, the weight has K=24"):
+        ck.packed_linear(torch.randn(2, 23), pw)
+    with pytest.raises(ValueError, match="float32"):
+        ck.packed_linear(torch.randn(2, 24, dtype=torch.float64), pw)
+    with pytest.raises(ValueError, match="bias has 39 entries, N=40"):
+        ck.packed_linear(torch.randn(2, 24), pw, torch.randn(39))
+    with pytest.raises(ValueError, match="2-d float32 CPU tensor"):
+        ck.PackedWeight(torch.randn(3))
+    assert ck.packed_linear(torch.randn(0, 24), pw).shape == (0, 40)
+
+
+def test_results_do_not_depend_on_thread_count():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 576, generator=g), torch.randn(3072, 576, generator=g)
+    pw = ck.PackedWeight(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ck.packed_linear(x, pw)
+        torch.set_num_threads(2)
+        two = ck.packed_linear(x, pw)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each output is one FMA chain, whichever thread computes it
+
+
+def test_concurrent_callers_get_their_own_results():
+    """Kernels release the GIL; calls from several Python threads are serialized on the pool."""
+    ws = [torch.randn(200 + 16 * i, 64) for i in range(4)]
+    xs = [torch.randn(8, 64) for _ in range(4)]
+    pws = [ck.PackedWeight(w) for w in ws]
+    want = [ck.packed_linear(x, pw) for x, pw in zip(xs, pws)]
+    got: dict[int, list] = {i: [] for i in range(4)}
+
+    def work(i):
+        for _ in range(50):
+            got[i].append(ck.packed_linear(xs[i], pws[i]))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(4):
+        assert all(torch.equal(r, want[i]) for r in got[i])
+
+
+def _child(q):
+    x, w = torch.ones(4, 32), torch.ones(48, 32)
+    q.put(ck.packed_linear(x, ck.PackedWeight(w)).sum().item())
+
+
+def test_pool_works_after_fork():
+    ck.packed_linear(torch.randn(16, 64), ck.PackedWeight(torch.randn(512, 64)))  # start the workers here
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and q.get(timeout=5) == 4 * 48 * 32
+
+
+def test_pack_cache_follows_in_place_weight_changes():
+    w = torch.randn(32, 16)
+    x = torch.randn(3, 16)
+    cache = PackCache()
+    with torch.no_grad():
+        first = linear(x, w, None, cache)
+        torch.testing.assert_close(first.double(), _f64_linear(x, w), atol=1e-5, rtol=0)
+        w.mul_(2)  # e.g. load_weights copying new values in
+        second = linear(x, w, None, cache)
+    torch.testing.assert_close(second.double(), _f64_linear(x, w), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm(with_delta):
+    g = torch.Generator().manual_seed(1)
+    res, delta, w = torch.randn(7, 100, generator=g), torch.randn(7, 100, generator=g), torch.randn(100, generator=g)
+    ref_res = res + delta if with_delta else res.clone()
+    h = ref_res.double()
+    ref = w.double() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5))
+    out = ck.add_rms_norm(delta if with_delta else None, res, w, 1e-5)
+    torch.testing.assert_close(res, ref_res, atol=0, rtol=0)  # the residual was updated in place
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="weight must be a contiguous float32 CPU tensor of shape \\(100,\\)"):
+        ck.add_rms_norm(None, res, torch.randn(99), 1e-5)
+    with pytest.raises(ValueError, match="delta has 6 rows, residual 7"):
+        ck.add_rms_norm(torch.randn(6, 100), res, w, 1e-5)
+
+
+def test_rope_in_place_equals_apply_rope():
+    t, hq, hkv, d = 5, 6, 2, 16
+    qkv = torch.randn(t, (hq + 2 * hkv) * d)
+    pos = torch.tensor([0, 3, 17, 100, 4095])
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([pos[:, None] * inv, pos[:, None] * inv], -1)
+    cos, sin = emb.cos().unsqueeze(1), emb.sin().unsqueeze(1)
+    ref_q = apply_rope(qkv[:, : hq * d].reshape(t, hq, d), cos, sin)
+    ref_k = apply_rope(qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d), cos, sin)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    ck.rope_(qkv, hq + hkv, d, cos.view(t, d), sin.view(t, d))
+    torch.testing.assert_close(qkv[:, : hq * d].reshape(t, hq, d), ref_q, atol=1e-5, rtol=0)
+    torch.testing.assert_close(qkv[:, hq * d : (hq + hkv) * d].reshape(t, hkv, d), ref_k, atol=1e-5, rtol=0)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+    with pytest.raises(ValueError, match="do not fit"):
+        ck.rope_(qkv, 100, d, cos.view(t, d), sin.view(t, d))
+
+
+def test_silu_mul_including_large_inputs():
+    gu = torch.randn(9, 2 * 37) * 4
+    gu[0, :5] = torch.tensor([-100.0, -88.0, 0.0, 88.0, 100.0])
+    gate, up = gu.split(37, -1)
+    ref = F.silu(gate.double()) * up.double()
+    torch.testing.assert_close(ck.silu_mul(gu).double(), ref, atol=1e-5, rtol=1e-6)
+    with pytest.raises(ValueError, match="even number of columns"):
+        ck.silu_mul(torch.randn(2, 5))
