@@ -94,6 +94,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("CPUAttentionBackend.forward called before plan()")
+        if self._meta.shape[1] == 0:  # nothing native (e.g. one long prefill): the reference as it is
+            return super().forward(layer_id, q, k, v)
         self.kv_pool.write(layer_id, self._batch.out_slots, k, v)
         q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)
