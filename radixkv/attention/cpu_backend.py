@@ -2,11 +2,12 @@
 
 :class:`CPUAttentionBackend` sends every request with at most ``native_max_q`` new tokens (decode
 steps, short extends) to :func:`radixkv.cpu_kernels.paged_attention`, which reads K/V straight
-from the pool through ``kv_indptr`` / ``kv_indices`` (no gathered copy of the context) and
-attends one (query row, KV head) pair at a time over two threads. Requests with more new tokens
-(prefills) go through :class:`~radixkv.attention.torch_backend.TorchAttentionBackend`'s padded
-SDPA groups, where SDPA's blocked kernel wins. Same semantics as the reference (FlashInfer's
-paged prefill, causal, bottom-right aligned); tests/test_cpu_kernels.py checks the two equal.
+from the pool through ``kv_indptr`` / ``kv_indices`` (no gathered copy of the context), one query
+row (all its heads) per work unit, on ``torch.get_num_threads()`` threads. Requests with more new
+tokens (prefills) go through :class:`~radixkv.attention.torch_backend.TorchAttentionBackend`'s
+padded SDPA groups, where SDPA's blocked kernel wins. Same semantics as the reference
+(FlashInfer's paged prefill, causal, bottom-right aligned); tests/test_attention_torch.py checks
+both against the same float64 reference.
 
 Needs the ``radixkv._ckernels`` extension on an AVX2/FMA CPU, a float32 pool on the CPU and a
 head_dim that is a multiple of 8; ``create_attention_backend("auto", "cpu", ...)`` picks it when

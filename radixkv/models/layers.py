@@ -71,9 +71,9 @@ def linear(
     faster float32 CPU paths for decode-sized batches (same values up to float32 rounding):
 
     * ``1 <= M <= PACKED_MAX_ROWS``, a ``pack`` cache given, the native kernels available and
-      no gradient needed: :func:`radixkv.cpu_kernels.packed_linear` on the weight repacked once
-      into 16-column panels (an AVX2 register-blocked GEMM; ~1.3-2x MKL here, see
-      docs/model.md). The packed copy costs the weight's bytes again.
+      no gradient needed (:func:`native_rows`): :func:`radixkv.cpu_kernels.packed_linear` on the
+      weight repacked once into 16-column panels (an AVX2 register-blocked GEMM; 1.4-1.7x MKL's
+      best layout here, see docs/model.md). The packed copy costs the weight's bytes again.
     * else ``2 <= M <= SMALL_M_ROWS``: ``(weight @ x.T).T``. MKL's sgemm streams a large
       ``[N, K]`` left operand against a small packed right one far better than the ``x @ W.T``
       layout ``F.linear`` uses (measured 1.35-1.9x at ``M = 16`` on the 2-core CPU box).
@@ -81,15 +81,9 @@ def linear(
     Larger ``M`` (prefill), other devices and other dtypes use ``F.linear``.
     """
     if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32:
-        m = x.shape[0]
-        if (
-            pack is not None
-            and 1 <= m <= PACKED_MAX_ROWS
-            and cpu_kernels.AVAILABLE
-            and not (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))
-        ):
+        if pack is not None and native_rows(x) and not (torch.is_grad_enabled() and weight.requires_grad):
             return cpu_kernels.packed_linear(x, pack.get(weight), bias)
-        if 1 < m <= SMALL_M_ROWS:
+        if 1 < x.shape[0] <= SMALL_M_ROWS:
             if bias is None:
                 y = torch.mm(weight, x.t())
             else:
