@@ -41,6 +41,7 @@
  * and restarted after fork(); workers poll briefly for the next task, then sleep. The GIL is
  * released while a kernel runs; one task runs at a time.
  */
+#define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -104,7 +105,10 @@ worker_main(void *p)
         int spins = 0;
         while ((g = __atomic_load_n(&pool.gen, __ATOMIC_ACQUIRE)) == seen) {
             if (++spins < SPIN_ITERS) {
-                cpu_relax();
+                if (spins % 256 == 0)
+                    sched_yield(); /* let another runnable thread have this core */
+                else
+                    cpu_relax();
                 continue;
             }
             pthread_mutex_lock(&pool.mu);
@@ -135,12 +139,32 @@ pool_after_fork_child(void)
     pool.pending = 0;
 }
 
-/* Runs fn(arg, tid, n) for tid in [0, n) on n threads (the caller is tid 0). */
+/* CPUs this process may run on (its affinity mask), counted once. */
+static int
+usable_cpus(void)
+{
+    static int n = 0;
+    if (n == 0) {
+        int c = 0;
+#ifdef CPU_COUNT
+        cpu_set_t set;
+        if (sched_getaffinity(0, sizeof set, &set) == 0)
+            c = CPU_COUNT(&set);
+#endif
+        n = c > 0 ? c : 1;
+    }
+    return n;
+}
+
+/* Runs fn(arg, tid, n) for tid in [0, n) on n threads (the caller is tid 0); n is capped at the
+ * usable CPUs. */
 static void
 run_parallel(task_fn fn, void *arg, int n)
 {
     if (n > MAX_THREADS)
         n = MAX_THREADS;
+    if (n > usable_cpus()) /* spinning workers must never outnumber the cores */
+        n = usable_cpus();
     if (n <= 1) {
         fn(arg, 0, 1);
         return;
@@ -170,10 +194,10 @@ run_parallel(task_fn fn, void *arg, int n)
     pthread_mutex_unlock(&pool.mu);
     fn(arg, 0, n);
     for (long spins = 0; __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0; spins++) {
-        if (spins < 100000)
+        if (spins < 2000)
             cpu_relax();
         else
-            sched_yield();
+            sched_yield(); /* the worker is late (descheduled): give it the core */
     }
     pthread_mutex_unlock(&pool.run_mu);
 }
@@ -603,6 +627,31 @@ attn_task(void *p, int tid, int nthreads)
 }
 #endif
 
+/* NULL when the attention metadata is in range, else what is wrong: O(requests + pages), run
+ * before every kernel so a bad batch raises instead of reading out of bounds. T: query rows;
+ * n_indices: entries of kv_indices; num_pages: pages of the pool. */
+static const char *
+check_attn_meta(const int32_t *meta, Py_ssize_t n_req, Py_ssize_t T, const int32_t *kv_indices, Py_ssize_t n_indices,
+                Py_ssize_t page_size, Py_ssize_t num_pages)
+{
+    if (page_size < 1)
+        return "page_size must be >= 1";
+    for (Py_ssize_t r = 0; r < n_req; r++) {
+        Py_ssize_t qs = meta[r], ql = meta[n_req + r], ks = meta[2 * n_req + r], kl = meta[3 * n_req + r];
+        if (ql < 0 || kl < ql)
+            return "every request needs 0 <= q_len <= kv_len";
+        if (qs < 0 || qs + ql > T)
+            return "a request's query rows fall outside q";
+        Py_ssize_t np = (kl + page_size - 1) / page_size;
+        if (ks < 0 || ks + np > n_indices)
+            return "a request's pages fall outside kv_indices";
+        for (Py_ssize_t i = 0; i < np; i++)
+            if (kv_indices[ks + i] < 0 || kv_indices[ks + i] >= num_pages)
+                return "a page id is outside the pool";
+    }
+    return NULL;
+}
+
 #if RK_X86
 /* meta: [4, n_req] int32 (first query row, query count, kv_indptr, KV length) per request. */
 static void
@@ -627,12 +676,18 @@ paged_attention(const float *q, Py_ssize_t ldq, const int32_t *meta, Py_ssize_t 
 static PyObject *
 py_paged_attention(PyObject *self, PyObject *args)
 {
-    Py_ssize_t q, q_start, n_req, kv_indices, page_size, k_cache, v_cache;
+    Py_ssize_t q, T, q_start, n_req, kv_indices, n_indices, page_size, num_pages, k_cache, v_cache;
     Py_ssize_t hq, hkv, d, out, nthreads;
     double sm_scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnndnn", &q, &q_start, &n_req, &kv_indices, &page_size, &k_cache, &v_cache,
-                          &hq, &hkv, &d, &sm_scale, &out, &nthreads))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnndnn", &q, &T, &q_start, &n_req, &kv_indices, &n_indices, &page_size,
+                          &num_pages, &k_cache, &v_cache, &hq, &hkv, &d, &sm_scale, &out, &nthreads))
         return NULL;
+    const char *bad = check_attn_meta((const int32_t *)q_start, n_req, T, (const int32_t *)kv_indices, n_indices,
+                                      page_size, num_pages);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "paged_attention: %s", bad);
+        return NULL;
+    }
     if (!cpu_ok()) {
         PyErr_SetString(PyExc_RuntimeError, "paged_attention needs a CPU with AVX2 and FMA");
         return NULL;
@@ -798,13 +853,20 @@ py_decode_layer(PyObject *self, PyObject *args)
 {
     Py_ssize_t M, H, delta, first, residual, in_w, post_w, qkv_wp, qkv_b, o_wp, o_b, gu_wp, gu_b, down_wp, down_b, inter;
     Py_ssize_t hq, hkv, d, cos, sin, meta, n_req, kv_indices, page_size, k_cache, v_cache, out_slots;
-    Py_ssize_t x_buf, qkv_buf, attn_buf, gu_buf, act_buf, nthreads;
+    Py_ssize_t x_buf, qkv_buf, attn_buf, gu_buf, act_buf, nthreads, n_indices, num_pages;
     double eps, sm_scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnndnnnnnnnnnnnnnnnnnnnnndnnnnnn", &M, &H, &delta, &first, &residual, &in_w, &post_w,
+    if (!PyArg_ParseTuple(args, "nnnnnnndnnnnnnnnnnnnnnnnnnnnndnnnnnnnn", &M, &H, &delta, &first, &residual, &in_w, &post_w,
                           &eps, &qkv_wp, &qkv_b, &o_wp, &o_b, &gu_wp, &gu_b, &down_wp, &down_b, &inter, &hq, &hkv,
                           &d, &cos, &sin, &meta, &n_req, &kv_indices, &page_size, &k_cache, &v_cache, &out_slots,
-                          &sm_scale, &x_buf, &qkv_buf, &attn_buf, &gu_buf, &act_buf, &nthreads))
+                          &sm_scale, &x_buf, &qkv_buf, &attn_buf, &gu_buf, &act_buf, &nthreads, &n_indices,
+                          &num_pages))
         return NULL;
+    const char *bad = check_attn_meta((const int32_t *)meta, n_req, M, (const int32_t *)kv_indices, n_indices,
+                                      page_size, num_pages);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "decode_layer: %s", bad);
+        return NULL;
+    }
     if (!cpu_ok()) {
         PyErr_SetString(PyExc_RuntimeError, "decode_layer needs a CPU with AVX2 and FMA");
         return NULL;

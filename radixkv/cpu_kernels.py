@@ -77,6 +77,8 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor) -> None:
         _check_cpu_f32("PackedWeight: weight", weight, 2)
         n, k = weight.shape
+        if k < 1:
+            raise ValueError(f"PackedWeight: weight must have K >= 1 columns, got {tuple(weight.shape)}")
         w = weight.detach()
         pad = (-n) % PANEL
         if pad:
@@ -94,13 +96,15 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
 
     Raises:
         RuntimeError: the native kernels are not available (:data:`AVAILABLE` is False).
-        ValueError: ``x`` is not 2-d float32 on the CPU, ``K`` differs from the weight's, or
-            ``bias`` is not a float32 ``[N]`` CPU tensor. (Rows of ``x`` may be strided; ``x``
+        ValueError: ``x`` is not 2-d float32 on the CPU or needs a gradient, ``K`` differs from
+            the weight's, or ``bias`` is not a float32 ``[N]`` CPU tensor. (Rows of ``x`` may be strided; ``x``
             is copied only when its columns are not adjacent.)
     """
     if not AVAILABLE:
         raise RuntimeError("packed_linear: radixkv._ckernels is not available (no AVX2/FMA or not built)")
     _check_cpu_f32("packed_linear: x", x, 2)
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise ValueError("packed_linear: x requires grad; the native GEMM records no gradient (use F.linear)")
     m, k = x.shape
     if k != packed.k:
         raise ValueError(f"packed_linear: x has {k} columns, the weight has K={packed.k}")
@@ -141,8 +145,8 @@ def paged_attention(
         out: ``[T, Hq, D]`` float32 contiguous; the rows of the given requests are overwritten.
         req_meta: ``[4, R]`` int32 contiguous: per request its first query row, query count,
             offset into ``kv_indices`` (``kv_indptr``) and KV length (tokens, new ones included).
-            Caller's contract, not re-checked per element: rows and pages are in range and
-            ``q_len <= kv_len``.
+            Checked in C before the kernel runs (rows inside ``q``, ``0 <= q_len <= kv_len``,
+            pages inside ``kv_indices``, page ids inside the pool).
         kv_indices: int32 contiguous page ids.
         page_size: tokens per page.
         k_cache, v_cache: one layer's ``[num_slots, Hkv, D]`` float32 contiguous pool tensors
@@ -151,10 +155,11 @@ def paged_attention(
 
     Raises:
         RuntimeError: the native kernels are not available.
-        ValueError: a dtype, device, layout or shape outside the above.
+        ValueError: a dtype, device, layout, shape or metadata value outside the above.
     """
     if not AVAILABLE:
         raise RuntimeError("paged_attention: radixkv._ckernels is not available (no AVX2/FMA or not built)")
+    page_size = int(page_size)
     for name, t, dim in (("q", q, 3), ("out", out, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)):
         _check_cpu_f32(f"paged_attention: {name}", t, dim)
         if not t.is_contiguous():
@@ -166,7 +171,9 @@ def paged_attention(
             f"paged_attention: shapes q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache {tuple(k_cache.shape)}, "
             f"v_cache {tuple(v_cache.shape)} do not agree"
         )
-    if d % 8 or hq % hkv:
+    if page_size < 1 or k_cache.shape[0] % page_size:
+        raise ValueError(f"paged_attention: page_size must be >= 1 and divide num_slots ({k_cache.shape[0]}), got {page_size}")
+    if hkv < 1 or d % 8 or hq % hkv:
         raise ValueError(f"paged_attention: head_dim ({d}) must be a multiple of 8 and Hq ({hq}) of Hkv ({hkv})")
     for name, t in (("req_meta", req_meta), ("kv_indices", kv_indices)):
         if t.dtype != torch.int32 or t.device.type != "cpu" or not t.is_contiguous():
@@ -176,9 +183,9 @@ def paged_attention(
     r = req_meta.shape[1]
     if r == 0:
         return
-    _ck.paged_attention(q.data_ptr(), req_meta.data_ptr(), r, kv_indices.data_ptr(), int(page_size),
-                        k_cache.data_ptr(), v_cache.data_ptr(), hq, hkv, d, float(sm_scale), out.data_ptr(),
-                        torch.get_num_threads())
+    _ck.paged_attention(q.data_ptr(), t_rows, req_meta.data_ptr(), r, kv_indices.data_ptr(), kv_indices.numel(),
+                        page_size, k_cache.shape[0] // page_size, k_cache.data_ptr(), v_cache.data_ptr(), hq, hkv,
+                        d, float(sm_scale), out.data_ptr(), torch.get_num_threads())
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int | None = None) -> None:
@@ -236,8 +243,10 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("rope_: x must be a 2-d float32 CPU tensor with unit column stride")
     t = x.shape[0]
-    if head_dim % 2 or num_heads * head_dim > x.shape[1]:
-        raise ValueError(f"rope_: {num_heads} heads of {head_dim} do not fit x's {x.shape[1]} columns (head_dim even)")
+    if num_heads < 1 or head_dim < 2 or head_dim % 2 or num_heads * head_dim > x.shape[1]:
+        raise ValueError(
+            f"rope_: {num_heads} heads of {head_dim} do not fit x's {x.shape[1]} columns (num_heads >= 1, head_dim even)"
+        )
     for name, c in (("cos", cos), ("sin", sin)):
         _check_rows(f"rope_: {name}", c, head_dim)
         if c.shape[0] != t:

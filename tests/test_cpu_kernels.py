@@ -159,3 +159,75 @@ def test_silu_mul_including_large_inputs():
     torch.testing.assert_close(ck.silu_mul(gu).double(), ref, atol=1e-5, rtol=1e-6)
     with pytest.raises(ValueError, match="even number of columns"):
         ck.silu_mul(torch.randn(2, 5))
+
+
+def _attn_case():
+    """2 requests over a pool of 4 pages of 4 slots: (q rows 0-1, kv_len 6), (q row 2, kv_len 3)."""
+    q, kc = torch.randn(3, 2, 8), torch.randn(16, 1, 8)
+    meta = torch.tensor([[0, 2], [2, 1], [0, 2], [6, 3]], dtype=torch.int32)
+    kv_indices = torch.tensor([3, 1, 0], dtype=torch.int32)
+    return q, kc, meta, kv_indices
+
+
+@pytest.mark.parametrize(
+    "change, msg",
+    [
+        (lambda m, kvi: None, None),
+        (lambda m, kvi: kvi.__setitem__(1, 4), "page id is outside the pool"),
+        (lambda m, kvi: kvi.__setitem__(0, -1), "page id is outside the pool"),
+        (lambda m, kvi: m.__setitem__((3, 1), 9), "pages fall outside kv_indices"),
+        (lambda m, kvi: m.__setitem__((1, 1), 4), "0 <= q_len <= kv_len"),
+        (lambda m, kvi: m.__setitem__((1, 0), -1), "0 <= q_len <= kv_len"),
+        (lambda m, kvi: m.__setitem__((0, 1), 3), "query rows fall outside q"),
+    ],
+)
+def test_paged_attention_rejects_out_of_range_metadata(change, msg):
+    q, kc, meta, kvi = _attn_case()
+    change(meta, kvi)
+    out = torch.empty_like(q)
+    if msg is None:
+        ck.paged_attention(q, out, meta, kvi, 4, kc, kc, 0.5)
+        assert torch.isfinite(out).all()
+    else:
+        with pytest.raises(ValueError, match=msg):
+            ck.paged_attention(q, out, meta, kvi, 4, kc, kc, 0.5)
+
+
+def test_paged_attention_rejects_bad_page_size_and_heads():
+    q, kc, meta, kvi = _attn_case()
+    for ps in (0, -1, 3):  # 3 does not divide the 16 slots
+        with pytest.raises(ValueError, match="page_size must be >= 1 and divide num_slots"):
+            ck.paged_attention(q, torch.empty_like(q), meta, kvi, ps, kc, kc, 0.5)
+    empty = torch.randn(16, 0, 8)
+    with pytest.raises(ValueError, match="Hkv|agree"):
+        ck.paged_attention(q, torch.empty_like(q), meta, kvi, 4, empty, empty, 0.5)
+
+
+def test_other_argument_errors():
+    with pytest.raises(ValueError, match="K >= 1"):
+        ck.PackedWeight(torch.randn(5, 0))
+    x = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="records no gradient"):
+        ck.packed_linear(x, ck.PackedWeight(torch.randn(4, 8)))
+    with pytest.raises(ValueError, match="num_heads >= 1"):
+        ck.rope_(torch.randn(2, 16), 0, 8, torch.randn(2, 8), torch.randn(2, 8))
+
+
+def test_reset_packed_weights_after_edits_through_data():
+    from radixkv.models import build_model
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    model = build_model(cfg, seed=0).eval()
+    lin = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        lin(x)  # packs the weight
+        lin.weight.data.mul_(2)  # not counted in weight._version: the packed copy is stale
+        stale = lin(x)
+        model.reset_packed_weights()
+        fresh = lin(x)
+    want = _f64_linear(x, lin.weight.detach())
+    assert (stale.double() - want).abs().max() > 1e-2
+    torch.testing.assert_close(fresh.double(), want, atol=1e-5, rtol=0)

@@ -34,7 +34,9 @@ PACKED_MAX_ROWS = 64
 
 class PackCache:
     """Holds the :class:`~radixkv.cpu_kernels.PackedWeight` of one weight tensor, rebuilt when
-    the tensor is replaced or changed in place (its address or ``_version`` moves)."""
+    the tensor is replaced or changed in place (its address or ``_version`` moves). Edits
+    through ``weight.data`` do not move ``_version``: call :meth:`CausalLM.reset_packed_weights`
+    after those."""
 
     __slots__ = ("_key", "_packed")
 
@@ -299,6 +301,16 @@ class CausalLM(nn.Module):
         # set by radixkv.models.quantize.quantize_model: replaces the output projection
         self.logits_proj: nn.Module | None = None
         self.quantization: str | None = None
+        self.lm_head_pack = PackCache()
+
+    def reset_packed_weights(self) -> None:
+        """Drop every packed copy of the weights (:class:`PackCache`); the next decode-sized
+        forward repacks them. Needed only after changing weights in place through ``.data``
+        (``w.data.mul_(2)``), which torch does not count in the tensor's ``_version``; assignments,
+        ``copy_`` / ``load_state_dict`` / :meth:`load_weights` are noticed on their own."""
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.pack = PackCache()
         self.lm_head_pack = PackCache()
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -84,6 +84,6 @@ def run_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att
             dn_p.pack.get(dn_p.weight).data.data_ptr(), _ptr(dn_p.bias),
             inter, *common,
             pool.k_buffer[sa.layer_id].data_ptr(), pool.v_buffer[sa.layer_id].data_ptr(), out_slots.data_ptr(),
-            attn.sm_scale, *bufs,
+            attn.sm_scale, *bufs, kv_indices.numel(), pool.num_pages,
         )
     return delta, residual
