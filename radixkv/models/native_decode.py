@@ -56,7 +56,7 @@ def run_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att
     a0 = model.model.layers[0].self_attn
     inter = model.model.layers[0].mlp.inter
     hq, hkv, d = a0.num_heads, a0.num_kv_heads, a0.head_dim
-    residual = h.contiguous().clone()
+    residual = h.contiguous()  # the embeddings: this forward's own tensor, updated in place
     delta = torch.empty(t, hidden, dtype=torch.float32)
     x = torch.empty(t, hidden, dtype=torch.float32)
     qkv = torch.empty(t, (hq + 2 * hkv) * d, dtype=torch.float32)
