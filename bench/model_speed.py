@@ -123,11 +123,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per measure (alternating); the best is kept")
     ap.add_argument("--backend", default="auto", help="attention backend (auto: cpu when the native kernels work)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--pack-formats", nargs="+", default=None,
+                    help="formats the native GEMM may store weights in, tried in order (default: "
+                         "q4_1 q8_0 f32, the lossless block formats first; 'f32' alone: plain float32 panels)")
     ap.add_argument("--quantization", nargs="*", default=["int8"],
                     help="also time radixkv with these weight quantizations (rows 'radixkv int8'); none: fp32 only")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.pack_formats:
+        from radixkv import cpu_kernels
+
+        cpu_kernels.PACK_FORMATS = tuple(args.pack_formats)
     torch.set_grad_enabled(False)
 
     loaded = load_model(args.model, device="cpu", dtype=torch.float32)
@@ -141,7 +148,10 @@ def main() -> None:
         ql = load_model(args.model, device="cpu", dtype=torch.float32)
         quant[q] = _Ours(ql, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend,
                          quantization=q)
-    print(f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    from radixkv import cpu_kernels
+
+    print(f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"native GEMM weight formats {cpu_kernels.PACK_FORMATS if cpu_kernels.AVAILABLE else 'n/a'}")
     print("transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
           "generate() = model.generate(do_sample=False)")
     print(f"{'measure':<34}{'radixkv':>12}{'transformers':>14}{'ratio':>8}{'generate()':>12}{'ratio':>8}")
@@ -150,6 +160,10 @@ def main() -> None:
     ours.prefill(warm), hf.prefill(warm)
     for qo in quant.values():
         qo.prefill(warm)
+    ours.decode(_tokens(8, 2, vocab, 1), 1)  # builds the packed weights
+    packed = loaded.model.packed_weight_bytes()
+    if packed:
+        print("packed weights for the native GEMM: " + ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(packed.items())))
     r = max(1, args.repeats)
     for n in args.prefill_lens:
         ids = _tokens(n, 1, vocab, n)

@@ -5,18 +5,26 @@
  * raw addresses of contiguous float32 / int32 / int64 buffers, passed as integers.
  *
  * available() -> bool
- *   True when this CPU has AVX2 and FMA (checked at run time; the module is built for any
+ *   True when this CPU has AVX2, FMA and F16C (checked at run time; the module is built for any
  *   x86-64, only the kernels are compiled for AVX2). Every other function needs it.
  *
+ * packed_bytes(fmt, N, K) -> int, pack_weight(w, N, K, ldw, fmt, out, out_bytes) -> bool
+ *   Pack W [N, K] (rows ldw floats apart) for sgemm_packed: a 64-byte header (magic, format, N,
+ *   K), then panels of 16 output columns in format fmt: 0 float32, 1 Q4_1-style 4-bit affine
+ *   blocks, 2 Q8_0-style int8 blocks (32 k per block, fp16 scales; layouts at pack_weight). The
+ *   block formats are lossless or refused: pack_weight returns False unless every weight decodes
+ *   to exactly its float32 value, as it does for weights that GGUF Q4_1 / Q8_0 tensors were
+ *   dequantized to. packed_bytes is 0 when K does not suit fmt (not a multiple of 32).
+ *
  * sgemm_packed(x, M, K, ldx, wp, N, bias, c, ldc, nthreads)
- *   C[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]). x: X, rows ldx floats apart. wp: W packed in
- *   panels of 16 output columns, [ceil(N / 16), K, 16] (panel p holds W[16p : 16p + 16, :]
- *   transposed, zero-padded past N). bias: bias[N] or 0. c: C, rows ldc floats apart.
- *   Method: the register-blocked micro-kernel of Goto & van de Geijn (2008) / BLIS (Van Zee &
- *   van de Geijn 2015): a 6 x 16 block of C lives in 12 AVX registers; each k step loads one
- *   packed W row (16 floats, one cache line) and broadcasts 6 X values. See gemm_task for the
- *   blocking and the prefetching. Each C element is one float32 FMA chain over k (a summation
- *   order other than MKL's: equal up to float32 rounding).
+ *   C[M, N] = X[M, K] @ W[N, K]^T (+ bias[N]). x: X, rows ldx floats apart. wp: W as written by
+ *   pack_weight (its header is checked against N and K). bias: bias[N] or 0. c: C, rows ldc
+ *   floats apart. Method: the register-blocked micro-kernel of Goto & van de Geijn (2008) / BLIS
+ *   (Van Zee & van de Geijn 2015): a 6 x 16 block of C lives in 12 AVX registers; each k step
+ *   loads one packed W row (16 floats, one cache line) and broadcasts 6 X values; a block-format
+ *   panel is first decoded 128 k at a time into float32 in L1. See gemm_task for the blocking
+ *   and the prefetching. Each C element is one float32 FMA chain over k (a summation order other
+ *   than MKL's: equal up to float32 rounding), the same bits in every format.
  *
  * paged_attention(q, req_meta, n_req, kv_indices, page_size, k_cache, v_cache, num_q_heads,
  *                 num_kv_heads, head_dim, sm_scale, out, nthreads)
@@ -243,10 +251,22 @@ exp256(__m256 x)
 #define PF_BLOCKS 2 /* blocks ahead that are prefetched */
 #endif
 
+/* A packed weight: a 64-byte header, then the panels of its format (see pack_weight). */
+#define PW_MAGIC 0x31574b52u /* "RKW1" */
+enum { PW_F32 = 0, PW_Q4_1 = 1, PW_Q8_0 = 2 };
+typedef struct {
+    uint32_t magic, fmt;
+    int64_t n, k;
+    char pad[40];
+} pw_header;
+#define QB 32                               /* weights per quantization block (along k) */
+#define Q4_GROUP (NR * 2 * 2 + QB * NR / 2) /* 16 fp16 d, 16 fp16 m, 32 k x 8 bytes of nibbles */
+#define Q8_GROUP (NR * 2 + QB * NR)         /* 16 fp16 d, 32 k x 16 int8 */
+
 typedef struct {
     const float *x;
     Py_ssize_t M, K, ldx;
-    const float *wp;
+    const pw_header *w;
     Py_ssize_t N;
     const float *bias;
     float *c;
@@ -311,30 +331,83 @@ ukernel(const int mr, Py_ssize_t kc, const float *x, Py_ssize_t ldx, const float
     }
 }
 
+/* One k-block (kc rows, a multiple of QB) of a quantized panel, decoded into float32 rows of 16
+ * (the f32 panel layout) in buf. Q4_1: w = q * d + m (q 0..15); Q8_0: w = q * d (q int8); d and m
+ * fp16. q * d is exact in float32 (11 x 8 significant bits), so the FMA rounds once, as the
+ * reference's d * q + m does: the decoded values are bitwise those pack_weight verified. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+dequant_block(int fmt, const uint8_t *g, Py_ssize_t kc, float *buf)
+{
+    for (Py_ssize_t k0 = 0; k0 < kc; k0 += QB, buf += QB * NR) {
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
+        if (fmt == PW_Q4_1) {
+            __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32)));
+            __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 48)));
+            const uint8_t *qs = g + 64;
+            const __m256i lo4 = _mm256_set1_epi32(15);
+            for (int k = 0; k < QB; k++) {
+                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * k)));
+                __m256 q0 = _mm256_cvtepi32_ps(_mm256_and_si256(b, lo4));
+                __m256 q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                _mm256_storeu_ps(buf + k * NR, _mm256_fmadd_ps(q0, d0, m0));
+                _mm256_storeu_ps(buf + k * NR + 8, _mm256_fmadd_ps(q1, d1, m1));
+            }
+            g += Q4_GROUP;
+        } else {
+            const uint8_t *qs = g + 32;
+            for (int k = 0; k < QB; k++) {
+                __m128i b = _mm_loadu_si128((const __m128i *)(qs + 16 * k));
+                __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+                __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+                _mm256_storeu_ps(buf + k * NR, _mm256_mul_ps(q0, d0));
+                _mm256_storeu_ps(buf + k * NR + 8, _mm256_mul_ps(q1, d1));
+            }
+            g += Q8_GROUP;
+        }
+    }
+}
+
 /* Panels are taken in chunks (atomic counter). Within a panel, K is walked in blocks of KC rows
- * (KC * 64 bytes, L1-resident) and every row block of X passes over a block before the next is
- * read: the weight stream from memory then advances at a steady pace with all M rows' work, and
- * the first pass over each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
- * weight stream. */
-__attribute__((target("avx2,fma"))) static void
+ * (KC * 64 bytes of float32, L1-resident) and every row block of X passes over a block before
+ * the next is read: the weight stream from memory then advances at a steady pace with all M
+ * rows' work, and each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
+ * weight stream. A quantized block is first decoded into a float32 block on the stack. */
+__attribute__((target("avx2,fma,f16c"))) static void
 gemm_task(void *p, int tid, int nthreads)
 {
     gemm_args *a = (gemm_args *)p;
     const Py_ssize_t panels = (a->N + NR - 1) / NR, K = a->K;
+    const int fmt = (int)a->w->fmt;
+    const uint8_t *base = (const uint8_t *)(a->w + 1);
+    const Py_ssize_t group = fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP;
+    const Py_ssize_t panel_bytes = fmt == PW_F32 ? K * NR * (Py_ssize_t)sizeof(float) : K / QB * group;
+    float buf[KC * NR] __attribute__((aligned(64)));
     for (;;) {
         Py_ssize_t p0 = __atomic_fetch_add(&a->next, a->chunk, __ATOMIC_RELAXED);
         if (p0 >= panels)
             break;
         Py_ssize_t p1 = p0 + a->chunk < panels ? p0 + a->chunk : panels;
         for (Py_ssize_t pi = p0; pi < p1; pi++) {
-            const float *panel = a->wp + pi * K * NR;
+            const uint8_t *panel = base + pi * panel_bytes;
             Py_ssize_t n0 = pi * NR;
             int nv = (int)(a->N - n0 < NR ? a->N - n0 : NR);
             for (Py_ssize_t k0 = 0; k0 < K; k0 += KC) {
                 Py_ssize_t kc = K - k0 < KC ? K - k0 : KC;
-                const float *wp = panel + k0 * NR;
                 const float *bias = a->bias && k0 + kc >= K ? a->bias + n0 : NULL;
-                const float *pf = wp + PF_BLOCKS * KC * NR; /* may run past the end: prefetch never faults */
+                const float *wp, *pf;
+                if (fmt == PW_F32) {
+                    wp = (const float *)panel + k0 * NR;
+                    pf = wp + PF_BLOCKS * KC * NR; /* may run past the end: prefetch never faults */
+                } else {
+                    const uint8_t *g = panel + k0 / QB * group;
+                    const uint8_t *ahead = g + PF_BLOCKS * (KC / QB) * group;
+                    for (Py_ssize_t off = 0; off < kc / QB * group; off += 64)
+                        _mm_prefetch((const char *)(ahead + off), PF_HINT);
+                    dequant_block(fmt, g, kc, buf);
+                    wp = buf;
+                    pf = NULL;
+                }
                 for (Py_ssize_t m0 = 0; m0 < a->M; m0 += MR) {
                     Py_ssize_t mr = a->M - m0 < MR ? a->M - m0 : MR;
                     const float *x = a->x + m0 * a->ldx + k0;
@@ -359,7 +432,7 @@ gemm_task(void *p, int tid, int nthreads)
 #if RK_X86
 /* C[M, N] = X @ W^T (+ bias) on nthreads threads (see the header). */
 static void
-gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const float *wp, Py_ssize_t N, const float *bias,
+gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const pw_header *w, Py_ssize_t N, const float *bias,
      float *c, Py_ssize_t ldc, int nthreads)
 {
     Py_ssize_t panels = (N + NR - 1) / NR;
@@ -367,7 +440,7 @@ gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const float *wp
     if (panels < 2 * n) /* too little work to share */
         n = 1;
     Py_ssize_t chunk = panels / (2 * n); /* large chunks: prefetching runs within a chunk */
-    gemm_args a = {x, M, K, ldx, wp, N, bias, c, ldc, chunk < 1 ? 1 : chunk, 0};
+    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, chunk < 1 ? 1 : chunk, 0};
     run_parallel(gemm_task, &a, n);
 }
 #endif
@@ -379,7 +452,7 @@ cpu_ok(void)
     if (ok < 0) {
 #if RK_X86 && defined(__GNUC__)
         __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 #else
         ok = 0;
 #endif
@@ -393,19 +466,230 @@ py_available(PyObject *self, PyObject *noargs)
     return PyBool_FromLong(cpu_ok());
 }
 
+/* ------------------------------------------------------------------ weight packing */
+
+/* Bytes of a packed [N, K] weight in format fmt (header included); 0: K does not suit fmt. */
+static Py_ssize_t
+pw_bytes(int fmt, Py_ssize_t N, Py_ssize_t K)
+{
+    Py_ssize_t panels = (N + NR - 1) / NR;
+    if (fmt == PW_F32)
+        return (Py_ssize_t)sizeof(pw_header) + panels * K * NR * (Py_ssize_t)sizeof(float);
+    if (K % QB)
+        return 0;
+    return (Py_ssize_t)sizeof(pw_header) + panels * (K / QB) * (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP);
+}
+
+static const char *
+check_pw(const pw_header *w, Py_ssize_t N, Py_ssize_t K)
+{
+    if (!w || w->magic != PW_MAGIC || w->fmt > PW_Q8_0)
+        return "a weight is not a packed weight";
+    if (w->n != N || w->k != K)
+        return "a packed weight's shape does not match";
+    return NULL;
+}
+
+#if RK_X86
+static inline uint32_t
+f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Finds fp16 d, m and q[i] in 0..15 with fmaf(q[i], d, m) == v[i] bitwise for a block of QB
+ * values (the form GGUF's Q4_1 dequantizes to: m is the block minimum, the maximum has q = 15).
+ * Returns 0 when there are none. */
+__attribute__((target("avx2,fma,f16c"))) static int
+encode_q4_1(const float *v, uint16_t *hd, uint16_t *hm, uint8_t *q)
+{
+    float mn = v[0], mx = v[0];
+    for (int i = 0; i < QB; i++) {
+        if (!isfinite(v[i]))
+            return 0;
+        mn = v[i] < mn ? v[i] : mn;
+        mx = v[i] > mx ? v[i] : mx;
+    }
+    uint16_t m16 = _cvtss_sh(mn, _MM_FROUND_TO_NEAREST_INT);
+    if (f32_bits(_cvtsh_ss(m16)) != f32_bits(mn))
+        return 0;
+    int c = _cvtss_sh((mx - mn) / 15.f, _MM_FROUND_TO_NEAREST_INT);
+    static const int tries[] = {0, 1, -1, 2, -2};
+    for (int t = 0; t < 5; t++) {
+        int h = c + tries[t];
+        if (h < 0 || h >= 0x7c00) /* +0 .. the largest finite fp16 */
+            continue;
+        float d = _cvtsh_ss((uint16_t)h);
+        int ok = 1;
+        for (int i = 0; i < QB && ok; i++) {
+            float qf = d > 0.f ? nearbyintf((v[i] - mn) / d) : 0.f;
+            ok = qf >= 0.f && qf <= 15.f && f32_bits(fmaf(qf, d, mn)) == f32_bits(v[i]);
+            q[i] = (uint8_t)qf;
+        }
+        if (ok) {
+            *hd = (uint16_t)h;
+            *hm = m16;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Finds fp16 d and q[i] in -128..127 with q[i] * d == v[i] bitwise (GGUF's Q8_0 form: the
+ * largest magnitude has |q| = 127). Returns 0 when there are none. */
+__attribute__((target("avx2,fma,f16c"))) static int
+encode_q8_0(const float *v, uint16_t *hd, int8_t *q)
+{
+    float amax = 0.f;
+    for (int i = 0; i < QB; i++) {
+        if (!isfinite(v[i]))
+            return 0;
+        amax = fabsf(v[i]) > amax ? fabsf(v[i]) : amax;
+    }
+    int c = _cvtss_sh(amax / 127.f, _MM_FROUND_TO_NEAREST_INT);
+    static const int tries[] = {0, 1, -1};
+    for (int t = 0; t < 3; t++) {
+        int h = c + tries[t];
+        if (h < 0 || h >= 0x7c00)
+            continue;
+        float d = _cvtsh_ss((uint16_t)h);
+        int ok = 1;
+        for (int i = 0; i < QB && ok; i++) {
+            float qf = d > 0.f ? nearbyintf(v[i] / d) : 0.f;
+            ok = qf >= -128.f && qf <= 127.f && f32_bits(qf * d) == f32_bits(v[i]);
+            q[i] = (int8_t)qf;
+        }
+        if (ok) {
+            *hd = (uint16_t)h;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Writes W [N, K] (rows ldw floats apart) packed in format fmt to out (pw_bytes(fmt, N, K)
+ * bytes). Panel p holds rows 16p .. 16p + 15 (zeros past N):
+ *   PW_F32:  float32 [K][16]: k-th row of the panel, one cache line.
+ *   PW_Q4_1: K / 32 groups of Q4_GROUP bytes: fp16 d[16], fp16 m[16], then 32 k rows of 8 bytes
+ *            (byte j: column j in the low nibble, column j + 8 in the high one).
+ *   PW_Q8_0: K / 32 groups of Q8_GROUP bytes: fp16 d[16], then 32 k rows of 16 int8.
+ * The quantized forms are lossless or refused: returns 0 (out unusable) unless every block of 32
+ * k of every row decodes to exactly the float32 given. */
+__attribute__((target("avx2,fma,f16c"))) static int
+pack_weight(const float *w, Py_ssize_t N, Py_ssize_t K, Py_ssize_t ldw, int fmt, uint8_t *out)
+{
+    pw_header *hdr = (pw_header *)out;
+    memset(hdr, 0, sizeof *hdr);
+    uint8_t *dst = out + sizeof *hdr;
+    const Py_ssize_t panels = (N + NR - 1) / NR;
+    if (fmt == PW_F32) {
+        float *f = (float *)dst;
+        for (Py_ssize_t p = 0; p < panels; p++)
+            for (Py_ssize_t k = 0; k < K; k++)
+                for (int j = 0; j < NR; j++) {
+                    Py_ssize_t n = p * NR + j;
+                    *f++ = n < N ? w[n * ldw + k] : 0.f;
+                }
+    } else {
+        uint8_t q[NR][QB];
+        for (Py_ssize_t p = 0; p < panels; p++)
+            for (Py_ssize_t g = 0; g < K / QB; g++) {
+                uint16_t *d16 = (uint16_t *)dst, *m16 = d16 + NR;
+                for (int j = 0; j < NR; j++) {
+                    Py_ssize_t n = p * NR + j;
+                    const float *v = w + n * ldw + g * QB;
+                    if (n >= N) {
+                        d16[j] = 0;
+                        if (fmt == PW_Q4_1)
+                            m16[j] = 0;
+                        memset(q[j], 0, QB);
+                    } else if (fmt == PW_Q4_1 ? !encode_q4_1(v, d16 + j, m16 + j, q[j])
+                                              : !encode_q8_0(v, d16 + j, (int8_t *)q[j])) {
+                        return 0;
+                    }
+                }
+                if (fmt == PW_Q4_1) {
+                    uint8_t *qs = dst + 4 * NR;
+                    for (int k = 0; k < QB; k++)
+                        for (int j = 0; j < NR / 2; j++)
+                            qs[k * (NR / 2) + j] = (uint8_t)(q[j][k] | q[j + NR / 2][k] << 4);
+                    dst += Q4_GROUP;
+                } else {
+                    uint8_t *qs = dst + 2 * NR;
+                    for (int k = 0; k < QB; k++)
+                        for (int j = 0; j < NR; j++)
+                            qs[k * NR + j] = q[j][k];
+                    dst += Q8_GROUP;
+                }
+            }
+    }
+    hdr->magic = PW_MAGIC;
+    hdr->fmt = (uint32_t)fmt;
+    hdr->n = N;
+    hdr->k = K;
+    return 1;
+}
+#endif
+
+static PyObject *
+py_packed_bytes(PyObject *self, PyObject *args)
+{
+    int fmt;
+    Py_ssize_t N, K;
+    if (!PyArg_ParseTuple(args, "inn", &fmt, &N, &K))
+        return NULL;
+    if (fmt < PW_F32 || fmt > PW_Q8_0 || N < 1 || K < 1) {
+        PyErr_SetString(PyExc_ValueError, "packed_bytes: bad format or shape");
+        return NULL;
+    }
+    return PyLong_FromSsize_t(pw_bytes(fmt, N, K));
+}
+
+static PyObject *
+py_pack_weight(PyObject *self, PyObject *args)
+{
+    Py_ssize_t w, N, K, ldw, out, out_bytes;
+    int fmt;
+    if (!PyArg_ParseTuple(args, "nnnninn", &w, &N, &K, &ldw, &fmt, &out, &out_bytes))
+        return NULL;
+    if (fmt < PW_F32 || fmt > PW_Q8_0 || N < 1 || K < 1 || ldw < K || !pw_bytes(fmt, N, K) ||
+        out_bytes < pw_bytes(fmt, N, K)) {
+        PyErr_SetString(PyExc_ValueError, "pack_weight: bad format, shape or buffer size");
+        return NULL;
+    }
+    if (!cpu_ok()) {
+        PyErr_SetString(PyExc_RuntimeError, "pack_weight needs a CPU with AVX2, FMA and F16C");
+        return NULL;
+    }
+    int ok = 0;
+#if RK_X86
+    Py_BEGIN_ALLOW_THREADS
+    ok = pack_weight((const float *)w, N, K, ldw, fmt, (uint8_t *)out);
+    Py_END_ALLOW_THREADS
+#endif
+    return PyBool_FromLong(ok);
+}
+
 static PyObject *
 py_sgemm_packed(PyObject *self, PyObject *args)
 {
     Py_ssize_t x, M, K, ldx, wp, N, bias, c, ldc, nthreads;
     if (!PyArg_ParseTuple(args, "nnnnnnnnnn", &x, &M, &K, &ldx, &wp, &N, &bias, &c, &ldc, &nthreads))
         return NULL;
+    const char *bad = check_pw((const pw_header *)wp, N, K);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "sgemm_packed: %s", bad);
+        return NULL;
+    }
     if (!cpu_ok()) {
-        PyErr_SetString(PyExc_RuntimeError, "sgemm_packed needs a CPU with AVX2 and FMA");
+        PyErr_SetString(PyExc_RuntimeError, "sgemm_packed needs a CPU with AVX2, FMA and F16C");
         return NULL;
     }
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
-    gemm((const float *)x, M, K, ldx, (const float *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads);
+    gemm((const float *)x, M, K, ldx, (const pw_header *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -863,12 +1147,20 @@ py_decode_layer(PyObject *self, PyObject *args)
         return NULL;
     const char *bad = check_attn_meta((const int32_t *)meta, n_req, M, (const int32_t *)kv_indices, n_indices,
                                       page_size, num_pages);
+    if (!bad)
+        bad = check_pw((const pw_header *)qkv_wp, (hq + 2 * hkv) * d, H);
+    if (!bad)
+        bad = check_pw((const pw_header *)o_wp, H, hq * d);
+    if (!bad)
+        bad = check_pw((const pw_header *)gu_wp, 2 * inter, H);
+    if (!bad)
+        bad = check_pw((const pw_header *)down_wp, H, inter);
     if (bad) {
         PyErr_Format(PyExc_ValueError, "decode_layer: %s", bad);
         return NULL;
     }
     if (!cpu_ok()) {
-        PyErr_SetString(PyExc_RuntimeError, "decode_layer needs a CPU with AVX2 and FMA");
+        PyErr_SetString(PyExc_RuntimeError, "decode_layer needs a CPU with AVX2, FMA and F16C");
         return NULL;
     }
 #if RK_X86
@@ -878,26 +1170,28 @@ py_decode_layer(PyObject *self, PyObject *args)
     int nt = (int)nthreads;
     Py_BEGIN_ALLOW_THREADS
     add_rms_norm(first ? NULL : (const float *)dl, res, x, M, H, (const float *)in_w, (float)eps);
-    gemm(x, M, H, H, (const float *)qkv_wp, nqkv, (const float *)qkv_b, qkv, nqkv, nt);
+    gemm(x, M, H, H, (const pw_header *)qkv_wp, nqkv, (const float *)qkv_b, qkv, nqkv, nt);
     rope_inplace(qkv, M, hq + hkv, d, nqkv, (const float *)cos, (const float *)sin);
     write_kv(qkv + qs, nqkv, qkv + qs + kvs, nqkv, (const int64_t *)out_slots, M, kvs, (float *)k_cache,
              (float *)v_cache);
     paged_attention(qkv, nqkv, (const int32_t *)meta, n_req, (const int32_t *)kv_indices, page_size,
                     (const float *)k_cache, (const float *)v_cache, (int)hq, (int)hkv, (int)d, (float)sm_scale, at,
                     nt);
-    gemm(at, M, qs, qs, (const float *)o_wp, H, (const float *)o_b, dl, H, nt);
+    gemm(at, M, qs, qs, (const pw_header *)o_wp, H, (const float *)o_b, dl, H, nt);
     add_rms_norm(dl, res, x, M, H, (const float *)post_w, (float)eps);
-    gemm(x, M, H, H, (const float *)gu_wp, 2 * inter, (const float *)gu_b, gu, 2 * inter, nt);
+    gemm(x, M, H, H, (const pw_header *)gu_wp, 2 * inter, (const float *)gu_b, gu, 2 * inter, nt);
     silu_mul(gu, act, M, inter);
-    gemm(act, M, inter, inter, (const float *)down_wp, H, (const float *)down_b, dl, H, nt);
+    gemm(act, M, inter, inter, (const pw_header *)down_wp, H, (const float *)down_b, dl, H, nt);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
-    {"available", py_available, METH_NOARGS, "True when the CPU has AVX2 and FMA."},
+    {"available", py_available, METH_NOARGS, "True when the CPU has AVX2, FMA and F16C."},
     {"sgemm_packed", py_sgemm_packed, METH_VARARGS, "C = X @ W^T (+ bias) with W packed in 16-column panels."},
+    {"packed_bytes", py_packed_bytes, METH_VARARGS, "Bytes of a packed [N, K] weight in a format (0: K does not suit it)."},
+    {"pack_weight", py_pack_weight, METH_VARARGS, "Pack W [N, K] in a format; False when it is not exact there."},
     {"advise_hugepages", py_advise_hugepages, METH_VARARGS, "madvise(MADV_HUGEPAGE) the whole 2 MiB pages of a range."},
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual += delta; out = RMSNorm(residual) * w."},
     {"rope_inplace", py_rope_inplace, METH_VARARGS, "Rotate-half RoPE in place."},

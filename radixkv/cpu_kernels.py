@@ -42,50 +42,88 @@ def _check_cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
 _HUGE = 2 << 20
 
 
-def _huge_page_empty(*shape: int) -> torch.Tensor:
-    """An uninitialized float32 tensor whose memory the kernel backs with transparent huge pages
+def _huge_page_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialized uint8 tensor of ``nbytes`` whose memory the kernel backs with transparent huge pages
     where it can (``madvise(MADV_HUGEPAGE)`` before first touch): fewer TLB walks while a decode
     step streams the weights. On the CPU box a plain 1 GB streaming read ran 10-15% faster on
     2 MiB pages; on the decode GEMMs the difference stayed within the run-to-run noise."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    if not AVAILABLE or numel * 4 < _HUGE:
-        return torch.empty(*shape, dtype=torch.float32)
-    buf = torch.empty(numel + _HUGE // 4, dtype=torch.float32)
-    start = (-buf.data_ptr() % _HUGE) // 4  # first 2 MiB boundary (float32 is 4-byte aligned)
-    out = buf[start:start + numel].view(*shape)
-    _ck.advise_hugepages(out.data_ptr(), numel * 4)
+    if not AVAILABLE or nbytes < _HUGE:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    buf = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
+    start = -buf.data_ptr() % _HUGE  # the first 2 MiB boundary
+    out = buf[start:start + nbytes]
+    _ck.advise_hugepages(out.data_ptr(), nbytes)
     return out
 
 
-class PackedWeight:
-    """A ``[N, K]`` float32 weight repacked for :func:`packed_linear`.
+PACK_FORMATS: tuple[str, ...] = ("q4_1", "q8_0", "f32")
+"""The formats :class:`PackedWeight` tries, in order, when none are given. Set it to
+``("f32",)`` before a model's first decode step to keep plain float32 panels."""
 
-    ``data`` is ``[ceil(N / 16), K, 16]`` float32: panel ``p`` holds rows ``16p .. 16p + 15`` of
-    the weight, transposed, zero-padded past ``N``. Costs one extra copy of the weight's bytes.
+_FORMAT_IDS = {"f32": 0, "q4_1": 1, "q8_0": 2}
+
+
+class PackedWeight:
+    """A ``[N, K]`` float32 weight repacked for :func:`packed_linear`, losslessly compressed
+    when its values allow.
+
+    ``data`` is a uint8 buffer: a 64-byte header (format, ``N``, ``K``, checked by the kernels),
+    then panels of 16 weight rows (zero-padded past ``N``) in ``format``:
+
+    * ``"f32"``: float32 ``[K, 16]`` per panel (the rows transposed). 4 bytes a weight.
+    * ``"q4_1"``: per 32 ``k`` of a row, fp16 ``d``, fp16 ``m`` and 4-bit ``q`` with
+      ``w = q * d + m``: the values a GGUF ``Q4_1`` tensor dequantizes to (gguf-py, llama.cpp's
+      ``dequantize_row_q4_1``). 0.625 bytes a weight.
+    * ``"q8_0"``: per 32 ``k``, fp16 ``d`` and int8 ``q`` with ``w = q * d`` (GGUF ``Q8_0``).
+      1.06 bytes a weight.
+
+    A quantized format is used only when every weight decodes to exactly its float32 value
+    (bit for bit; checked here while packing), so a GEMM gives the same bits in every format:
+    the kernel decodes each block to float32 in L1 and runs the float32 micro-kernel on it. The
+    default model's weights come from a Q4_1/Q8_0 GGUF file, so its packed copy is 98 MB, not 650.
 
     Args:
         weight: ``[N, K]`` float32 CPU tensor (any strides).
+        formats: formats to try in order; the first exact one is used (default
+            :data:`PACK_FORMATS`). Include ``"f32"`` to accept any weight.
 
     Raises:
-        ValueError: another dtype, device or rank.
+        ValueError: another dtype, device or rank, ``K < 1``, an unknown format, or no format in
+            ``formats`` holds this weight exactly.
+        RuntimeError: the native kernels are not available (:data:`AVAILABLE` is False).
     """
 
-    __slots__ = ("data", "n", "k")
+    __slots__ = ("data", "n", "k", "format")
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, formats: tuple[str, ...] | None = None) -> None:
         _check_cpu_f32("PackedWeight: weight", weight, 2)
         n, k = weight.shape
-        if k < 1:
-            raise ValueError(f"PackedWeight: weight must have K >= 1 columns, got {tuple(weight.shape)}")
+        if k < 1 or n < 1:
+            raise ValueError(f"PackedWeight: weight must be at least [1, 1], got {tuple(weight.shape)}")
+        if not AVAILABLE:
+            raise RuntimeError("PackedWeight: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
+        formats = PACK_FORMATS if formats is None else tuple(formats)
+        for f in formats:
+            if f not in _FORMAT_IDS:
+                raise ValueError(f"PackedWeight: unknown format {f!r}; expected one of {sorted(_FORMAT_IDS)}")
         w = weight.detach()
-        pad = (-n) % PANEL
-        if pad:
-            w = torch.cat([w, w.new_zeros(pad, k)])
-        self.data = _huge_page_empty((n + pad) // PANEL, k, PANEL)
-        self.data.copy_(w.reshape(-1, PANEL, k).transpose(1, 2))
+        if w.stride(1) != 1:
+            w = w.contiguous()
         self.n, self.k = int(n), int(k)
+        for f in formats:
+            nbytes = _ck.packed_bytes(_FORMAT_IDS[f], self.n, self.k)
+            if not nbytes:
+                continue  # K is not a multiple of the format's block
+            data = _huge_page_empty(nbytes)
+            if _ck.pack_weight(w.data_ptr(), self.n, self.k, w.stride(0), _FORMAT_IDS[f], data.data_ptr(), nbytes):
+                self.data, self.format = data, f
+                return
+        raise ValueError(f"PackedWeight: the weight {tuple(weight.shape)} is not exact in any of {formats}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed copy (header included)."""
+        return self.data.numel()
 
 
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

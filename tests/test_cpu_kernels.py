@@ -39,7 +39,9 @@ def test_packed_linear_equals_float64(m, n, k, with_bias):
 def test_packed_linear_strided_rows_and_errors():
     w = torch.randn(40, 24)
     pw = ck.PackedWeight(w)
-    assert pw.data.shape == (3, 24, 16) and torch.equal(pw.data[2, :, 8:], torch.zeros(24, 8))  # padded past N
+    assert pw.format == "f32" and pw.nbytes == 64 + 3 * 24 * 16 * 4
+    panels = pw.data[64:].view(torch.float32).view(3, 24, 16)  # after the 64-byte header
+    assert torch.equal(panels[1], w[16:32].T) and torch.equal(panels[2, :, 8:], torch.zeros(24, 8))  # padded past N
     big = torch.randn(5, 30)
     x = big[:, 3:27]  # rows 30 floats apart
     torch.testing.assert_close(ck.packed_linear(x, pw).double(), _f64_linear(x, w), atol=1e-4, rtol=0)
@@ -52,6 +54,87 @@ def test_packed_linear_strided_rows_and_errors():
     with pytest.raises(ValueError, match="2-d float32 CPU tensor"):
         ck.PackedWeight(torch.randn(3))
     assert ck.packed_linear(torch.randn(0, 24), pw).shape == (0, 40)
+
+
+def _q4_1_weight(n, k, g):
+    """Values of GGUF's Q4_1 form: per 32 k, q * d + m with fp16 d, m and q in 0..15."""
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15  # the block's minimum and maximum, as the quantizer makes them
+    return (q * d + m).reshape(n, k)
+
+
+def _q8_0_weight(n, k, g):
+    """Values of GGUF's Q8_0 form: per 32 k, q * d with fp16 d and q in -127..127."""
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = 127
+    return (q * d).reshape(n, k)
+
+
+@pytest.mark.parametrize("fmt, make", [("q4_1", _q4_1_weight), ("q8_0", _q8_0_weight)])
+@pytest.mark.parametrize("n, k", [(16, 32), (40, 64), (37, 160), (960, 576), (100, 1536)])
+def test_block_formats_are_lossless(fmt, make, n, k):
+    """A weight in Q4_1 / Q8_0 form packs into that format (6.4x / 3.8x fewer bytes) and every
+    GEMM gives exactly the bits of the float32 packing, for each row count and tail."""
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = make(n, k, g)
+    packed, plain = ck.PackedWeight(w), ck.PackedWeight(w, ("f32",))
+    assert packed.format == fmt and plain.format == "f32"
+    panels = -(-n // 16)
+    assert packed.nbytes == 64 + panels * (k // 32) * (320 if fmt == "q4_1" else 544)  # 5 / 8.5 bits a weight
+    assert plain.nbytes == 64 + panels * k * 64
+    b = torch.randn(n, generator=g)
+    for m in (1, 5, 6, 7, 16, 17, 64):
+        x = torch.randn(m, k, generator=g)
+        got = ck.packed_linear(x, packed, b)
+        assert torch.equal(got, ck.packed_linear(x, plain, b)), m
+        torch.testing.assert_close(got.double(), _f64_linear(x, w, b), atol=2e-5 * k**0.5, rtol=0)
+
+
+def test_gguf_dequantized_weights_pack_in_their_block_format():
+    """The values gguf-py dequantizes a Q4_1 / Q8_0 tensor to (what transformers loads from a
+    GGUF file) are recovered exactly, including blocks of equal values and all zeros."""
+    gq = pytest.importorskip("gguf.quants")
+    from gguf import GGMLQuantizationType as T
+
+    g = torch.Generator().manual_seed(3)
+    src = torch.randn(48, 256, generator=g) * 0.05
+    src[0, :32] = 0.0  # one block of zeros
+    src[1, 32:64] = 0.25  # one block of a single value
+    for qtype, fmt in ((T.Q4_1, "q4_1"), (T.Q8_0, "q8_0")):
+        deq = torch.from_numpy(gq.dequantize(gq.quantize(src.numpy(), qtype), qtype).copy()).float()
+        packed = ck.PackedWeight(deq)
+        assert packed.format == fmt
+        x = torch.randn(16, 256, generator=g)
+        assert torch.equal(ck.packed_linear(x, packed), ck.packed_linear(x, ck.PackedWeight(deq, ("f32",))))
+
+
+def test_block_formats_refuse_weights_they_cannot_hold_exactly():
+    g = torch.Generator().manual_seed(4)
+    w = _q4_1_weight(32, 64, g)
+    assert ck.PackedWeight(torch.randn(32, 64, generator=g)).format == "f32"  # arbitrary floats
+    assert ck.PackedWeight(w[:, :48].contiguous()).format == "f32"  # K not a multiple of 32
+    bent = w.clone()
+    bent[5, 40] = torch.nextafter(bent[5, 40], torch.tensor(1.0))  # one value off the grid by 1 ulp
+    assert ck.PackedWeight(bent).format == "f32"
+    assert ck.PackedWeight(w, ("q8_0", "q4_1")).format == "q4_1"
+    with pytest.raises(ValueError, match="not exact in any of"):
+        ck.PackedWeight(bent, ("q4_1", "q8_0"))
+    with pytest.raises(ValueError, match="unknown format 'int4'"):
+        ck.PackedWeight(w, ("int4",))
+
+
+def test_kernels_check_the_packed_weight_header():
+    pw = ck.PackedWeight(torch.randn(32, 64))
+    out = torch.empty(2, 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="shape does not match"):
+        ck._ck.sgemm_packed(x.data_ptr(), 2, 64, 64, pw.data.data_ptr(), 31, 0, out.data_ptr(), 32, 1)
+    junk = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="not a packed weight"):
+        ck._ck.sgemm_packed(x.data_ptr(), 2, 64, 64, junk.data_ptr(), 32, 0, out.data_ptr(), 32, 1)
 
 
 def test_results_do_not_depend_on_thread_count():
@@ -204,7 +287,7 @@ def test_paged_attention_rejects_bad_page_size_and_heads():
 
 
 def test_other_argument_errors():
-    with pytest.raises(ValueError, match="K >= 1"):
+    with pytest.raises(ValueError, match=r"at least \[1, 1\]"):
         ck.PackedWeight(torch.randn(5, 0))
     x = torch.randn(2, 8, requires_grad=True)
     with pytest.raises(ValueError, match="records no gradient"):

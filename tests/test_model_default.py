@@ -122,6 +122,11 @@ def test_greedy_32_tokens_equal_generate(models, backend):
         with torch.no_grad():
             ref_logits = hf(torch.tensor([p + o[:-1]])).logits[0, -1:]
         torch.testing.assert_close(l, ref_logits, atol=ATOL, rtol=0)
+    if backend == "cpu":  # the GEMMs ran on the losslessly compressed weights (GGUF Q4_1 / Q8_0 values)
+        packed = loaded.model.packed_weight_bytes()
+        # 30 layers of projections in Q4_1 (5 bits a weight), the tied 49152 x 576 output projection in Q8_0
+        # (per layer: qkv 345,664 + o 207,424 + gate|up 1,105,984 + down 553,024 bytes)
+        assert packed == {"q4_1": 30 * 2_212_096, "q8_0": 30_081_088}, packed
     for p, o in zip(prompts, ours):
         ref = _generate(hf, tok, p)
         # generate stops early only at EOS; ours decodes on, so compare the common part

@@ -313,6 +313,17 @@ class CausalLM(nn.Module):
                 m.pack = PackCache()
         self.lm_head_pack = PackCache()
 
+    def packed_weight_bytes(self) -> dict[str, int]:
+        """Bytes of the packed weight copies built so far (by the first decode-sized forward), by
+        storage format (``"f32"``, ``"q4_1"``, ``"q8_0"``: :class:`~radixkv.cpu_kernels.PackedWeight`).
+        Empty before that forward, or without the native kernels."""
+        out: dict[str, int] = {}
+        packs = [m.pack for m in self.modules() if isinstance(m, Linear)] + [self.lm_head_pack]
+        for pack in packs:
+            if pack._packed is not None:
+                out[pack._packed.format] = out.get(pack._packed.format, 0) + pack._packed.nbytes
+        return out
+
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
