@@ -93,7 +93,7 @@ class PackedWeight:
         RuntimeError: the native kernels are not available (:data:`AVAILABLE` is False).
     """
 
-    __slots__ = ("data", "n", "k", "format")
+    __slots__ = ("data", "n", "k", "format", "address")
 
     def __init__(self, weight: torch.Tensor, formats: tuple[str, ...] | None = None) -> None:
         _check_cpu_f32("PackedWeight: weight", weight, 2)
@@ -117,6 +117,7 @@ class PackedWeight:
             data = _huge_page_empty(nbytes)
             if _ck.pack_weight(w.data_ptr(), self.n, self.k, w.stride(0), _FORMAT_IDS[f], data.data_ptr(), nbytes):
                 self.data, self.format = data, f
+                self.address = data.data_ptr()  # what the kernels take
                 return
         raise ValueError(f"PackedWeight: the weight {tuple(weight.shape)} is not exact in any of {formats}")
 
@@ -157,7 +158,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         b = bias.data_ptr()
     out = torch.empty(m, packed.n, dtype=torch.float32)
     if m:
-        _ck.sgemm_packed(x.data_ptr(), m, k, x.stride(0), packed.data.data_ptr(), packed.n, b, out.data_ptr(),
+        _ck.sgemm_packed(x.data_ptr(), m, k, x.stride(0), packed.address, packed.n, b, out.data_ptr(),
                          packed.n, torch.get_num_threads())
     return out
 
