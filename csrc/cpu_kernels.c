@@ -487,6 +487,8 @@ check_pw(const pw_header *w, Py_ssize_t N, Py_ssize_t K)
         return "a weight is not a packed weight";
     if (w->n != N || w->k != K)
         return "a packed weight's shape does not match";
+    if (w->fmt != PW_F32 && K % QB)
+        return "a block-format weight needs K to be a multiple of 32";
     return NULL;
 }
 
@@ -525,8 +527,10 @@ encode_q4_1(const float *v, uint16_t *hd, uint16_t *hm, uint8_t *q)
         int ok = 1;
         for (int i = 0; i < QB && ok; i++) {
             float qf = d > 0.f ? nearbyintf((v[i] - mn) / d) : 0.f;
-            ok = qf >= 0.f && qf <= 15.f && f32_bits(fmaf(qf, d, mn)) == f32_bits(v[i]);
-            q[i] = (uint8_t)qf;
+            ok = qf >= 0.f && qf <= 15.f;
+            q[i] = ok ? (uint8_t)qf : 0;
+            /* checked as the kernel decodes it: from the stored integer (never -0), one FMA */
+            ok = ok && f32_bits(fmaf((float)q[i], d, mn)) == f32_bits(v[i]);
         }
         if (ok) {
             *hd = (uint16_t)h;
@@ -558,8 +562,9 @@ encode_q8_0(const float *v, uint16_t *hd, int8_t *q)
         int ok = 1;
         for (int i = 0; i < QB && ok; i++) {
             float qf = d > 0.f ? nearbyintf(v[i] / d) : 0.f;
-            ok = qf >= -128.f && qf <= 127.f && f32_bits(qf * d) == f32_bits(v[i]);
-            q[i] = (int8_t)qf;
+            ok = qf >= -128.f && qf <= 127.f;
+            q[i] = ok ? (int8_t)qf : 0;
+            ok = ok && f32_bits((float)q[i] * d) == f32_bits(v[i]); /* as decoded: -0 is refused */
         }
         if (ok) {
             *hd = (uint16_t)h;

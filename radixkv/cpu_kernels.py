@@ -80,7 +80,8 @@ class PackedWeight:
     A quantized format is used only when every weight decodes to exactly its float32 value
     (bit for bit; checked here while packing), so a GEMM gives the same bits in every format:
     the kernel decodes each block to float32 in L1 and runs the float32 micro-kernel on it. The
-    default model's weights come from a Q4_1/Q8_0 GGUF file, so its packed copy is 98 MB, not 650.
+    default model's weights come from a Q4_1/Q8_0 GGUF file, so its packed copy is 96 MB, not 540.
+    (Bit-exactness assumes the default round-to-nearest float mode, as torch and numpy do.)
 
     Args:
         weight: ``[N, K]`` float32 CPU tensor (any strides).
@@ -104,18 +105,19 @@ class PackedWeight:
             raise RuntimeError("PackedWeight: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
         formats = PACK_FORMATS if formats is None else tuple(formats)
         for f in formats:
-            if f not in _FORMAT_IDS:
+            if not isinstance(f, str) or f not in _FORMAT_IDS:
                 raise ValueError(f"PackedWeight: unknown format {f!r}; expected one of {sorted(_FORMAT_IDS)}")
         w = weight.detach()
-        if w.stride(1) != 1:
+        if w.stride(1) != 1 or (n > 1 and w.stride(0) < k):  # the packer reads rows of K adjacent floats
             w = w.contiguous()
+        ldw = w.stride(0) if n > 1 else k  # a single row's stride is arbitrary
         self.n, self.k = int(n), int(k)
         for f in formats:
             nbytes = _ck.packed_bytes(_FORMAT_IDS[f], self.n, self.k)
             if not nbytes:
                 continue  # K is not a multiple of the format's block
             data = _huge_page_empty(nbytes)
-            if _ck.pack_weight(w.data_ptr(), self.n, self.k, w.stride(0), _FORMAT_IDS[f], data.data_ptr(), nbytes):
+            if _ck.pack_weight(w.data_ptr(), self.n, self.k, ldw, _FORMAT_IDS[f], data.data_ptr(), nbytes):
                 self.data, self.format = data, f
                 self.address = data.data_ptr()  # what the kernels take
                 return

@@ -126,10 +126,42 @@ def test_block_formats_refuse_weights_they_cannot_hold_exactly():
         ck.PackedWeight(w, ("int4",))
 
 
+def test_strided_and_expanded_weights_pack():
+    for w in (torch.randn(64, 1).t(), torch.randn(64).expand(8, 64), torch.randn(40, 70)[:, 3:67]):
+        x = torch.randn(5, w.shape[1])
+        torch.testing.assert_close(ck.packed_linear(x, ck.PackedWeight(w)).double(), _f64_linear(x, w), atol=1e-5,
+                                   rtol=0)
+
+
+def test_negative_zero_is_not_taken_into_a_block_format():
+    """A stored integer decodes to +0.0; a -0.0 weight keeps float32 panels, so the bits match in
+    every rounding mode."""
+    w = torch.zeros(16, 32)
+    w[:, 0] = 127 * 2.0**-10  # a Q8_0 block (d = 2^-10) but for the -0.0 below
+    w[:, 1] = -0.0
+    assert ck.PackedWeight(w).format == "f32"
+    w[:, 1] = 0.0
+    assert ck.PackedWeight(w).format == "q8_0"
+
+
+def test_pack_cache_notices_a_transposed_replacement():
+    w = torch.randn(32, 32)
+    x = torch.randn(3, 32)
+    cache = PackCache()
+    with torch.no_grad():
+        linear(x, w, None, cache)
+        got = linear(x, w.t(), None, cache)  # same address, shape and version: other strides
+    torch.testing.assert_close(got.double(), _f64_linear(x, w.t()), atol=1e-5, rtol=0)
+
+
 def test_kernels_check_the_packed_weight_header():
     pw = ck.PackedWeight(torch.randn(32, 64))
     out = torch.empty(2, 32)
     x = torch.randn(2, 64)
+    small = ck.PackedWeight(torch.randn(1, 1))
+    small.data[4] = 2  # a tampered header: format q8_0 with K = 1 (its blocks would read past the buffer)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        ck._ck.sgemm_packed(x.data_ptr(), 2, 1, 64, small.address, 1, 0, out.data_ptr(), 32, 1)
     with pytest.raises(ValueError, match="shape does not match"):
         ck._ck.sgemm_packed(x.data_ptr(), 2, 64, 64, pw.data.data_ptr(), 31, 0, out.data_ptr(), 32, 1)
     junk = torch.zeros(4096, dtype=torch.uint8)

@@ -273,3 +273,46 @@ def test_torch_only_path_when_native_kernels_are_unavailable(pair, monkeypatch):
     got = reqs.forward([("a", [a[-1]]), ("b", [b[-1]])])  # a decode step: 2 rows
     for seq, g in zip((a, b), got):
         torch.testing.assert_close(g, _hf_logits(hf, seq)[-1:], atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA")
+def test_native_decode_with_weights_in_block_form_and_as_buffers():
+    """The fused decode path on weights that pack as Q4_1 / Q8_0 (as a GGUF model's do), one of
+    them registered as a buffer instead of a parameter: same logits as transformers."""
+    cfg, hf_cls = _configs()["mistral-gqa"]
+    cfg.architectures = [hf_cls.__name__]
+    torch.manual_seed(0)
+    hf = hf_cls(cfg).eval()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and p.shape[1] % 32 == 0:  # every block: q * d + m (Q4_1) or q * d (Q8_0)
+                n, k = p.shape
+                d = (torch.rand(n, k // 32, 1, generator=g) * 0.02).half().float()
+                if "embed" in name or "lm_head" in name:
+                    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+                    q[..., 0] = 127  # the block's largest magnitude, as the quantizer makes it
+                    p.copy_((q * d).reshape(n, k))
+                else:
+                    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.1).half().float()
+                    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+                    q[..., 0], q[..., 1] = 0, 15
+                    p.copy_((q * d + m).reshape(n, k))
+    ours = get_model_class(cfg)(cfg)
+    ours.load_weights(hf.state_dict().items())
+    ours.eval()
+    down = ours.model.layers[0].mlp.down_proj
+    w = down.weight.detach().clone()
+    del down.weight
+    down.register_buffer("weight", w)  # e.g. a frozen weight
+    a, b = _prompt(31, 9), _prompt(32, 14)
+    reqs = PagedRequests(_runner(ours, cfg, 1, "cpu"))
+    first = reqs.forward([("a", a), ("b", b)])
+    for _ in range(3):  # pure decode steps: the fused native path
+        for seq, lg in zip((a, b), first):
+            seq.append(int(lg.argmax()))
+        first = reqs.forward([("a", [a[-1]]), ("b", [b[-1]])])
+        for seq, lg in zip((a, b), first):
+            torch.testing.assert_close(lg, _hf_logits(hf, seq)[-1:], atol=ATOL, rtol=0)
+    packed = ours.packed_weight_bytes()
+    assert set(packed) == {"q4_1", "q8_0"}, packed

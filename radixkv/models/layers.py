@@ -34,7 +34,7 @@ PACKED_MAX_ROWS = 64
 
 class PackCache:
     """Holds the :class:`~radixkv.cpu_kernels.PackedWeight` of one weight tensor, rebuilt when
-    the tensor is replaced or changed in place (its address or ``_version`` moves). Edits
+    the tensor is replaced or changed in place (its address, strides or ``_version`` move). Edits
     through ``weight.data`` do not move ``_version``: call :meth:`CausalLM.reset_packed_weights`
     after those."""
 
@@ -45,7 +45,7 @@ class PackCache:
         self._packed: cpu_kernels.PackedWeight | None = None
 
     def get(self, weight: torch.Tensor) -> "cpu_kernels.PackedWeight":
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride())
         if key != self._key:
             self._packed = cpu_kernels.PackedWeight(weight)
             self._key = key

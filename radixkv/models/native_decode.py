@@ -54,12 +54,17 @@ def _weight_args(layer) -> tuple:
     a lookup, which was ~1.7 ms of Python per decode step over 30 layers."""
     m = layer._modules
     sa, mlp, n_in = m["self_attn"]._modules, m["mlp"]._modules, m["input_layernorm"]
-    args = [n_in._parameters["weight"].data_ptr(), m["post_attention_layernorm"]._parameters["weight"].data_ptr(),
-            n_in.eps]
+    args = [_tensor(n_in, "weight").data_ptr(), _tensor(m["post_attention_layernorm"], "weight").data_ptr(), n_in.eps]
     for lin in (sa["qkv_proj"], sa["o_proj"], mlp["gate_up_proj"], mlp["down_proj"]):
-        p = lin._parameters
-        args += (lin.pack.get(p["weight"]).address, _ptr(p["bias"]))
+        args += (lin.pack.get(_tensor(lin, "weight")).address, _ptr(_tensor(lin, "bias")))
     return tuple(args)
+
+
+def _tensor(mod: torch.nn.Module, name: str) -> torch.Tensor | None:
+    """``mod.<name>``, from the parameters dict when it is a parameter (the fast path), else
+    through ``getattr`` (a weight registered as a buffer or a plain attribute)."""
+    params = mod._parameters
+    return params[name] if name in params else getattr(mod, name)
 
 
 def run_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: CPUAttentionBackend):
