@@ -4,9 +4,11 @@ float32 kernels for the CPU decode step, all optional: :data:`AVAILABLE` is Fals
 extension was not built or the CPU lacks AVX2/FMA, and callers then use torch.
 
 * :class:`PackedWeight` + :func:`packed_linear`: ``x @ W.T (+ bias)`` with ``W`` repacked once
-  into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS). On the 2-core
-  AMD EPYC box, 16 rows, cold weights (SmolLM2's 30 layers of projections): 36-57 ms against
-  60-80 ms for MKL in its best layout and 90-111 ms for ``F.linear`` (docs/model.md).
+  into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS), stored in
+  float32 or, when its values are exactly GGUF Q4_1 / Q8_0 block values, in that block form
+  (lossless: same bits out). On the 2-core AMD EPYC box, 16 rows, cold float32 weights
+  (SmolLM2's 30 layers of projections): 36-57 ms against 60-80 ms for MKL in its best layout and
+  90-111 ms for ``F.linear`` (docs/model.md).
 * :func:`paged_attention`: causal paged attention in FlashInfer's semantics (bottom-right
   aligned) for a set of requests, reading K/V straight from the pool through the page table.
 * :func:`add_rms_norm`, :func:`rope_`, :func:`silu_mul`: the decoder's elementwise steps.
@@ -29,9 +31,6 @@ try:  # the optional C extension (setup.py); absent without a compiler
 except ImportError:  # pragma: no cover - depends on the build
     _ck = None
     AVAILABLE = False
-
-PANEL = 16
-"""Output columns per packed weight panel (one 64-byte cache line of float32 per k)."""
 
 
 def _check_cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
@@ -77,7 +76,7 @@ class PackedWeight:
     * ``"q8_0"``: per 32 ``k``, fp16 ``d`` and int8 ``q`` with ``w = q * d`` (GGUF ``Q8_0``).
       1.06 bytes a weight.
 
-    A quantized format is used only when every weight decodes to exactly its float32 value
+    A block format is used only when every weight decodes to exactly its float32 value
     (bit for bit; checked here while packing), so a GEMM gives the same bits in every format:
     the kernel decodes each block to float32 in L1 and runs the float32 micro-kernel on it. The
     default model's weights come from a Q4_1/Q8_0 GGUF file, so its packed copy is 96 MB, not 540.
