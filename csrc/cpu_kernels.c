@@ -460,6 +460,16 @@ cpu_ok(void)
     return ok;
 }
 
+/* 1 when the kernels can run here, else 0 with a RuntimeError naming fn set. */
+static int
+cpu_or_raise(const char *fn)
+{
+    if (cpu_ok())
+        return 1;
+    PyErr_Format(PyExc_RuntimeError, "%s needs a CPU with AVX2, FMA and F16C", fn);
+    return 0;
+}
+
 static PyObject *
 py_available(PyObject *self, PyObject *noargs)
 {
@@ -664,10 +674,8 @@ py_pack_weight(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "pack_weight: bad format, shape or buffer size");
         return NULL;
     }
-    if (!cpu_ok()) {
-        PyErr_SetString(PyExc_RuntimeError, "pack_weight needs a CPU with AVX2, FMA and F16C");
+    if (!cpu_or_raise("pack_weight"))
         return NULL;
-    }
     int ok = 0;
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
@@ -688,10 +696,8 @@ py_sgemm_packed(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "sgemm_packed: %s", bad);
         return NULL;
     }
-    if (!cpu_ok()) {
-        PyErr_SetString(PyExc_RuntimeError, "sgemm_packed needs a CPU with AVX2, FMA and F16C");
+    if (!cpu_or_raise("sgemm_packed"))
         return NULL;
-    }
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
     gemm((const float *)x, M, K, ldx, (const pw_header *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads);
@@ -977,10 +983,8 @@ py_paged_attention(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "paged_attention: %s", bad);
         return NULL;
     }
-    if (!cpu_ok()) {
-        PyErr_SetString(PyExc_RuntimeError, "paged_attention needs a CPU with AVX2 and FMA");
+    if (!cpu_or_raise("paged_attention"))
         return NULL;
-    }
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
     paged_attention((const float *)q, hq * d, (const int32_t *)q_start, n_req, (const int32_t *)kv_indices, page_size,
@@ -1164,10 +1168,8 @@ py_decode_layer(PyObject *self, PyObject *args)
         PyErr_Format(PyExc_ValueError, "decode_layer: %s", bad);
         return NULL;
     }
-    if (!cpu_ok()) {
-        PyErr_SetString(PyExc_RuntimeError, "decode_layer needs a CPU with AVX2, FMA and F16C");
+    if (!cpu_or_raise("decode_layer"))
         return NULL;
-    }
 #if RK_X86
     const Py_ssize_t qs = hq * d, kvs = hkv * d, nqkv = qs + 2 * kvs;
     float *x = (float *)x_buf, *qkv = (float *)qkv_buf, *at = (float *)attn_buf, *gu = (float *)gu_buf;

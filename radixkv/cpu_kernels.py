@@ -1,7 +1,7 @@
 """Checked Python entry points to radixkv's native CPU kernels (``csrc/cpu_kernels.c``).
 
 float32 kernels for the CPU decode step, all optional: :data:`AVAILABLE` is False when the
-extension was not built or the CPU lacks AVX2/FMA, and callers then use torch.
+extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use torch.
 
 * :class:`PackedWeight` + :func:`packed_linear`: ``x @ W.T (+ bias)`` with ``W`` repacked once
   into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS), stored in
@@ -141,7 +141,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
             is copied only when its columns are not adjacent.)
     """
     if not AVAILABLE:
-        raise RuntimeError("packed_linear: radixkv._ckernels is not available (no AVX2/FMA or not built)")
+        raise RuntimeError("packed_linear: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
     _check_cpu_f32("packed_linear: x", x, 2)
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("packed_linear: x requires grad; the native GEMM records no gradient (use F.linear)")
@@ -198,7 +198,7 @@ def paged_attention(
         ValueError: a dtype, device, layout, shape or metadata value outside the above.
     """
     if not AVAILABLE:
-        raise RuntimeError("paged_attention: radixkv._ckernels is not available (no AVX2/FMA or not built)")
+        raise RuntimeError("paged_attention: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
     page_size = int(page_size)
     for name, t, dim in (("q", q, 3), ("out", out, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)):
         _check_cpu_f32(f"paged_attention: {name}", t, dim)

@@ -127,7 +127,7 @@ def test_torch_backend_matches_naive(page_size, hq, hkv, max_pad_waste, seed):
     )
 
 
-@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA")
+@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA/F16C")
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (3, 1)])
 @pytest.mark.parametrize("native_max_q", [1, 8, 64])  # decode only / short extends too / everything

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from radixkv import cpu_kernels as ck
 from radixkv.models.layers import PackCache, apply_rope, linear
 
-pytestmark = pytest.mark.skipif(not ck.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA")
+pytestmark = pytest.mark.skipif(not ck.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA/F16C")
 
 
 def _f64_linear(x, w, b=None):

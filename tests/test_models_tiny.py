@@ -275,7 +275,7 @@ def test_torch_only_path_when_native_kernels_are_unavailable(pair, monkeypatch):
         torch.testing.assert_close(g, _hf_logits(hf, seq)[-1:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA")
+@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA/F16C")
 def test_native_decode_with_weights_in_block_form_and_as_buffers():
     """The fused decode path on weights that pack as Q4_1 / Q8_0 (as a GGUF model's do), one of
     them registered as a buffer instead of a parameter: same logits as transformers."""

@@ -5,7 +5,7 @@
 * ``"torch"``: :class:`~radixkv.attention.torch_backend.TorchAttentionBackend` (CPU or CUDA),
   the reference.
 * ``"cpu"``: :class:`~radixkv.attention.cpu_backend.CPUAttentionBackend`, the reference with a
-  native kernel for decode rows (float32 pool on an AVX2/FMA CPU).
+  native kernel for decode rows (float32 pool on an AVX2/FMA/F16C CPU).
 * ``"flashinfer"``: ``radixkv.attention.flashinfer_backend.FlashInferAttentionBackend``
   (CUDA only; the module is imported only here, so CPU installs never import flashinfer).
 * ``"auto"``: FlashInfer on a CUDA device when its backend imports and constructs; on the CPU,

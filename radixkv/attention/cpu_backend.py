@@ -9,7 +9,7 @@ padded SDPA groups, where SDPA's blocked kernel wins. Same semantics as the refe
 (FlashInfer's paged prefill, causal, bottom-right aligned); tests/test_attention_torch.py checks
 both against the same float64 reference.
 
-Needs the ``radixkv._ckernels`` extension on an AVX2/FMA CPU, a float32 pool on the CPU and a
+Needs the ``radixkv._ckernels`` extension on an AVX2/FMA/F16C CPU, a float32 pool on the CPU and a
 head_dim that is a multiple of 8; ``create_attention_backend("auto", "cpu", ...)`` picks it when
 all hold.
 """
@@ -27,7 +27,7 @@ from radixkv.kv_pool import KVPool
 def native_unsupported_reason(kv_pool: KVPool) -> str | None:
     """Why :class:`CPUAttentionBackend` cannot serve ``kv_pool`` (``None``: it can)."""
     if not cpu_kernels.AVAILABLE:
-        return "radixkv._ckernels is not built or the CPU lacks AVX2/FMA"
+        return "radixkv._ckernels is not built or the CPU lacks AVX2/FMA/F16C"
     if kv_pool.device.type != "cpu":
         return f"the KV pool is on {kv_pool.device}, not the CPU"
     if kv_pool.dtype != torch.float32:
