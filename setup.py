@@ -2,7 +2,9 @@
 
 * csrc/prefix_match.c -> radixkv.cache._cprefix: the radix tree's walks (docs/cache.md).
 * csrc/cpu_kernels.c -> radixkv._ckernels: float32 GEMM and paged attention for CPU decode
-  (AVX2/FMA, checked at run time; docs/model.md).
+  (AVX2/FMA, checked at run time; docs/model.md). Built with OpenMP when the compiler has it,
+  so its threads are torch's own libgomp workers; without OpenMP it falls back to its pthread
+  pool (same results).
 
 All metadata lives in pyproject.toml. Both extensions are ``optional``: if no C compiler is
 there, the build goes on without them and radixkv uses its pure-Python / torch paths (same
@@ -10,8 +12,29 @@ results, slower). ``pip install -e .`` builds them in place.
 """
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+OPENMP = ["-fopenmp"]
+
+
+class BuildExt(build_ext):
+    """build_ext that builds radixkv._ckernels with ``-fopenmp`` first and, when the compiler or
+    linker refuses it, again without (the kernels then use their own pthread pool)."""
+
+    def build_extension(self, ext):
+        if OPENMP[0] not in ext.extra_compile_args:
+            return super().build_extension(ext)
+        try:
+            return super().build_extension(ext)
+        except Exception as e:  # CompileError / LinkError: retry without OpenMP
+            print(f"building {ext.name} with OpenMP failed ({e}); building it with its pthread pool")
+            ext.extra_compile_args = [a for a in ext.extra_compile_args if a not in OPENMP]
+            ext.extra_link_args = [a for a in ext.extra_link_args if a not in OPENMP]
+            return super().build_extension(ext)
+
 
 setup(
+    cmdclass={"build_ext": BuildExt},
     ext_modules=[
         Extension(
             "radixkv.cache._cprefix",
@@ -22,9 +45,9 @@ setup(
         Extension(
             "radixkv._ckernels",
             sources=["csrc/cpu_kernels.c"],
-            extra_compile_args=["-O3", "-pthread"],
-            extra_link_args=["-pthread"],
+            extra_compile_args=["-O3", "-pthread", *OPENMP],
+            extra_link_args=["-pthread", *OPENMP],
             optional=True,
         ),
-    ]
+    ],
 )

@@ -45,9 +45,20 @@
  *
  * advise_hugepages(addr, nbytes) -> bool: madvise(MADV_HUGEPAGE) on the 2 MiB pages inside.
  *
- * Threads: a pthread pool (nthreads - 1 workers; the caller is thread 0), started on first use
- * and restarted after fork(); workers poll briefly for the next task, then sleep. The GIL is
- * released while a kernel runs; one task runs at a time.
+ * threading() -> str: "openmp" or "pthreads", what run_parallel uses in this process now.
+ *
+ * Threads (run_parallel; the GIL is released while a kernel runs, the caller is thread 0):
+ *   - Built with OpenMP (setup.py tries -fopenmp first): an OpenMP parallel region. torch is
+ *     imported first and its wheel ships GNU libgomp under the same soname, so the dynamic
+ *     loader hands this module torch's runtime: the kernels run on torch's own worker threads.
+ *     Two pools on two cores fight: after every parallel torch op (argmax over the logits,
+ *     sampling) libgomp's workers spin for milliseconds (GOMP_SPINCOUNT) on the core a second
+ *     pool's worker needs. Sharing one pool took a batch-16 decode step from 84-87 ms to
+ *     74-76 ms (docs/model.md).
+ *   - Without OpenMP, and in a child forked after the parent used OpenMP (GNU libgomp's threads
+ *     do not survive fork(), and its next parallel region would hang): a pthread pool of
+ *     nthreads - 1 workers, started on first use and restarted after fork(); workers poll
+ *     briefly for the next task, then sleep; one task runs at a time.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -68,6 +79,11 @@
 #endif
 
 #define MAX_THREADS 64
+
+#ifdef _OPENMP
+#include <omp.h>
+static int forked_child = 0; /* set in every forked child: OpenMP is not used there */
+#endif
 
 /* ------------------------------------------------------------------ thread pool */
 
@@ -139,6 +155,9 @@ static void
 pool_after_fork_child(void)
 {
     /* the workers did not survive fork(): start new ones on next use */
+#ifdef _OPENMP
+    forked_child = 1;
+#endif
     pthread_mutex_init(&pool.run_mu, NULL);
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.start_cv, NULL);
@@ -165,7 +184,7 @@ usable_cpus(void)
 }
 
 /* Runs fn(arg, tid, n) for tid in [0, n) on n threads (the caller is tid 0); n is capped at the
- * usable CPUs. */
+ * usable CPUs (OpenMP may give fewer threads: fn gets the count that runs). */
 static void
 run_parallel(task_fn fn, void *arg, int n)
 {
@@ -177,6 +196,13 @@ run_parallel(task_fn fn, void *arg, int n)
         fn(arg, 0, 1);
         return;
     }
+#ifdef _OPENMP
+    if (!forked_child) {
+#pragma omp parallel num_threads(n)
+        fn(arg, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
+#endif
     pthread_mutex_lock(&pool.run_mu);
     while (pool.started < n - 1) {
         __atomic_store_n(&pool.first_gen[pool.started + 1], pool.gen, __ATOMIC_RELEASE);
@@ -474,6 +500,16 @@ static PyObject *
 py_available(PyObject *self, PyObject *noargs)
 {
     return PyBool_FromLong(cpu_ok());
+}
+
+static PyObject *
+py_threading(PyObject *self, PyObject *noargs)
+{
+#ifdef _OPENMP
+    if (!forked_child)
+        return PyUnicode_FromString("openmp");
+#endif
+    return PyUnicode_FromString("pthreads");
 }
 
 /* ------------------------------------------------------------------ weight packing */
@@ -1196,6 +1232,7 @@ py_decode_layer(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"available", py_available, METH_NOARGS, "True when the CPU has AVX2, FMA and F16C."},
+    {"threading", py_threading, METH_NOARGS, "'openmp' or 'pthreads': what the kernels' threads are now."},
     {"sgemm_packed", py_sgemm_packed, METH_VARARGS, "C = X @ W^T (+ bias) with W packed in 16-column panels."},
     {"packed_bytes", py_packed_bytes, METH_VARARGS, "Bytes of a packed [N, K] weight in a format (0: K does not suit it)."},
     {"pack_weight", py_pack_weight, METH_VARARGS, "Pack W [N, K] in a format; False when it is not exact there."},

@@ -7,6 +7,7 @@ the fused decoder layer against transformers in tests/test_models_tiny.py / test
 from __future__ import annotations
 
 import multiprocessing as mp
+import sys
 import threading
 
 import pytest
@@ -206,18 +207,43 @@ def test_concurrent_callers_get_their_own_results():
 
 
 def _child(q):
-    x, w = torch.ones(4, 32), torch.ones(48, 32)
-    q.put(ck.packed_linear(x, ck.PackedWeight(w)).sum().item())
+    x, w = torch.ones(16, 64), torch.ones(512, 64)  # 32 panels: split over the threads
+    q.put((ck.packed_linear(x, ck.PackedWeight(w)).sum().item(), ck._ck.threading()))
 
 
 def test_pool_works_after_fork():
+    """A child forked after the parent ran parallel kernels computes the same, on the pthread pool
+    (GNU libgomp's threads do not survive fork(): an OpenMP region there would hang)."""
+    threading_before = ck._ck.threading()
     ck.packed_linear(torch.randn(16, 64), ck.PackedWeight(torch.randn(512, 64)))  # start the workers here
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q,))
     p.start()
     p.join(60)
-    assert p.exitcode == 0 and q.get(timeout=5) == 4 * 48 * 32
+    assert p.exitcode == 0
+    assert q.get(timeout=5) == (16 * 512 * 64, "pthreads")
+    assert ck._ck.threading() == threading_before  # the parent keeps its threads
+    x, w = torch.randn(16, 64), torch.randn(512, 64)
+    torch.testing.assert_close(ck.packed_linear(x, ck.PackedWeight(w)), x @ w.T, atol=1e-4, rtol=0)
+
+
+def _libgomp_paths() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split()[-1] for line in f if "libgomp" in line.split()[-1]}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_kernels_run_on_torchs_openmp_threads():
+    """Built with OpenMP, the kernels use the libgomp torch loaded (one runtime, one set of
+    worker threads), not a second copy whose spinning workers would fight torch's for the cores."""
+    if ck._ck.threading() != "openmp":
+        pytest.skip("built without OpenMP: the kernels use their pthread pool")
+    torch_gomp = {p for p in _libgomp_paths() if "/torch/" in p}
+    if not torch_gomp:
+        pytest.skip("this torch does not ship GNU libgomp")
+    ck.packed_linear(torch.randn(16, 64), ck.PackedWeight(torch.randn(512, 64)))
+    assert _libgomp_paths() == torch_gomp
 
 
 def test_pack_cache_follows_in_place_weight_changes():
