@@ -297,8 +297,7 @@ typedef struct {
     const float *bias;
     float *c;
     Py_ssize_t ldc;
-    Py_ssize_t chunk; /* panels taken at a time */
-    Py_ssize_t next;  /* next untaken panel (atomic): threads that start late take less */
+    Py_ssize_t next; /* next untaken panel (atomic): threads that start late take less */
 } gemm_args;
 
 #if RK_X86
@@ -394,8 +393,8 @@ dequant_block(int fmt, const uint8_t *g, Py_ssize_t kc, float *buf)
     }
 }
 
-/* Panels are taken in chunks (atomic counter). Within a panel, K is walked in blocks of KC rows
- * (KC * 64 bytes of float32, L1-resident) and every row block of X passes over a block before
+/* Panels are taken in shrinking chunks (an atomic counter). Within a panel, K is walked in blocks
+ * of KC rows (KC * 64 bytes of float32, L1-resident) and every row block of X passes over a block before
  * the next is read: the weight stream from memory then advances at a steady pace with all M
  * rows' work, and each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
  * weight stream. A quantized block is first decoded into a float32 block on the stack. */
@@ -410,10 +409,19 @@ gemm_task(void *p, int tid, int nthreads)
     const Py_ssize_t panel_bytes = fmt == PW_F32 ? K * NR * (Py_ssize_t)sizeof(float) : K / QB * group;
     float buf[KC * NR] __attribute__((aligned(64)));
     for (;;) {
-        Py_ssize_t p0 = __atomic_fetch_add(&a->next, a->chunk, __ATOMIC_RELAXED);
+        /* guided schedule: a chunk is 1 / (2 * nthreads) of what is left (at least one panel),
+         * so chunks shrink toward the end and a thread that runs late or slow (this VM's
+         * cores are shared) costs the others at most one small chunk of waiting */
+        Py_ssize_t p0 = __atomic_load_n(&a->next, __ATOMIC_RELAXED), c = 1;
+        do {
+            if (p0 >= panels)
+                break;
+            c = (panels - p0) / (2 * nthreads);
+            c = c < 1 ? 1 : c;
+        } while (!__atomic_compare_exchange_n(&a->next, &p0, p0 + c, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
         if (p0 >= panels)
             break;
-        Py_ssize_t p1 = p0 + a->chunk < panels ? p0 + a->chunk : panels;
+        Py_ssize_t p1 = p0 + c;
         for (Py_ssize_t pi = p0; pi < p1; pi++) {
             const uint8_t *panel = base + pi * panel_bytes;
             Py_ssize_t n0 = pi * NR;
@@ -465,8 +473,7 @@ gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const pw_header
     int n = nthreads < 1 ? 1 : nthreads;
     if (panels < 2 * n) /* too little work to share */
         n = 1;
-    Py_ssize_t chunk = panels / (2 * n); /* large chunks: prefetching runs within a chunk */
-    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, chunk < 1 ? 1 : chunk, 0};
+    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, 0};
     run_parallel(gemm_task, &a, n);
 }
 #endif
@@ -817,10 +824,13 @@ pv_block(const int hc, const int nc, const float *v_base, const Py_ssize_t *slot
             acc[i][c] = _mm256_setzero_ps();
     for (Py_ssize_t p = 0; p < n; p++) {
         const float *vp = v_base + slot[p] * row_len;
-        for (int i = 0; i < hc; i++) {
-            __m256 wv = _mm256_broadcast_ss(w + i * n + p);
-            for (int c = 0; c < nc; c++)
-                acc[i][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(vp + 8 * c), acc[i][c]);
+        __m256 wv[3]; /* 12 accumulators + 3 weights + 1 V chunk: all 16 registers, no spill */
+        for (int i = 0; i < hc; i++)
+            wv[i] = _mm256_broadcast_ss(w + i * n + p);
+        for (int c = 0; c < nc; c++) {
+            __m256 vv = _mm256_loadu_ps(vp + 8 * c);
+            for (int i = 0; i < hc; i++)
+                acc[i][c] = _mm256_fmadd_ps(wv[i], vv, acc[i][c]);
         }
     }
     for (int i = 0; i < hc; i++) {
