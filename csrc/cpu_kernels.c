@@ -298,6 +298,11 @@ typedef struct {
     float *c;
     Py_ssize_t ldc;
     Py_ssize_t next; /* next untaken panel (atomic): threads that start late take less */
+    /* optional row-wise step run inside the same parallel region once all of C is written:
+     * post(post_ctx, r0, r1) on rows [r0, r1), the M rows split evenly between the threads */
+    void (*post)(const void *post_ctx, Py_ssize_t r0, Py_ssize_t r1);
+    const void *post_ctx;
+    int arrived; /* threads done with their panels (atomic) */
 } gemm_args;
 
 #if RK_X86
@@ -460,20 +465,29 @@ gemm_task(void *p, int tid, int nthreads)
             }
         }
     }
+    if (a->post) { /* wait until every thread's panels are written, then this thread's rows */
+        __atomic_add_fetch(&a->arrived, 1, __ATOMIC_ACQ_REL);
+        while (__atomic_load_n(&a->arrived, __ATOMIC_ACQUIRE) < nthreads)
+            cpu_relax();
+        Py_ssize_t r0 = a->M * tid / nthreads, r1 = a->M * (tid + 1) / nthreads;
+        if (r1 > r0)
+            a->post(a->post_ctx, r0, r1);
+    }
 }
 #endif
 
 #if RK_X86
-/* C[M, N] = X @ W^T (+ bias) on nthreads threads (see the header). */
+/* C[M, N] = X @ W^T (+ bias) on nthreads threads (see the header), then post on C's rows (NULL:
+ * none; see gemm_args). */
 static void
 gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const pw_header *w, Py_ssize_t N, const float *bias,
-     float *c, Py_ssize_t ldc, int nthreads)
+     float *c, Py_ssize_t ldc, int nthreads, void (*post)(const void *, Py_ssize_t, Py_ssize_t), const void *post_ctx)
 {
     Py_ssize_t panels = (N + NR - 1) / NR;
     int n = nthreads < 1 ? 1 : nthreads;
     if (panels < 2 * n) /* too little work to share */
         n = 1;
-    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, 0};
+    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, 0, post, post_ctx, 0};
     run_parallel(gemm_task, &a, n);
 }
 #endif
@@ -743,7 +757,8 @@ py_sgemm_packed(PyObject *self, PyObject *args)
         return NULL;
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
-    gemm((const float *)x, M, K, ldx, (const pw_header *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads);
+    gemm((const float *)x, M, K, ldx, (const pw_header *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads,
+         NULL, NULL);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -1179,6 +1194,56 @@ py_advise_hugepages(PyObject *self, PyObject *args)
 /* ------------------------------------------------------------------ one decoder layer */
 
 
+#if RK_X86
+/* The row-wise steps decode_layer runs inside its GEMMs' parallel regions (gemm_args.post): each
+ * thread does its share of the rows as soon as the whole GEMM output is written, instead of the
+ * calling thread doing all of them between two regions while the others wait. */
+typedef struct { /* after the qkv GEMM: RoPE on q and k, then k and v into their slots */
+    float *qkv;
+    Py_ssize_t nqkv, qs, kvs, nh, d;
+    const float *cos, *sin;
+    const int64_t *slots;
+    float *k_cache, *v_cache;
+} qkv_post_ctx;
+
+static void
+qkv_post(const void *p, Py_ssize_t r0, Py_ssize_t r1)
+{
+    const qkv_post_ctx *c = (const qkv_post_ctx *)p;
+    float *rows = c->qkv + r0 * c->nqkv;
+    rope_inplace(rows, r1 - r0, c->nh, c->d, c->nqkv, c->cos + r0 * c->d, c->sin + r0 * c->d);
+    write_kv(rows + c->qs, c->nqkv, rows + c->qs + c->kvs, c->nqkv, c->slots + r0, r1 - r0, c->kvs, c->k_cache,
+             c->v_cache);
+}
+
+typedef struct { /* after the o GEMM: residual += delta; x = RMSNorm(residual) */
+    const float *delta, *w;
+    float *res, *x;
+    Py_ssize_t H;
+    float eps;
+} norm_post_ctx;
+
+static void
+norm_post(const void *p, Py_ssize_t r0, Py_ssize_t r1)
+{
+    const norm_post_ctx *c = (const norm_post_ctx *)p;
+    add_rms_norm(c->delta + r0 * c->H, c->res + r0 * c->H, c->x + r0 * c->H, r1 - r0, c->H, c->w, c->eps);
+}
+
+typedef struct { /* after the gate|up GEMM: act = silu(gate) * up */
+    const float *gu;
+    float *act;
+    Py_ssize_t inter;
+} silu_post_ctx;
+
+static void
+silu_post(const void *p, Py_ssize_t r0, Py_ssize_t r1)
+{
+    const silu_post_ctx *c = (const silu_post_ctx *)p;
+    silu_mul(c->gu + r0 * 2 * c->inter, c->act + r0 * c->inter, r1 - r0, c->inter);
+}
+#endif
+
 /* decode_layer: one Llama-family decoder layer over M rows, every step native (no Python between):
  *   residual += delta (skipped for the first layer: first = 1);   x = RMSNorm_in(residual)
  *   qkv = x @ Wqkv^T (+ b);  RoPE on its q and k heads;  k, v -> the layer's KV slots (out_slots)
@@ -1222,19 +1287,19 @@ py_decode_layer(PyObject *self, PyObject *args)
     float *act = (float *)act_buf, *res = (float *)residual, *dl = (float *)delta;
     int nt = (int)nthreads;
     Py_BEGIN_ALLOW_THREADS
+    const qkv_post_ctx qkv_ctx = {qkv, nqkv, qs, kvs, hq + hkv, d, (const float *)cos, (const float *)sin,
+                                  (const int64_t *)out_slots, (float *)k_cache, (float *)v_cache};
+    const norm_post_ctx norm_ctx = {dl, (const float *)post_w, res, x, H, (float)eps};
+    const silu_post_ctx silu_ctx = {gu, act, inter};
     add_rms_norm(first ? NULL : (const float *)dl, res, x, M, H, (const float *)in_w, (float)eps);
-    gemm(x, M, H, H, (const pw_header *)qkv_wp, nqkv, (const float *)qkv_b, qkv, nqkv, nt);
-    rope_inplace(qkv, M, hq + hkv, d, nqkv, (const float *)cos, (const float *)sin);
-    write_kv(qkv + qs, nqkv, qkv + qs + kvs, nqkv, (const int64_t *)out_slots, M, kvs, (float *)k_cache,
-             (float *)v_cache);
+    gemm(x, M, H, H, (const pw_header *)qkv_wp, nqkv, (const float *)qkv_b, qkv, nqkv, nt, qkv_post, &qkv_ctx);
     paged_attention(qkv, nqkv, (const int32_t *)meta, n_req, (const int32_t *)kv_indices, page_size,
                     (const float *)k_cache, (const float *)v_cache, (int)hq, (int)hkv, (int)d, (float)sm_scale, at,
                     nt);
-    gemm(at, M, qs, qs, (const pw_header *)o_wp, H, (const float *)o_b, dl, H, nt);
-    add_rms_norm(dl, res, x, M, H, (const float *)post_w, (float)eps);
-    gemm(x, M, H, H, (const pw_header *)gu_wp, 2 * inter, (const float *)gu_b, gu, 2 * inter, nt);
-    silu_mul(gu, act, M, inter);
-    gemm(act, M, inter, inter, (const pw_header *)down_wp, H, (const float *)down_b, dl, H, nt);
+    gemm(at, M, qs, qs, (const pw_header *)o_wp, H, (const float *)o_b, dl, H, nt, norm_post, &norm_ctx);
+    gemm(x, M, H, H, (const pw_header *)gu_wp, 2 * inter, (const float *)gu_b, gu, 2 * inter, nt, silu_post,
+         &silu_ctx);
+    gemm(act, M, inter, inter, (const pw_header *)down_wp, H, (const float *)down_b, dl, H, nt, NULL, NULL);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
