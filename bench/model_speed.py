@@ -5,7 +5,7 @@ batch size in ``--decode-batches`` (each request has a ``--context``-token promp
 ``--decode-steps`` greedy steps are timed; prefill is excluded). transformers runs its own KV
 cache (``DynamicCache``) with the same weights (the radixkv cache directory of the model), same
 dtype, same threads; decode is also timed through ``generate(do_sample=False)`` (what most users
-call). Each measure runs ``--repeats`` times, alternating radixkv and transformers, and keeps
+call; its decode steps are timed inside the call). Each measure runs ``--repeats`` times, alternating radixkv and transformers, and keeps
 each one's best time (shared machines are noisy). Prints the ratios radixkv / transformers.
 
     python bench/model_speed.py                       # default model, CPU, fp32
@@ -102,15 +102,27 @@ class _HF:
 
     @torch.inference_mode()
     def decode_generate(self, ids: torch.Tensor, steps: int) -> float:
-        """Decode seconds through ``generate(do_sample=False)``: time(1 + steps tokens) - time(1 token)."""
-        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+        """Decode seconds inside one ``generate(do_sample=False)`` call: a logits processor stamps
+        the time after every forward, and the span from the prefill's stamp to the last one covers
+        exactly ``steps`` decode steps (measured in the call, not as a difference of two calls,
+        whose prefill times alone differ by more than the decode time's noise)."""
+        from transformers import LogitsProcessor, LogitsProcessorList
 
-        def run(n: int) -> float:
-            t = time.perf_counter()
-            self.model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-            return time.perf_counter() - t
+        class Stamp(LogitsProcessor):
+            def __init__(self) -> None:
+                self.t: list[float] = []
 
-        return run(steps + 1) - run(1)
+            def __call__(self, input_ids, scores):
+                self.t.append(time.perf_counter())
+                return scores
+
+        stamp = Stamp()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
+                            max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                            logits_processor=LogitsProcessorList([stamp]))
+        if len(stamp.t) != steps + 1:
+            raise RuntimeError(f"generate() ran {len(stamp.t)} forwards, expected {steps + 1}")
+        return stamp.t[-1] - stamp.t[0]
 
 
 def main() -> None:
@@ -153,7 +165,7 @@ def main() -> None:
     print(f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"native GEMM weight formats {cpu_kernels.PACK_FORMATS if cpu_kernels.AVAILABLE else 'n/a'}")
     print("transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
-          "generate() = model.generate(do_sample=False)")
+          "generate() = model.generate(do_sample=False), its decode steps timed inside the call")
     print(f"{'measure':<34}{'radixkv':>12}{'transformers':>14}{'ratio':>8}{'generate()':>12}{'ratio':>8}")
 
     warm = _tokens(32, 1, vocab, 0)
