@@ -5,8 +5,9 @@ batch size in ``--decode-batches`` (each request has a ``--context``-token promp
 ``--decode-steps`` greedy steps are timed; prefill is excluded). transformers runs its own KV
 cache (``DynamicCache``) with the same weights (the radixkv cache directory of the model), same
 dtype, same threads; decode is also timed through ``generate(do_sample=False)`` (what most users
-call; its decode steps are timed inside the call). Each measure runs ``--repeats`` times, alternating radixkv and transformers, and keeps
-each one's best time (shared machines are noisy). Prints the ratios radixkv / transformers.
+call; its decode steps are timed inside the call). Each measure runs ``--repeats`` times,
+alternating radixkv and transformers, and keeps each one's best time (shared machines are noisy).
+Prints the ratios radixkv / transformers.
 
     python bench/model_speed.py                       # default model, CPU, fp32
     python bench/model_speed.py --decode-batches 1 16 --prefill-lens 512 2048
