@@ -58,7 +58,8 @@
  *   - Without OpenMP, and in a child forked after the parent used OpenMP (GNU libgomp's threads
  *     do not survive fork(), and its next parallel region would hang): a pthread pool of
  *     nthreads - 1 workers, started on first use and restarted after fork(); workers poll
- *     briefly for the next task, then sleep; one task runs at a time.
+ *     briefly for the next task, then sleep.
+ *   Either way one region runs at a time: other calling threads sleep on a mutex until it ends.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -198,8 +199,13 @@ run_parallel(task_fn fn, void *arg, int n)
     }
 #ifdef _OPENMP
     if (!forked_child) {
+        /* one region at a time, as on the pthread pool: OpenMP gives every calling thread its
+         * own team, and two teams' spinning threads on the same cores slowed two concurrent
+         * LLM instances 5x; a second caller sleeps on the mutex instead */
+        pthread_mutex_lock(&pool.run_mu);
 #pragma omp parallel num_threads(n)
         fn(arg, omp_get_thread_num(), omp_get_num_threads());
+        pthread_mutex_unlock(&pool.run_mu);
         return;
     }
 #endif
@@ -467,8 +473,12 @@ gemm_task(void *p, int tid, int nthreads)
     }
     if (a->post) { /* wait until every thread's panels are written, then this thread's rows */
         __atomic_add_fetch(&a->arrived, 1, __ATOMIC_ACQ_REL);
-        while (__atomic_load_n(&a->arrived, __ATOMIC_ACQUIRE) < nthreads)
-            cpu_relax();
+        for (long spins = 0; __atomic_load_n(&a->arrived, __ATOMIC_ACQUIRE) < nthreads; spins++) {
+            if (spins < 2000)
+                cpu_relax();
+            else
+                sched_yield(); /* the other thread is late (descheduled): give it the core */
+        }
         Py_ssize_t r0 = a->M * tid / nthreads, r1 = a->M * (tid + 1) / nthreads;
         if (r1 > r0)
             a->post(a->post_ctx, r0, r1);

@@ -17,7 +17,10 @@ The whole-layer call ``_ck.decode_layer`` is driven by :mod:`radixkv.models.nati
 
 Every argument is validated here (dtype, device, contiguity, shapes, index ranges are the
 caller's contract: see :func:`paged_attention`), because the C side works on raw addresses.
-Threads: ``torch.get_num_threads()`` at call time, run on the extension's own pthread pool.
+Threads: ``torch.get_num_threads()`` at call time, on torch's own OpenMP (libgomp) worker
+threads when the extension was built with OpenMP, else (and in a child forked after OpenMP ran)
+on the extension's pthread pool; ``_ck.threading()`` says which. One parallel region runs at a
+time: a second calling thread waits for the first's region to end.
 """
 
 from __future__ import annotations

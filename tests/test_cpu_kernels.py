@@ -186,8 +186,8 @@ def test_results_do_not_depend_on_thread_count():
 
 
 def test_concurrent_callers_get_their_own_results():
-    """Kernels release the GIL; calls from several Python threads run side by side (OpenMP gives
-    each calling thread its own team; the pthread pool runs one task at a time)."""
+    """Kernels release the GIL; calls from several Python threads take turns, one parallel region
+    at a time (OpenMP would give each calling thread its own team of spinning threads)."""
     ws = [torch.randn(200 + 16 * i, 64) for i in range(4)]
     xs = [torch.randn(8, 64) for _ in range(4)]
     pws = [ck.PackedWeight(w) for w in ws]
