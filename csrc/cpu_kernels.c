@@ -103,6 +103,17 @@ cpu_relax(void)
 #endif
 }
 
+/* One poll of a wait for another thread: pause for the first 2,000 polls, then yield the core
+ * (the thread waited for is late, probably descheduled: give it the core). */
+static inline void
+wait_backoff(long spins)
+{
+    if (spins < 2000)
+        cpu_relax();
+    else
+        sched_yield();
+}
+
 /* Every started worker takes part in every task (workers with tid >= nthreads only check in), so
  * each observes each generation exactly once: the caller waits for all of them before the next. */
 static struct {
@@ -233,12 +244,8 @@ run_parallel(task_fn fn, void *arg, int n)
         pthread_cond_broadcast(&pool.start_cv);
     pthread_mutex_unlock(&pool.mu);
     fn(arg, 0, n);
-    for (long spins = 0; __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0; spins++) {
-        if (spins < 2000)
-            cpu_relax();
-        else
-            sched_yield(); /* the worker is late (descheduled): give it the core */
-    }
+    for (long spins = 0; __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0; spins++)
+        wait_backoff(spins);
     pthread_mutex_unlock(&pool.run_mu);
 }
 
@@ -473,12 +480,8 @@ gemm_task(void *p, int tid, int nthreads)
     }
     if (a->post) { /* wait until every thread's panels are written, then this thread's rows */
         __atomic_add_fetch(&a->arrived, 1, __ATOMIC_ACQ_REL);
-        for (long spins = 0; __atomic_load_n(&a->arrived, __ATOMIC_ACQUIRE) < nthreads; spins++) {
-            if (spins < 2000)
-                cpu_relax();
-            else
-                sched_yield(); /* the other thread is late (descheduled): give it the core */
-        }
+        for (long spins = 0; __atomic_load_n(&a->arrived, __ATOMIC_ACQUIRE) < nthreads; spins++)
+            wait_backoff(spins);
         Py_ssize_t r0 = a->M * tid / nthreads, r1 = a->M * (tid + 1) / nthreads;
         if (r1 > r0)
             a->post(a->post_ctx, r0, r1);
