@@ -58,12 +58,14 @@ POLICIES = {
 def e2e_specs(scale: int, seed: int) -> dict[str, dict]:
     """Workload sizes for the end-to-end run (``scale`` multiplies the request counts)."""
     return {
-        "multi_turn": dict(n_conversations=4 * scale, concurrency=4 * scale, max_turns=3, max_context=1024,
-                           reply_cap=64, seed=seed),
+        "multi_turn": dict(
+            n_conversations=4 * scale, concurrency=4 * scale, max_turns=3, max_context=1024, reply_cap=64, seed=seed
+        ),
         "few_shot": dict(n=8 * scale, k=5, shot_q=48, shot_a=32, question_len=48, reply_len=16, seed=seed),
         "gsp": dict(groups=2, prompts_per_group=4 * scale, system_len=256, question_len=48, reply_len=16, seed=seed),
-        "fork": dict(roots=2 * scale, branches=4, prompt_len=192, branch_len=16, followup_len=32,
-                     reply_len=16, seed=seed),
+        "fork": dict(
+            roots=2 * scale, branches=4, prompt_len=192, branch_len=16, followup_len=32, reply_len=16, seed=seed
+        ),
         "unique": dict(n=8 * scale, prompt_len=128, reply_len=16, seed=seed),
     }
 
@@ -94,8 +96,12 @@ def run_workload(llm, wl: Workload, max_tokens: int, concurrency: int, arrivals_
                 continue
             prompt = wl.full_prompt(i, outputs if generated_hist else None)
             is_branch = generated_hist and r.parent is None
-            sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0 if is_branch else 0.0,
-                                seed=r.seed if is_branch else None)
+            sp = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                temperature=1.0 if is_branch else 0.0,
+                seed=r.seed if is_branch else None,
+            )
             rid = engine.add_request(prompt, sp, request_id=f"{wl.name}-{i}", namespace=r.namespace)
             in_flight[rid] = i
             submitted.append(i)
@@ -116,13 +122,21 @@ def run_workload(llm, wl: Workload, max_tokens: int, concurrency: int, arrivals_
     after = engine.cache_stats()
     engine.check_integrity()
     t = np.array(ttft, dtype=np.float64)
-    return dict(requests=len(wl.requests), prompt_tokens=prompt_tokens, cached_tokens=cached,
-                hit_rate=cached / max(prompt_tokens, 1),
-                prefill_tokens=after["prefill_tokens"] - before["prefill_tokens"],
-                generated_tokens=gen_tokens, ttft_p50_s=float(np.percentile(t, 50)),
-                ttft_p90_s=float(np.percentile(t, 90)), ttft_mean_s=float(t.mean()),
-                output_tokens_per_s=gen_tokens / wall, wall_s=wall, steps=nxt,
-                evicted_tokens=after["evicted_tokens"] - before["evicted_tokens"])
+    return dict(
+        requests=len(wl.requests),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        hit_rate=cached / max(prompt_tokens, 1),
+        prefill_tokens=after["prefill_tokens"] - before["prefill_tokens"],
+        generated_tokens=gen_tokens,
+        ttft_p50_s=float(np.percentile(t, 50)),
+        ttft_p90_s=float(np.percentile(t, 90)),
+        ttft_mean_s=float(t.mean()),
+        output_tokens_per_s=gen_tokens / wall,
+        wall_s=wall,
+        steps=nxt,
+        evicted_tokens=after["evicted_tokens"] - before["evicted_tokens"],
+    )
 
 
 def main(argv=None) -> int:
@@ -134,9 +148,13 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=int, default=1, help="multiplies the request counts")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=16, help="requests in flight (closed loop)")
-    ap.add_argument("--arrivals-per-step", type=int, default=1,
-                    help="new requests submitted per engine step (staggered arrivals, so that a "
-                         "shared prefix is cached after its first prefill)")
+    ap.add_argument(
+        "--arrivals-per-step",
+        type=int,
+        default=1,
+        help="new requests submitted per engine step (staggered arrivals, so that a "
+        "shared prefix is cached after its first prefill)",
+    )
     ap.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool capacity (tokens)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -157,34 +175,52 @@ def main(argv=None) -> int:
     engines, load_s = {}, {}
     for policy in args.policies:
         t = time.time()
-        engines[policy] = LLM(args.model, device=args.device, max_total_tokens=args.max_total_tokens,
-                              seed=args.seed, **POLICIES[policy])
+        engines[policy] = LLM(
+            args.model, device=args.device, max_total_tokens=args.max_total_tokens, seed=args.seed, **POLICIES[policy]
+        )
         load_s[policy] = round(time.time() - t, 1)
     for name, wl in workloads.items():
         for policy, llm in engines.items():
             res = run_workload(llm, wl, args.max_tokens, args.concurrency, args.arrivals_per_step)
             res["engine_load_s"] = load_s[policy]
             cells[name][policy] = res
-            print(f"[{time.time() - t_start:6.0f}s] {name:10s} {policy:9s} hit {res['hit_rate']:.3f} "
-                  f"prefill {res['prefill_tokens']:6d} TTFT p50 {res['ttft_p50_s'] * 1e3:7.1f} ms "
-                  f"p90 {res['ttft_p90_s'] * 1e3:7.1f} ms  {res['output_tokens_per_s']:6.1f} tok/s  "
-                  f"wall {res['wall_s']:6.1f}s", flush=True)
+            print(
+                f"[{time.time() - t_start:6.0f}s] {name:10s} {policy:9s} hit {res['hit_rate']:.3f} "
+                f"prefill {res['prefill_tokens']:6d} TTFT p50 {res['ttft_p50_s'] * 1e3:7.1f} ms "
+                f"p90 {res['ttft_p90_s'] * 1e3:7.1f} ms  {res['output_tokens_per_s']:6.1f} tok/s  "
+                f"wall {res['wall_s']:6.1f}s",
+                flush=True,
+            )
     del engines
     gc.collect()
     # speedups against "none", measured in this run
-    for name, row in cells.items():
+    for row in cells.values():
         base = row.get("none")
         if base:
-            for p, r in row.items():
+            for r in row.values():
                 r["ttft_p50_vs_none"] = base["ttft_p50_s"] / r["ttft_p50_s"]
                 r["wall_vs_none"] = base["wall_s"] / r["wall_s"]
-    out = dict(kind="e2e_workloads", created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               argv=sys.argv[1:] if argv is None else argv, seconds=round(time.time() - t_start, 1),
-               arrivals_per_step=args.arrivals_per_step,
-               machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version(),
-                            torch=torch.__version__, device=args.device, threads=torch.get_num_threads()),
-               model=args.model, max_tokens=args.max_tokens, concurrency=args.concurrency,
-               max_total_tokens=args.max_total_tokens, params=specs, workloads=cells)
+    out = dict(
+        kind="e2e_workloads",
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        argv=sys.argv[1:] if argv is None else argv,
+        seconds=round(time.time() - t_start, 1),
+        arrivals_per_step=args.arrivals_per_step,
+        machine=dict(
+            platform=platform.platform(),
+            cpus=os.cpu_count(),
+            python=platform.python_version(),
+            torch=torch.__version__,
+            device=args.device,
+            threads=torch.get_num_threads(),
+        ),
+        model=args.model,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        max_total_tokens=args.max_total_tokens,
+        params=specs,
+        workloads=cells,
+    )
     path = args.out or ROOT / "bench" / "results" / f"e2e_workloads_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))

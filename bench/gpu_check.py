@@ -50,15 +50,43 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 H200_HBM_TBPS = 4.8
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0,
-               max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)
-LLAMA_1B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=7168, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-            max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-5)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+LLAMA_1B = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=7168,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    max_position_embeddings=1024,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
 
 
 def install_carry(carry: Path) -> dict:
@@ -68,13 +96,32 @@ def install_carry(carry: Path) -> dict:
     if not wheels:
         raise FileNotFoundError(f"no wheels under {carry}/wheels (run bench/prepare_gpu_carry.py)")
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--no-cache-dir", "--upgrade", "--target", str(site), *wheels], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            str(site),
+            *wheels,
+        ],
+        check=True,
+    )
     sys.path.insert(0, str(site))
     os.environ.setdefault("FLASHINFER_WORKSPACE_BASE", "/tmp/radixkv_fi_ws")
     man = carry / "manifest.json"
-    return {"install_s": round(time.time() - t0, 1), "wheels": [Path(w).name for w in wheels],
-            "manifest": json.loads(man.read_text()) if man.exists() else None}
+    return {
+        "install_s": round(time.time() - t0, 1),
+        "wheels": [Path(w).name for w in wheels],
+        "manifest": json.loads(man.read_text()) if man.exists() else None,
+    }
 
 
 class Check:
@@ -120,7 +167,7 @@ def paged_rows(torch, r2t, seq_lens, page_size, num_pages, gen):
         n = math.ceil(s / page_size)
         if k + n > num_pages:
             raise ValueError(f"pool too small: need more than {num_pages} pages")
-        slots = (perm[k:k + n, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:s]
+        slots = (perm[k : k + n, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:s]
         k += n
         row = r2t.alloc()
         r2t.write(row, 0, slots)
@@ -133,12 +180,12 @@ def reference_attention(torch, pool, r2t, rows, prefix, extend, q, sm_scale):
     hq, hkv = q.shape[1], pool.num_kv_heads
     out, r = torch.empty(q.shape, dtype=torch.float32, device=q.device), 0
     for row, p, e in zip(rows, prefix, extend):
-        slots = r2t.req_to_token[row, :p + e].long()
+        slots = r2t.req_to_token[row, : p + e].long()
         kk = pool.k_slots(0)[slots].float().repeat_interleave(hq // hkv, 1)
         vv = pool.v_slots(0)[slots].float().repeat_interleave(hq // hkv, 1)
-        s = torch.einsum("qhd,lhd->hql", q[r:r + e].float(), kk) * sm_scale
+        s = torch.einsum("qhd,lhd->hql", q[r : r + e].float(), kk) * sm_scale
         mask = torch.arange(p + e, device=q.device)[None, :] > (torch.arange(e, device=q.device)[:, None] + p)
-        out[r:r + e] = torch.einsum("hql,lhd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), vv)
+        out[r : r + e] = torch.einsum("hql,lhd->qhd", s.masked_fill(mask, float("-inf")).softmax(-1), vv)
         r += e
     return out
 
@@ -157,7 +204,9 @@ def check_attention(c: Check) -> dict:
                 g = torch.Generator().manual_seed(hash((hq, ps, kind)) % 2**31)
                 bs = 8
                 pmax, emax = int(3000 * scale), int(700 * scale)
-                prefix = [0] * bs if kind == "prefill" else [0] + torch.randint(1, pmax, (bs - 1,), generator=g).tolist()
+                prefix = (
+                    [0] * bs if kind == "prefill" else [0] + torch.randint(1, pmax, (bs - 1,), generator=g).tolist()
+                )
                 if kind == "decode":
                     extend = [1] * bs
                 else:
@@ -169,8 +218,15 @@ def check_attention(c: Check) -> dict:
                 pool = KVPool(1, hkv, d, num_pages * ps, ps, c.dtype, c.device)
                 r2t = ReqToTokenPool(bs, max(seq), c.device)
                 rows = paged_rows(torch, r2t, seq, ps, num_pages, g)
-                batch = ForwardBatch.build(torch.zeros(sum(extend), dtype=torch.long), rows, prefix, extend,
-                                           r2t.req_to_token, ps, device=c.device)
+                batch = ForwardBatch.build(
+                    torch.zeros(sum(extend), dtype=torch.long),
+                    rows,
+                    prefix,
+                    extend,
+                    r2t.req_to_token,
+                    ps,
+                    device=c.device,
+                )
                 dg = torch.Generator(device=c.device).manual_seed(7)
                 for buf in (pool.k_buffer[0], pool.v_buffer[0]):
                     buf.copy_(torch.randn(buf.shape, generator=dg, device=c.device, dtype=torch.float32).to(c.dtype))
@@ -191,10 +247,23 @@ def check_attention(c: Check) -> dict:
                 diffs[f"{c.fast}_vs_torch"] = float((outs[c.fast] - outs["torch"]).abs().max())
                 passed = all(v_ < c.atol for k_, v_ in diffs.items() if k_.endswith("_vs_f32"))
                 ok &= passed
-                rows_out.append({"heads": f"{hq}/{hkv}x{d}", "page_size": ps, "kind": kind, "batch": bs,
-                                 "prefix_lens": prefix, "extend_lens": extend, **diffs, "passed": passed})
-                c.log(f"attention {hq}/{hkv}x{d} ps={ps} {kind:7s} " +
-                      " ".join(f"{k_}={v_:.2e}" for k_, v_ in diffs.items()) + f" {'ok' if passed else 'FAIL'}")
+                rows_out.append(
+                    {
+                        "heads": f"{hq}/{hkv}x{d}",
+                        "page_size": ps,
+                        "kind": kind,
+                        "batch": bs,
+                        "prefix_lens": prefix,
+                        "extend_lens": extend,
+                        **diffs,
+                        "passed": passed,
+                    }
+                )
+                c.log(
+                    f"attention {hq}/{hkv}x{d} ps={ps} {kind:7s} "
+                    + " ".join(f"{k_}={v_:.2e}" for k_, v_ in diffs.items())
+                    + f" {'ok' if passed else 'FAIL'}"
+                )
     return {"passed": ok, "atol": c.atol, "cases": rows_out}
 
 
@@ -239,7 +308,7 @@ class Driver:
             logits = None
             for ci in range(chunks):  # prefill in `chunks` pieces: piece 2+ is an extend
                 ext = [math.ceil(len(p) * (ci + 1) / chunks) - d for p, d in zip(prompts, done)]
-                ids = [t for p, d, e in zip(prompts, done, ext) for t in p[d:d + e]]
+                ids = [t for p, d, e in zip(prompts, done, ext) for t in p[d : d + e]]
                 logits = r.forward(r.build_batch(ids, rows, done, ext))
                 done = [d + e for d, e in zip(done, ext)]
             toks = [logits.argmax(-1)]
@@ -265,17 +334,28 @@ class Driver:
 def make_runner(c, model, cfg, backend, num_slots, page_size=1, max_rows=256):
     from radixkv.model_runner import ModelRunner
 
-    return ModelRunner(model, cfg, num_slots=num_slots, page_size=page_size, max_running_requests=max_rows,
-                       max_context_len=min(num_slots, int(cfg.max_position_embeddings)),
-                       attention_backend=backend)
+    return ModelRunner(
+        model,
+        cfg,
+        num_slots=num_slots,
+        page_size=page_size,
+        max_running_requests=max_rows,
+        max_context_len=min(num_slots, int(cfg.max_position_embeddings)),
+        attention_backend=backend,
+    )
 
 
 def compare_greedy(c: Check, name: str, cfg_kwargs: dict, prompts, max_new: int, page_size: int) -> dict:
     torch = c.torch
     cfg, hf, ours = build_pair(c, cfg_kwargs, seed=1234)
     slots = (sum(len(p) + max_new for p in prompts) // page_size + 2 * len(prompts) + 8) * page_size
-    res = {"model": name, "page_size": page_size, "max_new_tokens": max_new,
-           "prompt_lens": [len(p) for p in prompts], "params_m": round(sum(p.numel() for p in ours.parameters()) / 1e6, 1)}
+    res = {
+        "model": name,
+        "page_size": page_size,
+        "max_new_tokens": max_new,
+        "prompt_lens": [len(p) for p in prompts],
+        "params_m": round(sum(p.numel() for p in ours.parameters()) / 1e6, 1),
+    }
     runs = {}
     for be in (c.fast, "torch"):
         runner = make_runner(c, ours, cfg, be, slots, page_size)
@@ -298,8 +378,16 @@ def compare_greedy(c: Check, name: str, cfg_kwargs: dict, prompts, max_new: int,
             gap = float(top.values[0] - top.values[1])
             diff = float((lt - lf).abs().max())
             near_tie = gap <= 2 * diff and diff <= 0.25 * spread
-            entry.update({"first_divergence": div, "torch_top2": top.indices.tolist(), "torch_top2_gap": gap,
-                          "fast_token": tf[b][div], "max_logit_diff_at_step": diff, "near_tie": near_tie})
+            entry.update(
+                {
+                    "first_divergence": div,
+                    "torch_top2": top.indices.tolist(),
+                    "torch_top2_gap": gap,
+                    "fast_token": tf[b][div],
+                    "max_logit_diff_at_step": diff,
+                    "near_tie": near_tie,
+                }
+            )
             ok &= near_tie
         per.append(entry)
     same = [s for s in range(max_new) if all(tf[b][s] == tt[b][s] for b in range(len(prompts)))]
@@ -314,12 +402,19 @@ def compare_greedy(c: Check, name: str, cfg_kwargs: dict, prompts, max_new: int,
         hf_out = []
         for p in prompts:
             ids = torch.tensor([p], device=c.device)
-            o = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, min_new_tokens=max_new,
-                            do_sample=False, pad_token_id=0)
-            hf_out.append(o[0, len(p):].tolist())
+            o = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            hf_out.append(o[0, len(p) :].tolist())
         res["transformers_equal_prompts"] = sum(a == b for a, b in zip(hf_out, tt))
-        res["transformers_matching_prefix_tokens"] = [next((s for s in range(max_new) if a[s] != b[s]), max_new)
-                                                      for a, b in zip(hf_out, tt)]
+        res["transformers_matching_prefix_tokens"] = [
+            next((s for s in range(max_new) if a[s] != b[s]), max_new) for a, b in zip(hf_out, tt)
+        ]
     except Exception as exc:  # noqa: BLE001 - reported
         res["transformers_error"] = f"{type(exc).__name__}: {exc}"
     # the engine (radixkv.LLM) over a prepared runner, when it accepts one
@@ -327,10 +422,19 @@ def compare_greedy(c: Check, name: str, cfg_kwargs: dict, prompts, max_new: int,
         from radixkv import LLM, SamplingParams
 
         runner = make_runner(c, ours, cfg, c.fast, slots * 2, page_size)
-        llm = LLM(model_runner=runner, tokenizer=None, eos_token_ids=[], max_total_tokens=runner.kv_pool.num_slots,
-                  page_size=page_size, attention_backend=c.fast)
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=max_new, temperature=0,
-                            ignore_eos=True), use_tqdm=False)
+        llm = LLM(
+            model_runner=runner,
+            tokenizer=None,
+            eos_token_ids=[],
+            max_total_tokens=runner.kv_pool.num_slots,
+            page_size=page_size,
+            attention_backend=c.fast,
+        )
+        outs = llm.generate(
+            prompt_token_ids=prompts,
+            sampling_params=SamplingParams(max_tokens=max_new, temperature=0, ignore_eos=True),
+            use_tqdm=False,
+        )
         eng = [list(o.outputs[0].token_ids) for o in outs]
         res["engine_equal_prompts"] = sum(a == b for a, b in zip(eng, tf))
         del llm, runner
@@ -339,9 +443,11 @@ def compare_greedy(c: Check, name: str, cfg_kwargs: dict, prompts, max_new: int,
     del hf, ours
     if c.device.type == "cuda":
         torch.cuda.empty_cache()
-    c.log(f"greedy {name} ps={page_size}: all_equal={res['all_equal']} passed={ok} "
-          f"step0 logit diff={res['max_logit_diff_step0']:.3e} hf_equal={res.get('transformers_equal_prompts')} "
-          f"engine_equal={res.get('engine_equal_prompts', res.get('engine_error'))}")
+    c.log(
+        f"greedy {name} ps={page_size}: all_equal={res['all_equal']} passed={ok} "
+        f"step0 logit diff={res['max_logit_diff_step0']:.3e} hf_equal={res.get('transformers_equal_prompts')} "
+        f"engine_equal={res.get('engine_equal_prompts', res.get('engine_error'))}"
+    )
     return res
 
 
@@ -352,7 +458,11 @@ def check_greedy(c: Check) -> dict:
     if c.cpu:
         specs = [("tiny", TINY, 1), ("tiny", TINY, 16)]
     else:
-        specs = [("smollm2-135m-shape", SMOLLM2, 1), ("smollm2-135m-shape", SMOLLM2, 16), ("llama-1b-shape", LLAMA_1B, 1)]
+        specs = [
+            ("smollm2-135m-shape", SMOLLM2, 1),
+            ("smollm2-135m-shape", SMOLLM2, 16),
+            ("llama-1b-shape", LLAMA_1B, 1),
+        ]
     lens = [17, 64, 200, 333, 512] if not c.cpu else [5, 9, 17, 30, 41]
     for name, cfg, ps in specs:
         prompts = [torch.randint(3, cfg["vocab_size"], (n,), generator=g).tolist() for n in lens]
@@ -367,8 +477,12 @@ def check_speed(c: Check) -> dict:
     torch = c.torch
     cfg_kw = TINY if c.cpu else LLAMA_1B
     cfg, hf, ours = build_pair(c, cfg_kw, seed=5)
-    res = {"model": "llama-1b-shape" if not c.cpu else "tiny", "params_m": round(sum(p.numel() for p in ours.parameters()) / 1e6, 1),
-           "decode": [], "prefill": []}
+    res = {
+        "model": "llama-1b-shape" if not c.cpu else "tiny",
+        "params_m": round(sum(p.numel() for p in ours.parameters()) / 1e6, 1),
+        "decode": [],
+        "prefill": [],
+    }
     g = torch.Generator().manual_seed(3)
     plen, new = (128, 64) if not c.cpu else (16, 8)
     batches = (1, 32, 128) if not c.cpu else (1, 4)
@@ -378,8 +492,14 @@ def check_speed(c: Check) -> dict:
     def hf_gen(ids, n):
         c.sync()
         t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                    pad_token_id=0)
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
         c.sync()
         return time.perf_counter() - t0
 
@@ -390,12 +510,19 @@ def check_speed(c: Check) -> dict:
         ids = torch.tensor(prompts, device=c.device)
         hf_gen(ids, 2)  # warm-up
         t_hf = hf_gen(ids, new + 1) - hf_gen(ids, 1)
-        row = {"batch": bs, "prompt_len": plen, "decode_steps": new, "radixkv_tok_s": bs * new / dt,
-               "transformers_tok_s": bs * new / t_hf}
+        row = {
+            "batch": bs,
+            "prompt_len": plen,
+            "decode_steps": new,
+            "radixkv_tok_s": bs * new / dt,
+            "transformers_tok_s": bs * new / t_hf,
+        }
         row["speedup"] = row["radixkv_tok_s"] / row["transformers_tok_s"]
         res["decode"].append(row)
-        c.log(f"decode bs={bs}: radixkv {row['radixkv_tok_s']:.0f} tok/s, transformers "
-              f"{row['transformers_tok_s']:.0f} tok/s (x{row['speedup']:.2f})")
+        c.log(
+            f"decode bs={bs}: radixkv {row['radixkv_tok_s']:.0f} tok/s, transformers "
+            f"{row['transformers_tok_s']:.0f} tok/s (x{row['speedup']:.2f})"
+        )
     n_p, L = (4, 2048) if not c.cpu else (2, 64)
     prompts = [torch.randint(3, cfg.vocab_size, (L,), generator=g).tolist() for _ in range(n_p)]
     drv.generate(prompts, 1, chunks=1)  # warm-up
@@ -411,9 +538,11 @@ def check_speed(c: Check) -> dict:
     row = {"prompts": n_p, "prompt_len": L, "radixkv_tok_s": n_p * L / t_ours, "transformers_tok_s": n_p * L / t_hf}
     row["speedup"] = row["radixkv_tok_s"] / row["transformers_tok_s"]
     res["prefill"].append(row)
-    c.log(f"prefill {n_p}x{L}: radixkv {row['radixkv_tok_s']:.0f} tok/s, transformers {row['transformers_tok_s']:.0f} "
-          f"tok/s (x{row['speedup']:.2f})")
-    del runner, drv, hf, ours
+    c.log(
+        f"prefill {n_p}x{L}: radixkv {row['radixkv_tok_s']:.0f} tok/s, transformers {row['transformers_tok_s']:.0f} "
+        f"tok/s (x{row['speedup']:.2f})"
+    )
+    del runner, drv, ours
     if c.device.type == "cuda":
         torch.cuda.empty_cache()
     res["passed"] = True  # figures, not gates
@@ -434,8 +563,9 @@ def check_bandwidth(c: Check) -> dict:
             r2t = ReqToTokenPool(bs, ctx, c.device)
             g = torch.Generator().manual_seed(1)
             rows = paged_rows(torch, r2t, [ctx] * bs, ps, pool.num_pages, g)
-            batch = ForwardBatch.build(torch.zeros(bs, dtype=torch.long), rows, [ctx - 1] * bs, [1] * bs,
-                                       r2t.req_to_token, ps, device=c.device)
+            batch = ForwardBatch.build(
+                torch.zeros(bs, dtype=torch.long), rows, [ctx - 1] * bs, [1] * bs, r2t.req_to_token, ps, device=c.device
+            )
             q = torch.randn(bs, hq, d, device=c.device).to(c.dtype)
             kv = torch.randn(bs, hkv, d, device=c.device).to(c.dtype)
             kv_bytes = 2 * bs * ctx * hkv * d * pool.k_buffer[0].element_size()
@@ -452,12 +582,22 @@ def check_bandwidth(c: Check) -> dict:
                     be.forward(0, q, kv, kv)
                 c.sync()
                 dt = (time.perf_counter() - t0) / iters
-                row = {"backend": name, "heads": f"{hq}/{hkv}x{d}", "page_size": ps, "batch": bs, "context": ctx,
-                       "kv_gb": kv_bytes / 1e9, "us_per_call": dt * 1e6, "tbps": kv_bytes / dt / 1e12}
+                row = {
+                    "backend": name,
+                    "heads": f"{hq}/{hkv}x{d}",
+                    "page_size": ps,
+                    "batch": bs,
+                    "context": ctx,
+                    "kv_gb": kv_bytes / 1e9,
+                    "us_per_call": dt * 1e6,
+                    "tbps": kv_bytes / dt / 1e12,
+                }
                 row["fraction_of_peak"] = row["tbps"] / H200_HBM_TBPS
                 out["cases"].append(row)
-                c.log(f"bandwidth {name} {hq}/{hkv}x{d} ps={ps} bs={bs} ctx={ctx}: {dt * 1e6:.0f} us, "
-                      f"{row['tbps']:.2f} TB/s ({100 * row['fraction_of_peak']:.0f}% of {H200_HBM_TBPS})")
+                c.log(
+                    f"bandwidth {name} {hq}/{hkv}x{d} ps={ps} bs={bs} ctx={ctx}: {dt * 1e6:.0f} us, "
+                    f"{row['tbps']:.2f} TB/s ({100 * row['fraction_of_peak']:.0f}% of {H200_HBM_TBPS})"
+                )
                 del be
             del pool, r2t
             if c.device.type == "cuda":
@@ -469,33 +609,50 @@ def check_bandwidth(c: Check) -> dict:
 # ----------------------------------------------------------------------------- report
 def write_table(c: Check) -> None:
     r, s = c.res, c.res["sections"]
-    lines = [f"# radixkv GPU check ({r['mode']}): passed={r['passed']}", "",
-             f"device: {r.get('device')}; versions: {json.dumps(r.get('versions'))}", ""]
+    lines = [
+        f"# radixkv GPU check ({r['mode']}): passed={r['passed']}",
+        "",
+        f"device: {r.get('device')}; versions: {json.dumps(r.get('versions'))}",
+        "",
+    ]
     if "attention" in s and "cases" in s["attention"]:
-        lines += ["| heads | page | kind | fast vs f32 | torch vs f32 | fast vs torch | ok |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "| heads | page | kind | fast vs f32 | torch vs f32 | fast vs torch | ok |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for x in s["attention"]["cases"]:
-            lines.append(f"| {x['heads']} | {x['page_size']} | {x['kind']} | {x[c.fast + '_vs_f32']:.1e} | "
-                         f"{x['torch_vs_f32']:.1e} | {x[c.fast + '_vs_torch']:.1e} | {x['passed']} |")
+            lines.append(
+                f"| {x['heads']} | {x['page_size']} | {x['kind']} | {x[c.fast + '_vs_f32']:.1e} | "
+                f"{x['torch_vs_f32']:.1e} | {x[c.fast + '_vs_torch']:.1e} | {x['passed']} |"
+            )
         lines.append("")
     if "greedy" in s and "runs" in s["greedy"]:
         lines += ["| model | page | all 5 equal | passed | hf equal | engine equal |", "|---|---|---|---|---|---|"]
         for x in s["greedy"]["runs"]:
-            lines.append(f"| {x['model']} | {x['page_size']} | {x['all_equal']} | {x['passed']} | "
-                         f"{x.get('transformers_equal_prompts')} | {x.get('engine_equal_prompts', 'n/a')} |")
+            lines.append(
+                f"| {x['model']} | {x['page_size']} | {x['all_equal']} | {x['passed']} | "
+                f"{x.get('transformers_equal_prompts')} | {x.get('engine_equal_prompts', 'n/a')} |"
+            )
         lines.append("")
     if "speed" in s and "decode" in s["speed"]:
         lines += ["| phase | batch | radixkv tok/s | transformers tok/s | x |", "|---|---|---|---|---|"]
         for x in s["speed"]["decode"]:
-            lines.append(f"| decode | {x['batch']} | {x['radixkv_tok_s']:.0f} | {x['transformers_tok_s']:.0f} | {x['speedup']:.2f} |")
+            lines.append(
+                f"| decode | {x['batch']} | {x['radixkv_tok_s']:.0f} | {x['transformers_tok_s']:.0f} | {x['speedup']:.2f} |"
+            )
         for x in s["speed"]["prefill"]:
-            lines.append(f"| prefill {x['prompt_len']} | {x['prompts']} | {x['radixkv_tok_s']:.0f} | "
-                         f"{x['transformers_tok_s']:.0f} | {x['speedup']:.2f} |")
+            lines.append(
+                f"| prefill {x['prompt_len']} | {x['prompts']} | {x['radixkv_tok_s']:.0f} | "
+                f"{x['transformers_tok_s']:.0f} | {x['speedup']:.2f} |"
+            )
         lines.append("")
     if "bandwidth" in s and "cases" in s["bandwidth"]:
         lines += ["| backend | heads | page | batch x ctx | us | TB/s | % of 4.8 |", "|---|---|---|---|---|---|---|"]
         for x in s["bandwidth"]["cases"]:
-            lines.append(f"| {x['backend']} | {x['heads']} | {x['page_size']} | {x['batch']}x{x['context']} | "
-                         f"{x['us_per_call']:.0f} | {x['tbps']:.2f} | {100 * x['fraction_of_peak']:.0f} |")
+            lines.append(
+                f"| {x['backend']} | {x['heads']} | {x['page_size']} | {x['batch']}x{x['context']} | "
+                f"{x['us_per_call']:.0f} | {x['tbps']:.2f} | {100 * x['fraction_of_peak']:.0f} |"
+            )
     (c.out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
@@ -512,8 +669,12 @@ def main() -> int:
     torch = c.torch
     import transformers
 
-    c.res["versions"] = {"python": platform.python_version(), "torch": torch.__version__,
-                         "cuda": torch.version.cuda, "transformers": transformers.__version__}
+    c.res["versions"] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+    }
     c.res["carry"] = carry_info
     if not c.cpu:
         if not torch.cuda.is_available():
@@ -543,7 +704,8 @@ def main() -> int:
         ws = Path(os.environ.get("FLASHINFER_WORKSPACE_BASE", str(Path.home())))
         c.res["jit_built_here"] = sorted(p.name for p in ws.glob(".cache/flashinfer/*/*/cached_ops/*") if p.is_dir())
     c.res["passed"] = all(sec.get("passed") for sec in c.res["sections"].values()) and (
-        c.cpu or c.res.get("auto_backend") == "flashinfer")
+        c.cpu or c.res.get("auto_backend") == "flashinfer"
+    )
     c.save()
     write_table(c)
     c.log(f"passed={c.res['passed']} -> {c.out}/gpu_check.json")

@@ -33,10 +33,18 @@ def _tokens(n: int, batch: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 class _Ours:
-    def __init__(self, loaded, num_slots: int, max_batch: int, max_len: int, backend: str,
-                 quantization: str | None = None) -> None:
-        self.runner = ModelRunner(loaded, num_slots=num_slots, page_size=1, max_running_requests=max_batch,
-                                  max_context_len=max_len, attention_backend=backend, quantization=quantization)
+    def __init__(
+        self, loaded, num_slots: int, max_batch: int, max_len: int, backend: str, quantization: str | None = None
+    ) -> None:
+        self.runner = ModelRunner(
+            loaded,
+            num_slots=num_slots,
+            page_size=1,
+            max_running_requests=max_batch,
+            max_context_len=max_len,
+            attention_backend=backend,
+            quantization=quantization,
+        )
 
     def _setup(self, batch: int, total_len: int) -> list[int]:
         pool = self.runner.req_to_token_pool
@@ -118,9 +126,15 @@ class _HF:
                 return scores
 
         stamp = Stamp()
-        self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0,
-                            max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                            logits_processor=LogitsProcessorList([stamp]))
+        self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            pad_token_id=0,
+            max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1,
+            logits_processor=LogitsProcessorList([stamp]),
+        )
         if len(stamp.t) != steps + 1:
             raise RuntimeError(f"generate() ran {len(stamp.t)} forwards, expected {steps + 1}")
         return stamp.t[-1] - stamp.t[0]
@@ -136,11 +150,19 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per measure (alternating); the best is kept")
     ap.add_argument("--backend", default="auto", help="attention backend (auto: cpu when the native kernels work)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    ap.add_argument("--pack-formats", nargs="+", default=None,
-                    help="formats the native GEMM may store weights in, tried in order (default: "
-                         "q4_1 q8_0 f32, the lossless block formats first; 'f32' alone: plain float32 panels)")
-    ap.add_argument("--quantization", nargs="*", default=["int8"],
-                    help="also time radixkv with these weight quantizations (rows 'radixkv int8'); none: fp32 only")
+    ap.add_argument(
+        "--pack-formats",
+        nargs="+",
+        default=None,
+        help="formats the native GEMM may store weights in, tried in order (default: "
+        "q4_1 q8_0 f32, the lossless block formats first; 'f32' alone: plain float32 panels)",
+    )
+    ap.add_argument(
+        "--quantization",
+        nargs="*",
+        default=["int8"],
+        help="also time radixkv with these weight quantizations (rows 'radixkv int8'); none: fp32 only",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -159,14 +181,19 @@ def main() -> None:
     quant = {}
     for q in args.quantization:  # a separately loaded copy: quantization replaces layers in place
         ql = load_model(args.model, device="cpu", dtype=torch.float32)
-        quant[q] = _Ours(ql, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend,
-                         quantization=q)
+        quant[q] = _Ours(
+            ql, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend, quantization=q
+        )
     from radixkv import cpu_kernels
 
-    print(f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"native GEMM weight formats {cpu_kernels.PACK_FORMATS if cpu_kernels.AVAILABLE else 'n/a'}")
-    print("transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
-          "generate() = model.generate(do_sample=False), its decode steps timed inside the call")
+    print(
+        f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"native GEMM weight formats {cpu_kernels.PACK_FORMATS if cpu_kernels.AVAILABLE else 'n/a'}"
+    )
+    print(
+        "transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
+        "generate() = model.generate(do_sample=False), its decode steps timed inside the call"
+    )
     print(f"{'measure':<34}{'radixkv':>12}{'transformers':>14}{'ratio':>8}{'generate()':>12}{'ratio':>8}")
 
     warm = _tokens(32, 1, vocab, 0)
@@ -176,7 +203,10 @@ def main() -> None:
     ours.decode(_tokens(8, 2, vocab, 1), 1)  # builds the packed weights
     packed = loaded.model.packed_weight_bytes()
     if packed:
-        print("packed weights for the native GEMM: " + ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(packed.items())))
+        print(
+            "packed weights for the native GEMM: "
+            + ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(packed.items()))
+        )
     r = max(1, args.repeats)
     for n in args.prefill_lens:
         ids = _tokens(n, 1, vocab, n)
@@ -207,13 +237,17 @@ def main() -> None:
             tc = min(tc, hf.decode_generate(ids, args.decode_steps))
         a, b, c = (bs * args.decode_steps / x for x in (ta, tb, tc))
         same = (toks_a == toks_b).float().mean().item()
-        print(f"{f'decode batch {bs} (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x{c:>12.1f}{a / c:>7.2f}x"
-              f"   same greedy tokens {same:.0%}")
+        print(
+            f"{f'decode batch {bs} (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x{c:>12.1f}{a / c:>7.2f}x"
+            f"   same greedy tokens {same:.0%}"
+        )
         for q in quant:
             aq = bs * args.decode_steps / tq[q]
             sq = (toks_q[q] == toks_a).float().mean().item()
-            print(f"{f'  radixkv {q}, decode batch {bs}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x{c:>12.1f}{aq / c:>7.2f}x"
-                  f"   greedy tokens equal to fp32 {sq:.0%}")
+            print(
+                f"{f'  radixkv {q}, decode batch {bs}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x{c:>12.1f}{aq / c:>7.2f}x"
+                f"   greedy tokens equal to fp32 {sq:.0%}"
+            )
 
 
 if __name__ == "__main__":

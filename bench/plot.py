@@ -87,7 +87,7 @@ def plot_sim(paths: list[Path], out: Path) -> None:
     ax.set_title("gap to the token-level tree")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, ncol=2)
-    for a in flat[len(wls) + 1:]:
+    for a in flat[len(wls) + 1 :]:
         a.axis("off")
     fig.suptitle("Cache-only simulation (ShareGPT token ids): hit rate vs capacity", fontsize=11)
     fig.tight_layout()
@@ -113,16 +113,18 @@ def plot_e2e(path: Path, out: Path) -> None:
         axes[1].bar(xs, pre, width, color=COLORS[p], label=p)
         axes[2].bar(xs, p50, width, color=COLORS[p], label=p)
         axes[2].scatter(xs, p90, marker="_", color="black", s=60, zorder=3)
-    for ax, lab in zip(axes, ["hit rate (% of prompt tokens)", "prefill tokens computed",
-                              "TTFT p50 (ms; tick: p90)"]):
+    for ax, lab in zip(axes, ["hit rate (% of prompt tokens)", "prefill tokens computed", "TTFT p50 (ms; tick: p90)"]):
         ax.set_xticks(range(len(wls)))
         ax.set_xticklabels(wls, rotation=15)
         ax.set_ylabel(lab)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     m = data["machine"]
-    fig.suptitle(f"End to end, {data['model']} on {m['device']} ({m['cpus']} CPUs, {m['threads']} threads), "
-                 f"max_tokens {data['max_tokens']}, {data['concurrency']} in flight", fontsize=11)
+    fig.suptitle(
+        f"End to end, {data['model']} on {m['device']} ({m['cpus']} CPUs, {m['threads']} threads), "
+        f"max_tokens {data['max_tokens']}, {data['concurrency']} in flight",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -132,19 +134,28 @@ def plot_e2e(path: Path, out: Path) -> None:
 def e2e_table(path: Path) -> str:
     """Markdown table of an e2e_workloads run (for docs/benchmarks.md)."""
     data = json.loads(path.read_text())
-    lines = ["| workload | policy | hit rate | prefill tokens | TTFT p50 (s) | TTFT p90 (s) | output tok/s | wall (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | policy | hit rate | prefill tokens | TTFT p50 (s) | TTFT p90 (s) | output tok/s | wall (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for w, row in data["workloads"].items():
         for p, c in row.items():
-            lines.append(f"| {w} | {p} | {c['hit_rate'] * 100:.1f}% | {c['prefill_tokens']} | {c['ttft_p50_s']:.2f} "
-                         f"| {c['ttft_p90_s']:.2f} | {c['output_tokens_per_s']:.2f} | {c['wall_s']:.1f} |")
+            lines.append(
+                f"| {w} | {p} | {c['hit_rate'] * 100:.1f}% | {c['prefill_tokens']} | {c['ttft_p50_s']:.2f} "
+                f"| {c['ttft_p90_s']:.2f} | {c['output_tokens_per_s']:.2f} | {c['wall_s']:.1f} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--sim", type=Path, nargs="+", default=None,
-                    help="sim_cache JSON files (default: all; per workload the newest run wins)")
+    ap.add_argument(
+        "--sim",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="sim_cache JSON files (default: all; per workload the newest run wins)",
+    )
     ap.add_argument("--e2e", type=Path, default=None)
     ap.add_argument("--table", action="store_true", help="also print the e2e results as a markdown table")
     args = ap.parse_args(argv)

@@ -162,11 +162,20 @@ def build_modules(out: Path, dtypes: list[str], modules: list[tuple[str, int]]) 
         dst = out / "aot" / spec.name / f"{spec.name}.so"
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(so, dst)
-        records.append({"kind": kind, "dtype": d, "head_dim": hd, "name": spec.name,
-                        "bytes": dst.stat().st_size, "build_s": round(time.time() - t0, 1)})
+        records.append(
+            {
+                "kind": kind,
+                "dtype": d,
+                "head_dim": hd,
+                "name": spec.name,
+                "bytes": dst.stat().st_size,
+                "build_s": round(time.time() - t0, 1),
+            }
+        )
         print(f"built {spec.name} ({dst.stat().st_size} B, {time.time() - t0:.0f} s)", flush=True)
     (out / "aot" / "modules.json").write_text(
-        json.dumps({"flashinfer": flashinfer.__version__, "modules": records}, indent=1))
+        json.dumps({"flashinfer": flashinfer.__version__, "modules": records}, indent=1)
+    )
 
 
 def _cuda_home(build: Path, site: Path) -> Path:
@@ -190,15 +199,18 @@ def _cuda_home(build: Path, site: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".fi")
-    ap.add_argument("--build-dir", type=Path,
-                    default=Path.home() / ".cache" / "radixkv-fi-build")
+    ap.add_argument("--build-dir", type=Path, default=Path.home() / ".cache" / "radixkv-fi-build")
     ap.add_argument("--dtypes", default="bf16", help="comma list of bf16,fp16")
-    ap.add_argument("--modules", default="decode:64,prefill:64,prefill:128",
-                    help="comma list of decode:<head_dim> / prefill:<head_dim> (default: what the "
-                         "SmolLM2 shape (9/3 x 64, CUDA-core decode) and the 32/8 x 128 shape "
-                         "(tensor-core decode) use; anything else is JIT-compiled on the GPU box)")
-    ap.add_argument("--no-aot", action="store_true",
-                    help="carry the trimmed wheel only (the GPU box then JIT-compiles)")
+    ap.add_argument(
+        "--modules",
+        default="decode:64,prefill:64,prefill:128",
+        help="comma list of decode:<head_dim> / prefill:<head_dim> (default: what the "
+        "SmolLM2 shape (9/3 x 64, CUDA-core decode) and the 32/8 x 128 shape "
+        "(tensor-core decode) use; anything else is JIT-compiled on the GPU box)",
+    )
+    ap.add_argument(
+        "--no-aot", action="store_true", help="carry the trimmed wheel only (the GPU box then JIT-compiles)"
+    )
     ap.add_argument("--jobs", default=os.environ.get("MAX_JOBS", "2"))
     ap.add_argument("--_build-in-venv", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -235,34 +247,60 @@ def main() -> int:
         py = venv / "bin" / "python"
         if not py.exists():
             _run([sys.executable, "-m", "venv", str(venv)])
-        site = Path(subprocess.check_output(
-            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            text=True).strip())
+        site = Path(
+            subprocess.check_output(
+                [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+            ).strip()
+        )
         # Reuse the project's venv (torch, jinja2, numpy, requests ...) underneath.
         import sysconfig
+
         (site / "radixkv_base_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
         probe = subprocess.run(
-            [str(py), "-c", "import flashinfer, tvm_ffi, sys; "
-             f"sys.exit(flashinfer.__version__ != {FLASHINFER_VERSION!r} or tvm_ffi.__version__ != {TVM_FFI_VERSION!r})"],
-            capture_output=True)
+            [
+                str(py),
+                "-c",
+                "import flashinfer, tvm_ffi, sys; "
+                f"sys.exit(flashinfer.__version__ != {FLASHINFER_VERSION!r} or tvm_ffi.__version__ != {TVM_FFI_VERSION!r})",
+            ],
+            capture_output=True,
+        )
         if probe.returncode != 0 or not (site / "nvidia" / "cu13" / "bin" / "nvcc").exists():
             # (re)installing changes header mtimes, which makes ninja rebuild: only when needed
-            _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
-                  str(trimmed), f"apache-tvm-ffi=={TVM_FFI_VERSION}", "nvidia-ml-py", *CUDA_WHEELS])
+            _run(
+                [
+                    str(py),
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--no-deps",
+                    "--force-reinstall",
+                    str(trimmed),
+                    f"apache-tvm-ffi=={TVM_FFI_VERSION}",
+                    "nvidia-ml-py",
+                    *CUDA_WHEELS,
+                ]
+            )
         env = dict(os.environ)
         home = _cuda_home(build, site)
-        env.update({
-            "CUDA_HOME": str(home), "CUDA_PATH": str(home),
-            "PATH": f"{home / 'bin'}:{env.get('PATH', '')}",
-            "FLASHINFER_CUDA_ARCH_LIST": CUDA_ARCH,
-            "FLASHINFER_WORKSPACE_BASE": str(build / "ws"),
-            "MAX_JOBS": str(a.jobs),
-            "LD_LIBRARY_PATH": f"{site / 'nvidia' / 'cu13' / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}",
-        })
+        env.update(
+            {
+                "CUDA_HOME": str(home),
+                "CUDA_PATH": str(home),
+                "PATH": f"{home / 'bin'}:{env.get('PATH', '')}",
+                "FLASHINFER_CUDA_ARCH_LIST": CUDA_ARCH,
+                "FLASHINFER_WORKSPACE_BASE": str(build / "ws"),
+                "MAX_JOBS": str(a.jobs),
+                "LD_LIBRARY_PATH": f"{site / 'nvidia' / 'cu13' / 'lib'}:{env.get('LD_LIBRARY_PATH', '')}",
+            }
+        )
         stage = build / "stage"
         shutil.rmtree(stage, ignore_errors=True)
-        _run([str(py), __file__, "--_build-in-venv", "--out", str(stage),
-              "--dtypes", a.dtypes, "--modules", a.modules], env=env)
+        _run(
+            [str(py), __file__, "--_build-in-venv", "--out", str(stage), "--dtypes", a.dtypes, "--modules", a.modules],
+            env=env,
+        )
         modules = json.loads((stage / "aot" / "modules.json").read_text())
         for rec in modules["modules"]:
             so = stage / "aot" / rec["name"] / f"{rec['name']}.so"

@@ -52,8 +52,7 @@ POLICIES = {
 FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
-def simulate(wl: Workload, policy: str, capacity: int | None, hash_algo: str = "sha256",
-             check_every: int = 0) -> dict:
+def simulate(wl: Workload, policy: str, capacity: int | None, hash_algo: str = "sha256", check_every: int = 0) -> dict:
     """Replay ``wl`` through ``policy`` with ``capacity`` slots (None: infinite). Returns stats."""
     cache = POLICIES[policy](hash_algo)
     ps = cache.page_size
@@ -97,10 +96,19 @@ def simulate(wl: Workload, policy: str, capacity: int | None, hash_algo: str = "
     cache.check_integrity()
     if alloc.available_size() + cache.total_size() != capacity:
         raise AssertionError(f"{policy}: leaked {capacity - alloc.available_size() - cache.total_size()} slots")
-    return dict(policy=policy, capacity=capacity, requests=len(wl.requests) - skipped, skipped=skipped,
-                prompt_tokens=prompt_tokens, cached_tokens=cached, prefill_tokens=prompt_tokens - cached,
-                hit_rate=cached / max(prompt_tokens, 1), evicted_tokens=evicted,
-                cache_tokens_end=cache.total_size(), seconds=round(time.perf_counter() - t0, 2))
+    return dict(
+        policy=policy,
+        capacity=capacity,
+        requests=len(wl.requests) - skipped,
+        skipped=skipped,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        prefill_tokens=prompt_tokens - cached,
+        hit_rate=cached / max(prompt_tokens, 1),
+        evicted_tokens=evicted,
+        cache_tokens_end=cache.total_size(),
+        seconds=round(time.perf_counter() - t0, 2),
+    )
 
 
 _WL: dict = {}
@@ -124,8 +132,12 @@ def _job(args):
 
 def workload_specs(args) -> dict[str, dict]:
     specs = {
-        "multi_turn": dict(n_conversations=args.conversations, concurrency=args.concurrency,
-                           max_context=args.max_context, seed=args.seed),
+        "multi_turn": dict(
+            n_conversations=args.conversations,
+            concurrency=args.concurrency,
+            max_context=args.max_context,
+            seed=args.seed,
+        ),
         "few_shot": dict(n=2000, seed=args.seed),
         "gsp": dict(groups=64, prompts_per_group=32, seed=args.seed),
         "fork": dict(roots=128, branches=8, seed=args.seed),
@@ -137,17 +149,29 @@ def workload_specs(args) -> dict[str, dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", nargs="+", default=["multi_turn", "few_shot", "gsp", "fork", "unique"])
-    ap.add_argument("--policies", nargs="+", default=["radix-p1", "radix-p16", "hash-b16"],
-                    help="'none' (NoPrefixCache) has hit rate 0 by construction; add it to check that")
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=["radix-p1", "radix-p16", "hash-b16"],
+        help="'none' (NoPrefixCache) has hit rate 0 by construction; add it to check that",
+    )
     ap.add_argument("--fractions", nargs="+", type=float, default=FRACTIONS)
     ap.add_argument("--conversations", type=int, default=17318, help="ShareGPT conversations (all: 17318)")
     ap.add_argument("--concurrency", type=int, default=1024, help="open conversations at a time")
     ap.add_argument("--max-context", type=int, default=8192, help="drop turns beyond this context (tokens)")
-    ap.add_argument("--sweep-conversations", type=int, default=2000,
-                    help="multi_turn capacity sweep on this many conversations (0: all), to fit a few "
-                         "minutes on 2 cores; the infinite bound always uses --conversations")
-    ap.add_argument("--hash-algo", default="builtin", choices=["sha256", "builtin"],
-                    help="HashBlockCache key function (hit rates are identical barring 64-bit collisions)")
+    ap.add_argument(
+        "--sweep-conversations",
+        type=int,
+        default=2000,
+        help="multi_turn capacity sweep on this many conversations (0: all), to fit a few "
+        "minutes on 2 cores; the infinite bound always uses --conversations",
+    )
+    ap.add_argument(
+        "--hash-algo",
+        default="builtin",
+        choices=["sha256", "builtin"],
+        help="HashBlockCache key function (hit rates are identical barring 64-bit collisions)",
+    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
@@ -162,22 +186,30 @@ def main(argv=None) -> int:
         for name, res in ex.map(_job, jobs):
             wl_res = results.setdefault(name, dict(params=specs[name], infinite={}, sweep={}))
             wl_res["infinite"][res["policy"]] = res
-            print(f"[{time.time() - t0:6.0f}s] {name:10s} {res['policy']:9s} infinite  hit {res['hit_rate']:.4f} "
-                  f"({res['seconds']}s)", flush=True)
+            print(
+                f"[{time.time() - t0:6.0f}s] {name:10s} {res['policy']:9s} infinite  hit {res['hit_rate']:.4f} "
+                f"({res['seconds']}s)",
+                flush=True,
+            )
         # 2) capacity sweep (fractions of the working set); multi_turn may use a subsample, with
         #    the number of open conversations scaled so that it is the same share of the set
         jobs = []
         for name, kw in specs.items():
             if name == "multi_turn" and args.sweep_conversations and args.sweep_conversations < args.conversations:
-                kw = dict(kw, n_conversations=args.sweep_conversations,
-                          concurrency=max(1, round(args.concurrency * args.sweep_conversations / args.conversations)))
+                kw = dict(
+                    kw,
+                    n_conversations=args.sweep_conversations,
+                    concurrency=max(1, round(args.concurrency * args.sweep_conversations / args.conversations)),
+                )
                 inf = [(name, kw, p, None, args.hash_algo) for p in args.policies]
                 results[name]["sweep_params"] = kw
                 results[name]["sweep_infinite"] = {r["policy"]: r for _, r in ex.map(_job, inf)}
                 ws = results[name]["sweep_infinite"]["radix-p1"]["cache_tokens_end"]
-                print(f"[{time.time() - t0:6.0f}s] {name} sweep subsample {kw}: infinite hit "
-                      + ", ".join(f"{p} {r['hit_rate']:.4f}" for p, r in results[name]["sweep_infinite"].items()),
-                      flush=True)
+                print(
+                    f"[{time.time() - t0:6.0f}s] {name} sweep subsample {kw}: infinite hit "
+                    + ", ".join(f"{p} {r['hit_rate']:.4f}" for p, r in results[name]["sweep_infinite"].items()),
+                    flush=True,
+                )
             else:
                 ws = results[name]["infinite"]["radix-p1"]["cache_tokens_end"]
             results[name]["working_set_tokens"] = ws
@@ -185,18 +217,26 @@ def main(argv=None) -> int:
                 for p in args.policies:
                     if p != "none":
                         jobs.append((name, kw, p, max(16, int(ws * f)), args.hash_algo))
-        for (name, kw, p, cap, _), (_, res) in zip(jobs, ex.map(_job, jobs)):
+        for (name, _kw, p, cap, _), (_, res) in zip(jobs, ex.map(_job, jobs)):
             ws = results[name]["working_set_tokens"]
             res["fraction"] = round(cap / ws, 4)
             results[name]["sweep"].setdefault(p, []).append(res)
-            print(f"[{time.time() - t0:6.0f}s] {name:10s} {p:9s} cap {cap / ws:5.0%}  hit {res['hit_rate']:.4f} "
-                  f"evicted {res['evicted_tokens']} ({res['seconds']}s)", flush=True)
+            print(
+                f"[{time.time() - t0:6.0f}s] {name:10s} {p:9s} cap {cap / ws:5.0%}  hit {res['hit_rate']:.4f} "
+                f"evicted {res['evicted_tokens']} ({res['seconds']}s)",
+                flush=True,
+            )
     out = dict(
-        kind="sim_cache", created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        argv=sys.argv[1:] if argv is None else argv, seconds=round(time.time() - t0, 1),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version(),
-                     torch=torch.__version__),
-        hash_algo=args.hash_algo, fractions=args.fractions, workloads=results,
+        kind="sim_cache",
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        argv=sys.argv[1:] if argv is None else argv,
+        seconds=round(time.time() - t0, 1),
+        machine=dict(
+            platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__
+        ),
+        hash_algo=args.hash_algo,
+        fractions=args.fractions,
+        workloads=results,
     )
     path = args.out or ROOT / "bench" / "results" / f"sim_cache_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,8 +40,7 @@ import torch
 # Runs from a checkout whether or not radixkv is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixkv.cache import RadixCache, SlotAllocator
-from radixkv.cache import token_keys
+from radixkv.cache import RadixCache, SlotAllocator, token_keys
 
 REFERENCE_US = {"insert": 25.0, "match": 21.0, "split_match": 87.0, "evict_140k": 10_000.0}
 REFERENCE_EVICT_TOKENS = 140_000
@@ -185,11 +184,9 @@ def run_tree(make, seqs, fresh, split_q, slots, long_seq, long_slots, repeats=5)
             tree.insert(s, v)
         return tree
 
-    r["insert"] = _blocks(make, [lambda t, s=s, v=v: t.insert(s, v)
-                                 for s, v in zip(seqs, slots)], repeats)
+    r["insert"] = _blocks(make, [lambda t, s=s, v=v: t.insert(s, v) for s, v in zip(seqs, slots)], repeats)
     r["match"] = _blocks(build, [lambda t, q=q: t.match_prefix(q) for q in fresh], repeats)
-    r["split_match"] = _blocks(build, [lambda t, q=q: t.match_prefix(q) for q in split_q],
-                               repeats)
+    r["split_match"] = _blocks(build, [lambda t, q=q: t.match_prefix(q) for q in split_q], repeats)
     evict_us = []
     for _ in range(repeats):
         tree = build()
@@ -200,9 +197,12 @@ def run_tree(make, seqs, fresh, split_q, slots, long_seq, long_slots, repeats=5)
         assert len(freed) == total, (len(freed), total)
     r["evict_all"], r["evict_tokens"] = min(evict_us), total
     long_query = array("q", long_seq).tolist()
-    r["insert_32k"] = _blocks(lambda: [make() for _ in range(10)],
-                              [lambda ts, i=i: ts[i].insert(long_seq, long_slots)
-                               for i in range(10)], repeats, 1)
+    r["insert_32k"] = _blocks(
+        lambda: [make() for _ in range(10)],
+        [lambda ts, i=i: ts[i].insert(long_seq, long_slots) for i in range(10)],
+        repeats,
+        1,
+    )
 
     def one_long():
         tree = make()
@@ -263,39 +263,64 @@ def main() -> None:
     results = {name: merge_min(rs) for name, rs in runs.items()}
 
     load = os.getloadavg()[0]
-    print(f"load average {load:.1f} on {os.cpu_count()} CPUs (CPU time, not wall time, is "
-          f"measured; a busy machine still inflates it)")
-    print(f"RadixCache ops, 1000 x 512-token sequences with shared prefixes "
-          f"(C helper built: {token_keys.HAS_CEXT});\nCPU microseconds per call, fastest of "
-          f"{2 * ROUNDS} interleaved runs per block of 50 calls")
-    hdr = (f"{'implementation':44s} {'insert/seq':>10s} {'match/seq':>10s} {'split':>8s} "
-           f"{'evict all':>10s} {'tokens':>7s} {'ins 32k':>9s} {'match 32k':>9s}")
+    print(
+        f"load average {load:.1f} on {os.cpu_count()} CPUs (CPU time, not wall time, is "
+        f"measured; a busy machine still inflates it)"
+    )
+    print(
+        f"RadixCache ops, 1000 x 512-token sequences with shared prefixes "
+        f"(C helper built: {token_keys.HAS_CEXT});\nCPU microseconds per call, fastest of "
+        f"{2 * ROUNDS} interleaved runs per block of 50 calls"
+    )
+    hdr = (
+        f"{'implementation':44s} {'insert/seq':>10s} {'match/seq':>10s} {'split':>8s} "
+        f"{'evict all':>10s} {'tokens':>7s} {'ins 32k':>9s} {'match 32k':>9s}"
+    )
     print(hdr)
     for name, r in results.items():
-        print(f"{name:44s} {r['insert']:10.2f} {r['match']:10.2f} {r['split_match']:8.2f} "
-              f"{r['evict_all']:10.0f} {r['evict_tokens']:7d} {r['insert_32k']:9.0f} "
-              f"{r['match_32k']:9.0f}")
-    print("\nper token (ns): " + ", ".join(
-        f"{name}: insert {r['insert'] / 512 * 1e3:.1f}, match {r['match'] / 512 * 1e3:.1f}, "
-        f"32k insert {r['insert_32k'] / 32768 * 1e3:.1f}, 32k match "
-        f"{r['match_32k'] / 32768 * 1e3:.1f}" for name, r in results.items() if "ps=1" in name))
+        print(
+            f"{name:44s} {r['insert']:10.2f} {r['match']:10.2f} {r['split_match']:8.2f} "
+            f"{r['evict_all']:10.0f} {r['evict_tokens']:7d} {r['insert_32k']:9.0f} "
+            f"{r['match_32k']:9.0f}"
+        )
+    print(
+        "\nper token (ns): "
+        + ", ".join(
+            f"{name}: insert {r['insert'] / 512 * 1e3:.1f}, match {r['match'] / 512 * 1e3:.1f}, "
+            f"32k insert {r['insert_32k'] / 32768 * 1e3:.1f}, 32k match "
+            f"{r['match_32k'] / 32768 * 1e3:.1f}"
+            for name, r in results.items()
+            if "ps=1" in name
+        )
+    )
 
     ours = results["radixkv ps=1"]
     naive = results["naive baseline ps=1"]
     evict_ref = REFERENCE_US["evict_140k"] / REFERENCE_EVICT_TOKENS * ours["evict_tokens"]
     print("\nspeed-up of radixkv ps=1 (target >= 3x vs the SGLang reference):")
-    for op, ref in (("insert", REFERENCE_US["insert"]), ("match", REFERENCE_US["match"]),
-                    ("split_match", REFERENCE_US["split_match"]), ("evict_all", evict_ref)):
-        print(f"  {op:12s} vs SGLang 0.5.23 reference {ref / ours[op]:5.1f}x   "
-              f"vs in-run naive baseline {naive[op] / ours[op]:5.1f}x")
+    for op, ref in (
+        ("insert", REFERENCE_US["insert"]),
+        ("match", REFERENCE_US["match"]),
+        ("split_match", REFERENCE_US["split_match"]),
+        ("evict_all", evict_ref),
+    ):
+        print(
+            f"  {op:12s} vs SGLang 0.5.23 reference {ref / ours[op]:5.1f}x   "
+            f"vs in-run naive baseline {naive[op] / ours[op]:5.1f}x"
+        )
     if "radixkv ps=1 (pure Python, C helper off)" in results:
         py = results["radixkv ps=1 (pure Python, C helper off)"]
-        print("C helper vs pure Python path: " + ", ".join(
-            f"{op} {py[op] / ours[op]:.2f}x" for op in
-            ("insert", "match", "split_match", "insert_32k", "match_32k")))
+        print(
+            "C helper vs pure Python path: "
+            + ", ".join(
+                f"{op} {py[op] / ours[op]:.2f}x" for op in ("insert", "match", "split_match", "insert_32k", "match_32k")
+            )
+        )
     alloc = bench_allocator()
-    print("SlotAllocator (page_size 1), CPU us per call: " + ", ".join(
-        f"alloc({n}) {a:.2f} / free({n}) {f:.2f}" for n, (a, f) in alloc.items()))
+    print(
+        "SlotAllocator (page_size 1), CPU us per call: "
+        + ", ".join(f"alloc({n}) {a:.2f} / free({n}) {f:.2f}" for n, (a, f) in alloc.items())
+    )
     print(f"(bench took {time.perf_counter() - t_start:.1f} s wall)")
     if args.json:
         with open(args.json, "w") as f:

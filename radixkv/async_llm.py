@@ -96,7 +96,9 @@ class AsyncLLM:
             engine_kwargs = {k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids") if k in kwargs}
             unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
             if unknown:
-                raise ValueError(f"AsyncLLM: unknown argument(s) {unknown}; valid: {sorted(EngineConfig.__dataclass_fields__)}")
+                raise ValueError(
+                    f"AsyncLLM: unknown argument(s) {unknown}; valid: {sorted(EngineConfig.__dataclass_fields__)}"
+                )
             engine = Engine(EngineConfig(model=model, **kwargs), **engine_kwargs)
         elif kwargs:
             raise ValueError(f"AsyncLLM: engine options {sorted(kwargs)} given together with an engine")

@@ -8,8 +8,15 @@ from typing import Optional, Union
 import torch
 
 PREFIX_CACHES = ("radix", "hash", "none")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 @dataclass
@@ -99,10 +106,12 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.max_total_tokens is not None and (not isinstance(self.max_total_tokens, int)
-                                                  or self.max_total_tokens < self.page_size):
-            raise ValueError(f"max_total_tokens must be an integer >= page_size ({self.page_size}), "
-                             f"got {self.max_total_tokens!r}")
+        if self.max_total_tokens is not None and (
+            not isinstance(self.max_total_tokens, int) or self.max_total_tokens < self.page_size
+        ):
+            raise ValueError(
+                f"max_total_tokens must be an integer >= page_size ({self.page_size}), got {self.max_total_tokens!r}"
+            )
         if self.max_context_len is not None and (not isinstance(self.max_context_len, int) or self.max_context_len < 2):
             raise ValueError(f"max_context_len must be an integer >= 2, got {self.max_context_len!r}")
         return self

@@ -53,7 +53,7 @@ def _huge_page_empty(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
     buf = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
     start = -buf.data_ptr() % _HUGE  # the first 2 MiB boundary
-    out = buf[start:start + nbytes]
+    out = buf[start : start + nbytes]
     _ck.advise_hugepages(out.data_ptr(), nbytes)
     return out
 
@@ -162,8 +162,18 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
         b = bias.data_ptr()
     out = torch.empty(m, packed.n, dtype=torch.float32)
     if m:
-        _ck.sgemm_packed(x.data_ptr(), m, k, x.stride(0), packed.address, packed.n, b, out.data_ptr(),
-                         packed.n, torch.get_num_threads())
+        _ck.sgemm_packed(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            packed.address,
+            packed.n,
+            b,
+            out.data_ptr(),
+            packed.n,
+            torch.get_num_threads(),
+        )
     return out
 
 
@@ -215,7 +225,9 @@ def paged_attention(
             f"v_cache {tuple(v_cache.shape)} do not agree"
         )
     if page_size < 1 or k_cache.shape[0] % page_size:
-        raise ValueError(f"paged_attention: page_size must be >= 1 and divide num_slots ({k_cache.shape[0]}), got {page_size}")
+        raise ValueError(
+            f"paged_attention: page_size must be >= 1 and divide num_slots ({k_cache.shape[0]}), got {page_size}"
+        )
     if hkv < 1 or d % 8 or hq % hkv:
         raise ValueError(f"paged_attention: head_dim ({d}) must be a multiple of 8 and Hq ({hq}) of Hkv ({hkv})")
     for name, t in (("req_meta", req_meta), ("kv_indices", kv_indices)):
@@ -226,22 +238,37 @@ def paged_attention(
     r = req_meta.shape[1]
     if r == 0:
         return
-    _ck.paged_attention(q.data_ptr(), t_rows, req_meta.data_ptr(), r, kv_indices.data_ptr(), kv_indices.numel(),
-                        page_size, k_cache.shape[0] // page_size, k_cache.data_ptr(), v_cache.data_ptr(), hq, hkv,
-                        d, float(sm_scale), out.data_ptr(), torch.get_num_threads())
+    _ck.paged_attention(
+        q.data_ptr(),
+        t_rows,
+        req_meta.data_ptr(),
+        r,
+        kv_indices.data_ptr(),
+        kv_indices.numel(),
+        page_size,
+        k_cache.shape[0] // page_size,
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        hq,
+        hkv,
+        d,
+        float(sm_scale),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int | None = None) -> None:
     """``t`` is a contiguous 2-d float32 CPU tensor (with ``cols`` columns when given)."""
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous 2-d float32 CPU tensor, got {tuple(t.shape)} {t.dtype} on {t.device}")
+        raise ValueError(
+            f"{name}: expected a contiguous 2-d float32 CPU tensor, got {tuple(t.shape)} {t.dtype} on {t.device}"
+        )
     if cols is not None and t.shape[1] != cols:
         raise ValueError(f"{name}: expected {cols} columns, got {t.shape[1]}")
 
 
-def add_rms_norm(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``residual += delta`` (in place, when ``delta`` is given), then return
     ``weight * residual / sqrt(mean(residual ** 2, -1) + eps)`` (RMSNorm, Zhang & Sennrich 2019,
     as transformers' ``LlamaRMSNorm`` computes it in float32).
@@ -262,11 +289,23 @@ def add_rms_norm(
         _check_rows("add_rms_norm: delta", delta, k)
         if delta.shape[0] != m:
             raise ValueError(f"add_rms_norm: delta has {delta.shape[0]} rows, residual {m}")
-    if weight.dtype != torch.float32 or weight.shape != (k,) or not weight.is_contiguous() or weight.device.type != "cpu":
+    if (
+        weight.dtype != torch.float32
+        or weight.shape != (k,)
+        or not weight.is_contiguous()
+        or weight.device.type != "cpu"
+    ):
         raise ValueError(f"add_rms_norm: weight must be a contiguous float32 CPU tensor of shape ({k},)")
     out = torch.empty_like(residual)
-    _ck.add_rms_norm(0 if delta is None else delta.data_ptr(), residual.data_ptr(), out.data_ptr(), m, k,
-                     weight.data_ptr(), float(eps))
+    _ck.add_rms_norm(
+        0 if delta is None else delta.data_ptr(),
+        residual.data_ptr(),
+        out.data_ptr(),
+        m,
+        k,
+        weight.data_ptr(),
+        float(eps),
+    )
     return out
 
 

@@ -34,8 +34,15 @@ from radixkv.scheduler import Scheduler
 class _Group:
     """The ``n`` samples of one user request and what is reported for them."""
 
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_ids: List[int], params: SamplingParams,
-                 namespace: Hashable, arrival: float) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_ids: List[int],
+        params: SamplingParams,
+        namespace: Hashable,
+        arrival: float,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_ids = prompt_ids
@@ -53,10 +60,18 @@ class _Group:
         return all(o.finish_reason is not None for o in self.outputs)
 
     def to_output(self) -> RequestOutput:
-        outs = [CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason)
-                for o in self.outputs]
-        return RequestOutput(self.request_id, self.prompt, list(self.prompt_ids), outs, self.finished,
-                             self.num_cached_tokens, self.metrics)
+        outs = [
+            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason) for o in self.outputs
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.prompt_ids),
+            outs,
+            self.finished,
+            self.num_cached_tokens,
+            self.metrics,
+        )
 
 
 class Engine:
@@ -79,8 +94,15 @@ class Engine:
         ValueError: invalid config values (naming the field).
     """
 
-    def __init__(self, config: Optional[EngineConfig] = None, *, model_runner: Any = None, tokenizer: Any = None,
-                 eos_token_ids: Optional[Sequence[int]] = None, loaded_model: Any = None) -> None:
+    def __init__(
+        self,
+        config: Optional[EngineConfig] = None,
+        *,
+        model_runner: Any = None,
+        tokenizer: Any = None,
+        eos_token_ids: Optional[Sequence[int]] = None,
+        loaded_model: Any = None,
+    ) -> None:
         self.config = cfg = (config or EngineConfig()).resolve()
         hf_config = None
         if model_runner is None:
@@ -93,7 +115,9 @@ class Engine:
             hf_config = loaded.hf_config
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
             m = loaded.model
-            bytes_per_token = 2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.empty((), dtype=cfg.dtype).element_size()
+            bytes_per_token = (
+                2 * m.num_layers * m.num_kv_heads * m.head_dim * torch.empty((), dtype=cfg.dtype).element_size()
+            )
             if cfg.max_total_tokens is None:
                 cfg.max_total_tokens = cfg.default_max_total_tokens(bytes_per_token)
             cfg.max_total_tokens -= cfg.max_total_tokens % cfg.page_size
@@ -101,12 +125,19 @@ class Engine:
             if cfg.max_context_len is None:
                 cfg.max_context_len = min(max_pos, cfg.max_total_tokens)
             if cfg.max_context_len > max_pos:
-                raise ValueError(f"max_context_len {cfg.max_context_len} exceeds the model's "
-                                 f"max_position_embeddings {max_pos}")
+                raise ValueError(
+                    f"max_context_len {cfg.max_context_len} exceeds the model's max_position_embeddings {max_pos}"
+                )
             model_runner = ModelRunner(
-                loaded, num_slots=cfg.max_total_tokens, page_size=cfg.page_size,
-                max_running_requests=cfg.max_running_requests, max_context_len=cfg.max_context_len,
-                device=cfg.device, dtype=cfg.dtype, attention_backend=cfg.attention_backend)
+                loaded,
+                num_slots=cfg.max_total_tokens,
+                page_size=cfg.page_size,
+                max_running_requests=cfg.max_running_requests,
+                max_context_len=cfg.max_context_len,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                attention_backend=cfg.attention_backend,
+            )
         else:
             if cfg.max_total_tokens is None:
                 raise ValueError("max_total_tokens is required when a model_runner is given")
@@ -132,9 +163,14 @@ class Engine:
             self.cache = HashBlockCache(cfg.page_size, cfg.hash_algo)
         else:
             self.cache = NoPrefixCache(cfg.page_size)
-        self.scheduler = Scheduler(self.cache, self.allocator, model_runner.req_to_token_pool,
-                                   chunked_prefill_size=cfg.chunked_prefill_size,
-                                   schedule_policy=cfg.schedule_policy, caching=cfg.prefix_cache != "none")
+        self.scheduler = Scheduler(
+            self.cache,
+            self.allocator,
+            model_runner.req_to_token_pool,
+            chunked_prefill_size=cfg.chunked_prefill_size,
+            schedule_policy=cfg.schedule_policy,
+            caching=cfg.prefix_cache != "none",
+        )
         self._groups: Dict[str, _Group] = {}
         self._inbox: List[tuple] = []
         self._inbox_lock = threading.Lock()
@@ -151,9 +187,14 @@ class Engine:
         ps = self.config.page_size
         return (n + ps - 1) // ps * ps
 
-    def add_request(self, prompt_token_ids: Sequence[int], sampling_params: Optional[SamplingParams] = None,
-                    request_id: Optional[str] = None, prompt: Optional[str] = None,
-                    namespace: Hashable = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        prompt: Optional[str] = None,
+        namespace: Hashable = None,
+    ) -> str:
         """Queue a request; it is admitted by a later :meth:`step`.
 
         Args:
@@ -186,12 +227,16 @@ class Engine:
         if bad:
             raise ValueError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if len(ids) >= self.max_context_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_context_len is {self.max_context_len} "
-                             f"(the prompt plus at least one generated token must fit)")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens; max_context_len is {self.max_context_len} "
+                f"(the prompt plus at least one generated token must fit)"
+            )
         need = self._pages(min(len(ids) + params.max_tokens, self.max_context_len))
         if need > self.allocator.num_slots:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
-                             f"more than the pool's max_total_tokens {self.allocator.num_slots}")
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
+                f"more than the pool's max_total_tokens {self.allocator.num_slots}"
+            )
         rid = str(request_id) if request_id is not None else str(next(self._ids))
         with self._inbox_lock:
             if rid in self._groups or any(item[0] == "add" and item[1].request_id == rid for item in self._inbox):
@@ -219,8 +264,14 @@ class Engine:
             if kind == "add":
                 if x.request_id not in self._groups:  # aborted before admission
                     continue
-                first = Request(x.request_id, 0, x.prompt_ids, x.params, x.namespace,
-                                make_generator(x.params.seed, self.config.device))
+                first = Request(
+                    x.request_id,
+                    0,
+                    x.prompt_ids,
+                    x.params,
+                    x.namespace,
+                    make_generator(x.params.seed, self.config.device),
+                )
                 first.fork_pending = x.params.n - 1
                 x.samples[0] = first
                 self.scheduler.add(first)
@@ -228,7 +279,7 @@ class Engine:
                 group = self._groups.get(x)
                 if group is None:
                     continue
-                for i, r in enumerate(group.samples):
+                for _i, r in enumerate(group.samples):
                     if r is not None and r.status != RequestStatus.FINISHED:
                         self.scheduler.abort(r)
                 for o in group.outputs:
@@ -265,8 +316,9 @@ class Engine:
             rows = [r.row for r in batch.reqs]
             qo_end = list(itertools.accumulate(batch.extend_lens))
             logits_idx = [qo_end[i] - 1 for i, s in enumerate(batch.sample) if s]
-            fb = self.runner.build_batch(batch.input_ids, rows, batch.prefix_lens, batch.extend_lens,
-                                         logits_indices=logits_idx)
+            fb = self.runner.build_batch(
+                batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=logits_idx
+            )
             logits = self.runner.forward(fb)
             self.num_forwards += 1
             self.scheduler.after_forward(batch)
@@ -373,7 +425,7 @@ class Engine:
             held = set()
             shared = {}
             for r in self.scheduler.running:
-                own = r.slots[r.prefix_len:]
+                own = r.slots[r.prefix_len :]
                 for s in own:
                     if s in held:
                         raise AssertionError(f"slot {s} owned twice")
@@ -392,4 +444,5 @@ class Engine:
             if self.allocator.available_size() + self.cache.total_size() + len(held) != cap:
                 raise AssertionError(
                     f"free {self.allocator.available_size()} + cached {self.cache.total_size()} + held "
-                    f"{len(held)} != capacity {cap}")
+                    f"{len(held)} != capacity {cap}"
+                )

@@ -62,9 +62,7 @@ class KVPool:
             if int(value) < 1:
                 raise ValueError(f"KVPool: {name} must be >= 1, got {value}")
         if num_slots % page_size != 0:
-            raise ValueError(
-                f"KVPool: num_slots ({num_slots}) must be a multiple of page_size ({page_size})"
-            )
+            raise ValueError(f"KVPool: num_slots ({num_slots}) must be a multiple of page_size ({page_size})")
         self.num_layers = int(num_layers)
         self.num_kv_heads = int(num_kv_heads)
         self.head_dim = int(head_dim)

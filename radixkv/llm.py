@@ -31,7 +31,9 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        engine_kwargs = {k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids", "loaded_model") if k in kwargs}
+        engine_kwargs = {
+            k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids", "loaded_model") if k in kwargs
+        }
         fields = EngineConfig.__dataclass_fields__
         unknown = sorted(set(kwargs) - set(fields))
         if unknown:
@@ -96,10 +98,13 @@ class LLM:
         for m in conversation:
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise ValueError(f"chat: every message needs 'role' and 'content', got {m!r}")
-        return self.tokenizer.apply_chat_template(list(conversation), tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(
+            list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
-    def _run(self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool) -> List[RequestOutput]:
+    def _run(
+        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool
+    ) -> List[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(ids)
         else:

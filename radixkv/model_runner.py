@@ -94,7 +94,9 @@ class ModelRunner:
             model = model.to(device=self.device, dtype=self.dtype)
         if quantization is not None and model.quantization != quantization:
             if self.device.type != "cpu" or self.dtype != torch.float32:
-                raise ValueError(f"ModelRunner: quantization={quantization!r} needs device='cpu' and dtype=torch.float32")
+                raise ValueError(
+                    f"ModelRunner: quantization={quantization!r} needs device='cpu' and dtype=torch.float32"
+                )
             quantize_model(model, quantization)
         self.model = model.eval()
 
@@ -102,8 +104,13 @@ class ModelRunner:
             if num_slots is None:
                 raise ValueError("ModelRunner: num_slots is required when no kv_pool is given")
             kv_pool = KVPool(
-                model.num_layers, model.num_kv_heads, model.head_dim, int(num_slots), page_size,
-                self.dtype, self.device,
+                model.num_layers,
+                model.num_kv_heads,
+                model.head_dim,
+                int(num_slots),
+                page_size,
+                self.dtype,
+                self.device,
             )
         elif (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim) != (
             model.num_layers,

@@ -20,13 +20,23 @@ import gc
 import json
 import sys
 import time
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 import numpy as np
 
 MODES = {"radix": "radix", "hash": "hash", "off": "none"}
-ROW_KEYS = ("mode", "requests", "prompt_tokens", "cached_tokens", "hit_rate", "prefill_tokens",
-            "ttft_p50_s", "ttft_p90_s", "output_tokens_per_s", "wall_s")
+ROW_KEYS = (
+    "mode",
+    "requests",
+    "prompt_tokens",
+    "cached_tokens",
+    "hit_rate",
+    "prefill_tokens",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "output_tokens_per_s",
+    "wall_s",
+)
 
 
 def iter_sharegpt(path) -> Iterator[dict]:
@@ -80,8 +90,9 @@ def load_conversations(num: int, turns: int, max_user_chars: int = 1200, skip: i
     raise RuntimeError(f"only {len(out)} ShareGPT conversations have {turns} user turns of <= {max_user_chars} chars")
 
 
-def replay_mode(llm, conversations: List[List[str]], max_tokens: int, progress: bool = True,
-                desc: str = "replay") -> Dict[str, object]:
+def replay_mode(
+    llm, conversations: List[List[str]], max_tokens: int, progress: bool = True, desc: str = "replay"
+) -> Dict[str, object]:
     """Replay ``conversations`` turn by turn through ``llm`` (greedy); returns the metrics row
     (without "mode") plus ``replies`` (token ids per conversation and turn)."""
     from tqdm.auto import tqdm
@@ -135,11 +146,18 @@ def replay_mode(llm, conversations: List[List[str]], max_tokens: int, progress: 
 
 def format_table(rows: List[dict]) -> str:
     """The rows as a fixed-width text table."""
-    cols = [("mode", "mode", "{}"), ("requests", "reqs", "{}"), ("prompt_tokens", "prompt tok", "{}"),
-            ("cached_tokens", "cached tok", "{}"), ("hit_rate", "hit rate", "{:.1%}"),
-            ("prefill_tokens", "prefill tok", "{}"), ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
-            ("ttft_p90_s", "TTFT p90 s", "{:.3f}"), ("output_tokens_per_s", "out tok/s", "{:.1f}"),
-            ("wall_s", "wall s", "{:.1f}")]
+    cols = [
+        ("mode", "mode", "{}"),
+        ("requests", "reqs", "{}"),
+        ("prompt_tokens", "prompt tok", "{}"),
+        ("cached_tokens", "cached tok", "{}"),
+        ("hit_rate", "hit rate", "{:.1%}"),
+        ("prefill_tokens", "prefill tok", "{}"),
+        ("ttft_p50_s", "TTFT p50 s", "{:.3f}"),
+        ("ttft_p90_s", "TTFT p90 s", "{:.3f}"),
+        ("output_tokens_per_s", "out tok/s", "{:.1f}"),
+        ("wall_s", "wall s", "{:.1f}"),
+    ]
     cells = [[h for _, h, _ in cols]] + [[fmt.format(r[k]) for k, _, fmt in cols] for r in rows]
     widths = [max(len(row[j]) for row in cells) for j in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
@@ -153,14 +171,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=4, help="user turns per conversation (default 4)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max tokens per reply (default 32)")
     parser.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help="KV pool capacity in tokens (default: the engine's, 32768 on CPU)")
-    parser.add_argument("--modes", default="radix,off",
-                        help="comma-separated modes among radix, hash, off (default radix,off)")
+    parser.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="KV pool capacity in tokens (default: the engine's, 32768 on CPU)",
+    )
+    parser.add_argument(
+        "--modes", default="radix,off", help="comma-separated modes among radix, hash, off (default radix,off)"
+    )
     parser.add_argument("--model", default="smollm2-135m", help="model name or path (default smollm2-135m)")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (default auto)")
-    parser.add_argument("--max-user-chars", type=int, default=1200,
-                        help="skip conversations with a longer user message (default 1200)")
+    parser.add_argument(
+        "--max-user-chars", type=int, default=1200, help="skip conversations with a longer user message (default 1200)"
+    )
     parser.add_argument("--skip", type=int, default=0, help="skip this many eligible conversations first")
     parser.add_argument("--output", default=None, help="write the rows as a JSON list to this file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -193,15 +217,26 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     print(f"model {args.model} loaded in {time.perf_counter() - t_load:.1f} s on {cfg.device}", file=sys.stderr)
     # Untimed warm-up (first turn, 2 tokens, no cache): torch's first calls of each kernel and
     # shape are slow, which would otherwise penalize whichever mode is timed first.
-    warm = LLM(args.model, device=cfg.device, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-               prefix_cache="none", loaded_model=loaded)
+    warm = LLM(
+        args.model,
+        device=cfg.device,
+        page_size=args.page_size,
+        max_total_tokens=args.max_total_tokens,
+        prefix_cache="none",
+        loaded_model=loaded,
+    )
     replay_mode(warm, [c[:1] for c in convs], 2, progress=False)
     del warm
     for mode in modes:
-        llm = LLM(args.model, device=cfg.device, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-                  prefix_cache=MODES[mode], loaded_model=loaded)
-        print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}",
-              file=sys.stderr)
+        llm = LLM(
+            args.model,
+            device=cfg.device,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            prefix_cache=MODES[mode],
+            loaded_model=loaded,
+        )
+        print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}", file=sys.stderr)
         res = replay_mode(llm, convs, args.max_tokens, progress=not args.no_progress, desc=f"replay {mode}")
         replies[mode] = res.pop("replies")
         rows.append({"mode": mode, **res, "page_size": args.page_size})

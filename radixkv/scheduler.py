@@ -85,8 +85,16 @@ class Scheduler:
             cache and the allocator differ.
     """
 
-    def __init__(self, cache: Any, allocator: Any, req_to_token_pool: Any, *, chunked_prefill_size: int,
-                 schedule_policy: str = "lpm", caching: bool = True) -> None:
+    def __init__(
+        self,
+        cache: Any,
+        allocator: Any,
+        req_to_token_pool: Any,
+        *,
+        chunked_prefill_size: int,
+        schedule_policy: str = "lpm",
+        caching: bool = True,
+    ) -> None:
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
         if chunked_prefill_size < 1:
@@ -254,8 +262,10 @@ class Scheduler:
         k = self.cache.insert(tokens, torch.tensor(req.slots[:aligned], dtype=torch.int64), req.namespace)
         m = self.cache.match_prefix(tokens, req.namespace)
         if k < req.prefix_len or m.length != aligned:
-            raise RuntimeError(f"hand-over: insert found {k}, match {m.length}, expected >= {req.prefix_len} / {aligned}")
-        self._free_slots(req.slots[req.prefix_len:k])
+            raise RuntimeError(
+                f"hand-over: insert found {k}, match {m.length}, expected >= {req.prefix_len} / {aligned}"
+            )
+        self._free_slots(req.slots[req.prefix_len : k])
         self.cache.inc_lock_ref(m.node)
         if req.prefix_node is not None:
             self.cache.dec_lock_ref(req.prefix_node)

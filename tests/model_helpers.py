@@ -57,7 +57,7 @@ class PagedRequests:
         batch = self.runner.build_batch(ids, rows, prefix, extend, logits_indices=logits_idx)
         logits = self.runner.forward(batch)
         out, off = [], 0
-        for (rid, toks), e in zip(items, extend):
+        for (rid, _toks), e in zip(items, extend):
             self.lens[rid] += e
             if all_logits:
                 out.append(logits[off : off + e])

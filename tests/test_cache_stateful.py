@@ -200,23 +200,26 @@ class CacheMachine(RuleBasedStateMachine):
         t.check_integrity()
         ps = self.page_size
         total = ps * sum(len(c) for c in self.cached.values())
-        locked_pages = {(ns, prefix[:end]) for ns, prefix, _ in self.locks
-                        for end in range(ps, len(prefix) + 1, ps)}
+        locked_pages = {(ns, prefix[:end]) for ns, prefix, _ in self.locks for end in range(ps, len(prefix) + 1, ps)}
         assert t.total_size() == total
         assert t.protected_size() == ps * len(locked_pages)
         assert t.evictable_size() == total - ps * len(locked_pages) >= 0
         held = sum(len(s) for s in self.held)
-        assert self.alloc.available_size() + t.evictable_size() + t.protected_size() + held \
-            == CAPACITY
+        assert self.alloc.available_size() + t.evictable_size() + t.protected_size() + held == CAPACITY
 
 
 class CacheMachinePage4(CacheMachine):
     page_size = 4
 
 
-_settings = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                     derandomize=not SOAK, database=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(
+    max_examples=MAX_EXAMPLES,
+    stateful_step_count=STEPS,
+    deadline=None,
+    derandomize=not SOAK,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 TestRadixCachePage1 = CacheMachine.TestCase
 TestRadixCachePage1.settings = _settings

@@ -130,8 +130,9 @@ def test_block_formats_refuse_weights_they_cannot_hold_exactly():
 def test_strided_and_expanded_weights_pack():
     for w in (torch.randn(64, 1).t(), torch.randn(64).expand(8, 64), torch.randn(40, 70)[:, 3:67]):
         x = torch.randn(5, w.shape[1])
-        torch.testing.assert_close(ck.packed_linear(x, ck.PackedWeight(w)).double(), _f64_linear(x, w), atol=1e-5,
-                                   rtol=0)
+        torch.testing.assert_close(
+            ck.packed_linear(x, ck.PackedWeight(w)).double(), _f64_linear(x, w), atol=1e-5, rtol=0
+        )
 
 
 def test_negative_zero_is_not_taken_into_a_block_format():
@@ -356,11 +357,19 @@ def test_other_argument_errors():
 
 
 def test_reset_packed_weights_after_edits_through_data():
-    from radixkv.models import build_model
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False)
+    from radixkv.models import build_model
+
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=False,
+    )
     model = build_model(cfg, seed=0).eval()
     lin = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, 48)

@@ -35,18 +35,23 @@ def hf_greedy(loaded):
     """transformers' greedy generate (the reference), memoized per prompt."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(loaded.hf_dir), torch_dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(loaded.hf_dir), torch_dtype=torch.float32, local_files_only=True
+    ).eval()
     memo = {}
 
     def run(ids, max_tokens=MAX_TOKENS):
         key = (tuple(ids), max_tokens)
         if key not in memo:
             with torch.no_grad():
-                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                     do_sample=False, max_new_tokens=max_tokens,
-                                     pad_token_id=loaded.tokenizer.eos_token_id)
-            memo[key] = out[0, len(ids):].tolist()
+                out = model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    do_sample=False,
+                    max_new_tokens=max_tokens,
+                    pad_token_id=loaded.tokenizer.eos_token_id,
+                )
+            memo[key] = out[0, len(ids) :].tolist()
         return memo[key]
 
     return run
@@ -116,8 +121,14 @@ def test_greedy_equals_transformers_and_exact_cached_tokens(mode, llms, convs, h
 
     # multi-turn: turn 2 continues conversation 0 with the model's own reply
     reply = outs[0].outputs[0].text
-    t2 = render(llm, [{"role": "user", "content": convs[0][0]}, {"role": "assistant", "content": reply},
-                      {"role": "user", "content": convs[0][1]}])
+    t2 = render(
+        llm,
+        [
+            {"role": "user", "content": convs[0][0]},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": convs[0][1]},
+        ],
+    )
     p3 = render(llm, [{"role": "user", "content": convs[2][0]}])  # new user, same system prompt
     for prompt in (t2, p2, p3):  # one at a time: the count depends only on what is cached
         o = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY, use_tqdm=False)[0]
@@ -139,8 +150,9 @@ def test_tiny_pool_eviction_and_retraction(loaded, convs, hf_greedy):
     prompts = []
     for c in convs:
         for u in c:
-            prompts.append(tok.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True,
-                                                   tokenize=False))
+            prompts.append(
+                tok.apply_chat_template([{"role": "user", "content": u}], add_generation_prompt=True, tokenize=False)
+            )
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
     longest = max(len(i) for i in ids)
     llm = make_llm(loaded, max_total_tokens=longest + 48, chunked_prefill_size=512)
@@ -163,8 +175,9 @@ def hf_greedy_ignore_eos(loaded, hf_greedy, prompt):
 def test_n_samples_and_seeds(llms, convs, hf_greedy):
     llm = llms["radix"]
     p = render(llm, [{"role": "user", "content": convs[1][1]}])
-    o = llm.generate(prompt_token_ids=[p], sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=3),
-                     use_tqdm=False)[0]
+    o = llm.generate(
+        prompt_token_ids=[p], sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=3), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in o.outputs] == [hf_greedy(p)] * 3
     sp = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=MAX_TOKENS, n=2, seed=1234, ignore_eos=True)
     a = llm.generate(prompt_token_ids=[p], sampling_params=sp, use_tqdm=False)[0]
@@ -214,8 +227,12 @@ def test_bad_inputs_raise_and_engine_stays_usable(llms, hf_greedy):
         llm.generate(prompt_token_ids=[[]], use_tqdm=False)
     with pytest.raises(ValueError, match="max_context_len"):
         llm.generate(prompt_token_ids=[[1] * llm.engine.max_context_len], use_tqdm=False)
-    for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
-                      ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p")]:
+    for kw, field in [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+    ]:
         with pytest.raises(ValueError, match=field):
             llm.generate(["hi"], SamplingParams(**kw), use_tqdm=False)
     with pytest.raises(ValueError, match="unknown"):
@@ -240,8 +257,23 @@ def test_replay_tiny(tmp_path, loaded):
     parser = argparse.ArgumentParser()
     replay.add_arguments(parser)
     out = tmp_path / "rows.json"
-    args = parser.parse_args(["--conversations", "2", "--turns", "2", "--max-tokens", "4", "--device", "cpu",
-                              "--max-total-tokens", "2048", "--output", str(out), "--no-progress"])
+    args = parser.parse_args(
+        [
+            "--conversations",
+            "2",
+            "--turns",
+            "2",
+            "--max-tokens",
+            "4",
+            "--device",
+            "cpu",
+            "--max-total-tokens",
+            "2048",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert replay.run(args, loaded_model=loaded) == 0
     rows = json.loads(out.read_text())
     assert [r["mode"] for r in rows] == ["radix", "off"]

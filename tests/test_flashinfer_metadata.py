@@ -196,8 +196,9 @@ class _FakeWrapper:
         for t in (qo_indptr, kv_indptr, last):
             assert t.device.type == "cpu" and t.dtype == torch.int32  # host arrays: no device sync
         assert kw["pos_encoding_mode"] == "NONE" and kw["q_data_type"] == kw["kv_data_type"]
-        self.plan_args = FlashInferPlan(self.kind, qo_indptr, kv_indptr, kv_indices, last,
-                                        dict(page_size=page_size, sm_scale=kw["sm_scale"]))
+        self.plan_args = FlashInferPlan(
+            self.kind, qo_indptr, kv_indptr, kv_indices, last, dict(page_size=page_size, sm_scale=kw["sm_scale"])
+        )
         self.heads = (heads, kv_heads, head_dim)
         _FakeWrapper.calls.append(("plan", self.kind))
 
@@ -213,18 +214,48 @@ class _FakeWrapper:
 
 
 class _FakePrefill(_FakeWrapper):
-    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, *, causal=False, **kw):
+    def plan(
+        self,
+        qo_indptr,
+        paged_kv_indptr,
+        paged_kv_indices,
+        paged_kv_last_page_len,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        page_size,
+        *,
+        causal=False,
+        **kw,
+    ):
         assert causal is True
-        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                   num_kv_heads, head_dim_qk, page_size, kw)
+        self._plan(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            kw,
+        )
 
 
 class _FakeDecode(_FakeWrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, **kw):
         bs = indptr.numel() - 1
-        self._plan(torch.arange(bs + 1, dtype=torch.int32), indptr, indices, last_page_len, num_qo_heads,
-                   num_kv_heads, head_dim, page_size, kw)
+        self._plan(
+            torch.arange(bs + 1, dtype=torch.int32),
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            kw,
+        )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -236,9 +267,11 @@ def test_backend_glue_with_stand_in_flashinfer(monkeypatch, page_size):
 
     from radixkv.attention import flashinfer_backend as fb
 
-    fake = types.SimpleNamespace(__version__="fake", BatchPrefillWithPagedKVCacheWrapper=type(
-        "BatchPrefillWithPagedKVCacheWrapper", (_FakePrefill,), {}), BatchDecodeWithPagedKVCacheWrapper=type(
-        "BatchDecodeWithPagedKVCacheWrapper", (_FakeDecode,), {}))
+    fake = types.SimpleNamespace(
+        __version__="fake",
+        BatchPrefillWithPagedKVCacheWrapper=type("BatchPrefillWithPagedKVCacheWrapper", (_FakePrefill,), {}),
+        BatchDecodeWithPagedKVCacheWrapper=type("BatchDecodeWithPagedKVCacheWrapper", (_FakeDecode,), {}),
+    )
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(fb, "REQUIRE_CUDA", False)
     _FakeWrapper.calls = []

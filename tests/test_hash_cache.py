@@ -290,9 +290,15 @@ def test_bad_input_raises_value_error():
     page_size=st.sampled_from([1, 2, 4]),
     capacity_pages=st.integers(6, 24),
     reqs=st.lists(
-        st.tuples(st.integers(0, 3), st.integers(0, 2), st.lists(st.integers(0, 2), min_size=1, max_size=14),
-                  st.sampled_from([None, "x"])),
-        min_size=1, max_size=25),
+        st.tuples(
+            st.integers(0, 3),
+            st.integers(0, 2),
+            st.lists(st.integers(0, 2), min_size=1, max_size=14),
+            st.sampled_from([None, "x"]),
+        ),
+        min_size=1,
+        max_size=25,
+    ),
 )
 def test_random_requests_keep_invariants(page_size, capacity_pages, reqs):
     """Random requests over a few shared prefixes under memory pressure: every matched slot holds

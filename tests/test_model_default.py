@@ -11,8 +11,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-
 from model_helpers import PagedRequests
+
 from radixkv import cpu_kernels
 from radixkv.model_runner import ModelRunner
 
@@ -54,8 +54,14 @@ def models():
 
 
 def _runner(loaded, page_size, backend="torch"):
-    return ModelRunner(loaded, num_slots=4096, page_size=page_size, max_running_requests=8, max_context_len=512,
-                       attention_backend=backend)
+    return ModelRunner(
+        loaded,
+        num_slots=4096,
+        page_size=page_size,
+        max_running_requests=8,
+        max_context_len=512,
+        attention_backend=backend,
+    )
 
 
 _GENERATE_CACHE: dict = {}
@@ -67,8 +73,12 @@ def _generate(hf, tok, prompt):
     if key not in _GENERATE_CACHE:
         with torch.no_grad():
             _GENERATE_CACHE[key] = hf.generate(
-                torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
-                max_new_tokens=32, pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=32,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(prompt) :].tolist()
     return _GENERATE_CACHE[key]
 
 

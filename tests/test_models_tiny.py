@@ -10,12 +10,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from model_helpers import PagedRequests
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from model_helpers import PagedRequests
 from radixkv import cpu_kernels
 from radixkv.model_runner import ModelRunner
 from radixkv.models import build_model, get_model_class, native_decode
@@ -24,7 +24,11 @@ pytestmark = pytest.mark.timeout(300)
 
 ATOL = 1e-4
 COMMON = dict(
-    vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256,
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
     rms_norm_eps=1e-5,
 )
 
@@ -61,8 +65,14 @@ def _configs():
             HFQwen2,
         ),
         "mistral-gqa": (
-            MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=4096, tie_word_embeddings=False,
-                          head_dim=16, **COMMON),
+            MistralConfig(
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                sliding_window=4096,
+                tie_word_embeddings=False,
+                head_dim=16,
+                **COMMON,
+            ),
             HFMistral,
         ),
     }
@@ -99,8 +109,15 @@ def backend(request):
 def _runner(ours, cfg, page_size, backend="torch"):
     if backend == "cpu" and ours.head_dim % 8:
         pytest.skip(f"the native CPU kernels need head_dim % 8 == 0 (this config: {ours.head_dim})")
-    return ModelRunner(ours, cfg, num_slots=64 * 16, page_size=page_size, max_running_requests=8,
-                       max_context_len=256, attention_backend=backend)
+    return ModelRunner(
+        ours,
+        cfg,
+        num_slots=64 * 16,
+        page_size=page_size,
+        max_running_requests=8,
+        max_context_len=256,
+        attention_backend=backend,
+    )
 
 
 def _hf_logits(hf, ids):
@@ -251,7 +268,9 @@ def test_weight_major_linear_equals_f_linear(rows, with_bias):
     torch.testing.assert_close(y.double(), ref, atol=1e-5, rtol=1e-5)
     assert layers.SMALL_M_ROWS == 128  # the crossover measured in docs/model.md
     lin = layers.Linear(96, 200, bias=with_bias)
-    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == set(torch.nn.Linear(96, 200, bias=with_bias).state_dict())
+    assert isinstance(lin, torch.nn.Linear) and set(lin.state_dict()) == set(
+        torch.nn.Linear(96, 200, bias=with_bias).state_dict()
+    )
     with torch.no_grad():
         lin.weight.copy_(w)
         if with_bias:
@@ -291,8 +310,9 @@ def test_torch_only_path_when_native_kernels_are_unavailable(pair, monkeypatch):
     cfg, hf, ours = pair
     monkeypatch.setattr(cpu_kernels, "AVAILABLE", False)
     a, b = _prompt(21, 12), _prompt(22, 7)
-    reqs = PagedRequests(ModelRunner(ours, cfg, num_slots=256, max_running_requests=4, max_context_len=64,
-                                     attention_backend="auto"))
+    reqs = PagedRequests(
+        ModelRunner(ours, cfg, num_slots=256, max_running_requests=4, max_context_len=64, attention_backend="auto")
+    )
     assert reqs.runner.attn_backend.name == "torch"
     first = reqs.forward([("a", a), ("b", b)])
     for seq, g in zip((a, b), first):

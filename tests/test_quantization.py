@@ -40,11 +40,19 @@ def test_int8_linear_close_to_fp32_with_bias_and_leading_dims():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="2-D CPU tensor"):
         Int8DynamicLinear(torch.zeros(4))
-    from radixkv.models import build_model, load_model
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    from radixkv.models import build_model, load_model
+
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(build_model(cfg), "int4")
     with pytest.raises(ValueError, match="float32 CPU model"):
@@ -76,8 +84,14 @@ GREEDY_EQUAL = {0: 8, 3: 5}  # prompt index -> leading greedy tokens equal to fp
 
 
 def _greedy(model, hf_config, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    r = ModelRunner(model, hf_config=hf_config, num_slots=512, max_running_requests=1, max_context_len=512,
-                    attention_backend="torch")
+    r = ModelRunner(
+        model,
+        hf_config=hf_config,
+        num_slots=512,
+        max_running_requests=1,
+        max_context_len=512,
+        attention_backend="torch",
+    )
     row = r.req_to_token_pool.alloc()
     r.req_to_token_pool.write(row, 0, torch.arange(len(ids) + n))
     logits = r.forward(r.build_batch(ids, [row], [0], [len(ids)], logits_indices=list(range(len(ids)))))
@@ -95,8 +109,9 @@ def test_default_model_int8_close_to_fp32():
     assert qmodel.quantization == "int8" and qmodel.logits_proj is not None
     assert loaded.model.logits_proj is None  # the copy was quantized, not the original
     for i, text in enumerate(PROMPTS):
-        ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                   tokenize=True)
+        ids = loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         n = GREEDY_EQUAL.get(i, 1)
         ref_toks, ref_logits = _greedy(loaded.model, loaded.hf_config, ids, n)

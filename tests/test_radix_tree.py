@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from radixkv.cache import MatchResult, PrefixCache, RadixCache, SlotAllocator
-from radixkv.cache import radix_tree, token_keys
+from radixkv.cache import MatchResult, PrefixCache, RadixCache, SlotAllocator, radix_tree, token_keys
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -74,19 +73,21 @@ def test_match_ending_exactly_at_edge_end_does_not_split():
     t.check_integrity()
 
 
-@pytest.mark.parametrize("query,length,upper,lower", [
-    ([1, 2, 3, 7], 3, (1, 2, 3), (4, 5, 6)),  # middle of the edge
-    ([1, 9], 1, (1,), (2, 3, 4, 5, 6)),  # offset 1
-    ([1, 2, 3, 4, 5], 5, (1, 2, 3, 4, 5), (6,)),  # query ends inside the edge
-])
+@pytest.mark.parametrize(
+    "query,length,upper,lower",
+    [
+        ([1, 2, 3, 7], 3, (1, 2, 3), (4, 5, 6)),  # middle of the edge
+        ([1, 9], 1, (1,), (2, 3, 4, 5, 6)),  # offset 1
+        ([1, 2, 3, 4, 5], 5, (1, 2, 3, 4, 5), (6,)),  # query ends inside the edge
+    ],
+)
 def test_split_inside_an_edge(query, length, upper, lower):
     t = RadixCache()
     t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15))
     r = t.match_prefix(query)
     assert r.length == length and r.slots.tolist() == list(range(10, 10 + length))
     assert tuple(r.node.tokens()) == upper
-    assert edges(t) == {upper: (list(range(10, 10 + length)), 0),
-                        lower: (list(range(10 + length, 16)), 0)}
+    assert edges(t) == {upper: (list(range(10, 10 + length)), 0), lower: (list(range(10 + length, 16)), 0)}
     t.check_integrity()
 
 
@@ -112,8 +113,7 @@ def test_insert_prefix_of_cached_key_and_extension():
     assert t.total_size() == 8
     r = t.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
     assert r.slots.tolist() == [10, 11, 12, 13, 14, 15, 16, 17] and r.length == 8
-    assert edges(t) == {(1, 2, 3): ([10, 11, 12], 0), (4, 5, 6): ([13, 14, 15], 0),
-                        (7, 8): ([16, 17], 0)}
+    assert edges(t) == {(1, 2, 3): ([10, 11, 12], 0), (4, 5, 6): ([13, 14, 15], 0), (7, 8): ([16, 17], 0)}
     t.check_integrity()
 
 
@@ -240,8 +240,15 @@ def test_insert_validation():
 def test_token_input_types_agree():
     t = RadixCache()
     t.insert(torch.tensor([5, 6, 7], dtype=torch.int32), S(0, 1, 2))
-    for q in ([5, 6, 7], (5, 6, 7), np.array([5, 6, 7]), array("i", [5, 6, 7]),
-              array("q", [5, 6, 7]), torch.tensor([5, 6, 7]), range(5, 8)):
+    for q in (
+        [5, 6, 7],
+        (5, 6, 7),
+        np.array([5, 6, 7]),
+        array("i", [5, 6, 7]),
+        array("q", [5, 6, 7]),
+        torch.tensor([5, 6, 7]),
+        range(5, 8),
+    ):
         assert t.match_prefix(q).slots.tolist() == [0, 1, 2]
     assert t.insert([5, 6, 7], [9, 9, 9]) == 3
 
@@ -291,15 +298,17 @@ def test_c_helpers_equal_python_helpers():
         assert ab == token_keys.pack_int32_py(a) and bb == token_keys.pack_int32_py(b)
         start = rng.randrange(0, 41)
         limit = rng.randrange(start, 41)
-        assert _cprefix.common_prefix_len(ab, bb, start, limit) == \
-            token_keys.common_prefix_len_py(ab, bb, start, limit)
+        assert _cprefix.common_prefix_len(ab, bb, start, limit) == token_keys.common_prefix_len_py(ab, bb, start, limit)
         # and against the definition
         n = min(len(a), limit - start)
         m = next((i for i in range(n) if a[i] != b[start + i]), n)
         assert token_keys.common_prefix_len_py(ab, bb, start, limit) == m
     edge_ids = [0, 1, -1, 2**30 - 1, 2**30, -(2**30), -(2**30) - 1, 2**31 - 1, -(2**31), True]
-    assert _cprefix.pack_int32(edge_ids) == token_keys.pack_int32_py(edge_ids) \
+    assert (
+        _cprefix.pack_int32(edge_ids)
+        == token_keys.pack_int32_py(edge_ids)
         == np.array(edge_ids, dtype=np.int32).tobytes()
+    )
     for bad in ([2**31], [-(2**31) - 1], [2**70]):
         with pytest.raises(ValueError):
             _cprefix.pack_int32(bad)
@@ -352,17 +361,17 @@ def test_package_works_without_the_c_helper():
     import subprocess
     import sys
 
-    code = ("import torch; from radixkv.cache import RadixCache, token_keys as k; "
-            "assert not k.HAS_CEXT and k.common_prefix_len is k.common_prefix_len_py; "
-            "assert k.pack_int32 is k.pack_int32_py and k.match_walk is k.match_walk_py; "
-            "t = RadixCache(); t.insert([1, 2, 3], torch.arange(3)); "
-            "m = t.match_prefix([1, 2, 9]); assert (m.length, m.slots.tolist()) == (2, [0, 1]); "
-            "t.check_integrity(); print('ok')")
+    code = (
+        "import torch; from radixkv.cache import RadixCache, token_keys as k; "
+        "assert not k.HAS_CEXT and k.common_prefix_len is k.common_prefix_len_py; "
+        "assert k.pack_int32 is k.pack_int32_py and k.match_walk is k.match_walk_py; "
+        "t = RadixCache(); t.insert([1, 2, 3], torch.arange(3)); "
+        "m = t.match_prefix([1, 2, 9]); assert (m.length, m.slots.tolist()) == (2, [0, 1]); "
+        "t.check_integrity(); print('ok')"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, RADIXKV_NO_CEXT="1",
-               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=300)
+    env = dict(os.environ, RADIXKV_NO_CEXT="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -406,16 +415,14 @@ def test_every_eviction_takes_a_least_recently_used_leaf(page_size):
         elif op < 0.8 and locks:
             t.dec_lock_ref(locks.pop(rng.randrange(len(locks))))
         else:
-            leaves = [n for n in t._iter_nodes()
-                      if n.key and not n.children and n.lock_ref == 0]
+            leaves = [n for n in t._iter_nodes() if n.key and not n.children and n.lock_ref == 0]
             freed = t.evict(1)
             alloc.free(freed)
             if not leaves:
                 assert freed.tolist() == []
                 continue
             oldest = min(n.last_access for n in leaves)
-            assert freed.tolist() in [n.slots() for n in leaves
-                                      if n.last_access == oldest]
+            assert freed.tolist() in [n.slots() for n in leaves if n.last_access == oldest]
         if step % 50 == 0:
             t.check_integrity()
     t.check_integrity()
@@ -453,9 +460,11 @@ def test_walks_return_the_matched_path_slots_and_tail(page_size):
         n = len(toks) - len(toks) % page_size
         kb = token_keys.pack_int32_py(toks)
         # the definition: longest cached prefix, floored to pages
-        length = max(i for i in range(0, n + 1, page_size)
-                     if i == 0 or (tuple(toks[: (i - 1) // page_size * page_size + page_size]),
-                                   i - 1) in oracle)
+        length = max(
+            i
+            for i in range(0, n + 1, page_size)
+            if i == 0 or (tuple(toks[: (i - 1) // page_size * page_size + page_size]), i - 1) in oracle
+        )
         results = []
         for match_walk, insert_walk in _walk_impls():
             for q in (toks, tuple(toks), kb):
@@ -463,15 +472,13 @@ def test_walks_return_the_matched_path_slots_and_tail(page_size):
                 assert isinstance(buf, bytearray)
                 assert pos + m == length and (child is None) == (m == 0)
                 got = np.frombuffer(bytes(buf), dtype=np.int64).tolist()
-                assert got == [oracle[tuple(toks[: (i // page_size + 1) * page_size]), i]
-                               for i in range(length)]
+                assert got == [oracle[tuple(toks[: (i // page_size + 1) * page_size]), i] for i in range(length)]
                 src = torch.arange(100, 100 + len(toks))
                 addr = token_keys.slot_tensor_address(src)
                 w = insert_walk(ns_root, q, page_size, 7, addr)
                 assert w[:4] == (node, pos, child, m)
                 assert w[4] == kb[length * 4 : n * 4]
-                assert np.frombuffer(w[5], dtype=np.int64).tolist() == list(range(100 + length,
-                                                                                  100 + n))
+                assert np.frombuffer(w[5], dtype=np.int64).tolist() == list(range(100 + length, 100 + n))
                 assert insert_walk(ns_root, q, page_size, 7, -1)[5] is None
                 results.append((node, pos, child, m))
         assert all(r == results[0] for r in results)
@@ -517,9 +524,14 @@ def test_insert_reads_slots_from_any_valid_input():
     """The contiguous-tensor fast path and the validating path (strided, int32, list, numpy,
     offset view) store the same slots: the tree keeps its own 4, takes the rest."""
     toks = list(range(10))
-    for slots in (torch.arange(200, 210), torch.arange(200, 220)[::2],
-                  torch.arange(200, 210, dtype=torch.int32), list(range(200, 210)),
-                  np.arange(200, 210), torch.arange(198, 210)[2:]):
+    for slots in (
+        torch.arange(200, 210),
+        torch.arange(200, 220)[::2],
+        torch.arange(200, 210, dtype=torch.int32),
+        list(range(200, 210)),
+        np.arange(200, 210),
+        torch.arange(198, 210)[2:],
+    ):
         t = RadixCache()
         assert t.insert(toks[:4], torch.arange(100, 104)) == 0
         assert t.insert(toks, slots) == 4
@@ -537,8 +549,7 @@ def test_list_items_that_are_not_ints_are_converted_safely():
     t = RadixCache(1)
     t.insert(list(range(100)), torch.arange(100))
     assert t.match_prefix([np.int64(0), np.int32(1), 2, True]).length == 3  # True == 1 != 3
-    assert t.insert(np.arange(5, dtype=np.int64).tolist() + [np.int16(7)],
-                    torch.arange(200, 206)) == 5
+    assert t.insert(np.arange(5, dtype=np.int64).tolist() + [np.int16(7)], torch.arange(200, 206)) == 5
     lst = []
 
     class ClearsTheList:

@@ -18,20 +18,23 @@ def test_defaults_and_alias():
     assert SamplingParams(temperature=0.5).clone(seed=3).seed == 3
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_new_tokens": -1}, "max_tokens"),
-    ({"temperature": -0.1}, "temperature"),
-    ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"min_p": 1.1}, "min_p"),
-    ({"n": 0}, "n"),
-    ({"seed": 1.5}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_new_tokens": -1}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"n": 0}, "n"),
+        ({"seed": 1.5}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)

@@ -34,7 +34,7 @@ def reference(prompt, max_tokens):
     seq = list(prompt)
     for _ in range(max_tokens):
         seq.append(next_token(seq))
-    return seq[len(prompt):]
+    return seq[len(prompt) :]
 
 
 class FakeRunner:
@@ -49,8 +49,15 @@ class FakeRunner:
         self.soft = soft  # sampling tests: logits spread over many tokens
 
     def build_batch(self, input_ids, req_rows, prefix_lens, extend_lens, logits_indices=None):
-        return ForwardBatch.build(input_ids, req_rows, prefix_lens, extend_lens,
-                                  self.req_to_token_pool.req_to_token, self.page_size, logits_indices=logits_indices)
+        return ForwardBatch.build(
+            input_ids,
+            req_rows,
+            prefix_lens,
+            extend_lens,
+            self.req_to_token_pool.req_to_token,
+            self.page_size,
+            logits_indices=logits_indices,
+        )
 
     def forward(self, b: ForwardBatch) -> torch.Tensor:
         ps = self.page_size
@@ -80,8 +87,15 @@ class FakeRunner:
 
 
 def make_engine(capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False):
-    cfg = EngineConfig(device="cpu", page_size=page_size, max_total_tokens=capacity, prefix_cache=cache,
-                       chunked_prefill_size=chunk, max_running_requests=max_running, schedule_policy=policy)
+    cfg = EngineConfig(
+        device="cpu",
+        page_size=page_size,
+        max_total_tokens=capacity,
+        prefix_cache=cache,
+        chunked_prefill_size=chunk,
+        max_running_requests=max_running,
+        schedule_policy=policy,
+    )
     runner = FakeRunner(capacity, page_size, max_running, soft=soft)
     return Engine(cfg, model_runner=runner, tokenizer=None, eos_token_ids=[])
 
@@ -112,7 +126,7 @@ def greedy(max_tokens=8, **kw):
 def prompts_with_sharing(rng, n=8):
     system = [rng.randrange(1, VOCAB) for _ in range(37)]
     out = []
-    for i in range(n):
+    for _i in range(n):
         out.append(system + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))])
     out.append(out[0] + [5, 6, 7])  # extends another prompt
     out.append(list(out[1]))  # sent twice
@@ -403,9 +417,14 @@ def test_random_workload_with_aborts(seed):
     rng = random.Random(seed)
     cache = ["radix", "hash", "none"][seed % 3]
     page_size = [1, 4][seed // 3 % 2]
-    eng = make_engine(capacity=rng.choice([96, 128, 256]), page_size=page_size, cache=cache,
-                      chunk=rng.choice([8, 24, 64]), max_running=rng.choice([2, 4, 8]),
-                      policy=rng.choice(["lpm", "fcfs"]))
+    eng = make_engine(
+        capacity=rng.choice([96, 128, 256]),
+        page_size=page_size,
+        cache=cache,
+        chunk=rng.choice([8, 24, 64]),
+        max_running=rng.choice([2, 4, 8]),
+        policy=rng.choice(["lpm", "fcfs"]),
+    )
     bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
     expected, aborted, done = {}, set(), {}
     for step in range(400):

@@ -301,7 +301,7 @@ def test_32_concurrent_streaming_clients(server, llm):
 
     results = asyncio.run(all_of_them())
     assert len(results) == 32
-    for text, finish, usage in results:
+    for _text, finish, usage in results:
         assert finish in ("stop", "length") and usage is not None
         assert 1 <= usage.completion_tokens <= 6
         assert usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens - 1
@@ -365,7 +365,10 @@ def test_metrics_parse_and_move(server, client, llm):
         ("radixkv_generation_tokens_total", r.usage.completion_tokens),
     ):
         assert after[(name, ())] == before.get((name, ()), 0) + delta, name
-    assert after[("radixkv_time_to_first_token_seconds_count", ())] == before[("radixkv_time_to_first_token_seconds_count", ())] + 1
+    assert (
+        after[("radixkv_time_to_first_token_seconds_count", ())]
+        == before[("radixkv_time_to_first_token_seconds_count", ())] + 1
+    )
     stats = llm.get_cache_stats()
     assert after[("radixkv_kv_capacity_tokens", ())] == stats["capacity"]
     assert after[("radixkv_page_size", ())] == 1

@@ -32,8 +32,17 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-__all__ = ["WorkloadRequest", "Workload", "WORKLOADS", "multi_turn", "few_shot", "gsp", "fork",
-           "unique", "make_workload"]
+__all__ = [
+    "WorkloadRequest",
+    "Workload",
+    "WORKLOADS",
+    "multi_turn",
+    "few_shot",
+    "gsp",
+    "fork",
+    "unique",
+    "make_workload",
+]
 
 
 @dataclass
@@ -97,9 +106,15 @@ def _chat(frame, turns: list[list[int]], gen_prompt: bool = True) -> list[int]:
     return out
 
 
-def multi_turn(n_conversations: int = 17318, concurrency: int = 1024, max_turns: int | None = None,
-               max_context: int | None = None, reply_cap: int | None = None, seed: int = 0,
-               data=None) -> Workload:
+def multi_turn(
+    n_conversations: int = 17318,
+    concurrency: int = 1024,
+    max_turns: int | None = None,
+    max_context: int | None = None,
+    reply_cap: int | None = None,
+    seed: int = 0,
+    data=None,
+) -> Workload:
     """ShareGPT multi-turn replay (see module docstring). ``max_context`` drops a conversation's
     turns once the prompt + reply would exceed it; ``reply_cap`` truncates replies."""
     convs, frame = data or _data()
@@ -127,8 +142,9 @@ def multi_turn(n_conversations: int = 17318, concurrency: int = 1024, max_turns:
             if max_context is not None and length + len(reply) + 1 > max_context:
                 break
             # parent: local turn index here, made global when the conversations are interleaved
-            reqs.append(WorkloadRequest(suffix, list(reply) + eos, parent=(len(reqs) - 1) if reqs else None,
-                                        seed=len(reqs)))
+            reqs.append(
+                WorkloadRequest(suffix, list(reply) + eos, parent=(len(reqs) - 1) if reqs else None, seed=len(reqs))
+            )
             length += len(reply) + 1
         if reqs:
             per_conv.append(reqs)
@@ -152,9 +168,19 @@ def multi_turn(n_conversations: int = 17318, concurrency: int = 1024, max_turns:
             open_.pop()
         else:
             open_[k][1] = t + 1
-    return Workload("multi_turn", requests, dict(history="dataset", n_conversations=len(per_conv), concurrency=concurrency,
-                                                 max_turns=max_turns, max_context=max_context,
-                                                 reply_cap=reply_cap, seed=seed))
+    return Workload(
+        "multi_turn",
+        requests,
+        dict(
+            history="dataset",
+            n_conversations=len(per_conv),
+            concurrency=concurrency,
+            max_turns=max_turns,
+            max_context=max_context,
+            reply_cap=reply_cap,
+            seed=seed,
+        ),
+    )
 
 
 def _pairs(convs, rng, q_len, a_len, n):
@@ -163,8 +189,16 @@ def _pairs(convs, rng, q_len, a_len, n):
     return [(convs[i][0][:q_len], convs[i][1][:a_len]) for i in idx]
 
 
-def few_shot(n: int = 2000, k: int = 5, shot_q: int = 96, shot_a: int = 48, question_len: int = 96,
-             reply_len: int = 32, seed: int = 0, data=None) -> Workload:
+def few_shot(
+    n: int = 2000,
+    k: int = 5,
+    shot_q: int = 96,
+    shot_a: int = 48,
+    question_len: int = 96,
+    reply_len: int = 32,
+    seed: int = 0,
+    data=None,
+) -> Workload:
     """``n`` questions sharing one k-shot chat history (see module docstring)."""
     convs, frame = data or _data()
     rng = random.Random(seed)
@@ -172,20 +206,32 @@ def few_shot(n: int = 2000, k: int = 5, shot_q: int = 96, shot_a: int = 48, ques
     shots: list[list[int]] = []
     for q, a in pairs[:k]:
         shots += [q[:shot_q], a[:shot_a]]
-    reqs = [WorkloadRequest(_chat(frame, shots + [q[:question_len]]), a[:reply_len] + frame["eos"], seed=i)
-            for i, (q, a) in enumerate(pairs[k:])]
-    return Workload("few_shot", reqs, dict(n=n, k=k, shot_q=shot_q, shot_a=shot_a,
-                                           question_len=question_len, reply_len=reply_len, seed=seed))
+    reqs = [
+        WorkloadRequest(_chat(frame, shots + [q[:question_len]]), a[:reply_len] + frame["eos"], seed=i)
+        for i, (q, a) in enumerate(pairs[k:])
+    ]
+    return Workload(
+        "few_shot",
+        reqs,
+        dict(n=n, k=k, shot_q=shot_q, shot_a=shot_a, question_len=question_len, reply_len=reply_len, seed=seed),
+    )
 
 
-def gsp(groups: int = 64, prompts_per_group: int = 32, system_len: int = 1024, question_len: int = 128,
-        reply_len: int = 64, seed: int = 0, data=None) -> Workload:
+def gsp(
+    groups: int = 64,
+    prompts_per_group: int = 32,
+    system_len: int = 1024,
+    question_len: int = 128,
+    reply_len: int = 64,
+    seed: int = 0,
+    data=None,
+) -> Workload:
     """Generated-shared-prefix workload (SGLang ``bench_serving --dataset-name
     generated-shared-prefix`` shape) from ShareGPT text, arrival shuffled across groups."""
     convs, frame = data or _data()
     rng = random.Random(seed)
     reqs = []
-    for g in range(groups):
+    for _g in range(groups):
         sys_toks: list[int] = []
         while len(sys_toks) < system_len:
             sys_toks += convs[rng.randrange(len(convs))][1]
@@ -195,13 +241,30 @@ def gsp(groups: int = 64, prompts_per_group: int = 32, system_len: int = 1024, q
             prompt = system + frame["user"] + q + frame["end"] + frame["assistant"]
             reqs.append(WorkloadRequest(prompt, a + frame["eos"], seed=len(reqs)))
     rng.shuffle(reqs)
-    return Workload("gsp", reqs, dict(groups=groups, prompts_per_group=prompts_per_group,
-                                      system_len=system_len, question_len=question_len,
-                                      reply_len=reply_len, seed=seed))
+    return Workload(
+        "gsp",
+        reqs,
+        dict(
+            groups=groups,
+            prompts_per_group=prompts_per_group,
+            system_len=system_len,
+            question_len=question_len,
+            reply_len=reply_len,
+            seed=seed,
+        ),
+    )
 
 
-def fork(roots: int = 64, branches: int = 8, prompt_len: int = 512, branch_len: int = 64,
-         followup_len: int = 48, reply_len: int = 32, seed: int = 0, data=None) -> Workload:
+def fork(
+    roots: int = 64,
+    branches: int = 8,
+    prompt_len: int = 512,
+    branch_len: int = 64,
+    followup_len: int = 48,
+    reply_len: int = 32,
+    seed: int = 0,
+    data=None,
+) -> Workload:
     """``roots`` x ``branches`` continuations, then a follow-up per branch (see module doc)."""
     convs, frame = data or _data()
     rng = random.Random(seed)
@@ -216,11 +279,28 @@ def fork(roots: int = 64, branches: int = 8, prompt_len: int = 512, branch_len: 
             reqs.append(WorkloadRequest(prompt, ans + frame["eos"], seed=r * branches + b))
         for b in range(branches):  # this root's follow-ups arrive right after its branches
             q, a = _pairs(convs, rng, followup_len, reply_len, 1)[0]
-            reqs.append(WorkloadRequest(frame["end"][1:] + frame["user"] + q + frame["end"] + frame["assistant"],
-                                        a + frame["eos"], parent=first + b, seed=r * branches + b))
-    return Workload("fork", reqs, dict(history="generated", roots=roots, branches=branches, prompt_len=prompt_len,
-                                                branch_len=branch_len, followup_len=followup_len,
-                                                reply_len=reply_len, seed=seed))
+            reqs.append(
+                WorkloadRequest(
+                    frame["end"][1:] + frame["user"] + q + frame["end"] + frame["assistant"],
+                    a + frame["eos"],
+                    parent=first + b,
+                    seed=r * branches + b,
+                )
+            )
+    return Workload(
+        "fork",
+        reqs,
+        dict(
+            history="generated",
+            roots=roots,
+            branches=branches,
+            prompt_len=prompt_len,
+            branch_len=branch_len,
+            followup_len=followup_len,
+            reply_len=reply_len,
+            seed=seed,
+        ),
+    )
 
 
 def unique(n: int = 2000, prompt_len: int = 256, reply_len: int = 32, seed: int = 0, data=None) -> Workload:
@@ -228,13 +308,19 @@ def unique(n: int = 2000, prompt_len: int = 256, reply_len: int = 32, seed: int 
     convs, frame = data or _data()
     rng = random.Random(seed)
     idx = [i for i in rng.sample(range(len(convs)), min(len(convs), 3 * n)) if len(convs[i][0]) >= 8][:n]
-    reqs = [WorkloadRequest(convs[i][0][:prompt_len], convs[i][1][:reply_len] + frame["eos"], seed=j)
-            for j, i in enumerate(idx)]
+    reqs = [
+        WorkloadRequest(convs[i][0][:prompt_len], convs[i][1][:reply_len] + frame["eos"], seed=j)
+        for j, i in enumerate(idx)
+    ]
     return Workload("unique", reqs, dict(n=len(reqs), prompt_len=prompt_len, reply_len=reply_len, seed=seed))
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "multi_turn": multi_turn, "few_shot": few_shot, "gsp": gsp, "fork": fork, "unique": unique,
+    "multi_turn": multi_turn,
+    "few_shot": few_shot,
+    "gsp": gsp,
+    "fork": fork,
+    "unique": unique,
 }
 
 

@@ -115,11 +115,12 @@ def build_token_cache(batch: int = 512, limit: int | None = None) -> Path:
     turns = np.array([len(c) for c in convs], dtype=np.int64)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = TOKENS_FILE.with_suffix(".tmp.npz")
-    np.savez(tmp, flat=flat, lens=lens, turns=turns, n_records=n_records,
-             frame=json.dumps(frame))
+    np.savez(tmp, flat=flat, lens=lens, turns=turns, n_records=n_records, frame=json.dumps(frame))
     os.replace(tmp, TOKENS_FILE)
-    print(f"tokenized {len(convs)} conversations ({n_records} records, {len(texts)} messages, "
-          f"{int(lens.sum())} tokens) in {time.time() - t0:.0f}s -> {TOKENS_FILE}")
+    print(
+        f"tokenized {len(convs)} conversations ({n_records} records, {len(texts)} messages, "
+        f"{int(lens.sum())} tokens) in {time.time() - t0:.0f}s -> {TOKENS_FILE}"
+    )
     return TOKENS_FILE
 
 

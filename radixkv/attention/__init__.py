@@ -26,7 +26,14 @@ from radixkv.attention.metadata import ForwardBatch
 from radixkv.attention.torch_backend import TorchAttentionBackend
 from radixkv.kv_pool import KVPool
 
-__all__ = ["AttentionBackend", "CPUAttentionBackend", "ForwardBatch", "TorchAttentionBackend", "create_attention_backend", "BACKEND_NAMES"]
+__all__ = [
+    "AttentionBackend",
+    "CPUAttentionBackend",
+    "ForwardBatch",
+    "TorchAttentionBackend",
+    "create_attention_backend",
+    "BACKEND_NAMES",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -71,14 +71,25 @@ class CPUAttentionBackend(TorchAttentionBackend):
 
     def plan(self, batch: ForwardBatch) -> None:
         if batch.page_size != self.page_size:
-            raise ValueError(f"CPUAttentionBackend.plan: batch.page_size {batch.page_size} != kv_pool.page_size {self.page_size}")
+            raise ValueError(
+                f"CPUAttentionBackend.plan: batch.page_size {batch.page_size} != kv_pool.page_size {self.page_size}"
+            )
         self._batch = batch
         extend = batch.extend_lens_cpu.to(torch.int64)
         native = extend <= self.native_max_q
         # per native request: first query row, query count, first page in kv_indices, KV length
-        self._meta = torch.stack(
-            [batch.qo_indptr_cpu[:-1][native], extend[native], batch.kv_indptr_cpu[:-1][native], batch.seq_lens_cpu[native]]
-        ).to(torch.int32).contiguous()
+        self._meta = (
+            torch.stack(
+                [
+                    batch.qo_indptr_cpu[:-1][native],
+                    extend[native],
+                    batch.kv_indptr_cpu[:-1][native],
+                    batch.seq_lens_cpu[native],
+                ]
+            )
+            .to(torch.int32)
+            .contiguous()
+        )
         self._kv_indices = batch.kv_indices.to(torch.int32).contiguous()
         self._out_slots = batch.out_slots.to(torch.int64).contiguous()
         self._groups = self._plan_groups(batch, (~native).nonzero().flatten().tolist())
@@ -101,8 +112,14 @@ class CPUAttentionBackend(TorchAttentionBackend):
         q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)
         cpu_kernels.paged_attention(
-            q, out, self._meta, self._kv_indices, self.page_size,
-            self.kv_pool.k_slots(layer_id), self.kv_pool.v_slots(layer_id), self.sm_scale,
+            q,
+            out,
+            self._meta,
+            self._kv_indices,
+            self.page_size,
+            self.kv_pool.k_slots(layer_id),
+            self.kv_pool.v_slots(layer_id),
+            self.sm_scale,
         )
         if self._groups:
             self._attend_groups(layer_id, q, out)

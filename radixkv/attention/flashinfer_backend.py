@@ -164,9 +164,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.dtype = kv_pool.dtype
         self.use_tensor_cores = self.group_size >= 4 if use_tensor_cores is None else bool(use_tensor_cores)
         self.workspace = torch.zeros(int(workspace_bytes), dtype=torch.uint8, device=kv_pool.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend
-        )
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=prefill_backend
         )
@@ -188,8 +186,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         if p.kind == "decode":
             kw = dict(p.kwargs)
             self._decode.plan(
-                p.kv_indptr, p.kv_indices, p.kv_last_page_len,
-                kw.pop("num_qo_heads"), kw.pop("num_kv_heads"), kw.pop("head_dim"), kw.pop("page_size"), **kw,
+                p.kv_indptr,
+                p.kv_indices,
+                p.kv_last_page_len,
+                kw.pop("num_qo_heads"),
+                kw.pop("num_kv_heads"),
+                kw.pop("head_dim"),
+                kw.pop("page_size"),
+                **kw,
             )
             self._wrapper = self._decode
         else:

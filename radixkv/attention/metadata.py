@@ -174,8 +174,7 @@ class ForwardBatch:
         seq = prefix + extend
         if int(seq.max()) > max_ctx:
             raise ValueError(
-                f"ForwardBatch.build: prefix_len + extend_len = {int(seq.max())} exceeds "
-                f"max_context_len {max_ctx}"
+                f"ForwardBatch.build: prefix_len + extend_len = {int(seq.max())} exceeds max_context_len {max_ctx}"
             )
         num_tokens = int(extend.sum())
         if ids.numel() != num_tokens:

@@ -11,8 +11,7 @@ from radixkv.cache.allocator import SlotAllocator
 from radixkv.cache.base import MatchResult, PrefixCache
 from radixkv.cache.radix_tree import RadixCache
 
-__all__ = ["RadixCache", "SlotAllocator", "MatchResult", "PrefixCache", "HashBlockCache",
-           "NoPrefixCache"]
+__all__ = ["RadixCache", "SlotAllocator", "MatchResult", "PrefixCache", "HashBlockCache", "NoPrefixCache"]
 
 
 def __getattr__(name: str):

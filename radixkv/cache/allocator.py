@@ -43,8 +43,7 @@ class SlotAllocator:
         if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 0:
             raise ValueError(f"num_slots must be an int >= 0, got {num_slots!r}")
         if num_slots % page_size:
-            raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size "
-                             f"({page_size})")
+            raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size})")
         self.num_slots = num_slots
         self.page_size = page_size
         self.num_pages = num_slots // page_size
@@ -117,16 +116,14 @@ class SlotAllocator:
         if arr.size == 0:
             return
         if arr.ndim != 1 or arr.dtype.kind not in "iu":
-            raise ValueError(f"slots must be a 1-D integer tensor or sequence, got shape "
-                             f"{arr.shape} dtype {arr.dtype}")
+            raise ValueError(f"slots must be a 1-D integer tensor or sequence, got shape {arr.shape} dtype {arr.dtype}")
         if arr.size <= _SMALL:
             self._free_small(arr.tolist())
             return
         arr = arr.astype(np.int64, copy=False)
         lo, hi = int(arr.min()), int(arr.max())
         if lo < 0 or hi >= self.num_slots:
-            raise ValueError(f"slots must lie in [0, num_slots={self.num_slots}), got "
-                             f"min {lo} max {hi}")
+            raise ValueError(f"slots must lie in [0, num_slots={self.num_slots}), got min {lo} max {hi}")
         if not self._first_occurrence(arr).all():
             raise ValueError("slots lists a slot more than once (double free)")
         ps = self.page_size
@@ -138,8 +135,10 @@ class SlotAllocator:
         flags = self._allocated[pages]
         if not flags.all():
             bad = pages[flags == 0][:8] * ps
-            raise ValueError(f"freeing slots that are not allocated (double free or never "
-                             f"handed out), e.g. page(s) starting at slot {bad.tolist()}")
+            raise ValueError(
+                f"freeing slots that are not allocated (double free or never "
+                f"handed out), e.g. page(s) starting at slot {bad.tolist()}"
+            )
         self._allocated[pages] = 0
         self._push(pages)
 
@@ -154,8 +153,7 @@ class SlotAllocator:
         """``free`` for a few slots, in plain Python (same checks, same errors)."""
         lo, hi = min(slots), max(slots)
         if lo < 0 or hi >= self.num_slots:
-            raise ValueError(f"slots must lie in [0, num_slots={self.num_slots}), got "
-                             f"min {lo} max {hi}")
+            raise ValueError(f"slots must lie in [0, num_slots={self.num_slots}), got min {lo} max {hi}")
         if len(set(slots)) != len(slots):
             raise ValueError("slots lists a slot more than once (double free)")
         ps = self.page_size
@@ -163,8 +161,10 @@ class SlotAllocator:
         flags = self._flags
         bad = [p * ps for p in pages if not flags[p]]
         if bad:
-            raise ValueError(f"freeing slots that are not allocated (double free or never "
-                             f"handed out), e.g. page(s) starting at slot {bad[:8]}")
+            raise ValueError(
+                f"freeing slots that are not allocated (double free or never "
+                f"handed out), e.g. page(s) starting at slot {bad[:8]}"
+            )
         for p in pages:
             flags[p] = 0
         self._push(pages)
@@ -175,5 +175,6 @@ class SlotAllocator:
         self._num_free = top + len(pages)
 
     def __repr__(self) -> str:
-        return (f"SlotAllocator(num_slots={self.num_slots}, page_size={self.page_size}, "
-                f"available={self.available_size()})")
+        return (
+            f"SlotAllocator(num_slots={self.num_slots}, page_size={self.page_size}, available={self.available_size()})"
+        )

@@ -44,8 +44,9 @@ def _as_token_array(tokens: Tokens) -> np.ndarray:
     """``tokens`` as a 1-D int64 numpy array (ValueError if it is not 1-D integer data)."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} "
-                             f"dtype {tokens.dtype}")
+            raise ValueError(
+                f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} dtype {tokens.dtype}"
+            )
         return tokens.detach().to("cpu", torch.int64).numpy()
     arr = np.asarray(tokens if len(tokens) else [], dtype=np.int64)
     if arr.ndim != 1:
@@ -192,8 +193,10 @@ class HashBlockCache:
             ok = (pages - starts[:, None] == self._offsets).all(axis=1)
             if not ok.all():
                 i = int(np.argmin(ok))
-                raise ValueError(f"slots of block {i} (tokens {i * ps}..{(i + 1) * ps - 1}) must "
-                                 f"be one page: {ps} contiguous ascending slots")
+                raise ValueError(
+                    f"slots of block {i} (tokens {i * ps}..{(i + 1) * ps - 1}) must "
+                    f"be one page: {ps} contiguous ascending slots"
+                )
         starts_l = starts.tolist()
         table, free = self._table, self._free
         prefix_blocks = 0

@@ -32,11 +32,9 @@ def check_tree(tree: "RadixCache") -> None:
     for node in tree._iter_nodes():
         if node.parent is not tree.root:
             if not node.key or len(node.key) % pb:
-                fail(f"edge of {len(node.key)} bytes, not a positive multiple of "
-                     f"{ps} int32 tokens: {node!r}")
+                fail(f"edge of {len(node.key)} bytes, not a positive multiple of {ps} int32 tokens: {node!r}")
             if type(node.value) is not bytes or len(node.value) != 2 * len(node.key):
-                fail(f"{len(node.value)} slot bytes for {len(node.key) // 4} tokens "
-                     f"(need 8 a token): {node!r}")
+                fail(f"{len(node.value)} slot bytes for {len(node.key) // 4} tokens (need 8 a token): {node!r}")
             if node.namespace != node.parent.namespace:
                 fail(f"namespace differs from its parent's: {node!r}")
             if node.last_access > node.parent.last_access:
@@ -44,8 +42,12 @@ def check_tree(tree: "RadixCache") -> None:
             if not node.children and node.lock_ref == 0:
                 leaves.add(node.uid)
                 e = node.lru
-                if not (e is True and tree._lru_new.get(node.uid) is node
-                        or e == (node.last_access, node.uid, node) and e in tree._lru_old):
+                if not (
+                    e is True
+                    and tree._lru_new.get(node.uid) is node
+                    or e == (node.last_access, node.uid, node)
+                    and e in tree._lru_old
+                ):
                     fail(f"evictable leaf with a missing or bad LRU entry: {node!r}")
             elif node.lru is not None:
                 fail(f"non-evictable node in the LRU set: {node!r}")
@@ -67,8 +69,7 @@ def check_tree(tree: "RadixCache") -> None:
     if times != sorted(times):
         fail("the OrderedDict of evictable leaves is out of last_access order")
     if total != tree._total or protected != tree._protected:
-        fail(f"sizes total={tree._total} protected={tree._protected}, "
-             f"recomputed total={total} protected={protected}")
+        fail(f"sizes total={tree._total} protected={tree._protected}, recomputed total={total} protected={protected}")
     all_slots = np.sort(np.concatenate(seen_slots)) if seen_slots else np.empty(0, np.int64)
     if (all_slots[1:] == all_slots[:-1]).any():
         fail("a slot is held by two tree positions")
@@ -78,15 +79,16 @@ def _slot_text(slots: list, max_tokens: int) -> str:
     """``a..b`` for an ascending run of consecutive slots, else the first ``max_tokens``."""
     if slots == list(range(slots[0], slots[0] + len(slots))):
         return f"{slots[0]}..{slots[-1]}"
-    return "[" + " ".join(map(str, slots[:max_tokens])) + (" ...]" if len(slots) > max_tokens
-                                                            else "]")
+    return "[" + " ".join(map(str, slots[:max_tokens])) + (" ...]" if len(slots) > max_tokens else "]")
 
 
 def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
     """Implements :meth:`RadixCache.pretty_print` (iterative: any depth)."""
-    lines = [f"RadixCache(page_size={tree.page_size}, total={tree._total}, "
-             f"protected={tree._protected}, evictable={tree.evictable_size()}, "
-             f"evictable_leaves={len(tree._lru_new) + len(tree._lru_old)})"]
+    lines = [
+        f"RadixCache(page_size={tree.page_size}, total={tree._total}, "
+        f"protected={tree._protected}, evictable={tree.evictable_size()}, "
+        f"evictable_leaves={len(tree._lru_new) + len(tree._lru_old)})"
+    ]
 
     def children(node: "TreeNode") -> list:
         return sorted(node.children.values(), key=lambda c: c.tokens()[:1])
@@ -97,10 +99,11 @@ def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
         while stack:
             node, depth = stack.pop()
             toks = node.tokens()
-            text = " ".join(map(str, toks[:max_tokens])) + (" ..." if len(toks) > max_tokens
-                                                              else "")
-            lines.append(f"{'  ' * depth}[{text}] len={len(toks)} "
-                         f"slots={_slot_text(node.slots(), max_tokens)} "
-                         f"lock_ref={node.lock_ref} t={node.last_access}")
+            text = " ".join(map(str, toks[:max_tokens])) + (" ..." if len(toks) > max_tokens else "")
+            lines.append(
+                f"{'  ' * depth}[{text}] len={len(toks)} "
+                f"slots={_slot_text(node.slots(), max_tokens)} "
+                f"lock_ref={node.lock_ref} t={node.last_access}"
+            )
             stack.extend((c, depth + 1) for c in reversed(children(node)))
     return "\n".join(lines)

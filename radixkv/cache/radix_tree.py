@@ -47,8 +47,7 @@ from sortedcontainers import SortedList
 from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, Tokens
 from radixkv.cache.radix_check import check_tree, format_tree
-from radixkv.cache.token_keys import (HAS_CEXT, as_slot_array, pack_tokens, query_tokens,
-                                      slot_tensor_address)
+from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, query_tokens, slot_tensor_address
 
 __all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
 
@@ -82,11 +81,11 @@ class TreeNode:
             the OrderedDict of current-time entries) or its ``SortedList`` entry tuple.
     """
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid",
-                 "namespace", "lru")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid", "namespace", "lru")
 
-    def __init__(self, key: bytes, value: bytes, parent: Optional["TreeNode"],
-                 namespace: Hashable, last_access: int) -> None:
+    def __init__(
+        self, key: bytes, value: bytes, parent: Optional["TreeNode"], namespace: Hashable, last_access: int
+    ) -> None:
         self.key = key
         self.value = value
         self.children: dict = {}
@@ -106,8 +105,10 @@ class TreeNode:
         return np.frombuffer(self.value, dtype=np.int64).tolist()
 
     def __repr__(self) -> str:
-        return (f"TreeNode(uid={self.uid}, len={len(self.key) >> 2}, lock_ref={self.lock_ref}, "
-                f"last_access={self.last_access}, children={len(self.children)})")
+        return (
+            f"TreeNode(uid={self.uid}, len={len(self.key) >> 2}, lock_ref={self.lock_ref}, "
+            f"last_access={self.last_access}, children={len(self.children)})"
+        )
 
 
 class RadixCache:
@@ -179,8 +180,7 @@ class RadixCache:
         parent = node.parent
         key = node.key
         value = node.value
-        upper = TreeNode(key[: m << 2], value[: m << 3], parent, node.namespace,
-                         node.last_access)
+        upper = TreeNode(key[: m << 2], value[: m << 3], parent, node.namespace, node.last_access)
         upper.lock_ref = node.lock_ref
         parent.children[key[:pb]] = upper
         node.key = key = key[m << 2 :]
@@ -272,8 +272,7 @@ class RadixCache:
             value = as_slot_array(slots)
             nslots = len(value)
         if n != nslots:
-            raise ValueError(f"tokens and slots must have the same length, got "
-                             f"len(tokens)={n} and len(slots)={nslots}")
+            raise ValueError(f"tokens and slots must have the same length, got len(tokens)={n} and len(slots)={nslots}")
         ps = self.page_size
         if n < ps:
             if type(q) is not bytes:
@@ -314,14 +313,14 @@ class RadixCache:
 
     def _check_live(self, node: TreeNode) -> None:
         if not isinstance(node, TreeNode):
-            raise ValueError(f"node must be a TreeNode from match_prefix, got "
-                             f"{type(node).__name__}")
+            raise ValueError(f"node must be a TreeNode from match_prefix, got {type(node).__name__}")
         top = node
         while top.parent is not None:
             top = top.parent
         if top is not self.root:
-            raise ValueError("node is not in this tree (it was evicted, the cache was reset, or "
-                             "it comes from another cache)")
+            raise ValueError(
+                "node is not in this tree (it was evicted, the cache was reset, or it comes from another cache)"
+            )
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Pins the path from ``node`` to the root: its tokens become protected (not evictable).
@@ -426,8 +425,7 @@ class RadixCache:
             RuntimeError: some node is locked (nothing is changed then).
         """
         if any(ns.lock_ref for ns in self.root.children.values()):
-            raise RuntimeError("reset() while nodes are locked "
-                               f"(protected_size={self._protected})")
+            raise RuntimeError(f"reset() while nodes are locked (protected_size={self._protected})")
         values = []
         for node in self._iter_nodes():
             values.append(node.value)

@@ -23,10 +23,28 @@ import torch
 
 from radixkv.cache.base import Tokens
 
-__all__ = ["HAS_CEXT", "NotAnInt", "pack_int32", "common_prefix_len", "match_walk", "insert_walk",
-           "pack_int32_py", "common_prefix_len_py", "match_walk_py", "insert_walk_py", "walk_py",
-           "walk_slots_py", "read_int64_py", "pack_tokens", "query_tokens", "int_tokens",
-           "int_tokens_for_retry", "as_slot_array", "slot_tensor_address", "use_python_path"]
+__all__ = [
+    "HAS_CEXT",
+    "NotAnInt",
+    "pack_int32",
+    "common_prefix_len",
+    "match_walk",
+    "insert_walk",
+    "pack_int32_py",
+    "common_prefix_len_py",
+    "match_walk_py",
+    "insert_walk_py",
+    "walk_py",
+    "walk_slots_py",
+    "read_int64_py",
+    "pack_tokens",
+    "query_tokens",
+    "int_tokens",
+    "int_tokens_for_retry",
+    "as_slot_array",
+    "slot_tensor_address",
+    "use_python_path",
+]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
@@ -45,8 +63,7 @@ def pack_int32_py(seq) -> bytes:
     except TypeError:  # not an integer: int_tokens raises naming the position
         return array("i", int_tokens(seq)).tobytes()
     except OverflowError:
-        raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, "
-                         f"{_INT32_MAX}])") from None
+        raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, {_INT32_MAX}])") from None
 
 
 def common_prefix_len_py(a: bytes, b: bytes, start: int, limit: int) -> int:
@@ -143,8 +160,7 @@ def read_int64_py(address: int, count: int) -> bytes:
         ValueError: ``count < 0``, or a null ``address`` with ``count > 0``.
     """
     if count < 0 or (address == 0 and count > 0):
-        raise ValueError(f"read_int64: need a non-null address and count >= 0, got "
-                         f"count={count}")
+        raise ValueError(f"read_int64: need a non-null address and count >= 0, got count={count}")
     return ctypes.string_at(address, count << 3) if count else b""
 
 
@@ -205,8 +221,7 @@ class _NoSuchError(TypeError):
 try:  # the optional C helper (csrc/prefix_match.c); the Python path is used when it is absent
     if os.environ.get("RADIXKV_NO_CEXT") == "1":
         raise ImportError("disabled by RADIXKV_NO_CEXT=1")
-    from radixkv.cache._cprefix import (NotAnInt, common_prefix_len, insert_walk, match_walk,
-                                        pack_int32)
+    from radixkv.cache._cprefix import NotAnInt, common_prefix_len, insert_walk, match_walk, pack_int32
 
     HAS_CEXT = True
 except ImportError:
@@ -232,8 +247,7 @@ def int_tokens(seq) -> list:
         try:
             out.append(operator.index(t))
         except TypeError:
-            raise TypeError(f"token id at position {i} must be an int, got "
-                            f"{type(t).__name__}") from None
+            raise TypeError(f"token id at position {i} must be an int, got {type(t).__name__}") from None
     return out
 
 
@@ -260,17 +274,16 @@ def pack_tokens(tokens: Tokens) -> bytes:
             return pack_int32(int_tokens(tokens))
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
-            raise ValueError(f"tokens must be a 1-D integer tensor, got shape "
-                             f"{tuple(tokens.shape)} dtype {tokens.dtype}")
+            raise ValueError(
+                f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} dtype {tokens.dtype}"
+            )
         tokens = tokens.cpu().numpy()
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
-            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} "
-                             f"dtype {tokens.dtype}")
+            raise ValueError(f"tokens must be a 1-D integer array, got shape {tokens.shape} dtype {tokens.dtype}")
         if tokens.dtype != np.int32:
             if tokens.size and (tokens.min() < _INT32_MIN or tokens.max() > _INT32_MAX):
-                raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, "
-                                 f"{_INT32_MAX}])")
+                raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, {_INT32_MAX}])")
             tokens = tokens.astype(np.int32)
         return tokens.tobytes()
     if isinstance(tokens, array) and tokens.typecode == "i":
@@ -294,8 +307,7 @@ def slot_tensor_address(slots) -> int:
     """``slots.data_ptr()`` when ``slots`` is a 1-D contiguous ``torch.int64`` CPU tensor (the
     common case, read directly with ``read_int64``), else -1 (the caller falls back to
     :func:`as_slot_array`, which validates and converts everything else)."""
-    if (type(slots) is _Tensor and slots.dtype is _int64 and slots.is_cpu
-            and slots.dim() == 1 and slots.is_contiguous()):
+    if type(slots) is _Tensor and slots.dtype is _int64 and slots.is_cpu and slots.dim() == 1 and slots.is_contiguous():
         return slots.data_ptr()
     return -1
 
@@ -316,8 +328,11 @@ def as_slot_array(slots: torch.Tensor) -> np.ndarray:
     if arr.ndim == 1 and arr.size == 0:
         return np.empty(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        what = ("integers in the int64 range" if arr.ndim == 1 and arr.dtype.kind in "fO"
-                and not isinstance(slots, (torch.Tensor, np.ndarray)) else "a 1-D integer tensor")
+        what = (
+            "integers in the int64 range"
+            if arr.ndim == 1 and arr.dtype.kind in "fO" and not isinstance(slots, (torch.Tensor, np.ndarray))
+            else "a 1-D integer tensor"
+        )
         raise ValueError(f"slots must be {what}, got shape {arr.shape} dtype {arr.dtype}")
     if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
         raise ValueError(f"slots must fit in int64, got {int(arr.max())}")

@@ -24,7 +24,6 @@ from radixkv import cpu_kernels
 from radixkv.attention.base import AttentionBackend
 from radixkv.models import native_decode
 
-
 SMALL_M_ROWS = 128
 """Row counts (2 to this) for which :func:`linear` uses the weight-major product on the CPU."""
 
@@ -207,8 +206,13 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if native_rows(qkv) and cos.is_contiguous() and cos.dtype == torch.float32:
             # q and k heads are adjacent in each row: one in-place pass rotates both
-            cpu_kernels.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim,
-                              cos.view(t, self.head_dim), sin.view(t, self.head_dim))
+            cpu_kernels.rope_(
+                qkv,
+                self.num_heads + self.num_kv_heads,
+                self.head_dim,
+                cos.view(t, self.head_dim),
+                sin.view(t, self.head_dim),
+            )
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(t, self.num_heads, self.head_dim)
             k = k.view(t, self.num_kv_heads, self.head_dim)

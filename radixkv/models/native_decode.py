@@ -87,18 +87,47 @@ def run_layers(model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, att
     sin = sin.reshape(t, d).contiguous()
     pool = attn.kv_pool
     nthreads = torch.get_num_threads()
-    common = (hq, hkv, d, cos.data_ptr(), sin.data_ptr(), meta.data_ptr(), meta.shape[1], kv_indices.data_ptr(),
-              attn.page_size)
+    common = (
+        hq,
+        hkv,
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        meta.data_ptr(),
+        meta.shape[1],
+        kv_indices.data_ptr(),
+        attn.page_size,
+    )
     bufs = (x.data_ptr(), qkv.data_ptr(), att.data_ptr(), gu.data_ptr(), act.data_ptr(), nthreads)
-    dl, res, slots, tail = delta.data_ptr(), residual.data_ptr(), out_slots.data_ptr(), (kv_indices.numel(), pool.num_pages)
+    dl, res, slots, tail = (
+        delta.data_ptr(),
+        residual.data_ptr(),
+        out_slots.data_ptr(),
+        (kv_indices.numel(), pool.num_pages),
+    )
     # every call's arguments first: Python run between the kernels finds its objects evicted from
     # the caches by the kernels' streams (~100 us a layer measured), so keep that gap minimal
     calls = []
     for i, layer in enumerate(model.model.layers):
         lid = layer._modules["self_attn"].layer_id
-        calls.append((t, hidden, dl, int(i == 0), res, *_weight_args(layer), inter, *common,
-                      pool.k_buffer[lid].data_ptr(), pool.v_buffer[lid].data_ptr(), slots, attn.sm_scale, *bufs,
-                      *tail))
+        calls.append(
+            (
+                t,
+                hidden,
+                dl,
+                int(i == 0),
+                res,
+                *_weight_args(layer),
+                inter,
+                *common,
+                pool.k_buffer[lid].data_ptr(),
+                pool.v_buffer[lid].data_ptr(),
+                slots,
+                attn.sm_scale,
+                *bufs,
+                *tail,
+            )
+        )
     decode_layer = cpu_kernels._ck.decode_layer
     for args in calls:
         decode_layer(*args)

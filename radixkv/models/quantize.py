@@ -42,7 +42,9 @@ class Int8DynamicLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"Int8DynamicLinear: weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on {weight.device}")
+            raise ValueError(
+                f"Int8DynamicLinear: weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on {weight.device}"
+            )
         w = weight.detach().float().contiguous()
         self.out_features, self.in_features = w.shape
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
@@ -89,9 +91,7 @@ def quantize_model(model, method: str | None):
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
     p = model.model.embed_tokens.weight
     if p.device.type != "cpu" or p.dtype != torch.float32:
-        raise ValueError(
-            f"quantization={method!r} needs a float32 CPU model (FBGEMM), got {p.dtype} on {p.device}"
-        )
+        raise ValueError(f"quantization={method!r} needs a float32 CPU model (FBGEMM), got {p.dtype} on {p.device}")
     for layer in model.model.layers:
         layer.self_attn.qkv_proj = _linear_to_int8(layer.self_attn.qkv_proj)
         layer.self_attn.o_proj = _linear_to_int8(layer.self_attn.o_proj)

@@ -20,7 +20,9 @@ __all__ = ["add_arguments", "run", "engine_kwargs_from_args"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `serve` flags to ``parser`` (engine options mirror ``LLM(...)``'s keywords)."""
     g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default="smollm2-135m", help="model name, GGUF file or HF directory (default: %(default)s)")
+    g.add_argument(
+        "--model", default="smollm2-135m", help="model name, GGUF file or HF directory (default: %(default)s)"
+    )
     g.add_argument(
         "--served-model-name", default=None,
         help=f"name clients send as `model` (default: {DEFAULT_SERVED_MODEL_NAME!r} for the default model, else --model)",
@@ -29,9 +31,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (default: %(default)s)")
     g.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens (default: engine's)")
-    g.add_argument("--max-running-requests", type=int, default=None, help="running-batch size limit (default: engine's)")
-    g.add_argument("--chunked-prefill-size", type=int, default=None, help="prefill token budget per step (default: engine's)")
-    g.add_argument("--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)")
+    g.add_argument(
+        "--max-running-requests", type=int, default=None, help="running-batch size limit (default: engine's)"
+    )
+    g.add_argument(
+        "--chunked-prefill-size", type=int, default=None, help="prefill token budget per step (default: engine's)"
+    )
+    g.add_argument(
+        "--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)"
+    )
     g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
     g.add_argument(
         "--prefix-cache", choices=["radix", "hash", "none"], default="radix",

@@ -64,7 +64,9 @@ class _EngineCollector(Collector):
             )  # fmt: skip
         if s.get("evicted_tokens") is not None:
             yield CounterMetricFamily(
-                "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s["evicted_tokens"])
+                "radixkv_evicted_tokens",
+                "Tokens evicted from the prefix cache since start.",
+                value=float(s["evicted_tokens"]),
             )
 
 

@@ -187,7 +187,8 @@ class OpenAIServing:
         base = new_id("cmpl")
         start = time.perf_counter()
         gens = [
-            self.llm.generate(text, params, f"{base}-{i}", prompt_token_ids=ids) for i, (text, ids) in enumerate(prompts)
+            self.llm.generate(text, params, f"{base}-{i}", prompt_token_ids=ids)
+            for i, (text, ids) in enumerate(prompts)
         ]
         self.metrics.requests.labels(endpoint=endpoint).inc()
         firsts = await self._first_outputs(gens, prompt_param)
@@ -271,7 +272,9 @@ class OpenAIServing:
                 for p, o in enumerate(outs)
                 for c in o.outputs
             ]
-            return CompletionResponse(id=rid, model=self.served_model_name, choices=choices, usage=usage(outs)).model_dump()
+            return CompletionResponse(
+                id=rid, model=self.served_model_name, choices=choices, usage=usage(outs)
+            ).model_dump()
 
         async def events() -> AsyncIterator[str]:
             deltas = Deltas(params.stop)
@@ -327,7 +330,9 @@ class OpenAIServing:
                     if text:
                         yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text))])
                     if c.finish_reason is not None and deltas.finish(c.index):
-                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)])
+                        yield chunk(
+                            [ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]
+                        )
             if req.include_usage:
                 yield chunk([], usage([latest]))
 
