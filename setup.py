@@ -1,7 +1,7 @@
 """Builds radixkv's optional C extensions.
 
 * csrc/prefix_match.c -> radixkv.cache._cprefix: the radix tree's walks (docs/cache.md).
-* csrc/cpu_kernels.c -> radixkv._ckernels: float32 GEMM and paged attention for CPU decode
+* csrc/cpu_kernels.c -> radixkv.kernels._ckernels: float32 GEMM and paged attention for CPU decode
   (AVX2/FMA, checked at run time; docs/model.md). Built with OpenMP when the compiler has it,
   so its threads are torch's own libgomp workers; without OpenMP it falls back to its pthread
   pool (same results).
@@ -18,7 +18,7 @@ OPENMP = ["-fopenmp"]
 
 
 class BuildExt(build_ext):
-    """build_ext that builds radixkv._ckernels with ``-fopenmp`` first and, when the compiler or
+    """build_ext that builds radixkv.kernels._ckernels with ``-fopenmp`` first and, when the compiler or
     linker refuses it, again without (the kernels then use their own pthread pool)."""
 
     def build_extension(self, ext):
@@ -43,7 +43,7 @@ setup(
             optional=True,
         ),
         Extension(
-            "radixkv._ckernels",
+            "radixkv.kernels._ckernels",
             sources=["csrc/cpu_kernels.c"],
             extra_compile_args=["-O3", "-pthread", *OPENMP],
             extra_link_args=["-pthread", *OPENMP],

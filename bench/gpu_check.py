@@ -194,7 +194,7 @@ def reference_attention(torch, pool, r2t, rows, prefix, extend, q, sm_scale):
 def check_attention(c: Check) -> dict:
     torch = c.torch
     from radixkv.attention.metadata import ForwardBatch
-    from radixkv.kv_pool import KVPool, ReqToTokenPool
+    from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 
     rows_out, ok = [], True
     scale = 0.1 if c.cpu else 1.0
@@ -332,7 +332,7 @@ class Driver:
 
 
 def make_runner(c, model, cfg, backend, num_slots, page_size=1, max_rows=256):
-    from radixkv.model_runner import ModelRunner
+    from radixkv.executor.model_runner import ModelRunner
 
     return ModelRunner(
         model,
@@ -553,7 +553,7 @@ def check_speed(c: Check) -> dict:
 def check_bandwidth(c: Check) -> dict:
     torch = c.torch
     from radixkv.attention.metadata import ForwardBatch
-    from radixkv.kv_pool import KVPool, ReqToTokenPool
+    from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 
     out = {"peak_tbps": H200_HBM_TBPS, "cases": []}
     shapes = [(32, 8, 128, 16, 32768), (9, 3, 64, 64, 16384)] if not c.cpu else [(4, 2, 16, 2, 256)]
@@ -685,7 +685,7 @@ def main() -> int:
         aot = Path(flashinfer.__file__).parent / "data" / "aot"
         c.res["aot_modules"] = sorted(p.name for p in aot.iterdir()) if aot.is_dir() else []
         c.res["device"] = torch.cuda.get_device_name(0)
-        from radixkv.kv_pool import KVPool
+        from radixkv.memory.kv_pool import KVPool
 
         c.res["auto_backend"] = c.backend("auto", KVPool(1, 3, 64, 16, 1, c.dtype, c.device), 9).name
     else:

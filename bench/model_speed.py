@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-from radixkv.model_runner import ModelRunner
+from radixkv.executor.model_runner import ModelRunner
 from radixkv.models import load_model
 
 
@@ -166,13 +166,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.pack_formats:
-        from radixkv import cpu_kernels
-
-        cpu_kernels.PACK_FORMATS = tuple(args.pack_formats)
     torch.set_grad_enabled(False)
 
     loaded = load_model(args.model, device="cpu", dtype=torch.float32)
+    pack_formats = tuple(args.pack_formats) if args.pack_formats else None
+    loaded.model.set_pack_formats(pack_formats)
     vocab = loaded.hf_config.vocab_size
     max_b = max(args.decode_batches + [1])
     max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1])
@@ -181,14 +179,15 @@ def main() -> None:
     quant = {}
     for q in args.quantization:  # a separately loaded copy: quantization replaces layers in place
         ql = load_model(args.model, device="cpu", dtype=torch.float32)
+        ql.model.set_pack_formats(pack_formats)
         quant[q] = _Ours(
             ql, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend, quantization=q
         )
-    from radixkv import cpu_kernels
+    from radixkv.kernels import cpu as cpu_kernels
 
     print(
         f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"native GEMM weight formats {cpu_kernels.PACK_FORMATS if cpu_kernels.AVAILABLE else 'n/a'}"
+        f"native GEMM weight formats {(pack_formats or cpu_kernels.DEFAULT_PACK_FORMATS) if cpu_kernels.AVAILABLE else 'n/a'}"
     )
     print(
         "transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "

@@ -39,9 +39,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.workloads import Workload, make_workload  # noqa: E402
-from radixkv.cache.allocator import SlotAllocator  # noqa: E402
-from radixkv.cache.hash_cache import HashBlockCache, NoPrefixCache  # noqa: E402
+from radixkv.cache import HashBlockCache, NoPrefixCache  # noqa: E402
 from radixkv.cache.radix_tree import RadixCache  # noqa: E402
+from radixkv.memory.allocator import SlotAllocator  # noqa: E402
 
 POLICIES = {
     "radix-p1": lambda algo: RadixCache(1),

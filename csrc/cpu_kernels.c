@@ -1333,7 +1333,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "radixkv._ckernels", NULL, -1, methods};
+static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "radixkv.kernels._ckernels", NULL, -1, methods};
 
 PyMODINIT_FUNC
 PyInit__ckernels(void)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
 
 
 def __getattr__(name: str):
@@ -24,6 +24,10 @@ def __getattr__(name: str):
         from radixkv.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "EngineConfig":
+        from radixkv.config import EngineConfig
+
+        return EngineConfig
     if name in ("RequestOutput", "CompletionOutput"):
         from radixkv import outputs
 

@@ -1,13 +1,14 @@
 """`AsyncLLM`: the engine loop in a background thread, streamed to asyncio callers.
 
 The synchronous :class:`~radixkv.engine.Engine` is driven by exactly one thread (the *engine
-thread*), which alternates between applying queued commands (add, abort, cache stats, flush)
-and calling ``Engine.step()``. Every engine method therefore runs on that thread only, so the
-engine needs no locks. Callers on any asyncio event loop talk to it through a thread-safe
-command queue and receive outputs through a per-request :class:`asyncio.Queue`, filled with
-``loop.call_soon_threadsafe``; no caller ever blocks the model loop and the model loop never
-blocks an event loop. Requests submitted concurrently are batched by the engine's scheduler
-(continuous batching), because the engine thread admits all of them before its next step.
+thread*), as the engine's concurrency model requires (docs/architecture.md): every call that
+touches engine state (add, abort, cache stats, flush, inspection) is posted into the engine's
+inbox (``Engine.post``) from the caller's thread and runs on the engine thread between two steps.
+Callers on any asyncio event loop receive outputs through a per-request :class:`asyncio.Queue`,
+filled with ``loop.call_soon_threadsafe``; no caller ever blocks the model loop and the model loop
+never blocks an event loop. Requests submitted concurrently are batched by the engine's
+scheduler (continuous batching), because the engine thread admits all of them before its next
+step.
 
 The design follows vLLM's ``AsyncLLM`` / SGLang's tokenizer-manager split (an output-collector
 per request fed by one background loop), reduced to one process and one thread.
@@ -30,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import queue
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -63,7 +63,6 @@ class _Stream:
             pass
 
 
-_STOP = object()
 _ABORTED = object()  # delivered to a stream whose request was aborted via AsyncLLM.abort()
 
 
@@ -103,12 +102,13 @@ class AsyncLLM:
         elif kwargs:
             raise ValueError(f"AsyncLLM: engine options {sorted(kwargs)} given together with an engine")
         self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # Engine-thread-only state: request_id -> stream of a request the engine still runs.
         self._streams: dict[str, _Stream] = {}
         self._dead: BaseException | None = None
         self._closing = False
-        self._lock = threading.Lock()  # orders "check alive + enqueue" against "stop + drain"
+        self._stop = False  # set on the engine thread by the posted stop command
+        self._pending: set[concurrent.futures.Future] = set()  # futures of posted calls not run yet
+        self._lock = threading.Lock()  # orders "check alive + post" against "stop + fail the rest"
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         self._thread.start()
 
@@ -226,7 +226,7 @@ class AsyncLLM:
 
     async def cache_stats(self) -> dict:
         """``Engine.cache_stats()`` taken on the engine thread between steps (a consistent snapshot)."""
-        return await asyncio.wrap_future(self._submit(lambda e: dict(e.cache_stats())))
+        return await asyncio.wrap_future(self._submit(lambda e: e.cache_stats()))
 
     def get_cache_stats(self, timeout: float | None = 60.0) -> dict:
         """Blocking form of :meth:`cache_stats` for threads without an event loop.
@@ -234,7 +234,7 @@ class AsyncLLM:
         Raises:
             TimeoutError: the engine thread did not answer within ``timeout`` seconds.
         """
-        return self._submit(lambda e: dict(e.cache_stats())).result(timeout)
+        return self._submit(lambda e: e.cache_stats()).result(timeout)
 
     async def reset_prefix_cache(self) -> bool:
         """Flush the prefix cache; False (and nothing done) while any request is unfinished."""
@@ -245,6 +245,20 @@ class AsyncLLM:
         request leaves this count at once; the engine releases its slots at its next step
         (``Engine.has_unfinished_requests()`` stays True until then)."""
         return await asyncio.wrap_future(self._submit(lambda e: len(self._streams)))
+
+    def subscribe(self, fn: Callable[[Any], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
+        """Subscribe ``fn`` to the engine's events (:meth:`radixkv.engine.events.EventBus.subscribe`);
+        ``fn`` runs on the engine thread. Blocks until subscribed; returns the unsubscribe
+        function (which, called from any thread, takes effect between two steps)."""
+        unsubscribe = self._submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
+
+        def off() -> None:
+            if threading.current_thread() is self._thread or self._dead is not None:
+                unsubscribe()
+            else:
+                self._submit(lambda e: unsubscribe())
+
+        return off
 
     async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result.
@@ -259,7 +273,7 @@ class AsyncLLM:
         with self._lock:
             if not self._closing:
                 self._closing = True
-                self._commands.put(_STOP)
+                self.engine.post(self._request_stop)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
@@ -284,7 +298,7 @@ class AsyncLLM:
             raise EngineDeadError("AsyncLLM is shut down")
 
     def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Queue ``fn(engine)`` for the engine thread; the future gets its result or exception."""
+        """Post ``fn(engine)`` to the engine thread; the future gets its result or exception."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             try:
@@ -292,13 +306,14 @@ class AsyncLLM:
             except EngineDeadError as exc:
                 fut.set_exception(exc)
                 return fut
-            self._commands.put((fn, fut))
+            self._pending.add(fut)
+            self.engine.post(lambda e: self._apply(fn, fut))
         return fut
 
     def _abort_nowait(self, rid: str, stream: _Stream) -> None:
         with self._lock:
             if self._dead is None and not self._closing:
-                self._commands.put((lambda e: self._abort_in_thread(rid, stream), None))
+                self.engine.post(lambda e: self._apply(lambda e: self._abort_in_thread(rid, stream), None))
 
     def _abort_in_thread(self, rid: str, stream: _Stream | None) -> None:
         # Only a request still in _streams is unfinished in the engine, so a request that
@@ -307,20 +322,17 @@ class AsyncLLM:
         if current is None or (stream is not None and current is not stream):
             return
         del self._streams[rid]
-        self.engine.abort_request(rid)
+        self.engine.abort_now(rid)
         current.put(_ABORTED)
         logger.debug("aborted %s", rid)
 
     def _reset_in_thread(self, engine: Any) -> bool:
         if self._streams:
             return False
-        # With no stream open, what the engine still holds are aborts it applies at its next
-        # step (a client that just went away): apply them so the flush is not refused for them.
-        for _ in range(4):
-            if not engine.has_unfinished_requests():
-                break
-            self._step_once()
         return bool(engine.reset_prefix_cache())
+
+    def _request_stop(self, engine: Any) -> None:
+        self._stop = True
 
     def _step_once(self) -> None:
         """One ``Engine.step()``; each output goes to its request's stream (if still open)."""
@@ -332,13 +344,14 @@ class AsyncLLM:
                 del self._streams[out.request_id]
             stream.put(out)  # the engine builds a fresh RequestOutput every step
 
-    def _apply(self, cmd: Any) -> bool:
-        """Apply one command on the engine thread; False means stop."""
-        if cmd is _STOP:
-            return False
-        fn, fut = cmd
-        if fut is not None and not fut.set_running_or_notify_cancel():
-            return True
+    def _apply(self, fn: Callable[[Any], Any], fut: concurrent.futures.Future | None) -> None:
+        """Run one posted call on the engine thread (nothing once the thread has stopped)."""
+        if self._dead is not None:
+            return
+        if fut is not None:
+            self._pending.discard(fut)
+            if not fut.set_running_or_notify_cancel():
+                return
         try:
             result = fn(self.engine)
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
@@ -349,25 +362,18 @@ class AsyncLLM:
         else:
             if fut is not None:
                 fut.set_result(result)
-        return True
 
     def _run(self) -> None:
-        """The engine thread: commands, then one step, until stopped or the engine fails."""
+        """The engine thread: posted calls, then one step, until stopped or the engine fails."""
+        engine = self.engine
         try:
             while True:
-                busy = self.engine.has_unfinished_requests()
-                try:  # block only when there is nothing to step
-                    cmd = self._commands.get(block=not busy)
-                except queue.Empty:
-                    cmd = None
-                while cmd is not None:
-                    if not self._apply(cmd):
-                        raise _Stopped
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        cmd = None
-                if self.engine.has_unfinished_requests():
+                if not engine.has_unfinished_requests():
+                    engine.wait_for_work()  # block only when there is nothing to step
+                engine.run_posted()
+                if self._stop:
+                    raise _Stopped
+                if engine.has_unfinished_requests():
                     self._step_once()
         except _Stopped:
             self._fail_all(EngineDeadError("AsyncLLM is shut down"), abort=True)
@@ -380,25 +386,24 @@ class AsyncLLM:
                 self._dead = EngineDeadError("AsyncLLM is shut down")
 
     def _fail_all(self, exc: BaseException, abort: bool) -> None:
-        with self._lock:  # no command can be enqueued after this point
+        with self._lock:  # nothing can be posted after this point
             self._closing = True
+            pending, self._pending = list(self._pending), set()
         for rid, stream in list(self._streams.items()):
             if abort:
-                self.engine.abort_request(rid)
+                self.engine.abort_now(rid)
             stream.put(type(exc)(*exc.args))  # one exception object per waiting task
-        if abort and self._streams:
-            try:  # the engine applies aborts at its next step, which releases their slots
+        self._streams.clear()
+        for fut in pending:  # calls that will never run
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(type(exc)(*exc.args))
+        if abort:
+            try:  # report the aborts (the engine then holds nothing)
+                self._dead = self._dead or EngineDeadError("AsyncLLM is shut down")
+                self.engine.run_posted()  # the posted calls left are no-ops now
                 self.engine.step()
             except Exception:  # noqa: BLE001 - shutting down; the streams are told already
                 logger.exception("releasing aborted requests at shutdown failed")
-        self._streams.clear()
-        while True:  # answer commands that will never run
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd is not _STOP and cmd[1] is not None and cmd[1].set_running_or_notify_cancel():
-                cmd[1].set_exception(exc)
 
 
 class _Stopped(Exception):

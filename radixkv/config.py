@@ -8,6 +8,12 @@ from typing import Optional, Union
 import torch
 
 PREFIX_CACHES = ("radix", "hash", "none")
+
+
+def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> int:
+    """The longest sequence when ``max_context_len`` is not given: the model's
+    ``max_position_embeddings``, capped at the KV pool's capacity in tokens."""
+    return min(int(max_position_embeddings), int(max_total_tokens))
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -75,8 +81,36 @@ class EngineConfig:
     hash_algo: str = "sha256"
     """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
 
-    def resolve(self) -> "EngineConfig":
-        """Validate and fill the "auto"/None defaults that do not need the model; returns self."""
+    def resolve(
+        self, *, kv_bytes_per_token: Optional[int] = None, max_position_embeddings: Optional[int] = None
+    ) -> "EngineConfig":
+        """Validate and fill the "auto"/None defaults; returns self. Idempotent.
+
+        Called once without arguments (device, dtype and every check that needs no model), then
+        by the engine with the loaded model's facts, which fill ``max_total_tokens`` (from
+        ``kv_bytes_per_token``, K+V bytes of one token) and ``max_context_len`` (capped at
+        ``max_position_embeddings``).
+
+        Raises:
+            ValueError: naming the field and its limit.
+        """
+        self._resolve_device()
+        if kv_bytes_per_token is not None and self.max_total_tokens is None:
+            self.max_total_tokens = self.default_max_total_tokens(kv_bytes_per_token)
+        if self.max_total_tokens is not None:
+            self.max_total_tokens -= self.max_total_tokens % self.page_size
+        if max_position_embeddings is not None:
+            if self.max_context_len is None:
+                cap = self.max_total_tokens if self.max_total_tokens is not None else max_position_embeddings
+                self.max_context_len = default_context_len(max_position_embeddings, cap)
+            if self.max_context_len > max_position_embeddings:
+                raise ValueError(
+                    f"max_context_len {self.max_context_len} exceeds the model's "
+                    f"max_position_embeddings {max_position_embeddings}"
+                )
+        return self
+
+    def _resolve_device(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = torch.device(self.device)
@@ -114,7 +148,6 @@ class EngineConfig:
             )
         if self.max_context_len is not None and (not isinstance(self.max_context_len, int) or self.max_context_len < 2):
             raise ValueError(f"max_context_len must be an integer >= 2, got {self.max_context_len!r}")
-        return self
 
     def default_max_total_tokens(self, bytes_per_token: int) -> int:
         """The KV capacity used when ``max_total_tokens`` is None (see its docstring)."""

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from radixkv.chat_template import render_chat
 from radixkv.config import EngineConfig
-from radixkv.engine import Engine
+from radixkv.engine import Engine, EngineStats
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -26,6 +28,9 @@ class LLM:
             schedule_policy ("lpm" | "fcfs"), seed; and ``loaded_model`` (a
             :class:`~radixkv.models.loader.LoadedModel` to share weights between engines).
 
+    Threads: one ``LLM`` may be shared by several threads; its calls are serialized (a second
+    thread's ``generate`` waits for the first's to return), since it drives its engine itself.
+
     Raises:
         ValueError: unknown keyword or invalid value (naming the field).
     """
@@ -39,6 +44,7 @@ class LLM:
         if unknown:
             raise ValueError(f"LLM: unknown argument(s) {unknown}; valid: {sorted(fields)}")
         self.engine = Engine(EngineConfig(model=model, **kwargs), **engine_kwargs)
+        self._lock = threading.RLock()  # one caller drives the engine at a time
 
     @property
     def tokenizer(self):
@@ -94,15 +100,16 @@ class LLM:
         return self._run(ids, texts, sampling_params, use_tqdm)
 
     def render_chat(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The chat-template text of one conversation."""
-        for m in conversation:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"chat: every message needs 'role' and 'content', got {m!r}")
-        return self.tokenizer.apply_chat_template(
-            list(conversation), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`)."""
+        return render_chat(self.tokenizer, conversation, add_generation_prompt)
 
     def _run(
+        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool
+    ) -> List[RequestOutput]:
+        with self._lock:
+            return self._run_locked(ids, texts, sampling_params, use_tqdm)
+
+    def _run_locked(
         self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool
     ) -> List[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -137,8 +144,10 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (False while requests run)."""
-        return self.engine.reset_prefix_cache()
+        with self._lock:
+            return self.engine.reset_prefix_cache()
 
-    def cache_stats(self) -> Dict[str, Any]:
-        """See :meth:`radixkv.engine.Engine.cache_stats`."""
-        return self.engine.cache_stats()
+    def cache_stats(self) -> EngineStats:
+        """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict)."""
+        with self._lock:
+            return self.engine.cache_stats()

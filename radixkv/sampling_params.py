@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from radixkv.errors import RequestError
+
 
 @dataclass
 class SamplingParams:
@@ -28,7 +30,8 @@ class SamplingParams:
         skip_special_tokens: drop special tokens when detokenizing.
 
     Raises:
-        ValueError: naming the field and the allowed range, for any invalid value.
+        RequestError: a ValueError naming the field (``.param``) and the allowed range, for any
+            invalid value.
     """
 
     n: int = 1
@@ -59,29 +62,31 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         if not is_int(self.n) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if (
             not isinstance(self.temperature, (int, float))
             or not math.isfinite(self.temperature)
             or self.temperature < 0
         ):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or an integer >= 1, got {self.top_k!r}")
+            raise RequestError(
+                f"top_k must be -1 (disabled), 0 (disabled) or an integer >= 1, got {self.top_k!r}", "top_k"
+            )
         if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
         if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise RequestError(f"seed must be an integer or None, got {self.seed!r}", "seed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise RequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             if t < 0:
-                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+                raise RequestError(f"stop_token_ids must be >= 0, got {t}", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:

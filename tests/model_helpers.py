@@ -10,7 +10,7 @@ import random
 
 import torch
 
-from radixkv.model_runner import ModelRunner
+from radixkv.executor.model_runner import ModelRunner
 
 
 class PagedRequests:

@@ -18,6 +18,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
+from radixkv.engine import StepFinished  # noqa: E402
 from radixkv.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,20 +32,16 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(default_model):
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
 
-    eng = Engine(EngineConfig(model="smollm2-135m", device="cpu", page_size=1, max_total_tokens=8192))
+    eng = Engine(
+        EngineConfig(model="smollm2-135m", device="cpu", page_size=1, max_total_tokens=8192), loaded_model=default_model
+    )
     batch_sizes: list[int] = []
-    real_step = eng.step
-
-    def recording_step():
-        outs = real_step()
-        batch_sizes.append(len(outs))
-        return outs
-
-    eng.step = recording_step  # records how many requests each step served
+    # records how many requests each step served (an engine event, on the engine thread)
+    eng.events.subscribe(lambda ev: batch_sizes.append(ev.num_reqs), (StepFinished,))
     eng.batch_sizes = batch_sizes
     return eng
 
@@ -251,12 +248,12 @@ def test_shutdown_fails_unfinished_streams_and_refuses_new_requests(engine, llm)
 
 def test_engine_failure_is_reported_to_waiters(engine, llm):
     assert not llm.is_running  # the previous test shut the module's AsyncLLM down
-    real_step = engine.step
+    real_forward = engine.runner.forward
 
-    def broken_step():
+    def broken_forward(batch):
         raise RuntimeError("simulated device failure")
 
-    engine.step = broken_step
+    engine.runner.forward = broken_forward
     try:
         failing = AsyncLLM(engine=engine)
 
@@ -270,4 +267,4 @@ def test_engine_failure_is_reported_to_waiters(engine, llm):
         with pytest.raises(EngineDeadError):
             asyncio.run(failing.cache_stats())
     finally:
-        engine.step = real_step
+        engine.runner.forward = real_forward

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from radixkv import cpu_kernels
 from radixkv.attention import CPUAttentionBackend, TorchAttentionBackend, create_attention_backend
 from radixkv.attention.metadata import ForwardBatch
-from radixkv.kv_pool import KVPool, ReqToTokenPool
+from radixkv.kernels import cpu as cpu_kernels
+from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixkv import cpu_kernels as ck
+from radixkv.kernels import cpu as ck
 from radixkv.models.layers import PackCache, apply_rope, linear
 
 pytestmark = pytest.mark.skipif(not ck.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA/F16C")

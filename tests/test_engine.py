@@ -17,7 +17,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv import LLM, SamplingParams  # noqa: E402
-from radixkv.models.loader import load_model  # noqa: E402
 from radixkv.replay import load_conversations  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
@@ -26,18 +25,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2-135m", "cpu", torch.float32)
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(loaded):
+def hf_greedy(loaded, hf_default):
     """transformers' greedy generate (the reference), memoized per prompt."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(loaded.hf_dir), torch_dtype=torch.float32, local_files_only=True
-    ).eval()
+    model = hf_default
     memo = {}
 
     def run(ids, max_tokens=MAX_TOKENS):

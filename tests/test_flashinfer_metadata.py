@@ -22,7 +22,7 @@ from radixkv.attention.flashinfer_backend import (
     flashinfer_plan_inputs,
 )
 from radixkv.attention.metadata import ForwardBatch
-from radixkv.kv_pool import KVPool, ReqToTokenPool
+from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -11,9 +11,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixkv.cache.allocator import SlotAllocator
+from radixkv.cache import HashBlockCache, NoPrefixCache
 from radixkv.cache.base import PrefixCache
-from radixkv.cache.hash_cache import HashBlockCache, NoPrefixCache
+from radixkv.memory.allocator import SlotAllocator
 
 pytestmark = pytest.mark.timeout(120)
 

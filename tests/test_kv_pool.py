@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.kv_pool import KVPool, ReqToTokenPool
+from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 
 
 def test_kvpool_shapes_and_bytes_per_token():

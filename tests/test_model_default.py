@@ -13,8 +13,8 @@ import pytest
 import torch
 from model_helpers import PagedRequests
 
-from radixkv import cpu_kernels
-from radixkv.model_runner import ModelRunner
+from radixkv.executor.model_runner import ModelRunner
+from radixkv.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -43,14 +43,8 @@ def _sharegpt_prompts(n: int, max_chars: int = 300) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def models():
-    from transformers import AutoModelForCausalLM
-
-    from radixkv.models import load_model
-
-    loaded = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(str(loaded.hf_dir), dtype=torch.float32, local_files_only=True).eval()
-    return loaded, hf
+def models(default_model, hf_default):
+    return default_model, hf_default
 
 
 def _runner(loaded, page_size, backend="torch"):

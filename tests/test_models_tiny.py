@@ -16,9 +16,10 @@ from transformers import LlamaForCausalLM as HFLlama
 from transformers import MistralForCausalLM as HFMistral
 from transformers import Qwen2ForCausalLM as HFQwen2
 
-from radixkv import cpu_kernels
-from radixkv.model_runner import ModelRunner
-from radixkv.models import build_model, get_model_class, native_decode
+from radixkv.executor import cpu_decode as native_decode
+from radixkv.executor.model_runner import ModelRunner
+from radixkv.kernels import cpu as cpu_kernels
+from radixkv.models import build_model, get_model_class
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -230,7 +231,7 @@ def test_build_model_random_init_runs(pair):
 
 
 def test_runner_contract_form_and_errors(pair):
-    from radixkv.kv_pool import KVPool
+    from radixkv.memory.kv_pool import KVPool
 
     cfg, hf, ours = pair
     pool = KVPool(ours.num_layers, ours.num_kv_heads, ours.head_dim, 256, 16)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radixkv.model_runner import ModelRunner
+from radixkv.executor.model_runner import ModelRunner
 from radixkv.models.quantize import Int8DynamicLinear, quantize_model
 
 pytestmark = [
@@ -101,10 +101,8 @@ def _greedy(model, hf_config, ids: list[int], n: int) -> tuple[list[int], torch.
     return out, logits
 
 
-def test_default_model_int8_close_to_fp32():
-    from radixkv.models import load_model
-
-    loaded = load_model("smollm2-135m", device="cpu", dtype=torch.float32)
+def test_default_model_int8_close_to_fp32(default_model):
+    loaded = default_model
     qmodel = quantize_model(copy.deepcopy(loaded.model), "int8")
     assert qmodel.quantization == "int8" and qmodel.logits_proj is not None
     assert loaded.model.logits_proj is None  # the copy was quantized, not the original

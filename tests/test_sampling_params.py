@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixkv.sampler import filter_logits, make_generator, sample
+from radixkv.sampling.sampler import filter_logits, make_generator, sample
 from radixkv.sampling_params import SamplingParams
 
 

@@ -17,9 +17,9 @@ import torch
 
 from radixkv.attention.metadata import ForwardBatch
 from radixkv.config import EngineConfig
-from radixkv.detokenizer import IncrementalDetokenizer
 from radixkv.engine import Engine
-from radixkv.kv_pool import ReqToTokenPool
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.memory.kv_pool import ReqToTokenPool
 from radixkv.sampling_params import SamplingParams
 
 VOCAB = 64

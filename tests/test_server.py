@@ -24,8 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
+from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
+from radixkv.engine import StepFinished  # noqa: E402
 from radixkv.server.app import create_app  # noqa: E402
-from radixkv.server.serving import render_chat  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -61,20 +62,16 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def llm():
+def llm(default_model):
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
 
-    engine = Engine(EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384))
+    engine = Engine(
+        EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384), loaded_model=default_model
+    )
     batch_sizes: list[int] = []
-    real_step = engine.step
-
-    def recording_step():
-        outs = real_step()
-        batch_sizes.append(len(outs))
-        return outs
-
-    engine.step = recording_step  # records how many requests each step served
+    # records how many requests each step served (an engine event, on the engine thread)
+    engine.events.subscribe(lambda ev: batch_sizes.append(ev.num_reqs), (StepFinished,))
     a = AsyncLLM(engine=engine)
     a.batch_sizes = batch_sizes
     yield a

@@ -24,7 +24,7 @@ from radixkv.attention.base import AttentionBackend
 from radixkv.attention.cpu_backend import CPUAttentionBackend, native_unsupported_reason
 from radixkv.attention.metadata import ForwardBatch
 from radixkv.attention.torch_backend import TorchAttentionBackend
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 __all__ = [
     "AttentionBackend",

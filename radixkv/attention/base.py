@@ -1,6 +1,6 @@
 """The attention-backend interface the models call.
 
-Life cycle of one forward pass (``radixkv.model_runner.ModelRunner.forward``)::
+Life cycle of one forward pass (``radixkv.executor.model_runner.ModelRunner.forward``)::
 
     backend.plan(batch)                       # once: host-side scheduling from the metadata
     for layer_id in range(num_layers):
@@ -28,11 +28,11 @@ import math
 import torch
 
 from radixkv.attention.metadata import ForwardBatch
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 class AttentionBackend(abc.ABC):
-    """Paged attention over a :class:`~radixkv.kv_pool.KVPool`.
+    """Paged attention over a :class:`~radixkv.memory.kv_pool.KVPool`.
 
     Args:
         kv_pool: the pool holding every layer's K/V; gives ``num_kv_heads``, ``head_dim``,
@@ -68,6 +68,13 @@ class AttentionBackend(abc.ABC):
         Called exactly once per forward, before the first :meth:`forward`; the plan stays valid
         until the next call. Must not change the KV pool.
         """
+
+    def native_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The planned batch in the form the fused native CPU decode step reads
+        (:mod:`radixkv.executor.cpu_decode`): ``(req_meta [4, R] int32, kv_indices int32,
+        out_slots [T] int64)`` when this backend sends the whole batch to its native kernel, else
+        ``None`` (the default: the model's module path runs)."""
+        return None
 
     @abc.abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

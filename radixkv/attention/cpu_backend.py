@@ -1,7 +1,7 @@
 """Native CPU paged attention: decode and short extends in C, the rest through the torch reference.
 
 :class:`CPUAttentionBackend` sends every request with at most ``native_max_q`` new tokens (decode
-steps, short extends) to :func:`radixkv.cpu_kernels.paged_attention`, which reads K/V straight
+steps, short extends) to :func:`radixkv.kernels.cpu.paged_attention`, which reads K/V straight
 from the pool through ``kv_indptr`` / ``kv_indices`` (no gathered copy of the context), one query
 row (all its heads) per work unit, on ``torch.get_num_threads()`` threads. Requests with more new
 tokens (prefills) go through :class:`~radixkv.attention.torch_backend.TorchAttentionBackend`'s
@@ -9,7 +9,7 @@ padded SDPA groups, where SDPA's blocked kernel wins. Same semantics as the refe
 (FlashInfer's paged prefill, causal, bottom-right aligned); tests/test_attention_torch.py checks
 both against the same float64 reference.
 
-Needs the ``radixkv._ckernels`` extension on an AVX2/FMA/F16C CPU, a float32 pool on the CPU and a
+Needs the ``radixkv.kernels._ckernels`` extension on an AVX2/FMA/F16C CPU, a float32 pool on the CPU and a
 head_dim that is a multiple of 8; ``create_attention_backend("auto", "cpu", ...)`` picks it when
 all hold.
 """
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import torch
 
-from radixkv import cpu_kernels
 from radixkv.attention.metadata import ForwardBatch
 from radixkv.attention.torch_backend import TorchAttentionBackend
-from radixkv.kv_pool import KVPool
+from radixkv.kernels import cpu
+from radixkv.memory.kv_pool import KVPool
 
 
 def native_unsupported_reason(kv_pool: KVPool) -> str | None:
     """Why :class:`CPUAttentionBackend` cannot serve ``kv_pool`` (``None``: it can)."""
-    if not cpu_kernels.AVAILABLE:
-        return "radixkv._ckernels is not built or the CPU lacks AVX2/FMA/F16C"
+    if not cpu.AVAILABLE:
+        return "radixkv.kernels._ckernels is not built or the CPU lacks AVX2/FMA/F16C"
     if kv_pool.device.type != "cpu":
         return f"the KV pool is on {kv_pool.device}, not the CPU"
     if kv_pool.dtype != torch.float32:
@@ -97,7 +97,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def native_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``(req_meta [4, R] int32, kv_indices int32, out_slots [T] int64)`` of the planned batch
         when every request goes to the native kernel (a decode batch), else ``None``. For
-        :mod:`radixkv.models.native_decode`, which runs whole decoder layers natively and writes
+        :mod:`radixkv.executor.cpu_decode`, which runs whole decoder layers natively and writes
         K/V and attends through exactly this plan."""
         if self._batch is None or self._groups:
             return None
@@ -111,7 +111,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         self.kv_pool.write(layer_id, self._batch.out_slots, k, v)
         q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)
-        cpu_kernels.paged_attention(
+        cpu.paged_attention(
             q,
             out,
             self._meta,

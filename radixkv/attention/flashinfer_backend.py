@@ -5,7 +5,7 @@ One forward pass = one ``plan`` + one ``run`` per layer, over radixkv's own page
 * **Prefill / extend** (any batch with a request bringing more than one new token; decode
   requests inside a mixed batch are extends of length 1): ``BatchPrefillWithPagedKVCacheWrapper``
   with ``causal=True``. The new tokens' K/V are written into their slots first (a plain index
-  write, :meth:`radixkv.kv_pool.KVPool.write`), so the paged KV of request ``i`` covers its cached
+  write, :meth:`radixkv.memory.kv_pool.KVPool.write`), so the paged KV of request ``i`` covers its cached
   prefix *and* its new tokens; FlashInfer's bottom-right aligned causal mask then gives exactly
   "new token ``j`` sees positions ``0 .. prefix_len + j``".
 * **Decode** (every request brings exactly one token): ``BatchDecodeWithPagedKVCacheWrapper``.
@@ -37,7 +37,7 @@ import torch
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.attention.metadata import ForwardBatch
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024

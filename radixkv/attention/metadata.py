@@ -123,7 +123,7 @@ class ForwardBatch:
         of every request into its ``req_to_token`` row. With ``page_size > 1`` the slots must be
         page aligned: position ``p`` maps to a slot ``s`` with ``s % page_size == p % page_size``
         and the slots of positions in the same page are in the same page (the
-        :class:`~radixkv.cache.allocator.SlotAllocator` hands out whole pages).
+        :class:`~radixkv.memory.allocator.SlotAllocator` hands out whole pages).
 
         Args:
             input_ids: ``T`` new token ids, request after request.

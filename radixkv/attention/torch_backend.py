@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.attention.metadata import ForwardBatch
-from radixkv.kv_pool import KVPool
+from radixkv.memory.kv_pool import KVPool
 
 
 @dataclass

@@ -1,22 +1,17 @@
-"""Prefix caches (index from token sequences to KV slots) and the KV slot allocator.
+"""Prefix caches: indexes from token sequences to KV slots, torch-free at their core.
 
-``RadixCache`` (token-level radix tree), ``SlotAllocator``, ``MatchResult`` and ``PrefixCache``
-are imported eagerly; ``HashBlockCache`` and ``NoPrefixCache`` lazily from
-``radixkv.cache.hash_cache``.
+``RadixCache`` (token-level radix tree), ``HashBlockCache`` (vLLM-style chained block hashes),
+``NoPrefixCache`` (caching off), the ``PrefixCache`` protocol and ``MatchResult``; ``SlotAllocator``
+(which lives in :mod:`radixkv.memory.allocator`) is re-exported here. Importing this package
+needs numpy and sortedcontainers, not torch.
 """
 
 from __future__ import annotations
 
-from radixkv.cache.allocator import SlotAllocator
 from radixkv.cache.base import MatchResult, PrefixCache
+from radixkv.cache.hash_cache import HashBlockCache
+from radixkv.cache.none import NoPrefixCache
 from radixkv.cache.radix_tree import RadixCache
+from radixkv.memory.allocator import SlotAllocator
 
 __all__ = ["RadixCache", "SlotAllocator", "MatchResult", "PrefixCache", "HashBlockCache", "NoPrefixCache"]
-
-
-def __getattr__(name: str):
-    if name in ("HashBlockCache", "NoPrefixCache"):
-        from radixkv.cache import hash_cache
-
-        return getattr(hash_cache, name)
-    raise AttributeError(f"module 'radixkv.cache' has no attribute {name!r}")

@@ -1,8 +1,11 @@
 """The prefix-cache interface the engine talks to.
 
 A prefix cache is a pure index from token sequences to KV slot indices: it owns no KV memory.
-The engine owns the :class:`~radixkv.cache.allocator.SlotAllocator`; the cache hands slots back
-to it only through the tensors returned by :meth:`PrefixCache.evict` and :meth:`PrefixCache.reset`.
+The engine's KV manager owns the :class:`~radixkv.memory.allocator.SlotAllocator`; the cache hands
+slots back to it only through the slot arrays returned by :meth:`PrefixCache.evict` and
+:meth:`PrefixCache.reset`. The package imports without torch: slot arrays are ``torch.int64``
+CPU tensors when torch is installed, else ``numpy.int64`` arrays
+(:func:`radixkv.memory.slots.slot_array`).
 
 Implementations: :class:`~radixkv.cache.radix_tree.RadixCache` (SGLang's RadixAttention tree,
 Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024),
@@ -14,10 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Hashable, NamedTuple, Protocol, Sequence, Union, runtime_checkable
 
-import torch
-
-Tokens = Union[Sequence[int], torch.Tensor]
-"""A token sequence: a sequence of ints or a 1-D integer tensor."""
+Tokens = Union[Sequence[int], Any]
+"""A token sequence: a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor."""
 
 
 class MatchResult(NamedTuple):
@@ -25,33 +26,42 @@ class MatchResult(NamedTuple):
     ``MatchResult``: cheap to build on the hot path, unpackable as ``slots, length, node``).
 
     Attributes:
-        slots: 1-D ``torch.int64`` CPU tensor, the KV slot of every matched token, in order.
+        slots: 1-D int64 slot array (a CPU tensor when torch imports), the KV slot of every
+            matched token, in order.
         length: number of matched tokens (``== len(slots)``); a multiple of ``page_size``.
         node: opaque handle of the deepest cached entry ending exactly at ``length``; pass it to
             ``inc_lock_ref`` / ``dec_lock_ref``. For the radix tree it is a tree node (the root
             when nothing matched).
     """
 
-    slots: torch.Tensor
+    slots: Any
     length: int
     node: Any
 
 
 @runtime_checkable
 class PrefixCache(Protocol):
-    """What the engine needs from a prefix cache (sizes are in tokens)."""
+    """What the engine needs from a prefix cache (sizes are in tokens).
+
+    Attributes:
+        page_size: tokens per page; matches and insertions are whole pages.
+        shares_prefixes: True when inserted entries are kept and matched by later requests
+            (radix, hash); False for :class:`~radixkv.cache.none.NoPrefixCache`, whose
+            ``insert`` keeps nothing (the KV manager then never hands pages over early).
+    """
 
     page_size: int
+    shares_prefixes: bool
 
     def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult: ...
 
-    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int: ...
+    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int: ...
 
     def inc_lock_ref(self, node: Any) -> None: ...
 
     def dec_lock_ref(self, node: Any) -> None: ...
 
-    def evict(self, num_tokens: int) -> torch.Tensor: ...
+    def evict(self, num_tokens: int) -> Any: ...
 
     def evictable_size(self) -> int: ...
 
@@ -59,6 +69,6 @@ class PrefixCache(Protocol):
 
     def total_size(self) -> int: ...
 
-    def reset(self) -> torch.Tensor: ...
+    def reset(self) -> Any: ...
 
     def check_integrity(self) -> None: ...

@@ -1,5 +1,5 @@
-"""vLLM-style automatic prefix caching (chained block hashes) and a no-op cache, behind the
-:class:`~radixkv.cache.base.PrefixCache` protocol so the engine can swap them for the radix tree.
+"""vLLM-style automatic prefix caching (chained block hashes), behind the
+:class:`~radixkv.cache.base.PrefixCache` protocol so the engine can swap it for the radix tree.
 
 :class:`HashBlockCache` follows vLLM's automatic prefix caching (vLLM docs, "Automatic Prefix
 Caching" design; Kwon et al., "Efficient Memory Management for Large Language Model Serving with
@@ -27,37 +27,29 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections import OrderedDict
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
-import torch
 
 from radixkv.cache.base import MatchResult, Tokens
+from radixkv.memory.slots import as_int64, empty_slots, is_tensor, slot_array
 
-__all__ = ["HashBlockCache", "NoPrefixCache", "BlockChain"]
+__all__ = ["HashBlockCache", "BlockChain", "as_token_array"]
 
 _ROOT_SHA = b"\x00" * 32
-_EMPTY = torch.empty(0, dtype=torch.int64)
 
 
-def _as_token_array(tokens: Tokens) -> np.ndarray:
+def as_token_array(tokens: Tokens) -> np.ndarray:
     """``tokens`` as a 1-D int64 numpy array (ValueError if it is not 1-D integer data)."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
-            raise ValueError(
-                f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} dtype {tokens.dtype}"
-            )
-        return tokens.detach().to("cpu", torch.int64).numpy()
+    if is_tensor(tokens):
+        arr = tokens.detach().cpu().numpy()
+        if arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise ValueError(f"tokens must be a 1-D integer tensor, got shape {tuple(arr.shape)} dtype {tokens.dtype}")
+        return arr.astype(np.int64, copy=False)
     arr = np.asarray(tokens if len(tokens) else [], dtype=np.int64)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be a 1-D sequence of ints, got shape {arr.shape}")
     return arr
-
-
-def _as_slot_array(slots: torch.Tensor) -> np.ndarray:
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype.is_floating_point:
-        raise ValueError("slots must be a 1-D integer torch.Tensor")
-    return slots.detach().to("cpu", torch.int64).numpy()
 
 
 class _Block:
@@ -94,16 +86,18 @@ class HashBlockCache:
 
     Args:
         page_size: tokens per block (``>= 1``); a block's slots are one page of the engine's
-            :class:`~radixkv.cache.allocator.SlotAllocator` (contiguous, ascending).
+            :class:`~radixkv.memory.allocator.SlotAllocator` (contiguous, ascending).
         hash_algo: ``"sha256"`` (default; collision-safe, stable across processes) or
             ``"builtin"`` (Python ``hash`` of a tuple; faster, 64-bit).
 
-    Sizes (``evictable_size`` etc.) are in tokens (= slots). Slots are 1-D ``torch.int64`` CPU
-    tensors. Raises ``ValueError`` for a bad ``page_size``/``hash_algo``, malformed ``tokens`` or
+    Sizes (``evictable_size`` etc.) are in tokens (= slots). Slots are 1-D int64 slot arrays
+    (:func:`radixkv.memory.slots.slot_array`). Raises ``ValueError`` for a bad ``page_size``/``hash_algo``, malformed ``tokens`` or
     ``slots``, ``len(slots) != len(tokens)``, a block whose slots are not one contiguous page, a
     negative ``num_tokens``, and ``dec_lock_ref`` below zero; ``RuntimeError`` for ``reset``
     while blocks are locked.
     """
+
+    shares_prefixes = True
 
     def __init__(self, page_size: int = 16, hash_algo: str = "sha256") -> None:
         if not isinstance(page_size, int) or page_size < 1:
@@ -122,7 +116,7 @@ class HashBlockCache:
     # ------------------------------------------------------------------ hashing
     def block_keys(self, tokens: Tokens, namespace: Hashable = None) -> list:
         """Chained keys of the full blocks of ``tokens`` (``len(tokens) // page_size`` of them)."""
-        arr = _as_token_array(tokens)
+        arr = as_token_array(tokens)
         n = len(arr) // self.page_size
         if n == 0:
             return []
@@ -145,11 +139,11 @@ class HashBlockCache:
         return keys
 
     # ------------------------------------------------------------------ protocol
-    def _slots_of(self, blocks: Sequence[_Block]) -> torch.Tensor:
+    def _slots_of(self, blocks: Sequence[_Block]) -> Any:
         if not blocks:
-            return _EMPTY.clone()
+            return empty_slots()
         starts = np.fromiter((b.start for b in blocks), dtype=np.int64, count=len(blocks))
-        return torch.from_numpy((starts[:, None] + self._offsets).reshape(-1))
+        return slot_array((starts[:, None] + self._offsets).reshape(-1))
 
     def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
         """Longest cached run of leading full blocks of ``tokens`` (stops at the first miss).
@@ -166,7 +160,7 @@ class HashBlockCache:
             found.append(blk)
         return MatchResult(self._slots_of(found), len(found) * self.page_size, BlockChain(tuple(found)))
 
-    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
+    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
         """Cache the full blocks of ``tokens`` whose KV lives in ``slots`` (``len(slots) ==
         len(tokens)``).
 
@@ -179,8 +173,8 @@ class HashBlockCache:
         block replaces it as the table entry and the orphan is moved to the front of the free
         queue, to be returned by the next :meth:`evict`.
         """
-        arr = _as_token_array(tokens)
-        sl = _as_slot_array(slots)
+        arr = as_token_array(tokens)
+        sl = as_int64(slots)
         if len(sl) != len(arr):
             raise ValueError(f"len(slots) must equal len(tokens) ({len(arr)}), got {len(sl)}")
         keys = self.block_keys(arr, namespace)
@@ -240,7 +234,7 @@ class HashBlockCache:
                 free[id(blk)] = blk
                 self._num_locked -= 1
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
+    def evict(self, num_tokens: int) -> Any:
         """Evict unreferenced blocks, least recently freed first, until at least ``num_tokens``
         slots are freed or none is left; returns their slots (1-D int64) for the allocator."""
         if num_tokens < 0:
@@ -270,7 +264,7 @@ class HashBlockCache:
         """Tokens (= slots) the cache holds."""
         return self._num_blocks * self.page_size
 
-    def reset(self) -> torch.Tensor:
+    def reset(self) -> Any:
         """Drop everything; returns all slots the cache held. RuntimeError if any block is locked."""
         if self._num_locked:
             raise RuntimeError(f"reset() while {self._num_locked} blocks are locked")
@@ -305,56 +299,3 @@ class HashBlockCache:
             raise AssertionError("a block does not start on a page boundary")
         if len(set(starts)) != len(starts):
             raise AssertionError("a slot is owned by two cached blocks")
-
-
-class NoPrefixCache:
-    """Prefix caching off: nothing is ever cached, the engine's normal code path frees every slot.
-
-    ``match_prefix`` always returns an empty match (``length`` 0, ``node`` None).
-    ``insert(tokens, slots)`` caches nothing and returns ``len(tokens) // page_size * page_size``,
-    i.e. it reports every whole page as "already cached", so the caller frees all of those slots
-    as duplicates and the unaligned tail as usual: every slot goes back to the allocator. Locking,
-    eviction and reset are no-ops (``evict``/``reset`` return an empty tensor), all sizes are 0.
-    """
-
-    def __init__(self, page_size: int = 1) -> None:
-        if not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        self.page_size = page_size
-
-    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
-        _as_token_array(tokens)
-        return MatchResult(_EMPTY.clone(), 0, None)
-
-    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
-        arr = _as_token_array(tokens)
-        sl = _as_slot_array(slots)
-        if len(sl) != len(arr):
-            raise ValueError(f"len(slots) must equal len(tokens) ({len(arr)}), got {len(sl)}")
-        return len(arr) // self.page_size * self.page_size
-
-    def inc_lock_ref(self, node) -> None:
-        return None
-
-    def dec_lock_ref(self, node) -> None:
-        return None
-
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return _EMPTY.clone()
-
-    def evictable_size(self) -> int:
-        return 0
-
-    def protected_size(self) -> int:
-        return 0
-
-    def total_size(self) -> int:
-        return 0
-
-    def reset(self) -> torch.Tensor:
-        return _EMPTY.clone()
-
-    def check_integrity(self) -> None:
-        return None

@@ -38,27 +38,34 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from itertools import count
-from typing import Any, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional
 
 import numpy as np
-import torch
 from sortedcontainers import SortedList
 
 from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, Tokens
-from radixkv.cache.radix_check import check_tree, format_tree
+from radixkv.cache.check import check_tree, format_tree
 from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, query_tokens, slot_tensor_address
+from radixkv.memory.slots import buffer_reader, empty_slots
 
 __all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
 
 _uids = count()
 _EMPTY = b""
-_frombuffer = torch.frombuffer
-_int64 = torch.int64
 _tuple_new = tuple.__new__
 
 
-def _match_result(slots: torch.Tensor, length: int, node: Any) -> MatchResult:
+def _path_key(node: "TreeNode") -> bytes:
+    """The int32 token bytes from ``node``'s namespace root to the end of its edge."""
+    parts = []
+    while node.key:
+        parts.append(node.key)
+        node = node.parent
+    return b"".join(reversed(parts))
+
+
+def _match_result(slots: Any, length: int, node: Any) -> MatchResult:
     """``MatchResult(slots, length, node)`` through ``tuple.__new__`` directly (the named
     tuple's generated ``__new__`` is a Python function; this skips that frame)."""
     return _tuple_new(MatchResult, (slots, length, node))
@@ -115,7 +122,7 @@ class RadixCache:
     """Radix tree over token sequences mapping every cached token to its KV slot.
 
     Implements :class:`radixkv.cache.base.PrefixCache`. It owns no KV memory: slots come from
-    the caller's :class:`~radixkv.cache.allocator.SlotAllocator` through :meth:`insert` and go
+    the caller's :class:`~radixkv.memory.allocator.SlotAllocator` through :meth:`insert` and go
     back through the tensors returned by :meth:`evict` and :meth:`reset`. Not thread-safe.
 
     Args:
@@ -127,11 +134,19 @@ class RadixCache:
         ValueError: ``page_size`` is not an int >= 1.
     """
 
+    shares_prefixes = True
+
     def __init__(self, page_size: int = 1) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
         self._page_bytes = 4 * page_size
+        self._read_slots = buffer_reader()
+        self.evict_listener: Optional[Callable[[Hashable, bytes, int], None]] = None
+        """Called as ``listener(namespace, path, start)`` for every node :meth:`evict` frees, before
+        it is unlinked: ``path`` the int32 token bytes from the namespace root to the node's end,
+        ``start`` the position of the node's first token (the engine's KV manager turns this into
+        cache events). None: no call."""
         self._clock = 0
         self._init_state()
 
@@ -214,7 +229,7 @@ class RadixCache:
         if ns_root is None:
             if type(q) is not bytes:
                 pack_tokens(q)  # validates the ids
-            return _match_result(torch.empty(0, dtype=_int64), 0, self.root)
+            return _match_result(empty_slots(), 0, self.root)
         self._clock = tick = self._clock + 1
         try:
             node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
@@ -226,7 +241,7 @@ class RadixCache:
             node.last_access = tick
             pos += m
         if pos == 0:
-            return _match_result(torch.empty(0, dtype=_int64), 0, self.root)
+            return _match_result(empty_slots(), 0, self.root)
         ns_root.last_access = tick
         lru = node.lru
         if lru is True:  # the common case of _lru_refresh, inlined
@@ -234,9 +249,9 @@ class RadixCache:
         elif lru is not None:
             self._lru_refresh(node)
         # buf: a fresh bytearray of the pos matched int64 slots, which the tensor shares
-        return _match_result(_frombuffer(buf, dtype=_int64), pos, node)
+        return _match_result(self._read_slots(buf), pos, node)
 
-    def insert(self, tokens: Tokens, slots: torch.Tensor, namespace: Hashable = None) -> int:
+    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
         """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
 
         Ownership rule: with ``p`` the return value and ``n = len(tokens)`` floored to a
@@ -361,7 +376,7 @@ class RadixCache:
 
     # ------------------------------------------------------------------ eviction
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
+    def evict(self, num_tokens: int) -> Any:
         """Frees least-recently-used unlocked leaves until ``num_tokens`` are freed.
 
         A parent whose last child is evicted becomes a leaf and competes (by its own last-access
@@ -388,6 +403,7 @@ class RadixCache:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         new, old = self._lru_new, self._lru_old
         pb = self._page_bytes
+        listener = self.evict_listener
         freed = []
         done = 0
         while done < num_tokens and (new or old):
@@ -401,6 +417,9 @@ class RadixCache:
                 take_old = False
             node = old.pop(0)[2] if take_old else new.popitem(last=False)[1]
             node.lru = None
+            if listener is not None:
+                path = _path_key(node)
+                listener(node.namespace, path, (len(path) - len(node.key)) >> 2)
             freed.append(node.value)
             done += len(node.key) >> 2
             parent = node.parent
@@ -414,10 +433,10 @@ class RadixCache:
                     parent.parent = None
         self._total -= done
         if not freed:
-            return torch.empty(0, dtype=_int64)
-        return _frombuffer(bytearray().join(freed), dtype=_int64)
+            return empty_slots()
+        return self._read_slots(bytearray().join(freed))
 
-    def reset(self) -> torch.Tensor:
+    def reset(self) -> Any:
         """Empties the tree; returns every slot it held (1-D int64 CPU tensor) for the caller to
         free. Nodes handed out before become invalid.
 
@@ -434,8 +453,8 @@ class RadixCache:
         self._init_state()
         values = bytearray().join(values)
         if not values:
-            return torch.empty(0, dtype=_int64)
-        return _frombuffer(values, dtype=_int64)
+            return empty_slots()
+        return self._read_slots(values)
 
     # ------------------------------------------------------------------ sizes and checks
 

@@ -16,12 +16,13 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import sys
 from array import array
 
 import numpy as np
-import torch
 
 from radixkv.cache.base import Tokens
+from radixkv.memory.slots import as_int64, is_tensor
 
 __all__ = [
     "HAS_CEXT",
@@ -272,7 +273,7 @@ def pack_tokens(tokens: Tokens) -> bytes:
             return pack_int32(tokens)
         except NotAnInt:
             return pack_int32(int_tokens(tokens))
-    if isinstance(tokens, torch.Tensor):
+    if is_tensor(tokens):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
             raise ValueError(
                 f"tokens must be a 1-D integer tensor, got shape {tuple(tokens.shape)} dtype {tokens.dtype}"
@@ -300,43 +301,27 @@ def query_tokens(tokens: Tokens):
     return pack_tokens(tokens)
 
 
-_Tensor, _int64 = torch.Tensor, torch.int64
-
-
 def slot_tensor_address(slots) -> int:
-    """``slots.data_ptr()`` when ``slots`` is a 1-D contiguous ``torch.int64`` CPU tensor (the
-    common case, read directly with ``read_int64``), else -1 (the caller falls back to
+    """The address of ``slots``' int64 data when it is a 1-D contiguous int64 CPU tensor or numpy
+    array (the common case, read in place with ``read_int64``), else -1 (the caller falls back to
     :func:`as_slot_array`, which validates and converts everything else)."""
-    if type(slots) is _Tensor and slots.dtype is _int64 and slots.is_cpu and slots.dim() == 1 and slots.is_contiguous():
-        return slots.data_ptr()
+    if type(slots) is np.ndarray:
+        if slots.dtype == np.int64 and slots.ndim == 1 and slots.flags.c_contiguous:
+            return slots.ctypes.data if slots.size else -1
+        return -1
+    if is_tensor(slots) and slots.dtype is sys.modules["torch"].int64 and slots.is_cpu and slots.dim() == 1:
+        if slots.is_contiguous():
+            return slots.data_ptr()
     return -1
 
 
-def as_slot_array(slots: torch.Tensor) -> np.ndarray:
-    """int64 numpy view (or copy) of a 1-D integer CPU tensor or sequence of slots.
+def as_slot_array(slots) -> np.ndarray:
+    """int64 numpy view (or copy) of a 1-D integer CPU tensor, array or sequence of slots.
 
     Raises:
         ValueError: not 1-D, not integers, not on the CPU, or a value outside int64.
     """
-    if isinstance(slots, torch.Tensor):
-        try:
-            arr = slots.numpy()  # raises for CUDA tensors and tensors that require grad
-        except (TypeError, RuntimeError) as e:
-            raise ValueError(f"slots must be a plain CPU tensor ({e})") from None
-    else:
-        arr = np.asarray(slots)
-    if arr.ndim == 1 and arr.size == 0:
-        return np.empty(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        what = (
-            "integers in the int64 range"
-            if arr.ndim == 1 and arr.dtype.kind in "fO" and not isinstance(slots, (torch.Tensor, np.ndarray))
-            else "a 1-D integer tensor"
-        )
-        raise ValueError(f"slots must be {what}, got shape {arr.shape} dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and int(arr.max()) > np.iinfo(np.int64).max:
-        raise ValueError(f"slots must fit in int64, got {int(arr.max())}")
-    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
+    return as_int64(slots)
 
 
 class use_python_path:

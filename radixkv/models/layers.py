@@ -17,80 +17,28 @@ import re
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from radixkv import cpu_kernels
 from radixkv.attention.base import AttentionBackend
-from radixkv.models import native_decode
+from radixkv.models import ops
+from radixkv.models.ops import PACKED_MAX_ROWS, SMALL_M_ROWS, PackCache, apply_rope, linear
 
-SMALL_M_ROWS = 128
-"""Row counts (2 to this) for which :func:`linear` uses the weight-major product on the CPU."""
-
-PACKED_MAX_ROWS = 64
-"""Row counts (1 to this) for which :func:`linear` uses radixkv's packed-weight GEMM on the CPU."""
-
-
-class PackCache:
-    """Holds the :class:`~radixkv.cpu_kernels.PackedWeight` of one weight tensor, rebuilt when
-    the tensor is replaced or changed in place (its address, strides or ``_version`` move). Edits
-    through ``weight.data`` do not move ``_version``: call :meth:`CausalLM.reset_packed_weights`
-    after those."""
-
-    __slots__ = ("_key", "_packed")
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._packed: cpu_kernels.PackedWeight | None = None
-
-    def get(self, weight: torch.Tensor) -> "cpu_kernels.PackedWeight":
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.stride())
-        if key != self._key:
-            self._packed = cpu_kernels.PackedWeight(weight)
-            self._key = key
-        return self._packed
-
-
-def native_rows(x: torch.Tensor) -> bool:
-    """True when the native CPU kernels serve these rows: ``x`` is float32 on the CPU with at most
-    :data:`PACKED_MAX_ROWS` rows (a decode-sized batch), the kernels are available and no
-    gradient is being recorded. Larger batches (prefill) use torch's multi-threaded ops."""
-    return (
-        cpu_kernels.AVAILABLE
-        and x.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.dim() == 2
-        and 1 <= x.shape[0] <= PACKED_MAX_ROWS
-        and not (torch.is_grad_enabled() and x.requires_grad)
-    )
-
-
-def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: PackCache | None = None
-) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``x [M, K]``, ``weight [N, K]`` -> ``[M, N]``), with two
-    faster float32 CPU paths for decode-sized batches (same values up to float32 rounding):
-
-    * ``1 <= M <= PACKED_MAX_ROWS``, a ``pack`` cache given, the native kernels available and
-      no gradient needed (:func:`native_rows`): :func:`radixkv.cpu_kernels.packed_linear` on the
-      weight repacked once into 16-column panels (an AVX2 register-blocked GEMM; 1.4-1.7x MKL's
-      best layout here, see docs/model.md). The packed copy costs the weight's bytes again.
-    * else ``2 <= M <= SMALL_M_ROWS``: ``(weight @ x.T).T``. MKL's sgemm streams a large
-      ``[N, K]`` left operand against a small packed right one far better than the ``x @ W.T``
-      layout ``F.linear`` uses (measured 1.35-1.9x at ``M = 16`` on the 2-core CPU box).
-
-    Larger ``M`` (prefill), other devices and other dtypes use ``F.linear``.
-    """
-    if x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32:
-        if pack is not None and native_rows(x) and not (torch.is_grad_enabled() and weight.requires_grad):
-            return cpu_kernels.packed_linear(x, pack.get(weight), bias)
-        if 1 < x.shape[0] <= SMALL_M_ROWS:
-            if bias is None:
-                y = torch.mm(weight, x.t())
-            else:
-                y = torch.addmm(bias.unsqueeze(1), weight, x.t())
-            return y.t().contiguous()
-    return F.linear(x, weight, bias)
+__all__ = [
+    "CausalLM",
+    "DecoderLayer",
+    "Attention",
+    "MLP",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "Linear",
+    "config_head_dim",
+    # re-exported from radixkv.models.ops, where they live
+    "PACKED_MAX_ROWS",
+    "SMALL_M_ROWS",
+    "PackCache",
+    "apply_rope",
+    "linear",
+]
 
 
 class Linear(nn.Linear):
@@ -114,8 +62,7 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019) computed in float32, as transformers does.
 
     ``norm(x)`` returns the normed ``x``. ``norm(x, residual)`` first forms ``residual + x`` (the
-    decoder's skip connection, fused as in vLLM's ``fused_add_rms_norm``) and returns
-    ``(normed, new_residual)``; on the native CPU path the residual tensor is updated in place.
+    decoder's skip connection) and returns ``(normed, new_residual)`` (:func:`ops.rms_norm`).
     """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -124,23 +71,7 @@ class RMSNorm(nn.Module):
         self.eps = float(eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if native_rows(x) and not (torch.is_grad_enabled() and self.weight.requires_grad):
-            if residual is None:
-                return cpu_kernels.add_rms_norm(None, x.contiguous(), self.weight, self.eps)
-            residual = residual.contiguous()
-            return cpu_kernels.add_rms_norm(x.contiguous(), residual, self.weight, self.eps), residual
-        if residual is None:
-            return self._norm(x)
-        residual = residual + x
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        if dtype == torch.float32:  # one fused kernel, same math
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return ops.rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -179,13 +110,6 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by the angles in ``cos``/``sin`` ``[T, 1, D]`` (rotate-half form)."""
-    half = x.shape[-1] // 2
-    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rot * sin
-
-
 class Attention(nn.Module):
     """Self-attention with fused q/k/v projection; KV handled by the attention backend."""
 
@@ -203,24 +127,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        if native_rows(qkv) and cos.is_contiguous() and cos.dtype == torch.float32:
-            # q and k heads are adjacent in each row: one in-place pass rotates both
-            cpu_kernels.rope_(
-                qkv,
-                self.num_heads + self.num_kv_heads,
-                self.head_dim,
-                cos.view(t, self.head_dim),
-                sin.view(t, self.head_dim),
-            )
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(t, self.num_heads, self.head_dim)
-            k = k.view(t, self.num_kv_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-            k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        o = attn.forward(self.layer_id, q, k, v.view(t, self.num_kv_heads, self.head_dim))
+        q, k, v = ops.rope_qkv(self.qkv_proj(x), cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
+        o = attn.forward(self.layer_id, q, k, v)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -238,11 +146,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if native_rows(gate_up):
-            return self.down_proj(cpu_kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -305,7 +209,18 @@ class CausalLM(nn.Module):
         # set by radixkv.models.quantize.quantize_model: replaces the output projection
         self.logits_proj: nn.Module | None = None
         self.quantization: str | None = None
+        self.pack_formats: tuple[str, ...] | None = None
         self.lm_head_pack = PackCache()
+
+    def _packs(self) -> list[PackCache]:
+        return [m.pack for m in self.modules() if isinstance(m, Linear)] + [self.lm_head_pack]
+
+    def set_pack_formats(self, formats: tuple[str, ...] | None) -> None:
+        """Choose the storage formats of the packed weight copies the native CPU GEMM reads
+        (tried in order; None: :data:`radixkv.kernels.cpu.DEFAULT_PACK_FORMATS`); e.g. ``("f32",)``
+        keeps plain float32 panels. Drops the packed copies built so far."""
+        self.pack_formats = None if formats is None else tuple(formats)
+        self.reset_packed_weights()
 
     def reset_packed_weights(self) -> None:
         """Drop every packed copy of the weights (:class:`PackCache`); the next decode-sized
@@ -314,22 +229,52 @@ class CausalLM(nn.Module):
         ``copy_`` / ``load_state_dict`` / :meth:`load_weights` are noticed on their own."""
         for m in self.modules():
             if isinstance(m, Linear):
-                m.pack = PackCache()
-        self.lm_head_pack = PackCache()
+                m.pack = PackCache(self.pack_formats)
+        self.lm_head_pack = PackCache(self.pack_formats)
 
     def packed_weight_bytes(self) -> dict[str, int]:
         """Bytes of the packed weight copies built so far (by the first decode-sized forward), by
-        storage format (``"f32"``, ``"q4_1"``, ``"q8_0"``: :class:`~radixkv.cpu_kernels.PackedWeight`).
+        storage format (``"f32"``, ``"q4_1"``, ``"q8_0"``: :class:`~radixkv.kernels.cpu.PackedWeight`).
         Empty before that forward, or without the native kernels."""
         out: dict[str, int] = {}
-        packs = [m.pack for m in self.modules() if isinstance(m, Linear)] + [self.lm_head_pack]
-        for pack in packs:
-            if pack._packed is not None:
-                out[pack._packed.format] = out.get(pack._packed.format, 0) + pack._packed.nbytes
+        for pack in self._packs():
+            if pack.packed is not None:
+                out[pack.packed.format] = out.get(pack.packed.format, 0) + pack.packed.nbytes
         return out
 
     def lm_head_weight(self) -> torch.Tensor:
+        """The output projection's weight ``[vocab, hidden]`` (the embedding when tied)."""
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(h [T, hidden], cos, sin)``: the token embeddings and RoPE's ``[T, 1, head_dim]``
+        angles at ``positions``."""
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, h.dtype)
+        return h, cos, sin
+
+    def run_layers(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend):
+        """Every decoder layer over the embeddings ``h``; returns ``(delta, residual)`` (the
+        hidden state is ``residual + delta``; ``residual`` is None without layers)."""
+        residual = None
+        for layer in self.model.layers:
+            h, residual = layer(h, residual, cos, sin, attn)
+        return h, residual
+
+    def compute_logits(
+        self, delta: torch.Tensor, residual: torch.Tensor | None, logits_indices: torch.Tensor
+    ) -> torch.Tensor:
+        """Final norm and output projection of the rows ``logits_indices`` -> float32
+        ``[S, vocab_size]``."""
+        if residual is None:  # no decoder layers
+            h = self.model.norm(delta[logits_indices])
+        else:
+            h, _ = self.model.norm(delta[logits_indices], residual[logits_indices])
+        if self.logits_proj is not None:
+            return self.logits_proj(h).float()
+        return linear(h, self.lm_head_weight(), None, self.lm_head_pack).float()
 
     def forward(
         self,
@@ -338,21 +283,9 @@ class CausalLM(nn.Module):
         attn: AttentionBackend,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions, h.dtype)
-        residual = None
-        if self.num_layers and native_decode.eligible(self, attn, h.shape[0], h.dtype):
-            h, residual = native_decode.run_layers(self, h, cos, sin, attn)
-        else:
-            for layer in self.model.layers:
-                h, residual = layer(h, residual, cos, sin, attn)
-        if residual is None:  # no decoder layers
-            h = self.model.norm(h[logits_indices])
-        else:
-            h, _ = self.model.norm(h[logits_indices], residual[logits_indices])
-        if self.logits_proj is not None:
-            return self.logits_proj(h).float()
-        return linear(h, self.lm_head_weight(), None, self.lm_head_pack).float()
+        h, cos, sin = self.embed(input_ids, positions)
+        delta, residual = self.run_layers(h, cos, sin, attn)
+        return self.compute_logits(delta, residual, logits_indices)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

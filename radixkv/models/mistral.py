@@ -2,7 +2,7 @@
 
 Attention here is full causal attention, which equals Mistral's sliding-window attention as long
 as no sequence is longer than ``config.sliding_window``;
-:class:`~radixkv.model_runner.ModelRunner` rejects a ``max_context_len`` above the window.
+:class:`~radixkv.executor.model_runner.ModelRunner` rejects a ``max_context_len`` above the window.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP server: ``create_app(async_llm)`` (FastAPI) and `radixkv serve`.
 
-Modules: :mod:`~radixkv.server.app` (routes, error format), :mod:`~radixkv.server.serving`
-(request -> engine -> response), :mod:`~radixkv.server.sse` (event-stream helpers),
-:mod:`~radixkv.server.protocol` (pydantic bodies),
-:mod:`~radixkv.server.metrics` (Prometheus), :mod:`~radixkv.server.cli` (`radixkv serve`).
+Modules: :mod:`~radixkv.server.app` (routes, error format), :mod:`~radixkv.server.engine_client`
+(prompts -> engine requests -> outputs, typed errors; shared by every protocol),
+:mod:`~radixkv.server.openai` (the OpenAI protocol: bodies, parameter mapping, one handler per
+endpoint), :mod:`~radixkv.server.sse` (event-stream helpers), :mod:`~radixkv.server.metrics`
+(Prometheus), :mod:`~radixkv.server.cli` (`radixkv serve`).
 See docs/server.md.
 """
 

@@ -32,9 +32,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
+from radixkv.engine.events import RequestFinished
+from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from radixkv.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from radixkv.server.serving import ClientDisconnected, OpenAIServing
+from radixkv.server.openai.chat import Chat
+from radixkv.server.openai.completions import Completions
+from radixkv.server.openai.params import ModelNames
+from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +62,25 @@ def create_app(
         shutdown_engine: shut ``llm`` down when the app's lifespan ends (``radixkv serve``).
 
     Returns:
-        A FastAPI app; ``app.state.llm``, ``app.state.metrics`` and ``app.state.serving`` hold its parts.
+        A FastAPI app; ``app.state.llm``, ``app.state.metrics`` and ``app.state.client`` (the
+        :class:`~radixkv.server.engine_client.EngineClient`) hold its parts.
     """
+
+    metrics = ServerMetrics()
+    unsubscribe = llm.subscribe(metrics.on_event, (RequestFinished,))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        unsubscribe()
         if shutdown_engine:
             llm.shutdown()
 
     app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
-    metrics = ServerMetrics()
-    serving = OpenAIServing(llm, served_model_name, metrics, model_aliases)
-    app.state.llm, app.state.metrics, app.state.serving = llm, metrics, serving
+    client = EngineClient(llm, metrics)
+    models = ModelNames(served_model_name, model_aliases)
+    completions_handler, chat_handler = Completions(client, models), Chat(client, models)
+    app.state.llm, app.state.metrics, app.state.client = llm, metrics, client
 
     def error(exc: APIError) -> JSONResponse:
         metrics.request_errors.labels(status=str(exc.status_code)).inc()
@@ -121,11 +131,11 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return respond(await serving.completions(await parse(request, CompletionRequest), request))
+        return respond(await completions_handler(await parse(request, CompletionRequest), request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return respond(await serving.chat(await parse(request, ChatCompletionRequest), request))
+        return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -140,7 +150,7 @@ def create_app(
 
     @app.get("/cache_stats")
     async def cache_stats() -> dict:
-        return await llm.cache_stats()
+        return (await llm.cache_stats()).as_dict()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

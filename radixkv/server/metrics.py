@@ -2,15 +2,16 @@
 
 Two sources, both exposed with the ``radixkv_`` prefix:
 
-- Counters and histograms the HTTP layer updates per API request, with the same numbers the
-  client sees in ``usage``: ``radixkv_requests_total{endpoint}``,
-  ``radixkv_request_errors_total{status}``, ``radixkv_requests_finished_total{finish_reason}``
-  (per choice; ``abort`` for a client that went away), ``radixkv_prompt_tokens_total``,
-  ``radixkv_cached_tokens_total`` (prompt tokens served from the prefix cache),
-  ``radixkv_generation_tokens_total``, ``radixkv_time_to_first_token_seconds``,
-  ``radixkv_e2e_request_latency_seconds``.
+- Counters and histograms of requests: the HTTP layer counts ``radixkv_requests_total{endpoint}``
+  and ``radixkv_request_errors_total{status}`` and observes
+  ``radixkv_time_to_first_token_seconds`` and ``radixkv_e2e_request_latency_seconds``; the
+  engine's :class:`~radixkv.engine.events.RequestFinished` events (:meth:`ServerMetrics.on_event`)
+  count ``radixkv_requests_finished_total{finish_reason}`` (per choice; ``abort`` for a client
+  that went away), ``radixkv_prompt_tokens_total``, ``radixkv_cached_tokens_total`` (prompt tokens
+  served from the prefix cache) and ``radixkv_generation_tokens_total`` of the requests that
+  completed (not aborted): the numbers their clients see in ``usage``.
 - A snapshot of the engine taken on the engine thread at scrape time
-  (``Engine.cache_stats()`` and the scheduler's queues): ``radixkv_cache_hit_rate`` (the
+  (:class:`~radixkv.engine.stats.EngineStats`): ``radixkv_cache_hit_rate`` (the
   engine's cached_tokens / prompt_tokens), ``radixkv_evicted_tokens_total``,
   ``radixkv_num_requests_running``, ``radixkv_num_requests_waiting``,
   ``radixkv_kv_capacity_tokens``, ``radixkv_kv_free_tokens``, ``radixkv_kv_evictable_tokens``,
@@ -28,6 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from radixkv.engine.events import Event, RequestFinished
+from radixkv.engine.stats import EngineStats
+
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -37,37 +41,33 @@ class _EngineCollector(Collector):
     """Exposes the latest engine snapshot given to :meth:`ServerMetrics.update_engine`."""
 
     def __init__(self) -> None:
-        self.stats: dict = {}
+        self.stats: EngineStats | None = None
 
     def collect(self) -> Iterator[Metric]:
         s = self.stats
-        if not s:
+        if s is None:
             return
         gauges = [
-            ("cache_hit_rate", "Prefix-cache hit rate of the engine: cached_tokens / prompt_tokens.", "hit_rate"),
-            ("num_requests_running", "Requests (samples) in the engine's running batch.", "running"),
-            ("num_requests_waiting", "Requests in the engine's waiting queue.", "waiting"),
-            ("kv_capacity_tokens", "KV pool capacity in tokens.", "capacity"),
-            ("kv_free_tokens", "KV slots not held by any request or the prefix cache.", "free"),
-            ("kv_evictable_tokens", "KV slots held only by the prefix cache (unlocked, evictable).", "evictable"),
-            ("kv_protected_tokens", "KV slots of cached prefixes locked by running requests.", "protected"),
-            ("page_size", "Tokens per KV page.", "page_size"),
+            ("cache_hit_rate", "Prefix-cache hit rate of the engine: cached_tokens / prompt_tokens.", s.hit_rate),
+            ("num_requests_running", "Requests (samples) in the engine's running batch.", s.running),
+            ("num_requests_waiting", "Requests in the engine's waiting queue.", s.waiting),
+            ("kv_capacity_tokens", "KV pool capacity in tokens.", s.capacity),
+            ("kv_free_tokens", "KV slots not held by any request or the prefix cache.", s.free),
+            ("kv_evictable_tokens", "KV slots held only by the prefix cache (unlocked, evictable).", s.evictable),
+            ("kv_protected_tokens", "KV slots of cached prefixes locked by running requests.", s.protected),
+            ("page_size", "Tokens per KV page.", s.page_size),
         ]
-        for name, doc, key in gauges:
-            if s.get(key) is not None:
-                yield GaugeMetricFamily(f"radixkv_{name}", doc, value=float(s[key]))
-        cap, free = s.get("capacity"), s.get("free")
-        if cap and free is not None:
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"radixkv_{name}", doc, value=float(value))
+        if s.capacity:
             yield GaugeMetricFamily(
-                "radixkv_kv_usage_ratio", "Fraction of the KV pool in use: (capacity - free) / capacity.",
-                value=(float(cap) - float(free)) / float(cap),
-            )  # fmt: skip
-        if s.get("evicted_tokens") is not None:
-            yield CounterMetricFamily(
-                "radixkv_evicted_tokens",
-                "Tokens evicted from the prefix cache since start.",
-                value=float(s["evicted_tokens"]),
+                "radixkv_kv_usage_ratio",
+                "Fraction of the KV pool in use: (capacity - free) / capacity.",
+                value=(s.capacity - s.free) / s.capacity,
             )
+        yield CounterMetricFamily(
+            "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s.evicted_tokens)
+        )
 
 
 class ServerMetrics:
@@ -103,11 +103,21 @@ class ServerMetrics:
         self._engine = _EngineCollector()
         r.register(self._engine)
 
-    def update_engine(self, snapshot: dict) -> None:
-        """Store an engine snapshot, ``Engine.cache_stats()`` (keys capacity, free, evictable,
-        protected, hit_rate, evicted_tokens, running, waiting, page_size; missing keys are not
-        exported)."""
-        self._engine.stats = dict(snapshot)
+    def update_engine(self, snapshot: EngineStats) -> None:
+        """Store an engine snapshot (``Engine.cache_stats()``) for the next :meth:`render`."""
+        self._engine.stats = snapshot
+
+    def on_event(self, event: Event) -> None:
+        """Count an engine :class:`~radixkv.engine.events.RequestFinished` (subscribe with
+        ``kinds=(RequestFinished,)``; other events are ignored)."""
+        if not isinstance(event, RequestFinished):
+            return
+        for reason in event.finish_reasons:
+            self.finished.labels(finish_reason=reason).inc()
+        if "abort" not in event.finish_reasons:  # token counts are those of completed requests
+            self.prompt_tokens.inc(event.num_prompt_tokens)
+            self.cached_tokens.inc(event.num_cached_tokens)
+            self.generation_tokens.inc(event.num_output_tokens)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (content type ``CONTENT_TYPE_LATEST``)."""

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
-__all__ = ["Deltas", "chain", "close_all", "merge", "sse"]
+__all__ = ["Deltas", "chain", "close_all", "framed", "merge", "sse"]
 
 
 class Deltas:
@@ -88,3 +88,17 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def framed(events: AsyncIterator[str], rest: Any, error_event: Callable[[Exception], dict]) -> AsyncIterator[str]:
+    """An SSE response body: ``events``, then ``data: [DONE]``. An error after the headers were
+    sent is reported in-band as ``error_event(exc)``; the engine streams in ``rest`` are closed in
+    every case (closing aborts unfinished requests, so a disconnect frees their KV slots)."""
+    try:
+        async for e in events:
+            yield e
+    except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
+        yield sse(error_event(exc))
+    finally:
+        await rest.aclose()
+    yield "data: [DONE]\n\n"

@@ -10,10 +10,11 @@ plain Python indexing, cheaper than numpy calls at that size; large frees use nu
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import numpy as np
-import torch
+
+from radixkv.memory.slots import is_tensor, slot_array
 
 __all__ = ["SlotAllocator"]
 
@@ -65,15 +66,16 @@ class SlotAllocator:
         """Free capacity in slots."""
         return self._num_free * self.page_size
 
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
+    def alloc(self, n: int) -> Optional[Any]:
         """Takes ``n`` free slots.
 
         Args:
             n: number of slots (int >= 0; a multiple of ``page_size`` when ``page_size > 1``).
 
         Returns:
-            1-D int64 CPU tensor of ``n`` slot indices (whole pages, each page's slots
-            contiguous and ascending), or ``None`` when fewer than ``n`` slots are free (nothing
+            1-D int64 slot array (:func:`~radixkv.memory.slots.slot_array`: a CPU tensor when
+            torch imports) of ``n`` slot indices (whole pages, each page's slots contiguous and
+            ascending), or ``None`` when fewer than ``n`` slots are free (nothing
             is taken then).
 
         Raises:
@@ -92,21 +94,21 @@ class SlotAllocator:
         self._num_free = top - k
         self._allocated[pages] = 1
         if ps == 1:
-            return torch.from_numpy(pages.copy())
-        return torch.from_numpy((pages[:, None] * ps + self._page_offsets).reshape(-1))
+            return slot_array(pages.copy())
+        return slot_array((pages[:, None] * ps + self._page_offsets).reshape(-1))
 
-    def free(self, slots: Union[torch.Tensor, Sequence[int]]) -> None:
+    def free(self, slots: Any | Sequence[int]) -> None:
         """Gives slots back. With ``page_size > 1`` the pages containing the slots are freed,
         each page once (so passing any subset of a page's slots frees the whole page).
 
         Args:
-            slots: 1-D integer tensor or sequence of slot indices.
+            slots: 1-D integer tensor, numpy array or sequence of slot indices.
 
         Raises:
             ValueError: a slot is out of ``[0, num_slots)``, listed twice, or its page is not
                 currently allocated (double free / never handed out). Nothing is freed then.
         """
-        if isinstance(slots, torch.Tensor):
+        if is_tensor(slots):
             try:
                 arr = slots.numpy()
             except (TypeError, RuntimeError):  # on a GPU, or requires grad

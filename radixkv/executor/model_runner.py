@@ -14,7 +14,9 @@ from typing import Any, Sequence, Union
 import torch
 
 from radixkv.attention import AttentionBackend, ForwardBatch, create_attention_backend
-from radixkv.kv_pool import KVPool, ReqToTokenPool
+from radixkv.config import default_context_len
+from radixkv.executor import cpu_decode
+from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 from radixkv.models.layers import CausalLM
 from radixkv.models.quantize import quantize_model
 from radixkv.models.registry import sliding_window_limit
@@ -127,7 +129,7 @@ class ModelRunner:
 
         max_pos = int(getattr(self.hf_config, "max_position_embeddings", kv_pool.num_slots))
         if max_context_len is None:
-            max_context_len = min(max_pos, kv_pool.num_slots)
+            max_context_len = default_context_len(max_pos, kv_pool.num_slots)
         if max_context_len < 1:
             raise ValueError(f"ModelRunner: max_context_len must be >= 1, got {max_context_len}")
         window = sliding_window_limit(self.hf_config)
@@ -179,8 +181,13 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch``: writes the new tokens' K/V into the pool (every layer) and
-        returns float32 logits ``[S, vocab_size]`` for ``batch.logits_indices``."""
+        returns float32 logits ``[S, vocab_size]`` for ``batch.logits_indices``. Picks the path:
+        the fused native CPU decode step (:mod:`radixkv.executor.cpu_decode`) when it is eligible,
+        else the model's module path."""
         if batch.page_size != self.page_size:
             raise ValueError(f"ModelRunner.forward: batch.page_size {batch.page_size} != {self.page_size}")
-        self.attn_backend.plan(batch)
-        return self.model(batch.input_ids, batch.positions, self.attn_backend, batch.logits_indices)
+        attn = self.attn_backend
+        attn.plan(batch)
+        if cpu_decode.eligible(self.model, attn, batch.input_ids.shape[0]):
+            return cpu_decode.forward(self.model, batch.input_ids, batch.positions, attn, batch.logits_indices)
+        return self.model(batch.input_ids, batch.positions, attn, batch.logits_indices)

@@ -1,10 +1,11 @@
 """`Request`: one sequence being generated, with its KV-slot bookkeeping.
 
 Slot ranges of a request (positions are token positions, all ranges half-open; see
-docs/engine.md for the table of what is owned, handed to the cache or freed at each step)::
+docs/engine.md for the table of what is owned, handed to the cache or freed at each step; only
+:class:`~radixkv.engine.kv_manager.KVManager` changes them)::
 
     [0, prefix_len)            borrowed: slots of a cached prefix, locked in the prefix cache
-                               (``prefix_node``) or shared with sibling samples (``shared``)
+                               (``prefix_node``) or held by a pin it references (``pin``)
     [prefix_len, kv_len)       owned, K/V computed
     [kv_len, len(slots))       owned, allocated, K/V not computed yet (the tokens of the current
                                forward, and with page_size > 1 the rest of the last page)
@@ -29,20 +30,6 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class SharedPrefix:
-    """Slots of a prompt prefix shared by the ``n`` samples of one request when no prefix cache
-    holds it (``prefix_cache="none"``): a reference count; the last holder frees the slots.
-
-    Attributes:
-        slots: ``list[int]`` KV slots of positions ``[0, len(slots))``, page aligned.
-        ref: number of requests holding it.
-    """
-
-    def __init__(self, slots: List[int]) -> None:
-        self.slots = slots
-        self.ref = 0
-
-
 class Request:
     """One sequence: a prompt, its output so far, and where its K/V lives.
 
@@ -61,7 +48,8 @@ class Request:
         slots: ``list[int]``, the KV slot of each position ``[0, len(slots))`` (see module doc).
         prefix_len: length of the borrowed prefix.
         prefix_node: the locked prefix-cache handle, or None.
-        shared: the :class:`SharedPrefix` it holds a reference on, or None.
+        pin: the :class:`~radixkv.engine.kv_manager.Pin` it holds a reference on (its borrowed
+            prefix), or None.
         kv_len: positions whose K/V is computed.
         admit_seq: admission counter value (the highest is the "newest" request, retracted first).
         num_cached_tokens: prompt tokens served from the cache at first admission (None before).
@@ -90,7 +78,7 @@ class Request:
         self.slots: List[int] = []
         self.prefix_len = 0
         self.prefix_node: Any = None
-        self.shared: Optional[SharedPrefix] = None
+        self.pin: Any = None
         self.kv_len = 0
         self.admit_seq = -1
         self.num_cached_tokens: Optional[int] = None

@@ -51,6 +51,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def server_error_event(exc: Exception) -> dict:
+    """The in-band OpenAI error event for a failure after a stream's headers were sent."""
+    return APIError(str(exc), type="server_error", code="internal_error").to_dict()
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 

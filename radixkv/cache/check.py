@@ -3,17 +3,14 @@ and the readable dump (kept apart so the tree module holds only the data structu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from radixkv.cache.radix_tree import RadixCache, TreeNode
 
 __all__ = ["check_tree", "format_tree"]
 
 
-def check_tree(tree: "RadixCache") -> None:
+def check_tree(tree: Any) -> None:
     """Implements :meth:`RadixCache.check_integrity` (raises RuntimeError)."""
 
     def fail(msg: str) -> None:
@@ -82,7 +79,7 @@ def _slot_text(slots: list, max_tokens: int) -> str:
     return "[" + " ".join(map(str, slots[:max_tokens])) + (" ...]" if len(slots) > max_tokens else "]")
 
 
-def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
+def format_tree(tree: Any, max_tokens: int = 8) -> str:
     """Implements :meth:`RadixCache.pretty_print` (iterative: any depth)."""
     lines = [
         f"RadixCache(page_size={tree.page_size}, total={tree._total}, "
@@ -90,7 +87,7 @@ def format_tree(tree: "RadixCache", max_tokens: int = 8) -> str:
         f"evictable_leaves={len(tree._lru_new) + len(tree._lru_old)})"
     ]
 
-    def children(node: "TreeNode") -> list:
+    def children(node: Any) -> list:
         return sorted(node.children.values(), key=lambda c: c.tokens()[:1])
 
     for ns, ns_root in tree.root.children.items():

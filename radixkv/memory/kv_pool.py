@@ -2,7 +2,7 @@
 
 Layout follows FlashInfer's paged KV cache in ``NHD`` order: per layer one K and one V tensor
 shaped ``[num_pages, page_size, num_kv_heads, head_dim]``. KV *slot* ``s`` (the unit the
-:class:`~radixkv.cache.allocator.SlotAllocator` hands out) lives at page ``s // page_size``,
+:class:`~radixkv.memory.allocator.SlotAllocator` hands out) lives at page ``s // page_size``,
 offset ``s % page_size``; a page is therefore ``page_size`` consecutive slots.
 
 :class:`ReqToTokenPool` is the block table (SGLang's ``req_to_token``): one int32 row per running
@@ -74,8 +74,12 @@ class KVPool:
         shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        self.bytes_per_token = self.token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
+    @staticmethod
+    def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K+V bytes of one token: ``2 * num_layers * num_kv_heads * head_dim * dtype size``."""
+        return 2 * int(num_layers) * int(num_kv_heads) * int(head_dim) * torch.empty((), dtype=dtype).element_size()
 
     @property
     def total_bytes(self) -> int:

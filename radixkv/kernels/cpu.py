@@ -6,14 +6,13 @@ extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use tor
 * :class:`PackedWeight` + :func:`packed_linear`: ``x @ W.T (+ bias)`` with ``W`` repacked once
   into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS), stored in
   float32 or, when its values are exactly GGUF Q4_1 / Q8_0 block values, in that block form
-  (lossless: same bits out). On the 2-core AMD EPYC box, 16 rows, cold float32 weights
-  (SmolLM2's 30 layers of projections): 36-57 ms against 60-80 ms for MKL in its best layout and
-  90-111 ms for ``F.linear`` (docs/model.md).
+  (lossless: same bits out). docs/model.md has its speed against MKL and ``F.linear``.
 * :func:`paged_attention`: causal paged attention in FlashInfer's semantics (bottom-right
   aligned) for a set of requests, reading K/V straight from the pool through the page table.
 * :func:`add_rms_norm`, :func:`rope_`, :func:`silu_mul`: the decoder's elementwise steps.
 
-The whole-layer call ``_ck.decode_layer`` is driven by :mod:`radixkv.models.native_decode`.
+:data:`decode_layer` (one whole decoder layer in one call, on raw addresses) is driven by
+:mod:`radixkv.executor.cpu_decode`, which builds its arguments from tensors it has checked.
 
 Every argument is validated here (dtype, device, contiguity, shapes, index ranges are the
 caller's contract: see :func:`paged_attention`), because the C side works on raw addresses.
@@ -28,12 +27,26 @@ from __future__ import annotations
 import torch
 
 try:  # the optional C extension (setup.py); absent without a compiler
-    from radixkv import _ckernels as _ck
+    from radixkv.kernels import _ckernels as _ck
 
     AVAILABLE = bool(_ck.available())
 except ImportError:  # pragma: no cover - depends on the build
     _ck = None
     AVAILABLE = False
+
+
+decode_layer = _ck.decode_layer if AVAILABLE else None
+"""The C entry point running one whole decoder layer of a decode batch (RMSNorm + residual, the
+packed q/k/v GEMM, RoPE, the K/V write, paged attention, the output projection, the second norm,
+gate|up, SiLU-and-multiply, down) on raw addresses; ``None`` without the kernels. Its only caller
+is :func:`radixkv.executor.cpu_decode.run_layers`, which documents the argument order. The C
+side re-checks the attention metadata against the pool before it reads."""
+
+
+def threading_mode() -> str:
+    """``"openmp"`` (torch's libgomp workers) or ``"pthreads"`` (the extension's own pool, used
+    without OpenMP and in a child forked after OpenMP ran); ``"unavailable"`` without the kernels."""
+    return _ck.threading() if AVAILABLE else "unavailable"
 
 
 def _check_cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
@@ -47,8 +60,7 @@ _HUGE = 2 << 20
 def _huge_page_empty(nbytes: int) -> torch.Tensor:
     """An uninitialized uint8 tensor of ``nbytes`` whose memory the kernel backs with transparent huge pages
     where it can (``madvise(MADV_HUGEPAGE)`` before first touch): fewer TLB walks while a decode
-    step streams the weights. On the CPU box a plain 1 GB streaming read ran 10-15% faster on
-    2 MiB pages; on the decode GEMMs the difference stayed within the run-to-run noise."""
+    step streams the weights (docs/model.md has what it measured)."""
     if not AVAILABLE or nbytes < _HUGE:
         return torch.empty(nbytes, dtype=torch.uint8)
     buf = torch.empty(nbytes + _HUGE, dtype=torch.uint8)
@@ -58,9 +70,9 @@ def _huge_page_empty(nbytes: int) -> torch.Tensor:
     return out
 
 
-PACK_FORMATS: tuple[str, ...] = ("q4_1", "q8_0", "f32")
-"""The formats :class:`PackedWeight` tries, in order, when none are given. Set it to
-``("f32",)`` before a model's first decode step to keep plain float32 panels."""
+DEFAULT_PACK_FORMATS: tuple[str, ...] = ("q4_1", "q8_0", "f32")
+"""The formats :class:`PackedWeight` tries, in order, when none are given (a model can choose
+others: :meth:`radixkv.models.layers.CausalLM.set_pack_formats`)."""
 
 _FORMAT_IDS = {"f32": 0, "q4_1": 1, "q8_0": 2}
 
@@ -88,7 +100,7 @@ class PackedWeight:
     Args:
         weight: ``[N, K]`` float32 CPU tensor (any strides).
         formats: formats to try in order; the first exact one is used (default
-            :data:`PACK_FORMATS`). Include ``"f32"`` to accept any weight.
+            :data:`DEFAULT_PACK_FORMATS`). Include ``"f32"`` to accept any weight.
 
     Raises:
         ValueError: another dtype, device or rank, ``K < 1``, an unknown format, or no format in
@@ -104,8 +116,10 @@ class PackedWeight:
         if k < 1 or n < 1:
             raise ValueError(f"PackedWeight: weight must be at least [1, 1], got {tuple(weight.shape)}")
         if not AVAILABLE:
-            raise RuntimeError("PackedWeight: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
-        formats = PACK_FORMATS if formats is None else tuple(formats)
+            raise RuntimeError(
+                "PackedWeight: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)"
+            )
+        formats = DEFAULT_PACK_FORMATS if formats is None else tuple(formats)
         for f in formats:
             if not isinstance(f, str) or f not in _FORMAT_IDS:
                 raise ValueError(f"PackedWeight: unknown format {f!r}; expected one of {sorted(_FORMAT_IDS)}")
@@ -144,7 +158,7 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
             is copied only when its columns are not adjacent.)
     """
     if not AVAILABLE:
-        raise RuntimeError("packed_linear: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
+        raise RuntimeError("packed_linear: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)")
     _check_cpu_f32("packed_linear: x", x, 2)
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("packed_linear: x requires grad; the native GEMM records no gradient (use F.linear)")
@@ -211,7 +225,9 @@ def paged_attention(
         ValueError: a dtype, device, layout, shape or metadata value outside the above.
     """
     if not AVAILABLE:
-        raise RuntimeError("paged_attention: radixkv._ckernels is not available (no AVX2/FMA/F16C or not built)")
+        raise RuntimeError(
+            "paged_attention: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)"
+        )
     page_size = int(page_size)
     for name, t, dim in (("q", q, 3), ("out", out, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)):
         _check_cpu_f32(f"paged_attention: {name}", t, dim)
@@ -282,7 +298,7 @@ def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: tor
     ValueError for another dtype, device, layout or shape.
     """
     if not AVAILABLE:
-        raise RuntimeError("add_rms_norm: radixkv._ckernels is not available")
+        raise RuntimeError("add_rms_norm: radixkv.kernels._ckernels is not available")
     _check_rows("add_rms_norm: residual", residual)
     m, k = residual.shape
     if delta is not None:
@@ -321,7 +337,7 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     Raises RuntimeError without the native kernels, ValueError for bad shapes or layouts.
     """
     if not AVAILABLE:
-        raise RuntimeError("rope_: radixkv._ckernels is not available")
+        raise RuntimeError("rope_: radixkv.kernels._ckernels is not available")
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("rope_: x must be a 2-d float32 CPU tensor with unit column stride")
     t = x.shape[0]
@@ -342,7 +358,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     polynomial, ~2 ulp). Raises RuntimeError without the native kernels, ValueError otherwise.
     """
     if not AVAILABLE:
-        raise RuntimeError("silu_mul: radixkv._ckernels is not available")
+        raise RuntimeError("silu_mul: radixkv.kernels._ckernels is not available")
     _check_rows("silu_mul: gate_up", gate_up)
     m, two_i = gate_up.shape
     if two_i % 2:

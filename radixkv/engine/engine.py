@@ -1,0 +1,443 @@
+"""`Engine`: continuous batching over a prefix cache, one forward pass per :meth:`Engine.step`.
+
+The engine owns the model runner (model + KV pool + block table + attention backend), the
+prefix cache and slot allocator behind a :class:`~radixkv.engine.kv_manager.KVManager`, the
+:class:`~radixkv.engine.scheduler.Scheduler` and the :class:`~radixkv.engine.events.EventBus`.
+Each step applies the messages in its inbox (new requests, aborts, posted calls), lets the
+scheduler plan one mixed batch (prefill chunks + decodes), runs the model once, samples, checks
+stop conditions (:mod:`radixkv.engine.output`), releases finished requests (their computed tokens
+go into the prefix cache) and emits its events.
+
+Concurrency (the one model, docs/architecture.md): one thread at a time drives an engine (calls
+``step`` and every other method); :class:`~radixkv.llm.LLM` serializes its callers and
+:class:`~radixkv.async_llm.AsyncLLM` drives it from its engine thread. From any other thread only
+:meth:`add_request`, :meth:`abort_request` and :meth:`post` may be called: they validate and put a
+message into the inbox, which the driver applies in order at the start of its next ``step``
+(or :meth:`run_posted`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
+
+import torch
+
+from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.config import EngineConfig
+from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.output import RequestGroup
+from radixkv.engine.request import Request, RequestStatus
+from radixkv.engine.scheduler import ScheduledBatch, Scheduler
+from radixkv.engine.stats import EngineStats
+from radixkv.errors import RequestError
+from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.kv_pool import KVPool
+from radixkv.outputs import RequestOutput
+from radixkv.sampling.sampler import make_generator, sample
+from radixkv.sampling_params import SamplingParams
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Continuous-batching engine with prefix caching.
+
+    Args:
+        config: an :class:`~radixkv.config.EngineConfig` (default: the default model on "auto").
+        model_runner: use this runner instead of loading ``config.model`` (tests pass a fake one);
+            it must provide ``req_to_token_pool``, ``build_batch``, ``forward``,
+            ``max_context_len`` and ``vocab_size``, with ``config.max_total_tokens`` slots.
+        tokenizer: tokenizer for text prompts, chat templates and detokenization (default: the
+            loaded model's).
+        eos_token_ids: tokens that end a sample unless ``ignore_eos`` (default: from the model
+            config and the tokenizer).
+        loaded_model: a :class:`~radixkv.models.loader.LoadedModel` to use instead of loading
+            ``config.model`` (several engines can share one model's weights; each has its own
+            KV pool).
+
+    Attributes:
+        events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
+        num_steps: steps that ran a forward pass.
+        num_forwards: the same count (vLLM's name).
+
+    Raises:
+        ValueError: invalid config values (naming the field).
+    """
+
+    def __init__(
+        self,
+        config: Optional[EngineConfig] = None,
+        *,
+        model_runner: Any = None,
+        tokenizer: Any = None,
+        eos_token_ids: Optional[Sequence[int]] = None,
+        loaded_model: Any = None,
+    ) -> None:
+        self.config = cfg = (config or EngineConfig()).resolve()
+        hf_config = None
+        if model_runner is None:
+            from radixkv.executor.model_runner import ModelRunner  # lazy: the model stack (torch + transformers)
+            from radixkv.models.loader import load_model
+
+            loaded = loaded_model
+            if loaded is None:
+                loaded = load_model(cfg.model, cfg.device, cfg.dtype, quantization=cfg.quantization)
+            hf_config = loaded.hf_config
+            tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
+            m = loaded.model
+            cfg.resolve(
+                kv_bytes_per_token=KVPool.token_bytes(m.num_layers, m.num_kv_heads, m.head_dim, cfg.dtype),
+                max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 1 << 62)),
+            )
+            model_runner = ModelRunner(
+                loaded,
+                num_slots=cfg.max_total_tokens,
+                page_size=cfg.page_size,
+                max_running_requests=cfg.max_running_requests,
+                max_context_len=cfg.max_context_len,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                attention_backend=cfg.attention_backend,
+            )
+        else:
+            if cfg.max_total_tokens is None:
+                raise ValueError("max_total_tokens is required when a model_runner is given")
+            cfg.max_context_len = int(model_runner.max_context_len)  # the given runner's table decides
+            cfg.resolve()
+        self.runner = model_runner
+        self.tokenizer = tokenizer
+        self.max_context_len: int = int(cfg.max_context_len)
+        self.vocab_size = int(model_runner.vocab_size)
+        if eos_token_ids is None:
+            eos: set = set()
+            for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+                if isinstance(src, int):
+                    eos.add(src)
+                elif isinstance(src, (list, tuple)):
+                    eos.update(int(t) for t in src)
+            eos_token_ids = sorted(eos)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+
+        self.events = EventBus()
+        if cfg.prefix_cache == "radix":
+            cache: Any = RadixCache(cfg.page_size)
+        elif cfg.prefix_cache == "hash":
+            cache = HashBlockCache(cfg.page_size, cfg.hash_algo)
+        else:
+            cache = NoPrefixCache(cfg.page_size)
+        self.kv = KVManager(
+            cache, SlotAllocator(cfg.max_total_tokens, cfg.page_size), model_runner.req_to_token_pool, self.events
+        )
+        self.scheduler = Scheduler(
+            self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
+        )
+        self._groups: Dict[str, RequestGroup] = {}
+        self._inbox: List[Callable[["Engine"], None]] = []
+        self._inbox_lock = threading.Lock()
+        self._work = threading.Condition(self._inbox_lock)
+        self._ready: List[RequestOutput] = []  # outputs of aborts, returned by the next step
+        self._ids = itertools.count()
+        self._rng = torch.Generator(device=torch.device(cfg.device)).manual_seed(cfg.seed)
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+        self.num_steps = 0
+        self._last_admit_seq = 0  # the highest admission number reported in a RequestAdmitted
+
+    @property
+    def cache(self) -> Any:
+        """The prefix cache (read-only use; slots move only through ``engine.kv``)."""
+        return self.kv.cache
+
+    @property
+    def allocator(self) -> SlotAllocator:
+        """The KV pool's slot allocator (read-only use; slots move only through ``engine.kv``)."""
+        return self.kv.allocator
+
+    @property
+    def num_forwards(self) -> int:
+        """Forward passes run (the same as ``num_steps``)."""
+        return self.num_steps
+
+    # ------------------------------------------------------------------ inbox (any thread)
+    def post(self, fn: Callable[["Engine"], None]) -> None:
+        """Run ``fn(engine)`` on the driving thread, in order with the other inbox messages, at
+        the start of the next :meth:`step` (or :meth:`run_posted`). Any thread."""
+        with self._work:
+            self._inbox.append(fn)
+            self._work.notify_all()
+
+    def wait_for_work(self, timeout: Optional[float] = None) -> bool:
+        """Block until the inbox holds a message or a request is unfinished (at most ``timeout``
+        seconds); returns whether there is work. For a driver thread that has nothing to step."""
+        with self._work:
+            return self._work.wait_for(lambda: bool(self._inbox or self._groups or self._ready), timeout)
+
+    def run_posted(self) -> None:
+        """Apply every inbox message in order, also those posted while applying (driver thread)."""
+        while True:
+            with self._inbox_lock:
+                if not self._inbox:
+                    return
+                fn = self._inbox.pop(0)
+            fn(self)
+
+    def _pages(self, n: int) -> int:
+        ps = self.config.page_size
+        return (n + ps - 1) // ps * ps
+
+    def add_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: Optional[SamplingParams] = None,
+        request_id: Optional[str] = None,
+        prompt: Optional[str] = None,
+        namespace: Hashable = None,
+    ) -> str:
+        """Queue a request; it is admitted by a later :meth:`step`. Any thread.
+
+        Args:
+            prompt_token_ids: the prompt, a non-empty sequence of ints in ``[0, vocab_size)``.
+            sampling_params: default ``SamplingParams()``.
+            request_id: unique among unfinished requests (default: a fresh number).
+            prompt: the prompt text, reported back in the outputs.
+            namespace: prefix-cache namespace (prefixes are only shared within one).
+
+        Returns:
+            The request id.
+
+        Raises:
+            RequestError: (a ValueError naming the field) empty prompt, a token id outside the vocabulary, a prompt of
+                ``max_context_len`` tokens or more, ``len(prompt) + max_tokens`` above the KV pool
+                capacity (``max_total_tokens``), a bad ``sampling_params`` or a duplicate id.
+        """
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
+            )
+        if isinstance(prompt_token_ids, torch.Tensor):
+            prompt_token_ids = prompt_token_ids.reshape(-1).tolist()
+        try:
+            ids = [int(t) for t in prompt_token_ids]
+        except (TypeError, ValueError):
+            raise RequestError("prompt_token_ids must be a sequence of integers", "prompt") from None
+        if not ids:
+            raise RequestError("prompt_token_ids is empty: a prompt needs at least 1 token", "prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})", "prompt"
+            )
+        if len(ids) >= self.max_context_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens; max_context_len is {self.max_context_len} "
+                f"(the prompt plus at least one generated token must fit)",
+                "prompt",
+            )
+        need = self._pages(min(len(ids) + params.max_tokens, self.max_context_len))
+        if need > self.kv.capacity:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
+                f"more than the pool's max_total_tokens {self.kv.capacity}",
+                "max_tokens",
+            )
+        with self._work:
+            rid = str(request_id) if request_id is not None else str(next(self._ids))
+            if rid in self._groups:
+                raise RequestError(f"request_id {rid!r} is already in use by an unfinished request", "request_id")
+            group = RequestGroup(rid, prompt, ids, params, namespace, time.perf_counter())
+            self._groups[rid] = group
+            self._inbox.append(lambda e: e._queue(group))
+            self._work.notify_all()
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a request (any thread); unknown or finished ids are ignored. Its outputs end with
+        finish_reason "abort" in the next :meth:`step`; everything it held is released there."""
+        rid = str(request_id)
+        self.post(lambda e: e.abort_now(rid))
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued, running, or has an output still to report."""
+        return bool(self._groups) or bool(self._inbox) or bool(self._ready)
+
+    # ------------------------------------------------------------------ driver thread
+    def _queue(self, group: RequestGroup) -> None:
+        if self._groups.get(group.request_id) is not group:  # aborted before it was queued
+            return
+        p = group.params
+        first = Request(
+            group.request_id, 0, group.prompt_ids, p, group.namespace, make_generator(p.seed, self.config.device)
+        )
+        first.fork_pending = p.n - 1
+        group.samples[0] = first
+        self.scheduler.add(first)
+
+    def abort_now(self, request_id: str) -> None:
+        """Abort a request at once (driver thread: from a posted call or between steps); its
+        final output (finish_reason "abort") comes from the next :meth:`step`. Unknown or
+        finished ids are ignored."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for r in group.samples:
+            if r is not None and r.status != RequestStatus.FINISHED:
+                self.scheduler.abort(r)
+        group.abort()
+        group.metrics.finished_time = time.perf_counter()
+        self._finish_group(group)
+        self._ready.append(group.to_output())
+
+    def _finish_group(self, group: RequestGroup) -> None:
+        with self._work:
+            del self._groups[group.request_id]
+        if self.events.wants(RequestFinished):
+            outs = group.outputs
+            self.events.emit(
+                RequestFinished(
+                    group.request_id,
+                    self.num_steps,
+                    tuple(str(o.finish_reason) for o in outs),
+                    len(group.prompt_ids),
+                    sum(len(o.token_ids) for o in outs),
+                    group.num_cached_tokens,
+                )
+            )
+
+    def step(self) -> List[RequestOutput]:
+        """Run one scheduling step (apply the inbox, admit + prefill chunk(s) + decode, one
+        forward pass).
+
+        Returns:
+            A cumulative :class:`RequestOutput` for every request that produced a token, finished
+            or was aborted in this step.
+        """
+        self.run_posted()
+        outputs, self._ready = self._ready, []
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return outputs
+        self.num_steps += 1
+        now = time.perf_counter()
+        admitted = self.events.wants(RequestAdmitted)
+        for r in batch.reqs:
+            g = self._groups[r.request_id]
+            if g.metrics.first_scheduled_time is None:
+                g.metrics.first_scheduled_time = now
+            if r.index == 0 and not g.counted and r.num_cached_tokens is not None:
+                g.counted = True
+                g.num_cached_tokens = r.num_cached_tokens
+                self.prompt_tokens += len(g.prompt_ids)
+                self.cached_tokens += r.num_cached_tokens
+            if admitted and r.admit_seq > self._last_admit_seq:
+                self.events.emit(
+                    RequestAdmitted(
+                        r.request_id,
+                        r.index,
+                        self.num_steps,
+                        len(r.prompt_token_ids),
+                        (r.num_cached_tokens or 0) if r.num_retractions == 0 else 0,
+                        r.prefix_len,
+                        r.num_retractions > 0,
+                        r.namespace,
+                    )
+                )
+        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.reqs)])
+        logits = self._forward(batch)
+        self.scheduler.after_forward(batch)
+        to_sample = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        tokens = sample(logits, [r.params for r in to_sample], [r.generator for r in to_sample], self._rng)
+        now = time.perf_counter()
+        touched: Dict[str, RequestGroup] = {}
+        for r, tok in zip(to_sample, tokens):
+            g = self._groups[r.request_id]
+            touched[g.request_id] = g
+            r.output_token_ids.append(tok)
+            self.generated_tokens += 1
+            if g.metrics.first_token_time is None:
+                g.metrics.first_token_time = now
+            if r.fork_pending:
+                self._fork(g, r)
+            if g.update(r, self.tokenizer, self.eos_token_ids, self.max_context_len):
+                self.scheduler.finish(r)
+        if self.events.wants(StepFinished):
+            self.events.emit(
+                StepFinished(
+                    self.num_steps,
+                    tuple((r.request_id, r.index) for r in batch.reqs),
+                    tuple(batch.extend_lens),
+                    tuple(batch.sample),
+                    batch.num_prefill_tokens,
+                    tuple((r.request_id, r.index) for r in batch.retracted),
+                )
+            )
+        for g in touched.values():
+            if g.finished:
+                g.metrics.finished_time = now
+                self._finish_group(g)
+            outputs.append(g.to_output())
+        return outputs
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        rows = [r.row for r in batch.reqs]
+        qo_end = list(itertools.accumulate(batch.extend_lens))
+        logits_idx = [qo_end[i] - 1 for i, s in enumerate(batch.sample) if s]
+        fb = self.runner.build_batch(
+            batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=logits_idx
+        )
+        return self.runner.forward(fb)
+
+    def _fork(self, g: RequestGroup, parent: Request) -> None:
+        children = []
+        for i in range(1, parent.fork_pending + 1):
+            seed = None if g.params.seed is None else g.params.seed + i
+            c = Request(g.request_id, i, g.prompt_ids, g.params, g.namespace, make_generator(seed, self.config.device))
+            g.samples[i] = c
+            children.append(c)
+        parent.fork_pending = 0
+        self.scheduler.fork(parent, children)
+
+    # ------------------------------------------------------------------ cache
+    def cache_stats(self) -> EngineStats:
+        """KV pool and prefix-cache statistics (sizes in tokens): an
+        :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``)."""
+        kv, cache = self.kv, self.kv.cache
+        cap = kv.capacity
+        free = kv.free_size()
+        total = cache.total_size()
+        return EngineStats(
+            capacity=cap,
+            free=free,
+            evictable=cache.evictable_size(),
+            protected=cache.protected_size(),
+            pinned=kv.pinned_size(),
+            cached=total,
+            in_use=cap - free - total,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            hit_rate=self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0,
+            prefill_tokens=self.scheduler.prefill_tokens,
+            generated_tokens=self.generated_tokens,
+            evicted_tokens=kv.evicted_tokens,
+            num_retractions=self.scheduler.num_retractions,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            page_size=self.config.page_size,
+            prefix_cache=self.config.prefix_cache,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache; False (and nothing done) while requests are queued or running."""
+        if self._groups or self._inbox:
+            return False
+        return self.scheduler.reset_cache()
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError when slot ownership is inconsistent: the cache's own check, and
+        every slot counted exactly once among free, cached, held by requests and pins."""
+        self.kv.check_integrity(itertools.chain(self.scheduler.running, self.scheduler.waiting))

@@ -1,0 +1,227 @@
+"""Typed engine events and the bus that delivers them.
+
+The engine emits what happens to requests and to the prefix cache; metrics, tests, the hit-rate
+explainer and a router subscribe instead of patching the engine. Every event is a frozen
+dataclass. Delivery is synchronous, on the thread that drives the engine (inside
+``Engine.step()`` and the engine's own methods), in emission order; a subscriber must be quick
+and must not call back into the engine. A subscriber that raises is logged and counted in
+:attr:`EventBus.errors`; the engine goes on.
+
+Events:
+
+* :class:`RequestAdmitted`: a sample got its first ``req_to_token`` row, with its cache outcome
+  (``num_cached_tokens``: prompt tokens served from the prefix cache; 0 for samples ``index > 0``
+  and for re-admissions after a retraction, which are not counted again).
+* :class:`StepFinished`: one forward pass ran: which samples it carried, how many new tokens each,
+  which of them sampled, which requests were retracted while planning it.
+* :class:`RequestFinished`: a user request (all its ``n`` samples) finished or was aborted.
+* :class:`CacheInserted` / :class:`CacheEvicted` / :class:`CacheReset`: tokens entered or left
+  the prefix cache, with a per-engine sequence number ``seq`` (one counter for the three, no
+  gaps), the namespace, and the chained digests of the 16-token blocks that became fully cached
+  or stopped being so (:mod:`radixkv.cache.digests`; the same whatever the page size).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Hashable, Optional
+
+__all__ = [
+    "Event",
+    "RequestAdmitted",
+    "StepFinished",
+    "RequestFinished",
+    "CacheInserted",
+    "CacheEvicted",
+    "CacheReset",
+    "EventBus",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class Event:
+    """Base class of every engine event."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAdmitted(Event):
+    """A sample was admitted (got a ``req_to_token`` row).
+
+    Attributes:
+        request_id: the user request's id; ``index``: the sample (``0 .. n-1``).
+        step: the engine step (``Engine.num_steps`` at the step that admitted it).
+        num_prompt_tokens: tokens of the prompt.
+        num_cached_tokens: prompt tokens served from the prefix cache, counted at the first
+            admission of sample 0 only (0 otherwise).
+        prefix_len: tokens whose K/V it reuses now (the cached or shared prefix), also on
+            re-admission.
+        readmission: True when it was retracted before.
+        namespace: its prefix-cache namespace.
+    """
+
+    request_id: str
+    index: int
+    step: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    prefix_len: int
+    readmission: bool
+    namespace: Hashable
+
+
+@dataclass(frozen=True, slots=True)
+class StepFinished(Event):
+    """One forward pass ran.
+
+    Attributes:
+        step: the engine step number (1 for the first forward).
+        samples: ``(request_id, index)`` of each row of the batch, in batch order.
+        extend_lens: new tokens of each row (1 for a decode).
+        sampled: whether each row sampled a token (decodes and last prefill chunks).
+        prefill_tokens: new tokens of the rows that were prefilling (not decoding).
+        retracted: ``(request_id, index)`` of the samples retracted while planning this step.
+    """
+
+    step: int
+    samples: tuple[tuple[str, int], ...]
+    extend_lens: tuple[int, ...]
+    sampled: tuple[bool, ...]
+    prefill_tokens: int
+    retracted: tuple[tuple[str, int], ...]
+
+    @property
+    def num_reqs(self) -> int:
+        """Rows in the batch."""
+        return len(self.samples)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished(Event):
+    """A user request ended: every sample finished, or it was aborted.
+
+    Attributes:
+        request_id: its id; ``step``: the engine step it ended in.
+        finish_reasons: each sample's reason (``"stop"``, ``"length"``, ``"abort"``).
+        num_prompt_tokens, num_output_tokens (all samples), num_cached_tokens.
+    """
+
+    request_id: str
+    step: int
+    finish_reasons: tuple[str, ...]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheInserted(Event):
+    """Tokens entered the prefix cache.
+
+    Attributes:
+        seq: per-engine sequence number of cache events (1, 2, ...; no gaps).
+        namespace: the namespace of the inserted sequence.
+        num_tokens: tokens newly cached (whole pages).
+        first_block: index of the first 16-token block in ``block_digests`` (block ``b`` covers
+            tokens ``[16 b, 16 b + 16)`` of the sequence).
+        block_digests: chained digests of the blocks that became fully cached, in order.
+    """
+
+    seq: int
+    namespace: Hashable
+    num_tokens: int
+    first_block: int
+    block_digests: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvicted(Event):
+    """Tokens left the prefix cache (evicted to make room).
+
+    Attributes:
+        seq: as in :class:`CacheInserted`.
+        namespace: the namespace they belonged to.
+        num_tokens: tokens freed.
+        block_digests: chained digests of the 16-token blocks that stopped being fully cached,
+            or None when the policy cannot tell (hash blocks); a consumer then treats the
+            namespace as unknown and resyncs.
+    """
+
+    seq: int
+    namespace: Hashable
+    num_tokens: int
+    block_digests: Optional[tuple[bytes, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReset(Event):
+    """The prefix cache was emptied (``reset_prefix_cache``); ``num_tokens`` were freed."""
+
+    seq: int
+    num_tokens: int
+
+
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    """Synchronous publish/subscribe of engine events (module docstring).
+
+    Attributes:
+        errors: exceptions raised by subscribers so far (each was logged).
+    """
+
+    def __init__(self) -> None:
+        self._subs: list[tuple[Subscriber, Optional[tuple[type, ...]]]] = []
+        self._wanted: set[type] = set()
+        self._all = False
+        self.errors = 0
+
+    def subscribe(self, fn: Subscriber, kinds: Optional[tuple[type, ...]] = None) -> Callable[[], None]:
+        """Call ``fn(event)`` for every event (or only those of the classes in ``kinds``).
+
+        Returns:
+            A function that unsubscribes ``fn`` (idempotent).
+
+        Raises:
+            ValueError: ``fn`` is not callable, or ``kinds`` names a class that is not an Event.
+        """
+        if not callable(fn):
+            raise ValueError(f"subscribe: fn must be callable, got {type(fn).__name__}")
+        if kinds is not None:
+            kinds = tuple(kinds)
+            bad = [k for k in kinds if not (isinstance(k, type) and issubclass(k, Event))]
+            if bad:
+                raise ValueError(f"subscribe: kinds must be Event classes, got {bad!r}")
+        entry = (fn, kinds)
+        self._subs.append(entry)
+        self._refresh()
+
+        def unsubscribe() -> None:
+            if entry in self._subs:
+                self._subs.remove(entry)
+                self._refresh()
+
+        return unsubscribe
+
+    def _refresh(self) -> None:
+        self._all = any(k is None for _, k in self._subs)
+        self._wanted = {c for _, k in self._subs if k for c in k}
+
+    def wants(self, kind: type) -> bool:
+        """True when some subscriber would receive events of class ``kind`` (emitters skip
+        building events nobody receives)."""
+        return self._all or kind in self._wanted
+
+    def emit(self, event: Event) -> None:
+        """Deliver ``event`` to its subscribers, in subscription order."""
+        for fn, kinds in self._subs:
+            if kinds is None or isinstance(event, kinds):
+                try:
+                    fn(event)
+                except Exception:  # noqa: BLE001 - an observer must not stop the engine
+                    self.errors += 1
+                    logger.exception("event subscriber %r failed on %r", fn, event)

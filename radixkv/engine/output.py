@@ -1,0 +1,109 @@
+"""Output processing: the ``n`` samples of one user request, their stop checks, detokenizing, and
+the cumulative :class:`~radixkv.outputs.RequestOutput` the engine returns."""
+
+from __future__ import annotations
+
+from typing import Hashable, List, Optional
+
+from radixkv.engine.detokenizer import IncrementalDetokenizer
+from radixkv.engine.request import Request
+from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from radixkv.sampling_params import SamplingParams
+
+__all__ = ["RequestGroup"]
+
+
+class RequestGroup:
+    """The ``n`` samples of one user request and what is reported for them.
+
+    Args:
+        request_id: the user request's id.
+        prompt: its text (reported back), or None.
+        prompt_ids: its token ids.
+        params: its sampling parameters (``n`` samples).
+        namespace: its prefix-cache namespace.
+        arrival: ``time.perf_counter()`` when it was accepted.
+
+    Attributes:
+        samples: the :class:`~radixkv.engine.request.Request` of each sample once created (sample
+            0 at admission, the others when sample 0 forks them).
+        outputs: one :class:`~radixkv.outputs.CompletionOutput` per sample, updated in place.
+        num_cached_tokens: sample 0's cached prompt tokens at its first admission.
+        counted: whether its prompt has been counted in the engine's hit-rate totals.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: Optional[str],
+        prompt_ids: List[int],
+        params: SamplingParams,
+        namespace: Hashable,
+        arrival: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.namespace = namespace
+        self.metrics = RequestMetrics(arrival_time=arrival)
+        self.samples: List[Optional[Request]] = [None] * params.n
+        self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
+        self._detoks: List[Optional[IncrementalDetokenizer]] = [None] * params.n
+        self.num_cached_tokens = 0
+        self.counted = False
+
+    @property
+    def finished(self) -> bool:
+        """True when every sample has a finish reason."""
+        return all(o.finish_reason is not None for o in self.outputs)
+
+    def abort(self) -> None:
+        """Mark every unfinished sample ``"abort"``."""
+        for o in self.outputs:
+            if o.finish_reason is None:
+                o.finish_reason = "abort"
+
+    def update(self, r: Request, tokenizer, eos_token_ids: frozenset, max_context_len: int) -> bool:
+        """Take sample ``r``'s newest token: detokenize it and check the stop conditions (a stop
+        token or EOS unless ``ignore_eos``, a stop string, ``max_tokens``, the context length).
+
+        Returns:
+            True when the sample finished with this token (its output has the finish reason).
+        """
+        p = r.params
+        out = self.outputs[r.index]
+        det = self._detoks[r.index]
+        if det is None:
+            det = self._detoks[r.index] = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens)
+        tok = r.output_token_ids[-1]
+        reason, stop_reason = None, None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids):
+            reason, stop_reason = "stop", tok
+        elif det.update(r.output_token_ids):
+            reason, stop_reason = "stop", det.stopped_by
+        elif len(r.output_token_ids) >= p.max_tokens or r.seq_len >= max_context_len:
+            reason = "length"
+        if reason is not None and det.stopped_by is None:
+            det.update(r.output_token_ids, final=True)
+        out.token_ids = list(r.output_token_ids)
+        out.text = det.text
+        if reason is not None:
+            out.finish_reason, out.stop_reason = reason, stop_reason
+            return True
+        return False
+
+    def to_output(self) -> RequestOutput:
+        """A fresh cumulative snapshot (callers may keep it; later steps do not change it)."""
+        outs = [
+            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason) for o in self.outputs
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            list(self.prompt_ids),
+            outs,
+            self.finished,
+            self.num_cached_tokens,
+            self.metrics,
+        )

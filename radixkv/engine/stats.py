@@ -1,0 +1,71 @@
+"""`EngineStats`: one typed snapshot of the KV pool, the prefix cache and the engine's counters."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterator
+
+__all__ = ["EngineStats"]
+
+
+@dataclass(frozen=True)
+class EngineStats(Mapping):
+    """What ``Engine.cache_stats()`` returns (sizes in tokens). Attributes, and also a read-only
+    mapping with the same keys (``stats["hit_rate"]``, ``dict(stats)``).
+
+    Attributes:
+        capacity: KV slots in the pool.
+        free: slots nobody holds.
+        evictable: cached tokens no request locks (the cache may evict them).
+        protected: cached tokens on a path locked by running requests or pins.
+        pinned: tokens held by pins (n > 1 prompts shared with samples not admitted yet).
+        cached: tokens held by the prefix cache (``evictable + protected``).
+        in_use: tokens held by requests outside the cache (``capacity - free - cached``).
+        prompt_tokens, cached_tokens: summed over requests at first admission (cached = served
+            from the prefix cache); hit_rate: ``cached_tokens / prompt_tokens`` (0.0 before any).
+        prefill_tokens: prompt/history tokens computed (recomputation after retraction included).
+        generated_tokens: tokens sampled.
+        evicted_tokens: tokens evicted from the prefix cache.
+        num_retractions: retractions so far.
+        running, waiting: samples admitted / queued.
+        page_size: tokens per KV page.
+        prefix_cache: "radix", "hash" or "none".
+    """
+
+    capacity: int
+    free: int
+    evictable: int
+    protected: int
+    pinned: int
+    cached: int
+    in_use: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_rate: float
+    prefill_tokens: int
+    generated_tokens: int
+    evicted_tokens: int
+    num_retractions: int
+    running: int
+    waiting: int
+    page_size: int
+    prefix_cache: str
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in _KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_KEYS)
+
+    def __len__(self) -> int:
+        return len(_KEYS)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict copy (JSON-ready)."""
+        return asdict(self)
+
+
+_KEYS = tuple(f.name for f in fields(EngineStats))
