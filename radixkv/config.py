@@ -14,6 +14,8 @@ def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> 
     """The longest sequence when ``max_context_len`` is not given: the model's
     ``max_position_embeddings``, capped at the KV pool's capacity in tokens."""
     return min(int(max_position_embeddings), int(max_total_tokens))
+
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

@@ -372,7 +372,7 @@ class Engine:
                     tuple((r.request_id, r.index) for r in batch.reqs),
                     tuple(batch.extend_lens),
                     tuple(batch.sample),
-                    batch.num_prefill_tokens,
+                    batch.prefill_tokens,
                     tuple((r.request_id, r.index) for r in batch.retracted),
                 )
             )

@@ -44,6 +44,7 @@ class ScheduledBatch:
         sample: whether each request samples a token after this forward (decodes and last
             prefill chunks; False for a non-final chunk).
         retracted: requests retracted while planning.
+        prefill_tokens: new tokens of the requests that were prefilling when it was planned.
     """
 
     reqs: List[Request] = field(default_factory=list)
@@ -52,6 +53,7 @@ class ScheduledBatch:
     input_ids: List[int] = field(default_factory=list)
     sample: List[bool] = field(default_factory=list)
     retracted: List[Request] = field(default_factory=list)
+    prefill_tokens: int = 0
 
     def add(self, req: Request, extend: int, sample: bool) -> None:
         """Append ``extend`` new tokens of ``req`` starting at its ``kv_len``."""
@@ -222,7 +224,8 @@ class Scheduler:
                 partial = not done
         if not batch.reqs:
             return None
-        self.prefill_tokens += batch.num_prefill_tokens
+        batch.prefill_tokens = batch.num_prefill_tokens
+        self.prefill_tokens += batch.prefill_tokens
         return batch
 
     def after_forward(self, batch: ScheduledBatch) -> None:
