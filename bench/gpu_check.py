@@ -1746,7 +1746,6 @@ def main(argv=None) -> int:
         else:
             for n in names:
                 c.res["sections"][n] = {"passed": False, "skipped": f"set-up step {c.res['setup']['fatal']!r} failed"}
-        finalize(c)
     except Terminated as exc:
         c.res["terminated"] = f"{exc} after {c.elapsed():.0f} s; sections so far are kept"
         c.log(c.res["terminated"])
@@ -1757,6 +1756,10 @@ def main(argv=None) -> int:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a late SIGTERM must not cut the last save
+        try:
+            finalize(c)
+        except Exception as exc:  # noqa: BLE001 - only a report
+            c.res["jit"] = {"error": f"{type(exc).__name__}: {exc}"}
         c.res["passed"] = overall_passed(c.res)
         c.save()
         write_table(c.res, c.out)

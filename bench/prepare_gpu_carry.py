@@ -298,7 +298,10 @@ def verify_carry(
             want = _KIND_IN_MANIFEST[kind]
             if not any(m.get("kind") == want and m.get("head_dim") == hd and m.get("dtype") == dt for m in modules):
                 problems.append(f"manifest lists no {kind} module for head_dim {hd} {dt} (rebuild with --modules)")
-    res["modules"] = [f"{m.get('kind')}:{m.get('head_dim')}:{m.get('dtype')}" for m in modules]
+    short = {v: k for k, v in _KIND_IN_MANIFEST.items()}
+    res["modules"] = [
+        f"{short.get(m.get('kind'), m.get('kind'))}:{m.get('head_dim')}:{m.get('dtype')}" for m in modules
+    ]
     if len(fi_wheels) == 1 and modules:
         try:
             with zipfile.ZipFile(wheels_dir / fi_wheels[0]) as z:

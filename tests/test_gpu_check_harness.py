@@ -248,7 +248,7 @@ def test_verify_carry_on_a_fake_fi(tmp_path):
     fi = _fake_carry(tmp_path / "ok")
     res = pgc.verify_carry(fi, tree_bytes=1000)
     assert res["ok"], res["problems"]
-    assert res["modules"] == ["decode:64:bf16", "prefill_fa2:64:bf16", "prefill_fa2:128:bf16"]
+    assert res["modules"] == ["decode:64:bf16", "prefill:64:bf16", "prefill:128:bf16"]
     assert res["total_bytes"] == res["fi_bytes"] + 1000
     # over the limit
     res = pgc.verify_carry(fi, tree_bytes=1000, limit_bytes=res["fi_bytes"] + 500)
