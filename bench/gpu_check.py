@@ -701,12 +701,13 @@ def setup(c: Check) -> bool:
     if c.args.carry:
         _step(c, "carry_verify", lambda: step_carry_verify(c), fatal=False)
         _step(c, "carry_install", lambda: step_carry_install(c), fatal=True)
-    _step(c, "torch", lambda: step_torch(c), fatal=True)
+    # torch and CUDA are looked at even after a failed carry: one run then reports every problem
+    torch_ok = _step(c, "torch", lambda: step_torch(c), fatal=True)
     if st["fatal"] is None:
         _step(c, "radixkv", lambda: step_radixkv(c), fatal=True)
     if c.cpu:
         c.res["device"] = "cpu"
-    elif st["fatal"] is None:
+    elif torch_ok:
         _step(c, "cuda", lambda: step_cuda(c), fatal=True)
         if st["fatal"] is None:
             _step(c, "flashinfer", lambda: step_flashinfer(c), fatal=True)

@@ -346,6 +346,7 @@ def test_setup_failure_still_writes_json(tmp_path):
     steps = res["setup"]["steps"]
     assert not steps["carry_verify"]["ok"] and "manifest.json is missing" in steps["carry_verify"]["problems"][0]
     assert "FileNotFoundError" in steps["carry_install"]["error"] and "Traceback" in steps["carry_install"]["traceback"]
+    assert not steps["cuda"]["ok"] and "cuda" in steps["cuda"]["error"]  # still looked at
     assert steps["env"]["env"]["FLASHINFER_DISABLE_JIT"] == "1"
     assert steps["env"]["env"]["FLASHINFER_WORKSPACE_BASE"] == str(tmp_path / "ws")
     assert "which" in steps["toolchain"] and "cuda_layout" in steps["toolchain"]
