@@ -587,15 +587,13 @@ def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -
         )
 
 
-def run(args: Any) -> int:
-    """``radixkv serve --replicas N``: start Ray, deploy, serve until interrupted."""
-    from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
-    from radixkv.server.cli import engine_kwargs_from_args
-
+def run(args: Any, engine_kwargs: dict, served_model_name: str) -> int:
+    """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
+    interrupted."""
     start_ray(address=getattr(args, "ray_address", None))
     serve.start(http_options={"host": args.host, "port": args.port})
-    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
-    ekw = engine_kwargs_from_args(args)
+    served = served_model_name
+    ekw = dict(engine_kwargs)
     ekw["device"] = "cpu" if ekw.get("device") == "auto" else ekw["device"]
     app = build_app(
         replicas=args.replicas,

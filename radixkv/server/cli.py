@@ -81,17 +81,17 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the engine, then serve until interrupted; returns the exit code."""
+    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
     if getattr(args, "replicas", 1) > 1:
         from radixkv.router.ray import run as run_replicas  # needs the ray extra
 
-        return run_replicas(args)
+        return run_replicas(args, engine_kwargs_from_args(args), served)
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM
     from radixkv.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
     llm = AsyncLLM(**engine_kwargs_from_args(args))
     app = create_app(llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True)
     print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1", flush=True)
