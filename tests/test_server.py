@@ -404,11 +404,56 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("token id outside the vocabulary", comp, j({"model": MODEL, "prompt": [10**6]}), "prompt"),
         ("unknown model", chat, j({"model": "gpt-4o", "messages": msgs}), "model"),
         ("wrong type", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": "many"}), "max_tokens"),
+        # strict types: no coercion
+        ("string for an integer", chat, j({"model": MODEL, "messages": msgs, "max_tokens": "3"}), "max_tokens"),
+        ("float for an integer", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": 3.0}), "max_tokens"),
+        ("string for a boolean", chat, j({"model": MODEL, "messages": msgs, "stream": "yes"}), "stream"),
+        ("string for a float", comp, j({"model": MODEL, "prompt": "hi", "temperature": "0"}), "temperature"),
+        ("integer for a string", chat, j({"model": MODEL, "messages": [{"role": "user", "content": 7}]}), "messages"),
+        # fields the endpoint does not define
+        ("unknown field", chat, j({"model": MODEL, "messages": msgs, "temprature": 0}), "temprature"),
+        ("prompt on chat", chat, j({"model": MODEL, "messages": msgs, "prompt": "hi"}), "prompt"),
+        ("messages on completions", comp, j({"model": MODEL, "prompt": "hi", "messages": msgs}), "messages"),
+        ("unknown message field", chat, j({"model": MODEL, "messages": [{"role": "user", "content": "hi", "x": 1}]}),
+         "messages"),
+        # values out of range
+        ("presence_penalty > 2", chat, j({"model": MODEL, "messages": msgs, "presence_penalty": 2.5}),
+         "presence_penalty"),
+        ("logit_bias key not a token id", chat, j({"model": MODEL, "messages": msgs, "logit_bias": {"a": 1}}),
+         "logit_bias"),
+        ("logit_bias beyond 100", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
+        ("top_logprobs > 20", chat, j({"model": MODEL, "messages": msgs, "logprobs": True, "top_logprobs": 21}),
+         "top_logprobs"),
+        ("top_logprobs without logprobs", chat, j({"model": MODEL, "messages": msgs, "top_logprobs": 2}),
+         "top_logprobs"),
+        ("completions logprobs > 5", comp, j({"model": MODEL, "prompt": "hi", "logprobs": 6}), "logprobs"),
+        # tools
+        ("tool_choice without tools", chat, j({"model": MODEL, "messages": msgs, "tool_choice": "required"}),
+         "tool_choice"),
+        ("named tool not in tools", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "tool_choice": {"type": "function", "function": {"name": "other"}}}), "tool_choice"),
+        ("tool_choice of a wrong shape", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "tool_choice": {"type": "function"}}), "tool_choice"),
+        ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
+            {"role": "tool", "content": "42"}]}), "messages"),
+        # two constraints
+        ("two constraints", chat, j({"model": MODEL, "messages": msgs, "regex": "a+", "guided_choice": ["a", "b"]}),
+         "guided_choice"),
+        ("response_format and a forced tool", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "tool_choice": "required", "response_format": {"type": "json_object"}}), "tool_choice"),
     ]  # fmt: skip
+
+
+_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 
 
 def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(server, client, llm):
     cases = _bad_inputs(llm.max_context_len)
+    ok_bodies = {  # each endpoint's own fields only: a field the endpoint does not define is a 400
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+    }
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         for name, path, body, param in cases:
             r = http.post(path, content=body, headers={"Content-Type": "application/json"})
@@ -417,14 +462,103 @@ def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(s
             assert set(err) == {"message", "type", "param", "code"}, name
             assert err["type"] == "invalid_request_error" and err["message"], name
             assert err["param"] == param, (name, err)
-            ok = http.post(path, json={"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
-                                       "max_tokens": 1})  # fmt: skip
+            ok = http.post(path, json=ok_bodies[path])
             assert ok.status_code == 200, (name, ok.text)
     # The official client surfaces the same error as BadRequestError.
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=2.0)
     assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
     wait_idle(llm)
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- field classes
+
+_NO_EFFECT = {
+    "/v1/chat/completions": {
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "a",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"mode": "implicit"},
+        "safety_identifier": "s",
+        "prediction": {"type": "content", "content": "Hello"},
+        "modalities": ["text"],
+        "reasoning_effort": "none",
+        "verbosity": "medium",
+        "stream_options": {"include_obfuscation": False},
+        "parallel_tool_calls": True,
+    },
+    "/v1/completions": {"user": "u-1", "best_of": 1},
+}
+_UNSUPPORTED = {
+    "/v1/chat/completions": {
+        "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+        "moderation": {"model": "omni-moderation-latest"}, "web_search_options": {},
+        "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "high", "verbosity": "low",
+        "tools": [{"type": "custom", "custom": {"name": "c"}}],
+    },
+    "/v1/completions": {"suffix": "x", "best_of": 3},
+}  # fmt: skip
+
+
+def _sdk_fields(endpoint: str) -> set[str]:
+    import typing
+
+    from openai.types import completion_create_params as comp_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    mod = chat_params if endpoint == "chat" else comp_params
+    return set(typing.get_type_hints(mod.CompletionCreateParamsBase)) | {"stream"}
+
+
+def test_every_openai_field_is_defined_and_documented():
+    """Each field of the openai SDK's request types is a field of our bodies (so it is never an
+    unknown-field 400) and has a row in docs/server.md's field table."""
+    from pathlib import Path
+
+    from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    table = doc[doc.index("### Request fields") :]
+    table = table[: table.index("\n## ")]
+    for endpoint, model in (("chat", ChatCompletionRequest), ("completions", CompletionRequest)):
+        ours = {f.alias or name for name, f in model.model_fields.items()}
+        missing = _sdk_fields(endpoint) - ours
+        assert not missing, (endpoint, missing)
+        undocumented = [f for f in _sdk_fields(endpoint) | ours if f"`{f}`" not in table]
+        assert not undocumented, (endpoint, undocumented)
+
+
+def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
+    bodies = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+              "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1}}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for path, fields in _NO_EFFECT.items():
+            r = http.post(path, json={**bodies[path], **fields})
+            assert r.status_code == 200, (path, r.text)
+        for path, fields in _UNSUPPORTED.items():
+            for name, value in fields.items():
+                r = http.post(path, json={**bodies[path], name: value})
+                assert r.status_code == 400, (path, name, r.text)
+                err = r.json()["error"]
+                assert (err["param"], err["code"]) == (name, "unsupported_parameter"), (name, err)
+        r = http.post("/v1/chat/completions", json={**bodies["/v1/chat/completions"], "frobnicate": 1})
+        assert r.json()["error"]["code"] == "unknown_parameter" and r.json()["error"]["param"] == "frobnicate"
+        # prompt_cache_key is no cache namespace: another key still hits the same prefix cache
+        msgs = chat_messages("Where are the ladders?")
+        a = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                    "prompt_cache_key": "tenant-a"}).json()  # fmt: skip
+        b = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                    "prompt_cache_key": "tenant-b"}).json()  # fmt: skip
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == a["usage"]["prompt_tokens"] - 1
+        # /v1/models/{id}
+        card = http.get(f"/v1/models/{MODEL}")
+        assert card.status_code == 200 and card.json()["id"] == MODEL
+        gone = http.get("/v1/models/gpt-4o")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     assert_pool_whole(llm)
 
 
