@@ -472,6 +472,127 @@ def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(s
     assert_pool_whole(llm)
 
 
+# ---------------------------------------------------------------------------------- constraints, bias, penalties
+
+
+def test_structured_output_spellings_constrain_the_output(server, llm):
+    """Every spelling of a constraint reaches the engine (the output obeys it); an invalid one is
+    a 400 naming the field the client sent."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["color", "n"], "additionalProperties": False}  # fmt: skip
+    chat_msgs = chat_messages("Pick a color and a number.")
+    base = {"model": MODEL, "messages": chat_msgs, "max_tokens": 40, "temperature": 0}
+    comp = {"model": MODEL, "prompt": "My favourite color is", "max_tokens": 40, "temperature": 0}
+    rf = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
+    cases = [
+        ("/v1/chat/completions", {"response_format": rf}, "schema"),
+        ("/v1/chat/completions", {"guided_json": schema}, "schema"),
+        ("/v1/completions", {"structured_outputs": {"json": schema}}, "schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "object"),
+        ("/v1/chat/completions", {"regex": "(red|green) [0-9]{2}"}, "regex"),
+        ("/v1/completions", {"guided_regex": "(red|green) [0-9]{2}"}, "regex"),
+        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "choice"),
+        ("/v1/completions", {"structured_outputs": {"choice": ["yes", "no"]}}, "choice"),
+        ("/v1/chat/completions", {"ebnf": 'root ::= "red" | "blue"'}, "ebnf"),
+        ("/v1/completions", {"guided_grammar": 'root ::= "red" | "blue"'}, "ebnf"),
+    ]
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        for path, extra, kind in cases:
+            body = {**(base if "chat" in path else comp), **extra}
+            r = http.post(path, json=body)
+            assert r.status_code == 200, (extra, r.text)
+            choice = r.json()["choices"][0]
+            text = choice["message"]["content"] if "chat" in path else choice["text"]
+            assert choice["finish_reason"] == "stop", (extra, choice)
+            if kind == "schema":
+                jsonschema.validate(json.loads(text), schema)
+            elif kind == "object":
+                assert isinstance(json.loads(text), dict), text
+            elif kind == "regex":
+                assert re.fullmatch("(red|green) [0-9]{2}", text), text
+            elif kind == "choice":
+                assert text in ("yes", "no"), text
+            else:
+                assert text in ("red", "blue"), text
+        for extra, param in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+             "response_format"),
+            ({"regex": "(unclosed"}, "regex"),
+            ({"guided_json": "{not json"}, "guided_json"),
+            ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ):  # fmt: skip
+            r = http.post("/v1/chat/completions", json={**base, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert_pool_whole(llm)
+
+
+def test_logit_bias_penalties_min_tokens_reach_the_engine(server, llm):
+    tok = llm.tokenizer
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        comp = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0}
+        plain = http.post("/v1/completions", json=comp).json()["choices"][0]["text"]
+        # +100 on one token: greedy picks it every time
+        forced = tok.encode(" banana", add_special_tokens=False)[0]
+        r = http.post("/v1/completions", json={**comp, "logit_bias": {str(forced): 100}}).json()
+        assert r["choices"][0]["text"] == tok.decode([forced] * 6)
+        # -100 on the greedy first token: it never appears
+        first = tok.encode(plain, add_special_tokens=False)[0]
+        r = http.post("/v1/completions", json={**comp, "logit_bias": {str(first): -100}, "logprobs": 0}).json()
+        assert r["choices"][0]["logprobs"]["tokens"][0] != tok.decode([first])
+        # penalties break the greedy repetition (-to-many-to-many...)
+        rep = {**comp, "prompt": "one one one one one one", "max_tokens": 8}
+        base_text = http.post("/v1/completions", json=rep).json()["choices"][0]["text"]
+        for extra in ({"frequency_penalty": 2.0}, {"repetition_penalty": 3.0}):
+            text = http.post("/v1/completions", json={**rep, **extra}).json()["choices"][0]["text"]
+            assert text != base_text, extra
+        # min_tokens: a greedy chat answer that stops early is held to at least min_tokens
+        chat = {"model": MODEL, "messages": chat_messages("Say yes."), "max_tokens": 40, "temperature": 0}
+        short = http.post("/v1/chat/completions", json=chat).json()
+        n = short["usage"]["completion_tokens"]
+        assert short["choices"][0]["finish_reason"] == "stop" and n < 40
+        held = http.post("/v1/chat/completions", json={**chat, "min_tokens": n + 5}).json()
+        assert held["usage"]["completion_tokens"] >= n + 5
+    assert_pool_whole(llm)
+
+
+def test_request_fields_map_onto_sampling_params():
+    """Every sampling field of a body lands in ``SamplingParams`` under its engine name."""
+    from radixkv.server.openai.params import sampling_params, tool_plan
+    from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7,
+            "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": "x", "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "logit_bias": {"12": -3, "7": 100}, "logprobs": True, "top_logprobs": 4,
+            "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
+            "stop_token_ids": [9], "skip_special_tokens": False, "prompt_logprobs": 1}  # fmt: skip
+    req = ChatCompletionRequest.model_validate_json(json.dumps(body))
+    req.check_values()
+    p = sampling_params(req, [10], 100, None, "messages", tool_plan(req))
+    got = {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop", "presence_penalty",
+           "frequency_penalty", "logit_bias", "logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens",
+           "ignore_eos", "stop_token_ids", "skip_special_tokens", "prompt_logprobs")}  # fmt: skip
+    assert got == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": ["x"],
+                   "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {12: -3.0, 7: 100.0},
+                   "logprobs": 4, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
+                   "ignore_eos": True, "stop_token_ids": [9], "skip_special_tokens": False,
+                   "prompt_logprobs": 1}  # fmt: skip
+    # completions: logprobs is the number of alternatives; echo + logprobs asks for prompt logprobs
+    req = CompletionRequest.model_validate_json(
+        json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True})
+    )
+    p = sampling_params(req, [3], 100, 16, "prompt")
+    assert (p.logprobs, p.prompt_logprobs, p.max_tokens) == (2, 2, 16)
+    # unset: the engine's defaults (no penalty, no bias, no logprobs)
+    req = CompletionRequest.model_validate_json(json.dumps({"model": MODEL, "prompt": "hi"}))
+    p = sampling_params(req, [3], 100, 16, "prompt")
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.logprobs) == (
+        0.0, 0.0, 1.0, None, None)  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------- field classes
 
 _NO_EFFECT = {
