@@ -22,7 +22,7 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no cost-map download at import
@@ -72,7 +72,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 class Person(BaseModel):
     name: str
-    age: int
+    age: int = Field(ge=0, le=120)  # bounded: greedy, the tiny model would write 1000000... forever
     role: Literal["engineer", "doctor", "teacher"]
 
 
