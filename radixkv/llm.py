@@ -98,9 +98,11 @@ class LLM:
         "description", "parameters"}}``) rendered into every conversation, by the model's
         template when it takes tools, else in radixkv's built-in ``<tool_call>`` format;
         conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results
-        (:mod:`radixkv.chat_template`). To force calls, pass a grammar from
-        :func:`radixkv.server.parsers.tool_calls.tool_call_grammar` as ``SamplingParams.grammar``
-        and parse the text with :func:`~radixkv.server.parsers.tool_calls.parse_tool_calls`."""
+        (:mod:`radixkv.chat_template`). To force calls, pass
+        :func:`radixkv.sampling.grammar.tool_call_structural_tag` (with the built-in format's
+        markers, as :func:`radixkv.server.openai.params.forced_calls` does) as
+        ``SamplingParams.structural_tag``, and parse the text with
+        :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
         if not messages:
             raise ValueError("chat: messages is empty")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)

@@ -434,6 +434,8 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "tool_choice": {"type": "function", "function": {"name": "other"}}}), "tool_choice"),
         ("tool_choice of a wrong shape", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
          "tool_choice": {"type": "function"}}), "tool_choice"),
+        ("tool schema xgrammar refuses", chat, j({"model": MODEL, "messages": msgs, "tool_choice": "required",
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), "tools"),
         ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
             {"role": "tool", "content": "42"}]}), "messages"),
         # two constraints

@@ -1,8 +1,8 @@
 """Tool calls without a server: the built-in (Hermes / Qwen) rendering of tools, calls and results
 in radixkv.chat_template (with the default model's template, which has no tools section, and a
 template that takes tools), the parser of radixkv.server.parsers.tool_calls (whole and streamed
-in every split), and the grammar of forced calls checked with xgrammar's matcher on the default
-model's tokenizer."""
+in every split), and the structural tag of forced calls checked with xgrammar's matcher on the
+default model's tokenizer."""
 
 from __future__ import annotations
 
@@ -14,9 +14,16 @@ import xgrammar
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixkv.chat_template import builtin_tools_block, encode_chat, render_chat, template_takes_tools
+from radixkv.chat_template import (
+    builtin_tools_block,
+    encode_chat,
+    format_tool_call,
+    render_chat,
+    template_takes_tools,
+)
 from radixkv.errors import RequestError
-from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls, tool_call_grammar
+from radixkv.server.openai.params import forced_calls
+from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
 
 WEATHER = {
     "type": "function",
@@ -125,6 +132,7 @@ TEXTS = {
     "only a call": CALL,
     "no call": "Just text, with a < sign and <tool",
     "malformed block": "a <tool_call>\nnot json\n</tool_call> b",
+    "call then a malformed block": "x " + CALL + " y <tool_call>[1]</tool_call> z" + CALL,
     "cut off": "x " + CALL[:40],
     "keys reordered": '<tool_call>{"arguments": {"q": [1, {"r": "}"}]}, "name": "find"}</tool_call>',
     "parameters alias, string arguments": '<tool_call>{"name": "f", "parameters": "{\\"a\\": 1}"}</tool_call>',
@@ -140,6 +148,8 @@ def test_parse_tool_calls():
     assert calls[0].arguments == '{"city": "Oslo \\"}\\" x", "days": 3}'  # the model's own text
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
     assert parse_tool_calls(TEXTS["only a call"])[0] is None
+    content, calls = parse_tool_calls(TEXTS["call then a malformed block"])
+    assert content == "x\ny <tool_call>[1]</tool_call>\nz" and len(calls) == 2
     for name in ("no call", "malformed block", "cut off"):
         assert parse_tool_calls(TEXTS[name]) == (TEXTS[name], []), name
     (c,) = parse_tool_calls(TEXTS["keys reordered"])[1]
@@ -164,7 +174,7 @@ def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], lis
     return content, [tuple(c) for c in calls], events
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(name=st.sampled_from(sorted(TEXTS)), data=st.data())
 def test_streamed_deltas_join_to_the_parsed_output_in_every_split(name, data):
     text = TEXTS[name]
@@ -191,7 +201,7 @@ def test_streaming_holds_back_a_possible_tag_and_sends_fragments_early():
     assert s.update('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>', True) == []
 
 
-# ---------------------------------------------------------------------------------- grammar
+# ---------------------------------------------------------------------------------- forced calls
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +209,8 @@ def compiler(tok):
     return xgrammar.GrammarCompiler(xgrammar.TokenizerInfo.from_huggingface(tok))
 
 
-def _accepts(compiler, tok, grammar: str, text: str) -> bool:
+def _accepts(compiler, tok, tag: dict, text: str) -> bool:
+    grammar = xgrammar.Grammar.from_structural_tag(json.dumps(tag))
     matcher = xgrammar.GrammarMatcher(compiler.compile_grammar(grammar))
     for t in tok.encode(text, add_special_tokens=False):
         if not matcher.accept_token(t):
@@ -207,29 +218,26 @@ def _accepts(compiler, tok, grammar: str, text: str) -> bool:
     return matcher.accept_token(tok.eos_token_id) and matcher.is_terminated()
 
 
-def test_tool_call_grammar_accepts_valid_calls_only(tok, compiler):
+def test_forced_calls_accept_valid_calls_in_the_builtin_format_only(tok, compiler):
+    """The server's structural tag for ``required`` / named: calls exactly as
+    :func:`format_tool_call` writes them (so the parser reads them), back to back, arguments
+    valid under the function's schema."""
     fns = [WEATHER["function"], NOARGS["function"]]
-    one, many = tool_call_grammar(fns, parallel=False), tool_call_grammar(fns, parallel=True)
-    assert tool_call_grammar(copy.deepcopy(fns), parallel=False) is one  # built once per distinct input
-    weather = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'
-    now = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
-    assert (
-        _accepts(compiler, tok, one, weather)
-        and _accepts(compiler, tok, one, now)
-        and not _accepts(compiler, tok, one, weather + now)
-    )
+    one, many = forced_calls(fns, parallel=False), forced_calls(fns, parallel=True)
+    weather = format_tool_call("get_weather", '{"city": "Oslo", "days": 3}')
+    now = format_tool_call("now", "{}")
+    assert _accepts(compiler, tok, one, weather) and _accepts(compiler, tok, one, now)
+    assert not _accepts(compiler, tok, one, weather + now)
     assert _accepts(compiler, tok, many, weather + now + weather)
+    assert [c.name for c in parse_tool_calls(weather + now + weather)[1]] == ["get_weather", "now", "get_weather"]
+    assert not _accepts(compiler, tok, many, weather + "\n" + now)  # no newline between calls
     for bad in (
         weather.replace("3", '"3"'),  # a string for an integer
         weather.replace(', "days": 3', ""),  # a required property missing
         weather.replace("}}", ', "x": 1}}'),  # a property beyond the schema
-        weather.replace('"city": "Oslo"', '"city" : "Oslo"'),  # free whitespace: the text is json.dumps'
         weather.replace("get_weather", "get_time"),  # an unknown function
         "Sure! " + weather,  # text before the call
     ):
         assert not _accepts(compiler, tok, one, bad), bad
-    with pytest.raises(RequestError) as e:
-        tool_call_grammar(
-            [{"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}], False
-        )
-    assert e.value.param == "tools"
+    named = forced_calls([WEATHER["function"]], parallel=False)
+    assert _accepts(compiler, tok, named, weather) and not _accepts(compiler, tok, named, now)

@@ -7,13 +7,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALLS_SEPARATOR
 from radixkv.errors import RequestError
+from radixkv.sampling.grammar import tool_call_structural_tag
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError, ChatCompletionRequest
-from radixkv.server.parsers.tool_calls import tool_call_grammar
 
-__all__ = ["ModelNames", "ToolPlan", "constraint_of", "constraint_renames", "sampling_params", "tool_plan"]
+__all__ = [
+    "ModelNames",
+    "ToolPlan",
+    "constraint_of",
+    "constraint_renames",
+    "forced_calls",
+    "sampling_params",
+    "tool_plan",
+]
 
 
 class ModelNames:
@@ -51,14 +60,30 @@ class ToolPlan:
         tools: the tools rendered into the prompt (OpenAI form; all of them, whatever the choice,
             so the prompt prefix stays the same from turn to turn).
         parse: parse tool calls out of the output (choice ``auto``, ``required``, named).
-        grammar: the EBNF forcing calls (``required``, named, allowed_tools ``required``), or None.
+        structural_tag: the xgrammar structural tag forcing calls in the built-in format
+            (``required``, named, allowed_tools ``required``), or None.
         choice: ``none`` / ``auto`` / ``required`` / ``named``.
     """
 
     tools: list[dict] = field(default_factory=list)
     parse: bool = False
-    grammar: Optional[str] = None
+    structural_tag: Optional[dict] = None
     choice: str = "none"
+
+
+def forced_calls(functions: list[dict], parallel: bool) -> dict:
+    """The structural tag of one call (``parallel`` False) or one or more calls to any of
+    ``functions``, in the built-in format of :mod:`radixkv.chat_template` (calls back to back:
+    after ``</tool_call>`` only the end of the turn or another call is allowed; a separating
+    newline would let a small model, whose likeliest token after a tag is a newline, repeat the
+    call). Built by :func:`radixkv.sampling.grammar.tool_call_structural_tag`."""
+    return tool_call_structural_tag(
+        functions,
+        parallel=parallel,
+        begin=TOOL_CALL_OPEN + "\n",
+        end="\n" + TOOL_CALL_CLOSE,
+        separator=TOOL_CALLS_SEPARATOR,
+    )
 
 
 def _named(choice: dict, names: list[str]) -> str:
@@ -79,7 +104,8 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
 
     Raises:
         APIError: ``tool_choice`` malformed, naming a function not in ``tools``, or given
-            without ``tools``; a ``parameters`` schema xgrammar cannot compile (param ``tools``).
+            without ``tools`` (a ``parameters`` schema xgrammar cannot compile is refused when the
+            engine accepts the request, param ``tools``).
     """
     choice = req.tool_choice
     if not req.tools:
@@ -99,7 +125,7 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(tools, parse=False, choice="none")
     try:
         if choice == "required":
-            return ToolPlan(tools, True, tool_call_grammar(functions, parallel), "required")
+            return ToolPlan(tools, True, forced_calls(functions, parallel), "required")
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
             allowed = choice.get("allowed_tools")
             if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
@@ -109,10 +135,10 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
                 raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
             if allowed["mode"] == "auto":
                 return ToolPlan(tools, parse=True, choice="auto")
-            return ToolPlan(tools, True, tool_call_grammar([by_name[n] for n in subset], parallel), "required")
+            return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required")
         if isinstance(choice, dict):
             name = _named(choice, names)
-            return ToolPlan(tools, True, tool_call_grammar([by_name[name]], False), "named")
+            return ToolPlan(tools, True, forced_calls([by_name[name]], False), "named")
     except RequestError as exc:
         raise request_error_to_api(exc) from exc
     raise APIError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {choice!r}", "tool_choice")
@@ -160,8 +186,8 @@ def constraint_of(req: Any, tools: Optional[ToolPlan] = None) -> tuple[Optional[
         ):
             if value is not None:
                 found.append(("structured_outputs", {key: value}))
-    if tools is not None and tools.grammar is not None:
-        found.append(("tool_choice", {"grammar": tools.grammar}))
+    if tools is not None and tools.structural_tag is not None:
+        found.append(("tool_choice", {"structural_tag": tools.structural_tag}))
     if len(found) > 1:
         (first, _), (second, _) = found[0], found[1]
         raise APIError(
@@ -249,5 +275,8 @@ CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice",
 
 
 def constraint_renames(source: Optional[str]) -> dict[str, str]:
-    """Engine constraint fields -> the request field ``source`` that set them (for errors)."""
+    """Engine constraint fields -> the request field ``source`` that set them (for errors; a
+    forced call's structural tag is built from ``tools``, so its faults are the tools')."""
+    if source == "tool_choice":
+        return {k: "tools" for k in CONSTRAINT_FIELDS}
     return {k: source for k in CONSTRAINT_FIELDS} if source else {}

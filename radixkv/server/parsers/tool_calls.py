@@ -1,8 +1,9 @@
-"""Tool calls in the built-in (Hermes / Qwen) format: parsing them out of model text, whole or as
-it streams, and the grammar that makes a model emit them.
+"""Tool calls in the built-in (Hermes / Qwen) format, parsed out of model text, whole or as it
+streams.
 
 The format (written by :func:`radixkv.chat_template.format_tool_call`, described to the model by
-:func:`radixkv.chat_template.builtin_tools_block`)::
+:func:`radixkv.chat_template.builtin_tools_block`, forced for ``tool_choice`` ``required`` /
+named by :func:`radixkv.server.openai.params.forced_calls`)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -18,28 +19,19 @@ The format (written by :func:`radixkv.chat_template.format_tool_call`, described
   delta with ``id`` and ``name`` and deltas of argument text. Joined, they equal what
   :func:`parse_tool_calls` gives for the final text (the ``arguments`` string is the model's own
   JSON text of the arguments, unchanged).
-* :func:`tool_call_grammar` is the EBNF (xgrammar's dialect, built with xgrammar's own JSON-schema
-  compiler) of one call, or of one or more calls back to back, of the given functions,
-  each call's arguments following that function's ``parameters`` schema. Arguments are written
-  without free whitespace (``", "`` and ``": "`` separators), exactly as ``json.dumps`` writes
-  them, so a call rendered back into the history is the text the model produced.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import xgrammar
+from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
-from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALLS_SEPARATOR
-from radixkv.errors import RequestError
-
-__all__ = ["ToolCall", "ToolCallStream", "parse_tool_calls", "tool_call_grammar", "new_call_id"]
+__all__ = ["ToolCall", "ToolCallStream", "parse_tool_calls", "new_call_id"]
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _DECODER = json.JSONDecoder()
@@ -163,15 +155,17 @@ def _scan(text: str, final: bool) -> tuple[str, list[Any]]:
             parts.append(_after_call(parts, tail) if calls else tail)
             break
         before = text[pos:k]
+        call = _parse_call(text[start:j]) if j >= 0 else None
+        if j >= 0 and call is None:  # not a call: the block stays text, as does what came before
+            block = before + text[k : j + len(TOOL_CALL_CLOSE)]
+            parts.append(_after_call(parts, block.lstrip()) if calls else block)
+            pos = j + len(TOOL_CALL_CLOSE)
+            continue
         parts.append(_after_call(parts, before.strip()) if calls else before.rstrip())
         if j < 0:
             calls.append(_partial_call(text[start:]))
             break
-        call = _parse_call(text[start:j])
-        if call is None:  # not a call: the block stays text
-            parts.append(text[k : j + len(TOOL_CALL_CLOSE)])
-        else:
-            calls.append(call)
+        calls.append(call)
         pos = j + len(TOOL_CALL_CLOSE)
     return "".join(parts), calls
 
@@ -229,51 +223,3 @@ class ToolCallStream:
     def call_ids(self) -> list[str]:
         """The ids given to the calls streamed so far (in order)."""
         return [cid for cid, _ in self.calls]
-
-
-# --------------------------------------------------------------------------------- grammar
-
-
-def _literal(text: str) -> xgrammar.Grammar:
-    return xgrammar.Grammar.from_ebnf("root ::= " + json.dumps(text))
-
-
-@functools.lru_cache(maxsize=256)
-def _grammar_text(functions_json: str, parallel: bool) -> str:
-    functions = json.loads(functions_json)
-    one_call = []
-    for fn in functions:
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
-        head = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(fn["name"], ensure_ascii=False)}, "arguments": '
-        try:
-            args = xgrammar.Grammar.from_json_schema(json.dumps(params), any_whitespace=False)
-        except Exception as exc:  # noqa: BLE001 - xgrammar's message names the schema fault
-            raise RequestError(
-                f"tools: the parameters schema of function {fn['name']!r} cannot be compiled: {exc}", "tools"
-            ) from exc
-        one_call.append(xgrammar.Grammar.concat(_literal(head), args, _literal(f"}}\n{TOOL_CALL_CLOSE}")))
-    call = one_call[0] if len(one_call) == 1 else xgrammar.Grammar.union(*one_call)
-    if not parallel:
-        return str(xgrammar.Grammar.concat(call))
-    text = str(call)
-    seq = "radixkv_tool_call_seq"
-    while re.search(rf"^{seq}\b", text, re.M):
-        seq += "_"
-    sep = f"{json.dumps(TOOL_CALLS_SEPARATOR)} " if TOOL_CALLS_SEPARATOR else ""
-    text += f"\n{seq} ::= root ({sep}root)*\n"
-    # concat of one grammar renames its start rule to `root`, the name the compiler starts from
-    return str(xgrammar.Grammar.concat(xgrammar.Grammar.from_ebnf(text, root_rule_name=seq)))
-
-
-def tool_call_grammar(functions: Sequence[dict], parallel: bool) -> str:
-    """EBNF text of one call (``parallel`` False) or of one or more calls back to back, to any
-    of ``functions`` (``{"name", "parameters"}`` dicts; a missing
-    ``parameters`` means no arguments). Built once per distinct input.
-
-    Raises:
-        RequestError: (param ``tools``) a ``parameters`` schema xgrammar cannot compile.
-    """
-    if not functions:
-        raise RequestError("tools: no function to call", "tools")
-    key = json.dumps([{"name": f["name"], "parameters": f.get("parameters")} for f in functions], sort_keys=True)
-    return _grammar_text(key, parallel)
