@@ -22,7 +22,7 @@ from radixkv.chat_template import (
     template_takes_tools,
 )
 from radixkv.errors import RequestError
-from radixkv.server.openai.params import forced_calls
+from radixkv.server.openai.params import auto_calls, forced_calls
 from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
 
 WEATHER = {
@@ -241,3 +241,17 @@ def test_forced_calls_accept_valid_calls_in_the_builtin_format_only(tok, compile
         assert not _accepts(compiler, tok, one, bad), bad
     named = forced_calls([WEATHER["function"]], parallel=False)
     assert _accepts(compiler, tok, named, weather) and not _accepts(compiler, tok, named, now)
+
+
+def test_auto_calls_leave_text_free_and_make_every_call_valid(tok, compiler):
+    """``auto``: any text, a ``<tool_call>`` block must be a valid call (``strict`` for every
+    function); ``parallel_tool_calls: false`` ends the turn after the first call."""
+    fns = [WEATHER["function"], NOARGS["function"]]
+    weather = format_tool_call("get_weather", '{"city": "Oslo", "days": 3}')
+    for parallel in (False, True):
+        tag = auto_calls(fns, parallel)
+        assert _accepts(compiler, tok, tag, "No tool needed: it is 3 o'clock.")
+        assert _accepts(compiler, tok, tag, "Let me look.\n" + weather)
+        assert not _accepts(compiler, tok, tag, "x " + weather.replace("3", '"3"'))
+        assert not _accepts(compiler, tok, tag, "I like <tool_call> tags")  # the tag opens a call
+        assert _accepts(compiler, tok, tag, weather + "\nAnd then " + weather) == parallel

@@ -60,8 +60,9 @@ class ToolPlan:
         tools: the tools rendered into the prompt (OpenAI form; all of them, whatever the choice,
             so the prompt prefix stays the same from turn to turn).
         parse: parse tool calls out of the output (choice ``auto``, ``required``, named).
-        structural_tag: the xgrammar structural tag forcing calls in the built-in format
-            (``required``, named, allowed_tools ``required``), or None.
+        structural_tag: the xgrammar structural tag of the calls: ``required``, named and
+            allowed_tools ``required`` force them (:func:`forced_calls`); ``auto`` leaves the text
+            free but makes every ``<tool_call>`` block a valid call (:func:`auto_calls`).
         choice: ``none`` / ``auto`` / ``required`` / ``named``.
     """
 
@@ -69,6 +70,12 @@ class ToolPlan:
     parse: bool = False
     structural_tag: Optional[dict] = None
     choice: str = "none"
+
+    @property
+    def forced(self) -> bool:
+        """The output must be calls (a second constraint on the request is then an error; with
+        ``auto`` another constraint takes the place of :func:`auto_calls`)."""
+        return self.choice in ("required", "named")
 
 
 def forced_calls(functions: list[dict], parallel: bool) -> dict:
@@ -84,6 +91,22 @@ def forced_calls(functions: list[dict], parallel: bool) -> dict:
         end="\n" + TOOL_CALL_CLOSE,
         separator=TOOL_CALLS_SEPARATOR,
     )
+
+
+def auto_calls(functions: list[dict], parallel: bool) -> dict:
+    """The structural tag of ``tool_choice: "auto"``: any text, but once the model writes
+    ``<tool_call>`` the block must be a valid call to one of ``functions`` (OpenAI's ``strict``
+    function calling, for every function); with ``parallel`` False the turn ends after the first
+    call. xgrammar's ``triggered_tags`` over :func:`forced_calls`' tags."""
+    tags = forced_calls(functions, parallel)["format"]["tags"]
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": [TOOL_CALL_OPEN],
+        "tags": tags,
+        "at_least_one": False,
+        "stop_after_first": not parallel,
+    }
+    return {"type": "structural_tag", "format": fmt}
 
 
 def _named(choice: dict, names: list[str]) -> str:
@@ -119,11 +142,11 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         raise APIError(f"tools: function names must be unique, got {names}", "tools")
     parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
     by_name = {f["name"]: f for f in functions}
-    if choice is None or choice == "auto":
-        return ToolPlan(tools, parse=True, choice="auto")
     if choice == "none":
         return ToolPlan(tools, parse=False, choice="none")
     try:
+        if choice is None or choice == "auto":
+            return ToolPlan(tools, True, auto_calls(functions, parallel), "auto")
         if choice == "required":
             return ToolPlan(tools, True, forced_calls(functions, parallel), "required")
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
@@ -134,7 +157,7 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
             if not subset:
                 raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
             if allowed["mode"] == "auto":
-                return ToolPlan(tools, parse=True, choice="auto")
+                return ToolPlan(tools, True, auto_calls([by_name[n] for n in subset], parallel), "auto")
             return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required")
         if isinstance(choice, dict):
             name = _named(choice, names)
@@ -186,7 +209,7 @@ def constraint_of(req: Any, tools: Optional[ToolPlan] = None) -> tuple[Optional[
         ):
             if value is not None:
                 found.append(("structured_outputs", {key: value}))
-    if tools is not None and tools.structural_tag is not None:
+    if tools is not None and tools.structural_tag is not None and (tools.forced or not found):
         found.append(("tool_choice", {"structural_tag": tools.structural_tag}))
     if len(found) > 1:
         (first, _), (second, _) = found[0], found[1]

@@ -297,7 +297,7 @@ class FunctionDef(_Strict):
     name: str
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None  # calls are always grammar-checked when forced
+    strict: Optional[bool] = None  # always enforced: every decoded call is held to its schema
 
 
 class Tool(_Strict):
