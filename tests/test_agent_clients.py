@@ -400,16 +400,28 @@ def test_openai_agents_function_tool_runs_and_the_run_ends(server, llm):
         tool_use_behavior="stop_on_first_tool",
     )
 
+    # output_type: the agent's final output is a parsed Person (a json_schema response_format)
+    typed = Agent(
+        name="inventor",
+        instructions="Invent a person.",
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=aclient),
+        model_settings=ModelSettings(temperature=0, max_tokens=96),
+        output_type=Person,
+    )
+
     async def run():
         try:
-            return await Runner.run(agent, "What is the weather in Paris?", max_turns=3,
-                                    run_config=RunConfig(tracing_disabled=True))  # fmt: skip
+            config = RunConfig(tracing_disabled=True)
+            tool_run = await Runner.run(agent, "What is the weather in Paris?", max_turns=3, run_config=config)
+            typed_run = await Runner.run(typed, "Invent a person with a name, age and job.", run_config=config)
+            return tool_run, typed_run
         finally:
             await aclient.close()
 
-    result = asyncio.run(run())
+    result, typed_result = asyncio.run(run())
     assert len(seen) == 1 and seen[0]["unit"] in ("celsius", "fahrenheit") and seen[0]["city"]
     assert result.final_output == f"It is sunny and 21 degrees {seen[0]['unit']} in {seen[0]['city']}."
+    assert isinstance(typed_result.final_output, Person)
     assert_idle(llm)
 
 
