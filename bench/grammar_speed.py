@@ -1,15 +1,16 @@
 """Grammar overhead: decode step time with every row under a JSON-schema grammar vs none, same run.
 
-``--batch`` requests (default 16) decode together on the default model; rounds alternate between
-"free" (no constraint) and "grammar" (each row under one of a few JSON schemas whose outputs are
-long enough that no row finishes during the round: an array of at least 50 objects). Only steps
-in which all ``--batch`` rows decode (one token each, no prefill) are timed, each as the wall
-time of one ``Engine.step()`` (forward, grammar masks, sampling, matcher advance, stop checks);
-the grammars are compiled in an untimed warm-up round. Prints the median step time of each mode
-and their ratio grammar / free (the target is <= 1.10 on CPU), plus the grammar work itself
-(bitmask fill + apply + accept) per step, measured inside the same steps.
+Two engines share the default model's weights: one decodes ``--batch`` free requests (no
+constraint), the other ``--batch`` requests each under one of a few JSON schemas whose outputs
+are long enough that no row finishes while timed (arrays of at least 50 objects). Their steps
+alternate one by one (free, grammar, free, ...), so a shared machine's slowly varying load hits
+both modes alike. Only steps in which all ``--batch`` rows decode (one token each, no prefill)
+count, each timed as one ``Engine.step()`` (forward, grammar masks, sampling, matcher advance,
+stop checks); the grammars compile before timing starts. Prints the median step time of each
+mode, their ratio grammar / free (the target is <= 1.10 on CPU) and the grammar work itself
+(bitmask fill + mask apply + matcher advance) per step, measured inside the same steps.
 
-    python bench/grammar_speed.py                      # batch 16, 3 rounds of 40 steps per mode
+    python bench/grammar_speed.py                      # batch 16, 3 rounds of 40 step pairs
     python bench/grammar_speed.py --batch 16 --rounds 5 --steps 48 --temperature 0
 """
 
@@ -78,87 +79,112 @@ class _GrammarTimer:
         pipeline_mod.apply_token_bitmask = timed(apply)
 
 
-def _round(engine: Engine, prompts, params_list, steps: int, batch: int, timer: _GrammarTimer):
-    rids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
-    last: dict = {}
-    unsubscribe = engine.events.subscribe(lambda e: last.__setitem__("e", e), kinds=(StepFinished,))
-    times, gtimes = [], []
-    while len(times) < steps and engine.has_unfinished_requests():
+class _Mode:
+    """One engine and the requests it decodes in a round."""
+
+    def __init__(self, engine: Engine, batch: int) -> None:
+        self.engine = engine
+        self.batch = batch
+        self.last = None
+        self.times: list = []
+        self.gwork: list = []
+        engine.events.subscribe(self._seen, kinds=(StepFinished,))
+
+    def _seen(self, e) -> None:
+        self.last = e
+
+    def start(self, prompts, params_list) -> None:
+        self.rids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        while True:  # prefill (untimed) until every row decodes
+            self.last = None
+            self.engine.step()
+            e = self.last
+            if e is not None and len(e.samples) == self.batch and all(x == 1 for x in e.extend_lens):
+                return
+
+    def timed_step(self, timer: "_GrammarTimer", keep: bool) -> None:
         timer.t = 0.0
+        self.last = None
         t0 = time.perf_counter()
-        outs = engine.step()
+        outs = self.engine.step()
         dt = time.perf_counter() - t0
-        e = last.get("e")
-        if e is not None and len(e.samples) == batch and all(x == 1 for x in e.extend_lens) and e.prefill_tokens == 0:
-            times.append(dt)
-            gtimes.append(timer.t)
+        e = self.last
         if any(o.finished for o in outs):
             raise RuntimeError("a request finished during a timed round; raise minItems or lower --steps")
-    unsubscribe()
-    for r in rids:
-        engine.abort_request(r)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return times, gtimes
+        if keep and e is not None and len(e.samples) == self.batch and e.prefill_tokens == 0:
+            self.times.append(dt)
+            self.gwork.append(timer.t)
+
+    def stop(self) -> None:
+        for r in self.rids:
+            self.engine.abort_request(r)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3, help="timed rounds per mode (alternating)")
-    ap.add_argument("--steps", type=int, default=40, help="timed decode steps per round")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds (each --steps free/grammar step pairs)")
+    ap.add_argument("--steps", type=int, default=40, help="timed step pairs per round")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model("smollm2-135m", "cpu", torch.float32)
-    cfg = EngineConfig(device="cpu", max_total_tokens=args.batch * 1024, max_running_requests=args.batch)
-    engine = Engine(cfg, loaded_model=loaded)
+    cfg = dict(device="cpu", max_total_tokens=args.batch * 1024, max_running_requests=args.batch)
+    free = _Mode(Engine(EngineConfig(**cfg), loaded_model=loaded), args.batch)
+    gram = _Mode(Engine(EngineConfig(**cfg), loaded_model=loaded), args.batch)
     tok = loaded.tokenizer
     schemas = _schemas()
     prompts = []
     for i in range(args.batch):
         msg = [{"role": "user", "content": f"List record {i}: write a long JSON list of records."}]
         prompts.append(tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=True, return_dict=False))
-    budget = args.steps + 8
+    budget = args.steps + 16
 
-    def params(mode: str, rnd: int) -> list:
+    def params(constrained: bool, rnd: int) -> list:
         out = []
         for i in range(args.batch):
-            kw = dict(temperature=args.temperature, seed=1000 * rnd + i, max_tokens=budget, ignore_eos=True)
-            if mode == "grammar":
+            kw = dict(temperature=args.temperature, seed=1000 * rnd + i, max_tokens=budget)
+            if constrained:
                 kw["json_schema"] = schemas[i % len(schemas)]
-                kw.pop("ignore_eos")
+            else:
+                kw["ignore_eos"] = True
             out.append(SamplingParams(**kw))
         return out
 
+    for p in params(True, 0)[: len(schemas)]:  # compile before timing
+        gram.engine.grammars.compile(p.structured_output).result()
     timer = _GrammarTimer()
-    print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.rounds} rounds x {args.steps} steps per mode")
-    _round(engine, prompts, params("grammar", 0), 4, args.batch, timer)  # warm-up + compiles
-    _round(engine, prompts, params("free", 0), 4, args.batch, timer)
-    res: dict = {"free": [], "grammar": []}
-    gwork: list = []
-    for rnd in range(1, args.rounds + 1):
-        for mode in ("free", "grammar"):
-            t, g = _round(engine, prompts, params(mode, rnd), args.steps, args.batch, timer)
-            res[mode].extend(t)
-            if mode == "grammar":
-                gwork.extend(g)
-            print(f"  round {rnd} {mode:8s} median step {statistics.median(t) * 1e3:7.2f} ms over {len(t)} steps")
-    free, gram = statistics.median(res["free"]), statistics.median(res["grammar"])
+    print(f"threads {torch.get_num_threads()}, batch {args.batch}, {args.rounds} rounds x {args.steps} step pairs")
+    for rnd in range(args.rounds + 1):  # round 0 warms up, untimed
+        free.start(prompts, params(False, rnd))
+        gram.start(prompts, params(True, rnd))
+        n0f, n0g = len(free.times), len(gram.times)
+        for _ in range(args.steps if rnd else 4):
+            free.timed_step(timer, keep=rnd > 0)
+            gram.timed_step(timer, keep=rnd > 0)
+        free.stop()
+        gram.stop()
+        if rnd:
+            f = statistics.median(free.times[n0f:])
+            g = statistics.median(gram.times[n0g:])
+            print(f"  round {rnd}: free {f * 1e3:7.2f} ms, grammar {g * 1e3:7.2f} ms, ratio {g / f:.3f}")
+    f, g = statistics.median(free.times), statistics.median(gram.times)
     summary = {
         "batch": args.batch,
         "threads": torch.get_num_threads(),
-        "steps_per_mode": len(res["free"]),
-        "free_step_ms": round(free * 1e3, 2),
-        "grammar_step_ms": round(gram * 1e3, 2),
-        "grammar_work_ms": round(statistics.median(gwork) * 1e3, 3),
-        "ratio": round(gram / free, 3),
-        "compiles": engine.grammars.num_compiles,
+        "steps_per_mode": len(free.times),
+        "free_step_ms": round(f * 1e3, 2),
+        "grammar_step_ms": round(g * 1e3, 2),
+        "grammar_work_ms": round(statistics.median(gram.gwork) * 1e3, 3),
+        "ratio": round(g / f, 3),
+        "compiles": gram.engine.grammars.num_compiles,
     }
     print(json.dumps(summary))
-    print(f"decode step, batch {args.batch}: grammar / free = {gram / free:.3f}x (target <= 1.10)")
+    print(f"decode step, batch {args.batch}: grammar / free = {g / f:.3f}x (target <= 1.10)")
 
 
 if __name__ == "__main__":

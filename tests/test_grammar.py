@@ -493,3 +493,28 @@ def test_constraints_need_a_tokenizer_and_bias_ids_the_vocabulary():
         eng.add_request([1, 2, 3], SamplingParams(prompt_logprobs=1, logprob_start_len=3))
     assert e.value.param == "logprob_start_len"
     assert not eng.has_unfinished_requests()
+
+
+def test_async_llm_waits_for_compiles_without_spinning_and_refuses_bad_constraints(llm):
+    import asyncio
+
+    from radixkv.async_llm import AsyncLLM
+
+    prompt = chat(llm, "Is the sky blue? Answer yes or no.")
+
+    async def run(a):
+        with pytest.raises(RequestError) as e:
+            async for _ in a.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(regex="[a-")):
+                pass
+        assert e.value.param == "regex"
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=8, choice=["yes indeed", "no way", "unsure"])
+        last = None
+        async for out in a.generate(prompt_token_ids=prompt, sampling_params=params):
+            last = out
+        return last
+
+    with AsyncLLM(engine=llm.engine) as a:
+        out = asyncio.run(run(a))
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text in ("yes indeed", "no way", "unsure")
+    assert_idle(llm)

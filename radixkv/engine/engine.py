@@ -71,6 +71,8 @@ class Engine:
 
     Attributes:
         events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
+        sampling: the :class:`~radixkv.sampling.pipeline.SamplingPipeline` (one call per step).
+        grammars: the :class:`~radixkv.sampling.grammar.GrammarBackend` of structured outputs.
         num_steps: steps that ran a forward pass.
         num_forwards: the same count (vLLM's name).
 
@@ -158,17 +160,11 @@ class Engine:
         self.num_steps = 0
         self._last_admit_seq = 0  # the highest admission number reported in a RequestAdmitted
         self.sampling = SamplingPipeline(self.vocab_size, self.eos_token_ids)
-        self._grammars: Optional[GrammarBackend] = None
+        # structured outputs: validation, background compilation, compiled-grammar cache (xgrammar
+        # is imported and the compile thread started at the first constrained request)
+        self.grammars = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
         self._decode = TokenDecoder(tokenizer)
-
-    @property
-    def grammars(self) -> GrammarBackend:
-        """The structured-output backend (built at the first constrained request): validation,
-        background compilation and the compiled-grammar cache."""
-        if self._grammars is None:
-            self._grammars = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        return self._grammars
 
     @property
     def cache(self) -> Any:
