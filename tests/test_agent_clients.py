@@ -243,6 +243,8 @@ def test_openai_tool_loop_extends_the_prompt_and_hits_the_cache(client, llm):
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
     ]
     turn2 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=16)
+    print(f"tool loop: turn 1 prompt {turn1.usage.prompt_tokens} tokens; turn 2 prompt {turn2.usage.prompt_tokens}, "
+          f"cached {turn2.usage.prompt_tokens_details.cached_tokens}")  # fmt: skip
     assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens
     # turn 2 is `auto` (free text; a call the model starts is held to its schema)
     for c in turn2.choices[0].message.tool_calls or []:
