@@ -163,7 +163,10 @@ def _png(fig) -> str:
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # an optional extra
+        raise ImportError("the HTML report needs matplotlib: pip install 'radixkv[explain]'") from exc
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
