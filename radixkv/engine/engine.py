@@ -58,6 +58,8 @@ class Engine:
         loaded_model: a :class:`~radixkv.models.loader.LoadedModel` to use instead of loading
             ``config.model`` (several engines can share one model's weights; each has its own
             KV pool).
+        clock: time source in seconds of the pins' idle timeout (default ``time.monotonic``;
+            tests pass a fake one).
 
     Attributes:
         events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
@@ -76,6 +78,7 @@ class Engine:
         tokenizer: Any = None,
         eos_token_ids: Optional[Sequence[int]] = None,
         loaded_model: Any = None,
+        clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self.config = cfg = (config or EngineConfig()).resolve()
         hf_config = None
@@ -130,7 +133,14 @@ class Engine:
         else:
             cache = NoPrefixCache(cfg.page_size)
         self.kv = KVManager(
-            cache, SlotAllocator(cfg.max_total_tokens, cfg.page_size), model_runner.req_to_token_pool, self.events
+            cache,
+            SlotAllocator(cfg.max_total_tokens, cfg.page_size),
+            model_runner.req_to_token_pool,
+            self.events,
+            max_pinned_tokens=cfg.max_pinned_tokens,
+            pin_idle_timeout=cfg.pin_idle_timeout,
+            clock=clock,
+            in_batch_sharing=cfg.in_batch_prefix_sharing,
         )
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
@@ -319,13 +329,14 @@ class Engine:
         """
         self.run_posted()
         outputs, self._ready = self._ready, []
+        self.kv.expire_pins()
         batch = self.scheduler.schedule()
         if batch is None:
             return outputs
         self.num_steps += 1
         now = time.perf_counter()
         admitted = self.events.wants(RequestAdmitted)
-        for r in batch.reqs:
+        for r in batch.members:
             g = self._groups[r.request_id]
             if g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
@@ -345,12 +356,13 @@ class Engine:
                         r.prefix_len,
                         r.num_retractions > 0,
                         r.namespace,
+                        r.num_shared_tokens,
                     )
                 )
-        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.reqs)])
+        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.members)])
         logits = self._forward(batch)
         self.scheduler.after_forward(batch)
-        to_sample = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        to_sample = batch.samplers
         tokens = sample(logits, [r.params for r in to_sample], [r.generator for r in to_sample], self._rng)
         now = time.perf_counter()
         touched: Dict[str, RequestGroup] = {}
@@ -374,6 +386,7 @@ class Engine:
                     tuple(batch.sample),
                     batch.prefill_tokens,
                     tuple((r.request_id, r.index) for r in batch.retracted),
+                    tuple((r.request_id, r.index) for r in batch.riders),
                 )
             )
         for g in touched.values():
@@ -385,10 +398,8 @@ class Engine:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         rows = [r.row for r in batch.reqs]
-        qo_end = list(itertools.accumulate(batch.extend_lens))
-        logits_idx = [qo_end[i] - 1 for i, s in enumerate(batch.sample) if s]
         fb = self.runner.build_batch(
-            batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=logits_idx
+            batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=batch.logits_rows()
         )
         return self.runner.forward(fb)
 
@@ -402,11 +413,29 @@ class Engine:
         parent.fork_pending = 0
         self.scheduler.fork(parent, children)
 
+    # ------------------------------------------------------------------ pins (driver thread)
+    def pin_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> Any:
+        """A soft pin on the cached prefix of ``tokens`` (:meth:`KVManager.pin_prefix
+        <radixkv.engine.kv_manager.KVManager.pin_prefix>`): it stays in memory until
+        :meth:`release_pin`, within the bounds ``max_pinned_tokens`` / ``pin_idle_timeout``.
+        None when nothing of it is cached. Sessions and stored responses hold their context this
+        way."""
+        return self.kv.pin_prefix(list(tokens), namespace)
+
+    def retain_pin(self, pin: Any) -> bool:
+        """One more holder of ``pin`` (False when it was dropped already)."""
+        return self.kv.retain_pin(pin)
+
+    def release_pin(self, pin: Any) -> None:
+        """A holder lets go of ``pin`` (the last one unpins: its tokens become evictable)."""
+        self.kv.release_pin(pin)
+
     # ------------------------------------------------------------------ cache
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an
         :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``)."""
         kv, cache = self.kv, self.kv.cache
+        kv.expire_pins()
         cap = kv.capacity
         free = kv.free_size()
         total = cache.total_size()
