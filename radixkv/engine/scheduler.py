@@ -304,7 +304,7 @@ class Scheduler:
             if r.status != RequestStatus.PREFILL:
                 continue
             extend = min(r.seq_len - r.kv_len, budget)
-            if extend <= 0 or not kv.ensure_free(kv.pages(r.kv_len + extend) - len(r.slots)):
+            if extend <= 0 or not kv.yield_pins(kv.pages(r.kv_len + extend) - len(r.slots)):
                 partial = True
                 continue
             kv.grow(r, r.kv_len + extend)
