@@ -301,12 +301,20 @@ class KVManager:
             return None
         return self._batch.tree.match_prefix(req.all_token_ids, req.namespace)
 
+    def _borrow_limit(self, req: Request) -> int:
+        """The most positions ``req`` may borrow without being a rider: all but its last token,
+        at most ``max_prefix_len`` (prompt logprobs need their positions' logits), whole pages."""
+        n = req.seq_len - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        return n // self.page_size * self.page_size
+
     def _rider_source(self, req: Request, b: MatchResult) -> Optional[tuple]:
         """``(row, position)`` when a published row computes ``req``'s last position in this
         forward and every position before it is published too: ``req`` then samples from that
-        row's logits and computes nothing."""
+        row's logits and computes nothing (not when it wants prompt logprobs)."""
         n = req.seq_len
-        if b.length != n:
+        if b.length != n or req.max_prefix_len is not None:
             return None
         src = self._batch.computing(int(b.slots[n - 1]), n - 1)
         return None if src is None else (src, n - 1)
@@ -319,7 +327,7 @@ class KVManager:
             return 0
         if self._rider_source(req, b) is not None:
             return b.length
-        return min(b.length, (req.seq_len - 1) // self.page_size * self.page_size)
+        return min(b.length, self._borrow_limit(req))
 
     def settle(self, req: Request) -> None:
         """After the forward in which ``req`` borrowed positions from other rows: re-point its
@@ -342,9 +350,13 @@ class KVManager:
 
     # ------------------------------------------------------------------ admission
     def match(self, req: Request) -> MatchResult:
-        """The cached prefix of ``req``'s tokens but the last (whose logits must be computed)."""
+        """The cached prefix of ``req``'s tokens but the last (whose logits must be computed), at
+        most ``req.max_prefix_len`` tokens (prompt logprobs need their positions' logits)."""
         tokens = req.all_token_ids
-        return self.cache.match_prefix(tokens[: len(tokens) - 1], req.namespace)
+        n = len(tokens) - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        return self.cache.match_prefix(tokens[:n], req.namespace)
 
     def prefix_len(self, req: Request) -> int:
         """What ``req`` would reuse if admitted now (its pin, else its cached prefix or what it
@@ -365,7 +377,7 @@ class KVManager:
         b = self._batch_match(req)
         if b is not None and b.length > m.length:
             src = self._rider_source(req, b)
-            n = b.length if src is not None else min(b.length, (req.seq_len - 1) // self.page_size * self.page_size)
+            n = b.length if src is not None else min(b.length, self._borrow_limit(req))
             if n > m.length:
                 slots += b.slots[m.length : n].tolist()
                 return Prefix(n, slots, m.node, None, n - m.length, src)

@@ -99,19 +99,9 @@ class ScheduledBatch:
 
     @property
     def samplers(self) -> List[Request]:
-        """The requests that sample a token after this forward, in the order of :meth:`logits_rows`:
-        the rows that sample, then the riders."""
+        """The requests that sample a token after this forward: the rows that sample (in batch
+        order), then the riders (each from its ``rider_rows`` entry)."""
         return [r for r, s in zip(self.reqs, self.sample) if s] + self.riders
-
-    def logits_rows(self) -> List[int]:
-        """For each of :attr:`samplers`, the row of the new tokens whose logits it samples from
-        (a sampling row's last new token; a rider's source position)."""
-        rows, end = [], 0
-        for e, s in zip(self.extend_lens, self.sample):
-            end += e
-            if s:
-                rows.append(end - 1)
-        return rows + self.rider_rows
 
     @property
     def num_prefill_tokens(self) -> int:
