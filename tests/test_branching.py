@@ -15,6 +15,7 @@ First-token steps come from the engine's events (``StepFinished.tokens_for``).
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import threading
 
@@ -331,3 +332,110 @@ def test_chat_session_continues_token_for_token(llms, hf_greedy):
         st = assert_idle(llm)
         assert st["pinned"] == s.pinned_tokens == len(s.tokens) - 1
     assert assert_idle(llm)["pinned"] == 0
+
+
+# ---------------------------------------------------------------------------------- select / fork
+@pytest.fixture(scope="module")
+def hf_logprobs(hf_default):
+    memo = {}
+
+    def run(ids):
+        key = tuple(ids)
+        if key not in memo:
+            with torch.no_grad():
+                memo[key] = torch.log_softmax(hf_default(torch.tensor([list(ids)])).logits[0].double(), dim=-1)
+        return memo[key]
+
+    return run
+
+
+def test_select_scores_equal_transformers_log_probabilities(llms, hf_logprobs):
+    llm = llms[1]
+    assert llm.reset_prefix_cache()
+    prompt = "Question: What is the capital of France?\nAnswer: The capital of France is"
+    choices = [" Paris", " London", " Rome, the eternal city", " Berlin"]
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    ev = Events(llm.engine)
+    before = llm.cache_stats()["prefill_tokens"]
+    try:
+        res = llm.select(prompt, choices)
+    finally:
+        ev.off()
+    computed = llm.cache_stats()["prefill_tokens"] - before
+    want = []
+    for c, sc in zip(choices, res.scores):
+        toks = llm.tokenizer.encode(c, add_special_tokens=False)
+        lp = hf_logprobs(ids + toks)
+        ref = [lp[len(ids) + j - 1, t].item() for j, t in enumerate(toks)]
+        assert sc.choice == c and sc.token_ids == toks
+        assert sc.token_logprobs == pytest.approx(ref, abs=1e-4)
+        assert sc.logprob == pytest.approx(sum(ref), abs=1e-4)
+        assert sc.normalized_logprob == pytest.approx(sum(ref) / len(ref), abs=1e-4)
+        want.append(sum(ref) / len(ref))
+    assert res.index == max(range(len(want)), key=want.__getitem__) and res.choice == choices[res.index]
+    assert res.choice == " Paris" and res.method == "normalized"
+    # one step: the prompt computed once (but its last token, by every choice: its logits score
+    # the choice's first token), the choices as one batched extend over it
+    assert len(ev.admitted) == 4 and len({e.step for e in ev.admitted}) == 1
+    assert [e.num_shared_tokens for e in ev.admitted] == [0, len(ids) - 1, len(ids) - 1, len(ids) - 1]
+    n_choice = sum(len(sc.token_ids) for sc in res.scores)
+    assert computed == len(ids) + n_choice + len(choices) - 1
+    assert computed == trie_tokens([ids + sc.token_ids for sc in res.scores]) + len(choices) - 1
+    by_sum = llm.select(ids, choices, method="sum")  # token ids in, the cached prompt reused
+    assert by_sum.index == max(range(4), key=lambda i: res.scores[i].logprob)
+    assert by_sum.logprobs == pytest.approx(res.logprobs, abs=1e-4)
+    assert_idle(llm)
+
+
+def test_tree_of_thought_fork_select_continue(llms):
+    """Fork 4 thoughts from a session, select the best by its likelihood, continue it: the context
+    is computed once, every later call only its new tokens; nothing leaks."""
+    llm = llms[1]
+    assert llm.reset_prefix_cache()
+    question = [{"role": "user", "content": "A farmer has 17 sheep and all but 9 run away. How many are left?"}]
+    base = llm.cache_stats()["prefill_tokens"]
+    with llm.session(question) as s:
+        with s.fork(4) as thoughts:
+            params = [SamplingParams(temperature=0.8, seed=i, max_tokens=12) for i in range(4)]
+            outs = thoughts.chat(None, params)  # the assistant's reply, four ways
+            ctx = outs[0].prompt_token_ids
+            assert all(o.prompt_token_ids == ctx for o in outs)
+            # the question computed once: the others ride on the first row (identical prompts)
+            assert llm.cache_stats()["prefill_tokens"] - base == len(ctx)
+            texts = [o.outputs[0].text for o in outs]
+            best = s.select(texts, message=None)  # each thought's likelihood as the reply
+            assert best.choice == texts[best.index]
+            assert s.messages[-1] == {"role": "assistant", "content": texts[best.index]}
+            pinned = assert_idle(llm)["pinned"]
+            assert pinned >= len(ctx) and llm.engine.kv.num_pins == 5
+        before = llm.cache_stats()["prefill_tokens"]
+        final_out = s.chat("So what is the answer? One number.", SamplingParams(temperature=0, max_tokens=8))
+        new = len(final_out.prompt_token_ids) - final_out.num_cached_tokens
+        assert llm.cache_stats()["prefill_tokens"] - before == new
+        assert final_out.num_cached_tokens == len(ctx) + len(best.scores[best.index].token_ids)
+    s2 = assert_idle(llm)
+    assert s2["pinned"] == 0 and s2["protected"] == 0
+
+
+def test_async_select_and_session(alm, llms):
+    prompt = "Question: Is water wet?\nAnswer:"
+    choices = [" Yes", " No"]
+
+    async def main():
+        res = await alm.select(prompt, choices)
+        async with alm.session([SYSTEM]) as s:
+            o1 = await s.chat("Name a fruit.", SamplingParams(temperature=0, max_tokens=6))
+            o2 = await s.chat("Another?", SamplingParams(temperature=0, max_tokens=6))
+            assert o2.num_cached_tokens == len(o1.prompt_token_ids) + len(o1.outputs[0].token_ids) - 1
+            picked = await s.select([" Apple", " Banana"], message={"role": "user", "content": "Pick one."})
+            assert s.tokens[-len(picked.scores[picked.index].token_ids) :] == picked.scores[picked.index].token_ids
+            st = await alm.cache_stats()
+            assert st["pinned"] == s.pinned_tokens > 0
+        return res
+
+    res = asyncio.run(main())
+    sync = llms[1].select(prompt, choices)  # the same weights in another engine
+    assert res.index == sync.index and res.logprobs == pytest.approx(sync.logprobs, abs=1e-4)
+    assert all(math.isfinite(x) and x < 0 for x in res.logprobs)
+    assert_idle(llms[1])
+    async_idle(alm)
