@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,7 +66,8 @@ class Rows:
     def __init__(self, runner):
         self.runner = runner
         self.ps = runner.page_size
-        self.free = list(range(runner.kv_pool.num_pages))[::-1][::3] + list(range(runner.kv_pool.num_pages))[1::3]
+        self.free = list(range(runner.kv_pool.num_pages))
+        random.Random(0).shuffle(self.free)  # no two neighbouring pages of a row are adjacent on purpose
         self.slots: dict[str, list[int]] = {}
         self.row: dict[str, int] = {}
 
@@ -83,7 +85,7 @@ class Rows:
         while len(slots) < n:
             page = self.free.pop()
             slots.extend(page * self.ps + i for i in range(self.ps))
-        self.runner.req_to_token_pool.write(self.row[name], 0, torch.tensor(slots[: max(n, len(slots))]))
+        self.runner.req_to_token_pool.write(self.row[name], 0, torch.tensor(slots))
 
     def forward(self, items, all_logits=True):
         """items: (name, prefix_len, new tokens); returns each item's logits rows."""

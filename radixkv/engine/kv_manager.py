@@ -14,15 +14,16 @@ time); everything that crosses the cache and allocator APIs is a 1-D int64 slot 
 
 In-batch sharing (docs/engine.md, "In-batch prefix sharing"): while the scheduler plans one
 forward it publishes (:meth:`~KVManager.publish`) every prefill row it adds into a small radix
-tree of the tokens that will have K/V at the end of that forward (the rows' computed prefixes plus what they
-compute now, whole pages). A request admitted later in the same plan borrows the longest such
-prefix beyond its cached one: its ``req_to_token`` row points at the computing row's slots, which
-every attention backend writes before it attends in each layer, so the sharer attends to them as
-its prefix in that very forward. After the forward, :meth:`~KVManager.settle` re-points the
-borrowed positions at the prefix cache (the computing row has handed them over by then) and the
-sharer locks them there like any cached prefix. A request whose whole sequence is computed by
-another row (an identical prompt, or a prefix of a longer one, ending on a page boundary) computes
-nothing: it samples from that row's logits (``Request.logits_from``).
+tree of the tokens that will have K/V at the end of that forward (the rows' computed prefixes
+plus what they compute now, whole pages). A request admitted later in the same plan borrows the
+longest such prefix beyond its cached one: its ``req_to_token`` row points at the computing
+row's slots, which every attention backend writes before it attends in each layer, so the sharer
+attends to them as its prefix in that very forward. After the forward,
+:meth:`~KVManager.settle` re-points the borrowed positions at the prefix cache (the computing row
+has handed them over by then) and the sharer locks them there like any cached prefix. A request
+whose whole sequence is computed by another row (an identical prompt, or a prefix of a longer
+one, ending on a page boundary) computes nothing: it samples from that row's logits
+(``Request.logits_from``).
 
 Pins: a :class:`Pin` keeps a computed prefix in memory for holders that are not running now: the
 samples ``1 .. n-1`` of a request with ``n > 1`` (hard pins, released by the samples), and
@@ -578,14 +579,13 @@ class KVManager:
         if not self._pins:
             return 0
         dropped = 0
-        lru = self._soft_pins_lru()
         if self.pin_idle_timeout is not None:
             now = self.clock()
-            for p in [p for p in lru if now - p.last_used >= self.pin_idle_timeout]:
+            for p in [p for p in self._pins.values() if p.soft and now - p.last_used >= self.pin_idle_timeout]:
                 self._drop_soft(p)
-                lru.remove(p)
                 dropped += 1
-        if self.max_pinned_tokens is not None:
+        if self.max_pinned_tokens is not None and len(self._pinned) > self.max_pinned_tokens:
+            lru = self._soft_pins_lru()
             while lru and len(self._pinned) > self.max_pinned_tokens:
                 self._drop_soft(lru.pop(0))
                 dropped += 1

@@ -231,8 +231,8 @@ class Scheduler:
         cands, cached = self._ordered_waiting()
         rerank = bool(cached) and kv.in_batch_sharing
         while cands:
-            if budget <= 0 or partial:  # only riders fit now
-                for r in [r for r in cands if kv.batch_prefix_len(r) == r.seq_len]:
+            if budget <= 0 or partial:  # only riders fit now (looked for among the first ones)
+                for r in [r for r in cands[:_LPM_MAX_QUEUE] if kv.batch_prefix_len(r) == r.seq_len]:
                     if self._admit_one(batch, r, 0, reserve) is None:
                         break
                     reserve += self.page_size
