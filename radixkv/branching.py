@@ -34,7 +34,9 @@ forks work, but every turn recomputes its context and nothing is pinned.
 
 from __future__ import annotations
 
+import asyncio
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, Hashable, List, Mapping, Optional, Sequence, Union
 
@@ -606,9 +608,13 @@ class AsyncSession(_Context):
         self._check_open()
         n = _check_n(n)
         pin = self._pin
-        held = await self._owner.call_in_engine_thread(
-            lambda e: [pin is not None and e.retain_pin(pin) for _ in range(n)]
-        )
+        owner = self._owner
+
+        def undo(held: List[bool]) -> None:  # cancelled after the references were taken: give them back
+            if owner.is_running:
+                owner._submit(lambda e: [e.release_pin(pin) for ok in held if ok])
+
+        held = await _in_engine_thread(owner, lambda e: [pin is not None and e.retain_pin(pin) for _ in range(n)], undo)
         return AsyncForks(
             AsyncSession(
                 self._owner, list(self._tokens), self.messages, self.namespace, pin if ok else None, self._stop_text
@@ -637,8 +643,8 @@ class AsyncSession(_Context):
             return
         self._closed = True
         pin, self._pin = self._pin, None
-        if pin is not None and self._owner.is_running:
-            await self._owner.call_in_engine_thread(lambda e: e.release_pin(pin))
+        if pin is not None and self._owner.is_running:  # shielded: a cancelled close still unpins
+            await asyncio.shield(asyncio.wrap_future(self._owner._submit(lambda e: e.release_pin(pin))))
 
     async def __aenter__(self) -> "AsyncSession":
         return self
@@ -659,13 +665,20 @@ async def _arun_turns(
     if len({id(s) for s in sessions}) != len(sessions):
         raise RequestError("a session appears twice in one batch", "sessions")
     pins: dict = {}
+    done: dict = {}
+    lock = threading.Lock()  # a hook runs either before the caller settles the batch, or not at all
+    settled = [False]
 
     def hook_for(i: int, s: AsyncSession, prompt: List[int]):
         def hook(engine: Any, out: RequestOutput) -> None:  # the engine thread, at the turn's end
-            tokens = list(prompt) + list(out.outputs[0].token_ids)
-            pins[i] = engine.pin_prefix(tokens, s.namespace)
-            if s._pin is not None:
-                engine.release_pin(s._pin)
+            with lock:
+                if settled[0]:  # the caller gave up (cancelled) first: the session stays as it was
+                    return
+                tokens = list(prompt) + list(out.outputs[0].token_ids)
+                pins[i] = engine.pin_prefix(tokens, s.namespace)
+                if s._pin is not None:
+                    engine.release_pin(s._pin)
+                done[i] = out
 
         return hook
 
@@ -673,16 +686,18 @@ async def _arun_turns(
         s._busy = True
     try:
         specs = [(p, sp, s.namespace) for (p, _), sp, s in zip(prompts, checked, sessions)]
-        outs = await llm._generate_batch(
-            specs, [hook_for(i, s, p) for i, (s, (p, _)) in enumerate(zip(sessions, prompts))]
-        )
-        for i, (s, (prompt, new), out) in enumerate(zip(sessions, prompts, outs)):
-            s._advance(prompt, out, new)
-            s._pin = pins.get(i)
+        hooks = [hook_for(i, s, p) for i, (s, (p, _)) in enumerate(zip(sessions, prompts))]
+        return await llm._generate_batch(specs, hooks)
     finally:
-        for s in sessions:
+        # every turn that finished (also when another of the batch failed) advances its session
+        # and holds its new pin; the others keep their context and old pin
+        with lock:
+            settled[0] = True
+        for i, (s, (prompt, new)) in enumerate(zip(sessions, prompts)):
+            if i in done:
+                s._advance(prompt, done[i], new)
+                s._pin = pins.get(i)
             s._busy = False
-    return outs
 
 
 async def _aselect(
@@ -701,11 +716,26 @@ async def _aselect(
             old = session._pin
             session._append_choice(prompt, ids[result.index], result.choice, new)
             tokens = list(session._tokens)
-            session._pin = await llm.call_in_engine_thread(lambda e: _swap_pin(e, tokens, namespace, old))
+
+            def keep(pin: Any) -> None:  # cancelled meanwhile: the session still gets its new pin
+                session._pin = pin
+
+            session._pin = await _in_engine_thread(llm, lambda e: _swap_pin(e, tokens, namespace, old), keep)
     finally:
         if session is not None:
             session._busy = False
     return result
+
+
+async def _in_engine_thread(llm: Any, fn: Any, on_abandoned: Any) -> Any:
+    """``fn(engine)`` on the engine thread; if the caller is cancelled while it runs, it still
+    completes and ``on_abandoned(result)`` gets what it returned (so no pin reference is lost)."""
+    task = asyncio.ensure_future(llm.call_in_engine_thread(fn))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(lambda t: None if t.cancelled() or t.exception() else on_abandoned(t.result()))
+        raise
 
 
 def _swap_pin(engine: Any, tokens: List[int], namespace: Hashable, old: Any) -> Any:

@@ -298,3 +298,44 @@ def test_async_sessions_and_forks():
         asyncio.run(main())
     finally:
         alm.shutdown()
+
+
+def test_async_turn_cancelled_midway_leaves_the_session_as_it_was():
+    from radixkv.engine import StepFinished
+
+    runner = FakeRunner(512, 1, 16)
+    alm = AsyncLLM(
+        engine=LLM(device="cpu", model_runner=runner, tokenizer=None, eos_token_ids=[], max_total_tokens=512).engine
+    )
+
+    async def main():
+        s = alm.session(list(range(1, 30)))
+        await s.generate(sampling_params=greedy(2))
+        ctx, pinned = s.tokens, s.pinned_tokens
+        loop = asyncio.get_running_loop()
+        turn = asyncio.ensure_future(s.generate(prompt_token_ids=[4], sampling_params=greedy(200)))
+        steps = []
+
+        def on_step(ev):
+            steps.append(ev.step)
+            if len(steps) == 3:
+                loop.call_soon_threadsafe(turn.cancel)
+
+        off = alm.subscribe(on_step, (StepFinished,))
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        off()
+        assert s.tokens == ctx and s.pinned_tokens == pinned  # the old context, still pinned
+        out = await s.generate(prompt_token_ids=[4], sampling_params=greedy(3))  # usable again
+        assert out.outputs[0].token_ids == reference(ctx + [4], 3)
+        await s.close()
+        while await alm.call_in_engine_thread(lambda e: e.has_unfinished_requests()):
+            await alm.call_in_engine_thread(lambda e: None)
+        st = await alm.cache_stats()
+        assert st["pinned"] == 0 and st["protected"] == 0 and st["free"] + st["evictable"] == st["capacity"]
+        await alm.call_in_engine_thread(lambda e: e.check_integrity())
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
