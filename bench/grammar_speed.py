@@ -7,8 +7,11 @@ alternate one by one (free, grammar, free, ...), so a shared machine's slowly va
 both modes alike. Only steps in which all ``--batch`` rows decode (one token each, no prefill)
 count, each timed as one ``Engine.step()`` (forward, grammar masks, sampling, matcher advance,
 stop checks); the grammars compile before timing starts. Prints the median step time of each
-mode, their ratio grammar / free (the target is <= 1.10 on CPU) and the grammar work itself
-(bitmask fill + mask apply + matcher advance) per step, measured inside the same steps.
+mode, the median over step pairs of grammar / free (the headline; the target is <= 1.10 on CPU;
+which mode of a pair runs first alternates), the ratio of the medians, and the grammar work itself
+(batched bitmask fill + mask apply + batched matcher advance) per step, measured inside the same
+steps, also as a share of a free step (the overhead with the machine's load taken out). Writes
+``bench/results/grammar_speed_<UTC time>.json``.
 
     python bench/grammar_speed.py                      # batch 16, 3 rounds of 40 step pairs
     python bench/grammar_speed.py --batch 16 --rounds 5 --steps 48 --temperature 0
@@ -34,6 +37,12 @@ from radixkv.sampling import grammar as grammar_mod
 from radixkv.sampling import pipeline as pipeline_mod
 
 
+def _xgr_version() -> str:
+    import xgrammar
+
+    return getattr(xgrammar, "__version__", "?")
+
+
 def _schemas() -> list[dict]:
     item = {
         "type": "object",
@@ -55,13 +64,11 @@ def _schemas() -> list[dict]:
 
 
 class _GrammarTimer:
-    """Accumulates the time spent in grammar work (fill, apply, accept) by wrapping the three
-    module functions the pipeline calls; read and reset per step."""
+    """Accumulates the time spent in grammar work (batched bitmask fill, mask apply, batched
+    matcher advance) by wrapping the three functions the pipeline calls; read and reset per step."""
 
     def __init__(self) -> None:
         self.t = 0.0
-        fill, accept = grammar_mod.GrammarState.fill, grammar_mod.GrammarState.accept
-        apply = pipeline_mod.apply_token_bitmask
         timer = self
 
         def timed(fn):
@@ -74,9 +81,8 @@ class _GrammarTimer:
 
             return run
 
-        grammar_mod.GrammarState.fill = timed(fill)
-        grammar_mod.GrammarState.accept = timed(accept)
-        pipeline_mod.apply_token_bitmask = timed(apply)
+        for name in ("fill_bitmasks", "apply_token_bitmask", "accept_tokens"):
+            setattr(pipeline_mod, name, timed(getattr(grammar_mod, name)))
 
 
 class _Mode:
@@ -102,7 +108,7 @@ class _Mode:
             if e is not None and len(e.samples) == self.batch and all(x == 1 for x in e.extend_lens):
                 return
 
-    def timed_step(self, timer: "_GrammarTimer", keep: bool) -> None:
+    def timed_step(self, timer: "_GrammarTimer", keep: bool) -> "float | None":
         timer.t = 0.0
         self.last = None
         t0 = time.perf_counter()
@@ -114,6 +120,8 @@ class _Mode:
         if keep and e is not None and len(e.samples) == self.batch and e.prefill_tokens == 0:
             self.times.append(dt)
             self.gwork.append(timer.t)
+            return dt
+        return None
 
     def stop(self) -> None:
         for r in self.rids:
@@ -129,7 +137,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed step pairs per round")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument(
+        "--out", default=None, help="result JSON (default bench/results/grammar_speed_<UTC>.json; - for none)"
+    )
     args = ap.parse_args()
+    load0 = list(os.getloadavg())
+    pairs: list = []
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model("smollm2-135m", "cpu", torch.float32)
@@ -163,9 +176,14 @@ def main() -> None:
         free.start(prompts, params(False, rnd))
         gram.start(prompts, params(True, rnd))
         n0f, n0g = len(free.times), len(gram.times)
-        for _ in range(args.steps if rnd else 4):
-            free.timed_step(timer, keep=rnd > 0)
-            gram.timed_step(timer, keep=rnd > 0)
+        for k in range(args.steps if rnd else 4):
+            # alternate which mode goes first, so a step's position in the pair biases neither
+            if k % 2 == 0:
+                tf, tg = free.timed_step(timer, keep=rnd > 0), gram.timed_step(timer, keep=rnd > 0)
+            else:
+                tg, tf = gram.timed_step(timer, keep=rnd > 0), free.timed_step(timer, keep=rnd > 0)
+            if tf is not None and tg is not None:
+                pairs.append(tg / tf)
         free.stop()
         gram.stop()
         if rnd:
@@ -173,18 +191,41 @@ def main() -> None:
             g = statistics.median(gram.times[n0g:])
             print(f"  round {rnd}: free {f * 1e3:7.2f} ms, grammar {g * 1e3:7.2f} ms, ratio {g / f:.3f}")
     f, g = statistics.median(free.times), statistics.median(gram.times)
+    gw = statistics.median(gram.gwork)
+    pair_ratio = statistics.median(pairs)
     summary = {
         "batch": args.batch,
         "threads": torch.get_num_threads(),
+        "temperature": args.temperature,
         "steps_per_mode": len(free.times),
         "free_step_ms": round(f * 1e3, 2),
         "grammar_step_ms": round(g * 1e3, 2),
-        "grammar_work_ms": round(statistics.median(gram.gwork) * 1e3, 3),
-        "ratio": round(g / f, 3),
+        "ratio_of_medians": round(g / f, 3),
+        "median_pair_ratio": round(pair_ratio, 3),
+        "grammar_work_ms": round(gw * 1e3, 3),
+        "grammar_work_share_of_free_step": round(gw / f, 4),
         "compiles": gram.engine.grammars.num_compiles,
+        "loadavg_start": load0,
+        "loadavg_end": list(os.getloadavg()),
+        "xgrammar": _xgr_version(),
+        "torch": torch.__version__,
     }
     print(json.dumps(summary))
-    print(f"decode step, batch {args.batch}: grammar / free = {g / f:.3f}x (target <= 1.10)")
+    print(
+        f"decode step, batch {args.batch}: grammar / free = {pair_ratio:.3f}x (median of adjacent-step ratios; "
+        f"ratio of medians {g / f:.3f}x; target <= 1.10); grammar work {gw * 1e3:.2f} ms = "
+        f"{100 * gw / f:.2f}% of a free step"
+    )
+    if args.out != "-":
+        out = args.out or os.path.join(
+            os.path.dirname(os.path.abspath(__file__)),
+            "results",
+            time.strftime("grammar_speed_%Y%m%dT%H%M%SZ.json", time.gmtime()),
+        )
+        with open(out, "w") as fh:
+            json.dump(summary, fh, indent=2)
+            fh.write("\n")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

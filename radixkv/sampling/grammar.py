@@ -44,8 +44,11 @@ from radixkv.kernels import cpu as cpu_kernels
 __all__ = [
     "GrammarBackend",
     "GrammarState",
+    "accept_tokens",
     "apply_token_bitmask",
+    "batch_matcher",
     "choice_ebnf",
+    "fill_bitmasks",
     "tool_call_structural_tag",
 ]
 
@@ -240,6 +243,33 @@ class GrammarBackend:
 
 
 # ---------------------------------------------------------------------- masks
+def batch_matcher() -> Any:
+    """A new ``xgrammar.BatchGrammarMatcher`` (a thread pool of half the CPUs, at least 1) for
+    :func:`fill_bitmasks`; one per sampling pipeline, used by one thread at a time."""
+    return _xgr().BatchGrammarMatcher(max(1, (os.cpu_count() or 2) // 2))
+
+
+def fill_bitmasks(states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequence[int], batch: Any) -> None:
+    """Write each state's allowed next tokens into ``bitmask[rows[i]]`` (int32 CPU,
+    ``[>= max(rows) + 1, ceil(V / 32)]``, xgrammar's layout) in one call of xgrammar's
+    ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` on ``batch`` (:func:`batch_matcher`),
+    instead of one Python call per row."""
+    if len(states) == 1:
+        states[0].matcher.fill_next_token_bitmask(bitmask, rows[0])
+    elif states:
+        batch.batch_fill_next_token_bitmask([s.matcher for s in states], bitmask, list(rows))
+
+
+def accept_tokens(states: Sequence[GrammarState], tokens: Sequence[int]) -> List[bool]:
+    """Advance each state on its token (xgrammar's ``batch_accept_token``, one call); per state
+    False when its grammar does not allow the token (that matcher is left unchanged)."""
+    if len(states) == 1:
+        return [states[0].accept(tokens[0])]
+    if not states:
+        return []
+    return _xgr().BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], [int(t) for t in tokens])
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: List[int]) -> None:
     """``logits[r, j] = -inf`` for each row ``r`` of ``rows`` and each token ``j`` its bitmask
     row disallows (``bitmask[r]``, int32 CPU). CPU float32 logits use the native AVX2 kernel

@@ -26,7 +26,7 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 import torch
 
 from radixkv.sampling import processors
-from radixkv.sampling.grammar import GrammarState, apply_token_bitmask
+from radixkv.sampling.grammar import GrammarState, accept_tokens, apply_token_bitmask, batch_matcher, fill_bitmasks
 from radixkv.sampling.logprobs import TokenLogprobs, token_logprobs
 from radixkv.sampling.sampler import sample
 from radixkv.sampling_params import SamplingParams
@@ -91,6 +91,7 @@ class SamplingPipeline:
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = sorted(int(t) for t in eos_token_ids)
         self._bitmask: Optional[torch.Tensor] = None
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher, built at the first constrained step
 
     def new_state(self, params: SamplingParams, grammar: Optional[GrammarState] = None) -> Optional[SampleState]:
         """The :class:`SampleState` of a new sample, or None when it needs none (no grammar, no
@@ -158,13 +159,17 @@ class SamplingPipeline:
         grammar_rows = [i for i, st in enumerate(states) if st is not None and st.grammar is not None]
         if grammar_rows:
             bm = self._bitmask_rows(x.shape[0])
-            masked = [i for i in grammar_rows if states[i].grammar.fill(bm, i)]
-            apply_token_bitmask(x, bm, masked)
+            if self._batch is None and len(grammar_rows) > 1:
+                self._batch = batch_matcher()
+            fill_bitmasks([states[i].grammar for i in grammar_rows], bm, grammar_rows, self._batch)
+            apply_token_bitmask(x, bm, grammar_rows)  # the kernel skips all-allowed words
         self._apply_processors(x, rows, params, states, grammar_rows)
         tokens = sample(x, params, gens, default_generator)
-        for i in grammar_rows:
-            if not states[i].grammar.accept(tokens[i]):
-                raise RuntimeError(f"grammar refused sampled token {tokens[i]} of {rows[i]!r}")
+        if grammar_rows:
+            ok = accept_tokens([states[i].grammar for i in grammar_rows], [tokens[i] for i in grammar_rows])
+            for i, accepted in zip(grammar_rows, ok):
+                if not accepted:
+                    raise RuntimeError(f"grammar refused sampled token {tokens[i]} of {rows[i]!r}")
         logprobs: List[Optional[TokenLogprobs]] = [None] * len(rows)
         if lp_rows:
             got = token_logprobs(raw, [tokens[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
