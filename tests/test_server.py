@@ -570,18 +570,19 @@ def test_request_fields_map_onto_sampling_params():
             "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": "x", "presence_penalty": 0.5,
             "frequency_penalty": -0.5, "logit_bias": {"12": -3, "7": 100}, "logprobs": True, "top_logprobs": 4,
             "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
-            "stop_token_ids": [9], "skip_special_tokens": False, "prompt_logprobs": 1}  # fmt: skip
+            "stop_token_ids": [9], "skip_special_tokens": False, "prompt_logprobs": 1,
+            "logprob_start_len": 3}  # fmt: skip
     req = ChatCompletionRequest.model_validate_json(json.dumps(body))
     req.check_values()
     p = sampling_params(req, [10], 100, None, "messages", tool_plan(req))
     got = {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop", "presence_penalty",
            "frequency_penalty", "logit_bias", "logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens",
-           "ignore_eos", "stop_token_ids", "skip_special_tokens", "prompt_logprobs")}  # fmt: skip
+           "ignore_eos", "stop_token_ids", "skip_special_tokens", "prompt_logprobs", "logprob_start_len")}  # fmt: skip
     assert got == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": ["x"],
                    "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {12: -3.0, 7: 100.0},
                    "logprobs": 4, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
                    "ignore_eos": True, "stop_token_ids": [9], "skip_special_tokens": False,
-                   "prompt_logprobs": 1}  # fmt: skip
+                   "prompt_logprobs": 1, "logprob_start_len": 3}  # fmt: skip
     # completions: logprobs is the number of alternatives; echo + logprobs asks for prompt logprobs
     req = CompletionRequest.model_validate_json(
         json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True})

@@ -277,6 +277,7 @@ def sampling_params(
         "min_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens,
         "prompt_logprobs": req.prompt_logprobs,
+        "logprob_start_len": req.logprob_start_len,
         "logprobs": req.num_top_logprobs(),
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})

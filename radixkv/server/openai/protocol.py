@@ -11,9 +11,10 @@ change the output (:meth:`_SamplingFields.check_values`).
 
 Extensions accepted in the body (``extra_body`` in the openai client), with vLLM's and
 SGLang's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``, and the structured-output
-constraints ``regex``, ``ebnf`` (SGLang), ``guided_json``, ``guided_regex``, ``guided_choice``,
-``guided_grammar`` (vLLM) and ``structured_outputs`` (vLLM's newer object form).
+``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``, ``logprob_start_len`` (SGLang),
+and the structured-output constraints ``regex``, ``ebnf`` (SGLang), ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar`` (vLLM) and ``structured_outputs`` (vLLM's
+newer object form).
 
 Checks that need the model (prompt length against the context, the model name) live in the
 handlers; the checks here only need the request itself. Every failed check raises
@@ -132,6 +133,7 @@ class _SamplingFields(_Strict):
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
     prompt_logprobs: Optional[int] = None
+    logprob_start_len: Optional[int] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     guided_json: Union[str, dict[str, Any], None] = None
