@@ -38,9 +38,9 @@ from radixkv.sampling import pipeline as pipeline_mod
 
 
 def _xgr_version() -> str:
-    import xgrammar
+    from importlib.metadata import version
 
-    return getattr(xgrammar, "__version__", "?")
+    return version("xgrammar")
 
 
 def _schemas() -> list[dict]:

@@ -2,8 +2,9 @@
 127.0.0.1 port in a thread of this process): the ``openai`` SDK (forced and parsed tool calls,
 streamed tool-call deltas, ``chat.completions.parse`` with a pydantic model, logprobs checked
 against transformers), ``openai-agents`` (an Agent with a function tool through
-``OpenAIChatCompletionsModel``), ``langchain-openai`` (``bind_tools``, ``with_structured_output``)
-and ``litellm`` (tools, a pydantic ``response_format``).
+``OpenAIChatCompletionsModel``), ``langchain-openai`` (``bind_tools``, ``with_structured_output``),
+``litellm`` (tools, a pydantic ``response_format``) and ``dspy`` (``Predict`` with a typed
+signature through its JSONAdapter).
 
 Greedy decoding and small ``max_tokens`` keep the module short; everything a tool call produces
 is checked against the function's JSON schema with the ``jsonschema`` package.
@@ -468,4 +469,53 @@ def test_litellm_tools_and_pydantic_response_format(server, llm):
         jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     r = litellm.completion(messages=ask("Invent a person with a name, age and job."), response_format=Person, **common)
     Person.model_validate_json(r.choices[0].message.content)
+    assert_idle(llm)
+
+
+# ---------------------------------------------------------------------------------- dspy
+
+
+def test_dspy_predict_with_a_typed_signature(server, llm):
+    """dspy's ``Predict`` with a typed signature, through its JSONAdapter: radixkv is declared to
+    dspy as an OpenAI-compatible provider that honours JSON schemas (dspy's documented
+    ``register_provider``), so the adapter sends the signature's output fields as a
+    ``json_schema`` response_format and the constrained output parses into the typed field."""
+    import dspy
+    from dspy.lm15 import (
+        AccessPolicy,
+        ModelSupport,
+        OpenAIChatCompat,
+        ProviderDefinition,
+        register_provider,
+        unregister_provider,
+    )
+
+    base = server.base_url + "/v1"
+    access = AccessPolicy(provider="radixkv", base_url=base)
+    register_provider(
+        ProviderDefinition.chat(access, compat=OpenAIChatCompat.preset("vllm")),
+        supports=ModelSupport(response_schema=True, function_calling=True),
+        replace=True,
+    )
+    try:
+        lm = dspy.LM(f"radixkv/{MODEL}", api_base=base, api_key="unused", temperature=0, max_tokens=128, cache=False,
+                     num_retries=0)  # fmt: skip
+
+        class Invent(dspy.Signature):
+            """Invent a person who fits the description."""
+
+            description: str = dspy.InputField()
+            person: Person = dspy.OutputField()
+            confident: bool = dspy.OutputField()
+
+        with dspy.context(lm=lm, adapter=dspy.JSONAdapter()):
+            pred = dspy.Predict(Invent)(description="an engineer in her thirties")
+        assert isinstance(pred.person, Person), pred
+        assert isinstance(pred.confident, bool), pred
+        (call,) = lm.history
+        fmt = call["kwargs"]["response_format"]  # the signature's outputs as a pydantic model, not JSON mode
+        assert isinstance(fmt, type) and issubclass(fmt, BaseModel), fmt
+        assert set(fmt.model_fields) == {"person", "confident"}, fmt.model_fields
+    finally:
+        unregister_provider("radixkv")
     assert_idle(llm)
