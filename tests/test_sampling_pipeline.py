@@ -146,6 +146,35 @@ def test_native_bitmask_kernel_matches_xgrammar():
         cpu_kernels.apply_token_bitmask_(b, bm, torch.tensor([4]))
 
 
+def test_batched_fill_and_accept_equal_one_matcher_at_a_time():
+    """fill_bitmasks (xgrammar's BatchGrammarMatcher) writes exactly the rows a per-matcher fill
+    writes, at the given rows only; accept_tokens advances each matcher and refuses (unchanged)
+    a token its grammar does not allow."""
+    xgr = pytest.importorskip("xgrammar")
+    from radixkv.sampling.grammar import GrammarState, accept_tokens, batch_matcher, fill_bitmasks
+
+    vocab = ["a", "b", "c", "ab", "ba", "x", "</s>"]
+    info = xgr.TokenizerInfo(vocab, stop_token_ids=[6])
+    comp = xgr.GrammarCompiler(info, cache_enabled=False)
+    grammars = [comp.compile_grammar(xgr.Grammar.from_regex(r)) for r in ("a+b", "(ab|ba)c", "x|c")]
+    states = [GrammarState(xgr.GrammarMatcher(g)) for g in grammars]
+    ref = [GrammarState(xgr.GrammarMatcher(g)) for g in grammars]
+    rows, batch = [4, 0, 2], batch_matcher()
+    for tokens in ([0, 3, 5], [1, 2, 6]):  # a | ab | x, then b | c | </s>
+        bm = torch.full((5, 1), 7, dtype=torch.int32)
+        fill_bitmasks(states, bm, rows, batch)
+        want = torch.full((5, 1), 7, dtype=torch.int32)
+        for st, r in zip(ref, rows):
+            st.matcher.fill_next_token_bitmask(want, r)
+        assert torch.equal(bm, want) and bm[1, 0] == 7 and bm[3, 0] == 7
+        assert accept_tokens(states, tokens) == [True, True, True]
+        assert [st.accept(t) for st, t in zip(ref, tokens)] == [True, True, True]
+    assert [st.terminated for st in states] == [False, False, True]
+    assert accept_tokens(states[:2], [5, 5]) == [False, False]  # "x" fits neither; both unchanged
+    assert accept_tokens(states[:2], [6, 6]) == [True, True]  # both complete: EOS ends them
+    assert [st.terminated for st in states] == [True, True, True]
+
+
 # ---------------------------------------------------------------------- SamplingParams
 @pytest.mark.parametrize(
     "kwargs,field",
