@@ -8,16 +8,21 @@ replica's pusher does. Rounds alternate the order; the ratio of total step time 
 printed with the per-round ratios (noise on this shared machine is +-15%), plus the publisher's
 own cost per event and the snapshot's cost, measured in the same run.
 
-Usage: ``python bench/events_overhead.py [--rounds 3] [--requests 24]``
+Usage: ``python bench/events_overhead.py [--rounds 5] [--requests 24]``; writes
+``bench/results/events_overhead_<UTC time>.json`` (docs/routing.md has the committed figure).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import random
 import statistics
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,14 +66,16 @@ def run(engine: Engine, prompts: list[list[int]], publisher: CacheEventPublisher
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--max-total-tokens", type=int, default=2048, help="small, so that the cache evicts")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    t_start = time.time()
     loaded = load_model("smollm2-135m")
     engine = Engine(EngineConfig(device="cpu", max_total_tokens=args.max_total_tokens), loaded_model=loaded)
     run(engine, workload(loaded.tokenizer, 4, 99), None)  # warm-up
-    ratios, on_t, off_t, n_events = [], 0.0, 0.0, 0
+    ratios, on_t, off_t, n_events, rounds = [], 0.0, 0.0, 0, []
     for r in range(args.rounds):
         prompts = workload(loaded.tokenizer, args.requests, r)
         times = {}
@@ -81,6 +88,7 @@ def main(argv=None) -> int:
                 off()
                 n_events += ev
         ratios.append(times["on"] / times["off"])
+        rounds.append(dict(off_s=round(times["off"], 3), on_s=round(times["on"], 3), ratio=round(ratios[-1], 4)))
         on_t += times["on"]
         off_t += times["off"]
         print(f"round {r}: off {times['off']:.2f}s on {times['on']:.2f}s ratio {ratios[-1]:.3f}", flush=True)
@@ -101,6 +109,24 @@ def main(argv=None) -> int:
         f"median {statistics.median(ratios):.3f}); {n_events} events published; "
         f"publisher {per_event_us:.2f} us/event; snapshot of {len(snap['blocks'])} blocks {snap_ms:.2f} ms"
     )
+    out = dict(
+        kind="events_overhead",
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        settings=dict(rounds=args.rounds, requests=args.requests, max_total_tokens=args.max_total_tokens),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version()),
+        seconds=round(time.time() - t_start, 1),
+        rounds=rounds,
+        ratio_total=round(on_t / off_t, 4),
+        ratio_median=round(statistics.median(ratios), 4),
+        events=n_events,
+        publisher_us_per_event=round(per_event_us, 3),
+        snapshot_blocks=len(snap["blocks"]),
+        snapshot_ms=round(snap_ms, 3),
+    )
+    path = args.out or ROOT / "bench" / "results" / f"events_overhead_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
     return 0
 
 
