@@ -12,8 +12,9 @@ The only module that imports ray (extra ``radixkv[ray]``). Parts:
   recorded). Every routing decision is made and recorded here at once, so a second turn sent
   right after the first is routed on it, without waiting for Serve's polled routing stats.
 * :class:`CacheAwareRequestRouter` (a ``ray.serve.request_router.RequestRouter``, configured
-  through ``RequestRouterConfig``): asks the index for the replica, ranks it first (the rest
-  after it, for when it is full), reports where each request went and when it completed, and
+  through ``RequestRouterConfig``): asks the index for the replica, offers only it for the first
+  :data:`AFFINE_ATTEMPTS` attempts (a queue-length probe that times out on a loaded machine
+  would otherwise send the request to the next rank), then ranks it first and the rest after it, reports where each request went and when it completed, and
   drops a replica that died (``on_replica_actor_died``, or gone from ``update_replicas``).
 * :class:`Ingress`: :func:`radixkv.server.app.create_app` over :class:`RemoteLLM`, an
   AsyncLLM-shaped client of the engine deployment, so every route, error format and streaming
@@ -61,6 +62,8 @@ __all__ = [
 INDEX_NAME = "radixkv-cache-index"
 NAMESPACE = "radixkv"
 ROUTER_PATH = "radixkv.router.ray:CacheAwareRequestRouter"
+AFFINE_ATTEMPTS = 3
+"""Routing attempts of one request that offer Serve only the policy's replica."""
 MAX_RESUMES = 3
 """How many times one request goes on elsewhere after its replica died."""
 WORKER_ENV = {
@@ -217,6 +220,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, index_name: str = INDEX_NAME, index_namespace: str = NAMESPACE, **_: Any) -> None:
         self._index_name, self._index_ns = index_name, index_namespace
         self._index = None
+        self._tries: dict[str, int] = {}  # routing attempts per request not yet routed
 
     def _idx(self):
         if self._index is None:
@@ -247,9 +251,18 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         chosen = by_id.get(rid)
         if chosen is None:
             return [candidate_replicas]
+        # Serve probes the chosen replica's queue length with a short deadline; on a loaded
+        # machine a probe times out and Serve would take the next rank. The first attempts
+        # offer only the chosen replica (Serve backs off and asks again), later ones the rest too.
+        tries = self._tries[key] = self._tries.get(key, 0) + 1
+        if len(self._tries) > 100_000:  # requests cancelled before routing
+            self._tries.clear()
+        if tries <= AFFINE_ATTEMPTS:
+            return [[chosen]]
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._tries.pop(pending_request.metadata.internal_request_id, None)
         if self._route_args(pending_request) is not None:
             self._idx().routed.remote(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
