@@ -190,6 +190,28 @@ def test_cache_events_routes_to_the_exact_prefix_counts_its_own_decisions_at_onc
     assert p.choose(_req(99, sys_prompt + [1])).replica in ("a", "c")
 
 
+def test_cache_events_spreads_a_hot_prefix_by_load_and_keeps_a_conversation_home():
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    shots = list(range(1, 801))  # a few-shot preamble every request shares: hot once seen
+    conv = list(range(3000, 4600))  # one conversation's history (on "a" only)
+    assert not p.on_events("a", _replica_events("a", shots, 1))
+    assert not p.on_events("a", _replica_events("a", conv, 2))
+    got = [p.choose(_req(f"q{i}", shots + [900 + i])).replica for i in range(12)]
+    # the first few follow the cache, then the load decides: "b" computes the preamble once and
+    # shares the traffic (a hot request is priced 300 tokens per outstanding request)
+    assert got[:3] == ["a"] * 3 and got.count("b") >= 4
+    assert abs(p.loads["a"].requests - p.loads["b"].requests) <= 4
+    # a turn of the conversation is not hot (its deepest block is its own): it stays home even
+    # when "a" has more outstanding requests
+    for i in range(5):
+        p.choose(_req(f"x{i}", list(range(7000 + 100 * i, 7050 + 100 * i))), ["a"])
+    assert p.loads["a"].requests >= p.loads["b"].requests + 3
+    d = p.choose(_req("turn", conv + [5, 6]))
+    assert (d.replica, d.cached_tokens) == ("a", 1600)
+
+
 def test_router_policies_import_without_torch_or_the_engine():
     code = (
         "import sys\n"
