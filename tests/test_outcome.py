@@ -91,17 +91,25 @@ def test_namespace_in_flight_and_disabled():
     run_one(eng, SYS + [5], ns="alice")
     o = run_one(eng, SYS + [5], ns="bob")
     assert o.cause == "namespace" and o.other_namespace == "alice" and o.missed == {"namespace": 40, "full": 1}
-    # two requests admitted in the same step: the second needs what the first is computing
-    eng = make_engine(capacity=512, chunk=64)
-    seen = []
-    eng.events.subscribe(seen.append, (RequestAdmitted,))
-    r1 = eng.add_request(SYS + [5], sp())
-    r2 = eng.add_request(SYS + [6], sp())
-    outs = run_all(eng)
-    o2 = outs[r2].cache_outcome
-    assert outs[r1].cache_outcome.cause == "cold"
-    assert o2.cause == "in_flight" and o2.segments == ((0, 40, "in_flight"), (40, 41, "full"))
-    assert [e.cache_outcome for e in seen if e.index == 0] == [outs[r1].cache_outcome, o2]
+    # two requests admitted in the same step: the second needs what the first is computing.
+    # With in-batch prefix sharing it borrows those tokens (a hit: "full"); without, they are
+    # "in_flight" (being computed by a concurrent request, not yet cached).
+    for in_batch in (False, True):
+        eng = make_engine(capacity=512, chunk=64, in_batch=in_batch)
+        seen = []
+        eng.events.subscribe(seen.append, (RequestAdmitted,))
+        r1 = eng.add_request(SYS + [5], sp())
+        r2 = eng.add_request(SYS + [6], sp())
+        outs = run_all(eng)
+        o2 = outs[r2].cache_outcome
+        assert outs[r1].cache_outcome.cause == "cold"
+        if in_batch:
+            assert o2.cause == "full" and o2.segments == ((40, 41, "full"),) and outs[r2].num_cached_tokens == 40
+            assert [e.num_shared_tokens for e in seen if e.index == 0] == [0, 40]
+        else:
+            assert o2.cause == "in_flight" and o2.segments == ((0, 40, "in_flight"), (40, 41, "full"))
+            assert outs[r2].num_cached_tokens == 0
+        assert [e.cache_outcome for e in seen if e.index == 0] == [outs[r1].cache_outcome, o2]
     off = make_engine(capacity=512, cache="none")
     run_one(off, SYS)
     o = run_one(off, SYS)

@@ -92,7 +92,9 @@ class FakeRunner:
         return out
 
 
-def make_engine(capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False):
+def make_engine(
+    capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False, in_batch=True
+):
     cfg = EngineConfig(
         device="cpu",
         page_size=page_size,
@@ -101,6 +103,7 @@ def make_engine(capacity=512, page_size=1, cache="radix", chunk=64, max_running=
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
         schedule_policy=policy,
+        in_batch_prefix_sharing=in_batch,
     )
     runner = FakeRunner(capacity, page_size, max_running, soft=soft)
     return Engine(cfg, model_runner=runner, tokenizer=None, eos_token_ids=[])
