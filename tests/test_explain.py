@@ -45,7 +45,7 @@ def tok(default_model):
 
 @pytest.fixture(scope="module")
 def questions():
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     return [c[0] for c in load_conversations(N, 1, 800)]
 
@@ -165,8 +165,9 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
 def test_replay_writes_the_trace_format(tok, tmp_path):
     from obs_helpers import NullRunner
 
+    from radixkv.datasets import load_conversations
     from radixkv.llm import LLM
-    from radixkv.replay import load_conversations, replay_mode
+    from radixkv.replay import replay_mode
 
     # the replies' contents do not matter here: the runner without a model answers token 0
     llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=8192)
