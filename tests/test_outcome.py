@@ -136,23 +136,32 @@ def test_outcome_off_and_n_greater_than_one():
 
 
 def test_missed_tokens_counter_sums_the_outcomes():
+    from radixkv.engine import RequestFinished
+
     eng = make_engine(capacity=96)
     metrics = ServerMetrics()
-    eng.events.subscribe(metrics.on_event, (RequestAdmitted,))
+    eng.events.subscribe(metrics.on_event, (RequestAdmitted, RequestFinished))
     outcomes = []
     for p in (SYS, SYS, SYS[:20] + [3] * 30, [5] * 50, SYS):
         outcomes.append(run_one(eng, p))
+    # an aborted request counts in none of the token counters (its client saw no usage)
+    rid = eng.add_request([7] * 30, sp())
+    eng.step()
+    eng.abort_request(rid)
+    run_all(eng)
     want: dict = {}
     for o in outcomes:
         for c, n in o.missed.items():
             want[c] = want.get(c, 0) + n
-    got = {}
+    got, totals = {}, {}
     for fam in text_string_to_metric_families(metrics.render().decode()):
-        if fam.name == "radixkv_missed_prompt_tokens":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    got[s.labels["cause"]] = int(s.value)
-    assert got == want and len(want) >= 3
+        for s in fam.samples:
+            if fam.name == "radixkv_missed_prompt_tokens" and s.name.endswith("_total"):
+                got[s.labels["cause"]] = int(s.value)
+            elif s.name in ("radixkv_prompt_tokens_total", "radixkv_cached_tokens_total"):
+                totals[s.name] = int(s.value)
+    assert got == want and len(want) >= 3 and not metrics._outcomes
+    assert sum(got.values()) == totals["radixkv_prompt_tokens_total"] - totals["radixkv_cached_tokens_total"]
 
 
 def test_llm_explain_is_a_dry_run_that_predicts_the_outcome(default_model):

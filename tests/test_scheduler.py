@@ -463,3 +463,16 @@ def test_random_workload_with_aborts(seed):
             else:
                 assert c.token_ids == expected[rid]
     assert_no_leak(eng)
+
+
+def test_the_callers_config_is_not_changed():
+    """The engine resolves a copy: a config reused for a second engine is what the caller wrote."""
+    import dataclasses
+
+    cfg = EngineConfig(device="cpu", max_total_tokens=256, chunked_prefill_size=64)
+    before = dataclasses.asdict(cfg)
+    eng = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    assert dataclasses.asdict(cfg) == before and cfg.max_context_len is None
+    assert eng.config is not cfg and eng.config.max_context_len == eng.max_context_len > 0
+    again = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    assert dataclasses.asdict(again.config) == dataclasses.asdict(eng.config)
