@@ -28,6 +28,7 @@ Usage::
 
     python bench/sim_routing.py                               # the committed run (~15 min, 2 cores)
     python bench/sim_routing.py --traces gsp --replicas 4 --policies cache_events least_load
+    python bench/sim_routing.py --check --plot --policies cache_events --reuse bench/results/sim_routing_X.json
 
 Writes ``bench/results/sim_routing_<UTC time>.json`` and, with ``--plot``, docs/routing.png.
 """
@@ -403,6 +404,14 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="assert that the router's views mirror the trees")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--plot", action="store_true", help="also write docs/routing.png")
+    ap.add_argument(
+        "--reuse",
+        type=Path,
+        default=None,
+        help="an earlier result file: its runs of the policies not given (and the bound) are copied, "
+        "after checking that it ran the same traces, replicas and model settings (the simulation is "
+        "deterministic for a seed, so a policy whose code did not change gives the same run)",
+    )
     args = ap.parse_args(argv)
     ce_kw = {k: float(v) for k, v in (s.split("=", 1) for s in args.set)}
 
@@ -437,6 +446,8 @@ def main(argv=None) -> int:
                     jobs.append(
                         dict(base, policy=p, timing=timing, policy_kwargs=ce_kw if p == "cache_events" else None)
                     )
+                if args.reuse is not None:
+                    continue  # the bound comes from the reused file
                 # the bound: one replica, N x the capacity, N x the speed
                 jobs.append(
                     dict(base, replicas=1, capacity=cap * nr, policy="round_robin", timing=dict(timing, speed=nr))
@@ -454,8 +465,10 @@ def main(argv=None) -> int:
                 f"ttft p50 {res['ttft_p50_s']:.3f} p99 {res['ttft_p99_s']:.3f} ({res['seconds']}s)",
                 flush=True,
             )
+    reused = _reuse(args, results) if args.reuse is not None else None
     out = dict(
         kind="sim_routing",
+        reused_from=reused,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         argv=sys.argv[1:] if argv is None else argv,
         seconds=round(time.time() - t_start, 1),
@@ -473,6 +486,27 @@ def main(argv=None) -> int:
     if args.plot:
         print("plot:", plot(out))
     return 0
+
+
+_SAME = ("replicas", "capacity_fraction", "rho", "think", "event_lag", "conversations", "concurrency", "max_context")
+_SAME += ("few_shot", "gsp_groups", "t_fixed", "t_prefill", "t_decode", "seed")
+
+
+def _reuse(args, results: dict) -> dict:
+    """Copy ``args.reuse``'s runs of the policies not run now (and the bound) into ``results``."""
+    old = json.loads(args.reuse.read_text())
+    for k in _SAME:
+        if old["settings"][k] != getattr(args, k):
+            raise SystemExit(f"--reuse: {args.reuse} ran {k}={old['settings'][k]}, not {getattr(args, k)}")
+    for name, tr in results.items():
+        if name not in old["traces"] or old["traces"][name]["params"] != tr["params"]:
+            raise SystemExit(f"--reuse: {args.reuse} has no run of trace {name} with these parameters")
+        kept = [r for r in old["traces"][name]["runs"] if r["policy"] not in args.policies]
+        tr["runs"] = kept + tr["runs"]
+    return dict(
+        path=str(args.reuse.relative_to(ROOT)) if args.reuse.is_absolute() else str(args.reuse),
+        policies=sorted({r["policy"] for tr in results.values() for r in tr["runs"]} - set(args.policies)),
+    )
 
 
 def summary(out: dict) -> str:

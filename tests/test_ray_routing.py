@@ -67,7 +67,7 @@ def cluster():
 def _conversations(tok, n: int, turns: int, skip: int) -> list[list[list[int]]]:
     """Per conversation, the token ids each turn adds: ChatML blocks of the real ShareGPT user
     message and the dataset's reply (history as the dataset has it), then the generation prompt."""
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     system = enc("<|im_start|>system\nYou are a helpful AI assistant named SmolLM.<|im_end|>\n")
@@ -168,7 +168,46 @@ def test_streaming_chat_through_the_ingress(cluster):
     assert "max_tokens" in str(e.value)
 
 
-def test_a_replica_killed_mid_run_is_dropped_and_nothing_hangs(cluster):
+KILL_CASES = [  # (sampling fields, what must happen when the request is in flight on the killed replica)
+    (dict(temperature=0, logprobs=1), "continued"),
+    (dict(temperature=0), "continued"),
+    (dict(temperature=0), "continued"),
+    (dict(temperature=0), "continued"),
+    (dict(temperature=0.9, seed=11), "replayed"),
+    (dict(temperature=1.0, n=2), "refused"),  # unseeded samples cannot be resumed exactly once streamed
+]
+
+
+def _stream(client, prompt, fields, max_tokens, chunks):
+    """A streaming completion: per choice its text, plus logprob tokens / values, usage, or the
+    error; ``chunks[0]`` counts the chunks received so far."""
+    res = dict(kind="ok", texts={}, lp_tokens=[], lp_values=[], usage=None, error=None)
+    try:
+        stream = client.completions.create(
+            model="smollm2-135m",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **fields,
+        )
+        for ch in stream:
+            if ch.usage is not None:
+                res["usage"] = ch.usage.completion_tokens
+            for c in ch.choices:
+                res["texts"][c.index] = res["texts"].get(c.index, "") + c.text
+                if c.logprobs is not None:
+                    res["lp_tokens"] += c.logprobs.tokens
+                    res["lp_values"] += c.logprobs.token_logprobs
+            chunks[0] += 1
+    except openai.APIError as exc:
+        res.update(kind="error", error=str(exc))
+    res["t_end"] = time.monotonic()
+    return res
+
+
+def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cluster):
     client, index = cluster["client"], cluster["index"]
     tok = _tokenizer()
     conv = _conversations(tok, 1, 1, skip=6)[0][0]
@@ -178,24 +217,59 @@ def test_a_replica_killed_mid_run_is_dropped_and_nothing_hangs(cluster):
     state = ray.get(index.state.remote())
     assert state["blocks"][victim] > 0
     actor = ray.get_actor(state["replicas"][victim]["actor_name"], namespace="serve")
+    prompts = [conv + [i + 1] for i in range(len(KILL_CASES))]
+    max_tokens = 600
 
-    def long_request(i):
-        try:
-            r = client.completions.create(
-                model="smollm2-135m", prompt=conv + [i], max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
-            )
-            return "ok", r.usage.completion_tokens
-        except openai.APIError as exc:
-            return "error", type(exc).__name__
-
+    chunks = [[0] for _ in KILL_CASES]
     t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(6) as ex:
-        futs = [ex.submit(long_request, i) for i in range(6)]
-        time.sleep(1.0)  # they are running (the conversation's replica has most of them)
+    with concurrent.futures.ThreadPoolExecutor(len(KILL_CASES)) as ex:
+        futs = [ex.submit(_stream, client, p, f, max_tokens, c) for p, (f, _), c in zip(prompts, KILL_CASES, chunks)]
+        # kill once every request has streamed output, or one is a quarter through (on a loaded
+        # machine a request may start late): waits on the streams' outputs, not on a fixed sleep
+        deadline = time.monotonic() + 90
+        while not (all(c[0] for c in chunks) or max(c[0] for c in chunks) >= max_tokens // 4):
+            assert time.monotonic() < deadline and not any(f.done() for f in futs), chunks
+            time.sleep(0.01)
+        t_kill, at_kill = time.monotonic(), [c[0] for c in chunks]
         ray.kill(actor, no_restart=True)
-        results = [f.result(timeout=90) for f in futs]
-    assert time.perf_counter() - t0 < 90
-    assert all(kind in ("ok", "error") for kind, _ in results) and any(k == "ok" for k, _ in results)
+        results = [f.result(timeout=120) for f in futs]
+    assert time.perf_counter() - t0 < 150  # nothing hung
+
+    log = ray.get(index.decisions.remote())
+    first: dict = {}
+    for d in log:  # a replay's decision comes later under the same prompt
+        first.setdefault(d["prompt"], d["replica"])
+    resumes = [d for d in log if "-resume" in str(d["request_id"])]
+    in_flight = [first[prompt_key(p)] == victim and r["t_end"] > t_kill for p, r in zip(prompts, results)]
+    assert sum(in_flight) >= 2, f"the kill hit only {sum(in_flight)} requests in flight on {victim}"
+    print(
+        f"\nkill: {sum(in_flight)} requests in flight on the killed replica (chunks at the kill: {at_kill}), "
+        f"{len(resumes)} resumed elsewhere, "
+        f"outcomes {[r['kind'] for r in results]}, {time.perf_counter() - t0:.1f}s"
+    )
+    assert resumes and all(d["replica"] != victim for d in resumes)
+    for (fields, expect), r, hit in zip(KILL_CASES, results, in_flight):
+        if hit and expect == "refused":
+            assert r["kind"] == "error" and "cannot be resumed exactly" in r["error"], r
+        else:
+            assert r["kind"] == "ok", (fields, r["error"])
+            assert r["usage"] == max_tokens * fields.get("n", 1)
+
+    # the resumed requests gave what an uninterrupted run gives (same weights on every replica)
+    def reference(p, fields):
+        return client.completions.create(
+            model="smollm2-135m", prompt=p, max_tokens=max_tokens, extra_body={"ignore_eos": True}, **fields
+        )
+
+    cases = [(f, p, r) for (f, expect), p, r in zip(KILL_CASES, prompts, results) if expect != "refused"]
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as ex:
+        refs = list(ex.map(lambda c: reference(c[1], c[0]), cases))
+    for (fields, _p, r), ref in zip(cases, refs):
+        assert r["texts"] == {0: ref.choices[0].text}, fields
+        if fields.get("logprobs"):
+            assert r["lp_tokens"] == ref.choices[0].logprobs.tokens
+            assert r["lp_values"] == pytest.approx(ref.choices[0].logprobs.token_logprobs, abs=1e-4)
+
     deadline = time.time() + 30
     while time.time() < deadline and victim not in ray.get(index.state.remote())["removed"]:
         time.sleep(0.2)

@@ -190,6 +190,28 @@ def test_cache_events_routes_to_the_exact_prefix_counts_its_own_decisions_at_onc
     assert p.choose(_req(99, sys_prompt + [1])).replica in ("a", "c")
 
 
+def test_cache_events_spreads_a_hot_prefix_by_load_and_keeps_a_conversation_home():
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    shots = list(range(1, 801))  # a few-shot preamble every request shares: hot once seen
+    conv = list(range(3000, 4600))  # one conversation's history (on "a" only)
+    assert not p.on_events("a", _replica_events("a", shots, 1))
+    assert not p.on_events("a", _replica_events("a", conv, 2))
+    got = [p.choose(_req(f"q{i}", shots + [900 + i])).replica for i in range(12)]
+    # the first few follow the cache, then the load decides: "b" computes the preamble once and
+    # shares the traffic (a hot request is priced 300 tokens per outstanding request)
+    assert got[:3] == ["a"] * 3 and got.count("b") >= 4
+    assert abs(p.loads["a"].requests - p.loads["b"].requests) <= 4
+    # a turn of the conversation is not hot (its deepest block is its own): it stays home even
+    # when "a" has more outstanding requests
+    for i in range(5):
+        p.choose(_req(f"x{i}", list(range(7000 + 100 * i, 7050 + 100 * i))), ["a"])
+    assert p.loads["a"].requests >= p.loads["b"].requests + 3
+    d = p.choose(_req("turn", conv + [5, 6]))
+    assert (d.replica, d.cached_tokens) == ("a", 1600)
+
+
 def test_router_policies_import_without_torch_or_the_engine():
     code = (
         "import sys\n"
@@ -225,3 +247,116 @@ def test_simulator_views_mirror_every_replica_tree_and_cache_events_beats_round_
     }
     assert res["cache_events"]["hit_rate"] > res["round_robin"]["hit_rate"] + 0.2
     assert res["cache_events"]["hit_rate"] <= hit and res["cache_events"]["requests"] == len(reqs)
+
+
+# ---------------------------------------------------------------------------- resuming after a replica died
+def _stream(eng, prompt, params):
+    """One request's cumulative snapshots on a fake-runner engine."""
+    rid = eng.add_request(prompt, params)
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == rid:
+                yield out
+
+
+def _resumed(prompt, params, delivered, tokenizer):
+    """What the consumer gets after ``delivered`` when the request goes on on a fresh replica."""
+    from radixkv.router.resume import Replayer, Stitcher, continuation, resume_plan
+
+    plan, _ = resume_plan(params, delivered)
+    eng = _char_engine(soft=True)
+    if plan == "continue":
+        ids, cont = continuation(prompt, params, delivered)
+        fix = Stitcher(delivered, params, tokenizer)
+    else:
+        assert plan == "replay"
+        ids, cont, fix = prompt, params, Replayer(delivered)
+    outs = []
+    for raw in _stream(eng, ids, cont):
+        out = fix.take(raw)
+        if out is not None:
+            outs.append(out)
+            if out.finished:
+                break
+    return plan, outs
+
+
+def _char_engine(soft=True):
+    from test_scheduler import CharTokenizer, FakeRunner
+
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    cfg = EngineConfig(device="cpu", max_total_tokens=512, chunked_prefill_size=64, max_running_requests=4)
+    return Engine(cfg, model_runner=FakeRunner(512, 1, 4, soft=True), tokenizer=CharTokenizer(), eos_token_ids=[])
+
+
+def _same_output(a, b):
+    assert a.request_id == b.request_id and a.prompt_token_ids == b.prompt_token_ids and a.finished == b.finished
+    assert a.num_cached_tokens == b.num_cached_tokens
+    for x, y in zip(a.outputs, b.outputs, strict=True):
+        assert (x.token_ids, x.text, x.finish_reason, x.stop_reason) == (
+            y.token_ids,
+            y.text,
+            y.finish_reason,
+            y.stop_reason,
+        )
+        assert x.logprobs == y.logprobs and x.cumulative_logprob == y.cumulative_logprob
+
+
+@pytest.mark.parametrize(
+    "kw, plan",
+    [
+        (dict(temperature=0.0, logprobs=2), "continue"),
+        (dict(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.7, min_tokens=20), "continue"),
+        (dict(temperature=0.0, stop=["<seam>"]), "continue"),  # a stop string across the seam
+        (dict(temperature=1.0, seed=7, n=2, logprobs=1, frequency_penalty=0.5), "replay"),
+    ],
+)
+def test_a_request_resumed_after_its_replica_died_gives_what_an_uninterrupted_run_gives(kw, plan):
+    from test_scheduler import CharTokenizer
+
+    from radixkv.router.resume import resume_plan
+    from radixkv.sampling_params import SamplingParams
+
+    tok = CharTokenizer()
+    prompt = [5, 9, 2, 33, 17, 8, 41, 3]
+    if kw.get("stop") == ["<seam>"]:  # the 3 characters at output positions 9..11 (seam after 10)
+        free = list(_stream(_char_engine(), prompt, SamplingParams(temperature=0.0, max_tokens=40)))[-1]
+        kw = dict(kw, stop=[free.outputs[0].text[9:12]])
+    params = SamplingParams(max_tokens=40, **kw)
+    ref = list(_stream(_char_engine(), prompt, params))  # the uninterrupted run, on a fresh replica
+    final = ref[-1]
+    cut = 10 if "stop" in kw else 13
+    delivered = next(o for o in ref if len(o.outputs[0].token_ids) >= cut)
+    assert not delivered.finished
+    got_plan, outs = _resumed(prompt, params, delivered, tok)
+    assert got_plan == plan == resume_plan(params, delivered)[0]
+    _same_output(outs[-1], final)
+    if "stop" in kw:
+        assert final.outputs[0].finish_reason == "stop" and len(final.outputs[0].token_ids) == 12
+    # every snapshot is the uninterrupted run's at the same point: streaming deltas stay consistent
+    at = {tuple(len(c.token_ids) for c in o.outputs): o for o in ref}
+    for o in outs:
+        _same_output(o, at[tuple(len(c.token_ids) for c in o.outputs)])
+    assert len(outs) == len(ref) - ref.index(delivered) - 1 or plan == "replay"
+
+
+def test_resuming_unseeded_samples_after_output_is_refused_and_a_diverged_replay_is_caught():
+    from radixkv.router.resume import Replayer, ResumeError, resume_plan
+    from radixkv.sampling_params import SamplingParams
+
+    prompt = [5, 9, 2, 33]
+    assert resume_plan(SamplingParams(temperature=0.0, regex="[a-z]+"), None)[0] == "restart"
+    for kw in (dict(n=2), dict(presence_penalty=1.0, repetition_penalty=1.2)):
+        p = SamplingParams(temperature=1.0, max_tokens=20, **kw)
+        assert resume_plan(p, None)[0] == "restart"
+        delivered = next(o for o in _stream(_char_engine(), prompt, p) if len(o.outputs[0].token_ids) >= 3)
+        plan, why = resume_plan(p, delivered)
+        assert plan is None and "unseeded" in why
+    p = SamplingParams(temperature=1.0, seed=1, max_tokens=20)
+    delivered = next(o for o in _stream(_char_engine(), prompt, p) if len(o.outputs[0].token_ids) >= 3)
+    other = list(_stream(_char_engine(), prompt, p.clone(seed=2)))
+    with pytest.raises(ResumeError, match="diverged"):
+        for o in other:
+            Replayer(delivered).take(o)

@@ -35,6 +35,14 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   units (tokens of prefill; ``request_tokens`` prices one request's decode). SGLang's balance
   guard bounds the pile-up on one hot prefix: a replica with ``L_r - L_min >
   balance_abs_threshold`` and ``L_r > balance_rel_threshold * L_min`` is not a candidate.
+  Two refinements: a request whose deepest cached block (over all replicas) was also the
+  deepest cached block of more than ``hot_share`` of the last ``hot_window`` requests shares a
+  *hot* prefix (a few-shot preamble, the system prompt of new conversations): computing it once
+  more on another replica is cheap against the traffic it serves there, so its outstanding
+  requests are priced at ``hot_request_tokens`` (the load decides, join-the-shortest-queue
+  like). Optional (``miss_by_volume``, off: measured worse on gsp): a request cached nowhere
+  goes among the replicas sent the fewest uncached prompt tokens so far (SGLang's "smallest
+  tree").
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import hashlib
 import heapq
 import itertools
 import random
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -339,6 +348,12 @@ class CacheEvents(Policy):
             requests; replicas beyond it are not candidates.
         pending_ttl: seconds a finished request's prompt blocks still count for its replica
             (until its own events have surely arrived).
+        hot_share, hot_window, hot_min: a prefix is hot when its deepest cached block was the
+            deepest one of more than ``hot_share * max(window length, hot_min)`` of the last
+            ``hot_window`` requests.
+        hot_request_tokens: ``request_tokens`` for a request on a hot prefix.
+        miss_by_volume: nonzero: a request cached nowhere goes among the replicas sent the
+            fewest uncached prompt tokens so far.
     """
 
     name = "cache_events"
@@ -351,10 +366,23 @@ class CacheEvents(Policy):
         balance_abs_threshold: float = 8,
         balance_rel_threshold: float = 1.5,
         pending_ttl: float = 2.0,
+        hot_share: float = 0.25,
+        hot_window: int = 256,
+        hot_request_tokens: float = 6000.0,
+        hot_min: int = 8,
+        miss_by_volume: float = 0.0,
     ) -> None:
         super().__init__(seed)
         self.load_weight = load_weight
         self.request_tokens = request_tokens
+        self.hot_share = hot_share
+        self.hot_window = int(hot_window)
+        self.hot_request_tokens = hot_request_tokens
+        self.hot_min = int(hot_min)
+        self.miss_by_volume = bool(miss_by_volume)
+        self.volume: dict[str, int] = {}  # uncached prompt tokens routed to each replica so far
+        self._recent: deque = deque()  # the deepest matched block of the last hot_window requests
+        self._recent_counts: dict = {}
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.pending_ttl = pending_ttl
@@ -373,6 +401,7 @@ class CacheEvents(Policy):
         super().remove_replica(replica)
         self.views.pop(replica, None)
         self.pending.pop(replica, None)
+        self.volume.pop(replica, None)
         for rid in [r for r, (rep, _) in self._pending_req.items() if rep == replica]:
             del self._pending_req[rid]
 
@@ -419,11 +448,24 @@ class CacheEvents(Policy):
             a, r = self.balance_abs_threshold, self.balance_rel_threshold
             cands = [c for c in cands if not (self.loads[c].requests - lo > a and self.loads[c].requests > r * lo)]
         n = req.num_tokens
+        digests = req.digests()
+        held = {c: self.views[c].prefix_blocks(digests, self.pending[c]) for c in cands}
+        deepest = max(held.values(), default=0)
+        top = digests[deepest - 1] if deepest else None
+        rt = self.request_tokens
+        if top is not None and self._recent_counts.get(top, 0) > self.hot_share * max(len(self._recent), self.hot_min):
+            rt = self.hot_request_tokens  # a hot shared prefix: worth holding on every replica
+        self._remember(top)
+        if top is None and self.miss_by_volume:
+            # cached nowhere: new content goes where the least new content went (approx_tree's
+            # "smallest tree"), so the distinct prefixes partition evenly over the replicas
+            vol = min(self.volume.get(c, 0) for c in cands)
+            cands = [c for c in cands if self.volume.get(c, 0) == vol]
         best_key, ties = None, []
         for c in cands:
-            h = min(self.cached_tokens(req, c), max(n - 1, 0))
+            h = min(held[c] * BLOCK_TOKENS, max(n - 1, 0))
             ld = self.loads[c]
-            cost = (n - h) + self.load_weight * (ld.prefill_tokens + self.request_tokens * ld.requests)
+            cost = (n - h) + self.load_weight * (ld.prefill_tokens + rt * ld.requests)
             key = (cost, ld.requests)
             if best_key is None or key < best_key:
                 best_key, ties = key, [(c, h)]
@@ -432,8 +474,20 @@ class CacheEvents(Policy):
         c, h = ties[0] if len(ties) == 1 else self.rng.choice(ties)
         return Decision(c, h, "cache" if h else "miss")
 
+    def _remember(self, top) -> None:
+        self._recent.append(top)
+        self._recent_counts[top] = self._recent_counts.get(top, 0) + 1
+        while len(self._recent) > self.hot_window:
+            old = self._recent.popleft()
+            k = self._recent_counts[old] - 1
+            if k:
+                self._recent_counts[old] = k
+            else:
+                del self._recent_counts[old]
+
     def record(self, req, d, now=0.0):
         super().record(req, d, now)
+        self.volume[d.replica] = self.volume.get(d.replica, 0) + max(req.num_tokens - d.cached_tokens, 0)
         digests = req.digests()
         if digests:
             counts = self.pending[d.replica]

@@ -12,14 +12,16 @@ The only module that imports ray (extra ``radixkv[ray]``). Parts:
   recorded). Every routing decision is made and recorded here at once, so a second turn sent
   right after the first is routed on it, without waiting for Serve's polled routing stats.
 * :class:`CacheAwareRequestRouter` (a ``ray.serve.request_router.RequestRouter``, configured
-  through ``RequestRouterConfig``): asks the index for the replica, ranks it first (the rest
-  after it, for when it is full), reports where each request went and when it completed, and
+  through ``RequestRouterConfig``): asks the index for the replica, offers only it for the first
+  :data:`AFFINE_ATTEMPTS` attempts (a queue-length probe that times out on a loaded machine
+  would otherwise send the request to the next rank), then ranks it first and the rest after it, reports where each request went and when it completed, and
   drops a replica that died (``on_replica_actor_died``, or gone from ``update_replicas``).
 * :class:`Ingress`: :func:`radixkv.server.app.create_app` over :class:`RemoteLLM`, an
   AsyncLLM-shaped client of the engine deployment, so every route, error format and streaming
   path is the single-engine server's. A request whose replica dies before its first output is
-  retried once on another replica; one that dies mid-stream ends with an error; nothing waits on
-  a dead replica.
+  restarted on another replica; one that dies mid-stream goes on there as a continuation or a
+  replay (:mod:`radixkv.router.resume`), or ends with an error where that cannot be exact;
+  nothing waits on a dead replica.
 
 Entry points: :func:`build_app` (a Serve application), :func:`run` (a local Ray instance + the
 app, what ``radixkv serve --replicas N`` calls). docs/routing.md shows a Ray cluster deployment.
@@ -60,6 +62,10 @@ __all__ = [
 INDEX_NAME = "radixkv-cache-index"
 NAMESPACE = "radixkv"
 ROUTER_PATH = "radixkv.router.ray:CacheAwareRequestRouter"
+AFFINE_ATTEMPTS = 3
+"""Routing attempts of one request that offer Serve only the policy's replica."""
+MAX_RESUMES = 3
+"""How many times one request goes on elsewhere after its replica died."""
 WORKER_ENV = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
@@ -214,6 +220,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, index_name: str = INDEX_NAME, index_namespace: str = NAMESPACE, **_: Any) -> None:
         self._index_name, self._index_ns = index_name, index_namespace
         self._index = None
+        self._tries: dict[str, int] = {}  # routing attempts per request not yet routed
 
     def _idx(self):
         if self._index is None:
@@ -244,9 +251,18 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         chosen = by_id.get(rid)
         if chosen is None:
             return [candidate_replicas]
+        # Serve probes the chosen replica's queue length with a short deadline; on a loaded
+        # machine a probe times out and Serve would take the next rank. The first attempts
+        # offer only the chosen replica (Serve backs off and asks again), later ones the rest too.
+        tries = self._tries[key] = self._tries.get(key, 0) + 1
+        if len(self._tries) > 100_000:  # requests cancelled before routing
+            self._tries.clear()
+        if tries <= AFFINE_ATTEMPTS:
+            return [[chosen]]
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        self._tries.pop(pending_request.metadata.internal_request_id, None)
         if self._route_args(pending_request) is not None:
             self._idx().routed.remote(pending_request.metadata.internal_request_id, replica_id.unique_id)
 
@@ -406,9 +422,6 @@ class RemoteLLM:
     ) -> AsyncIterator[Any]:
         import uuid
 
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-
-        from radixkv.async_llm import EngineDeadError
         from radixkv.sampling_params import SamplingParams
 
         if prompt_token_ids is not None:
@@ -425,28 +438,72 @@ class RemoteLLM:
             namespace=namespace,
         )
         self._open += 1
-        last = None
+        last = None  # the last output yielded to the consumer
         try:
-            for attempt in range(2):
-                got_any = False
-                try:
-                    gen = self.handle.options(stream=True).generate.remote(args)
-                    async for out in gen:
-                        got_any = True
-                        last = out
-                        yield out
-                    break
-                except RayTaskError as exc:  # the engine's own error (e.g. a RequestError)
-                    cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-                    raise cause from None
-                except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
-                    if got_any or attempt == 1:
-                        raise EngineDeadError(f"the replica serving {args['request_id']} died: {exc}") from exc
-                    logger.warning("replica died before %s started; retrying on another", args["request_id"])
+            async for out in self._resuming(args):
+                last = out
+                yield out
         finally:
             self._open -= 1
             if last is not None and last.finished:
                 self._emit_finished(last)
+
+    async def _resuming(self, args: dict) -> AsyncIterator[Any]:
+        """The request's outputs; when its replica dies, the request goes on elsewhere
+        (:mod:`radixkv.router.resume`: restarted, continued or replayed), at most
+        :data:`MAX_RESUMES` times; an :class:`EngineDeadError` where that cannot be exact."""
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+        from radixkv.async_llm import EngineDeadError
+        from radixkv.router.resume import Replayer, ResumeError, Stitcher, continuation, resume_plan
+
+        died = (ActorDiedError, ActorUnavailableError, RayActorError)
+        params, rid = args["params"], args["request_id"]
+        delivered = None
+        call, fix = args, None
+        for attempt in range(MAX_RESUMES + 1):
+            gen = self.handle.options(stream=True).generate.remote(call)
+            ended = False  # the replica's stream ended (or died): nothing to cancel
+            try:
+                async for raw in gen:
+                    ended = raw.finished
+                    out = fix.take(raw) if fix is not None else raw
+                    if out is None:
+                        continue
+                    delivered = out
+                    yield out
+                    if out.finished:
+                        return
+                ended = True
+                return
+            except ResumeError as exc:
+                raise EngineDeadError(f"{rid} could not be resumed exactly after its replica died: {exc}") from None
+            except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
+                ended = True
+                cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+                if isinstance(exc, RayTaskError) and not isinstance(cause, died):
+                    raise cause from None  # the engine's own error (e.g. a RequestError)
+                plan, why = resume_plan(params, delivered)
+                n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
+                if plan is None or attempt == MAX_RESUMES:
+                    why = why if plan is None else f"{MAX_RESUMES} resumes failed"
+                    raise EngineDeadError(
+                        f"the replica serving {rid} died after {n_out} output tokens: {why} ({exc})"
+                    ) from exc
+                logger.warning("the replica serving %s died after %d output tokens: %s", rid, n_out, why)
+                call = dict(args, request_id=f"{rid}-resume{attempt + 1}")
+                if plan == "restart":
+                    fix = None
+                elif plan == "continue":
+                    ids, cont = continuation(args["token_ids"], params, delivered)
+                    call.update(prompt=None, token_ids=ids, params=cont)
+                    fix = Stitcher(delivered, params, self.tokenizer)
+                else:
+                    fix = Replayer(delivered)
+                await asyncio.sleep(0.1 * attempt)  # let Serve mark the replica dead
+            finally:
+                if not ended:  # the consumer left, or the seam's stop check ended it: abort it there
+                    gen.cancel()
 
     def _emit_finished(self, out: Any) -> None:
         if not self._subs:
