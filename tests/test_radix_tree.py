@@ -198,6 +198,33 @@ def test_partial_eviction_in_whole_pages_under_a_locked_prefix():
     t.check_integrity()
 
 
+def test_evicting_everything_evictable_cuts_the_unlocked_subtrees_and_tells_the_listener():
+    t = RadixCache(page_size=2)
+    calls = []
+    t.evict_listener = lambda ns, path, start: calls.append((ns, tuple(np.frombuffer(path, np.int32)), start))
+    t.insert([1, 2, 3, 4, 5, 6], torch.arange(6))
+    t.insert([1, 2, 3, 4, 7, 8, 9, 9], torch.arange(10, 18))
+    t.insert([1, 2, 5, 5], torch.arange(20, 24))
+    t.insert([4, 4, 4, 4], torch.arange(30, 34), namespace="b")
+    locked = t.match_prefix([1, 2, 3, 4, 5, 6]).node
+    t.inc_lock_ref(locked)
+    gone = t.match_prefix([1, 2, 5, 5]).node
+    assert t.evictable_size() == 4 + 2 + 4
+    freed = t.evict(10**6)
+    assert sorted(freed.tolist()) == [14, 15, 16, 17, 22, 23, 30, 31, 32, 33]
+    assert sorted(calls, key=repr) == sorted(
+        [(None, (1, 2, 3, 4, 7, 8, 9, 9), 4), (None, (1, 2, 5, 5), 2), ("b", (4, 4, 4, 4), 0)], key=repr
+    )
+    assert list(t.root.children) == [None]  # the emptied namespace is dropped
+    assert (t.total_size(), t.protected_size(), t.evictable_size()) == (6, 6, 0)
+    with pytest.raises(ValueError, match="not in this tree"):
+        t.inc_lock_ref(gone)
+    assert t.match_prefix([1, 2, 3, 4, 5, 6, 7]).length == 6
+    t.dec_lock_ref(locked)
+    t.check_integrity()
+    assert sorted(t.evict(6).tolist()) == list(range(6)) and t.root.children == {}
+
+
 def test_evict_frees_exactly_the_rounded_request_or_everything_evictable():
     rng = random.Random(2)
     for ps in (1, 3, 16):

@@ -135,7 +135,8 @@ class RadixCache:
             inserted.
         eviction_policy: which evictable leaf goes first: ``"lru"`` (the default: least recently
             used) or a name / object of :mod:`radixkv.cache.evict_policy` (``"lfu"``,
-            ``"gdf"``). Whatever the policy, a leaf is freed tail first, page by page.
+            ``"gdf"``, ``"reuse-odds"``). Whatever the policy, a leaf is freed tail first, page by
+            page.
 
     Raises:
         ValueError: ``page_size`` is not an int >= 1, or an unknown ``eviction_policy``.
@@ -148,6 +149,8 @@ class RadixCache:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
         self._policy = make_policy(eviction_policy)
+        if self._policy is not None:
+            self._policy.bind(page_size)
         self._counts_hits = self._policy is not None and self._policy.counts_hits
         self.eviction_policy = "lru" if self._policy is None else self._policy.name
         self._page_bytes = 4 * page_size
@@ -200,12 +203,15 @@ class RadixCache:
             node.hits += 1
             node = node.parent
 
-    def _lru_refresh(self, node: TreeNode) -> None:
-        """Re-files an evictable leaf whose last_access was just set to the current clock."""
+    def _lru_refresh(self, node: TreeNode, reuse: bool = True) -> None:
+        """Re-files an evictable leaf whose last_access was just set to the current clock
+        (``reuse``: a match reached it, which a policy is told of)."""
         if node.lru is True:
             self._lru_new.move_to_end(node.uid)
         elif self._policy is not None:
             self._lru_old.remove(node.lru)
+            if reuse:
+                self._policy.reused(node.lru[0], node)
             self._pq_add(node, self._policy.priority(node))
         else:
             self._lru_old.remove(node.lru)
@@ -356,12 +362,13 @@ class RadixCache:
             else:
                 if self._counts_hits:
                     self._count_hits(leaf)
+                self._policy.inserted(leaf)
                 self._lru_add(leaf)
         else:
             if self._counts_hits:
                 self._count_hits(node)
             if node.lru is not None:
-                self._lru_refresh(node)
+                self._lru_refresh(node, reuse=False)
         return pos
 
     # ------------------------------------------------------------------ locking
@@ -447,6 +454,8 @@ class RadixCache:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}") from None
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if num_tokens >= self._total - self._protected and self._policy is None:
+            return self._evict_every_unlocked()
         new, old = self._lru_new, self._lru_old
         pb = self._page_bytes
         listener = self.evict_listener
@@ -469,8 +478,6 @@ class RadixCache:
                 entry = None
                 node = new.popitem(last=False)[1]
             node.lru = None
-            if policy is not None:
-                policy.evicted(entry[0])
             size = len(node.key) >> 2
             kept = None
             if num_tokens - done < size:  # free only the tail pages still needed
@@ -478,6 +485,8 @@ class RadixCache:
                 if cut < size:
                     kept = self._split(node, size - cut)  # node keeps the tail, kept the head
                     size = cut
+            if policy is not None:
+                policy.freed(entry[0], node)
             if listener is not None:
                 path = _path_key(node)
                 listener(node.namespace, path, (len(path) - len(node.key)) >> 2)
@@ -499,6 +508,46 @@ class RadixCache:
         if not freed:
             return empty_slots()
         return self._read_slots(bytearray().join(freed))
+
+    def _evict_every_unlocked(self) -> Any:
+        """``evict`` of everything evictable (LRU; the order does not matter then): cuts every
+        unlocked subtree off the locked part of the tree in one walk over the evicted nodes (and
+        the locked ones above them), instead of popping leaves one by one. A node with
+        ``lock_ref == 0`` has no locked descendant, so its whole subtree goes."""
+        listener = self.evict_listener
+        values = []
+        freed = 0
+        for namespace, ns_root in list(self.root.children.items()):
+            above = [ns_root]  # locked nodes whose children are looked at
+            while above:
+                node = above.pop()
+                kids = node.children
+                for k in [k for k, c in kids.items() if c.lock_ref == 0]:
+                    top = kids.pop(k)
+                    todo = [(top, _path_key(node) if listener is not None else b"")]
+                    while todo:
+                        x, prefix = todo.pop()
+                        key = x.key
+                        if listener is not None:
+                            path = prefix + key
+                            listener(namespace, path, len(prefix) >> 2)
+                            todo.extend((c, path) for c in x.children.values())
+                        else:
+                            todo.extend((c, b"") for c in x.children.values())
+                        values.append(x.value)
+                        freed += len(key) >> 2
+                        x.parent = None
+                        x.lru = None
+                above.extend(kids.values())
+            if not ns_root.children and ns_root.lock_ref == 0:
+                del self.root.children[namespace]
+                ns_root.parent = None
+        self._lru_new.clear()
+        self._lru_old.clear()
+        self._total -= freed
+        if not values:
+            return empty_slots()
+        return self._read_slots(bytearray().join(values))
 
     def reset(self) -> Any:
         """Empties the tree; returns every slot it held (1-D int64 CPU tensor) for the caller to
