@@ -83,6 +83,10 @@ class EngineConfig:
     hash_algo: str = "sha256"
     """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
 
+    cache_outcome: bool = True
+    """Record why each request's prefix match stopped (``RequestOutput.cache_outcome``, the
+    ``RequestAdmitted`` event, :mod:`radixkv.cache.outcome`); False skips it."""
+
     def resolve(
         self, *, kv_bytes_per_token: Optional[int] = None, max_position_embeddings: Optional[int] = None
     ) -> "EngineConfig":

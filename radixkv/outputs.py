@@ -4,7 +4,10 @@ and `RequestMetrics` (timestamps). Shapes follow vLLM's classes of the same name
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from radixkv.cache.outcome import CacheOutcome
 
 
 @dataclass
@@ -66,6 +69,9 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache when the request was first
             admitted (the same count as ``cache_stats()["cached_tokens"]``).
         metrics: the request's timestamps.
+        cache_outcome: why its prefix match stopped at its first admission
+            (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause,
+            divergence position); None when the engine runs with ``cache_outcome=False``.
     """
 
     request_id: str
@@ -75,3 +81,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    cache_outcome: Optional["CacheOutcome"] = None

@@ -11,7 +11,8 @@ Events:
 
 * :class:`RequestAdmitted`: a sample got its first ``req_to_token`` row, with its cache outcome
   (``num_cached_tokens``: prompt tokens served from the prefix cache; 0 for samples ``index > 0``
-  and for re-admissions after a retraction, which are not counted again).
+  and for re-admissions after a retraction, which are not counted again; ``cache_outcome``: why
+  the match stopped, :mod:`radixkv.cache.outcome`).
 * :class:`StepFinished`: one forward pass ran: which samples it carried, how many new tokens each,
   which of them sampled, which requests were retracted while planning it.
 * :class:`RequestFinished`: a user request (all its ``n`` samples) finished or was aborted.
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 __all__ = [
     "Event",
@@ -61,6 +62,9 @@ class RequestAdmitted(Event):
             re-admission.
         readmission: True when it was retracted before.
         namespace: its prefix-cache namespace.
+        cache_outcome: why its prefix match stopped
+            (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause), on
+            the first admission of sample 0 when the engine records outcomes; else None.
     """
 
     request_id: str
@@ -71,6 +75,7 @@ class RequestAdmitted(Event):
     prefix_len: int
     readmission: bool
     namespace: Hashable
+    cache_outcome: Any = None
 
 
 @dataclass(frozen=True, slots=True)

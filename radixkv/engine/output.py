@@ -29,6 +29,7 @@ class RequestGroup:
             0 at admission, the others when sample 0 forks them).
         outputs: one :class:`~radixkv.outputs.CompletionOutput` per sample, updated in place.
         num_cached_tokens: sample 0's cached prompt tokens at its first admission.
+        cache_outcome: sample 0's cache outcome at its first admission (or None).
         counted: whether its prompt has been counted in the engine's hit-rate totals.
     """
 
@@ -51,6 +52,7 @@ class RequestGroup:
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self._detoks: List[Optional[IncrementalDetokenizer]] = [None] * params.n
         self.num_cached_tokens = 0
+        self.cache_outcome = None
         self.counted = False
 
     @property
@@ -106,4 +108,5 @@ class RequestGroup:
             self.finished,
             self.num_cached_tokens,
             self.metrics,
+            cache_outcome=self.cache_outcome,
         )
