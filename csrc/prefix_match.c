@@ -107,6 +107,8 @@ static Py_ssize_t
 prefix_tokens(const char *p, const char *q, Py_ssize_t n)
 {
     Py_ssize_t nbytes = n * 4, i = 0;
+    /* whole 256-byte blocks with memcmp (vectorized by the C library), then 8 bytes at a time */
+    while (i + 256 <= nbytes && memcmp(p + i, q + i, 256) == 0) i += 256;
     for (; i + 8 <= nbytes; i += 8) {
         uint64_t x, y;
         memcpy(&x, p + i, 8);
@@ -236,12 +238,12 @@ query_init(Query *q, PyObject *tokens)
 
 /* int64 ids [start, end) of an int64 buffer to int32 at dst, range-checked. 0 or -1. */
 static int
-narrow64(const int64_t *src, Py_ssize_t start, Py_ssize_t end, int32_t *dst)
+narrow64(const int64_t *restrict src, Py_ssize_t start, Py_ssize_t end, int32_t *restrict dst)
 {
-    int bad = 0;
+    int64_t bad = 0;
     for (Py_ssize_t i = start; i < end; i++) {
         int64_t v = src[i];
-        bad |= v != (int32_t)v;
+        bad |= v ^ (int64_t)(int32_t)v;
         dst[i - start] = (int32_t)v;
     }
     if (!bad) return 0;
@@ -279,29 +281,54 @@ query_pack(Query *q, Py_ssize_t start, Py_ssize_t end, char *dst)
 
 #define QBLOCK 256
 
+/* Common prefix of an int32 key and int64 ids, in tokens (n at most). An id outside int32 equals
+ * no key token, so the compare needs no range check: the ids it passes are valid. Blocks of 16
+ * are compared without branches (vectorized), the first differing block token by token. */
+static Py_ssize_t
+prefix_tokens64(const char *key, const int64_t *restrict ids, Py_ssize_t n)
+{
+    Py_ssize_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        int64_t diff = 0;
+        for (int k = 0; k < 16; k++) {
+            int32_t t;
+            memcpy(&t, key + (j + k) * 4, 4);
+            diff |= ids[j + k] ^ (int64_t)t;
+        }
+        if (diff) break;
+    }
+    for (; j < n; j++) {
+        int32_t t;
+        memcpy(&t, key + j * 4, 4);
+        if (ids[j] != (int64_t)t) break;
+    }
+    return j;
+}
+
 /* Length of the common prefix of the edge key (int32) and tokens [pos, pos + lim): -1 on a bad
- * token id (error set). */
+ * token id (error set). Ids read are marked checked (a list's are converted as they are
+ * compared; an int64 buffer's equal to a key token are valid by that alone). */
 static Py_ssize_t
 query_prefix(Query *q, const char *key, Py_ssize_t pos, Py_ssize_t lim)
 {
     if (q->buf) return prefix_tokens(key, q->buf + pos * 4, lim);
-    /* blocks: convert (the tight loop of pack_int32), then compare 8 bytes at a time */
-    int32_t block[QBLOCK];
-    Py_ssize_t j = 0;
-    while (j < lim) {
-        Py_ssize_t b = lim - j < QBLOCK ? lim - j : QBLOCK;
-        if (q->buf64) {
-            if (narrow64(q->buf64, pos + j, pos + j + b, block) < 0) return -1;
-        } else {
-            PyObject **items = q->items + pos + j;
-            for (Py_ssize_t i = 0; i < b; i++)
-                if (item_to_int32(items[i], pos + j + i, block + i) < 0) return -1;
-        }
-        if (pos + j + b > q->checked) q->checked = pos + j + b;
-        Py_ssize_t c = prefix_tokens(key + j * 4, (const char *)block, b);
-        j += c;
-        if (c < b) break;
+    if (q->buf64) {
+        Py_ssize_t j = prefix_tokens64(key, q->buf64 + pos, lim);
+        if (pos + j > q->checked) q->checked = pos + j;
+        return j;
     }
+    PyObject **items = q->items + pos;
+    Py_ssize_t j = 0;
+    for (; j < lim; j++) {
+        int32_t v, t;
+        if (item_to_int32(items[j], pos + j, &v) < 0) return -1;
+        memcpy(&t, key + j * 4, 4);
+        if (v != t) {
+            if (pos + j + 1 > q->checked) q->checked = pos + j + 1;
+            return j;
+        }
+    }
+    if (pos + j > q->checked) q->checked = pos + j;
     return j;
 }
 
