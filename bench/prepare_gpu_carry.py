@@ -24,10 +24,17 @@ Output (``--out``, default ``.fi`` in the repository root, listed in .gitignore)
     .fi/wheels/apache_tvm_ffi-<ver>-cp312-...whl
     .fi/manifest.json
 
-Usage: ``python bench/prepare_gpu_carry.py`` (about 5-15 minutes on 2 cores, most of it nvcc).
-On the GPU box, ``bench/gpu_check.py --carry .fi`` installs these with
-``pip install --no-index --no-deps --target``. Method and measurements:
-``shared/notes/flashinfer.md`` sections 2.3-2.4.
+5. verifies the result (:func:`verify_carry`): the manifest lists, and the flashinfer wheel holds,
+   the AOT modules the GPU check needs (``REQUIRED_MODULES``: bf16 decode head_dim 64, FA2 prefill
+   head_dim 64 and 128), the wheels on disk match the manifest, and ``.fi`` plus the working tree
+   that a device call sends (tracked + untracked-not-ignored files) stay under the 64 MiB a call
+   carries. Any problem is printed and the script exits with status 2.
+
+Usage: ``python bench/prepare_gpu_carry.py`` (about 5-15 minutes on 2 cores, most of it nvcc);
+``python bench/prepare_gpu_carry.py --check-only`` runs only step 5 on an existing ``.fi``
+(seconds). On the GPU box, ``bench/gpu_check.py --carry .fi`` runs the same verification (without
+the tree size) and installs the wheels with ``pip install --no-index --no-deps --target``.
+Method and measurements: ``shared/notes/flashinfer.md`` sections 2.3-2.4.
 """
 
 from __future__ import annotations
@@ -67,6 +74,14 @@ TARGET_PLATFORMS = [
 _DROP = re.compile(r"^flashinfer/data/(csrc/[^/]+/|cutlass/|spdlog/)")
 
 REPO = Path(__file__).resolve().parents[1]
+# What one device call carries at most: the working tree plus the carried paths (device README).
+CARRY_LIMIT_BYTES = 64 * 2**20
+# The AOT modules bench/gpu_check.py needs, as (kind, head_dim, dtype): CUDA-core decode of the
+# 9/3 x 64 shape (GQA group 3 < 4), FA2 prefill for 9/3 x 64 and 32/8 x 128 (the latter also
+# serves the tensor-core decode of 32/8 x 128, group 4). Anything missing is JIT-compiled on the
+# box only if FLASHINFER_DISABLE_JIT is unset (nvcc, ninja and $CUDA_HOME/lib64 needed there).
+REQUIRED_MODULES = (("decode", 64, "bf16"), ("prefill", 64, "bf16"), ("prefill", 128, "bf16"))
+_KIND_IN_MANIFEST = {"decode": "decode", "prefill": "prefill_fa2"}
 
 
 def _run(cmd: list[str], **kw) -> None:
@@ -196,6 +211,150 @@ def _cuda_home(build: Path, site: Path) -> Path:
     return home
 
 
+def working_tree_bytes(repo: Path) -> tuple[int, str]:
+    """Bytes of what a device call sends from ``repo`` besides the carried paths: tracked and
+    untracked-not-ignored files (``git ls-files -co --exclude-standard``; a ``shared/`` folder
+    inside the checkout is included by the same rule). Returns ``(bytes, method)``; without git
+    (or outside a checkout) every file below ``repo`` except ``.git`` and ignored build folders is
+    counted, and ``method`` says so."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(repo), "ls-files", "-z", "-co", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout
+        total = 0
+        for name in out.decode(errors="surrogateescape").split("\0"):
+            p = repo / name
+            if name and os.path.lexists(p):
+                total += os.lstat(p).st_size
+        return total, "git ls-files -co --exclude-standard"
+    except (OSError, subprocess.SubprocessError):
+        skip = {".git", ".venv", ".fi", ".whl", ".gl", "build", "__pycache__", ".hypothesis", ".pytest_cache"}
+        total = 0
+        for root, dirs, files in os.walk(repo):
+            dirs[:] = [d for d in dirs if d not in skip]
+            total += sum(os.lstat(os.path.join(root, f)).st_size for f in files)
+        return total, "os.walk (no git; approximate)"
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def verify_carry(
+    fi: Path,
+    tree_bytes: int | None = None,
+    limit_bytes: int = CARRY_LIMIT_BYTES,
+    required=REQUIRED_MODULES,
+) -> dict:
+    """Check a carry folder made by this script; returns ``{"ok", "problems", ...}`` (never raises).
+
+    * ``fi/manifest.json`` parses and lists an AOT module for every ``required`` (kind, head_dim,
+      dtype) (``kind`` "prefill" is recorded as "prefill_fa2");
+    * ``fi/wheels`` holds one flashinfer wheel and one cp312 apache-tvm-ffi wheel, with the names
+      and sizes the manifest gives, and the flashinfer wheel contains every listed module at
+      ``flashinfer/data/aot/<name>/<name>.so`` (non-empty);
+    * when ``tree_bytes`` is given: the bytes of ``fi`` plus ``tree_bytes`` stay below
+      ``limit_bytes`` (what one device call carries).
+    """
+    problems: list[str] = []
+    res: dict = {"carry": str(fi), "required": [f"{k}:{hd}:{dt}" for k, hd, dt in required]}
+    man_path = fi / "manifest.json"
+    if not fi.is_dir():
+        problems.append(f"{fi} does not exist (run bench/prepare_gpu_carry.py)")
+    elif not man_path.is_file():
+        problems.append(f"{man_path} is missing (run bench/prepare_gpu_carry.py)")
+    man = None
+    if man_path.is_file():
+        try:
+            man = json.loads(man_path.read_text())
+        except ValueError as exc:
+            problems.append(f"{man_path} is not valid JSON: {exc}")
+    wheels_dir = fi / "wheels"
+    on_disk = {p.name: p.stat().st_size for p in sorted(wheels_dir.glob("*.whl"))} if wheels_dir.is_dir() else {}
+    res["wheels"] = on_disk
+    fi_wheels = [n for n in on_disk if n.startswith("flashinfer_python-")]
+    tvm_wheels = [n for n in on_disk if n.startswith("apache_tvm_ffi-")]
+    if fi.is_dir():
+        if len(fi_wheels) != 1:
+            problems.append(f"expected one flashinfer_python wheel in {wheels_dir}, found {fi_wheels}")
+        if len(tvm_wheels) != 1 or "cp312" not in tvm_wheels[0]:
+            problems.append(f"expected one cp312 apache_tvm_ffi wheel in {wheels_dir}, found {tvm_wheels}")
+    modules = []
+    if isinstance(man, dict):
+        listed = man.get("wheels") or {}
+        for name, size in listed.items():
+            if name not in on_disk:
+                problems.append(f"manifest lists {name}, not in {wheels_dir}")
+            elif on_disk[name] != size:
+                problems.append(f"{name}: {on_disk[name]} B on disk, {size} B in the manifest")
+        for name in on_disk:
+            if name not in listed:
+                problems.append(f"{wheels_dir / name} is not in the manifest")
+        modules = [m for m in man.get("aot_modules") or [] if isinstance(m, dict)]
+        for kind, hd, dt in required:
+            want = _KIND_IN_MANIFEST[kind]
+            if not any(m.get("kind") == want and m.get("head_dim") == hd and m.get("dtype") == dt for m in modules):
+                problems.append(f"manifest lists no {kind} module for head_dim {hd} {dt} (rebuild with --modules)")
+    short = {v: k for k, v in _KIND_IN_MANIFEST.items()}
+    res["modules"] = [
+        f"{short.get(m.get('kind'), m.get('kind'))}:{m.get('head_dim')}:{m.get('dtype')}" for m in modules
+    ]
+    if len(fi_wheels) == 1 and modules:
+        try:
+            with zipfile.ZipFile(wheels_dir / fi_wheels[0]) as z:
+                sizes = {i.filename: i.file_size for i in z.infolist()}
+        except (OSError, zipfile.BadZipFile) as exc:
+            problems.append(f"{fi_wheels[0]} does not open as a zip: {exc}")
+            sizes = {}
+        for m in modules:
+            member = f"flashinfer/data/aot/{m.get('name')}/{m.get('name')}.so"
+            if sizes and not sizes.get(member):
+                problems.append(f"{fi_wheels[0]} lacks {member} (or it is empty)")
+    res["fi_bytes"] = _dir_bytes(fi) if fi.is_dir() else 0
+    res["limit_bytes"] = limit_bytes
+    if tree_bytes is not None:
+        res["tree_bytes"] = tree_bytes
+        res["total_bytes"] = res["fi_bytes"] + tree_bytes
+        if res["total_bytes"] >= limit_bytes:
+            problems.append(
+                f"{fi} ({res['fi_bytes'] / 2**20:.1f} MiB) + working tree ({tree_bytes / 2**20:.1f} MiB) = "
+                f"{res['total_bytes'] / 2**20:.1f} MiB, not under the {limit_bytes / 2**20:.0f} MiB a device call carries"
+            )
+    res["problems"] = problems
+    res["ok"] = not problems
+    return res
+
+
+def _report(res: dict) -> int:
+    """Print the verification; 0 when it passed, 2 otherwise."""
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.1f} MiB"
+
+    sizes = f".fi {mib(res['fi_bytes'])}"
+    if "tree_bytes" in res:
+        sizes += f" + tree {mib(res['tree_bytes'])} = {mib(res['total_bytes'])} (limit {mib(res['limit_bytes'])})"
+    print(f"carry check: modules {res['modules']} (need {res['required']}); {sizes}", flush=True)
+    if res["ok"]:
+        print("carry check: OK", flush=True)
+        return 0
+    print("CARRY CHECK FAILED:", file=sys.stderr)
+    for p in res["problems"]:
+        print(f"  - {p}", file=sys.stderr)
+    return 2
+
+
+def check_carry(fi: Path, repo: Path = REPO, limit_bytes: int = CARRY_LIMIT_BYTES, required=REQUIRED_MODULES) -> int:
+    """:func:`verify_carry` with the working tree of ``repo`` counted; prints and returns 0 / 2."""
+    tree, method = working_tree_bytes(repo)
+    res = verify_carry(fi, tree, limit_bytes, required)
+    res["tree_method"] = method
+    return _report(res)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=REPO / ".fi")
@@ -212,8 +371,15 @@ def main() -> int:
         "--no-aot", action="store_true", help="carry the trimmed wheel only (the GPU box then JIT-compiles)"
     )
     ap.add_argument("--jobs", default=os.environ.get("MAX_JOBS", "2"))
+    ap.add_argument(
+        "--check-only", action="store_true", help="only verify an existing --out (manifest, modules, 64 MiB limit)"
+    )
+    ap.add_argument("--limit-mib", type=float, default=CARRY_LIMIT_BYTES / 2**20, help=argparse.SUPPRESS)
     ap.add_argument("--_build-in-venv", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    limit = int(a.limit_mib * 2**20)
+    if a.check_only:
+        return check_carry(a.out, REPO, limit)
     dtypes = a.dtypes.split(",")
     modules = []
     for item in a.modules.split(","):
@@ -325,7 +491,10 @@ def main() -> int:
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(json.dumps({k: manifest[k] for k in ("wheels", "total_bytes")}, indent=1))
-    return 0
+    if a.no_aot:
+        print("--no-aot: the GPU box must JIT-compile every module (unset FLASHINFER_DISABLE_JIT there)")
+        return check_carry(out, REPO, limit, required=())
+    return check_carry(out, REPO, limit)
 
 
 if __name__ == "__main__":

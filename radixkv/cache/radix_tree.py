@@ -663,6 +663,28 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def block_digests(self) -> list:
+        """The chained digests (:mod:`radixkv.cache.digests`) of every fully cached 16-token
+        block, all namespaces: what a consumer of the cache events holds after all of them (a
+        router's snapshot to resync from). O(tree size)."""
+        from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+
+        out: list = []
+        stack = [(ns_root, b"", None) for ns_root in self.root.children.values()]
+        while stack:
+            node, path, prev = stack.pop()
+            path = path + node.key
+            end = len(path) >> 2
+            first, stop = (end - (len(node.key) >> 2)) // BLOCK_TOKENS, end // BLOCK_TOKENS
+            last = prev
+            if stop > first:
+                ds = block_digests(path, node.namespace, first, stop, prev if first else None)
+                out.extend(ds)
+                last = ds[-1]
+            for c in node.children.values():  # ``last``: the digest of block ``stop - 1``
+                stack.append((c, path, last))
+        return out
+
     def check_integrity(self) -> None:
         """Verifies every invariant with a full walk (for tests; O(tree size)).
 

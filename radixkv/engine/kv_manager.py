@@ -131,6 +131,11 @@ class KVManager:
         """Tokens held by pins (locked in the cache or owned)."""
         return sum(len(p) for p in self._pins.values())
 
+    @property
+    def event_seq(self) -> int:
+        """The ``seq`` of the last cache event emitted (0: none yet)."""
+        return self._seq
+
     def has_free_row(self) -> bool:
         """True when a ``req_to_token`` row is free."""
         return self.req_to_token_pool.available_size() > 0

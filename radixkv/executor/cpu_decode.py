@@ -19,11 +19,13 @@ quantized models, or a batch the attention backend does not send entirely to its
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.kernels import cpu
-from radixkv.models.layers import CausalLM, Linear
+from radixkv.models.layers import CausalLM, Linear, weights_epoch
 from radixkv.models.ops import PACKED_MAX_ROWS
 
 __all__ = ["eligible", "forward", "run_layers"]
@@ -50,14 +52,46 @@ def eligible(model: CausalLM, attn: AttentionBackend, num_tokens: int) -> bool:
     return attn.native_plan() is not None
 
 
-def _weight_args(layer) -> tuple:
-    """The ``decode_layer`` arguments that come from one layer's weights: the two norm weights'
-    addresses and eps, then (packed weight, bias) addresses of qkv, o, gate|up and down."""
-    sa, mlp, n_in = layer.self_attn, layer.mlp, layer.input_layernorm
-    args = [n_in.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), n_in.eps]
-    for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        args += (lin.pack.get(lin.weight).address, _ptr(lin.bias))
-    return tuple(args)
+class _LayerWeights:
+    """References to one decoder layer's weight tensors and packed-weight caches, taken once
+    through the modules' public attributes (an ``nn.Module`` attribute lookup costs about a
+    microsecond; a decode step would do hundreds)."""
+
+    __slots__ = ("layer_id", "norm_in", "norm_post", "eps", "linears")
+
+    def __init__(self, layer) -> None:
+        sa, mlp = layer.self_attn, layer.mlp
+        self.layer_id = sa.layer_id
+        self.norm_in = layer.input_layernorm.weight
+        self.norm_post = layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.eps
+        self.linears = tuple(
+            (lin.pack, lin.weight, lin.bias) for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        )
+
+    def args(self) -> tuple:
+        """The ``decode_layer`` arguments that come from the weights: the two norm weights'
+        addresses and eps, then (packed weight, bias) addresses of qkv, o, gate|up and down (each
+        packed copy is rebuilt by its :class:`~radixkv.models.ops.PackCache` when its weight
+        changed in place)."""
+        args = [self.norm_in.data_ptr(), self.norm_post.data_ptr(), self.eps]
+        for pack, w, b in self.linears:
+            args += (pack.get(w).address, _ptr(b))
+        return tuple(args)
+
+
+_WEIGHTS: "weakref.WeakKeyDictionary[CausalLM, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _layer_weights(model: CausalLM) -> list[_LayerWeights]:
+    """The model's :class:`_LayerWeights`, rebuilt when a module or weight was replaced
+    (:func:`~radixkv.models.layers.weights_epoch` moved, or the layer list changed)."""
+    layers = tuple(model.model.layers)
+    cached = _WEIGHTS.get(model)
+    if cached is None or cached[0] != weights_epoch() or cached[1] != layers:
+        cached = (weights_epoch(), layers, [_LayerWeights(layer) for layer in layers])
+        _WEIGHTS[model] = cached
+    return cached[2]
 
 
 def run_layers(model: CausalLM, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend):
@@ -102,8 +136,8 @@ def run_layers(model: CausalLM, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
     # every call's arguments first: Python run between the kernels finds its objects evicted from
     # the caches by the kernels' streams, so keep that gap minimal (docs/model.md)
     calls = []
-    for i, layer in enumerate(model.model.layers):
-        lid = layer.self_attn.layer_id
+    for i, lw in enumerate(_layer_weights(model)):
+        lid = lw.layer_id
         calls.append(
             (
                 t,
@@ -111,7 +145,7 @@ def run_layers(model: CausalLM, h: torch.Tensor, cos: torch.Tensor, sin: torch.T
                 dl,
                 int(i == 0),
                 res,
-                *_weight_args(layer),
+                *lw.args(),
                 inter,
                 *common,
                 pool.k_buffer[lid].data_ptr(),

@@ -32,6 +32,7 @@ __all__ = [
     "RotaryEmbedding",
     "Linear",
     "config_head_dim",
+    "weights_epoch",
     # re-exported from radixkv.models.ops, where they live
     "PACKED_MAX_ROWS",
     "SMALL_M_ROWS",
@@ -41,7 +42,43 @@ __all__ = [
 ]
 
 
-class Linear(nn.Linear):
+class _Tracked:
+    """Mixin of radixkv's modules: every attribute assignment or deletion and every registration
+    of a parameter, buffer or submodule after construction bumps :func:`weights_epoch`, so code
+    that caches references to weights (the fused CPU decode step) knows when to look again."""
+
+    _epoch = 0
+
+    def __setattr__(self, name, value) -> None:
+        super().__setattr__(name, value)
+        _Tracked._epoch += 1
+
+    def __delattr__(self, name) -> None:
+        super().__delattr__(name)
+        _Tracked._epoch += 1
+
+    def register_buffer(self, *args, **kwargs) -> None:
+        super().register_buffer(*args, **kwargs)
+        _Tracked._epoch += 1
+
+    def register_parameter(self, *args, **kwargs) -> None:
+        super().register_parameter(*args, **kwargs)
+        _Tracked._epoch += 1
+
+    def add_module(self, *args, **kwargs) -> None:
+        super().add_module(*args, **kwargs)
+        _Tracked._epoch += 1
+
+
+def weights_epoch() -> int:
+    """A counter that changes whenever a parameter, buffer, submodule or attribute of a radixkv
+    model module is assigned, deleted or registered (in-place edits of a tensor's values are not
+    counted: they show in the tensor's ``_version``, or, through ``.data``, not at all: see
+    :meth:`CausalLM.reset_packed_weights`)."""
+    return _Tracked._epoch
+
+
+class Linear(_Tracked, nn.Linear):
     """``nn.Linear`` whose forward is :func:`linear` (same parameters and state dict), with its
     own packed-weight cache."""
 
@@ -58,7 +95,7 @@ def config_head_dim(cfg) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(_Tracked, nn.Module):
     """Root-mean-square norm (Zhang & Sennrich 2019) computed in float32, as transformers does.
 
     ``norm(x)`` returns the normed ``x``. ``norm(x, residual)`` first forms ``residual + x`` (the
@@ -74,7 +111,7 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, residual, self.weight, self.eps)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(_Tracked, nn.Module):
     """cos/sin of RoPE at arbitrary positions.
 
     The inverse frequencies and the attention scaling come from transformers'
@@ -110,7 +147,7 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
-class Attention(nn.Module):
+class Attention(_Tracked, nn.Module):
     """Self-attention with fused q/k/v projection; KV handled by the attention backend."""
 
     def __init__(self, cfg, layer_id: int, qkv_bias: bool) -> None:
@@ -132,7 +169,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(_Tracked, nn.Module):
     """SwiGLU: ``down(silu(gate(x)) * up(x))`` with gate and up fused into one matmul."""
 
     def __init__(self, cfg) -> None:
@@ -149,7 +186,7 @@ class MLP(nn.Module):
         return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Tracked, nn.Module):
     def __init__(self, cfg, layer_id: int, qkv_bias: bool) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, qkv_bias)
@@ -169,7 +206,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(_Tracked, nn.Module):
     def __init__(self, cfg, qkv_bias: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -182,7 +219,7 @@ _QKV = re.compile(r"^model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias
 _GATE_UP = re.compile(r"^model\.layers\.(\d+)\.mlp\.(gate|up)_proj\.(weight|bias)$")
 
 
-class CausalLM(nn.Module):
+class CausalLM(_Tracked, nn.Module):
     """A Llama-family causal LM over a flattened batch.
 
     Args:
