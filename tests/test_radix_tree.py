@@ -271,6 +271,47 @@ def test_lfu_and_greedy_dual_policies_order_leaves_by_hits():
         RadixCache(eviction_policy="fifo")
 
 
+def test_reuse_odds_learns_which_leaves_come_back():
+    """Long leaves (depth >= 256) that are never matched again and short ones that are: once
+    reuse-odds has seen both, a short leaf outlives a long one inserted after it (LRU would
+    evict the short one first); a freed leaf whose tokens come back under the same node is a
+    ghost hit (counted reused, not dead)."""
+    from radixkv.cache.evict_policy import ReuseOdds
+
+    policy = ReuseOdds(depth_block=256)
+    t = RadixCache(eviction_policy=policy)
+    slot = iter(range(10**6))
+
+    def put(toks):
+        slots = torch.tensor([next(slot) for _ in toks])
+        t.insert(toks, slots)
+        return slots.tolist()
+
+    for i in range(20):  # short sequences come back, long ones do not
+        short, long = [1000 + i] * 8, [2000 + i] * 300
+        put(short)
+        put(long)
+        t.match_prefix(short)
+    t.evict(t.total_size())
+    # a leaf is judged by the class it was filed under: fresh short leaves (1 walk, depth < 256)
+    # were all reused, fresh long ones (depth 256-511) never, short ones reused once never again
+    fresh_short, fresh_long, reused_short = (1, 0), (1, 1), (2, 0)
+    assert policy.reused_count == {fresh_short: 20} and policy.mean_gap == 2  # matched 2 ticks later
+    assert policy.dead_count == {fresh_long: 20, reused_short: 20}
+    assert policy.log_odds(fresh_short) > 0 > policy.log_odds(fresh_long)
+    put([7] * 8)  # short, older
+    long_slots = put([8] * 300)  # long, newer
+    assert t.evict(300).tolist() == long_slots  # LRU would have evicted the short one first
+    assert t.match_prefix([7] * 8).length == 8 and t.match_prefix([8] * 300).length == 0
+    # a ghost hit: the freed long leaf comes back under the same (namespace root) node
+    dead = policy.dead_count.get((1, 1), 0)
+    put([8] * 300)
+    assert policy.dead_count[(1, 1)] == dead - 1
+    t.check_integrity()
+    with pytest.raises(ValueError, match="depth_block"):
+        ReuseOdds(depth_block=0)
+
+
 def test_lock_after_split_pins_exactly_the_matched_tokens():
     t = RadixCache()
     t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15))
