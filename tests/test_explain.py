@@ -162,11 +162,14 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
     assert main(["explain", str(bad)]) == 2 and "bad.jsonl:2" in capsys.readouterr().err
 
 
-def test_replay_writes_the_trace_format(default_model, tmp_path):
+def test_replay_writes_the_trace_format(tok, tmp_path):
+    from obs_helpers import NullRunner
+
     from radixkv.llm import LLM
     from radixkv.replay import load_conversations, replay_mode
 
-    llm = LLM(loaded_model=default_model, device="cpu", max_total_tokens=8192)
+    # the replies' contents do not matter here: the runner without a model answers token 0
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=8192)
     path = tmp_path / "replay.jsonl"
     convs = load_conversations(2, 2, 300)
     with TraceWriter(path) as log:

@@ -11,6 +11,7 @@ timestamp, uuid, user, tools, control; ``synthetic:KIND:N:fixed`` for the fixed 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -103,7 +104,11 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(to_json(rep))
     if args.html:
-        Path(args.html).write_text(explain_html(rep), encoding="utf-8")
+        try:
+            Path(args.html).write_text(explain_html(rep), encoding="utf-8")
+        except ImportError as exc:
+            print(f"radixkv explain: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.html}", file=sys.stderr)
     return 0
 
@@ -145,10 +150,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def _policies(s: str) -> list[tuple[str, int]]:
     out = []
     for item in s.split(","):
-        name, _, ps = item.strip().partition("-p")
-        if name not in ("radix", "hash", "none") or not ps.isdigit() or int(ps) < 1:
+        m = re.fullmatch(r"(radix|hash|none)-[pb](\d+)", item.strip())
+        if m is None or int(m.group(2)) < 1:
             raise ValueError(f"--policies items look like radix-p1, radix-p16, hash-b16; got {item!r}")
-        out.append((name, int(ps)))
+        out.append((m.group(1), int(m.group(2))))
     return out
 
 
@@ -207,6 +212,10 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     print(to_json(rep) if args.json else plan_text_report(rep))
     if args.html:
-        Path(args.html).write_text(plan_html(rep), encoding="utf-8")
+        try:
+            Path(args.html).write_text(plan_html(rep), encoding="utf-8")
+        except ImportError as exc:
+            print(f"radixkv plan: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.html}", file=sys.stderr)
     return 0

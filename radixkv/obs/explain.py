@@ -29,7 +29,7 @@ from radixkv.sim import SimRequest, simulate
 
 __all__ = ["explain_trace", "FRACTIONS", "DEFAULT_CAPACITY"]
 
-FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 0.9, 1.0)
 DEFAULT_CAPACITY = 32768
 """The engine's default KV pool on CPU (tokens)."""
 

@@ -262,6 +262,11 @@ def plan_memory(
     return out
 
 
+def _label(policy: str, page_size: int) -> str:
+    """The benchmarks' policy names: ``radix-p16``, ``hash-b16``."""
+    return f"{policy}-{'b' if policy == 'hash' else 'p'}{page_size}"
+
+
 def hit_rate_curve(
     requests: Sequence[Any],
     spec: KVSpec,
@@ -275,7 +280,7 @@ def hit_rate_curve(
 
     Returns:
         ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
-        "kv_gb", "hit_rate"}, ...]}}`` with labels like ``radix-p16``.
+        "kv_gb", "hit_rate"}, ...]}}`` with labels like ``radix-p16``, ``hash-b16``.
     """
     from radixkv.sim import simulate
 
@@ -286,7 +291,7 @@ def hit_rate_curve(
     curves: dict = {}
     infinite: dict = {}
     for policy, ps in policies:
-        label = f"{policy}-p{ps}"
+        label = _label(policy, ps)
         infinite[label] = simulate(requests, policy, ps, None, outcomes=False, keep_requests=False).hit_rate
         rows = []
         for cap in caps:
@@ -317,7 +322,7 @@ def memory_for_hit_rate(
     bpt = spec.bytes_per_token(kv_dtype)
     hi = capacity_bound(requests, page_size)
     best = simulate(requests, policy, page_size, hi, outcomes=False, keep_requests=False)
-    out = dict(target=target, policy=f"{policy}-p{page_size}", infinite_hit_rate=best.hit_rate)
+    out = dict(target=target, policy=_label(policy, page_size), infinite_hit_rate=best.hit_rate)
     if best.hit_rate < target:
         return dict(out, reachable=False, tokens=None, kv_gb=None, hit_rate=None)
     lo = page_size

@@ -132,9 +132,9 @@ def plan_text_report(rep: dict) -> str:
             f"trace: working set {cv['working_set_tokens']:,} tokens = {format_bytes(cv['working_set_tokens'] * cv['kv_bytes_per_token'])}"
         )
         for label, rows in cv["curves"].items():
-            pts = "  ".join(
-                f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}" for r in rows[:: max(1, len(rows) // 6)]
-            )
+            step = max(1, (len(rows) + 5) // 6)
+            shown = rows[::-1][::step][::-1]  # about six points, the largest one always
+            pts = "  ".join(f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}" for r in shown)
             out.append(f"  {label:<10} infinite {_pct(cv['infinite'][label])}; {pts}")
     if "target" in rep:
         for t in rep["target"]:
@@ -163,7 +163,10 @@ def _png(fig) -> str:
 
 
 def _plt():
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:  # an optional extra
+        raise ImportError("the HTML report needs matplotlib: pip install 'radixkv[explain]'") from exc
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
@@ -87,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     """Load the engine, then serve until interrupted; returns the exit code."""
     served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
     if getattr(args, "replicas", 1) > 1:
+        if args.log_requests:
+            print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
+            return 2
         from radixkv.router.ray import run as run_replicas  # needs the ray extra
 
         return run_replicas(args, engine_kwargs_from_args(args), served)
