@@ -585,7 +585,6 @@ class RadixCache:
         ``lock_ref == 0`` has no locked descendant, so its whole subtree goes."""
         listener = self.evict_listener
         values = []
-        freed = 0
         for namespace, ns_root in list(self.root.children.items()):
             above = [ns_root]  # locked nodes whose children are looked at
             while above:
@@ -593,18 +592,23 @@ class RadixCache:
                 kids = node.children
                 for k in [k for k, c in kids.items() if c.lock_ref == 0]:
                     top = kids.pop(k)
-                    todo = [(top, _path_key(node) if listener is not None else b"")]
+                    if listener is None:  # the common case: no paths to build
+                        todo = [top]
+                        while todo:
+                            x = todo.pop()
+                            if x.children:
+                                todo.extend(x.children.values())
+                            values.append(x.value)
+                            x.parent = None
+                            x.lru = None
+                        continue
+                    todo = [(top, _path_key(node))]
                     while todo:
                         x, prefix = todo.pop()
-                        key = x.key
-                        if listener is not None:
-                            path = prefix + key
-                            listener(namespace, path, len(prefix) >> 2)
-                            todo.extend((c, path) for c in x.children.values())
-                        else:
-                            todo.extend((c, b"") for c in x.children.values())
+                        path = prefix + x.key
+                        listener(namespace, path, len(prefix) >> 2)
+                        todo.extend((c, path) for c in x.children.values())
                         values.append(x.value)
-                        freed += len(key) >> 2
                         x.parent = None
                         x.lru = None
                 above.extend(kids.values())
@@ -613,10 +617,11 @@ class RadixCache:
                 ns_root.parent = None
         self._lru_new.clear()
         self._lru_old.clear()
-        self._total -= freed
+        joined = bytearray().join(values)
+        self._total -= len(joined) >> 3  # one int64 slot per token
         if not values:
             return empty_slots()
-        return self._read_slots(bytearray().join(values))
+        return self._read_slots(joined)
 
     def reset(self) -> Any:
         """Empties the tree; returns every slot it held (1-D int64 CPU tensor) for the caller to
