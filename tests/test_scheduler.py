@@ -92,8 +92,11 @@ class FakeRunner:
         return out
 
 
-def make_engine(capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False):
+def make_engine(
+    capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False, eviction="lru"
+):
     cfg = EngineConfig(
+        eviction_policy=eviction,
         device="cpu",
         page_size=page_size,
         max_total_tokens=capacity,
@@ -242,6 +245,28 @@ def test_tiny_pool_evicts_and_retracts(cache, page_size):
     if cache != "none":
         assert s["evicted_tokens"] > 0
     assert_no_leak(eng)
+
+
+@pytest.mark.parametrize("eviction", ["lfu", "gdf", "reuse-odds"])
+def test_eviction_policies_serve_exact_outputs_under_pressure(eviction):
+    """EngineConfig.eviction_policy reaches the tree; every policy evicts (page by page) under a
+    tiny pool with exact outputs and no leaked slot."""
+    rng = random.Random(2)
+    _, prompts = prompts_with_sharing(rng, n=10)
+    eng = make_engine(capacity=160, page_size=4, chunk=48, eviction=eviction)
+    assert eng.kv.cache.eviction_policy == eviction
+    params = greedy(24)
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = run_all(eng)
+    for rid, p in zip(ids, prompts):
+        assert done[rid].outputs[0].token_ids == reference(p, 24)
+    assert eng.cache_stats()["evicted_tokens"] > 0
+    assert_no_leak(eng)
+
+
+def test_unknown_eviction_policy_is_refused():
+    with pytest.raises(ValueError, match="eviction_policy must be one of"):
+        EngineConfig(device="cpu", eviction_policy="mru").resolve()
 
 
 def test_eviction_never_frees_the_fresh_match():
