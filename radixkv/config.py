@@ -7,10 +7,8 @@ from typing import Optional, Union
 
 import torch
 
-from radixkv.cache.evict_policy import POLICIES
-
 PREFIX_CACHES = ("radix", "hash", "none")
-EVICTION_POLICIES = ("lru", *POLICIES)
+EVICTION_POLICIES = ("lru", "lfu", "gdf", "reuse-odds")  # radixkv.cache.evict_policy (config stays a leaf)
 
 
 def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> int:
