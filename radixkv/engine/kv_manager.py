@@ -215,6 +215,17 @@ class KVManager:
         """The ``seq`` of the last cache event emitted (0: none yet)."""
         return self._seq
 
+    def replace_block_table(self, req_to_token_pool: ReqToTokenPool) -> None:
+        """Swap in another block table (e.g. longer rows) while no request holds a row.
+
+        Raises:
+            RuntimeError: a row of the current table is in use.
+        """
+        old = self.req_to_token_pool
+        if old.available_size() != old.max_running_requests:
+            raise RuntimeError("replace_block_table: rows of the block table are in use")
+        self.req_to_token_pool = req_to_token_pool
+
     def has_free_row(self) -> bool:
         """True when a ``req_to_token`` row is free."""
         return self.req_to_token_pool.available_size() > 0

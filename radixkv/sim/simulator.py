@@ -253,7 +253,7 @@ class CacheSimulator:
             return RequestResult(i, n, 0, None, served=False)
         if final > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
             self._ctx = max(final, 2 * self._ctx)
-            kv.req_to_token_pool = ReqToTokenPool(1, self._ctx)
+            kv.replace_block_table(ReqToTokenPool(1, self._ctx))
         r = Request(str(i), 0, tokens, self._params, req.namespace)
         prefix = kv.lock_prefix(r)
         if self.tracker is not None:
