@@ -25,6 +25,21 @@ RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
 COLORS = {"radix-p1": "tab:blue", "radix-p16": "tab:green", "hash-b16": "tab:orange", "none": "tab:gray"}
 MARKERS = {"radix-p1": "o", "radix-p16": "s", "hash-b16": "^", "none": "x"}
+# eviction variants of a base policy (bench/sim_cache.py): its colour, their own line style
+VARIANT_STYLE = {"lfu": (":", "v"), "gdf": (":", "<"), "odds": ("-.", "D"), "min": ((0, (1, 1)), ".")}
+
+
+def style(policy: str) -> tuple:
+    """(colour, marker, line style, base policy) of a bench policy name."""
+    if policy.startswith("min-"):
+        base = "radix-" + policy[len("min-") :]
+        ls, mk = VARIANT_STYLE["min"]
+        return "black" if base == "radix-p1" else "dimgray", mk, ls, base
+    for v, (ls, mk) in VARIANT_STYLE.items():
+        if policy.endswith("-" + v):
+            base = policy[: -len(v) - 1]
+            return COLORS.get(base, "tab:purple"), mk, ls, base
+    return COLORS.get(policy, "tab:purple"), MARKERS.get(policy, "o"), "-", policy
 
 
 def newest(kind: str) -> Path | None:
@@ -59,8 +74,10 @@ def plot_sim(paths: list[Path], out: Path) -> None:
         for p, rows in w["sweep"].items():
             xs = [r["fraction"] * 100 for r in rows]
             ys = [r["hit_rate"] * 100 for r in rows]
-            ax.plot(xs, ys, marker=MARKERS[p], color=COLORS[p], label=p, ms=4)
-            ax.axhline(bound[p]["hit_rate"] * 100, color=COLORS[p], ls="--", lw=0.8)
+            color, marker, ls, base = style(p)
+            ax.plot(xs, ys, marker=marker, color=color, ls=ls, label=p, ms=4 if ls == "-" else 3, lw=1.2)
+            if p == base and p in bound:
+                ax.axhline(bound[p]["hit_rate"] * 100, color=color, ls="--", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel("cache capacity (% of working set)")
         ax.set_ylabel("hit rate (% of prompt tokens)")
@@ -68,7 +85,9 @@ def plot_sim(paths: list[Path], out: Path) -> None:
         title = name if name != "multi_turn" else f"multi_turn ({sub['n_conversations']} conv.)"
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    flat[0].legend(loc="lower right", fontsize=8, title="dashed: infinite", title_fontsize=7)
+    flat[0].legend(
+        loc="lower right", fontsize=7, title="dashed: infinite; min-pN: Belady's MIN", title_fontsize=7, ncol=2
+    )
     # last panel: hit-rate gap to the token-level tree (points), per workload
     ax = flat[len(wls)]
     for name in wls:

@@ -6,8 +6,9 @@ No model runs. Every request goes through the engine's own slot path in the simu
 prompt + reply but the last generated token, as the engine does). The capacity (allocator size, in
 slots) is a fraction of the workload's *working set* (the tokens an infinite token-level cache
 holds at the end), so all policies get the same KV memory. Policies: ``radix-p1`` /
-``radix-p16`` (RadixCache, page 1 / 16), ``hash-b16`` (HashBlockCache, block 16), ``none``
-(NoPrefixCache).
+``radix-p16`` (RadixCache, page 1 / 16, LRU), ``radix-pN-lfu`` / ``-gdf`` / ``-odds`` (its other
+eviction policies), ``min-pN`` (Belady's MIN on the same trace: the offline bound,
+:func:`radixkv.sim.optimal`), ``hash-b16`` (HashBlockCache, block 16), ``none`` (NoPrefixCache).
 
 Metric: hit rate = cached prompt tokens / prompt tokens; prefill tokens = prompt tokens - cached.
 
@@ -39,14 +40,24 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.workloads import Workload, make_workload  # noqa: E402
-from radixkv.sim import CacheSimulator, SimRequest  # noqa: E402
+from radixkv.sim import CacheSimulator, SimRequest, optimal  # noqa: E402
 
-POLICIES = {  # bench name -> (radixkv.sim policy, page size)
+POLICIES = {  # bench name -> (radixkv.sim policy, page size); "min": radixkv.sim.optimal
     "radix-p1": ("radix", 1),
     "radix-p16": ("radix", 16),
     "hash-b16": ("hash", 16),
     "none": ("none", 16),
+    **{
+        f"radix-p{ps}-{short}": (f"radix-{policy}", ps)
+        for ps in (1, 16)
+        for short, policy in (("lfu", "lfu"), ("gdf", "gdf"), ("odds", "reuse-odds"))
+    },
+    "min-p1": ("min", 1),
+    "min-p16": ("min", 16),
 }
+EVICTION_ONLY = {p for p, (name, _) in POLICIES.items() if name == "min" or name.startswith("radix-")}
+"""Policies that differ from another one only in what they evict: equal to it when nothing is
+evicted, so the infinite-capacity pass skips them."""
 FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
@@ -56,9 +67,12 @@ def simulate(wl: Workload, policy: str, capacity: int | None, hash_algo: str = "
     if capacity is None:  # never evicts: each request adds at most its own suffix + reply tokens,
         # plus its parent's uncached unaligned tail (< ps) and page rounding (< ps)
         capacity = sum(len(r.prompt) + len(r.reply) for r in wl.requests) + 2 * ps * len(wl.requests)
-    sim = CacheSimulator(name, ps, max(ps, capacity), hash_algo, outcomes=False)
     reqs = (SimRequest(wl.full_prompt(i), r.reply, r.namespace) for i, r in enumerate(wl.requests))
-    res = sim.run(reqs, keep_requests=False)
+    if name == "min":
+        res = optimal(list(reqs), ps, max(ps, capacity))
+    else:
+        sim = CacheSimulator(name, ps, max(ps, capacity), hash_algo, outcomes=False)
+        res = sim.run(reqs, keep_requests=False)
     return dict(
         policy=policy,
         capacity=res.capacity,
@@ -115,8 +129,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--policies",
         nargs="+",
-        default=["radix-p1", "radix-p16", "hash-b16"],
-        help="'none' (NoPrefixCache) has hit rate 0 by construction; add it to check that",
+        default=["radix-p1", "radix-p16", "hash-b16", "radix-p1-odds", "radix-p16-odds", "min-p1", "min-p16"],
+        choices=sorted(POLICIES),
+        help="radix-pN: RadixCache (LRU), page N; radix-pN-lfu / -gdf / -odds: its LFU, "
+        "GreedyDual-Frequency and reuse-odds eviction policies; min-pN: Belady's MIN, the offline "
+        "bound (radixkv.sim.optimal); hash-b16: vLLM-style block hashing. 'none' (NoPrefixCache) "
+        "has hit rate 0 by construction; add it to check that",
     )
     ap.add_argument("--fractions", nargs="+", type=float, default=FRACTIONS)
     ap.add_argument("--conversations", type=int, default=17318, help="ShareGPT conversations (all: 17318)")
@@ -148,7 +166,10 @@ def main(argv=None) -> int:
     ensure_token_cache()  # once, before the workers (they would wait on its lock otherwise)
     with ProcessPoolExecutor(max_workers=args.jobs) as ex:
         # 1) infinite-capacity bound per policy: also gives the working set (radix-p1's cache size)
-        jobs = [(n, kw, p, None, args.hash_algo) for n, kw in specs.items() for p in args.policies]
+        base = [p for p in args.policies if p not in EVICTION_ONLY]
+        if "radix-p1" not in base:
+            base.insert(0, "radix-p1")  # its cache size is the working set
+        jobs = [(n, kw, p, None, args.hash_algo) for n, kw in specs.items() for p in base]
         for name, res in ex.map(_job, jobs):
             wl_res = results.setdefault(name, dict(params=specs[name], infinite={}, sweep={}))
             wl_res["infinite"][res["policy"]] = res
@@ -167,7 +188,7 @@ def main(argv=None) -> int:
                     n_conversations=args.sweep_conversations,
                     concurrency=max(1, round(args.concurrency * args.sweep_conversations / args.conversations)),
                 )
-                inf = [(name, kw, p, None, args.hash_algo) for p in args.policies]
+                inf = [(name, kw, p, None, args.hash_algo) for p in base]
                 results[name]["sweep_params"] = kw
                 results[name]["sweep_infinite"] = {r["policy"]: r for _, r in ex.map(_job, inf)}
                 ws = results[name]["sweep_infinite"]["radix-p1"]["cache_tokens_end"]

@@ -10,7 +10,11 @@ be), not the inserted lists. Measured at page_size 1 and 16:
 * split match: a query that leaves each sequence's unique tail after 70 of its 140 tokens, so
   every call splits an edge;
 * evict all: one ``evict(total_size())``;
-* 32k: insert and match of one 32768-token prompt;
+* evict 16: ``evict(16)`` calls on the built tree (what a decode step short of a page asks; the
+  tree frees the tail of its least recently used leaf, the textbook tree a whole leaf);
+* 32k: insert and match of one 32768-token prompt (a list of fresh ints);
+* 32k by container (radixkv only): the same match from a tuple, ``array('i' / 'q')``, numpy
+  int32 / int64, an int64 tensor and a memoryview, read in place through the buffer protocol;
 * and SlotAllocator alloc(n) / free(n slots) for n = 1, 16, 512.
 
 Each figure is process CPU time, the fastest of 6 runs (3 rounds, implementations
@@ -35,6 +39,7 @@ import time
 from array import array
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # Runs from a checkout whether or not radixkv is installed.
@@ -196,6 +201,7 @@ def run_tree(make, seqs, fresh, split_q, slots, long_seq, long_slots, repeats=5)
         evict_us.append((_clock() - t0) * 1e6)
         assert len(freed) == total, (len(freed), total)
     r["evict_all"], r["evict_tokens"] = min(evict_us), total
+    r["evict_16"] = _blocks(build, [lambda t: t.evict(16)] * 500, repeats)
     long_query = array("q", long_seq).tolist()
     r["insert_32k"] = _blocks(
         lambda: [make() for _ in range(10)],
@@ -211,6 +217,38 @@ def run_tree(make, seqs, fresh, split_q, slots, long_seq, long_slots, repeats=5)
 
     r["match_32k"] = _blocks(one_long, [lambda t: t.match_prefix(long_query)] * 10, repeats, 1)
     return r
+
+
+CONTAINERS = {
+    "list": lambda s: array("q", s).tolist(),
+    "tuple": lambda s: tuple(array("q", s).tolist()),
+    "array('i')": lambda s: array("i", s),
+    "array('q')": lambda s: array("q", s),
+    "numpy int32": lambda s: np.array(s, dtype=np.int32),
+    "numpy int64": lambda s: np.array(s, dtype=np.int64),
+    "tensor int64": lambda s: torch.tensor(s, dtype=torch.int64),
+    "memoryview q": lambda s: memoryview(array("q", s)),
+}
+
+
+def bench_containers(long_seq, long_slots, repeats=5):
+    """Per-call microseconds of a full-hit 32k match (and of an insert into an empty tree) for
+    each container of the same ids, page_size 1 and 16."""
+    out = {}
+    for ps in (1, 16):
+        tree = RadixCache(ps)
+        tree.insert(long_seq, long_slots)
+        for name, box in CONTAINERS.items():
+            q = box(long_seq)
+            m = _blocks(lambda tree=tree: tree, [lambda t, q=q: t.match_prefix(q)] * 10, repeats, 1)
+            ins = _blocks(
+                lambda ps=ps: [RadixCache(ps) for _ in range(10)],
+                [lambda ts, i=i, q=q: ts[i].insert(q, long_slots) for i in range(10)],
+                repeats,
+                1,
+            )
+            out[f"ps={ps} {name}"] = (m, ins)
+    return out
 
 
 def bench_allocator(repeats=5):
@@ -274,13 +312,13 @@ def main() -> None:
     )
     hdr = (
         f"{'implementation':44s} {'insert/seq':>10s} {'match/seq':>10s} {'split':>8s} "
-        f"{'evict all':>10s} {'tokens':>7s} {'ins 32k':>9s} {'match 32k':>9s}"
+        f"{'evict all':>10s} {'tokens':>7s} {'evict 16':>9s} {'ins 32k':>9s} {'match 32k':>9s}"
     )
     print(hdr)
     for name, r in results.items():
         print(
             f"{name:44s} {r['insert']:10.2f} {r['match']:10.2f} {r['split_match']:8.2f} "
-            f"{r['evict_all']:10.0f} {r['evict_tokens']:7d} {r['insert_32k']:9.0f} "
+            f"{r['evict_all']:10.0f} {r['evict_tokens']:7d} {r['evict_16']:9.2f} {r['insert_32k']:9.0f} "
             f"{r['match_32k']:9.0f}"
         )
     print(
@@ -308,6 +346,8 @@ def main() -> None:
             f"  {op:12s} vs SGLang 0.5.23 reference {ref / ours[op]:5.1f}x   "
             f"vs in-run naive baseline {naive[op] / ours[op]:5.1f}x"
         )
+    for op in ("evict_16", "insert_32k", "match_32k"):
+        print(f"  {op:12s} {'':34s}vs in-run naive baseline {naive[op] / ours[op]:5.1f}x")
     if "radixkv ps=1 (pure Python, C helper off)" in results:
         py = results["radixkv ps=1 (pure Python, C helper off)"]
         print(
@@ -316,6 +356,13 @@ def main() -> None:
                 f"{op} {py[op] / ours[op]:.2f}x" for op in ("insert", "match", "split_match", "insert_32k", "match_32k")
             )
         )
+    boxes = bench_containers(long_seq, long_slots)
+    print(
+        "\n32k-token prompt by token container, CPU us per call (match: full hit, slots read out; insert: empty tree):"
+    )
+    for name, (m, ins) in boxes.items():
+        print(f"  {name:22s} match {m:7.1f}   insert {ins:7.1f}")
+    results["containers_32k"] = {k: {"match": m, "insert": i} for k, (m, i) in boxes.items()}
     alloc = bench_allocator()
     print(
         "SlotAllocator (page_size 1), CPU us per call: "

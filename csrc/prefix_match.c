@@ -1,8 +1,11 @@
 /* radixkv.cache._cprefix: the radix tree's hot loops, in C.
  *
  * An edge's tokens are an int32 buffer (bytes, native byte order, 4 bytes a token) and its KV
- * slots an int64 buffer (bytes, 8 bytes a token). A query's tokens are either a list/tuple of
- * Python ints, read in place (no packed copy is made for a lookup), or an int32 bytes buffer.
+ * slots an int64 buffer (bytes, 8 bytes a token). A query's tokens are a list/tuple of Python
+ * ints, or any C-contiguous 1-D buffer of signed 4- or 8-byte integers in native byte order
+ * (array("i"/"l"/"q"), a numpy int32/int64 array, a memoryview of those; the tree's own int32
+ * bytes keys too), read in place through the buffer protocol: no packed copy is made and no
+ * Python int is created for a lookup; int64 ids are range-checked as they are read.
  *
  * pack_int32(seq) -> bytes
  *   seq: a list or tuple of ints. Returns their int32 buffer.
@@ -104,6 +107,8 @@ static Py_ssize_t
 prefix_tokens(const char *p, const char *q, Py_ssize_t n)
 {
     Py_ssize_t nbytes = n * 4, i = 0;
+    /* whole 256-byte blocks with memcmp (vectorized by the C library), then 8 bytes at a time */
+    while (i + 256 <= nbytes && memcmp(p + i, q + i, 256) == 0) i += 256;
     for (; i + 8 <= nbytes; i += 8) {
         uint64_t x, y;
         memcpy(&x, p + i, 8);
@@ -143,38 +148,113 @@ common_prefix_len(PyObject *self, PyObject *args)
 
 /* ------------------------------------------------------------------ query tokens */
 
-/* A query: an int32 buffer (buf) or the items of a list/tuple of ints (items). No Python code
- * runs while one is in use (only bytes hashing/compares and slot attribute access), so the
- * borrowed item array stays valid. `checked`: items [0, checked) are known to be valid ids. */
+/* A query: int32 ids in memory (buf: an int32 bytes object or buffer), int64 ids in memory
+ * (buf64: an int64 buffer, each id range-checked when read), or the items of a list/tuple of
+ * ints (items). No Python code runs while one is in use (only bytes hashing/compares and slot
+ * attribute access), so the borrowed item array and the buffer stay valid. `checked`: ids
+ * [0, checked) are known to be valid. A query made from a buffer holds it (query_release). */
 typedef struct {
     const char *buf;
+    const int64_t *buf64;
     PyObject **items;
     Py_ssize_t len, checked;
+    Py_buffer view;
+    int has_view;
 } Query;
+
+static void
+query_release(Query *q)
+{
+    if (q->has_view) {
+        PyBuffer_Release(&q->view);
+        q->has_view = 0;
+    }
+}
+
+/* A buffer's item format is a signed 4- or 8-byte integer in native byte order ("i", "l", "q",
+ * optionally after "@", or after "=" / "<" on a little-endian machine). */
+static int
+int_format(const char *f, Py_ssize_t itemsize)
+{
+    if (f == NULL) return 0;
+    if (f[0] == '@') f++;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    else if (f[0] == '=' || f[0] == '<') f++;
+#endif
+    return (f[0] == 'i' || f[0] == 'l' || f[0] == 'q') && f[1] == '\0'
+           && (itemsize == 4 || itemsize == 8);
+}
 
 static int
 query_init(Query *q, PyObject *tokens)
 {
     q->checked = 0;
-    if (PyBytes_Check(tokens)) {
+    q->buf = NULL;
+    q->buf64 = NULL;
+    q->items = NULL;
+    q->has_view = 0;
+    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
+        q->items = PySequence_Fast_ITEMS(tokens);
+        q->len = PySequence_Fast_GET_SIZE(tokens);
+        return 0;
+    }
+    if (PyBytes_Check(tokens)) { /* the tree's own int32 keys */
         if (PyBytes_GET_SIZE(tokens) % 4) {
             PyErr_SetString(PyExc_ValueError, "token buffer length must be a multiple of 4");
             return -1;
         }
         q->buf = PyBytes_AS_STRING(tokens);
-        q->items = NULL;
         q->len = PyBytes_GET_SIZE(tokens) / 4;
         q->checked = q->len;
         return 0;
     }
-    if (PyList_Check(tokens) || PyTuple_Check(tokens)) {
-        q->buf = NULL;
-        q->items = PySequence_Fast_ITEMS(tokens);
-        q->len = PySequence_Fast_GET_SIZE(tokens);
+    if (PyObject_CheckBuffer(tokens)) {
+        /* C-contiguous, with its format: an array("i"/"l"/"q"), a numpy int32/int64 array,
+         * a memoryview of those */
+        if (PyObject_GetBuffer(tokens, &q->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            return -1;
+        q->has_view = 1;
+        if (q->view.ndim != 1 || !int_format(q->view.format, q->view.itemsize)) {
+            PyErr_Format(PyExc_TypeError,
+                         "a token buffer must be 1-D with items of format i, l or q (signed "
+                         "4 or 8 bytes), got ndim %d format %.20s",
+                         q->view.ndim, q->view.format ? q->view.format : "B");
+            query_release(q);
+            return -1;
+        }
+        q->len = q->view.len / q->view.itemsize;
+        if (q->view.itemsize == 4) {
+            q->buf = (const char *)q->view.buf;
+            q->checked = q->len;
+        } else {
+            q->buf64 = (const int64_t *)q->view.buf;
+        }
         return 0;
     }
-    PyErr_Format(PyExc_TypeError, "tokens must be a list, tuple or int32 bytes, got %.100s",
+    PyErr_Format(PyExc_TypeError, "tokens must be a list, tuple or integer buffer, got %.100s",
                  Py_TYPE(tokens)->tp_name);
+    return -1;
+}
+
+/* int64 ids [start, end) of an int64 buffer to int32 at dst, range-checked. 0 or -1. */
+static int
+narrow64(const int64_t *restrict src, Py_ssize_t start, Py_ssize_t end, int32_t *restrict dst)
+{
+    int64_t bad = 0;
+    for (Py_ssize_t i = start; i < end; i++) {
+        int64_t v = src[i];
+        bad |= v ^ (int64_t)(int32_t)v;
+        dst[i - start] = (int32_t)v;
+    }
+    if (!bad) return 0;
+    for (Py_ssize_t i = start; i < end; i++) {
+        if (src[i] != (int32_t)src[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "token id at position %zd does not fit in int32 "
+                         "(must be in [-2147483648, 2147483647])", i);
+            break;
+        }
+    }
     return -1;
 }
 
@@ -186,34 +266,69 @@ query_pack(Query *q, Py_ssize_t start, Py_ssize_t end, char *dst)
         memcpy(dst, q->buf + start * 4, (size_t)(end - start) * 4);
         return 0;
     }
-    for (Py_ssize_t i = start; i < end; i++) {
-        int32_t v;
-        if (item_to_int32(q->items[i], i, &v) < 0) return -1;
-        memcpy(dst + (i - start) * 4, &v, 4);
+    if (q->buf64) {
+        if (narrow64(q->buf64, start, end, (int32_t *)dst) < 0) return -1;
+    } else {
+        for (Py_ssize_t i = start; i < end; i++) {
+            int32_t v;
+            if (item_to_int32(q->items[i], i, &v) < 0) return -1;
+            memcpy(dst + (i - start) * 4, &v, 4);
+        }
     }
     if (end > q->checked) q->checked = end;
     return 0;
 }
 
+#define QBLOCK 256
+
+/* Common prefix of an int32 key and int64 ids, in tokens (n at most). An id outside int32 equals
+ * no key token, so the compare needs no range check: the ids it passes are valid. Blocks of 16
+ * are compared without branches (vectorized), the first differing block token by token. */
+static Py_ssize_t
+prefix_tokens64(const char *key, const int64_t *restrict ids, Py_ssize_t n)
+{
+    Py_ssize_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        int64_t diff = 0;
+        for (int k = 0; k < 16; k++) {
+            int32_t t;
+            memcpy(&t, key + (j + k) * 4, 4);
+            diff |= ids[j + k] ^ (int64_t)t;
+        }
+        if (diff) break;
+    }
+    for (; j < n; j++) {
+        int32_t t;
+        memcpy(&t, key + j * 4, 4);
+        if (ids[j] != (int64_t)t) break;
+    }
+    return j;
+}
+
 /* Length of the common prefix of the edge key (int32) and tokens [pos, pos + lim): -1 on a bad
- * token id (error set). */
+ * token id (error set). Ids read are marked checked (a list's are converted as they are
+ * compared; an int64 buffer's equal to a key token are valid by that alone). */
 static Py_ssize_t
 query_prefix(Query *q, const char *key, Py_ssize_t pos, Py_ssize_t lim)
 {
     if (q->buf) return prefix_tokens(key, q->buf + pos * 4, lim);
-    /* blocks of 64: convert (the tight loop of pack_int32), then compare 8 bytes at a time */
-    int32_t block[64];
-    Py_ssize_t j = 0;
-    while (j < lim) {
-        Py_ssize_t b = lim - j < 64 ? lim - j : 64;
-        PyObject **items = q->items + pos + j;
-        for (Py_ssize_t i = 0; i < b; i++)
-            if (item_to_int32(items[i], pos + j + i, block + i) < 0) return -1;
-        if (pos + j + b > q->checked) q->checked = pos + j + b;
-        Py_ssize_t c = prefix_tokens(key + j * 4, (const char *)block, b);
-        j += c;
-        if (c < b) break;
+    if (q->buf64) {
+        Py_ssize_t j = prefix_tokens64(key, q->buf64 + pos, lim);
+        if (pos + j > q->checked) q->checked = pos + j;
+        return j;
     }
+    PyObject **items = q->items + pos;
+    Py_ssize_t j = 0;
+    for (; j < lim; j++) {
+        int32_t v, t;
+        if (item_to_int32(items[j], pos + j, &v) < 0) return -1;
+        memcpy(&t, key + j * 4, 4);
+        if (v != t) {
+            if (pos + j + 1 > q->checked) q->checked = pos + j + 1;
+            return j;
+        }
+    }
+    if (pos + j > q->checked) q->checked = pos + j;
     return j;
 }
 
@@ -221,9 +336,18 @@ query_prefix(Query *q, const char *key, Py_ssize_t pos, Py_ssize_t lim)
 static int
 query_check_rest(Query *q)
 {
-    for (Py_ssize_t i = q->checked; i < q->len; i++) {
-        int32_t v;
-        if (item_to_int32(q->items[i], i, &v) < 0) return -1;
+    if (q->checked >= q->len) return 0;
+    if (q->buf64) {
+        int32_t block[QBLOCK];
+        for (Py_ssize_t i = q->checked; i < q->len; i += QBLOCK) {
+            Py_ssize_t e = q->len - i < QBLOCK ? q->len : i + QBLOCK;
+            if (narrow64(q->buf64, i, e, block) < 0) return -1;
+        }
+    } else {
+        for (Py_ssize_t i = q->checked; i < q->len; i++) {
+            int32_t v;
+            if (item_to_int32(q->items[i], i, &v) < 0) return -1;
+        }
     }
     q->checked = q->len;
     return 0;
@@ -369,7 +493,10 @@ match_walk(PyObject *self, PyObject *args)
     Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
     PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
     PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * 8), *result = NULL;
-    if (buf == NULL) return NULL;
+    if (buf == NULL) {
+        query_release(&q);
+        return NULL;
+    }
     if (descend(node, &q, n, ps, PyByteArray_AS_STRING(buf), &path, &depth, &cap, &pos,
                 &split_child, &m) < 0)
         goto done;
@@ -381,6 +508,7 @@ done:
     Py_XDECREF(split_child);
     release_path(path, depth, cap);
     Py_DECREF(buf);
+    query_release(&q);
     return result;
 }
 
@@ -432,6 +560,7 @@ done:
     Py_XDECREF(tail_key);
     Py_XDECREF(tail_slots);
     release_path(path, depth, cap);
+    query_release(&q);
     return result;
 }
 

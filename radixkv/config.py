@@ -8,6 +8,7 @@ from typing import Optional, Union
 import torch
 
 PREFIX_CACHES = ("radix", "hash", "none")
+EVICTION_POLICIES = ("lru", "lfu", "gdf", "reuse-odds")  # radixkv.cache.evict_policy (config stays a leaf)
 
 
 def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> int:
@@ -59,6 +60,12 @@ class EngineConfig:
 
     enable_prefix_caching: bool = True
     """False is the same as prefix_cache="none"."""
+
+    eviction_policy: str = "lru"
+    """Which leaf of the radix tree is evicted first (prefix_cache="radix"; always page by page
+    from the leaf's tail): "lru", "lfu", "gdf" (GreedyDual-Frequency) or "reuse-odds"
+    (:mod:`radixkv.cache.evict_policy`; measured in docs/benchmarks.md). SGLang's
+    ``--radix-eviction-policy``."""
 
     attention_backend: str = "auto"
     """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA, cpu on
@@ -150,6 +157,8 @@ class EngineConfig:
             self.prefix_cache = "none"
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         cuda = dev.type == "cuda"

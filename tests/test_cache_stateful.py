@@ -2,25 +2,42 @@
 
 Hypothesis drives random inserts, matches, lock/unlock, evictions, resets and slot holds over
 short sequences from a 3-token alphabet (so edges branch and split all the time), in two
-namespaces, at page_size 1 and 4. The *_derived rules reuse a prefix of an earlier insert plus a
-random tail, so that long edges are matched, extended and split deep inside, not only near
-the root. The oracle is a plain dict per namespace from every cached
-page-aligned prefix (a tuple of tokens) to the slots of its last page.
+namespaces, at page_size 1 and 4 (LRU, the default policy), at page_size 2 under the LFU
+policy and at page_size 4 under reuse-odds. The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
+edges are matched, extended and split deep inside, not only near the root. Every match and
+insert hands the tree its tokens in a container drawn from CONTAINERS (list, tuple, array of
+i/l/q, numpy int32/int64, memoryviews, int32/int64 tensors), so every container type meets every
+tree shape without multiplying the runs.
+
+The oracle is page-level: a dict per namespace from every cached page-aligned prefix (a tuple
+of tokens) to the slots of its last page, the logical time of the last match / insert that
+walked through that page and the number of such walks. Eviction is checked exactly: the oracle
+frees, one page at a time, the evictable leaf page (cached, not on a locked prefix, no cached
+page below it) that the policy ranks lowest (LRU: oldest access; LFU: fewest walks, then
+oldest), until ``ceil(num / page_size)`` pages are gone or none is left, and the tree must free
+exactly those slots: partial eviction (a leaf's tail pages go, its head stays) included.
+(Reuse-odds learns its order from the run, so for it the oracle checks what every policy must
+do: exactly that many slots, never a locked page, the cache prefix-closed afterwards.) (Two
+evictable leaf pages never share an access time: the pages one call walks through lie on one
+path, so at most one of them is a leaf.)
 
 After every step: check_integrity(); sizes are non-negative and equal the oracle's; the
 protected size equals the number of distinct locked prefix pages; allocator available + tree
 evictable + tree protected + slots held by the test == capacity (so no slot leaks and, with the
 allocator's double-free check, none is owned twice).
 
-CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each page size (up to
-12,000 steps in all; ~16 s of CPU, 20-45 s wall on the busy 2-core dev machine), derandomized so
-every run checks the same cases. RADIXKV_SOAK=1 runs 20,000 examples of up to 100 steps each
+CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each of the four machines
+(up to 24,000 steps in all; ~40 s of CPU, 1-3 min wall on the busy 2-core dev machine),
+derandomized so every run checks the same cases. RADIXKV_SOAK=1 runs 20,000 examples of up to 100 steps each
 (~330x more; hours) with fresh random seeds each run.
 """
 
 import os
+from array import array
 
+import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -36,16 +53,33 @@ NAMESPACES = [None, "lora-b"]
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=14)
 tail_st = st.lists(st.integers(0, 2), min_size=0, max_size=6)
 ns_st = st.sampled_from(NAMESPACES)
+CONTAINERS = {
+    "list": list,
+    "tuple": tuple,
+    "array_i": lambda t: array("i", t),
+    "array_l": lambda t: array("l", t),
+    "array_q": lambda t: array("q", t),
+    "numpy_int32": lambda t: np.array(t, dtype=np.int32),
+    "numpy_int64": lambda t: np.array(t, dtype=np.int64),
+    "memoryview_q": lambda t: memoryview(array("q", t)),
+    "memoryview_i": lambda t: memoryview(np.array(t, dtype=np.int32)),
+    "tensor_int64": lambda t: torch.tensor(t, dtype=torch.int64),
+    "tensor_int32": lambda t: torch.tensor(t, dtype=torch.int32),
+}
+box_st = st.sampled_from(sorted(CONTAINERS))
 
 
 class CacheMachine(RuleBasedStateMachine):
     page_size = 1
+    policy = "lru"
 
     @initialize()
     def setup(self):
-        self.tree = RadixCache(self.page_size)
+        self.tree = RadixCache(self.page_size, eviction_policy=self.policy)
         self.alloc = SlotAllocator(CAPACITY, self.page_size)
         self.cached = {ns: {} for ns in NAMESPACES}  # prefix tuple -> slots of its last page
+        self.touched = {ns: {} for ns in NAMESPACES}  # prefix tuple -> (last walk time, walks)
+        self.clock = 0
         self.locks = []  # (namespace, locked prefix tuple, node)
         self.held = []  # slot tensors the test holds (like running requests)
         self.seen = []  # (namespace, tokens) of past inserts, to derive long shared prefixes
@@ -63,6 +97,35 @@ class CacheMachine(RuleBasedStateMachine):
             slots.extend(page)
         return slots
 
+    def touch(self, ns, toks, length):
+        """The oracle's record of a match / insert walking through the first ``length`` tokens."""
+        self.clock += 1
+        for end in range(self.page_size, length + 1, self.page_size):
+            key = tuple(toks[:end])
+            self.touched[ns][key] = (self.clock, self.touched[ns].get(key, (0, 0))[1] + 1)
+
+    def rank(self, ns, key):
+        t, walks = self.touched[ns][key]
+        return t if self.policy == "lru" else (walks, t)
+
+    def oracle_evict(self, num):
+        """The slots the tree must free for ``evict(num)``, page by page (see module docstring)."""
+        ps = self.page_size
+        locked = {(ns, p[:end]) for ns, p, _ in self.locks for end in range(ps, len(p) + 1, ps)}
+        left = {(ns, k) for ns in NAMESPACES for k in self.cached[ns]}
+        freed = []
+        while len(freed) < num:
+            inner = {(ns, k[:-ps]) for ns, k in left}
+            leaves = [(self.rank(ns, k), ns, k) for ns, k in left if (ns, k) not in inner | locked]
+            if not leaves:
+                break
+            ranks = sorted(r for r, _, _ in leaves)
+            assert len(ranks) < 2 or ranks[0] != ranks[1], "two evictable leaf pages tie"
+            _, ns, k = min(leaves, key=lambda x: x[0])
+            left.discard((ns, k))
+            freed.extend(self.cached[ns][k])
+        return freed
+
     def alloc_with_eviction(self, n):
         s = self.alloc.alloc(n)
         if s is None:
@@ -71,20 +134,22 @@ class CacheMachine(RuleBasedStateMachine):
         return s
 
     def do_evict(self, num):
+        ps = self.page_size
         evictable = self.tree.evictable_size()
+        expected = self.oracle_evict(num) if self.policy in ("lru", "lfu") else None
         freed = self.tree.evict(num)
         got = freed.tolist()
         assert len(got) == len(set(got))
-        assert len(got) >= min(num, 1) or evictable == 0
-        if len(got) < num:
-            assert self.tree.evictable_size() == 0
+        assert len(got) == min(-(-num // ps) * ps, evictable)  # exactly what is needed, in pages
+        if expected is not None:
+            assert sorted(got) == sorted(expected)
         self.alloc.free(freed)  # raises on a double free or a slot never allocated
         gone = set(got)
-        ps = self.page_size
         for ns in NAMESPACES:
             for key in [k for k, page in self.cached[ns].items() if page[0] in gone]:
                 assert set(self.cached[ns][key]) <= gone  # whole pages go
                 del self.cached[ns][key]
+                del self.touched[ns][key]
             for key in self.cached[ns]:  # what remains is still prefix-closed
                 assert len(key) == ps or key[:-ps] in self.cached[ns]
         for ns, prefix, _ in self.locks:  # a protected token is never freed
@@ -98,20 +163,21 @@ class CacheMachine(RuleBasedStateMachine):
         ns, toks = self.seen[i % len(self.seen)]
         return ns, toks[:cut] + tail
 
-    @rule(toks=tokens_st, ns=ns_st)
-    def insert(self, toks, ns):
-        self.do_insert(toks, ns)
+    @rule(toks=tokens_st, ns=ns_st, box=box_st)
+    def insert(self, toks, ns, box):
+        self.do_insert(toks, ns, box)
 
     @precondition(lambda self: self.seen)
-    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st)
-    def insert_derived(self, i, cut, tail):
-        self.do_insert(*reversed(self.derived(i, cut, tail)))
-
-    @precondition(lambda self: self.seen)
-    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st)
-    def match_derived(self, i, cut, tail):
+    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st, box=box_st)
+    def insert_derived(self, i, cut, tail, box):
         ns, toks = self.derived(i, cut, tail)
-        self.match(toks, ns)
+        self.do_insert(toks, ns, box)
+
+    @precondition(lambda self: self.seen)
+    @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st, box=box_st)
+    def match_derived(self, i, cut, tail, box):
+        ns, toks = self.derived(i, cut, tail)
+        self.match(toks, ns, box)
 
     @precondition(lambda self: self.seen)
     @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st)
@@ -119,16 +185,18 @@ class CacheMachine(RuleBasedStateMachine):
         ns, toks = self.derived(i, cut, tail)
         self.lock(toks, ns)
 
-    def do_insert(self, toks, ns):
+    def do_insert(self, toks, ns, box="list"):
         ps = self.page_size
         n_alloc = -(-len(toks) // ps) * ps
         slots = self.alloc_with_eviction(n_alloc)
         if slots is None:
             return
         expected_p = len(self.oracle_match(ns, toks))
-        p = self.tree.insert(toks, slots[: len(toks)], namespace=ns)
+        p = self.tree.insert(CONTAINERS[box](toks), slots[: len(toks)], namespace=ns)
         assert p == expected_p
         n = len(toks) - len(toks) % ps
+        if n:
+            self.touch(ns, toks, n)
         for end in range(p + ps, n + 1, ps):
             self.cached[ns][tuple(toks[:end])] = slots[end - ps : end].tolist()
         # The caller frees its duplicates and its unaligned tail (whole pages).
@@ -137,16 +205,18 @@ class CacheMachine(RuleBasedStateMachine):
         if toks:
             self.seen.append((ns, toks))
 
-    @rule(toks=tokens_st, ns=ns_st)
-    def match(self, toks, ns):
-        r = self.tree.match_prefix(toks, namespace=ns)
+    @rule(toks=tokens_st, ns=ns_st, box=box_st)
+    def match(self, toks, ns, box="list"):
+        r = self.tree.match_prefix(CONTAINERS[box](toks), namespace=ns)
         expected = self.oracle_match(ns, toks)
         assert r.length == len(expected) == len(r.slots)
         assert r.slots.tolist() == expected
+        self.touch(ns, toks, r.length)
 
     @rule(toks=tokens_st, ns=ns_st)
     def lock(self, toks, ns):
         r = self.tree.match_prefix(toks, namespace=ns)
+        self.touch(ns, toks, r.length)
         if r.length:
             self.tree.inc_lock_ref(r.node)
             self.locks.append((ns, tuple(toks[: r.length]), r.node))
@@ -160,6 +230,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(toks=tokens_st, ns=ns_st)
     def unbalanced_unlock_raises(self, toks, ns):
         r = self.tree.match_prefix(toks, namespace=ns)
+        self.touch(ns, toks, r.length)
         if r.length and r.node.lock_ref == 0:
             before = (self.tree.protected_size(), self.tree.evictable_size())
             with pytest.raises(RuntimeError):
@@ -191,6 +262,7 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(freed) == sum(len(p) for c in self.cached.values() for p in c.values())
         self.alloc.free(freed)
         self.cached = {ns: {} for ns in NAMESPACES}
+        self.touched = {ns: {} for ns in NAMESPACES}
 
     # ---------------------------------------------------------------- invariants
 
@@ -212,6 +284,16 @@ class CacheMachinePage4(CacheMachine):
     page_size = 4
 
 
+class CacheMachineLFUPage2(CacheMachine):
+    page_size = 2
+    policy = "lfu"
+
+
+class CacheMachineReuseOddsPage4(CacheMachine):
+    page_size = 4
+    policy = "reuse-odds"
+
+
 _settings = settings(
     max_examples=MAX_EXAMPLES,
     stateful_step_count=STEPS,
@@ -225,5 +307,9 @@ TestRadixCachePage1 = CacheMachine.TestCase
 TestRadixCachePage1.settings = _settings
 TestRadixCachePage4 = CacheMachinePage4.TestCase
 TestRadixCachePage4.settings = _settings
+TestRadixCacheLFUPage2 = CacheMachineLFUPage2.TestCase
+TestRadixCacheLFUPage2.settings = _settings
+TestRadixCacheReuseOddsPage4 = CacheMachineReuseOddsPage4.TestCase
+TestRadixCacheReuseOddsPage4.settings = _settings
 
 pytestmark = pytest.mark.timeout(None if SOAK else 600)

@@ -141,3 +141,38 @@ def test_cache_events_mirror_the_tree_exactly(page_size, seed):
     assert s["evicted_tokens"] > 0 and mirror == _tree_blocks(eng.cache) and mirror
     assert seqs == list(range(1, len(seqs) + 1))
     assert eng.reset_prefix_cache() and mirror == set() and seqs[-1] == len(seqs)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_partial_eviction_reports_exactly_the_pages_freed(page_size):
+    """A request that needs part of the memory an older cached sequence holds evicts only that
+    sequence's tail pages: the CacheEvicted event counts exactly those tokens and names exactly
+    the 16-token blocks the tree no longer holds; the head stays cached and matchable."""
+    eng = make_engine(capacity=96, page_size=page_size, chunk=96)
+    mirror: set[bytes] = set()
+    evicted = []
+
+    def on_cache(ev):
+        if isinstance(ev, CacheInserted):
+            mirror.update(ev.block_digests)
+        elif isinstance(ev, CacheEvicted):
+            evicted.append(ev)
+            mirror.difference_update(ev.block_digests)
+
+    eng.events.subscribe(on_cache, (CacheInserted, CacheEvicted))
+    a = [(7 * i) % (VOCAB - 1) + 1 for i in range(64)]
+    eng.add_request(a, greedy(1))
+    run_all(eng)
+    held = eng.cache.total_size()  # a's prompt (+ its output token, whole pages only)
+    b = [(5 * i + 3) % (VOCAB - 1) + 1 for i in range(40)]
+    eng.add_request(b, greedy(1))
+    run_all(eng)
+    assert evicted, "b did not need to evict"
+    need = sum(e.num_tokens for e in evicted)
+    assert need % page_size == 0 and need < held  # a tail, not the whole sequence
+    kept = eng.cache.match_prefix(a).length
+    assert kept == held - need - (held - need) % page_size and kept > 0
+    assert mirror == _tree_blocks(eng.cache)
+    # the blocks reported gone are exactly a's blocks from the first one that lost a token
+    first = kept // BLOCK_TOKENS
+    assert {d for e in evicted for d in e.block_digests} == set(block_digests(a, None, first, held // BLOCK_TOKENS))

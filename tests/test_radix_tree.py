@@ -134,9 +134,9 @@ def test_lru_order_follows_access_not_insertion():
     t.insert([2, 2], S(2, 3))
     t.insert([3, 3], S(4, 5))
     assert t.match_prefix([1, 1]).length == 2  # touch the oldest
-    assert t.evict(1).tolist() == [2, 3]  # [2, 2] is now least recently used
-    assert t.evict(1).tolist() == [4, 5]
-    assert t.evict(1).tolist() == [0, 1]
+    assert t.evict(2).tolist() == [2, 3]  # [2, 2] is now least recently used
+    assert t.evict(2).tolist() == [4, 5]
+    assert t.evict(2).tolist() == [0, 1]
     assert t.total_size() == 0
 
 
@@ -145,9 +145,9 @@ def test_match_refreshes_only_the_matched_part_of_a_split():
     t.insert([1, 2, 3, 4], S(0, 1, 2, 3))
     t.insert([5, 6], S(4, 5))
     t.match_prefix([1, 2, 9])  # splits [1 2 | 3 4]; [3, 4] keeps its old access time
-    assert t.evict(1).tolist() == [2, 3]
-    assert t.evict(1).tolist() == [4, 5]
-    assert t.evict(1).tolist() == [0, 1]
+    assert t.evict(2).tolist() == [2, 3]
+    assert t.evict(2).tolist() == [4, 5]
+    assert t.evict(2).tolist() == [0, 1]
 
 
 def test_parent_evicted_after_its_last_child_in_the_same_call():
@@ -155,10 +155,161 @@ def test_parent_evicted_after_its_last_child_in_the_same_call():
     t.insert([1, 2, 3, 4], S(0, 1, 2, 3))
     t.insert([1, 2, 5, 6], S(9, 9, 4, 5))
     t.insert([7], S(6))
-    assert t.evict(5).tolist() == [2, 3, 4, 5, 0, 1]  # children, then their parent [1, 2]
+    assert t.evict(6).tolist() == [2, 3, 4, 5, 0, 1]  # children, then their parent [1, 2]
     assert edges(t) == {(7,): ([6], 0)}
     assert (t.total_size(), t.evictable_size()) == (1, 1)
     t.check_integrity()
+
+
+def test_partial_eviction_frees_the_tail_pages_and_keeps_the_head():
+    t = RadixCache()
+    calls = []
+    t.evict_listener = lambda ns, path, start: calls.append((ns, np.frombuffer(path, np.int32).tolist(), start))
+    t.insert([1, 2, 3, 4, 5, 6], S(10, 11, 12, 13, 14, 15))
+    old = t.match_prefix([1, 2, 3, 4, 5, 6]).node
+    t.insert([7, 8], S(16, 17))
+    assert t.evict(2).tolist() == [14, 15]  # only what is needed, from the tail
+    assert calls == [(None, [1, 2, 3, 4, 5, 6], 4)]  # path to the old end, first freed position
+    assert edges(t) == {(1, 2, 3, 4): ([10, 11, 12, 13], 0), (7, 8): ([16, 17], 0)}
+    assert (t.total_size(), t.evictable_size()) == (6, 6)
+    with pytest.raises(ValueError, match="not in this tree"):  # the freed tail's handle is dead
+        t.inc_lock_ref(old)
+    assert t.evict(1).tolist() == [13]  # the kept head is still the least recently used
+    assert t.match_prefix([1, 2, 9]).length == 2  # refresh its first half
+    assert t.evict(3).tolist() == [12, 16, 17]  # [3] (older), then the whole of [7, 8]
+    assert edges(t) == {(1, 2): ([10, 11], 0)}
+    t.check_integrity()
+
+
+def test_partial_eviction_in_whole_pages_under_a_locked_prefix():
+    t = RadixCache(page_size=4)
+    t.insert(list(range(8)), torch.arange(8))
+    t.insert(list(range(8)) + list(range(100, 112)), torch.arange(100, 120))
+    r = t.match_prefix(list(range(8)))
+    t.inc_lock_ref(r.node)
+    assert t.evict(1).tolist() == [116, 117, 118, 119]  # one token asked: its whole page goes
+    assert t.evict(5).tolist() == [108, 109, 110, 111, 112, 113, 114, 115]
+    assert (t.total_size(), t.protected_size(), t.evictable_size()) == (8, 8, 0)
+    assert t.evict(100).tolist() == []  # the locked prefix stays
+    assert r.node.lock_ref == 1 and t.match_prefix(list(range(20))).length == 8
+    t.dec_lock_ref(r.node)
+    assert t.evict(7).tolist() == list(range(8))
+    assert t.root.children == {}
+    t.check_integrity()
+
+
+def test_evicting_everything_evictable_cuts_the_unlocked_subtrees_and_tells_the_listener():
+    t = RadixCache(page_size=2)
+    calls = []
+    t.evict_listener = lambda ns, path, start: calls.append((ns, tuple(np.frombuffer(path, np.int32)), start))
+    t.insert([1, 2, 3, 4, 5, 6], torch.arange(6))
+    t.insert([1, 2, 3, 4, 7, 8, 9, 9], torch.arange(10, 18))
+    t.insert([1, 2, 5, 5], torch.arange(20, 24))
+    t.insert([4, 4, 4, 4], torch.arange(30, 34), namespace="b")
+    locked = t.match_prefix([1, 2, 3, 4, 5, 6]).node
+    t.inc_lock_ref(locked)
+    gone = t.match_prefix([1, 2, 5, 5]).node
+    assert t.evictable_size() == 4 + 2 + 4
+    freed = t.evict(10**6)
+    assert sorted(freed.tolist()) == [14, 15, 16, 17, 22, 23, 30, 31, 32, 33]
+    assert sorted(calls, key=repr) == sorted(
+        [(None, (1, 2, 3, 4, 7, 8, 9, 9), 4), (None, (1, 2, 5, 5), 2), ("b", (4, 4, 4, 4), 0)], key=repr
+    )
+    assert list(t.root.children) == [None]  # the emptied namespace is dropped
+    assert (t.total_size(), t.protected_size(), t.evictable_size()) == (6, 6, 0)
+    with pytest.raises(ValueError, match="not in this tree"):
+        t.inc_lock_ref(gone)
+    assert t.match_prefix([1, 2, 3, 4, 5, 6, 7]).length == 6
+    t.dec_lock_ref(locked)
+    t.check_integrity()
+    assert sorted(t.evict(6).tolist()) == list(range(6)) and t.root.children == {}
+
+
+def test_evict_frees_exactly_the_rounded_request_or_everything_evictable():
+    rng = random.Random(2)
+    for ps in (1, 3, 16):
+        t, alloc = RadixCache(ps), SlotAllocator(ps << 14, ps)
+        for _ in range(200):
+            toks = [rng.randrange(5) for _ in range(rng.randrange(1, 80))]
+            slots = alloc.alloc(-(-len(toks) // ps) * ps)
+            p = t.insert(toks, slots[: len(toks)])
+            alloc.free(slots[:p])
+            alloc.free(slots[len(toks) - len(toks) % ps :])
+            if rng.random() < 0.3:
+                num, before = rng.randrange(0, 60), t.evictable_size()
+                freed = t.evict(num)
+                assert len(freed) == min(-(-num // ps) * ps, before)
+                alloc.free(freed)
+        t.check_integrity()
+        assert alloc.available_size() + t.total_size() == alloc.num_slots
+
+
+def test_lfu_and_greedy_dual_policies_order_leaves_by_hits():
+    def tree(policy):
+        t = RadixCache(eviction_policy=policy)
+        t.insert([1, 1], S(0, 1))  # A
+        t.match_prefix([1, 1])
+        t.match_prefix([1, 1])  # A: 3 walks, the oldest after B and C arrive
+        t.insert([2, 2], S(2, 3))  # B: 1 walk
+        t.insert([3, 3], S(4, 5))  # C: 1 walk
+        return t
+
+    assert tree("lru").evict(2).tolist() == [0, 1]  # A is least recently used
+    lfu = tree("lfu")
+    assert lfu.eviction_policy == "lfu" and lfu.root.children[None].children[b"\x01\0\0\0"].hits == 3
+    assert [lfu.evict(2).tolist() for _ in range(3)] == [[2, 3], [4, 5], [0, 1]]
+    gdf = tree("gdf")
+    assert gdf.evict(2).tolist() == [2, 3]  # H: A 3, B 1, C 1 -> B (older), L = 1
+    gdf.insert([4, 4], S(6, 7))  # D: H = L + 1 = 2
+    gdf.check_integrity()
+    assert [gdf.evict(2).tolist() for _ in range(3)] == [[4, 5], [6, 7], [0, 1]]
+    assert gdf._policy.inflation == 3
+    gdf.insert([5], S(8))
+    gdf.reset()
+    assert gdf._policy.inflation == 0
+    with pytest.raises(ValueError, match="eviction_policy"):
+        RadixCache(eviction_policy="fifo")
+
+
+def test_reuse_odds_learns_which_leaves_come_back():
+    """Long leaves (depth >= 256) that are never matched again and short ones that are: once
+    reuse-odds has seen both, a short leaf outlives a long one inserted after it (LRU would
+    evict the short one first); a freed leaf whose tokens come back under the same node is a
+    ghost hit (counted reused, not dead)."""
+    from radixkv.cache.evict_policy import ReuseOdds
+
+    policy = ReuseOdds(depth_block=256)
+    t = RadixCache(eviction_policy=policy)
+    slot = iter(range(10**6))
+
+    def put(toks):
+        slots = torch.tensor([next(slot) for _ in toks])
+        t.insert(toks, slots)
+        return slots.tolist()
+
+    for i in range(20):  # short sequences come back, long ones do not
+        short, long = [1000 + i] * 8, [2000 + i] * 300
+        put(short)
+        put(long)
+        t.match_prefix(short)
+    t.evict(t.total_size())
+    # a leaf is judged by the class it was filed under: fresh short leaves (1 walk, depth < 256)
+    # were all reused, fresh long ones (depth 256-511) never, short ones reused once never again
+    fresh_short, fresh_long, reused_short = (1, 0), (1, 1), (2, 0)
+    assert policy.reused_count == {fresh_short: 20} and policy.mean_gap == 2  # matched 2 ticks later
+    assert policy.dead_count == {fresh_long: 20, reused_short: 20}
+    assert policy.log_odds(fresh_short) > 0 > policy.log_odds(fresh_long)
+    put([7] * 8)  # short, older
+    long_slots = put([8] * 300)  # long, newer
+    assert t.evict(300).tolist() == long_slots  # LRU would have evicted the short one first
+    assert t.match_prefix([7] * 8).length == 8 and t.match_prefix([8] * 300).length == 0
+    # a ghost hit: the freed long leaf comes back under the same (namespace root) node
+    dead = policy.dead_count.get((1, 1), 0)
+    put([8] * 300)
+    assert policy.dead_count[(1, 1)] == dead - 1
+    t.check_integrity()
+    with pytest.raises(ValueError, match="depth_block"):
+        ReuseOdds(depth_block=0)
 
 
 def test_lock_after_split_pins_exactly_the_matched_tokens():
@@ -175,7 +326,7 @@ def test_lock_after_split_pins_exactly_the_matched_tokens():
     with pytest.raises(RuntimeError, match="dec_lock_ref"):
         t.dec_lock_ref(r.node)  # unbalanced
     assert (t.protected_size(), t.evictable_size()) == (0, 3)
-    assert t.evict(1).tolist() == [10, 11, 12]
+    assert t.evict(3).tolist() == [10, 11, 12]
     with pytest.raises(ValueError, match="not in this tree"):
         t.inc_lock_ref(r.node)
     t.check_integrity()
@@ -251,6 +402,92 @@ def test_token_input_types_agree():
     ):
         assert t.match_prefix(q).slots.tolist() == [0, 1, 2]
     assert t.insert([5, 6, 7], [9, 9, 9]) == 3
+
+
+def _containers(toks):
+    """Every token container the tree reads in place (and a few it converts), for one list."""
+    out = {
+        "list": list(toks),
+        "tuple": tuple(toks),
+        "array_i": array("i", toks),
+        "array_l": array("l", toks),
+        "array_q": array("q", toks),
+        "numpy_int32": np.array(toks, dtype=np.int32),
+        "numpy_int64": np.array(toks, dtype=np.int64),
+        "memoryview_i": memoryview(array("i", toks)),
+        "memoryview_l": memoryview(array("l", toks)),
+        "memoryview_q": memoryview(array("q", toks)),
+        "tensor_int64": torch.tensor(toks, dtype=torch.int64),
+        "tensor_int32": torch.tensor(toks, dtype=torch.int32),
+        # converted, not read in place: other dtypes, strided views, non-native byte order
+        "numpy_uint16": np.array(toks, dtype=np.uint16),
+        "numpy_strided": np.repeat(np.array(toks, dtype=np.int64), 2)[::2],
+        "numpy_big_endian": np.array(toks, dtype=">i4"),
+        "tensor_strided": torch.tensor(toks, dtype=torch.int64).repeat_interleave(2)[::2],
+        "range": range(toks[0], toks[0] + len(toks)) if toks == list(range(toks[0], toks[0] + len(toks))) else toks,
+    }
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_every_token_container_gives_the_same_answers(page_size):
+    """match_prefix and insert give the same results (lengths, slots, tree) for every container
+    of the same ids, with and without the C helper; raw bytes and bad ids are refused."""
+    rng = random.Random(5)
+    base = [rng.randrange(40000) for _ in range(3000)]
+    other = base[:1000] + [rng.randrange(40000) for _ in range(1000)]
+    queries = [base, base[:2047], other, base[:5], [base[0] + 1] + base[1:64]]
+
+    def run(box):
+        t = RadixCache(page_size)
+        log = [t.insert(_containers(base)[box], torch.arange(3000))]
+        log.append(t.insert(_containers(other)[box], torch.arange(3000, 5000)))
+        for q in queries:
+            r = t.match_prefix(_containers(q)[box])
+            log.append((r.length, r.slots.tolist()))
+        t.check_integrity()
+        return log, t.pretty_print()
+
+    impls = [False, True] if radix_tree.HAS_CEXT else [True]
+    results = {}
+    for py in impls:
+        for box in _containers(base):
+            if py:
+                with token_keys.use_python_path():
+                    results[box, py] = run(box)
+            else:
+                results[box, py] = run(box)
+    ref = results["list", impls[0]]
+    assert ref[0][:2] == [0, 1000 - 1000 % page_size]
+    for key, got in results.items():
+        assert got == ref, key
+    t = RadixCache(page_size)
+    t.insert(base, torch.arange(3000))
+    for bad in (bytes(array("i", base)), bytearray(array("i", base)), memoryview(bytes(16))):
+        with pytest.raises(ValueError, match="raw bytes"):
+            t.match_prefix(bad)
+        with pytest.raises(ValueError, match="raw bytes"):
+            t.insert(bad, torch.arange(len(bad)))
+    int64_boxes = (
+        lambda x: array("q", x),
+        lambda x: array("l", x),
+        lambda x: np.array(x, dtype=np.int64),
+        lambda x: memoryview(array("q", x)),
+        lambda x: torch.tensor(x, dtype=torch.int64),
+    )
+    for box in int64_boxes:
+        for q in (box(base[:40] + [2**31] + base[41:80]), box([2**40] * 3), box(base[:16] + [-(2**31) - 1])):
+            with pytest.raises(ValueError, match="int32"):
+                t.match_prefix(q)
+            with pytest.raises(ValueError, match="int32"):
+                t.insert(q, torch.arange(len(q)))
+    for bad in (np.zeros((2, 2), dtype=np.int64), torch.zeros(2, 2, dtype=torch.int64), np.array([1.5])):
+        with pytest.raises(ValueError, match="1-D integer"):
+            t.match_prefix(bad)
+    with pytest.raises(ValueError, match="integers"):
+        t.match_prefix(array("d", [1.0]))
+    assert t.total_size() == 3000 - 3000 % page_size
+    t.check_integrity()
 
 
 def test_reset_returns_every_slot_and_refuses_while_locked():
@@ -376,6 +613,46 @@ def test_package_works_without_the_c_helper():
     assert out.stdout.strip() == "ok"
 
 
+def test_containers_and_partial_eviction_without_torch_and_without_the_c_helper():
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["torch"] = None
+from array import array
+import numpy as np
+from radixkv.cache import RadixCache, SlotAllocator, token_keys as k
+assert not k.HAS_CEXT
+base = list(range(100, 164))
+for ps in (1, 4):
+    got = []
+    for q in (base, tuple(base), array("i", base), array("q", base), np.array(base, dtype=np.int32),
+              np.array(base), memoryview(array("q", base)), np.array(base, dtype=np.uint16)):
+        a, t = SlotAllocator(128, ps), RadixCache(ps)
+        assert t.insert(q, a.alloc(64)) == 0
+        m = t.match_prefix(q[:50])
+        freed = t.evict(5)
+        got.append((m.length, m.slots.tolist(), sorted(freed.tolist()), t.total_size()))
+        t.check_integrity()
+    assert all(g == got[0] for g in got), got
+    assert got[0][2] == list(range(64 - (5 + ps - 1) // ps * ps, 64)) and got[0][3] == 64 - len(got[0][2])
+try:
+    RadixCache().match_prefix(b"1234")
+except ValueError as e:
+    assert "raw bytes" in str(e)
+else:
+    raise AssertionError("bytes accepted")
+print("ok")
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, RADIXKV_NO_CEXT="1", PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def test_unlocked_older_leaf_goes_before_newer_leaves():
     t = RadixCache()
     t.insert([1, 1], S(0, 1))
@@ -384,10 +661,10 @@ def test_unlocked_older_leaf_goes_before_newer_leaves():
     t.insert([2, 2], S(2, 3))
     t.insert([3, 3], S(4, 5))
     t.dec_lock_ref(r.node)  # [1, 1] is evictable again, with its older access time
-    assert t.evict(1).tolist() == [0, 1]
+    assert t.evict(2).tolist() == [0, 1]
     t.match_prefix([2, 2])
-    assert t.evict(1).tolist() == [4, 5]
-    assert t.evict(1).tolist() == [2, 3]
+    assert t.evict(2).tolist() == [4, 5]
+    assert t.evict(2).tolist() == [2, 3]
 
 
 @pytest.mark.parametrize("page_size", [1, 2])
@@ -422,7 +699,7 @@ def test_every_eviction_takes_a_least_recently_used_leaf(page_size):
                 assert freed.tolist() == []
                 continue
             oldest = min(n.last_access for n in leaves)
-            assert freed.tolist() in [n.slots() for n in leaves if n.last_access == oldest]
+            assert freed.tolist() in [n.slots()[-page_size:] for n in leaves if n.last_access == oldest]
         if step % 50 == 0:
             t.check_integrity()
     t.check_integrity()
@@ -585,7 +862,7 @@ def test_foreign_node_bad_evict_arguments_and_slot_ranges_raise_cleanly():
     for bad in (None, "3", -1, True, 1.5):
         with pytest.raises(ValueError, match="num_tokens"):
             a.evict(bad)
-    assert a.evict(np.int64(1)).tolist() == [0, 1, 2]
+    assert a.evict(np.int64(3)).tolist() == [0, 1, 2]
     for bad in ([2**63], [2**63, -1], np.array([2**63], dtype=np.uint64)):
         with pytest.raises(ValueError, match="int64"):
             a.insert([5], bad)

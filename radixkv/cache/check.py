@@ -18,6 +18,9 @@ def check_tree(tree: Any) -> None:
 
     ps = tree.page_size
     pb = tree._page_bytes
+    policy = tree._policy
+    if policy is not None and tree._lru_new:
+        fail("policy mode keeps every evictable leaf in the SortedList")
     total = protected = 0
     leaves = set()
     seen_slots = []
@@ -36,15 +39,20 @@ def check_tree(tree: Any) -> None:
                 fail(f"namespace differs from its parent's: {node!r}")
             if node.last_access > node.parent.last_access:
                 fail(f"last_access newer than its parent's: {node!r}")
+            if tree._counts_hits and node.parent.key and node.hits > node.parent.hits:
+                fail(f"more hits than its parent: {node!r}")
             if not node.children and node.lock_ref == 0:
                 leaves.add(node.uid)
                 e = node.lru
-                if not (
-                    e is True
-                    and tree._lru_new.get(node.uid) is node
-                    or e == (node.last_access, node.uid, node)
-                    and e in tree._lru_old
-                ):
+                if policy is None:
+                    ok = (
+                        e is True
+                        and tree._lru_new.get(node.uid) is node
+                        or (e == (node.last_access, node.uid, node) and e in tree._lru_old)
+                    )
+                else:  # a policy's priority may depend on its state when the leaf was filed
+                    ok = type(e) is tuple and e[1] == node.uid and e[2] is node and e in tree._lru_old
+                if not ok:
                     fail(f"evictable leaf with a missing or bad LRU entry: {node!r}")
             elif node.lru is not None:
                 fail(f"non-evictable node in the LRU set: {node!r}")

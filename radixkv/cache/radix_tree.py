@@ -38,7 +38,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from itertools import count
-from typing import Any, Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional, Union
 
 import numpy as np
 from sortedcontainers import SortedList
@@ -46,6 +46,7 @@ from sortedcontainers import SortedList
 from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.check import check_tree, format_tree
+from radixkv.cache.evict_policy import EvictionPolicy, make_policy
 from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, query_tokens, slot_tensor_address
 from radixkv.memory.slots import buffer_reader, empty_slots
 
@@ -98,9 +99,11 @@ class TreeNode:
         namespace: the namespace this node belongs to.
         lru: where the node sits in the evictable-leaf set: ``None`` (not in it), ``True`` (in
             the OrderedDict of current-time entries) or its ``SortedList`` entry tuple.
+        hits: match / insert calls that walked through this node (kept only under an eviction
+            policy that uses it, else 0).
     """
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid", "namespace", "lru")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid", "namespace", "lru", "hits")
 
     def __init__(
         self, key: bytes, value: bytes, parent: Optional["TreeNode"], namespace: Hashable, last_access: int
@@ -114,6 +117,7 @@ class TreeNode:
         self.uid = next(_uids)
         self.namespace = namespace
         self.lru: Any = None
+        self.hits = 0
 
     def tokens(self) -> list:
         """The edge's token ids as a list of int."""
@@ -141,17 +145,26 @@ class RadixCache:
         page_size: tokens per KV page (int >= 1). With ``page_size > 1`` every edge holds a whole
             number of pages, matches are floored to whole pages and only whole pages are
             inserted.
+        eviction_policy: which evictable leaf goes first: ``"lru"`` (the default: least recently
+            used) or a name / object of :mod:`radixkv.cache.evict_policy` (``"lfu"``,
+            ``"gdf"``, ``"reuse-odds"``). Whatever the policy, a leaf is freed tail first, page by
+            page.
 
     Raises:
-        ValueError: ``page_size`` is not an int >= 1.
+        ValueError: ``page_size`` is not an int >= 1, or an unknown ``eviction_policy``.
     """
 
     shares_prefixes = True
 
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru") -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
+        self._policy = make_policy(eviction_policy)
+        if self._policy is not None:
+            self._policy.bind(page_size)
+        self._counts_hits = self._policy is not None and self._policy.counts_hits
+        self.eviction_policy = "lru" if self._policy is None else self._policy.name
         self._page_bytes = 4 * page_size
         self._read_slots = buffer_reader()
         self.evict_listener: Optional[Callable[[Hashable, bytes, int], None]] = None
@@ -165,14 +178,18 @@ class RadixCache:
     def _init_state(self) -> None:
         self.root = TreeNode(b"", _EMPTY, None, None, 0)
         self._lru_new: OrderedDict = OrderedDict()  # uid -> node, oldest first
-        self._lru_old: SortedList = SortedList()  # (last_access, uid, node)
+        self._lru_old: SortedList = SortedList()  # (last_access or policy priority, uid, node)
         self._total = 0
         self._protected = 0
+        if self._policy is not None:
+            self._policy.reset()
 
     # ------------------------------------------------------------------ evictable-leaf set
 
     def _lru_add(self, node: TreeNode) -> None:
-        if node.last_access == self._clock:
+        if self._policy is not None:
+            self._pq_add(node, self._policy.priority(node))
+        elif node.last_access == self._clock:
             self._lru_new[node.uid] = node
             node.lru = True
         else:
@@ -186,10 +203,28 @@ class RadixCache:
             self._lru_old.remove(node.lru)
         node.lru = None
 
-    def _lru_refresh(self, node: TreeNode) -> None:
-        """Re-files an evictable leaf whose last_access was just set to the current clock."""
+    def _pq_add(self, node: TreeNode, priority: Any) -> None:
+        """Files ``node`` under a policy's ``priority`` (policy mode: every entry is in the
+        SortedList)."""
+        node.lru = (priority, node.uid, node)
+        self._lru_old.add(node.lru)
+
+    def _count_hits(self, node: TreeNode) -> None:
+        """One more hit on every node from ``node`` up to its namespace root (policy mode)."""
+        while node.key:
+            node.hits += 1
+            node = node.parent
+
+    def _lru_refresh(self, node: TreeNode, reuse: bool = True) -> None:
+        """Re-files an evictable leaf whose last_access was just set to the current clock
+        (``reuse``: a match reached it, which a policy is told of)."""
         if node.lru is True:
             self._lru_new.move_to_end(node.uid)
+        elif self._policy is not None:
+            self._lru_old.remove(node.lru)
+            if reuse:
+                self._policy.reused(node.lru[0], node)
+            self._pq_add(node, self._policy.priority(node))
         else:
             self._lru_old.remove(node.lru)
             self._lru_new[node.uid] = node
@@ -209,6 +244,7 @@ class RadixCache:
         value = node.value
         upper = TreeNode(key[: m << 2], value[: m << 3], parent, node.namespace, node.last_access)
         upper.lock_ref = node.lock_ref
+        upper.hits = node.hits
         parent.children[key[:pb]] = upper
         node.key = key = key[m << 2 :]
         node.value = value[m << 3 :]
@@ -255,6 +291,8 @@ class RadixCache:
         if pos == 0:
             return _match_result(empty_slots(), 0, self.root)
         ns_root.last_access = tick
+        if self._counts_hits:
+            self._count_hits(node)
         lru = node.lru
         if lru is True:  # the common case of _lru_refresh, inlined
             self._lru_new.move_to_end(node.uid)
@@ -387,10 +425,19 @@ class RadixCache:
             self._total += len(tail_key) >> 2
             if node.lru is not None:
                 self._lru_remove(node)
-            self._lru_new[leaf.uid] = leaf
-            leaf.lru = True
-        elif node.lru is not None:
-            self._lru_refresh(node)
+            if self._policy is None:
+                self._lru_new[leaf.uid] = leaf
+                leaf.lru = True
+            else:
+                if self._counts_hits:
+                    self._count_hits(leaf)
+                self._policy.inserted(leaf)
+                self._lru_add(leaf)
+        else:
+            if self._counts_hits:
+                self._count_hits(node)
+            if node.lru is not None:
+                self._lru_refresh(node, reuse=False)
         return pos
 
     # ------------------------------------------------------------------ locking
@@ -446,17 +493,23 @@ class RadixCache:
     # ------------------------------------------------------------------ eviction
 
     def evict(self, num_tokens: int) -> Any:
-        """Frees least-recently-used unlocked leaves until ``num_tokens`` are freed.
+        """Frees cached pages, least recently used leaf first, tail first, until ``num_tokens``
+        (rounded up to whole pages) are freed.
 
-        A parent whose last child is evicted becomes a leaf and competes (by its own last-access
-        time) in the same call. Stops early when nothing evictable is left; may free more than
-        asked (whole edges are freed).
+        Page-granular: when the leaf at the head of the eviction order is longer than what is
+        still needed, it is split at the last page boundary that frees enough and only its tail
+        goes; the kept head stays cached (a leaf again, with the same last-access time, so it
+        stays at the head of the order). A parent whose last child is evicted becomes a leaf and
+        competes (by its own last-access time, or its policy priority) in the same call. Stops
+        early when nothing evictable is left. Exactly ``min(ceil(num_tokens / page_size) *
+        page_size, evictable_size())`` tokens are freed. :attr:`evict_listener` hears of every
+        freed piece (a whole node, or the tail of a split one).
 
         Args:
             num_tokens: tokens to free (int >= 0).
 
         Returns:
-            1-D int64 CPU tensor of the freed slots (empty if none), for the caller to return to
+            1-D int64 slot array of the freed slots (empty if none), for the caller to return to
             its allocator.
 
         Raises:
@@ -470,9 +523,12 @@ class RadixCache:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}") from None
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+        if num_tokens >= self._total - self._protected and self._policy is None:
+            return self._evict_every_unlocked()
         new, old = self._lru_new, self._lru_old
         pb = self._page_bytes
         listener = self.evict_listener
+        policy = self._policy
         freed = []
         done = 0
         while done < num_tokens and (new or old):
@@ -484,19 +540,36 @@ class RadixCache:
                     take_old = True
             else:
                 take_old = False
-            node = old.pop(0)[2] if take_old else new.popitem(last=False)[1]
+            if take_old:
+                entry = old.pop(0)
+                node = entry[2]
+            else:
+                entry = None
+                node = new.popitem(last=False)[1]
             node.lru = None
+            size = len(node.key) >> 2
+            kept = None
+            if num_tokens - done < size:  # free only the tail pages still needed
+                cut = -(-(num_tokens - done) // self.page_size) * self.page_size
+                if cut < size:
+                    kept = self._split(node, size - cut)  # node keeps the tail, kept the head
+                    size = cut
+            if policy is not None:
+                policy.freed(entry[0], node)
             if listener is not None:
                 path = _path_key(node)
                 listener(node.namespace, path, (len(path) - len(node.key)) >> 2)
             freed.append(node.value)
-            done += len(node.key) >> 2
+            done += size
             parent = node.parent
             del parent.children[node.key[:pb]]
             node.parent = None
             if not parent.children and parent.lock_ref == 0:
                 if parent.key:
-                    self._lru_add(parent)
+                    if parent is kept and policy is not None:  # the kept head keeps its place
+                        self._pq_add(kept, entry[0])
+                    else:
+                        self._lru_add(parent)
                 else:  # an emptied namespace root
                     del self.root.children[parent.namespace]
                     parent.parent = None
@@ -504,6 +577,51 @@ class RadixCache:
         if not freed:
             return empty_slots()
         return self._read_slots(bytearray().join(freed))
+
+    def _evict_every_unlocked(self) -> Any:
+        """``evict`` of everything evictable (LRU; the order does not matter then): cuts every
+        unlocked subtree off the locked part of the tree in one walk over the evicted nodes (and
+        the locked ones above them), instead of popping leaves one by one. A node with
+        ``lock_ref == 0`` has no locked descendant, so its whole subtree goes."""
+        listener = self.evict_listener
+        values = []
+        for namespace, ns_root in list(self.root.children.items()):
+            above = [ns_root]  # locked nodes whose children are looked at
+            while above:
+                node = above.pop()
+                kids = node.children
+                for k in [k for k, c in kids.items() if c.lock_ref == 0]:
+                    top = kids.pop(k)
+                    if listener is None:  # the common case: no paths to build
+                        todo = [top]
+                        while todo:
+                            x = todo.pop()
+                            if x.children:
+                                todo.extend(x.children.values())
+                            values.append(x.value)
+                            x.parent = None
+                            x.lru = None
+                        continue
+                    todo = [(top, _path_key(node))]
+                    while todo:
+                        x, prefix = todo.pop()
+                        path = prefix + x.key
+                        listener(namespace, path, len(prefix) >> 2)
+                        todo.extend((c, path) for c in x.children.values())
+                        values.append(x.value)
+                        x.parent = None
+                        x.lru = None
+                above.extend(kids.values())
+            if not ns_root.children and ns_root.lock_ref == 0:
+                del self.root.children[namespace]
+                ns_root.parent = None
+        self._lru_new.clear()
+        self._lru_old.clear()
+        joined = bytearray().join(values)
+        self._total -= len(joined) >> 3  # one int64 slot per token
+        if not values:
+            return empty_slots()
+        return self._read_slots(joined)
 
     def reset(self) -> Any:
         """Empties the tree; returns every slot it held (1-D int64 CPU tensor) for the caller to

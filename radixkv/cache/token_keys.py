@@ -166,7 +166,39 @@ def read_int64_py(address: int, count: int) -> bytes:
 
 
 def _as_int32_bytes(tokens) -> bytes:
-    return tokens if type(tokens) is bytes else pack_int32_py(tokens)
+    """int32 bytes of a walk's query: the tree's own int32 ``bytes``, a list/tuple of ints, or a
+    1-D buffer of format i / l / q (int64 ids range-checked)."""
+    t = type(tokens)
+    if t is bytes:
+        return tokens
+    if t is list or t is tuple:
+        return pack_int32_py(tokens)
+    arr = np.frombuffer(tokens, dtype=_BUFFER_DTYPES[_buffer_format(tokens)])
+    if arr.dtype.itemsize == 4:
+        return arr.tobytes()
+    return _narrow_int64(arr).tobytes()
+
+
+def _narrow_int64(arr: np.ndarray) -> np.ndarray:
+    """int32 copy of an int64 array of token ids. Raises ValueError naming the first id outside
+    int32."""
+    out = arr.astype(np.int32)
+    if arr.size and not np.array_equal(out, arr):
+        i = int(np.flatnonzero(out != arr)[0])
+        raise ValueError(f"token id at position {i} does not fit in int32 (must be in [{_INT32_MIN}, {_INT32_MAX}])")
+    return out
+
+
+_BUFFER_DTYPES = {"i": np.int32, "l": np.dtype("l"), "q": np.int64}
+
+
+def _buffer_format(buf) -> str:
+    """'i', 'l' or 'q' for a 1-D C-contiguous memoryview-able buffer of those, else ''."""
+    mv = memoryview(buf)
+    f = mv.format.lstrip("@=<" if sys.byteorder == "little" else "@")
+    if mv.ndim == 1 and mv.c_contiguous and f in ("i", "l", "q") and mv.itemsize in (4, 8):
+        return f
+    return ""
 
 
 def match_walk_py(node, tokens, page_size: int, tick: int) -> tuple:
@@ -267,12 +299,19 @@ def int_tokens_for_retry(seq) -> list:
 
 
 def pack_tokens(tokens: Tokens) -> bytes:
-    """int32 buffer of a token sequence; ValueError for bad shapes, dtypes or ranges."""
+    """int32 buffer of a token sequence; ValueError for bad shapes, dtypes or ranges (and for raw
+    ``bytes`` / ``bytearray``, whose element width is unknown)."""
     if isinstance(tokens, (list, tuple)):
         try:
             return pack_int32(tokens)
         except NotAnInt:
             return pack_int32(int_tokens(tokens))
+    if isinstance(tokens, (bytes, bytearray)):
+        raise ValueError(_RAW_BYTES)
+    if isinstance(tokens, memoryview):
+        if tokens.format in ("B", "c"):  # a view of raw bytes
+            raise ValueError(_RAW_BYTES)
+        tokens = np.asarray(tokens)
     if is_tensor(tokens):
         if tokens.dim() != 1 or tokens.is_floating_point() or tokens.is_complex():
             raise ValueError(
@@ -287,18 +326,73 @@ def pack_tokens(tokens: Tokens) -> bytes:
                 raise ValueError(f"token ids must fit in int32 (must be in [{_INT32_MIN}, {_INT32_MAX}])")
             tokens = tokens.astype(np.int32)
         return tokens.tobytes()
-    if isinstance(tokens, array) and tokens.typecode == "i":
-        return tokens.tobytes()
+    if isinstance(tokens, array):
+        if tokens.typecode in "bBhHiIlLqQ":
+            return pack_tokens(np.frombuffer(tokens, dtype=tokens.typecode))
+        raise ValueError(f"tokens must be integers, got array of typecode {tokens.typecode!r}")
     return pack_int32(list(tokens))
 
 
+_RAW_BYTES = (
+    "tokens must not be raw bytes / bytearray (their element width is unknown): pass a list of "
+    "ints, an array('i'/'l'/'q'), a numpy int32/int64 array, a memoryview of format i/l/q or a "
+    "1-D integer tensor"
+)
+
+
+def _native_int_array(arr: np.ndarray) -> bool:
+    """True for a 1-D C-contiguous numpy array of native int32 / int64 (read in place)."""
+    return arr.ndim == 1 and arr.dtype.char in "ilq" and arr.dtype.isnative and arr.flags.c_contiguous
+
+
 def query_tokens(tokens: Tokens):
-    """``tokens`` as the walk helpers take them: a list or tuple unchanged (read in place and
-    validated by the walk), anything else packed by :func:`pack_tokens` into int32 bytes."""
+    """``tokens`` as the walk helpers take them, read in place where possible:
+
+    * a list or tuple of ints, unchanged (read item by item and validated by the walk);
+    * a 1-D C-contiguous buffer of signed 4- or 8-byte integers in native order, unchanged:
+      ``array('i' / 'l' / 'q')``, a numpy int32 / int64 array, a memoryview of format i / l / q;
+      a 1-D integer CPU tensor of int32 / int64 becomes its numpy view (no copy);
+    * anything else (other integer dtypes, strided views, other sequences) packed by
+      :func:`pack_tokens` into int32 bytes.
+
+    Raises:
+        ValueError: raw ``bytes`` / ``bytearray``, a shape other than 1-D, a non-integer dtype,
+            an id outside int32 (the last one for in-place inputs: raised by the walk).
+    """
     t = type(tokens)
     if t is list or t is tuple:
         return tokens
+    if t is np.ndarray:
+        return tokens if _native_int_array(tokens) else pack_tokens(tokens)
+    if t is array:
+        return tokens if tokens.typecode in "ilq" else pack_tokens(tokens)
+    if t is bytes or t is bytearray:
+        raise ValueError(_RAW_BYTES)
+    if t is memoryview:
+        return tokens if _buffer_format(tokens) else pack_tokens(tokens)
+    if is_tensor(tokens):
+        if tokens.dim() == 1 and tokens.is_cpu and tokens.dtype in _tensor_int_dtypes():
+            arr = tokens.numpy()  # integer tensors never require grad
+            if arr.flags.c_contiguous:
+                return arr
+        return pack_tokens(tokens)
     return pack_tokens(tokens)
+
+
+_TENSOR_DTYPES: tuple = ()
+
+
+def _tensor_int_dtypes() -> tuple:
+    global _TENSOR_DTYPES
+    if not _TENSOR_DTYPES:
+        torch = sys.modules["torch"]
+        _TENSOR_DTYPES = (torch.int32, torch.int64)
+    return _TENSOR_DTYPES
+
+
+def num_query_tokens(q) -> int:
+    """Number of tokens of a :func:`query_tokens` result (int32 ``bytes`` count 4 bytes a token)."""
+    return len(q) >> 2 if type(q) is bytes else len(q)
 
 
 def slot_tensor_address(slots) -> int:

@@ -142,7 +142,7 @@ class Engine:
 
         self.events = EventBus()
         if cfg.prefix_cache == "radix":
-            cache: Any = RadixCache(cfg.page_size)
+            cache: Any = RadixCache(cfg.page_size, eviction_policy=cfg.eviction_policy)
         elif cfg.prefix_cache == "hash":
             cache = HashBlockCache(cfg.page_size, cfg.hash_algo)
         else:

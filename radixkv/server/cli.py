@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix cache: radix tree, hashed blocks, or none (default: %(default)s)",
     )  # fmt: skip
     g.add_argument("--disable-prefix-caching", action="store_true", help="same as --prefix-cache none")
+    g.add_argument(
+        "--radix-eviction-policy", choices=["lru", "lfu", "gdf", "reuse-odds"], default="lru",
+        help="which radix-tree leaf is evicted first, page by page from its tail (default: %(default)s)",
+    )  # fmt: skip
     r = parser.add_argument_group("replicas (Ray Serve, extra radixkv[ray]; docs/routing.md)")
     r.add_argument("--replicas", type=int, default=1, help="engine replicas; > 1 serves them on Ray Serve (default: 1)")
     r.add_argument(
@@ -76,6 +80,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend,
         schedule_policy=args.schedule_policy,
         prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
+        eviction_policy=args.radix_eviction_policy,
     )
     for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
         if getattr(args, name) is not None:

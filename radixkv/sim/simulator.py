@@ -18,7 +18,8 @@ whole pool is skipped (counted in ``skipped``). Slot conservation and the cache'
 are checked at the end of every :meth:`CacheSimulator.run`.
 
 Policies (:data:`POLICIES`, extended by the eviction and routing work): ``radix``
-(:class:`~radixkv.cache.radix_tree.RadixCache`), ``hash``
+(:class:`~radixkv.cache.radix_tree.RadixCache`, LRU), ``radix-lfu`` / ``radix-gdf`` /
+``radix-reuse-odds`` (its other eviction policies), ``hash``
 (:class:`~radixkv.cache.hash_cache.HashBlockCache`), ``none``
 (:class:`~radixkv.cache.none.NoPrefixCache`); any other :class:`~radixkv.cache.base.PrefixCache`
 instance can be passed as ``cache``.
@@ -53,10 +54,16 @@ __all__ = [
 
 POLICIES: dict[str, Callable[[int, str], Any]] = {
     "radix": lambda page_size, hash_algo: RadixCache(page_size),
+    "radix-lfu": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy="lfu"),
+    "radix-gdf": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy="gdf"),
+    "radix-reuse-odds": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy="reuse-odds"),
     "hash": lambda page_size, hash_algo: HashBlockCache(page_size, hash_algo),
     "none": lambda page_size, hash_algo: NoPrefixCache(page_size),
 }
-"""Policy name -> ``factory(page_size, hash_algo)`` building its prefix cache."""
+"""Policy name -> ``factory(page_size, hash_algo)`` building its prefix cache. ``radix`` evicts
+LRU (RadixCache's default); ``radix-<name>`` uses :mod:`radixkv.cache.evict_policy`'s policy of
+that name. The offline bound (Belady's MIN) is :func:`radixkv.sim.belady.optimal`, on the same
+traces."""
 
 
 def make_cache(policy: str, page_size: int = 1, hash_algo: str = "builtin") -> Any:
@@ -226,7 +233,8 @@ class CacheSimulator:
         """Serve one request to completion, through the engine's slot path step by step: the
         first prefill chunk admitted on the locked prefix (``reserve``), every chunk handed to
         the cache after it is computed (``hand_over``), each decode page made free when needed
-        (``ensure_free``, evicting one page's worth at a time as the engine does), ``release``.
+        (``ensure_free``; the engine evicts one page's worth per decode step, the replay the
+        whole shortfall at once: the same pages, as eviction is page-granular), ``release``.
         A request whose prompt + reply is larger than the pool is not served.
 
         Raises:
@@ -264,17 +272,15 @@ class CacheSimulator:
             r.kv_len += extend
             kv.hand_over(r, r.kv_len)
         r.output_token_ids = reply
-        while r.kv_len < final:  # decode: free pages first, then one page evicted at a time
-            room = len(r.slots) + kv.free_size()
-            if room >= final:
-                kv.grow(r, final)
-                r.kv_len = final
-                break
-            if room > r.kv_len:
-                kv.grow(r, room)
-                r.kv_len = room
-            if not kv.ensure_free(self.page_size):
+        if r.kv_len < final:  # decode: free pages first, then the rest evicted
+            # The engine evicts one page's worth per decode step when the pool is full; evicting
+            # the whole shortfall in one call frees the same pages in the same order (eviction is
+            # page-granular, and nothing else touches the cache meanwhile), without one call per
+            # generated token.
+            if not kv.ensure_free(kv.pages(final) - len(r.slots)):
                 raise AssertionError("a lone request that fits the pool ran out of memory")
+            kv.grow(r, final)
+            r.kv_len = final
         kv.release(r)
         return RequestResult(i, n, prefix.length, r.cache_outcome)
 
