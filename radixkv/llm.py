@@ -13,7 +13,7 @@ from radixkv.engine import Engine, EngineStats
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
-Message = Dict[str, str]
+Message = Dict[str, Any]
 
 
 class LLM:
@@ -89,19 +89,35 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: Optional[Sequence[Dict[str, Any]]] = None,
     ) -> List[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
-        each rendered with the model's chat template (plus the assistant generation prompt)."""
+        each rendered with the model's chat template (plus the assistant generation prompt).
+
+        ``tools``: OpenAI function tools (``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) rendered into every conversation, by the model's
+        template when it takes tools, else in radixkv's built-in ``<tool_call>`` format;
+        conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results
+        (:mod:`radixkv.chat_template`). To force calls, pass
+        :func:`radixkv.sampling.grammar.tool_call_structural_tag` (with the built-in format's
+        markers, as :func:`radixkv.server.openai.params.forced_calls` does) as
+        ``SamplingParams.structural_tag``, and parse the text with
+        :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
         if not messages:
             raise ValueError("chat: messages is empty")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        texts = [self.render_chat(c, add_generation_prompt) for c in convs]
+        texts = [self.render_chat(c, add_generation_prompt, tools) for c in convs]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._run(ids, texts, sampling_params, use_tqdm)
 
-    def render_chat(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        conversation: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Optional[Sequence[Dict[str, Any]]] = None,
+    ) -> str:
         """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`)."""
-        return render_chat(self.tokenizer, conversation, add_generation_prompt)
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools)
 
     def _run(
         self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool

@@ -204,9 +204,13 @@ class KVManager:
 
     # ------------------------------------------------------------------ admission
     def match(self, req: Request) -> MatchResult:
-        """The cached prefix of ``req``'s tokens but the last (whose logits must be computed)."""
+        """The cached prefix of ``req``'s tokens but the last (whose logits must be computed), at
+        most ``req.max_prefix_len`` tokens (prompt logprobs need their positions' logits)."""
         tokens = req.all_token_ids
-        return self.cache.match_prefix(tokens[: len(tokens) - 1], req.namespace)
+        n = len(tokens) - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        return self.cache.match_prefix(tokens[:n], req.namespace)
 
     def prefix_len(self, req: Request) -> int:
         """What ``req`` would reuse if admitted now (its pin, else its cached prefix)."""

@@ -55,6 +55,10 @@ class Request:
         num_cached_tokens: prompt tokens served from the cache at first admission (None before).
         num_retractions: how many times it was retracted.
         fork_pending: samples still to fork from this one once its prompt is computed (n > 1).
+        sampling_state: the sample's :class:`~radixkv.sampling.pipeline.SampleState` (grammar
+            matcher, processor tensors), or None; owned by the sampling package.
+        prompt_lp_pos: with prompt logprobs still to compute, the next prompt position whose
+            logits are needed (they score the token after it); None when none are due.
     """
 
     def __init__(
@@ -85,6 +89,15 @@ class Request:
         self.num_retractions = 0
         self.fork_pending = 0
         self.finish_reason: Optional[str] = None
+        self.sampling_state: Any = None
+        self.prompt_lp_pos: Optional[int] = None
+
+    @property
+    def max_prefix_len(self) -> Optional[int]:
+        """The most tokens it may take from the prefix cache (None: no limit). Prompt logprobs
+        need the logits of every position from ``prompt_lp_pos`` on, so those positions must be
+        computed in this request's own forward, not served from the cache."""
+        return self.prompt_lp_pos
 
     @property
     def all_token_ids(self) -> List[int]:
