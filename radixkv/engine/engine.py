@@ -68,6 +68,8 @@ class Engine:
         loaded_model: a :class:`~radixkv.models.loader.LoadedModel` to use instead of loading
             ``config.model`` (several engines can share one model's weights; each has its own
             KV pool).
+        clock: time source in seconds of the pins' idle timeout (default ``time.monotonic``;
+            tests pass a fake one).
 
     Attributes:
         events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
@@ -88,6 +90,7 @@ class Engine:
         tokenizer: Any = None,
         eos_token_ids: Optional[Sequence[int]] = None,
         loaded_model: Any = None,
+        clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self.config = cfg = (config or EngineConfig()).resolve()
         hf_config = None
@@ -142,7 +145,14 @@ class Engine:
         else:
             cache = NoPrefixCache(cfg.page_size)
         self.kv = KVManager(
-            cache, SlotAllocator(cfg.max_total_tokens, cfg.page_size), model_runner.req_to_token_pool, self.events
+            cache,
+            SlotAllocator(cfg.max_total_tokens, cfg.page_size),
+            model_runner.req_to_token_pool,
+            self.events,
+            max_pinned_tokens=cfg.max_pinned_tokens,
+            pin_idle_timeout=cfg.pin_idle_timeout,
+            clock=clock,
+            in_batch_sharing=cfg.in_batch_prefix_sharing,
         )
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
@@ -409,6 +419,7 @@ class Engine:
         if self._compiling:
             self._admit_compiled()
         outputs, self._ready = self._ready, []
+        self.kv.expire_pins()
         batch = self.scheduler.schedule()
         if batch is None:
             if self._compiling:
@@ -417,7 +428,7 @@ class Engine:
         self.num_steps += 1
         now = time.perf_counter()
         admitted = self.events.wants(RequestAdmitted)
-        for r in batch.reqs:
+        for r in batch.members:
             g = self._groups[r.request_id]
             if g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
@@ -437,12 +448,13 @@ class Engine:
                         r.prefix_len,
                         r.num_retractions > 0,
                         r.namespace,
+                        r.num_shared_tokens,
                     )
                 )
-        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.reqs)])
+        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.members)])
         logits, sample_index, segments = self._forward(batch)
         self.scheduler.after_forward(batch)
-        to_sample = [r for r, s in zip(batch.reqs, batch.sample) if s]
+        to_sample = batch.samplers
         result = self.sampling.step(
             logits, to_sample, self._rng, sample_index, [seg for _, seg in segments] if segments else ()
         )
@@ -475,6 +487,7 @@ class Engine:
                     tuple(batch.sample),
                     batch.prefill_tokens,
                     tuple((r.request_id, r.index) for r in batch.retracted),
+                    tuple((r.request_id, r.index) for r in batch.riders),
                 )
             )
         for g in touched.values():
@@ -510,6 +523,9 @@ class Engine:
                 sample_index.append(len(logits_idx))
                 logits_idx.append(start + e - 1)
             start += e
+        for row in batch.rider_rows:  # riders sample from another row's logits (in-batch sharing)
+            sample_index.append(len(logits_idx))
+            logits_idx.append(row)
         fb = self.runner.build_batch(
             batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=logits_idx
         )
@@ -527,11 +543,29 @@ class Engine:
         parent.fork_pending = 0
         self.scheduler.fork(parent, children)
 
+    # ------------------------------------------------------------------ pins (driver thread)
+    def pin_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> Any:
+        """A soft pin on the cached prefix of ``tokens`` (:meth:`KVManager.pin_prefix
+        <radixkv.engine.kv_manager.KVManager.pin_prefix>`): it stays in memory until
+        :meth:`release_pin`, within the bounds ``max_pinned_tokens`` / ``pin_idle_timeout``.
+        None when nothing of it is cached. Sessions and stored responses hold their context this
+        way."""
+        return self.kv.pin_prefix(list(tokens), namespace)
+
+    def retain_pin(self, pin: Any) -> bool:
+        """One more holder of ``pin`` (False when it was dropped already)."""
+        return self.kv.retain_pin(pin)
+
+    def release_pin(self, pin: Any) -> None:
+        """A holder lets go of ``pin`` (the last one unpins: its tokens become evictable)."""
+        self.kv.release_pin(pin)
+
     # ------------------------------------------------------------------ cache
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an
         :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``)."""
         kv, cache = self.kv, self.kv.cache
+        kv.expire_pins()
         cap = kv.capacity
         free = kv.free_size()
         total = cache.total_size()
