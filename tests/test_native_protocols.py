@@ -22,7 +22,7 @@ import radixkv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from server_helpers import Server, assert_pool_whole, wait_idle  # noqa: E402
+from server_helpers import Server, assert_pool_whole  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat  # noqa: E402
@@ -367,19 +367,45 @@ def _select_scores(texts: list[str], choices: list[str], answers: list[dict]) ->
 CHOICES = ["useful", "vague", "harmful"]  # the program's select (tests/fixtures/sglang_frontend/program.py)
 
 
-def test_replay_of_the_sglang_frontend_traffic(http, llm):
-    if not (FIXTURES / "traffic.json").exists():
-        pytest.skip("the frontend traffic is recorded once regex and logprobs land (record.py)")
+def _replay(http_base: str, traffic: list) -> list:
+    """Send every recorded exchange again, each in its own thread, once every exchange that had
+    completed before it arrived has completed again: the frontend's own order and concurrency
+    (its forks and ``run_batch`` programs run side by side, as they did when recorded)."""
+    done = [threading.Event() for _ in traffic]
+    results: list = [None] * len(traffic)
+
+    def one(i: int, ex: dict) -> None:
+        try:
+            for j, other in enumerate(traffic):
+                if other["done_s"] <= ex["arrived_s"]:
+                    assert done[j].wait(300), f"exchange {j} did not finish"
+            with httpx.Client(base_url=http_base, timeout=300) as c:
+                results[i] = c.request(ex["method"], ex["path"], json=ex["request"])
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            results[i] = exc
+        finally:
+            done[i].set()
+
+    threads = [threading.Thread(target=one, args=(i, ex)) for i, ex in enumerate(traffic)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return results
+
+
+def test_replay_of_the_sglang_frontend_traffic(server, llm):
+    """SGLang's frontend (tests/fixtures/sglang_frontend/program.py: fork(3), gen with a regex,
+    select among 3 choices, run_batch, a streamed run) recorded against radixkv; replayed, every
+    answer has the recorded status and shape, greedy texts are the same, regex outputs match, and
+    the select requests score the choices as recorded."""
     traffic = json.loads((FIXTURES / "traffic.json").read_text())
     output = json.loads((FIXTURES / "output.json").read_text())
-    assert traffic[0]["path"] == "/get_model_info"
+    assert [ex["path"] for ex in traffic[:3]] == ["/get_model_info", "/flush_cache", "/server_info"]
     decisions = []
-    for ex in traffic:
+    for ex, resp in zip(traffic, _replay(server.base_url, traffic)):
+        assert not isinstance(resp, BaseException), resp
         req = ex["request"]
-        if ex["method"] == "GET":
-            resp = http.get(ex["path"])
-        else:
-            resp = http.request(ex["method"], ex["path"], json=req)
         assert resp.status_code == ex["status"], (ex["path"], req, resp.text)
         if ex["content_type"] == "text/event-stream":
             got = [line[5:].strip() for line in resp.text.splitlines() if line.startswith("data:")]
@@ -387,6 +413,8 @@ def test_replay_of_the_sglang_frontend_traffic(http, llm):
             assert got[-1] == "[DONE]" == ex["response"][-1]
             _same_shape(ex["response"][-2], got[-2])
             assert got[-2]["text"] == ex["response"][-2]["text"]  # greedy
+            if req["sampling_params"].get("regex"):
+                assert re.fullmatch(req["sampling_params"]["regex"], got[-2]["text"])
             continue
         got = resp.json()
         _same_shape(ex["response"], got, ex["path"])
@@ -394,17 +422,17 @@ def test_replay_of_the_sglang_frontend_traffic(http, llm):
             continue
         sp = req.get("sampling_params") or {}
         if isinstance(got, dict):
-            if sp.get("temperature") == 0 or sp.get("max_new_tokens") == 0:
-                assert got["text"] == ex["response"]["text"], req["text"][-80:]
+            assert sp.get("temperature") == 0 or sp.get("max_new_tokens") == 0, sp  # the program is greedy
+            assert got["text"] == ex["response"]["text"], req["text"][-80:]
             if sp.get("regex"):
                 assert re.fullmatch(sp["regex"], got["text"]), got["text"]
-        if req.get("return_logprob") and isinstance(req["text"], list):  # select, scored as the frontend does
+        if req.get("return_logprob"):  # select: one answer per choice, scored as the frontend does
+            assert [t[-len(c) :] for t, c in zip(req["text"], CHOICES)] == CHOICES
             scores = _select_scores(req["text"], CHOICES, got)
             assert scores == pytest.approx(_select_scores(req["text"], CHOICES, ex["response"]), abs=1e-4)
             decisions.append(max(range(len(scores)), key=lambda i: scores[i]))
     verdicts = [b["verdict"] for b in output["batch"]] + [output["stream"]["verdict"]]
-    assert sorted(CHOICES[d] for d in decisions) == sorted(verdicts)
-    for b in output["batch"]:
+    assert len(decisions) == 4 and sorted(CHOICES[d] for d in decisions) == sorted(verdicts)
+    for b in output["batch"] + [output["stream"]]:
         assert re.fullmatch(r"(10|[1-9])", b["score"]) and b["verdict"] in CHOICES and len(b["tips"]) == 3
-    wait_idle(llm)
     assert_pool_whole(llm)

@@ -8,7 +8,9 @@
 | POST | ``/detokenize`` | ``{"prompt": text}`` for ``tokens`` |
 
 Bodies follow vLLM's ``TokenizeCompletionRequest`` / ``TokenizeChatRequest`` /
-``DetokenizeRequest`` (strict: unknown fields are a 400 ``unknown_parameter``). ``model`` is
+``DetokenizeRequest`` (strict: unknown fields are a 400 ``unknown_parameter``); the chat form
+renders ``messages`` (tool calls and results too) and ``tools`` as ``/v1/chat/completions`` does.
+``model`` is
 optional; when given it must be the served model. ``/reset_prefix_cache`` takes vLLM's query
 parameters: ``reset_running_requests=true`` (preempting running requests) is refused with a 400
 naming it; ``reset_external`` is accepted (radixkv has no external, connector-managed cache).
@@ -111,7 +113,7 @@ async def tokenize(request: Request) -> dict:
     _check_model(request, req.model)
     client = _client(request)
     tok = client.tokenizer
-    for name in ("chat_template", "chat_template_kwargs", "tools", "mm_processor_kwargs"):
+    for name in ("chat_template", "chat_template_kwargs", "mm_processor_kwargs"):
         if getattr(req, name) is not None:
             raise APIError(f"{name} is not supported by /tokenize", name, code="unsupported_parameter")
     if (req.prompt is None) == (req.messages is None):
@@ -131,11 +133,13 @@ async def tokenize(request: Request) -> dict:
             )
         if not req.messages:
             raise APIError("messages must be a non-empty list", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        for i, m in enumerate(req.messages):
+            m.check(i)
+        messages = [m.to_template() for m in req.messages]
         try:
-            ids = encode_chat(tok, messages, add_generation_prompt=bool(req.add_generation_prompt))
+            ids = encode_chat(tok, messages, add_generation_prompt=bool(req.add_generation_prompt), tools=req.tools)
         except RequestError as exc:
-            raise request_error_to_api(exc, "messages") from exc
+            raise request_error_to_api(exc, "messages", {"tools": "tools"}) from exc
         if req.add_special_tokens:
             ids = list(tok.build_inputs_with_special_tokens(ids))
     return {
