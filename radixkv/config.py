@@ -83,6 +83,9 @@ class EngineConfig:
     hash_algo: str = "sha256"
     """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
 
+    cache_outcome: bool = True
+    """Record why each request's prefix match stopped (``RequestOutput.cache_outcome``, the
+    ``RequestAdmitted`` event, :mod:`radixkv.cache.outcome`); False skips it."""
     in_batch_prefix_sharing: bool = True
     """Requests admitted in the same step share the prefixes their rows compute in that forward
     (a prefix shared by requests waiting together is computed once). False: only what is cached

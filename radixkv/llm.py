@@ -1,4 +1,4 @@
-"""`LLM`: the offline, vLLM-shaped entry point (``generate``, ``chat``, cache stats)."""
+"""`LLM`: the offline, vLLM-shaped entry point (``generate``, ``chat``, cache stats, ``explain``)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from radixkv.branching import Prompt, SelectResult, Session, _select, _select_pr
 from radixkv.chat_template import render_chat
 from radixkv.config import EngineConfig
 from radixkv.engine import Engine, EngineStats
+from radixkv.engine.outcome import Explanation, explain_text
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -167,6 +168,46 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in rids]
+
+    def explain(
+        self,
+        prompt: Union[None, str, Sequence[Message]] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        namespace: Any = None,
+        context: int = 16,
+    ) -> Explanation:
+        """What the prefix cache would give this prompt if it were sent now, and why: a dry run
+        (nothing computed, nothing locked, the LRU order untouched; a read-only ``peek``).
+
+        Args:
+            prompt: a text prompt (tokenized without a template, as :meth:`generate`) or a
+                conversation (a list of ``{"role", "content"}``, rendered as :meth:`chat`).
+            prompt_token_ids: token ids instead of ``prompt``.
+            namespace: the prefix-cache namespace.
+            context: tokens of decoded text shown on each side of the stop position.
+
+        Returns:
+            An :class:`~radixkv.engine.outcome.Explanation`: the
+            :class:`~radixkv.cache.outcome.CacheOutcome` (cause, cached and missed tokens per
+            cause, divergence position) and the text before the stop position, the prompt's
+            text after it and the cached sequence's text there.
+
+        Raises:
+            ValueError: neither or both of ``prompt`` / ``prompt_token_ids``, or an empty prompt.
+        """
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("explain: give exactly one of prompt or prompt_token_ids")
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(self.render_chat(list(prompt)), add_special_tokens=False)
+        if not ids:
+            raise ValueError("explain: the prompt has no tokens")
+        with self._lock:
+            outcome = self.engine.explain(ids, namespace)
+        return explain_text(outcome, ids, self.tokenizer, context)
 
     # ------------------------------------------------------------------ branching
     def session(self, prompt: Prompt = None, *, namespace=None) -> Session:

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from radixkv.cache.outcome import CacheOutcome
 
 
 @dataclass
@@ -100,6 +103,9 @@ class RequestOutput:
             position: None for position 0 and for positions before ``logprob_start_len``, else
             the prompt token's :data:`PositionLogprobs` (plus ``prompt_logprobs``
             alternatives); filled once the prompt's prefill has run. None when not asked for.
+        cache_outcome: why its prefix match stopped at its first admission
+            (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause,
+            divergence position); None when the engine runs with ``cache_outcome=False``.
     """
 
     request_id: str
@@ -110,3 +116,4 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = None
+    cache_outcome: Optional["CacheOutcome"] = None

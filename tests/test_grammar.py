@@ -518,3 +518,26 @@ def test_async_llm_waits_for_compiles_without_spinning_and_refuses_bad_constrain
     assert out.finished and out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].text in ("yes indeed", "no way", "unsure")
     assert_idle(llm)
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings_on_the_model(llm):
+    prompt = chat(llm, "Say hi.")
+    (ref,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=48))
+    ids = ref.outputs[0].token_ids
+    assert ref.outputs[0].finish_reason == "stop" and ids[-1] in llm.engine.eos_token_ids
+    k = len(ids)
+    stop = ref.outputs[0].text[:3]
+    outs = llm.generate(
+        prompt_token_ids=[prompt, prompt],
+        sampling_params=[
+            SamplingParams(temperature=0, max_tokens=48, min_tokens=k + 2),
+            SamplingParams(temperature=0, max_tokens=48, min_tokens=k + 2, stop=[stop]),
+        ],
+        use_tqdm=False,
+    )
+    for o in outs:
+        got = o.outputs[0].token_ids
+        assert got[: k - 1] == ids[: k - 1]  # the same greedy path until EOS would have come
+        assert len(got) >= k + 2 and not set(got[: k + 1]) & llm.engine.eos_token_ids
+    assert ref.outputs[0].text.startswith(stop) and not outs[1].outputs[0].text == ""
+    assert_idle(llm)

@@ -329,11 +329,16 @@ def test_tokenize_detokenize_version(http, llm):
 
 def _same_shape(recorded, replayed, where="") -> None:
     """The replayed JSON has the recorded one's structure: the same keys, the same JSON types
-    (numbers compare as numbers, null matches anything nullable)."""
+    (numbers compare as numbers, null matches anything nullable). radixkv's own sections of
+    ``/server_info`` (its config and cache stats) may have grown since the recording."""
     if recorded is None or replayed is None:
         return
     if isinstance(recorded, dict):
-        assert isinstance(replayed, dict) and recorded.keys() == replayed.keys(), where
+        assert isinstance(replayed, dict), where
+        if where.endswith((".radixkv_config", ".internal_states[]")):
+            assert recorded.keys() <= replayed.keys(), where
+        else:
+            assert recorded.keys() == replayed.keys(), where
         for k in recorded:
             if k not in ("e2e_latency",):
                 _same_shape(recorded[k], replayed[k], f"{where}.{k}")

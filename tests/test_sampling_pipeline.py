@@ -196,3 +196,28 @@ def test_new_fields_normalize():
     assert SamplingParams(choice=("a", "b")).structured_output == ("choice", '["a", "b"]')
     assert SamplingParams(json_object=True).structured_output == ("json_object", "")
     assert SamplingParams().structured_output is None and not SamplingParams()._needs_pipeline
+
+
+def test_tool_call_structural_tag_shape_and_errors():
+    from radixkv.sampling.grammar import choice_ebnf, tool_call_structural_tag
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}, {"name": "g"}]
+    tag = tool_call_structural_tag(tools, parallel=False)
+    fmt = tag["format"]
+    assert tag["type"] == "structural_tag" and fmt["type"] == "tags_with_separator"
+    assert fmt["at_least_one"] and fmt["stop_after_first"]
+    assert [t["begin"] for t in fmt["tags"]] == [
+        '<tool_call>\n{"name": "f", "arguments": ',
+        '<tool_call>\n{"name": "g", "arguments": ',
+    ]
+    assert fmt["tags"][1]["content"]["json_schema"] == {"type": "object"}  # no parameters: any object
+    assert [t["begin"] for t in tool_call_structural_tag(tools, name="g")["format"]["tags"]] == [
+        '<tool_call>\n{"name": "g", "arguments": '
+    ]
+    for kw, field in (({"name": "h"}, "tool_choice"), ({}, "tools")):
+        with pytest.raises(RequestError) as e:
+            tool_call_structural_tag(tools if kw else [], **kw)
+        assert e.value.param == field
+    with pytest.raises(RequestError):
+        tool_call_structural_tag([{"type": "function", "function": {}}])
+    assert choice_ebnf(['a"b', "c\\d", "\t"]) == 'root ::= "a\\"b" | "c\\\\d" | "\\u0009"'

@@ -34,6 +34,7 @@ from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
 from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
@@ -157,6 +158,8 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
         )
+        self.outcomes = OutcomeTracker(cache, self.events) if cfg.cache_outcome else None
+        self.scheduler.outcomes = self.outcomes
         self._groups: Dict[str, RequestGroup] = {}
         self._inbox: List[Callable[["Engine"], None]] = []
         self._inbox_lock = threading.Lock()
@@ -435,6 +438,7 @@ class Engine:
             if r.index == 0 and not g.counted and r.num_cached_tokens is not None:
                 g.counted = True
                 g.num_cached_tokens = r.num_cached_tokens
+                g.cache_outcome = r.cache_outcome
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
             if admitted and r.admit_seq > self._last_admit_seq:
@@ -448,6 +452,7 @@ class Engine:
                         r.prefix_len,
                         r.num_retractions > 0,
                         r.namespace,
+                        r.cache_outcome if r.num_retractions == 0 else None,
                         r.num_shared_tokens,
                     )
                 )
@@ -561,6 +566,15 @@ class Engine:
         self.kv.release_pin(pin)
 
     # ------------------------------------------------------------------ cache
+    def explain(self, prompt_token_ids: Sequence[int], namespace: Hashable = None) -> Any:
+        """The :class:`~radixkv.cache.outcome.CacheOutcome` the prompt would get if admitted now
+        (driver thread). A dry run: a read-only ``peek`` of the prefix cache, nothing computed,
+        locked or refreshed; the running requests count as ``in_flight``."""
+        tracker = self.outcomes
+        if tracker is None:  # outcomes off: no record of evictions, the rest is the same
+            tracker = OutcomeTracker(self.kv.cache, EventBus())
+        return tracker.explain(prompt_token_ids, namespace, self.scheduler.running)
+
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an
         :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``)."""

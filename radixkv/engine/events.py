@@ -13,7 +13,7 @@ Events:
   (``num_cached_tokens``: prompt tokens it did not compute, served from the prefix cache or
   borrowed from a request computing them in the same forward, ``num_shared_tokens`` of them;
   0 for samples ``index > 0`` and for re-admissions after a retraction, which are not counted
-  again).
+  again; ``cache_outcome``: why the match stopped, :mod:`radixkv.cache.outcome`).
 * :class:`StepFinished`: one forward pass ran: which samples it carried, how many new tokens each,
   which of them sampled, which requests were retracted while planning it, and which samples
   sampled from another row's logits without a row of their own (in-batch sharing).
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 __all__ = [
     "Event",
@@ -65,6 +65,9 @@ class RequestAdmitted(Event):
             re-admission.
         readmission: True when it was retracted before.
         namespace: its prefix-cache namespace.
+        cache_outcome: why its prefix match stopped
+            (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause), on
+            the first admission of sample 0 when the engine records outcomes; else None.
         num_shared_tokens: of ``prefix_len``, the tokens borrowed from requests computing them
             in the same forward (in-batch prefix sharing; they were not cached when it was
             admitted). ``prefix_len - num_shared_tokens`` came from the prefix cache (or a pin).
@@ -78,6 +81,7 @@ class RequestAdmitted(Event):
     prefix_len: int
     readmission: bool
     namespace: Hashable
+    cache_outcome: Any = None
     num_shared_tokens: int = 0
 
 

@@ -30,6 +30,7 @@ class RequestGroup:
             0 at admission, the others when sample 0 forks them).
         outputs: one :class:`~radixkv.outputs.CompletionOutput` per sample, updated in place.
         num_cached_tokens: sample 0's cached prompt tokens at its first admission.
+        cache_outcome: sample 0's cache outcome at its first admission (or None).
         counted: whether its prompt has been counted in the engine's hit-rate totals.
         prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt position
             (None until computed, and for position 0 / before ``logprob_start_len``); else None.
@@ -55,6 +56,7 @@ class RequestGroup:
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self._detoks: List[Optional[IncrementalDetokenizer]] = [None] * params.n
         self.num_cached_tokens = 0
+        self.cache_outcome = None
         self.counted = False
         self.prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = (
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
@@ -149,4 +151,5 @@ class RequestGroup:
             self.num_cached_tokens,
             self.metrics,
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            cache_outcome=self.cache_outcome,
         )

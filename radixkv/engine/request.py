@@ -65,6 +65,8 @@ class Request:
         kv_len: positions whose K/V is computed.
         admit_seq: admission counter value (the highest is the "newest" request, retracted first).
         num_cached_tokens: prompt tokens served from the cache at first admission (None before).
+        cache_outcome: why sample 0's match stopped at its first admission
+            (:class:`~radixkv.cache.outcome.CacheOutcome`), or None.
         num_retractions: how many times it was retracted.
         fork_pending: samples still to fork from this one once its prompt is computed (n > 1).
         sampling_state: the sample's :class:`~radixkv.sampling.pipeline.SampleState` (grammar
@@ -101,6 +103,7 @@ class Request:
         self.kv_len = 0
         self.admit_seq = -1
         self.num_cached_tokens: Optional[int] = None
+        self.cache_outcome: Any = None
         self.num_retractions = 0
         self.fork_pending = 0
         self.finish_reason: Optional[str] = None

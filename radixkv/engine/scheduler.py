@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Deque, List, Optional
 
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.request import Request, RequestStatus
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -118,6 +119,8 @@ class Scheduler:
         schedule_policy: "lpm" or "fcfs".
 
     Attributes:
+        outcomes: the :class:`~radixkv.engine.outcome.OutcomeTracker` told of every first
+            admission of a request, or None.
         waiting: requests not admitted (new or retracted), in queue order.
         running: admitted requests (prefilling or decoding).
         prefill_tokens: prompt/history tokens computed so far (recomputation included).
@@ -139,6 +142,7 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self._admit_counter = 0
+        self.outcomes: Optional[OutcomeTracker] = None  # set by the engine (cache_outcome=True)
         self.prefill_tokens = 0
         self.num_retractions = 0
 
@@ -204,6 +208,8 @@ class Scheduler:
         if not kv.has_free_row():
             return None
         prefix = kv.lock_prefix(req)  # before any eviction below
+        if self.outcomes is not None:  # why the match stopped (first admission of sample 0)
+            self.outcomes.on_admit(req, prefix.length, self.running)
         extend = min(req.seq_len - prefix.length, budget)
         if extend <= 0 and prefix.logits_from is None:
             kv.unlock_prefix(prefix)

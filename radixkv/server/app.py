@@ -37,13 +37,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
-from radixkv.engine.events import RequestFinished
+from radixkv.engine.events import RequestAdmitted, RequestFinished
+from radixkv.obs.trace import TraceWriter
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
 from radixkv.server.openai.completions import Completions
 from radixkv.server.openai.params import ModelNames
 from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from radixkv.server.request_log import RequestLogMiddleware
 from radixkv.server.sglang.routes import router as sglang_router
 from radixkv.server.vllm import router as vllm_router
 
@@ -76,6 +78,7 @@ def create_app(
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     model_aliases: tuple[str, ...] = (),
     shutdown_engine: bool = False,
+    log_requests: str | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -84,6 +87,8 @@ def create_app(
         served_model_name: the ``model`` name clients use and ``/v1/models`` lists.
         model_aliases: more names accepted as ``model`` (e.g. the ``--model`` path).
         shutdown_engine: shut ``llm`` down when the app's lifespan ends (``radixkv serve``).
+        log_requests: append every completions / chat body to this JSONL file (the trace
+            ``radixkv explain`` reads; :mod:`radixkv.server.request_log`).
 
     Returns:
         A FastAPI app; ``app.state.llm``, ``app.state.metrics`` and ``app.state.client`` (the
@@ -91,16 +96,21 @@ def create_app(
     """
 
     metrics = ServerMetrics()
-    unsubscribe = llm.subscribe(metrics.on_event, (RequestFinished,))
+    unsubscribe = llm.subscribe(metrics.on_event, (RequestFinished, RequestAdmitted))
+    request_log = TraceWriter(log_requests) if log_requests else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         unsubscribe()
+        if request_log is not None:
+            request_log.close()
         if shutdown_engine:
             llm.shutdown()
 
     app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
+    if request_log is not None:
+        app.add_middleware(RequestLogMiddleware, writer=request_log)
     client = EngineClient(llm, metrics)
     models = ModelNames(served_model_name, model_aliases)
     completions_handler, chat_handler = Completions(client, models), Chat(client, models)

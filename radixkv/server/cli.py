@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
@@ -59,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     h.add_argument("--port", type=int, default=30000, help="port (default: %(default)s)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument(
+        "--log-requests", default=None, metavar="FILE",
+        help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
+    )  # fmt: skip
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,6 +88,9 @@ def run(args: argparse.Namespace) -> int:
     """Load the engine, then serve until interrupted; returns the exit code."""
     served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
     if getattr(args, "replicas", 1) > 1:
+        if args.log_requests:
+            print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
+            return 2
         from radixkv.router.ray import run as run_replicas  # needs the ray extra
 
         return run_replicas(args, engine_kwargs_from_args(args), served)
@@ -93,7 +101,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     llm = AsyncLLM(**engine_kwargs_from_args(args))
-    app = create_app(llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True)
+    app = create_app(
+        llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True, log_requests=args.log_requests
+    )
     print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
