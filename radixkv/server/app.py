@@ -6,6 +6,8 @@ Routes:
 |---|---|---|
 | POST | ``/v1/completions`` | OpenAI completion (JSON, or SSE chunks with ``stream``) |
 | POST | ``/v1/chat/completions`` | OpenAI chat completion (JSON, or SSE chunks with ``stream``) |
+| POST | ``/v1/responses`` | OpenAI Responses API (JSON, or its event stream with ``stream``; :mod:`radixkv.server.openai.responses`) |
+| GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin) |
 | GET | ``/v1/models`` | the served model |
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
 | GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
@@ -45,6 +47,8 @@ from radixkv.server.openai.chat import Chat
 from radixkv.server.openai.completions import Completions
 from radixkv.server.openai.params import ModelNames
 from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from radixkv.server.openai.responses import Responses
+from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.request_log import RequestLogMiddleware
 from radixkv.server.sglang.routes import router as sglang_router
 from radixkv.server.vllm import router as vllm_router
@@ -114,7 +118,9 @@ def create_app(
     client = EngineClient(llm, metrics)
     models = ModelNames(served_model_name, model_aliases)
     completions_handler, chat_handler = Completions(client, models), Chat(client, models)
+    responses_handler = Responses(client, models)
     app.state.llm, app.state.metrics, app.state.client, app.state.models = llm, metrics, client, models
+    app.state.responses = responses_handler
 
     def error(exc: APIError) -> JSONResponse:
         metrics.request_errors.labels(status=str(exc.status_code)).inc()
@@ -166,6 +172,18 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return respond(await responses_handler.create(await parse(request, ResponsesRequest), request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        return responses_handler.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return await responses_handler.delete(response_id)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

@@ -140,6 +140,7 @@ class EngineClient:
         *,
         request_ids: Sequence[str] | None = None,
         namespace: Hashable = None,
+        on_finish: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
         API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
@@ -153,6 +154,8 @@ class EngineClient:
             request_ids: the engine request id of each prompt (a client's ``rid``); fresh ids
                 when None. An id that is already running is refused (400).
             namespace: the prefix-cache namespace of every prompt (e.g. SGLang's ``cache_salt``).
+            on_finish: per prompt, a hook run on the engine thread when its request finishes
+                (:meth:`AsyncLLM.generate <radixkv.async_llm.AsyncLLM.generate>`'s ``on_finish``).
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
@@ -163,9 +166,10 @@ class EngineClient:
         base = new_id("cmpl")
         rids = list(request_ids) if request_ids is not None else [f"{base}-{i}" for i in range(len(prompts))]
         start = time.perf_counter()
+        hooks = list(on_finish) if on_finish is not None else [None] * len(prompts)
         gens = [
-            self.llm.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace)
-            for (text, ids), p, rid in zip(prompts, per_prompt, rids)
+            self.llm.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
+            for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
         self.metrics.requests.labels(endpoint=endpoint).inc()
         firsts = await self._first_outputs(gens, prompt_param, renames)
