@@ -304,6 +304,25 @@ def test_flush_waits_with_timeout_and_reset_prefix_cache_is_409_while_busy(http,
 # ---------------------------------------------------------------------------------- vLLM extras
 
 
+def test_completions_report_cached_tokens_as_sglext(http, llm):
+    """SGLang's ``return_cached_tokens_details`` on /v1/completions (what ``bench_serving --backend
+    vllm --cache-report`` reads): the prompt's cached tokens, equal to usage's."""
+    flush(http)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "return_cached_tokens_details": True}
+    first = http.post("/v1/completions", json=body).json()
+    assert first["sglext"] == {"cached_tokens_details": {"device": 0, "host": 0}}
+    n = len(ids_of(llm, PROMPT))
+    with http.stream(
+        "POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}
+    ) as r:
+        events = sse_events(r)
+    finishing = [e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"]]
+    assert len(finishing) == 1 and finishing[0]["sglext"] == {"cached_tokens_details": {"device": n - 1, "host": 0}}
+    assert events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == n - 1
+    assert all("sglext" not in e for e in events[:-1] if e is not finishing[0])
+    assert "sglext" not in http.post("/v1/completions", json={**body, "return_cached_tokens_details": False}).json()
+
+
 def test_tokenize_detokenize_version(http, llm):
     tok = llm.tokenizer
     r = http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT, "return_token_strs": True}).json()

@@ -169,6 +169,27 @@ def test_create_stream_and_previous_response_id_computes_only_the_new_input(serv
     assert_pool_whole(llm)
 
 
+def test_stored_responses_past_the_pin_bound_stay_retrievable_unpinned(server, client, llm):
+    store = server.server.config.app.state.responses.store
+    bound, store.max_pinned = store.max_pinned, 1
+    try:
+        a = client.responses.create(model=MODEL, input="Say A.", max_output_tokens=8, temperature=0)
+        assert store.pinned_tokens(a.id) > 0
+        b = client.responses.create(model=MODEL, input="Say B.", max_output_tokens=8, temperature=0)
+        assert store.pinned_tokens(a.id) == 0 and store.pinned_tokens(b.id) > 0  # LRU: a lost its pin
+        assert client.responses.retrieve(a.id).output_text == a.output_text  # still retrievable as text
+        c = client.responses.create(
+            model=MODEL, input="Again.", previous_response_id=a.id, max_output_tokens=8, temperature=0
+        )
+        assert c.status in ("completed", "incomplete") and store.pinned_tokens(c.id) > 0
+        assert store.pinned_tokens(b.id) == 0
+    finally:
+        store.max_pinned = bound
+    for rid in list(store._items):
+        client.responses.delete(rid)
+    assert_pool_whole(llm)
+
+
 def test_function_call_and_its_output_through_previous_response_id(server, client, llm):
     _flush(server)
     call = client.responses.create(
