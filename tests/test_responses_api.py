@@ -341,3 +341,27 @@ def test_openai_agents_default_responses_model_runs_a_function_tool(server, llm)
 async def _delete(server, rid: str) -> None:
     async with httpx.AsyncClient(base_url=server.base_url) as c:
         assert (await c.delete(f"/v1/responses/{rid}")).status_code == 200
+
+
+def test_a_stream_the_client_leaves_keeps_nothing(server, llm):
+    store = server.server.config.app.state.responses.store
+    for rid in list(store._items):
+        asyncio.run(_delete(server, rid))
+    body = {
+        "model": MODEL,
+        "input": "Tell me a long story.",
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        kinds = []
+        for line in lines:
+            if line.startswith("event:"):
+                kinds.append(line[6:].strip())
+            if "response.output_text.delta" in kinds:
+                break  # leave mid-answer
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert_pool_whole(llm)  # aborted: its slots were freed, nothing pinned
+    assert len(store) == 0

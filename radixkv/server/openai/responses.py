@@ -295,12 +295,26 @@ class Responses:
             return body
 
         if not req.stream:
-            (out,) = await self.client.collect(raw, run)
+            try:
+                (out,) = await self.client.collect(raw, run)
+            except BaseException:  # the client went away: nothing of this response is kept
+                await self._forget(rid)
+                raise
             return finish(out, None)
         return framed(self._events(req, rid, created, msg_id, plan, run, finish), run.rest, server_error_event)
 
     # ---------------------------------------------------------------- stream
     async def _events(self, req, rid, created, msg_id, plan, run, finish) -> AsyncIterator[str]:
+        done = False
+        try:
+            async for event in self._event_stream(req, rid, created, msg_id, plan, run, finish):
+                yield event
+            done = True
+        finally:
+            if not done:  # the client went away (or the engine failed): nothing of it is kept
+                await self._forget(rid)
+
+    async def _event_stream(self, req, rid, created, msg_id, plan, run, finish) -> AsyncIterator[str]:
         seq = [0]
 
         def ev(kind: str, **fields: Any) -> str:
@@ -442,6 +456,11 @@ class Responses:
         if item is None or not item.body:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         return item.body
+
+    async def _forget(self, rid: str) -> None:
+        item = self.store.pop(rid)
+        if item is not None and self.client.llm.is_running:
+            await self.client.llm.call_in_engine_thread(lambda e: ResponseStore._unpin(e, item))
 
     async def delete(self, rid: str) -> dict:
         """Delete the stored Response ``rid`` and release its pin. 404 when unknown."""
