@@ -152,6 +152,7 @@ class AsyncLLM:
         *,
         prompt_token_ids: Sequence[int] | None = None,
         namespace: Hashable = None,
+        on_finish: Callable[[Any, RequestOutput], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Submit one request and stream its cumulative outputs.
 
@@ -163,6 +164,9 @@ class AsyncLLM:
             prompt_token_ids: token ids, as an alternative to ``prompt`` (then ``prompt`` must
                 be None or the text those ids came from, kept for the output).
             namespace: prefix-cache namespace (requests only share cache within one namespace).
+            on_finish: ``on_finish(engine, final output)`` runs on the engine thread when the
+                request finishes, before its final output is delivered (no step runs in between;
+                not on abort): e.g. pin what it left cached (stored Responses).
 
         Yields:
             ``RequestOutput`` snapshots, cumulative (``outputs[i].text`` / ``token_ids`` hold
@@ -199,6 +203,8 @@ class AsyncLLM:
                 raise ValueError(f"request_id {rid!r} is already running")
             engine.add_request(ids, sampling_params, request_id=rid, prompt=text, namespace=namespace)
             self._streams[rid] = stream
+            if on_finish is not None:
+                self._hooks[rid] = on_finish
 
         finished = False
         try:

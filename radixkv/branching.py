@@ -45,7 +45,16 @@ from radixkv.errors import RequestError
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
-__all__ = ["Session", "AsyncSession", "Forks", "AsyncForks", "SelectResult", "ChoiceScore"]
+__all__ = [
+    "Session",
+    "AsyncSession",
+    "Forks",
+    "AsyncForks",
+    "SelectResult",
+    "ChoiceScore",
+    "continue_chat",
+    "reply_stop_text",
+]
 
 Message = Mapping[str, Any]
 Prompt = Union[None, str, Sequence[int], Sequence[Message]]
@@ -147,6 +156,58 @@ def _per_child(value: Any, n: int, param: str, is_single) -> list:
     return list(value)
 
 
+def continue_chat(
+    tok: Any,
+    tokens: List[int],
+    history: List[dict],
+    new: List[dict],
+    stop_text: Optional[str],
+    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+) -> List[int]:
+    """Token ids of a chat continued token for token: ``tokens`` (the context: the prompt of the
+    last turn + the model's reply, whose conversation is ``history``) + the text the chat template
+    puts after ``history`` for the ``new`` messages and the assistant's generation prompt (with
+    the end-of-turn text after the model's last reply that it did not generate itself;
+    ``stop_text`` is the end-of-turn token's text the model stopped on, None when the last
+    message is not the model's reply). Sessions and stored Responses (``previous_response_id``)
+    continue this way, so a follow-up computes only its new tokens.
+
+    Raises:
+        RequestError: the template renders ``history`` differently once ``new`` is added (param
+            ``messages``): the conversation cannot be continued token for token.
+    """
+    old = render_chat(tok, history, add_generation_prompt=False, tools=tools) if history else ""
+    full = render_chat(tok, list(history) + list(new), add_generation_prompt=True, tools=tools)
+    if not full.startswith(old):
+        raise RequestError(
+            "the chat template renders earlier turns differently once a turn is added; a session "
+            "cannot continue it token for token (use generate with the whole prompt)",
+            "messages",
+        )
+    text = full[len(old) :]
+    if history and history[-1]["role"] == "assistant" and stop_text is not None:
+        text = _missing_close(tok, history, stop_text, tools) + text
+    return list(tokens) + list(tok.encode(text, add_special_tokens=False))
+
+
+def reply_stop_text(tok: Any, completion: Any) -> str:
+    """The text of the stop token a reply (a ``CompletionOutput``) ended on ("" when it stopped
+    otherwise): what :func:`continue_chat` takes as ``stop_text``."""
+    c = completion
+    stop = c.stop_reason if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else None
+    return "" if stop is None or tok is None else tok.decode([stop], skip_special_tokens=False)
+
+
+def _missing_close(tok: Any, hist: List[dict], gen: str, tools: Any = None) -> str:
+    """The text the template puts after the model's last reply that the model did not generate
+    itself (its end-of-turn token ``gen``, when it stopped on one, is already in the context)."""
+    probe = hist[:-1] + [{"role": "assistant", "content": _SENTINEL}]
+    rendered = render_chat(tok, probe, add_generation_prompt=False, tools=tools)
+    i = rendered.rfind(_SENTINEL)
+    closing = rendered[i + len(_SENTINEL) :] if i >= 0 else ""
+    return closing[len(gen) :] if gen and closing.startswith(gen) else closing
+
+
 # ---------------------------------------------------------------------------------- shared state
 class _Context:
     """What :class:`Session` and :class:`AsyncSession` share: the context, the chat state, the pin,
@@ -230,29 +291,8 @@ class _Context:
             new = [{"role": "user", "content": message}]
         else:
             new = _messages(message, "message")
-        hist = self._messages
-        old = render_chat(tok, hist, add_generation_prompt=False) if hist else ""
-        full = render_chat(tok, hist + new, add_generation_prompt=True)
-        if not full.startswith(old):
-            raise RequestError(
-                "the chat template renders earlier turns differently once a turn is added; a session "
-                "cannot continue it token for token (use generate with the whole prompt)",
-                "messages",
-            )
-        text = full[len(old) :]
-        if hist and hist[-1]["role"] == "assistant" and self._stop_text is not None:
-            text = self._missing_close(tok, hist) + text
-        return self._tokens + list(tok.encode(text, add_special_tokens=False)), new
-
-    def _missing_close(self, tok: Any, hist: List[dict]) -> str:
-        """The text the template puts after the model's last reply that the model did not
-        generate itself (its end-of-turn token, when it stopped on one, is already in the context)."""
-        probe = hist[:-1] + [{"role": "assistant", "content": _SENTINEL}]
-        rendered = render_chat(tok, probe, add_generation_prompt=False)
-        i = rendered.rfind(_SENTINEL)
-        closing = rendered[i + len(_SENTINEL) :] if i >= 0 else ""
-        gen = self._stop_text
-        return closing[len(gen) :] if gen and closing.startswith(gen) else closing
+        ids = continue_chat(tok, self._tokens, self._messages, new, self._stop_text)
+        return ids, new
 
     def _advance(self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]]) -> None:
         """The turn finished: the context becomes its prompt + the reply's tokens."""
@@ -262,9 +302,7 @@ class _Context:
             self._messages = None  # raw text went in: the conversation can no longer be tracked
         elif self._messages is not None:
             self._messages = self._messages + new_messages + [{"role": "assistant", "content": c.text}]
-        stop = c.stop_reason if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else None
-        tok = self._owner.tokenizer
-        self._stop_text = "" if stop is None or tok is None else tok.decode([stop], skip_special_tokens=False)
+        self._stop_text = reply_stop_text(self._owner.tokenizer, c)
 
     # -------------------------------------------------------------- select
     def _select_prompt(self, text: Any, message: Any) -> tuple[List[int], Optional[List[dict]]]:

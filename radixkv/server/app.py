@@ -6,12 +6,18 @@ Routes:
 |---|---|---|
 | POST | ``/v1/completions`` | OpenAI completion (JSON, or SSE chunks with ``stream``) |
 | POST | ``/v1/chat/completions`` | OpenAI chat completion (JSON, or SSE chunks with ``stream``) |
+| POST | ``/v1/responses`` | OpenAI Responses API (JSON, or its event stream with ``stream``; :mod:`radixkv.server.openai.responses`) |
+| GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin) |
 | GET | ``/v1/models`` | the served model |
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
 | GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
 | GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...) |
-| POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished |
+| GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's) |
+
+SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/get_model_info``,
+``/server_info``, ``/health_generate``) and vLLM's extras (:mod:`radixkv.server.vllm`:
+``/reset_prefix_cache``, ``/version``, ``/tokenize``, ``/detokenize``) are included routers.
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, schema and value errors, unknown model, too-long prompt), 404/405 for unknown routes,
@@ -41,7 +47,11 @@ from radixkv.server.openai.chat import Chat
 from radixkv.server.openai.completions import Completions
 from radixkv.server.openai.params import ModelNames
 from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from radixkv.server.openai.responses import Responses
+from radixkv.server.openai.responses_protocol import ResponsesRequest
 from radixkv.server.request_log import RequestLogMiddleware
+from radixkv.server.sglang.routes import router as sglang_router
+from radixkv.server.vllm import router as vllm_router
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +118,9 @@ def create_app(
     client = EngineClient(llm, metrics)
     models = ModelNames(served_model_name, model_aliases)
     completions_handler, chat_handler = Completions(client, models), Chat(client, models)
-    app.state.llm, app.state.metrics, app.state.client = llm, metrics, client
+    responses_handler = Responses(client, models)
+    app.state.llm, app.state.metrics, app.state.client, app.state.models = llm, metrics, client, models
+    app.state.responses = responses_handler
 
     def error(exc: APIError) -> JSONResponse:
         metrics.request_errors.labels(status=str(exc.status_code)).inc()
@@ -161,6 +173,18 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
 
+    @app.post("/v1/responses")
+    async def create_response(request: Request) -> Response:
+        return respond(await responses_handler.create(await parse(request, ResponsesRequest), request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict:
+        return responses_handler.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        return await responses_handler.delete(response_id)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         card = ModelCard(id=served_model_name, max_model_len=llm.max_context_len)
@@ -186,16 +210,17 @@ def create_app(
         metrics.update_engine(await llm.cache_stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/flush_cache")
-    async def flush_cache() -> dict:
-        if await llm.reset_prefix_cache():
-            return {"flushed": True, "message": "the prefix cache was flushed"}
-        running = await llm.num_unfinished_requests()
-        raise APIError(
-            f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
-            None,
-            status_code=409,
-            code="requests_running",
-        )
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache(request: Request) -> dict:
+        raw = request.query_params.get("timeout", "0")
+        try:
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not timeout >= 0:
+            raise APIError(f"timeout must be a number of seconds >= 0, got {raw!r}", "timeout")
+        return await client.flush_or_409(timeout)
 
+    app.include_router(sglang_router)
+    app.include_router(vllm_router)
     return app

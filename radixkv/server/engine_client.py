@@ -1,13 +1,15 @@
 """`EngineClient`: what every protocol handler needs from the engine, written once.
 
-A handler (OpenAI completions and chat today; more protocols later) turns its request body into
-prompts (``(text, token ids)`` pairs) and one ``SamplingParams``; :meth:`EngineClient.start`
-submits one engine request per prompt through :class:`~radixkv.async_llm.AsyncLLM` (``n``
-choices of one prompt share one engine request, so its prompt is prefilled and counted once),
-waits for every first output (so an engine refusal becomes an HTTP 400 before any header is
-sent), and hands back a :class:`Run`: the first outputs, the stream of later ones, and usage.
-Errors reach the client typed: a :class:`~radixkv.errors.RequestError` becomes an
-:class:`~radixkv.server.openai.protocol.APIError` carrying its field.
+A handler (OpenAI completions and chat, SGLang's ``/generate``, the vLLM extras) turns its
+request body into prompts (``(text, token ids)`` pairs) and ``SamplingParams`` (one for all
+prompts, or one per prompt); :meth:`EngineClient.start` submits one engine request per prompt
+through :class:`~radixkv.async_llm.AsyncLLM` (``n`` choices of one prompt share one engine
+request, so its prompt is prefilled and counted once), waits for every first output (so an engine
+refusal becomes an HTTP 400 before any header is sent), and hands back a :class:`Run`: the first
+outputs, the stream of later ones, and usage. Errors reach the client typed: a
+:class:`~radixkv.errors.RequestError` becomes an
+:class:`~radixkv.server.openai.protocol.APIError` carrying its field. :meth:`EngineClient.flush`
+is the one prefix-cache flush behind ``/flush_cache`` (SGLang) and ``/reset_prefix_cache`` (vLLM).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 
 from starlette.requests import Request
 
@@ -41,8 +43,8 @@ def request_error_to_api(exc: ValueError, prompt_param: str = "prompt", renames:
     """A 400 :class:`APIError` for the engine's refusal ``exc``, with ``param`` taken from a
     :class:`~radixkv.errors.RequestError`'s field: ``"prompt"`` becomes ``prompt_param``
     (``"messages"`` for chat), ``max_new_tokens`` ``max_tokens``, a field in ``renames`` the
-    request field it came from (e.g. ``json_schema`` -> ``response_format``), and fields the
-    client did not send (``request_id``, ``sampling_params``) none."""
+    request field it came from (e.g. ``max_tokens`` -> ``sampling_params.max_new_tokens``), and
+    fields the client did not send (``request_id``, ``sampling_params``) none."""
     param = exc.param if isinstance(exc, RequestError) else None
     if renames and param in renames:
         param = renames[param]
@@ -94,6 +96,30 @@ class EngineClient:
         """Longest sequence (prompt + output) the engine accepts."""
         return self.llm.max_context_len
 
+    def model_facts(self) -> dict[str, Any]:
+        """Static facts of the served model and engine (fixed once the engine is built, so safe to
+        read from any thread): ``model_path`` (the ``--model`` given), ``tokenizer_path`` (the
+        local Hugging Face directory the tokenizer was read from), ``model_type``,
+        ``architectures``, ``vocab_size``, ``max_context_len`` and the resolved
+        :class:`~radixkv.config.EngineConfig` as ``config`` (a dict; dtype as a string)."""
+        engine = self.llm.engine
+        cfg = getattr(engine, "config", None)
+        hf = getattr(getattr(engine, "runner", None), "hf_config", None)
+        config = {}
+        if cfg is not None:
+            config = {
+                k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in vars(cfg).items()
+            }
+        return {
+            "model_path": config.get("model"),
+            "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
+            "model_type": getattr(hf, "model_type", None),
+            "architectures": getattr(hf, "architectures", None),
+            "vocab_size": int(getattr(engine, "vocab_size", 0)) or None,
+            "max_context_len": self.max_context_len,
+            "config": config,
+        }
+
     async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str, renames: dict | None) -> list:
         try:
             return list(await asyncio.gather(*(g.__anext__() for g in gens)))
@@ -108,22 +134,42 @@ class EngineClient:
         self,
         endpoint: str,
         prompts: list[Prompt],
-        params: SamplingParams,
+        params: SamplingParams | Sequence[SamplingParams],
         prompt_param: str,
         renames: dict | None = None,
+        *,
+        request_ids: Sequence[str] | None = None,
+        namespace: Hashable = None,
+        on_finish: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
-        API request as accepted under ``endpoint`` in ``radixkv_requests_total``. ``renames``
-        maps engine fields to the request fields that set them (for a refusal's ``param``).
+        API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
+
+        Args:
+            endpoint: the ``endpoint`` label of ``radixkv_requests_total``.
+            prompts: ``(text or None, token ids)`` per prompt.
+            params: one ``SamplingParams`` for every prompt, or a sequence of one per prompt.
+            prompt_param: the request field a refusal of the prompt names.
+            renames: engine field -> the request field that set it (for a refusal's ``param``).
+            request_ids: the engine request id of each prompt (a client's ``rid``); fresh ids
+                when None. An id that is already running is refused (400).
+            namespace: the prefix-cache namespace of every prompt (e.g. SGLang's ``cache_salt``).
+            on_finish: per prompt, a hook run on the engine thread when its request finishes
+                (:meth:`AsyncLLM.generate <radixkv.async_llm.AsyncLLM.generate>`'s ``on_finish``).
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
         """
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(per_prompt) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
+            raise ValueError("start: one SamplingParams and one request id per prompt")
         base = new_id("cmpl")
+        rids = list(request_ids) if request_ids is not None else [f"{base}-{i}" for i in range(len(prompts))]
         start = time.perf_counter()
+        hooks = list(on_finish) if on_finish is not None else [None] * len(prompts)
         gens = [
-            self.llm.generate(text, params, f"{base}-{i}", prompt_token_ids=ids)
-            for i, (text, ids) in enumerate(prompts)
+            self.llm.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
+            for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
         self.metrics.requests.labels(endpoint=endpoint).inc()
         firsts = await self._first_outputs(gens, prompt_param, renames)
@@ -176,3 +222,39 @@ class EngineClient:
         if not all(o.finished for o in latest):
             raise ClientDisconnected("the client disconnected; its requests were aborted")
         return latest
+
+    async def flush(self, timeout: float = 0.0) -> bool:
+        """Flush the prefix cache (``Engine.reset_prefix_cache``). While requests are unfinished
+        nothing is flushed; with ``timeout`` > 0 (seconds; SGLang's ``/flush_cache?timeout=``)
+        it retries until they finish or the time is up.
+
+        Returns:
+            True when the cache was flushed, False when requests were still unfinished.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            if await self.llm.reset_prefix_cache():
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.05, left))
+
+    async def flush_or_409(self, timeout: float = 0.0) -> dict:
+        """:meth:`flush`, answered as ``/flush_cache`` and ``/reset_prefix_cache`` answer it.
+
+        Returns:
+            ``{"flushed": True, "message": ...}``.
+
+        Raises:
+            APIError: 409 ``requests_running`` (nothing was flushed) while requests are unfinished.
+        """
+        if await self.flush(timeout):
+            return {"flushed": True, "message": "the prefix cache was flushed"}
+        running = await self.llm.num_unfinished_requests()
+        raise APIError(
+            f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
+            None,
+            status_code=409,
+            code="requests_running",
+        )

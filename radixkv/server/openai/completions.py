@@ -81,8 +81,10 @@ class Completions:
         rid, n, model = new_id("cmpl"), params.n, self.models.served
         echoes = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
 
-        def chunk(choices: list[CompletionChoice], u=None) -> str:
-            return sse(CompletionResponse(id=rid, model=model, choices=choices, usage=u).model_dump())
+        def chunk(choices: list[CompletionChoice], u=None, extra: dict | None = None) -> str:
+            return sse(
+                {**CompletionResponse(id=rid, model=model, choices=choices, usage=u).model_dump(), **(extra or {})}
+            )
 
         if not req.stream:
             outs = await self.client.collect(raw, run)
@@ -101,7 +103,10 @@ class Completions:
                             prompt_logprobs=plp,
                         )
                     )
-            return CompletionResponse(id=rid, model=model, choices=choices, usage=run.usage(outs)).model_dump()
+            body = CompletionResponse(id=rid, model=model, choices=choices, usage=run.usage(outs)).model_dump()
+            if req.return_cached_tokens_details:
+                body["sglext"] = _sglext(sum(int(o.num_cached_tokens or 0) for o in outs))
+            return body
 
         async def events() -> AsyncIterator[str]:
             deltas = Deltas(params.stop)
@@ -129,8 +134,18 @@ class Completions:
                         tokens_sent[k] = len(c.token_ids)
                     reason = c.finish_reason if c.finish_reason is not None and deltas.finish(k) else None
                     if text or reason or (lps is not None and lps.tokens):
-                        yield chunk([CompletionChoice(index=k, text=text, logprobs=lps, finish_reason=reason)])
+                        extra = None
+                        if reason and req.return_cached_tokens_details and c.index == 0:
+                            extra = {"sglext": _sglext(int(out.num_cached_tokens or 0))}
+                        yield chunk(
+                            [CompletionChoice(index=k, text=text, logprobs=lps, finish_reason=reason)], None, extra
+                        )
             if req.include_usage:
                 yield chunk([], run.usage(latest))
 
         return framed(events(), run.rest, server_error_event)
+
+
+def _sglext(cached: int) -> dict:
+    """SGLang's ``sglext`` of a completion: the cached tokens by tier (radixkv has one)."""
+    return {"cached_tokens_details": {"device": cached, "host": 0}}

@@ -1,0 +1,61 @@
+"""Reading a request body into a pydantic model, strictly: what the protocol modules outside
+``server/openai/`` (SGLang's native API, the vLLM extras) share.
+
+Strict means: the body is a JSON object; JSON types are not coerced (``"3"`` or ``3.0`` is no
+integer, ``1`` no boolean; an integer is a valid float); a field the model does not define is a 400
+``unknown_parameter`` naming it. Every refusal is an :class:`~radixkv.server.openai.protocol.APIError`
+(HTTP 400, OpenAI's error body) whose ``param`` is the dotted path of the field at fault, e.g.
+``sampling_params.temperature`` (list positions left out).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from radixkv.server.openai.protocol import APIError
+
+__all__ = ["parse_body", "parse_json", "validation_error"]
+
+M = TypeVar("M", bound=BaseModel)
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "tuple"})
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The 400 for a body pydantic refused: ``param`` is the dotted path of the first field at
+    fault; a field the model does not define is ``code="unknown_parameter"``."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+    # pydantic also names the union member it tried ("str", "list[str]", "GenerateSamplingParams")
+    loc = [p for p in loc if p.isidentifier() and p[0].islower() and p not in _TYPE_TAGS]
+    param = ".".join(loc) or None
+    if err.get("type") == "extra_forbidden":
+        return APIError(f"{param}: unknown parameter (see docs/server.md)", param, code="unknown_parameter")
+    return APIError(f"{param or 'body'}: {err.get('msg')}", param)
+
+
+def parse_json(body: bytes, model: type[M]) -> M:
+    """``body`` (a JSON object) validated strictly as ``model``.
+
+    Raises:
+        APIError: malformed JSON (``code="invalid_json"``), not an object, or a field refused.
+    """
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object", None)
+    try:
+        return model.model_validate_json(body, strict=True)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """The request's body validated strictly as ``model`` (:func:`parse_json`)."""
+    return parse_json(await request.body(), model)

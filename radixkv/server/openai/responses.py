@@ -1,0 +1,471 @@
+"""``/v1/responses``: OpenAI's Responses API over the chat machinery, with stored responses whose
+KV stays pinned, so ``previous_response_id`` computes only the new input.
+
+* ``POST /v1/responses`` (:class:`Responses`): ``input`` (+ ``instructions``) rendered with the
+  chat template as ``/v1/chat/completions`` renders messages; tools, ``tool_choice`` and
+  ``text.format`` through the same tool plan and constraint (:mod:`.params`). The output is a
+  ``message`` item (one ``output_text`` part) and/or ``function_call`` items. ``stream`` sends
+  OpenAI's event stream: ``response.created``, ``response.in_progress``, per item
+  ``response.output_item.added``, for a message ``response.content_part.added``,
+  ``response.output_text.delta`` ... ``.done``, ``response.content_part.done``, for a call
+  ``response.function_call_arguments.delta`` ... ``.done``, then ``response.output_item.done``,
+  and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it) carrying
+  the same Response a non-streamed request returns.
+* ``store`` (default true, as OpenAI's) keeps the Response in the :class:`ResponseStore`:
+  ``GET /v1/responses/{id}`` returns it, ``DELETE`` removes it (and its pin).
+* ``previous_response_id``: the stored conversation (its input and output; not its
+  ``instructions``, as in OpenAI) continues with the new ``input``. When the instructions and
+  tools are the same, the prompt is the stored context token for token (the previous prompt +
+  the model's own output tokens) + the template's text for the new items
+  (:func:`radixkv.branching.continue_chat`, as sessions continue), and that context's KV was
+  pinned when the previous response finished (:meth:`Engine.pin_prefix
+  <radixkv.engine.engine.Engine.pin_prefix>`, one soft pin per stored response, in the KV
+  manager with every other pin): the follow-up's ``usage.input_tokens_details.cached_tokens`` is
+  the whole stored context. Otherwise the conversation is rendered afresh (the prefix cache
+  still serves what matches).
+
+Bounds: at most ``max_pinned`` stored responses hold a pin (LRU: the least recently used
+loses its pin, its text stays retrievable); the KV manager's own bounds (``max_pinned_tokens``,
+``pin_idle_timeout``) apply to these pins as to sessions'. At most ``max_stored`` responses are
+kept at all (the oldest go first).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+
+from radixkv.branching import continue_chat, reply_stop_text
+from radixkv.chat_template import encode_chat
+from radixkv.errors import RequestError
+from radixkv.server.engine_client import EngineClient, request_error_to_api
+from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params, tool_plan
+from radixkv.server.openai.protocol import APIError, server_error_event
+from radixkv.server.openai.responses_protocol import ResponsesRequest, chat_param, input_messages, remap_error
+from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
+from radixkv.server.sse import chain, framed
+
+__all__ = ["Responses", "ResponseStore", "StoredResponse"]
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+@dataclass
+class StoredResponse:
+    """One stored Response.
+
+    Attributes:
+        body: the Response object as returned.
+        messages: the conversation after it (chat messages, without ``instructions``).
+        instructions: its ``instructions``.
+        tools: the tools rendered into its prompt (chat form).
+        tokens: its context token ids: the prompt + the output tokens.
+        stop_text: the end-of-turn token's text its output stopped on ("" otherwise).
+        pin: the KV manager's pin on the cached prefix of ``tokens`` (None: unpinned).
+    """
+
+    body: dict
+    messages: list[dict]
+    instructions: Optional[str]
+    tools: list[dict]
+    tokens: list[int] = field(default_factory=list)
+    stop_text: str = ""
+    pin: Any = None
+
+
+class ResponseStore:
+    """Stored Responses by id, LRU ordered (a lookup or a follow-up refreshes one).
+
+    Pins are taken and released on the engine thread (finish hooks and posted calls); the
+    store's lock orders them against the event loop's reads.
+
+    Args:
+        max_stored: responses kept at most (the oldest are deleted, their pins released).
+        max_pinned: stored responses holding a pin at most (the least recently used lose theirs).
+    """
+
+    def __init__(self, max_stored: int = 10000, max_pinned: int = 64) -> None:
+        self.max_stored = max_stored
+        self.max_pinned = max_pinned
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, rid: str) -> Optional[StoredResponse]:
+        with self._lock:
+            item = self._items.get(rid)
+            if item is not None:
+                self._items.move_to_end(rid)
+            return item
+
+    def put(self, rid: str, item: StoredResponse, engine: Any) -> None:
+        """Store ``item`` (engine thread: it may release other responses' pins)."""
+        with self._lock:
+            self._items[rid] = item
+            self._items.move_to_end(rid)
+            while len(self._items) > self.max_stored:
+                _, old = self._items.popitem(last=False)
+                self._unpin(engine, old)
+            pinned = [s for s in self._items.values() if s.pin is not None]
+            for s in pinned[: max(0, len(pinned) - self.max_pinned)]:
+                self._unpin(engine, s)
+
+    def pop(self, rid: str) -> Optional[StoredResponse]:
+        with self._lock:
+            return self._items.pop(rid, None)
+
+    def touch(self, item: StoredResponse, engine: Any) -> None:
+        """A follow-up uses ``item``'s pin now (engine thread)."""
+        if item.pin is not None:
+            engine.kv.touch_pin(item.pin)
+
+    @staticmethod
+    def _unpin(engine: Any, item: StoredResponse) -> None:
+        pin, item.pin = item.pin, None
+        if pin is not None:
+            engine.release_pin(pin)
+
+    def pinned_tokens(self, rid: str) -> int:
+        """Tokens the pin of ``rid`` holds now (0: unpinned, dropped or unknown)."""
+        item = self._items.get(rid)
+        pin = item.pin if item is not None else None
+        return len(pin) if pin is not None and pin.live else 0
+
+
+class Responses:
+    """The handlers of ``/v1/responses``."""
+
+    def __init__(self, client: EngineClient, models: ModelNames, store: Optional[ResponseStore] = None) -> None:
+        self.client = client
+        self.models = models
+        self.store = store if store is not None else ResponseStore()
+
+    # ---------------------------------------------------------------- prompt
+    def _prompt(self, req: ResponsesRequest, prev: Optional[StoredResponse]) -> tuple[list[int], list[dict], Any, Any]:
+        """(prompt token ids, the new messages, the chat request, the tool plan)."""
+        new = input_messages(req.input)
+        history = prev.messages if prev is not None else []
+        system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+        chat_req = req.chat_request(system + history + new)
+        try:
+            plan = tool_plan(chat_req)
+        except APIError as exc:
+            raise remap_error(exc) from exc
+        messages = [m.to_template() for m in chat_req.messages]
+        tools = plan.tools or None
+        tok = self.client.tokenizer
+        try:
+            if prev is not None and prev.tokens and prev.instructions == req.instructions and prev.tools == plan.tools:
+                try:
+                    n_old = len(system) + len(history)
+                    ids = continue_chat(tok, prev.tokens, messages[:n_old], messages[n_old:], prev.stop_text, tools)
+                    return ids, messages[len(system) :], chat_req, plan
+                except RequestError:
+                    pass  # the template cannot continue it token for token: render it whole
+            ids = encode_chat(tok, messages, tools=tools)
+        except RequestError as exc:
+            raise request_error_to_api(exc, "input", {"tools": "tools", "messages": "input"}) from exc
+        return ids, messages[len(system) :], chat_req, plan
+
+    # ---------------------------------------------------------------- output
+    @staticmethod
+    def _items(text: str, plan: Any, reason: Optional[str], msg_id: str, call_ids: list[str] | None) -> list[dict]:
+        status = "incomplete" if reason == "length" else "completed"
+        content, calls = parse_tool_calls(text) if plan.parse else (text, [])
+        items: list[dict] = []
+        if content or not calls:
+            part = {"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}
+            items.append({"id": msg_id, "type": "message", "role": "assistant", "status": status, "content": [part]})
+        for j, c in enumerate(calls):
+            call_id = call_ids[j] if call_ids is not None and j < len(call_ids) else c.id
+            items.append(
+                {
+                    "id": "fc_" + call_id.removeprefix("call_"),
+                    "type": "function_call",
+                    "call_id": call_id,
+                    "name": c.name,
+                    "arguments": c.arguments,
+                    "status": "completed",
+                }
+            )
+        return items
+
+    @staticmethod
+    def _history_reply(items: list[dict]) -> dict:
+        """The assistant message of ``items`` (for the stored conversation)."""
+        text = "".join(p["text"] for it in items if it["type"] == "message" for p in it["content"])
+        calls = [
+            {"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+            for it in items
+            if it["type"] == "function_call"
+        ]
+        msg: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            msg["tool_calls"] = calls
+        return msg
+
+    def _body(self, rid: str, created: float, req: ResponsesRequest, status: str, output: list, usage: Any) -> dict:
+        body = {
+            "id": rid,
+            "object": "response",
+            "created_at": created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": self.models.served,
+            "output": output,
+            "usage": None,
+        }
+        body.update(req.echo())
+        if usage is not None:
+            body["usage"] = {
+                "input_tokens": usage.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": usage.prompt_tokens_details.cached_tokens},
+                "output_tokens": usage.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": usage.total_tokens,
+            }
+        return body
+
+    # ---------------------------------------------------------------- create
+    async def create(self, req: ResponsesRequest, raw: Request) -> dict | AsyncIterator[str]:
+        """A Response dict, or the event stream when ``stream``.
+
+        Raises:
+            APIError: 400 naming the field (``previous_response_id`` unknown, unsupported fields,
+                values the engine refuses).
+        """
+        req.check_values()
+        self.models.check(req.model)
+        prev = None
+        if req.previous_response_id is not None:
+            prev = self.store.get(req.previous_response_id)
+            if prev is None:
+                raise APIError(
+                    f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
+                    "past the store's bound)",
+                    "previous_response_id",
+                    code="previous_response_not_found",
+                )
+        ids, new_history, chat_req, plan = self._prompt(req, prev)
+        try:
+            params = sampling_params(chat_req, [len(ids)], self.client.max_context_len, None, "input", plan)
+        except APIError as exc:
+            raise remap_error(exc) from exc
+        renames = {k: chat_param(v) for k, v in constraint_renames(constraint_of(chat_req, plan)[0]).items()}
+        rid, msg_id, created = _id("resp"), _id("msg"), time.time()
+        holder: dict[str, Any] = {}
+        store, tok = self.store, self.client.tokenizer
+
+        def on_finish(engine: Any, out: Any) -> None:  # engine thread, before the output is delivered
+            if prev is not None:
+                store.touch(prev, engine)
+            if not req.store or out.outputs[0].finish_reason == "abort":
+                return
+            c = out.outputs[0]
+            tokens = list(ids) + list(c.token_ids)
+            item = holder["item"] = StoredResponse(
+                {}, [], req.instructions, list(plan.tools), tokens, reply_stop_text(tok, c), engine.pin_prefix(tokens)
+            )
+            store.put(rid, item, engine)
+
+        run = await self.client.start("responses", [(None, ids)], params, "input", renames, on_finish=[on_finish])
+
+        def finish(out: Any, call_ids: list[str] | None) -> dict:
+            c = out.outputs[0]
+            items = self._items(c.text, plan, c.finish_reason, msg_id, call_ids)
+            status = "incomplete" if c.finish_reason == "length" else "completed"
+            body = self._body(rid, created, req, status, items, run.usage([out]))
+            body["completed_at"] = time.time()
+            item = holder.get("item")
+            if item is not None:
+                item.body = body
+                item.messages = new_history + [self._history_reply(items)]
+            return body
+
+        if not req.stream:
+            try:
+                (out,) = await self.client.collect(raw, run)
+            except BaseException:  # the client went away: nothing of this response is kept
+                await self._forget(rid)
+                raise
+            return finish(out, None)
+        return framed(self._events(req, rid, created, msg_id, plan, run, finish), run.rest, server_error_event)
+
+    # ---------------------------------------------------------------- stream
+    async def _events(self, req, rid, created, msg_id, plan, run, finish) -> AsyncIterator[str]:
+        done = False
+        try:
+            async for event in self._event_stream(req, rid, created, msg_id, plan, run, finish):
+                yield event
+            done = True
+        finally:
+            if not done:  # the client went away (or the engine failed): nothing of it is kept
+                await self._forget(rid)
+
+    async def _event_stream(self, req, rid, created, msg_id, plan, run, finish) -> AsyncIterator[str]:
+        seq = [0]
+
+        def ev(kind: str, **fields: Any) -> str:
+            data = {"type": kind, "sequence_number": seq[0], **fields}
+            seq[0] += 1
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        head = self._body(rid, created, req, "in_progress", [], None)
+        yield ev("response.created", response=head)
+        yield ev("response.in_progress", response=head)
+        parser = ToolCallStream() if plan.parse else None
+        index = -1
+        open_kind: Optional[str] = None  # "message" or "call"
+        text_sent = ""
+        call_args = ""
+        call_item: dict = {}
+        latest = run.firsts[0]
+
+        called = [False]  # text after a call is not streamed (the Response holds one message, first)
+
+        def close_open(status: str = "completed") -> list[str]:
+            nonlocal open_kind
+            out = []
+            if open_kind == "message":
+                part = {"type": "output_text", "text": text_sent, "annotations": [], "logprobs": []}
+                out.append(
+                    ev(
+                        "response.output_text.done",
+                        item_id=msg_id,
+                        output_index=index,
+                        content_index=0,
+                        text=text_sent,
+                        logprobs=[],
+                    )
+                )
+                out.append(
+                    ev("response.content_part.done", item_id=msg_id, output_index=index, content_index=0, part=part)
+                )
+                item = {"id": msg_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+                out.append(ev("response.output_item.done", output_index=index, item=item))
+            elif open_kind == "call":
+                out.append(
+                    ev(
+                        "response.function_call_arguments.done",
+                        item_id=call_item["id"],
+                        output_index=index,
+                        name=call_item["name"],
+                        arguments=call_args,
+                    )
+                )
+                done = dict(call_item, arguments=call_args, status="completed")
+                out.append(ev("response.output_item.done", output_index=index, item=done))
+            open_kind = None
+            return out
+
+        def content(delta: str) -> list[str]:
+            nonlocal index, open_kind, text_sent
+            out = []
+            if not delta or called[0]:
+                return out
+            if open_kind != "message":
+                out += close_open()
+                index += 1
+                open_kind, text_sent = "message", ""
+                item = {"id": msg_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+                out.append(ev("response.output_item.added", output_index=index, item=item))
+                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+                out.append(
+                    ev("response.content_part.added", item_id=msg_id, output_index=index, content_index=0, part=part)
+                )
+            text_sent += delta
+            out.append(
+                ev(
+                    "response.output_text.delta",
+                    item_id=msg_id,
+                    output_index=index,
+                    content_index=0,
+                    delta=delta,
+                    logprobs=[],
+                )
+            )
+            return out
+
+        async for _, out in chain(run.firsts, run.rest):
+            latest = out
+            c = out.outputs[0]
+            done = c.finish_reason is not None
+            if parser is None:
+                for s in content(c.text[len(text_sent) :]):
+                    yield s
+                continue
+            for e in parser.update(c.text, done):
+                if e[0] == "content":
+                    for s in content(e[1]):
+                        yield s
+                elif e[0] == "call":
+                    for s in close_open():
+                        yield s
+                    _, _, call_id, name = e
+                    called[0] = True
+                    index += 1
+                    open_kind, call_args = "call", ""
+                    call_item = {
+                        "id": "fc_" + call_id.removeprefix("call_"),
+                        "type": "function_call",
+                        "call_id": call_id,
+                        "name": name,
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                    yield ev("response.output_item.added", output_index=index, item=call_item)
+                else:
+                    call_args += e[2]
+                    yield ev(
+                        "response.function_call_arguments.delta",
+                        item_id=call_item["id"],
+                        output_index=index,
+                        delta=e[2],
+                    )
+        final = finish(latest, parser.call_ids() if parser is not None else None)
+        if index < 0 and final["output"]:  # nothing was streamed (an empty reply): its item still comes
+            item = dict(final["output"][0])
+            yield ev("response.output_item.added", output_index=0, item=dict(item, status="in_progress", content=[]))
+            part = item["content"][0]
+            yield ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)
+            yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text="", logprobs=[])
+            yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
+            yield ev("response.output_item.done", output_index=0, item=item)
+        else:
+            for s in close_open(final["output"][0]["status"]):
+                yield s
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        yield ev(kind, response=final)
+
+    # ---------------------------------------------------------------- retrieve / delete
+    def retrieve(self, rid: str) -> dict:
+        """The stored Response ``rid``. Raises :class:`APIError` 404 when unknown."""
+        item = self.store.get(rid)
+        if item is None or not item.body:
+            raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
+        return item.body
+
+    async def _forget(self, rid: str) -> None:
+        item = self.store.pop(rid)
+        if item is not None and self.client.llm.is_running:
+            await self.client.llm.call_in_engine_thread(lambda e: ResponseStore._unpin(e, item))
+
+    async def delete(self, rid: str) -> dict:
+        """Delete the stored Response ``rid`` and release its pin. 404 when unknown."""
+        item = self.store.pop(rid)
+        if item is None:
+            raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
+        await self.client.llm.call_in_engine_thread(lambda e: ResponseStore._unpin(e, item))
+        return {"id": rid, "object": "response", "deleted": True}

@@ -1,0 +1,56 @@
+"""Helpers of the server test modules: uvicorn serving an app on a free loopback port in a thread
+of the test process (so the engine can be inspected directly), and the pool checks every module
+runs after its requests."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+from radixkv.async_llm import AsyncLLM
+
+
+class Server:
+    """uvicorn serving ``app`` on 127.0.0.1 in a daemon thread; ``base_url`` without a path."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
+    """Until no request is unfinished (an abort is applied at the engine's next step)."""
+    deadline = time.time() + timeout
+    while asyncio.run(llm.num_unfinished_requests()) or asyncio.run(
+        llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())
+    ):
+        assert time.time() < deadline, "requests still unfinished"
+        time.sleep(0.05)
+
+
+def assert_pool_whole(llm: AsyncLLM) -> dict:
+    """Every slot owned once, and free + evictable == capacity with nothing protected."""
+    wait_idle(llm)
+    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))
+    stats = llm.get_cache_stats()
+    assert stats["free"] + stats["evictable"] == stats["capacity"], stats
+    assert stats["protected"] == 0, stats
+    return stats

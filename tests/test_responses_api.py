@@ -1,0 +1,367 @@
+"""OpenAI's Responses API (``/v1/responses``) against one real radixkv server (the default model on
+CPU, uvicorn on a free 127.0.0.1 port in a thread of this process), through real clients: the
+``openai`` SDK's ``client.responses.create`` / ``client.responses.stream`` (with and without
+``previous_response_id``) and ``openai-agents`` with its default model class
+(``OpenAIResponsesModel``) running a function tool to a final output.
+
+A follow-up through ``previous_response_id`` must compute only its new input: its cached tokens
+are the whole stored context (prompt + output, but the last output token, whose KV is never
+computed), held by the stored response's pin in the KV manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+
+from server_helpers import Server, assert_pool_whole  # noqa: E402
+
+from radixkv.async_llm import AsyncLLM  # noqa: E402
+from radixkv.chat_template import encode_chat  # noqa: E402
+from radixkv.server.app import create_app  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "smollm2-135m"
+INSTRUCTIONS = "You are a helpful assistant. Answer in one short sentence."
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Get the current weather in a city.",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "description": "The city, e.g. Paris"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
+VOLATILE = {"id", "created_at", "completed_at"}
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    engine = Engine(
+        EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384), loaded_model=default_model
+    )
+    a = AsyncLLM(engine=engine)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = Server(create_app(llm, served_model_name=MODEL))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c
+
+
+def _same(a, b) -> None:
+    """Two Responses are equal but for ids, times and cached tokens (item ids are per response;
+    the SDK's parsed stream adds ``parsed`` fields)."""
+    da, db = a.model_dump(exclude=VOLATILE), b.model_dump(exclude=VOLATILE)
+    for d in (da, db):
+        d["usage"]["input_tokens_details"].pop("cached_tokens")
+        for item in d["output"]:
+            item.pop("id", None)
+            item.pop("parsed_arguments", None)
+            if item.get("type") == "function_call":
+                item.pop("call_id")
+            for part in item.get("content") or []:
+                part.pop("parsed", None)
+    assert da == db
+
+
+def _flush(server) -> None:
+    assert httpx.post(server.base_url + "/flush_cache").status_code == 200
+
+
+def test_create_stream_and_previous_response_id_computes_only_the_new_input(server, client, llm):
+    _flush(server)
+    first = client.responses.create(
+        model=MODEL, input="Name one fruit.", instructions=INSTRUCTIONS, max_output_tokens=48, temperature=0
+    )
+    assert first.status == "completed" and first.output_text and first.store
+    ids = encode_chat(
+        llm.tokenizer, [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Name one fruit."}]
+    )
+    assert first.usage.input_tokens == len(ids) and first.usage.input_tokens_details.cached_tokens == 0
+    context = first.usage.input_tokens + first.usage.output_tokens
+    store = server.server.config.app.state.responses.store
+    assert store.pinned_tokens(first.id) == context - 1  # the last output token's KV is never computed
+
+    # streamed: the final Response equals the non-streamed one (greedy), built from the events
+    with client.responses.stream(
+        model=MODEL, input="Name one fruit.", instructions=INSTRUCTIONS, max_output_tokens=48, temperature=0
+    ) as stream:
+        events = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    assert events[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                          "response.content_part.added"]  # fmt: skip
+    assert "response.output_text.delta" in events and events[-1] == "response.completed"
+    assert events[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    _same(first, streamed)
+    # the same prompt again: all of it but the last token (whose logits are needed) is cached
+    assert streamed.usage.input_tokens_details.cached_tokens == first.usage.input_tokens - 1
+
+    # the follow-up continues the stored context token for token: all of it is cached
+    follow = client.responses.create(
+        model=MODEL,
+        input="And one vegetable?",
+        instructions=INSTRUCTIONS,
+        previous_response_id=first.id,
+        max_output_tokens=48,
+        temperature=0,
+    )
+    assert follow.previous_response_id == first.id
+    assert follow.usage.input_tokens_details.cached_tokens == context - 1
+    assert follow.usage.input_tokens > context
+    # streamed follow-up: the same answer, and the same cached tokens
+    with client.responses.stream(
+        model=MODEL,
+        input="And one vegetable?",
+        instructions=INSTRUCTIONS,
+        previous_response_id=first.id,
+        max_output_tokens=48,
+        temperature=0,
+    ) as stream:
+        list(stream)
+        again = stream.get_final_response()
+    _same(follow, again)
+
+    # retrieve and delete: the stored body, then a 404; the pin goes with it
+    assert client.responses.retrieve(first.id).model_dump(exclude={"completed_at"}) == first.model_dump(
+        exclude={"completed_at"}
+    )
+    client.responses.delete(first.id)
+    assert store.pinned_tokens(first.id) == 0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert exc.value.body["param"] == "previous_response_id"
+
+    # store false: nothing kept, nothing pinned
+    unstored = client.responses.create(model=MODEL, input="Hi", store=False, max_output_tokens=4, temperature=0)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    for rid in list(store._items):
+        client.responses.delete(rid)
+    assert_pool_whole(llm)
+
+
+def test_stored_responses_past_the_pin_bound_stay_retrievable_unpinned(server, client, llm):
+    store = server.server.config.app.state.responses.store
+    bound, store.max_pinned = store.max_pinned, 1
+    try:
+        a = client.responses.create(model=MODEL, input="Say A.", max_output_tokens=8, temperature=0)
+        assert store.pinned_tokens(a.id) > 0
+        b = client.responses.create(model=MODEL, input="Say B.", max_output_tokens=8, temperature=0)
+        assert store.pinned_tokens(a.id) == 0 and store.pinned_tokens(b.id) > 0  # LRU: a lost its pin
+        assert client.responses.retrieve(a.id).output_text == a.output_text  # still retrievable as text
+        c = client.responses.create(
+            model=MODEL, input="Again.", previous_response_id=a.id, max_output_tokens=8, temperature=0
+        )
+        assert c.status in ("completed", "incomplete") and store.pinned_tokens(c.id) > 0
+        assert store.pinned_tokens(b.id) == 0
+    finally:
+        store.max_pinned = bound
+    for rid in list(store._items):
+        client.responses.delete(rid)
+    assert_pool_whole(llm)
+
+
+def test_function_call_and_its_output_through_previous_response_id(server, client, llm):
+    _flush(server)
+    call = client.responses.create(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        instructions=INSTRUCTIONS,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=64,
+        temperature=0,
+    )
+    (item,) = call.output
+    assert item.type == "function_call" and item.name == "get_weather" and item.call_id.startswith("call_")
+    jsonschema.validate(json.loads(item.arguments), WEATHER["parameters"])
+    with client.responses.stream(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        instructions=INSTRUCTIONS,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_output_tokens=64,
+        temperature=0,
+    ) as stream:
+        events = [e.type for e in stream]
+        streamed = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in events
+    assert events[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    _same(call, streamed)
+    assert streamed.output[0].arguments == item.arguments
+
+    context = call.usage.input_tokens + call.usage.output_tokens
+    result = client.responses.create(
+        model=MODEL,
+        input=[{"type": "function_call_output", "call_id": item.call_id, "output": "Sunny, 21 degrees."}],
+        instructions=INSTRUCTIONS,
+        tools=[WEATHER],
+        tool_choice="none",
+        previous_response_id=call.id,
+        max_output_tokens=48,
+        temperature=0,
+    )
+    assert result.output[0].type == "message" and result.output_text
+    assert result.usage.input_tokens_details.cached_tokens == context - 1
+    store = server.server.config.app.state.responses.store
+    for rid in list(store._items):
+        client.responses.delete(rid)
+    assert_pool_whole(llm)
+
+
+def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "string", "enum": ["apple", "banana", "cherry"]}},
+        "required": ["fruit"],
+        "additionalProperties": False,
+    }
+    r = client.responses.create(
+        model=MODEL,
+        input="Pick a fruit.",
+        text={"format": {"type": "json_schema", "name": "pick", "schema": schema, "strict": True}},
+        max_output_tokens=32,
+        temperature=0,
+        store=False,
+    )
+    jsonschema.validate(json.loads(r.output_text), schema)
+    assert r.text.format.type == "json_schema"
+    base = {"model": MODEL, "input": "Hi", "store": False}
+    cases = [
+        ({"tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
+        ({"reasoning": {"effort": "high"}}, "reasoning", "unsupported_parameter"),
+        ({"include": ["reasoning.encrypted_content"]}, "include", "unsupported_parameter"),
+        ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+        ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
+        ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+        ({"max_output_tokens": 100000}, "max_output_tokens", "context_length_exceeded"),
+        ({"previous_response_id": "resp_nope"}, "previous_response_id", "previous_response_not_found"),
+        ({"model": "gpt-4o"}, "model", "model_not_found"),
+        ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text", None),
+        ({"bogus": 1}, "bogus", "unknown_parameter"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
+            "input",
+            "unsupported_parameter",
+        ),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "unsupported_parameter"),
+    ]
+    for extra, param, code in cases:
+        resp = httpx.post(server.base_url + "/v1/responses", json={**base, **extra}, timeout=60)
+        assert resp.status_code == 400, (extra, resp.text)
+        err = resp.json()["error"]
+        assert err["param"] == param, (extra, err)
+        if code is not None:
+            assert err["code"] == code, (extra, err)
+
+
+def test_openai_agents_default_responses_model_runs_a_function_tool(server, llm):
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
+    from agents.models.openai_provider import OpenAIProvider
+    from agents.models.openai_responses import OpenAIResponsesModel
+
+    set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: The city, e.g. Paris.
+        """
+        seen.append(city)
+        return f"It is sunny and 21 degrees in {city}."
+
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    provider = OpenAIProvider(openai_client=aclient)  # the default provider: Responses models
+    assert isinstance(provider.get_model(MODEL), OpenAIResponsesModel)
+    agent = Agent(
+        name="weather",
+        instructions=INSTRUCTIONS,
+        tools=[get_weather],
+        model=MODEL,
+        # one forced call, then (reset_tool_choice, the default) the tool choice goes back to auto
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+    )
+
+    async def run():
+        try:
+            config = RunConfig(model_provider=provider, tracing_disabled=True)
+            return await Runner.run(
+                agent, "What is the weather in Paris?", max_turns=4, run_config=config, auto_previous_response_id=True
+            )
+        finally:
+            await aclient.close()
+
+    result = asyncio.run(run())
+    assert seen and all(seen)
+    assert isinstance(result.final_output, str) and result.final_output
+    responses = result.raw_responses
+    assert len(responses) >= 2 and all(r.response_id.startswith("resp_") for r in responses)
+    # every turn after the first continued the previous response server-side: its input was cached
+    assert all(r.usage.input_tokens_details.cached_tokens > 0 for r in responses[1:])
+    store = server.server.config.app.state.responses.store
+    for rid in list(store._items):
+        asyncio.run(_delete(server, rid))
+    assert_pool_whole(llm)
+
+
+async def _delete(server, rid: str) -> None:
+    async with httpx.AsyncClient(base_url=server.base_url) as c:
+        assert (await c.delete(f"/v1/responses/{rid}")).status_code == 200
+
+
+def test_a_stream_the_client_leaves_keeps_nothing(server, llm):
+    store = server.server.config.app.state.responses.store
+    for rid in list(store._items):
+        asyncio.run(_delete(server, rid))
+    body = {
+        "model": MODEL,
+        "input": "Tell me a long story.",
+        "max_output_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.stream("POST", server.base_url + "/v1/responses", json=body, timeout=300) as r:
+        lines = r.iter_lines()
+        kinds = []
+        for line in lines:
+            if line.startswith("event:"):
+                kinds.append(line[6:].strip())
+            if "response.output_text.delta" in kinds:
+                break  # leave mid-answer
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert_pool_whole(llm)  # aborted: its slots were freed, nothing pinned
+    assert len(store) == 0
