@@ -441,82 +441,124 @@ gemv_store(__m256 a0, __m256 a1, const float *bias, float *c, int nv)
     }
 }
 
-/* c[16 j ...] = x . panel j (+ bias), j < P, for one format; pan[j], bias[j] (NULL: none),
- * c[j], nv[j] per panel. Inlined with constant P and fmt. */
+/* The accumulators are named variables, not an array: GCC keeps an array of vectors in
+ * registers but also stores it to the stack on every k, which cost ~1/3 of the loop. */
+
+/* Q4_1 panel j's weights of step k into w0 (columns 0-7) and w1 (8-15): fma(q, d, m). */
+#define Q4_W(j, k, w0, w1)                                                                                  \
+    __m256i b##j = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs##j + 8 * (k))));           \
+    __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b##j, lo4)), d##j##0, m##j##0);      \
+    __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b##j, 4)), d##j##1, m##j##1)
+/* Q8_0 panel j's weights of step k: q * d. */
+#define Q8_W(j, k, w0, w1)                                                                                  \
+    __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs##j + 16 * (k))))), d##j##0); \
+    __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs##j + 16 * (k) + 8)))), d##j##1)
+#define Q_GROUP_LOAD(j, fmt, gk)                                                                            \
+    const uint8_t *gp##j = pan[j] + (gk) / QB * (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP);                    \
+    for (int off = 0; off < (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP); off += 64)                             \
+        _mm_prefetch((const char *)(gp##j + GEMV_PF * (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP) + off), _MM_HINT_T0); \
+    __m256 d##j##0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp##j));                             \
+    __m256 d##j##1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp##j + 16)));                      \
+    __m256 m##j##0 = fmt == PW_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp##j + 32))) : _mm256_setzero_ps(); \
+    __m256 m##j##1 = fmt == PW_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp##j + 48))) : _mm256_setzero_ps(); \
+    const uint8_t *qs##j = gp##j + (fmt == PW_Q4_1 ? 64 : 32);                                              \
+    (void)m##j##0, (void)m##j##1
+
+/* c[16 j ...] = x . panel j (+ bias) for P = 2 panels (or 1) of a block format fmt. */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
-gemv_panels(const int P, const int fmt, const float *x, Py_ssize_t K, const uint8_t *const *pan,
-            const float *const *bias, float *const *c, const int *nv)
+gemv_q(const int P, const int fmt, const float *x, Py_ssize_t K, const uint8_t *const *pan, const float *const *bias,
+       float *const *c, const int *nv)
 {
-    __m256 acc[4][2];
-    for (int j = 0; j < P; j++)
-        acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    if (fmt == PW_F32) {
-        const float *w[4];
-        for (int j = 0; j < P; j++)
-            w[j] = (const float *)pan[j];
-        for (Py_ssize_t k = 0; k < K; k++) {
-            if ((k & 3) == 0)
-                for (int j = 0; j < P; j++)
-                    _mm_prefetch((const char *)(w[j] + (k + 64) * NR), _MM_HINT_T0);
-            __m256 xb = _mm256_broadcast_ss(x + k);
-            for (int j = 0; j < P; j++) {
-                acc[j][0] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w[j] + k * NR), acc[j][0]);
-                acc[j][1] = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w[j] + k * NR + 8), acc[j][1]);
-            }
-        }
-    } else if (fmt == PW_Q4_1) {
-        const __m256i lo4 = _mm256_set1_epi32(15);
-        for (Py_ssize_t g0 = 0; g0 < K; g0 += QB) {
-            __m256 d[4][2], m[4][2];
-            const uint8_t *qs[4];
-            for (int j = 0; j < P; j++) {
-                const uint8_t *g = pan[j] + g0 / QB * Q4_GROUP;
-                for (int off = 0; off < Q4_GROUP; off += 64) /* groups are whole lines */
-                    _mm_prefetch((const char *)(g + GEMV_PF * Q4_GROUP + off), _MM_HINT_T0);
-                d[j][0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-                d[j][1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
-                m[j][0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 32)));
-                m[j][1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 48)));
-                qs[j] = g + 64;
-            }
-            const float *xk = x + g0;
+    const __m256i lo4 = _mm256_set1_epi32(15);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+    (void)lo4;
+    for (Py_ssize_t g0 = 0; g0 < K; g0 += QB) {
+        const float *xk = x + g0;
+        Q_GROUP_LOAD(0, fmt, g0);
+        if (P == 2) {
+            Q_GROUP_LOAD(1, fmt, g0);
             for (int k = 0; k < QB; k++) {
                 __m256 xb = _mm256_broadcast_ss(xk + k);
-                for (int j = 0; j < P; j++) {
-                    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs[j] + 8 * k)));
-                    __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, lo4)), d[j][0], m[j][0]);
-                    __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), d[j][1], m[j][1]);
-                    acc[j][0] = _mm256_fmadd_ps(xb, w0, acc[j][0]);
-                    acc[j][1] = _mm256_fmadd_ps(xb, w1, acc[j][1]);
+                if (fmt == PW_Q4_1) {
+                    Q4_W(0, k, w00, w01);
+                    Q4_W(1, k, w10, w11);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
+                    a10 = _mm256_fmadd_ps(xb, w10, a10);
+                    a11 = _mm256_fmadd_ps(xb, w11, a11);
+                } else {
+                    Q8_W(0, k, w00, w01);
+                    Q8_W(1, k, w10, w11);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
+                    a10 = _mm256_fmadd_ps(xb, w10, a10);
+                    a11 = _mm256_fmadd_ps(xb, w11, a11);
                 }
             }
-        }
-    } else {
-        for (Py_ssize_t g0 = 0; g0 < K; g0 += QB) {
-            __m256 d[4][2];
-            const uint8_t *qs[4];
-            for (int j = 0; j < P; j++) {
-                const uint8_t *g = pan[j] + g0 / QB * Q8_GROUP;
-                for (int off = 0; off < Q8_GROUP; off += 64)
-                    _mm_prefetch((const char *)(g + GEMV_PF * Q8_GROUP + off), _MM_HINT_T0);
-                d[j][0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
-                d[j][1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));
-                qs[j] = g + 32;
-            }
-            const float *xk = x + g0;
+        } else {
             for (int k = 0; k < QB; k++) {
                 __m256 xb = _mm256_broadcast_ss(xk + k);
-                for (int j = 0; j < P; j++) {
-                    __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs[j] + 16 * k))));
-                    __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs[j] + 16 * k + 8))));
-                    acc[j][0] = _mm256_fmadd_ps(xb, _mm256_mul_ps(q0, d[j][0]), acc[j][0]);
-                    acc[j][1] = _mm256_fmadd_ps(xb, _mm256_mul_ps(q1, d[j][1]), acc[j][1]);
+                if (fmt == PW_Q4_1) {
+                    Q4_W(0, k, w00, w01);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
+                } else {
+                    Q8_W(0, k, w00, w01);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
                 }
             }
         }
     }
-    for (int j = 0; j < P; j++)
-        gemv_store(acc[j][0], acc[j][1], bias[j], c[j], nv[j]);
+    gemv_store(a00, a01, bias[0], c[0], nv[0]);
+    if (P == 2)
+        gemv_store(a10, a11, bias[1], c[1], nv[1]);
+}
+#undef Q4_W
+#undef Q8_W
+#undef Q_GROUP_LOAD
+
+/* The same for float32 panels, P = 1 .. 4. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+gemv_f32(const int P, const float *x, Py_ssize_t K, const uint8_t *const *pan, const float *const *bias,
+         float *const *c, const int *nv)
+{
+    const float *w0 = (const float *)pan[0], *w1 = (const float *)pan[P > 1 ? 1 : 0];
+    const float *w2 = (const float *)pan[P > 2 ? 2 : 0], *w3 = (const float *)pan[P > 3 ? 3 : 0];
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (Py_ssize_t k = 0; k < K; k++) {
+        if ((k & 3) == 0) {
+            _mm_prefetch((const char *)(w0 + (k + 64) * NR), _MM_HINT_T0);
+            if (P > 1)
+                _mm_prefetch((const char *)(w1 + (k + 64) * NR), _MM_HINT_T0);
+            if (P > 2)
+                _mm_prefetch((const char *)(w2 + (k + 64) * NR), _MM_HINT_T0);
+            if (P > 3)
+                _mm_prefetch((const char *)(w3 + (k + 64) * NR), _MM_HINT_T0);
+        }
+        __m256 xb = _mm256_broadcast_ss(x + k);
+        a00 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k * NR), a00);
+        a01 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k * NR + 8), a01);
+        if (P > 1) {
+            a10 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k * NR), a10);
+            a11 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k * NR + 8), a11);
+        }
+        if (P > 2) {
+            a20 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k * NR), a20);
+            a21 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k * NR + 8), a21);
+        }
+        if (P > 3) {
+            a30 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k * NR), a30);
+            a31 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k * NR + 8), a31);
+        }
+    }
+    gemv_store(a00, a01, bias[0], c[0], nv[0]);
+    if (P > 1)
+        gemv_store(a10, a11, bias[1], c[1], nv[1]);
+    if (P > 2)
+        gemv_store(a20, a21, bias[2], c[2], nv[2]);
+    if (P > 3)
+        gemv_store(a30, a31, bias[3], c[3], nv[3]);
 }
 
 /* Bytes of one packed panel of a K-deep weight in format fmt. */
@@ -564,26 +606,24 @@ gemv_refs(const float *x, Py_ssize_t K, int fmt, const panel_ref *r, int np)
             c[j] = r[i + j].c;
             nv[j] = r[i + j].nv;
         }
-#define GV(PP, F) gemv_panels(PP, F, x, K, pan, bias, c, nv)
         if (fmt == PW_F32) {
             switch (P) {
-            case 4: GV(4, PW_F32); break;
-            case 3: GV(3, PW_F32); break;
-            case 2: GV(2, PW_F32); break;
-            default: GV(1, PW_F32); break;
+            case 4: gemv_f32(4, x, K, pan, bias, c, nv); break;
+            case 3: gemv_f32(3, x, K, pan, bias, c, nv); break;
+            case 2: gemv_f32(2, x, K, pan, bias, c, nv); break;
+            default: gemv_f32(1, x, K, pan, bias, c, nv); break;
             }
         } else if (fmt == PW_Q4_1) {
             if (P == 2)
-                GV(2, PW_Q4_1);
+                gemv_q(2, PW_Q4_1, x, K, pan, bias, c, nv);
             else
-                GV(1, PW_Q4_1);
+                gemv_q(1, PW_Q4_1, x, K, pan, bias, c, nv);
         } else {
             if (P == 2)
-                GV(2, PW_Q8_0);
+                gemv_q(2, PW_Q8_0, x, K, pan, bias, c, nv);
             else
-                GV(1, PW_Q8_0);
+                gemv_q(1, PW_Q8_0, x, K, pan, bias, c, nv);
         }
-#undef GV
     }
 }
 
@@ -1514,16 +1554,6 @@ attend_unit(const step_args *sa, const layer_plan *lp, int t, int g, int c, floa
     const __m256 vscale = _mm256_set1_ps(p->sm_scale);
     Py_ssize_t q = 0;
     for (; q + 8 <= n; q += 8) {
-        for (Py_ssize_t j = q + KV_PREFETCH; j < q + KV_PREFETCH + 8 && j < n; j++)
-            for (int b = 0; b < d * (int)sizeof(float); b += 64)
-                _mm_prefetch((const char *)(kb + slot[j] * row_len) + b, _MM_HINT_T0);
-        if (q == 0)
-            for (Py_ssize_t j = 0; j < KV_PREFETCH && j < n; j++)
-                for (int b = 0; b < d * (int)sizeof(float); b += 64)
-                    _mm_prefetch((const char *)(kb + slot[j] * row_len) + b, _MM_HINT_T0);
-        for (Py_ssize_t j = q; j < q + 8; j++)
-            for (int b = 0; b < d * (int)sizeof(float); b += 64)
-                _mm_prefetch((const char *)(vb + slot[j] * row_len) + b, _MM_HINT_T1);
         const float *kp[8];
         for (int j = 0; j < 8; j++)
             kp[j] = kb + slot[q + j] * row_len;
