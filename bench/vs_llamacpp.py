@@ -164,7 +164,10 @@ class LlamaCppStream:
 def single_stream(args) -> dict:
     ours = RadixkvStream(args.model, args.threads)
     tok = ours.llm.tokenizer
-    theirs = LlamaCppStream(args.gguf, args.threads, args.prompt_len + args.gen + 64)
+    theirs = (
+        LlamaCppStream(args.gguf, args.threads, args.prompt_len + args.gen + 64) if "llama.cpp" in args.sides else None
+    )
+    sides = [("radixkv", ours)] + ([("llama.cpp", theirs)] if theirs else [])
     texts = sharegpt_text(args.prompt_len * 6, skip=args.skip)
     prompts = []
     for t in texts:
@@ -175,30 +178,26 @@ def single_stream(args) -> dict:
             break
     if len(prompts) < args.trials + 1:
         raise SystemExit("vs_llamacpp: not enough ShareGPT text for the trials")
-    for side in (ours, theirs):  # untimed warm-up: first calls of every kernel and shape
+    for _, side in sides:  # untimed warm-up: first calls of every kernel and shape
         side.run(prompts[0][: args.prompt_len // 2], 8)
-    rows = {"radixkv": [], "llama.cpp": []}
+    rows = {name: [] for name, _ in sides}
     agree = []
     for i, p in enumerate(prompts[1:]):
-        order = [("radixkv", ours), ("llama.cpp", theirs)]
-        if i % 2:
-            order.reverse()
+        order = sides if i % 2 == 0 else sides[::-1]
         got = {}
         for name, side in order:
             ttft, dec, toks = side.run(p, args.gen)
             rows[name].append((len(p) / ttft, (len(toks) - 1) / dec))
             got[name] = toks
-        a, b = got["radixkv"], got["llama.cpp"]
-        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        agree.append(same)
-        print(
-            f"trial {i}: radixkv prefill {rows['radixkv'][-1][0]:.1f} decode {rows['radixkv'][-1][1]:.1f} tok/s | "
-            f"llama.cpp prefill {rows['llama.cpp'][-1][0]:.1f} decode {rows['llama.cpp'][-1][1]:.1f} tok/s | "
-            f"greedy tokens equal up to {same}/{args.gen}",
-            file=sys.stderr,
-        )
+        line = " | ".join(f"{k} prefill {v[-1][0]:.1f} decode {v[-1][1]:.1f} tok/s" for k, v in rows.items())
+        if theirs:
+            a, b = got["radixkv"], got["llama.cpp"]
+            same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            agree.append(same)
+            line += f" | greedy tokens equal up to {same}/{args.gen}"
+        print(f"trial {i}: {line}", file=sys.stderr)
     med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in rows.items()}
-    ratios = [(a[1] / b[1]) for a, b in zip(rows["radixkv"], rows["llama.cpp"])]
+    ratios = [(a[1] / b[1]) for a, b in zip(rows["radixkv"], rows.get("llama.cpp", []))]
     return {
         "prompt_len": args.prompt_len,
         "gen": args.gen,
@@ -209,7 +208,7 @@ def single_stream(args) -> dict:
         "decode_ratio_per_trial": ratios,
         "greedy_equal_prefix": agree,
         "per_trial": rows,
-        "llama_system_info": theirs.system_info,
+        "llama_system_info": theirs.system_info if theirs else "(llama.cpp not run)",
         "radixkv_backend": ours.name,
     }
 
@@ -234,9 +233,10 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 def start_servers(args) -> list[tuple[str, str, subprocess.Popen]]:
     server = llama_dir() / "build" / "bin" / "llama-server"
-    if not server.exists():
+    if "llama.cpp" in args.sides and not server.exists():
         raise _need_setup("llama-server")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    servers = []
     ours = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "serve", "--model", args.model, "--port", str(args.port), "--log-level",
          "warning"],
@@ -244,18 +244,22 @@ def start_servers(args) -> list[tuple[str, str, subprocess.Popen]]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    theirs = subprocess.Popen(
-        [str(server), "-m", args.gguf, "--host", "127.0.0.1", "--port", str(args.port + 1), "-t", str(args.threads),
-         "-tb", str(args.threads), "-np", "8", "-c", "16384", "--jinja", "--no-webui"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    servers = [
-        ("radixkv", f"http://127.0.0.1:{args.port}", ours),
-        ("llama.cpp", f"http://127.0.0.1:{args.port + 1}", theirs),
-    ]
-    for _, url, proc in servers:
-        _wait_ready(url + "/health", proc, 600)
+    servers.append(("radixkv", f"http://127.0.0.1:{args.port}", ours))
+    if "llama.cpp" in args.sides:
+        theirs = subprocess.Popen(
+            [str(server), "-m", args.gguf, "--host", "127.0.0.1", "--port", str(args.port + 1), "-t",
+             str(args.threads), "-tb", str(args.threads), "-np", "8", "-c", "16384", "--jinja", "--no-webui"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        servers.append(("llama.cpp", f"http://127.0.0.1:{args.port + 1}", theirs))
+    try:
+        for _, url, proc in servers:
+            _wait_ready(url + "/health", proc, 600)
+    except BaseException:
+        for _, _, proc in servers:
+            proc.kill()
+        raise
     return servers
 
 
@@ -323,7 +327,7 @@ def server_replay(args) -> dict:
     servers = start_servers(args)
     try:
         names = {"radixkv": "smollm2-135m", "llama.cpp": "smollm2"}
-        res: dict = {"sequential": {"radixkv": [], "llama.cpp": []}, "concurrent": {"radixkv": [], "llama.cpp": []}}
+        res: dict = {mode: {name: [] for name, _, _ in servers} for mode in ("sequential", "concurrent")}
         warm = load_conversations(2, 1, skip=args.skip + 1000)
         for name, url, _ in servers:
             replay(url, names[name], warm, 4, False)
@@ -363,26 +367,36 @@ def table(single: dict | None, server: dict | None, meta: dict) -> str:
         "| measure | radixkv | llama.cpp | ratio |",
         "|---|---|---|---|",
     ]
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    def cell(v: float | None, fmt: str = "{:.1f}") -> str:
+        return fmt.format(v) if v is not None else "-"
+
     if single:
         p, d = single["prefill_tok_s"], single["decode_tok_s"]
         lines.append(
-            f"| prefill, {single['prompt_len']}-token prompt (tok/s, to first token) | {p['radixkv']:.1f} | "
-            f"{p['llama.cpp']:.1f} | {p['radixkv'] / p['llama.cpp']:.2f}x |"
+            f"| prefill, {single['prompt_len']}-token prompt (tok/s, to first token) | {cell(p['radixkv'])} | "
+            f"{cell(p.get('llama.cpp'))} | {ratio(p['radixkv'], p.get('llama.cpp'))} |"
         )
         lines.append(
-            f"| decode, batch 1, {single['gen']} tokens after it (tok/s) | {d['radixkv']:.1f} | {d['llama.cpp']:.1f} | "
-            f"{d['radixkv'] / d['llama.cpp']:.2f}x |"
+            f"| decode, batch 1, {single['gen']} tokens after it (tok/s) | {cell(d['radixkv'])} | "
+            f"{cell(d.get('llama.cpp'))} | {ratio(d['radixkv'], d.get('llama.cpp'))} |"
         )
     if server:
         for mode, label in (("sequential", "one request at a time"), ("concurrent", "8 concurrent clients")):
-            a, b = server[mode]["radixkv"], server[mode]["llama.cpp"]
-            if not a:
-                continue
-            ra, rb = _med(a, "out_tok_s"), _med(b, "out_tok_s")
+            cells, out = [], {}
+            for name in ("radixkv", "llama.cpp"):
+                rows = server[mode].get(name)
+                if not rows:
+                    cells.append("-")
+                    continue
+                out[name] = _med(rows, "out_tok_s")
+                cells.append(f"{out[name]:.1f}; {_med(rows, 'ttft_p50_s'):.3f} s; {_med(rows, 'cached_fraction'):.1%}")
             lines.append(
-                f"| server replay, {label} (out tok/s; TTFT p50; cached) | {ra:.1f}; {_med(a, 'ttft_p50_s'):.3f} s; "
-                f"{_med(a, 'cached_fraction'):.1%} | {rb:.1f}; {_med(b, 'ttft_p50_s'):.3f} s; "
-                f"{_med(b, 'cached_fraction'):.1%} | {ra / rb:.2f}x |"
+                f"| server replay, {label} (out tok/s; TTFT p50; cached) | {cells[0]} | {cells[1]} | "
+                f"{ratio(out.get('radixkv'), out.get('llama.cpp'))} |"
             )
     if single:
         lines += [
@@ -399,6 +413,9 @@ def table(single: dict | None, server: dict | None, meta: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--parts", default="single,server", help="single, server or both (default)")
+    ap.add_argument(
+        "--sides", default="radixkv,llama.cpp", help="radixkv, llama.cpp or both (default): e.g. radixkv alone"
+    )
     ap.add_argument("--model", default="smollm2-135m", help="radixkv model (default smollm2-135m)")
     ap.add_argument("--gguf", default=None, help="the GGUF file both run (default: the default model's)")
     ap.add_argument("--threads", type=int, default=2)
@@ -418,7 +435,9 @@ def main(argv=None) -> int:
 
         args.gguf = str(default_gguf_path())
     parts = {p.strip() for p in args.parts.split(",")}
-    import_llama_cpp()  # fail early, with the set-up hint
+    args.sides = {p.strip() for p in args.sides.split(",")} | {"radixkv"}
+    if "llama.cpp" in args.sides:
+        import_llama_cpp()  # fail early, with the set-up hint
     from radixkv.kernels import cpu
 
     meta = {

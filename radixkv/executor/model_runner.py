@@ -191,10 +191,10 @@ class ModelRunner:
             device=self.device,
         )
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model on ``batch``: writes the new tokens' K/V into the pool (every layer) and
-        returns float32 logits ``[S, vocab_size]`` for ``batch.logits_indices``. Picks the path:
+        """Run the model on ``batch`` (no gradient is recorded): writes the new tokens' K/V into the
+        pool (every layer) and returns float32 logits ``[S, vocab_size]`` for
+        ``batch.logits_indices``. Picks the path:
         the fused native CPU decode step (:mod:`radixkv.executor.cpu_decode`: the whole pass in
         one call) for a :class:`~radixkv.executor.cpu_decode.DecodeBatch` from :meth:`build_batch`,
         else the model's module path."""
@@ -206,6 +206,10 @@ class ModelRunner:
                 if logits is not None:
                     return logits
             batch = batch.materialize()
+        return self._module_forward(batch)
+
+    @torch.inference_mode()
+    def _module_forward(self, batch: ForwardBatch) -> torch.Tensor:
         attn = self.attn_backend
         attn.plan(batch)
         return self.model(batch.input_ids, batch.positions, attn, batch.logits_indices)
