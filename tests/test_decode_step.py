@@ -211,3 +211,6 @@ def test_decode_batch_reads_as_a_forward_batch():
     assert b.positions.tolist() == [9, 5, 6] and b.out_slots.tolist() == [9, 25, 26]
     assert b.logits_indices.tolist() == [0, 2] and b.seq_lens.tolist() == [10, 7]
     assert not b.is_decode
+    t = runner.build_batch(torch.tensor([3, 4, 5]), torch.tensor(rows), torch.tensor([9, 5]), torch.tensor([1, 2]))
+    assert isinstance(t, cpu_decode.DecodeBatch) and (t.tokens, t.rows, t.prefix_lens) == ([3, 4, 5], rows, [9, 5])
+    assert torch.equal(runner.forward(t), runner.forward(b))  # the same step twice: the same K/V, the same logits

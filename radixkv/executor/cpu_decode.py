@@ -44,6 +44,16 @@ _data_ptr = torch.Tensor.data_ptr
 _version = attrgetter("_version")
 
 
+def _ints(v) -> list[int]:
+    """A list of Python ints from a sequence or a tensor (``TypeError`` / ``ValueError`` else)."""
+    if isinstance(v, torch.Tensor):
+        return v.reshape(-1).tolist()
+    out = list(v)
+    if not all(type(x) is int for x in out):
+        out = [int(x) for x in out]
+    return out
+
+
 def model_supported(model: CausalLM) -> str | None:
     """Why the fused step cannot run ``model`` (``None``: it can): the kernels must be there, the
     model float32 on the CPU, not quantized, with :class:`~radixkv.models.layers.Linear`
@@ -146,27 +156,29 @@ class DecodeStep:
         step serves them (at most :data:`MAX_ROWS` tokens, :data:`MAX_EXTEND` per request, every
         value in range), else ``None`` (the caller builds a ``ForwardBatch``, which also raises
         the ``ValueError`` of a bad argument)."""
-        tokens = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-        rows, prefix, extend = list(req_rows), list(prefix_lens), list(extend_lens)
-        b = len(rows)
-        if not (
-            0 < b == len(prefix) == len(extend)
-            and len(tokens) <= MAX_ROWS
-            and min(extend) >= 1
-            and max(extend) <= MAX_EXTEND
-            and sum(extend) == len(tokens)
-            and min(prefix) >= 0
-            and min(rows) >= 0
-            and max(rows) < self.max_rows
-            and max(map(int.__add__, prefix, extend)) <= self.max_ctx
-        ):
-            return None
-        if logits_indices is None:
-            lrows = [e - 1 for e in accumulate(extend)]
-        else:
-            lrows = list(logits_indices)
-            if len(lrows) > MAX_ROWS or (lrows and (min(lrows) < 0 or max(lrows) >= len(tokens))):
+        try:
+            tokens, rows, prefix, extend = (_ints(v) for v in (input_ids, req_rows, prefix_lens, extend_lens))
+            b = len(rows)
+            if not (
+                0 < b == len(prefix) == len(extend)
+                and len(tokens) <= MAX_ROWS
+                and min(extend) >= 1
+                and max(extend) <= MAX_EXTEND
+                and sum(extend) == len(tokens)
+                and min(prefix) >= 0
+                and min(rows) >= 0
+                and max(rows) < self.max_rows
+                and max(map(int.__add__, prefix, extend)) <= self.max_ctx
+            ):
                 return None
+            if logits_indices is None:
+                lrows = [e - 1 for e in accumulate(extend)]
+            else:
+                lrows = _ints(logits_indices)
+                if len(lrows) > MAX_ROWS or (lrows and (min(lrows) < 0 or max(lrows) >= len(tokens))):
+                    return None
+        except (TypeError, ValueError, RuntimeError):  # not sequences of ints: ForwardBatch.build says why
+            return None
         return DecodeBatch(tokens, rows, prefix, extend, lrows, self.kv_pool.page_size, self.req_to_token)
 
     def forward(self, batch: DecodeBatch) -> torch.Tensor | None:
