@@ -7,9 +7,10 @@ each workload then runs on every policy back to back, and the prefix cache is re
 (workload, policy) cell, so each starts cold.
 
 Client: at most ``--concurrency`` requests in flight and ``--arrivals-per-step`` (1) new ones per
-engine step, so arrivals are staggered and a shared prefix can be cached (after its first prefill)
-before the next request that needs it arrives; all requests submitted at once would be admitted in
-one batch and share nothing. Requests are submitted in the workload's arrival order once a slot is
+engine step, so arrivals are staggered (a shared prefix is cached after its first prefill before
+the next request that needs it arrives). Submitting everything at once is measured by
+``bench/in_batch_sharing.py`` (in-batch prefix sharing computes what requests waiting together
+share once). Requests are submitted in the workload's arrival order once a slot is
 free and their parent (if any) has finished; a
 follow-up's prompt is built from the parent's *generated* tokens for workloads whose history is
 generated (fork), from the dataset replies otherwise (multi_turn). Greedy decoding except for
@@ -152,8 +153,8 @@ def main(argv=None) -> int:
         "--arrivals-per-step",
         type=int,
         default=1,
-        help="new requests submitted per engine step (staggered arrivals, so that a "
-        "shared prefix is cached after its first prefill)",
+        help="new requests submitted per engine step (staggered arrivals; bench/in_batch_sharing.py "
+        "submits everything at once)",
     )
     ap.add_argument("--max-total-tokens", type=int, default=8192, help="KV pool capacity (tokens)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

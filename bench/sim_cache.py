@@ -1,23 +1,23 @@
-"""Cache-only simulation: replay a workload's token ids through a prefix cache + SlotAllocator.
+"""Cache-only simulation of the benchmark workloads: a thin CLI over :mod:`radixkv.sim`.
 
-No model runs. Requests are served one at a time in arrival order, exactly as the engine drives a
-cache: ``match_prefix(prompt)`` -> ``inc_lock_ref`` -> allocate the uncached positions of
-``prompt + reply`` (evicting from the cache when the allocator is short) -> ``insert(prompt +
-reply)`` -> free the caller's duplicate slots and the unaligned tail -> ``dec_lock_ref``.
-The capacity (allocator size, in slots) is a fraction of the workload's *working set* (the tokens
-an infinite token-level cache holds at the end: every distinct prefix token + reply token), so all
-policies get the same KV memory. Policies: ``radix-p1`` / ``radix-p16`` (RadixCache, page 1 / 16),
-``hash-b16`` (HashBlockCache, block 16), ``none`` (NoPrefixCache).
+No model runs. Every request goes through the engine's own slot path in the simulator
+(:class:`radixkv.sim.CacheSimulator`: ``lock_prefix`` of all prompt tokens but the last ->
+``reserve`` (evicting LRU unlocked prefixes when short) -> ``admit`` -> ``release``, which caches
+prompt + reply but the last generated token, as the engine does). The capacity (allocator size, in
+slots) is a fraction of the workload's *working set* (the tokens an infinite token-level cache
+holds at the end), so all policies get the same KV memory. Policies: ``radix-p1`` /
+``radix-p16`` (RadixCache, page 1 / 16), ``hash-b16`` (HashBlockCache, block 16), ``none``
+(NoPrefixCache).
 
-Metric: hit rate = cached prompt tokens / prompt tokens (``num_cached_tokens`` summed over
-requests); prefill tokens = prompt tokens - cached.
+Metric: hit rate = cached prompt tokens / prompt tokens; prefill tokens = prompt tokens - cached.
 
 Usage::
 
     python bench/sim_cache.py                      # all workloads, default sizes (a few minutes)
     python bench/sim_cache.py --workloads multi_turn --conversations 4000 --jobs 2
 
-Writes ``bench/results/sim_cache_<UTC time>.json``.
+Writes ``bench/results/sim_cache_<UTC time>.json``. The worker processes share one tokenized
+ShareGPT set, built once (:mod:`radixkv.sim.sharegpt`).
 """
 
 from __future__ import annotations
@@ -39,75 +39,38 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench.workloads import Workload, make_workload  # noqa: E402
-from radixkv.cache import HashBlockCache, NoPrefixCache  # noqa: E402
-from radixkv.cache.radix_tree import RadixCache  # noqa: E402
-from radixkv.memory.allocator import SlotAllocator  # noqa: E402
+from radixkv.sim import CacheSimulator, SimRequest  # noqa: E402
 
-POLICIES = {
-    "radix-p1": lambda algo: RadixCache(1),
-    "radix-p16": lambda algo: RadixCache(16),
-    "hash-b16": lambda algo: HashBlockCache(16, hash_algo=algo),
-    "none": lambda algo: NoPrefixCache(16),
+POLICIES = {  # bench name -> (radixkv.sim policy, page size)
+    "radix-p1": ("radix", 1),
+    "radix-p16": ("radix", 16),
+    "hash-b16": ("hash", 16),
+    "none": ("none", 16),
 }
 FRACTIONS = [0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0]
 
 
-def simulate(wl: Workload, policy: str, capacity: int | None, hash_algo: str = "sha256", check_every: int = 0) -> dict:
+def simulate(wl: Workload, policy: str, capacity: int | None, hash_algo: str = "sha256") -> dict:
     """Replay ``wl`` through ``policy`` with ``capacity`` slots (None: infinite). Returns stats."""
-    cache = POLICIES[policy](hash_algo)
-    ps = cache.page_size
-    total_tokens = sum(len(r.prompt) + len(r.reply) for r in wl.requests)
+    name, ps = POLICIES[policy]
     if capacity is None:  # never evicts: each request adds at most its own suffix + reply tokens,
         # plus its parent's uncached unaligned tail (< ps) and page rounding (< ps)
-        capacity = total_tokens + 2 * ps * len(wl.requests)
-    capacity -= capacity % ps
-    alloc = SlotAllocator(capacity, page_size=ps)
-    prompt_tokens = cached = evicted = skipped = 0
-    t0 = time.perf_counter()
-    for i, r in enumerate(wl.requests):
-        prompt = wl.full_prompt(i)
-        full = prompt + r.reply
-        m = cache.match_prefix(prompt, r.namespace)
-        need = -(-(len(full) - m.length) // ps) * ps
-        cache.inc_lock_ref(m.node)
-        short = need - alloc.available_size()
-        if short > 0:
-            got = cache.evict(short)
-            evicted += len(got)
-            alloc.free(got)
-        new = alloc.alloc(need)
-        if new is None:  # the request alone is larger than the memory: not served
-            cache.dec_lock_ref(m.node)
-            skipped += 1
-            continue
-        prompt_tokens += len(prompt)
-        cached += m.length
-        slots = torch.cat([m.slots, new])
-        n = cache.insert(full, slots[: len(full)], r.namespace)
-        if n > m.length:
-            alloc.free(slots[m.length : n])
-        aligned = len(full) - len(full) % ps
-        if len(slots) > max(aligned, n):
-            alloc.free(slots[max(aligned, n) :])
-        cache.dec_lock_ref(m.node)
-        if check_every and i % check_every == 0:
-            cache.check_integrity()
-            assert alloc.available_size() + cache.total_size() == capacity
-    cache.check_integrity()
-    if alloc.available_size() + cache.total_size() != capacity:
-        raise AssertionError(f"{policy}: leaked {capacity - alloc.available_size() - cache.total_size()} slots")
+        capacity = sum(len(r.prompt) + len(r.reply) for r in wl.requests) + 2 * ps * len(wl.requests)
+    sim = CacheSimulator(name, ps, max(ps, capacity), hash_algo, outcomes=False)
+    reqs = (SimRequest(wl.full_prompt(i), r.reply, r.namespace) for i, r in enumerate(wl.requests))
+    res = sim.run(reqs, keep_requests=False)
     return dict(
         policy=policy,
-        capacity=capacity,
-        requests=len(wl.requests) - skipped,
-        skipped=skipped,
-        prompt_tokens=prompt_tokens,
-        cached_tokens=cached,
-        prefill_tokens=prompt_tokens - cached,
-        hit_rate=cached / max(prompt_tokens, 1),
-        evicted_tokens=evicted,
-        cache_tokens_end=cache.total_size(),
-        seconds=round(time.perf_counter() - t0, 2),
+        capacity=res.capacity,
+        requests=res.num_requests,
+        skipped=res.skipped,
+        prompt_tokens=res.prompt_tokens,
+        cached_tokens=res.cached_tokens,
+        prefill_tokens=res.prefill_tokens,
+        hit_rate=res.hit_rate,
+        evicted_tokens=res.evicted_tokens,
+        cache_tokens_end=res.cache_tokens_end,
+        seconds=round(res.seconds, 2),
     )
 
 
@@ -121,7 +84,7 @@ def _job(args):
     key = (name, json.dumps(kwargs, sort_keys=True))
     if key not in _WL:
         if not _DATA:
-            from bench.workloads.sharegpt import load_conversations
+            from radixkv.sim.sharegpt import load_conversations
 
             _DATA.append(load_conversations())
         if len(_WL) >= 3:
@@ -180,6 +143,9 @@ def main(argv=None) -> int:
     t0 = time.time()
     specs = workload_specs(args)
     results: dict[str, dict] = {}
+    from radixkv.sim.sharegpt import ensure_token_cache
+
+    ensure_token_cache()  # once, before the workers (they would wait on its lock otherwise)
     with ProcessPoolExecutor(max_workers=args.jobs) as ex:
         # 1) infinite-capacity bound per policy: also gives the working set (radix-p1's cache size)
         jobs = [(n, kw, p, None, args.hash_algo) for n, kw in specs.items() for p in args.policies]

@@ -1,7 +1,7 @@
 /* radixkv._ckernels: float32 CPU kernels for the decode step (AVX2 + FMA, a small thread pool).
  *
- * The Python wrappers and the checks on every argument live in radixkv/cpu_kernels.py (and
- * radixkv/models/native_decode.py for decode_layer); the functions here trust their arguments:
+ * The Python wrappers and the checks on every argument live in radixkv/kernels/cpu.py (and
+ * radixkv/executor/cpu_decode.py for decode_step); the functions here trust their arguments:
  * raw addresses of contiguous float32 / int32 / int64 buffers, passed as integers.
  *
  * available() -> bool
@@ -40,8 +40,13 @@
  * silu_mul(gate_up, out, M, I): RMSNorm with the residual add fused, rotate-half RoPE in place,
  *   SwiGLU's silu(gate) * up (one thread each; see the functions).
  *
- * decode_layer(...): one decoder layer (norms, packed GEMMs, RoPE, K/V write, attention, SwiGLU)
- *   in one call, for radixkv/models/native_decode.py; see py_decode_layer.
+ * apply_token_bitmask(logits, ldl, bitmask, ldb, rows, n_rows, vocab): grammar masks (xgrammar's
+ *   int32 token bitmask, bit j of a row allows token j): logits[r, j] = -inf for every row r in
+ *   rows[n_rows] (int64) and token j < vocab whose bit is 0. Rows ldl floats / ldb words apart.
+ *
+ * step_plan(...), step_set_rope(...), decode_step(...): one whole forward pass of a decode batch
+ *   (every layer, the final norm and the LM head) in one call, for radixkv/executor/cpu_decode.py;
+ *   see py_step_plan and py_decode_step.
  *
  * advise_hugepages(addr, nbytes) -> bool: madvise(MADV_HUGEPAGE) on the 2 MiB pages inside.
  *
@@ -1374,6 +1379,41 @@ silu_mul(const float *gu, float *out, Py_ssize_t M, Py_ssize_t I)
     }
 }
 
+/* Grammar masks: logits[rows[i], j] = -inf wherever bit j (LSB first, 32 tokens per int32 word) of
+ * bitmask row rows[i] is 0 (xgrammar's token bitmask layout). Words that allow all 32 tokens are
+ * skipped, words that allow none are stored as -inf at once; the others blend 8 lanes at a time. */
+__attribute__((target("avx2,fma"))) static void
+apply_token_bitmask(float *logits, Py_ssize_t ldl, const int32_t *bitmask, Py_ssize_t ldb, const int64_t *rows,
+                    Py_ssize_t n_rows, Py_ssize_t vocab)
+{
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i zero = _mm256_setzero_si256();
+    const Py_ssize_t words = vocab / 32;
+    for (Py_ssize_t r = 0; r < n_rows; r++) {
+        float *x = logits + rows[r] * ldl;
+        const uint32_t *bm = (const uint32_t *)(bitmask + rows[r] * ldb);
+        for (Py_ssize_t w = 0; w < words; w++) {
+            const uint32_t m = bm[w];
+            float *p = x + w * 32;
+            if (m == 0xFFFFFFFFu)
+                continue;
+            if (m == 0) {
+                for (int q = 0; q < 4; q++)
+                    _mm256_storeu_ps(p + 8 * q, ninf);
+                continue;
+            }
+            for (int q = 0; q < 4; q++) {
+                const __m256i b = _mm256_set1_epi32((int)((m >> (8 * q)) & 0xFFu));
+                const __m256i off = _mm256_cmpeq_epi32(_mm256_and_si256(b, lane_bit), zero);
+                _mm256_storeu_ps(p + 8 * q, _mm256_blendv_ps(_mm256_loadu_ps(p + 8 * q), ninf, _mm256_castsi256_ps(off)));
+            }
+        }
+        for (Py_ssize_t j = words * 32; j < vocab; j++)
+            if (!((bm[j / 32] >> (j % 32)) & 1u))
+                x[j] = -INFINITY;
+    }
+}
 #endif
 
 static PyObject *
@@ -1412,6 +1452,22 @@ py_silu_mul(PyObject *self, PyObject *args)
 #if RK_X86
     if (cpu_ok())
         silu_mul((const float *)gu, (float *)out, M, I);
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_apply_token_bitmask(PyObject *self, PyObject *args)
+{
+    Py_ssize_t logits, ldl, bitmask, ldb, rows, n_rows, vocab;
+    if (!PyArg_ParseTuple(args, "nnnnnnn", &logits, &ldl, &bitmask, &ldb, &rows, &n_rows, &vocab))
+        return NULL;
+#if RK_X86
+    if (cpu_ok()) {
+        Py_BEGIN_ALLOW_THREADS
+        apply_token_bitmask((float *)logits, ldl, (const int32_t *)bitmask, ldb, (const int64_t *)rows, n_rows, vocab);
+        Py_END_ALLOW_THREADS
+    }
 #endif
     Py_RETURN_NONE;
 }
@@ -2089,6 +2145,7 @@ static PyMethodDef methods[] = {
     {"add_rms_norm", py_add_rms_norm, METH_VARARGS, "residual += delta; out = RMSNorm(residual) * w."},
     {"rope_inplace", py_rope_inplace, METH_VARARGS, "Rotate-half RoPE in place."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "out = silu(gate) * up."},
+    {"apply_token_bitmask", py_apply_token_bitmask, METH_VARARGS, "-inf where a token bitmask bit is 0."},
     {"step_plan", py_step_plan, METH_VARARGS, "The addresses of a model for decode_step (a capsule)."},
     {"step_set_rope", py_step_set_rope, METH_VARARGS, "Set a step plan's RoPE tables."},
     {"decode_step", py_decode_step, METH_VARARGS, "One whole forward pass of a decode batch (see the source)."},

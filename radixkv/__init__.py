@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig"]
 
 
 def __getattr__(name: str):
@@ -28,7 +28,7 @@ def __getattr__(name: str):
         from radixkv.config import EngineConfig
 
         return EngineConfig
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from radixkv import outputs
 
         return getattr(outputs, name)

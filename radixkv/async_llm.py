@@ -36,6 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 
+from radixkv.branching import AsyncSession, Prompt, SelectResult, _aselect, _select_prompt, initial_context
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -92,7 +93,9 @@ class AsyncLLM:
             from radixkv.config import EngineConfig
             from radixkv.engine import Engine
 
-            engine_kwargs = {k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids") if k in kwargs}
+            engine_kwargs = {
+                k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids", "clock") if k in kwargs
+            }
             unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
             if unknown:
                 raise ValueError(
@@ -102,8 +105,10 @@ class AsyncLLM:
         elif kwargs:
             raise ValueError(f"AsyncLLM: engine options {sorted(kwargs)} given together with an engine")
         self.engine = engine
-        # Engine-thread-only state: request_id -> stream of a request the engine still runs.
+        # Engine-thread-only state: request_id -> stream of a request the engine still runs,
+        # and the calls to make on the engine thread when one of them finishes (sessions' pins).
         self._streams: dict[str, _Stream] = {}
+        self._hooks: dict[str, Callable[[Any, RequestOutput], None]] = {}
         self._dead: BaseException | None = None
         self._closing = False
         self._stop = False  # set on the engine thread by the posted stop command
@@ -216,6 +221,66 @@ class AsyncLLM:
             if not finished:
                 self._abort_nowait(rid, stream)
 
+    async def _generate_batch(
+        self,
+        specs: Sequence[tuple],
+        hooks: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
+    ) -> list[RequestOutput]:
+        """Submit every ``(prompt token ids, sampling params, namespace)`` of ``specs`` in ONE
+        engine message (so they wait together and are admitted in the same step while they fit:
+        their common prefixes are computed once) and return their final outputs, in order.
+        ``hooks[i](engine, output)`` runs on the engine thread when request ``i`` finishes,
+        before its output is delivered (no step runs in between). Cancelling aborts them all.
+
+        Raises:
+            ValueError: any request refused (then none is submitted).
+            EngineDeadError: the engine thread is not running.
+        """
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        base = uuid.uuid4().hex
+        rids = [f"req-{base}-{i}" for i in range(len(specs))]
+        streams = [_Stream(loop=loop) for _ in specs]
+        hooks = list(hooks) if hooks is not None else [None] * len(specs)
+
+        def add(engine: Any) -> None:
+            added: list[str] = []
+            try:
+                for rid, stream, (ids, params, ns), hook in zip(rids, streams, specs, hooks):
+                    engine.add_request(ids, params, request_id=rid, namespace=ns)
+                    added.append(rid)
+                    self._streams[rid] = stream
+                    if hook is not None:
+                        self._hooks[rid] = hook
+            except BaseException:
+                for rid in added:
+                    self._streams.pop(rid, None)
+                    self._hooks.pop(rid, None)
+                    engine.abort_now(rid)
+                raise
+
+        finals: list[RequestOutput | None] = [None] * len(specs)
+        submitted = False
+        try:
+            await asyncio.wrap_future(self._submit(add))
+            submitted = True
+            for i, stream in enumerate(streams):
+                while True:
+                    item = await stream.queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is _ABORTED:
+                        raise asyncio.CancelledError(f"request {rids[i]} was aborted")
+                    if item.finished:
+                        finals[i] = item
+                        break
+            return finals  # type: ignore[return-value]
+        finally:
+            if submitted:
+                for rid, stream, out in zip(rids, streams, finals):
+                    if out is None:
+                        self._abort_nowait(rid, stream)
+
     async def abort(self, request_id: str) -> None:
         """Abort an unfinished request by id (no-op if it already finished or is unknown).
 
@@ -259,6 +324,23 @@ class AsyncLLM:
                 self._submit(lambda e: unsubscribe())
 
         return off
+
+    def session(self, prompt: Prompt = None, *, namespace: Hashable = None) -> AsyncSession:
+        """An :class:`~radixkv.branching.AsyncSession` (as :meth:`radixkv.llm.LLM.session`): a
+        growing context whose KV stays pinned between its awaited calls.
+
+        Raises:
+            RequestError: a malformed prompt (naming ``prompt``).
+        """
+        tokens, messages = initial_context(self, prompt)
+        return AsyncSession(self, tokens, messages, namespace, None, None)
+
+    async def select(
+        self, prompt: Prompt, choices: Sequence, *, method: str = "normalized", namespace: Hashable = None
+    ) -> SelectResult:
+        """As :meth:`radixkv.llm.LLM.select`, awaited: every choice submitted in one engine message."""
+        ids = _select_prompt(self, prompt)
+        return await _aselect(self, ids, choices, method, namespace, None)
 
     async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result.
@@ -323,6 +405,7 @@ class AsyncLLM:
             return
         del self._streams[rid]
         self.engine.abort_now(rid)
+        self._hooks.pop(rid, None)
         current.put(_ABORTED)
         logger.debug("aborted %s", rid)
 
@@ -342,6 +425,12 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+                hook = self._hooks.pop(out.request_id, None)
+                if hook is not None:
+                    try:
+                        hook(self.engine, out)
+                    except Exception:  # noqa: BLE001 - a caller's hook must not stop the engine
+                        logger.exception("finish hook of %s failed", out.request_id)
             stream.put(out)  # the engine builds a fresh RequestOutput every step
 
     def _apply(self, fn: Callable[[Any], Any], fut: concurrent.futures.Future | None) -> None:
@@ -394,6 +483,7 @@ class AsyncLLM:
                 self.engine.abort_now(rid)
             stream.put(type(exc)(*exc.args))  # one exception object per waiting task
         self._streams.clear()
+        self._hooks.clear()
         for fut in pending:  # calls that will never run
             if fut.set_running_or_notify_cancel():
                 fut.set_exception(type(exc)(*exc.args))

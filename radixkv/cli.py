@@ -1,4 +1,5 @@
-"""The `radixkv` console script: `radixkv replay ...` (the main job) and `radixkv serve ...`."""
+"""The `radixkv` console script: `radixkv replay ...` (the main job), `radixkv serve ...`,
+`radixkv explain TRACE` (why prompts miss the prefix cache) and `radixkv plan` (KV capacity)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     from radixkv import replay
+    from radixkv.obs import cli as obs_cli
     from radixkv.server import cli as server_cli
 
     replay.add_arguments(sub.add_parser("replay", help="replay ShareGPT conversations, radix cache on vs off"))
     server_cli.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    obs_cli.add_explain_arguments(sub.add_parser("explain", help="why a trace's prompts miss the prefix cache"))
+    obs_cli.add_plan_arguments(sub.add_parser("plan", help="KV memory a model and its traffic need"))
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "explain":
+        return obs_cli.run_explain(args)
+    if args.command == "plan":
+        return obs_cli.run_plan(args)
     if args.command == "replay":
         try:
             return replay.run(args)

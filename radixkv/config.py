@@ -83,6 +83,23 @@ class EngineConfig:
     hash_algo: str = "sha256"
     """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
 
+    cache_outcome: bool = True
+    """Record why each request's prefix match stopped (``RequestOutput.cache_outcome``, the
+    ``RequestAdmitted`` event, :mod:`radixkv.cache.outcome`); False skips it."""
+    in_batch_prefix_sharing: bool = True
+    """Requests admitted in the same step share the prefixes their rows compute in that forward
+    (a prefix shared by requests waiting together is computed once). False: only what is cached
+    when a request is admitted is shared (for comparisons)."""
+
+    max_pinned_tokens: Optional[int] = None
+    """Bound on the distinct KV tokens that sessions (and stored responses) keep pinned; past it
+    the least recently used session is unpinned (its tokens stay cached, evictable). Default: half
+    of max_total_tokens. 0 disables session pins."""
+
+    pin_idle_timeout: Optional[float] = 600.0
+    """Seconds after which a session pin unused that long is dropped (its tokens become evictable);
+    None: never."""
+
     def resolve(
         self, *, kv_bytes_per_token: Optional[int] = None, max_position_embeddings: Optional[int] = None
     ) -> "EngineConfig":
@@ -101,6 +118,8 @@ class EngineConfig:
             self.max_total_tokens = self.default_max_total_tokens(kv_bytes_per_token)
         if self.max_total_tokens is not None:
             self.max_total_tokens -= self.max_total_tokens % self.page_size
+            if self.max_pinned_tokens is None:
+                self.max_pinned_tokens = self.max_total_tokens // 2
         if max_position_embeddings is not None:
             if self.max_context_len is None:
                 cap = self.max_total_tokens if self.max_total_tokens is not None else max_position_embeddings
@@ -150,6 +169,16 @@ class EngineConfig:
             )
         if self.max_context_len is not None and (not isinstance(self.max_context_len, int) or self.max_context_len < 2):
             raise ValueError(f"max_context_len must be an integer >= 2, got {self.max_context_len!r}")
+        if self.max_pinned_tokens is not None and (
+            not isinstance(self.max_pinned_tokens, int) or isinstance(self.max_pinned_tokens, bool)
+            or self.max_pinned_tokens < 0
+        ):  # fmt: skip
+            raise ValueError(f"max_pinned_tokens must be an integer >= 0 or None, got {self.max_pinned_tokens!r}")
+        t = self.pin_idle_timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"pin_idle_timeout must be a number of seconds > 0 or None, got {t!r}")
+        if not isinstance(self.in_batch_prefix_sharing, bool):
+            raise ValueError(f"in_batch_prefix_sharing must be a bool, got {self.in_batch_prefix_sharing!r}")
 
     def default_max_total_tokens(self, bytes_per_token: int) -> int:
         """The KV capacity used when ``max_total_tokens`` is None (see its docstring)."""

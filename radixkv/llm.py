@@ -1,4 +1,4 @@
-"""`LLM`: the offline, vLLM-shaped entry point (``generate``, ``chat``, cache stats)."""
+"""`LLM`: the offline, vLLM-shaped entry point (``generate``, ``chat``, cache stats, ``explain``)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from radixkv.branching import Prompt, SelectResult, Session, _select, _select_prompt, initial_context
 from radixkv.chat_template import render_chat
 from radixkv.config import EngineConfig
 from radixkv.engine import Engine, EngineStats
+from radixkv.engine.outcome import Explanation, explain_text
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
-Message = Dict[str, str]
+Message = Dict[str, Any]
 
 
 class LLM:
@@ -25,8 +27,9 @@ class LLM:
             page_size (1), max_total_tokens (KV pool capacity in tokens), max_context_len,
             prefix_cache ("radix" | "hash" | "none"), enable_prefix_caching (False = "none"),
             attention_backend ("auto"), max_running_requests, chunked_prefill_size,
-            schedule_policy ("lpm" | "fcfs"), seed; and ``loaded_model`` (a
-            :class:`~radixkv.models.loader.LoadedModel` to share weights between engines).
+            schedule_policy ("lpm" | "fcfs"), seed, max_pinned_tokens, pin_idle_timeout; and
+            ``loaded_model`` (a :class:`~radixkv.models.loader.LoadedModel` to share weights
+            between engines), ``clock`` (the pins' time source).
 
     Threads: one ``LLM`` may be shared by several threads; its calls are serialized (a second
     thread's ``generate`` waits for the first's to return), since it drives its engine itself.
@@ -37,7 +40,9 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
         engine_kwargs = {
-            k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids", "loaded_model") if k in kwargs
+            k: kwargs.pop(k)
+            for k in ("model_runner", "tokenizer", "eos_token_ids", "loaded_model", "clock")
+            if k in kwargs
         }
         fields = EngineConfig.__dataclass_fields__
         unknown = sorted(set(kwargs) - set(fields))
@@ -89,19 +94,35 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: Optional[Sequence[Dict[str, Any]]] = None,
     ) -> List[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
-        each rendered with the model's chat template (plus the assistant generation prompt)."""
+        each rendered with the model's chat template (plus the assistant generation prompt).
+
+        ``tools``: OpenAI function tools (``{"type": "function", "function": {"name",
+        "description", "parameters"}}``) rendered into every conversation, by the model's
+        template when it takes tools, else in radixkv's built-in ``<tool_call>`` format;
+        conversations may hold assistant ``tool_calls`` and ``role: "tool"`` results
+        (:mod:`radixkv.chat_template`). To force calls, pass
+        :func:`radixkv.sampling.grammar.tool_call_structural_tag` (with the built-in format's
+        markers, as :func:`radixkv.server.openai.params.forced_calls` does) as
+        ``SamplingParams.structural_tag``, and parse the text with
+        :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
         if not messages:
             raise ValueError("chat: messages is empty")
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
-        texts = [self.render_chat(c, add_generation_prompt) for c in convs]
+        texts = [self.render_chat(c, add_generation_prompt, tools) for c in convs]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._run(ids, texts, sampling_params, use_tqdm)
 
-    def render_chat(self, conversation: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        conversation: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Optional[Sequence[Dict[str, Any]]] = None,
+    ) -> str:
         """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`)."""
-        return render_chat(self.tokenizer, conversation, add_generation_prompt)
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools)
 
     def _run(
         self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool
@@ -110,37 +131,124 @@ class LLM:
             return self._run_locked(ids, texts, sampling_params, use_tqdm)
 
     def _run_locked(
-        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool
+        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool, namespace=None
     ) -> List[RequestOutput]:
+        """Submit every prompt (in one go: they wait together, so they share their common
+        prefixes), step until all finished; on any error or interrupt the submitted requests are
+        aborted and released before it propagates. ``namespace``: one for all or one per prompt."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(ids)
         else:
             params = list(sampling_params)
             if len(params) != len(ids):
                 raise ValueError(f"generate: {len(params)} sampling_params for {len(ids)} prompts")
+        spaces = list(namespace) if isinstance(namespace, list) else [namespace] * len(ids)
         engine = self.engine
-        rids = []
+        rids: List[str] = []
+        results: Dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
             for i, (p_ids, p) in enumerate(zip(ids, params)):
-                rids.append(engine.add_request(p_ids, p, prompt=None if texts is None else texts[i]))
-        except ValueError:
-            for rid in rids:
-                engine.abort_request(rid)
-            while engine.has_unfinished_requests():
-                engine.step()
-            raise
-        results: Dict[str, RequestOutput] = {}
-        wanted = set(rids)
-        bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm)
-        try:
+                rids.append(
+                    engine.add_request(p_ids, p, prompt=None if texts is None else texts[i], namespace=spaces[i])
+                )
+            wanted = set(rids)
             while len(results) < len(rids) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         bar.update(1)
+        except BaseException:
+            for rid in rids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
         finally:
             bar.close()
         return [results[r] for r in rids]
+
+    def explain(
+        self,
+        prompt: Union[None, str, Sequence[Message]] = None,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        namespace: Any = None,
+        context: int = 16,
+    ) -> Explanation:
+        """What the prefix cache would give this prompt if it were sent now, and why: a dry run
+        (nothing computed, nothing locked, the LRU order untouched; a read-only ``peek``).
+
+        Args:
+            prompt: a text prompt (tokenized without a template, as :meth:`generate`) or a
+                conversation (a list of ``{"role", "content"}``, rendered as :meth:`chat`).
+            prompt_token_ids: token ids instead of ``prompt``.
+            namespace: the prefix-cache namespace.
+            context: tokens of decoded text shown on each side of the stop position.
+
+        Returns:
+            An :class:`~radixkv.engine.outcome.Explanation`: the
+            :class:`~radixkv.cache.outcome.CacheOutcome` (cause, cached and missed tokens per
+            cause, divergence position) and the text before the stop position, the prompt's
+            text after it and the cached sequence's text there.
+
+        Raises:
+            ValueError: neither or both of ``prompt`` / ``prompt_token_ids``, or an empty prompt.
+        """
+        if (prompt is None) == (prompt_token_ids is None):
+            raise ValueError("explain: give exactly one of prompt or prompt_token_ids")
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+        elif isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = self.tokenizer.encode(self.render_chat(list(prompt)), add_special_tokens=False)
+        if not ids:
+            raise ValueError("explain: the prompt has no tokens")
+        with self._lock:
+            outcome = self.engine.explain(ids, namespace)
+        return explain_text(outcome, ids, self.tokenizer, context)
+
+    # ------------------------------------------------------------------ branching
+    def session(self, prompt: Prompt = None, *, namespace=None) -> Session:
+        """A :class:`~radixkv.branching.Session`: a context that grows with each
+        ``generate`` / ``chat`` call on it, its KV pinned between calls (docs/branching.md).
+
+        Args:
+            prompt: the first context: text (tokenized without a template), token ids, or chat
+                messages (rendered with the chat template, without the generation prompt:
+                ``session.chat(...)`` adds the next turn); None: empty.
+            namespace: prefix-cache namespace of its requests.
+
+        Raises:
+            RequestError: a malformed prompt (naming ``prompt``).
+        """
+        tokens, messages = initial_context(self, prompt)
+        return Session(self, tokens, messages, namespace, None, None)
+
+    def select(self, prompt: Prompt, choices: Sequence, *, method: str = "normalized", namespace=None) -> SelectResult:
+        """The log-likelihood of each choice as the continuation of ``prompt`` (SGLang's
+        ``select``): every choice is one request (prompt + choice tokens, the choice tokenized
+        on its own) submitted in the same step, so the prompt is computed once and the choices
+        run as one batched extend over it; each scored from its prompt logprobs.
+
+        Args:
+            prompt: text (no template), token ids, or chat messages (rendered with the
+                assistant's generation prompt: the choices are the reply).
+            choices: non-empty list of str (or of token-id lists).
+            method: "normalized" (highest mean token logprob, SGLang's default
+                ``token_length_normalized``) or "sum" (highest total).
+            namespace: prefix-cache namespace.
+
+        Returns:
+            A :class:`~radixkv.branching.SelectResult` (every choice's sum and mean logprob, the
+            chosen index).
+
+        Raises:
+            RequestError: an empty or malformed ``prompt`` / ``choices``, a bad ``method``.
+        """
+        ids = _select_prompt(self, prompt)
+        return _select(self, ids, choices, method, namespace, None)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (False while requests run)."""

@@ -1,10 +1,37 @@
-"""What the engine returns: `RequestOutput` (one per request), `CompletionOutput` (one per sample)
-and `RequestMetrics` (timestamps). Shapes follow vLLM's classes of the same names."""
+"""What the engine returns: `RequestOutput` (one per request), `CompletionOutput` (one per sample),
+`Logprob` and `RequestMetrics` (timestamps). Shapes follow vLLM's classes of the same names."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from radixkv.cache.outcome import CacheOutcome
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token at one position (vLLM's ``Logprob``).
+
+    Attributes:
+        logprob: natural-log probability under the raw model distribution (``log_softmax`` of the
+            model's logits, before grammar masks, biases, penalties and temperature).
+        rank: 1 + the number of tokens with a strictly higher logprob at that position (the most
+            likely token has rank 1).
+        decoded_token: the token's text on its own (``tokenizer.decode([id])``, special tokens
+            kept; a token that is part of a multi-byte character decodes to U+FFFD), or None
+            without a tokenizer.
+    """
+
+    logprob: float
+    rank: int
+    decoded_token: Optional[str] = None
+
+
+PositionLogprobs = Dict[int, Logprob]
+"""Token id -> :class:`Logprob` at one position: the actual (sampled / prompt) token first, then
+the top-k alternatives in rank order (the actual token appears once)."""
 
 
 @dataclass
@@ -18,6 +45,10 @@ class CompletionOutput:
         finish_reason: ``None`` while running, else ``"stop"`` (EOS, a stop token or a stop
             string), ``"length"`` (max_tokens or the context length reached) or ``"abort"``.
         stop_reason: the stop string or stop token id that ended it, if any.
+        logprobs: with ``SamplingParams.logprobs`` set, one :data:`PositionLogprobs` per token
+            of ``token_ids`` (the sampled token plus ``logprobs`` alternatives); else None.
+        cumulative_logprob: with ``logprobs`` set, the sum of the sampled tokens' logprobs;
+            else None.
     """
 
     index: int
@@ -25,6 +56,8 @@ class CompletionOutput:
     token_ids: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    logprobs: Optional[List[PositionLogprobs]] = None
+    cumulative_logprob: Optional[float] = None
 
     def finished(self) -> bool:
         """True once ``finish_reason`` is set."""
@@ -66,6 +99,13 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache when the request was first
             admitted (the same count as ``cache_stats()["cached_tokens"]``).
         metrics: the request's timestamps.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt
+            position: None for position 0 and for positions before ``logprob_start_len``, else
+            the prompt token's :data:`PositionLogprobs` (plus ``prompt_logprobs``
+            alternatives); filled once the prompt's prefill has run. None when not asked for.
+        cache_outcome: why its prefix match stopped at its first admission
+            (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause,
+            divergence position); None when the engine runs with ``cache_outcome=False``.
     """
 
     request_id: str
@@ -75,3 +115,5 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = None
+    cache_outcome: Optional["CacheOutcome"] = None

@@ -91,10 +91,18 @@ def load_conversations(num: int, turns: int, max_user_chars: int = 1200, skip: i
 
 
 def replay_mode(
-    llm, conversations: List[List[str]], max_tokens: int, progress: bool = True, desc: str = "replay"
+    llm,
+    conversations: List[List[str]],
+    max_tokens: int,
+    progress: bool = True,
+    desc: str = "replay",
+    log=None,
+    model: str = "smollm2-135m",
 ) -> Dict[str, object]:
     """Replay ``conversations`` turn by turn through ``llm`` (greedy); returns the metrics row
-    (without "mode") plus ``replies`` (token ids per conversation and turn)."""
+    (without "mode") plus ``replies`` (token ids per conversation and turn). ``log``: a
+    :class:`~radixkv.obs.trace.TraceWriter` that gets each request as the chat body a client
+    would send (``model`` in it), the trace ``radixkv explain`` reads."""
     from tqdm.auto import tqdm
 
     from radixkv.sampling_params import SamplingParams
@@ -115,6 +123,10 @@ def replay_mode(
             histories[i].append({"role": "user", "content": conversations[i][t]})
             text = llm.render_chat(histories[i])
             prompts.append(llm.tokenizer.encode(text, add_special_tokens=False))
+            if log is not None:
+                log.write(
+                    dict(model=model, messages=[dict(m) for m in histories[i]], max_tokens=max_tokens, temperature=0)
+                )
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         for i, o in zip(active, outs):
             c = o.outputs[0]
@@ -187,6 +199,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--skip", type=int, default=0, help="skip this many eligible conversations first")
     parser.add_argument("--output", default=None, help="write the rows as a JSON list to this file")
+    parser.add_argument(
+        "--log-requests",
+        default=None,
+        metavar="FILE",
+        help="write the first mode's requests as a JSONL trace of chat bodies (what `radixkv explain` reads)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -227,7 +245,13 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     )
     replay_mode(warm, [c[:1] for c in convs], 2, progress=False)
     del warm
-    for mode in modes:
+    log = None
+    if args.log_requests:
+        from radixkv.obs.trace import TraceWriter
+
+        open(args.log_requests, "w").close()  # a fresh trace
+        log = TraceWriter(args.log_requests)
+    for k, mode in enumerate(modes):
         llm = LLM(
             args.model,
             device=cfg.device,
@@ -237,11 +261,22 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             loaded_model=loaded,
         )
         print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}", file=sys.stderr)
-        res = replay_mode(llm, convs, args.max_tokens, progress=not args.no_progress, desc=f"replay {mode}")
+        res = replay_mode(
+            llm,
+            convs,
+            args.max_tokens,
+            progress=not args.no_progress,
+            desc=f"replay {mode}",
+            log=log if k == 0 else None,
+            model=args.model,
+        )
         replies[mode] = res.pop("replies")
         rows.append({"mode": mode, **res, "page_size": args.page_size})
         del llm
         gc.collect()
+    if log is not None:
+        log.close()
+        print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
     same = all(replies[m] == replies[modes[0]] for m in modes)
     if len(modes) > 1:

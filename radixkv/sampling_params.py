@@ -1,12 +1,24 @@
-"""`SamplingParams`: how one request is decoded (vLLM's field names, validated on construction)."""
+"""`SamplingParams`: how one request is decoded (vLLM's field names, validated on construction).
+
+docs/sampling.md has the semantics of the penalties, logprobs and structured-output fields.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+import operator
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from radixkv.errors import RequestError
+
+MAX_LOGPROBS = 20
+"""The most top alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
+``max_logprobs``; OpenAI's chat ``top_logprobs`` limit)."""
+
+STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
+"""The structured-output fields; at most one is set per request."""
 
 
 @dataclass
@@ -28,6 +40,37 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation (the token is kept in ``token_ids``).
         ignore_eos: keep generating after the model's end-of-sequence token.
         skip_special_tokens: drop special tokens when detokenizing.
+        presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit
+            of every token the sample has generated so far.
+        frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit
+            once per time the sample has generated it.
+        repetition_penalty: Hugging Face's / vLLM's repetition penalty (> 0, 1 = off, CTRL,
+            Keskar et al. 2019): the logit of every token in the prompt or the output so far is
+            divided by it when positive, multiplied by it when negative.
+        logit_bias: token id -> bias in [-100, 100], added to that token's logit (OpenAI's
+            ``logit_bias``; keys may be ints or decimal strings, stored as ints).
+        min_tokens: EOS and ``stop_token_ids`` are masked, and stop strings are not checked,
+            until the sample has this many tokens (0..max_tokens).
+        logprobs: None (off) or 0..20: return, per generated token, its log-probability and
+            rank plus this many most likely alternatives (of the raw model distribution).
+        prompt_logprobs: None (off) or 0..20: the same for every prompt position from
+            ``logprob_start_len`` on, computed in the prompt's own prefill forward.
+        logprob_start_len: first prompt position that gets prompt logprobs (SGLang's name;
+            default 0 when ``prompt_logprobs`` is set; only with ``prompt_logprobs``). The
+            request reuses at most ``max(logprob_start_len - 1, 0)`` tokens of prefix cache.
+        json_schema: constrain the output to JSON valid under this schema (a dict or its JSON
+            text), compiled by xgrammar (formatted with ``", "`` / ``": "`` separators, no
+            other whitespace; properties in schema order; no properties beyond the schema's).
+        json_object: constrain the output to a JSON object (OpenAI's ``json_object`` mode).
+        regex: constrain the output to a full match of this regex (xgrammar's dialect).
+        grammar: constrain the output to this EBNF grammar (xgrammar's GBNF dialect, root rule
+            ``root``).
+        choice: constrain the output to exactly one of these strings.
+        structural_tag: an xgrammar structural tag (dict or JSON text, ``{"type":
+            "structural_tag", "format": {...}}``), e.g. tool calls (docs/sampling.md).
+
+    At most one of the structured-output fields may be set; a constrained sample finishes with
+    ``"stop"`` when its grammar is complete and the model emits EOS (EOS is masked before).
 
     Raises:
         RequestError: a ValueError naming the field (``.param``) and the allowed range, for any
@@ -45,6 +88,20 @@ class SamplingParams:
     stop_token_ids: Optional[Sequence[int]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[int, float]] = None
+    min_tokens: int = 0
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    logprob_start_len: Optional[int] = None
+    json_schema: Union[None, str, Dict[str, Any]] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    choice: Optional[List[str]] = None
+    structural_tag: Union[None, str, Dict[str, Any]] = None
     max_new_tokens: Optional[int] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,12 +111,24 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        try:
+            self.stop_token_ids = [_as_int(t) for t in (self.stop_token_ids or [])]
+        except (TypeError, ValueError):
+            raise RequestError(
+                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}", "stop_token_ids"
+            ) from None
         self._validate()
+        self._validate_processors()
+        self._structured = self._validate_structured()
+        self._uses_penalties = (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )
+        self._uses_processors = self._uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        # False: the sampler alone serves the request (no processor, grammar or logprobs)
+        self._needs_pipeline = self._uses_processors or self._structured is not None or self.logprobs is not None
 
     def _validate(self) -> None:
-        def is_int(x) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+        is_int = _is_int
 
         if not is_int(self.n) or self.n < 1:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
@@ -88,6 +157,112 @@ class SamplingParams:
             if t < 0:
                 raise RequestError(f"stop_token_ids must be >= 0, got {t}", "stop_token_ids")
 
+    def _validate_processors(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -2.0 <= v <= 2.0:
+                raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}", name)
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise RequestError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {r!r}", "repetition_penalty"
+            )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise RequestError(
+                    f"logit_bias must map token ids to numbers, got {type(self.logit_bias).__name__}", "logit_bias"
+                )
+            bias: Dict[int, float] = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tok = _as_int(k)
+                except (TypeError, ValueError):
+                    raise RequestError(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+                if tok < 0:
+                    raise RequestError(f"logit_bias keys must be token ids >= 0, got {k!r}", "logit_bias")
+                if not _is_number(v) or not -100.0 <= v <= 100.0:
+                    raise RequestError(
+                        f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}", "logit_bias"
+                    )
+                bias[tok] = float(v)
+            self.logit_bias = bias
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(
+                f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+                "min_tokens",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {v!r}", name)
+        s = self.logprob_start_len
+        if s is not None:
+            if not _is_int(s) or s < 0:
+                raise RequestError(f"logprob_start_len must be an integer >= 0, got {s!r}", "logprob_start_len")
+            if self.prompt_logprobs is None:
+                raise RequestError("logprob_start_len needs prompt_logprobs (0..20) to be set", "logprob_start_len")
+        elif self.prompt_logprobs is not None:
+            self.logprob_start_len = 0
+
+    def _validate_structured(self) -> Optional[Tuple[str, str]]:
+        """Check the structured-output fields' types; returns ``(field, canonical text)`` of the
+        one that is set, or None. xgrammar checks the contents when the engine accepts the
+        request (:meth:`radixkv.engine.Engine.add_request`)."""
+        if not isinstance(self.json_object, bool):
+            raise RequestError(f"json_object must be a boolean, got {self.json_object!r}", "json_object")
+        given = [
+            name
+            for name in STRUCTURED_FIELDS
+            if (getattr(self, name) is not None if name != "json_object" else self.json_object)
+        ]
+        if len(given) > 1:
+            raise RequestError(
+                f"at most one structured-output field may be set ({', '.join(STRUCTURED_FIELDS)}); got "
+                f"{' and '.join(given)}",
+                given[1],
+            )
+        if not given:
+            return None
+        name = given[0]
+        value = getattr(self, name)
+        if name in ("json_schema", "structural_tag"):
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as e:
+                    raise RequestError(f"{name} is not valid JSON: {e}", name) from None
+            if name == "json_schema" and not isinstance(value, (dict, bool)):
+                raise RequestError(f"json_schema must be a JSON object (or boolean), got {type(value).__name__}", name)
+            if name == "structural_tag" and not isinstance(value, dict):
+                raise RequestError(f"structural_tag must be a JSON object, got {type(value).__name__}", name)
+            try:
+                text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise RequestError(f"{name} is not JSON-serializable: {e}", name) from None
+            return name, text
+        if name == "json_object":
+            return name, ""
+        if name in ("regex", "grammar"):
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"{name} must be a non-empty string, got {value!r}", name)
+            return name, value
+        # choice
+        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)) or not value:
+            raise RequestError(f"choice must be a non-empty list of strings, got {value!r}", name)
+        for c in value:
+            if not isinstance(c, str):
+                raise RequestError(f"choice must hold strings, got {c!r}", name)
+        self.choice = list(value)
+        return name, json.dumps(self.choice, ensure_ascii=False)
+
+    @property
+    def structured_output(self) -> Optional[Tuple[str, str]]:
+        """``(field, canonical text)`` of the structured-output constraint, or None: the field
+        name (``"json_schema"``, ``"json_object"``, ``"regex"``, ``"grammar"``, ``"choice"``,
+        ``"structural_tag"``) and its text (JSON fields as compact JSON keeping key order, the
+        choices as a JSON list). The grammar compiler caches by this pair."""
+        return self._structured
+
     @property
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0)."""
@@ -96,5 +271,30 @@ class SamplingParams:
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy with some fields changed."""
         values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "max_new_tokens"}
+        if changes.get("prompt_logprobs", 0) is None and "logprob_start_len" not in changes:
+            values["logprob_start_len"] = None
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _as_int(x: Any) -> int:
+    """An int from an integer (not a bool; numpy integers too) or a decimal string (JSON object
+    keys); else ValueError."""
+    if isinstance(x, str):
+        if x.strip().lstrip("-").isdigit():
+            return int(x)
+        raise ValueError(x)
+    if isinstance(x, bool):
+        raise ValueError(x)
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(x) from None

@@ -17,6 +17,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv import LLM, SamplingParams  # noqa: E402
+from radixkv.engine import RequestAdmitted  # noqa: E402
 from radixkv.replay import load_conversations  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
@@ -91,6 +92,19 @@ def lcp(a, b):
     return n
 
 
+def in_batch_share(prompt, earlier, page_size):
+    """What ``prompt`` borrows from rows computing ``earlier`` prompts in the same forward: all of
+    it when one of them covers it and it ends on a page boundary (it samples from that row's
+    logits), else the longest common prefix but the last token, floored to pages."""
+    best = 0
+    for e in earlier:
+        n = lcp(prompt, e)
+        if n == len(prompt) and n % page_size == 0:
+            return n
+        best = max(best, min(n, len(prompt) - 1) // page_size * page_size)
+    return best
+
+
 def expected_cached(cached_seqs, prompt, page_size=1):
     """Longest prefix of prompt[:-1] among the committed sequences in the cache, floored to pages."""
     best = max((lcp(s, prompt[:-1]) for s in cached_seqs), default=0)
@@ -102,15 +116,29 @@ def test_greedy_equals_transformers_and_exact_cached_tokens(mode, llms, convs, h
     llm = llms[mode]
     ps = llm.engine.config.page_size
     assert llm.reset_prefix_cache()
+    prefill_before = llm.cache_stats()["prefill_tokens"]
     p1 = render(llm, [{"role": "user", "content": convs[0][0]}])
     p2 = render(llm, [{"role": "user", "content": convs[1][0]}])
     prefix_of_p2 = p2[: len(p2) - 7]
     # batch 1: shared system prompt (the template's), a prompt that is a prefix of another, a prompt twice
     batch = [p1, p2, prefix_of_p2, p1]
-    outs = llm.generate(prompt_token_ids=batch, sampling_params=GREEDY, use_tqdm=False)
+    admitted = []
+    off = llm.engine.events.subscribe(admitted.append, (RequestAdmitted,))
+    try:
+        outs = llm.generate(prompt_token_ids=batch, sampling_params=GREEDY, use_tqdm=False)
+    finally:
+        off()
     for p, o in zip(batch, outs):
         assert o.outputs[0].token_ids == hf_greedy(p)
-        assert o.num_cached_tokens == 0  # cold: all admitted in the same step
+    # cold, all admitted in the first step: each shares what the rows admitted before it compute
+    # in that forward (in-batch sharing; nothing without a prefix cache), exactly
+    assert {e.step for e in admitted} == {admitted[0].step}
+    order = [next(i for i, o in enumerate(outs) if o.request_id == e.request_id) for e in admitted]
+    for k, i in enumerate(order):
+        want = 0 if mode == "off" else in_batch_share(batch[i], [batch[j] for j in order[:k]], ps)
+        assert outs[i].num_cached_tokens == want == admitted[k].num_shared_tokens
+    s = llm.cache_stats()
+    assert s["prefill_tokens"] - prefill_before == sum(map(len, batch)) - sum(o.num_cached_tokens for o in outs)
     committed = [(p + o.outputs[0].token_ids)[: len(p) + len(o.outputs[0].token_ids) - 1] for p, o in zip(batch, outs)]
     assert_no_leak(llm)
 

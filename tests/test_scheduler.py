@@ -63,19 +63,25 @@ class FakeRunner:
         ps = self.page_size
         for tok, pos, slot in zip(b.input_ids.tolist(), b.positions.tolist(), b.out_slots.tolist()):
             self.kv[slot] = (tok, pos)
+        # every row's K/V is written before any row reads (as the attention backends do), so a
+        # row may read positions another row of the same batch wrote (in-batch sharing)
         rows_logits = {}
         qo = b.qo_indptr_cpu.tolist()
         kvp = b.kv_indptr_cpu.tolist()
         pages = b.kv_indices.tolist()
+        prefix = b.prefix_lens_cpu.tolist()
+        contexts = []
         for i in range(b.batch_size):
-            seq_len = int(b.seq_lens_cpu[i])
             toks = []
-            for p in range(seq_len):
+            for p in range(int(b.seq_lens_cpu[i])):
                 slot = pages[kvp[i] + p // ps] * ps + p % ps
                 tok, pos = self.kv[slot]
                 assert pos == p, f"slot {slot} holds position {pos}, expected {p}"
                 toks.append(tok)
-            rows_logits[qo[i + 1] - 1] = toks
+            contexts.append(toks)
+        for row in b.logits_indices.tolist():  # the context of any row, not only a request's last
+            i = next(k for k in range(b.batch_size) if qo[k] <= row < qo[k + 1])
+            rows_logits[row] = contexts[i][: prefix[i] + row - qo[i] + 1]
         out = torch.full((b.num_logits, VOCAB), -1e9)
         for j, row in enumerate(b.logits_indices.tolist()):
             if self.soft:

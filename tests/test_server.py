@@ -404,11 +404,58 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("token id outside the vocabulary", comp, j({"model": MODEL, "prompt": [10**6]}), "prompt"),
         ("unknown model", chat, j({"model": "gpt-4o", "messages": msgs}), "model"),
         ("wrong type", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": "many"}), "max_tokens"),
+        # strict types: no coercion
+        ("string for an integer", chat, j({"model": MODEL, "messages": msgs, "max_tokens": "3"}), "max_tokens"),
+        ("float for an integer", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": 3.0}), "max_tokens"),
+        ("string for a boolean", chat, j({"model": MODEL, "messages": msgs, "stream": "yes"}), "stream"),
+        ("string for a float", comp, j({"model": MODEL, "prompt": "hi", "temperature": "0"}), "temperature"),
+        ("integer for a string", chat, j({"model": MODEL, "messages": [{"role": "user", "content": 7}]}), "messages"),
+        # fields the endpoint does not define
+        ("unknown field", chat, j({"model": MODEL, "messages": msgs, "temprature": 0}), "temprature"),
+        ("prompt on chat", chat, j({"model": MODEL, "messages": msgs, "prompt": "hi"}), "prompt"),
+        ("messages on completions", comp, j({"model": MODEL, "prompt": "hi", "messages": msgs}), "messages"),
+        ("unknown message field", chat, j({"model": MODEL, "messages": [{"role": "user", "content": "hi", "x": 1}]}),
+         "messages"),
+        # values out of range
+        ("presence_penalty > 2", chat, j({"model": MODEL, "messages": msgs, "presence_penalty": 2.5}),
+         "presence_penalty"),
+        ("logit_bias key not a token id", chat, j({"model": MODEL, "messages": msgs, "logit_bias": {"a": 1}}),
+         "logit_bias"),
+        ("logit_bias beyond 100", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
+        ("top_logprobs > 20", chat, j({"model": MODEL, "messages": msgs, "logprobs": True, "top_logprobs": 21}),
+         "top_logprobs"),
+        ("top_logprobs without logprobs", chat, j({"model": MODEL, "messages": msgs, "top_logprobs": 2}),
+         "top_logprobs"),
+        ("completions logprobs > 5", comp, j({"model": MODEL, "prompt": "hi", "logprobs": 6}), "logprobs"),
+        # tools
+        ("tool_choice without tools", chat, j({"model": MODEL, "messages": msgs, "tool_choice": "required"}),
+         "tool_choice"),
+        ("named tool not in tools", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "tool_choice": {"type": "function", "function": {"name": "other"}}}), "tool_choice"),
+        ("tool_choice of a wrong shape", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "tool_choice": {"type": "function"}}), "tool_choice"),
+        ("tool schema xgrammar refuses", chat, j({"model": MODEL, "messages": msgs, "tool_choice": "required",
+         "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), "tools"),
+        ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
+            {"role": "tool", "content": "42"}]}), "messages"),
+        # two constraints
+        ("two constraints", chat, j({"model": MODEL, "messages": msgs, "regex": "a+", "guided_choice": ["a", "b"]}),
+         "guided_choice"),
+        ("response_format and a forced tool", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "tool_choice": "required", "response_format": {"type": "json_object"}}), "tool_choice"),
     ]  # fmt: skip
+
+
+_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 
 
 def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(server, client, llm):
     cases = _bad_inputs(llm.max_context_len)
+    ok_bodies = {  # each endpoint's own fields only: a field the endpoint does not define is a 400
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+    }
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         for name, path, body, param in cases:
             r = http.post(path, content=body, headers={"Content-Type": "application/json"})
@@ -417,14 +464,224 @@ def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(s
             assert set(err) == {"message", "type", "param", "code"}, name
             assert err["type"] == "invalid_request_error" and err["message"], name
             assert err["param"] == param, (name, err)
-            ok = http.post(path, json={"model": MODEL, "prompt": "hi", "messages": [{"role": "user", "content": "hi"}],
-                                       "max_tokens": 1})  # fmt: skip
+            ok = http.post(path, json=ok_bodies[path])
             assert ok.status_code == 200, (name, ok.text)
     # The official client surfaces the same error as BadRequestError.
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], top_p=2.0)
     assert info.value.status_code == 400 and info.value.body["param"] == "top_p"
     wait_idle(llm)
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- constraints, bias, penalties
+
+
+def test_structured_output_spellings_constrain_the_output(server, llm):
+    """Every spelling of a constraint reaches the engine (the output obeys it); an invalid one is
+    a 400 naming the field the client sent."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["color", "n"], "additionalProperties": False}  # fmt: skip
+    chat_msgs = chat_messages("Pick a color and a number.")
+    base = {"model": MODEL, "messages": chat_msgs, "max_tokens": 40, "temperature": 0}
+    comp = {"model": MODEL, "prompt": "My favourite color is", "max_tokens": 40, "temperature": 0}
+    rf = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
+    cases = [
+        ("/v1/chat/completions", {"response_format": rf}, "schema"),
+        ("/v1/chat/completions", {"guided_json": schema}, "schema"),
+        ("/v1/completions", {"structured_outputs": {"json": schema}}, "schema"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "object"),
+        ("/v1/chat/completions", {"regex": "(red|green) [0-9]{2}"}, "regex"),
+        ("/v1/completions", {"guided_regex": "(red|green) [0-9]{2}"}, "regex"),
+        ("/v1/chat/completions", {"guided_choice": ["yes", "no"]}, "choice"),
+        ("/v1/completions", {"structured_outputs": {"choice": ["yes", "no"]}}, "choice"),
+        ("/v1/chat/completions", {"ebnf": 'root ::= "red" | "blue"'}, "ebnf"),
+        ("/v1/completions", {"guided_grammar": 'root ::= "red" | "blue"'}, "ebnf"),
+    ]
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        for path, extra, kind in cases:
+            body = {**(base if "chat" in path else comp), **extra}
+            r = http.post(path, json=body)
+            assert r.status_code == 200, (extra, r.text)
+            choice = r.json()["choices"][0]
+            text = choice["message"]["content"] if "chat" in path else choice["text"]
+            assert choice["finish_reason"] == "stop", (extra, choice)
+            if kind == "schema":
+                jsonschema.validate(json.loads(text), schema)
+            elif kind == "object":
+                assert isinstance(json.loads(text), dict), text
+            elif kind == "regex":
+                assert re.fullmatch("(red|green) [0-9]{2}", text), text
+            elif kind == "choice":
+                assert text in ("yes", "no"), text
+            else:
+                assert text in ("red", "blue"), text
+        for extra, param in (
+            ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+             "response_format"),
+            ({"regex": "(unclosed"}, "regex"),
+            ({"guided_json": "{not json"}, "guided_json"),
+            ({"ebnf": "root ::= undefined_rule"}, "ebnf"),
+        ):  # fmt: skip
+            r = http.post("/v1/chat/completions", json={**base, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    assert_pool_whole(llm)
+
+
+def test_logit_bias_penalties_min_tokens_reach_the_engine(server, llm):
+    tok = llm.tokenizer
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        comp = {"model": MODEL, "prompt": "The three primary colors are", "max_tokens": 6, "temperature": 0}
+        plain = http.post("/v1/completions", json=comp).json()["choices"][0]["text"]
+        # +100 on one token: greedy picks it every time
+        forced = tok.encode(" banana", add_special_tokens=False)[0]
+        r = http.post("/v1/completions", json={**comp, "logit_bias": {str(forced): 100}}).json()
+        assert r["choices"][0]["text"] == tok.decode([forced] * 6)
+        # -100 on the greedy first token: it never appears
+        first = tok.encode(plain, add_special_tokens=False)[0]
+        r = http.post("/v1/completions", json={**comp, "logit_bias": {str(first): -100}, "logprobs": 0}).json()
+        assert r["choices"][0]["logprobs"]["tokens"][0] != tok.decode([first])
+        # penalties break the greedy repetition (-to-many-to-many...)
+        rep = {**comp, "prompt": "one one one one one one", "max_tokens": 8}
+        base_text = http.post("/v1/completions", json=rep).json()["choices"][0]["text"]
+        for extra in ({"frequency_penalty": 2.0}, {"repetition_penalty": 3.0}):
+            text = http.post("/v1/completions", json={**rep, **extra}).json()["choices"][0]["text"]
+            assert text != base_text, extra
+        # min_tokens: a greedy chat answer that stops early is held to at least min_tokens
+        chat = {"model": MODEL, "messages": chat_messages("Say yes."), "max_tokens": 40, "temperature": 0}
+        short = http.post("/v1/chat/completions", json=chat).json()
+        n = short["usage"]["completion_tokens"]
+        assert short["choices"][0]["finish_reason"] == "stop" and n < 40
+        held = http.post("/v1/chat/completions", json={**chat, "min_tokens": n + 5}).json()
+        assert held["usage"]["completion_tokens"] >= n + 5
+    assert_pool_whole(llm)
+
+
+def test_request_fields_map_onto_sampling_params():
+    """Every sampling field of a body lands in ``SamplingParams`` under its engine name."""
+    from radixkv.server.openai.params import sampling_params, tool_plan
+    from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7,
+            "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": "x", "presence_penalty": 0.5,
+            "frequency_penalty": -0.5, "logit_bias": {"12": -3, "7": 100}, "logprobs": True, "top_logprobs": 4,
+            "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True,
+            "stop_token_ids": [9], "skip_special_tokens": False, "prompt_logprobs": 1}  # fmt: skip
+    req = ChatCompletionRequest.model_validate_json(json.dumps(body))
+    req.check_values()
+    p = sampling_params(req, [10], 100, None, "messages", tool_plan(req))
+    got = {k: getattr(p, k) for k in ("max_tokens", "temperature", "top_p", "n", "seed", "stop", "presence_penalty",
+           "frequency_penalty", "logit_bias", "logprobs", "top_k", "min_p", "repetition_penalty", "min_tokens",
+           "ignore_eos", "stop_token_ids", "skip_special_tokens", "prompt_logprobs")}  # fmt: skip
+    assert got == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "seed": 3, "stop": ["x"],
+                   "presence_penalty": 0.5, "frequency_penalty": -0.5, "logit_bias": {12: -3.0, 7: 100.0},
+                   "logprobs": 4, "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.2, "min_tokens": 2,
+                   "ignore_eos": True, "stop_token_ids": [9], "skip_special_tokens": False,
+                   "prompt_logprobs": 1}  # fmt: skip
+    # completions: logprobs is the number of alternatives; echo + logprobs asks for prompt logprobs
+    req = CompletionRequest.model_validate_json(
+        json.dumps({"model": MODEL, "prompt": "hi", "logprobs": 2, "echo": True})
+    )
+    p = sampling_params(req, [3], 100, 16, "prompt")
+    assert (p.logprobs, p.prompt_logprobs, p.max_tokens) == (2, 2, 16)
+    # unset: the engine's defaults (no penalty, no bias, no logprobs)
+    req = CompletionRequest.model_validate_json(json.dumps({"model": MODEL, "prompt": "hi"}))
+    p = sampling_params(req, [3], 100, 16, "prompt")
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias, p.logprobs) == (
+        0.0, 0.0, 1.0, None, None)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- field classes
+
+_NO_EFFECT = {
+    "/v1/chat/completions": {
+        "user": "u-1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "prompt_cache_key": "a",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"mode": "implicit"},
+        "safety_identifier": "s",
+        "prediction": {"type": "content", "content": "Hello"},
+        "modalities": ["text"],
+        "reasoning_effort": "none",
+        "verbosity": "medium",
+        "stream_options": {"include_obfuscation": False},
+        "parallel_tool_calls": True,
+    },
+    "/v1/completions": {"user": "u-1", "best_of": 1},
+}
+_UNSUPPORTED = {
+    "/v1/chat/completions": {
+        "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+        "moderation": {"model": "omni-moderation-latest"}, "web_search_options": {},
+        "functions": [{"name": "f"}], "function_call": "auto", "reasoning_effort": "high", "verbosity": "low",
+        "tools": [{"type": "custom", "custom": {"name": "c"}}],
+    },
+    "/v1/completions": {"suffix": "x", "best_of": 3},
+}  # fmt: skip
+
+
+def _sdk_fields(endpoint: str) -> set[str]:
+    import typing
+
+    from openai.types import completion_create_params as comp_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    mod = chat_params if endpoint == "chat" else comp_params
+    return set(typing.get_type_hints(mod.CompletionCreateParamsBase)) | {"stream"}
+
+
+def test_every_openai_field_is_defined_and_documented():
+    """Each field of the openai SDK's request types is a field of our bodies (so it is never an
+    unknown-field 400) and has a row in docs/server.md's field table."""
+    from pathlib import Path
+
+    from radixkv.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "server.md").read_text()
+    table = doc[doc.index("### Request fields") :]
+    table = table[: table.index("\n## ")]
+    for endpoint, model in (("chat", ChatCompletionRequest), ("completions", CompletionRequest)):
+        ours = {f.alias or name for name, f in model.model_fields.items()}
+        missing = _sdk_fields(endpoint) - ours
+        assert not missing, (endpoint, missing)
+        undocumented = [f for f in _sdk_fields(endpoint) | ours if f"`{f}`" not in table]
+        assert not undocumented, (endpoint, undocumented)
+
+
+def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
+    bodies = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+              "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1}}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for path, fields in _NO_EFFECT.items():
+            r = http.post(path, json={**bodies[path], **fields})
+            assert r.status_code == 200, (path, r.text)
+        for path, fields in _UNSUPPORTED.items():
+            for name, value in fields.items():
+                r = http.post(path, json={**bodies[path], name: value})
+                assert r.status_code == 400, (path, name, r.text)
+                err = r.json()["error"]
+                assert (err["param"], err["code"]) == (name, "unsupported_parameter"), (name, err)
+        r = http.post("/v1/chat/completions", json={**bodies["/v1/chat/completions"], "frobnicate": 1})
+        assert r.json()["error"]["code"] == "unknown_parameter" and r.json()["error"]["param"] == "frobnicate"
+        # prompt_cache_key is no cache namespace: another key still hits the same prefix cache
+        msgs = chat_messages("Where are the ladders?")
+        a = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                    "prompt_cache_key": "tenant-a"}).json()  # fmt: skip
+        b = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                    "prompt_cache_key": "tenant-b"}).json()  # fmt: skip
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == a["usage"]["prompt_tokens"] - 1
+        # /v1/models/{id}
+        card = http.get(f"/v1/models/{MODEL}")
+        assert card.status_code == 200 and card.json()["id"] == MODEL
+        gone = http.get("/v1/models/gpt-4o")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     assert_pool_whole(llm)
 
 

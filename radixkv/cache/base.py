@@ -21,6 +21,28 @@ Tokens = Union[Sequence[int], Any]
 """A token sequence: a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor."""
 
 
+class PeekResult(NamedTuple):
+    """What :meth:`PrefixCache.peek` sees of a token sequence, read-only (nothing locked, no
+    access time refreshed, no edge split).
+
+    Attributes:
+        length: what ``match_prefix`` would return as ``length`` now (tokens, whole pages).
+        token_length: the longest common prefix, in tokens, of the sequence and any cached
+            sequence of its namespace (``>= length``; the radix tree counts it to the token also
+            inside a page, block caches cannot look inside a block and report ``length``).
+        next_tokens: up to ``context`` token ids of the nearest cached sequence after
+            ``token_length`` (empty when it ends there or the cache cannot tell).
+        diverged: True when a cached sequence continues past ``token_length`` with other tokens
+            than the query (the query *diverged* from it), False when the cached path ends there
+            or the query was matched to its end.
+    """
+
+    length: int
+    token_length: int
+    next_tokens: tuple
+    diverged: bool
+
+
 class MatchResult(NamedTuple):
     """The longest cached prefix of a token sequence (an immutable named tuple, as SGLang's
     ``MatchResult``: cheap to build on the hot path, unpackable as ``slots, length, node``).
@@ -54,6 +76,12 @@ class PrefixCache(Protocol):
     shares_prefixes: bool
 
     def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult: ...
+
+    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+        """A read-only look at ``tokens``' cached prefix (:class:`PeekResult`): O(match), nothing
+        locked, no access time refreshed (eviction order unchanged), no edge split. For dry runs
+        (``LLM.explain``) and the per-request cache outcome."""
+        ...
 
     def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int: ...
 

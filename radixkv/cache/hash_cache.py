@@ -31,7 +31,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from radixkv.cache.base import MatchResult, Tokens
+from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.memory.slots import as_int64, empty_slots, is_tensor, slot_array
 
 __all__ = ["HashBlockCache", "BlockChain", "as_token_array"]
@@ -53,16 +53,24 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
 
 
 class _Block:
-    """One cached full block: its key, the first of its ``page_size`` contiguous slots, its
-    reference count, and whether it is still the table entry for its key."""
+    """One cached full block: its key, its parent's key (:func:`_root_key` for a first block),
+    the first of its ``page_size`` contiguous slots, its reference count, and whether it is still
+    the table entry for its key."""
 
-    __slots__ = ("key", "start", "ref", "live")
+    __slots__ = ("key", "parent", "start", "ref", "live")
 
-    def __init__(self, key: Hashable, start: int) -> None:
+    def __init__(self, key: Hashable, parent: Hashable, start: int) -> None:
         self.key = key
+        self.parent = parent
         self.start = start
         self.ref = 0
         self.live = True
+
+
+def _root_key(namespace: Hashable) -> tuple:
+    """The parent key of a namespace's first blocks, in :attr:`HashBlockCache._kids` (a tuple,
+    so it never equals a block key, which is an int or bytes)."""
+    return (None, namespace)
 
 
 class BlockChain:
@@ -112,6 +120,7 @@ class HashBlockCache:
         self._free: OrderedDict[int, _Block] = OrderedDict()
         self._num_blocks = 0  # table entries + retired (replaced) blocks not yet evicted
         self._num_locked = 0  # blocks with ref > 0
+        self._kids: dict[Hashable, int] = {}  # parent key -> live table entries under it (for peek)
 
     # ------------------------------------------------------------------ hashing
     def block_keys(self, tokens: Tokens, namespace: Hashable = None) -> list:
@@ -160,6 +169,23 @@ class HashBlockCache:
             found.append(blk)
         return MatchResult(self._slots_of(found), len(found) * self.page_size, BlockChain(tuple(found)))
 
+    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+        """Read-only look at ``tokens``' cached blocks (the protocol's ``peek``): ``length`` as
+        :meth:`match_prefix` (which changes nothing either); ``token_length == length`` (a block
+        cache cannot look inside a block); ``next_tokens`` is empty (blocks keep no tokens);
+        ``diverged`` is True when another cached block follows the last matched one."""
+        keys = self.block_keys(tokens, namespace)
+        table = self._table
+        found = 0
+        while found < len(keys) and keys[found] in table:
+            found += 1
+        diverged = False
+        if found < len(keys):
+            parent = keys[found - 1] if found else _root_key(namespace)
+            diverged = self._kids.get(parent, 0) > 0
+        length = found * self.page_size
+        return PeekResult(length, length, (), diverged)
+
     def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
         """Cache the full blocks of ``tokens`` whose KV lives in ``slots`` (``len(slots) ==
         len(tokens)``).
@@ -192,7 +218,7 @@ class HashBlockCache:
                     f"be one page: {ps} contiguous ascending slots"
                 )
         starts_l = starts.tolist()
-        table, free = self._table, self._free
+        table, free, kids = self._table, self._free, self._kids
         prefix_blocks = 0
         n = len(keys)
         while prefix_blocks < n and keys[prefix_blocks] in table:
@@ -201,12 +227,15 @@ class HashBlockCache:
         # so under pressure a chain loses its tail before its head.
         for i in range(n - 1, prefix_blocks - 1, -1):
             key = keys[i]
+            parent = keys[i - 1] if i else _root_key(namespace)
             old = table.get(key)
             if old is not None:  # an orphan (unreferenced): retire it, to be evicted first
                 old.live = False
                 if old.ref == 0:
                     free.move_to_end(id(old), last=False)
-            blk = _Block(key, starts_l[i])
+            else:
+                kids[parent] = kids.get(parent, 0) + 1
+            blk = _Block(key, parent, starts_l[i])
             table[key] = blk
             free[id(blk)] = blk
             self._num_blocks += 1  # a retired orphan keeps its count until evicted
@@ -247,6 +276,11 @@ class HashBlockCache:
             if blk.live:
                 del table[blk.key]
                 blk.live = False
+                left = self._kids[blk.parent] - 1
+                if left:
+                    self._kids[blk.parent] = left
+                else:
+                    del self._kids[blk.parent]
             self._num_blocks -= 1
             out.append(blk)
             freed += self.page_size
@@ -271,6 +305,7 @@ class HashBlockCache:
         out = self._slots_of(list(self._free.values()))
         self._table.clear()
         self._free.clear()
+        self._kids.clear()
         self._num_blocks = 0
         return out
 
@@ -299,3 +334,8 @@ class HashBlockCache:
             raise AssertionError("a block does not start on a page boundary")
         if len(set(starts)) != len(starts):
             raise AssertionError("a slot is owned by two cached blocks")
+        kids: dict = {}
+        for b in live:
+            kids[b.parent] = kids.get(b.parent, 0) + 1
+        if kids != self._kids:
+            raise AssertionError("child counts (for peek) disagree with the table")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Hashable
 
-from radixkv.cache.base import MatchResult, Tokens
+from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.hash_cache import as_token_array
 from radixkv.memory.slots import as_int64, empty_slots
 
@@ -16,7 +16,7 @@ class NoPrefixCache:
 
     ``shares_prefixes`` is False: the KV manager never hands a running request's pages over
     (there is nothing to share them with). ``match_prefix`` always returns an empty match
-    (``length`` 0, ``node`` None). ``insert(tokens, slots)`` caches nothing and returns
+    (``length`` 0, ``node`` None); so does ``peek``. ``insert(tokens, slots)`` caches nothing and returns
     ``len(tokens) // page_size * page_size``, i.e. it reports every whole page as "already
     cached", so the caller frees all of those slots as duplicates and the unaligned tail as usual:
     every slot goes back to the allocator. Locking, eviction and reset are no-ops
@@ -37,6 +37,10 @@ class NoPrefixCache:
     def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
         as_token_array(tokens)
         return MatchResult(empty_slots(), 0, None)
+
+    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+        as_token_array(tokens)
+        return PeekResult(0, 0, (), False)
 
     def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
         arr = as_token_array(tokens)

@@ -44,7 +44,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from radixkv.cache import token_keys
-from radixkv.cache.base import MatchResult, Tokens
+from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.check import check_tree, format_tree
 from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, query_tokens, slot_tensor_address
 from radixkv.memory.slots import buffer_reader, empty_slots
@@ -53,6 +53,7 @@ __all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
 
 _uids = count()
 _EMPTY = b""
+_PEEK_SCAN = 64  # children compared token by token when a page matches none exactly (peek)
 _tuple_new = tuple.__new__
 
 
@@ -63,6 +64,17 @@ def _path_key(node: "TreeNode") -> bytes:
         parts.append(node.key)
         node = node.parent
     return b"".join(reversed(parts))
+
+
+def _next_tokens(node: "TreeNode", offset: int, context: int) -> tuple:
+    """Up to ``context`` token ids of ``node``'s edge from token ``offset`` on, continued down the
+    most recently added child of each node (read-only)."""
+    out: list = []
+    while node is not None and len(out) < context:
+        out += np.frombuffer(node.key, dtype=np.int32)[offset : offset + context - len(out)].tolist()
+        offset = 0
+        node = next(reversed(node.children.values())) if node.children else None
+    return tuple(out)
 
 
 def _match_result(slots: Any, length: int, node: Any) -> MatchResult:
@@ -250,6 +262,63 @@ class RadixCache:
             self._lru_refresh(node)
         # buf: a fresh bytearray of the pos matched int64 slots, which the tensor shares
         return _match_result(self._read_slots(buf), pos, node)
+
+    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+        """Read-only look at the cached prefix of ``tokens`` (the protocol's ``peek``).
+
+        The same descent as :meth:`match_prefix` but nothing changes: no edge is split, no
+        last-access time is refreshed (eviction order is untouched), nothing is locked. Beyond
+        the page-floored match it measures, to the token, how far the nearest cached sequence
+        agrees with ``tokens`` (also inside an edge or a page) and what that sequence holds
+        next. Cost: O(matched length) plus, when ``page_size > 1`` and the next page of
+        ``tokens`` starts no child, a token comparison with at most 64 children.
+
+        Args:
+            tokens: token ids (as for :meth:`match_prefix`).
+            namespace: the namespace to look in.
+            context: how many of the cached neighbour's next tokens to return (>= 0).
+
+        Returns:
+            :class:`~radixkv.cache.base.PeekResult`: ``length`` equals what ``match_prefix``
+            would return now; ``token_length >= length``; ``next_tokens`` follows the most
+            recently added child where the cached sequences branch.
+
+        Raises:
+            ValueError: ``tokens`` is not 1-D integer or holds an id outside int32.
+        """
+        kb = pack_tokens(tokens)
+        total = len(kb) >> 2
+        ps = self.page_size
+        floored = total - total % ps
+        ns_root = self.root.children.get(namespace)
+        if ns_root is None or total == 0:
+            return PeekResult(0, 0, (), False)
+        pb = self._page_bytes
+        cpl = token_keys.common_prefix_len
+        node, pos = ns_root, 0
+        while True:
+            child = node.children.get(kb[pos << 2 : (pos << 2) + pb]) if pos + ps <= total else None
+            if child is not None:
+                c = cpl(child.key, kb, pos, total)
+                if c << 2 == len(child.key):
+                    node, pos = child, pos + c
+                    continue
+                length = pos + min(c, floored - pos) // ps * ps
+                return PeekResult(length, pos + c, _next_tokens(child, c, context), pos + c < total)
+            # no child starts with the next page: how far does one agree inside it?
+            best, best_c = None, 0
+            if node.children:
+                best = next(reversed(node.children.values()))  # the most recently added child
+                if ps > 1 and pos < total:
+                    for k, cand in enumerate(node.children.values()):
+                        if k == _PEEK_SCAN:
+                            break
+                        c = cpl(cand.key, kb, pos, total)
+                        if c > best_c:
+                            best, best_c = cand, c
+            nxt = _next_tokens(best, best_c, context) if best is not None else ()
+            end = pos + best_c
+            return PeekResult(pos, end, nxt, best is not None and end < total)
 
     def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
         """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
@@ -480,6 +549,28 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def block_digests(self) -> list:
+        """The chained digests (:mod:`radixkv.cache.digests`) of every fully cached 16-token
+        block, all namespaces: what a consumer of the cache events holds after all of them (a
+        router's snapshot to resync from). O(tree size)."""
+        from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+
+        out: list = []
+        stack = [(ns_root, b"", None) for ns_root in self.root.children.values()]
+        while stack:
+            node, path, prev = stack.pop()
+            path = path + node.key
+            end = len(path) >> 2
+            first, stop = (end - (len(node.key) >> 2)) // BLOCK_TOKENS, end // BLOCK_TOKENS
+            last = prev
+            if stop > first:
+                ds = block_digests(path, node.namespace, first, stop, prev if first else None)
+                out.extend(ds)
+                last = ds[-1]
+            for c in node.children.values():  # ``last``: the digest of block ``stop - 1``
+                stack.append((c, path, last))
+        return out
 
     def check_integrity(self) -> None:
         """Verifies every invariant with a full walk (for tests; O(tree size)).

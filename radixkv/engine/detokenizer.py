@@ -39,12 +39,14 @@ class IncrementalDetokenizer:
     def _decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
 
-    def update(self, token_ids: List[int], final: bool = False) -> bool:
+    def update(self, token_ids: List[int], final: bool = False, check_stop: bool = True) -> bool:
         """Account for ``token_ids`` (the whole output so far, one token more than last call).
 
         Args:
             token_ids: all output token ids.
             final: flush text held back for an incomplete character.
+            check_stop: look for stop strings in the new text (False while ``min_tokens`` is
+                not reached: a stop string that completes then is not a stop).
 
         Returns:
             True when a stop string was found (``text`` is then truncated before it).
@@ -58,7 +60,7 @@ class IncrementalDetokenizer:
         delta = window[len(before) :]
         self.text += delta
         self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
-        if self.stop:
+        if self.stop and check_stop:
             start = max(0, len(self.text) - len(delta) - self._max_stop + 1)
             hits = [(self.text.find(s, start), s) for s in self.stop]
             hits = [(i, s) for i, s in hits if i >= 0]

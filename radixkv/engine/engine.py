@@ -6,7 +6,11 @@ prefix cache and slot allocator behind a :class:`~radixkv.engine.kv_manager.KVMa
 Each step applies the messages in its inbox (new requests, aborts, posted calls), lets the
 scheduler plan one mixed batch (prefill chunks + decodes), runs the model once, samples, checks
 stop conditions (:mod:`radixkv.engine.output`), releases finished requests (their computed tokens
-go into the prefix cache) and emits its events.
+go into the prefix cache) and emits its events. Sampling (grammar masks, logits processors,
+logprobs, prompt logprobs) is one call per step into
+:class:`~radixkv.sampling.pipeline.SamplingPipeline`; a request with a structured-output
+constraint waits outside the scheduler until its grammar has compiled on the grammar backend's
+thread (:class:`~radixkv.sampling.grammar.GrammarBackend`), so it delays no other request.
 
 Concurrency (the one model, docs/architecture.md): one thread at a time drives an engine (calls
 ``step`` and every other method); :class:`~radixkv.llm.LLM` serializes its callers and
@@ -19,6 +23,7 @@ message into the inbox, which the driver applies in order at the start of its ne
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
@@ -29,6 +34,7 @@ from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
 from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
@@ -37,10 +43,15 @@ from radixkv.errors import RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import KVPool
 from radixkv.outputs import RequestOutput
-from radixkv.sampling.sampler import make_generator, sample
+from radixkv.sampling.grammar import GrammarBackend
+from radixkv.sampling.logprobs import TokenDecoder, to_position_logprobs
+from radixkv.sampling.pipeline import PromptSegment, SamplingPipeline
+from radixkv.sampling.sampler import make_generator
 from radixkv.sampling_params import SamplingParams
 
 __all__ = ["Engine"]
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -58,9 +69,13 @@ class Engine:
         loaded_model: a :class:`~radixkv.models.loader.LoadedModel` to use instead of loading
             ``config.model`` (several engines can share one model's weights; each has its own
             KV pool).
+        clock: time source in seconds of the pins' idle timeout (default ``time.monotonic``;
+            tests pass a fake one).
 
     Attributes:
         events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
+        sampling: the :class:`~radixkv.sampling.pipeline.SamplingPipeline` (one call per step).
+        grammars: the :class:`~radixkv.sampling.grammar.GrammarBackend` of structured outputs.
         num_steps: steps that ran a forward pass.
         num_forwards: the same count (vLLM's name).
 
@@ -76,6 +91,7 @@ class Engine:
         tokenizer: Any = None,
         eos_token_ids: Optional[Sequence[int]] = None,
         loaded_model: Any = None,
+        clock: Optional[Callable[[], float]] = None,
     ) -> None:
         self.config = cfg = (config or EngineConfig()).resolve()
         hf_config = None
@@ -130,11 +146,20 @@ class Engine:
         else:
             cache = NoPrefixCache(cfg.page_size)
         self.kv = KVManager(
-            cache, SlotAllocator(cfg.max_total_tokens, cfg.page_size), model_runner.req_to_token_pool, self.events
+            cache,
+            SlotAllocator(cfg.max_total_tokens, cfg.page_size),
+            model_runner.req_to_token_pool,
+            self.events,
+            max_pinned_tokens=cfg.max_pinned_tokens,
+            pin_idle_timeout=cfg.pin_idle_timeout,
+            clock=clock,
+            in_batch_sharing=cfg.in_batch_prefix_sharing,
         )
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
         )
+        self.outcomes = OutcomeTracker(cache, self.events) if cfg.cache_outcome else None
+        self.scheduler.outcomes = self.outcomes
         self._groups: Dict[str, RequestGroup] = {}
         self._inbox: List[Callable[["Engine"], None]] = []
         self._inbox_lock = threading.Lock()
@@ -147,6 +172,12 @@ class Engine:
         self.generated_tokens = 0
         self.num_steps = 0
         self._last_admit_seq = 0  # the highest admission number reported in a RequestAdmitted
+        self.sampling = SamplingPipeline(self.vocab_size, self.eos_token_ids)
+        # structured outputs: validation, background compilation, compiled-grammar cache (xgrammar
+        # is imported and the compile thread started at the first constrained request)
+        self.grammars = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
+        self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
+        self._decode = TokenDecoder(tokenizer)
 
     @property
     def cache(self) -> Any:
@@ -213,7 +244,10 @@ class Engine:
         Raises:
             RequestError: (a ValueError naming the field) empty prompt, a token id outside the vocabulary, a prompt of
                 ``max_context_len`` tokens or more, ``len(prompt) + max_tokens`` above the KV pool
-                capacity (``max_total_tokens``), a bad ``sampling_params`` or a duplicate id.
+                capacity (``max_total_tokens``), a bad ``sampling_params`` (a ``logit_bias``
+                token outside the vocabulary, ``logprob_start_len`` not inside the prompt, a
+                schema / regex / grammar xgrammar refuses: its message, the field as ``param``)
+                or a duplicate id.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -246,11 +280,31 @@ class Engine:
                 f"more than the pool's max_total_tokens {self.kv.capacity}",
                 "max_tokens",
             )
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"logit_bias holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})", "logit_bias"
+                )
+        if params.logprob_start_len is not None and params.logprob_start_len >= len(ids):
+            raise RequestError(
+                f"logprob_start_len {params.logprob_start_len} must be below the prompt length {len(ids)}",
+                "logprob_start_len",
+            )
+        compiled = None
+        if params.structured_output is not None:
+            kind = params.structured_output[0]
+            if self.tokenizer is None:
+                raise RequestError(f"{kind}: structured outputs need the model's tokenizer", kind)
+            self.grammars.validate(params.structured_output)
+            compiled = self.grammars.compile(params.structured_output)
+            compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
         with self._work:
             rid = str(request_id) if request_id is not None else str(next(self._ids))
             if rid in self._groups:
                 raise RequestError(f"request_id {rid!r} is already in use by an unfinished request", "request_id")
             group = RequestGroup(rid, prompt, ids, params, namespace, time.perf_counter())
+            group.grammar = compiled
             self._groups[rid] = group
             self._inbox.append(lambda e: e._queue(group))
             self._work.notify_all()
@@ -266,6 +320,11 @@ class Engine:
         """True while a request is queued, running, or has an output still to report."""
         return bool(self._groups) or bool(self._inbox) or bool(self._ready)
 
+    def _wake(self, _fut: Any = None) -> None:
+        """A grammar finished compiling (its thread): wake a driver waiting in :meth:`step`."""
+        with self._work:
+            self._work.notify_all()
+
     # ------------------------------------------------------------------ driver thread
     def _queue(self, group: RequestGroup) -> None:
         if self._groups.get(group.request_id) is not group:  # aborted before it was queued
@@ -275,8 +334,50 @@ class Engine:
             group.request_id, 0, group.prompt_ids, p, group.namespace, make_generator(p.seed, self.config.device)
         )
         first.fork_pending = p.n - 1
+        if p.prompt_logprobs is not None:
+            start = max(p.logprob_start_len or 0, 1)  # position 0 has no logprob
+            if start < len(group.prompt_ids):
+                first.prompt_lp_pos = start - 1
         group.samples[0] = first
-        self.scheduler.add(first)
+        if group.grammar is not None:
+            self._compiling.append(first)
+            self._admit_compiled()
+        else:
+            first.sampling_state = self.sampling.new_state(p)
+            self.scheduler.add(first)
+
+    def _admit_compiled(self) -> None:
+        """Queue the samples whose grammar has compiled (in arrival order); the others keep
+        waiting outside the scheduler. A grammar that failed to compile (xgrammar accepted it at
+        validation) ends its request with ``"abort"``."""
+        waiting = []
+        for r in self._compiling:
+            g = self._groups.get(r.request_id)
+            if g is None or r.status == RequestStatus.FINISHED:
+                continue
+            fut = g.grammar
+            if not fut.done():
+                waiting.append(r)
+                continue
+            exc = fut.exception()
+            if exc is not None:
+                logger.error("request %s: its grammar failed to compile: %r", r.request_id, exc)
+                r.status = RequestStatus.FINISHED
+                g.abort()
+                g.metrics.finished_time = time.perf_counter()
+                self._finish_group(g)
+                self._ready.append(g.to_output())
+                continue
+            r.sampling_state = self.sampling.new_state(r.params, self.grammars.matcher(fut.result()))
+            self.scheduler.add(r)
+        self._compiling = waiting
+
+    def _wait_for_grammars(self, timeout: float = 0.1) -> None:
+        """Nothing could run and grammars are compiling: sleep until one is done or a message
+        arrives (at most ``timeout`` seconds), instead of spinning."""
+        futs = [self._groups[r.request_id].grammar for r in self._compiling if r.request_id in self._groups]
+        with self._work:
+            self._work.wait_for(lambda: bool(self._inbox) or any(f.done() for f in futs), timeout)
 
     def abort_now(self, request_id: str) -> None:
         """Abort a request at once (driver thread: from a posted call or between steps); its
@@ -318,20 +419,26 @@ class Engine:
             or was aborted in this step.
         """
         self.run_posted()
+        if self._compiling:
+            self._admit_compiled()
         outputs, self._ready = self._ready, []
+        self.kv.expire_pins()
         batch = self.scheduler.schedule()
         if batch is None:
+            if self._compiling:
+                self._wait_for_grammars()
             return outputs
         self.num_steps += 1
         now = time.perf_counter()
         admitted = self.events.wants(RequestAdmitted)
-        for r in batch.reqs:
+        for r in batch.members:
             g = self._groups[r.request_id]
             if g.metrics.first_scheduled_time is None:
                 g.metrics.first_scheduled_time = now
             if r.index == 0 and not g.counted and r.num_cached_tokens is not None:
                 g.counted = True
                 g.num_cached_tokens = r.num_cached_tokens
+                g.cache_outcome = r.cache_outcome
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
             if admitted and r.admit_seq > self._last_admit_seq:
@@ -345,16 +452,27 @@ class Engine:
                         r.prefix_len,
                         r.num_retractions > 0,
                         r.namespace,
+                        r.cache_outcome if r.num_retractions == 0 else None,
+                        r.num_shared_tokens,
                     )
                 )
-        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.reqs)])
-        logits = self._forward(batch)
+        self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.members)])
+        logits, sample_index, segments = self._forward(batch)
         self.scheduler.after_forward(batch)
-        to_sample = [r for r, s in zip(batch.reqs, batch.sample) if s]
-        tokens = sample(logits, [r.params for r in to_sample], [r.generator for r in to_sample], self._rng)
+        to_sample = batch.samplers
+        result = self.sampling.step(
+            logits, to_sample, self._rng, sample_index, [seg for _, seg in segments] if segments else ()
+        )
         now = time.perf_counter()
         touched: Dict[str, RequestGroup] = {}
-        for r, tok in zip(to_sample, tokens):
+        for (r, seg), lps in zip(segments, result.prompt_logprobs):
+            g = self._groups[r.request_id]
+            for pos, e in enumerate(lps, start=seg.first + 1):
+                g.prompt_logprobs[pos] = to_position_logprobs(e, self._decode)
+            r.prompt_lp_pos = seg.first + seg.n
+            if r.prompt_lp_pos >= len(r.prompt_token_ids) - 1:
+                r.prompt_lp_pos = None  # all computed: the cache may serve its prompt again
+        for r, tok, lp in zip(to_sample, result.tokens, result.logprobs):
             g = self._groups[r.request_id]
             touched[g.request_id] = g
             r.output_token_ids.append(tok)
@@ -363,7 +481,7 @@ class Engine:
                 g.metrics.first_token_time = now
             if r.fork_pending:
                 self._fork(g, r)
-            if g.update(r, self.tokenizer, self.eos_token_ids, self.max_context_len):
+            if g.update(r, self.tokenizer, self.eos_token_ids, self.max_context_len, lp, self._decode):
                 self.scheduler.finish(r)
         if self.events.wants(StepFinished):
             self.events.emit(
@@ -374,6 +492,7 @@ class Engine:
                     tuple(batch.sample),
                     batch.prefill_tokens,
                     tuple((r.request_id, r.index) for r in batch.retracted),
+                    tuple((r.request_id, r.index) for r in batch.riders),
                 )
             )
         for g in touched.values():
@@ -383,30 +502,84 @@ class Engine:
             outputs.append(g.to_output())
         return outputs
 
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward(self, batch: ScheduledBatch):
+        """One forward pass. Logits are computed for the last new token of each sampling request
+        and, for a request with prompt logprobs due, for its prompt positions in this chunk.
+
+        Returns:
+            ``(logits, sample_index, segments)``: ``logits`` ``[S, V]``; ``sample_index`` the
+            logits row of each sampling request (None when they are rows ``0..``, i.e. no prompt
+            rows were asked for); ``segments`` a list of ``(request, PromptSegment)``.
+        """
         rows = [r.row for r in batch.reqs]
-        qo_end = list(itertools.accumulate(batch.extend_lens))
-        logits_idx = [qo_end[i] - 1 for i, s in enumerate(batch.sample) if s]
+        logits_idx: List[int] = []
+        sample_index: List[int] = []
+        segments: List[tuple] = []
+        start = 0
+        for r, p, e, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+            if r.prompt_lp_pos is not None:
+                lo, hi = max(r.prompt_lp_pos, p), min(len(r.prompt_token_ids) - 1, p + e)
+                if hi > lo:
+                    k = r.params.prompt_logprobs
+                    targets = r.prompt_token_ids[lo + 1 : hi + 1]
+                    segments.append((r, PromptSegment(len(logits_idx), hi - lo, lo, targets, k)))
+                    logits_idx.extend(range(start + lo - p, start + hi - p))
+            if s:
+                sample_index.append(len(logits_idx))
+                logits_idx.append(start + e - 1)
+            start += e
+        for row in batch.rider_rows:  # riders sample from another row's logits (in-batch sharing)
+            sample_index.append(len(logits_idx))
+            logits_idx.append(row)
         fb = self.runner.build_batch(
             batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=logits_idx
         )
-        return self.runner.forward(fb)
+        return self.runner.forward(fb), (sample_index if segments else None), segments
 
     def _fork(self, g: RequestGroup, parent: Request) -> None:
         children = []
         for i in range(1, parent.fork_pending + 1):
             seed = None if g.params.seed is None else g.params.seed + i
             c = Request(g.request_id, i, g.prompt_ids, g.params, g.namespace, make_generator(seed, self.config.device))
+            matcher = None if g.grammar is None else self.grammars.matcher(g.grammar.result())
+            c.sampling_state = self.sampling.new_state(g.params, matcher)
             g.samples[i] = c
             children.append(c)
         parent.fork_pending = 0
         self.scheduler.fork(parent, children)
 
+    # ------------------------------------------------------------------ pins (driver thread)
+    def pin_prefix(self, tokens: Sequence[int], namespace: Hashable = None) -> Any:
+        """A soft pin on the cached prefix of ``tokens`` (:meth:`KVManager.pin_prefix
+        <radixkv.engine.kv_manager.KVManager.pin_prefix>`): it stays in memory until
+        :meth:`release_pin`, within the bounds ``max_pinned_tokens`` / ``pin_idle_timeout``.
+        None when nothing of it is cached. Sessions and stored responses hold their context this
+        way."""
+        return self.kv.pin_prefix(list(tokens), namespace)
+
+    def retain_pin(self, pin: Any) -> bool:
+        """One more holder of ``pin`` (False when it was dropped already)."""
+        return self.kv.retain_pin(pin)
+
+    def release_pin(self, pin: Any) -> None:
+        """A holder lets go of ``pin`` (the last one unpins: its tokens become evictable)."""
+        self.kv.release_pin(pin)
+
     # ------------------------------------------------------------------ cache
+    def explain(self, prompt_token_ids: Sequence[int], namespace: Hashable = None) -> Any:
+        """The :class:`~radixkv.cache.outcome.CacheOutcome` the prompt would get if admitted now
+        (driver thread). A dry run: a read-only ``peek`` of the prefix cache, nothing computed,
+        locked or refreshed; the running requests count as ``in_flight``."""
+        tracker = self.outcomes
+        if tracker is None:  # outcomes off: no record of evictions, the rest is the same
+            tracker = OutcomeTracker(self.kv.cache, EventBus())
+        return tracker.explain(prompt_token_ids, namespace, self.scheduler.running)
+
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an
         :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``)."""
         kv, cache = self.kv, self.kv.cache
+        kv.expire_pins()
         cap = kv.capacity
         free = kv.free_size()
         total = cache.total_size()

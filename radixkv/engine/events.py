@@ -10,10 +10,13 @@ and must not call back into the engine. A subscriber that raises is logged and c
 Events:
 
 * :class:`RequestAdmitted`: a sample got its first ``req_to_token`` row, with its cache outcome
-  (``num_cached_tokens``: prompt tokens served from the prefix cache; 0 for samples ``index > 0``
-  and for re-admissions after a retraction, which are not counted again).
+  (``num_cached_tokens``: prompt tokens it did not compute, served from the prefix cache or
+  borrowed from a request computing them in the same forward, ``num_shared_tokens`` of them;
+  0 for samples ``index > 0`` and for re-admissions after a retraction, which are not counted
+  again; ``cache_outcome``: why the match stopped, :mod:`radixkv.cache.outcome`).
 * :class:`StepFinished`: one forward pass ran: which samples it carried, how many new tokens each,
-  which of them sampled, which requests were retracted while planning it.
+  which of them sampled, which requests were retracted while planning it, and which samples
+  sampled from another row's logits without a row of their own (in-batch sharing).
 * :class:`RequestFinished`: a user request (all its ``n`` samples) finished or was aborted.
 * :class:`CacheInserted` / :class:`CacheEvicted` / :class:`CacheReset`: tokens entered or left
   the prefix cache, with a per-engine sequence number ``seq`` (one counter for the three, no
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 __all__ = [
     "Event",
@@ -55,12 +58,19 @@ class RequestAdmitted(Event):
         request_id: the user request's id; ``index``: the sample (``0 .. n-1``).
         step: the engine step (``Engine.num_steps`` at the step that admitted it).
         num_prompt_tokens: tokens of the prompt.
-        num_cached_tokens: prompt tokens served from the prefix cache, counted at the first
-            admission of sample 0 only (0 otherwise).
+        num_cached_tokens: prompt tokens it does not compute (served from the prefix cache, or
+            borrowed from a request that computes them in the same forward), counted at the
+            first admission of sample 0 only (0 otherwise).
         prefix_len: tokens whose K/V it reuses now (the cached or shared prefix), also on
             re-admission.
         readmission: True when it was retracted before.
         namespace: its prefix-cache namespace.
+        cache_outcome: why its prefix match stopped
+            (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause), on
+            the first admission of sample 0 when the engine records outcomes; else None.
+        num_shared_tokens: of ``prefix_len``, the tokens borrowed from requests computing them
+            in the same forward (in-batch prefix sharing; they were not cached when it was
+            admitted). ``prefix_len - num_shared_tokens`` came from the prefix cache (or a pin).
     """
 
     request_id: str
@@ -71,6 +81,8 @@ class RequestAdmitted(Event):
     prefix_len: int
     readmission: bool
     namespace: Hashable
+    cache_outcome: Any = None
+    num_shared_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +96,10 @@ class StepFinished(Event):
         sampled: whether each row sampled a token (decodes and last prefill chunks).
         prefill_tokens: new tokens of the rows that were prefilling (not decoding).
         retracted: ``(request_id, index)`` of the samples retracted while planning this step.
+        riders: ``(request_id, index)`` of the samples that sampled a token in this step from
+            another row's logits, with no row of their own (in-batch sharing: that row computed
+            their whole sequence, e.g. an identical prompt). With the rows whose ``sampled`` is
+            True they are every sample that got a token in this step.
     """
 
     step: int
@@ -92,11 +108,18 @@ class StepFinished(Event):
     sampled: tuple[bool, ...]
     prefill_tokens: int
     retracted: tuple[tuple[str, int], ...]
+    riders: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_reqs(self) -> int:
         """Rows in the batch."""
         return len(self.samples)
+
+    @property
+    def tokens_for(self) -> tuple[tuple[str, int], ...]:
+        """``(request_id, index)`` of every sample that got a token in this step: the sampling
+        rows in batch order, then the riders."""
+        return tuple(s for s, ok in zip(self.samples, self.sampled) if ok) + self.riders
 
 
 @dataclass(frozen=True, slots=True)

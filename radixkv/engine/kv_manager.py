@@ -12,25 +12,45 @@ Slots take one form per place: a request's ``slots`` is a ``list[int]`` (it grow
 time); everything that crosses the cache and allocator APIs is a 1-D int64 slot array
 (:func:`radixkv.memory.slots.slot_array`, a CPU tensor), converted here and nowhere else.
 
-Pins: a :class:`Pin` keeps a computed prefix in memory for requests that are not running yet
-(today the samples ``1 .. n-1`` of a request with ``n > 1``, which share sample 0's prompt). With
-a prefix cache the pin holds a lock on the cached prefix (its tokens are *protected*); without one
+In-batch sharing (docs/engine.md, "In-batch prefix sharing"): while the scheduler plans one
+forward it publishes (:meth:`~KVManager.publish`) every prefill row it adds into a small radix
+tree of the tokens that will have K/V at the end of that forward (the rows' computed prefixes
+plus what they compute now, whole pages). A request admitted later in the same plan borrows the
+longest such prefix beyond its cached one: its ``req_to_token`` row points at the computing
+row's slots, which every attention backend writes before it attends in each layer, so the sharer
+attends to them as its prefix in that very forward. After the forward,
+:meth:`~KVManager.settle` re-points the borrowed positions at the prefix cache (the computing row
+has handed them over by then) and the sharer locks them there like any cached prefix. A request
+whose whole sequence is computed by another row (an identical prompt, or a prefix of a longer
+one, ending on a page boundary) computes nothing: it samples from that row's logits
+(``Request.logits_from``).
+
+Pins: a :class:`Pin` keeps a computed prefix in memory for holders that are not running now: the
+samples ``1 .. n-1`` of a request with ``n > 1`` (hard pins, released by the samples), and
+sessions (soft pins, :meth:`~KVManager.pin_prefix`; also the server's stored responses). With a
+prefix cache the pin holds a lock on the cached prefix (its tokens are *protected*); without one
 (``prefix_cache="none"``) it owns the slots and frees them when its last holder lets go. Each
-holder keeps one reference until it is released.
+holder keeps one reference until it is released. Soft pins are bounded: past
+``max_pinned_tokens`` (distinct pinned tokens) or ``pin_idle_timeout`` seconds without use, the
+least recently used soft pin is dropped (its tokens become evictable, not freed), and when a
+running request is short of memory soft pins are dropped before anything is retracted.
 
 Invariant (:meth:`check_integrity`): every slot is exactly one of free, held by the cache, owned
-by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``.
+by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``
+and ``protected == pinned``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 
 from radixkv.cache.base import MatchResult, PrefixCache
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.cache.radix_tree import RadixCache
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
 from radixkv.engine.request import Request
 from radixkv.memory.allocator import SlotAllocator
@@ -44,35 +64,69 @@ def _as_slots(slots: List[int]) -> torch.Tensor:
 
 
 class Pin:
-    """A computed prefix kept for requests that will attach to it (module docstring).
+    """A computed prefix kept for holders that will attach to it (module docstring).
 
     Attributes:
         slots: ``list[int]`` KV slots of positions ``[0, len(slots))``, page aligned.
         node: the locked prefix-cache handle (with a prefix cache), else None (the pin owns
             ``slots``).
         refs: holders left; the pin is released when it drops to 0.
+        soft: True for a session's pin, which the KV manager may drop (LRU, idle timeout, or
+            memory for running requests); False for the pin of ``n > 1`` samples.
+        last_used: the KV manager's clock (seconds) when a holder last used it.
+        live: False once released or dropped (a holder's handle then pins nothing).
     """
 
-    __slots__ = ("slots", "node", "refs")
+    __slots__ = ("slots", "node", "refs", "soft", "last_used", "live")
 
-    def __init__(self, slots: List[int], node: Any, refs: int) -> None:
+    def __init__(self, slots: List[int], node: Any, refs: int, soft: bool = False, last_used: float = 0.0) -> None:
         self.slots = slots
         self.node = node
         self.refs = refs
+        self.soft = soft
+        self.last_used = last_used
+        self.live = True
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    def __repr__(self) -> str:
+        return f"Pin({len(self.slots)} tokens, refs={self.refs}, soft={self.soft}, live={self.live})"
 
 
 @dataclass
 class Prefix:
     """The borrowed prefix a request is admitted on (:meth:`KVManager.lock_prefix`): its length,
-    its slots, and the cache lock (``node``) or the pin that holds them."""
+    its slots, and the cache lock (``node``) or the pin that holds them. ``shared``: how many of
+    its last positions are borrowed from rows computing them in the forward being planned
+    (in-batch sharing); ``logits_from``: ``(request, position)`` whose logits it samples from
+    when that row computes its whole sequence (it then computes nothing itself)."""
 
     length: int
     slots: List[int]
     node: Any = None
     pin: Optional[Pin] = None
+    shared: int = 0
+    logits_from: Optional[tuple] = None
+
+
+class _BatchPrefixes:
+    """The prefixes that will have K/V at the end of the forward being planned: a radix tree
+    (used as a pure index, :class:`~radixkv.cache.radix_tree.RadixCache`) from the tokens of
+    every published prefill row to their slots, and each row's computed range."""
+
+    __slots__ = ("tree", "rows")
+
+    def __init__(self, page_size: int) -> None:
+        self.tree = RadixCache(page_size)
+        self.rows: List[tuple] = []  # (request, first position computed now, end)
+
+    def computing(self, slot: int, pos: int) -> Optional[Request]:
+        """The published row that computes position ``pos`` into ``slot`` in this forward."""
+        for r, start, end in self.rows:
+            if start <= pos < end and r.slots[pos] == slot:
+                return r
+        return None
 
 
 class KVManager:
@@ -83,9 +137,16 @@ class KVManager:
         allocator: the KV pool's :class:`~radixkv.memory.allocator.SlotAllocator`.
         req_to_token_pool: the block table (one row per admitted request).
         events: the engine's bus; cache events go there when someone subscribes.
+        max_pinned_tokens: bound on the distinct tokens soft pins hold (None: no bound).
+        pin_idle_timeout: seconds after which an unused soft pin is dropped (None: never).
+        clock: the time source of ``pin_idle_timeout`` (default ``time.monotonic``; tests
+            inject a fake one).
+        in_batch_sharing: share prefixes computed by rows of the same forward (False: only
+            what is cached when a request is admitted is shared).
 
     Attributes:
         evicted_tokens: tokens evicted from the cache so far.
+        dropped_pins: soft pins dropped by the KV manager (limit, timeout, memory) so far.
 
     Raises:
         ValueError: the cache and the allocator have different page sizes.
@@ -97,6 +158,11 @@ class KVManager:
         allocator: SlotAllocator,
         req_to_token_pool: ReqToTokenPool,
         events: Optional[EventBus] = None,
+        *,
+        max_pinned_tokens: Optional[int] = None,
+        pin_idle_timeout: Optional[float] = None,
+        clock: Optional[Callable[[], float]] = None,
+        in_batch_sharing: bool = True,
     ) -> None:
         if cache.page_size != allocator.page_size:
             raise ValueError(f"cache page_size {cache.page_size} != allocator page_size {allocator.page_size}")
@@ -107,8 +173,15 @@ class KVManager:
         self.shares = bool(cache.shares_prefixes)
         self.events = events if events is not None else EventBus()
         self.evicted_tokens = 0
+        self.dropped_pins = 0
+        self.max_pinned_tokens = max_pinned_tokens
+        self.pin_idle_timeout = pin_idle_timeout
+        self.clock: Callable[[], float] = clock if clock is not None else time.monotonic
+        self.in_batch_sharing = bool(in_batch_sharing) and self.shares
         self._seq = 0
         self._pins: dict[int, Pin] = {}  # id(pin) -> pin, every live pin
+        self._pinned: dict[int, int] = {}  # slot -> live pins holding it (distinct pinned tokens)
+        self._batch: Optional[_BatchPrefixes] = None  # the forward being planned (in-batch sharing)
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -128,8 +201,19 @@ class KVManager:
         return self.allocator.available_size()
 
     def pinned_size(self) -> int:
-        """Tokens held by pins (locked in the cache or owned)."""
-        return sum(len(p) for p in self._pins.values())
+        """Distinct tokens held by pins (locked in the cache or owned); pins sharing a prefix
+        (forked sessions) count it once."""
+        return len(self._pinned)
+
+    @property
+    def num_pins(self) -> int:
+        """Live pins."""
+        return len(self._pins)
+
+    @property
+    def event_seq(self) -> int:
+        """The ``seq`` of the last cache event emitted (0: none yet)."""
+        return self._seq
 
     def has_free_row(self) -> bool:
         """True when a ``req_to_token`` row is free."""
@@ -197,24 +281,113 @@ class KVManager:
         self._seq += 1
         self.events.emit(CacheEvicted(self._seq, namespace, end - start, digests))
 
+    # ------------------------------------------------------------------ in-batch sharing
+    def begin_batch(self) -> None:
+        """Start planning a forward: nothing is published yet (module docstring)."""
+        self._batch = _BatchPrefixes(self.page_size) if self.in_batch_sharing else None
+
+    def end_batch(self) -> None:
+        """The plan is complete; later admissions share nothing of it."""
+        self._batch = None
+
+    def publish(self, req: Request, upto: int) -> None:
+        """``req`` (admitted, with slots up to ``upto``) computes positions ``[kv_len, upto)`` in
+        the forward being planned: its whole pages ``[0, floor(upto))`` may be borrowed by
+        requests admitted after it in the same plan."""
+        b = self._batch
+        if b is None:
+            return
+        b.rows.append((req, req.kv_len, upto))
+        n = upto // self.page_size * self.page_size
+        if n:
+            b.tree.insert(req.all_token_ids[:n], _as_slots(req.slots[:n]), req.namespace)
+
+    def _batch_match(self, req: Request) -> Optional[MatchResult]:
+        if self._batch is None or req.pin is not None or not self._batch.rows:
+            return None
+        return self._batch.tree.match_prefix(req.all_token_ids, req.namespace)
+
+    def _borrow_limit(self, req: Request) -> int:
+        """The most positions ``req`` may borrow without being a rider: all but its last token,
+        at most ``max_prefix_len`` (prompt logprobs need their positions' logits), whole pages."""
+        n = req.seq_len - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        return n // self.page_size * self.page_size
+
+    def _rider_source(self, req: Request, b: MatchResult) -> Optional[tuple]:
+        """``(row, position)`` when a published row computes ``req``'s last position in this
+        forward and every position before it is published too: ``req`` then samples from that
+        row's logits and computes nothing (not when it wants prompt logprobs)."""
+        n = req.seq_len
+        if b.length != n or req.max_prefix_len is not None:
+            return None
+        src = self._batch.computing(int(b.slots[n - 1]), n - 1)
+        return None if src is None else (src, n - 1)
+
+    def batch_prefix_len(self, req: Request) -> int:
+        """The prefix ``req`` could borrow from the forward being planned (0 when none): its
+        whole sequence when a row computes all of it now, else at most all but its last token."""
+        b = self._batch_match(req)
+        if b is None or b.length == 0:
+            return 0
+        if self._rider_source(req, b) is not None:
+            return b.length
+        return min(b.length, self._borrow_limit(req))
+
+    def settle(self, req: Request) -> None:
+        """After the forward in which ``req`` borrowed positions from other rows: re-point its
+        whole borrowed prefix ``[0, prefix_len)`` at the prefix cache (those rows have handed
+        their pages over by now) and lock it there, like a cached prefix."""
+        if not req.shared_len:
+            return
+        n = req.prefix_len
+        m = self.cache.match_prefix(req.all_token_ids[:n], req.namespace)
+        if m.length != n:
+            raise RuntimeError(f"settle: {req!r} borrowed {n} tokens but the cache holds {m.length} of them")
+        self.cache.inc_lock_ref(m.node)
+        if req.prefix_node is not None:
+            self.cache.dec_lock_ref(req.prefix_node)
+        req.prefix_node = m.node
+        req.slots[:n] = m.slots.tolist()
+        self.req_to_token_pool.write(req.row, 0, m.slots)
+        req.shared_len = 0
+        req.logits_from = None
+
     # ------------------------------------------------------------------ admission
     def match(self, req: Request) -> MatchResult:
-        """The cached prefix of ``req``'s tokens but the last (whose logits must be computed)."""
+        """The cached prefix of ``req``'s tokens but the last (whose logits must be computed), at
+        most ``req.max_prefix_len`` tokens (prompt logprobs need their positions' logits)."""
         tokens = req.all_token_ids
-        return self.cache.match_prefix(tokens[: len(tokens) - 1], req.namespace)
+        n = len(tokens) - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        return self.cache.match_prefix(tokens[:n], req.namespace)
 
     def prefix_len(self, req: Request) -> int:
-        """What ``req`` would reuse if admitted now (its pin, else its cached prefix)."""
-        return len(req.pin) if req.pin is not None else self.match(req).length
+        """What ``req`` would reuse if admitted now (its pin, else its cached prefix or what it
+        can borrow from the forward being planned)."""
+        if req.pin is not None:
+            return len(req.pin)
+        return max(self.match(req).length, self.batch_prefix_len(req))
 
     def lock_prefix(self, req: Request) -> Prefix:
         """The prefix ``req`` would be admitted on, locked so that no eviction frees it; undo with
-        :meth:`unlock_prefix` when it is not admitted after all."""
+        :meth:`unlock_prefix` when it is not admitted after all. Beyond its cached prefix it
+        borrows what rows published in the forward being planned compute (module docstring)."""
         if req.pin is not None:
             return Prefix(len(req.pin), list(req.pin.slots), None, req.pin)
         m = self.match(req)
         self.cache.inc_lock_ref(m.node)
-        return Prefix(m.length, m.slots.tolist(), m.node)
+        slots = m.slots.tolist()
+        b = self._batch_match(req)
+        if b is not None and b.length > m.length:
+            src = self._rider_source(req, b)
+            n = b.length if src is not None else min(b.length, self._borrow_limit(req))
+            if n > m.length:
+                slots += b.slots[m.length : n].tolist()
+                return Prefix(n, slots, m.node, None, n - m.length, src)
+        return Prefix(m.length, slots, m.node)
 
     def unlock_prefix(self, prefix: Prefix) -> None:
         """Undo :meth:`lock_prefix` (the request was not admitted)."""
@@ -229,6 +402,8 @@ class KVManager:
             raise RuntimeError("admit: no free req_to_token row (check has_free_row first)")
         req.prefix_node = prefix.node
         req.prefix_len = req.kv_len = prefix.length
+        req.shared_len = req.num_shared_tokens = prefix.shared
+        req.logits_from = prefix.logits_from
         req.slots = list(prefix.slots)
         if prefix.slots:
             self.req_to_token_pool.write(req.row, 0, _as_slots(prefix.slots))
@@ -262,6 +437,8 @@ class KVManager:
         req.slots = []
         req.prefix_len = 0
         req.kv_len = 0
+        req.shared_len = 0
+        req.logits_from = None
 
     def hand_over(self, req: Request, upto: int) -> None:
         """Insert ``req``'s computed tokens ``[0, upto)`` (whole pages) into the cache and move its
@@ -306,14 +483,14 @@ class KVManager:
             if m.length != upto:
                 raise RuntimeError(f"fork: the parent's prompt is cached up to {m.length}, expected {upto}")
             self.cache.inc_lock_ref(m.node)
-            pin = Pin(m.slots.tolist(), m.node, len(children))
+            pin = Pin(m.slots.tolist(), m.node, len(children), last_used=self.clock())
         else:
             if upto == 0 or parent.prefix_len or parent.pin is not None or parent.kv_len < upto:
                 return
             # the parent's first pages become the pin's; the parent borrows them from it
-            pin = Pin(parent.slots[:upto], None, len(children) + 1)
+            pin = Pin(parent.slots[:upto], None, len(children) + 1, last_used=self.clock())
             parent.pin, parent.prefix_len = pin, upto
-        self._pins[id(pin)] = pin
+        self._add_pin(pin)
         for c in children:
             c.pin = pin
 
@@ -323,13 +500,7 @@ class KVManager:
         if pin is None:
             return
         req.pin = None
-        pin.refs -= 1
-        if pin.refs == 0:
-            del self._pins[id(pin)]
-            if pin.node is not None:
-                self.cache.dec_lock_ref(pin.node)
-            else:
-                self._free(pin.slots)
+        self.release_pin(pin)
 
     def detach_pins(self, waiting: Iterable[Request]) -> None:
         """Last resort when one running request is left short of memory: waiting requests drop
@@ -338,10 +509,114 @@ class KVManager:
             if r.pin is not None and r.row is None:
                 self.drop_pin(r)
 
+    # ------------------------------------------------------------------ pins (sessions)
+    def _add_pin(self, pin: Pin) -> None:
+        self._pins[id(pin)] = pin
+        counts = self._pinned
+        for s in pin.slots:
+            counts[s] = counts.get(s, 0) + 1
+
+    def _remove_pin(self, pin: Pin) -> None:
+        """Unlock (or free) what ``pin`` holds, whatever its references; it is dead afterwards."""
+        del self._pins[id(pin)]
+        pin.live = False
+        counts = self._pinned
+        for s in pin.slots:
+            c = counts[s] - 1
+            if c:
+                counts[s] = c
+            else:
+                del counts[s]
+        if pin.node is not None:
+            self.cache.dec_lock_ref(pin.node)
+        else:
+            self._free(pin.slots)
+
+    def pin_prefix(self, tokens: List[int], namespace: Any = None) -> Optional[Pin]:
+        """A soft pin (one reference, the caller's) on the cached prefix of ``tokens``: its whole
+        pages stay in memory, protected from eviction, until :meth:`release_pin` (or until the
+        KV manager drops it: ``max_pinned_tokens``, ``pin_idle_timeout``, or memory a running
+        request needs). None when nothing of ``tokens`` is cached, or without a prefix cache
+        (``prefix_cache="none"`` keeps nothing). The bounds are applied at once, so the pin
+        returned may already be dead (``live`` False) when it alone exceeds the token bound."""
+        if not self.shares or not tokens:
+            return None
+        m = self.cache.match_prefix(tokens, namespace)
+        if m.length == 0:
+            return None
+        self.cache.inc_lock_ref(m.node)
+        pin = Pin(m.slots.tolist(), m.node, 1, soft=True, last_used=self.clock())
+        self._add_pin(pin)
+        self.expire_pins()
+        return pin
+
+    def retain_pin(self, pin: Pin) -> bool:
+        """One more holder of ``pin`` (a forked session): True, or False when it is dead."""
+        if not pin.live:
+            return False
+        pin.refs += 1
+        pin.last_used = self.clock()
+        return True
+
+    def touch_pin(self, pin: Pin) -> None:
+        """A holder uses ``pin`` now (it becomes the most recently used)."""
+        pin.last_used = self.clock()
+
+    def release_pin(self, pin: Pin) -> None:
+        """A holder lets go of ``pin``; the last one unlocks (or frees) it. No-op on a dead pin."""
+        if not pin.live:
+            return
+        pin.refs -= 1
+        if pin.refs <= 0:
+            self._remove_pin(pin)
+
+    def _soft_pins_lru(self) -> List[Pin]:
+        return sorted((p for p in self._pins.values() if p.soft), key=lambda p: p.last_used)
+
+    def _drop_soft(self, pin: Pin) -> None:
+        self._remove_pin(pin)
+        self.dropped_pins += 1
+
+    def expire_pins(self) -> int:
+        """Drop the soft pins idle for ``pin_idle_timeout`` seconds, then the least recently used
+        ones while more than ``max_pinned_tokens`` distinct tokens are pinned; returns how many
+        were dropped. Their tokens stay cached, evictable."""
+        if not self._pins:
+            return 0
+        dropped = 0
+        if self.pin_idle_timeout is not None:
+            now = self.clock()
+            for p in [p for p in self._pins.values() if p.soft and now - p.last_used >= self.pin_idle_timeout]:
+                self._drop_soft(p)
+                dropped += 1
+        if self.max_pinned_tokens is not None and len(self._pinned) > self.max_pinned_tokens:
+            lru = self._soft_pins_lru()
+            while lru and len(self._pinned) > self.max_pinned_tokens:
+                self._drop_soft(lru.pop(0))
+                dropped += 1
+        return dropped
+
+    def yield_pins(self, need: int) -> bool:
+        """Make ``need`` slots free for a running request, dropping soft pins (least recently used
+        first) when evicting what is unlocked is not enough; False if even that is not."""
+        lru = None
+        while not self.ensure_free(need):
+            if lru is None:
+                lru = self._soft_pins_lru()
+            if not lru:
+                return False
+            self._drop_soft(lru.pop(0))
+        return True
+
     # ------------------------------------------------------------------ cache
     def reset_cache(self) -> bool:
-        """Drop every cached prefix; False (nothing done) while a pin or a lock holds any."""
-        if self._pins or self.cache.protected_size():
+        """Drop every cached prefix, and the soft pins on them (sessions keep their contexts and
+        recompute them); False (nothing done) while a request's pin or lock holds any."""
+        if any(not p.soft for p in self._pins.values()):
+            return False
+        for p in list(self._pins.values()):
+            self._drop_soft(p)
+        if self.cache.protected_size():  # a request's lock (the caller checks none is admitted)
             return False
         freed = self.cache.reset()
         n = int(freed.numel())
@@ -366,15 +641,24 @@ class KVManager:
                 held.add(s)
 
         for r in requests:
+            if r.shared_len or r.logits_from is not None:
+                raise AssertionError(f"{r!r} still borrows {r.shared_len} tokens from a forward that has run")
             if r.row is not None:
                 own(r.slots[r.prefix_len :])
             elif r.slots:
                 raise AssertionError(f"{r!r} holds slots without a req_to_token row")
+            if r.pin is not None and not r.pin.live:
+                raise AssertionError(f"{r!r} holds a dead pin")
+        counts: dict[int, int] = {}
         for pin in self._pins.values():
-            if pin.refs < 1:
-                raise AssertionError(f"a live pin has {pin.refs} references")
+            if pin.refs < 1 or not pin.live:
+                raise AssertionError(f"a registered pin has {pin.refs} references (live={pin.live})")
             if pin.node is None:
                 own(pin.slots)
+            for s in pin.slots:
+                counts[s] = counts.get(s, 0) + 1
+        if counts != self._pinned:
+            raise AssertionError("the pinned-token counts disagree with the live pins")
         cap = self.allocator.num_slots
         free, total = self.allocator.available_size(), self.cache.total_size()
         if free + total + len(held) != cap:

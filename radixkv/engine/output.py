@@ -7,7 +7,8 @@ from typing import Hashable, List, Optional
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.request import Request
-from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from radixkv.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from radixkv.sampling.logprobs import TokenDecoder, TokenLogprobs, to_position_logprobs
 from radixkv.sampling_params import SamplingParams
 
 __all__ = ["RequestGroup"]
@@ -29,7 +30,11 @@ class RequestGroup:
             0 at admission, the others when sample 0 forks them).
         outputs: one :class:`~radixkv.outputs.CompletionOutput` per sample, updated in place.
         num_cached_tokens: sample 0's cached prompt tokens at its first admission.
+        cache_outcome: sample 0's cache outcome at its first admission (or None).
         counted: whether its prompt has been counted in the engine's hit-rate totals.
+        prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt position
+            (None until computed, and for position 0 / before ``logprob_start_len``); else None.
+        grammar: the ``Future`` of its compiled grammar (structured outputs), or None.
     """
 
     def __init__(
@@ -51,7 +56,15 @@ class RequestGroup:
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self._detoks: List[Optional[IncrementalDetokenizer]] = [None] * params.n
         self.num_cached_tokens = 0
+        self.cache_outcome = None
         self.counted = False
+        self.prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
+        )
+        self.grammar = None
+        if params.logprobs is not None:
+            for o in self.outputs:
+                o.logprobs, o.cumulative_logprob = [], 0.0
 
     @property
     def finished(self) -> bool:
@@ -64,9 +77,26 @@ class RequestGroup:
             if o.finish_reason is None:
                 o.finish_reason = "abort"
 
-    def update(self, r: Request, tokenizer, eos_token_ids: frozenset, max_context_len: int) -> bool:
-        """Take sample ``r``'s newest token: detokenize it and check the stop conditions (a stop
-        token or EOS unless ``ignore_eos``, a stop string, ``max_tokens``, the context length).
+    def update(
+        self,
+        r: Request,
+        tokenizer,
+        eos_token_ids: frozenset,
+        max_context_len: int,
+        logprobs: Optional[TokenLogprobs] = None,
+        decode: Optional[TokenDecoder] = None,
+    ) -> bool:
+        """Take sample ``r``'s newest token: detokenize it, record its logprobs, and check the
+        stop conditions (a stop token or EOS unless ``ignore_eos``, its grammar terminated, a
+        stop string once ``min_tokens`` are generated, ``max_tokens``, the context length).
+
+        Args:
+            r: the sample.
+            tokenizer: for the text.
+            eos_token_ids: the engine's EOS ids.
+            max_context_len: the engine's context limit.
+            logprobs: the token's logprobs (when ``params.logprobs`` is set).
+            decode: token id -> text for the logprobs' ``decoded_token``.
 
         Returns:
             True when the sample finished with this token (its output has the finish reason).
@@ -77,10 +107,15 @@ class RequestGroup:
         if det is None:
             det = self._detoks[r.index] = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens)
         tok = r.output_token_ids[-1]
+        if logprobs is not None and out.logprobs is not None:
+            out.logprobs.append(to_position_logprobs(logprobs, decode or TokenDecoder(tokenizer)))
+            out.cumulative_logprob += logprobs.logprob
+        st = r.sampling_state
+        terminated = st is not None and st.grammar is not None and st.grammar.terminated
         reason, stop_reason = None, None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids):
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids) or terminated:
             reason, stop_reason = "stop", tok
-        elif det.update(r.output_token_ids):
+        elif det.update(r.output_token_ids, check_stop=len(r.output_token_ids) >= p.min_tokens):
             reason, stop_reason = "stop", det.stopped_by
         elif len(r.output_token_ids) >= p.max_tokens or r.seq_len >= max_context_len:
             reason = "length"
@@ -96,7 +131,16 @@ class RequestGroup:
     def to_output(self) -> RequestOutput:
         """A fresh cumulative snapshot (callers may keep it; later steps do not change it)."""
         outs = [
-            CompletionOutput(o.index, o.text, list(o.token_ids), o.finish_reason, o.stop_reason) for o in self.outputs
+            CompletionOutput(
+                o.index,
+                o.text,
+                list(o.token_ids),
+                o.finish_reason,
+                o.stop_reason,
+                None if o.logprobs is None else list(o.logprobs),
+                o.cumulative_logprob,
+            )
+            for o in self.outputs
         ]
         return RequestOutput(
             self.request_id,
@@ -106,4 +150,6 @@ class RequestGroup:
             self.finished,
             self.num_cached_tokens,
             self.metrics,
+            None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            cache_outcome=self.cache_outcome,
         )

@@ -5,7 +5,10 @@ docs/engine.md for the table of what is owned, handed to the cache or freed at e
 :class:`~radixkv.engine.kv_manager.KVManager` changes them)::
 
     [0, prefix_len)            borrowed: slots of a cached prefix, locked in the prefix cache
-                               (``prefix_node``) or held by a pin it references (``pin``)
+                               (``prefix_node``) or held by a pin it references (``pin``); between
+                               admission and the end of its first forward, its last
+                               ``shared_len`` positions may be borrowed from another request
+                               computing them in that same forward (in-batch sharing)
     [prefix_len, kv_len)       owned, K/V computed
     [kv_len, len(slots))       owned, allocated, K/V not computed yet (the tokens of the current
                                forward, and with page_size > 1 the rest of the last page)
@@ -48,13 +51,28 @@ class Request:
         slots: ``list[int]``, the KV slot of each position ``[0, len(slots))`` (see module doc).
         prefix_len: length of the borrowed prefix.
         prefix_node: the locked prefix-cache handle, or None.
+        shared_len: positions ``[prefix_len - shared_len, prefix_len)`` are borrowed from
+            requests computing them in the forward being run (in-batch sharing); 0 once that
+            forward has run (:meth:`~radixkv.engine.kv_manager.KVManager.settle` re-points them
+            at the prefix cache).
+        num_shared_tokens: ``shared_len`` at its latest admission (what the admission event reports).
+        logits_from: ``(request, position)`` when it samples its next token from that request's
+            logits at ``position`` in this forward instead of computing anything itself (its
+            whole sequence is computed by that request: an identical prompt, or a prefix of a
+            longer one), else None.
         pin: the :class:`~radixkv.engine.kv_manager.Pin` it holds a reference on (its borrowed
             prefix), or None.
         kv_len: positions whose K/V is computed.
         admit_seq: admission counter value (the highest is the "newest" request, retracted first).
         num_cached_tokens: prompt tokens served from the cache at first admission (None before).
+        cache_outcome: why sample 0's match stopped at its first admission
+            (:class:`~radixkv.cache.outcome.CacheOutcome`), or None.
         num_retractions: how many times it was retracted.
         fork_pending: samples still to fork from this one once its prompt is computed (n > 1).
+        sampling_state: the sample's :class:`~radixkv.sampling.pipeline.SampleState` (grammar
+            matcher, processor tensors), or None; owned by the sampling package.
+        prompt_lp_pos: with prompt logprobs still to compute, the next prompt position whose
+            logits are needed (they score the token after it); None when none are due.
     """
 
     def __init__(
@@ -78,13 +96,26 @@ class Request:
         self.slots: List[int] = []
         self.prefix_len = 0
         self.prefix_node: Any = None
+        self.shared_len = 0
+        self.num_shared_tokens = 0
+        self.logits_from: Optional[tuple] = None
         self.pin: Any = None
         self.kv_len = 0
         self.admit_seq = -1
         self.num_cached_tokens: Optional[int] = None
+        self.cache_outcome: Any = None
         self.num_retractions = 0
         self.fork_pending = 0
         self.finish_reason: Optional[str] = None
+        self.sampling_state: Any = None
+        self.prompt_lp_pos: Optional[int] = None
+
+    @property
+    def max_prefix_len(self) -> Optional[int]:
+        """The most tokens it may take from the prefix cache (None: no limit). Prompt logprobs
+        need the logits of every position from ``prompt_lp_pos`` on, so those positions must be
+        computed in this request's own forward, not served from the cache."""
+        return self.prompt_lp_pos
 
     @property
     def all_token_ids(self) -> List[int]:

@@ -7,13 +7,25 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    its last page is full). When the pool is short, unlocked cached prefixes are evicted; if that
    is not enough, the newest admitted request is retracted (its computed K/V handed to the
    prefix cache, everything else freed, the request requeued at the front) until it fits.
+   Soft pins (sessions) are dropped before anything is retracted.
 2. Prefill: the partly computed (chunked) request continues, then waiting requests are admitted
-   (ordered by longest cached prefix for "lpm", arrival for "fcfs") under the prefill token
-   budget ``chunked_prefill_size``, the row budget and the memory budget. Admission locks the
-   request's prefix first and only then evicts for headroom, so eviction never frees what the
-   request just matched. A prompt longer than the remaining budget is split; only one request is
-   partly prefilled at a time. Nothing is admitted in a step that retracted (so a request is not
-   readmitted right after being retracted).
+   under the prefill token budget ``chunked_prefill_size``, the row budget and the memory
+   budget. Admission locks the request's prefix first and only then evicts for headroom, so
+   eviction never frees what the request just matched. A prompt longer than the remaining budget
+   is split; only one request is partly prefilled at a time. Nothing is admitted in a step that
+   retracted (so a request is not readmitted right after being retracted).
+
+   In-batch prefix sharing: every prefill row added to the plan is published to the KV manager,
+   and a request admitted after it borrows whatever prefix that row computes in the same
+   forward beyond its own cached prefix (docs/engine.md, "In-batch prefix sharing"), so a
+   prefix shared by requests waiting together is computed once, by the first of them, and the
+   others are admitted on top of it in the same step while the budget lasts (else they wait for
+   it: a request sharing with the one partly prefilled is not admitted before that one's last
+   chunk, and then on top of it). "lpm" orders by the longest prefix a request can reuse now,
+   cached or being computed in this plan (re-ranked after each admission, so the sharers of a
+   row follow it), as SGLang's longest-prefix-match; "fcfs" keeps queue order. A request whose
+   whole sequence a row computes (an identical prompt) takes no budget: it samples from that
+   row's logits.
 
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
@@ -26,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Deque, List, Optional
 
 from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.request import Request, RequestStatus
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
@@ -45,6 +58,10 @@ class ScheduledBatch:
             prefill chunks; False for a non-final chunk).
         retracted: requests retracted while planning.
         prefill_tokens: new tokens of the requests that were prefilling when it was planned.
+        riders: requests with no row of their own that sample from another row's logits (their
+            whole sequence is computed by that row in this forward; in-batch sharing).
+        rider_rows: for each rider, the row of the ``sum(extend_lens)`` new tokens whose logits it
+            samples from.
     """
 
     reqs: List[Request] = field(default_factory=list)
@@ -54,6 +71,8 @@ class ScheduledBatch:
     sample: List[bool] = field(default_factory=list)
     retracted: List[Request] = field(default_factory=list)
     prefill_tokens: int = 0
+    riders: List[Request] = field(default_factory=list)
+    rider_rows: List[int] = field(default_factory=list)
 
     def add(self, req: Request, extend: int, sample: bool) -> None:
         """Append ``extend`` new tokens of ``req`` starting at its ``kv_len``."""
@@ -63,6 +82,27 @@ class ScheduledBatch:
         tokens = req.all_token_ids
         self.input_ids.extend(tokens[req.kv_len : req.kv_len + extend])
         self.sample.append(sample)
+
+    def add_rider(self, req: Request, source: Request, position: int) -> None:
+        """``req`` samples from the logits of ``source``'s row at ``position`` (computed in this
+        forward) and has no row of its own."""
+        i = next(k for k, r in enumerate(self.reqs) if r is source)
+        start = sum(self.extend_lens[:i])
+        if not self.prefix_lens[i] <= position < self.prefix_lens[i] + self.extend_lens[i]:
+            raise RuntimeError(f"add_rider: {source!r} does not compute position {position} in this forward")
+        self.riders.append(req)
+        self.rider_rows.append(start + position - self.prefix_lens[i])
+
+    @property
+    def members(self) -> List[Request]:
+        """Every request of the plan: the rows, then the riders."""
+        return self.reqs + self.riders
+
+    @property
+    def samplers(self) -> List[Request]:
+        """The requests that sample a token after this forward: the rows that sample (in batch
+        order), then the riders (each from its ``rider_rows`` entry)."""
+        return [r for r, s in zip(self.reqs, self.sample) if s] + self.riders
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -79,6 +119,8 @@ class Scheduler:
         schedule_policy: "lpm" or "fcfs".
 
     Attributes:
+        outcomes: the :class:`~radixkv.engine.outcome.OutcomeTracker` told of every first
+            admission of a request, or None.
         waiting: requests not admitted (new or retracted), in queue order.
         running: admitted requests (prefilling or decoding).
         prefill_tokens: prompt/history tokens computed so far (recomputation included).
@@ -100,6 +142,7 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self._admit_counter = 0
+        self.outcomes: Optional[OutcomeTracker] = None  # set by the engine (cache_outcome=True)
         self.prefill_tokens = 0
         self.num_retractions = 0
 
@@ -145,23 +188,38 @@ class Scheduler:
             self.waiting.appendleft(c)
 
     # ------------------------------------------------------------------ planning
-    def _ordered_waiting(self) -> List[Request]:
+    def _lpm(self, n: int) -> bool:
+        return self.policy == "lpm" and self.kv.shares and 1 < n <= _LPM_MAX_QUEUE
+
+    def _ordered_waiting(self) -> tuple[List[Request], dict]:
+        """The waiting queue in policy order, and (lpm) each one's reusable prefix length."""
         reqs = list(self.waiting)
-        if self.policy == "lpm" and self.kv.shares and 1 < len(reqs) <= _LPM_MAX_QUEUE:
+        lens: dict = {}
+        if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
             reqs.sort(key=lambda r: -lens[id(r)])  # stable: ties keep queue order
-        return reqs
+        return reqs, lens
 
-    def _admit(self, req: Request, budget: int, reserve: int) -> int:
-        """Try to admit ``req`` with at most ``budget`` new tokens; returns the chunk length or 0."""
+    def _admit(self, req: Request, budget: int, reserve: int) -> Optional[int]:
+        """Try to admit ``req`` with at most ``budget`` new tokens (its prefix cached or borrowed
+        from the plan); returns the chunk length (0 for a rider, which computes nothing) or None
+        when it does not fit."""
         kv = self.kv
         if not kv.has_free_row():
-            return 0
+            return None
         prefix = kv.lock_prefix(req)  # before any eviction below
+        if self.outcomes is not None:  # why the match stopped (first admission of sample 0)
+            self.outcomes.on_admit(req, prefix.length, self.running)
         extend = min(req.seq_len - prefix.length, budget)
-        if not kv.reserve(kv.pages(prefix.length + extend) - prefix.length, reserve):
+        if extend <= 0 and prefix.logits_from is None:
             kv.unlock_prefix(prefix)
-            return 0
+            return None
+        need = kv.pages(prefix.length + extend) - prefix.length
+        if not kv.reserve(need, reserve) and not (
+            not self.running and kv.yield_pins(need + reserve) and kv.reserve(need, reserve)
+        ):  # soft pins give way when nothing runs that could free memory later
+            kv.unlock_prefix(prefix)
+            return None
         kv.admit(req, prefix, prefix.length + extend)
         if req.num_cached_tokens is None:
             req.num_cached_tokens = prefix.length if req.index == 0 else 0
@@ -170,6 +228,45 @@ class Scheduler:
         req.status = RequestStatus.PREFILL
         self.waiting.remove(req)
         self.running.append(req)
+        return extend
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, reserve: int, partial: bool) -> None:
+        """Admit waiting requests into ``batch`` (module docstring, step 2): in policy order while
+        the budget, a row and memory allow; riders (no budget) also after the budget is spent."""
+        kv = self.kv
+        cands, cached = self._ordered_waiting()
+        rerank = bool(cached) and kv.in_batch_sharing
+        while cands:
+            if budget <= 0 or partial:  # only riders fit now (looked for among the first ones)
+                for r in [r for r in cands[:_LPM_MAX_QUEUE] if kv.batch_prefix_len(r) == r.seq_len]:
+                    if self._admit_one(batch, r, 0, reserve) is None:
+                        break
+                    reserve += self.page_size
+                return
+            if rerank and batch.reqs:  # longest reusable prefix now, the plan's rows included
+                lens = [max(cached[id(r)], kv.batch_prefix_len(r)) for r in cands]
+                r = cands.pop(lens.index(max(lens)))
+            else:
+                r = cands.pop(0)
+            extend = self._admit_one(batch, r, budget, reserve)
+            if extend is None:
+                return
+            budget -= extend
+            reserve += self.page_size
+            partial = r.kv_len + extend < r.seq_len
+
+    def _admit_one(self, batch: ScheduledBatch, r: Request, budget: int, reserve: int) -> Optional[int]:
+        """:meth:`_admit` ``r`` and add it to ``batch`` (a row, published for sharing, or a rider)."""
+        extend = self._admit(r, budget, reserve)
+        if extend is None:
+            return None
+        if r.logits_from is not None:
+            source, position = r.logits_from
+            batch.add_rider(r, source, position)
+            return 0
+        done = r.kv_len + extend == r.seq_len
+        batch.add(r, extend, done)
+        self.kv.publish(r, r.kv_len + extend)
         return extend
 
     def schedule(self) -> Optional[ScheduledBatch]:
@@ -181,7 +278,7 @@ class Scheduler:
         while self.running:
             decodes = [r for r in self.running if r.status == RequestStatus.DECODE]
             need = sum(ps for r in decodes if r.kv_len >= len(r.slots))
-            if kv.ensure_free(need):
+            if kv.yield_pins(need):  # evicts, then drops soft pins: never retract for a session
                 break
             victim = max(self.running, key=lambda r: r.admit_seq)
             if len(self.running) == 1:
@@ -198,30 +295,23 @@ class Scheduler:
         budget = self.chunked_prefill_size
         reserve = ps * len(self.running)
         partial = False
+        kv.begin_batch()
         for r in self.running:
             if r.status != RequestStatus.PREFILL:
                 continue
             extend = min(r.seq_len - r.kv_len, budget)
-            if extend <= 0 or not kv.ensure_free(kv.pages(r.kv_len + extend) - len(r.slots)):
+            if extend <= 0 or not kv.yield_pins(kv.pages(r.kv_len + extend) - len(r.slots)):
                 partial = True
                 continue
             kv.grow(r, r.kv_len + extend)
             done = r.kv_len + extend == r.seq_len
             batch.add(r, extend, done)
+            kv.publish(r, r.kv_len + extend)
             budget -= extend
             partial = partial or not done
         if not batch.retracted:
-            for r in self._ordered_waiting():
-                if budget <= 0 or partial:
-                    break
-                extend = self._admit(r, budget, reserve)
-                if extend == 0:
-                    break
-                done = r.kv_len + extend == r.seq_len
-                batch.add(r, extend, done)
-                budget -= extend
-                reserve += ps
-                partial = not done
+            self._admit_waiting(batch, budget, reserve, partial)
+        kv.end_batch()
         if not batch.reqs:
             return None
         batch.prefill_tokens = batch.num_prefill_tokens
@@ -234,6 +324,9 @@ class Scheduler:
         Every prefill chunk's whole pages go into the prefix cache right away
         (:meth:`KVManager.hand_over`, as SGLang's ``cache_unfinished_req``), so requests admitted
         while this one still runs share its prompt instead of recomputing it.
+        Rows that borrowed from other rows of the forward are settled first (their borrowed
+        prefix re-pointed at the cache those rows have just handed their pages to), in batch
+        order, so every row's sources come before it; the riders last.
         """
         for r, e in zip(batch.reqs, batch.extend_lens):
             was_prefill = r.status == RequestStatus.PREFILL
@@ -241,7 +334,11 @@ class Scheduler:
             if was_prefill and r.kv_len == r.seq_len:
                 r.status = RequestStatus.DECODE
             if was_prefill:
+                self.kv.settle(r)
                 self.kv.hand_over(r, r.kv_len)
+        for r in batch.riders:
+            self.kv.settle(r)
+            r.status = RequestStatus.DECODE
 
     def reset_cache(self) -> bool:
         """Drop every cached prefix (False and nothing done while any request is admitted or a

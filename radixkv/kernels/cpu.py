@@ -428,3 +428,31 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(m, two_i // 2, dtype=torch.float32)
     _ck.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, two_i // 2)
     return out
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Grammar masks in place: ``logits[r, j] = -inf`` for each row ``r`` of ``rows`` and each
+    token ``j`` whose bit is 0 in ``bitmask[r]`` (xgrammar's layout: int32 words, 32 tokens each,
+    least significant bit first). ``logits`` ``[S, V]`` float32 CPU with unit column stride,
+    ``bitmask`` ``[>= S, >= ceil(V / 32)]`` int32 CPU contiguous rows, ``rows`` 1-D int64 in
+    ``[0, S)``. AVX2, one thread. Raises RuntimeError without the native kernels, ValueError
+    otherwise."""
+    if not AVAILABLE:
+        raise RuntimeError("apply_token_bitmask_: radixkv.kernels._ckernels is not available")
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("apply_token_bitmask_: logits must be a 2-d float32 CPU tensor with unit column stride")
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.stride(1) != 1:
+        raise ValueError("apply_token_bitmask_: bitmask must be a 2-d int32 CPU tensor with unit column stride")
+    s, v = logits.shape
+    if bitmask.shape[1] * 32 < v or bitmask.shape[0] < s:
+        raise ValueError(f"apply_token_bitmask_: bitmask {tuple(bitmask.shape)} does not cover logits {(s, v)}")
+    rows = rows.to(torch.int64).contiguous()
+    if rows.dim() != 1 or rows.device.type != "cpu":
+        raise ValueError("apply_token_bitmask_: rows must be a 1-d CPU index tensor")
+    if rows.numel() == 0:
+        return
+    if int(rows.min()) < 0 or int(rows.max()) >= s:
+        raise ValueError(f"apply_token_bitmask_: rows must be in [0, {s}), got {rows.tolist()}")
+    _ck.apply_token_bitmask(
+        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0), rows.data_ptr(), rows.numel(), v
+    )

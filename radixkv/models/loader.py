@@ -196,6 +196,18 @@ def resolve_hf_dir(name_or_path: Union[str, Path] = DEFAULT_MODEL) -> Path:
     )
 
 
+def load_tokenizer(name_or_path: Union[str, Path] = DEFAULT_MODEL) -> Any:
+    """The transformers tokenizer (with its chat template) of ``name_or_path``, without loading
+    weights (a GGUF is converted once, as for :func:`load_model`).
+
+    Raises:
+        FileNotFoundError: as :func:`resolve_hf_dir`.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(resolve_hf_dir(name_or_path)), local_files_only=True)
+
+
 def build_model(
     hf_config, seed: int | None = 0, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32
 ) -> CausalLM:

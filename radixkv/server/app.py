@@ -7,6 +7,7 @@ Routes:
 | POST | ``/v1/completions`` | OpenAI completion (JSON, or SSE chunks with ``stream``) |
 | POST | ``/v1/chat/completions`` | OpenAI chat completion (JSON, or SSE chunks with ``stream``) |
 | GET | ``/v1/models`` | the served model |
+| GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
 | GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
 | GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...) |
@@ -32,13 +33,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
-from radixkv.engine.events import RequestFinished
+from radixkv.engine.events import RequestAdmitted, RequestFinished
+from radixkv.obs.trace import TraceWriter
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
 from radixkv.server.openai.completions import Completions
 from radixkv.server.openai.params import ModelNames
 from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from radixkv.server.request_log import RequestLogMiddleware
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +50,29 @@ __all__ = ["create_app"]
 DEFAULT_SERVED_MODEL_NAME = "smollm2-135m"
 
 
+def validation_error(exc: ValidationError) -> APIError:
+    """The 400 for a body pydantic refused: ``param`` is the top-level field at fault; a field no
+    one defines is ``unknown_parameter``."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+    param = loc[0] if loc else None
+    where = ".".join(str(p) for p in err.get("loc", ()))
+    if err.get("type") == "extra_forbidden":
+        return APIError(
+            f"{where}: unknown parameter (neither OpenAI's API nor radixkv's documented extensions define it; "
+            "see docs/server.md)",
+            param,
+            code="unknown_parameter",
+        )
+    return APIError(f"{where}: {err.get('msg')}", param)
+
+
 def create_app(
     llm: AsyncLLM,
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     model_aliases: tuple[str, ...] = (),
     shutdown_engine: bool = False,
+    log_requests: str | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -60,6 +81,8 @@ def create_app(
         served_model_name: the ``model`` name clients use and ``/v1/models`` lists.
         model_aliases: more names accepted as ``model`` (e.g. the ``--model`` path).
         shutdown_engine: shut ``llm`` down when the app's lifespan ends (``radixkv serve``).
+        log_requests: append every completions / chat body to this JSONL file (the trace
+            ``radixkv explain`` reads; :mod:`radixkv.server.request_log`).
 
     Returns:
         A FastAPI app; ``app.state.llm``, ``app.state.metrics`` and ``app.state.client`` (the
@@ -67,16 +90,21 @@ def create_app(
     """
 
     metrics = ServerMetrics()
-    unsubscribe = llm.subscribe(metrics.on_event, (RequestFinished,))
+    unsubscribe = llm.subscribe(metrics.on_event, (RequestFinished, RequestAdmitted))
+    request_log = TraceWriter(log_requests) if log_requests else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
         unsubscribe()
+        if request_log is not None:
+            request_log.close()
         if shutdown_engine:
             llm.shutdown()
 
     app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
+    if request_log is not None:
+        app.add_middleware(RequestLogMiddleware, writer=request_log)
     client = EngineClient(llm, metrics)
     models = ModelNames(served_model_name, model_aliases)
     completions_handler, chat_handler = Completions(client, models), Chat(client, models)
@@ -115,14 +143,10 @@ def create_app(
             raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
         if not isinstance(data, dict):
             raise APIError("the request body must be a JSON object", None)
-        try:
-            return model.model_validate(data)
+        try:  # strict: JSON types are not coerced ("3" or 3.0 is no integer, "yes" no boolean)
+            return model.model_validate_json(body)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
-            param = loc[0] if loc else None
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            raise APIError(f"{where}: {err.get('msg')}", param) from exc
+            raise validation_error(exc) from exc
 
     def respond(result: Any) -> Response:
         if isinstance(result, dict):
@@ -138,9 +162,14 @@ def create_app(
         return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def list_models() -> dict:
         card = ModelCard(id=served_model_name, max_model_len=llm.max_context_len)
         return ModelList(data=[card]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict:
+        models.check(model_id, param="model", status_code=404)
+        return ModelCard(id=served_model_name, max_model_len=llm.max_context_len).model_dump()
 
     @app.get("/health")
     async def health() -> Response:

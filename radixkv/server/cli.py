@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from typing import Any
 
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
@@ -46,10 +47,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix cache: radix tree, hashed blocks, or none (default: %(default)s)",
     )  # fmt: skip
     g.add_argument("--disable-prefix-caching", action="store_true", help="same as --prefix-cache none")
+    r = parser.add_argument_group("replicas (Ray Serve, extra radixkv[ray]; docs/routing.md)")
+    r.add_argument("--replicas", type=int, default=1, help="engine replicas; > 1 serves them on Ray Serve (default: 1)")
+    r.add_argument(
+        "--router-policy", default="cache_events",
+        choices=["cache_events", "approx_tree", "session", "least_load", "round_robin"],
+        help="routing policy across replicas (default: %(default)s)",
+    )  # fmt: skip
+    r.add_argument("--replica-cpus", type=float, default=0.5, help="Ray logical CPUs per replica (default: 0.5)")
+    r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     h = parser.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     h.add_argument("--port", type=int, default=30000, help="port (default: %(default)s)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument(
+        "--log-requests", default=None, metavar="FILE",
+        help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
+    )  # fmt: skip
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -72,15 +86,24 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Load the engine, then serve until interrupted; returns the exit code."""
+    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
+    if getattr(args, "replicas", 1) > 1:
+        if args.log_requests:
+            print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
+            return 2
+        from radixkv.router.ray import run as run_replicas  # needs the ray extra
+
+        return run_replicas(args, engine_kwargs_from_args(args), served)
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM
     from radixkv.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
     llm = AsyncLLM(**engine_kwargs_from_args(args))
-    app = create_app(llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True)
+    app = create_app(
+        llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True, log_requests=args.log_requests
+    )
     print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -37,13 +37,16 @@ class ClientDisconnected(Exception):
     """The client went away before a non-streamed answer was ready (its requests are aborted)."""
 
 
-def request_error_to_api(exc: ValueError, prompt_param: str = "prompt") -> APIError:
+def request_error_to_api(exc: ValueError, prompt_param: str = "prompt", renames: dict | None = None) -> APIError:
     """A 400 :class:`APIError` for the engine's refusal ``exc``, with ``param`` taken from a
     :class:`~radixkv.errors.RequestError`'s field: ``"prompt"`` becomes ``prompt_param``
-    (``"messages"`` for chat), ``max_new_tokens`` ``max_tokens``, and fields the client did not
-    send (``request_id``, ``sampling_params``) none."""
+    (``"messages"`` for chat), ``max_new_tokens`` ``max_tokens``, a field in ``renames`` the
+    request field it came from (e.g. ``json_schema`` -> ``response_format``), and fields the
+    client did not send (``request_id``, ``sampling_params``) none."""
     param = exc.param if isinstance(exc, RequestError) else None
-    if param == "prompt":
+    if renames and param in renames:
+        param = renames[param]
+    elif param == "prompt":
         param = prompt_param
     elif param == "max_new_tokens":
         param = "max_tokens"
@@ -91,19 +94,27 @@ class EngineClient:
         """Longest sequence (prompt + output) the engine accepts."""
         return self.llm.max_context_len
 
-    async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str) -> list:
+    async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str, renames: dict | None) -> list:
         try:
             return list(await asyncio.gather(*(g.__anext__() for g in gens)))
         except ValueError as exc:
             await close_all(gens)
-            raise request_error_to_api(exc, prompt_param) from exc
+            raise request_error_to_api(exc, prompt_param, renames) from exc
         except BaseException:
             await close_all(gens)
             raise
 
-    async def start(self, endpoint: str, prompts: list[Prompt], params: SamplingParams, prompt_param: str) -> Run:
+    async def start(
+        self,
+        endpoint: str,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        prompt_param: str,
+        renames: dict | None = None,
+    ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
-        API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
+        API request as accepted under ``endpoint`` in ``radixkv_requests_total``. ``renames``
+        maps engine fields to the request fields that set them (for a refusal's ``param``).
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
@@ -115,7 +126,7 @@ class EngineClient:
             for i, (text, ids) in enumerate(prompts)
         ]
         self.metrics.requests.labels(endpoint=endpoint).inc()
-        firsts = await self._first_outputs(gens, prompt_param)
+        firsts = await self._first_outputs(gens, prompt_param, renames)
         ttft = time.perf_counter() - start
         for _ in firsts:
             self.metrics.ttft.observe(ttft)

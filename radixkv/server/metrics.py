@@ -9,7 +9,10 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   count ``radixkv_requests_finished_total{finish_reason}`` (per choice; ``abort`` for a client
   that went away), ``radixkv_prompt_tokens_total``, ``radixkv_cached_tokens_total`` (prompt tokens
   served from the prefix cache) and ``radixkv_generation_tokens_total`` of the requests that
-  completed (not aborted): the numbers their clients see in ``usage``.
+  completed (not aborted): the numbers their clients see in ``usage``; the
+  :class:`~radixkv.engine.events.RequestAdmitted` events (with their cache outcome) count
+  ``radixkv_missed_prompt_tokens_total{cause}``: prompt tokens not served from the prefix
+  cache, by cause (:data:`radixkv.cache.outcome.CAUSES`), at admission.
 - A snapshot of the engine taken on the engine thread at scrape time
   (:class:`~radixkv.engine.stats.EngineStats`): ``radixkv_cache_hit_rate`` (the
   engine's cached_tokens / prompt_tokens), ``radixkv_evicted_tokens_total``,
@@ -29,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixkv.engine.events import Event, RequestFinished
+from radixkv.engine.events import Event, RequestAdmitted, RequestFinished
 from radixkv.engine.stats import EngineStats
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
@@ -92,6 +95,10 @@ class ServerMetrics:
             "radixkv_cached_tokens", "Prompt tokens of finished requests served from the prefix cache.", registry=r
         )
         self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.", registry=r)
+        self.missed_tokens = Counter(
+            "radixkv_missed_prompt_tokens", "Prompt tokens not served from the prefix cache, by cause, at admission.",
+            ["cause"], registry=r,
+        )  # fmt: skip
         self.ttft = Histogram(
             "radixkv_time_to_first_token_seconds", "Time from request arrival to its first output.",
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -108,8 +115,14 @@ class ServerMetrics:
         self._engine.stats = snapshot
 
     def on_event(self, event: Event) -> None:
-        """Count an engine :class:`~radixkv.engine.events.RequestFinished` (subscribe with
-        ``kinds=(RequestFinished,)``; other events are ignored)."""
+        """Count an engine :class:`~radixkv.engine.events.RequestFinished` or a
+        :class:`~radixkv.engine.events.RequestAdmitted` with a cache outcome (subscribe with
+        ``kinds=(RequestFinished, RequestAdmitted)``; other events are ignored)."""
+        if isinstance(event, RequestAdmitted):
+            if event.cache_outcome is not None:
+                for cause, n in event.cache_outcome.missed.items():
+                    self.missed_tokens.labels(cause=cause).inc(n)
+            return
         if not isinstance(event, RequestFinished):
             return
         for reason in event.finish_reasons:

@@ -1,16 +1,26 @@
-"""``POST /v1/chat/completions``: a conversation, rendered with the model's chat template, to
-``n`` assistant messages."""
+"""``POST /v1/chat/completions``: a conversation (with its tools), rendered with the model's chat
+template, to ``n`` assistant messages: text, tool calls (parsed from the built-in
+``<tool_call>`` format; forced by a grammar for ``tool_choice`` ``required`` or named),
+structured output, logprobs."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
 
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
 from radixkv.server.engine_client import EngineClient, request_error_to_api
-from radixkv.server.openai.params import ModelNames, sampling_params
+from radixkv.server.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs_json
+from radixkv.server.openai.params import (
+    ModelNames,
+    ToolPlan,
+    constraint_of,
+    constraint_renames,
+    sampling_params,
+    tool_plan,
+)
 from radixkv.server.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,13 +28,23 @@ from radixkv.server.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatMessageOut,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCallOut,
+    ToolCallOut,
     new_id,
     server_error_event,
 )
+from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
 from radixkv.server.sse import Deltas, chain, framed, sse
 
 __all__ = ["Chat"]
+
+
+def finish_reason(engine_reason: Optional[str], num_calls: int) -> Optional[str]:
+    """OpenAI's finish reason: ``tool_calls`` when the output ended naturally with calls."""
+    return "tool_calls" if engine_reason == "stop" and num_calls else engine_reason
 
 
 class Chat:
@@ -33,50 +53,107 @@ class Chat:
     def __init__(self, client: EngineClient, models: ModelNames) -> None:
         self.client = client
         self.models = models
+        self.token_text = TokenText(client.tokenizer)
+
+    def _message(self, text: str, plan: ToolPlan) -> tuple[ChatMessageOut, int]:
+        if not plan.parse:
+            return ChatMessageOut(content=text), 0
+        content, calls = parse_tool_calls(text)
+        out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
+        return ChatMessageOut(content=content, tool_calls=out or None), len(calls)
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> dict | AsyncIterator[str]:
         """A response dict, or an SSE chunk stream when ``stream``."""
         req.check_values()
         self.models.check(req.model)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages or []]
+        plan = tool_plan(req)
+        messages = [m.to_template() for m in req.messages or []]
         try:
-            ids = encode_chat(self.client.tokenizer, messages)
+            ids = encode_chat(self.client.tokenizer, messages, tools=plan.tools or None)
         except RequestError as exc:
             raise request_error_to_api(exc, "messages") from exc
-        params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages")
-        run = await self.client.start("chat", [(None, ids)], params, "messages")
+        params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages", plan)
+        renames = constraint_renames(constraint_of(req, plan)[0])
+        run = await self.client.start("chat", [(None, ids)], params, "messages", renames)
         rid, model = new_id("chatcmpl"), self.models.served
+        top = req.num_top_logprobs()
+
+        if not req.stream:
+            (out,) = await self.client.collect(raw, run)
+            choices = []
+            for c in out.outputs:
+                message, num_calls = self._message(c.text, plan)
+                lps = None
+                if top is not None and c.logprobs is not None:
+                    lps = chat_logprobs(c.token_ids, c.logprobs, top, self.token_text)
+                reason = finish_reason(c.finish_reason, num_calls)
+                choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=reason))
+            body = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=run.usage([out]))
+            if req.prompt_logprobs is not None:
+                body.prompt_logprobs = prompt_logprobs_json(getattr(out, "prompt_logprobs", None), self.token_text)
+            return body.model_dump(exclude_none=False)
 
         def chunk(choices: list[ChatChunkChoice], u=None) -> str:
             body = ChatCompletionChunk(id=rid, model=model, choices=choices, usage=u).model_dump()
             for choice in body["choices"]:  # OpenAI omits unset delta fields
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+                choice["delta"] = _drop_none(choice["delta"])
             return sse(body)
-
-        if not req.stream:
-            (out,) = await self.client.collect(raw, run)
-            choices = [
-                ChatChoice(index=c.index, message=ChatMessageOut(content=c.text), finish_reason=c.finish_reason)
-                for c in out.outputs
-            ]
-            return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=run.usage([out])).model_dump()
 
         async def events() -> AsyncIterator[str]:
             deltas = Deltas(params.stop)
+            parsers = {i: ToolCallStream() for i in range(params.n)} if plan.parse else {}
+            tokens_sent = {i: 0 for i in range(params.n)}
             latest = run.firsts[0]
             for i in range(params.n):
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             async for _, out in chain(run.firsts, run.rest):
                 latest = out
                 for c in out.outputs:
-                    text = deltas.take(c.index, c.text, c.finish_reason is not None)
-                    if text:
-                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(content=text))])
-                    if c.finish_reason is not None and deltas.finish(c.index):
-                        yield chunk(
-                            [ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason)]
-                        )
+                    done = c.finish_reason is not None
+                    lps = None
+                    if top is not None and c.logprobs is not None and len(c.token_ids) > tokens_sent[c.index]:
+                        k = tokens_sent[c.index]
+                        lps = chat_logprobs(c.token_ids[k:], c.logprobs[k:], top, self.token_text)
+                        tokens_sent[c.index] = len(c.token_ids)
+                    if plan.parse:
+                        safe = c.text if done else c.text[: max(0, len(c.text) - deltas.hold)]
+                        sent = _tool_deltas(parsers[c.index].update(safe, done))
+                    else:
+                        text = deltas.take(c.index, c.text, done)
+                        sent = [DeltaMessage(content=text)] if text else []
+                    if lps is not None and not sent:
+                        sent = [DeltaMessage()]
+                    for j, delta in enumerate(sent):
+                        yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lps if j == 0 else None)])
+                    if done and deltas.finish(c.index):
+                        calls = parsers[c.index].num_calls if plan.parse else 0
+                        reason = finish_reason(c.finish_reason, calls)
+                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
             if req.include_usage:
                 yield chunk([], run.usage([latest]))
 
         return framed(events(), run.rest, server_error_event)
+
+
+def _drop_none(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj
+
+
+def _tool_deltas(events: list[tuple]) -> list[DeltaMessage]:
+    """OpenAI deltas for :class:`ToolCallStream` events (one per event)."""
+    out = []
+    for ev in events:
+        if ev[0] == "content":
+            out.append(DeltaMessage(content=ev[1]))
+        elif ev[0] == "call":
+            _, index, call_id, name = ev
+            fn = DeltaFunction(name=name, arguments="")
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, id=call_id, type="function", function=fn)]))
+        else:
+            _, index, args = ev
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(index=index, function=DeltaFunction(arguments=args))]))
+    return out

@@ -1,4 +1,5 @@
-"""``POST /v1/completions``: prompts (text, token ids, or lists of them) to completion choices."""
+"""``POST /v1/completions``: prompts (text, token ids, or lists of them) to completion choices,
+with ``logprobs`` (0-5 alternatives per token), ``echo`` and structured-output constraints."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import AsyncIterator
 from starlette.requests import Request
 
 from radixkv.server.engine_client import EngineClient
-from radixkv.server.openai.params import ModelNames, sampling_params
+from radixkv.server.openai.logprobs import TokenText, completion_logprobs, prompt_logprobs_json
+from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params
 from radixkv.server.openai.protocol import (
     APIError,
     CompletionChoice,
@@ -30,6 +32,7 @@ class Completions:
     def __init__(self, client: EngineClient, models: ModelNames) -> None:
         self.client = client
         self.models = models
+        self.token_text = TokenText(client.tokenizer)
 
     def _prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         p = req.prompt
@@ -49,6 +52,22 @@ class Completions:
                 prompts.append((None, list(item)))
         return prompts
 
+    def _echo(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.client.tokenizer.decode(ids)
+
+    def _logprobs(self, req: CompletionRequest, out, c, echo: str, start: int = 0):
+        """Completions logprobs of ``c``'s tokens from ``start`` (with ``echo``, the prompt's
+        tokens first when ``start`` is 0)."""
+        k = req.num_top_logprobs()
+        if k is None or c.logprobs is None:
+            return None
+        ids, entries, offset = list(c.token_ids[start:]), list(c.logprobs[start:]), len(echo)
+        if req.echo and start == 0 and getattr(out, "prompt_logprobs", None) is not None:
+            ids = list(out.prompt_token_ids) + ids
+            entries = list(out.prompt_logprobs) + entries
+            offset = 0
+        return completion_logprobs(ids, entries, k, self.token_text, offset)
+
     async def __call__(self, req: CompletionRequest, raw: Request) -> dict | AsyncIterator[str]:
         """A response dict, or an SSE chunk stream when ``stream``."""
         req.check_values()
@@ -57,32 +76,60 @@ class Completions:
         params = sampling_params(
             req, [len(ids) for _, ids in prompts], self.client.max_context_len, DEFAULT_MAX_TOKENS, "prompt"
         )
-        run = await self.client.start("completions", prompts, params, "prompt")
+        renames = constraint_renames(constraint_of(req)[0])
+        run = await self.client.start("completions", prompts, params, "prompt", renames)
         rid, n, model = new_id("cmpl"), params.n, self.models.served
+        echoes = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
 
         def chunk(choices: list[CompletionChoice], u=None) -> str:
             return sse(CompletionResponse(id=rid, model=model, choices=choices, usage=u).model_dump())
 
         if not req.stream:
             outs = await self.client.collect(raw, run)
-            choices = [
-                CompletionChoice(index=p * n + c.index, text=c.text, finish_reason=c.finish_reason)
-                for p, o in enumerate(outs)
-                for c in o.outputs
-            ]
+            choices = []
+            for p, o in enumerate(outs):
+                plp = None
+                if req.prompt_logprobs is not None:
+                    plp = prompt_logprobs_json(getattr(o, "prompt_logprobs", None), self.token_text)
+                for c in o.outputs:
+                    choices.append(
+                        CompletionChoice(
+                            index=p * n + c.index,
+                            text=echoes[p] + c.text,
+                            logprobs=self._logprobs(req, o, c, echoes[p]),
+                            finish_reason=c.finish_reason,
+                            prompt_logprobs=plp,
+                        )
+                    )
             return CompletionResponse(id=rid, model=model, choices=choices, usage=run.usage(outs)).model_dump()
 
         async def events() -> AsyncIterator[str]:
             deltas = Deltas(params.stop)
             latest = list(run.firsts)
+            tokens_sent: dict[int, int] = {}
+            offsets: dict[int, int] = {}
             async for p, out in chain(run.firsts, run.rest):
                 latest[p] = out
                 for c in out.outputs:
                     k = p * n + c.index
+                    first = k not in tokens_sent
                     text = deltas.take(k, c.text, c.finish_reason is not None)
+                    if first:
+                        text = echoes[p] + text
+                    lps = None
+                    start = tokens_sent.get(k, 0)
+                    if len(c.token_ids) > start or first:
+                        lps = self._logprobs(req, out, c, echoes[p] if first else "", start)
+                        if lps is not None and not first:
+                            lps.text_offset = [x + offsets.get(k, 0) for x in lps.text_offset]
+                        if lps is not None:
+                            offsets[k] = (
+                                (lps.text_offset[-1] + len(lps.tokens[-1])) if lps.tokens else offsets.get(k, 0)
+                            )
+                        tokens_sent[k] = len(c.token_ids)
                     reason = c.finish_reason if c.finish_reason is not None and deltas.finish(k) else None
-                    if text or reason:
-                        yield chunk([CompletionChoice(index=k, text=text, finish_reason=reason)])
+                    if text or reason or (lps is not None and lps.tokens):
+                        yield chunk([CompletionChoice(index=k, text=text, logprobs=lps, finish_reason=reason)])
             if req.include_usage:
                 yield chunk([], run.usage(latest))
 

@@ -1,15 +1,28 @@
-"""From an OpenAI request body to the engine's terms: the model check and ``SamplingParams``."""
+"""From an OpenAI request body to the engine's terms: the model check, the tool plan and
+``SamplingParams`` (sampling fields, penalties, bias, logprobs and at most one structured-output
+constraint)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
+from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALLS_SEPARATOR
 from radixkv.errors import RequestError
+from radixkv.sampling.grammar import tool_call_structural_tag
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
-from radixkv.server.openai.protocol import APIError
+from radixkv.server.openai.protocol import APIError, ChatCompletionRequest
 
-__all__ = ["ModelNames", "sampling_params"]
+__all__ = [
+    "ModelNames",
+    "ToolPlan",
+    "constraint_of",
+    "constraint_renames",
+    "forced_calls",
+    "sampling_params",
+    "tool_plan",
+]
 
 
 class ModelNames:
@@ -24,23 +37,207 @@ class ModelNames:
         self.served = served_model_name
         self.accepted = {served_model_name, *aliases}
 
-    def check(self, model: str) -> None:
-        """Raises :class:`APIError` (404-style ``model_not_found``, HTTP 400) for another name."""
+    def check(self, model: str, param: str = "model", status_code: int = 400) -> None:
+        """Raises :class:`APIError` (``model_not_found``; HTTP 400, or ``status_code``) for
+        another name."""
         if model not in self.accepted:
             raise APIError(
                 f"model {model!r} does not exist; this server serves {self.served!r}",
-                "model",
+                param,
+                status_code=status_code,
                 code="model_not_found",
             )
 
 
-def sampling_params(req: Any, prompt_lens: list[int], ctx: int, default_max: int | None, param: str) -> SamplingParams:
+# ------------------------------------------------------------------------------ tools
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` mean here.
+
+    Attributes:
+        tools: the tools rendered into the prompt (OpenAI form; all of them, whatever the choice,
+            so the prompt prefix stays the same from turn to turn).
+        parse: parse tool calls out of the output (choice ``auto``, ``required``, named).
+        structural_tag: the xgrammar structural tag of the calls: ``required``, named and
+            allowed_tools ``required`` force them (:func:`forced_calls`); ``auto`` leaves the text
+            free but makes every ``<tool_call>`` block a valid call (:func:`auto_calls`).
+        choice: ``none`` / ``auto`` / ``required`` / ``named``.
+    """
+
+    tools: list[dict] = field(default_factory=list)
+    parse: bool = False
+    structural_tag: Optional[dict] = None
+    choice: str = "none"
+
+    @property
+    def forced(self) -> bool:
+        """The output must be calls (a second constraint on the request is then an error; with
+        ``auto`` another constraint takes the place of :func:`auto_calls`)."""
+        return self.choice in ("required", "named")
+
+
+def forced_calls(functions: list[dict], parallel: bool) -> dict:
+    """The structural tag of one call (``parallel`` False) or one or more calls to any of
+    ``functions``, in the built-in format of :mod:`radixkv.chat_template` (calls back to back:
+    after ``</tool_call>`` only the end of the turn or another call is allowed; a separating
+    newline would let a small model, whose likeliest token after a tag is a newline, repeat the
+    call). Built by :func:`radixkv.sampling.grammar.tool_call_structural_tag`."""
+    return tool_call_structural_tag(
+        functions,
+        parallel=parallel,
+        begin=TOOL_CALL_OPEN + "\n",
+        end="\n" + TOOL_CALL_CLOSE,
+        separator=TOOL_CALLS_SEPARATOR,
+    )
+
+
+def auto_calls(functions: list[dict], parallel: bool) -> dict:
+    """The structural tag of ``tool_choice: "auto"``: any text, but once the model writes
+    ``<tool_call>`` the block must be a valid call to one of ``functions`` (OpenAI's ``strict``
+    function calling, for every function); with ``parallel`` False the turn ends after the first
+    call. xgrammar's ``triggered_tags`` over :func:`forced_calls`' tags."""
+    tags = forced_calls(functions, parallel)["format"]["tags"]
+    fmt = {
+        "type": "triggered_tags",
+        "triggers": [TOOL_CALL_OPEN],
+        "tags": tags,
+        "at_least_one": False,
+        "stop_after_first": not parallel,
+    }
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _named(choice: dict, names: list[str]) -> str:
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise APIError(
+            "tool_choice must be 'none', 'auto', 'required', {'type': 'function', 'function': {'name': ...}} "
+            f"or {{'type': 'allowed_tools', ...}}, got {choice!r}",
+            "tool_choice",
+        )
+    if fn["name"] not in names:
+        raise APIError(f"tool_choice names function {fn['name']!r}, which is not in tools {names}", "tool_choice")
+    return fn["name"]
+
+
+def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
+    """The :class:`ToolPlan` of a chat request.
+
+    Raises:
+        APIError: ``tool_choice`` malformed, naming a function not in ``tools``, or given
+            without ``tools`` (a ``parameters`` schema xgrammar cannot compile is refused when the
+            engine accepts the request, param ``tools``).
+    """
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError("tool_choice needs tools", "tool_choice")
+        return ToolPlan()
+    functions = [t.function.model_dump(exclude_none=True) for t in req.tools if t.function is not None]
+    tools = [{"type": "function", "function": f} for f in functions]
+    names = [f["name"] for f in functions]
+    if len(set(names)) != len(names):
+        raise APIError(f"tools: function names must be unique, got {names}", "tools")
+    parallel = True if req.parallel_tool_calls is None else req.parallel_tool_calls
+    by_name = {f["name"]: f for f in functions}
+    if choice == "none":
+        return ToolPlan(tools, parse=False, choice="none")
+    try:
+        if choice is None or choice == "auto":
+            return ToolPlan(tools, True, auto_calls(functions, parallel), "auto")
+        if choice == "required":
+            return ToolPlan(tools, True, forced_calls(functions, parallel), "required")
+        if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+            allowed = choice.get("allowed_tools")
+            if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
+                raise APIError("tool_choice.allowed_tools needs mode 'auto' or 'required' and tools", "tool_choice")
+            subset = [_named(t, names) for t in allowed.get("tools") or []]
+            if not subset:
+                raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
+            if allowed["mode"] == "auto":
+                return ToolPlan(tools, True, auto_calls([by_name[n] for n in subset], parallel), "auto")
+            return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required")
+        if isinstance(choice, dict):
+            name = _named(choice, names)
+            return ToolPlan(tools, True, forced_calls([by_name[name]], False), "named")
+    except RequestError as exc:
+        raise request_error_to_api(exc) from exc
+    raise APIError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {choice!r}", "tool_choice")
+
+
+# ------------------------------------------------------------------------------ constraints
+
+
+def constraint_of(req: Any, tools: Optional[ToolPlan] = None) -> tuple[Optional[str], dict[str, Any]]:
+    """(the request field that set it, ``SamplingParams`` keyword) of the request's one
+    structured-output constraint, or ``(None, {})``.
+
+    Raises:
+        APIError: more than one constraint (param: the second field).
+    """
+    found: list[tuple[str, dict[str, Any]]] = []
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise APIError("response_format of type json_schema needs json_schema", "response_format")
+        schema = rf.json_schema.schema_
+        found.append(("response_format", {"json_schema": schema if schema is not None else {}}))
+    if req.regex is not None:
+        found.append(("regex", {"regex": req.regex}))
+    if req.ebnf is not None:
+        found.append(("ebnf", {"grammar": req.ebnf}))
+    if req.guided_json is not None:
+        found.append(("guided_json", {"json_schema": req.guided_json}))
+    if req.guided_regex is not None:
+        found.append(("guided_regex", {"regex": req.guided_regex}))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", {"choice": list(req.guided_choice)}))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", {"grammar": req.guided_grammar}))
+    so = req.structured_outputs
+    if so is not None:
+        for key, value in (
+            ("json_schema", so.json_),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+            ("json_object", so.json_object or None),
+        ):
+            if value is not None:
+                found.append(("structured_outputs", {key: value}))
+    if tools is not None and tools.structural_tag is not None and (tools.forced or not found):
+        found.append(("tool_choice", {"structural_tag": tools.structural_tag}))
+    if len(found) > 1:
+        (first, _), (second, _) = found[0], found[1]
+        raise APIError(
+            f"{second}: at most one structured-output constraint per request, and {first} already sets one",
+            second,
+        )
+    return found[0] if found else (None, {})
+
+
+# ------------------------------------------------------------------------------ SamplingParams
+
+
+def sampling_params(
+    req: Any,
+    prompt_lens: list[int],
+    ctx: int,
+    default_max: int | None,
+    param: str,
+    tools: Optional[ToolPlan] = None,
+) -> SamplingParams:
     """The request's ``SamplingParams``, with ``max_tokens`` checked against the context ``ctx``
     (unset: the rest of the context, capped at ``default_max``).
 
     Raises:
         APIError: a prompt or ``max_tokens`` beyond the context (``context_length_exceeded``),
-            or a value ``SamplingParams`` refuses (naming the field).
+            two constraints, or a value ``SamplingParams`` refuses (naming the field: a bad
+            schema, regex or grammar names the request field that carried it).
     """
     longest = max(prompt_lens)
     if longest >= ctx:
@@ -71,13 +268,38 @@ def sampling_params(req: Any, prompt_lens: list[int], ctx: int, default_max: int
         stop=req.stop_list,
         ignore_eos=bool(req.ignore_eos),
     )
-    if req.top_k is not None:
-        kwargs["top_k"] = req.top_k
-    if req.min_p is not None:
-        kwargs["min_p"] = req.min_p
+    optional = {
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "min_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+        "prompt_logprobs": req.prompt_logprobs,
+        "logprobs": req.num_top_logprobs(),
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = list(req.stop_token_ids)
+    if req.logit_bias:
+        kwargs["logit_bias"] = {int(t): float(b) for t, b in req.logit_bias.items()}
+    if getattr(req, "echo", False) and req.num_top_logprobs() is not None:
+        kwargs["prompt_logprobs"] = max(req.num_top_logprobs(), kwargs.get("prompt_logprobs") or 0)
+    source, constraint = constraint_of(req, tools)
+    kwargs.update(constraint)
     try:
         return SamplingParams(**kwargs)
     except RequestError as exc:
-        raise request_error_to_api(exc) from exc
+        raise request_error_to_api(exc, renames=constraint_renames(source)) from exc
+
+
+CONSTRAINT_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
+
+
+def constraint_renames(source: Optional[str]) -> dict[str, str]:
+    """Engine constraint fields -> the request field ``source`` that set them (for errors; a
+    forced call's structural tag is built from ``tools``, so its faults are the tools')."""
+    if source == "tool_choice":
+        return {k: "tools" for k in CONSTRAINT_FIELDS}
+    return {k: source for k in CONSTRAINT_FIELDS} if source else {}

@@ -1,14 +1,23 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic v2 models).
 
 Field names and shapes follow OpenAI's API reference for ``/v1/completions`` and
-``/v1/chat/completions`` (https://platform.openai.com/docs/api-reference). Unknown request
-fields are ignored, so clients written for OpenAI work unchanged. Value checks that need the
-model (prompt length against the context, the model name) live in :mod:`radixkv.server.serving`;
-the checks here only need the request itself. Every failed check raises :class:`APIError`,
-which the app renders as HTTP 400 in OpenAI's error format.
+``/v1/chat/completions`` (https://platform.openai.com/docs/api-reference; the ``openai``
+SDK's ``completion_create_params`` types). Requests are parsed strictly: a string or a float
+for an integer, a string for a boolean, and any field neither OpenAI nor the documented
+extensions define is a 400 naming the field. Every OpenAI field is in one class
+(docs/server.md has the table): implemented; accepted with no effect on generation
+(:data:`NO_EFFECT_FIELDS`); or 400 ``unsupported_parameter`` when set to a value that would
+change the output (:meth:`_SamplingFields.check_values`).
 
-vLLM-style extensions accepted in the body (``extra_body`` in the openai client): ``top_k``,
-``min_p``, ``ignore_eos``, ``stop_token_ids``.
+Extensions accepted in the body (``extra_body`` in the openai client), with vLLM's and
+SGLang's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``, and the structured-output
+constraints ``regex``, ``ebnf`` (SGLang), ``guided_json``, ``guided_regex``, ``guided_choice``,
+``guided_grammar`` (vLLM) and ``structured_outputs`` (vLLM's newer object form).
+
+Checks that need the model (prompt length against the context, the model name) live in the
+handlers; the checks here only need the request itself. Every failed check raises
+:class:`APIError`, which the app renders as HTTP 400 in OpenAI's error format.
 """
 
 from __future__ import annotations
@@ -18,6 +27,24 @@ import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+NO_EFFECT_FIELDS = {
+    "chat": (
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "prompt_cache_options",
+        "safety_identifier",
+        "prediction",
+    ),
+    "completions": ("user",),
+}
+"""OpenAI fields accepted and without effect on generation here (``prompt_cache_key`` is never
+a cache namespace: every request shares one prefix cache; ``prediction`` only speeds OpenAI up
+and never changes its output)."""
 
 
 class APIError(Exception):
@@ -51,21 +78,37 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def unsupported(param: str, why: str) -> APIError:
+    """400 ``unsupported_parameter`` naming ``param``."""
+    return APIError(f"{param}: {why}", param, code="unsupported_parameter")
+
+
 def server_error_event(exc: Exception) -> dict:
     """The in-band OpenAI error event for a failure after a stream's headers were sent."""
     return APIError(str(exc), type="server_error", code="internal_error").to_dict()
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
-class StreamOptions(_Request):
+class StreamOptions(_Strict):
     include_usage: Optional[bool] = False
+    include_obfuscation: Optional[bool] = None  # no effect: chunks carry no obfuscation field
 
 
-class _SamplingFields(_Request):
-    """The sampling fields both endpoints share (OpenAI names; vLLM extensions at the end)."""
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` object (one of its fields at most)."""
+
+    json_: Union[str, dict[str, Any], None] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+
+class _SamplingFields(_Strict):
+    """The fields both endpoints share (OpenAI names; extensions at the end)."""
 
     model: str
     max_tokens: Optional[int] = None
@@ -76,15 +119,26 @@ class _SamplingFields(_Request):
     seed: Optional[int] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = 0.0
-    frequency_penalty: Optional[float] = 0.0
-    logprobs: Optional[Any] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
     user: Optional[str] = None
     # vLLM / SGLang extensions
     top_k: Optional[int] = None
     min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = False
     stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputs] = None
 
     def check_values(self) -> None:
         """Range checks that need no model; raises :class:`APIError` (param = the field)."""
@@ -100,14 +154,18 @@ class _SamplingFields(_Request):
             raise APIError(f"top_k must be -1 (off) or >= 0, got {self.top_k}", "top_k")
         if self.min_p is not None and not (0.0 <= self.min_p <= 1.0):
             raise APIError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v is not None and not (-2.0 <= v <= 2.0):
+                raise APIError(f"{name} must be in [-2, 2], got {v}", name)
+        for tok, bias in (self.logit_bias or {}).items():
+            if not tok.isdigit():
+                raise APIError(f"logit_bias keys must be token ids, got {tok!r}", "logit_bias")
+            if not (-100.0 <= bias <= 100.0):
+                raise APIError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}", "logit_bias")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise APIError("stop strings must be non-empty", "stop")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(f"{name} is not supported (only 0)", name, code="unsupported_parameter")
-        if self.logprobs:
-            raise APIError("logprobs is not supported", "logprobs", code="unsupported_parameter")
 
     @property
     def stop_list(self) -> list[str]:
@@ -118,44 +176,146 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def num_top_logprobs(self) -> Optional[int]:
+        """Alternatives per generated token the response reports (None: no logprobs)."""
+        raise NotImplementedError
+
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: a string, a list of strings, a list of token ids,
     or a list of token-id lists; each prompt gets ``n`` choices (index ``prompt_idx * n + i``).
-    ``max_tokens`` defaults to 16, as in OpenAI's API."""
+    ``max_tokens`` defaults to 16, as in OpenAI's API. ``logprobs`` (0-5) reports that many
+    alternatives per token; ``echo`` puts the prompt before each choice's text (and, with
+    ``logprobs``, the prompt tokens' logprobs before the generated ones)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]], None] = None
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     best_of: Optional[int] = None
+    logprobs: Optional[int] = None
 
     def check_values(self) -> None:
         super().check_values()
-        if self.echo:
-            raise APIError("echo is not supported", "echo", code="unsupported_parameter")
         if self.suffix:
-            raise APIError("suffix is not supported", "suffix", code="unsupported_parameter")
+            raise unsupported("suffix", "fill-in-the-middle is not supported")
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise APIError("best_of other than n is not supported", "best_of", code="unsupported_parameter")
+            raise unsupported("best_of", f"only best_of == n is supported, got best_of={self.best_of}, n={self.n}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 5):
+            raise APIError(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
+
+    def num_top_logprobs(self) -> Optional[int]:
+        return self.logprobs
 
 
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+class TextPart(_Strict):
+    """One content part of a message; only ``text`` (and an assistant's ``refusal``) parts are
+    supported."""
+
+    type: Literal["text", "refusal", "image_url", "input_audio", "file"]
+    text: Optional[str] = None
+    refusal: Optional[str] = None
+    image_url: Optional[dict[str, Any]] = None
+    input_audio: Optional[dict[str, Any]] = None
+    file: Optional[dict[str, Any]] = None
+    prompt_cache_breakpoint: Optional[dict[str, Any]] = None  # no effect
+
+
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """An assistant message's earlier call."""
+
+    id: str
+    type: Literal["function", "custom"] = "function"
+    function: Optional[FunctionCallIn] = None
+    custom: Optional[dict[str, Any]] = None
+
+
+class ChatMessage(_Strict):
+    """One message of the conversation (the fields of every role of OpenAI's message union)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+    refusal: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None
+    function_call: Optional[dict[str, Any]] = None
 
-    def text(self) -> str:
-        """The content as one string (text parts of a multi-part content joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError("only text content parts are supported", "messages", code="unsupported_parameter")
-            parts.append(part["text"])
-        return "".join(parts)
+    def check(self, i: int) -> None:
+        """Raises :class:`APIError` (param ``messages``) for what this server cannot render."""
+        where = f"messages[{i}]"
+        if self.role == "function":
+            raise unsupported("messages", f"{where}: role 'function' is deprecated and unsupported; use tools")
+        if self.audio is not None:
+            raise unsupported("messages", f"{where}: audio is not supported")
+        if self.function_call is not None:
+            raise unsupported("messages", f"{where}: function_call is deprecated and unsupported; use tool_calls")
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.type not in ("text", "refusal"):
+                raise unsupported("messages", f"{where}: {part.type} content parts are not supported (text only)")
+            if (part.text if part.type == "text" else part.refusal) is None:
+                raise APIError(f"{where}: a {part.type} part needs its {part.type!r} string", "messages")
+        for call in self.tool_calls or ():
+            if call.type != "function" or call.function is None:
+                raise unsupported("messages", f"{where}: only function tool calls are supported")
+        if self.tool_calls and self.role != "assistant":
+            raise APIError(f"{where}: only assistant messages carry tool_calls", "messages")
+        if self.role == "tool" and not self.tool_call_id:
+            raise APIError(f"{where}: a tool message needs tool_call_id", "messages")
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
+            raise APIError(f"{where}: content is required", "messages")
+
+    def to_template(self) -> dict:
+        """The message as :func:`radixkv.chat_template.render_chat` takes it."""
+        out: dict[str, Any] = {"role": self.role}
+        if isinstance(self.content, list):
+            out["content"] = [{"type": "text", "text": p.text if p.type == "text" else p.refusal} for p in self.content]
+        else:
+            out["content"] = self.content if self.content is not None else (self.refusal or "")
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None  # always enforced: every decoded call is held to its schema
+
+
+class Tool(_Strict):
+    type: Literal["function", "custom"]
+    function: Optional[FunctionDef] = None
+    custom: Optional[dict[str, Any]] = None
+
+
+class JSONSchemaFormat(_Strict):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -164,6 +324,30 @@ class ChatCompletionRequest(_SamplingFields):
 
     messages: Optional[list[ChatMessage]] = None
     max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    # accepted, no effect (NO_EFFECT_FIELDS)
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[dict[str, Any]] = None
+    safety_identifier: Optional[str] = None
+    prediction: Optional[dict[str, Any]] = None
+    # unsupported unless unset (or at their no-op value)
+    audio: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    moderation: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    functions: Optional[list[Any]] = None
+    function_call: Union[str, dict[str, Any], None] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
 
     def check_values(self) -> None:
         if self.max_completion_tokens is not None:
@@ -177,6 +361,33 @@ class ChatCompletionRequest(_SamplingFields):
         super().check_values()
         if not self.messages:
             raise APIError("messages must be a non-empty list", "messages")
+        for i, m in enumerate(self.messages):
+            m.check(i)
+        if self.top_logprobs is not None:
+            if not (0 <= self.top_logprobs <= 20):
+                raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.audio is not None:
+            raise unsupported("audio", "audio output is not supported")
+        if self.modalities is not None and list(self.modalities) != ["text"]:
+            raise unsupported("modalities", f"only ['text'] is supported, got {self.modalities}")
+        for name in ("moderation", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, "not supported")
+        if self.functions is not None or self.function_call is not None:
+            name = "functions" if self.functions is not None else "function_call"
+            raise unsupported(name, "deprecated and unsupported; use tools and tool_choice")
+        if self.reasoning_effort not in (None, "none"):
+            raise unsupported("reasoning_effort", "this model does not reason; only 'none' is accepted")
+        if self.verbosity not in (None, "medium"):
+            raise unsupported("verbosity", "only the model's own verbosity ('medium') is supported")
+        for tool in self.tools or ():
+            if tool.type != "function" or tool.function is None:
+                raise unsupported("tools", "only function tools are supported")
+
+    def num_top_logprobs(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---------------------------------------------------------------------- responses
@@ -202,11 +413,22 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions logprobs: per token its text, logprob, alternatives (text ->
+    logprob) and character offset in the choice's text."""
+
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[Any] = None
+    logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None  # vLLM's extension
 
 
 class CompletionResponse(BaseModel):
@@ -218,15 +440,43 @@ class CompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: Optional[list[TokenLogprob]] = None
+    refusal: Optional[list[TokenLogprob]] = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    refusal: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: Optional[Any] = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 
 
@@ -237,17 +487,31 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: Optional[list[Optional[dict[str, Any]]]] = None  # vLLM's extension
+
+
+class DeltaFunction(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunction] = None
 
 
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[Any] = None
+    logprobs: Optional[ChoiceLogprobs] = None
     finish_reason: Optional[str] = None
 
 

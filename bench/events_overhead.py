@@ -1,0 +1,108 @@
+"""Step time of the engine with cache-event publication on vs off (a printed ratio).
+
+The default model (SmolLM2-135M) on the CPU runs the same multi-turn-shaped workload (ShareGPT-
+like prompts sharing a system prompt, a small KV pool so that eviction happens) twice per round:
+once with no cache-event subscriber (the KV manager then builds no events at all) and once with a
+:class:`~radixkv.engine.publish.CacheEventPublisher` attached and drained after every step, as a
+replica's pusher does. Rounds alternate the order; the ratio of total step time (on / off) is
+printed with the per-round ratios (noise on this shared machine is +-15%), plus the publisher's
+own cost per event and the snapshot's cost, measured in the same run.
+
+Usage: ``python bench/events_overhead.py [--rounds 3] [--requests 24]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from radixkv.config import EngineConfig  # noqa: E402
+from radixkv.engine import Engine  # noqa: E402
+from radixkv.engine.publish import CacheEventPublisher  # noqa: E402
+from radixkv.models import load_model  # noqa: E402
+from radixkv.sampling_params import SamplingParams  # noqa: E402
+
+
+def workload(tok, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    system = tok.encode("You are a careful assistant. Answer briefly and cite the steps you take. " * 6)
+    words = "cache prefix radix tree token page slot engine replica router event batch snapshot".split()
+    out = []
+    for _ in range(n):
+        q = " ".join(rng.choice(words) for _ in range(rng.randrange(20, 120)))
+        out.append(system + tok.encode(q))
+    return out
+
+
+def run(engine: Engine, prompts: list[list[int]], publisher: CacheEventPublisher | None) -> tuple[float, int]:
+    """Submit all prompts, step to the end; returns (seconds inside step(), events published)."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    spent = 0.0
+    events = 0
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        if publisher is not None:
+            b = publisher.drain()
+            events += len(b["events"]) if b else 0
+        spent += time.perf_counter() - t
+    return spent, events
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--max-total-tokens", type=int, default=2048, help="small, so that the cache evicts")
+    args = ap.parse_args(argv)
+    loaded = load_model("smollm2-135m")
+    engine = Engine(EngineConfig(device="cpu", max_total_tokens=args.max_total_tokens), loaded_model=loaded)
+    run(engine, workload(loaded.tokenizer, 4, 99), None)  # warm-up
+    ratios, on_t, off_t, n_events = [], 0.0, 0.0, 0
+    for r in range(args.rounds):
+        prompts = workload(loaded.tokenizer, args.requests, r)
+        times = {}
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            engine.reset_prefix_cache()
+            pub = CacheEventPublisher() if mode == "on" else None
+            off = pub.attach(engine.events) if pub else None
+            times[mode], ev = run(engine, prompts, pub)
+            if off:
+                off()
+                n_events += ev
+        ratios.append(times["on"] / times["off"])
+        on_t += times["on"]
+        off_t += times["off"]
+        print(f"round {r}: off {times['off']:.2f}s on {times['on']:.2f}s ratio {ratios[-1]:.3f}", flush=True)
+    # the publisher's own cost per event and a snapshot of the cache as it is now
+    pub = CacheEventPublisher()
+    from radixkv.engine.events import CacheInserted
+
+    ev = CacheInserted(1, None, 64, 0, (b"x" * 16,) * 4)
+    t = time.perf_counter()
+    for _ in range(100_000):
+        pub.on_event(ev)
+    per_event_us = (time.perf_counter() - t) / 100_000 * 1e6
+    t = time.perf_counter()
+    snap = pub.snapshot(engine)
+    snap_ms = (time.perf_counter() - t) * 1e3
+    print(
+        f"step time with events on / off: {on_t / off_t:.3f} (rounds: {', '.join(f'{x:.3f}' for x in ratios)}; "
+        f"median {statistics.median(ratios):.3f}); {n_events} events published; "
+        f"publisher {per_event_us:.2f} us/event; snapshot of {len(snap['blocks'])} blocks {snap_ms:.2f} ms"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

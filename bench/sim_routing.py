@@ -1,0 +1,527 @@
+"""Multi-replica routing simulation: N replicas, each a real RadixCache + SlotAllocator, behind
+each routing policy of :mod:`radixkv.router.policy` (docs/routing.md has the figures).
+
+Model (no model runs):
+
+* **Replicas**: a :class:`~radixkv.cache.RadixCache` (page 1) and a
+  :class:`~radixkv.memory.allocator.SlotAllocator` of ``capacity`` slots each, driven the way the
+  engine's KV manager drives them: at service start ``match_prefix(prompt[:-1])`` (the engine
+  never serves a prompt's last token from the cache), lock, allocate the rest of ``prompt +
+  reply`` (evicting LRU leaves when short), at the end ``insert(prompt + reply[:-1])`` (the last
+  sampled token's K/V is never computed), free the duplicates, unlock. Every insertion and
+  eviction becomes the cache-event record the engine publishes (:mod:`radixkv.engine.publish`:
+  chained 16-token block digests, a gap-free ``seq``), delivered to the router in one batch per
+  request, ``--event-lag`` seconds after the request ends.
+* **Service**: one request at a time per replica, FIFO (a simple service-time model):
+  ``t_fixed + prefill_tokens * t_prefill + output_tokens * t_decode`` (``t_decode`` is the
+  per-token decode cost amortized over a batch); TTFT = queueing + ``t_fixed + prefill_tokens *
+  t_prefill``; busy time = the sum of service times.
+* **Arrivals**: Poisson in the trace's order at a rate that loads the N replicas to ``--rho`` at
+  the infinite-cache hit rate; a follow-up turn never arrives before its parent's reply is back
+  (plus ``--think`` seconds): clients wait for the answer.
+* **Bound**: one replica with N times the capacity and N times the speed, same arrivals.
+
+Metrics per (trace, N, policy): hit rate (cached / prompt tokens), prefill tokens computed,
+load imbalance (max / mean busy time over replicas), TTFT p50 / p99, the router's decisions.
+
+Usage::
+
+    python bench/sim_routing.py                               # the committed run (~15 min, 2 cores)
+    python bench/sim_routing.py --traces gsp --replicas 4 --policies cache_events least_load
+
+Writes ``bench/results/sim_routing_<UTC time>.json`` and, with ``--plot``, docs/routing.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from bench.workloads import Workload, make_workload  # noqa: E402
+from radixkv.cache.digests import BLOCK_TOKENS, block_digests  # noqa: E402
+from radixkv.cache.radix_tree import RadixCache  # noqa: E402
+from radixkv.memory.allocator import SlotAllocator  # noqa: E402
+from radixkv.router.policy import POLICIES, RouteRequest, make_policy  # noqa: E402
+
+DEFAULT_POLICIES = ["round_robin", "least_load", "session", "approx_tree", "cache_events"]
+
+
+@dataclass
+class Timing:
+    """The service-time model (seconds)."""
+
+    t_fixed: float = 0.002
+    t_prefill: float = 1e-4
+    t_decode: float = 1e-3
+    speed: float = 1.0  # a replica this many times faster (the bound)
+
+    def prefill(self, tokens: int) -> float:
+        return (self.t_fixed + tokens * self.t_prefill) / self.speed
+
+    def service(self, prefill_tokens: int, output_tokens: int) -> float:
+        return (self.t_fixed + prefill_tokens * self.t_prefill + output_tokens * self.t_decode) / self.speed
+
+
+class Trace:
+    """A workload prepared once for every run: full prompts, the K/V sequence each request
+    leaves in the cache (``prompt + reply[:-1]``), its block digests, session keys."""
+
+    def __init__(self, wl: Workload) -> None:
+        self.name = wl.name
+        self.wl = wl
+        n = len(wl.requests)
+        self.prompts: list[list[int]] = []
+        self.kv: list[list[int]] = []
+        self.digests: list[list[bytes]] = []
+        self.parent = [r.parent for r in wl.requests]
+        self.session: list[str] = []
+        root = list(range(n))
+        for i, r in enumerate(wl.requests):
+            if r.parent is not None:
+                root[i] = root[r.parent]
+            p = wl.full_prompt(i)
+            kv = p + r.reply[:-1]
+            self.prompts.append(p)
+            self.kv.append(kv)
+            nb = len(kv) // BLOCK_TOKENS
+            prev_i = r.parent
+            if prev_i is not None and len(self.kv[prev_i]) <= len(kv) and kv[: len(self.kv[prev_i])] == self.kv[prev_i]:
+                # the parent's blocks are a prefix: extend its chain
+                pd = self.digests[prev_i]
+                k = len(pd)
+                more = block_digests(kv, r.namespace, k, nb, pd[-1] if k else None) if nb > k else []
+                self.digests.append(pd + more)
+            else:
+                self.digests.append(block_digests(kv, r.namespace, 0, nb) if nb else [])
+            self.session.append(f"conv-{root[i]}")
+        self.output = [len(r.reply) for r in wl.requests]
+        self.prompt_tokens = sum(len(p) for p in self.prompts)
+
+    def infinite_hit_rate(self) -> tuple[float, int]:
+        """Hit rate of one cache that never evicts, in trace order, and its final size (the
+        working set, tokens)."""
+        cache = RadixCache(1)
+        hit = 0
+        for i in range(len(self.prompts)):
+            p = self.prompts[i]
+            hit += cache.match_prefix(p[:-1], self.wl.requests[i].namespace).length
+            kv = self.kv[i]
+            cache.insert(kv, np.zeros(len(kv), np.int64), self.wl.requests[i].namespace)
+        return hit / max(self.prompt_tokens, 1), cache.total_size()
+
+
+class SimReplica:
+    """One replica: a real RadixCache + SlotAllocator, a FIFO queue, its cache events."""
+
+    def __init__(self, name: str, capacity: int, timing: Timing) -> None:
+        self.name = name
+        self.cache = RadixCache(1)
+        self.alloc = SlotAllocator(capacity, 1)
+        self.capacity = capacity
+        self.timing = timing
+        self.cache.evict_listener = self._on_evict
+        self.seq = 0
+        self.events: list[tuple] = []
+        self.queue: deque = deque()
+        self.busy = False
+        self.busy_time = 0.0
+        self.served = 0
+
+    def _on_evict(self, namespace, path: bytes, start: int) -> None:
+        end = len(path) >> 2
+        first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
+        digests = tuple(block_digests(path, namespace, first, stop)) if stop > first else ()
+        self.seq += 1
+        self.events.append(("evict", self.seq, namespace, digests))
+
+    def run(self, trace: Trace, i: int) -> int | None:
+        """Serve request ``i``'s cache operations; returns its cached prompt tokens (None: it
+        does not fit in this replica at all)."""
+        ns = trace.wl.requests[i].namespace
+        prompt, kv = trace.prompts[i], trace.kv[i]
+        m = self.cache.match_prefix(prompt[:-1], ns)
+        need = len(kv) - m.length
+        self.cache.inc_lock_ref(m.node)
+        short = need - self.alloc.available_size()
+        if short > 0:
+            got = self.cache.evict(short)
+            if len(got):
+                self.alloc.free(got)
+        new = self.alloc.alloc(need) if need > 0 else np.zeros(0, np.int64)
+        if new is None:
+            self.cache.dec_lock_ref(m.node)
+            return None
+        slots = np.concatenate([np.asarray(m.slots, dtype=np.int64), np.asarray(new, dtype=np.int64)])
+        k = self.cache.insert(kv, slots, ns)
+        if k > m.length:
+            self.alloc.free(slots[m.length : k])
+        n = len(kv)
+        if n > k:
+            first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
+            self.seq += 1
+            self.events.append(("insert", self.seq, ns, first, tuple(trace.digests[i][first:stop])))
+        self.cache.dec_lock_ref(m.node)
+        return m.length
+
+    def take_events(self) -> dict:
+        ev, self.events = self.events, []
+        return {"epoch": self.name, "events": ev, "dropped": False}
+
+    def mirror_ok(self, view_blocks: set) -> bool:
+        """The router's view equals the tree's fully cached blocks (a self-check)."""
+        return view_blocks == set(self.cache.block_digests())
+
+
+def simulate(
+    trace: Trace,
+    policy_name: str,
+    n_replicas: int,
+    capacity: int,
+    rate: float,
+    timing: Timing,
+    seed: int = 0,
+    think: float = 0.0,
+    event_lag: float = 0.01,
+    policy_kwargs: dict | None = None,
+    check: bool = False,
+) -> dict:
+    """One run (module docstring); returns its metrics."""
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    n = len(trace.prompts)
+    slot = []
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        slot.append(t)
+    policy = make_policy(policy_name, seed=seed, **(policy_kwargs or {}))
+    reps = {f"r{k}": SimReplica(f"r{k}", capacity, timing) for k in range(n_replicas)}
+    for name in reps:
+        policy.add_replica(name)
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(trace.parent):
+        if p is not None:
+            children.setdefault(p, []).append(i)
+    heap: list = []
+    seq = 0
+
+    def push(t: float, kind: int, payload) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, kind, seq, payload))
+
+    ARRIVE, FINISH, DELIVER = 1, 0, 2  # at one instant: finishes, then arrivals, then deliveries
+    for i in range(n):
+        if trace.parent[i] is None:
+            push(slot[i], ARRIVE, i)
+    arrival = [0.0] * n
+    ttft = [0.0] * n
+    cached = [0] * n
+    where = [""] * n
+    skipped = 0
+    reqs: dict[int, RouteRequest] = {}
+
+    def start(rep: SimReplica, now: float) -> None:
+        nonlocal skipped
+        while rep.queue:
+            i = rep.queue.popleft()
+            got = rep.run(trace, i)
+            if got is None:
+                skipped += 1
+                policy.finished(str(i), now, expire=True)
+                continue
+            cached[i] = got
+            pf = len(trace.prompts[i]) - got
+            ttft[i] = now - arrival[i] + timing.prefill(pf)
+            s = timing.service(pf, trace.output[i])
+            rep.busy = True
+            rep.busy_time += s
+            rep.served += 1
+            push(now + s, FINISH, (rep.name, i))
+            return
+        rep.busy = False
+
+    while heap:
+        now, kind, _, payload = heapq.heappop(heap)
+        if kind == ARRIVE:
+            i = payload
+            arrival[i] = now
+            rq = RouteRequest(str(i), trace.prompts[i], trace.wl.requests[i].namespace, trace.session[i])
+            nb = (len(trace.prompts[i]) - 1) // BLOCK_TOKENS
+            rq._digests = trace.digests[i][:nb]
+            reqs[i] = rq
+            d = policy.choose(rq, None, now)
+            where[i] = d.replica
+            rep = reps[d.replica]
+            rep.queue.append(i)
+            if not rep.busy:
+                start(rep, now)
+        elif kind == FINISH:
+            name, i = payload
+            rep = reps[name]
+            policy.finished(str(i), now)
+            reqs.pop(i, None)
+            push(now + event_lag, DELIVER, (name, rep.take_events()))
+            for c in children.get(i, ()):
+                push(max(slot[c], now + think), ARRIVE, c)
+            start(rep, now)
+        else:
+            name, batch = payload
+            if policy.on_events(name, batch, now):  # a gap: resync from a snapshot
+                rep = reps[name]
+                policy.on_snapshot(name, {"epoch": name, "seq": rep.seq, "blocks": rep.cache.block_digests()})
+    if check and policy_name == "cache_events":
+        for name, rep in reps.items():
+            assert rep.mirror_ok(policy.views[name].blocks), f"{name}: the router's view differs from the tree"
+    served = [i for i in range(n) if where[i]]
+    prompt_tokens = sum(len(trace.prompts[i]) for i in served)
+    hit = sum(cached[i] for i in served)
+    busy = [r.busy_time for r in reps.values()]
+    tt = np.array([ttft[i] for i in served]) if served else np.zeros(1)
+    return dict(
+        trace=trace.name,
+        policy=policy_name,
+        replicas=n_replicas,
+        capacity=capacity,
+        requests=len(served) - skipped,
+        skipped=skipped,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=hit,
+        prefill_tokens=prompt_tokens - hit,
+        hit_rate=hit / max(prompt_tokens, 1),
+        imbalance=max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
+        busy_s=[round(b, 2) for b in busy],
+        ttft_p50_s=float(np.percentile(tt, 50)),
+        ttft_p99_s=float(np.percentile(tt, 99)),
+        ttft_mean_s=float(tt.mean()),
+        makespan_s=max((r.busy_time for r in reps.values()), default=0.0),
+        seconds=round(time.perf_counter() - t0, 2),
+    )
+
+
+# ---------------------------------------------------------------------------- driver
+_TRACES: dict = {}
+_DATA: list = []
+
+
+def trace_specs(args) -> dict[str, dict]:
+    specs = {
+        "multi_turn": dict(
+            n_conversations=args.conversations, concurrency=args.concurrency, max_context=args.max_context, seed=0
+        ),
+        "few_shot": dict(n=args.few_shot, seed=0),
+        "gsp": dict(groups=args.gsp_groups, prompts_per_group=32, seed=0),
+    }
+    return {k: specs[k] for k in args.traces}
+
+
+def get_trace(name: str, kw: dict) -> Trace:
+    key = (name, json.dumps(kw, sort_keys=True))
+    if key not in _TRACES:
+        if not _DATA:
+            from bench.workloads.sharegpt import load_conversations
+
+            _DATA.append(load_conversations())
+        _TRACES[key] = Trace(make_workload(name, data=_DATA[0], **kw))
+    return _TRACES[key]
+
+
+def _job(a: dict) -> dict:
+    tr = get_trace(a["trace"], a["trace_kw"])
+    res = simulate(
+        tr,
+        a["policy"],
+        a["replicas"],
+        a["capacity"],
+        a["rate"],
+        Timing(**a["timing"]),
+        seed=a["seed"],
+        think=a["think"],
+        event_lag=a["event_lag"],
+        policy_kwargs=a.get("policy_kwargs"),
+        check=a.get("check", False),
+    )
+    res["label"] = a.get("label", a["policy"])
+    return res
+
+
+def _prep(a: dict) -> dict:
+    tr = get_trace(a["trace"], a["trace_kw"])
+    h, ws = tr.infinite_hit_rate()
+    return dict(
+        trace=a["trace"],
+        requests=len(tr.prompts),
+        prompt_tokens=tr.prompt_tokens,
+        output_tokens=sum(tr.output),
+        infinite_hit_rate=h,
+        working_set=ws,
+    )
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", nargs="+", default=["multi_turn", "few_shot", "gsp"])
+    ap.add_argument("--replicas", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--policies", nargs="+", default=DEFAULT_POLICIES, choices=sorted(POLICIES))
+    ap.add_argument(
+        "--capacity-fraction",
+        type=float,
+        default=0.25,
+        help="all N replicas together hold this share of the working set (so one replica holds 1/N of it)",
+    )
+    ap.add_argument("--rho", type=float, default=0.7, help="utilization at the infinite-cache hit rate")
+    ap.add_argument("--think", type=float, default=0.0, help="seconds between a reply and the next turn")
+    ap.add_argument("--event-lag", type=float, default=0.01, help="seconds from a request's end to its events")
+    ap.add_argument("--conversations", type=int, default=1000)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--few-shot", type=int, default=2000)
+    ap.add_argument("--gsp-groups", type=int, default=64)
+    ap.add_argument("--t-fixed", type=float, default=0.002)
+    ap.add_argument("--t-prefill", type=float, default=1e-4)
+    ap.add_argument("--t-decode", type=float, default=1e-3)
+    ap.add_argument("--set", nargs="*", default=[], help="cache_events options, NAME=VALUE (floats)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--check", action="store_true", help="assert that the router's views mirror the trees")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--plot", action="store_true", help="also write docs/routing.png")
+    args = ap.parse_args(argv)
+    ce_kw = {k: float(v) for k, v in (s.split("=", 1) for s in args.set)}
+
+    t_start = time.time()
+    specs = trace_specs(args)
+    timing = dict(t_fixed=args.t_fixed, t_prefill=args.t_prefill, t_decode=args.t_decode)
+    results: dict = {}
+    with ProcessPoolExecutor(max_workers=args.jobs) as ex:
+        preps = list(ex.map(_prep, [dict(trace=t, trace_kw=kw) for t, kw in specs.items()]))
+        jobs = []
+        for info in preps:
+            name = info["trace"]
+            tm = Timing(**timing)
+            n_req = info["requests"]
+            mean_s = (
+                n_req * tm.t_fixed
+                + info["prompt_tokens"] * (1 - info["infinite_hit_rate"]) * tm.t_prefill
+                + info["output_tokens"] * tm.t_decode
+            ) / n_req
+            results[name] = dict(params=specs[name], info=info, runs=[])
+            print(
+                f"[{time.time() - t_start:5.0f}s] {name}: {n_req} requests, {info['prompt_tokens']} prompt tokens, "
+                f"working set {info['working_set']}, infinite-cache hit {info['infinite_hit_rate']:.4f}",
+                flush=True,
+            )
+            for nr in args.replicas:
+                cap = max(4096, int(args.capacity_fraction * info["working_set"] / nr))
+                rate = args.rho * nr / mean_s
+                base = dict(trace=name, trace_kw=specs[name], replicas=nr, capacity=cap, rate=rate, seed=args.seed)
+                base.update(think=args.think, event_lag=args.event_lag, check=args.check)
+                for p in args.policies:
+                    jobs.append(
+                        dict(base, policy=p, timing=timing, policy_kwargs=ce_kw if p == "cache_events" else None)
+                    )
+                # the bound: one replica, N x the capacity, N x the speed
+                jobs.append(
+                    dict(base, replicas=1, capacity=cap * nr, policy="round_robin", timing=dict(timing, speed=nr))
+                    | dict(label="bound", bound_for=nr)
+                )
+        for a, res in zip(jobs, ex.map(_job, jobs)):
+            res["rate_per_s"] = a["rate"]
+            if a.get("label") == "bound":
+                res["replicas"] = a["bound_for"]
+                res["policy"] = "bound"
+            results[a["trace"]]["runs"].append(res)
+            print(
+                f"[{time.time() - t_start:5.0f}s] {res['trace']:10s} N={res['replicas']} {res['policy']:12s} "
+                f"hit {res['hit_rate']:.4f} prefill {res['prefill_tokens']:>10d} imb {res['imbalance']:.3f} "
+                f"ttft p50 {res['ttft_p50_s']:.3f} p99 {res['ttft_p99_s']:.3f} ({res['seconds']}s)",
+                flush=True,
+            )
+    out = dict(
+        kind="sim_routing",
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        argv=sys.argv[1:] if argv is None else argv,
+        seconds=round(time.time() - t_start, 1),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version()),
+        settings=dict(vars(args), out=None),
+        cache_events_options=ce_kw,
+        traces=results,
+    )
+    out["settings"]["out"] = str(args.out) if args.out else None
+    path = args.out or ROOT / "bench" / "results" / f"sim_routing_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {path} in {time.time() - t_start:.0f}s")
+    print(summary(out))
+    if args.plot:
+        print("plot:", plot(out))
+    return 0
+
+
+def summary(out: dict) -> str:
+    """A markdown table per trace: policy rows x N columns of hit rate / imbalance / TTFT p99."""
+    lines = []
+    for name, tr in out["traces"].items():
+        lines.append(f"\n{name} (infinite-cache hit {tr['info']['infinite_hit_rate']:.3f})\n")
+        lines.append("| N | policy | hit rate | prefill tokens | imbalance | TTFT p50 (s) | TTFT p99 (s) |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in sorted(tr["runs"], key=lambda r: (r["replicas"], r["policy"] != "bound", r["policy"])):
+            lines.append(
+                f"| {r['replicas']} | {r['policy']} | {r['hit_rate']:.4f} | {r['prefill_tokens']} | "
+                f"{r['imbalance']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: Path | None = None) -> Path:
+    """docs/routing.png: per trace, hit rate and TTFT p99 vs N for each policy (bound dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = list(out["traces"])
+    fig, axes = plt.subplots(2, len(traces), figsize=(4.6 * len(traces), 7.5), squeeze=False)
+    for col, name in enumerate(traces):
+        runs = out["traces"][name]["runs"]
+        pols = sorted({r["policy"] for r in runs}, key=lambda p: (p == "bound", p))
+        for p in pols:
+            rs = sorted((r for r in runs if r["policy"] == p), key=lambda r: r["replicas"])
+            xs = [r["replicas"] for r in rs]
+            style = dict(ls="--", color="k") if p == "bound" else dict(marker="o")
+            axes[0][col].plot(xs, [r["hit_rate"] for r in rs], label=p, **style)
+            if p != "bound":
+                axes[1][col].plot(xs, [r["ttft_p99_s"] for r in rs], label=p, **style)
+        axes[0][col].set_title(f"{name}: hit rate")
+        axes[1][col].set_title(f"{name}: TTFT p99 (s, simulated)")
+        axes[1][col].set_yscale("log")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xlabel("replicas")
+            ax.set_xticks(sorted({r["replicas"] for r in runs}))
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path = path or ROOT / "docs" / "routing.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,221 @@
+"""``radixkv explain`` and ``radixkv plan``: arguments and runs (the console script is
+:mod:`radixkv.cli`).
+
+A TRACE is a JSONL file of OpenAI request bodies (:mod:`radixkv.obs.trace`), or a built-in
+trace: ``synthetic:KIND[:N]`` (:func:`radixkv.obs.synthetic.agent_trace`, KIND one of
+timestamp, uuid, user, tools, control; ``synthetic:KIND:N:fixed`` for the fixed version) or
+``sharegpt:multi_turn[:CONVERSATIONS[:TURNS]]``
+(:func:`radixkv.obs.synthetic.sharegpt_multi_turn_trace`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_explain_arguments", "run_explain", "add_plan_arguments", "run_plan", "load_bodies"]
+
+
+def load_bodies(trace: str) -> list[dict]:
+    """The request bodies of TRACE (module docstring).
+
+    Raises:
+        ValueError: an unknown built-in trace or a malformed file. FileNotFoundError: no such file.
+    """
+    from radixkv.obs import synthetic
+    from radixkv.obs.trace import read_trace
+
+    if trace.startswith("synthetic:"):
+        parts = trace.split(":")[1:]
+        kind = parts[0]
+        n = int(parts[1]) if len(parts) > 1 and parts[1] else 40
+        fixed = len(parts) > 2 and parts[2] == "fixed"
+        return synthetic.agent_trace(kind, n, fixed=fixed)
+    if trace.startswith("sharegpt:"):
+        parts = trace.split(":")[1:]
+        if parts[0] != "multi_turn":
+            raise ValueError(f"built-in ShareGPT traces: sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got {trace!r}")
+        convs = int(parts[1]) if len(parts) > 1 else 24
+        turns = int(parts[2]) if len(parts) > 2 else 4
+        return synthetic.sharegpt_multi_turn_trace(convs, turns)
+    if not Path(trace).is_file():
+        raise FileNotFoundError(f"trace file {trace!r} not found")
+    return read_trace(trace)
+
+
+def _capacity(s: str) -> Any:
+    if s.lower() in ("inf", "infinite", "none"):
+        return None
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError("capacity must be >= 1 token or 'inf'")
+    return v
+
+
+def add_explain_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``radixkv explain``."""
+    p.add_argument(
+        "trace", help="JSONL file of OpenAI request bodies, or synthetic:KIND[:N] / sharegpt:multi_turn[:C[:T]]"
+    )
+    p.add_argument(
+        "--model", default="smollm2-135m", help="tokenizer and chat template of this model (default %(default)s)"
+    )
+    p.add_argument("--policy", choices=["radix", "hash", "none"], default="radix", help="prefix cache (default radix)")
+    p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
+    p.add_argument("--capacity", type=_capacity, default=32768, help="KV capacity in tokens, or 'inf' (default 32768)")
+    p.add_argument("--top", type=int, default=5, help="prompts that miss most to show (default 5)")
+    p.add_argument("--no-what-if", action="store_true", help="skip replaying the volatile spans' rewrites")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
+    p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """Run ``radixkv explain``; returns the exit code (2 for bad input)."""
+    from radixkv.models.loader import load_tokenizer
+    from radixkv.obs.explain import explain_trace
+    from radixkv.obs.report import explain_html, explain_text_report, to_json
+    from radixkv.obs.trace import tokenize_trace
+
+    if args.page_size < 1:
+        print("radixkv explain: --page-size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        bodies = load_bodies(args.trace)
+        tok = load_tokenizer(args.model)
+        reqs = tokenize_trace(bodies, tok)
+        rep = explain_trace(
+            reqs,
+            tok,
+            policy=args.policy,
+            page_size=args.page_size,
+            capacity=args.capacity,
+            top=max(args.top, 10),
+            what_if=not args.no_what_if,
+            source=args.trace,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixkv explain: {exc}", file=sys.stderr)
+        return 2
+    print(to_json(rep) if args.json else explain_text_report(rep, args.top))
+    if args.output:
+        Path(args.output).write_text(to_json(rep))
+    if args.html:
+        try:
+            Path(args.html).write_text(explain_html(rep), encoding="utf-8")
+        except ImportError as exc:
+            print(f"radixkv explain: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.html}", file=sys.stderr)
+    return 0
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """Options of ``radixkv plan``."""
+    p.add_argument(
+        "--model", default="smollm2-135m",
+        help="an architecture of the table (llama-2-7b, llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, "
+        "deepseek-v3, smollm2-135m), a config.json or its directory (default %(default)s)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-dtype", default="bfloat16", help="float32, bfloat16/bf16, float16/fp16 or fp8 (default %(default)s)"
+    )
+    p.add_argument(
+        "--weight-dtype", default="bfloat16", help="dtype of the weights, for their size (default %(default)s)"
+    )
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="GPU memory in GB: how many tokens fit")
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="share of the GPU memory usable (default 0.9)")
+    p.add_argument(
+        "--weights-gb", type=float, default=None, help="size of the weights in GB (default: from the parameters)"
+    )
+    p.add_argument(
+        "--context", type=int, default=None, metavar="TOKENS", help="KV memory of one sequence of this length"
+    )
+    p.add_argument("--trace", default=None, help="a TRACE (as for explain): hit rate vs KV memory for it")
+    p.add_argument("--target-hit-rate", type=float, default=None, help="KV memory needed to reach this hit rate (0-1)")
+    p.add_argument(
+        "--policies", default="radix-p1,radix-p16,hash-b16", help="simulated policies for --trace (default %(default)s)"
+    )
+    p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for --trace (default %(default)s)")
+    p.add_argument(
+        "--list", action="store_true", help="print the table of architectures (KV bytes per token, 1M tokens)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
+
+
+def _policies(s: str) -> list[tuple[str, int]]:
+    out = []
+    for item in s.split(","):
+        m = re.fullmatch(r"(radix|hash|none)-[pb](\d+)", item.strip())
+        if m is None or int(m.group(2)) < 1:
+            raise ValueError(f"--policies items look like radix-p1, radix-p16, hash-b16; got {item!r}")
+        out.append((m.group(1), int(m.group(2))))
+    return out
+
+
+def list_architectures(kv_dtypes=("bfloat16", "fp8")) -> str:
+    """The architecture table with KV bytes per token and the KV of 1M tokens per dtype."""
+    from radixkv.obs.architectures import ARCHITECTURES
+    from radixkv.obs.plan import GB, load_spec
+
+    head = f"{'model':<24}{'attention':<22}{'layers':>7}" + "".join(
+        f"{'B/token ' + d:>18}{'1M tok ' + d:>16}" for d in kv_dtypes
+    )
+    lines = [head]
+    for key in ARCHITECTURES:
+        s = load_spec(key)
+        row = f"{s.name:<24}{s.attention:<22}{s.num_layers:>7}"
+        for d in kv_dtypes:
+            row += f"{s.bytes_per_token(d):>18,}{s.sequence_bytes(10**6, d) / GB:>13,.1f} GB"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Run ``radixkv plan``; returns the exit code (2 for bad input)."""
+    from radixkv.obs.plan import hit_rate_curve, load_spec, memory_for_hit_rate, plan_memory
+    from radixkv.obs.report import plan_html, plan_text_report, to_json
+
+    try:
+        if args.list:
+            print(list_architectures((args.kv_dtype, "fp8") if args.kv_dtype not in ("fp8",) else ("bfloat16", "fp8")))
+            return 0
+        model = args.model
+        if model.endswith(".gguf"):
+            from radixkv.models.loader import resolve_hf_dir
+
+            model = str(resolve_hf_dir(model))
+        spec = load_spec(model)
+        rep = plan_memory(
+            spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context
+        )
+        if args.target_hit_rate is not None and args.trace is None:
+            raise ValueError("--target-hit-rate needs --trace")
+        if args.trace:
+            from radixkv.models.loader import load_tokenizer
+            from radixkv.obs.trace import tokenize_trace
+
+            reqs = [r.sim_request() for r in tokenize_trace(load_bodies(args.trace), load_tokenizer(args.tokenizer))]
+            pols = _policies(args.policies)
+            rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
+            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols)
+            if args.target_hit_rate is not None:
+                rep["target"] = [
+                    memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols
+                ]
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixkv plan: {exc}", file=sys.stderr)
+        return 2
+    print(to_json(rep) if args.json else plan_text_report(rep))
+    if args.html:
+        try:
+            Path(args.html).write_text(plan_html(rep), encoding="utf-8")
+        except ImportError as exc:
+            print(f"radixkv plan: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.html}", file=sys.stderr)
+    return 0

@@ -1,0 +1,346 @@
+"""``radixkv plan``: how much KV memory a model and its traffic need.
+
+KV bytes per token from a transformers config (a ``config.json``, a model radixkv loads, or an
+entry of :data:`radixkv.obs.architectures.ARCHITECTURES`):
+
+* MHA / GQA / MQA: ``layers x num_key_value_heads x head_dim x 2 (K and V) x dtype bytes``
+  (``head_dim`` defaults to ``hidden_size // num_attention_heads``);
+* MLA (DeepSeek-V2/V3: ``kv_lora_rank`` in the config): ``layers x (kv_lora_rank +
+  qk_rope_head_dim) x dtype bytes``, the compressed latent and the decoupled RoPE key that
+  vLLM and SGLang cache (DeepSeek-V2 paper, section 2.1, arXiv:2405.04434);
+* sliding-window layers (``layer_types`` entries ``"sliding_attention"``, or every layer when
+  ``sliding_window`` is set and ``use_sliding_window`` is not False, as Mistral-7B-v0.1) keep
+  at most ``sliding_window`` tokens of a sequence, so a sequence of ``C`` tokens needs
+  ``sum over layers of min(C, window) x per-layer bytes``;
+* KV dtypes: float32 (4 bytes), bfloat16 / float16 (2), fp8 (e4m3 / e5m2, 1; scales ignored).
+
+Answers: tokens that fit in a GPU's memory after the weights (``memory x fraction - weights``),
+KV memory of one sequence of a given length, and, given a trace, the hit rate vs KV memory
+curve for each simulator policy (:mod:`radixkv.sim`) and the least memory that reaches a target
+hit rate. Activations, CUDA graphs and allocator fragmentation are not counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from radixkv.obs.architectures import ALIASES, ARCHITECTURES
+
+__all__ = [
+    "DTYPE_BYTES",
+    "KVSpec",
+    "dtype_bytes",
+    "load_spec",
+    "plan_memory",
+    "hit_rate_curve",
+    "memory_for_hit_rate",
+    "GB",
+]
+
+GB = 10**9
+"""Memory sizes are decimal gigabytes (as GPU vendors count them)."""
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "fp32": 4,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes of one element of ``dtype`` (a key of :data:`DTYPE_BYTES`); ValueError otherwise."""
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"kv dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    return DTYPE_BYTES[key]
+
+
+@dataclass
+class KVSpec:
+    """What sizes a model's KV cache (module docstring).
+
+    Attributes:
+        name: a display name.
+        attention: "MHA", "GQA", "MQA" or "MLA" (plus " + sliding window" when some layers are).
+        num_layers: decoder layers.
+        elems_per_layer: K+V elements one token needs in one layer (``2 x kv_heads x head_dim``,
+            or ``kv_lora_rank + qk_rope_head_dim`` for MLA).
+        windows: per layer, the sliding window in tokens, or None (full attention).
+        num_parameters: weights, or None when unknown.
+        source: where the facts come from.
+        facts: the config fields used.
+    """
+
+    name: str
+    attention: str
+    num_layers: int
+    elems_per_layer: int
+    windows: list = field(default_factory=list)
+    num_parameters: Optional[int] = None
+    source: str = ""
+    facts: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: Any, name: str = "", source: str = "") -> "KVSpec":
+        """From a transformers config object or a ``config.json`` dict.
+
+        Raises:
+            ValueError: a field the formula needs is missing.
+        """
+        get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        text = get("text_config")
+        if text is not None and get("num_hidden_layers") is None:  # multimodal wrappers
+            return cls.from_config(text if isinstance(text, dict) else text.to_dict(), name, source)
+        layers = get("num_hidden_layers")
+        heads = get("num_attention_heads")
+        if layers is None or (heads is None and get("kv_lora_rank") is None):
+            raise ValueError("config needs num_hidden_layers and num_attention_heads (or kv_lora_rank for MLA)")
+        facts: dict = {"num_hidden_layers": int(layers)}
+        if get("kv_lora_rank"):
+            rank, rope = int(get("kv_lora_rank")), int(get("qk_rope_head_dim") or 0)
+            elems = rank + rope
+            kind = "MLA"
+            facts.update(kv_lora_rank=rank, qk_rope_head_dim=rope)
+        else:
+            kv_heads = int(get("num_key_value_heads") or heads)
+            head_dim = get("head_dim") or int(get("hidden_size")) // int(heads)
+            elems = 2 * kv_heads * int(head_dim)
+            kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
+            facts.update(num_attention_heads=int(heads), num_key_value_heads=kv_heads, head_dim=int(head_dim))
+        windows: list = [None] * int(layers)
+        sw = get("sliding_window")
+        types = get("layer_types")
+        if types:
+            windows = [int(sw) if (t == "sliding_attention" and sw) else None for t in types]
+        elif sw and get("use_sliding_window", True) is not False:
+            windows = [int(sw)] * int(layers)
+        if any(w is not None for w in windows):
+            kind += " + sliding window"
+            facts.update(sliding_window=int(sw), sliding_layers=sum(w is not None for w in windows))
+        params = get("num_parameters")
+        return cls(
+            name or str(get("name") or get("_name_or_path") or get("model_type") or "model"),
+            kind,
+            int(layers),
+            elems,
+            windows,
+            int(params) if params else None,
+            source or str(get("source") or ""),
+            facts,
+        )
+
+    def bytes_per_token(self, kv_dtype: str = "bfloat16") -> int:
+        """KV bytes of one token in every layer (sliding windows not applied)."""
+        return self.num_layers * self.elems_per_layer * dtype_bytes(kv_dtype)
+
+    def sequence_bytes(self, context: int, kv_dtype: str = "bfloat16") -> int:
+        """KV bytes of one sequence of ``context`` tokens (sliding-window layers keep at most
+        their window)."""
+        if context < 0:
+            raise ValueError(f"context must be >= 0, got {context}")
+        per = self.elems_per_layer * dtype_bytes(kv_dtype)
+        return sum(min(context, w) if w is not None else context for w in self.windows) * per
+
+    def weights_bytes(self, weight_dtype: str = "bfloat16") -> Optional[int]:
+        """Bytes of the weights in ``weight_dtype`` (None when the parameter count is unknown)."""
+        return None if self.num_parameters is None else self.num_parameters * dtype_bytes(weight_dtype)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["windows"] = sorted({w for w in self.windows if w is not None})
+        return d
+
+
+def _estimate_parameters(cfg: dict) -> Optional[int]:
+    """Llama-family parameter count from a config (embeddings, attention, SwiGLU MLP, norms);
+    None for mixtures of experts and MLA, which need their model card."""
+    try:
+        if cfg.get("kv_lora_rank") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
+            return None
+        h, layers, inter = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]), int(cfg["intermediate_size"])
+        heads = int(cfg["num_attention_heads"])
+        kv = int(cfg.get("num_key_value_heads") or heads)
+        hd = int(cfg.get("head_dim") or h // heads)
+        vocab = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    attn = h * heads * hd * 2 + h * kv * hd * 2
+    if cfg.get("attention_bias"):
+        attn += heads * hd + 2 * kv * hd + h
+    per_layer = attn + 3 * h * inter + 2 * h
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return embed + layers * per_layer + h
+
+
+def load_spec(model: str) -> KVSpec:
+    """The :class:`KVSpec` of ``model``: a key (or alias) of the architecture table, a path to a
+    ``config.json`` or to a directory holding one, or a model radixkv loads ("smollm2-135m").
+
+    Raises:
+        ValueError: unknown name, or a config without the needed fields.
+    """
+    key = ALIASES.get(model.lower(), model.lower())
+    if key in ARCHITECTURES:
+        facts = dict(ARCHITECTURES[key])
+        return KVSpec.from_config(facts, facts["name"], facts["source"])
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        cfg.setdefault("num_parameters", _estimate_parameters(cfg))
+        return KVSpec.from_config(cfg, str(model), str(path))
+    raise ValueError(
+        f"unknown model {model!r}: give one of {sorted(ARCHITECTURES)}, a config.json (or its directory), "
+        "or a model radixkv loads"
+    )
+
+
+def plan_memory(
+    spec: KVSpec,
+    kv_dtype: str = "bfloat16",
+    weight_dtype: str = "bfloat16",
+    gpu_memory_gb: Optional[float] = None,
+    memory_fraction: float = 0.9,
+    weights_gb: Optional[float] = None,
+    context: Optional[int] = None,
+) -> dict:
+    """The static answers of ``radixkv plan`` as a JSON-ready dict.
+
+    Args:
+        spec: the model's :class:`KVSpec`.
+        kv_dtype: KV cache dtype; ``weight_dtype``: weights dtype (for their size).
+        gpu_memory_gb: the GPU's memory in GB (None: skip "tokens that fit").
+        memory_fraction: share of it the server may use (vLLM's ``gpu_memory_utilization``).
+        weights_gb: the weights' size in GB (default: parameters x ``weight_dtype`` bytes).
+        context: a sequence length to size (None: skip).
+
+    Raises:
+        ValueError: bad dtype, a fraction outside (0, 1], or unknown weights with a GPU size.
+    """
+    if not 0 < memory_fraction <= 1:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    bpt = spec.bytes_per_token(kv_dtype)
+    out: dict = dict(
+        model=spec.as_dict(),
+        kv_dtype=kv_dtype,
+        kv_bytes_per_token=bpt,
+        kv_bytes_per_token_per_layer=spec.elems_per_layer * dtype_bytes(kv_dtype),
+    )
+    if context is not None:
+        seq = spec.sequence_bytes(context, kv_dtype)
+        out["context"] = dict(tokens=context, kv_bytes=seq, kv_gb=seq / GB, full_attention_gb=context * bpt / GB)
+    if gpu_memory_gb is not None:
+        wb = int(weights_gb * GB) if weights_gb is not None else spec.weights_bytes(weight_dtype)
+        if wb is None:
+            raise ValueError(f"the parameter count of {spec.name} is unknown: give weights_gb (--weights-gb)")
+        budget = int(gpu_memory_gb * GB * memory_fraction) - wb
+        fit: dict = dict(
+            gpu_memory_gb=gpu_memory_gb,
+            memory_fraction=memory_fraction,
+            weight_dtype=weight_dtype,
+            weights_gb=wb / GB,
+            kv_budget_gb=budget / GB,
+            tokens=max(0, budget) // bpt,
+        )
+        if context is not None and budget > 0:
+            seq = spec.sequence_bytes(context, kv_dtype)
+            fit["sequences_of_context"] = budget // seq if seq else None
+        out["fit"] = fit
+    return out
+
+
+def _label(policy: str, page_size: int) -> str:
+    """The benchmarks' policy names: ``radix-p16``, ``hash-b16``."""
+    return f"{policy}-{'b' if policy == 'hash' else 'p'}{page_size}"
+
+
+def hit_rate_curve(
+    requests: Sequence[Any],
+    spec: KVSpec,
+    kv_dtype: str = "bfloat16",
+    policies: Sequence[tuple[str, int]] = (("radix", 1), ("radix", 16), ("hash", 16)),
+    points: int = 12,
+) -> dict:
+    """Hit rate vs KV memory of ``requests`` (:class:`~radixkv.sim.SimRequest`) for each
+    ``(policy, page_size)``: capacities from 1% of the working set (the tokens an infinite
+    token-level cache holds at the end) to all of it, on a log scale.
+
+    Returns:
+        ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
+        "kv_gb", "hit_rate"}, ...]}}`` with labels like ``radix-p16``, ``hash-b16``.
+    """
+    from radixkv.sim import simulate
+
+    bpt = spec.bytes_per_token(kv_dtype)
+    inf = simulate(requests, "radix", 1, None, outcomes=False, keep_requests=False)
+    ws = max(16, inf.cache_tokens_end)
+    caps = sorted({max(16, int(ws * 10 ** (-2 + 2 * i / max(1, points - 1)))) for i in range(points)})
+    curves: dict = {}
+    infinite: dict = {}
+    for policy, ps in policies:
+        label = _label(policy, ps)
+        infinite[label] = simulate(requests, policy, ps, None, outcomes=False, keep_requests=False).hit_rate
+        rows = []
+        for cap in caps:
+            cap = max(ps, cap - cap % ps)
+            r = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False)
+            rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate))
+        curves[label] = rows
+    return dict(working_set_tokens=ws, kv_bytes_per_token=bpt, infinite=infinite, curves=curves)
+
+
+def memory_for_hit_rate(
+    requests: Sequence[Any], spec: KVSpec, target: float, kv_dtype: str = "bfloat16", policy: str = "radix",
+    page_size: int = 1, tolerance: float = 0.02,
+) -> dict:  # fmt: skip
+    """The least KV memory whose replay of ``requests`` reaches hit rate ``target`` (a
+    bisection over capacities, to ``tolerance`` relative; the hit rate of LRU caches grows
+    with capacity in practice, not by a theorem, so the answer is the smallest capacity found
+    that reaches it).
+
+    Returns:
+        ``{"target", "reachable", "tokens", "kv_gb", "hit_rate", "infinite_hit_rate"}``;
+        ``reachable`` is False when even infinite memory stays below ``target``.
+    """
+    from radixkv.sim import capacity_bound, simulate
+
+    if not 0 <= target <= 1:
+        raise ValueError(f"target hit rate must be in [0, 1], got {target}")
+    bpt = spec.bytes_per_token(kv_dtype)
+    hi = capacity_bound(requests, page_size)
+    best = simulate(requests, policy, page_size, hi, outcomes=False, keep_requests=False)
+    out = dict(target=target, policy=_label(policy, page_size), infinite_hit_rate=best.hit_rate)
+    if best.hit_rate < target:
+        return dict(out, reachable=False, tokens=None, kv_gb=None, hit_rate=None)
+    lo = page_size
+    hi_rate = best.hit_rate
+    while hi - lo > max(page_size, int(hi * tolerance)):
+        mid = (lo + hi) // 2
+        mid -= mid % page_size
+        r = simulate(requests, policy, page_size, max(page_size, mid), outcomes=False, keep_requests=False)
+        if r.hit_rate >= target:
+            hi, hi_rate = mid, r.hit_rate
+        else:
+            lo = mid
+    return dict(out, reachable=True, tokens=hi, kv_gb=hi * bpt / GB, hit_rate=hi_rate)
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as B / KB / MB / GB (decimal)."""
+    for unit, size in (("GB", GB), ("MB", 10**6), ("KB", 10**3)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n:,.0f} B"

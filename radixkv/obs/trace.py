@@ -1,0 +1,208 @@
+"""Request traces: JSONL files of OpenAI request bodies, and their tokenization.
+
+Format: one JSON object a line, the body of a ``POST /v1/chat/completions`` (it has
+``messages``) or ``POST /v1/completions`` (it has ``prompt``: a string or a list of token ids),
+exactly as a client sent it. ``radixkv serve --log-requests FILE`` and ``radixkv replay
+--log-requests FILE`` write it (:class:`TraceWriter`); blank lines are skipped.
+
+Tokenization (:func:`tokenize_trace`) follows the server: a chat body's messages (text content
+parts joined) are rendered with the model's chat template
+(:func:`radixkv.chat_template.encode_chat`) and its generation prompt; a completions prompt
+string is encoded without special tokens. A body with a list of prompts becomes one request per
+prompt.
+
+Replies: a trace holds requests only. When a later chat body repeats an earlier one's messages
+followed by an ``assistant`` message (a multi-turn client re-sending the history), that
+assistant message is taken as what the earlier request generated: its tokens as they appear in
+the later prompt, up to and including the model's end-of-turn token, are the earlier request's
+``reply`` (the engine caches them when it finishes). Other requests get no reply.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Hashable, Iterable, Optional, Sequence
+
+from radixkv.chat_template import encode_chat, render_chat
+from radixkv.sim import SimRequest
+
+__all__ = ["TraceRequest", "read_trace", "tokenize_trace", "TraceWriter", "write_trace", "message_text"]
+
+
+@dataclass
+class TraceRequest:
+    """One tokenized request of a trace.
+
+    Attributes:
+        index: its position in the trace (after splitting multi-prompt bodies).
+        line: the line of the file (or body index) it came from.
+        kind: "chat" or "completions".
+        tokens: the prompt's token ids.
+        reply: inferred generated token ids (module docstring), possibly empty.
+        text: the rendered prompt text (None for token-id prompts).
+        messages: the chat messages as ``{"role", "content"}`` (chat only).
+        namespace: its prefix-cache namespace (always None: the server has no such field).
+    """
+
+    index: int
+    line: int
+    kind: str
+    tokens: list
+    reply: list = field(default_factory=list)
+    text: Optional[str] = None
+    messages: Optional[list] = None
+    namespace: Hashable = None
+
+    def sim_request(self) -> SimRequest:
+        """This request for :mod:`radixkv.sim`."""
+        return SimRequest(self.tokens, self.reply, self.namespace)
+
+
+def read_trace(path: str | Path) -> list[dict]:
+    """The bodies of a JSONL trace file.
+
+    Raises:
+        ValueError: a line that is not a JSON object (naming the line).
+    """
+    bodies = []
+    with open(path, encoding="utf-8") as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                body = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{no}: not JSON: {exc}") from exc
+            if not isinstance(body, dict):
+                raise ValueError(f"{path}:{no}: a request body must be a JSON object")
+            bodies.append(body)
+    return bodies
+
+
+def message_text(content: Any) -> str:
+    """A chat message's content as one string (text parts joined, as the server does).
+
+    Raises:
+        ValueError: a content part that is not text.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
+
+
+def _key(messages: Sequence[dict]) -> str:
+    return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+
+
+def tokenize_trace(bodies: Iterable[dict], tokenizer: Any, infer_replies: bool = True) -> list[TraceRequest]:
+    """Tokenize request bodies (module docstring).
+
+    Raises:
+        ValueError: a body with neither ``messages`` nor ``prompt``, or malformed ones (naming
+            the body's position).
+    """
+    out: list[TraceRequest] = []
+    by_history: dict[str, int] = {}  # messages of a chat request -> its index
+    eos = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    for no, body in enumerate(bodies, 1):
+        try:
+            if "messages" in body:
+                msgs = [{"role": str(m["role"]), "content": message_text(m.get("content"))} for m in body["messages"]]
+                if not msgs:
+                    raise ValueError("messages is empty")
+                ids = encode_chat(tokenizer, msgs)
+                req = TraceRequest(len(out), no, "chat", ids, text=render_chat(tokenizer, msgs), messages=msgs)
+                if infer_replies and len(msgs) >= 3 and msgs[-2]["role"] == "assistant":
+                    j = by_history.get(_key(msgs[:-2]))
+                    if j is not None:
+                        _set_reply(out[j], ids, tokenizer, msgs[-2]["content"], eos)
+                by_history[_key(msgs)] = len(out)
+                out.append(req)
+            elif "prompt" in body:
+                p = body["prompt"]
+                items = [p] if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)) else p
+                if not isinstance(items, list) or not items:
+                    raise ValueError("prompt must be a non-empty string, token list, or list of those")
+                for item in items:
+                    if isinstance(item, str):
+                        ids = list(tokenizer.encode(item, add_special_tokens=False))
+                        out.append(TraceRequest(len(out), no, "completions", ids, text=item))
+                    else:
+                        out.append(TraceRequest(len(out), no, "completions", [int(t) for t in item]))
+            else:
+                raise ValueError("a body needs 'messages' (chat) or 'prompt' (completions)")
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"trace request {no}: {exc}") from exc
+        if out and not out[-1].tokens:
+            raise ValueError(f"trace request {no}: the prompt has no tokens")
+    return out
+
+
+def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: str, eos: set) -> None:
+    """``earlier``'s reply: the tokens after its prompt in ``later_ids``, through the first
+    end-of-turn token (or as many tokens as the assistant content encodes to, when none)."""
+    n = len(earlier.tokens)
+    if later_ids[:n] != earlier.tokens:
+        return
+    rest = later_ids[n:]
+    end = next((i + 1 for i, t in enumerate(rest) if t in eos), None)
+    if end is None:
+        end = min(len(rest), len(tokenizer.encode(content, add_special_tokens=False)) + 1)
+    earlier.reply = rest[:end]
+
+
+class TraceWriter:
+    """Appends request bodies to a JSONL trace file, one line each, thread-safe; every line is
+    flushed at once (a crash loses nothing written before it).
+
+    Args:
+        path: the file (appended to; created with its directory when missing).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def write(self, body: dict) -> None:
+        """Append one body."""
+        line = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        with self._lock:
+            self._f.write(line + "\n")
+            self._f.flush()
+            self.count += 1
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._f.closed:
+                self._f.close()
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_trace(path: str | Path, bodies: Iterable[dict]) -> Path:
+    """Write ``bodies`` as a new JSONL trace at ``path`` (replacing it); returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for b in bodies:
+            f.write(json.dumps(b, ensure_ascii=False, separators=(",", ":")) + "\n")
+    return path

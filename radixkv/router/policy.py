@@ -1,0 +1,479 @@
+"""Routing policies: choose a replica for a request's token ids (pure Python, torch-free).
+
+A policy sees the replicas' load as it records it itself (every decision counts at once: the
+request's replica gets one more outstanding request and its estimated uncached prompt tokens,
+until :meth:`Policy.finished`) and, for ``cache_events``, the replicas' exact cache contents
+from their cache events (:mod:`radixkv.router.index`). Nothing here imports the engine or torch;
+the same objects drive the simulation (bench/sim_routing.py) and the Ray Serve router
+(:mod:`radixkv.router.ray`).
+
+Policies (:data:`POLICIES`, :func:`make_policy`):
+
+* ``round_robin`` -- the next replica in turn.
+* ``least_load`` -- power of two choices (Mitzenmacher, "The Power of Two Choices in Randomized
+  Load Balancing", 2001): two random replicas, the one with fewer outstanding requests (then
+  fewer queued prefill tokens). Ray Serve's default router does the same on queue lengths.
+* ``session`` -- consistent hashing of a conversation key (``RouteRequest.session``, else the
+  request id) over the replicas: rendezvous (highest-random-weight) hashing (Thaler & Ravishankar
+  1998), so a replica that leaves moves only its own keys.
+* ``approx_tree`` -- SGLang's router (sgl-router ``cache_aware``): an approximate radix tree per
+  replica of the tokens routed there (here a torch-free :class:`~radixkv.cache.RadixCache` with
+  dummy slots, pruned LRU at ``max_tree_tokens``; it never learns of the replica's evictions).
+  Rule: if loads are imbalanced (``max - min > balance_abs_threshold`` and ``max >
+  balance_rel_threshold * min``, on outstanding requests) the least-loaded replica; else the
+  longest match if its match rate exceeds ``cache_threshold``, else the smallest tree.
+* ``cache_events`` -- radixkv's: the longest *exactly* cached prefix, from the replicas' events,
+  weighed against load. Rule (docs/routing.md has the measurements behind it): for each replica
+  ``r`` with ``h_r`` cached prompt tokens (its event-fed view, plus the prompt blocks of requests
+  this router sent it that have not finished ``pending_ttl`` seconds ago, because their events
+  may not have arrived yet), queued prefill tokens ``W_r`` and ``L_r`` outstanding requests::
+
+      cost_r = (n - h_r) + load_weight * (W_r + request_tokens * L_r)
+
+  the replica of least cost wins (ties: fewer outstanding requests, then at random); ``n - h_r``
+  is the prefill it would compute, the second term the work queued ahead of it in the same
+  units (tokens of prefill; ``request_tokens`` prices one request's decode). SGLang's balance
+  guard bounds the pile-up on one hot prefix: a replica with ``L_r - L_min >
+  balance_abs_threshold`` and ``L_r > balance_rel_threshold * L_min`` is not a candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional, Sequence
+
+from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.router.index import CacheView
+
+__all__ = [
+    "RouteRequest",
+    "Decision",
+    "ReplicaLoad",
+    "Policy",
+    "RoundRobin",
+    "LeastLoad",
+    "Session",
+    "ApproxTree",
+    "CacheEvents",
+    "POLICIES",
+    "make_policy",
+]
+
+
+@dataclass
+class RouteRequest:
+    """What a router knows of a request.
+
+    Attributes:
+        request_id: unique among outstanding requests.
+        token_ids: the prompt's token ids.
+        namespace: its prefix-cache namespace (blocks only match within one).
+        session: a conversation key for ``session`` routing (None: the request id).
+        output_tokens: expected output tokens (a load estimate; 0 when unknown).
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    namespace: Hashable = None
+    session: Optional[str] = None
+    output_tokens: int = 0
+    _digests: Optional[list] = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def digests(self) -> list[bytes]:
+        """Chained digests of the whole 16-token blocks of ``token_ids[:-1]`` (the engine never
+        serves a prompt's last token from the cache), computed once."""
+        if self._digests is None:
+            n = max(len(self.token_ids) - 1, 0) // BLOCK_TOKENS
+            self._digests = block_digests(self.token_ids[: n * BLOCK_TOKENS], self.namespace, 0, n) if n else []
+        return self._digests
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A routing decision: the replica, the cached prompt tokens the policy expects there (0
+    when it does not know), and why (``"cache"``, ``"load"``, ``"miss"``, ``"session"``, ``"turn"``)."""
+
+    replica: str
+    cached_tokens: int = 0
+    reason: str = ""
+
+
+@dataclass
+class ReplicaLoad:
+    """A replica's load as the router records it: outstanding requests and their estimated
+    uncached prompt tokens."""
+
+    requests: int = 0
+    prefill_tokens: int = 0
+
+
+class Policy:
+    """Base class: replica membership, load recording, decisions (module docstring).
+
+    Args:
+        seed: seeds the policy's random choices.
+
+    Attributes:
+        loads: ``replica -> ReplicaLoad``.
+        decisions: ``request_id -> replica`` of the outstanding requests.
+    """
+
+    name = "base"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.loads: dict[str, ReplicaLoad] = {}
+        self.decisions: dict[str, str] = {}
+        self._out: dict[str, tuple[str, int]] = {}
+
+    # ------------------------------------------------------------------ membership
+    @property
+    def replicas(self) -> list[str]:
+        return list(self.loads)
+
+    def add_replica(self, replica: str) -> None:
+        """Make ``replica`` routable (idempotent)."""
+        self.loads.setdefault(replica, ReplicaLoad())
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget ``replica``: its load, its outstanding requests and (subclasses) its cache."""
+        self.loads.pop(replica, None)
+        for rid in [r for r, (rep, _) in self._out.items() if rep == replica]:
+            del self._out[rid]
+            self.decisions.pop(rid, None)
+
+    # ------------------------------------------------------------------ decisions
+    def choose(self, req: RouteRequest, candidates: Optional[Sequence[str]] = None, now: float = 0.0) -> Decision:
+        """Pick a replica among ``candidates`` (default: all known) and record the decision.
+
+        Raises:
+            ValueError: no candidate replica.
+        """
+        cands = [c for c in (self.replicas if candidates is None else candidates) if c in self.loads]
+        if not cands:
+            raise ValueError("choose: no replica to route to")
+        if req.request_id in self._out:  # a retry: undo the earlier decision first
+            self.finished(req.request_id, now, expire=True)
+        d = self._select(req, cands, now)
+        self.record(req, d, now)
+        return d
+
+    def _select(self, req: RouteRequest, cands: list[str], now: float) -> Decision:
+        raise NotImplementedError
+
+    def record(self, req: RouteRequest, d: Decision, now: float = 0.0) -> None:
+        """Count ``req`` on ``d.replica`` at once."""
+        uncached = max(req.num_tokens - d.cached_tokens, 0)
+        self._out[req.request_id] = (d.replica, uncached)
+        self.decisions[req.request_id] = d.replica
+        load = self.loads[d.replica]
+        load.requests += 1
+        load.prefill_tokens += uncached
+
+    def finished(self, request_id: str, now: float = 0.0, expire: bool = False) -> None:
+        """``request_id`` ended (done, failed or cancelled); unknown ids are ignored. ``expire``:
+        drop what the decision implied at once (a retry, a request that never ran)."""
+        got = self._out.pop(request_id, None)
+        self.decisions.pop(request_id, None)
+        if got is None:
+            return
+        rep, uncached = got
+        load = self.loads.get(rep)
+        if load is not None:
+            load.requests -= 1
+            load.prefill_tokens -= uncached
+
+    def moved(self, req: RouteRequest, replica: str, now: float = 0.0) -> None:
+        """The request went to ``replica`` instead of the chosen one (the serving layer overrode
+        the choice): re-record it there."""
+        if self._out.get(req.request_id, (None,))[0] == replica:
+            return
+        self.finished(req.request_id, now, expire=True)
+        if replica in self.loads:
+            self.record(req, Decision(replica, 0, "moved"), now)
+
+    # ------------------------------------------------------------------ cache information
+    def on_events(self, replica: str, batch: dict, now: float = 0.0) -> bool:
+        """A batch of ``replica``'s cache events; True when a snapshot is wanted."""
+        return False
+
+    def on_snapshot(self, replica: str, snap: dict) -> None:
+        """A snapshot of ``replica``'s cache."""
+
+    def stats(self) -> dict:
+        return {"policy": self.name, "loads": {r: (ld.requests, ld.prefill_tokens) for r, ld in self.loads.items()}}
+
+    # ------------------------------------------------------------------ helpers
+    def _least_loaded(self, cands: list[str]) -> str:
+        best = min((self.loads[c].requests, self.loads[c].prefill_tokens) for c in cands)
+        ties = [c for c in cands if (self.loads[c].requests, self.loads[c].prefill_tokens) == best]
+        return ties[0] if len(ties) == 1 else self.rng.choice(ties)
+
+    def _imbalanced(self, cands: list[str], abs_t: float, rel_t: float) -> bool:
+        ls = [self.loads[c].requests for c in cands]
+        hi, lo = max(ls), min(ls)
+        return hi - lo > abs_t and hi > rel_t * lo
+
+
+class RoundRobin(Policy):
+    """The next replica in turn."""
+
+    name = "round_robin"
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self._turn = itertools.count()
+
+    def _select(self, req, cands, now):
+        cands = sorted(cands)
+        return Decision(cands[next(self._turn) % len(cands)], 0, "turn")
+
+
+class LeastLoad(Policy):
+    """Power of two choices on outstanding requests (then queued prefill tokens)."""
+
+    name = "least_load"
+
+    def _select(self, req, cands, now):
+        pick = cands if len(cands) <= 2 else self.rng.sample(cands, 2)
+        return Decision(self._least_loaded(pick), 0, "load")
+
+
+def _weight(key: str, replica: str) -> bytes:
+    return hashlib.blake2b(f"{key}\x00{replica}".encode(), digest_size=8).digest()
+
+
+class Session(Policy):
+    """Rendezvous hashing of the conversation key over the replicas."""
+
+    name = "session"
+
+    def _select(self, req, cands, now):
+        key = req.session if req.session is not None else req.request_id
+        return Decision(max(cands, key=lambda c: _weight(key, c)), 0, "session")
+
+
+class ApproxTree(Policy):
+    """SGLang's cache-aware router: an approximate tree per replica of what was routed there.
+
+    Args:
+        cache_threshold: minimum match rate (matched / prompt tokens) to follow the match
+            (SGLang's gateway default 0.3).
+        balance_abs_threshold, balance_rel_threshold: SGLang's imbalance test on outstanding
+            requests (defaults 64 and 1.5, SGLang's).
+        max_tree_tokens: LRU-prune each tree to this many tokens (SGLang prunes to
+            ``max_tree_size`` every ``eviction_interval_secs``; its default 2**26 rarely prunes).
+    """
+
+    name = "approx_tree"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: float = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 1 << 26,
+    ) -> None:
+        super().__init__(seed)
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_tokens = max_tree_tokens
+        self.trees: dict[str, Any] = {}
+
+    def add_replica(self, replica: str) -> None:
+        from radixkv.cache.radix_tree import RadixCache  # torch-free
+
+        super().add_replica(replica)
+        self.trees.setdefault(replica, RadixCache(1))
+
+    def remove_replica(self, replica: str) -> None:
+        super().remove_replica(replica)
+        self.trees.pop(replica, None)
+
+    def _select(self, req, cands, now):
+        if self._imbalanced(cands, self.balance_abs_threshold, self.balance_rel_threshold):
+            return Decision(self._least_loaded(cands), 0, "load")
+        toks = list(req.token_ids)
+        best, best_len = None, -1
+        for c in cands:
+            m = self.trees[c].match_prefix(toks, req.namespace).length
+            if m > best_len:
+                best, best_len = c, m
+        if toks and best_len / len(toks) > self.cache_threshold:
+            return Decision(best, 0, "cache")
+        smallest = min(self.trees[c].total_size() for c in cands)
+        ties = [c for c in cands if self.trees[c].total_size() == smallest]
+        return Decision(self.rng.choice(ties), 0, "miss")
+
+    def record(self, req, d, now=0.0):
+        super().record(req, d, now)
+        import numpy as np
+
+        tree = self.trees[d.replica]
+        toks = list(req.token_ids)
+        tree.insert(toks, np.zeros(len(toks), dtype=np.int64), req.namespace)
+        over = tree.total_size() - self.max_tree_tokens
+        if over > 0:
+            tree.evict(over)
+
+
+class CacheEvents(Policy):
+    """radixkv's policy: longest exactly cached prefix (from events) weighed against load (module
+    docstring states the rule).
+
+    Args:
+        load_weight: tokens of cost per token of queued work (1.0: an expected-prefill rule).
+        request_tokens: queued work of one outstanding request, in prefill-token units (its
+            decode), added to its uncached prompt tokens.
+        balance_abs_threshold, balance_rel_threshold: SGLang's balance guard on outstanding
+            requests; replicas beyond it are not candidates.
+        pending_ttl: seconds a finished request's prompt blocks still count for its replica
+            (until its own events have surely arrived).
+    """
+
+    name = "cache_events"
+
+    def __init__(
+        self,
+        seed: int = 0,
+        load_weight: float = 0.05,
+        request_tokens: float = 0.0,
+        balance_abs_threshold: float = 8,
+        balance_rel_threshold: float = 1.5,
+        pending_ttl: float = 2.0,
+    ) -> None:
+        super().__init__(seed)
+        self.load_weight = load_weight
+        self.request_tokens = request_tokens
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.pending_ttl = pending_ttl
+        self.views: dict[str, CacheView] = {}
+        self.pending: dict[str, dict[bytes, int]] = {}
+        self._pending_req: dict[str, tuple[str, list[bytes]]] = {}
+        self._expiry: list[tuple[float, int, str]] = []
+        self._tick = itertools.count()
+
+    def add_replica(self, replica: str) -> None:
+        super().add_replica(replica)
+        self.views.setdefault(replica, CacheView())
+        self.pending.setdefault(replica, {})
+
+    def remove_replica(self, replica: str) -> None:
+        super().remove_replica(replica)
+        self.views.pop(replica, None)
+        self.pending.pop(replica, None)
+        for rid in [r for r, (rep, _) in self._pending_req.items() if rep == replica]:
+            del self._pending_req[rid]
+
+    def on_events(self, replica: str, batch: dict, now: float = 0.0) -> bool:
+        view = self.views.get(replica)
+        if view is None:
+            return False
+        return view.apply(batch)
+
+    def on_snapshot(self, replica: str, snap: dict) -> None:
+        view = self.views.get(replica)
+        if view is not None:
+            view.load_snapshot(snap)
+
+    def cached_tokens(self, req: RouteRequest, replica: str) -> int:
+        """Prompt tokens of ``req`` held by ``replica`` (view + pending), whole blocks."""
+        return self.views[replica].prefix_blocks(req.digests(), self.pending[replica]) * BLOCK_TOKENS
+
+    def _purge(self, now: float) -> None:
+        exp = self._expiry
+        while exp and exp[0][0] <= now:
+            _, _, rid = heapq.heappop(exp)
+            self._drop_pending(rid)
+
+    def _drop_pending(self, rid: str) -> None:
+        got = self._pending_req.pop(rid, None)
+        if got is None:
+            return
+        rep, digests = got
+        counts = self.pending.get(rep)
+        if counts is None:
+            return
+        for d in digests:
+            k = counts.get(d, 0) - 1
+            if k > 0:
+                counts[d] = k
+            else:
+                counts.pop(d, None)
+
+    def _select(self, req, cands, now):
+        self._purge(now)
+        if len(cands) > 1:
+            lo = min(self.loads[c].requests for c in cands)
+            a, r = self.balance_abs_threshold, self.balance_rel_threshold
+            cands = [c for c in cands if not (self.loads[c].requests - lo > a and self.loads[c].requests > r * lo)]
+        n = req.num_tokens
+        best_key, ties = None, []
+        for c in cands:
+            h = min(self.cached_tokens(req, c), max(n - 1, 0))
+            ld = self.loads[c]
+            cost = (n - h) + self.load_weight * (ld.prefill_tokens + self.request_tokens * ld.requests)
+            key = (cost, ld.requests)
+            if best_key is None or key < best_key:
+                best_key, ties = key, [(c, h)]
+            elif key == best_key:
+                ties.append((c, h))
+        c, h = ties[0] if len(ties) == 1 else self.rng.choice(ties)
+        return Decision(c, h, "cache" if h else "miss")
+
+    def record(self, req, d, now=0.0):
+        super().record(req, d, now)
+        digests = req.digests()
+        if digests:
+            counts = self.pending[d.replica]
+            for g in digests:
+                counts[g] = counts.get(g, 0) + 1
+            self._pending_req[req.request_id] = (d.replica, digests)
+
+    def finished(self, request_id, now=0.0, expire=False):
+        super().finished(request_id, now, expire)
+        if request_id in self._pending_req:
+            if expire or self.pending_ttl <= 0:
+                self._drop_pending(request_id)
+            else:
+                heapq.heappush(self._expiry, (now + self.pending_ttl, next(self._tick), request_id))
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["blocks"] = {r: len(v) for r, v in self.views.items()}
+        out["synced"] = {r: v.synced for r, v in self.views.items()}
+        return out
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    "round_robin": RoundRobin,
+    "least_load": LeastLoad,
+    "session": Session,
+    "approx_tree": ApproxTree,
+    "cache_events": CacheEvents,
+}
+
+
+def make_policy(name: str, **kwargs: Any) -> Policy:
+    """The policy called ``name`` (a key of :data:`POLICIES`) with its keyword options.
+
+    Raises:
+        ValueError: an unknown name, or an option the policy does not take.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {name!r}")
+    try:
+        return POLICIES[name](**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"policy {name!r}: {exc}") from None

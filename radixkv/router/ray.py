@@ -1,0 +1,620 @@
+"""radixkv on Ray Serve: N engine replicas, the OpenAI app as ingress, cache-aware routing.
+
+The only module that imports ray (extra ``radixkv[ray]``). Parts:
+
+* :class:`EngineReplica` (a Serve deployment): one :class:`~radixkv.async_llm.AsyncLLM` engine
+  per replica, torch on one thread; ``generate`` streams ``RequestOutput`` objects. A
+  :class:`~radixkv.engine.publish.CacheEventPublisher` buffers its cache events and a pusher
+  thread sends them in batches to the :class:`CacheIndex` as they happen (and its
+  ``cache_stats`` once a second), answering a resync request with a snapshot.
+* :class:`CacheIndex` (one named Ray actor): holds the routing policy
+  (:mod:`radixkv.router.policy`: the replicas' exact cache views and the load the routers
+  recorded). Every routing decision is made and recorded here at once, so a second turn sent
+  right after the first is routed on it, without waiting for Serve's polled routing stats.
+* :class:`CacheAwareRequestRouter` (a ``ray.serve.request_router.RequestRouter``, configured
+  through ``RequestRouterConfig``): asks the index for the replica, ranks it first (the rest
+  after it, for when it is full), reports where each request went and when it completed, and
+  drops a replica that died (``on_replica_actor_died``, or gone from ``update_replicas``).
+* :class:`Ingress`: :func:`radixkv.server.app.create_app` over :class:`RemoteLLM`, an
+  AsyncLLM-shaped client of the engine deployment, so every route, error format and streaming
+  path is the single-engine server's. A request whose replica dies before its first output is
+  retried once on another replica; one that dies mid-stream ends with an error; nothing waits on
+  a dead replica.
+
+Entry points: :func:`build_app` (a Serve application), :func:`run` (a local Ray instance + the
+app, what ``radixkv serve --replicas N`` calls). docs/routing.md shows a Ray cluster deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from radixkv.router.policy import RouteRequest, make_policy
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "INDEX_NAME",
+    "NAMESPACE",
+    "CacheIndex",
+    "CacheAwareRequestRouter",
+    "EngineReplica",
+    "Ingress",
+    "RemoteLLM",
+    "build_app",
+    "get_index",
+    "prompt_key",
+    "run",
+]
+
+INDEX_NAME = "radixkv-cache-index"
+NAMESPACE = "radixkv"
+ROUTER_PATH = "radixkv.router.ray:CacheAwareRequestRouter"
+WORKER_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "RADIXKV_TORCH_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+# ---------------------------------------------------------------------------- the index actor
+@ray.remote(num_cpus=0, max_restarts=-1)
+class CacheIndex:
+    """The routing policy and what it knows (module docstring). Methods run one at a time.
+
+    Args:
+        policy: a name of :data:`radixkv.router.policy.POLICIES`.
+        policy_kwargs: its options.
+        log_size: routing decisions kept for :meth:`decisions`.
+    """
+
+    def __init__(self, policy: str = "cache_events", policy_kwargs: Optional[dict] = None, log_size: int = 10000):
+        self._policy_args = (policy, dict(policy_kwargs or {}))
+        self.policy = make_policy(policy, **self._policy_args[1])
+        self.replicas: dict[str, dict] = {}
+        self.stats: dict[str, dict] = {}
+        self.removed: list[str] = []
+        self._requests: dict[str, RouteRequest] = {}  # internal id -> request
+        self._log: list[dict] = []
+        self._log_size = log_size
+
+    def set_policy(self, policy: str, policy_kwargs: Optional[dict] = None) -> None:
+        """Switch the policy (the replicas' cache views start over from snapshots)."""
+        self._policy_args = (policy, dict(policy_kwargs or {}))
+        self.policy = make_policy(policy, **self._policy_args[1])
+        for r in self.replicas:
+            self.policy.add_replica(r)
+            self.replicas[r]["resync"] = True
+        self._requests.clear()
+
+    # -- replicas
+    def register(self, replica: str, info: dict) -> None:
+        """A replica started (or restarted: a new epoch starts its view over)."""
+        self.replicas[replica] = dict(info, resync=False)
+        self.policy.add_replica(replica)
+
+    def remove(self, replica: str) -> bool:
+        """Forget a dead or removed replica: its cache view, its load, its requests."""
+        known = replica in self.replicas or replica in self.policy.loads
+        self.replicas.pop(replica, None)
+        self.stats.pop(replica, None)
+        self.policy.remove_replica(replica)
+        for k in [k for k, v in self._requests.items() if self.policy.decisions.get(v.request_id) is None]:
+            self._requests.pop(k, None)
+        if known:
+            self.removed.append(replica)
+        return known
+
+    def push(self, replica: str, batch: Optional[dict], stats: Optional[dict] = None) -> bool:
+        """A replica's batch of cache events (and its stats); True: send a snapshot."""
+        if replica not in self.replicas:
+            return False  # removed (died): later pushes of a zombie are ignored
+        if stats is not None:
+            self.stats[replica] = stats
+        want = False
+        if batch is not None:
+            want = self.policy.on_events(replica, batch, time.monotonic())
+        if self.replicas[replica].pop("resync", False):
+            want = True
+        return want
+
+    def snapshot(self, replica: str, snap: dict) -> None:
+        if replica in self.replicas:
+            self.policy.on_snapshot(replica, snap)
+
+    # -- routing
+    def route(self, key: str, request: dict, candidates: Sequence[str]) -> str:
+        """Choose among ``candidates`` for ``request`` (``request_id``, ``token_ids``,
+        ``namespace``, ``session``) and record the decision at once; ``key`` is the serving
+        layer's id of this routing attempt."""
+        for c in candidates:
+            if c not in self.policy.loads and c in self.replicas:
+                self.policy.add_replica(c)
+        cands = [c for c in candidates if c in self.policy.loads]
+        if not cands:  # none registered yet: any candidate
+            return candidates[0]
+        rq = RouteRequest(key, request["token_ids"], request.get("namespace"), request.get("session"))
+        d = self.policy.choose(rq, cands, time.monotonic())
+        self._requests[key] = rq
+        self._log.append(
+            dict(
+                request_id=request.get("request_id"),
+                key=key,
+                prompt=prompt_key(request["token_ids"]),
+                replica=d.replica,
+                cached=d.cached_tokens,
+                reason=d.reason,
+            )
+        )
+        if len(self._log) > self._log_size:
+            del self._log[: len(self._log) - self._log_size]
+        return d.replica
+
+    def routed(self, key: str, replica: str) -> None:
+        rq = self._requests.get(key)
+        if rq is not None and self.policy.decisions.get(key) != replica:
+            self.policy.moved(rq, replica, time.monotonic())
+            for d in reversed(self._log[-64:]):
+                if d.get("key") == key:
+                    d["replica"] = replica
+                    break
+
+    def completed(self, key: str) -> None:
+        self._requests.pop(key, None)
+        self.policy.finished(key, time.monotonic())
+
+    # -- inspection
+    def decisions(self) -> list[dict]:
+        """The last routing decisions: ``request_id``, ``replica``, ``cached`` (expected cached
+        tokens) and ``reason``."""
+        return list(self._log)
+
+    def state(self) -> dict:
+        out = self.policy.stats()
+        out.update(replicas={r: {k: v for k, v in i.items() if k != "resync"} for r, i in self.replicas.items()})
+        out.update(removed=list(self.removed), replica_stats=dict(self.stats))
+        return out
+
+
+def prompt_key(token_ids: Sequence[int]) -> str:
+    """A short digest of a prompt's token ids (how :meth:`CacheIndex.decisions` names prompts)."""
+    import hashlib
+    from array import array
+
+    return hashlib.blake2b(array("q", list(token_ids)).tobytes(), digest_size=8).hexdigest()
+
+
+def get_index(create: bool = False, policy: str = "cache_events", policy_kwargs: Optional[dict] = None):
+    """The index actor (created, detached, when ``create`` and missing)."""
+    if create:
+        return CacheIndex.options(name=INDEX_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached").remote(
+            policy, policy_kwargs
+        )
+    return ray.get_actor(INDEX_NAME, namespace=NAMESPACE)
+
+
+# ---------------------------------------------------------------------------- the request router
+class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
+    """Ray Serve request router asking the :class:`CacheIndex` (module docstring).
+
+    ``request_router_kwargs``: ``index_name`` / ``index_namespace`` of the index actor.
+    """
+
+    def initialize_state(self, index_name: str = INDEX_NAME, index_namespace: str = NAMESPACE, **_: Any) -> None:
+        self._index_name, self._index_ns = index_name, index_namespace
+        self._index = None
+
+    def _idx(self):
+        if self._index is None:
+            self._index = ray.get_actor(self._index_name, namespace=self._index_ns)
+        return self._index
+
+    @staticmethod
+    def _route_args(pending_request: Optional[PendingRequest]) -> Optional[dict]:
+        if pending_request is None or not pending_request.args:
+            return None
+        a = pending_request.args[0]
+        return a if isinstance(a, dict) and "token_ids" in a else None
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> list[list[RunningReplica]]:
+        args = self._route_args(pending_request)
+        if args is None or not candidate_replicas:
+            return [candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        key = pending_request.metadata.internal_request_id
+        try:
+            rid = await self._idx().route.remote(key, args, list(by_id))
+        except Exception:  # noqa: BLE001 - the index restarting: fall back to any replica
+            logger.exception("cache index unavailable; routing without it")
+            self._index = None
+            return [candidate_replicas]
+        chosen = by_id.get(rid)
+        if chosen is None:
+            return [candidate_replicas]
+        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        if self._route_args(pending_request) is not None:
+            self._idx().routed.remote(pending_request.metadata.internal_request_id, replica_id.unique_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        try:
+            self._idx().completed.remote(internal_request_id)
+        except Exception:  # noqa: BLE001
+            self._index = None
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._idx().remove.remote(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        old = set(self._replica_id_set)
+        super().update_replicas(replicas)
+        for gone in old - set(self._replica_id_set):
+            self._idx().remove.remote(gone.unique_id)
+
+
+# ---------------------------------------------------------------------------- the engine replicas
+def _load(engine_kwargs: dict, random_model: Optional[dict]):
+    """An Engine: the configured model, or (``random_model``: LlamaConfig fields + ``seed``) a
+    random-weight Llama-shaped model with the default model's tokenizer (tests)."""
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    loaded = None
+    if random_model is not None:
+        from transformers import AutoTokenizer, LlamaConfig
+
+        from radixkv.models.loader import LoadedModel, build_model, resolve_hf_dir
+
+        spec = dict(random_model)
+        seed = spec.pop("seed", 0)
+        hf_dir = resolve_hf_dir("smollm2-135m")
+        tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        cfg = LlamaConfig(**spec)
+        loaded = LoadedModel(build_model(cfg, seed=seed), cfg, tok, "random-llama", hf_dir)
+    return Engine(EngineConfig(**engine_kwargs), loaded_model=loaded)
+
+
+class EngineReplica:
+    """One engine per replica (module docstring).
+
+    Args:
+        engine_kwargs: :class:`~radixkv.config.EngineConfig` fields.
+        random_model: build a random-weight Llama-shaped model (tests) instead of loading.
+        push_interval: seconds between stats pushes (events go at once).
+    """
+
+    def __init__(self, engine_kwargs: dict, random_model: Optional[dict] = None, push_interval: float = 1.0):
+        import torch
+
+        from radixkv.async_llm import AsyncLLM
+        from radixkv.engine.publish import CACHE_EVENTS, CacheEventPublisher
+
+        torch.set_num_threads(int(os.environ.get("RADIXKV_TORCH_THREADS", "1")))
+        self.llm = AsyncLLM(engine=_load(engine_kwargs, random_model))
+        self.publisher = CacheEventPublisher()
+        self.llm.subscribe(self.publisher.on_event, CACHE_EVENTS)
+        ctx = serve.get_replica_context()
+        self.replica_id = ctx.replica_id.unique_id
+        self._index = get_index()
+        info = dict(epoch=self.publisher.epoch, actor_name=ray.get_runtime_context().get_actor_name(), pid=os.getpid())
+        ray.get(self._index.register.remote(self.replica_id, info))
+        self._stop = threading.Event()
+        self._interval = push_interval
+        self._pusher = threading.Thread(target=self._push_loop, name="radixkv-event-pusher", daemon=True)
+        self._pusher.start()
+
+    def _push_loop(self) -> None:
+        loop = asyncio.new_event_loop()
+        last_stats = 0.0
+        while not self._stop.is_set():
+            self.publisher.wakeup.wait(self._interval)
+            try:
+                batch = self.publisher.drain()
+                stats = None
+                if time.monotonic() - last_stats >= self._interval:
+                    stats = loop.run_until_complete(self.llm.cache_stats()).as_dict()
+                    stats["unfinished"] = loop.run_until_complete(self.llm.num_unfinished_requests())
+                    last_stats = time.monotonic()
+                if batch is None and stats is None:
+                    continue
+                if ray.get(self._index.push.remote(self.replica_id, batch, stats), timeout=30):
+                    snap = loop.run_until_complete(self.llm.call_in_engine_thread(self.publisher.snapshot))
+                    ray.get(self._index.snapshot.remote(self.replica_id, snap), timeout=30)
+            except Exception:  # noqa: BLE001 - keep publishing; the index resyncs on a gap
+                if self._stop.is_set() or not self.llm.is_running:
+                    break
+                logger.exception("pushing cache events failed")
+                time.sleep(0.5)
+        loop.close()
+
+    def info(self) -> dict:
+        return dict(
+            replica_id=self.replica_id,
+            max_context_len=self.llm.max_context_len,
+            epoch=self.publisher.epoch,
+            actor_name=ray.get_runtime_context().get_actor_name(),
+        )
+
+    async def generate(self, args: dict) -> AsyncIterator[Any]:
+        """Stream the request's ``RequestOutput`` snapshots (``args``: ``request_id``, ``prompt``,
+        ``token_ids``, ``params`` (SamplingParams), ``namespace``)."""
+        gen = self.llm.generate(
+            args.get("prompt"),
+            args["params"],
+            args["request_id"],
+            prompt_token_ids=args["token_ids"],
+            namespace=args.get("namespace"),
+        )
+        try:
+            async for out in gen:
+                yield out
+        finally:
+            await gen.aclose()  # a cancelled stream aborts the request in the engine
+
+    async def cache_stats(self) -> dict:
+        return (await self.llm.cache_stats()).as_dict()
+
+    def check_health(self) -> None:
+        if not self.llm.is_running:
+            raise RuntimeError(f"engine stopped: {self.llm.dead_error!r}")
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+            self.llm.shutdown(timeout=5)
+
+
+# ---------------------------------------------------------------------------- the ingress
+class RemoteLLM:
+    """The part of :class:`~radixkv.async_llm.AsyncLLM` that :func:`radixkv.server.app.create_app`
+    uses, over the engine deployment's handle (module docstring)."""
+
+    def __init__(self, handle: Any, tokenizer: Any, max_context_len: int, index: Any) -> None:
+        self.handle = handle
+        self.tokenizer = tokenizer
+        self.max_context_len = int(max_context_len)
+        self.index = index
+        self.is_running = True
+        self.dead_error = None
+        self._subs: list[tuple[Callable, Optional[tuple]]] = []
+        self._open = 0
+
+    async def generate(
+        self,
+        prompt: Any = None,
+        sampling_params: Any = None,
+        request_id: Optional[str] = None,
+        *,
+        prompt_token_ids: Optional[Sequence[int]] = None,
+        namespace: Any = None,
+    ) -> AsyncIterator[Any]:
+        import uuid
+
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+
+        from radixkv.async_llm import EngineDeadError
+        from radixkv.sampling_params import SamplingParams
+
+        if prompt_token_ids is not None:
+            ids, text = list(prompt_token_ids), prompt if isinstance(prompt, str) else None
+        elif isinstance(prompt, str):
+            ids, text = list(self.tokenizer.encode(prompt, add_special_tokens=False)), prompt
+        else:
+            ids, text = list(prompt or ()), None
+        args = dict(
+            request_id=request_id or f"req-{uuid.uuid4().hex}",
+            prompt=text,
+            token_ids=ids,
+            params=sampling_params if sampling_params is not None else SamplingParams(),
+            namespace=namespace,
+        )
+        self._open += 1
+        last = None
+        try:
+            for attempt in range(2):
+                got_any = False
+                try:
+                    gen = self.handle.options(stream=True).generate.remote(args)
+                    async for out in gen:
+                        got_any = True
+                        last = out
+                        yield out
+                    break
+                except RayTaskError as exc:  # the engine's own error (e.g. a RequestError)
+                    cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+                    raise cause from None
+                except (ActorDiedError, ActorUnavailableError, RayActorError) as exc:
+                    if got_any or attempt == 1:
+                        raise EngineDeadError(f"the replica serving {args['request_id']} died: {exc}") from exc
+                    logger.warning("replica died before %s started; retrying on another", args["request_id"])
+        finally:
+            self._open -= 1
+            if last is not None and last.finished:
+                self._emit_finished(last)
+
+    def _emit_finished(self, out: Any) -> None:
+        if not self._subs:
+            return
+        from radixkv.engine.events import RequestFinished
+
+        ev = RequestFinished(
+            out.request_id,
+            0,
+            tuple(str(o.finish_reason) for o in out.outputs),
+            len(out.prompt_token_ids or ()),
+            sum(len(o.token_ids) for o in out.outputs),
+            int(out.num_cached_tokens or 0),
+        )
+        for fn, kinds in self._subs:
+            if kinds is None or isinstance(ev, kinds):
+                try:
+                    fn(ev)
+                except Exception:  # noqa: BLE001
+                    logger.exception("subscriber failed")
+
+    def subscribe(self, fn: Callable, kinds: Optional[tuple] = None) -> Callable[[], None]:
+        """Request-finished events, rebuilt from each request's final output."""
+        entry = (fn, tuple(kinds) if kinds is not None else None)
+        self._subs.append(entry)
+        return lambda: entry in self._subs and self._subs.remove(entry)
+
+    async def cache_stats(self) -> Any:
+        """The replicas' last reported ``cache_stats`` summed (ratios recomputed)."""
+        from radixkv.engine.stats import EngineStats
+
+        st = await self.index.state.remote()
+        per = list(st["replica_stats"].values())
+        fields = EngineStats.__dataclass_fields__
+        agg: dict = {}
+        for k in fields:
+            if k in ("page_size", "prefix_cache"):
+                agg[k] = per[0][k] if per else (1 if k == "page_size" else "radix")
+            elif k != "hit_rate":
+                agg[k] = sum(int(p.get(k, 0)) for p in per)
+        agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0
+        return EngineStats(**agg)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Not offered across replicas (each replica's cache is its own): always False."""
+        return False
+
+    async def num_unfinished_requests(self) -> int:
+        return self._open
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self.is_running = False
+
+
+class Ingress:
+    """The OpenAI app (:func:`radixkv.server.app.create_app`) over :class:`RemoteLLM`."""
+
+    async def __init__(self, engine_handle: Any, served_model_name: str, model: str = "smollm2-135m") -> None:
+        from transformers import AutoTokenizer
+
+        from radixkv.models.loader import resolve_hf_dir
+
+        self.engine = engine_handle
+        self.served_model_name = served_model_name
+        info = await engine_handle.info.remote()
+        tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
+        self.llm = RemoteLLM(engine_handle, tok, info["max_context_len"], get_index())
+
+    def __serve_build_asgi_app__(self):
+        from radixkv.server.app import create_app
+
+        return create_app(self.llm, served_model_name=self.served_model_name)
+
+
+def build_app(
+    replicas: int = 2,
+    engine_kwargs: Optional[dict] = None,
+    served_model_name: str = "smollm2-135m",
+    model: str = "smollm2-135m",
+    policy: str = "cache_events",
+    policy_kwargs: Optional[dict] = None,
+    replica_cpus: float = 0.5,
+    ingress_cpus: float = 0.25,
+    random_model: Optional[dict] = None,
+    max_ongoing_requests: int = 256,
+):
+    """The Serve application: ``replicas`` x :class:`EngineReplica` behind the cache-aware
+    request router, :class:`Ingress` in front. Creates the index actor (needs ``ray.init``).
+
+    Args:
+        engine_kwargs: EngineConfig fields of every replica (``model`` defaults to ``model``).
+        policy, policy_kwargs: the routing policy (:func:`radixkv.router.policy.make_policy`).
+        replica_cpus, ingress_cpus: logical CPUs each (fractions let 2 replicas and the ingress
+            schedule on a 2-core machine).
+        random_model: see :class:`EngineReplica`.
+    """
+    ekw = dict(engine_kwargs or {})
+    ekw.setdefault("model", model)
+    ekw.setdefault("device", "cpu")
+    get_index(create=True, policy=policy, policy_kwargs=policy_kwargs)
+    engine_dep = serve.deployment(
+        EngineReplica,
+        name="EngineReplica",
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": replica_cpus},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH),
+        health_check_period_s=2,
+        health_check_timeout_s=10,
+        graceful_shutdown_timeout_s=5,
+    )
+    ingress_dep = serve.deployment(
+        serve.ingress()(Ingress),
+        name="Ingress",
+        num_replicas=1,
+        max_ongoing_requests=4 * max_ongoing_requests,
+        ray_actor_options={"num_cpus": ingress_cpus},
+    )
+    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model)
+
+
+def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -> None:
+    """``ray.init`` for radixkv: a local instance with ``num_cpus`` logical CPUs (default: the
+    machine's), dashboard off, or ``address`` of a running cluster."""
+    if ray.is_initialized():
+        return
+    # the workers inherit these (a runtime_env would keep them off the prestarted workers)
+    os.environ.update(WORKER_ENV)
+    if address:
+        ray.init(address=address, namespace=NAMESPACE)
+    else:
+        ray.init(
+            num_cpus=num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            namespace=NAMESPACE,
+            configure_logging=False,
+            log_to_driver=False,
+        )
+
+
+def run(args: Any, engine_kwargs: dict, served_model_name: str) -> int:
+    """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
+    interrupted."""
+    start_ray(address=getattr(args, "ray_address", None))
+    serve.start(http_options={"host": args.host, "port": args.port})
+    served = served_model_name
+    ekw = dict(engine_kwargs)
+    ekw["device"] = "cpu" if ekw.get("device") == "auto" else ekw["device"]
+    app = build_app(
+        replicas=args.replicas,
+        engine_kwargs=ekw,
+        served_model_name=served,
+        model=args.model,
+        policy=args.router_policy,
+        replica_cpus=args.replica_cpus,
+    )
+    serve.run(app, name="radixkv", route_prefix="/", blocking=False)
+    print(
+        f"radixkv: serving {served!r} on {args.replicas} replicas ({args.router_policy} routing) at "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0

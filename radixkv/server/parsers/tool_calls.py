@@ -1,0 +1,225 @@
+"""Tool calls in the built-in (Hermes / Qwen) format, parsed out of model text, whole or as it
+streams.
+
+The format (written by :func:`radixkv.chat_template.format_tool_call`, described to the model by
+:func:`radixkv.chat_template.builtin_tools_block`, forced for ``tool_choice`` ``required`` /
+named by :func:`radixkv.server.openai.params.forced_calls`)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+* :func:`parse_tool_calls` splits a finished output into ``content`` (the text outside the calls)
+  and :class:`ToolCall` s. A block that is not a JSON object with a string ``name`` and an
+  object ``arguments`` (``parameters`` is accepted too) stays in the content, as does a block cut
+  off by the end of the output. Whitespace right before a call and right after one is dropped;
+  an output without calls keeps its text unchanged.
+* :class:`ToolCallStream` turns the growing text of a streamed output into OpenAI-shaped deltas:
+  content (holding back anything that could be the start of ``<tool_call>``), then per call one
+  delta with ``id`` and ``name`` and deltas of argument text. Joined, they equal what
+  :func:`parse_tool_calls` gives for the final text (the ``arguments`` string is the model's own
+  JSON text of the arguments, unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+__all__ = ["ToolCall", "ToolCallStream", "parse_tool_calls", "new_call_id"]
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_DECODER = json.JSONDecoder()
+
+
+def new_call_id() -> str:
+    """An OpenAI-style tool call id, ``call_`` and 24 hex digits."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+@dataclass
+class ToolCall:
+    """One parsed call: ``arguments`` is JSON text (an object)."""
+
+    name: str
+    arguments: str
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            self.id = new_call_id()
+
+
+@dataclass
+class _Partial:
+    """A call as far as the text goes: ``name`` once known, ``args`` the argument text that is
+    certain, ``complete`` once its closing tag arrived and it parsed."""
+
+    name: Optional[str]
+    args: str
+    complete: bool
+
+
+def _parse_call(body: str) -> Optional[ToolCall]:
+    """A complete block's call, or None when it is not a valid call."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = "arguments" if "arguments" in obj else "parameters"
+    args = obj.get(key, {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    m = _HEAD.match(body)
+    if m is not None:
+        try:
+            value, end = _DECODER.raw_decode(body, m.end())
+        except json.JSONDecodeError:
+            value = None
+        if isinstance(value, dict):
+            return ToolCall(obj["name"], body[m.end() : end])
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _args_prefix(region: str) -> str:
+    """The certain prefix of a JSON object's text that has not necessarily ended: everything up
+    to its closing brace, or all of it while it is open."""
+    if not region.startswith("{"):
+        return ""
+    depth, in_str, esc = 0, False, False
+    for i, ch in enumerate(region):
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return region[: i + 1]
+    return region
+
+
+def _partial_call(body: str) -> _Partial:
+    m = _HEAD.match(body)
+    if m is None:
+        return _Partial(None, "", False)
+    return _Partial(json.loads(m.group(1)), _args_prefix(body[m.end() :]), False)
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
+
+
+def _after_call(parts: list[str], text: str) -> str:
+    """Text that follows a call: on a new line when content came before."""
+    return "\n" + text if text and any(parts) else text
+
+
+def _scan(text: str, final: bool) -> tuple[str, list[Any]]:
+    """(content that is certain, calls) of ``text``; when not ``final`` the last call may be a
+    :class:`_Partial` and trailing text that could still change is held back."""
+    parts: list[str] = []
+    calls: list[Any] = []
+    pos = 0
+    while True:
+        k = text.find(TOOL_CALL_OPEN, pos)
+        start = k + len(TOOL_CALL_OPEN)
+        j = text.find(TOOL_CALL_CLOSE, start) if k >= 0 else -1
+        if k < 0 or (j < 0 and final):  # no further call (a block cut off by the end stays text)
+            tail = text[pos:].lstrip() if calls else text[pos:]
+            if not final:
+                tail = tail[: len(tail) - _held_prefix(tail, TOOL_CALL_OPEN)].rstrip()
+            parts.append(_after_call(parts, tail) if calls else tail)
+            break
+        before = text[pos:k]
+        call = _parse_call(text[start:j]) if j >= 0 else None
+        if j >= 0 and call is None:  # not a call: the block stays text, as does what came before
+            block = before + text[k : j + len(TOOL_CALL_CLOSE)]
+            parts.append(_after_call(parts, block.lstrip()) if calls else block)
+            pos = j + len(TOOL_CALL_CLOSE)
+            continue
+        parts.append(_after_call(parts, before.strip()) if calls else before.rstrip())
+        if j < 0:
+            calls.append(_partial_call(text[start:]))
+            break
+        calls.append(call)
+        pos = j + len(TOOL_CALL_CLOSE)
+    return "".join(parts), calls
+
+
+def parse_tool_calls(text: str) -> tuple[Optional[str], list[ToolCall]]:
+    """(content, calls) of a finished output. ``content`` is None when only calls remain;
+    without calls it is ``text`` unchanged."""
+    content, calls = _scan(text, final=True)
+    if not calls:
+        return text, []
+    return (content or None), calls
+
+
+class ToolCallStream:
+    """Incremental :func:`parse_tool_calls` for one streamed choice.
+
+    :meth:`update` takes the choice's cumulative text each time and returns the new deltas:
+    ``("content", text)``, ``("call", index, id, name)`` (first for each call) and
+    ``("args", index, text)``.
+    """
+
+    def __init__(self) -> None:
+        self.content = ""  # content sent so far
+        self.calls: list[tuple[str, int]] = []  # (id, argument chars sent) per started call
+
+    @property
+    def num_calls(self) -> int:
+        """Calls started so far."""
+        return len(self.calls)
+
+    def update(self, text: str, final: bool) -> list[tuple]:
+        """Deltas for cumulative ``text`` (``final``: the output has finished)."""
+        content, calls = _scan(text, final)
+        if final and not calls:
+            content = text
+        events: list[tuple] = []
+        if len(content) > len(self.content) and content.startswith(self.content):
+            events.append(("content", content[len(self.content) :]))
+            self.content = content
+        for i, c in enumerate(calls):
+            name = c.name
+            args = c.arguments if isinstance(c, ToolCall) else c.args
+            if name is None:
+                break
+            if i == len(self.calls):
+                call_id = c.id if isinstance(c, ToolCall) else new_call_id()
+                self.calls.append((call_id, 0))
+                events.append(("call", i, call_id, name))
+            call_id, sent = self.calls[i]
+            if len(args) > sent:
+                events.append(("args", i, args[sent:]))
+                self.calls[i] = (call_id, len(args))
+        return events
+
+    def call_ids(self) -> list[str]:
+        """The ids given to the calls streamed so far (in order)."""
+        return [cid for cid, _ in self.calls]

@@ -1,0 +1,59 @@
+"""``radixkv serve --log-requests FILE``: every completions / chat completions request body,
+appended to FILE as one JSON line, in the trace format ``radixkv explain`` reads
+(:mod:`radixkv.obs.trace`).
+
+A pure ASGI middleware: it passes the request through untouched, copying the body chunks as the
+app reads them, and writes the body once it is complete, before the answer starts (so a trace
+holds the requests in the order they were read). Bodies that are not a JSON object are not
+logged (the app answers them with a 400 anyway).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from radixkv.obs.trace import TraceWriter
+
+__all__ = ["RequestLogMiddleware", "LOGGED_PATHS"]
+
+LOGGED_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+class RequestLogMiddleware:
+    """ASGI middleware logging request bodies of :data:`LOGGED_PATHS` to ``writer``.
+
+    Args:
+        app: the ASGI app.
+        writer: a :class:`~radixkv.obs.trace.TraceWriter` (thread-safe, one line per body).
+    """
+
+    def __init__(self, app: Callable, writer: TraceWriter) -> None:
+        self.app = app
+        self.writer = writer
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> Any:
+        if scope.get("type") != "http" or scope.get("method") != "POST" or scope.get("path") not in LOGGED_PATHS:
+            return await self.app(scope, receive, send)
+        chunks: list[bytes] = []
+        done = False
+
+        async def logging_receive() -> dict:
+            nonlocal done
+            message = await receive()
+            if not done and message.get("type") == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    done = True
+                    self._log(b"".join(chunks))
+            return message
+
+        return await self.app(scope, logging_receive, send)
+
+    def _log(self, raw: bytes) -> None:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return
+        if isinstance(body, dict):
+            self.writer.write(body)

@@ -1,0 +1,329 @@
+"""Cache-only replay: a trace of token sequences through the engine's own KV manager, no model.
+
+Each request, in arrival order, runs to completion before the next one arrives, and goes through
+exactly the slot path the engine uses for it (:class:`~radixkv.engine.kv_manager.KVManager`
+over a real prefix cache and :class:`~radixkv.memory.allocator.SlotAllocator`): ``lock_prefix``
+(the match of all prompt tokens but the last) -> the cache outcome
+(:class:`~radixkv.engine.outcome.OutcomeTracker`, the same classifier as the engine's) ->
+``reserve`` + ``admit`` of the first prefill chunk (evicting least-recently-used unlocked
+prefixes when the pool is short) -> ``grow`` + ``hand_over`` of each chunk -> decode pages ->
+``release`` (the computed tokens, all but the last generated one, go into the cache, the rest
+is freed). So a replay gives the same cached tokens, outcomes and evictions as the engine fed
+the same requests one at a time (tests/test_sim.py checks it). The
+simulator's :attr:`CacheSimulator.events` carries the same cache events as an engine's, so
+observers (the explainer, a router model) subscribe the same way.
+
+Hit rate = cached prompt tokens / prompt tokens of the served requests. A request longer than the
+whole pool is skipped (counted in ``skipped``). Slot conservation and the cache's own invariants
+are checked at the end of every :meth:`CacheSimulator.run`.
+
+Policies (:data:`POLICIES`, extended by the eviction and routing work): ``radix``
+(:class:`~radixkv.cache.radix_tree.RadixCache`), ``hash``
+(:class:`~radixkv.cache.hash_cache.HashBlockCache`), ``none``
+(:class:`~radixkv.cache.none.NoPrefixCache`); any other :class:`~radixkv.cache.base.PrefixCache`
+instance can be passed as ``cache``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+
+from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.cache.outcome import CAUSES, CacheOutcome
+from radixkv.engine.events import EventBus
+from radixkv.engine.kv_manager import KVManager
+from radixkv.engine.outcome import OutcomeTracker
+from radixkv.engine.request import Request
+from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.kv_pool import ReqToTokenPool
+from radixkv.sampling_params import SamplingParams
+
+__all__ = [
+    "POLICIES",
+    "make_cache",
+    "SimRequest",
+    "RequestResult",
+    "SimResult",
+    "CacheSimulator",
+    "simulate",
+    "capacity_bound",
+]
+
+POLICIES: dict[str, Callable[[int, str], Any]] = {
+    "radix": lambda page_size, hash_algo: RadixCache(page_size),
+    "hash": lambda page_size, hash_algo: HashBlockCache(page_size, hash_algo),
+    "none": lambda page_size, hash_algo: NoPrefixCache(page_size),
+}
+"""Policy name -> ``factory(page_size, hash_algo)`` building its prefix cache."""
+
+
+def make_cache(policy: str, page_size: int = 1, hash_algo: str = "builtin") -> Any:
+    """The prefix cache of ``policy`` (a key of :data:`POLICIES`).
+
+    Raises:
+        ValueError: unknown policy, or a bad ``page_size`` / ``hash_algo``.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}")
+    return POLICIES[policy](page_size, hash_algo)
+
+
+@dataclass
+class SimRequest:
+    """One request of a trace.
+
+    Attributes:
+        tokens: the prompt's token ids (non-empty).
+        reply: the token ids it generates (their K/V is cached when it finishes, all but the
+            last one's, as in the engine); empty: one token whose K/V is never computed.
+        namespace: its prefix-cache namespace.
+    """
+
+    tokens: Sequence[int]
+    reply: Sequence[int] = ()
+    namespace: Hashable = None
+
+
+@dataclass
+class RequestResult:
+    """What one request got: prompt tokens, cached tokens, its outcome (None when outcomes are
+    off or it was skipped), and whether it was served."""
+
+    index: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    outcome: Optional[CacheOutcome]
+    served: bool = True
+
+
+@dataclass
+class SimResult:
+    """The totals (and, unless ``keep_requests=False``, per-request results) of one replay."""
+
+    policy: str
+    page_size: int
+    capacity: int
+    requests: list = field(default_factory=list)
+    num_requests: int = 0
+    skipped: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evicted_tokens: int = 0
+    cache_tokens_end: int = 0
+    missed_by_cause: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Cached prompt tokens / prompt tokens (0 for an empty trace)."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens that had to be computed."""
+        return self.prompt_tokens - self.cached_tokens
+
+    def as_dict(self, requests: bool = False) -> dict:
+        """JSON-ready totals (per-request rows too when ``requests``)."""
+        out = dict(
+            policy=self.policy,
+            page_size=self.page_size,
+            capacity=self.capacity,
+            requests=self.num_requests,
+            skipped=self.skipped,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            prefill_tokens=self.prefill_tokens,
+            hit_rate=self.hit_rate,
+            evicted_tokens=self.evicted_tokens,
+            cache_tokens_end=self.cache_tokens_end,
+            missed_by_cause=dict(self.missed_by_cause),
+            seconds=round(self.seconds, 3),
+        )
+        if requests:
+            out["per_request"] = [
+                dict(
+                    index=r.index,
+                    prompt_tokens=r.num_prompt_tokens,
+                    cached_tokens=r.num_cached_tokens,
+                    served=r.served,
+                    outcome=None if r.outcome is None else r.outcome.as_dict(),
+                )
+                for r in self.requests
+            ]
+        return out
+
+
+def capacity_bound(requests: Sequence[SimRequest], page_size: int = 1) -> int:
+    """Slots that are never short for ``requests`` (each request adds at most its own tokens,
+    plus page rounding): what ``capacity=None`` ("infinite") means."""
+    return sum(len(r.tokens) + len(r.reply) for r in requests) + 2 * page_size * max(1, len(requests))
+
+
+class CacheSimulator:
+    """Replays requests through a prefix cache + slot allocator at a fixed capacity (module doc).
+
+    Args:
+        policy: a key of :data:`POLICIES` (ignored when ``cache`` is given; then its name is
+            ``type(cache).__name__``).
+        page_size: tokens per page (>= 1).
+        capacity: KV slots (tokens), floored to whole pages.
+        hash_algo: the ``hash`` policy's key function ("builtin" or "sha256"; same hit rates).
+        outcomes: classify every request (:mod:`radixkv.cache.outcome`).
+        cache: a prefix cache instance to use instead of ``policy``'s.
+        max_evicted_blocks: bound of the outcome tracker's evicted-block record.
+        chunked_prefill_size: prefill tokens per step, as the engine's option (default 2048,
+            the engine's CPU default; it decides when evictions happen under memory pressure).
+
+    Attributes:
+        kv: the :class:`~radixkv.engine.kv_manager.KVManager`.
+        events: its :class:`~radixkv.engine.events.EventBus` (cache events as in the engine).
+
+    Raises:
+        ValueError: bad policy, page size or capacity.
+    """
+
+    def __init__(
+        self,
+        policy: str = "radix",
+        page_size: int = 1,
+        capacity: int = 1 << 20,
+        hash_algo: str = "builtin",
+        outcomes: bool = True,
+        cache: Any = None,
+        max_evicted_blocks: int = 1 << 16,
+        chunked_prefill_size: int = 2048,
+    ) -> None:
+        if chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
+        self.chunk = chunked_prefill_size
+        if cache is None:
+            cache = make_cache(policy, page_size, hash_algo)
+        else:
+            policy = type(cache).__name__
+        page_size = cache.page_size
+        if not isinstance(capacity, int) or capacity < page_size:
+            raise ValueError(f"capacity must be an int >= page_size ({page_size}), got {capacity!r}")
+        capacity -= capacity % page_size
+        self.policy = policy
+        self.page_size = page_size
+        self.capacity = capacity
+        self.events = EventBus()
+        self._ctx = 4096
+        self.kv = KVManager(cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events)
+        self.tracker = OutcomeTracker(cache, self.events, max_evicted_blocks) if outcomes else None
+        self._params = SamplingParams()
+        self._n = 0
+
+    @property
+    def cache(self) -> Any:
+        """The prefix cache."""
+        return self.kv.cache
+
+    def serve(self, req: SimRequest) -> RequestResult:
+        """Serve one request to completion, through the engine's slot path step by step: the
+        first prefill chunk admitted on the locked prefix (``reserve``), every chunk handed to
+        the cache after it is computed (``hand_over``), each decode page made free when needed
+        (``ensure_free``, evicting one page's worth at a time as the engine does), ``release``.
+        A request whose prompt + reply is larger than the pool is not served.
+
+        Raises:
+            ValueError: an empty prompt.
+        """
+        tokens = list(req.tokens)
+        if not tokens:
+            raise ValueError("SimRequest.tokens is empty: a prompt needs at least 1 token")
+        reply = list(req.reply)
+        i = self._n
+        self._n += 1
+        kv = self.kv
+        n = len(tokens)
+        final = n + max(len(reply) - 1, 0)  # positions whose K/V gets computed
+        if kv.pages(final) > self.capacity:
+            return RequestResult(i, n, 0, None, served=False)
+        if final > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
+            self._ctx = max(final, 2 * self._ctx)
+            kv.req_to_token_pool = ReqToTokenPool(1, self._ctx)
+        r = Request(str(i), 0, tokens, self._params, req.namespace)
+        prefix = kv.lock_prefix(r)
+        if self.tracker is not None:
+            self.tracker.on_admit(r, prefix.length, ())
+        extend = min(n - prefix.length, self.chunk)
+        if not kv.reserve(kv.pages(prefix.length + extend) - prefix.length, 0):
+            raise AssertionError("a lone request that fits the pool could not be admitted")
+        kv.admit(r, prefix, prefix.length + extend)
+        r.kv_len = prefix.length + extend
+        kv.hand_over(r, r.kv_len)
+        while r.kv_len < n:  # the next prefill chunks
+            extend = min(n - r.kv_len, self.chunk)
+            if not kv.ensure_free(kv.pages(r.kv_len + extend) - len(r.slots)):
+                raise AssertionError("a lone request that fits the pool ran out of memory")
+            kv.grow(r, r.kv_len + extend)
+            r.kv_len += extend
+            kv.hand_over(r, r.kv_len)
+        r.output_token_ids = reply
+        while r.kv_len < final:  # decode: free pages first, then one page evicted at a time
+            room = len(r.slots) + kv.free_size()
+            if room >= final:
+                kv.grow(r, final)
+                r.kv_len = final
+                break
+            if room > r.kv_len:
+                kv.grow(r, room)
+                r.kv_len = room
+            if not kv.ensure_free(self.page_size):
+                raise AssertionError("a lone request that fits the pool ran out of memory")
+        kv.release(r)
+        return RequestResult(i, n, prefix.length, r.cache_outcome)
+
+    def run(self, requests: Iterable[SimRequest], keep_requests: bool = True) -> SimResult:
+        """Serve every request in order; returns the totals (and per-request results).
+
+        Raises:
+            AssertionError: slot conservation or a cache invariant broke (a bug).
+        """
+        res = SimResult(self.policy, self.page_size, self.capacity)
+        evicted0 = self.kv.evicted_tokens
+        missed = {c: 0 for c in CAUSES}
+        t0 = time.perf_counter()
+        for req in requests:
+            rr = self.serve(req)
+            if keep_requests:
+                res.requests.append(rr)
+            if not rr.served:
+                res.skipped += 1
+                continue
+            res.num_requests += 1
+            res.prompt_tokens += rr.num_prompt_tokens
+            res.cached_tokens += rr.num_cached_tokens
+            if rr.outcome is not None:
+                for c, t in rr.outcome.missed.items():
+                    missed[c] += t
+        res.seconds = time.perf_counter() - t0
+        res.evicted_tokens = self.kv.evicted_tokens - evicted0
+        res.cache_tokens_end = self.kv.cache.total_size()
+        res.missed_by_cause = {c: t for c, t in missed.items() if t} if self.tracker is not None else {}
+        self.kv.check_integrity(())
+        return res
+
+
+def simulate(
+    requests: Sequence[SimRequest],
+    policy: str = "radix",
+    page_size: int = 1,
+    capacity: Optional[int] = None,
+    hash_algo: str = "builtin",
+    outcomes: bool = True,
+    keep_requests: bool = True,
+    chunked_prefill_size: int = 2048,
+) -> SimResult:
+    """One replay of ``requests`` (a sequence) at ``capacity`` slots; None: enough that nothing
+    is ever evicted (:func:`capacity_bound`). See :class:`CacheSimulator`."""
+    if capacity is None:
+        capacity = capacity_bound(requests, page_size)
+    sim = CacheSimulator(
+        policy, page_size, max(capacity, page_size), hash_algo, outcomes, chunked_prefill_size=chunked_prefill_size
+    )
+    return sim.run(requests, keep_requests)

@@ -1,0 +1,471 @@
+"""Real agent clients against one real radixkv server (the default model on CPU, uvicorn on a free
+127.0.0.1 port in a thread of this process): the ``openai`` SDK (forced and parsed tool calls,
+streamed tool-call deltas, ``chat.completions.parse`` with a pydantic model, logprobs checked
+against transformers), ``openai-agents`` (an Agent with a function tool through
+``OpenAIChatCompletionsModel``), ``langchain-openai`` (``bind_tools``, ``with_structured_output``)
+and ``litellm`` (tools, a pydantic ``response_format``).
+
+Greedy decoding and small ``max_tokens`` keep the module short; everything a tool call produces
+is checked against the function's JSON schema with the ``jsonschema`` package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no cost-map download at import
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+
+from radixkv.async_llm import AsyncLLM  # noqa: E402
+from radixkv.chat_template import encode_chat  # noqa: E402
+from radixkv.server.app import create_app  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+MODEL = "smollm2-135m"
+SYSTEM = "You are a helpful assistant. Use the tools when they help."
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "The city, e.g. Paris"},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+class Person(BaseModel):
+    name: str
+    age: int = Field(ge=0, le=120)  # bounded: greedy, the tiny model would write 1000000... forever
+    role: Literal["engineer", "doctor", "teacher"]
+
+
+class Server:
+    """uvicorn serving the app on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    engine = Engine(
+        EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384), loaded_model=default_model
+    )
+    a = AsyncLLM(engine=engine)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    s = Server(create_app(llm, served_model_name=MODEL))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def ask(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def check_call(call, names=None) -> dict:
+    """A parsed tool call: OpenAI's shape, a known function, arguments valid under its schema."""
+    assert call.type == "function" and call.id.startswith("call_") and len(call.id) > 5
+    assert call.function.name in (names or SCHEMAS)
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, SCHEMAS[call.function.name])
+    return args
+
+
+def assert_idle(llm: AsyncLLM) -> None:
+    deadline = time.time() + 60
+    while asyncio.run(llm.num_unfinished_requests()):
+        assert time.time() < deadline
+        time.sleep(0.05)
+    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))
+    stats = llm.get_cache_stats()
+    assert stats["free"] + stats["evictable"] == stats["capacity"] and stats["protected"] == 0, stats
+
+
+# ---------------------------------------------------------------------------------- openai SDK
+
+
+def test_openai_required_and_named_tool_calls(client, llm):
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("What is the weather in Paris?"), tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=64,
+    )  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0])
+    # named: this function, whatever the question
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("What is 2 plus 3?"), tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}}, temperature=0, max_tokens=64,
+    )  # fmt: skip
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "add" and r.choices[0].finish_reason == "tool_calls"
+    check_call(call, ["add"])
+    # required with parallel calls allowed, sampled: every call is valid
+    r = client.chat.completions.create(
+        model=MODEL, messages=ask("Weather in Rome and in Oslo?"), tools=TOOLS, tool_choice="required",
+        temperature=1.0, seed=5, max_tokens=160, n=2,
+    )  # fmt: skip
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls
+        for call in choice.message.tool_calls:
+            check_call(call)
+    assert_idle(llm)
+
+
+def test_openai_streamed_tool_call_deltas_reassemble_to_the_same_call(client, llm):
+    kwargs = dict(
+        model=MODEL, messages=ask("What is the weather in Berlin?"), tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=64,
+    )  # fmt: skip
+    plain = client.chat.completions.create(**kwargs)
+    (want,) = plain.choices[0].message.tool_calls
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    deltas = [c.delta for c in chunks]
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["tool_calls"]
+    parts = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(parts) >= 2  # a first delta with id and name, then argument fragments
+    first, rest = parts[0], parts[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in rest)
+    arguments = (first.function.arguments or "") + "".join(p.function.arguments or "" for p in rest)
+    assert arguments == want.function.arguments  # greedy: the same call as the non-streamed one
+    check_call(want)
+    # the SDK's own stream accumulator builds the same message
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion()
+    (got,) = final.choices[0].message.tool_calls
+    assert (got.function.name, got.function.arguments) == (want.function.name, want.function.arguments)
+    assert_idle(llm)
+
+
+def test_openai_auto_tool_calls_are_parsed_from_the_output(client, llm):
+    """``auto``: the model's text is parsed; the tiny model rarely calls on its own, so a regex on
+    the same request makes it write content and a call in the built-in format."""
+    forced = r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Lyon", "unit": "celsius"\}\}\n</tool_call>'
+    kwargs = dict(model=MODEL, messages=ask("Weather in Lyon?"), tools=TOOLS, tool_choice="auto", temperature=0,
+                  max_tokens=64, extra_body={"regex": forced})  # fmt: skip
+    r = client.chat.completions.create(**kwargs)
+    msg = r.choices[0].message
+    assert msg.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
+    (call,) = msg.tool_calls
+    assert check_call(call) == {"city": "Lyon", "unit": "celsius"}
+    chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    content = "".join(c.delta.content or "" for c in chunks)
+    assert content == "Let me check."  # nothing of the tag leaked into the content
+    calls = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    assert "".join(tc.function.arguments or "" for tc in calls) == call.function.arguments
+    assert chunks[-1].finish_reason == "tool_calls"
+    # tool_choice none: the same text stays text
+    r = client.chat.completions.create(**{**kwargs, "tool_choice": "none"})
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+    assert_idle(llm)
+
+
+def test_openai_tool_loop_extends_the_prompt_and_hits_the_cache(client, llm):
+    messages = ask("What is the weather in Madrid?")
+    turn1 = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        temperature=0, max_tokens=64,
+    )  # fmt: skip
+    (call,) = turn1.choices[0].message.tool_calls
+    messages = messages + [
+        turn1.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21, "sky": "clear"})},
+    ]
+    turn2 = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=16)
+    print(f"tool loop: turn 1 prompt {turn1.usage.prompt_tokens} tokens; turn 2 prompt {turn2.usage.prompt_tokens}, "
+          f"cached {turn2.usage.prompt_tokens_details.cached_tokens}")  # fmt: skip
+    assert turn2.usage.prompt_tokens_details.cached_tokens >= turn1.usage.prompt_tokens
+    # turn 2 is `auto` (free text; a call the model starts is held to its schema)
+    for c in turn2.choices[0].message.tool_calls or []:
+        check_call(c)
+    # the rendering is deterministic and turn 1's prompt is a token prefix of turn 2's
+    ids1 = encode_chat(llm.tokenizer, ask("What is the weather in Madrid?"), tools=TOOLS)
+    ids2 = encode_chat(llm.tokenizer, messages, tools=TOOLS)
+    assert ids2[: len(ids1)] == ids1 and len(ids1) == turn1.usage.prompt_tokens
+    assert encode_chat(llm.tokenizer, messages, tools=TOOLS) == ids2
+    assert len(ids2) == turn2.usage.prompt_tokens
+    assert_idle(llm)
+
+
+def test_openai_parse_with_a_pydantic_model_is_valid_for_every_seed(server, llm):
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def one(seed: int):
+        r = await aclient.chat.completions.parse(
+            model=MODEL, messages=ask("Invent a person: a name, an age and a job."), response_format=Person,
+            temperature=1.0, seed=seed, max_tokens=96,
+        )  # fmt: skip
+        return r.choices[0]
+
+    async def all_seeds():
+        try:
+            return await asyncio.gather(*(one(s) for s in range(10)))  # batched together by the engine
+        finally:
+            await aclient.close()
+
+    for choice in asyncio.run(all_seeds()):
+        assert choice.finish_reason == "stop", choice
+        assert isinstance(choice.message.parsed, Person), choice.message.content
+    assert_idle(llm)
+
+
+def _reference_logprobs(hf_default, prompt_ids: list[int], output_ids: list[int]):
+    """float64 log-softmax of transformers' logits at each output position."""
+    import torch
+
+    ids = torch.tensor([prompt_ids + output_ids])
+    with torch.no_grad():
+        logits = hf_default(ids).logits[0].double()
+    return logits.log_softmax(-1)[len(prompt_ids) - 1 : len(prompt_ids) + len(output_ids) - 1]
+
+
+def test_openai_logprobs_match_transformers(client, llm, hf_default):
+    tok = llm.tokenizer
+    messages = ask("Name a color.")
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, logprobs=True, top_logprobs=5
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    out_ids = [_token_id(tok, bytes(e.bytes)) for e in content]  # the generated ids, from their bytes
+    prompt_ids = encode_chat(tok, messages)
+    ref = _reference_logprobs(hf_default, prompt_ids, out_ids)
+    for j, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(ref[j, out_ids[j]].item(), abs=1e-4)
+        top_vals, top_ids = ref[j].topk(5)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top_vals.tolist(), abs=1e-4)
+        assert [_token_id(tok, bytes(t.bytes)) for t in entry.top_logprobs] == top_ids.tolist()
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)  # greedy: the top token
+    # every generated token has an entry, the end-of-turn token that stopped it included
+    texts = [e.token for e in content]
+    if r.choices[0].finish_reason == "stop":
+        assert out_ids[-1] == tok.eos_token_id and texts[-1] == tok.decode([out_ids[-1]])
+        texts = texts[:-1]
+    assert "".join(texts) == r.choices[0].message.content
+    # streamed: the same entries, chunk by chunk
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=8, logprobs=True, top_logprobs=5, stream=True
+    )
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    # (this request's prompt came from the prefix cache, a different float path: equal to 1e-4)
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+    # completions: logprobs=3, non-streamed and streamed, and echo with the prompt's own logprobs
+    prompt = "The capital of France is"
+    p_ids = tok.encode(prompt, add_special_tokens=False)
+    c = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5, logprobs=3)
+    lp = c.choices[0].logprobs
+    c_ids = tok.encode(c.choices[0].text, add_special_tokens=False)
+    assert [tok.decode([i]) for i in c_ids] == lp.tokens  # the text re-encodes to the generated tokens
+    ref = _reference_logprobs(hf_default, p_ids, c_ids)
+    assert len(lp.tokens) == len(c_ids) == c.usage.completion_tokens
+    for j in range(len(c_ids)):
+        assert lp.token_logprobs[j] == pytest.approx(ref[j, c_ids[j]].item(), abs=1e-4)
+        assert len(lp.top_logprobs[j]) == 3  # the greedy token is the top one
+        assert sorted(lp.top_logprobs[j].values(), reverse=True) == pytest.approx(
+            ref[j].topk(3).values.tolist(), abs=1e-4
+        )
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    s = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=5, logprobs=3, stream=True)
+    s_tokens = [(t, v) for ch in s if ch.choices and ch.choices[0].logprobs
+                for t, v in zip(ch.choices[0].logprobs.tokens, ch.choices[0].logprobs.token_logprobs)]  # fmt: skip
+    assert [t for t, _ in s_tokens] == lp.tokens
+    assert [v for _, v in s_tokens] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    e = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=2, logprobs=1, echo=True)
+    elp = e.choices[0].logprobs
+    assert e.choices[0].text.startswith(prompt) and elp.token_logprobs[0] is None
+    ref_p = _reference_logprobs(hf_default, p_ids[:1], p_ids[1:])
+    for j in range(1, len(p_ids)):
+        assert elp.token_logprobs[j] == pytest.approx(ref_p[j - 1, p_ids[j]].item(), abs=1e-4)
+    assert_idle(llm)
+
+
+def _token_id(tok, raw: bytes) -> int:
+    """The byte-level BPE token whose bytes are ``raw`` (GPT-2's byte-to-unicode table, as
+    transformers has it)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    table = bytes_to_unicode()
+    tid = tok.convert_tokens_to_ids("".join(table[b] for b in raw))
+    assert tid is not None and tid != tok.unk_token_id, raw
+    return tid
+
+
+# ---------------------------------------------------------------------------------- openai-agents
+
+
+def test_openai_agents_function_tool_runs_and_the_run_ends(server, llm):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        RunConfig,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    seen: list[dict] = []
+
+    @function_tool
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Get the current weather in a city.
+
+        Args:
+            city: The city, e.g. Paris.
+            unit: The temperature unit.
+        """
+        seen.append({"city": city, "unit": unit})
+        return f"It is sunny and 21 degrees {unit} in {city}."
+
+    aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    agent = Agent(
+        name="weather",
+        instructions=SYSTEM,
+        tools=[get_weather],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=aclient),
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+        # tool_choice "required" forces a call on every turn, so the agent would loop; stopping on
+        # the first tool's result makes that result the run's final output
+        tool_use_behavior="stop_on_first_tool",
+    )
+
+    # output_type: the agent's final output is a parsed Person (a json_schema response_format)
+    typed = Agent(
+        name="inventor",
+        instructions="Invent a person.",
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=aclient),
+        model_settings=ModelSettings(temperature=0, max_tokens=96),
+        output_type=Person,
+    )
+
+    async def run():
+        try:
+            config = RunConfig(tracing_disabled=True)
+            tool_run = await Runner.run(agent, "What is the weather in Paris?", max_turns=3, run_config=config)
+            typed_run = await Runner.run(typed, "Invent a person with a name, age and job.", run_config=config)
+            return tool_run, typed_run
+        finally:
+            await aclient.close()
+
+    result, typed_result = asyncio.run(run())
+    assert len(seen) == 1 and seen[0]["unit"] in ("celsius", "fahrenheit") and seen[0]["city"]
+    assert result.final_output == f"It is sunny and 21 degrees {seen[0]['unit']} in {seen[0]['city']}."
+    assert isinstance(typed_result.final_output, Person)
+    assert_idle(llm)
+
+
+# ---------------------------------------------------------------------------------- langchain-openai
+
+
+def test_langchain_bind_tools_and_structured_output(server, llm):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    chat = ChatOpenAI(model=MODEL, base_url=server.base_url + "/v1", api_key="unused", temperature=0, max_tokens=64,
+                      max_retries=0)  # fmt: skip
+    msg = chat.bind_tools([add], tool_choice="required").invoke("What is 2 plus 3?")
+    (call,) = msg.tool_calls
+    assert call["name"] == "add" and call["id"].startswith("call_")
+    jsonschema.validate(call["args"], SCHEMAS["add"])
+    assert add.invoke(call["args"]) == call["args"]["a"] + call["args"]["b"]
+    for method in ("json_schema", "function_calling"):
+        person = chat.with_structured_output(Person, method=method).invoke("Invent a person with a name, age and job.")
+        assert isinstance(person, Person), (method, person)
+    assert_idle(llm)
+
+
+# ---------------------------------------------------------------------------------- litellm
+
+
+def test_litellm_tools_and_pydantic_response_format(server, llm):
+    import litellm
+
+    litellm.telemetry = False
+    common = dict(model=f"openai/{MODEL}", api_base=server.base_url + "/v1", api_key="unused", temperature=0,
+                  max_tokens=64)  # fmt: skip
+    r = litellm.completion(messages=ask("What is the weather in Tokyo?"), tools=TOOLS, tool_choice="required", **common)
+    assert r.choices[0].finish_reason == "tool_calls"
+    for call in r.choices[0].message.tool_calls:
+        assert call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    r = litellm.completion(messages=ask("Invent a person with a name, age and job."), response_format=Person, **common)
+    Person.model_validate_json(r.choices[0].message.content)
+    assert_idle(llm)

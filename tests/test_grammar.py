@@ -1,0 +1,543 @@
+"""Structured outputs on the default model (xgrammar): 20 JSON schemas sampled at temperature 1
+end with "stop" and validate with ``jsonschema``; regex outputs fullmatch, choices are one of the
+choices, EBNF and json_object hold; free greedy rows in the same batch are unchanged token for
+token; a grammar that is still compiling delays no other row (seen through engine events); n > 1
+samples each have their own matcher; tool calls through a structural tag parse and validate; bad
+constraints are refused with xgrammar's message before anything enters the engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+
+import jsonschema
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixkv import LLM, SamplingParams  # noqa: E402
+from radixkv.engine import RequestAdmitted, RequestFinished, StepFinished  # noqa: E402
+from radixkv.errors import RequestError  # noqa: E402
+from radixkv.sampling.grammar import tool_call_structural_tag  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+SCHEMAS = [
+    # 1 flat object, required fields
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    # 2 enum + boolean
+    {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+        "required": ["color", "bright"],
+        "additionalProperties": False,
+    },
+    # 3 array of strings with bounds
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 4}
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    # 4 nested object
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 1}, "email": {"type": "string", "maxLength": 40}},
+                "required": ["id", "email"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    # 5 numbers with ranges
+    {
+        "type": "object",
+        "properties": {
+            "lat": {"type": "number", "minimum": -90, "maximum": 90},
+            "lon": {"type": "number", "minimum": -180, "maximum": 180},
+        },
+        "required": ["lat", "lon"],
+        "additionalProperties": False,
+    },
+    # 6 array of objects
+    {
+        "type": "object",
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 12},
+                        "qty": {"type": "integer", "minimum": 0, "maximum": 99},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["items"],
+        "additionalProperties": False,
+    },
+    # 7 string pattern
+    {
+        "type": "object",
+        "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}},
+        "required": ["date"],
+        "additionalProperties": False,
+    },
+    # 8 optional fields (only some required)
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "maxLength": 30},
+            "year": {"type": "integer"},
+            "rating": {"type": "number"},
+        },
+        "required": ["title"],
+        "additionalProperties": False,
+    },
+    # 9 nullable via anyOf
+    {
+        "type": "object",
+        "properties": {"nickname": {"anyOf": [{"type": "string", "maxLength": 15}, {"type": "null"}]}},
+        "required": ["nickname"],
+        "additionalProperties": False,
+    },
+    # 10 const + enum of numbers
+    {
+        "type": "object",
+        "properties": {"version": {"const": 2}, "level": {"enum": [1, 2, 3]}},
+        "required": ["version", "level"],
+        "additionalProperties": False,
+    },
+    # 11 top-level array
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1000}, "minItems": 2, "maxItems": 5},
+    # 12 deeper nesting
+    {
+        "type": "object",
+        "properties": {
+            "a": {
+                "type": "object",
+                "properties": {
+                    "b": {
+                        "type": "object",
+                        "properties": {"c": {"type": "string", "maxLength": 10}},
+                        "required": ["c"],
+                        "additionalProperties": False,
+                    }
+                },
+                "required": ["b"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    # 13 $defs / $ref
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"],
+        "additionalProperties": False,
+    },
+    # 14 boolean flags
+    {
+        "type": "object",
+        "properties": {"done": {"type": "boolean"}, "urgent": {"type": "boolean"}, "archived": {"type": "boolean"}},
+        "required": ["done", "urgent", "archived"],
+        "additionalProperties": False,
+    },
+    # 15 string length bounds
+    {
+        "type": "object",
+        "properties": {"code": {"type": "string", "minLength": 3, "maxLength": 6}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+    # 16 array of enums, unique
+    {
+        "type": "object",
+        "properties": {
+            "days": {
+                "type": "array",
+                "items": {"enum": ["mon", "tue", "wed", "thu", "fri"]},
+                "minItems": 1,
+                "maxItems": 3,
+            }
+        },
+        "required": ["days"],
+        "additionalProperties": False,
+    },
+    # 17 integer bounds + exclusive
+    {
+        "type": "object",
+        "properties": {
+            "percent": {"type": "integer", "minimum": 0, "maximum": 100},
+            "score": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+        },
+        "required": ["percent", "score"],
+        "additionalProperties": False,
+    },
+    # 18 oneOf of objects
+    {
+        "type": "object",
+        "properties": {
+            "shape": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+                        "required": ["kind", "r"],
+                        "additionalProperties": False,
+                    },
+                    {
+                        "type": "object",
+                        "properties": {"kind": {"const": "square"}, "side": {"type": "number"}},
+                        "required": ["kind", "side"],
+                        "additionalProperties": False,
+                    },
+                ]
+            }
+        },
+        "required": ["shape"],
+        "additionalProperties": False,
+    },
+    # 19 map-like object with patternless additionalProperties of integers
+    {
+        "type": "object",
+        "properties": {"counts": {"type": "object", "additionalProperties": {"type": "integer"}, "maxProperties": 3}},
+        "required": ["counts"],
+        "additionalProperties": False,
+    },
+    # 20 mixed: string enum, array of numbers, nested optional
+    {
+        "type": "object",
+        "properties": {
+            "status": {"enum": ["ok", "error"]},
+            "values": {"type": "array", "items": {"type": "number"}, "maxItems": 4},
+            "meta": {
+                "type": "object",
+                "properties": {"source": {"type": "string", "maxLength": 20}},
+                "additionalProperties": False,
+            },
+        },
+        "required": ["status", "values"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    return LLM(device="cpu", loaded_model=default_model, max_total_tokens=16384)
+
+
+def chat(llm, text):
+    return llm.tokenizer.encode(llm.render_chat([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
+def assert_idle(llm):
+    llm.engine.check_integrity()
+    s = llm.cache_stats()
+    assert s["protected"] == 0 and s["running"] == 0 and s["waiting"] == 0
+    assert s["free"] + s["evictable"] == s["capacity"]
+
+
+def test_twenty_schemas_at_temperature_one_stop_and_validate(llm):
+    assert len({json.dumps(s) for s in SCHEMAS}) == 20
+    prompts = [
+        chat(llm, "Reply with only a JSON value that follows this JSON schema:\n" + json.dumps(s)) for s in SCHEMAS
+    ]
+    params = [
+        SamplingParams(temperature=1.0, seed=100 + i, max_tokens=512, json_schema=s) for i, s in enumerate(SCHEMAS)
+    ]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    reasons = [o.outputs[0].finish_reason for o in outs]
+    assert sum(r == "stop" for r in reasons) >= 19, reasons
+    for schema, o in zip(SCHEMAS, outs):
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema)
+            assert c.token_ids[-1] in llm.engine.eos_token_ids  # the grammar ended, then EOS
+    assert llm.engine.grammars.num_compiles >= 20
+    assert_idle(llm)
+
+
+REGEXES = [
+    r"\(\d{3}\) \d{3}-\d{4}",
+    r"\d{4}-\d{2}-\d{2}",
+    r"[A-Z][a-z]{1,10}( [A-Z][a-z]{1,10})?",
+    r"(yes|no), because [a-z ]{3,30}\.",
+]
+CHOICES = [["positive", "negative", "neutral"], ['say "hi"', "back\\slash", "café", "tab\there"]]
+EBNF = 'root ::= "The answer is " digit digit? "."\ndigit ::= [0-9]'
+
+
+def test_regex_choice_ebnf_json_object_beside_free_greedy_rows(llm):
+    eng = llm.engine
+    free_prompts = [chat(llm, "Name three prime numbers."), chat(llm, "What is the capital of France?")]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    solo = [llm.generate(prompt_token_ids=[p], sampling_params=greedy, use_tqdm=False)[0] for p in free_prompts]
+    cons = [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=64, regex=r) for i, r in enumerate(REGEXES)]
+    cons += [SamplingParams(temperature=1.0, seed=20 + i, max_tokens=64, choice=c) for i, c in enumerate(CHOICES)]
+    cons += [SamplingParams(temperature=1.0, seed=30, max_tokens=64, grammar=EBNF)]
+    cons += [SamplingParams(temperature=0.7, seed=31, max_tokens=128, json_object=True)]
+    for p in cons:  # compiled before the batch, so constrained and free rows are admitted together
+        eng.grammars.compile(p.structured_output).result()
+    steps = []
+    unsub = eng.events.subscribe(steps.append, kinds=(StepFinished,))
+    prompt = chat(llm, "Answer with a short phrase.")
+    outs = llm.generate(
+        prompt_token_ids=[free_prompts[0]] + [prompt] * len(cons) + [free_prompts[1]],
+        sampling_params=[greedy] + cons + [greedy],
+        use_tqdm=False,
+    )
+    unsub()
+    ids = {o.request_id for o in outs}
+    free_ids = {outs[0].request_id, outs[-1].request_id}
+    mixed = [s for s in steps if {r for r, _ in s.samples} & free_ids and len({r for r, _ in s.samples} & ids) > 2]
+    assert len(mixed) >= 10  # the free rows decoded beside constrained rows
+    for o, ref in zip([outs[0], outs[-1]], solo):
+        assert o.outputs[0].token_ids == ref.outputs[0].token_ids  # unchanged token for token
+    texts = [o.outputs[0] for o in outs[1:-1]]
+    for c, r in zip(texts[: len(REGEXES)], REGEXES):
+        assert c.finish_reason == "stop" and re.fullmatch(r, c.text), (r, c.text)
+    for c, ch in zip(texts[len(REGEXES) : len(REGEXES) + len(CHOICES)], CHOICES):
+        assert c.finish_reason == "stop" and c.text in ch, (ch, c.text)
+    assert texts[-2].finish_reason == "stop" and re.fullmatch(r"The answer is [0-9][0-9]?\.", texts[-2].text)
+    if texts[-1].finish_reason == "stop":
+        assert isinstance(json.loads(texts[-1].text), dict)
+    assert_idle(llm)
+
+
+def test_a_compiling_grammar_delays_no_other_row(llm):
+    """The constrained request waits outside the scheduler while its grammar compiles (held
+    here by a gate, not a timer); the free request is admitted, steps and finishes meanwhile."""
+    eng = llm.engine
+    backend = eng.grammars
+    gate = threading.Event()
+    compile_fn = backend._compile
+
+    def gated(grammar):
+        gate.wait(120)
+        return compile_fn(grammar)
+
+    schema = {"type": "object", "properties": {"held": {"type": "integer"}}, "required": ["held"]}
+    events = []
+    unsub = eng.events.subscribe(events.append, kinds=(RequestAdmitted, StepFinished, RequestFinished))
+    backend._compile = gated
+    try:
+        slow = eng.add_request(
+            chat(llm, "Give a JSON object."), SamplingParams(temperature=0, max_tokens=32, json_schema=schema)
+        )
+        fast = eng.add_request(chat(llm, "Say hello."), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        done = {}
+        while fast not in done:
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        assert slow not in done and len(done[fast].outputs[0].token_ids) == 6
+        admitted = [e.request_id for e in events if isinstance(e, RequestAdmitted)]
+        stepped = [e for e in events if isinstance(e, StepFinished)]
+        assert admitted == [fast]
+        assert len(stepped) == 6 and all({r for r, _ in e.samples} == {fast} for e in stepped)
+        assert [e.request_id for e in events if isinstance(e, RequestFinished)] == [fast]
+        assert eng.has_unfinished_requests()
+        gate.set()
+        while slow not in done:
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+    finally:
+        backend._compile = compile_fn
+        gate.set()
+        unsub()
+    admitted = [e.request_id for e in events if isinstance(e, RequestAdmitted)]
+    assert admitted == [fast, slow]
+    c = done[slow].outputs[0]
+    assert c.finish_reason == "stop" and isinstance(json.loads(c.text)["held"], int)
+    assert_idle(llm)
+
+
+def test_n_samples_have_their_own_matchers_and_tool_calls_validate(llm):
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather of a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string", "maxLength": 30},
+                        "unit": {"enum": ["celsius", "fahrenheit"]},
+                    },
+                    "required": ["city", "unit"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "add",
+                "description": "Add two integers",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+    ]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    msgs = [
+        {"role": "system", "content": "You can call these tools: " + json.dumps(tools)},
+        {"role": "user", "content": "What is the weather in Paris, and what is 2 + 3?"},
+    ]
+    prompt = llm.tokenizer.encode(llm.render_chat(msgs), add_special_tokens=False)
+    params = [
+        SamplingParams(
+            n=3, temperature=1.0, seed=5, max_tokens=160, structural_tag=tool_call_structural_tag(tools, parallel=False)
+        ),
+        SamplingParams(
+            temperature=1.0,
+            seed=9,
+            max_tokens=160,
+            structural_tag=tool_call_structural_tag(tools, name="add", parallel=False),
+        ),
+        SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=96, json_schema=SCHEMAS[0]),
+    ]
+    outs = llm.generate(
+        prompt_token_ids=[prompt, prompt, chat(llm, "Describe a person as JSON.")],
+        sampling_params=params,
+        use_tqdm=False,
+    )
+    call = re.compile(r"<tool_call>\n(\{.*?\})\n</tool_call>", re.S)
+    for o, p in zip(outs[:2], params[:2]):
+        assert len(o.outputs) == p.n
+        for c in o.outputs:
+            assert c.finish_reason == "stop", c.text
+            calls = call.findall(c.text)
+            assert len(calls) == 1 and call.sub("", c.text) == ""
+            obj = json.loads(calls[0])
+            assert set(obj) == {"name", "arguments"} and obj["name"] in schemas
+            jsonschema.validate(obj["arguments"], schemas[obj["name"]])
+    assert json.loads(call.findall(outs[1].outputs[0].text)[0])["name"] == "add"
+    for c in outs[2].outputs:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.text), SCHEMAS[0])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field,message",
+    [
+        ({"json_schema": {"type": "objectx"}}, "json_schema", 'Unsupported type "objectx"'),
+        (
+            {"json_schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+            "json_schema",
+            "minimum greater than maximum",
+        ),
+        ({"regex": "(ab"}, "regex", "parenthesis is not closed"),
+        ({"grammar": "root ::= undefined_rule"}, "grammar", 'Rule "undefined_rule" is not defined'),
+        ({"structural_tag": {"type": "structural_tag", "format": {"type": "bogus"}}}, "structural_tag", "bogus"),
+    ],
+)
+def test_invalid_constraints_are_refused_before_the_engine(llm, kwargs, field, message):
+    eng = llm.engine
+    with pytest.raises(RequestError) as e:
+        eng.add_request([1, 2, 3], SamplingParams(**kwargs))
+    assert e.value.param == field and message in str(e.value) and "/project/" not in str(e.value)
+    assert not eng.has_unfinished_requests()
+    with pytest.raises(RequestError) as e:  # the LLM API refuses the whole batch
+        llm.generate(prompt_token_ids=[[1, 2], [3, 4]], sampling_params=[SamplingParams(), SamplingParams(**kwargs)])
+    assert e.value.param == field and not eng.has_unfinished_requests()
+
+
+def test_constraints_need_a_tokenizer_and_bias_ids_the_vocabulary():
+    from test_scheduler import make_engine
+
+    eng = make_engine()
+    with pytest.raises(RequestError) as e:
+        eng.add_request([1, 2, 3], SamplingParams(regex="a+"))
+    assert e.value.param == "regex"
+    with pytest.raises(RequestError) as e:
+        eng.add_request([1, 2, 3], SamplingParams(logit_bias={64: 1.0}))
+    assert e.value.param == "logit_bias" and "[0, 64)" in str(e.value)
+    with pytest.raises(RequestError) as e:
+        eng.add_request([1, 2, 3], SamplingParams(prompt_logprobs=1, logprob_start_len=3))
+    assert e.value.param == "logprob_start_len"
+    assert not eng.has_unfinished_requests()
+
+
+def test_async_llm_waits_for_compiles_without_spinning_and_refuses_bad_constraints(llm):
+    import asyncio
+
+    from radixkv.async_llm import AsyncLLM
+
+    prompt = chat(llm, "Is the sky blue? Answer yes or no.")
+
+    async def run(a):
+        with pytest.raises(RequestError) as e:
+            async for _ in a.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(regex="[a-")):
+                pass
+        assert e.value.param == "regex"
+        params = SamplingParams(temperature=1.0, seed=2, max_tokens=8, choice=["yes indeed", "no way", "unsure"])
+        last = None
+        async for out in a.generate(prompt_token_ids=prompt, sampling_params=params):
+            last = out
+        return last
+
+    with AsyncLLM(engine=llm.engine) as a:
+        out = asyncio.run(run(a))
+    assert out.finished and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text in ("yes indeed", "no way", "unsure")
+    assert_idle(llm)
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings_on_the_model(llm):
+    prompt = chat(llm, "Say hi.")
+    (ref,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=48))
+    ids = ref.outputs[0].token_ids
+    assert ref.outputs[0].finish_reason == "stop" and ids[-1] in llm.engine.eos_token_ids
+    k = len(ids)
+    stop = ref.outputs[0].text[:3]
+    outs = llm.generate(
+        prompt_token_ids=[prompt, prompt],
+        sampling_params=[
+            SamplingParams(temperature=0, max_tokens=48, min_tokens=k + 2),
+            SamplingParams(temperature=0, max_tokens=48, min_tokens=k + 2, stop=[stop]),
+        ],
+        use_tqdm=False,
+    )
+    for o in outs:
+        got = o.outputs[0].token_ids
+        assert got[: k - 1] == ids[: k - 1]  # the same greedy path until EOS would have come
+        assert len(got) >= k + 2 and not set(got[: k + 1]) & llm.engine.eos_token_ids
+    assert ref.outputs[0].text.startswith(stop) and not outs[1].outputs[0].text == ""
+    assert_idle(llm)

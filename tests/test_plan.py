@@ -1,0 +1,122 @@
+"""``radixkv plan``: KV bytes per token from config facts (MHA, GQA, MLA, sliding windows; float32,
+bf16/fp16, fp8), checked against the formulas by hand, against radixkv's own KV pool and the
+default model's real config.json; what fits after the weights; the 1M-token figures of
+docs/explain.md; and the hit rate vs KV memory of a trace."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from radixkv.memory.kv_pool import KVPool
+from radixkv.obs.architectures import ARCHITECTURES
+from radixkv.obs.plan import GB, KVSpec, hit_rate_curve, load_spec, memory_for_hit_rate, plan_memory
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize(
+    "model,kind,bf16",
+    [
+        ("llama-2-7b", "MHA", 32 * 32 * 128 * 2 * 2),
+        ("llama-3-8b", "GQA", 32 * 8 * 128 * 2 * 2),
+        ("llama-3-70b", "GQA", 80 * 8 * 128 * 2 * 2),
+        ("mistral-7b", "GQA + sliding window", 32 * 8 * 128 * 2 * 2),
+        ("qwen2.5-7b", "GQA", 28 * 4 * 128 * 2 * 2),
+        ("deepseek-v3", "MLA", 61 * (512 + 64) * 2),
+        ("smollm2-135m", "GQA", 30 * 3 * 64 * 2 * 2),
+    ],
+)
+def test_bytes_per_token_of_the_table(model, kind, bf16):
+    s = load_spec(model)
+    assert s.attention == kind and ARCHITECTURES[model]["source"].startswith("https://huggingface.co/")
+    assert s.bytes_per_token("bfloat16") == s.bytes_per_token("fp16") == bf16
+    assert s.bytes_per_token("float32") == 2 * bf16 and s.bytes_per_token("fp8") == bf16 // 2
+    assert s.num_parameters and s.weights_bytes("bf16") == 2 * s.num_parameters
+
+
+def test_the_default_model_agrees_with_its_config_and_the_kv_pool(default_model):
+    table = load_spec("smollm2-135m")
+    real = load_spec(str(default_model.hf_dir))  # its config.json, parameters estimated from it
+    from_obj = KVSpec.from_config(default_model.hf_config)  # a transformers config object
+    m = default_model.model
+    pool = KVPool.token_bytes(m.num_layers, m.num_kv_heads, m.head_dim, torch.float32)
+    assert table.bytes_per_token("float32") == real.bytes_per_token("float32") == from_obj.bytes_per_token("float32")
+    assert real.bytes_per_token("float32") == pool
+    assert real.num_parameters == table.num_parameters == sum(p.numel() for p in m.parameters())
+
+
+def test_sliding_windows_and_the_1m_token_figures():
+    mistral = load_spec("mistral-7b")
+    assert mistral.sequence_bytes(1000, "bf16") == 1000 * 131072
+    assert mistral.sequence_bytes(10**6, "bf16") == 32 * 4096 * 8 * 128 * 2 * 2  # every layer keeps 4096
+    qwen = load_spec("qwen2.5-7b")  # sliding_window set but use_sliding_window false
+    assert qwen.sequence_bytes(10**6, "bf16") == 10**6 * qwen.bytes_per_token("bf16")
+    gemma_like = dict(
+        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_size=2304,
+        sliding_window=4096, layer_types=["sliding_attention", "full_attention"] * 2,
+    )  # fmt: skip
+    g = KVSpec.from_config(gemma_like, "gemma-like")
+    per_layer = 2 * 4 * 256 * 2
+    assert g.sequence_bytes(10**5, "bf16") == (2 * 4096 + 2 * 10**5) * per_layer and "sliding" in g.attention
+    # docs/explain.md: 1M tokens, MHA in FP16 vs MLA in FP8
+    assert load_spec("llama-2-7b").sequence_bytes(10**6, "fp16") / GB == pytest.approx(524.288)
+    assert load_spec("llama-3-8b").sequence_bytes(10**6, "fp16") / GB == pytest.approx(131.072)
+    assert load_spec("deepseek-v3").sequence_bytes(10**6, "fp8") / GB == pytest.approx(35.136)
+    with pytest.raises(ValueError):
+        load_spec("gpt-17")
+    with pytest.raises(ValueError):
+        load_spec("llama-3-8b").bytes_per_token("int3")
+
+
+def test_tokens_that_fit_after_the_weights():
+    s = load_spec("llama-3-8b")
+    rep = plan_memory(s, "fp8", "bf16", gpu_memory_gb=80, memory_fraction=0.9, context=131072)
+    budget = int(80 * GB * 0.9) - 2 * 8_030_261_248
+    assert rep["fit"]["tokens"] == budget // 65536 and rep["fit"]["sequences_of_context"] == budget // (131072 * 65536)
+    assert rep["context"]["kv_bytes"] == 131072 * 65536
+    rep = plan_memory(s, "bf16", gpu_memory_gb=16, weights_gb=16)  # nothing left
+    assert rep["fit"]["tokens"] == 0
+    with pytest.raises(ValueError):
+        plan_memory(
+            KVSpec.from_config(dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=64)), gpu_memory_gb=8
+        )
+
+
+def test_hit_rate_vs_memory_and_memory_for_a_target(default_model):
+    from radixkv.obs.synthetic import agent_trace
+    from radixkv.obs.trace import tokenize_trace
+    from radixkv.sim import simulate
+
+    reqs = [r.sim_request() for r in tokenize_trace(agent_trace("control", 16), default_model.tokenizer)]
+    s = load_spec("llama-3-8b")
+    curve = hit_rate_curve(reqs, s, "bf16", (("radix", 1), ("hash", 16)), points=5)
+    rows = curve["curves"]["radix-p1"]
+    assert rows[-1]["hit_rate"] == pytest.approx(curve["infinite"]["radix-p1"])
+    assert rows[0]["hit_rate"] < rows[-1]["hit_rate"]
+    assert all(r["kv_gb"] == pytest.approx(r["tokens"] * 131072 / GB) for r in rows)
+    t = memory_for_hit_rate(reqs, s, 0.8, "bf16")
+    assert t["reachable"] and t["hit_rate"] >= 0.8
+    assert simulate(reqs, "radix", 1, t["tokens"], outcomes=False).hit_rate >= 0.8
+    assert simulate(reqs, "radix", 1, int(t["tokens"] * 0.5), outcomes=False).hit_rate < 0.8
+    assert not memory_for_hit_rate(reqs, s, 0.999, "bf16")["reachable"]
+
+
+def test_cli_plan(capsys, tmp_path):
+    from radixkv.cli import main
+
+    assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", "--kv-dtype", "fp8", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["kv_bytes_per_token"] == 65536 and rep["fit"]["tokens"] > 800_000
+    html = tmp_path / "plan.html"
+    args = ["plan", "--model", "deepseek-v3", "--kv-dtype", "fp8", "--trace", "synthetic:control:12"]
+    assert main(args + ["--target-hit-rate", "0.8", "--html", str(html)]) == 0
+    out = capsys.readouterr().out
+    assert "35,136 bytes" in out and "hit rate 80.0%" in out
+    page = html.read_text()
+    assert re.search(r'<img[^>]*src="data:image/png;base64,', page) and "http" not in page.split("<pre>")[0]
+    assert main(["plan", "--list"]) == 0 and "DeepSeek-V3" in capsys.readouterr().out
+    assert main(["plan", "--model", "nope"]) == 2

@@ -1,0 +1,207 @@
+"""radixkv on Ray Serve (radixkv/router/ray.py): one local Ray instance (2 logical CPUs, dashboard
+off), 2 replicas of a small random-weight Llama-shaped model with the default model's tokenizer,
+the OpenAI app as ingress, the cache-aware request router. Through the ingress with the openai
+SDK: a multi-turn replay of real ShareGPT user messages gets every next turn routed to the
+replica that holds the conversation (cached tokens asserted per request), round-robin on the same
+kind of replay does measurably worse, streaming works, and a replica killed mid-run is dropped
+from the router while requests go elsewhere and nothing hangs. The set-up time is printed."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.timeout(180)
+
+TINY = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    seed=0,
+)
+ENGINE = dict(device="cpu", max_total_tokens=16384, max_running_requests=16, chunked_prefill_size=512)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from radixkv.router import ray as rr
+
+    t0 = time.perf_counter()
+    os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
+    rr.start_ray(num_cpus=2)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = rr.build_app(replicas=2, engine_kwargs=ENGINE, random_model=TINY, replica_cpus=0.5, ingress_cpus=0.25)
+    serve.run(app, name="radixkv", route_prefix="/")
+    index = rr.get_index()
+    setup_s = time.perf_counter() - t0
+    print(f"\nRay set-up (ray.init + serve.start + 2 replicas + ingress): {setup_s:.1f}s")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+    try:
+        yield dict(client=client, index=index, setup_s=setup_s)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _conversations(tok, n: int, turns: int, skip: int) -> list[list[list[int]]]:
+    """Per conversation, the token ids each turn adds: ChatML blocks of the real ShareGPT user
+    message and the dataset's reply (history as the dataset has it), then the generation prompt."""
+    from radixkv.replay import load_conversations
+
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    system = enc("<|im_start|>system\nYou are a helpful AI assistant named SmolLM.<|im_end|>\n")
+    out = []
+    for conv in load_conversations(n, turns, max_user_chars=400, skip=skip):
+        adds = []
+        for t, user in enumerate(conv):
+            block = (system if t == 0 else []) + enc(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+            adds.append(block)
+        out.append(adds)
+    return out
+
+
+def _replay(client, tok, convs, reply="Understood; here is the next part."):
+    """Turn by turn, all conversations at once per turn; returns per request (conv, turn, prompt
+    ids, cached tokens, request id)."""
+    reply_ids = tok.encode(reply + "<|im_end|>\n", add_special_tokens=False)
+    prompts = [[] for _ in convs]
+    rows = []
+    for t in range(len(convs[0])):
+        for c, adds in enumerate(convs):
+            if t > 0:
+                prompts[c] = prompts[c] + reply_ids  # the history carries the dataset-style reply
+            prompts[c] = prompts[c] + adds[t]
+
+        def one(c, t=t):
+            r = client.completions.create(model="smollm2-135m", prompt=prompts[c], max_tokens=4, temperature=0)
+            return c, t, list(prompts[c]), r.usage.prompt_tokens_details.cached_tokens, r.id
+
+        rows.extend(one(c) for c in range(len(convs)))  # in order: round-robin alternates a conversation's turns
+    return rows
+
+
+def prompt_key(ids):
+    from radixkv.router.ray import prompt_key as key
+
+    return key(ids)
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from radixkv.models.loader import resolve_hf_dir
+
+    return AutoTokenizer.from_pretrained(str(resolve_hf_dir("smollm2-135m")), local_files_only=True)
+
+
+def test_next_turns_follow_the_conversation_and_round_robin_does_worse(cluster):
+    client, index = cluster["client"], cluster["index"]
+    tok = _tokenizer()
+    convs = _conversations(tok, 3, 3, skip=0)
+    rows = _replay(client, tok, convs)
+    log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
+    by_conv: dict[int, list] = {}
+    for c, t, prompt, cached, rid in rows:
+        by_conv.setdefault(c, []).append((t, prompt, cached, rid))
+    for c, turns in by_conv.items():
+        turns.sort()
+        homes = {log[prompt_key(p)]["replica"] for _, p, _, _ in turns}
+        assert len(homes) == 1, f"conversation {c} moved between replicas: {homes}"
+        for (t, prompt, cached, _rid), (_, prev, _, _) in zip(turns[1:], turns[:-1]):
+            # the whole previous prompt was cached on that replica (its reply differs from the
+            # dataset's, so the match ends right after the previous prompt)
+            assert cached == len(prev), (c, t, cached, len(prev))
+            assert log[prompt_key(prompt)]["cached"] == len(prev) // 16 * 16  # the router saw it exactly
+    aware = sum(r[3] for r in rows if r[1] > 0)
+
+    ray.get(index.set_policy.remote("round_robin"))
+    try:
+        rr_rows = _replay(client, tok, _conversations(tok, 3, 3, skip=3))
+    finally:
+        ray.get(index.set_policy.remote("cache_events"))
+    rr_cached = sum(r[3] for r in rr_rows if r[1] > 0)
+    rr_prompt = sum(len(r[2]) for r in rr_rows if r[1] > 0)
+    aware_prompt = sum(len(r[2]) for r in rows if r[1] > 0)
+    print(
+        f"\ncached share of turns 2+: cache_events {aware / aware_prompt:.3f}, round_robin {rr_cached / rr_prompt:.3f}"
+    )
+    assert rr_cached / rr_prompt < 0.6 * aware / aware_prompt
+
+
+def test_streaming_chat_through_the_ingress(cluster):
+    client = cluster["client"]
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2-135m",
+            messages=[{"role": "user", "content": "Name three prime numbers."}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+        )
+    )
+    assert len(chunks) >= 3 and chunks[-1].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    with pytest.raises(openai.BadRequestError) as e:  # the engine's refusal reaches the client as a 400
+        client.completions.create(model="smollm2-135m", prompt=[1, 2, 3], max_tokens=100_000)
+    assert "max_tokens" in str(e.value)
+
+
+def test_a_replica_killed_mid_run_is_dropped_and_nothing_hangs(cluster):
+    client, index = cluster["client"], cluster["index"]
+    tok = _tokenizer()
+    conv = _conversations(tok, 1, 1, skip=6)[0][0]
+    client.completions.create(model="smollm2-135m", prompt=conv, max_tokens=2, temperature=0)
+    log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
+    victim = log[prompt_key(conv)]["replica"]
+    state = ray.get(index.state.remote())
+    assert state["blocks"][victim] > 0
+    actor = ray.get_actor(state["replicas"][victim]["actor_name"], namespace="serve")
+
+    def long_request(i):
+        try:
+            r = client.completions.create(
+                model="smollm2-135m", prompt=conv + [i], max_tokens=300, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return "ok", r.usage.completion_tokens
+        except openai.APIError as exc:
+            return "error", type(exc).__name__
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        futs = [ex.submit(long_request, i) for i in range(6)]
+        time.sleep(1.0)  # they are running (the conversation's replica has most of them)
+        ray.kill(actor, no_restart=True)
+        results = [f.result(timeout=90) for f in futs]
+    assert time.perf_counter() - t0 < 90
+    assert all(kind in ("ok", "error") for kind, _ in results) and any(k == "ok" for k, _ in results)
+    deadline = time.time() + 30
+    while time.time() < deadline and victim not in ray.get(index.state.remote())["removed"]:
+        time.sleep(0.2)
+    state = ray.get(index.state.remote())
+    assert victim in state["removed"] and victim not in state["blocks"] and victim not in state["loads"]
+    # the conversation's next turn goes elsewhere and is served
+    nxt = client.completions.create(model="smollm2-135m", prompt=conv + [5, 6], max_tokens=2, temperature=0)
+    log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
+    assert log[prompt_key(conv + [5, 6])]["replica"] != victim and nxt.choices[0].finish_reason == "length"

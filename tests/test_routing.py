@@ -1,0 +1,227 @@
+"""Routing without Ray: the cache-event publisher (engine side), the router's event-fed view and
+its resync, the tree's block listing, each policy's rule, and the multi-replica simulator's
+self-check (bench/sim_routing.py). Engines here run the fake runner of test_scheduler.py."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_events import _tree_blocks
+from test_scheduler import VOCAB, greedy, make_engine, run_all
+
+from radixkv.cache.radix_tree import RadixCache
+from radixkv.engine.publish import CacheEventPublisher
+from radixkv.router import CacheView, RouteRequest, make_policy
+
+pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _workload(eng, rng, n=30):
+    bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(20, 50))] for _ in range(3)]
+    for _ in range(n):
+        p = rng.choice(bases) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 30))]
+        eng.add_request(p, greedy(rng.randrange(1, 20), n=rng.choice([1, 1, 2])))
+        if rng.random() < 0.3:
+            eng.step()
+            yield
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_published_batches_mirror_the_tree_and_a_snapshot_resyncs_after_lost_events(page_size):
+    rng = random.Random(page_size)
+    eng = make_engine(capacity=160, page_size=page_size, chunk=16, max_running=4)
+    pub = CacheEventPublisher()
+    pub.attach(eng.events)
+    view = CacheView()
+    batches = 0
+    for _ in _workload(eng, rng):
+        b = pub.drain()
+        if b is not None:
+            batches += 1
+            assert not view.apply(b)
+    run_all(eng)
+    assert not view.apply(pub.drain())
+    assert eng.cache_stats()["evicted_tokens"] > 0 and batches > 3
+    assert view.blocks == _tree_blocks(eng.cache) == set(eng.cache.block_digests()) and view.seq == eng.kv.event_seq
+    assert pub.drain() is None and not pub.wakeup.is_set()
+
+    # a small buffer overflows: the batch says so, the view asks for a snapshot and resyncs
+    small = CacheEventPublisher(max_events=2, epoch=pub.epoch)
+    pub_off = small.attach(eng.events)
+    for _ in _workload(eng, rng, 12):
+        pass
+    run_all(eng)
+    b = small.drain()
+    assert b["dropped"] and small.dropped_events > 0
+    assert view.apply(b) and not view.synced
+    view.load_snapshot(small.snapshot(eng))
+    assert view.synced and view.blocks == _tree_blocks(eng.cache) and view.seq == eng.kv.event_seq
+    small.max_events = 100_000  # later batches continue right after the snapshot
+    for _ in _workload(eng, rng, 6):
+        pass
+    run_all(eng)
+    assert not view.apply(small.drain())
+    assert view.blocks == _tree_blocks(eng.cache)
+    # the engine empties its cache: a reset record
+    assert eng.reset_prefix_cache()
+    assert not view.apply(small.drain()) and view.blocks == set()
+    pub_off()
+
+
+def test_view_detects_gaps_epochs_and_unknown_evictions():
+    v = CacheView()
+    d = [bytes([i]) * 16 for i in range(4)]
+    assert not v.apply({"epoch": "a", "events": [("insert", 1, None, 0, (d[0], d[1]))]})
+    assert not v.apply({"epoch": "a", "events": [("insert", 1, None, 0, (d[0],)), ("evict", 2, None, (d[1],))]})
+    assert v.blocks == {d[0]} and v.seq == 2  # seq 1 again was skipped
+    assert v.apply({"epoch": "a", "events": [("insert", 4, None, 0, (d[2],))]}) and not v.synced  # gap
+    assert v.apply({"epoch": "a", "events": [("insert", 5, None, 0, (d[3],))]})  # stays unsynced
+    v.load_snapshot({"epoch": "a", "seq": 5, "blocks": [d[0], d[3]]})
+    assert v.synced and v.blocks == {d[0], d[3]}
+    assert v.apply({"epoch": "a", "events": [("evict", 6, None, None)]})  # the cache cannot tell
+    # a restarted replica (new epoch) starts empty at seq 1; not at 1 -> resync
+    assert not v.apply({"epoch": "b", "events": [("insert", 1, None, 0, (d[1],))]}) and v.blocks == {d[1]}
+    assert v.apply({"epoch": "c", "events": [("insert", 7, None, 0, (d[1],))]}) and v.blocks == set()
+    with pytest.raises(ValueError, match="unknown"):
+        CacheView().apply({"epoch": "x", "events": [("bogus", 1)]})
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_tree_block_digests_equal_a_walk_of_the_tree(page_size):
+    rng = random.Random(7)
+    t = RadixCache(page_size)
+    for _ in range(200):
+        base = [rng.randrange(1, 9) for _ in range(rng.randrange(0, 40))]
+        seq = base + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 60))]
+        seq = seq[: len(seq) // page_size * page_size]
+        t.insert(seq, np.zeros(len(seq), np.int64), rng.choice([None, "ns"]))
+        if rng.random() < 0.2:
+            t.evict(rng.randrange(1, 80))
+    got = t.block_digests()
+    assert len(got) == len(set(got)) and set(got) == _tree_blocks(t) and got
+
+
+def _req(rid, toks, session=None):
+    return RouteRequest(str(rid), toks, None, session)
+
+
+def test_round_robin_least_load_and_session():
+    rr = make_policy("round_robin")
+    for r in ("a", "b", "c"):
+        rr.add_replica(r)
+    assert [rr.choose(_req(i, [1, 2])).replica for i in range(6)] == ["a", "b", "c"] * 2
+    ll = make_policy("least_load", seed=1)
+    for r in ("a", "b"):
+        ll.add_replica(r)
+    ll.choose(_req("x", [1] * 40))
+    busy = ll.decisions["x"]
+    assert ll.choose(_req("y", [1])).replica != busy  # two choices of two: the idle one
+    ll.finished("x")
+    ll.finished("y")
+    assert all(v.requests == 0 and v.prefill_tokens == 0 for v in ll.loads.values())
+    s = make_policy("session")
+    reps = [f"r{i}" for i in range(4)]
+    for r in reps:
+        s.add_replica(r)
+    keys = [f"conv-{i}" for i in range(200)]
+    home = {k: s.choose(_req(k + "-1", [1], k)).replica for k in keys}
+    assert all(s.choose(_req(k + "-2", [1], k)).replica == home[k] for k in keys)
+    assert len(set(home.values())) == 4
+    s.remove_replica("r0")  # consistent hashing: only r0's keys move
+    moved = {k for k in keys if s.choose(_req(k + "-3", [1], k)).replica != home[k]}
+    assert moved == {k for k in keys if home[k] == "r0"}
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="cache_events"):
+        make_policy("cache_events", nonsense=1)
+
+
+def test_approx_tree_follows_what_it_routed_and_never_learns_of_evictions():
+    p = make_policy("approx_tree")
+    for r in ("a", "b"):
+        p.add_replica(r)
+    conv = list(range(100, 180))
+    first = p.choose(_req(1, conv)).replica
+    p.finished("1")
+    d = p.choose(_req(2, conv + [5, 6, 7]))
+    assert d.replica == first and d.reason == "cache"
+    p.finished("2")
+    assert p.choose(_req(3, [9] * 50)).replica != first  # a miss goes to the smaller tree
+
+
+def _replica_events(rep, tokens, seq, first=0):
+    from radixkv.cache.digests import block_digests
+
+    n = len(tokens) // 16
+    return {"epoch": rep, "events": [("insert", seq, None, first, tuple(block_digests(tokens, None, first, n)))]}
+
+
+def test_cache_events_routes_to_the_exact_prefix_counts_its_own_decisions_at_once_and_balances():
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b", "c"):
+        p.add_replica(r)
+    sys_prompt = list(range(1, 1025))
+    assert not p.on_events("b", _replica_events("b", sys_prompt, 1))
+    d = p.choose(_req(1, sys_prompt + [7, 8, 9]))
+    assert (d.replica, d.cached_tokens, d.reason) == ("b", 1024, "cache")
+    # its own decision counts at once: a second turn, sent before any event arrives, follows it
+    conv = list(range(5000, 5300))
+    d1 = p.choose(_req(2, conv), now=0.0)
+    p.finished("2", now=1.0)
+    d2 = p.choose(_req(3, conv + [1] * 40), now=1.5)
+    assert d2.replica == d1.replica and d2.cached_tokens == 288
+    p.finished("3", now=2.0)
+    assert p.choose(_req(4, conv + [2] * 40), now=10.0).cached_tokens == 0  # past pending_ttl, no event
+    p.finished("4", now=10.0)
+    # one hot prefix cannot pile everything on one replica: the balance guard moves requests on
+    for i in range(40):
+        p.choose(_req(f"hot{i}", sys_prompt + [i]), now=20.0)
+    per = {r: p.loads[r].requests for r in ("a", "b", "c")}
+    assert per["b"] == max(per.values()) and min(per.values()) >= 8 and per["b"] - min(per.values()) <= 9
+    # a dead replica is forgotten: its cache and its requests
+    p.remove_replica("b")
+    assert "b" not in p.views and all(r != "b" for r in p.decisions.values())
+    assert p.choose(_req(99, sys_prompt + [1])).replica in ("a", "c")
+
+
+def test_router_policies_import_without_torch_or_the_engine():
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "import radixkv.router.policy as p\n"
+        "bad = sorted(m for m in sys.modules if m.startswith('radixkv.engine') or m.split('.')[0] == 'torch'"
+        " and sys.modules[m] is not None)\n"
+        "assert not bad, bad\n"
+        "pol = p.make_policy('approx_tree'); pol.add_replica('a'); pol.choose(p.RouteRequest('1', [1, 2, 3]))\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_simulator_views_mirror_every_replica_tree_and_cache_events_beats_round_robin():
+    sys.path.insert(0, str(ROOT))
+    from bench.sim_routing import Timing, Trace, simulate
+    from bench.workloads import Workload, WorkloadRequest
+
+    rng = random.Random(0)
+    reqs, last = [], {}
+    for _ in range(400):
+        c = rng.randrange(24)
+        toks = [rng.randrange(1, 5000) for _ in range(rng.randrange(20, 120))]
+        reply = [rng.randrange(1, 5000) for _ in range(rng.randrange(5, 60))]
+        reqs.append(WorkloadRequest(toks, reply, parent=last.get(c)))
+        last[c] = len(reqs) - 1
+    tr = Trace(Workload("synthetic", reqs))
+    hit, ws = tr.infinite_hit_rate()
+    res = {
+        p: simulate(tr, p, 4, ws // 8, rate=20.0, timing=Timing(), check=True) for p in ("round_robin", "cache_events")
+    }
+    assert res["cache_events"]["hit_rate"] > res["round_robin"]["hit_rate"] + 0.2
+    assert res["cache_events"]["hit_rate"] <= hit and res["cache_events"]["requests"] == len(reqs)

@@ -1,0 +1,341 @@
+"""Sessions and forks (radixkv/branching.py) and the KV manager's soft pins, on the fake runner of
+test_scheduler.py: each turn computes only its new tokens, the context stays pinned between
+turns within ``max_pinned_tokens`` and ``pin_idle_timeout`` (a fake clock), pins give way to
+running requests, forks share one pin, and nothing leaks (also after an exception in a ``with``
+block). The idle invariant ``free + evictable + pinned == capacity``, ``protected == pinned`` is
+checked after every call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_scheduler import VOCAB, FakeRunner, assert_no_leak, greedy, reference
+
+from radixkv import LLM, AsyncLLM, SamplingParams
+from radixkv.errors import RequestError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def make_llm(capacity=512, page_size=1, cache="radix", clock=None, **kw):
+    runner = FakeRunner(capacity, page_size, kw.pop("max_running", 16))
+    return LLM(
+        device="cpu",
+        model_runner=runner,
+        tokenizer=None,
+        eos_token_ids=[],
+        max_total_tokens=capacity,
+        page_size=page_size,
+        prefix_cache=cache,
+        chunked_prefill_size=kw.pop("chunk", 64),
+        clock=clock or Clock(),
+        **kw,
+    )
+
+
+def idle_invariant(llm):
+    llm.engine.check_integrity()
+    s = llm.cache_stats()
+    assert s["running"] == 0 and s["waiting"] == 0
+    assert s["free"] + s["evictable"] + s["pinned"] == s["capacity"], dict(s)
+    assert s["protected"] == s["pinned"], dict(s)
+    return s
+
+
+def prefill(llm):
+    return llm.cache_stats()["prefill_tokens"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_each_turn_computes_only_its_new_tokens_and_the_context_stays_pinned(page_size):
+    llm = make_llm(page_size=page_size)
+    ps = page_size
+    ctx = list(range(1, 30))
+    with llm.session(ctx) as s:
+        out = s.generate(prompt_token_ids=[3, 4, 5], sampling_params=greedy(6))
+        p1 = ctx + [3, 4, 5]
+        assert out.prompt_token_ids == p1 and out.outputs[0].token_ids == reference(p1, 6)
+        assert s.tokens == p1 + reference(p1, 6)
+        assert prefill(llm) == len(p1)
+        s1 = idle_invariant(llm)
+        assert s1["pinned"] == s.pinned_tokens == (len(s.tokens) - 1) // ps * ps  # what the turn left cached
+        before = prefill(llm)
+        out2 = s.generate(prompt_token_ids=[9, 9], sampling_params=greedy(4))
+        p2 = s.tokens[:-4]
+        assert out2.prompt_token_ids == p2 and out2.outputs[0].token_ids == reference(p2, 4)
+        # the new prompt is the old context (prompt + reply, token for token) + the new text; its
+        # cached part is all the old context but the reply's last token (which has no K/V yet)
+        assert out2.num_cached_tokens == (len(p1) + 6 - 1) // ps * ps
+        assert prefill(llm) - before == len(p2) - out2.num_cached_tokens
+        idle_invariant(llm)
+    assert_no_leak(llm.engine)
+
+
+def test_pin_protects_the_context_from_eviction():
+    llm = make_llm(capacity=128)
+    s = llm.session(list(range(1, 40)))
+    s.generate(sampling_params=greedy(3))
+    pinned = idle_invariant(llm)["pinned"]
+    assert pinned == 41
+    # other traffic fills the pool several times over: unpinned prefixes are evicted, not the session's
+    for i in range(6):
+        llm.generate(prompt_token_ids=[[i + 2] * 60], sampling_params=greedy(4), use_tqdm=False)
+    assert llm.cache_stats()["evicted_tokens"] > 0
+    assert idle_invariant(llm)["pinned"] == pinned
+    out = s.generate(prompt_token_ids=[7], sampling_params=greedy(2))
+    assert out.num_cached_tokens == 41
+    s.close()
+    assert_no_leak(llm.engine)
+
+
+def test_pin_bound_unpins_the_least_recently_used_session():
+    clock = Clock()
+    llm = make_llm(clock=clock, max_pinned_tokens=70)
+    a, b, c = (llm.session([k] * 20 + list(range(1, 11))) for k in (1, 2, 3))
+    a.generate(sampling_params=greedy(2))
+    clock.t += 1
+    b.generate(sampling_params=greedy(2))
+    assert a.pinned_tokens == b.pinned_tokens == 31 and idle_invariant(llm)["pinned"] == 62
+    clock.t += 1
+    a.generate(prompt_token_ids=[5], sampling_params=greedy(1))  # a is used again: b is now the LRU
+    clock.t += 1
+    c.generate(sampling_params=greedy(2))  # 3 x ~31 > 70: the least recently used goes
+    assert b.pinned_tokens == 0 and a.pinned_tokens > 0 and c.pinned_tokens > 0
+    s = idle_invariant(llm)
+    assert s["pinned"] <= 70 and llm.engine.kv.dropped_pins == 1
+    # unpinned is not freed: b's context is still cached (evictable), its next turn reuses it
+    out = b.generate(prompt_token_ids=[6], sampling_params=greedy(1))
+    assert out.num_cached_tokens == 31
+    for x in (a, b, c):
+        x.close()
+    assert_no_leak(llm.engine)
+
+
+def test_idle_timeout_with_a_fake_clock():
+    clock = Clock()
+    llm = make_llm(clock=clock, pin_idle_timeout=30.0)
+    s = llm.session(list(range(1, 20)))
+    t = llm.session(list(range(20, 40)))
+    s.generate(sampling_params=greedy(2))
+    clock.t += 20
+    t.generate(sampling_params=greedy(2))
+    clock.t += 15  # s idle for 35 s, t for 15 s
+    st = idle_invariant(llm)  # cache_stats applies the timeout
+    assert s.pinned_tokens == 0 and t.pinned_tokens == 21 and st["pinned"] == 21  # 20 + 2 - 1
+    assert st["evictable"] >= 20  # s's context stays cached
+    clock.t += 30
+    assert idle_invariant(llm)["pinned"] == 0 and t.pinned_tokens == 0
+    s.close()
+    t.close()
+    assert_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_pins_give_way_to_a_running_request(page_size):
+    """Sessions pin most of the pool; a request that needs it is never retracted for them: the
+    pins are dropped (tokens evictable, then evicted) instead."""
+    llm = make_llm(capacity=256, page_size=page_size, max_pinned_tokens=256)
+    sessions = [llm.session([k] * 50) for k in range(1, 5)]
+    for s in sessions:
+        s.generate(sampling_params=greedy(2))
+    assert idle_invariant(llm)["pinned"] >= 4 * 48
+    big = list(range(1, 61)) * 2
+    out = llm.generate(prompt_token_ids=[big], sampling_params=greedy(100), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference(big, 100)
+    st = idle_invariant(llm)
+    assert st["num_retractions"] == 0 and llm.engine.kv.dropped_pins >= 1
+    for s in sessions:
+        s.close()
+    assert_no_leak(llm.engine)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_fork_shares_the_pin_and_the_children_run_as_one_batch(page_size):
+    llm = make_llm(page_size=page_size)
+    ps = page_size
+    s = llm.session(list(range(1, 41)))
+    s.generate(sampling_params=greedy(3))
+    ctx = s.tokens
+    before = prefill(llm)
+    kids = s.fork(3)
+    assert [k.tokens for k in kids] == [ctx] * 3
+    pinned = idle_invariant(llm)["pinned"]
+    assert pinned == s.pinned_tokens and llm.engine.kv.num_pins == 1  # one pin, four holders
+    s.close()
+    assert idle_invariant(llm)["pinned"] == pinned  # the children still hold it
+    outs = kids.generate(prompt_token_ids=[[7, 8], [9], [10, 11, 12]], sampling_params=greedy(4))
+    for k, out, new in zip(kids, outs, ([7, 8], [9], [10, 11, 12])):
+        assert k.tokens == ctx + new + out.outputs[0].token_ids
+        assert out.prompt_token_ids == ctx + new
+        assert out.outputs[0].token_ids == reference(ctx + new, 4)
+    # the context's last token (the reply's, without K/V) is computed once for the three: at
+    # page_size 1 by the first child, the others share it in the same forward
+    cached = (len(ctx) - 1) // ps * ps
+    if ps == 1:
+        assert prefill(llm) - before == 1 + 2 + 1 + 3
+    else:
+        assert prefill(llm) - before == sum(len(ctx) + len(n) - cached for n in ([7, 8], [9], [10, 11, 12]))
+    st = idle_invariant(llm)
+    assert llm.engine.kv.num_pins == 3 and st["pinned"] >= cached
+    kids.close()
+    assert_no_leak(llm.engine)
+
+
+def test_exception_inside_with_blocks_unpins_everything():
+    llm = make_llm()
+    with pytest.raises(KeyError):
+        with llm.session(list(range(1, 30))) as s:
+            s.generate(sampling_params=greedy(2))
+            with s.fork(2) as kids:
+                kids.generate(prompt_token_ids=[[1], [2]], sampling_params=greedy(2))
+                assert idle_invariant(llm)["pinned"] > 0
+                raise KeyError("tool call failed")
+    assert s.closed and all(k.closed for k in kids)
+    assert_no_leak(llm.engine)
+
+
+def test_validation_names_the_argument():
+    llm = make_llm()
+    s = llm.session([1, 2, 3])
+    cases = [
+        (lambda: s.generate(sampling_params=SamplingParams(n=2)), "n"),
+        (lambda: s.generate(sampling_params={"max_tokens": 3}), "sampling_params"),
+        (lambda: s.generate(prompt_token_ids=[1, VOCAB]), "prompt_token_ids"),
+        (lambda: s.generate(prompt_token_ids="abc"), "prompt_token_ids"),
+        (lambda: s.generate(text=5), "text"),
+        (lambda: s.generate(text="x", prompt_token_ids=[1]), "prompt_token_ids"),
+        (lambda: s.chat("hello"), "messages"),
+        (lambda: s.fork(0), "n"),
+        (lambda: s.fork(True), "n"),
+        (lambda: s.select([]), "choices"),
+        (lambda: s.select("ab"), "choices"),
+        (lambda: s.select([[1], [VOCAB]]), "choices"),
+        (lambda: s.select([[1]], method="max"), "method"),
+        (lambda: s.select([[1]], message="hi"), "message"),
+        (lambda: llm.session([1, -1]), "prompt"),
+        (lambda: llm.session(3.5), "prompt"),
+        (lambda: llm.session([{"content": "no role"}]), "prompt"),
+        (lambda: llm.session().generate(), "text"),
+        (lambda: llm.select([], [[1]]), "prompt"),
+        (lambda: s.fork(2).generate(prompt_token_ids=[[1]]), "prompt_token_ids"),
+    ]
+    for call, param in cases:
+        with pytest.raises(RequestError) as e:
+            call()
+        assert e.value.param == param, (param, str(e.value))
+    s.generate(sampling_params=greedy(2))  # still usable
+    s.close()
+    with pytest.raises(RequestError) as e:
+        s.generate()
+    assert e.value.param == "session"
+    s.close()  # idempotent
+    with pytest.raises(ValueError, match="max_pinned_tokens"):
+        make_llm(max_pinned_tokens=-1)
+    with pytest.raises(ValueError, match="pin_idle_timeout"):
+        make_llm(pin_idle_timeout=0)
+    assert_no_leak(llm.engine)  # the forks made above had nothing pinned to hold
+
+
+def test_without_a_prefix_cache_sessions_work_and_pin_nothing():
+    llm = make_llm(cache="none")
+    with llm.session(list(range(1, 20))) as s:
+        out = s.generate(sampling_params=greedy(3))
+        assert out.outputs[0].token_ids == reference(list(range(1, 20)), 3)
+        out2 = s.generate(prompt_token_ids=[4], sampling_params=greedy(3))
+        assert out2.num_cached_tokens == 0 and out2.outputs[0].token_ids == reference(s.tokens[:-3], 3)
+        assert s.pinned_tokens == 0 and idle_invariant(llm)["pinned"] == 0
+    assert_no_leak(llm.engine)
+
+
+def test_reset_prefix_cache_drops_session_pins():
+    llm = make_llm()
+    s = llm.session(list(range(1, 20)))
+    s.generate(sampling_params=greedy(2))
+    assert s.pinned_tokens > 0
+    assert llm.reset_prefix_cache() is True
+    assert s.pinned_tokens == 0 and llm.cache_stats()["free"] == llm.cache_stats()["capacity"]
+    out = s.generate(prompt_token_ids=[3], sampling_params=greedy(2))  # recomputed, still correct
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(s.tokens[:-2], 2)
+    s.close()
+    assert_no_leak(llm.engine)
+
+
+def test_async_sessions_and_forks():
+    runner = FakeRunner(512, 1, 16)
+    alm = AsyncLLM(
+        engine=LLM(device="cpu", model_runner=runner, tokenizer=None, eos_token_ids=[], max_total_tokens=512).engine
+    )
+
+    async def main():
+        async with alm.session(list(range(1, 30))) as s:
+            out = await s.generate(prompt_token_ids=[5, 6], sampling_params=greedy(4))
+            assert out.outputs[0].token_ids == reference(list(range(1, 30)) + [5, 6], 4)
+            stats = await alm.cache_stats()
+            assert stats["pinned"] == s.pinned_tokens == len(s.tokens) - 1
+            async with await s.fork(2) as kids:
+                outs = await kids.generate(prompt_token_ids=[[1], [2]], sampling_params=greedy(3))
+                for k, o, new in zip(kids, outs, ([1], [2])):
+                    assert o.outputs[0].token_ids == reference(s.tokens + new, 3)
+                    assert k.tokens == s.tokens + new + o.outputs[0].token_ids
+                    assert o.num_cached_tokens == len(s.tokens) - 1 + (k is kids[1])  # the 2nd shares the 1st's row
+            with pytest.raises(RequestError):
+                await s.generate(sampling_params=SamplingParams(n=3))
+        stats = await alm.cache_stats()
+        assert stats["pinned"] == 0 and stats["protected"] == 0
+        assert stats["free"] + stats["evictable"] == stats["capacity"]
+        await alm.call_in_engine_thread(lambda e: e.check_integrity())
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
+
+
+def test_async_turn_cancelled_midway_leaves_the_session_as_it_was():
+    from radixkv.engine import StepFinished
+
+    runner = FakeRunner(512, 1, 16)
+    alm = AsyncLLM(
+        engine=LLM(device="cpu", model_runner=runner, tokenizer=None, eos_token_ids=[], max_total_tokens=512).engine
+    )
+
+    async def main():
+        s = alm.session(list(range(1, 30)))
+        await s.generate(sampling_params=greedy(2))
+        ctx, pinned = s.tokens, s.pinned_tokens
+        loop = asyncio.get_running_loop()
+        turn = asyncio.ensure_future(s.generate(prompt_token_ids=[4], sampling_params=greedy(200)))
+        steps = []
+
+        def on_step(ev):
+            steps.append(ev.step)
+            if len(steps) == 3:
+                loop.call_soon_threadsafe(turn.cancel)
+
+        off = alm.subscribe(on_step, (StepFinished,))
+        with pytest.raises(asyncio.CancelledError):
+            await turn
+        off()
+        assert s.tokens == ctx and s.pinned_tokens == pinned  # the old context, still pinned
+        out = await s.generate(prompt_token_ids=[4], sampling_params=greedy(3))  # usable again
+        assert out.outputs[0].token_ids == reference(ctx + [4], 3)
+        await s.close()
+        while await alm.call_in_engine_thread(lambda e: e.has_unfinished_requests()):
+            await alm.call_in_engine_thread(lambda e: None)
+        st = await alm.cache_stats()
+        assert st["pinned"] == 0 and st["protected"] == 0 and st["free"] + st["evictable"] == st["capacity"]
+        await alm.call_in_engine_thread(lambda e: e.check_integrity())
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
