@@ -14,7 +14,11 @@ Part ``single`` (one process, paired alternating trials): for each trial one fre
 (``Engine.add_request`` / ``step``: scheduling, the forward, sampling and detokenizing, prefix cache
 off) and llama-cpp-python's ``Llama.generate`` on the same tokens, alternating which goes first.
 Prefill tok/s = prompt tokens / time to the first token; decode tok/s = the other ``gen - 1`` tokens
-/ their time. Medians over the trials and their ratio; how many greedy tokens agree.
+/ their time. Medians over the trials and their ratio; how many greedy tokens agree. Beside the wall
+times, tokens per CPU second of the process (``time.process_time``: every thread, spin-waits
+included): on a shared machine the wall times mostly measure the scheduler (and a team of OpenMP
+threads spinning at barriers collapses when it cannot get its cores), the CPU time what each side's
+work costs.
 
 Part ``server``: ``radixkv serve`` and ``llama-server`` (default settings for this CPU, ``-np 8``,
 prompt caching on as it is by default) each replay ``--conversations`` ShareGPT conversations of
@@ -117,20 +121,20 @@ class RadixkvStream:
         self.engine = self.llm.engine
         self.name = f"radixkv (attention {self.engine.runner.attn_backend.name})"
 
-    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
+    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int], float, float]:
         from radixkv.sampling_params import SamplingParams
 
         eng = self.engine
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         eng.add_request(prompt, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
         first = None
         out = []
         while eng.has_unfinished_requests():
             for o in eng.step():
                 if first is None and o.outputs[0].token_ids:
-                    first = time.perf_counter()
+                    first, c1 = time.perf_counter(), time.process_time()
                 out = o.outputs[0].token_ids
-        return first - t0, time.perf_counter() - first, list(out)
+        return first - t0, time.perf_counter() - first, list(out), c1 - c0, time.process_time() - c1
 
 
 class LlamaCppStream:
@@ -147,18 +151,18 @@ class LlamaCppStream:
         self.system_info = llama_cpp.llama_print_system_info().decode()
         self.name = "llama.cpp (llama-cpp-python)"
 
-    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
+    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int], float, float]:
         self.llm.reset()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         first = None
         out = []
         for tok in self.llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             if first is None:
-                first = time.perf_counter()
+                first, c1 = time.perf_counter(), time.process_time()
             out.append(int(tok))
             if len(out) == gen:
                 break
-        return first - t0, time.perf_counter() - first, out
+        return first - t0, time.perf_counter() - first, out, c1 - c0, time.process_time() - c1
 
 
 def single_stream(args) -> dict:
@@ -186,18 +190,22 @@ def single_stream(args) -> dict:
         order = sides if i % 2 == 0 else sides[::-1]
         got = {}
         for name, side in order:
-            ttft, dec, toks = side.run(p, args.gen)
-            rows[name].append((len(p) / ttft, (len(toks) - 1) / dec))
+            ttft, dec, toks, cpu_pre, cpu_dec = side.run(p, args.gen)
+            rows[name].append((len(p) / ttft, (len(toks) - 1) / dec, len(p) / cpu_pre, (len(toks) - 1) / cpu_dec))
             got[name] = toks
-        line = " | ".join(f"{k} prefill {v[-1][0]:.1f} decode {v[-1][1]:.1f} tok/s" for k, v in rows.items())
+        line = " | ".join(
+            f"{k} prefill {v[-1][0]:.1f} decode {v[-1][1]:.1f} tok/s (per CPU-s {v[-1][2]:.1f}, {v[-1][3]:.1f})"
+            for k, v in rows.items()
+        )
         if theirs:
             a, b = got["radixkv"], got["llama.cpp"]
             same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             agree.append(same)
             line += f" | greedy tokens equal up to {same}/{args.gen}"
         print(f"trial {i}: {line}", file=sys.stderr)
-    med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in rows.items()}
+    med = {k: [statistics.median(r[i] for r in v) for i in range(4)] for k, v in rows.items()}
     ratios = [(a[1] / b[1]) for a, b in zip(rows["radixkv"], rows.get("llama.cpp", []))]
+    cpu_ratios = [(a[3] / b[3]) for a, b in zip(rows["radixkv"], rows.get("llama.cpp", []))]
     return {
         "prompt_len": args.prompt_len,
         "gen": args.gen,
@@ -205,7 +213,10 @@ def single_stream(args) -> dict:
         "threads": args.threads,
         "prefill_tok_s": {k: v[0] for k, v in med.items()},
         "decode_tok_s": {k: v[1] for k, v in med.items()},
+        "prefill_tok_per_cpu_s": {k: v[2] for k, v in med.items()},
+        "decode_tok_per_cpu_s": {k: v[3] for k, v in med.items()},
         "decode_ratio_per_trial": ratios,
+        "decode_cpu_ratio_per_trial": cpu_ratios,
         "greedy_equal_prefix": agree,
         "per_trial": rows,
         "llama_system_info": theirs.system_info if theirs else "(llama.cpp not run)",
@@ -384,6 +395,12 @@ def table(single: dict | None, server: dict | None, meta: dict) -> str:
             f"| decode, batch 1, {single['gen']} tokens after it (tok/s) | {cell(d['radixkv'])} | "
             f"{cell(d.get('llama.cpp'))} | {ratio(d['radixkv'], d.get('llama.cpp'))} |"
         )
+        for key, label in (("prefill_tok_per_cpu_s", "prefill"), ("decode_tok_per_cpu_s", "decode")):
+            c = single[key]
+            lines.append(
+                f"| {label}, tokens per CPU second of the process | {cell(c['radixkv'])} | {cell(c.get('llama.cpp'))} | "
+                f"{ratio(c['radixkv'], c.get('llama.cpp'))} |"
+            )
     if server:
         for mode, label in (("sequential", "one request at a time"), ("concurrent", "8 concurrent clients")):
             cells, out = [], {}
@@ -402,7 +419,9 @@ def table(single: dict | None, server: dict | None, meta: dict) -> str:
         lines += [
             "",
             f"single stream: medians of {single['trials']} paired alternating trials; per-trial decode ratios "
-            + ", ".join(f"{r:.2f}" for r in single["decode_ratio_per_trial"]),
+            + ", ".join(f"{r:.2f}" for r in single["decode_ratio_per_trial"])
+            + "; per CPU second "
+            + ", ".join(f"{r:.2f}" for r in single["decode_cpu_ratio_per_trial"]),
             f"greedy tokens equal to llama.cpp's up to: {single['greedy_equal_prefix']} (of {single['gen']})",
             f"llama.cpp system_info: {single['llama_system_info'].strip()}",
         ]
