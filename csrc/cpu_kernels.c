@@ -1,7 +1,7 @@
 /* radixkv._ckernels: float32 CPU kernels for the decode step (AVX2 + FMA, a small thread pool).
  *
- * The Python wrappers and the checks on every argument live in radixkv/cpu_kernels.py (and
- * radixkv/models/native_decode.py for decode_layer); the functions here trust their arguments:
+ * The Python wrappers and the checks on every argument live in radixkv/kernels/cpu.py (and
+ * radixkv/executor/cpu_decode.py for decode_step); the functions here trust their arguments:
  * raw addresses of contiguous float32 / int32 / int64 buffers, passed as integers.
  *
  * available() -> bool
@@ -44,8 +44,9 @@
  *   int32 token bitmask, bit j of a row allows token j): logits[r, j] = -inf for every row r in
  *   rows[n_rows] (int64) and token j < vocab whose bit is 0. Rows ldl floats / ldb words apart.
  *
- * decode_layer(...): one decoder layer (norms, packed GEMMs, RoPE, K/V write, attention, SwiGLU)
- *   in one call, for radixkv/models/native_decode.py; see py_decode_layer.
+ * step_plan(...), step_set_rope(...), decode_step(...): one whole forward pass of a decode batch
+ *   (every layer, the final norm and the LM head) in one call, for radixkv/executor/cpu_decode.py;
+ *   see py_step_plan and py_decode_step.
  *
  * advise_hugepages(addr, nbytes) -> bool: madvise(MADV_HUGEPAGE) on the 2 MiB pages inside.
  *
@@ -315,11 +316,6 @@ typedef struct {
     float *c;
     Py_ssize_t ldc;
     Py_ssize_t next; /* next untaken panel (atomic): threads that start late take less */
-    /* optional row-wise step run inside the same parallel region once all of C is written:
-     * post(post_ctx, r0, r1) on rows [r0, r1), the M rows split evenly between the threads */
-    void (*post)(const void *post_ctx, Py_ssize_t r0, Py_ssize_t r1);
-    const void *post_ctx;
-    int arrived; /* threads done with their panels (atomic) */
 } gemm_args;
 
 #if RK_X86
@@ -415,96 +411,340 @@ dequant_block(int fmt, const uint8_t *g, Py_ssize_t kc, float *buf)
     }
 }
 
-/* Panels are taken in shrinking chunks (an atomic counter). Within a panel, K is walked in blocks
- * of KC rows (KC * 64 bytes of float32, L1-resident) and every row block of X passes over a block before
- * the next is read: the weight stream from memory then advances at a steady pace with all M
- * rows' work, and each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
- * weight stream. A quantized block is first decoded into a float32 block on the stack. */
-__attribute__((target("avx2,fma,f16c"))) static void
-gemm_task(void *p, int tid, int nthreads)
+/* ------------------------------------------------------------------ GEMV (M = 1)
+ *
+ * One row of X against P panels at a time (P = 2 for the block formats, up to 4 for float32):
+ * every output is still one FMA chain over k in order (acc = fma(x_k, w_k, acc), bias added at the
+ * end), exactly as the micro-kernel computes it, so the bits are the same; only the chains of P
+ * panels are interleaved, so that the FMA latency (4 cycles) is hidden behind 2P independent
+ * chains instead of the micro-kernel's 2 at M = 1. The block formats are decoded in registers
+ * (w = fma(q, d, m) or q * d, as dequant_block does: the same float32 weights) instead of
+ * through an L1 buffer. */
+
+#ifndef GEMV_PF
+#define GEMV_PF 4 /* groups (32 k) ahead that the GEMV prefetches in each panel */
+#endif
+
+/* The 16 outputs of a panel (nv of them real) from two accumulators, plus bias. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+gemv_store(__m256 a0, __m256 a1, const float *bias, float *c, int nv)
 {
-    gemm_args *a = (gemm_args *)p;
-    const Py_ssize_t panels = (a->N + NR - 1) / NR, K = a->K;
-    const int fmt = (int)a->w->fmt;
-    const uint8_t *base = (const uint8_t *)(a->w + 1);
-    const Py_ssize_t group = fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP;
-    const Py_ssize_t panel_bytes = fmt == PW_F32 ? K * NR * (Py_ssize_t)sizeof(float) : K / QB * group;
-    float buf[KC * NR] __attribute__((aligned(64)));
-    for (;;) {
-        /* guided schedule: a chunk is 1 / (2 * nthreads) of what is left (at least one panel),
-         * so chunks shrink toward the end and a thread that runs late or slow (this VM's
-         * cores are shared) costs the others at most one small chunk of waiting */
-        Py_ssize_t p0 = __atomic_load_n(&a->next, __ATOMIC_RELAXED), c = 1;
-        do {
-            if (p0 >= panels)
-                break;
-            c = (panels - p0) / (2 * nthreads);
-            c = c < 1 ? 1 : c;
-        } while (!__atomic_compare_exchange_n(&a->next, &p0, p0 + c, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
-        if (p0 >= panels)
-            break;
-        Py_ssize_t p1 = p0 + c;
-        for (Py_ssize_t pi = p0; pi < p1; pi++) {
-            const uint8_t *panel = base + pi * panel_bytes;
-            Py_ssize_t n0 = pi * NR;
-            int nv = (int)(a->N - n0 < NR ? a->N - n0 : NR);
-            for (Py_ssize_t k0 = 0; k0 < K; k0 += KC) {
-                Py_ssize_t kc = K - k0 < KC ? K - k0 : KC;
-                const float *bias = a->bias && k0 + kc >= K ? a->bias + n0 : NULL;
-                const float *wp, *pf;
-                if (fmt == PW_F32) {
-                    wp = (const float *)panel + k0 * NR;
-                    pf = wp + PF_BLOCKS * KC * NR; /* may run past the end: prefetch never faults */
+    if (bias) {
+        float bb[NR] = {0};
+        memcpy(bb, bias, (size_t)nv * sizeof(float));
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(bb));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(bb + 8));
+    }
+    if (nv == NR) {
+        _mm256_storeu_ps(c, a0);
+        _mm256_storeu_ps(c + 8, a1);
+    } else {
+        float tmp[NR];
+        _mm256_storeu_ps(tmp, a0);
+        _mm256_storeu_ps(tmp + 8, a1);
+        memcpy(c, tmp, (size_t)nv * sizeof(float));
+    }
+}
+
+/* The accumulators are named variables, not an array: GCC keeps an array of vectors in
+ * registers but also stores it to the stack on every k, which cost ~1/3 of the loop. */
+
+/* Q4_1 panel j's weights of step k into w0 (columns 0-7) and w1 (8-15): fma(q, d, m). */
+#define Q4_W(j, k, w0, w1)                                                                                  \
+    __m256i b##j = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs##j + 8 * (k))));           \
+    __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b##j, lo4)), d##j##0, m##j##0);      \
+    __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b##j, 4)), d##j##1, m##j##1)
+/* Q8_0 panel j's weights of step k: q * d. */
+#define Q8_W(j, k, w0, w1)                                                                                  \
+    __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs##j + 16 * (k))))), d##j##0); \
+    __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(qs##j + 16 * (k) + 8)))), d##j##1)
+#define Q_GROUP_LOAD(j, fmt, gk)                                                                            \
+    const uint8_t *gp##j = pan[j] + (gk) / QB * (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP);                    \
+    for (int off = 0; off < (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP); off += 64)                             \
+        _mm_prefetch((const char *)(gp##j + GEMV_PF * (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP) + off), _MM_HINT_T0); \
+    __m256 d##j##0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gp##j));                             \
+    __m256 d##j##1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp##j + 16)));                      \
+    __m256 m##j##0 = fmt == PW_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp##j + 32))) : _mm256_setzero_ps(); \
+    __m256 m##j##1 = fmt == PW_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gp##j + 48))) : _mm256_setzero_ps(); \
+    const uint8_t *qs##j = gp##j + (fmt == PW_Q4_1 ? 64 : 32);                                              \
+    (void)m##j##0, (void)m##j##1
+
+/* c[16 j ...] = x . panel j (+ bias) for P = 2 panels (or 1) of a block format fmt. */
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void
+gemv_q(const int P, const int fmt, const float *x, Py_ssize_t K, const uint8_t *const *pan, const float *const *bias,
+       float *const *c, const int *nv)
+{
+    const __m256i lo4 = _mm256_set1_epi32(15);
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+    (void)lo4;
+    for (Py_ssize_t g0 = 0; g0 < K; g0 += QB) {
+        const float *xk = x + g0;
+        Q_GROUP_LOAD(0, fmt, g0);
+        if (P == 2) {
+            Q_GROUP_LOAD(1, fmt, g0);
+            for (int k = 0; k < QB; k++) {
+                __m256 xb = _mm256_broadcast_ss(xk + k);
+                if (fmt == PW_Q4_1) {
+                    Q4_W(0, k, w00, w01);
+                    Q4_W(1, k, w10, w11);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
+                    a10 = _mm256_fmadd_ps(xb, w10, a10);
+                    a11 = _mm256_fmadd_ps(xb, w11, a11);
                 } else {
-                    const uint8_t *g = panel + k0 / QB * group;
-                    const uint8_t *ahead = g + PF_BLOCKS * (KC / QB) * group;
-                    for (Py_ssize_t off = 0; off < kc / QB * group; off += 64)
-                        _mm_prefetch((const char *)(ahead + off), PF_HINT);
-                    dequant_block(fmt, g, kc, buf);
-                    wp = buf;
-                    pf = NULL;
+                    Q8_W(0, k, w00, w01);
+                    Q8_W(1, k, w10, w11);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
+                    a10 = _mm256_fmadd_ps(xb, w10, a10);
+                    a11 = _mm256_fmadd_ps(xb, w11, a11);
                 }
-                for (Py_ssize_t m0 = 0; m0 < a->M; m0 += MR) {
-                    Py_ssize_t mr = a->M - m0 < MR ? a->M - m0 : MR;
-                    const float *x = a->x + m0 * a->ldx + k0;
-                    float *c = a->c + m0 * a->ldc + n0;
-                    const float *pfp = m0 == 0 ? pf : NULL;
-                    int first = k0 == 0;
-                    switch (mr) {
-                    case 6: ukernel(6, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
-                    case 5: ukernel(5, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
-                    case 4: ukernel(4, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
-                    case 3: ukernel(3, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
-                    case 2: ukernel(2, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
-                    default: ukernel(1, kc, x, a->ldx, wp, pfp, c, a->ldc, bias, nv, first); break;
-                    }
+            }
+        } else {
+            for (int k = 0; k < QB; k++) {
+                __m256 xb = _mm256_broadcast_ss(xk + k);
+                if (fmt == PW_Q4_1) {
+                    Q4_W(0, k, w00, w01);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
+                } else {
+                    Q8_W(0, k, w00, w01);
+                    a00 = _mm256_fmadd_ps(xb, w00, a00);
+                    a01 = _mm256_fmadd_ps(xb, w01, a01);
                 }
             }
         }
     }
-    if (a->post) { /* wait until every thread's panels are written, then this thread's rows */
-        __atomic_add_fetch(&a->arrived, 1, __ATOMIC_ACQ_REL);
-        for (long spins = 0; __atomic_load_n(&a->arrived, __ATOMIC_ACQUIRE) < nthreads; spins++)
-            wait_backoff(spins);
-        Py_ssize_t r0 = a->M * tid / nthreads, r1 = a->M * (tid + 1) / nthreads;
-        if (r1 > r0)
-            a->post(a->post_ctx, r0, r1);
+    gemv_store(a00, a01, bias[0], c[0], nv[0]);
+    if (P == 2)
+        gemv_store(a10, a11, bias[1], c[1], nv[1]);
+}
+#undef Q4_W
+#undef Q8_W
+#undef Q_GROUP_LOAD
+
+/* The same for float32 panels, P = 1 .. 4. */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+gemv_f32(const int P, const float *x, Py_ssize_t K, const uint8_t *const *pan, const float *const *bias,
+         float *const *c, const int *nv)
+{
+    const float *w0 = (const float *)pan[0], *w1 = (const float *)pan[P > 1 ? 1 : 0];
+    const float *w2 = (const float *)pan[P > 2 ? 2 : 0], *w3 = (const float *)pan[P > 3 ? 3 : 0];
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+    for (Py_ssize_t k = 0; k < K; k++) {
+        if ((k & 3) == 0) {
+            _mm_prefetch((const char *)(w0 + (k + 64) * NR), _MM_HINT_T0);
+            if (P > 1)
+                _mm_prefetch((const char *)(w1 + (k + 64) * NR), _MM_HINT_T0);
+            if (P > 2)
+                _mm_prefetch((const char *)(w2 + (k + 64) * NR), _MM_HINT_T0);
+            if (P > 3)
+                _mm_prefetch((const char *)(w3 + (k + 64) * NR), _MM_HINT_T0);
+        }
+        __m256 xb = _mm256_broadcast_ss(x + k);
+        a00 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k * NR), a00);
+        a01 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w0 + k * NR + 8), a01);
+        if (P > 1) {
+            a10 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k * NR), a10);
+            a11 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w1 + k * NR + 8), a11);
+        }
+        if (P > 2) {
+            a20 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k * NR), a20);
+            a21 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w2 + k * NR + 8), a21);
+        }
+        if (P > 3) {
+            a30 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k * NR), a30);
+            a31 = _mm256_fmadd_ps(xb, _mm256_loadu_ps(w3 + k * NR + 8), a31);
+        }
     }
+    gemv_store(a00, a01, bias[0], c[0], nv[0]);
+    if (P > 1)
+        gemv_store(a10, a11, bias[1], c[1], nv[1]);
+    if (P > 2)
+        gemv_store(a20, a21, bias[2], c[2], nv[2]);
+    if (P > 3)
+        gemv_store(a30, a31, bias[3], c[3], nv[3]);
+}
+
+/* Bytes of one packed panel of a K-deep weight in format fmt. */
+static inline Py_ssize_t
+panel_bytes(int fmt, Py_ssize_t K)
+{
+    return fmt == PW_F32 ? K * NR * (Py_ssize_t)sizeof(float) : K / QB * (fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP);
+}
+
+/* One panel's address, output columns and bias. */
+typedef struct {
+    const uint8_t *pan;
+    const float *bias;
+    float *c;
+    int nv;
+} panel_ref;
+
+static inline panel_ref
+panel_at(const pw_header *w, Py_ssize_t pi, const float *bias, float *c)
+{
+    const int fmt = (int)w->fmt;
+    panel_ref r;
+    Py_ssize_t n0 = pi * NR;
+    r.pan = (const uint8_t *)(w + 1) + pi * panel_bytes(fmt, w->k);
+    r.bias = bias ? bias + n0 : NULL;
+    r.c = c + n0;
+    r.nv = (int)(w->n - n0 < NR ? w->n - n0 : NR);
+    return r;
+}
+
+/* x (one row) against np panels (any count) given as refs: P at a time. */
+__attribute__((target("avx2,fma,f16c"))) static void
+gemv_refs(const float *x, Py_ssize_t K, int fmt, const panel_ref *r, int np)
+{
+    const int step = fmt == PW_F32 ? 4 : 2;
+    for (int i = 0; i < np; i += step) {
+        int P = np - i < step ? np - i : step;
+        const uint8_t *pan[4];
+        const float *bias[4];
+        float *c[4];
+        int nv[4];
+        for (int j = 0; j < P; j++) {
+            pan[j] = r[i + j].pan;
+            bias[j] = r[i + j].bias;
+            c[j] = r[i + j].c;
+            nv[j] = r[i + j].nv;
+        }
+        if (fmt == PW_F32) {
+            switch (P) {
+            case 4: gemv_f32(4, x, K, pan, bias, c, nv); break;
+            case 3: gemv_f32(3, x, K, pan, bias, c, nv); break;
+            case 2: gemv_f32(2, x, K, pan, bias, c, nv); break;
+            default: gemv_f32(1, x, K, pan, bias, c, nv); break;
+            }
+        } else if (fmt == PW_Q4_1) {
+            if (P == 2)
+                gemv_q(2, PW_Q4_1, x, K, pan, bias, c, nv);
+            else
+                gemv_q(1, PW_Q4_1, x, K, pan, bias, c, nv);
+        } else {
+            if (P == 2)
+                gemv_q(2, PW_Q8_0, x, K, pan, bias, c, nv);
+            else
+                gemv_q(1, PW_Q8_0, x, K, pan, bias, c, nv);
+        }
+    }
+}
+
+/* C[0:M, panel pi] (+ bias) for one panel of w: M = 1 by gemv_refs' single-panel case, else the
+ * micro-kernel over 128-row blocks (see gemm_task). buf: KC * NR floats, 64-byte aligned. */
+__attribute__((target("avx2,fma,f16c"))) static void
+gemm_panel(const float *xrows, Py_ssize_t M, Py_ssize_t ldx, const pw_header *w, Py_ssize_t pi, const float *bias,
+           float *cbase, Py_ssize_t ldc, float *buf)
+{
+    const Py_ssize_t K = w->k;
+    const int fmt = (int)w->fmt;
+    const Py_ssize_t group = fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP;
+    const uint8_t *panel = (const uint8_t *)(w + 1) + pi * panel_bytes(fmt, K);
+    Py_ssize_t n0 = pi * NR;
+    int nv = (int)(w->n - n0 < NR ? w->n - n0 : NR);
+    for (Py_ssize_t k0 = 0; k0 < K; k0 += KC) {
+        Py_ssize_t kc = K - k0 < KC ? K - k0 : KC;
+        const float *bb = bias && k0 + kc >= K ? bias + n0 : NULL;
+        const float *wp, *pf;
+        if (fmt == PW_F32) {
+            wp = (const float *)panel + k0 * NR;
+            pf = wp + PF_BLOCKS * KC * NR; /* may run past the end: prefetch never faults */
+        } else {
+            const uint8_t *g = panel + k0 / QB * group;
+            const uint8_t *ahead = g + PF_BLOCKS * (KC / QB) * group;
+            for (Py_ssize_t off = 0; off < kc / QB * group; off += 64)
+                _mm_prefetch((const char *)(ahead + off), PF_HINT);
+            dequant_block(fmt, g, kc, buf);
+            wp = buf;
+            pf = NULL;
+        }
+        for (Py_ssize_t m0 = 0; m0 < M; m0 += MR) {
+            Py_ssize_t mr = M - m0 < MR ? M - m0 : MR;
+            const float *x = xrows + m0 * ldx + k0;
+            float *c = cbase + m0 * ldc + n0;
+            const float *pfp = m0 == 0 ? pf : NULL;
+            int first = k0 == 0;
+            switch (mr) {
+            case 6: ukernel(6, kc, x, ldx, wp, pfp, c, ldc, bb, nv, first); break;
+            case 5: ukernel(5, kc, x, ldx, wp, pfp, c, ldc, bb, nv, first); break;
+            case 4: ukernel(4, kc, x, ldx, wp, pfp, c, ldc, bb, nv, first); break;
+            case 3: ukernel(3, kc, x, ldx, wp, pfp, c, ldc, bb, nv, first); break;
+            case 2: ukernel(2, kc, x, ldx, wp, pfp, c, ldc, bb, nv, first); break;
+            default: ukernel(1, kc, x, ldx, wp, pfp, c, ldc, bb, nv, first); break;
+            }
+        }
+    }
+}
+
+/* Panels [p0, p1) of C = X @ W^T (+ bias): the GEMV for one row, else panel by panel. */
+__attribute__((target("avx2,fma,f16c"))) static void
+gemm_range(const float *x, Py_ssize_t M, Py_ssize_t ldx, const pw_header *w, Py_ssize_t p0, Py_ssize_t p1,
+           const float *bias, float *c, Py_ssize_t ldc, float *buf)
+{
+    if (M == 1) {
+        panel_ref r[8];
+        for (Py_ssize_t pi = p0; pi < p1;) {
+            int np = 0;
+            for (; np < 8 && pi < p1; np++, pi++)
+                r[np] = panel_at(w, pi, bias, c);
+            gemv_refs(x, w->k, (int)w->fmt, r, np);
+        }
+        return;
+    }
+    for (Py_ssize_t pi = p0; pi < p1; pi++)
+        gemm_panel(x, M, ldx, w, pi, bias, c, ldc, buf);
+}
+
+/* Takes the next chunk of [0, total) units from *next (atomic), guided: a chunk is 1 / (2 *
+ * nthreads) of what is left (at least `align` units, a multiple of it), so chunks shrink toward
+ * the end and a thread that starts late or runs slow (this VM's cores are shared) costs the
+ * others at most one small chunk of waiting. Returns 0 when nothing is left. */
+static inline int
+take_chunk(Py_ssize_t *next, Py_ssize_t total, int nthreads, Py_ssize_t align, Py_ssize_t *u0, Py_ssize_t *u1)
+{
+    Py_ssize_t p0 = __atomic_load_n(next, __ATOMIC_RELAXED), c;
+    do {
+        if (p0 >= total)
+            return 0;
+        c = (total - p0) / (2 * nthreads);
+        c = c < align ? align : c / align * align;
+    } while (!__atomic_compare_exchange_n(next, &p0, p0 + c, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    *u0 = p0;
+    *u1 = p0 + c < total ? p0 + c : total;
+    return 1;
+}
+
+/* Panels are taken in shrinking chunks (take_chunk). Within a panel, K is walked in blocks of KC
+ * rows (KC * 64 bytes of float32, L1-resident) and every row block of X passes over a block
+ * before the next is read: the weight stream from memory then advances at a steady pace with all
+ * M rows' work, and each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
+ * weight stream. A quantized block is first decoded into a float32 block on the stack. One row
+ * (M = 1) takes the GEMV instead (same bits). */
+__attribute__((target("avx2,fma,f16c"))) static void
+gemm_task(void *p, int tid, int nthreads)
+{
+    gemm_args *a = (gemm_args *)p;
+    const Py_ssize_t panels = (a->N + NR - 1) / NR;
+    float buf[KC * NR] __attribute__((aligned(64)));
+    Py_ssize_t p0, p1;
+    while (take_chunk(&a->next, panels, nthreads, a->M == 1 ? 2 : 1, &p0, &p1))
+        gemm_range(a->x, a->M, a->ldx, a->w, p0, p1, a->bias, a->c, a->ldc, buf);
 }
 #endif
 
 #if RK_X86
-/* C[M, N] = X @ W^T (+ bias) on nthreads threads (see the header), then post on C's rows (NULL:
- * none; see gemm_args). */
+/* C[M, N] = X @ W^T (+ bias) on nthreads threads (see the header). */
 static void
 gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const pw_header *w, Py_ssize_t N, const float *bias,
-     float *c, Py_ssize_t ldc, int nthreads, void (*post)(const void *, Py_ssize_t, Py_ssize_t), const void *post_ctx)
+     float *c, Py_ssize_t ldc, int nthreads)
 {
     Py_ssize_t panels = (N + NR - 1) / NR;
     int n = nthreads < 1 ? 1 : nthreads;
     if (panels < 2 * n) /* too little work to share */
         n = 1;
-    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, 0, post, post_ctx, 0};
+    gemm_args a = {x, M, K, ldx, w, N, bias, c, ldc, 0};
     run_parallel(gemm_task, &a, n);
 }
 #endif
@@ -774,8 +1014,7 @@ py_sgemm_packed(PyObject *self, PyObject *args)
         return NULL;
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
-    gemm((const float *)x, M, K, ldx, (const pw_header *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads,
-         NULL, NULL);
+    gemm((const float *)x, M, K, ldx, (const pw_header *)wp, N, (const float *)bias, (float *)c, ldc, (int)nthreads);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -1175,17 +1414,6 @@ apply_token_bitmask(float *logits, Py_ssize_t ldl, const int32_t *bitmask, Py_ss
                 x[j] = -INFINITY;
     }
 }
-
-/* K/V of T new tokens (rows ldk / ldv floats apart, row_len floats each) into their slots. */
-static void
-write_kv(const float *k, Py_ssize_t ldk, const float *v, Py_ssize_t ldv, const int64_t *slots, Py_ssize_t T,
-         Py_ssize_t row_len, float *k_cache, float *v_cache)
-{
-    for (Py_ssize_t t = 0; t < T; t++) {
-        memcpy(k_cache + slots[t] * row_len, k + t * ldk, sizeof(float) * (size_t)row_len);
-        memcpy(v_cache + slots[t] * row_len, v + t * ldv, sizeof(float) * (size_t)row_len);
-    }
-}
 #endif
 
 static PyObject *
@@ -1260,116 +1488,649 @@ py_advise_hugepages(PyObject *self, PyObject *args)
     Py_RETURN_FALSE;
 }
 
-/* ------------------------------------------------------------------ one decoder layer */
+/* ------------------------------------------------------------------ the whole decode step
+ *
+ * decode_step runs one forward pass of a decode-sized batch (at most STEP_MAX_ROWS new tokens, any
+ * mix of decodes and short extends) through every layer and the output projection in ONE call and
+ * ONE parallel region: the embeddings, per layer RMSNorm (+ residual), the q/k/v GEMM with RoPE
+ * and the K/V write, paged attention, the o GEMM, RMSNorm, gate|up with SiLU-and-multiply, down,
+ * then the final norm and the logits of the rows asked for. The threads meet at a spin barrier
+ * between the phases that need each other's results (5 a layer). The row-wise steps that are
+ * cheap (norms, the residual, the attention merge) run on every thread over all rows, each into
+ * its own copy (the same operations on the same inputs give the same bits), so no barrier waits
+ * for them. The GEMM and attention work units are taken in guided chunks (take_chunk), so a
+ * thread that runs late costs the others little.
+ *
+ * The numbers are those of the module path's kernels (gemm_range, attend_unit below, add_rms_norm,
+ * rope_inplace, silu_mul): every output element is computed by one thread in a fixed order, so the
+ * logits do not depend on the thread count nor on the other requests of the batch. Attention is
+ * split into chunks of ATT_CHUNK positions per (query row, KV head), merged in order; a request
+ * with at most ATT_CHUNK positions gets exactly the bits of paged_attention.
+ *
+ * The plan (step_plan, a capsule) holds the model's addresses, taken once by
+ * radixkv/executor/cpu_decode.py (which keeps the tensors alive and rebuilds the plan when a weight
+ * changes); the block table is read directly: slot of position p of a token's request =
+ * req_to_token[row, p]. Every call checks its rows, positions, tokens and every slot it will read
+ * or write before the region starts. */
 
+#define STEP_MAX_ROWS 64
+#ifndef ATT_CHUNK
+#define ATT_CHUNK 256 /* positions per attention work unit */
+#endif
+
+typedef struct {
+    const float *norm_in, *norm_post;
+    float eps_in, eps_post;
+    const pw_header *w[4]; /* qkv, o, gate|up, down */
+    const float *b[4];
+    float *k_cache, *v_cache; /* [num_slots, hkv, d] */
+} layer_plan;
+
+typedef struct {
+    int L, H, hq, hkv, d, inter, V;
+    layer_plan *layer;
+    const float *embed; /* [V, H] */
+    const float *final_norm;
+    float final_eps;
+    const pw_header *lm_head; /* [V, H] packed */
+    const float *cos, *sin;   /* [rope_len, d] */
+    Py_ssize_t rope_len;
+    const int32_t *r2t; /* [r2t_rows, r2t_cols] */
+    Py_ssize_t r2t_rows, r2t_cols;
+    Py_ssize_t page_size, num_slots;
+    float sm_scale;
+    int nt_max; /* threads with a private buffer */
+    Py_ssize_t priv_floats;
+    float *shared; /* qkv, delta, gu, act: STEP_MAX_ROWS rows each */
+    float *priv;   /* per thread: residual, x, att [STEP_MAX_ROWS rows each], attention scratch */
+    float *part;   /* attention partials: [T, hq, max chunks, d + 2] */
+    Py_ssize_t part_cap;
+    int32_t *units; /* attention units: (token row, KV head, chunk) */
+    Py_ssize_t units_cap;
+    Py_ssize_t *counters;
+    int n_counters;
+    pthread_mutex_t mu; /* one step at a time on a plan (its scratch) */
+} step_plan;
+
+typedef struct {
+    int count, sense;
+    char pad[56];
+} step_barrier;
+
+typedef struct {
+    step_plan *p;
+    int T, S;
+    const int64_t *tok;   /* [T] token ids */
+    const int32_t *t_row; /* [T] block-table row of each token row */
+    const int32_t *t_pos; /* [T] its position */
+    const int32_t *lrows; /* [S] rows whose logits are computed */
+    float *logits;        /* [S, V] */
+    Py_ssize_t n_units;
+    int max_chunks;
+    step_barrier bar __attribute__((aligned(64)));
+} step_args;
+
+/* All threads of the region meet here (sense-reversing counter; local: the thread's sense). */
+static void
+step_sync(step_barrier *b, int n, int *local)
+{
+    if (n <= 1)
+        return;
+    int s = *local ^= 1;
+    if (__atomic_add_fetch(&b->count, 1, __ATOMIC_ACQ_REL) == n) {
+        __atomic_store_n(&b->count, 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&b->sense, s, __ATOMIC_RELEASE);
+    } else {
+        for (long spins = 0; __atomic_load_n(&b->sense, __ATOMIC_ACQUIRE) != s; spins++)
+            wait_backoff(spins);
+    }
+}
 
 #if RK_X86
-/* The row-wise steps decode_layer runs inside its GEMMs' parallel regions (gemm_args.post): each
- * thread does its share of the rows as soon as the whole GEMM output is written, instead of the
- * calling thread doing all of them between two regions while the others wait. */
-typedef struct { /* after the qkv GEMM: RoPE on q and k, then k and v into their slots */
-    float *qkv;
-    Py_ssize_t nqkv, qs, kvs, nh, d;
-    const float *cos, *sin;
-    const int64_t *slots;
-    float *k_cache, *v_cache;
-} qkv_post_ctx;
-
-static void
-qkv_post(const void *p, Py_ssize_t r0, Py_ssize_t r1)
+/* One attention unit: token row t, KV head g (its G = hq / hkv query heads), positions
+ * [c * ATT_CHUNK, ...) of the row's visible ones, against layer lp's cache. Writes per query head
+ * its partial (max, sum, unnormalized weighted sum of V: d floats) to part. The three passes are
+ * attend_row's, with the same operations (pv_block with inv = 1 gives the unnormalized sum
+ * exactly; step_merge then scales by 1 / sum as attend_row does). */
+__attribute__((target("avx2,fma"))) static void
+attend_unit(const step_args *sa, const layer_plan *lp, int t, int g, int c, float *scratch)
 {
-    const qkv_post_ctx *c = (const qkv_post_ctx *)p;
-    float *rows = c->qkv + r0 * c->nqkv;
-    rope_inplace(rows, r1 - r0, c->nh, c->d, c->nqkv, c->cos + r0 * c->d, c->sin + r0 * c->d);
-    write_kv(rows + c->qs, c->nqkv, rows + c->qs + c->kvs, c->nqkv, c->slots + r0, r1 - r0, c->kvs, c->k_cache,
-             c->v_cache);
+    const step_plan *p = sa->p;
+    const int d = p->d, hq = p->hq, hkv = p->hkv, G = hq / hkv;
+    const Py_ssize_t row_len = (Py_ssize_t)hkv * d, nqkv = (Py_ssize_t)(hq + 2 * hkv) * d;
+    const Py_ssize_t vis = (Py_ssize_t)sa->t_pos[t] + 1, p0 = (Py_ssize_t)c * ATT_CHUNK;
+    const Py_ssize_t n = vis - p0 < ATT_CHUNK ? vis - p0 : ATT_CHUNK;
+    const int32_t *r2t = p->r2t + (Py_ssize_t)sa->t_row[t] * p->r2t_cols + p0;
+    const float *qrow = p->shared + t * nqkv + (Py_ssize_t)g * G * d; /* q heads of group g */
+    const float *kb = lp->k_cache + (Py_ssize_t)g * d, *vb = lp->v_cache + (Py_ssize_t)g * d;
+    Py_ssize_t *slot = (Py_ssize_t *)scratch;
+    float *scores = scratch + 2 * ATT_CHUNK; /* [G][n] */
+    for (Py_ssize_t i = 0; i < n; i++)
+        slot[i] = r2t[i];
+    const __m256 vscale = _mm256_set1_ps(p->sm_scale);
+    Py_ssize_t q = 0;
+    for (; q + 8 <= n; q += 8) {
+        const float *kp[8];
+        for (int j = 0; j < 8; j++)
+            kp[j] = kb + slot[q + j] * row_len;
+        for (int h = 0; h < G; h++)
+            _mm256_storeu_ps(scores + (Py_ssize_t)h * n + q, _mm256_mul_ps(qk8(qrow + (Py_ssize_t)h * d, kp, d), vscale));
+    }
+    for (; q < n; q++) {
+        const float *kp = kb + slot[q] * row_len;
+        for (int h = 0; h < G; h++) {
+            const float *qh = qrow + (Py_ssize_t)h * d;
+            __m256 acc = _mm256_setzero_ps();
+            for (int e = 0; e < d; e += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + e), _mm256_loadu_ps(kp + e), acc);
+            scores[(Py_ssize_t)h * n + q] = hsum256(acc) * p->sm_scale;
+        }
+    }
+    const Py_ssize_t ldp = (Py_ssize_t)sa->max_chunks * (d + 2);
+    float *part = p->part + ((Py_ssize_t)t * hq + (Py_ssize_t)g * G) * ldp + (Py_ssize_t)c * (d + 2);
+    float ones[64];
+    for (int h = 0; h < G; h++) {
+        float *sc = scores + (Py_ssize_t)h * n;
+        Py_ssize_t i = 0;
+        __m256 vmx = _mm256_set1_ps(sc[0]);
+        for (; i + 8 <= n; i += 8)
+            vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(sc + i));
+        float mx = hmax256(vmx);
+        for (; i < n; i++)
+            mx = sc[i] > mx ? sc[i] : mx;
+        __m256 vm = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+        for (i = 0; i + 8 <= n; i += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+            _mm256_storeu_ps(sc + i, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        if (i < n) {
+            float tt[8];
+            int m = (int)(n - i);
+            for (int k = 0; k < 8; k++)
+                tt[k] = k < m ? sc[i + k] - mx : -87.3f;
+            __m256 e = exp256(_mm256_loadu_ps(tt));
+            _mm256_storeu_ps(tt, e);
+            for (int k = 0; k < m; k++)
+                sc[i + k] = tt[k];
+            vsum = _mm256_add_ps(vsum, _mm256_blendv_ps(_mm256_setzero_ps(), e,
+                _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))));
+        }
+        float *ph = part + (Py_ssize_t)h * ldp;
+        ph[0] = mx;
+        ph[1] = hsum256(vsum);
+        ones[h] = 1.f;
+    }
+    for (int h0 = 0; h0 < G; h0 += 3) {
+        int hc = G - h0 < 3 ? G - h0 : 3;
+        for (int e0 = 0; e0 < d; e0 += 32) {
+            int nc = (d - e0) / 8 < 4 ? (d - e0) / 8 : 4;
+            const float *w = scores + (Py_ssize_t)h0 * n;
+            float *o = part + (Py_ssize_t)h0 * ldp + 2 + e0;
+            const float *vbe = vb + e0;
+            switch (hc * 4 + nc) {
+#define PV(HC, NC) case HC * 4 + NC: pv_block(HC, NC, vbe, slot, row_len, n, w, ones + h0, o, ldp); break;
+            PV(1, 1) PV(1, 2) PV(1, 3) PV(1, 4) PV(2, 1) PV(2, 2) PV(2, 3) PV(2, 4)
+            PV(3, 1) PV(3, 2) PV(3, 3) PV(3, 4)
+#undef PV
+            }
+        }
+    }
 }
 
-typedef struct { /* after the o GEMM: residual += delta; x = RMSNorm(residual) */
-    const float *delta, *w;
-    float *res, *x;
-    Py_ssize_t H;
-    float eps;
-} norm_post_ctx;
-
-static void
-norm_post(const void *p, Py_ssize_t r0, Py_ssize_t r1)
+/* att[t, h] = the merged partials of every chunk of row t, head h (in chunk order): one chunk is
+ * attend_row's inv * acc, bit for bit; more are rescaled to their common maximum. */
+__attribute__((target("avx2,fma"))) static void
+step_merge(const step_args *sa, float *att)
 {
-    const norm_post_ctx *c = (const norm_post_ctx *)p;
-    add_rms_norm(c->delta + r0 * c->H, c->res + r0 * c->H, c->x + r0 * c->H, r1 - r0, c->H, c->w, c->eps);
+    const step_plan *p = sa->p;
+    const int d = p->d, hq = p->hq;
+    const Py_ssize_t ldp = (Py_ssize_t)sa->max_chunks * (d + 2);
+    for (int t = 0; t < sa->T; t++) {
+        int nc = (sa->t_pos[t] + ATT_CHUNK) / ATT_CHUNK;
+        for (int h = 0; h < hq; h++) {
+            const float *ph = p->part + ((Py_ssize_t)t * hq + h) * ldp;
+            float *o = att + ((Py_ssize_t)t * hq + h) * d;
+            if (nc == 1) {
+                __m256 sv = _mm256_set1_ps(1.f / ph[1]);
+                for (int e = 0; e < d; e += 8)
+                    _mm256_storeu_ps(o + e, _mm256_mul_ps(sv, _mm256_loadu_ps(ph + 2 + e)));
+                continue;
+            }
+            float mx = ph[0];
+            for (int c = 1; c < nc; c++)
+                mx = ph[c * (d + 2)] > mx ? ph[c * (d + 2)] : mx;
+            float sum = 0.f;
+            for (int e = 0; e < d; e += 8)
+                _mm256_storeu_ps(o + e, _mm256_setzero_ps());
+            for (int c = 0; c < nc; c++) {
+                const float *pc = ph + c * (d + 2);
+                float f = expf(pc[0] - mx);
+                sum += f * pc[1];
+                __m256 fv = _mm256_set1_ps(f);
+                for (int e = 0; e < d; e += 8)
+                    _mm256_storeu_ps(o + e, _mm256_fmadd_ps(fv, _mm256_loadu_ps(pc + 2 + e), _mm256_loadu_ps(o + e)));
+            }
+            __m256 sv = _mm256_set1_ps(1.f / sum);
+            for (int e = 0; e < d; e += 8)
+                _mm256_storeu_ps(o + e, _mm256_mul_ps(sv, _mm256_loadu_ps(o + e)));
+        }
+    }
 }
 
-typedef struct { /* after the gate|up GEMM: act = silu(gate) * up */
-    const float *gu;
-    float *act;
-    Py_ssize_t inter;
-} silu_post_ctx;
-
+/* RoPE on head hd (< hq + hkv) of every row of qkv, then k / v heads (hd >= hq) into the cache. */
 static void
-silu_post(const void *p, Py_ssize_t r0, Py_ssize_t r1)
+step_rope_kv(const step_args *sa, const layer_plan *lp, int hd, int t0, int t1)
 {
-    const silu_post_ctx *c = (const silu_post_ctx *)p;
-    silu_mul(c->gu + r0 * 2 * c->inter, c->act + r0 * c->inter, r1 - r0, c->inter);
+    const step_plan *p = sa->p;
+    const int d = p->d, hq = p->hq, hkv = p->hkv;
+    const Py_ssize_t nqkv = (Py_ssize_t)(hq + 2 * hkv) * d, row_len = (Py_ssize_t)hkv * d;
+    for (int t = t0; t < t1; t++) {
+        float *hp = p->shared + t * nqkv + (Py_ssize_t)hd * d;
+        const Py_ssize_t pos = sa->t_pos[t];
+        if (hd < hq + hkv)
+            rope_inplace(hp, 1, 1, d, d, p->cos + pos * d, p->sin + pos * d);
+        if (hd >= hq) {
+            const Py_ssize_t slot = p->r2t[(Py_ssize_t)sa->t_row[t] * p->r2t_cols + pos];
+            float *dst = hd < hq + hkv ? lp->k_cache + slot * row_len + (Py_ssize_t)(hd - hq) * d
+                                       : lp->v_cache + slot * row_len + (Py_ssize_t)(hd - hq - hkv) * d;
+            memcpy(dst, hp, sizeof(float) * (size_t)d);
+        }
+    }
+}
+
+/* act[:, 16u ... 16u + 16) = silu(gate) * up for the rows of gu (as silu_mul, vector lanes). */
+__attribute__((target("avx2,fma"))) static void
+silu_cols(const float *gu, float *act, int M, Py_ssize_t I, Py_ssize_t col)
+{
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (int m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I + col, *u = g + I;
+        float *o = act + m * I + col;
+        for (int i = 0; i < NR; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+/* All panels of C = X @ W^T (+ bias), shared out in chunks (pairs for one row: the GEMV's P). */
+static void
+step_gemm(const float *x, int M, Py_ssize_t ldx, const pw_header *w, const float *bias, float *c, Py_ssize_t ldc,
+          Py_ssize_t *counter, int n, float *buf)
+{
+    const Py_ssize_t panels = (w->n + NR - 1) / NR;
+    Py_ssize_t p0, p1;
+    while (take_chunk(counter, panels, n, M == 1 ? 2 : 1, &p0, &p1))
+        gemm_range(x, M, ldx, w, p0, p1, bias, c, ldc, buf);
+}
+
+__attribute__((target("avx2,fma,f16c"))) static void
+step_task(void *arg, int tid, int n)
+{
+    step_args *sa = (step_args *)arg;
+    step_plan *p = sa->p;
+    const int T = sa->T, H = p->H, hq = p->hq, hkv = p->hkv, d = p->d, G = hq / hkv;
+    const Py_ssize_t I = p->inter, nqkv = (Py_ssize_t)(hq + 2 * hkv) * d;
+    float *qkv = p->shared, *delta = qkv + STEP_MAX_ROWS * nqkv, *gu = delta + STEP_MAX_ROWS * H;
+    float *act = gu + STEP_MAX_ROWS * 2 * I;
+    float *res = p->priv + (Py_ssize_t)tid * p->priv_floats, *x = res + STEP_MAX_ROWS * H;
+    float *att = x + STEP_MAX_ROWS * H, *scratch = att + (Py_ssize_t)STEP_MAX_ROWS * hq * d;
+    float buf[KC * NR] __attribute__((aligned(64)));
+    int sense = 0, ph = 0;
+    const int head_units = d % NR == 0, pair_units = I % NR == 0;
+    for (int t = 0; t < T; t++)
+        memcpy(res + (Py_ssize_t)t * H, p->embed + sa->tok[t] * H, sizeof(float) * (size_t)H);
+    for (int l = 0; l < p->L; l++) {
+        const layer_plan *lp = &p->layer[l];
+        add_rms_norm(l ? delta : NULL, res, x, T, H, lp->norm_in, lp->eps_in);
+        /* q/k/v: whole heads per unit, each then rotated and its K/V stored by the same thread */
+        Py_ssize_t *ctr = &p->counters[ph++], u0, u1;
+        if (head_units) {
+            const Py_ssize_t hp = d / NR;
+            while (take_chunk(ctr, hq + 2 * hkv, n, 1, &u0, &u1))
+                for (Py_ssize_t u = u0; u < u1; u++) {
+                    gemm_range(x, T, H, lp->w[0], u * hp, (u + 1) * hp, lp->b[0], qkv, nqkv, buf);
+                    step_rope_kv(sa, lp, (int)u, 0, T);
+                }
+            step_sync(&sa->bar, n, &sense);
+        } else {
+            step_gemm(x, T, H, lp->w[0], lp->b[0], qkv, nqkv, ctr, n, buf);
+            step_sync(&sa->bar, n, &sense);
+            int t0 = T * tid / n, t1 = T * (tid + 1) / n;
+            for (int hd = 0; hd < hq + 2 * hkv; hd++)
+                step_rope_kv(sa, lp, hd, t0, t1);
+            step_sync(&sa->bar, n, &sense);
+        }
+        /* attention units, then every thread merges all of them into its own att */
+        ctr = &p->counters[ph++];
+        while (take_chunk(ctr, sa->n_units, n, 1, &u0, &u1))
+            for (Py_ssize_t u = u0; u < u1; u++) {
+                const int32_t *un = p->units + 3 * u;
+                attend_unit(sa, lp, un[0], un[1], un[2], scratch);
+            }
+        step_sync(&sa->bar, n, &sense);
+        step_merge(sa, att);
+        step_gemm(att, T, (Py_ssize_t)hq * d, lp->w[1], lp->b[1], delta, H, &p->counters[ph++], n, buf);
+        step_sync(&sa->bar, n, &sense);
+        add_rms_norm(delta, res, x, T, H, lp->norm_post, lp->eps_post);
+        /* gate|up: a unit is a gate panel and its up panel, so SiLU-and-multiply follows at once */
+        ctr = &p->counters[ph++];
+        if (pair_units) {
+            const Py_ssize_t np = I / NR;
+            while (take_chunk(ctr, np, n, 1, &u0, &u1))
+                for (Py_ssize_t u = u0; u < u1; u++) {
+                    if (T == 1) {
+                        panel_ref r[2] = {panel_at(lp->w[2], u, lp->b[2], gu), panel_at(lp->w[2], u + np, lp->b[2], gu)};
+                        gemv_refs(x, H, (int)lp->w[2]->fmt, r, 2);
+                    } else {
+                        gemm_panel(x, T, H, lp->w[2], u, lp->b[2], gu, 2 * I, buf);
+                        gemm_panel(x, T, H, lp->w[2], u + np, lp->b[2], gu, 2 * I, buf);
+                    }
+                    silu_cols(gu, act, T, I, u * NR);
+                }
+            step_sync(&sa->bar, n, &sense);
+        } else {
+            step_gemm(x, T, H, lp->w[2], lp->b[2], gu, 2 * I, ctr, n, buf);
+            step_sync(&sa->bar, n, &sense);
+            int t0 = T * tid / n, t1 = T * (tid + 1) / n;
+            if (t1 > t0)
+                silu_mul(gu + t0 * 2 * I, act + t0 * I, t1 - t0, I);
+            step_sync(&sa->bar, n, &sense);
+        }
+        step_gemm(act, T, I, lp->w[3], lp->b[3], delta, H, &p->counters[ph++], n, buf);
+        step_sync(&sa->bar, n, &sense);
+    }
+    /* final norm of the rows asked for, into x, then the output projection */
+    float *tmp = scratch + (2 + G) * ATT_CHUNK + 64; /* the residual row (a row may be asked for twice) */
+    for (int s = 0; s < sa->S; s++) {
+        const Py_ssize_t r = sa->lrows[s];
+        memcpy(tmp, res + r * H, sizeof(float) * (size_t)H);
+        add_rms_norm(delta + r * H, tmp, x + (Py_ssize_t)s * H, 1, H, p->final_norm, p->final_eps);
+    }
+    if (sa->S > 0)
+        step_gemm(x, sa->S, H, p->lm_head, NULL, sa->logits, p->V, &p->counters[ph++], n, buf);
 }
 #endif
 
-/* decode_layer: one Llama-family decoder layer over M rows, every step native (no Python between):
- *   residual += delta (skipped for the first layer: first = 1);   x = RMSNorm_in(residual)
- *   qkv = x @ Wqkv^T (+ b);  RoPE on its q and k heads;  k, v -> the layer's KV slots (out_slots)
- *   attn = paged_attention(q, meta ...)   (all M rows; FlashInfer semantics, as paged_attention)
- *   delta = attn @ Wo^T (+ b);  residual += delta;  x = RMSNorm_post(residual)
- *   act = silu(x @ Wgate^T) * (x @ Wup^T)   (one packed gate|up GEMM);  delta = act @ Wdown^T (+ b)
- * On return residual + delta is the layer's output. Buffers (float32, caller-owned): x [M, H],
- * qkv [M, (hq + 2 hkv) d], attn [M, hq d], gu [M, 2 I], act [M, I], delta [M, H]. */
-static PyObject *
-py_decode_layer(PyObject *self, PyObject *args)
+static void
+step_plan_free(PyObject *cap)
 {
-    Py_ssize_t M, H, delta, first, residual, in_w, post_w, qkv_wp, qkv_b, o_wp, o_b, gu_wp, gu_b, down_wp, down_b, inter;
-    Py_ssize_t hq, hkv, d, cos, sin, meta, n_req, kv_indices, page_size, k_cache, v_cache, out_slots;
-    Py_ssize_t x_buf, qkv_buf, attn_buf, gu_buf, act_buf, nthreads, n_indices, num_pages;
-    double eps, sm_scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnndnnnnnnnnnnnnnnnnnnnnndnnnnnnnn", &M, &H, &delta, &first, &residual, &in_w, &post_w,
-                          &eps, &qkv_wp, &qkv_b, &o_wp, &o_b, &gu_wp, &gu_b, &down_wp, &down_b, &inter, &hq, &hkv,
-                          &d, &cos, &sin, &meta, &n_req, &kv_indices, &page_size, &k_cache, &v_cache, &out_slots,
-                          &sm_scale, &x_buf, &qkv_buf, &attn_buf, &gu_buf, &act_buf, &nthreads, &n_indices,
-                          &num_pages))
+    step_plan *p = (step_plan *)PyCapsule_GetPointer(cap, "radixkv.step_plan");
+    if (!p)
+        return;
+    free(p->layer);
+    free(p->shared);
+    free(p->priv);
+    free(p->part);
+    free(p->units);
+    free(p->counters);
+    pthread_mutex_destroy(&p->mu);
+    free(p);
+}
+
+/* step_plan(dims, layers, embed, final_norm, final_eps, lm_head, r2t, r2t_rows, r2t_cols,
+ *           page_size, num_slots, sm_scale) -> capsule
+ * dims: (L, H, hq, hkv, d, inter, V). layers: L tuples (norm_in, norm_post, eps_in, eps_post,
+ * qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b, k_cache, v_cache): addresses (0 for no
+ * bias) and floats. Every packed weight's header is checked against its shape. The RoPE tables
+ * are set with step_set_rope before the first step. */
+static PyObject *
+py_step_plan(PyObject *self, PyObject *args)
+{
+    int L, H, hq, hkv, d, inter, V;
+    PyObject *layers;
+    Py_ssize_t embed, fnorm, lm_head, r2t, r2t_rows, r2t_cols, page_size, num_slots;
+    double feps, sm_scale;
+    if (!PyArg_ParseTuple(args, "(iiiiiii)Onndnnnnnnd", &L, &H, &hq, &hkv, &d, &inter, &V, &layers, &embed, &fnorm,
+                          &feps, &lm_head, &r2t, &r2t_rows, &r2t_cols, &page_size, &num_slots, &sm_scale))
         return NULL;
-    const char *bad = check_attn_meta((const int32_t *)meta, n_req, M, (const int32_t *)kv_indices, n_indices,
-                                      page_size, num_pages);
-    if (!bad)
-        bad = check_pw((const pw_header *)qkv_wp, (hq + 2 * hkv) * d, H);
-    if (!bad)
-        bad = check_pw((const pw_header *)o_wp, H, hq * d);
-    if (!bad)
-        bad = check_pw((const pw_header *)gu_wp, 2 * inter, H);
-    if (!bad)
-        bad = check_pw((const pw_header *)down_wp, H, inter);
-    if (bad) {
-        PyErr_Format(PyExc_ValueError, "decode_layer: %s", bad);
+    if (!cpu_or_raise("step_plan"))
+        return NULL;
+    if (L < 1 || H < 1 || hq < 1 || hkv < 1 || hq % hkv || d < 8 || d % 8 || d > 256 || inter < 1 || V < 1 ||
+        hq / hkv > 64 || page_size < 1 || num_slots < 1 || r2t_rows < 1 || r2t_cols < 1 ||
+        !PyTuple_Check(layers) || PyTuple_GET_SIZE(layers) != L) {
+        PyErr_SetString(PyExc_ValueError, "step_plan: bad dimensions or layer table");
         return NULL;
     }
-    if (!cpu_or_raise("decode_layer"))
+    const char *bad = check_pw((const pw_header *)lm_head, V, H);
+    step_plan *p = (step_plan *)calloc(1, sizeof *p);
+    if (!p)
+        return PyErr_NoMemory();
+    p->L = L, p->H = H, p->hq = hq, p->hkv = hkv, p->d = d, p->inter = inter, p->V = V;
+    p->layer = (layer_plan *)calloc((size_t)L, sizeof(layer_plan));
+    pthread_mutex_init(&p->mu, NULL);
+    PyObject *cap = PyCapsule_New(p, "radixkv.step_plan", step_plan_free);
+    if (!cap) {
+        free(p->layer);
+        free(p);
+        return NULL;
+    }
+    if (!p->layer) {
+        Py_DECREF(cap);
+        return PyErr_NoMemory();
+    }
+    for (int l = 0; l < L && !bad; l++) {
+        Py_ssize_t a[12];
+        double e0, e1;
+        PyObject *item = PyTuple_GET_ITEM(layers, l);
+        if (!PyArg_ParseTuple(item, "nnddnnnnnnnnnn", &a[0], &a[1], &e0, &e1, &a[2], &a[3], &a[4], &a[5], &a[6],
+                              &a[7], &a[8], &a[9], &a[10], &a[11])) {
+            Py_DECREF(cap);
+            return NULL;
+        }
+        layer_plan *lp = &p->layer[l];
+        lp->norm_in = (const float *)a[0], lp->norm_post = (const float *)a[1];
+        lp->eps_in = (float)e0, lp->eps_post = (float)e1;
+        for (int i = 0; i < 4; i++) {
+            lp->w[i] = (const pw_header *)a[2 + 2 * i];
+            lp->b[i] = (const float *)a[3 + 2 * i];
+        }
+        lp->k_cache = (float *)a[10], lp->v_cache = (float *)a[11];
+        bad = check_pw(lp->w[0], (Py_ssize_t)(hq + 2 * hkv) * d, H);
+        if (!bad)
+            bad = check_pw(lp->w[1], H, (Py_ssize_t)hq * d);
+        if (!bad)
+            bad = check_pw(lp->w[2], 2 * (Py_ssize_t)inter, H);
+        if (!bad)
+            bad = check_pw(lp->w[3], H, inter);
+        if (!bad && (!lp->norm_in || !lp->norm_post || !lp->k_cache || !lp->v_cache))
+            bad = "a layer's address is 0";
+    }
+    if (bad || !embed || !fnorm || !r2t) {
+        PyErr_Format(PyExc_ValueError, "step_plan: %s", bad ? bad : "an address is 0");
+        Py_DECREF(cap);
+        return NULL;
+    }
+    p->embed = (const float *)embed, p->final_norm = (const float *)fnorm, p->final_eps = (float)feps;
+    p->lm_head = (const pw_header *)lm_head;
+    p->r2t = (const int32_t *)r2t, p->r2t_rows = r2t_rows, p->r2t_cols = r2t_cols;
+    p->page_size = page_size, p->num_slots = num_slots, p->sm_scale = (float)sm_scale;
+    p->nt_max = usable_cpus() < MAX_THREADS ? usable_cpus() : MAX_THREADS;
+    const Py_ssize_t nqkv = (Py_ssize_t)(hq + 2 * hkv) * d;
+    p->priv_floats = STEP_MAX_ROWS * (2 * (Py_ssize_t)H + (Py_ssize_t)hq * d) + 2 * ATT_CHUNK +
+                     (Py_ssize_t)(hq / hkv) * ATT_CHUNK + 64 + H;
+    p->priv_floats = (p->priv_floats + 15) / 16 * 16; /* each thread's buffers on their own lines */
+    p->shared = (float *)aligned_alloc(64, sizeof(float) * (size_t)(STEP_MAX_ROWS * (nqkv + H + 3 * (Py_ssize_t)inter) + 16));
+    p->priv = (float *)aligned_alloc(64, sizeof(float) * (size_t)(p->priv_floats * p->nt_max));
+    p->n_counters = 5 * L + 2;
+    p->counters = (Py_ssize_t *)calloc((size_t)p->n_counters, sizeof(Py_ssize_t));
+    if (!p->shared || !p->priv || !p->counters) {
+        Py_DECREF(cap);
+        return PyErr_NoMemory();
+    }
+    return cap;
+}
+
+/* step_set_rope(plan, cos, sin, rope_len, width): the RoPE tables [rope_len, d] (positions 0 ..);
+ * width must be the plan's head_dim. */
+static PyObject *
+py_step_set_rope(PyObject *self, PyObject *args)
+{
+    PyObject *cap;
+    Py_ssize_t cos, sin, len, width;
+    if (!PyArg_ParseTuple(args, "Onnnn", &cap, &cos, &sin, &len, &width))
+        return NULL;
+    step_plan *p = (step_plan *)PyCapsule_GetPointer(cap, "radixkv.step_plan");
+    if (!p)
+        return NULL;
+    if (!cos || !sin || len < 0 || width != p->d) {
+        PyErr_SetString(PyExc_ValueError, "step_set_rope: bad table");
+        return NULL;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->cos = (const float *)cos, p->sin = (const float *)sin, p->rope_len = len;
+    pthread_mutex_unlock(&p->mu);
+    Py_RETURN_NONE;
+}
+
+/* Reads a sequence of ints into out[0 .. n) (n <= cap); returns n, or -1 with an exception. */
+static Py_ssize_t
+read_ints(PyObject *seq, int64_t *out, Py_ssize_t cap, const char *name)
+{
+    PyObject *fast = PySequence_Fast(seq, name);
+    if (!fast)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > cap) {
+        Py_DECREF(fast);
+        PyErr_Format(PyExc_ValueError, "decode_step: %s has more than %zd entries", name, cap);
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(items[i]);
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(fast);
+            return -1;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(fast);
+    return n;
+}
+
+/* decode_step(plan, tokens, rows, prefix_lens, extend_lens, logits_rows, logits, nthreads): one
+ * forward pass (see the section's comment). tokens: T ids (request after request); rows /
+ * prefix_lens / extend_lens: per request its block-table row, K/V already in the pool and new
+ * tokens; logits_rows: S token rows; logits: address of float32 [S, V]. Raises ValueError for any
+ * value that would read or write outside the buffers (nothing is written then). */
+static PyObject *
+py_decode_step(PyObject *self, PyObject *args)
+{
+    PyObject *cap, *otok, *orows, *opre, *oext, *olr;
+    Py_ssize_t logits, nthreads;
+    if (!PyArg_ParseTuple(args, "OOOOOOnn", &cap, &otok, &orows, &opre, &oext, &olr, &logits, &nthreads))
+        return NULL;
+    step_plan *p = (step_plan *)PyCapsule_GetPointer(cap, "radixkv.step_plan");
+    if (!p)
+        return NULL;
+    int64_t tok[STEP_MAX_ROWS], rows[STEP_MAX_ROWS], pre[STEP_MAX_ROWS], ext[STEP_MAX_ROWS], lr[STEP_MAX_ROWS];
+    Py_ssize_t T = read_ints(otok, tok, STEP_MAX_ROWS, "tokens");
+    Py_ssize_t B = T < 0 ? -1 : read_ints(orows, rows, STEP_MAX_ROWS, "rows");
+    Py_ssize_t B2 = B < 0 ? -1 : read_ints(opre, pre, STEP_MAX_ROWS, "prefix_lens");
+    Py_ssize_t B3 = B2 < 0 ? -1 : read_ints(oext, ext, STEP_MAX_ROWS, "extend_lens");
+    Py_ssize_t S = B3 < 0 ? -1 : read_ints(olr, lr, STEP_MAX_ROWS, "logits_rows");
+    if (S < 0)
+        return NULL;
+    const char *bad = NULL;
+    if (B < 1 || B2 != B || B3 != B)
+        bad = "rows, prefix_lens and extend_lens need the same length >= 1";
+    int32_t t_row[STEP_MAX_ROWS], t_pos[STEP_MAX_ROWS], lrows[STEP_MAX_ROWS];
+    Py_ssize_t t = 0;
+    for (Py_ssize_t r = 0; r < B && !bad; r++) {
+        if (rows[r] < 0 || rows[r] >= p->r2t_rows)
+            bad = "a row is outside the block table";
+        else if (pre[r] < 0 || ext[r] < 1 || pre[r] + ext[r] > p->r2t_cols)
+            bad = "every request needs prefix_len >= 0, extend_len >= 1 and prefix_len + extend_len <= max_context_len";
+        else if (pre[r] + ext[r] > p->rope_len)
+            bad = "a position is beyond the RoPE table";
+        else if (t + ext[r] > T)
+            bad = "tokens has fewer entries than sum(extend_lens)";
+        else {
+            const int32_t *r2t = p->r2t + rows[r] * p->r2t_cols;
+            for (Py_ssize_t q = 0; q < pre[r] + ext[r] && !bad; q++)
+                if (r2t[q] < 0 || r2t[q] >= p->num_slots)
+                    bad = "a slot in the block table is outside the KV pool";
+            const Py_ssize_t ps = p->page_size;
+            for (Py_ssize_t j = 0; j < ext[r] && !bad; j++, t++) {
+                Py_ssize_t pos = pre[r] + j, s = r2t[pos];
+                if (ps > 1 && (s % ps != pos % ps || s - pos % ps != r2t[pos - pos % ps]))
+                    bad = "slots in req_to_token are not aligned to page_size";
+                t_row[t] = (int32_t)rows[r];
+                t_pos[t] = (int32_t)pos;
+            }
+        }
+    }
+    if (!bad && t != T)
+        bad = "tokens must have sum(extend_lens) entries";
+    for (Py_ssize_t i = 0; i < T && !bad; i++)
+        if (tok[i] < 0 || tok[i] >= p->V)
+            bad = "a token id is outside the vocabulary";
+    for (Py_ssize_t i = 0; i < S && !bad; i++) {
+        if (lr[i] < 0 || lr[i] >= T)
+            bad = "a logits row is outside the batch";
+        lrows[i] = (int32_t)lr[i];
+    }
+    if (!bad && S > 0 && !logits)
+        bad = "logits address is 0";
+    if (!bad && (!p->cos || !p->sin))
+        bad = "the RoPE tables are not set";
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "decode_step: %s", bad);
+        return NULL;
+    }
+    if (!cpu_or_raise("decode_step"))
         return NULL;
 #if RK_X86
-    const Py_ssize_t qs = hq * d, kvs = hkv * d, nqkv = qs + 2 * kvs;
-    float *x = (float *)x_buf, *qkv = (float *)qkv_buf, *at = (float *)attn_buf, *gu = (float *)gu_buf;
-    float *act = (float *)act_buf, *res = (float *)residual, *dl = (float *)delta;
-    int nt = (int)nthreads;
+    int fail = 0;
     Py_BEGIN_ALLOW_THREADS
-    const qkv_post_ctx qkv_ctx = {qkv, nqkv, qs, kvs, hq + hkv, d, (const float *)cos, (const float *)sin,
-                                  (const int64_t *)out_slots, (float *)k_cache, (float *)v_cache};
-    const norm_post_ctx norm_ctx = {dl, (const float *)post_w, res, x, H, (float)eps};
-    const silu_post_ctx silu_ctx = {gu, act, inter};
-    add_rms_norm(first ? NULL : (const float *)dl, res, x, M, H, (const float *)in_w, (float)eps);
-    gemm(x, M, H, H, (const pw_header *)qkv_wp, nqkv, (const float *)qkv_b, qkv, nqkv, nt, qkv_post, &qkv_ctx);
-    paged_attention(qkv, nqkv, (const int32_t *)meta, n_req, (const int32_t *)kv_indices, page_size,
-                    (const float *)k_cache, (const float *)v_cache, (int)hq, (int)hkv, (int)d, (float)sm_scale, at,
-                    nt);
-    gemm(at, M, qs, qs, (const pw_header *)o_wp, H, (const float *)o_b, dl, H, nt, norm_post, &norm_ctx);
-    gemm(x, M, H, H, (const pw_header *)gu_wp, 2 * inter, (const float *)gu_b, gu, 2 * inter, nt, silu_post,
-         &silu_ctx);
-    gemm(act, M, inter, inter, (const pw_header *)down_wp, H, (const float *)down_b, dl, H, nt, NULL, NULL);
+    pthread_mutex_lock(&p->mu);
+    step_args sa;
+    memset(&sa, 0, sizeof sa);
+    sa.p = p, sa.T = (int)T, sa.S = (int)S, sa.tok = tok, sa.t_row = t_row, sa.t_pos = t_pos, sa.lrows = lrows;
+    sa.logits = (float *)logits;
+    /* attention units and partials for this batch */
+    Py_ssize_t units = 0;
+    int max_chunks = 1;
+    for (Py_ssize_t i = 0; i < T; i++) {
+        int nc = (t_pos[i] + ATT_CHUNK) / ATT_CHUNK;
+        units += (Py_ssize_t)nc * p->hkv;
+        max_chunks = nc > max_chunks ? nc : max_chunks;
+    }
+    Py_ssize_t part = T * (Py_ssize_t)p->hq * max_chunks * (p->d + 2);
+    if (units > p->units_cap) {
+        free(p->units);
+        p->units = (int32_t *)malloc(sizeof(int32_t) * 3 * (size_t)units);
+        p->units_cap = p->units ? units : 0;
+    }
+    if (part > p->part_cap) {
+        free(p->part);
+        p->part = (float *)aligned_alloc(64, sizeof(float) * (size_t)((part + 15) / 16 * 16));
+        p->part_cap = p->part ? part : 0;
+    }
+    if (!p->units || !p->part) {
+        fail = 1;
+    } else {
+        Py_ssize_t u = 0;
+        for (int i = 0; i < (int)T; i++)
+            for (int c = 0; c <= t_pos[i] / ATT_CHUNK; c++)
+                for (int g = 0; g < p->hkv; g++, u++) {
+                    p->units[3 * u] = i;
+                    p->units[3 * u + 1] = g;
+                    p->units[3 * u + 2] = c;
+                }
+        sa.n_units = units;
+        sa.max_chunks = max_chunks;
+        memset(p->counters, 0, sizeof(Py_ssize_t) * (size_t)p->n_counters);
+        int nt = (int)nthreads < p->nt_max ? (int)nthreads : p->nt_max;
+        run_parallel(step_task, &sa, nt < 1 ? 1 : nt);
+    }
+    pthread_mutex_unlock(&p->mu);
     Py_END_ALLOW_THREADS
+    if (fail)
+        return PyErr_NoMemory();
 #endif
     Py_RETURN_NONE;
 }
@@ -1385,7 +2146,9 @@ static PyMethodDef methods[] = {
     {"rope_inplace", py_rope_inplace, METH_VARARGS, "Rotate-half RoPE in place."},
     {"silu_mul", py_silu_mul, METH_VARARGS, "out = silu(gate) * up."},
     {"apply_token_bitmask", py_apply_token_bitmask, METH_VARARGS, "-inf where a token bitmask bit is 0."},
-    {"decode_layer", py_decode_layer, METH_VARARGS, "One decoder layer, every step native (see the source)."},
+    {"step_plan", py_step_plan, METH_VARARGS, "The addresses of a model for decode_step (a capsule)."},
+    {"step_set_rope", py_step_set_rope, METH_VARARGS, "Set a step plan's RoPE tables."},
+    {"decode_step", py_decode_step, METH_VARARGS, "One whole forward pass of a decode batch (see the source)."},
     {"paged_attention", py_paged_attention, METH_VARARGS, "Causal paged attention (FlashInfer semantics)."},
     {NULL, NULL, 0, NULL},
 };

@@ -136,3 +136,25 @@ def test_greedy_32_tokens_equal_generate(models, backend):
         # generate stops early only at EOS; ours decodes on, so compare the common part
         assert len(ref) == 32 or ref[-1] == tok.eos_token_id
         assert o[: len(ref)] == ref, (tok.decode(o), tok.decode(ref))
+
+
+@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA/F16C")
+def test_greedy_batch_1_equals_generate(models):
+    """One request at a time (the single-stream case): every decode step is the fused native step
+    with one row (the GEMV path); 32 greedy tokens equal ``generate()`` on two real prompts."""
+    loaded, hf = models
+    tok = loaded.tokenizer
+    runner = _runner(loaded, 1, "cpu")
+    for i, p in enumerate(_chat_ids(tok, t) for t in _sharegpt_prompts(2)):
+        reqs = PagedRequests(runner, seed=i)
+        (lg,) = reqs.forward([("a", p)])
+        out = [int(lg.argmax())]
+        for _ in range(31):
+            (lg,) = reqs.forward([("a", [out[-1]])])
+            out.append(int(lg.argmax()))
+        ref = _generate(hf, tok, p)
+        assert len(ref) == 32 or ref[-1] == tok.eos_token_id
+        assert out[: len(ref)] == ref, (tok.decode(out), tok.decode(ref))
+        for row in reqs.rows.values():
+            runner.req_to_token_pool.free(row)
+    assert runner.decode_step is not None and runner.decode_step._plan is not None

@@ -97,8 +97,8 @@ def pair(request):
     return cfg, hf, ours.eval()
 
 
-# "cpu": the native kernels (decode-sized batches run each decoder layer as one native call,
-# radixkv/models/native_decode.py); "torch": the reference modules and attention.
+# "cpu": the native kernels (decode-sized batches run the whole forward pass as one native call,
+# radixkv/executor/cpu_decode.py); "torch": the reference modules and attention.
 BACKENDS = ["torch"] + (["cpu"] if cpu_kernels.AVAILABLE else [])
 
 
@@ -119,6 +119,22 @@ def _runner(ours, cfg, page_size, backend="torch"):
         max_context_len=256,
         attention_backend=backend,
     )
+
+
+def _count_fused_steps(monkeypatch) -> list:
+    """A list that gets one entry per forward pass the fused native step computed
+    (radixkv/executor/cpu_decode.py: the whole pass in one native call)."""
+    fused = []
+    real = native_decode.DecodeStep.forward
+
+    def counting(self, batch):
+        out = real(self, batch)
+        if out is not None:
+            fused.append(1)
+        return out
+
+    monkeypatch.setattr(native_decode.DecodeStep, "forward", counting)
+    return fused
 
 
 def _hf_logits(hf, ids):
@@ -168,9 +184,7 @@ def test_decode_steps_and_mixed_batch(pair, page_size, backend, monkeypatch):
     cfg, hf, ours = pair
     a, b, c = _prompt(3, 20), _prompt(4, 31), _prompt(5, 26)
     reqs = PagedRequests(_runner(ours, cfg, page_size, backend), seed=7)
-    fused = []  # forward passes that ran the decoder layers natively (radixkv/models/native_decode.py)
-    real_run_layers = native_decode.run_layers
-    monkeypatch.setattr(native_decode, "run_layers", lambda *a, **k: fused.append(1) or real_run_layers(*a, **k))
+    fused = _count_fused_steps(monkeypatch)
     first = reqs.forward([("a", a), ("b", b[:9])])
     torch.testing.assert_close(first[1], _hf_logits(hf, b[:9])[-1:], atol=ATOL, rtol=0)
     a.append(int(first[0].argmax()))
@@ -186,15 +200,15 @@ def test_decode_steps_and_mixed_batch(pair, page_size, backend, monkeypatch):
             ref = _hf_logits(hf, seq)[-1:]
             torch.testing.assert_close(g, ref, atol=ATOL, rtol=0, msg=f"step {step} request {rid}")
             seq.append(int(g.argmax()))
-    # the native path served exactly the pure-decode steps (1-5: every request brings one token;
-    # the first two passes carry prefills longer than native_max_q); the torch backend never uses it
+    # the fused step served exactly the pure-decode steps (1-5: every request brings one token;
+    # the first two passes carry prefills longer than MAX_EXTEND); the torch backend never uses it
     assert len(fused) == (5 if backend == "cpu" else 0)
 
 
 def test_native_decode_does_not_depend_on_thread_count(pair, monkeypatch):
-    """The same decode step at 1 and at 2 threads gives the same logits bit for bit: the GEMMs split
-    their panels and the row-wise steps inside their regions (RoPE + K/V write, norm, SwiGLU) split
-    the rows, but every output element is computed by one thread in a fixed order."""
+    """The same decode step at 1 and at 2 threads gives the same logits bit for bit: the GEMMs and
+    the attention share out their work units (panels, heads, chunks of positions), but every output
+    element is computed by one thread in a fixed order."""
     cfg, _, ours = pair
     runner = _runner(ours, cfg, 1, "cpu")
     prompts = [_prompt(10 + i, n) for i, n in enumerate((7, 12, 9))]  # 3 rows: an uneven split
@@ -204,9 +218,7 @@ def test_native_decode_does_not_depend_on_thread_count(pair, monkeypatch):
         pool.write(r, 0, torch.arange(i * 32, i * 32 + len(p) + 1))
     nxt = runner.forward(runner.build_batch(sum(prompts, []), rows, [0] * 3, [len(p) for p in prompts])).argmax(-1)
     decode = runner.build_batch(nxt, rows, [len(p) for p in prompts], [1] * 3)
-    fused = []
-    real_run_layers = native_decode.run_layers
-    monkeypatch.setattr(native_decode, "run_layers", lambda *a, **k: fused.append(1) or real_run_layers(*a, **k))
+    fused = _count_fused_steps(monkeypatch)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -69,13 +69,6 @@ class AttentionBackend(abc.ABC):
         until the next call. Must not change the KV pool.
         """
 
-    def native_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The planned batch in the form the fused native CPU decode step reads
-        (:mod:`radixkv.executor.cpu_decode`): ``(req_meta [4, R] int32, kv_indices int32,
-        out_slots [T] int64)`` when this backend sends the whole batch to its native kernel, else
-        ``None`` (the default: the model's module path runs)."""
-        return None
-
     @abc.abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write the new tokens' K/V of one layer into the pool, then attend.

@@ -94,15 +94,6 @@ class CPUAttentionBackend(TorchAttentionBackend):
         self._out_slots = batch.out_slots.to(torch.int64).contiguous()
         self._groups = self._plan_groups(batch, (~native).nonzero().flatten().tolist())
 
-    def native_plan(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(req_meta [4, R] int32, kv_indices int32, out_slots [T] int64)`` of the planned batch
-        when every request goes to the native kernel (a decode batch), else ``None``. For
-        :mod:`radixkv.executor.cpu_decode`, which runs whole decoder layers natively and writes
-        K/V and attends through exactly this plan."""
-        if self._batch is None or self._groups:
-            return None
-        return self._meta, self._kv_indices, self._out_slots
-
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("CPUAttentionBackend.forward called before plan()")

@@ -1,176 +1,299 @@
-"""The fused native CPU decode step: every decoder layer as one native call.
+"""The fused native CPU decode step: a whole forward pass of a decode batch as one native call.
 
 For a decode step most of a module-by-module forward is per-op dispatch and Python, not
-arithmetic. When :func:`eligible` holds, :class:`~radixkv.executor.model_runner.ModelRunner`
-runs :func:`forward` instead of the model's module path: the embeddings and the final norm and
-logits come from the model as usual, and in between :func:`run_layers` calls
-:data:`radixkv.kernels.cpu.decode_layer` once per layer: RMSNorm (fused with the residual add),
-the packed q/k/v GEMM, RoPE, the K/V write to the pool, paged attention through the
-:class:`~radixkv.attention.cpu_backend.CPUAttentionBackend`'s plan, the output projection, the
-second RMSNorm, the packed gate|up GEMM, SiLU-and-multiply and the down projection, with the GIL
-released and the threads kept busy. The arithmetic is that of the module path (same kernels);
-tests/test_cpu_kernels.py and tests/test_models_tiny.py check the logits equal the module path's
-and transformers'.
+arithmetic. When the runner's attention backend is ``"cpu"`` and the model suits the kernels
+(:func:`model_supported`), :class:`~radixkv.executor.model_runner.ModelRunner` keeps a
+:class:`DecodeStep`: a plan of the model's addresses (packed weights, norms, embeddings, KV pool,
+block table, RoPE tables) built once, so that a batch of at most :data:`MAX_ROWS` new tokens with at
+most :data:`MAX_EXTEND` per request (decode steps, short extends) runs as ONE call,
+:func:`radixkv.kernels.cpu.decode_step`: embeddings, every decoder layer (RMSNorm + residual,
+packed q/k/v GEMM, RoPE, K/V write, paged attention, o GEMM, RMSNorm, gate|up, SiLU-and-multiply,
+down), the final norm and the logits, in one parallel region with the GIL released.
+``ModelRunner.build_batch`` then returns a :class:`DecodeBatch` (the batch as Python lists; the
+:class:`~radixkv.attention.metadata.ForwardBatch` tensors are built only if something reads them)
+and ``ModelRunner.forward`` hands it to :meth:`DecodeStep.forward`: no torch op, no attention
+``plan()`` and no per-layer Python run in a step.
 
-Not used (the module path runs instead) for prefill-sized batches, other dtypes or devices,
-quantized models, or a batch the attention backend does not send entirely to its native kernel
-(``AttentionBackend.native_plan()`` is None).
+The arithmetic is that of the module path's kernels (the same GEMM, norm, RoPE, SiLU and attention
+code; tests/test_cpu_kernels.py and tests/test_models_tiny.py check the logits against transformers
+and the module path). The plan is rebuilt when a weight is replaced or changed in place (the
+weights epoch of :func:`~radixkv.models.layers.weights_epoch`, every source tensor's address and
+every packed weight's ``_version`` are compared before each step).
 """
 
 from __future__ import annotations
 
-import weakref
+from itertools import accumulate
+from operator import attrgetter
 
 import torch
 
-from radixkv.attention.base import AttentionBackend
 from radixkv.kernels import cpu
 from radixkv.models.layers import CausalLM, Linear, weights_epoch
-from radixkv.models.ops import PACKED_MAX_ROWS
 
-__all__ = ["eligible", "forward", "run_layers"]
+__all__ = ["MAX_ROWS", "MAX_EXTEND", "DecodeBatch", "DecodeStep", "model_supported"]
 
+MAX_ROWS = 64
+"""Most new tokens in a batch the fused step serves (the native kernels' decode-sized batches)."""
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
+MAX_EXTEND = 16
+"""Most new tokens of one request in a batch the fused step serves (the attention backend's
+``native_max_q``: longer extends are prefills, which torch's blocked kernels do better)."""
 
-
-def eligible(model: CausalLM, attn: AttentionBackend, num_tokens: int) -> bool:
-    """Whether :func:`forward` may replace the module path for this forward pass of
-    ``num_tokens`` new tokens (``attn`` already planned)."""
-    if not (
-        cpu.AVAILABLE
-        and model.num_layers
-        and 1 <= num_tokens <= PACKED_MAX_ROWS
-        and model.logits_proj is None
-        and not torch.is_grad_enabled()
-    ):
-        return False
-    qkv = model.model.layers[0].self_attn.qkv_proj
-    if not isinstance(qkv, Linear) or qkv.weight.device.type != "cpu" or qkv.weight.dtype != torch.float32:
-        return False
-    return attn.native_plan() is not None
+_data_ptr = torch.Tensor.data_ptr
+_version = attrgetter("_version")
 
 
-class _LayerWeights:
-    """References to one decoder layer's weight tensors and packed-weight caches, taken once
-    through the modules' public attributes (an ``nn.Module`` attribute lookup costs about a
-    microsecond; a decode step would do hundreds)."""
-
-    __slots__ = ("layer_id", "norm_in", "norm_post", "eps", "linears")
-
-    def __init__(self, layer) -> None:
-        sa, mlp = layer.self_attn, layer.mlp
-        self.layer_id = sa.layer_id
-        self.norm_in = layer.input_layernorm.weight
-        self.norm_post = layer.post_attention_layernorm.weight
-        self.eps = layer.input_layernorm.eps
-        self.linears = tuple(
-            (lin.pack, lin.weight, lin.bias) for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        )
-
-    def args(self) -> tuple:
-        """The ``decode_layer`` arguments that come from the weights: the two norm weights'
-        addresses and eps, then (packed weight, bias) addresses of qkv, o, gate|up and down (each
-        packed copy is rebuilt by its :class:`~radixkv.models.ops.PackCache` when its weight
-        changed in place)."""
-        args = [self.norm_in.data_ptr(), self.norm_post.data_ptr(), self.eps]
-        for pack, w, b in self.linears:
-            args += (pack.get(w).address, _ptr(b))
-        return tuple(args)
+def _ints(v) -> list[int]:
+    """A list of Python ints from a sequence or a tensor (``TypeError`` / ``ValueError`` else)."""
+    if isinstance(v, torch.Tensor):
+        return v.reshape(-1).tolist()
+    out = list(v)
+    if not all(type(x) is int for x in out):
+        out = [int(x) for x in out]
+    return out
 
 
-_WEIGHTS: "weakref.WeakKeyDictionary[CausalLM, tuple]" = weakref.WeakKeyDictionary()
+def model_supported(model: CausalLM) -> str | None:
+    """Why the fused step cannot run ``model`` (``None``: it can): the kernels must be there, the
+    model float32 on the CPU, not quantized, with :class:`~radixkv.models.layers.Linear`
+    projections."""
+    if not cpu.AVAILABLE:
+        return "radixkv.kernels._ckernels is not built or the CPU lacks AVX2/FMA/F16C"
+    if not model.num_layers or model.logits_proj is not None or model.quantization is not None:
+        return "the model is quantized or has no layers"
+    layer = model.model.layers[0]
+    for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        if not isinstance(lin, Linear):
+            return "a projection is not a radixkv Linear"
+    w = model.model.embed_tokens.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32:
+        return "the model is not float32 on the CPU"
+    if model.lm_head_weight().shape != w.shape:
+        return "the output projection and the embedding differ in shape"
+    return None
 
 
-def _layer_weights(model: CausalLM) -> list[_LayerWeights]:
-    """The model's :class:`_LayerWeights`, rebuilt when a module or weight was replaced
-    (:func:`~radixkv.models.layers.weights_epoch` moved, or the layer list changed)."""
-    layers = tuple(model.model.layers)
-    cached = _WEIGHTS.get(model)
-    if cached is None or cached[0] != weights_epoch() or cached[1] != layers:
-        cached = (weights_epoch(), layers, [_LayerWeights(layer) for layer in layers])
-        _WEIGHTS[model] = cached
-    return cached[2]
+class DecodeBatch:
+    """A decode-sized batch as the engine gave it (lists), for :meth:`DecodeStep.forward`.
 
+    It stands for the :class:`~radixkv.attention.metadata.ForwardBatch` that
+    :meth:`ForwardBatch.build` would make from the same arguments: reading any of its fields
+    (``batch.kv_indices``, ``batch.positions`` ...) builds that batch once (:meth:`materialize`)
+    and answers from it, so code written for a ``ForwardBatch`` keeps working.
 
-def run_layers(model: CausalLM, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend):
-    """All decoder layers over ``h`` ``[T, hidden]`` float32 (the embeddings); returns ``(delta,
-    residual)`` like :meth:`CausalLM.run_layers` (the hidden state is ``residual + delta``).
-    ``cos`` / ``sin`` ``[T, 1, head_dim]`` from the model's rotary embedding. Call only when
-    :func:`eligible` holds."""
-    meta, kv_indices, out_slots = attn.native_plan()
-    t, hidden = h.shape
-    a0 = model.model.layers[0].self_attn
-    inter = model.model.layers[0].mlp.inter
-    hq, hkv, d = a0.num_heads, a0.num_kv_heads, a0.head_dim
-    residual = h.contiguous()  # the embeddings: this forward's own tensor, updated in place
-    delta = torch.empty(t, hidden, dtype=torch.float32)
-    x = torch.empty(t, hidden, dtype=torch.float32)
-    qkv = torch.empty(t, (hq + 2 * hkv) * d, dtype=torch.float32)
-    att = torch.empty(t, hq * d, dtype=torch.float32)
-    gu = torch.empty(t, 2 * inter, dtype=torch.float32)
-    act = torch.empty(t, inter, dtype=torch.float32)
-    cos = cos.reshape(t, d).contiguous()
-    sin = sin.reshape(t, d).contiguous()
-    pool = attn.kv_pool
-    nthreads = torch.get_num_threads()
-    common = (
-        hq,
-        hkv,
-        d,
-        cos.data_ptr(),
-        sin.data_ptr(),
-        meta.data_ptr(),
-        meta.shape[1],
-        kv_indices.data_ptr(),
-        attn.page_size,
-    )
-    bufs = (x.data_ptr(), qkv.data_ptr(), att.data_ptr(), gu.data_ptr(), act.data_ptr(), nthreads)
-    dl, res, slots, tail = (
-        delta.data_ptr(),
-        residual.data_ptr(),
-        out_slots.data_ptr(),
-        (kv_indices.numel(), pool.num_pages),
-    )
-    # every call's arguments first: Python run between the kernels finds its objects evicted from
-    # the caches by the kernels' streams, so keep that gap minimal (docs/model.md)
-    calls = []
-    for i, lw in enumerate(_layer_weights(model)):
-        lid = lw.layer_id
-        calls.append(
-            (
-                t,
-                hidden,
-                dl,
-                int(i == 0),
-                res,
-                *lw.args(),
-                inter,
-                *common,
-                pool.k_buffer[lid].data_ptr(),
-                pool.v_buffer[lid].data_ptr(),
-                slots,
-                attn.sm_scale,
-                *bufs,
-                *tail,
+    Attributes:
+        tokens, rows, prefix_lens, extend_lens: lists of ints (``T`` tokens; ``B`` requests).
+        logits_rows: the ``S`` rows whose logits are computed.
+        page_size: the runner's page size.
+    """
+
+    __slots__ = ("tokens", "rows", "prefix_lens", "extend_lens", "logits_rows", "page_size", "_req_to_token", "_full")
+
+    def __init__(self, tokens, rows, prefix_lens, extend_lens, logits_rows, page_size, req_to_token) -> None:
+        self.tokens, self.rows, self.prefix_lens, self.extend_lens = tokens, rows, prefix_lens, extend_lens
+        self.logits_rows, self.page_size, self._req_to_token = logits_rows, page_size, req_to_token
+        self._full = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.logits_rows)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.tokens) == len(self.rows)
+
+    def materialize(self):
+        """The equivalent :class:`~radixkv.attention.metadata.ForwardBatch` (built once)."""
+        if self._full is None:
+            from radixkv.attention.metadata import ForwardBatch
+
+            self._full = ForwardBatch.build(
+                self.tokens,
+                self.rows,
+                self.prefix_lens,
+                self.extend_lens,
+                self._req_to_token,
+                self.page_size,
+                logits_indices=self.logits_rows,
             )
+        return self._full
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+
+class DecodeStep:
+    """The fused decode step of one :class:`~radixkv.executor.model_runner.ModelRunner`.
+
+    Args:
+        model: the runner's model (:func:`model_supported` must hold).
+        kv_pool: the runner's pool (float32 on the CPU, ``head_dim % 8 == 0``).
+        req_to_token: the runner's block table (int32 ``[rows, max_context_len]``, CPU).
+        sm_scale: the attention softmax scale.
+    """
+
+    def __init__(self, model: CausalLM, kv_pool, req_to_token: torch.Tensor, sm_scale: float) -> None:
+        self.model, self.kv_pool, self.req_to_token = model, kv_pool, req_to_token
+        self.sm_scale = float(sm_scale)
+        self.max_rows, self.max_ctx = (int(n) for n in req_to_token.shape)
+        self._plan = None
+        self._rope_len = 0
+
+    # ------------------------------------------------------------------ per step
+    def batch(self, input_ids, req_rows, prefix_lens, extend_lens, logits_indices=None) -> DecodeBatch | None:
+        """A :class:`DecodeBatch` for these :meth:`ForwardBatch.build` arguments when the fused
+        step serves them (at most :data:`MAX_ROWS` tokens, :data:`MAX_EXTEND` per request, every
+        value in range), else ``None`` (the caller builds a ``ForwardBatch``, which also raises
+        the ``ValueError`` of a bad argument)."""
+        try:
+            tokens, rows, prefix, extend = (_ints(v) for v in (input_ids, req_rows, prefix_lens, extend_lens))
+            b = len(rows)
+            if not (
+                0 < b == len(prefix) == len(extend)
+                and len(tokens) <= MAX_ROWS
+                and min(extend) >= 1
+                and max(extend) <= MAX_EXTEND
+                and sum(extend) == len(tokens)
+                and min(prefix) >= 0
+                and min(rows) >= 0
+                and max(rows) < self.max_rows
+                and max(map(int.__add__, prefix, extend)) <= self.max_ctx
+            ):
+                return None
+            if logits_indices is None:
+                lrows = [e - 1 for e in accumulate(extend)]
+            else:
+                lrows = _ints(logits_indices)
+                if len(lrows) > MAX_ROWS or (lrows and (min(lrows) < 0 or max(lrows) >= len(tokens))):
+                    return None
+        except (TypeError, ValueError, RuntimeError):  # not sequences of ints: ForwardBatch.build says why
+            return None
+        return DecodeBatch(tokens, rows, prefix, extend, lrows, self.kv_pool.page_size, self.req_to_token)
+
+    def forward(self, batch: DecodeBatch) -> torch.Tensor | None:
+        """Float32 logits ``[S, vocab]`` of ``batch.logits_rows`` (and the new tokens' K/V written
+        into the pool), or ``None`` when the model no longer suits the fused step (the caller
+        then runs the module path). Raises ValueError when a row's block table holds a slot
+        outside the pool or a misaligned page (checked natively before anything is written)."""
+        plan = self._plan
+        if plan is None or not self._still_valid():
+            if model_supported(self.model) is not None:
+                return None
+            plan = self._build()
+        need = max(map(int.__add__, batch.prefix_lens, batch.extend_lens))
+        if need > self._rope_len:
+            self._set_rope(need)
+        logits = torch.empty(len(batch.logits_rows), self._vocab, dtype=torch.float32)
+        cpu.decode_step(
+            plan,
+            batch.tokens,
+            batch.rows,
+            batch.prefix_lens,
+            batch.extend_lens,
+            batch.logits_rows,
+            logits.data_ptr(),
+            torch.get_num_threads(),
         )
-    decode_layer = cpu.decode_layer
-    for args in calls:
-        decode_layer(*args)
-    return delta, residual
+        return logits
 
+    # ------------------------------------------------------------------ the plan
+    def _still_valid(self) -> bool:
+        return (
+            self._epoch == weights_epoch()
+            and list(map(_data_ptr, self._tensors)) == self._ptrs
+            and list(map(_version, self._packed_src)) == self._versions
+        )
 
-def forward(
-    model: CausalLM,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    attn: AttentionBackend,
-    logits_indices: torch.Tensor,
-) -> torch.Tensor:
-    """The model's forward with :func:`run_layers` in place of its module path: float32 logits
-    ``[S, vocab_size]`` for ``logits_indices``. Call only when :func:`eligible` holds."""
-    h, cos, sin = model.embed(input_ids, positions)
-    delta, residual = run_layers(model, h, cos, sin, attn)
-    return model.compute_logits(delta, residual, logits_indices)
+    def _build(self):
+        """Take every address the step reads (packing weights through the modules' own
+        :class:`~radixkv.models.ops.PackCache`, so ``packed_weight_bytes`` counts them)."""
+        model, pool = self.model, self.kv_pool
+        layers = model.model.layers
+        a0 = layers[0].self_attn
+        hidden = model.model.embed_tokens.weight.shape[1]
+        tensors, packed_src, keep = [], [], []
+
+        def direct(t: torch.Tensor | None, n: int) -> int:
+            if t is None:
+                return 0
+            if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 1 or t.shape[0] != n:
+                raise ValueError(f"DecodeStep: expected a float32 CPU vector of {n}, got {tuple(t.shape)} {t.dtype}")
+            t = t.detach()
+            if not t.is_contiguous():
+                t = t.contiguous()
+                keep.append(t)
+            tensors.append(t)
+            return t.data_ptr()
+
+        def packed(pack, w: torch.Tensor) -> int:
+            pw = pack.get(w)
+            keep.append(pw)
+            packed_src.append(w)
+            tensors.append(w)
+            return pw.address
+
+        table = []
+        for layer in layers:
+            sa, mlp = layer.self_attn, layer.mlp
+            lid = sa.layer_id
+            row = [
+                direct(layer.input_layernorm.weight, hidden),
+                direct(layer.post_attention_layernorm.weight, hidden),
+                float(layer.input_layernorm.eps),
+                float(layer.post_attention_layernorm.eps),
+            ]
+            for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                row += [packed(lin.pack, lin.weight), direct(lin.bias, lin.weight.shape[0])]
+            k, v = pool.k_buffer[lid], pool.v_buffer[lid]
+            if not (k.is_contiguous() and v.is_contiguous()):
+                raise ValueError("DecodeStep: the KV pool's buffers must be contiguous")
+            row += [k.data_ptr(), v.data_ptr()]
+            table.append(tuple(row))
+        embed = model.model.embed_tokens.weight.detach()
+        if not embed.is_contiguous():
+            raise ValueError("DecodeStep: the embedding must be contiguous")
+        tensors.append(embed)
+        self._vocab = int(embed.shape[0])
+        lm_head = packed(model.lm_head_pack, model.lm_head_weight())
+        norm = model.model.norm
+        r2t = self.req_to_token
+        plan = cpu.step_plan(
+            (model.num_layers, hidden, a0.num_heads, a0.num_kv_heads, a0.head_dim, layers[0].mlp.inter, self._vocab),
+            tuple(table),
+            embed.data_ptr(),
+            direct(norm.weight, hidden),
+            float(norm.eps),
+            lm_head,
+            r2t,
+            pool.page_size,
+            pool.num_slots,
+            self.sm_scale,
+        )
+        self._plan, self._keep = plan, (keep, embed, r2t, pool)
+        self._tensors, self._packed_src = tensors, packed_src
+        self._ptrs = list(map(_data_ptr, tensors))
+        self._versions = list(map(_version, packed_src))
+        self._epoch = weights_epoch()
+        self._rope_len = 0
+        return plan
+
+    def _set_rope(self, need: int) -> None:
+        """RoPE tables for positions ``0 .. n-1`` (``n >= need``, doubling, at most
+        ``max_context_len``), computed once by the model's own rotary embedding."""
+        n = min(self.max_ctx, max(need, 2 * self._rope_len, 256))
+        cos, sin = self.model.model.rotary_emb(torch.arange(n), torch.float32)
+        self._cos = cos.reshape(n, -1).contiguous()
+        self._sin = sin.reshape(n, -1).contiguous()
+        cpu.step_set_rope(self._plan, self._cos, self._sin)
+        self._rope_len = n

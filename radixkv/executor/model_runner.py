@@ -148,6 +148,12 @@ class ModelRunner:
         else:
             self.attn_backend = create_attention_backend(attention_backend, self.device, kv_pool, model.num_heads)
         self.vocab_size = int(self.hf_config.vocab_size)
+        # the fused native decode step (one call a forward) when the backend and the model allow it
+        self.decode_step: cpu_decode.DecodeStep | None = None
+        if self.attn_backend.name == "cpu" and cpu_decode.model_supported(model) is None:
+            self.decode_step = cpu_decode.DecodeStep(
+                model, kv_pool, self.req_to_token_pool.req_to_token, self.attn_backend.sm_scale
+            )
         logger.info(
             "ModelRunner: %d layers, %d slots (page_size %d, %d bytes/token, %.1f MiB KV), backend %s",
             model.num_layers,
@@ -166,7 +172,14 @@ class ModelRunner:
         extend_lens: Sequence[int],
         logits_indices: Sequence[int] | None = None,
     ) -> ForwardBatch:
-        """:meth:`ForwardBatch.build` over this runner's block table, page size and device."""
+        """:meth:`ForwardBatch.build` over this runner's block table, page size and device. A
+        decode-sized batch for the fused native step comes back as a
+        :class:`~radixkv.executor.cpu_decode.DecodeBatch`, which builds the same ``ForwardBatch``
+        only if one of its fields is read."""
+        if self.decode_step is not None:
+            fast = self.decode_step.batch(input_ids, req_rows, prefix_lens, extend_lens, logits_indices)
+            if fast is not None:
+                return fast
         return ForwardBatch.build(
             input_ids,
             req_rows,
@@ -178,16 +191,25 @@ class ModelRunner:
             device=self.device,
         )
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run the model on ``batch``: writes the new tokens' K/V into the pool (every layer) and
-        returns float32 logits ``[S, vocab_size]`` for ``batch.logits_indices``. Picks the path:
-        the fused native CPU decode step (:mod:`radixkv.executor.cpu_decode`) when it is eligible,
+        """Run the model on ``batch`` (no gradient is recorded): writes the new tokens' K/V into the
+        pool (every layer) and returns float32 logits ``[S, vocab_size]`` for
+        ``batch.logits_indices``. Picks the path:
+        the fused native CPU decode step (:mod:`radixkv.executor.cpu_decode`: the whole pass in
+        one call) for a :class:`~radixkv.executor.cpu_decode.DecodeBatch` from :meth:`build_batch`,
         else the model's module path."""
         if batch.page_size != self.page_size:
             raise ValueError(f"ModelRunner.forward: batch.page_size {batch.page_size} != {self.page_size}")
+        if isinstance(batch, cpu_decode.DecodeBatch):
+            if self.decode_step is not None and batch._req_to_token is self.req_to_token_pool.req_to_token:
+                logits = self.decode_step.forward(batch)
+                if logits is not None:
+                    return logits
+            batch = batch.materialize()
+        return self._module_forward(batch)
+
+    @torch.inference_mode()
+    def _module_forward(self, batch: ForwardBatch) -> torch.Tensor:
         attn = self.attn_backend
         attn.plan(batch)
-        if cpu_decode.eligible(self.model, attn, batch.input_ids.shape[0]):
-            return cpu_decode.forward(self.model, batch.input_ids, batch.positions, attn, batch.logits_indices)
         return self.model(batch.input_ids, batch.positions, attn, batch.logits_indices)

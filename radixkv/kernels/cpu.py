@@ -11,8 +11,9 @@ extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use tor
   aligned) for a set of requests, reading K/V straight from the pool through the page table.
 * :func:`add_rms_norm`, :func:`rope_`, :func:`silu_mul`: the decoder's elementwise steps.
 
-:data:`decode_layer` (one whole decoder layer in one call, on raw addresses) is driven by
-:mod:`radixkv.executor.cpu_decode`, which builds its arguments from tensors it has checked.
+:func:`step_plan` + :data:`decode_step` (a whole forward pass of a decode batch in one call, on
+raw addresses) are driven by :mod:`radixkv.executor.cpu_decode`, which builds the plan from tensors
+it has checked and keeps alive.
 
 Every argument is validated here (dtype, device, contiguity, shapes, index ranges are the
 caller's contract: see :func:`paged_attention`), because the C side works on raw addresses.
@@ -35,12 +36,73 @@ except ImportError:  # pragma: no cover - depends on the build
     AVAILABLE = False
 
 
-decode_layer = _ck.decode_layer if AVAILABLE else None
-"""The C entry point running one whole decoder layer of a decode batch (RMSNorm + residual, the
-packed q/k/v GEMM, RoPE, the K/V write, paged attention, the output projection, the second norm,
-gate|up, SiLU-and-multiply, down) on raw addresses; ``None`` without the kernels. Its only caller
-is :func:`radixkv.executor.cpu_decode.run_layers`, which documents the argument order. The C
-side re-checks the attention metadata against the pool before it reads."""
+decode_step = _ck.decode_step if AVAILABLE else None
+"""The C entry point running one whole forward pass of a decode batch on a :func:`step_plan`:
+``decode_step(plan, tokens, rows, prefix_lens, extend_lens, logits_rows, logits_address,
+nthreads)`` (lists of ints: ``T`` token ids request after request, per request its block-table
+row, cached length and new-token count, the ``S`` rows whose logits go to the float32 ``[S, vocab]``
+buffer at ``logits_address``); ``None`` without the kernels. Every row, position, token id, logits
+row and every slot the step reads or writes through the block table is checked first
+(``ValueError``, nothing written). Its caller is :class:`radixkv.executor.cpu_decode.DecodeStep`."""
+
+
+def step_plan(
+    dims: tuple[int, ...],
+    layers: tuple[tuple, ...],
+    embed: int,
+    final_norm: int,
+    final_eps: float,
+    lm_head: int,
+    req_to_token: torch.Tensor,
+    page_size: int,
+    num_slots: int,
+    sm_scale: float,
+):
+    """The native plan of one model for :data:`decode_step` (an opaque capsule).
+
+    Args:
+        dims: ``(layers, hidden, q heads, kv heads, head_dim, intermediate, vocab)``.
+        layers: per layer ``(norm_in, norm_post, eps_in, eps_post, qkv, qkv_bias, o, o_bias,
+            gate_up, gate_up_bias, down, down_bias, k_cache, v_cache)``: addresses of float32
+            vectors, :class:`PackedWeight` addresses (their headers are checked against the
+            shapes), 0 for no bias, and the layer's contiguous pool tensors.
+        embed: address of the float32 ``[vocab, hidden]`` embedding; ``final_norm`` of the final
+            norm's weight; ``lm_head`` of the packed ``[vocab, hidden]`` output projection.
+        req_to_token: the int32 ``[rows, max_context_len]`` contiguous CPU block table.
+        page_size, num_slots: the KV pool's.
+
+    The caller keeps every tensor alive while the plan is used. Raises ValueError for bad
+    dimensions, a packed weight that does not match its shape, or a 0 address.
+    """
+    if not AVAILABLE:
+        raise RuntimeError("step_plan: radixkv.kernels._ckernels is not available")
+    if req_to_token.dtype != torch.int32 or req_to_token.device.type != "cpu" or not req_to_token.is_contiguous():
+        raise ValueError("step_plan: req_to_token must be a contiguous int32 CPU tensor")
+    rows, cols = req_to_token.shape
+    return _ck.step_plan(
+        tuple(int(v) for v in dims),
+        layers,
+        int(embed),
+        int(final_norm),
+        float(final_eps),
+        int(lm_head),
+        req_to_token.data_ptr(),
+        int(rows),
+        int(cols),
+        int(page_size),
+        int(num_slots),
+        float(sm_scale),
+    )
+
+
+def step_set_rope(plan, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Give a :func:`step_plan` its RoPE tables: ``cos`` / ``sin`` ``[n, head_dim]`` float32
+    contiguous, row ``p`` for position ``p`` (the caller keeps them alive)."""
+    _check_rows("step_set_rope: cos", cos)
+    _check_rows("step_set_rope: sin", sin, cos.shape[1])
+    if sin.shape[0] != cos.shape[0]:
+        raise ValueError("step_set_rope: cos and sin differ in length")
+    _ck.step_set_rope(plan, cos.data_ptr(), sin.data_ptr(), cos.shape[0], cos.shape[1])
 
 
 def threading_mode() -> str:

@@ -81,6 +81,8 @@ def sample(
         )
     out: List[int] = [0] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    if len(greedy_rows) == len(params):  # all greedy (the common batch-1 case): no copy of the rows
+        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
     if greedy_rows:
         ids = torch.argmax(logits[greedy_rows], dim=-1).tolist()
         for i, t in zip(greedy_rows, ids):
