@@ -21,6 +21,7 @@ never block the engine thread, and concurrent requests batch together in the eng
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from contextlib import asynccontextmanager
@@ -65,6 +66,13 @@ def validation_error(exc: ValidationError) -> APIError:
             code="unknown_parameter",
         )
     return APIError(f"{where}: {err.get('msg')}", param)
+
+
+async def _stats(llm: Any) -> Any:
+    """``llm.cache_stats()``: a plain method on :class:`~radixkv.async_llm.AsyncLLM` (a snapshot);
+    a coroutine on :class:`radixkv.router.ray.RemoteLLM`, which asks its replicas."""
+    stats = llm.cache_stats()
+    return await stats if inspect.isawaitable(stats) else stats
 
 
 def create_app(
@@ -179,18 +187,18 @@ def create_app(
 
     @app.get("/cache_stats")
     async def cache_stats() -> dict:
-        return (await llm.cache_stats()).as_dict()
+        return (await _stats(llm)).as_dict()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        metrics.update_engine(await llm.cache_stats())
+        metrics.update_engine(await _stats(llm))
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
         if await llm.reset_prefix_cache():
             return {"flushed": True, "message": "the prefix cache was flushed"}
-        running = await llm.num_unfinished_requests()
+        running = llm.num_unfinished_requests()
         raise APIError(
             f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
             None,
