@@ -30,6 +30,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 
@@ -66,6 +67,27 @@ def validation_error(exc: ValidationError) -> APIError:
             code="unknown_parameter",
         )
     return APIError(f"{where}: {err.get('msg')}", param)
+
+
+def _body(model: str) -> dict:
+    """The OpenAPI ``requestBody`` of a handler that parses its body itself (strictly, with the
+    pydantic model ``model``, whose JSON schema :func:`_openapi` adds to the components)."""
+    ref = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document plus the request models' JSON schemas (``/openapi.json``:
+    what clients and the fuzzing in tests/test_load_fault.py generate bodies from)."""
+    if app.openapi_schema is None:
+        doc = FastAPI.openapi(app)
+        _, defs = models_json_schema(
+            [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+            ref_template="#/components/schemas/{model}",
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = doc
+    return app.openapi_schema
 
 
 async def _stats(llm: Any) -> Any:
@@ -111,6 +133,7 @@ def create_app(
             llm.shutdown()
 
     app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
     if request_log is not None:
         app.add_middleware(RequestLogMiddleware, writer=request_log)
     client = EngineClient(llm, metrics)
@@ -161,11 +184,11 @@ def create_app(
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return respond(await completions_handler(await parse(request, CompletionRequest), request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
 
