@@ -81,7 +81,8 @@ def questions(n: int) -> list[str]:
 def fuzz_bodies(app) -> list[bytes]:
     """Bodies schemathesis generates from the app's OpenAPI schema, valid (positive) and not
     (negative), for both endpoints; dict bodies get the served model name most of the time (so
-    they reach the engine) and a capped ``max_tokens`` / ``n`` (so the run stays bounded)."""
+    they reach the engine), every other one a valid prompt (so that its other fields reach the
+    sampling code), and a capped ``max_tokens`` / ``n`` (so the run stays bounded)."""
     import schemathesis
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.generation.modes import GenerationMode
@@ -108,16 +109,21 @@ def fuzz_bodies(app) -> list[bytes]:
                 warnings.simplefilter("ignore")
                 collect()
             for i, body in enumerate(bodies):
-                out.append((path, _bounded(body, i)))
+                out.append((path, _bounded(body, i, path)))
     return out
 
 
-def _bounded(body, i: int) -> bytes:
+def _bounded(body, i: int, path: str) -> bytes:
     if isinstance(body, (bytes, bytearray)):
         return bytes(body)
     if isinstance(body, dict):
         if i % 4:
             body["model"] = MODEL
+        if i % 2:  # a valid prompt, so that the other fuzzed fields reach the engine
+            if "chat" in path:
+                body["messages"] = [{"role": "user", "content": "Name a color."}]
+            else:
+                body["prompt"] = "Name a color:"
         for key in ("max_tokens", "max_completion_tokens"):
             v = body.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v > 4:
