@@ -251,3 +251,9 @@ class LLM:
         """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict)."""
         with self._lock:
             return self.engine.cache_stats()
+
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted and not finished: non-zero only while a ``generate`` / ``chat`` of
+        another thread runs (read without waiting for it; the same method as
+        :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
+        return self.engine.num_unfinished_requests()

@@ -226,7 +226,7 @@ def test_one_llm_shared_by_threads_is_serialized():
     assert not errors, errors
     assert len(results) == 60
     assert all(toks == [[0, 0, 0]] * len(toks) for toks in results.values())
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.has_unfinished_requests() and llm.num_unfinished_requests() == 0
     llm.engine.check_integrity()
     st = llm.cache_stats()
     assert st["free"] + st["evictable"] == st["capacity"] and st["protected"] == st["pinned"] == 0, st

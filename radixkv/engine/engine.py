@@ -349,6 +349,11 @@ class Engine:
         rid = str(request_id)
         self.post(lambda e: e.abort_now(rid))
 
+    def num_unfinished_requests(self) -> int:
+        """Requests accepted and not finished (queued, compiling, running). Any thread (one
+        ``len`` read; a snapshot)."""
+        return len(self._groups)
+
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or has an output still to report."""
         return bool(self._groups) or bool(self._inbox) or bool(self._ready)
