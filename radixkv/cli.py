@@ -31,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # an engine limit (e.g. --max-total-tokens too small for a prompt)
             print(f"radixkv replay: {e}", file=sys.stderr)
             return 2
+    if getattr(args, "replicas", 1) > 1:  # N engines on Ray Serve (the ray extra)
+        if args.log_requests:
+            print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
+            return 2
+        from radixkv.router.ray import run as run_replicas
+
+        return run_replicas(args, server_cli.engine_kwargs_from_args(args), server_cli.served_model_name(args))
     return server_cli.run(args)
 
 

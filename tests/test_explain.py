@@ -45,7 +45,7 @@ def tok(default_model):
 
 @pytest.fixture(scope="module")
 def questions():
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     return [c[0] for c in load_conversations(N, 1, 800)]
 
@@ -160,13 +160,21 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
     assert main(["explain", str(bad)]) == 2 and "bad.jsonl:2" in capsys.readouterr().err
+    # a server's --log-requests trace also holds the bodies it answered with a 400: skipped, said
+    served = [{"messages": [{"role": "user", "content": q}]} for q in questions[:3]]
+    logged = write_trace(tmp_path / "log.jsonl", served[:2] + [{"prompt": [], "max_tokens": 2}] + served[2:])
+    assert main(["explain", str(logged), "--json", "--no-what-if"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["requests"] == 3 and "skipped 1 invalid request bodies (first: request 3" in cap.err
+    assert main(["explain", str(write_trace(tmp_path / "none.jsonl", [{"prompt": []}]))]) == 2
 
 
 def test_replay_writes_the_trace_format(tok, tmp_path):
     from obs_helpers import NullRunner
 
+    from radixkv.datasets import load_conversations
     from radixkv.llm import LLM
-    from radixkv.replay import load_conversations, replay_mode
+    from radixkv.replay import replay_mode
 
     # the replies' contents do not matter here: the runner without a model answers token 0
     llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=8192)

@@ -14,7 +14,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv import LLM, SamplingParams  # noqa: E402
-from radixkv.replay import load_conversations  # noqa: E402
+from radixkv.datasets import load_conversations  # noqa: E402
 from radixkv.sampling.logprobs import token_bytes  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)

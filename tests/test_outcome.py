@@ -91,17 +91,25 @@ def test_namespace_in_flight_and_disabled():
     run_one(eng, SYS + [5], ns="alice")
     o = run_one(eng, SYS + [5], ns="bob")
     assert o.cause == "namespace" and o.other_namespace == "alice" and o.missed == {"namespace": 40, "full": 1}
-    # two requests admitted in the same step: the second needs what the first is computing
-    eng = make_engine(capacity=512, chunk=64)
-    seen = []
-    eng.events.subscribe(seen.append, (RequestAdmitted,))
-    r1 = eng.add_request(SYS + [5], sp())
-    r2 = eng.add_request(SYS + [6], sp())
-    outs = run_all(eng)
-    o2 = outs[r2].cache_outcome
-    assert outs[r1].cache_outcome.cause == "cold"
-    assert o2.cause == "in_flight" and o2.segments == ((0, 40, "in_flight"), (40, 41, "full"))
-    assert [e.cache_outcome for e in seen if e.index == 0] == [outs[r1].cache_outcome, o2]
+    # two requests admitted in the same step: the second needs what the first is computing.
+    # With in-batch prefix sharing it borrows those tokens (a hit: "full"); without, they are
+    # "in_flight" (being computed by a concurrent request, not yet cached).
+    for in_batch in (False, True):
+        eng = make_engine(capacity=512, chunk=64, in_batch=in_batch)
+        seen = []
+        eng.events.subscribe(seen.append, (RequestAdmitted,))
+        r1 = eng.add_request(SYS + [5], sp())
+        r2 = eng.add_request(SYS + [6], sp())
+        outs = run_all(eng)
+        o2 = outs[r2].cache_outcome
+        assert outs[r1].cache_outcome.cause == "cold"
+        if in_batch:
+            assert o2.cause == "full" and o2.segments == ((40, 41, "full"),) and outs[r2].num_cached_tokens == 40
+            assert [e.num_shared_tokens for e in seen if e.index == 0] == [0, 40]
+        else:
+            assert o2.cause == "in_flight" and o2.segments == ((0, 40, "in_flight"), (40, 41, "full"))
+            assert outs[r2].num_cached_tokens == 0
+        assert [e.cache_outcome for e in seen if e.index == 0] == [outs[r1].cache_outcome, o2]
     off = make_engine(capacity=512, cache="none")
     run_one(off, SYS)
     o = run_one(off, SYS)
@@ -128,23 +136,32 @@ def test_outcome_off_and_n_greater_than_one():
 
 
 def test_missed_tokens_counter_sums_the_outcomes():
+    from radixkv.engine import RequestFinished
+
     eng = make_engine(capacity=96)
     metrics = ServerMetrics()
-    eng.events.subscribe(metrics.on_event, (RequestAdmitted,))
+    eng.events.subscribe(metrics.on_event, (RequestAdmitted, RequestFinished))
     outcomes = []
     for p in (SYS, SYS, SYS[:20] + [3] * 30, [5] * 50, SYS):
         outcomes.append(run_one(eng, p))
+    # an aborted request counts in none of the token counters (its client saw no usage)
+    rid = eng.add_request([7] * 30, sp())
+    eng.step()
+    eng.abort_request(rid)
+    run_all(eng)
     want: dict = {}
     for o in outcomes:
         for c, n in o.missed.items():
             want[c] = want.get(c, 0) + n
-    got = {}
+    got, totals = {}, {}
     for fam in text_string_to_metric_families(metrics.render().decode()):
-        if fam.name == "radixkv_missed_prompt_tokens":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    got[s.labels["cause"]] = int(s.value)
-    assert got == want and len(want) >= 3
+        for s in fam.samples:
+            if fam.name == "radixkv_missed_prompt_tokens" and s.name.endswith("_total"):
+                got[s.labels["cause"]] = int(s.value)
+            elif s.name in ("radixkv_prompt_tokens_total", "radixkv_cached_tokens_total"):
+                totals[s.name] = int(s.value)
+    assert got == want and len(want) >= 3 and not metrics._outcomes
+    assert sum(got.values()) == totals["radixkv_prompt_tokens_total"] - totals["radixkv_cached_tokens_total"]
 
 
 def test_llm_explain_is_a_dry_run_that_predicts_the_outcome(default_model):

@@ -120,3 +120,15 @@ def test_cli_plan(capsys, tmp_path):
     assert re.search(r'<img[^>]*src="data:image/png;base64,', page) and "http" not in page.split("<pre>")[0]
     assert main(["plan", "--list"]) == 0 and "DeepSeek-V3" in capsys.readouterr().out
     assert main(["plan", "--model", "nope"]) == 2
+    capsys.readouterr()
+    for bad, field in (
+        ("--gpu-memory=-5", "gpu_memory_gb"),
+        ("--context=0", "context"),
+        ("--weights-gb=-1", "weights_gb"),
+    ):
+        assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", bad]) == 2, bad
+        assert field in capsys.readouterr().err
+    # a 70B model in bf16 (141 GB of weights) does not fit an 80 GB GPU: said, not "0 tokens" alone
+    assert main(["plan", "--model", "llama-3-70b", "--gpu-memory", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "the weights do not fit" in out and "-> 0 tokens" in out

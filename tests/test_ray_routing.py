@@ -67,7 +67,7 @@ def cluster():
 def _conversations(tok, n: int, turns: int, skip: int) -> list[list[list[int]]]:
     """Per conversation, the token ids each turn adds: ChatML blocks of the real ShareGPT user
     message and the dataset's reply (history as the dataset has it), then the generation prompt."""
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     system = enc("<|im_start|>system\nYou are a helpful AI assistant named SmolLM.<|im_end|>\n")

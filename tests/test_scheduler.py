@@ -92,7 +92,9 @@ class FakeRunner:
         return out
 
 
-def make_engine(capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False):
+def make_engine(
+    capacity=512, page_size=1, cache="radix", chunk=64, max_running=16, policy="lpm", soft=False, in_batch=True
+):
     cfg = EngineConfig(
         device="cpu",
         page_size=page_size,
@@ -101,6 +103,7 @@ def make_engine(capacity=512, page_size=1, cache="radix", chunk=64, max_running=
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
         schedule_policy=policy,
+        in_batch_prefix_sharing=in_batch,
     )
     runner = FakeRunner(capacity, page_size, max_running, soft=soft)
     return Engine(cfg, model_runner=runner, tokenizer=None, eos_token_ids=[])
@@ -460,3 +463,16 @@ def test_random_workload_with_aborts(seed):
             else:
                 assert c.token_ids == expected[rid]
     assert_no_leak(eng)
+
+
+def test_the_callers_config_is_not_changed():
+    """The engine resolves a copy: a config reused for a second engine is what the caller wrote."""
+    import dataclasses
+
+    cfg = EngineConfig(device="cpu", max_total_tokens=256, chunked_prefill_size=64)
+    before = dataclasses.asdict(cfg)
+    eng = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    assert dataclasses.asdict(cfg) == before and cfg.max_context_len is None
+    assert eng.config is not cfg and eng.config.max_context_len == eng.max_context_len > 0
+    again = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    assert dataclasses.asdict(again.config) == dataclasses.asdict(eng.config)

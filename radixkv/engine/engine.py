@@ -22,6 +22,7 @@ message into the inbox, which the driver applies in order at the start of its ne
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import operator
@@ -106,7 +107,8 @@ class Engine:
         loaded_model: Any = None,
         clock: Optional[Callable[[], float]] = None,
     ) -> None:
-        self.config = cfg = (config or EngineConfig()).resolve()
+        # a copy: the caller's config is never changed (it may be reused for another engine)
+        self.config = cfg = copy.copy(config or EngineConfig()).resolve()
         hf_config = None
         if model_runner is None:
             from radixkv.executor.model_runner import ModelRunner  # lazy: the model stack (torch + transformers)

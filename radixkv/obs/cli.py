@@ -86,7 +86,16 @@ def run_explain(args: argparse.Namespace) -> int:
     try:
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
-        reqs = tokenize_trace(bodies, tok)
+        invalid: list = []
+        reqs = tokenize_trace(bodies, tok, invalid=invalid)
+        if invalid:
+            no, why = invalid[0]
+            print(
+                f"radixkv explain: skipped {len(invalid)} invalid request bodies (first: request {no}: {why})",
+                file=sys.stderr,
+            )
+        if not reqs:
+            raise ValueError("the trace has no valid request")
         rep = explain_trace(
             reqs,
             tok,
@@ -199,7 +208,15 @@ def run_plan(args: argparse.Namespace) -> int:
             from radixkv.models.loader import load_tokenizer
             from radixkv.obs.trace import tokenize_trace
 
-            reqs = [r.sim_request() for r in tokenize_trace(load_bodies(args.trace), load_tokenizer(args.tokenizer))]
+            invalid: list = []
+            reqs = [
+                r.sim_request()
+                for r in tokenize_trace(load_bodies(args.trace), load_tokenizer(args.tokenizer), invalid=invalid)
+            ]
+            if invalid:
+                print(f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace", file=sys.stderr)
+            if not reqs:
+                raise ValueError("the trace has no valid request")
             pols = _policies(args.policies)
             rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
             rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols)

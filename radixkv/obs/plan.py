@@ -232,6 +232,12 @@ def plan_memory(
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+        raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
+    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
+        raise ValueError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb!r}")
+    if weights_gb is not None and not weights_gb >= 0:
+        raise ValueError(f"weights_gb must be >= 0, got {weights_gb!r}")
     bpt = spec.bytes_per_token(kv_dtype)
     out: dict = dict(
         model=spec.as_dict(),
@@ -254,6 +260,7 @@ def plan_memory(
             weights_gb=wb / GB,
             kv_budget_gb=budget / GB,
             tokens=max(0, budget) // bpt,
+            weights_fit=budget > 0,
         )
         if context is not None and budget > 0:
             seq = spec.sequence_bytes(context, kv_dtype)

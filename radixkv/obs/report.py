@@ -124,6 +124,11 @@ def plan_text_report(rep: dict) -> str:
             f"{f['gpu_memory_gb']:g} GB GPU x {f['memory_fraction']:g}: weights {f['weights_gb']:,.2f} GB "
             f"({f['weight_dtype']}), KV budget {f['kv_budget_gb']:,.2f} GB -> {f['tokens']:,} tokens"
         )
+        if not f.get("weights_fit", True):
+            out.append(
+                f"  the weights do not fit: {f['weights_gb']:,.2f} GB > {f['gpu_memory_gb'] * f['memory_fraction']:,.2f} GB "
+                "usable (a bigger GPU, several GPUs, or smaller weights: --weight-dtype)"
+            )
         if f.get("sequences_of_context") is not None:
             out.append(f"  = {f['sequences_of_context']:,} sequences of {rep['context']['tokens']:,} tokens")
     if "curve" in rep:

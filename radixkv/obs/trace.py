@@ -106,17 +106,25 @@ def _key(messages: Sequence[dict]) -> str:
     return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
 
 
-def tokenize_trace(bodies: Iterable[dict], tokenizer: Any, infer_replies: bool = True) -> list[TraceRequest]:
+def tokenize_trace(
+    bodies: Iterable[dict], tokenizer: Any, infer_replies: bool = True, invalid: Optional[list] = None
+) -> list[TraceRequest]:
     """Tokenize request bodies (module docstring).
 
+    Args:
+        invalid: None: a malformed body raises. A list: malformed bodies are skipped and
+            ``(position, reason)`` appended to it for each (a server's ``--log-requests`` trace
+            also holds the bodies it answered with a 400).
+
     Raises:
-        ValueError: a body with neither ``messages`` nor ``prompt``, or malformed ones (naming
-            the body's position).
+        ValueError: (``invalid`` None) a body with neither ``messages`` nor ``prompt``, or
+            malformed ones (naming the body's position).
     """
     out: list[TraceRequest] = []
     by_history: dict[str, int] = {}  # messages of a chat request -> its index
     eos = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
     for no, body in enumerate(bodies, 1):
+        mark = len(out)
         try:
             if "messages" in body:
                 msgs = [{"role": str(m["role"]), "content": message_text(m.get("content"))} for m in body["messages"]]
@@ -143,10 +151,13 @@ def tokenize_trace(bodies: Iterable[dict], tokenizer: Any, infer_replies: bool =
                         out.append(TraceRequest(len(out), no, "completions", [int(t) for t in item]))
             else:
                 raise ValueError("a body needs 'messages' (chat) or 'prompt' (completions)")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"trace request {no}: {exc}") from exc
-        if out and not out[-1].tokens:
-            raise ValueError(f"trace request {no}: the prompt has no tokens")
+            if any(not r.tokens for r in out[mark:]):
+                raise ValueError("the prompt has no tokens")
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            if invalid is None:
+                raise ValueError(f"trace request {no}: {exc}") from exc
+            del out[mark:]
+            invalid.append((no, str(exc)))
     return out
 
 

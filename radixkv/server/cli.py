@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Any
 
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
@@ -87,16 +86,17 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def run(args: argparse.Namespace) -> int:
-    """Load the engine, then serve until interrupted; returns the exit code."""
-    served = args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
-    if getattr(args, "replicas", 1) > 1:
-        if args.log_requests:
-            print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
-            return 2
-        from radixkv.router.ray import run as run_replicas  # needs the ray extra
+def served_model_name(args: argparse.Namespace) -> str:
+    """The model name the server answers to (``--served-model-name``, else the model's)."""
+    return args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
 
-        return run_replicas(args, engine_kwargs_from_args(args), served)
+
+def run(args: argparse.Namespace) -> int:
+    """Load one engine, then serve until interrupted; returns the exit code. (``--replicas N > 1``
+    is dispatched by the ``radixkv`` console script to :func:`radixkv.router.ray.run`.)"""
+    if getattr(args, "replicas", 1) > 1:
+        raise ValueError("replicas: server.cli.run serves one engine; radixkv.cli dispatches --replicas > 1")
+    served = served_model_name(args)
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM

@@ -12,7 +12,8 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   completed (not aborted): the numbers their clients see in ``usage``; the
   :class:`~radixkv.engine.events.RequestAdmitted` events (with their cache outcome) count
   ``radixkv_missed_prompt_tokens_total{cause}``: prompt tokens not served from the prefix
-  cache, by cause (:data:`radixkv.cache.outcome.CAUSES`), at admission.
+  cache, by cause (:data:`radixkv.cache.outcome.CAUSES`), of the same completed requests (so
+  the causes sum to ``prompt_tokens - cached_tokens``).
 - A snapshot of the engine taken on the engine thread at scrape time
   (:class:`~radixkv.engine.stats.EngineStats`): ``radixkv_cache_hit_rate`` (the
   engine's cached_tokens / prompt_tokens), ``radixkv_evicted_tokens_total``,
@@ -96,7 +97,7 @@ class ServerMetrics:
         )
         self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.", registry=r)
         self.missed_tokens = Counter(
-            "radixkv_missed_prompt_tokens", "Prompt tokens not served from the prefix cache, by cause, at admission.",
+            "radixkv_missed_prompt_tokens", "Prompt tokens of finished requests not served from the prefix cache, by cause.",
             ["cause"], registry=r,
         )  # fmt: skip
         self.ttft = Histogram(
@@ -109,6 +110,8 @@ class ServerMetrics:
         )  # fmt: skip
         self._engine = _EngineCollector()
         r.register(self._engine)
+        # missed tokens by cause of the admitted, unfinished requests (engine thread only)
+        self._outcomes: dict[str, dict] = {}
 
     def update_engine(self, snapshot: EngineStats) -> None:
         """Store an engine snapshot (``Engine.cache_stats()``) for the next :meth:`render`."""
@@ -119,18 +122,20 @@ class ServerMetrics:
         :class:`~radixkv.engine.events.RequestAdmitted` with a cache outcome (subscribe with
         ``kinds=(RequestFinished, RequestAdmitted)``; other events are ignored)."""
         if isinstance(event, RequestAdmitted):
-            if event.cache_outcome is not None:
-                for cause, n in event.cache_outcome.missed.items():
-                    self.missed_tokens.labels(cause=cause).inc(n)
+            if event.cache_outcome is not None:  # counted when the request completes (below)
+                self._outcomes[event.request_id] = event.cache_outcome.missed
             return
         if not isinstance(event, RequestFinished):
             return
+        missed = self._outcomes.pop(event.request_id, None)
         for reason in event.finish_reasons:
             self.finished.labels(finish_reason=reason).inc()
         if "abort" not in event.finish_reasons:  # token counts are those of completed requests
             self.prompt_tokens.inc(event.num_prompt_tokens)
             self.cached_tokens.inc(event.num_cached_tokens)
             self.generation_tokens.inc(event.num_output_tokens)
+            for cause, n in (missed or {}).items():
+                self.missed_tokens.labels(cause=cause).inc(n)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (content type ``CONTENT_TYPE_LATEST``)."""

@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 def iter_conversations(path: Path) -> Iterator[dict]:
     """Yield the complete records of the (truncated) ShareGPT JSON list at ``path``, read
-    incrementally (:func:`radixkv.replay.iter_sharegpt`)."""
-    from radixkv.replay import iter_sharegpt
+    incrementally (:func:`radixkv.datasets.iter_sharegpt`)."""
+    from radixkv.datasets import iter_sharegpt
 
     yield from iter_sharegpt(path)
 
