@@ -73,7 +73,7 @@ def served(default_model):
 @functools.lru_cache(maxsize=None)
 def questions(n: int) -> list[str]:
     """The first user turns of ``n`` ShareGPT conversations (real prompts)."""
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     return [c[0] for c in load_conversations(n, 1, max_user_chars=300)]
 
