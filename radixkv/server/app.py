@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
 from radixkv.engine.events import RequestAdmitted, RequestFinished
@@ -167,7 +167,10 @@ def create_app(
         return error(APIError(f"internal error: {exc!r}", status_code=500, type="server_error", code="internal_error"))
 
     async def parse(request: Request, model: type) -> Any:
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect as exc:  # the client left before its body arrived: nothing to answer
+            raise ClientDisconnected("the client disconnected before sending its body") from exc
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
