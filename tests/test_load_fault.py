@@ -22,6 +22,7 @@ import asyncio
 import functools
 import json
 import os
+import sys
 import time
 import warnings
 
@@ -87,6 +88,8 @@ def fuzz_bodies(app) -> list[bytes]:
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.generation.modes import GenerationMode
 
+    # deeply nested generated JSON needs more than the default 1000 frames under pytest
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 3000))
     schema = schemathesis.openapi.from_dict(app.openapi())
     out: list[tuple[str, bytes]] = []
     for path in ("/v1/completions", "/v1/chat/completions"):
