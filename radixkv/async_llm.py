@@ -29,20 +29,25 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 
 from radixkv.branching import AsyncSession, Prompt, SelectResult, _aselect, _select_prompt, initial_context
+from radixkv.engine.stats import EngineStats
+from radixkv.errors import RequestError
+from radixkv.inputs import check_sampling_params, to_token_ids, to_token_prompt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
 
 class EngineDeadError(RuntimeError):
@@ -53,11 +58,13 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     """Where the engine thread delivers one request's outputs: an asyncio queue on its loop."""
 
-    loop: asyncio.AbstractEventLoop
+    loop: asyncio.AbstractEventLoop | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: schedule ``item`` onto the caller's loop (no-op if that loop is closed)."""
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed; nobody is listening
@@ -113,6 +120,8 @@ class AsyncLLM:
         self._closing = False
         self._stop = False  # set on the engine thread by the posted stop command
         self._pending: set[concurrent.futures.Future] = set()  # futures of posted calls not run yet
+        self._abandoned: collections.deque = collections.deque()  # (rid, stream) dropped by consumers
+        self._stats: EngineStats = engine.cache_stats()  # published by the engine thread
         self._lock = threading.Lock()  # orders "check alive + post" against "stop + fail the rest"
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         self._thread.start()
@@ -144,7 +153,7 @@ class AsyncLLM:
         """The reason the engine thread stopped (None while it runs)."""
         return self._dead
 
-    async def generate(
+    def generate(
         self,
         prompt: str | Sequence[int] | None = None,
         sampling_params: SamplingParams | None = None,
@@ -153,12 +162,14 @@ class AsyncLLM:
         prompt_token_ids: Sequence[int] | None = None,
         namespace: Hashable = None,
         on_finish: Callable[[Any, RequestOutput], None] | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Submit one request and stream its cumulative outputs.
+    ) -> "RequestStream":
+        """Submit one request and stream its cumulative outputs (``async for out in
+        llm.generate(...)``). The request is submitted at the first ``__anext__``.
 
         Args:
             prompt: text (tokenized with the engine's tokenizer without added special tokens,
-                as ``LLM.generate`` does; no chat template) or a sequence of token ids.
+                as ``LLM.generate`` does; no chat template), a list of token ids, or a dict
+                ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` (:mod:`radixkv.inputs`).
             sampling_params: default ``SamplingParams()``.
             request_id: unique among unfinished requests; a fresh ``"req-<uuid>"`` when None.
             prompt_token_ids: token ids, as an alternative to ``prompt`` (then ``prompt`` must
@@ -168,39 +179,58 @@ class AsyncLLM:
                 request finishes, before its final output is delivered (no step runs in between;
                 not on abort): e.g. pin what it left cached (stored Responses).
 
-        Yields:
-            ``RequestOutput`` snapshots, cumulative (``outputs[i].text`` / ``token_ids`` hold
-            everything generated so far); the last one has ``finished == True``. When the
-            consumer falls behind, intermediate snapshots are skipped (each one contains the
-            previous), never the final one.
+        Returns:
+            A :class:`RequestStream`: an async iterator of ``RequestOutput`` snapshots,
+            cumulative (``outputs[i].text`` / ``token_ids`` hold everything generated so far);
+            the last one has ``finished == True``. When the consumer falls behind, intermediate
+            snapshots are skipped (each one contains the previous), never the final one.
 
         Raises:
-            ValueError: invalid prompt or sampling params (raised by ``Engine.add_request``,
-                before anything is yielded), or a duplicate ``request_id``.
+            RequestError: (a ValueError naming the field; from the first ``__anext__``, before
+                anything is yielded) invalid prompt or sampling params (``Engine.add_request``'s
+                checks), or a duplicate ``request_id``.
             EngineDeadError: the engine thread is not running.
 
-        Cancellation: if the consuming task is cancelled, or the generator is closed before the
-        final output (``break`` out of ``async for``, a client disconnect), the request is
-        aborted in the engine, which releases its KV slots.
+        Abandoning: the request is aborted in the engine (its KV slots released) however its
+        consumer leaves before the final output: ``break`` or an exception out of ``async for``
+        (also over a stream held in a variable: each ``async for`` iterates through a fresh
+        iterator, and dropping it aborts), cancellation of the consuming task, ``aclose()``, or
+        the stream being garbage-collected.
         """
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        stream = _Stream(loop=None)
+        state = [False]  # [finished or failed]: nothing left to abort
+        body = self._generate(prompt, sampling_params, rid, prompt_token_ids, namespace, stream, state, on_finish)
+        return RequestStream(self, rid, stream, state, body)
+
+    async def _generate(
+        self,
+        prompt: Any,
+        sampling_params: Any,
+        rid: str,
+        prompt_token_ids: Any,
+        namespace: Hashable,
+        stream: "_Stream",
+        state: list,
+        on_finish: Callable[[Any, RequestOutput], None] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The body of :meth:`generate` (an async generator; its ``finally`` aborts)."""
         self._check_alive()
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        sampling_params = check_sampling_params(sampling_params)
         text: str | None
         if prompt_token_ids is not None:
-            ids, text = list(prompt_token_ids), prompt if isinstance(prompt, str) else None
-        elif isinstance(prompt, str):
-            ids, text = list(self.engine.tokenizer.encode(prompt, add_special_tokens=False)), prompt
+            if prompt is not None and not isinstance(prompt, str):
+                raise RequestError("with prompt_token_ids, prompt must be None or their text (a str)", "prompt")
+            ids, text = to_token_ids(prompt_token_ids, "prompt_token_ids"), prompt
         elif prompt is not None:
-            ids, text = list(prompt), None
+            ids, text = to_token_prompt(self.engine.tokenizer, prompt)
         else:
-            raise ValueError("prompt: one of prompt or prompt_token_ids is required")
-        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        stream = _Stream(loop=asyncio.get_running_loop())
+            raise RequestError("prompt: one of prompt or prompt_token_ids is required", "prompt")
+        stream.loop = asyncio.get_running_loop()
 
         def add(engine: Any) -> None:
             if rid in self._streams:
-                raise ValueError(f"request_id {rid!r} is already running")
+                raise RequestError(f"request_id {rid!r} is already running", "request_id")
             engine.add_request(ids, sampling_params, request_id=rid, prompt=text, namespace=namespace)
             self._streams[rid] = stream
             if on_finish is not None:
@@ -224,8 +254,17 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
+            state[0] = True
             if not finished:
                 self._abort_nowait(rid, stream)
+
+    def _abandon(self, rid: str, stream: "_Stream", state: list) -> None:
+        """A :class:`RequestStream` or one ``async for`` over it was dropped (a finalizer: any
+        thread, maybe inside a garbage collection, so nothing here takes a lock): queue the abort
+        of ``rid``; the engine thread applies it before its next step (a no-op when the request
+        finished or was never submitted)."""
+        if not state[0]:
+            self._abandoned.append((rid, stream))
 
     async def _generate_batch(
         self,
@@ -295,27 +334,29 @@ class AsyncLLM:
         """
         await asyncio.wrap_future(self._submit(lambda e: self._abort_in_thread(request_id, None)))
 
-    async def cache_stats(self) -> dict:
-        """``Engine.cache_stats()`` taken on the engine thread between steps (a consistent snapshot)."""
-        return await asyncio.wrap_future(self._submit(lambda e: e.cache_stats()))
+    def cache_stats(self) -> EngineStats:
+        """``Engine.cache_stats()`` as of the engine thread's latest step or posted call (a
+        consistent snapshot taken between steps; a plain method, as :meth:`radixkv.llm.LLM.cache_stats`,
+        that never blocks: the engine thread publishes it after every step, before it delivers
+        that step's outputs, and after every call it runs, before its result is delivered; so an
+        awaited ``generate`` / ``reset_prefix_cache`` / ``call_in_engine_thread`` is always
+        reflected)."""
+        return self._stats
 
-    def get_cache_stats(self, timeout: float | None = 60.0) -> dict:
-        """Blocking form of :meth:`cache_stats` for threads without an event loop.
-
-        Raises:
-            TimeoutError: the engine thread did not answer within ``timeout`` seconds.
-        """
-        return self._submit(lambda e: e.cache_stats()).result(timeout)
+    def get_cache_stats(self, timeout: float | None = None) -> EngineStats:
+        """The same as :meth:`cache_stats` (kept for older callers; ``timeout`` is unused)."""
+        return self._stats
 
     async def reset_prefix_cache(self) -> bool:
         """Flush the prefix cache; False (and nothing done) while any request is unfinished."""
         return await asyncio.wrap_future(self._submit(self._reset_in_thread))
 
-    async def num_unfinished_requests(self) -> int:
-        """Requests submitted through this AsyncLLM whose streams are still open. An aborted
-        request leaves this count at once; the engine releases its slots at its next step
-        (``Engine.has_unfinished_requests()`` stays True until then)."""
-        return await asyncio.wrap_future(self._submit(lambda e: len(self._streams)))
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted through this AsyncLLM whose streams are still open (a plain method,
+        as on :class:`~radixkv.llm.LLM`). An aborted request leaves this count when the engine
+        thread applies the abort (before its next step); the engine releases its slots in that
+        step (``Engine.has_unfinished_requests()`` stays True until then)."""
+        return len(self._streams)
 
     def subscribe(self, fn: Callable[[Any], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
         """Subscribe ``fn`` to the engine's events (:meth:`radixkv.engine.events.EventBus.subscribe`);
@@ -425,6 +466,7 @@ class AsyncLLM:
 
     def _step_once(self) -> None:
         """One ``Engine.step()``; each output goes to its request's stream (if still open)."""
+        deliveries = []
         for out in self.engine.step():
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -437,6 +479,9 @@ class AsyncLLM:
                         hook(self.engine, out)
                     except Exception:  # noqa: BLE001 - a caller's hook must not stop the engine
                         logger.exception("finish hook of %s failed", out.request_id)
+            deliveries.append((stream, out))
+        self._stats = self.engine.cache_stats()  # after the hooks, before any consumer sees an output
+        for stream, out in deliveries:
             stream.put(out)  # the engine builds a fresh RequestOutput every step
 
     def _apply(self, fn: Callable[[Any], Any], fut: concurrent.futures.Future | None) -> None:
@@ -449,6 +494,7 @@ class AsyncLLM:
                 return
         try:
             result = fn(self.engine)
+            self._stats = self.engine.cache_stats()  # before the caller sees the result
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             if fut is None:
                 logger.exception("engine command failed")
@@ -468,6 +514,9 @@ class AsyncLLM:
                 engine.run_posted()
                 if self._stop:
                     raise _Stopped
+                while self._abandoned:  # consumers that left without closing their stream
+                    rid, stream = self._abandoned.popleft()
+                    self._abort_in_thread(rid, stream)
                 if engine.has_unfinished_requests():
                     self._step_once()
         except _Stopped:
@@ -500,6 +549,58 @@ class AsyncLLM:
                 self.engine.step()
             except Exception:  # noqa: BLE001 - shutting down; the streams are told already
                 logger.exception("releasing aborted requests at shutdown failed")
+
+
+class RequestStream:
+    """What :meth:`AsyncLLM.generate` returns: an async iterator of one request's cumulative
+    ``RequestOutput`` snapshots whose abandonment aborts the request.
+
+    An async generator's ``finally`` runs only on ``aclose()``, cancellation or collection, so a
+    ``break`` out of ``async for`` over a generator kept in a variable would leave the request
+    running. Here each ``async for`` gets a fresh iterator object (:meth:`__aiter__`) that only
+    the loop holds; leaving the loop before the final output (``break``, ``return``, an
+    exception) drops it, and its finalizer (``weakref.finalize``, run at once by CPython's
+    reference counting) queues the abort. The stream's own finalizer does the same when the
+    stream is collected unfinished. ``aclose()`` and cancellation abort through the generator's
+    ``finally`` as before.
+
+    Attributes:
+        request_id: the engine request id.
+    """
+
+    __slots__ = ("request_id", "_body", "_finalizer", "__weakref__")
+
+    def __init__(self, llm: AsyncLLM, request_id: str, stream: _Stream, state: list, body: Any) -> None:
+        self.request_id = request_id
+        self._body = body
+        self._finalizer = (llm._abandon, request_id, stream, state)
+        weakref.finalize(self, *self._finalizer).atexit = False
+
+    def __aiter__(self) -> "_Iteration":
+        return _Iteration(self)
+
+    def __anext__(self) -> Any:
+        return self._body.__anext__()
+
+    def aclose(self) -> Any:
+        """Close the stream (aborts the request if unfinished); awaitable."""
+        return self._body.aclose()
+
+
+class _Iteration:
+    """One ``async for`` over a :class:`RequestStream`; dropped unfinished, it aborts."""
+
+    __slots__ = ("_stream", "__weakref__")
+
+    def __init__(self, stream: RequestStream) -> None:
+        self._stream = stream
+        weakref.finalize(self, *stream._finalizer).atexit = False
+
+    def __aiter__(self) -> "_Iteration":
+        return self
+
+    def __anext__(self) -> Any:
+        return self._stream._body.__anext__()
 
 
 class _Stopped(Exception):

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 from radixkv.errors import RequestError
 
 __all__ = [
+    "CHAT_ROLES",
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "builtin_tools_block",
@@ -38,6 +39,10 @@ __all__ = [
     "render_chat",
     "template_takes_tools",
 ]
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The message roles rendered: OpenAI's chat roles but the deprecated ``function`` (refused with a
+pointer to ``tools``)."""
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -157,6 +162,10 @@ def _normalize(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence],
         if not isinstance(m, Mapping) or "role" not in m:
             raise RequestError(f"chat: every message needs 'role' and 'content', got {m!r}", "messages")
         role = m["role"]
+        if role == "function":
+            raise RequestError(f"{where}: role 'function' is deprecated and unsupported; use tools", "messages")
+        if role not in CHAT_ROLES:
+            raise RequestError(f"{where}: role must be one of {', '.join(CHAT_ROLES)}; got {role!r}", "messages")
         calls = _calls_of(m, where) if role == "assistant" else []
         if "content" not in m and not calls:
             raise RequestError(f"chat: every message needs 'role' and 'content', got {m!r}", "messages")

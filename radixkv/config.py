@@ -81,6 +81,11 @@ class EngineConfig:
     chunked_prefill_size: Optional[int] = None
     """Prefill token budget of one step; longer prompts are split. Default 2048 on CPU, 8192 on CUDA."""
 
+    max_n: int = 128
+    """Most samples one request may ask for (``SamplingParams.n``; OpenAI's own limit on ``n``).
+    Default 128. ``Engine.add_request`` refuses more (a ``RequestError`` naming ``n``; the server
+    answers 400), so that one request cannot occupy the whole engine."""
+
     schedule_policy: str = "lpm"
     """"lpm" (longest cached prefix first, as SGLang) or "fcfs"."""
 
@@ -166,9 +171,9 @@ class EngineConfig:
             self.max_running_requests = 256 if cuda else 64
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192 if cuda else 2048
-        for name in ("max_running_requests", "chunked_prefill_size"):
+        for name in ("max_running_requests", "chunked_prefill_size", "max_n"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.max_total_tokens is not None and (
             not isinstance(self.max_total_tokens, int) or self.max_total_tokens < self.page_size

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -12,6 +12,8 @@ from radixkv.chat_template import render_chat
 from radixkv.config import EngineConfig
 from radixkv.engine import Engine, EngineStats
 from radixkv.engine.outcome import Explanation, explain_text
+from radixkv.errors import RequestError
+from radixkv.inputs import conversations, params_per_prompt, to_token_ids, to_token_prompt, to_token_prompts
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -58,34 +60,32 @@ class LLM:
 
     def generate(
         self,
-        prompts: Union[None, str, Sequence[str]] = None,
+        prompts: Any = None,
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-        prompt_token_ids: Optional[Sequence[Sequence[int]]] = None,
+        prompt_token_ids: Union[None, Sequence[int], Sequence[Sequence[int]]] = None,
         use_tqdm: bool = True,
     ) -> List[RequestOutput]:
         """Generate for a batch of prompts; all are submitted at once and run to completion.
 
         Args:
-            prompts: a str or a list of str (tokenized with the model's tokenizer, no template).
+            prompts: one prompt or a list of them; a prompt is a str (tokenized with the model's
+                tokenizer, no template), a list of token ids, or a dict ``{"prompt": str}`` /
+                ``{"prompt_token_ids": [...]}`` (vLLM's shapes, :mod:`radixkv.inputs`).
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
-            prompt_token_ids: token-id lists instead of ``prompts``.
+            prompt_token_ids: one token-id list or a list of them, instead of ``prompts``.
             use_tqdm: show a progress bar over finished requests.
 
         Returns:
             One finished :class:`RequestOutput` per prompt, in input order.
 
         Raises:
-            ValueError: neither or both of ``prompts`` / ``prompt_token_ids``, a length mismatch with
-                ``sampling_params``, or any invalid request (then nothing is submitted).
+            RequestError: (a ValueError naming the field) neither or both of ``prompts`` /
+                ``prompt_token_ids``, a prompt of another type, ``sampling_params`` not a
+                ``SamplingParams`` (or a list of them of the prompts' length), or any request the
+                engine refuses (e.g. prompt + ``max_tokens`` beyond ``max_context_len``, ``n``
+                beyond ``max_n``); then nothing is submitted.
         """
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("generate: give exactly one of prompts or prompt_token_ids")
-        if prompts is not None:
-            texts = [prompts] if isinstance(prompts, str) else list(prompts)
-            ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
-        else:
-            texts = None
-            ids = [list(p) for p in prompt_token_ids]
+        ids, texts = to_token_prompts(self.tokenizer, prompts, prompt_token_ids)
         return self._run(ids, texts, sampling_params, use_tqdm)
 
     def chat(
@@ -108,9 +108,7 @@ class LLM:
         markers, as :func:`radixkv.server.openai.params.forced_calls` does) as
         ``SamplingParams.structural_tag``, and parse the text with
         :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
-        if not messages:
-            raise ValueError("chat: messages is empty")
-        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        convs = conversations(messages)
         texts = [self.render_chat(c, add_generation_prompt, tools) for c in convs]
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         return self._run(ids, texts, sampling_params, use_tqdm)
@@ -136,12 +134,7 @@ class LLM:
         """Submit every prompt (in one go: they wait together, so they share their common
         prefixes), step until all finished; on any error or interrupt the submitted requests are
         aborted and released before it propagates. ``namespace``: one for all or one per prompt."""
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(ids)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(ids):
-                raise ValueError(f"generate: {len(params)} sampling_params for {len(ids)} prompts")
+        params = params_per_prompt(sampling_params, len(ids))
         spaces = list(namespace) if isinstance(namespace, list) else [namespace] * len(ids)
         engine = self.engine
         rids: List[str] = []
@@ -180,8 +173,9 @@ class LLM:
         (nothing computed, nothing locked, the LRU order untouched; a read-only ``peek``).
 
         Args:
-            prompt: a text prompt (tokenized without a template, as :meth:`generate`) or a
-                conversation (a list of ``{"role", "content"}``, rendered as :meth:`chat`).
+            prompt: a text prompt (tokenized without a template, as :meth:`generate`), token
+                ids, a ``{"prompt"}`` / ``{"prompt_token_ids"}`` dict, or a conversation (a list
+                of ``{"role", "content"}``, rendered as :meth:`chat`).
             prompt_token_ids: token ids instead of ``prompt``.
             namespace: the prefix-cache namespace.
             context: tokens of decoded text shown on each side of the stop position.
@@ -193,18 +187,26 @@ class LLM:
             text after it and the cached sequence's text there.
 
         Raises:
-            ValueError: neither or both of ``prompt`` / ``prompt_token_ids``, or an empty prompt.
+            RequestError: (a ValueError naming the field) neither or both of ``prompt`` /
+                ``prompt_token_ids``, a malformed or empty prompt, token ids outside
+                ``[0, vocab_size)``, a negative ``context``.
         """
         if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError("explain: give exactly one of prompt or prompt_token_ids")
+            raise RequestError("explain: give exactly one of prompt or prompt_token_ids", "prompt")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise RequestError(f"context must be an int >= 0 (tokens), got {context!r}", "context")
         if prompt_token_ids is not None:
-            ids = [int(t) for t in prompt_token_ids]
-        elif isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = to_token_ids(prompt_token_ids, "prompt_token_ids")
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
+            ids = self.tokenizer.encode(self.render_chat(list(conversations(prompt)[0])), add_special_tokens=False)
         else:
-            ids = self.tokenizer.encode(self.render_chat(list(prompt)), add_special_tokens=False)
+            ids, _ = to_token_prompt(self.tokenizer, prompt)
         if not ids:
-            raise ValueError("explain: the prompt has no tokens")
+            raise RequestError("explain: the prompt has no tokens", "prompt")
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt_token_ids")
         with self._lock:
             outcome = self.engine.explain(ids, namespace)
         return explain_text(outcome, ids, self.tokenizer, context)
@@ -259,3 +261,9 @@ class LLM:
         """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict)."""
         with self._lock:
             return self.engine.cache_stats()
+
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted and not finished: non-zero only while a ``generate`` / ``chat`` of
+        another thread runs (read without waiting for it; the same method as
+        :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
+        return self.engine.num_unfinished_requests()

@@ -17,6 +17,18 @@ MAX_LOGPROBS = 20
 """The most top alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
 ``max_logprobs``; OpenAI's chat ``top_logprobs`` limit)."""
 
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""The seeds a request may give (a signed 64-bit integer, the range ``torch.Generator`` takes
+with room for the ``seed + i`` of sample ``i`` when ``n > 1``)."""
+
+
+class _DefaultMaxTokens(int):
+    """The default of ``max_tokens`` (16), told apart from an explicit 16 so that giving both
+    ``max_tokens`` and its alias ``max_new_tokens`` is refused."""
+
+
+_DEFAULT_MAX_TOKENS = _DefaultMaxTokens(16)
+
 STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 """The structured-output fields; at most one is set per request."""
 
@@ -26,20 +38,26 @@ class SamplingParams:
     """Decoding parameters of one request (names and defaults follow vLLM's ``SamplingParams``).
 
     Attributes:
-        n: number of samples drawn for the prompt (>= 1). The prompt is prefilled once and the
-            ``n`` samples share its KV (see docs/engine.md, "n > 1").
-        max_tokens: maximum number of generated tokens per sample (>= 1, default 16).
-            ``max_new_tokens`` is accepted as an alias in the constructor.
+        n: number of samples drawn for the prompt (>= 1; the engine refuses more than its
+            ``EngineConfig.max_n``, 128 by default). The prompt is prefilled once and the ``n``
+            samples share its KV (see docs/engine.md, "n > 1").
+        max_tokens: maximum number of generated tokens per sample (>= 1, default 16). The
+            prompt plus ``max_tokens`` must fit the engine's context (``max_context_len``), checked
+            when the request is submitted. ``max_new_tokens`` (SGLang's name) is accepted as an
+            alias in the constructor; giving both is an error.
         temperature: softmax temperature (>= 0); 0 means greedy (argmax).
         top_p: nucleus sampling mass, in (0, 1].
         top_k: keep the k most likely tokens; -1 (or 0) disables it.
         min_p: drop tokens whose probability is below ``min_p`` times the top probability, in [0, 1].
-        seed: seed of the request's own ``torch.Generator``; the same seed gives the same tokens.
-        stop: stop strings; generation stops when the detokenized text contains one, and the
-            text is truncated before it (the stop string is not included).
-        stop_token_ids: extra token ids that end generation (the token is kept in ``token_ids``).
-        ignore_eos: keep generating after the model's end-of-sequence token.
-        skip_special_tokens: drop special tokens when detokenizing.
+        seed: seed of the request's own ``torch.Generator`` (a signed 64-bit integer); the same
+            seed gives the same tokens.
+        stop: a stop string or a list of them (non-empty strings); generation stops when the
+            detokenized text contains one, and the text is truncated before it (the stop string
+            is not included).
+        stop_token_ids: a list of extra token ids that end generation (the token is kept in
+            ``token_ids``); ids outside the vocabulary are refused when the request is submitted.
+        ignore_eos: (bool) keep generating after the model's end-of-sequence token.
+        skip_special_tokens: (bool) drop special tokens when detokenizing.
         presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit
             of every token the sample has generated so far.
         frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit
@@ -78,7 +96,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int = _DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -106,17 +124,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None:
+            if self.max_tokens is not _DEFAULT_MAX_TOKENS:
+                raise RequestError(
+                    f"give only one of max_tokens ({self.max_tokens!r}) and its alias max_new_tokens "
+                    f"({self.max_new_tokens!r})",
+                    "max_new_tokens",
+                )
             self.max_tokens = self.max_new_tokens
             self.max_new_tokens = None
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        try:
-            self.stop_token_ids = [_as_int(t) for t in (self.stop_token_ids or [])]
-        except (TypeError, ValueError):
-            raise RequestError(
-                f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}", "stop_token_ids"
-            ) from None
+        elif self.max_tokens is _DEFAULT_MAX_TOKENS:
+            self.max_tokens = 16
+        self.stop = _string_list(self.stop, "stop")
+        self.stop_token_ids = _int_list(self.stop_token_ids, "stop_token_ids")
         self._validate()
         self._validate_processors()
         self._structured = self._validate_structured()
@@ -134,28 +153,28 @@ class SamplingParams:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
-        if (
-            not isinstance(self.temperature, (int, float))
-            or not math.isfinite(self.temperature)
-            or self.temperature < 0
-        ):
+        if not _is_number(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
         if not is_int(self.top_k) or self.top_k < -1:
             raise RequestError(
                 f"top_k must be -1 (disabled), 0 (disabled) or an integer >= 1, got {self.top_k!r}", "top_k"
             )
-        if not isinstance(self.min_p, (int, float)) or not (0.0 <= self.min_p <= 1.0):
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}", "min_p")
-        if self.seed is not None and not is_int(self.seed):
-            raise RequestError(f"seed must be an integer or None, got {self.seed!r}", "seed")
+        if not _is_number(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
+        lo, hi = SEED_RANGE
+        if self.seed is not None and (not is_int(self.seed) or not lo <= self.seed <= hi):
+            raise RequestError(f"seed must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}", "seed")
         for s in self.stop:
-            if not isinstance(s, str) or not s:
+            if not s:
                 raise RequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
         for t in self.stop_token_ids:
             if t < 0:
-                raise RequestError(f"stop_token_ids must be >= 0, got {t}", "stop_token_ids")
+                raise RequestError(f"stop_token_ids must be token ids >= 0, got {t}", "stop_token_ids")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
 
     def _validate_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -277,6 +296,29 @@ class SamplingParams:
         return SamplingParams(**values)
 
 
+def _string_list(value: Any, name: str) -> List[str]:
+    """``value`` (None, a str, or a list / tuple of str) as a list of str; else RequestError."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise RequestError(f"{name} must be a string or a list of strings, got {value!r}", name)
+
+
+def _int_list(value: Any, name: str) -> List[int]:
+    """``value`` (None, or a list / tuple of integers) as a list of int; else RequestError."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        try:
+            return [_as_int(v, strings=False) for v in value]
+        except ValueError:
+            pass
+    raise RequestError(f"{name} must be a list of integer token ids, got {value!r}", name)
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -285,10 +327,10 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def _as_int(x: Any) -> int:
-    """An int from an integer (not a bool; numpy integers too) or a decimal string (JSON object
-    keys); else ValueError."""
-    if isinstance(x, str):
+def _as_int(x: Any, strings: bool = True) -> int:
+    """An int from an integer (not a bool; numpy integers too) or, with ``strings``, a decimal
+    string (JSON object keys); else ValueError."""
+    if isinstance(x, str) and strings:
         if x.strip().lstrip("-").isdigit():
             return int(x)
         raise ValueError(x)

@@ -140,7 +140,7 @@ def check_call(call, names=None) -> dict:
 
 def assert_idle(llm: AsyncLLM) -> None:
     deadline = time.time() + 60
-    while asyncio.run(llm.num_unfinished_requests()):
+    while llm.num_unfinished_requests():
         assert time.time() < deadline
         time.sleep(0.05)
     asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))

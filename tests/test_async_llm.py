@@ -66,7 +66,7 @@ def assert_pool_whole(llm: AsyncLLM) -> dict:
     stats = llm.get_cache_stats()
     assert stats["free"] + stats["evictable"] == stats["capacity"], stats
     assert stats["protected"] == 0, stats
-    assert asyncio.run(llm.num_unfinished_requests()) == 0
+    assert llm.num_unfinished_requests() == 0
     assert asyncio.run(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())) is False
     return stats
 
@@ -134,7 +134,8 @@ def test_closing_the_iterator_aborts_and_releases_slots(llm):
                 assert not out.finished
                 if seen == 3:
                     break
-        return await llm.num_unfinished_requests()
+        await llm.call_in_engine_thread(lambda e: None)  # runs after the posted abort
+        return llm.num_unfinished_requests()
 
     assert asyncio.run(run()) == 0
     assert_pool_whole(llm)
@@ -153,7 +154,8 @@ def test_cancelling_the_task_aborts_and_releases_slots(llm):
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        return await llm.num_unfinished_requests()
+        await llm.call_in_engine_thread(lambda e: None)  # runs after the posted abort
+        return llm.num_unfinished_requests()
 
     assert asyncio.run(run()) == 0
     assert_pool_whole(llm)
@@ -265,6 +267,6 @@ def test_engine_failure_is_reported_to_waiters(engine, llm):
         failing._thread.join(30)
         assert not failing.is_running and isinstance(failing.dead_error, RuntimeError)
         with pytest.raises(EngineDeadError):
-            asyncio.run(failing.cache_stats())
+            asyncio.run(failing.call_in_engine_thread(lambda e: e.cache_stats()))
     finally:
         engine.runner.forward = real_forward

@@ -186,5 +186,19 @@ def test_llm_explain_is_a_dry_run_that_predicts_the_outcome(default_model):
     out = llm.chat(later, sp(2), use_tqdm=False)[0]
     assert out.cache_outcome == ex.outcome  # the dry run predicted the admission exactly
     assert "cause diverged" in str(ex)
-    with pytest.raises(ValueError):
-        llm.explain()
+    from radixkv.errors import RequestError
+
+    bad = [
+        (dict(), "prompt"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=123), "prompt"),
+        (dict(prompt_token_ids="abc"), "prompt_token_ids"),
+        (dict(prompt_token_ids=[-5, 3]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[10**9]), "prompt_token_ids"),
+        (dict(prompt="x", context=-1), "context"),
+    ]
+    for kwargs, param in bad:
+        with pytest.raises(RequestError) as err:
+            llm.explain(**kwargs)
+        assert err.value.param == param, (kwargs, err.value)
+    assert llm.explain(prompt_token_ids=tok.encode("hello there")).outcome.cause == "cold"

@@ -111,13 +111,13 @@ def assert_pool_whole(llm: AsyncLLM) -> dict:
     stats = llm.get_cache_stats()
     assert stats["free"] + stats["evictable"] == stats["capacity"], stats
     assert stats["protected"] == 0, stats
-    assert asyncio.run(llm.num_unfinished_requests()) == 0
+    assert llm.num_unfinished_requests() == 0
     return stats
 
 
 def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
     deadline = time.time() + timeout
-    while asyncio.run(llm.num_unfinished_requests()) or asyncio.run(
+    while llm.num_unfinished_requests() or asyncio.run(
         llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())
     ):
         assert time.time() < deadline, "requests still unfinished"

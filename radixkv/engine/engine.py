@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+import operator
 import threading
 import time
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
@@ -53,6 +54,18 @@ from radixkv.sampling_params import SamplingParams
 __all__ = ["Engine"]
 
 logger = logging.getLogger(__name__)
+
+
+def _token_id(t: Any) -> int:
+    """A token id from an integer (numpy integers too; not a bool, a float or a string)."""
+    if isinstance(t, bool):
+        raise TypeError(t)
+    return operator.index(t)
+
+
+def _short(x: Any, limit: int = 80) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Engine:
@@ -244,24 +257,31 @@ class Engine:
             The request id.
 
         Raises:
-            RequestError: (a ValueError naming the field) empty prompt, a token id outside the vocabulary, a prompt of
-                ``max_context_len`` tokens or more, ``len(prompt) + max_tokens`` above the KV pool
-                capacity (``max_total_tokens``), a bad ``sampling_params`` (a ``logit_bias``
+            RequestError: (a ValueError naming the field) empty prompt, a token id that is not an
+                integer or is outside the vocabulary, a prompt of ``max_context_len`` tokens or
+                more, ``len(prompt) + max_tokens`` above ``max_context_len`` (param
+                ``max_tokens``) or above the KV pool capacity (``max_total_tokens``), ``n`` above
+                ``EngineConfig.max_n``, a ``stop_token_ids`` id outside the vocabulary, a bad ``sampling_params`` (a ``logit_bias``
                 token outside the vocabulary, ``logprob_start_len`` not inside the prompt, a
                 schema / regex / grammar xgrammar refuses: its message, the field as ``param``)
                 or a duplicate id.
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
+            hint = " (build one with SamplingParams(**your_dict))" if isinstance(params, dict) else ""
             raise RequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}", "sampling_params"
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}{hint}", "sampling_params"
             )
         if isinstance(prompt_token_ids, torch.Tensor):
             prompt_token_ids = prompt_token_ids.reshape(-1).tolist()
         try:
-            ids = [int(t) for t in prompt_token_ids]
+            if isinstance(prompt_token_ids, (str, bytes)):
+                raise TypeError
+            ids = [_token_id(t) for t in prompt_token_ids]
         except (TypeError, ValueError):
-            raise RequestError("prompt_token_ids must be a sequence of integers", "prompt") from None
+            raise RequestError(
+                f"prompt_token_ids must be a sequence of integer token ids, got {_short(prompt_token_ids)}", "prompt"
+            ) from None
         if not ids:
             raise RequestError("prompt_token_ids is empty: a prompt needs at least 1 token", "prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -275,12 +295,25 @@ class Engine:
                 f"(the prompt plus at least one generated token must fit)",
                 "prompt",
             )
-        need = self._pages(min(len(ids) + params.max_tokens, self.max_context_len))
+        if len(ids) + params.max_tokens > self.max_context_len:
+            raise RequestError(
+                f"max_tokens={params.max_tokens} plus the {len(ids)} prompt tokens exceeds max_context_len "
+                f"{self.max_context_len} (at most {self.max_context_len - len(ids)} new tokens for this prompt)",
+                "max_tokens",
+            )
+        if params.n > self.config.max_n:
+            raise RequestError(f"n={params.n} exceeds this engine's max_n {self.config.max_n}", "n")
+        need = self._pages(len(ids) + params.max_tokens)
         if need > self.kv.capacity:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
                 f"more than the pool's max_total_tokens {self.kv.capacity}",
                 "max_tokens",
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise RequestError(
+                f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})", "stop_token_ids"
             )
         if params.logit_bias:
             bad = [t for t in params.logit_bias if t >= self.vocab_size]
@@ -317,6 +350,11 @@ class Engine:
         finish_reason "abort" in the next :meth:`step`; everything it held is released there."""
         rid = str(request_id)
         self.post(lambda e: e.abort_now(rid))
+
+    def num_unfinished_requests(self) -> int:
+        """Requests accepted and not finished (queued, compiling, running). Any thread (one
+        ``len`` read; a snapshot)."""
+        return len(self._groups)
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued, running, or has an output still to report."""

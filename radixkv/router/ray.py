@@ -343,8 +343,8 @@ class EngineReplica:
                 batch = self.publisher.drain()
                 stats = None
                 if time.monotonic() - last_stats >= self._interval:
-                    stats = loop.run_until_complete(self.llm.cache_stats()).as_dict()
-                    stats["unfinished"] = loop.run_until_complete(self.llm.num_unfinished_requests())
+                    stats = self.llm.cache_stats().as_dict()  # AsyncLLM: plain snapshot methods
+                    stats["unfinished"] = self.llm.num_unfinished_requests()
                     last_stats = time.monotonic()
                 if batch is None and stats is None:
                     continue
@@ -383,7 +383,7 @@ class EngineReplica:
             await gen.aclose()  # a cancelled stream aborts the request in the engine
 
     async def cache_stats(self) -> dict:
-        return (await self.llm.cache_stats()).as_dict()
+        return self.llm.cache_stats().as_dict()
 
     def check_health(self) -> None:
         if not self.llm.is_running:
@@ -532,7 +532,8 @@ class RemoteLLM:
         return lambda: entry in self._subs and self._subs.remove(entry)
 
     async def cache_stats(self) -> Any:
-        """The replicas' last reported ``cache_stats`` summed (ratios recomputed)."""
+        """The replicas' last reported ``cache_stats`` summed (ratios recomputed). A coroutine,
+        unlike ``AsyncLLM.cache_stats`` (a local snapshot): it asks the replicas' index actor."""
         from radixkv.engine.stats import EngineStats
 
         st = await self.index.state.remote()
@@ -551,7 +552,8 @@ class RemoteLLM:
         """Not offered across replicas (each replica's cache is its own): always False."""
         return False
 
-    async def num_unfinished_requests(self) -> int:
+    def num_unfinished_requests(self) -> int:
+        """Requests this front end has open (a plain method, as on ``AsyncLLM``)."""
         return self._open
 
     def shutdown(self, timeout: Optional[float] = None) -> None:

@@ -35,8 +35,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
 from radixkv.engine.events import RequestAdmitted, RequestFinished
@@ -77,6 +78,27 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(f"{where}: {err.get('msg')}", param)
 
 
+def _body(model: str) -> dict:
+    """The OpenAPI ``requestBody`` of a handler that parses its body itself (strictly, with the
+    pydantic model ``model``, whose JSON schema :func:`_openapi` adds to the components)."""
+    ref = {"$ref": f"#/components/schemas/{model}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's OpenAPI document plus the request models' JSON schemas (``/openapi.json``:
+    what clients and the fuzzing in tests/test_load_fault.py generate bodies from)."""
+    if app.openapi_schema is None:
+        doc = FastAPI.openapi(app)
+        _, defs = models_json_schema(
+            [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation")],
+            ref_template="#/components/schemas/{model}",
+        )
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
 def create_app(
     llm: AsyncLLM,
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
@@ -113,6 +135,7 @@ def create_app(
             llm.shutdown()
 
     app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
+    app.openapi = lambda: _openapi(app)
     if request_log is not None:
         app.add_middleware(RequestLogMiddleware, writer=request_log)
     client = EngineClient(llm, metrics)
@@ -148,7 +171,10 @@ def create_app(
         return error(APIError(f"internal error: {exc!r}", status_code=500, type="server_error", code="internal_error"))
 
     async def parse(request: Request, model: type) -> Any:
-        body = await request.body()
+        try:
+            body = await request.body()
+        except ClientDisconnect as exc:  # the client left before its body arrived: nothing to answer
+            raise ClientDisconnected("the client disconnected before sending its body") from exc
         try:
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -165,11 +191,11 @@ def create_app(
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         return respond(await completions_handler(await parse(request, CompletionRequest), request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
 
@@ -203,11 +229,11 @@ def create_app(
 
     @app.get("/cache_stats")
     async def cache_stats() -> dict:
-        return (await llm.cache_stats()).as_dict()
+        return (await client.cache_stats()).as_dict()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        metrics.update_engine(await llm.cache_stats())
+        metrics.update_engine(await client.cache_stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--chunked-prefill-size", type=int, default=None, help="prefill token budget per step (default: engine's)"
     )
     g.add_argument(
+        "--max-n", type=int, default=None, help="most samples (n) one request may ask for (default: engine's, 128)"
+    )
+    g.add_argument(
         "--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)"
     )
     g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
@@ -82,7 +85,7 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
         eviction_policy=args.radix_eviction_policy,
     )
-    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size"):
+    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "max_n"):
         if getattr(args, name) is not None:
             kw[name] = getattr(args, name)
     return kw

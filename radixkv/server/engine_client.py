@@ -15,6 +15,7 @@ is the one prefix-cache flush behind ``/flush_cache`` (SGLang) and ``/reset_pref
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Hashable, Sequence
@@ -223,6 +224,13 @@ class EngineClient:
             raise ClientDisconnected("the client disconnected; its requests were aborted")
         return latest
 
+    async def cache_stats(self) -> Any:
+        """The engine's :class:`~radixkv.engine.stats.EngineStats` snapshot (a plain method on
+        :class:`~radixkv.async_llm.AsyncLLM`; a coroutine on the Ray front end, which asks its
+        replicas)."""
+        stats = self.llm.cache_stats()
+        return await stats if inspect.isawaitable(stats) else stats
+
     async def flush(self, timeout: float = 0.0) -> bool:
         """Flush the prefix cache (``Engine.reset_prefix_cache``). While requests are unfinished
         nothing is flushed; with ``timeout`` > 0 (seconds; SGLang's ``/flush_cache?timeout=``)
@@ -251,7 +259,7 @@ class EngineClient:
         """
         if await self.flush(timeout):
             return {"flushed": True, "message": "the prefix cache was flushed"}
-        running = await self.llm.num_unfinished_requests()
+        running = self.llm.num_unfinished_requests()
         raise APIError(
             f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
             None,

@@ -263,7 +263,7 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
-        n=req.n or 1,
+        n=1 if req.n is None else req.n,
         seed=req.seed,
         stop=req.stop_list,
         ignore_eos=bool(req.ignore_eos),
@@ -284,7 +284,7 @@ def sampling_params(
     if req.stop_token_ids:
         kwargs["stop_token_ids"] = list(req.stop_token_ids)
     if req.logit_bias:
-        kwargs["logit_bias"] = {int(t): float(b) for t, b in req.logit_bias.items()}
+        kwargs["logit_bias"] = dict(req.logit_bias)  # SamplingParams checks the keys and values
     if getattr(req, "echo", False) and req.num_top_logprobs() is not None:
         kwargs["prompt_logprobs"] = max(req.num_top_logprobs(), kwargs.get("prompt_logprobs") or 0)
     source, constraint = constraint_of(req, tools)

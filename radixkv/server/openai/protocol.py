@@ -143,31 +143,10 @@ class _SamplingFields(_Strict):
     structured_outputs: Optional[StructuredOutputs] = None
 
     def check_values(self) -> None:
-        """Range checks that need no model; raises :class:`APIError` (param = the field)."""
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise APIError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
-        if self.temperature is not None and self.temperature < 0:
-            raise APIError(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        if self.top_p is not None and not (0.0 < self.top_p <= 1.0):
-            raise APIError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.n is not None and self.n < 1:
-            raise APIError(f"n must be >= 1, got {self.n}", "n")
-        if self.top_k is not None and self.top_k < -1:
-            raise APIError(f"top_k must be -1 (off) or >= 0, got {self.top_k}", "top_k")
-        if self.min_p is not None and not (0.0 <= self.min_p <= 1.0):
-            raise APIError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if v is not None and not (-2.0 <= v <= 2.0):
-                raise APIError(f"{name} must be in [-2, 2], got {v}", name)
-        for tok, bias in (self.logit_bias or {}).items():
-            if not tok.isdigit():
-                raise APIError(f"logit_bias keys must be token ids, got {tok!r}", "logit_bias")
-            if not (-100.0 <= bias <= 100.0):
-                raise APIError(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}", "logit_bias")
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if any(s == "" for s in stops):
-            raise APIError("stop strings must be non-empty", "stop")
+        """Checks of this endpoint's own fields; raises :class:`APIError` (param = the field).
+        The sampling fields' types and ranges have one owner, :class:`~radixkv.sampling_params.
+        SamplingParams` (its :class:`~radixkv.errors.RequestError` becomes a 400 naming the
+        field, :func:`radixkv.server.openai.params.sampling_params`)."""
 
     @property
     def stop_list(self) -> list[str]:

@@ -107,7 +107,7 @@ async def get_model_info(request: Request) -> dict:
 async def get_server_info(request: Request) -> dict:
     """The server's configuration and live state."""
     client = _client(request)
-    stats = (await client.llm.cache_stats()).as_dict()
+    stats = (await client.cache_stats()).as_dict()
     return server_info(client, request.app.state.models.served, stats)
 
 

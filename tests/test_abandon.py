@@ -1,0 +1,232 @@
+"""A request abandoned by its consumer is aborted, however the consumer leaves (issue 19): a
+``break`` or an exception out of ``async for`` over a stream held in a variable, cancellation,
+garbage collection; ``AsyncLLM``'s stats methods have ``LLM``'s shape; one ``LLM`` shared by
+threads is serialized. Over a gated null runner (no model): after its first forward every
+forward waits for the test's gate, so a request cannot finish before the consumer has left, and
+the test then waits on the engine's ``RequestFinished`` event (no sleeps)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from obs_helpers import NullRunner  # noqa: E402
+
+from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from radixkv.engine import EngineStats, RequestFinished  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+VOCAB = 1000
+LONG = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+
+
+class GatedRunner(NullRunner):
+    """Forwards beyond ``free`` wait until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB, 1, 8, max_context_len=512)
+        self.calls = 0
+        self.free = 1 << 30
+        self.gate = threading.Event()
+
+    def forward(self, b):
+        self.calls += 1
+        if self.calls > self.free:
+            assert self.gate.wait(60), "the test never opened the gate"
+        return super().forward(b)
+
+    def hold_after(self, n: int) -> None:
+        """Let ``n`` more forwards run, then hold the rest until :meth:`release`."""
+        self.gate.clear()
+        self.free = self.calls + n
+
+    def release(self) -> None:
+        self.free = 1 << 30
+        self.gate.set()
+
+
+@pytest.fixture(scope="module")
+def alm():
+    runner = GatedRunner()
+    a = AsyncLLM(model_runner=runner, tokenizer=None, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    finished: dict[str, tuple] = {}
+    done = threading.Condition()
+
+    def on_finished(ev: RequestFinished) -> None:  # the engine thread
+        with done:
+            finished[ev.request_id] = ev.finish_reasons
+            done.notify_all()
+
+    a.subscribe(on_finished, (RequestFinished,))
+    a.runner, a.finished, a.done = runner, finished, done
+    yield a
+    a.shutdown()
+
+
+def wait_finished(a, rid: str) -> tuple:
+    with a.done:
+        assert a.done.wait_for(lambda: rid in a.finished, 60), f"{rid} never finished"
+        return a.finished[rid]
+
+
+def assert_whole(a) -> None:
+    asyncio.run(a.call_in_engine_thread(lambda e: e.check_integrity()))
+    st = a.cache_stats()
+    assert st["free"] + st["evictable"] + st["pinned"] == st["capacity"], st
+    assert st["protected"] == st["pinned"] == 0, st
+    assert a.num_unfinished_requests() == 0
+
+
+def abandon(a, rid: str, how) -> tuple:
+    """Start ``rid``, let ``how`` consume its first output and leave; returns its finish reasons."""
+    a.runner.hold_after(1)
+    try:
+        asyncio.run(how(a, rid))
+    finally:
+        a.runner.release()
+    return wait_finished(a, rid)
+
+
+async def _break_held(a, rid):
+    gen = a.generate([1, 2, 3], LONG, rid)
+    async for out in gen:
+        assert not out.finished
+        break
+    assert gen.request_id == rid  # still held: only the loop's iterator was dropped
+
+
+async def _raise_held(a, rid):
+    gen = a.generate([1, 2, 3], LONG, rid)
+    with pytest.raises(KeyError):
+        async for _ in gen:
+            raise KeyError("consumer failed")
+    assert gen.request_id == rid
+
+
+async def _cancel(a, rid):
+    first = asyncio.Event()
+
+    async def consume():
+        async for _ in a.generate([1, 2, 3], LONG, rid):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await first.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def _collect_garbage(a, rid):
+    gen = a.generate([1, 2, 3], LONG, rid)
+    out = await gen.__anext__()  # consumed by hand, never closed
+    assert not out.finished
+    del gen
+    gc.collect()
+
+
+async def _return_from_loop(a, rid):
+    async def first_text():
+        async for out in a.generate([1, 2, 3], LONG, rid):
+            return out
+
+    assert (await first_text()).outputs[0].token_ids == [0]
+
+
+@pytest.mark.parametrize(
+    "how", [_break_held, _raise_held, _cancel, _collect_garbage, _return_from_loop], ids=lambda f: f.__name__[1:]
+)
+def test_an_abandoned_request_is_aborted(alm, how):
+    rid = f"abandoned-{how.__name__}"
+    assert abandon(alm, rid, how) == ("abort",)
+    assert_whole(alm)
+
+
+def test_a_consumed_request_finishes_normally(alm):
+    async def run():
+        gen = alm.generate([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True, temperature=0), "whole")
+        return [out async for out in gen]
+
+    outs = asyncio.run(run())
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert outs[-1].outputs[0].token_ids == [0] * 5
+    assert wait_finished(alm, "whole") == ("length",)
+    assert_whole(alm)
+
+
+def test_async_stats_have_llms_shape(alm):
+    st = before = alm.cache_stats()
+    assert isinstance(st, EngineStats) and st["capacity"] == 4096  # plain method, subscriptable
+    assert isinstance(alm.num_unfinished_requests(), int)
+
+    async def run():
+        gen = alm.generate([7, 8, 9, 10], SamplingParams(max_tokens=3, ignore_eos=True), "stats")
+        async for out in gen:
+            if out.finished:
+                # the snapshot is published before the final output is delivered
+                return alm.cache_stats(), alm.num_unfinished_requests()
+
+    st, running = asyncio.run(run())
+    assert running == 0
+    assert st["free"] + st["evictable"] == st["capacity"] and st["protected"] == 0
+    # prompt + output less the last sampled token (never computed) joined the cache
+    assert st["cached"] - before["cached"] == 4 + 3 - 1
+
+
+# ------------------------------------------------------------------------------ LLM from threads
+
+
+def test_one_llm_shared_by_threads_is_serialized():
+    from radixkv.models.loader import load_tokenizer
+
+    tok = load_tokenizer()
+    llm = LLM(
+        model_runner=NullRunner(len(tok), 1, 8, max_context_len=512),
+        tokenizer=tok,
+        eos_token_ids=[],
+        device="cpu",
+        max_total_tokens=2048,
+    )
+    errors: list[BaseException] = []
+    results: dict[tuple, list] = {}
+    start = threading.Barrier(4)
+    p = SamplingParams(max_tokens=3, temperature=0)
+
+    def work(k: int) -> None:
+        try:
+            start.wait(30)
+            for i in range(15):
+                if k == 0:
+                    outs = llm.generate(prompt_token_ids=[[k + 1, i + 1, 5]] * 2, sampling_params=p, use_tqdm=False)
+                elif k == 1:
+                    outs = llm.chat([{"role": "user", "content": f"question {i}"}], p, use_tqdm=False)
+                elif k == 2:
+                    with llm.session([9, 9, i + 1]) as s:
+                        outs = [s.generate(prompt_token_ids=[4], sampling_params=p)]
+                else:
+                    st = llm.cache_stats()
+                    assert st["free"] + st["cached"] + st["in_use"] == st["capacity"], st
+                    outs = llm.generate(f"text {i}", p, use_tqdm=False)
+                results[(k, i)] = [o.outputs[0].token_ids for o in outs]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert len(results) == 60
+    assert all(toks == [[0, 0, 0]] * len(toks) for toks in results.values())
+    assert not llm.engine.has_unfinished_requests() and llm.num_unfinished_requests() == 0
+    llm.engine.check_integrity()
+    st = llm.cache_stats()
+    assert st["free"] + st["evictable"] == st["capacity"] and st["protected"] == st["pinned"] == 0, st
