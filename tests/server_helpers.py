@@ -39,7 +39,7 @@ class Server:
 def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
     """Until no request is unfinished (an abort is applied at the engine's next step)."""
     deadline = time.time() + timeout
-    while asyncio.run(llm.num_unfinished_requests()) or asyncio.run(
+    while llm.num_unfinished_requests() or asyncio.run(
         llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())
     ):
         assert time.time() < deadline, "requests still unfinished"
