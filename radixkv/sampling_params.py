@@ -33,6 +33,10 @@ STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice",
 """The structured-output fields; at most one is set per request."""
 
 
+#: temperatures below this decode greedily (argmax), as in vLLM (its ``_SAMPLING_EPS``)
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """Decoding parameters of one request (names and defaults follow vLLM's ``SamplingParams``).
@@ -284,8 +288,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when decoding is argmax: temperature below :data:`GREEDY_TEMPERATURE` (1e-5, as
+        vLLM's sampler; dividing logits by a smaller one overflows float32)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy with some fields changed."""

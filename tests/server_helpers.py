@@ -53,4 +53,14 @@ def assert_pool_whole(llm: AsyncLLM) -> dict:
     stats = llm.get_cache_stats()
     assert stats["free"] + stats["evictable"] == stats["capacity"], stats
     assert stats["protected"] == 0, stats
+    assert llm.num_unfinished_requests() == 0
     return stats
+
+
+def new_async_llm(loaded_model, max_total_tokens: int = 16384, **config) -> AsyncLLM:
+    """An :class:`AsyncLLM` over an engine of the session's loaded default model (CPU, page 1)."""
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    cfg = EngineConfig(model="smollm2-135m", device="cpu", page_size=1, max_total_tokens=max_total_tokens, **config)
+    return AsyncLLM(engine=Engine(cfg, loaded_model=loaded_model))

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import threading
 import time
 from typing import Literal
 
@@ -28,6 +26,8 @@ from pydantic import BaseModel, Field
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no cost-map download at import
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+
+from server_helpers import Server, new_async_llm  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat  # noqa: E402
@@ -77,38 +77,9 @@ class Person(BaseModel):
     role: Literal["engineer", "doctor", "teacher"]
 
 
-class Server:
-    """uvicorn serving the app on 127.0.0.1 in a daemon thread."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def llm(default_model):
-    from radixkv.config import EngineConfig
-    from radixkv.engine import Engine
-
-    engine = Engine(
-        EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384), loaded_model=default_model
-    )
-    a = AsyncLLM(engine=engine)
+    a = new_async_llm(default_model)
     yield a
     a.shutdown()
 

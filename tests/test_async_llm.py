@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import os
 import threading
-import time
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from server_helpers import assert_pool_whole  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from radixkv.engine import StepFinished  # noqa: E402
@@ -50,25 +51,6 @@ def engine(default_model):
 def llm(engine):
     with AsyncLLM(engine=engine) as a:
         yield a
-
-
-def wait_idle(llm: AsyncLLM, timeout: float = 120.0) -> None:
-    """Wait until the engine holds no request (an abort is applied at the engine's next step)."""
-    deadline = time.time() + timeout
-    while asyncio.run(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())):
-        assert time.time() < deadline, "the engine still has unfinished requests"
-        time.sleep(0.02)
-
-
-def assert_pool_whole(llm: AsyncLLM) -> dict:
-    wait_idle(llm)
-    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))  # every slot owned once
-    stats = llm.get_cache_stats()
-    assert stats["free"] + stats["evictable"] == stats["capacity"], stats
-    assert stats["protected"] == 0, stats
-    assert llm.num_unfinished_requests() == 0
-    assert asyncio.run(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())) is False
-    return stats
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:

@@ -22,9 +22,8 @@ import radixkv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from server_helpers import Server, assert_pool_whole  # noqa: E402
+from server_helpers import Server, assert_pool_whole, new_async_llm  # noqa: E402
 
-from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat  # noqa: E402
 from radixkv.server.app import create_app  # noqa: E402
 from radixkv.server.sglang.protocol import field_names  # noqa: E402
@@ -38,13 +37,7 @@ PROMPT = "A short list of things to pack for a beach day:"
 
 @pytest.fixture(scope="module")
 def llm(default_model):
-    from radixkv.config import EngineConfig
-    from radixkv.engine import Engine
-
-    engine = Engine(
-        EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384), loaded_model=default_model
-    )
-    a = AsyncLLM(engine=engine)
+    a = new_async_llm(default_model)
     yield a
     a.shutdown()
 

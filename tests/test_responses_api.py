@@ -23,9 +23,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 
-from server_helpers import Server, assert_pool_whole  # noqa: E402
+from server_helpers import Server, assert_pool_whole, new_async_llm  # noqa: E402
 
-from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat  # noqa: E402
 from radixkv.server.app import create_app  # noqa: E402
 
@@ -50,13 +49,7 @@ VOLATILE = {"id", "created_at", "completed_at"}
 
 @pytest.fixture(scope="module")
 def llm(default_model):
-    from radixkv.config import EngineConfig
-    from radixkv.engine import Engine
-
-    engine = Engine(
-        EngineConfig(model=MODEL, device="cpu", page_size=1, max_total_tokens=16384), loaded_model=default_model
-    )
-    a = AsyncLLM(engine=engine)
+    a = new_async_llm(default_model)
     yield a
     a.shutdown()
 

@@ -250,3 +250,23 @@ def test_tool_call_structural_tag_shape_and_errors():
     with pytest.raises(RequestError):
         tool_call_structural_tag([{"type": "function", "function": {}}])
     assert choice_ebnf(['a"b', "c\\d", "\t"]) == 'root ::= "a\\"b" | "c\\\\d" | "\\u0009"'
+
+
+def test_extreme_temperatures_and_penalties_never_give_nan_probabilities():
+    """A temperature under 1e-5 is greedy (vLLM's epsilon); a logit that overflows after scaling
+    (a tiny repetition_penalty, a huge one / tiny temperature) keeps a defined draw; a row with
+    no token left falls back to argmax. (A fuzzed body once stopped the engine here.)"""
+    from radixkv.sampling.sampler import sample
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 4
+    logits[2, 7] = float("inf")
+    tiny = SamplingParams(temperature=1e-300)
+    assert tiny.greedy and sample(logits[:1], [tiny], [None]) == [int(logits[0].argmax())]
+    hot = SamplingParams(temperature=2e-5, seed=1)
+    assert not hot.greedy
+    got = sample(logits, [hot, SamplingParams(temperature=1.0, top_p=1e-9), hot], [None, None, None], g)
+    assert got[0] == int(logits[0].argmax()) and got[1] == int(logits[1].argmax()) and got[2] == 7
+    nan_row = torch.full((1, 50), float("nan"))
+    nan_row[0, 3] = 1.0
+    assert sample(nan_row, [SamplingParams(temperature=0.7)], [None], g) == [3]

@@ -13,7 +13,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -22,6 +21,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from server_helpers import Server, assert_pool_whole, wait_idle  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
@@ -35,30 +36,6 @@ SYSTEM = (
     "You are a careful assistant for a hardware store. Answer in one short sentence, name the "
     "aisle when you can, and never invent products that the store does not sell."
 )
-
-
-class Server:
-    """uvicorn serving the app on 127.0.0.1 in a daemon thread."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.port = sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -103,25 +80,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
     return n
-
-
-def assert_pool_whole(llm: AsyncLLM) -> dict:
-    wait_idle(llm)  # an abort is applied at the engine's next step
-    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))  # every slot owned once
-    stats = llm.get_cache_stats()
-    assert stats["free"] + stats["evictable"] == stats["capacity"], stats
-    assert stats["protected"] == 0, stats
-    assert llm.num_unfinished_requests() == 0
-    return stats
-
-
-def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
-    deadline = time.time() + timeout
-    while llm.num_unfinished_requests() or asyncio.run(
-        llm.call_in_engine_thread(lambda e: e.has_unfinished_requests())
-    ):
-        assert time.time() < deadline, "requests still unfinished"
-        time.sleep(0.05)
 
 
 def flush(server) -> httpx.Response:

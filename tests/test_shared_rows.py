@@ -147,8 +147,8 @@ def test_decode_batch_reading_a_token_written_by_another_row(pair, backend, page
     rows.new("b", 33, borrow="a", borrow_len=32)  # b = a[:32] + one token of its own
     b = a + [5]
     fused = []
-    real = cpu_decode.run_layers
-    monkeypatch.setattr(cpu_decode, "run_layers", lambda *x, **k: fused.append(1) or real(*x, **k))
+    real = cpu_decode.DecodeStep.forward
+    monkeypatch.setattr(cpu_decode.DecodeStep, "forward", lambda *x, **k: fused.append(1) or real(*x, **k))
     got = rows.forward([("a", 31, a[31:]), ("b", 32, [5])], all_logits=False)
     assert len(fused) == (1 if backend == "cpu" else 0)
     torch.testing.assert_close(got[0], hf_logits(hf, a)[-1:], atol=1e-4, rtol=0)

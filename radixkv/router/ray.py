@@ -397,6 +397,16 @@ class EngineReplica:
 
 
 # ---------------------------------------------------------------------------- the ingress
+class _NoPins:
+    """The engine an ingress-side ``on_finish`` hook sees: pinning is not offered (None)."""
+
+    def pin_prefix(self, tokens: Sequence[int], namespace: Any = None) -> None:
+        return None
+
+
+_NO_PINS = _NoPins()
+
+
 class RemoteLLM:
     """The part of :class:`~radixkv.async_llm.AsyncLLM` that :func:`radixkv.server.app.create_app`
     uses, over the engine deployment's handle (module docstring)."""
@@ -419,7 +429,13 @@ class RemoteLLM:
         *,
         prompt_token_ids: Optional[Sequence[int]] = None,
         namespace: Any = None,
+        on_finish: Optional[Callable[[Any, Any], None]] = None,
     ) -> AsyncIterator[Any]:
+        """As :meth:`radixkv.async_llm.AsyncLLM.generate`. ``on_finish(engine, final output)``
+        runs here, on the ingress, before the final output is delivered, with an engine view
+        that holds no pins (:class:`_NoPins`: the replicas' KV cannot be pinned from the
+        ingress; a stored Response is kept as text and its follow-up is rendered again, routed
+        to the replica that caches it)."""
         import uuid
 
         from radixkv.sampling_params import SamplingParams
@@ -442,6 +458,8 @@ class RemoteLLM:
         try:
             async for out in self._resuming(args):
                 last = out
+                if out.finished and on_finish is not None:
+                    on_finish(_NO_PINS, out)
                 yield out
         finally:
             self._open -= 1

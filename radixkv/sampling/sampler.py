@@ -36,6 +36,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         ``[V]`` float32 tensor, ``-inf`` where a token was filtered out.
     """
     x = logits.float() / params.temperature
+    # a huge logit (a tiny repetition_penalty, say) is +inf after scaling: the largest finite
+    # value keeps the distribution defined; NaN is no token
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
     vocab = x.shape[-1]
     if params.top_k > 0 and params.top_k < vocab:
         kth = torch.topk(x, params.top_k).values[-1]
@@ -90,7 +93,10 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        logp = filter_logits(logits[i], p)
+        probs = filter_logits(logits[i], p).exp()
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:  # no token left
+            out[i] = int(torch.argmax(torch.nan_to_num(logits[i].float(), nan=float("-inf"))))
+            continue
         gen = generators[i] if generators[i] is not None else default_generator
-        out[i] = int(torch.multinomial(logp.exp(), 1, generator=gen).item())
+        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
     return out
