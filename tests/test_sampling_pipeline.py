@@ -270,3 +270,16 @@ def test_extreme_temperatures_and_penalties_never_give_nan_probabilities():
     nan_row = torch.full((1, 50), float("nan"))
     nan_row[0, 3] = 1.0
     assert sample(nan_row, [SamplingParams(temperature=0.7)], [None], g) == [3]
+
+
+def test_best_allowed_token_reads_the_bitmask():
+    from radixkv.sampling.pipeline import _best_allowed
+
+    row = torch.tensor([5.0, 9.0, float("nan"), 1.0] + [0.0] * 36)
+    words = torch.zeros(2, dtype=torch.int32)
+    words[0] = (1 << 0) | (1 << 3)
+    words[1] = torch.tensor(-(2**31), dtype=torch.int32)  # bit 31 of word 1: token 63, beyond the row
+    assert _best_allowed(row, words) == 0
+    words[0] = 1 << 2  # only the NaN token: still allowed, the first allowed one
+    assert _best_allowed(row, words) == 2
+    assert _best_allowed(row, torch.zeros(2, dtype=torch.int32)) is None

@@ -168,8 +168,11 @@ class SamplingPipeline:
         if grammar_rows:
             ok = accept_tokens([states[i].grammar for i in grammar_rows], [tokens[i] for i in grammar_rows])
             for i, accepted in zip(grammar_rows, ok):
-                if not accepted:
-                    raise RuntimeError(f"grammar refused sampled token {tokens[i]} of {rows[i]!r}")
+                if not accepted:  # the draw left the mask (no finite probability): best allowed token
+                    t = _best_allowed(x[i], bm[i])
+                    if t is None or not states[i].grammar.accept(t):
+                        raise RuntimeError(f"grammar refused sampled token {tokens[i]} of {rows[i]!r}")
+                    tokens[i] = t
         logprobs: List[Optional[TokenLogprobs]] = [None] * len(rows)
         if lp_rows:
             got = token_logprobs(raw, [tokens[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
@@ -224,3 +227,16 @@ class SamplingPipeline:
 
     def _prompt_logprobs(self, logits: torch.Tensor, seg: PromptSegment) -> List[TokenLogprobs]:
         return token_logprobs(logits[seg.row : seg.row + seg.n], seg.targets, [seg.k] * seg.n)
+
+
+def _best_allowed(row: torch.Tensor, words: torch.Tensor) -> Optional[int]:
+    """The highest-scoring token of ``row`` (``[V]`` logits) that the bitmask ``words`` (int32,
+    bit ``j % 32`` of word ``j // 32``) allows; None when it allows none."""
+    ids = torch.arange(row.shape[0])
+    allowed = ((words[ids // 32].to(torch.int64) >> (ids % 32)) & 1).bool()
+    if not bool(allowed.any()):
+        return None
+    scores = torch.nan_to_num(row.float(), nan=float("-inf")).masked_fill(~allowed, float("-inf"))
+    if bool(torch.isinf(scores).all()):  # every allowed token at -inf: the first allowed one
+        return int(allowed.nonzero()[0])
+    return int(scores.argmax())
