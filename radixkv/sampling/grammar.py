@@ -127,10 +127,13 @@ class GrammarState:
         left unchanged)."""
         return bool(self.matcher.accept_token(int(token_id)))
 
+    #: set when no token the model can give is accepted any more: the request stops there
+    stuck: bool = False
+
     @property
     def terminated(self) -> bool:
-        """True once the grammar is complete and a stop token (EOS) was accepted."""
-        return bool(self.matcher.is_terminated())
+        """True once the grammar is complete and a stop token (EOS) was accepted, or it is stuck."""
+        return self.stuck or bool(self.matcher.is_terminated())
 
 
 class GrammarBackend:

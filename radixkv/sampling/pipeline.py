@@ -21,6 +21,7 @@ attribute (``params``, ``generator``, ``prompt_token_ids``, ``output_token_ids``
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -32,6 +33,8 @@ from radixkv.sampling.sampler import sample
 from radixkv.sampling_params import SamplingParams
 
 __all__ = ["PromptSegment", "SampleState", "SamplingPipeline", "StepResult"]
+
+logger = logging.getLogger(__name__)
 
 
 class SampleState:
@@ -170,8 +173,10 @@ class SamplingPipeline:
             for i, accepted in zip(grammar_rows, ok):
                 if not accepted:  # the draw left the mask (no finite probability): best allowed token
                     t = _best_allowed(x[i], bm[i])
-                    if t is None or not states[i].grammar.accept(t):
-                        raise RuntimeError(f"grammar refused sampled token {tokens[i]} of {rows[i]!r}")
+                    if t is None or not states[i].grammar.accept(t):  # the grammar allows nothing
+                        logger.warning("grammar of %r accepts no token; the request stops here", rows[i])
+                        states[i].grammar.stuck = True  # finishes with "stop" on this step
+                        t = self.eos_token_ids[0] if self.eos_token_ids else tokens[i]
                     tokens[i] = t
         logprobs: List[Optional[TokenLogprobs]] = [None] * len(rows)
         if lp_rows:
