@@ -112,9 +112,10 @@ class GrammarState:
         matcher: the xgrammar matcher (advanced on every accepted token).
     """
 
-    __slots__ = ("matcher",)
+    __slots__ = ("matcher", "stuck")
 
     def __init__(self, matcher: Any) -> None:
+        self.stuck = False  # no token is accepted any more: the request stops there
         self.matcher = matcher
 
     def fill(self, bitmask: torch.Tensor, row: int) -> bool:
@@ -126,9 +127,6 @@ class GrammarState:
         """Advance on ``token_id``; False when the grammar does not allow it (the matcher is
         left unchanged)."""
         return bool(self.matcher.accept_token(int(token_id)))
-
-    #: set when no token the model can give is accepted any more: the request stops there
-    stuck: bool = False
 
     @property
     def terminated(self) -> bool:
