@@ -27,3 +27,40 @@ def hf_default(default_model):
     return AutoModelForCausalLM.from_pretrained(
         str(default_model.hf_dir), dtype=torch.float32, local_files_only=True
     ).eval()
+
+
+# The one-server modules (test_agent_clients, test_responses_api, test_native_protocols,
+# test_server): each gets its own AsyncLLM, server and client, module-scoped. A module that needs a
+# different engine overrides ``llm``; ``server`` and ``client`` then serve that one.
+SERVED_MODEL = "smollm2-135m"
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    """An ``AsyncLLM`` on the session's default model (CPU, page 1, a 16,384-token pool)."""
+    from server_helpers import new_async_llm
+
+    a = new_async_llm(default_model)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(llm):
+    """``radixkv.server.app`` over ``llm`` on a free 127.0.0.1 port (``server_helpers.Server``)."""
+    from server_helpers import Server
+
+    from radixkv.server.app import create_app
+
+    s = Server(create_app(llm, served_model_name=SERVED_MODEL))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The ``openai`` SDK's client of ``server`` (no retries, 300 s timeout)."""
+    import openai
+
+    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c

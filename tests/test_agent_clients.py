@@ -27,11 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no cost-map download at import
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 
-from server_helpers import Server, new_async_llm  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat  # noqa: E402
-from radixkv.server.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -75,25 +73,6 @@ class Person(BaseModel):
     name: str
     age: int = Field(ge=0, le=120)  # bounded: greedy, the tiny model would write 1000000... forever
     role: Literal["engineer", "doctor", "teacher"]
-
-
-@pytest.fixture(scope="module")
-def llm(default_model):
-    a = new_async_llm(default_model)
-    yield a
-    a.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    s = Server(create_app(llm, served_model_name=MODEL))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def ask(question: str) -> list[dict]:

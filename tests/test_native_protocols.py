@@ -22,10 +22,9 @@ import radixkv
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from server_helpers import Server, assert_pool_whole, new_async_llm  # noqa: E402
+from server_helpers import assert_pool_whole  # noqa: E402
 
 from radixkv.chat_template import encode_chat  # noqa: E402
-from radixkv.server.app import create_app  # noqa: E402
 from radixkv.server.sglang.protocol import field_names  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -33,20 +32,6 @@ pytestmark = pytest.mark.timeout(600)
 MODEL = "smollm2-135m"
 FIXTURES = Path(__file__).parent / "fixtures" / "sglang_frontend"
 PROMPT = "A short list of things to pack for a beach day:"
-
-
-@pytest.fixture(scope="module")
-def llm(default_model):
-    a = new_async_llm(default_model)
-    yield a
-    a.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    s = Server(create_app(llm, served_model_name=MODEL))
-    yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,10 +23,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 
-from server_helpers import Server, assert_pool_whole, new_async_llm  # noqa: E402
+from server_helpers import assert_pool_whole  # noqa: E402
 
 from radixkv.chat_template import encode_chat  # noqa: E402
-from radixkv.server.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -45,26 +44,6 @@ WEATHER = {
     "strict": True,
 }
 VOLATILE = {"id", "created_at", "completed_at"}
-
-
-@pytest.fixture(scope="module")
-def llm(default_model):
-    a = new_async_llm(default_model)
-    yield a
-    a.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    s = Server(create_app(llm, served_model_name=MODEL))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
 
 
 def _same(a, b) -> None:

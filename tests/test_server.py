@@ -22,12 +22,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from server_helpers import Server, assert_pool_whole, wait_idle  # noqa: E402
+from server_helpers import assert_pool_whole, wait_idle  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
 from radixkv.engine import StepFinished  # noqa: E402
-from radixkv.server.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -53,18 +52,6 @@ def llm(default_model):
     a.batch_sizes = batch_sizes
     yield a
     a.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(llm):
-    s = Server(create_app(llm, served_model_name=MODEL))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def chat_messages(user: str, system: str = SYSTEM) -> list[dict]:
