@@ -179,7 +179,8 @@ def test_cache_events_routes_to_the_exact_prefix_counts_its_own_decisions_at_onc
     p.finished("3", now=2.0)
     assert p.choose(_req(4, conv + [2] * 40), now=10.0).cached_tokens == 0  # past pending_ttl, no event
     p.finished("4", now=10.0)
-    # one hot prefix cannot pile everything on one replica: the balance guard moves requests on
+    # one hot prefix cannot pile everything on one replica: the hot-prefix rule and the balance
+    # guard move requests on
     for i in range(40):
         p.choose(_req(f"hot{i}", sys_prompt + [i]), now=20.0)
     per = {r: p.loads[r].requests for r in ("a", "b", "c")}
@@ -188,6 +189,31 @@ def test_cache_events_routes_to_the_exact_prefix_counts_its_own_decisions_at_onc
     p.remove_replica("b")
     assert "b" not in p.views and all(r != "b" for r in p.decisions.values())
     assert p.choose(_req(99, sys_prompt + [1])).replica in ("a", "c")
+
+
+def test_cache_events_keeps_requests_that_arrive_together_on_one_replica_per_prefix():
+    # 8 groups x 3 requests on distinct 1,024-token system prompts, interleaved and all in flight
+    # at once (no event has arrived): the prefixes routed but not yet inserted count as soon
+    # cached, so each group's later requests join its first one (cached_tokens 1024), and the
+    # 24 outstanding requests stay within the balance guard (32) instead of scattering
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b", "c"):
+        p.add_replica(r)
+    groups = [list(range(10_000 * (g + 1), 10_000 * (g + 1) + 1024)) for g in range(8)]
+    where: dict[int, set] = {g: set() for g in range(8)}
+    for k in range(3):
+        for g, sp in enumerate(groups):
+            d = p.choose(_req(f"g{g}q{k}", sp + [1, 2, 3 + k]), now=0.0)
+            where[g].add(d.replica)
+            assert d.cached_tokens == (0 if k == 0 else 1024), (g, k, d)
+    assert all(len(v) == 1 for v in where.values())
+    assert sorted(p.loads[r].requests for r in ("a", "b", "c")) == [6, 9, 9]  # groups 2 / 3 / 3
+    # a request that was rejected (never ran) retracts its soon-cached blocks at once
+    p.finished("g0q0", now=0.1, expire=True)
+    p.finished("g0q1", now=0.1, expire=True)
+    p.finished("g0q2", now=0.1, expire=True)
+    home = next(iter(where[0]))
+    assert p.cached_tokens(_req("probe", groups[0] + [9]), home) == 0
 
 
 def test_cache_events_spreads_a_hot_prefix_by_load_and_keeps_a_conversation_home():

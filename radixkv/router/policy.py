@@ -363,7 +363,7 @@ class CacheEvents(Policy):
         seed: int = 0,
         load_weight: float = 0.05,
         request_tokens: float = 0.0,
-        balance_abs_threshold: float = 8,
+        balance_abs_threshold: float = 32,
         balance_rel_threshold: float = 1.5,
         pending_ttl: float = 2.0,
         hot_share: float = 0.25,
