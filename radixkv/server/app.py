@@ -21,7 +21,8 @@ SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/g
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, schema and value errors, unknown model, too-long prompt), 404/405 for unknown routes,
-503 when the engine has stopped, 500 otherwise. The handlers only await the AsyncLLM, so they
+503 when the engine has stopped, 500 ``request_failed`` when one request's sampling raised in the
+engine (only it stopped: :class:`~radixkv.errors.RequestFailed`), 500 otherwise. The handlers only await the AsyncLLM, so they
 never block the engine thread, and concurrent requests batch together in the engine.
 """
 
@@ -41,6 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
 from radixkv.engine.events import RequestAdmitted, RequestFinished
+from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -160,6 +162,10 @@ def create_app(
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
         return error(APIError(str(exc), status_code=503, type="server_error", code="engine_dead"))
+
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, exc: RequestFailed):
+        return error(APIError(str(exc), status_code=500, type="server_error", code="request_failed"))
 
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected):
