@@ -8,7 +8,7 @@ the message).
 
 from __future__ import annotations
 
-__all__ = ["RequestError", "RequestFailed"]
+__all__ = ["QueueFullError", "RequestError", "RequestFailed"]
 
 
 class RequestError(ValueError):
@@ -40,3 +40,13 @@ class RequestFailed(RuntimeError):
         super().__init__(f"request {output.request_id} failed in the engine: {output.error}")
         self.output = output
         self.request_id = output.request_id
+
+
+class QueueFullError(RequestError):
+    """The engine's waiting queue is full (``EngineConfig.max_queued_requests``): the request is
+    valid but refused for now; retry later. The server answers it with HTTP 429 (code
+    ``queue_full``): the server is healthy but saturated, so the client should back off and retry
+    (OpenAI's clients retry 429s), while 503 keeps meaning that the engine has stopped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "max_queued_requests")

@@ -42,7 +42,7 @@ from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats
-from radixkv.errors import RequestError
+from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import KVPool
 from radixkv.outputs import RequestOutput
@@ -270,6 +270,8 @@ class Engine:
                 token outside the vocabulary, ``logprob_start_len`` not inside the prompt, a
                 schema / regex / grammar xgrammar refuses: its message, the field as ``param``)
                 or a duplicate id.
+            QueueFullError: (a RequestError naming ``max_queued_requests``) that many requests
+                already wait for admission (``EngineConfig.max_queued_requests``).
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -340,6 +342,14 @@ class Engine:
             compiled = self.grammars.compile(params.structured_output)
             compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
         with self._work:
+            limit = self.config.max_queued_requests
+            if limit is not None:
+                queued = len(self._groups) - len({r.request_id for r in list(self.scheduler.running)})
+                if queued >= limit:
+                    raise QueueFullError(
+                        f"the engine's queue is full: {queued} requests wait for admission, "
+                        f"max_queued_requests is {limit}; retry later"
+                    )
             rid = str(request_id) if request_id is not None else str(next(self._ids))
             if rid in self._groups:
                 raise RequestError(f"request_id {rid!r} is already in use by an unfinished request", "request_id")

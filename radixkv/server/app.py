@@ -12,7 +12,7 @@ Routes:
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
 | GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
-| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...) |
+| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...); ``?check=1`` first runs ``Engine.check_integrity()`` (every slot owned once; 500 when not) |
 | GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's) |
 
 SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/get_model_info``,
@@ -234,7 +234,9 @@ def create_app(
         raise EngineDeadError(f"the engine thread has stopped: {llm.dead_error!r}")
 
     @app.get("/cache_stats")
-    async def cache_stats() -> dict:
+    async def cache_stats(request: Request) -> dict:
+        if request.query_params.get("check") in ("1", "true"):  # every slot owned once (an AssertionError: 500)
+            await llm.call_in_engine_thread(lambda e: e.check_integrity())
         return (await client.cache_stats()).as_dict()
 
     @app.get("/metrics")
