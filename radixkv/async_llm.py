@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 
 from radixkv.branching import AsyncSession, Prompt, SelectResult, _aselect, _select_prompt, initial_context
 from radixkv.engine.stats import EngineStats
-from radixkv.errors import RequestError
+from radixkv.errors import RequestError, RequestFailed
 from radixkv.inputs import check_sampling_params, to_token_ids, to_token_prompt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
@@ -190,6 +190,8 @@ class AsyncLLM:
                 anything is yielded) invalid prompt or sampling params (``Engine.add_request``'s
                 checks), or a duplicate ``request_id``.
             EngineDeadError: the engine thread is not running.
+            RequestFailed: (in place of the final output) the request's sampling raised in the
+                engine (finish_reason ``"error"``): only it stopped, its slots are released.
 
         Abandoning: the request is aborted in the engine (its KV slots released) however its
         consumer leaves before the final output: ``break`` or an exception out of ``async for``
@@ -250,6 +252,8 @@ class AsyncLLM:
                     finished = True
                     return
                 finished = bool(item.finished)
+                if finished and item.error is not None:
+                    raise RequestFailed(item)  # its slots are released; the engine goes on
                 yield item
                 if finished:
                     return
@@ -317,6 +321,8 @@ class AsyncLLM:
                     if item is _ABORTED:
                         raise asyncio.CancelledError(f"request {rids[i]} was aborted")
                     if item.finished:
+                        if item.error is not None:
+                            raise RequestFailed(item)
                         finals[i] = item
                         break
             return finals  # type: ignore[return-value]

@@ -86,6 +86,14 @@ class EngineConfig:
     Default 128. ``Engine.add_request`` refuses more (a ``RequestError`` naming ``n``; the server
     answers 400), so that one request cannot occupy the whole engine."""
 
+    max_queued_requests: Optional[int] = None
+    """Most requests waiting for admission at once (accepted, not yet running: queued in the
+    scheduler or compiling a grammar). Default None: no bound, as SGLang's
+    ``--max-queued-requests`` and vLLM's engine (``LLM.generate`` of a long list of prompts queues
+    them all); ``radixkv serve`` sets 1024 (``--max-queued-requests``). Beyond it
+    ``Engine.add_request`` refuses a new request (:class:`~radixkv.errors.QueueFullError`, a
+    ``RequestError`` naming ``max_queued_requests``; the server answers 429 ``queue_full``)."""
+
     schedule_policy: str = "lpm"
     """"lpm" (longest cached prefix first, as SGLang) or "fcfs"."""
 
@@ -175,6 +183,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        v = self.max_queued_requests
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"max_queued_requests must be None or an integer >= 0, got {v!r}")
         if self.max_total_tokens is not None and (
             not isinstance(self.max_total_tokens, int) or self.max_total_tokens < self.page_size
         ):

@@ -1,4 +1,5 @@
-"""`RequestError`: an invalid request, as a ``ValueError`` that names the field at fault.
+"""`RequestError`: an invalid request, as a ``ValueError`` that names the field at fault;
+`RequestFailed`: a valid request that failed inside the engine (its row's sampling raised).
 
 The engine, ``SamplingParams`` and the chat renderer raise it; the server turns it into an HTTP
 400 in OpenAI's error format with ``param`` set from :attr:`RequestError.param` (no parsing of
@@ -7,7 +8,7 @@ the message).
 
 from __future__ import annotations
 
-__all__ = ["RequestError"]
+__all__ = ["QueueFullError", "RequestError", "RequestFailed"]
 
 
 class RequestError(ValueError):
@@ -22,3 +23,30 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class RequestFailed(RuntimeError):
+    """One request failed inside the engine: its sampling, logits processing, grammar or output
+    processing raised for its row (finish_reason ``"error"``). Only that request stopped; the
+    engine and the other requests go on. :class:`~radixkv.async_llm.AsyncLLM` raises it from the
+    request's stream; the server answers it with a 500 ``server_error`` (code
+    ``request_failed``) in OpenAI's error format, or that error in-band on a stream.
+
+    Args:
+        output: the request's final :class:`~radixkv.outputs.RequestOutput` (``error`` set).
+    """
+
+    def __init__(self, output) -> None:
+        super().__init__(f"request {output.request_id} failed in the engine: {output.error}")
+        self.output = output
+        self.request_id = output.request_id
+
+
+class QueueFullError(RequestError):
+    """The engine's waiting queue is full (``EngineConfig.max_queued_requests``): the request is
+    valid but refused for now; retry later. The server answers it with HTTP 429 (code
+    ``queue_full``): the server is healthy but saturated, so the client should back off and retry
+    (OpenAI's clients retry 429s), while 503 keeps meaning that the engine has stopped."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "max_queued_requests")

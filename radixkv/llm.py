@@ -76,7 +76,9 @@ class LLM:
             use_tqdm: show a progress bar over finished requests.
 
         Returns:
-            One finished :class:`RequestOutput` per prompt, in input order.
+            One finished :class:`RequestOutput` per prompt, in input order. A request whose
+            sampling raised in the engine ends with finish_reason ``"error"`` and
+            ``RequestOutput.error`` set; the others are not affected.
 
         Raises:
             RequestError: (a ValueError naming the field) neither or both of ``prompts`` /

@@ -43,7 +43,8 @@ class CompletionOutput:
         text: detokenized output text (truncated before a matched stop string).
         token_ids: generated token ids (the matched stop token id, if any, included).
         finish_reason: ``None`` while running, else ``"stop"`` (EOS, a stop token or a stop
-            string), ``"length"`` (max_tokens or the context length reached) or ``"abort"``.
+            string), ``"length"`` (max_tokens or the context length reached), ``"abort"`` or
+            ``"error"`` (its sampling raised; ``RequestOutput.error`` says what).
         stop_reason: the stop string or stop token id that ended it, if any.
         logprobs: with ``SamplingParams.logprobs`` set, one :data:`PositionLogprobs` per token
             of ``token_ids`` (the sampled token plus ``logprobs`` alternatives); else None.
@@ -106,6 +107,9 @@ class RequestOutput:
         cache_outcome: why its prefix match stopped at its first admission
             (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause,
             divergence position); None when the engine runs with ``cache_outcome=False``.
+        error: when its sampling, logits processing, grammar or output processing raised (its
+            samples end with finish_reason ``"error"``; the other requests of the batch go on),
+            ``"<exception type>: <message>"``; else None.
     """
 
     request_id: str
@@ -117,3 +121,4 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = None
     cache_outcome: Optional["CacheOutcome"] = None
+    error: Optional[str] = None

@@ -78,7 +78,7 @@ def test_pipeline_order_bias_then_penalties_then_temperature_greedy():
     x = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
     out = pipe.step(x, [r])
     assert out.tokens == [1]
-    assert x.tolist() == [[0.0, 3.5, 2.0, 1.0]]  # processed in place: +2.5 on 1, -2 * 1.0 on 3
+    assert x.tolist() == [[0.0, 1.0, 2.0, 3.0]]  # a copy is processed: a failed batch is redone from these
 
 
 def test_unconstrained_rows_take_the_plain_path_untouched():

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from obs_helpers import NullRunner  # noqa: E402
 
 from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from radixkv.config import EngineConfig  # noqa: E402
 from radixkv.errors import RequestError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -259,6 +260,60 @@ def test_server_enforces_the_same_limits(tokenizer):
                     assert err["type"] == "invalid_request_error", err
                 ok = await http.post("/v1/completions", json={"model": "m", "prompt": "hi", "n": 4, "max_tokens": 1})
                 assert ok.status_code == 200 and len(ok.json()["choices"]) == 4, ok.text
+
+        asyncio.run(run())
+        asyncio.run(a.call_in_engine_thread(assert_idle))
+
+
+def test_queue_is_bounded_by_max_queued_requests(tokenizer):
+    """``EngineConfig.max_queued_requests`` bounds the requests waiting for admission: the engine
+    refuses one more with a QueueFullError naming the field (nothing submitted), admits the
+    queue at its next step, and then accepts again; the server answers 429 ``queue_full`` in
+    OpenAI's error format."""
+    from radixkv.engine import Engine
+    from radixkv.errors import QueueFullError
+    from radixkv.server.app import create_app
+
+    assert EngineConfig().max_queued_requests is None  # unbounded by default, as SGLang / vLLM
+    runner = NullRunner(len(tokenizer), 1, 8, max_context_len=CTX)
+    cfg = EngineConfig(device="cpu", max_total_tokens=4096, max_queued_requests=2)
+    engine = Engine(cfg, model_runner=runner, tokenizer=tokenizer, eos_token_ids=[])
+    p = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request([5, 6], p)
+    engine.add_request([7, 8], p)
+    err = refused(
+        lambda: engine.add_request([9, 10], p), "max_queued_requests", "max_queued_requests is 2", "2 requests wait"
+    )
+    assert isinstance(err, QueueFullError) and engine.num_unfinished_requests() == 2
+    engine.step()  # both admitted: the queue is empty again
+    assert engine.cache_stats()["running"] == 2
+    engine.add_request([9, 10], p)
+    engine.add_request([11, 12], p)
+    refused(lambda: engine.add_request([13, 14], p), "max_queued_requests")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle(engine)
+    with pytest.raises(ValueError, match="max_queued_requests must be None or an integer >= 0"):
+        EngineConfig(max_queued_requests=-1).resolve()
+
+    with AsyncLLM(
+        model_runner=NullRunner(len(tokenizer), 1, 8, max_context_len=CTX),
+        tokenizer=tokenizer,
+        eos_token_ids=[],
+        device="cpu",
+        max_total_tokens=4096,
+        max_queued_requests=0,  # nothing may wait: every request is refused, deterministically
+    ) as a:
+        app = create_app(a, served_model_name="m")
+
+        async def run():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                r = await http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1})
+                assert r.status_code == 429, r.text
+                e = r.json()["error"]
+                assert set(e) == {"message", "type", "param", "code"} and e["code"] == "queue_full", e
+                assert "max_queued_requests is 0" in e["message"]
 
         asyncio.run(run())
         asyncio.run(a.call_in_engine_thread(assert_idle))

@@ -28,6 +28,7 @@ import logging
 import operator
 import threading
 import time
+from itertools import repeat
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
 import torch
@@ -41,7 +42,7 @@ from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats
-from radixkv.errors import RequestError
+from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import KVPool
 from radixkv.outputs import RequestOutput
@@ -92,6 +93,9 @@ class Engine:
         grammars: the :class:`~radixkv.sampling.grammar.GrammarBackend` of structured outputs.
         num_steps: steps that ran a forward pass.
         num_forwards: the same count (vLLM's name).
+        num_failed_requests: requests that ended with finish_reason ``"error"``: their row's
+            sampling, logits processing, grammar or output processing raised (only that request
+            stops; :meth:`step`).
 
     Raises:
         ValueError: invalid config values (naming the field).
@@ -186,6 +190,7 @@ class Engine:
         self.cached_tokens = 0
         self.generated_tokens = 0
         self.num_steps = 0
+        self.num_failed_requests = 0  # requests ended with "error" (their sampling raised)
         self._last_admit_seq = 0  # the highest admission number reported in a RequestAdmitted
         self.sampling = SamplingPipeline(self.vocab_size, self.eos_token_ids)
         # structured outputs: validation, background compilation, compiled-grammar cache (xgrammar
@@ -265,6 +270,8 @@ class Engine:
                 token outside the vocabulary, ``logprob_start_len`` not inside the prompt, a
                 schema / regex / grammar xgrammar refuses: its message, the field as ``param``)
                 or a duplicate id.
+            QueueFullError: (a RequestError naming ``max_queued_requests``) that many requests
+                already wait for admission (``EngineConfig.max_queued_requests``).
         """
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -335,6 +342,14 @@ class Engine:
             compiled = self.grammars.compile(params.structured_output)
             compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
         with self._work:
+            limit = self.config.max_queued_requests
+            if limit is not None:
+                queued = len(self._groups) - len({r.request_id for r in list(self.scheduler.running)})
+                if queued >= limit:
+                    raise QueueFullError(
+                        f"the engine's queue is full: {queued} requests wait for admission, "
+                        f"max_queued_requests is {limit}; retry later"
+                    )
             rid = str(request_id) if request_id is not None else str(next(self._ids))
             if rid in self._groups:
                 raise RequestError(f"request_id {rid!r} is already in use by an unfinished request", "request_id")
@@ -434,6 +449,27 @@ class Engine:
         self._finish_group(group)
         self._ready.append(group.to_output())
 
+    def _fail(self, request_id: str, exc: BaseException, outputs: List[RequestOutput]) -> None:
+        """Request ``request_id``'s sampling (or output processing) raised ``exc`` for its row:
+        end it with finish_reason ``"error"`` and ``RequestOutput.error`` set, release every
+        sample (its computed K/V stays cached and unlocked, as on abort) and report it in
+        ``outputs``. The other requests of the step are untouched."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        logger.error("request %s failed in sampling; only it stops: %r", request_id, exc, exc_info=exc)
+        for r in group.samples:
+            if r is not None and r.status != RequestStatus.FINISHED:
+                self.scheduler.abort(r)
+        for o in group.outputs:
+            if o.finish_reason is None:
+                o.finish_reason = "error"
+        group.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        group.metrics.finished_time = time.perf_counter()
+        self.num_failed_requests += 1
+        self._finish_group(group)
+        outputs.append(group.to_output())
+
     def _finish_group(self, group: RequestGroup) -> None:
         with self._work:
             del self._groups[group.request_id]
@@ -457,6 +493,12 @@ class Engine:
         Returns:
             A cumulative :class:`RequestOutput` for every request that produced a token, finished
             or was aborted in this step.
+
+        Failure isolation: when sampling, a logits processor, a grammar matcher, logprobs or the
+        detokenizer raises for one request's row, only that request ends, with finish_reason
+        ``"error"`` and :attr:`RequestOutput.error` set (its slots released); every other row
+        gets exactly the token it would have got (:mod:`radixkv.sampling.pipeline`, "Failure
+        isolation") and the engine keeps running.
         """
         self.run_posted()
         if self._compiling:
@@ -505,24 +547,39 @@ class Engine:
         )
         now = time.perf_counter()
         touched: Dict[str, RequestGroup] = {}
-        for (r, seg), lps in zip(segments, result.prompt_logprobs):
-            g = self._groups[r.request_id]
-            for pos, e in enumerate(lps, start=seg.first + 1):
-                g.prompt_logprobs[pos] = to_position_logprobs(e, self._decode)
-            r.prompt_lp_pos = seg.first + seg.n
-            if r.prompt_lp_pos >= len(r.prompt_token_ids) - 1:
-                r.prompt_lp_pos = None  # all computed: the cache may serve its prompt again
-        for r, tok, lp in zip(to_sample, result.tokens, result.logprobs):
+        failed: Dict[str, BaseException] = {}  # request id -> what its row raised (that request fails)
+        for (r, seg), lps, err in zip(segments, result.prompt_logprobs, result.prompt_errors or repeat(None)):
+            try:
+                if err is not None:
+                    raise err
+                g = self._groups[r.request_id]
+                for pos, e in enumerate(lps, start=seg.first + 1):
+                    g.prompt_logprobs[pos] = to_position_logprobs(e, self._decode)
+                r.prompt_lp_pos = seg.first + seg.n
+                if r.prompt_lp_pos >= len(r.prompt_token_ids) - 1:
+                    r.prompt_lp_pos = None  # all computed: the cache may serve its prompt again
+            except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
+                failed.setdefault(r.request_id, exc)
+        for r, tok, lp, err in zip(to_sample, result.tokens, result.logprobs, result.errors or repeat(None)):
+            if err is not None or r.request_id in failed:
+                failed.setdefault(r.request_id, err)
+                continue
             g = self._groups[r.request_id]
             touched[g.request_id] = g
-            r.output_token_ids.append(tok)
-            self.generated_tokens += 1
-            if g.metrics.first_token_time is None:
-                g.metrics.first_token_time = now
-            if r.fork_pending:
-                self._fork(g, r)
-            if g.update(r, self.tokenizer, self.eos_token_ids, self.max_context_len, lp, self._decode):
-                self.scheduler.finish(r)
+            try:
+                r.output_token_ids.append(tok)
+                self.generated_tokens += 1
+                if g.metrics.first_token_time is None:
+                    g.metrics.first_token_time = now
+                if r.fork_pending:
+                    self._fork(g, r)
+                if g.update(r, self.tokenizer, self.eos_token_ids, self.max_context_len, lp, self._decode):
+                    self.scheduler.finish(r)
+            except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
+                failed.setdefault(r.request_id, exc)
+        for rid, exc in failed.items():
+            touched.pop(rid, None)
+            self._fail(rid, exc, outputs)
         if self.events.wants(StepFinished):
             self.events.emit(
                 StepFinished(

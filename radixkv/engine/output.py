@@ -35,6 +35,7 @@ class RequestGroup:
         prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt position
             (None until computed, and for position 0 / before ``logprob_start_len``); else None.
         grammar: the ``Future`` of its compiled grammar (structured outputs), or None.
+        error: why it failed (finish_reason ``"error"``), or None.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class RequestGroup:
             [None] * len(prompt_ids) if params.prompt_logprobs is not None else None
         )
         self.grammar = None
+        self.error: Optional[str] = None
         if params.logprobs is not None:
             for o in self.outputs:
                 o.logprobs, o.cumulative_logprob = [], 0.0
@@ -152,4 +154,5 @@ class RequestGroup:
             self.metrics,
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             cache_outcome=self.cache_outcome,
+            error=self.error,
         )

@@ -13,6 +13,14 @@
 A step in which no row uses a processor, a grammar or logprobs (and no prompt logprobs are due)
 goes straight to the sampler: the default path costs one flag test per row.
 
+Failure isolation: one request's row must not stop the batch (a fuzzed body that makes a
+processor, the sampler or an xgrammar matcher raise). Every stage runs batched; when it raises,
+it is run again row by row on the untouched logits (the stages write only to copies, and the
+random generators are restored first, so the other rows draw exactly what the batch would have
+drawn) and only the rows that raise on their own fail (:attr:`StepResult.errors`). The matchers
+are advanced last, one call per step; a matcher that raises fails its row only. The redo costs
+nothing until a stage raises.
+
 Per-sample state (:class:`SampleState`: the grammar matcher, cached bias / stop-id tensors and
 the prompt's token mask) lives on the sample (``Request.sampling_state``); rows are read by
 attribute (``params``, ``generator``, ``prompt_token_ids``, ``output_token_ids``,
@@ -73,13 +81,17 @@ class PromptSegment(NamedTuple):
 
 
 class StepResult(NamedTuple):
-    """What one step sampled: ``tokens`` (one per sampling row); ``logprobs`` (per row a
-    :class:`~radixkv.sampling.logprobs.TokenLogprobs`, or None when the row did not ask); and
-    per prompt segment its positions' :class:`TokenLogprobs`."""
+    """What one step sampled: ``tokens`` (one per sampling row; None for a row that failed);
+    ``logprobs`` (per row a :class:`~radixkv.sampling.logprobs.TokenLogprobs`, or None when the
+    row did not ask); per prompt segment its positions' :class:`TokenLogprobs`; ``errors`` (per
+    row the exception its sampling raised, else None) and ``prompt_errors`` (the same per prompt
+    segment). The engine fails the request of an errored row and keeps the others."""
 
-    tokens: List[int]
+    tokens: List[Optional[int]]
     logprobs: List[Optional[TokenLogprobs]]
     prompt_logprobs: List[List[TokenLogprobs]]
+    errors: List[Optional[BaseException]] = []
+    prompt_errors: List[Optional[BaseException]] = []
 
 
 class SamplingPipeline:
@@ -129,7 +141,7 @@ class SamplingPipeline:
         """Sample one token per row (module docstring has the order of operations).
 
         Args:
-            logits: ``[S, V]`` float32 logits of the forward (modified in place).
+            logits: ``[S, V]`` float32 logits of the forward (not written to).
             rows: the sampling rows (requests), one per sampled token.
             default_generator: generator of unseeded rows.
             sample_index: the logits row of each of ``rows`` (default: row ``i`` is ``logits[i]``).
@@ -138,28 +150,68 @@ class SamplingPipeline:
         Returns:
             A :class:`StepResult`.
 
-        Raises:
-            RuntimeError: a constrained row's grammar refused its sampled token (a bug: the mask
-                allows only grammatical tokens).
+        Never raises for one row's fault: a row whose sampling raises gets token None and its
+        exception in ``errors`` (module docstring, "Failure isolation").
         """
         with torch.inference_mode():  # the forward's logits are inference tensors
             return self._step(logits, rows, default_generator, sample_index, prompt_segments)
 
     def _step(self, logits, rows, default_generator, sample_index, prompt_segments) -> StepResult:
-        prompt_lps = [self._prompt_logprobs(logits, seg) for seg in prompt_segments]
-        if sample_index is not None:
-            x = logits.index_select(0, torch.as_tensor(list(sample_index), dtype=torch.int64, device=logits.device))
-        else:
-            x = logits
+        n = len(rows)
+        errors: List[Optional[BaseException]] = [None] * n
+        prompt_lps: List[List[TokenLogprobs]] = []
+        prompt_errors: List[Optional[BaseException]] = []
+        for seg in prompt_segments:  # one segment per request: each on its own already
+            try:
+                prompt_lps.append(self._prompt_logprobs(logits, seg))
+                prompt_errors.append(None)
+            except Exception as exc:  # noqa: BLE001 - that request fails, not the step
+                logger.error("prompt logprobs of one request failed: %r", exc)
+                prompt_lps.append([])
+                prompt_errors.append(exc)
+        src = list(sample_index) if sample_index is not None else list(range(n))
         params = [r.params for r in rows]
         gens = [r.generator for r in rows]
-        if not any(p._needs_pipeline for p in params):
-            return StepResult(sample(x, params, gens, default_generator), [None] * len(rows), prompt_lps)
+        plain = not any(p._needs_pipeline for p in params)
+        saved = _generator_states(params, gens, default_generator)
 
-        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        raw = x[lp_rows] if lp_rows else None  # a copy: the model's logits before any mask
+        def draw(sel: List[int]) -> List[tuple]:
+            if plain and sample_index is None and len(sel) == n:
+                x = logits  # sample() does not write to its input
+            else:  # a copy: the masks and processors below write to it, the logits stay as they were
+                x = logits.index_select(
+                    0, torch.as_tensor([src[i] for i in sel], dtype=torch.int64, device=logits.device)
+                )
+            sub = [rows[i] for i in sel]
+            if plain:
+                toks = sample(x, [params[i] for i in sel], [gens[i] for i in sel], default_generator)
+                return [(t, None, None) for t in toks]
+            return self._draw(x, sub, default_generator)
+
+        drawn = _isolated(draw, list(range(n)), errors, "sampling", lambda: _restore(saved))
+        tokens: List[Optional[int]] = [None if d is None else d[0] for d in drawn]
+        if not plain:
+            self._accept(rows, drawn, tokens, errors)
+        logprobs: List[Optional[TokenLogprobs]] = [None] * n
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None and errors[i] is None]
+        if lp_rows:
+
+            def lps(sel: List[int]) -> List[TokenLogprobs]:
+                raw = logits.index_select(0, torch.as_tensor([src[i] for i in sel], dtype=torch.int64))
+                return token_logprobs(raw, [tokens[i] for i in sel], [params[i].logprobs for i in sel])
+
+            for i, e in zip(lp_rows, _isolated(lps, lp_rows, errors, "logprobs")):
+                logprobs[i] = e
+        return StepResult(tokens, logprobs, prompt_lps, errors, prompt_errors)
+
+    def _draw(self, x: torch.Tensor, rows: Sequence[Any], default_generator) -> List[tuple]:
+        """Grammar masks, processors and the draw of ``rows`` on their logits ``x`` (a copy,
+        written to): per row ``(token, its masked logits row, its bitmask row or None)``. Changes
+        no state but the generators'."""
+        params = [r.params for r in rows]
         states = [r.sampling_state for r in rows]
         grammar_rows = [i for i, st in enumerate(states) if st is not None and st.grammar is not None]
+        bm = None
         if grammar_rows:
             bm = self._bitmask_rows(x.shape[0])
             if self._batch is None and len(grammar_rows) > 1:
@@ -167,23 +219,49 @@ class SamplingPipeline:
             fill_bitmasks([states[i].grammar for i in grammar_rows], bm, grammar_rows, self._batch)
             apply_token_bitmask(x, bm, grammar_rows)  # the kernel skips all-allowed words
         self._apply_processors(x, rows, params, states, grammar_rows)
-        tokens = sample(x, params, gens, default_generator)
-        if grammar_rows:
-            ok = accept_tokens([states[i].grammar for i in grammar_rows], [tokens[i] for i in grammar_rows])
-            for i, accepted in zip(grammar_rows, ok):
-                if not accepted:  # the draw left the mask (no finite probability): best allowed token
-                    t = _best_allowed(x[i], bm[i])
-                    if t is None or not states[i].grammar.accept(t):  # the grammar allows nothing
-                        logger.warning("grammar of %r accepts no token; the request stops here", rows[i])
-                        states[i].grammar.stuck = True  # finishes with "stop" on this step
-                        t = self.eos_token_ids[0] if self.eos_token_ids else tokens[i]
-                    tokens[i] = t
-        logprobs: List[Optional[TokenLogprobs]] = [None] * len(rows)
-        if lp_rows:
-            got = token_logprobs(raw, [tokens[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
-            for i, e in zip(lp_rows, got):
-                logprobs[i] = e
-        return StepResult(tokens, logprobs, prompt_lps)
+        tokens = sample(x, params, [r.generator for r in rows], default_generator)
+        g = set(grammar_rows)
+        # the bitmask buffer is reused by the next call: keep a copy of each grammar row's words
+        return [(t, x[i], bm[i].clone() if i in g else None) for i, t in enumerate(tokens)]
+
+    def _accept(self, rows, drawn, tokens, errors) -> None:
+        """Advance each constrained row's matcher on its token (the only state a step changes);
+        a draw that left the mask takes the best allowed token, a grammar that allows none stops
+        its request. A matcher that raises fails its row only."""
+        grows = [
+            i
+            for i, r in enumerate(rows)
+            if errors[i] is None and r.sampling_state is not None and r.sampling_state.grammar is not None
+        ]
+        if not grows:
+            return
+        states = [rows[i].sampling_state.grammar for i in grows]
+        try:
+            ok = accept_tokens(states, [tokens[i] for i in grows])
+        except Exception as exc:  # noqa: BLE001 - redo one matcher at a time
+            logger.warning("grammar accept failed for the batch (%r); accepting row by row", exc)
+            ok = []
+            for i, st in zip(grows, states):
+                try:
+                    ok.append(st.accept(tokens[i]))
+                except Exception as e:  # noqa: BLE001 - that request fails
+                    logger.error("grammar of %r failed: %r", rows[i], e)
+                    errors[i] = e
+                    ok.append(True)
+        for i, st, accepted in zip(grows, states, ok):
+            if accepted or errors[i] is not None:
+                continue
+            try:  # the draw left the mask (no finite probability): best allowed token
+                t = _best_allowed(drawn[i][1], drawn[i][2])
+                if t is None or not st.accept(t):  # the grammar allows nothing
+                    logger.warning("grammar of %r accepts no token; the request stops here", rows[i])
+                    st.stuck = True  # finishes with "stop" on this step
+                    t = self.eos_token_ids[0] if self.eos_token_ids else tokens[i]
+                tokens[i] = t
+            except Exception as e:  # noqa: BLE001 - that request fails
+                logger.error("grammar of %r failed: %r", rows[i], e)
+                errors[i] = e
+                tokens[i] = None
 
     def _apply_processors(self, x, rows, params, states, grammar_rows) -> None:
         bias_rows, bias_ids, bias_vals = [], [], []
@@ -245,3 +323,43 @@ def _best_allowed(row: torch.Tensor, words: torch.Tensor) -> Optional[int]:
     if bool(torch.isinf(scores).all()):  # every allowed token at -inf: the first allowed one
         return int(allowed.nonzero()[0])
     return int(scores.argmax())
+
+
+def _generator_states(params, gens, default_generator) -> List[tuple]:
+    """``(generator, state)`` of every generator a random row of this step draws from (the
+    per-row redo of a failed batch restores them, so a seeded row draws the same tokens)."""
+    out, seen = [], set()
+    for p, g in zip(params, gens):
+        if p.greedy:
+            continue
+        g = g if g is not None else default_generator
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            out.append((g, g.get_state()))
+    return out
+
+
+def _restore(saved: List[tuple]) -> None:
+    for g, state in saved:
+        g.set_state(state)
+
+
+def _isolated(fn, sel: List[int], errors: List[Optional[BaseException]], what: str, before_redo=None) -> list:
+    """``fn(sel)`` (one result per row of ``sel``) for the whole batch; when it raises, ``fn([i])``
+    for each row alone (after ``before_redo()``), so a row that fails on its own fails only itself:
+    ``errors[i]`` gets its exception and its result is None. Returns results aligned to ``sel``."""
+    try:
+        return fn(sel)
+    except Exception as exc:  # noqa: BLE001 - find the row at fault
+        logger.warning("%s failed for a batch of %d rows (%r); redoing it row by row", what, len(sel), exc)
+    if before_redo is not None:
+        before_redo()
+    out: list = []
+    for i in sel:
+        try:
+            out.append(fn([i])[0])
+        except Exception as exc:  # noqa: BLE001 - that request fails, not the step
+            logger.error("%s failed for one request's row: %r", what, exc)
+            errors[i] = exc
+            out.append(None)
+    return out

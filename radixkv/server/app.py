@@ -12,7 +12,7 @@ Routes:
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
 | GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
-| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...) |
+| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...); ``?check=1`` first runs ``Engine.check_integrity()`` (every slot owned once; 500 when not) |
 | GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's) |
 
 SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/get_model_info``,
@@ -21,7 +21,8 @@ SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/g
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, schema and value errors, unknown model, too-long prompt), 404/405 for unknown routes,
-503 when the engine has stopped, 500 otherwise. The handlers only await the AsyncLLM, so they
+503 when the engine has stopped, 500 ``request_failed`` when one request's sampling raised in the
+engine (only it stopped: :class:`~radixkv.errors.RequestFailed`), 500 otherwise. The handlers only await the AsyncLLM, so they
 never block the engine thread, and concurrent requests batch together in the engine.
 """
 
@@ -41,6 +42,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError
 from radixkv.engine.events import RequestAdmitted, RequestFinished
+from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -161,6 +163,10 @@ def create_app(
     async def _dead(request: Request, exc: EngineDeadError):
         return error(APIError(str(exc), status_code=503, type="server_error", code="engine_dead"))
 
+    @app.exception_handler(RequestFailed)
+    async def _failed(request: Request, exc: RequestFailed):
+        return error(APIError(str(exc), status_code=500, type="server_error", code="request_failed"))
+
     @app.exception_handler(ClientDisconnected)
     async def _gone(request: Request, exc: ClientDisconnected):
         return Response(status_code=499)
@@ -228,7 +234,9 @@ def create_app(
         raise EngineDeadError(f"the engine thread has stopped: {llm.dead_error!r}")
 
     @app.get("/cache_stats")
-    async def cache_stats() -> dict:
+    async def cache_stats(request: Request) -> dict:
+        if request.query_params.get("check") in ("1", "true"):  # every slot owned once (an AssertionError: 500)
+            await llm.call_in_engine_thread(lambda e: e.check_integrity())
         return (await client.cache_stats()).as_dict()
 
     @app.get("/metrics")

@@ -41,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-n", type=int, default=None, help="most samples (n) one request may ask for (default: engine's, 128)"
     )
     g.add_argument(
+        "--max-queued-requests", type=int, default=1024,
+        help="most requests waiting for admission; beyond it a request gets 429 queue_full (default: %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--max-context-len", type=int, default=None,
+        help="longest prompt + output in tokens (default: the model's, capped by the pool)",
+    )  # fmt: skip
+    g.add_argument(
         "--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)"
     )
     g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
@@ -85,8 +93,15 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
         eviction_policy=args.radix_eviction_policy,
     )
-    for name in ("max_total_tokens", "max_running_requests", "chunked_prefill_size", "max_n"):
-        if getattr(args, name) is not None:
+    for name in (
+        "max_total_tokens",
+        "max_running_requests",
+        "chunked_prefill_size",
+        "max_n",
+        "max_queued_requests",
+        "max_context_len",
+    ):
+        if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     return kw
 

@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 from starlette.requests import Request
 
 from radixkv.async_llm import AsyncLLM
-from radixkv.errors import RequestError
+from radixkv.errors import QueueFullError, RequestError
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.metrics import ServerMetrics
@@ -46,6 +46,8 @@ def request_error_to_api(exc: ValueError, prompt_param: str = "prompt", renames:
     (``"messages"`` for chat), ``max_new_tokens`` ``max_tokens``, a field in ``renames`` the
     request field it came from (e.g. ``max_tokens`` -> ``sampling_params.max_new_tokens``), and
     fields the client did not send (``request_id``, ``sampling_params``) none."""
+    if isinstance(exc, QueueFullError):  # valid, but the engine is saturated: back off and retry
+        return APIError(str(exc), None, status_code=429, type="server_error", code="queue_full")
     param = exc.param if isinstance(exc, RequestError) else None
     if renames and param in renames:
         param = renames[param]
