@@ -324,7 +324,7 @@ def test_reuse_odds_horizon_weights_the_odds_against_recency():
         t = RadixCache(eviction_policy=policy)
         slot = iter(range(10**6))
 
-        def put(toks):
+        def put(toks, t=t, slot=slot):
             slots = torch.tensor([next(slot) for _ in toks])
             t.insert(toks, slots)
             return slots.tolist()
