@@ -26,7 +26,13 @@ DOCS = ROOT / "docs"
 COLORS = {"radix-p1": "tab:blue", "radix-p16": "tab:green", "hash-b16": "tab:orange", "none": "tab:gray"}
 MARKERS = {"radix-p1": "o", "radix-p16": "s", "hash-b16": "^", "none": "x"}
 # eviction variants of a base policy (bench/sim_cache.py): its colour, their own line style
-VARIANT_STYLE = {"lfu": (":", "v"), "gdf": (":", "<"), "odds": ("-.", "D"), "min": ((0, (1, 1)), ".")}
+VARIANT_STYLE = {
+    "lfu": (":", "v"),
+    "gdf": (":", "<"),
+    "odds": ("-.", "D"),
+    "odds1": ((0, (3, 1, 1, 1, 1, 1)), "d"),  # reuse-odds, horizon 1
+    "min": ((0, (1, 1)), "."),
+}
 
 
 def style(policy: str) -> tuple:

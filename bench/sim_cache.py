@@ -6,7 +6,7 @@ No model runs. Every request goes through the engine's own slot path in the simu
 prompt + reply but the last generated token, as the engine does). The capacity (allocator size, in
 slots) is a fraction of the workload's *working set* (the tokens an infinite token-level cache
 holds at the end), so all policies get the same KV memory. Policies: ``radix-p1`` /
-``radix-p16`` (RadixCache, page 1 / 16, LRU), ``radix-pN-lfu`` / ``-gdf`` / ``-odds`` (its other
+``radix-p16`` (RadixCache, page 1 / 16, LRU), ``radix-pN-lfu`` / ``-gdf`` / ``-odds`` / ``-odds1`` (its other
 eviction policies), ``min-pN`` (Belady's MIN on the same trace: the offline bound,
 :func:`radixkv.sim.optimal`), ``hash-b16`` (HashBlockCache, block 16), ``none`` (NoPrefixCache).
 
@@ -50,7 +50,7 @@ POLICIES = {  # bench name -> (radixkv.sim policy, page size); "min": radixkv.si
     **{
         f"radix-p{ps}-{short}": (f"radix-{policy}", ps)
         for ps in (1, 16)
-        for short, policy in (("lfu", "lfu"), ("gdf", "gdf"), ("odds", "reuse-odds"))
+        for short, policy in (("lfu", "lfu"), ("gdf", "gdf"), ("odds", "reuse-odds"), ("odds1", "reuse-odds-h1"))
     },
     "min-p1": ("min", 1),
     "min-p16": ("min", 16),
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=["radix-p1", "radix-p16", "hash-b16", "radix-p1-odds", "radix-p16-odds", "min-p1", "min-p16"],
         choices=sorted(POLICIES),
-        help="radix-pN: RadixCache (LRU), page N; radix-pN-lfu / -gdf / -odds: its LFU, "
+        help="radix-pN: RadixCache (LRU), page N; radix-pN-lfu / -gdf / -odds / -odds1: its LFU, "
         "GreedyDual-Frequency and reuse-odds eviction policies; min-pN: Belady's MIN, the offline "
         "bound (radixkv.sim.optimal); hash-b16: vLLM-style block hashing. 'none' (NoPrefixCache) "
         "has hit rate 0 by construction; add it to check that",

@@ -1,5 +1,6 @@
 """RadixCache unit tests with exact expected values (tokens, slots, sizes, eviction order)."""
 
+import math
 import random
 from array import array
 
@@ -310,6 +311,48 @@ def test_reuse_odds_learns_which_leaves_come_back():
     t.check_integrity()
     with pytest.raises(ValueError, match="depth_block"):
         ReuseOdds(depth_block=0)
+
+
+def test_reuse_odds_horizon_weights_the_odds_against_recency():
+    """``horizon`` scales the odds credit: priority = last_access + horizon * K * ln(odds). An old
+    leaf of a class that always comes back outlives a newer leaf of a class that never does
+    under horizon 2 but not under horizon 1 (its credit is then too small for the age gap)."""
+    from radixkv.cache.evict_policy import ReuseOdds
+
+    for horizon, survivor in ((1.0, "new"), (2.0, "old")):
+        policy = ReuseOdds(depth_block=256, horizon=horizon)
+        t = RadixCache(eviction_policy=policy)
+        slot = iter(range(10**6))
+
+        def put(toks, t=t, slot=slot):
+            slots = torch.tensor([next(slot) for _ in toks])
+            t.insert(toks, slots)
+            return slots.tolist()
+
+        for i in range(3):  # short leaves come back 4 ticks later, long ones never
+            short = [1000 + i] * 8
+            put(short)
+            for j in range(3):
+                put([2000 + 10 * i + j] * 300)
+            t.match_prefix(short)
+        t.evict(t.total_size())
+        k = policy.mean_gap
+        assert k == 4 and policy.reused_count == {(1, 0): 3} and policy.dead_count[(1, 1)] == 9
+        credit = policy.log_odds((1, 0)) - policy.log_odds((1, 1))  # ln(4) - ln(1 / 10)
+        assert credit == pytest.approx(math.log(4) - math.log(1 / 10))
+        put([7] * 8)  # short, filed at tick c
+        for _ in range(int(k * credit * 1.5)):  # ticks of age: between 1x and 2x the credit in K
+            t.match_prefix([9])
+        long_slots = put([8] * 300)
+        freed = t.evict(8).tolist()
+        if survivor == "old":
+            assert freed == long_slots[-8:] and t.match_prefix([7] * 8).length == 8
+        else:
+            assert t.match_prefix([7] * 8).length == 0 and t.match_prefix([8] * 300).length == 300
+        t.check_integrity()
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2"):
+        with pytest.raises(ValueError, match="horizon"):
+            ReuseOdds(horizon=bad)
 
 
 def test_lock_after_split_pins_exactly_the_matched_tokens():

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
 from radixkv.engine.events import EventBus
 from radixkv.engine.kv_manager import KVManager
@@ -57,12 +58,13 @@ POLICIES: dict[str, Callable[[int, str], Any]] = {
     "radix-lfu": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy="lfu"),
     "radix-gdf": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy="gdf"),
     "radix-reuse-odds": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy="reuse-odds"),
+    "radix-reuse-odds-h1": lambda page_size, hash_algo: RadixCache(page_size, eviction_policy=ReuseOdds(horizon=1.0)),
     "hash": lambda page_size, hash_algo: HashBlockCache(page_size, hash_algo),
     "none": lambda page_size, hash_algo: NoPrefixCache(page_size),
 }
 """Policy name -> ``factory(page_size, hash_algo)`` building its prefix cache. ``radix`` evicts
 LRU (RadixCache's default); ``radix-<name>`` uses :mod:`radixkv.cache.evict_policy`'s policy of
-that name. The offline bound (Belady's MIN) is :func:`radixkv.sim.belady.optimal`, on the same
+that name (``radix-reuse-odds-h1``: reuse-odds with ``horizon=1``, its earlier weighting). The offline bound (Belady's MIN) is :func:`radixkv.sim.belady.optimal`, on the same
 traces."""
 
 
