@@ -1,6 +1,6 @@
 """Logprobs against an independent reference: the default model's sampled-token and prompt logprobs
-equal a float64 ``log_softmax`` of transformers' logits (to 1e-4), with exact ranks and top-k,
-also through chunked prefill, a paged cache, and the prefix-cache limit that prompt logprobs
+equal a float64 ``log_softmax`` of transformers' logits (to 1e-4), with ranks exact up to tokens
+within that tolerance, and top-k, also through chunked prefill, a paged cache, and the prefix-cache limit that prompt logprobs
 impose (a request with prompt logprobs from position ``s`` reuses at most ``s - 1`` cached
 tokens; ``num_cached_tokens`` asserted exactly)."""
 
@@ -54,7 +54,11 @@ def check_position(entry, lp_row, token, k):
     assert keys[0] == token
     mine = entry[token]
     assert abs(mine.logprob - lp_row[token].item()) < TOL
-    assert mine.rank == 1 + int((lp_row > lp_row[token]).sum())
+    # rank = 1 + tokens strictly more likely; a token within TOL of this one may fall on either side
+    # (float32 sums in another order, e.g. AVX-512 vs AVX2 kernels), nothing further away may
+    lo = 1 + int((lp_row > lp_row[token] + TOL).sum())
+    hi = 1 + int((lp_row > lp_row[token] - TOL).sum())
+    assert lo <= mine.rank <= hi, (mine.rank, lo, hi)
     top = torch.topk(lp_row, k)
     want_ranks = [r for r in range(1, k + 1) if r != mine.rank]
     assert sorted(v.rank for t, v in entry.items() if t != token) == want_ranks
