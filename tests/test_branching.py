@@ -268,7 +268,7 @@ def test_async_request_arriving_mid_chunked_prefill_joins_its_last_chunk(alm, hf
 # ---------------------------------------------------------------------------------- server
 @pytest.fixture(scope="module")
 def server(alm):
-    from test_server import Server
+    from server_helpers import Server
 
     from radixkv.server.app import create_app
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 from obs_helpers import null_engine
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import Server
+from server_helpers import Server
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
