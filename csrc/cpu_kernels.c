@@ -421,6 +421,16 @@ dequant_block(int fmt, const uint8_t *g, Py_ssize_t kc, float *buf)
  * (w = fma(q, d, m) or q * d, as dequant_block does: the same float32 weights) instead of
  * through an L1 buffer. */
 
+/* Which vector kernels run (set once by cpu_ok, changed by set_isa): ISA_AVX512 when the CPU has
+ * AVX-512 F/BW/VL and RADIXKV_KERNELS_ISA is not "avx2", else ISA_AVX2. Only the one-row GEMV has
+ * an AVX-512 form; every other kernel is AVX2 on both. */
+enum { ISA_AVX2 = 1, ISA_AVX512 = 2 };
+static int rk_isa = ISA_AVX2;
+static int rk_has_avx512 = 0;
+
+#ifndef GEMV_PF512
+#define GEMV_PF512 8 /* groups ahead that the AVX-512 GEMV prefetches in each panel */
+#endif
 #ifndef GEMV_PF
 #define GEMV_PF 4 /* groups (32 k) ahead that the GEMV prefetches in each panel */
 #endif
@@ -594,10 +604,157 @@ panel_at(const pw_header *w, Py_ssize_t pi, const float *bias, float *c)
     return r;
 }
 
+/* ------------------------------------------------------------------ AVX-512 GEMV
+ *
+ * The same GEMV on CPUs with AVX-512 (F, BW, VL; chosen at run time, see rk_isa): one 16-float
+ * register holds a panel's 16 outputs, so each k step of a panel is one decode (a Q4_1 byte row
+ * is broadcast, zero-extended to 16 lanes and shifted by 0 / 4 per half; Q8_0 sign-extended)
+ * and one FMA instead of two of each. The arithmetic is op for op that of gemv_q / gemv_f32:
+ * w = fma(q, d, m) (Q4_1) or q * d (Q8_0), acc = fma(x_k, w, acc) over k in order, bias added
+ * last, so the bits are the AVX2 path's (and the micro-kernel's). */
+
+#define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
+
+__attribute__((target(AVX512_TARGET), always_inline)) static inline void
+gemv_store512(__m512 a, const float *bias, float *c, int nv)
+{
+    const __mmask16 mk = (__mmask16)((1u << nv) - 1u);
+    if (bias)
+        a = _mm512_add_ps(a, _mm512_maskz_loadu_ps(mk, bias));
+    _mm512_mask_storeu_ps(c, mk, a);
+}
+
+__attribute__((target(AVX512_TARGET), always_inline)) static inline void
+gemv_q512(const int P, const int fmt, const float *x, Py_ssize_t K, const uint8_t *const *pan,
+          const float *const *bias, float *const *c, const int *nv)
+{
+    const Py_ssize_t group = fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP;
+    const __m512i lo4 = _mm512_set1_epi32(15);
+    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (Py_ssize_t g0 = 0; g0 < K; g0 += QB) {
+        const float *xk = x + g0;
+        const uint8_t *gp0 = pan[0] + g0 / QB * group, *gp1 = pan[P > 1 ? 1 : 0] + g0 / QB * group;
+        for (int off = 0; off < group; off += 64) {
+            _mm_prefetch((const char *)(gp0 + GEMV_PF512 * group + off), _MM_HINT_T0);
+            if (P > 1)
+                _mm_prefetch((const char *)(gp1 + GEMV_PF512 * group + off), _MM_HINT_T0);
+        }
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gp0));
+        const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gp1));
+        if (fmt == PW_Q4_1) {
+            const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gp0 + 32)));
+            const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gp1 + 32)));
+            const uint8_t *qs0 = gp0 + 64, *qs1 = gp1 + 64;
+            for (int k = 0; k < QB; k++) {
+                __m512 xb = _mm512_set1_ps(xk[k]);
+                int64_t b0, b1;
+                memcpy(&b0, qs0 + 8 * k, 8);
+                __m512i q0 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(b0)), sh), lo4);
+                a0 = _mm512_fmadd_ps(xb, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d0, m0), a0);
+                if (P > 1) {
+                    memcpy(&b1, qs1 + 8 * k, 8);
+                    __m512i q1 = _mm512_and_si512(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(b1)), sh), lo4);
+                    a1 = _mm512_fmadd_ps(xb, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d1, m1), a1);
+                }
+            }
+        } else {
+            const uint8_t *qs0 = gp0 + 32, *qs1 = gp1 + 32;
+            for (int k = 0; k < QB; k++) {
+                __m512 xb = _mm512_set1_ps(xk[k]);
+                __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs0 + 16 * k)))), d0);
+                a0 = _mm512_fmadd_ps(xb, w0, a0);
+                if (P > 1) {
+                    __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs1 + 16 * k)))), d1);
+                    a1 = _mm512_fmadd_ps(xb, w1, a1);
+                }
+            }
+        }
+    }
+    gemv_store512(a0, bias[0], c[0], nv[0]);
+    if (P > 1)
+        gemv_store512(a1, bias[1], c[1], nv[1]);
+}
+
+__attribute__((target(AVX512_TARGET), always_inline)) static inline void
+gemv_f32_512(const int P, const float *x, Py_ssize_t K, const uint8_t *const *pan, const float *const *bias,
+             float *const *c, const int *nv)
+{
+    const float *w0 = (const float *)pan[0], *w1 = (const float *)pan[P > 1 ? 1 : 0];
+    const float *w2 = (const float *)pan[P > 2 ? 2 : 0], *w3 = (const float *)pan[P > 3 ? 3 : 0];
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (Py_ssize_t k = 0; k < K; k++) {
+        _mm_prefetch((const char *)(w0 + (k + 64) * NR), _MM_HINT_T0);
+        if (P > 1)
+            _mm_prefetch((const char *)(w1 + (k + 64) * NR), _MM_HINT_T0);
+        if (P > 2)
+            _mm_prefetch((const char *)(w2 + (k + 64) * NR), _MM_HINT_T0);
+        if (P > 3)
+            _mm_prefetch((const char *)(w3 + (k + 64) * NR), _MM_HINT_T0);
+        __m512 xb = _mm512_set1_ps(x[k]);
+        a0 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w0 + k * NR), a0);
+        if (P > 1)
+            a1 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w1 + k * NR), a1);
+        if (P > 2)
+            a2 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w2 + k * NR), a2);
+        if (P > 3)
+            a3 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(w3 + k * NR), a3);
+    }
+    gemv_store512(a0, bias[0], c[0], nv[0]);
+    if (P > 1)
+        gemv_store512(a1, bias[1], c[1], nv[1]);
+    if (P > 2)
+        gemv_store512(a2, bias[2], c[2], nv[2]);
+    if (P > 3)
+        gemv_store512(a3, bias[3], c[3], nv[3]);
+}
+
+/* gemv_refs' AVX-512 twin (same grouping of panels). */
+__attribute__((target(AVX512_TARGET))) static void
+gemv_refs512(const float *x, Py_ssize_t K, int fmt, const panel_ref *r, int np)
+{
+    const int step = fmt == PW_F32 ? 4 : 2;
+    for (int i = 0; i < np; i += step) {
+        int P = np - i < step ? np - i : step;
+        const uint8_t *pan[4];
+        const float *bias[4];
+        float *c[4];
+        int nv[4];
+        for (int j = 0; j < P; j++) {
+            pan[j] = r[i + j].pan;
+            bias[j] = r[i + j].bias;
+            c[j] = r[i + j].c;
+            nv[j] = r[i + j].nv;
+        }
+        if (fmt == PW_F32) {
+            switch (P) {
+            case 4: gemv_f32_512(4, x, K, pan, bias, c, nv); break;
+            case 3: gemv_f32_512(3, x, K, pan, bias, c, nv); break;
+            case 2: gemv_f32_512(2, x, K, pan, bias, c, nv); break;
+            default: gemv_f32_512(1, x, K, pan, bias, c, nv); break;
+            }
+        } else if (fmt == PW_Q4_1) {
+            if (P == 2)
+                gemv_q512(2, PW_Q4_1, x, K, pan, bias, c, nv);
+            else
+                gemv_q512(1, PW_Q4_1, x, K, pan, bias, c, nv);
+        } else {
+            if (P == 2)
+                gemv_q512(2, PW_Q8_0, x, K, pan, bias, c, nv);
+            else
+                gemv_q512(1, PW_Q8_0, x, K, pan, bias, c, nv);
+        }
+    }
+}
+
 /* x (one row) against np panels (any count) given as refs: P at a time. */
 __attribute__((target("avx2,fma,f16c"))) static void
 gemv_refs(const float *x, Py_ssize_t K, int fmt, const panel_ref *r, int np)
 {
+    if (rk_isa == ISA_AVX512) {
+        gemv_refs512(x, K, fmt, r, np);
+        return;
+    }
     const int step = fmt == PW_F32 ? 4 : 2;
     for (int i = 0; i < np; i += step) {
         int P = np - i < step ? np - i : step;
@@ -757,6 +914,10 @@ cpu_ok(void)
 #if RK_X86 && defined(__GNUC__)
         __builtin_cpu_init();
         ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        rk_has_avx512 = ok && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl");
+        const char *env = getenv("RADIXKV_KERNELS_ISA");
+        rk_isa = rk_has_avx512 && !(env && strcmp(env, "avx2") == 0) ? ISA_AVX512 : ISA_AVX2;
 #else
         ok = 0;
 #endif
@@ -778,6 +939,41 @@ static PyObject *
 py_available(PyObject *self, PyObject *noargs)
 {
     return PyBool_FromLong(cpu_ok());
+}
+
+static PyObject *
+py_isa(PyObject *self, PyObject *noargs)
+{
+    if (!cpu_ok())
+        Py_RETURN_NONE;
+#if RK_X86
+    return PyUnicode_FromString(rk_isa == ISA_AVX512 ? "avx512" : "avx2");
+#else
+    Py_RETURN_NONE;
+#endif
+}
+
+static PyObject *
+py_set_isa(PyObject *self, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name) || !cpu_or_raise("set_isa"))
+        return NULL;
+#if RK_X86
+    if (strcmp(name, "avx2") == 0) {
+        rk_isa = ISA_AVX2;
+    } else if (strcmp(name, "avx512") == 0) {
+        if (!rk_has_avx512) {
+            PyErr_SetString(PyExc_ValueError, "set_isa: isa 'avx512' needs AVX-512 F/BW/VL, which this CPU lacks");
+            return NULL;
+        }
+        rk_isa = ISA_AVX512;
+    } else {
+        PyErr_Format(PyExc_ValueError, "set_isa: isa must be 'avx2' or 'avx512', got %R", PyTuple_GET_ITEM(args, 0));
+        return NULL;
+    }
+#endif
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -2137,6 +2333,8 @@ py_decode_step(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"available", py_available, METH_NOARGS, "True when the CPU has AVX2, FMA and F16C."},
+    {"isa", py_isa, METH_NOARGS, "'avx512' or 'avx2': the vector kernels in use (None: no kernels)."},
+    {"set_isa", py_set_isa, METH_VARARGS, "set_isa('avx2' | 'avx512'): choose the vector kernels."},
     {"threading", py_threading, METH_NOARGS, "'openmp' or 'pthreads': what the kernels' threads are now."},
     {"sgemm_packed", py_sgemm_packed, METH_VARARGS, "C = X @ W^T (+ bias) with W packed in 16-column panels."},
     {"packed_bytes", py_packed_bytes, METH_VARARGS, "Bytes of a packed [N, K] weight in a format (0: K does not suit it)."},

@@ -36,6 +36,40 @@ except ImportError:  # pragma: no cover - depends on the build
     AVAILABLE = False
 
 
+def isa() -> str | None:
+    """The vector kernels in use: ``"avx512"`` (AVX-512 F/BW/VL, chosen at import when the CPU has
+    them) or ``"avx2"`` (the AVX2 + FMA kernels, also what ``RADIXKV_KERNELS_ISA=avx2`` in the
+    environment forces); ``None`` without the kernels. Only the one-row GEMV (a decode step's
+    projections and LM head) has an AVX-512 form; it gives the AVX2 path's bits exactly."""
+    return _ck.isa() if AVAILABLE else None
+
+
+def set_isa(name: str) -> None:
+    """Choose the vector kernels for this process: ``"avx2"`` or ``"avx512"`` (see :func:`isa`).
+
+    Raises:
+        ValueError: another name, or ``"avx512"`` on a CPU without AVX-512 F/BW/VL.
+        RuntimeError: the native kernels are not available.
+    """
+    if not AVAILABLE:
+        raise RuntimeError("set_isa: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)")
+    _ck.set_isa(name)
+
+
+def has_avx512() -> bool:
+    """True when this CPU can run the AVX-512 kernels (whatever :func:`isa` is now)."""
+    if not AVAILABLE:
+        return False
+    was = _ck.isa()
+    try:
+        _ck.set_isa("avx512")
+        return True
+    except ValueError:
+        return False
+    finally:
+        _ck.set_isa(was)
+
+
 decode_step = _ck.decode_step if AVAILABLE else None
 """The C entry point running one whole forward pass of a decode batch on a :func:`step_plan`:
 ``decode_step(plan, tokens, rows, prefix_lens, extend_lens, logits_rows, logits_address,
