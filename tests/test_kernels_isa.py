@@ -111,12 +111,28 @@ def test_kernel_and_fused_step_tests_pass_with_avx2_forced():
     env = {**os.environ, "RADIXKV_KERNELS_ISA": "avx2"}
     probe = subprocess.run(
         [sys.executable, "-c", "from radixkv.kernels import cpu; print(cpu.isa())"],
-        cwd=root, env=env, capture_output=True, text=True, check=True,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert probe.stdout.strip() == "avx2"
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-         "tests/test_cpu_kernels.py", "tests/test_decode_step.py"],
-        cwd=root, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_cpu_kernels.py",
+            "tests/test_decode_step.py",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
