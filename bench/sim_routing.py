@@ -202,8 +202,10 @@ def simulate(
     event_lag: float = 0.01,
     policy_kwargs: dict | None = None,
     check: bool = False,
+    detail: bool = False,
 ) -> dict:
-    """One run (module docstring); returns its metrics."""
+    """One run (module docstring); returns its metrics (``detail``: also per-request lists
+    ``arrival``, ``ttft``, ``cached``, ``replica``)."""
     t0 = time.perf_counter()
     rng = random.Random(seed)
     n = len(trace.prompts)
@@ -296,7 +298,8 @@ def simulate(
     hit = sum(cached[i] for i in served)
     busy = [r.busy_time for r in reps.values()]
     tt = np.array([ttft[i] for i in served]) if served else np.zeros(1)
-    return dict(
+    extra = dict(arrival=arrival, ttft=ttft, cached=cached, replica=where) if detail else {}
+    return extra | dict(
         trace=trace.name,
         policy=policy_name,
         replicas=n_replicas,
