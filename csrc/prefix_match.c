@@ -20,7 +20,10 @@
  *   Compares 8 bytes at a time and finds the first differing token with a count-trailing-zeros.
  *
  * match_walk(node, tokens, page_size, tick) -> (node, pos, slots, split_child, m)
- *   RadixCache.match_prefix's descent and slot read-out (see descend() below).
+ *   RadixCache.match_prefix's descent and slot read-out (see descend() and matched_slots()
+ *   below). The slots come back without a copy when one edge holds the whole match: that
+ *   node's own value bytes (immutable; the tree never writes into an edge's bytes, so a
+ *   read-only view of them handed to a caller stays valid and unchanged).
  *
  * insert_walk(node, tokens, page_size, tick, address) -> (node, pos, split_child, m, tail_key,
  *   tail_slots): RadixCache.insert's descent, plus the new leaf's key and slots.
@@ -362,14 +365,13 @@ static PyObject *str_children, *str_key, *str_value, *str_last_access;
 /* The radix tree's descent from `node` over the first n tokens of q (n % ps == 0): follow the
  * child keyed by the next page of tokens while the child's whole edge matches. Stops at a
  * missing child (*split_child NULL, *m 0) or at an edge that matches only its first m tokens
- * (m floored to ps; *split_child is that child: the caller splits it). When out != NULL the
- * matched slots (node.value, int64 bytes) are copied there, out[8 * i] for token i, the split
- * edge's first m included. Nothing is modified: the fully matched nodes are returned in path[]
+ * (m floored to ps; *split_child is that child: the caller splits it). Nothing is modified
+ * and no slot is read (matched_slots() below does that): the fully matched nodes are returned in path[]
  * (new references, *depth of them; the caller sets their last_access once every token has been
  * checked). Returns 0, or -1 with an error set (split_child released; the caller still
  * releases path[0:*depth]). */
 static int
-descend(PyObject *node, Query *q, Py_ssize_t n, Py_ssize_t ps, char *out, PyObject ***path,
+descend(PyObject *node, Query *q, Py_ssize_t n, Py_ssize_t ps, PyObject ***path,
         Py_ssize_t *depth, Py_ssize_t *cap, Py_ssize_t *pos_out, PyObject **split_child,
         Py_ssize_t *m_out)
 {
@@ -403,18 +405,6 @@ descend(PyObject *node, Query *q, Py_ssize_t n, Py_ssize_t ps, char *out, PyObje
         Py_DECREF(ckey);
         if (m < 0) { Py_DECREF(child); goto fail; }
         m -= m % ps;
-        Py_ssize_t take = m < clen ? m : clen;
-        if (out != NULL && take > 0) {
-            PyObject *value = PyObject_GetAttr(child, str_value);
-            if (value == NULL) { Py_DECREF(child); goto fail; }
-            if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != clen * 8) {
-                PyErr_SetString(PyExc_ValueError, "node.value must be bytes holding one int64 "
-                                "slot per token");
-                Py_DECREF(value); Py_DECREF(child); goto fail;
-            }
-            memcpy(out + pos * 8, PyBytes_AS_STRING(value), (size_t)take * 8);
-            Py_DECREF(value);
-        }
         if (m < clen) {
             if (m == 0) { /* cannot happen: the child's first page is the dict key */
                 Py_DECREF(child);
@@ -474,13 +464,78 @@ walk_query(Query *q, PyObject *tokens, Py_ssize_t ps)
     return query_init(q, tokens);
 }
 
+/* A node's value, its int64 slot bytes, checked to hold one slot per token of its key; *len:
+ * its tokens. New reference, or NULL with an error set. */
+static PyObject *
+node_value(PyObject *node, Py_ssize_t *len)
+{
+    PyObject *key = PyObject_GetAttr(node, str_key);
+    if (key == NULL) return NULL;
+    if (!PyBytes_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "node.key must be bytes");
+        Py_DECREF(key);
+        return NULL;
+    }
+    *len = PyBytes_GET_SIZE(key) / 4;
+    Py_DECREF(key);
+    PyObject *value = PyObject_GetAttr(node, str_value);
+    if (value == NULL) return NULL;
+    if (!PyBytes_Check(value) || PyBytes_GET_SIZE(value) != *len * 8) {
+        PyErr_SetString(PyExc_ValueError, "node.value must be bytes holding one int64 slot per "
+                        "token");
+        Py_DECREF(value);
+        return NULL;
+    }
+    return value;
+}
+
+/* The matched slots of a descent: the int64 slots of path[0:depth]'s edges, then the first m of
+ * split_child's edge. From one edge alone: its value bytes object itself (depth 1, no split:
+ * shared, immutable, nothing copied) or a new bytes of split_child's first m slots (depth 0:
+ * what the caller's split makes the upper node's value). From several: a new bytearray they are
+ * copied into. New reference or NULL. */
+static PyObject *
+matched_slots(PyObject **path, Py_ssize_t depth, Py_ssize_t pos, PyObject *split_child,
+              Py_ssize_t m)
+{
+    Py_ssize_t len;
+    if (depth == 1 && split_child == NULL) return node_value(path[0], &len);
+    if (depth == 0) {
+        PyObject *value = node_value(split_child, &len);
+        if (value == NULL) return NULL;
+        PyObject *out = PyBytes_FromStringAndSize(PyBytes_AS_STRING(value), m * 8);
+        Py_DECREF(value);
+        return out;
+    }
+    PyObject *buf = PyByteArray_FromStringAndSize(NULL, (pos + m) * 8);
+    if (buf == NULL) return NULL;
+    char *dst = PyByteArray_AS_STRING(buf), *end = dst + (pos + m) * 8;
+    for (Py_ssize_t i = 0; i <= depth; i++) {
+        PyObject *nd = i < depth ? path[i] : split_child;
+        if (nd == NULL) break;
+        PyObject *value = node_value(nd, &len);
+        if (value == NULL) { Py_DECREF(buf); return NULL; }
+        Py_ssize_t take = i < depth ? len : m;
+        if (end - dst < take * 8) { /* the edges changed since the descent: cannot happen */
+            PyErr_SetString(PyExc_RuntimeError, "match_walk: the matched path changed");
+            Py_DECREF(value); Py_DECREF(buf); return NULL;
+        }
+        memcpy(dst, PyBytes_AS_STRING(value), (size_t)take * 8);
+        Py_DECREF(value);
+        dst += take * 8;
+    }
+    return buf;
+}
+
 /* match_walk(node, tokens, page_size, tick) -> (node, pos, slots, split_child, m)
  *
  * n = len(tokens) floored to page_size. Descends from `node` (descend() above), then, every
  * token being valid, sets last_access = tick on each fully matched node. Returns the deepest
- * fully matched node (`node` itself when none), the tokens matched up to it, a new bytearray of
- * the pos + m matched int64 slots (the split edge's first m included) for torch.frombuffer,
- * and the split child (None, m 0 when there is none). */
+ * fully matched node (`node` itself when none), the tokens matched up to it, the pos + m matched
+ * int64 slots (the split edge's first m included; see matched_slots: the one fully matched
+ * edge's own value bytes, a new bytes of the split edge's first m slots when nothing else
+ * matched, else a new bytearray; b"" for no match), and the split child (None, m 0 when there
+ * is none). */
 static PyObject *
 match_walk(PyObject *self, PyObject *args)
 {
@@ -492,22 +547,21 @@ match_walk(PyObject *self, PyObject *args)
         return NULL;
     Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
     PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
-    PyObject *buf = PyByteArray_FromStringAndSize(NULL, n * 8), *result = NULL;
-    if (buf == NULL) {
-        query_release(&q);
-        return NULL;
-    }
-    if (descend(node, &q, n, ps, PyByteArray_AS_STRING(buf), &path, &depth, &cap, &pos,
-                &split_child, &m) < 0)
+    PyObject *buf = NULL, *result = NULL;
+    if (descend(node, &q, n, ps, &path, &depth, &cap, &pos, &split_child, &m) < 0)
         goto done;
     if (query_check_rest(&q) < 0 || touch_path(path, depth, tick) < 0) goto done;
-    if (PyByteArray_Resize(buf, (pos + m) * 8) < 0) goto done;
+    if (depth == 0 && split_child == NULL)
+        buf = PyBytes_FromStringAndSize(NULL, 0);
+    else
+        buf = matched_slots(path, depth, pos, split_child, m);
+    if (buf == NULL) goto done;
     result = Py_BuildValue("(OnOOn)", depth ? path[depth - 1] : node, pos, buf,
                            split_child ? split_child : Py_None, m);
 done:
     Py_XDECREF(split_child);
     release_path(path, depth, cap);
-    Py_DECREF(buf);
+    Py_XDECREF(buf);
     query_release(&q);
     return result;
 }
@@ -534,7 +588,7 @@ insert_walk(PyObject *self, PyObject *args)
     Py_ssize_t n = q.len - q.len % ps, pos = 0, m = 0, depth = 0, cap = PATH_INLINE;
     PyObject *inline_path[PATH_INLINE], **path = inline_path, *split_child = NULL;
     PyObject *tail_key = NULL, *tail_slots = NULL, *result = NULL;
-    if (descend(node, &q, n, ps, NULL, &path, &depth, &cap, &pos, &split_child, &m) < 0)
+    if (descend(node, &q, n, ps, &path, &depth, &cap, &pos, &split_child, &m) < 0)
         goto done;
     Py_ssize_t s = pos + m;
     tail_key = PyBytes_FromStringAndSize(NULL, (n - s) * 4);

@@ -24,7 +24,10 @@ path, so at most one of them is a leaf.)
 After every step: check_integrity(); sizes are non-negative and equal the oracle's; the
 protected size equals the number of distinct locked prefix pages; allocator available + tree
 evictable + tree protected + slots held by the test == capacity (so no slot leaks and, with the
-allocator's double-free check, none is owned twice).
+allocator's double-free check, none is owned twice); the slots of the last 8 non-empty matches,
+held on to, still hold the values they had when returned (``MatchResult.slots`` may be a
+read-only view of an edge's slot bytes, which later splits, inserts, evictions and resets must
+leave untouched).
 
 CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each of the four machines
 (up to 24,000 steps in all; ~40 s of CPU, 1-3 min wall on the busy 2-core dev machine),
@@ -83,6 +86,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.locks = []  # (namespace, locked prefix tuple, node)
         self.held = []  # slot tensors the test holds (like running requests)
         self.seen = []  # (namespace, tokens) of past inserts, to derive long shared prefixes
+        self.views = []  # (MatchResult.slots, its values then) of recent matches, held on to
 
     # ---------------------------------------------------------------- oracle helpers
 
@@ -212,6 +216,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert r.length == len(expected) == len(r.slots)
         assert r.slots.tolist() == expected
         self.touch(ns, toks, r.length)
+        if expected:  # a held result must not change, whatever the tree does next
+            self.views = self.views[-7:] + [(r.slots, expected)]
 
     @rule(toks=tokens_st, ns=ns_st)
     def lock(self, toks, ns):
@@ -278,6 +284,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert t.evictable_size() == total - ps * len(locked_pages) >= 0
         held = sum(len(s) for s in self.held)
         assert self.alloc.available_size() + t.evictable_size() + t.protected_size() + held == CAPACITY
+        for view, values in self.views:  # read-only views of edge slot bytes stay as they were
+            assert view.tolist() == values
 
 
 class CacheMachinePage4(CacheMachine):

@@ -1,5 +1,7 @@
 """RadixCache unit tests with exact expected values (tokens, slots, sizes, eviction order)."""
 
+import contextlib
+import ctypes
 import math
 import random
 from array import array
@@ -789,7 +791,12 @@ def test_walks_return_the_matched_path_slots_and_tail(page_size):
         for match_walk, insert_walk in _walk_impls():
             for q in (toks, tuple(toks), kb):
                 node, pos, buf, child, m = match_walk(ns_root, q, page_size, 7)
-                assert isinstance(buf, bytearray)
+                if child is None and pos and node.parent is ns_root:  # one edge: its own bytes
+                    assert buf is node.value
+                elif child is not None and pos == 0:  # the split's upper value, made once
+                    assert type(buf) is bytes and buf == child.value[: m * 8]
+                else:
+                    assert type(buf) is (bytearray if pos else bytes)
                 assert pos + m == length and (child is None) == (m == 0)
                 got = np.frombuffer(bytes(buf), dtype=np.int64).tolist()
                 assert got == [oracle[tuple(toks[: (i // page_size + 1) * page_size]), i] for i in range(length)]
@@ -921,3 +928,50 @@ def test_pretty_print_any_depth_and_non_contiguous_slots():
     u = RadixCache()
     u.insert([1, 2, 3, 4], torch.tensor([30, 10, 20, 40]))
     assert "[1 2 3 4] len=4 slots=[30 10 20 40]" in u.pretty_print()
+
+
+def _bytes_address(b: bytes) -> int:
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value
+
+
+@pytest.mark.parametrize("python_path", [False, True])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_match_slots_share_one_edge_and_never_change_after_later_calls(page_size, python_path):
+    """A match held by one edge is a view of that node's slot bytes (no copy); one spanning
+    edges is a fresh buffer. Either way a held ``slots`` keeps its values after later splits
+    (by a match and by an insert), a partial eviction that splits its edge, a full eviction,
+    new inserts reusing the freed slots, and reset."""
+    ps = page_size
+    with token_keys.use_python_path() if python_path else contextlib.nullcontext():
+        t = RadixCache(ps)
+        alloc = SlotAllocator(64, ps)
+        toks = list(range(100, 132))
+        t.insert(toks, alloc.alloc(32))
+        whole = t.match_prefix(toks)
+        want = whole.slots.tolist()
+        assert len(want) == 32 and whole.node.parent is t.root.children[None]
+        assert whole.slots.data_ptr() == _bytes_address(whole.node.value)  # shared, not copied
+        head = t.match_prefix(toks[:16] + [7] * 4)  # splits the edge after 16 tokens
+        assert head.slots.tolist() == want[:16] and head.node.value is not whole.node.value
+        assert head.slots.data_ptr() == _bytes_address(head.node.value)  # the split's new upper
+        dup = alloc.alloc(32)
+        assert t.insert(toks[:24] + [5] * 8, dup) == 24  # splits the lower part at 24
+        alloc.free(dup[:24])
+        deep = t.match_prefix(toks)  # three edges now: a fresh buffer
+        assert deep.slots.tolist() == want and deep.node.parent.parent.parent is t.root.children[None]
+        views = [(whole.slots, want), (head.slots, want[:16]), (deep.slots, want)]
+        t.match_prefix(toks[:24] + [5] * 8)  # now the views' last edge is the LRU leaf
+        freed = t.evict(ps)  # frees its tail page, splitting it
+        assert freed.tolist() == want[-ps:] and t.total_size() == 40 - ps
+        alloc.free(freed)
+        for v, w in views:
+            assert v.tolist() == w
+        alloc.free(t.evict(t.total_size()))
+        assert t.total_size() == 0
+        t.insert(list(range(200, 264)), alloc.alloc(64))  # every slot again, the views' too
+        again = t.match_prefix(list(range(200, 264)))
+        assert sorted(again.slots.tolist()) == list(range(64))
+        alloc.free(t.reset())
+        for v, w in views:
+            assert v.tolist() == w
+        t.check_integrity()

@@ -49,7 +49,9 @@ class MatchResult(NamedTuple):
 
     Attributes:
         slots: 1-D int64 slot array (a CPU tensor when torch imports), the KV slot of every
-            matched token, in order.
+            matched token, in order. Read-only: it may share memory with the cache's own
+            record (the radix tree hands out a view of an edge's slot bytes when one edge holds
+            the match); it never changes after the call; ``.clone()`` it before writing.
         length: number of matched tokens (``== len(slots)``); a multiple of ``page_size``.
         node: opaque handle of the deepest cached entry ending exactly at ``length``; pass it to
             ``inc_lock_ref`` / ``dec_lock_ref``. For the radix tree it is a tree node (the root

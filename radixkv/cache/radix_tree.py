@@ -16,8 +16,10 @@ Representation (docs/cache.md has the measurements behind it):
 * the descent runs in the C helper ``radixkv.cache._cprefix`` when it is built, else in pure
   Python (same results; see :mod:`radixkv.cache.token_keys`): ``match_walk`` reads a query's
   list of ints in place (no packed copy), compares whole edges, validates every token before it
-  touches the tree, and copies the matched slots into one ``bytearray`` that becomes the result
-  tensor (``torch.frombuffer``); ``insert_walk`` returns, with the descent, the new leaf's key
+  touches the tree, and hands back the matched slots: the node's own ``value`` bytes when one
+  edge holds them all (the result tensor is a read-only view of them: an edge's bytes are never
+  written, splits and evictions make new ones), else one ``bytearray`` they are copied into
+  (``torch.frombuffer`` either way); ``insert_walk`` returns, with the descent, the new leaf's key
   and its slots read straight from the caller's tensor memory;
 * the evictable leaves (no children, ``lock_ref == 0``) are kept, incrementally, in two ordered
   containers: a node enters when it becomes an unlocked leaf and leaves when it gets a child, is
@@ -232,17 +234,22 @@ class RadixCache:
 
     # ------------------------------------------------------------------ lookup / insertion
 
-    def _split(self, node: TreeNode, m: int) -> TreeNode:
+    def _split(self, node: TreeNode, m: int, upper_value: Optional[bytes] = None) -> TreeNode:
         """Cuts ``node``'s edge after ``m`` tokens; returns the new upper node.
 
         ``node`` keeps the lower part, its children, lock_ref, last_access and LRU entry, so
-        handles to it stay valid and still cover the same tokens.
+        handles to it stay valid and still cover the same tokens. Both parts get new ``key`` /
+        ``value`` bytes (the old ones are never changed: a slot view of them stays as it was);
+        ``upper_value``, when given, is the upper part's value already cut (``bytes`` of the
+        first ``m`` slots).
         """
         pb = self._page_bytes
         parent = node.parent
         key = node.key
         value = node.value
-        upper = TreeNode(key[: m << 2], value[: m << 3], parent, node.namespace, node.last_access)
+        if upper_value is None:
+            upper_value = value[: m << 3]
+        upper = TreeNode(key[: m << 2], upper_value, parent, node.namespace, node.last_access)
         upper.lock_ref = node.lock_ref
         upper.hits = node.hits
         parent.children[key[:pb]] = upper
@@ -265,9 +272,17 @@ class RadixCache:
             namespace: any hashable; only sequences inserted with an equal namespace match.
 
         Returns:
-            :class:`MatchResult`: ``slots`` (1-D int64 CPU tensor, a fresh copy), ``length``
-            (``len(tokens)`` floored to ``page_size`` at most, a multiple of it) and ``node``
-            (the tree root when nothing matched; locking the root is a no-op).
+            :class:`MatchResult`: ``slots`` (1-D int64 CPU tensor of ``length`` slots),
+            ``length`` (``len(tokens)`` floored to ``page_size`` at most, a multiple of it) and
+            ``node`` (the tree root when nothing matched; locking the root is a no-op).
+
+            ``slots`` is read-only and never changes: when one edge holds the whole match it is
+            a view of that node's slot bytes (no copy; a 32k-token hit reads 256 KB less),
+            else of a fresh buffer. The tree never writes into an edge's slot bytes (a split,
+            an insert, an eviction or :meth:`reset` makes new ones), so a held ``slots`` keeps
+            its values after any later call, and keeps those bytes alive (8 bytes a token)
+            while it lives. Do not write into it (torch has no read-only tensors; writing
+            would change the cache's own record of those slots): ``.clone()`` it first.
 
         Raises:
             ValueError: ``tokens`` is not 1-D integer or holds an id outside int32.
@@ -284,8 +299,8 @@ class RadixCache:
         except token_keys.NotAnInt:  # numpy integers etc. in a list: convert, then walk
             q = token_keys.int_tokens_for_retry(q)
             node, pos, buf, child, m = token_keys.match_walk(ns_root, q, self.page_size, tick)
-        if child is not None:
-            node = self._split(child, m)
+        if child is not None:  # buf: the split's upper slots when they are all of the match
+            node = self._split(child, m, buf if pos == 0 else None)
             node.last_access = tick
             pos += m
         if pos == 0:
@@ -298,7 +313,8 @@ class RadixCache:
             self._lru_new.move_to_end(node.uid)
         elif lru is not None:
             self._lru_refresh(node)
-        # buf: a fresh bytearray of the pos matched int64 slots, which the tensor shares
+        # buf: the pos matched int64 slots, the node's own immutable value bytes when one edge
+        # holds them all (shared, not copied), else a fresh bytearray; the tensor is a view of it
         return _match_result(self._read_slots(buf), pos, node)
 
     def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:

@@ -136,10 +136,13 @@ def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
     :func:`match_walk_py`, same results as the C ``match_walk``).
 
     Returns:
-        ``(node, pos, slots, split_child, m)`` as :func:`walk_py`, plus ``slots``: a new
-        ``bytearray`` of the ``pos + m`` matched int64 slots (every fully matched edge's, then
-        the first ``m`` of ``split_child``'s edge), for ``torch.frombuffer``. (Collected
-        afterwards through the matched nodes' ``parent`` links.)
+        ``(node, pos, slots, split_child, m)`` as :func:`walk_py`, plus ``slots``: the
+        ``pos + m`` matched int64 slots (every fully matched edge's, then the first ``m`` of
+        ``split_child``'s edge), for ``torch.frombuffer``: the matched node's own ``value``
+        (``bytes``, shared) when one edge is fully matched and nothing is split; new ``bytes``
+        of ``split_child``'s first ``m`` slots when only that edge matched (what splitting it
+        makes the upper node's value); ``b""`` for no match; else a new ``bytearray``.
+        (Collected afterwards through the matched nodes' ``parent`` links.)
     """
     end, pos, child, m = walk_py(node, kb, n, page_size, tick)
     values = []
@@ -147,9 +150,15 @@ def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
     while cur is not node:
         values.append(cur.value)
         cur = cur.parent
-    values.reverse()
     if child is not None:
+        if not values:
+            return end, pos, child.value[: m << 3], child, m
+        values.reverse()
         values.append(child.value[: m << 3])
+    elif len(values) <= 1:
+        return end, pos, values[0] if values else b"", child, m
+    else:
+        values.reverse()
     return end, pos, bytearray().join(values), child, m
 
 

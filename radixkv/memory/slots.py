@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -60,13 +61,31 @@ def slot_array(arr: np.ndarray | bytes | bytearray) -> Any:
     return arr
 
 
-def buffer_reader() -> Callable[[bytearray], Any]:
-    """A fast ``f(buf)`` turning a non-empty ``bytearray`` of native int64 into a slot array
-    that shares it (``torch.frombuffer`` or ``numpy.frombuffer``), for hot paths."""
+def buffer_reader() -> Callable[[bytes | bytearray], Any]:
+    """A fast ``f(buf)`` turning a non-empty ``bytes`` / ``bytearray`` of native int64 into a
+    slot array that shares it (``torch.frombuffer`` or ``numpy.frombuffer``; no copy), for hot
+    paths. Over ``bytes`` the result is a read-only view: numpy marks it so, torch cannot (it
+    has no read-only tensors and warns once per process when it is given a read-only buffer;
+    that one warning is taken here, silenced, the first time a reader is made, because the
+    radix tree hands out such views by design: see ``RadixCache.match_prefix``)."""
     torch = _torch_module()
     if torch:
+        _take_readonly_warning(torch)
         return functools.partial(torch.frombuffer, dtype=torch.int64)
     return functools.partial(np.frombuffer, dtype=np.int64)
+
+
+_readonly_warning_taken = False
+
+
+def _take_readonly_warning(torch: Any) -> None:
+    """Lets torch emit its once-per-process "buffer is not writable" warning now, silenced."""
+    global _readonly_warning_taken
+    if not _readonly_warning_taken:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            torch.frombuffer(bytes(8), dtype=torch.int64)
+        _readonly_warning_taken = True
 
 
 def empty_slots() -> Any:
