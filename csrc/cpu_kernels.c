@@ -515,13 +515,12 @@ ukernel_q(const int mr, const int fmt, const float *x, Py_ssize_t ldx, const flo
 
 /* ------------------------------------------------------------------ GEMV (M = 1)
  *
- * One row of X against P panels at a time (P = 2 for the block formats, up to 4 for float32):
- * every output is still one FMA chain over k in order (acc = fma(x_k, w_k, acc), bias added at the
- * end), exactly as the micro-kernel computes it, so the bits are the same; only the chains of P
+ * One row of X against P (up to 4) panels at a time: every output is the same sequence of
+ * operations as in the micro-kernel (float32 panels: one FMA chain over k in order, bias added at
+ * the end; block formats: the factored sum above), so the bits are the same; only the chains of P
  * panels are interleaved, so that the FMA latency (4 cycles) is hidden behind 2P independent
- * chains instead of the micro-kernel's 2 at M = 1. The block formats are decoded in registers
- * (w = fma(q, d, m) or q * d, as dequant_block does: the same float32 weights) instead of
- * through an L1 buffer. */
+ * chains instead of the micro-kernel's 2 at M = 1. The block formats' q are decoded in registers
+ * instead of through an L1 buffer. */
 
 /* Which vector kernels run (set once by cpu_ok, changed by set_isa): ISA_AVX512 when the CPU has
  * AVX-512 F/BW/VL and RADIXKV_KERNELS_ISA is not "avx2", else ISA_AVX2. Only the one-row GEMV has
@@ -720,10 +719,11 @@ panel_at(const pw_header *w, Py_ssize_t pi, const float *bias, float *c)
  *
  * The same GEMV on CPUs with AVX-512 (F, BW, VL; chosen at run time, see rk_isa): one 16-float
  * register holds a panel's 16 outputs, so each k step of a panel is one decode (a Q4_1 byte row
- * is broadcast, zero-extended to 16 lanes and shifted by 0 / 4 per half; Q8_0 sign-extended)
- * and one FMA instead of two of each. The arithmetic is op for op that of gemv_q / gemv_f32:
- * w = fma(q, d, m) (Q4_1) or q * d (Q8_0), acc = fma(x_k, w, acc) over k in order, bias added
- * last, so the bits are the AVX2 path's (and the micro-kernel's). */
+ * is broadcast, zero-extended to 16 lanes, shifted by 0 / 4 per half and looked up as float32 q;
+ * Q8_0 sign-extended and converted) and one FMA instead of two of each. The arithmetic is op for
+ * op that of gemv_q / gemv_f32 (the factored sum; float32: one FMA chain over k), so the bits are
+ * the AVX2 path's (and the micro-kernel's). On Zen 4 (512-bit operations as two 256-bit halves)
+ * it is no faster than the AVX2 form: docs/model.md, "AVX-512 GEMV". */
 
 #define AVX512_TARGET "avx512f,avx512bw,avx512vl,avx2,fma,f16c"
 
@@ -2119,7 +2119,7 @@ silu_cols(const float *gu, float *act, int M, Py_ssize_t I, Py_ssize_t col)
     }
 }
 
-/* All panels of C = X @ W^T (+ bias), shared out in chunks (pairs for one row: the GEMV's P). */
+/* All panels of C = X @ W^T (+ bias), shared out in chunks (groups of 4 for one row: the GEMV's P). */
 static void
 step_gemm(const float *x, const float *xs, int M, Py_ssize_t ldx, const pw_header *w, const float *bias, float *c,
           Py_ssize_t ldc, Py_ssize_t *counter, int n, float *buf)
