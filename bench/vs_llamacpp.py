@@ -478,7 +478,7 @@ def main(argv=None) -> int:
         "threads": args.threads,
         "gguf_name": Path(args.gguf).name,
         "llama_system_info": system_info or "(llama.cpp not run)",
-        "radixkv_kernels": f"AVX2/FMA/F16C float32 kernels on {cpu.threading_mode()} threads; {cpu_flags()}",
+        "radixkv_kernels": f"float32 kernels (GEMV ISA {cpu.isa()}) on {cpu.threading_mode()} threads; {cpu_flags()}",
     }
     single = single_stream(args) if "single" in parts else None
     server = server_replay(args) if "server" in parts else None

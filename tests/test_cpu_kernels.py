@@ -77,8 +77,10 @@ def _q8_0_weight(n, k, g):
 @pytest.mark.parametrize("fmt, make", [("q4_1", _q4_1_weight), ("q8_0", _q8_0_weight)])
 @pytest.mark.parametrize("n, k", [(16, 32), (40, 64), (37, 160), (960, 576), (100, 1536)])
 def test_block_formats_are_lossless(fmt, make, n, k):
-    """A weight in Q4_1 / Q8_0 form packs into that format (6.4x / 3.8x fewer bytes) and every
-    GEMM gives exactly the bits of the float32 packing, for each row count and tail."""
+    """A weight in Q4_1 / Q8_0 form packs into that format (6.4x / 3.8x fewer bytes) and holds its
+    values exactly: a one-hot x gives every weight back bit for bit. Each GEMM sums with the block
+    scale factored out (csrc/cpu_kernels.c, "the factored sum"), so it is held to float64, not to
+    the float32 packing's bits."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w = make(n, k, g)
     packed, plain = ck.PackedWeight(w), ck.PackedWeight(w, ("f32",))
@@ -87,11 +89,14 @@ def test_block_formats_are_lossless(fmt, make, n, k):
     assert packed.nbytes == 64 + panels * (k // 32) * (320 if fmt == "q4_1" else 544)  # 5 / 8.5 bits a weight
     assert plain.nbytes == 64 + panels * k * 64
     b = torch.randn(n, generator=g)
+    eye = torch.eye(k)
+    assert torch.equal(ck.packed_linear(eye, packed), w.T)  # the micro-kernel
+    assert all(torch.equal(ck.packed_linear(eye[i : i + 1], packed)[0], w[:, i]) for i in (0, 1, k // 2, k - 1))
     for m in (1, 5, 6, 7, 16, 17, 64):
         x = torch.randn(m, k, generator=g)
         got = ck.packed_linear(x, packed, b)
-        assert torch.equal(got, ck.packed_linear(x, plain, b)), m
         torch.testing.assert_close(got.double(), _f64_linear(x, w, b), atol=2e-5 * k**0.5, rtol=0)
+        torch.testing.assert_close(got, ck.packed_linear(x, plain, b), atol=2e-5 * k**0.5, rtol=0)
 
 
 def test_gguf_dequantized_weights_pack_in_their_block_format():
@@ -108,8 +113,9 @@ def test_gguf_dequantized_weights_pack_in_their_block_format():
         deq = torch.from_numpy(gq.dequantize(gq.quantize(src.numpy(), qtype), qtype).copy()).float()
         packed = ck.PackedWeight(deq)
         assert packed.format == fmt
-        x = torch.randn(16, 256, generator=g)
-        assert torch.equal(ck.packed_linear(x, packed), ck.packed_linear(x, ck.PackedWeight(deq, ("f32",))))
+        eye = torch.eye(256)
+        assert torch.equal(ck.packed_linear(eye, packed), deq.T)  # every value recovered bit for bit
+        assert torch.equal(ck.packed_linear(eye[7:8], packed)[0], deq[:, 7])  # the one-row GEMV too
 
 
 def test_block_formats_refuse_weights_they_cannot_hold_exactly():

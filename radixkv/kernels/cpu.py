@@ -6,7 +6,7 @@ extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use tor
 * :class:`PackedWeight` + :func:`packed_linear`: ``x @ W.T (+ bias)`` with ``W`` repacked once
   into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS), stored in
   float32 or, when its values are exactly GGUF Q4_1 / Q8_0 block values, in that block form
-  (lossless: same bits out). docs/model.md has its speed against MKL and ``F.linear``.
+  (lossless: the same weights, summed with the block scale factored out). docs/model.md has its speed against MKL and ``F.linear``.
 * :func:`paged_attention`: causal paged attention in FlashInfer's semantics (bottom-right
   aligned) for a set of requests, reading K/V straight from the pool through the page table.
 * :func:`add_rms_norm`, :func:`rope_`, :func:`silu_mul`: the decoder's elementwise steps.
@@ -188,10 +188,13 @@ class PackedWeight:
       1.06 bytes a weight.
 
     A block format is used only when every weight decodes to exactly its float32 value
-    (bit for bit; checked here while packing), so a GEMM gives the same bits in every format:
-    the kernel decodes each block to float32 in L1 and runs the float32 micro-kernel on it. The
-    default model's weights come from a Q4_1/Q8_0 GGUF file, so its packed copy is 96 MB, not 540.
-    (Bit-exactness assumes the default round-to-nearest float mode, as torch and numpy do.)
+    (bit for bit; checked here while packing). A GEMM over a block format sums each block of 32
+    ``k`` as ``t = x . q`` and adds ``t * d`` (+ ``m * sum(x)``) per block: one FMA per weight instead
+    of a decode and an FMA. That is the same value as the float32 panels' sum over the decoded
+    weights but not the same rounding (ulps apart); it is the same bits for any row count, thread
+    count and ISA, and a one-hot ``x`` gives every weight back exactly. The default model's weights
+    come from a Q4_1/Q8_0 GGUF file, so its packed copy is 96 MB, not 540. (Bit-exactness
+    assumes the default round-to-nearest float mode, as torch and numpy do.)
 
     Args:
         weight: ``[N, K]`` float32 CPU tensor (any strides).
