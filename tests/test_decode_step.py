@@ -148,6 +148,19 @@ def test_plan_follows_weight_changes_and_replacements():
     third, ref3 = logits_both()
     assert (third - second).abs().max() > 1e-3
     torch.testing.assert_close(third, ref3, atol=1e-4, rtol=0)
+    up = model.model.layers[1].mlp.gate_up_proj.weight
+    version = up._version
+    up.data = up.detach() * -1  # ``.data =``: neither the epoch nor _version moves, data_ptr does
+    assert up._version == version
+    fourth, ref4 = logits_both()
+    assert (fourth - third).abs().max() > 1e-3
+    torch.testing.assert_close(fourth, ref4, atol=1e-4, rtol=0)
+    with torch.no_grad():  # two in-place edits on two weights: the version sum moves by 2
+        model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+        model.model.layers[1].self_attn.qkv_proj.weight.mul_(2)
+    fifth, ref5 = logits_both()
+    assert (fifth - fourth).abs().max() > 1e-3
+    torch.testing.assert_close(fifth, ref5, atol=1e-4, rtol=0)
 
 
 def test_bad_values_are_refused_before_anything_is_written():

@@ -75,3 +75,21 @@ def test_req_to_token_pool_write_bounds():
         pool.write(row, 6, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="max_running_requests"):
         ReqToTokenPool(0, 8)
+
+
+def test_req_to_token_pool_write_casts_like_torch():
+    """The CPU write goes through a numpy view: int64 slots land as int32 exactly as torch's cast
+    gives them (also a read-only view's slots, as the radix tree hands out), other rows untouched."""
+    pool = ReqToTokenPool(3, 16)
+    pool.write(1, 0, torch.arange(5, 21))
+    slots = torch.tensor([2**31 + 3, -1, 2**33 + 7, 0], dtype=torch.int64)
+    pool.write(2, 4, slots)
+    assert pool.req_to_token[2, 4:8].tolist() == slots.to(torch.int32).tolist()
+    assert pool.req_to_token[1].tolist() == list(range(5, 21))
+    view = torch.frombuffer(bytearray(torch.tensor([9, 10, 11]).numpy().tobytes()), dtype=torch.int64)
+    pool.write(0, 13, view)
+    assert pool.req_to_token[0, 13:].tolist() == [9, 10, 11]
+    assert pool.req_to_token[0, :13].tolist() == [0] * 13
+    pool.write(0, 16, torch.empty(0, dtype=torch.int64))  # an empty write at the end is fine
+    with pytest.raises(IndexError):
+        pool.write(3, 0, torch.tensor([1]))

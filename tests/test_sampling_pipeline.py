@@ -283,3 +283,26 @@ def test_best_allowed_token_reads_the_bitmask():
     words[0] = 1 << 2  # only the NaN token: still allowed, the first allowed one
     assert _best_allowed(row, words) == 2
     assert _best_allowed(row, torch.zeros(2, dtype=torch.int32)) is None
+
+
+def test_all_greedy_argmax_matches_torch_ties_nan_inf():
+    """An all-greedy batch takes numpy's argmax of the rows: the same index as torch.argmax on
+    ties (the first), NaN (the first NaN), all -inf, +inf ties, and random rows."""
+    from radixkv.sampling.sampler import sample
+
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        [1.0, 3.0, 3.0, 2.0],
+        [1.0, float("nan"), 5.0, float("nan")],
+        [float("-inf")] * 4,
+        [0.0, float("inf"), 1.0, float("inf")],
+        [-0.0, 0.0, -1.0, 0.0],
+    ]
+    logits = torch.tensor(rows)
+    params = [SamplingParams(temperature=0.0)] * len(rows)
+    assert sample(logits, params, [None] * len(rows)) == torch.argmax(logits, dim=-1).tolist() == [1, 1, 0, 1, 0]
+    big = torch.randn(7, 49152, generator=g)
+    big[3, 100] = big[3, 40000] = big[3].max() + 1  # a tie far apart
+    got = sample(big, [SamplingParams(temperature=0.0)] * 7, [None] * 7)
+    assert got == torch.argmax(big, dim=-1).tolist() and got[3] == 100
+    assert all(type(t) is int for t in got)

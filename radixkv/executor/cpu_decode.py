@@ -209,10 +209,13 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ the plan
     def _still_valid(self) -> bool:
+        # A tensor's ``_version`` only grows (every in-place op adds 1), so the sum over the
+        # packed weights' sources equals the one taken at build time exactly when none changed;
+        # a ``.data =`` assignment leaves ``_version`` alone but moves ``data_ptr``.
         return (
             self._epoch == weights_epoch()
+            and sum(map(_version, self._packed_src)) == self._versions
             and list(map(_data_ptr, self._tensors)) == self._ptrs
-            and list(map(_version, self._packed_src)) == self._versions
         )
 
     def _build(self):
@@ -283,7 +286,7 @@ class DecodeStep:
         self._plan, self._keep = plan, (keep, embed, r2t, pool)
         self._tensors, self._packed_src = tensors, packed_src
         self._ptrs = list(map(_data_ptr, tensors))
-        self._versions = list(map(_version, packed_src))
+        self._versions = sum(map(_version, packed_src))
         self._epoch = weights_epoch()
         self._rope_len = 0
         return plan

@@ -85,6 +85,10 @@ def sample(
     out: List[int] = [0] * len(params)
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy_rows) == len(params):  # all greedy (the common batch-1 case): no copy of the rows
+        if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+            # numpy's argmax: the same index as torch.argmax (the first maximum; a NaN counts as
+            # the maximum, the first NaN wins), single-threaded and ~3x faster on one vocab row
+            return logits.numpy().argmax(axis=-1).tolist()
         return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
     if greedy_rows:
         ids = torch.argmax(logits[greedy_rows], dim=-1).tolist()
