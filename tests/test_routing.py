@@ -275,6 +275,33 @@ def test_simulator_views_mirror_every_replica_tree_and_cache_events_beats_round_
     assert res["cache_events"]["hit_rate"] <= hit and res["cache_events"]["requests"] == len(reqs)
 
 
+
+def test_simulator_seed_means_and_targets_over_seeds():
+    sys.path.insert(0, str(ROOT))
+    from bench.sim_routing import seed_means, targets
+
+    def run(pol, seed, hit, p99, imb):
+        return dict(replicas=2, policy=pol, seed=seed, hit_rate=hit, prefill_tokens=round(1000 * (1 - hit)),
+                    imbalance=imb, ttft_p50_s=p99 / 10, ttft_p99_s=p99)
+
+    runs = [run("cache_events", 0, 0.80, 1.0, 1.02), run("cache_events", 1, 0.70, 3.0, 1.10),
+            run("least_load", 0, 0.60, 2.0, 1.01), run("least_load", 1, 0.50, 2.5, 1.03),
+            run("bound", 0, 0.81, 0.5, 1.0), run("bound", 1, 0.81, 0.7, 1.0)]
+    m = {r["policy"]: r for r in seed_means(runs)}
+    assert [r["policy"] for r in seed_means(runs)] == ["bound", "cache_events", "least_load"]
+    ce = m["cache_events"]
+    assert ce["seeds"] == [0, 1] and ce["hit_rate"] == pytest.approx(0.75) and ce["ttft_p99_s"] == pytest.approx(2.0)
+    assert ce["imbalance"] == 1.10 and ce["prefill_tokens"] == pytest.approx(250.0)
+    assert m["least_load"]["ttft_p99_s"] == pytest.approx(2.25)
+    out = {"traces": {"t": {"runs": runs, "means": seed_means(runs)}}}
+    rows = [ln for ln in targets(out).splitlines() if ln.startswith("| t |")]
+    # per seed: +20 / +20 points over least_load, p99 -50% / +20%; the mean: +20 points, 2.0 / 2.25 s = -11.1%
+    assert rows == [
+        "| t | 2 | 0 | +20.000 | least_load | -50.0% | 1.020 | -1.00 |",
+        "| t | 2 | 1 | +20.000 | least_load | +20.0% | 1.100 | -11.00 |",
+        "| t | 2 | mean | +20.000 | least_load | -11.1% | 1.100 | -6.00 |",
+    ]
+
 # ---------------------------------------------------------------------------- resuming after a replica died
 def _stream(eng, prompt, params):
     """One request's cumulative snapshots on a fake-runner engine."""
