@@ -562,7 +562,10 @@ def seed_means(runs: list[dict]) -> list[dict]:
 def targets(out: dict, policy: str = "cache_events") -> str:
     """The issue's targets for ``policy``, per seed and on the means: hit rate minus the best other
     policy's (points), TTFT p99 against least_load's, imbalance, hit rate minus the bound's."""
-    lines = ["", f"targets for {policy}: hit - best other (pt) [who] | p99 vs least_load | imbalance | hit - bound (pt)"]
+    lines = [
+        "",
+        f"targets for {policy}: hit - best other (pt) [who] | p99 vs least_load | imbalance | hit - bound (pt)",
+    ]
     lines.append("| trace | N | seed | hit - best other | best other | p99 vs least_load | imbalance | hit - bound |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for name, tr in out["traces"].items():
@@ -595,7 +598,11 @@ def summary(out: dict) -> str:
     lines = []
     for name, tr in out["traces"].items():
         multi = len({r.get("seed", 0) for r in tr["runs"]}) > 1
-        lines.append(f"\n{name} (infinite-cache hit {tr['info']['infinite_hit_rate']:.3f})" + (", means over seeds" if multi else "") + "\n")
+        lines.append(
+            f"\n{name} (infinite-cache hit {tr['info']['infinite_hit_rate']:.3f})"
+            + (", means over seeds" if multi else "")
+            + "\n"
+        )
         lines.append("| N | policy | hit rate | prefill tokens | imbalance | TTFT p50 (s) | TTFT p99 (s) |")
         lines.append("|---|---|---|---|---|---|---|")
         rows = tr.get("means") if multi and tr.get("means") else tr["runs"]
@@ -626,7 +633,9 @@ def plot(out: dict, path: Path | None = None) -> Path:
             axes[0][col].plot(xs, [r["hit_rate"] for r in rs], label=p, **style)
             if p != "bound":
                 axes[1][col].plot(xs, [r["ttft_p99_s"] for r in rs], label=p, **style)
-        axes[0][col].set_title(f"{name}: hit rate" + (" (mean over seeds)" if len(out["settings"].get("seeds") or [0]) > 1 else ""))
+        axes[0][col].set_title(
+            f"{name}: hit rate" + (" (mean over seeds)" if len(out["settings"].get("seeds") or [0]) > 1 else "")
+        )
         axes[1][col].set_title(f"{name}: TTFT p99 (s, simulated)")
         axes[1][col].set_yscale("log")
         for ax in (axes[0][col], axes[1][col]):
