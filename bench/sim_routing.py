@@ -23,10 +23,16 @@ Model (no model runs):
 
 Metrics per (trace, N, policy): hit rate (cached / prompt tokens), prefill tokens computed,
 load imbalance (max / mean busy time over replicas), TTFT p50 / p99, the router's decisions.
+With ``--seeds``, every policy and the bound run on each arrival seed (a seed fixes the
+Poisson arrivals, identical for every policy, and the policies' random tie-breaks); each run
+records its ``seed``, and ``traces[name]["means"]`` holds per (N, policy) the mean hit rate,
+prefill tokens and TTFT p50 / p99 over the seeds (the mean of the per-seed percentiles) and the
+worst imbalance; :func:`targets` prints the issue's targets per seed and on the means.
 
 Usage::
 
-    python bench/sim_routing.py                               # the committed run (~15 min, 2 cores)
+    python bench/sim_routing.py --check --plot --seeds 0 1 2 3 4   # the committed run (45 s, 2 cores)
+    python bench/sim_routing.py --seed 1                      # one arrival seed
     python bench/sim_routing.py --traces gsp --replicas 4 --policies cache_events least_load
     python bench/sim_routing.py --check --plot --policies cache_events --reuse bench/results/sim_routing_X.json
 
@@ -402,7 +408,16 @@ def main(argv=None) -> int:
     ap.add_argument("--t-prefill", type=float, default=1e-4)
     ap.add_argument("--t-decode", type=float, default=1e-3)
     ap.add_argument("--set", nargs="*", default=[], help="cache_events options, NAME=VALUE (floats)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the arrival seed (one seed; see --seeds)")
+    ap.add_argument(
+        "--seeds",
+        nargs="+",
+        type=int,
+        default=None,
+        help="run every policy and the bound on each of these arrival seeds (the same arrivals for "
+        "every policy of a seed); the result adds per (N, policy) the mean over seeds (hit rate, TTFT "
+        "p50 / p99 of the per-seed figures) and the worst imbalance",
+    )
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--check", action="store_true", help="assert that the router's views mirror the trees")
     ap.add_argument("--out", type=Path, default=None)
@@ -417,6 +432,7 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
     ce_kw = {k: float(v) for k, v in (s.split("=", 1) for s in args.set)}
+    seeds = args.seeds if args.seeds else [args.seed]
 
     t_start = time.time()
     specs = trace_specs(args)
@@ -440,10 +456,10 @@ def main(argv=None) -> int:
                 f"working set {info['working_set']}, infinite-cache hit {info['infinite_hit_rate']:.4f}",
                 flush=True,
             )
-            for nr in args.replicas:
+            for nr, seed in ((nr, sd) for nr in args.replicas for sd in seeds):
                 cap = max(4096, int(args.capacity_fraction * info["working_set"] / nr))
                 rate = args.rho * nr / mean_s
-                base = dict(trace=name, trace_kw=specs[name], replicas=nr, capacity=cap, rate=rate, seed=args.seed)
+                base = dict(trace=name, trace_kw=specs[name], replicas=nr, capacity=cap, rate=rate, seed=seed)
                 base.update(think=args.think, event_lag=args.event_lag, check=args.check)
                 for p in args.policies:
                     jobs.append(
@@ -458,17 +474,20 @@ def main(argv=None) -> int:
                 )
         for a, res in zip(jobs, ex.map(_job, jobs)):
             res["rate_per_s"] = a["rate"]
+            res["seed"] = a["seed"]
             if a.get("label") == "bound":
                 res["replicas"] = a["bound_for"]
                 res["policy"] = "bound"
             results[a["trace"]]["runs"].append(res)
             print(
-                f"[{time.time() - t_start:5.0f}s] {res['trace']:10s} N={res['replicas']} {res['policy']:12s} "
+                f"[{time.time() - t_start:5.0f}s] {res['trace']:10s} N={res['replicas']} s{res['seed']} {res['policy']:12s} "
                 f"hit {res['hit_rate']:.4f} prefill {res['prefill_tokens']:>10d} imb {res['imbalance']:.3f} "
                 f"ttft p50 {res['ttft_p50_s']:.3f} p99 {res['ttft_p99_s']:.3f} ({res['seconds']}s)",
                 flush=True,
             )
-    reused = _reuse(args, results) if args.reuse is not None else None
+    reused = _reuse(args, results, seeds) if args.reuse is not None else None
+    for tr in results.values():
+        tr["means"] = seed_means(tr["runs"])
     out = dict(
         kind="sim_routing",
         reused_from=reused,
@@ -476,7 +495,7 @@ def main(argv=None) -> int:
         argv=sys.argv[1:] if argv is None else argv,
         seconds=round(time.time() - t_start, 1),
         machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version()),
-        settings=dict(vars(args), out=None),
+        settings=dict(vars(args), out=None, seeds=seeds),
         cache_events_options=ce_kw,
         traces=results,
     )
@@ -486,21 +505,25 @@ def main(argv=None) -> int:
     path.write_text(json.dumps(out, indent=1, default=str))
     print(f"wrote {path} in {time.time() - t_start:.0f}s")
     print(summary(out))
+    print(targets(out))
     if args.plot:
         print("plot:", plot(out))
     return 0
 
 
 _SAME = ("replicas", "capacity_fraction", "rho", "think", "event_lag", "conversations", "concurrency", "max_context")
-_SAME += ("few_shot", "gsp_groups", "t_fixed", "t_prefill", "t_decode", "seed")
+_SAME += ("few_shot", "gsp_groups", "t_fixed", "t_prefill", "t_decode")
 
 
-def _reuse(args, results: dict) -> dict:
+def _reuse(args, results: dict, seeds: list[int]) -> dict:
     """Copy ``args.reuse``'s runs of the policies not run now (and the bound) into ``results``."""
     old = json.loads(args.reuse.read_text())
     for k in _SAME:
         if old["settings"][k] != getattr(args, k):
             raise SystemExit(f"--reuse: {args.reuse} ran {k}={old['settings'][k]}, not {getattr(args, k)}")
+    old_seeds = old["settings"].get("seeds") or [old["settings"]["seed"]]
+    if old_seeds != seeds:
+        raise SystemExit(f"--reuse: {args.reuse} ran seeds {old_seeds}, not {seeds}")
     for name, tr in results.items():
         if name not in old["traces"] or old["traces"][name]["params"] != tr["params"]:
             raise SystemExit(f"--reuse: {args.reuse} has no run of trace {name} with these parameters")
@@ -512,16 +535,80 @@ def _reuse(args, results: dict) -> dict:
     )
 
 
+def seed_means(runs: list[dict]) -> list[dict]:
+    """Per (N, policy) over its seeds: the mean hit rate, prefill tokens, TTFT p50 / p99 (the mean
+    of the per-seed percentiles) and the worst (largest) imbalance."""
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["replicas"], r["policy"]), []).append(r)
+    out = []
+    for (nr, pol), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] != "bound", kv[0][1])):
+        k = len(rs)
+        out.append(
+            dict(
+                replicas=nr,
+                policy=pol,
+                seeds=sorted(r.get("seed", 0) for r in rs),
+                hit_rate=sum(r["hit_rate"] for r in rs) / k,
+                prefill_tokens=sum(r["prefill_tokens"] for r in rs) / k,
+                imbalance=max(r["imbalance"] for r in rs),
+                ttft_p50_s=sum(r["ttft_p50_s"] for r in rs) / k,
+                ttft_p99_s=sum(r["ttft_p99_s"] for r in rs) / k,
+            )
+        )
+    return out
+
+
+def targets(out: dict, policy: str = "cache_events") -> str:
+    """The issue's targets for ``policy``, per seed and on the means: hit rate minus the best other
+    policy's (points), TTFT p99 against least_load's, imbalance, hit rate minus the bound's."""
+    lines = [
+        "",
+        f"targets for {policy}: hit - best other (pt) [who] | p99 vs least_load | imbalance | hit - bound (pt)",
+    ]
+    lines.append("| trace | N | seed | hit - best other | best other | p99 vs least_load | imbalance | hit - bound |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for name, tr in out["traces"].items():
+        by_seed: dict = {}
+        for r in tr["runs"]:
+            by_seed.setdefault((r["replicas"], r.get("seed", 0)), {})[r["policy"]] = r
+        rows = [((nr, sd), pols) for (nr, sd), pols in sorted(by_seed.items())]
+        for nr in sorted({k[0] for k, _ in rows}):
+            means = {m["policy"]: m for m in tr.get("means", ()) if m["replicas"] == nr}
+            for label, pols in [(str(sd), p) for (n2, sd), p in rows if n2 == nr] + [("mean", means)]:
+                me = pols.get(policy)
+                others = {p: r for p, r in pols.items() if p not in (policy, "bound")}
+                if me is None or not others:
+                    continue
+                best = max(others, key=lambda p: others[p]["hit_rate"])
+                ll = others.get("least_load")
+                p99 = f"{100 * (me['ttft_p99_s'] / ll['ttft_p99_s'] - 1):+.1f}%" if ll else "-"
+                bd = pols.get("bound")
+                gap = f"{100 * (me['hit_rate'] - bd['hit_rate']):+.2f}" if bd else "-"
+                lines.append(
+                    f"| {name} | {nr} | {label} | {100 * (me['hit_rate'] - others[best]['hit_rate']):+.3f} | {best} | "
+                    f"{p99} | {me['imbalance']:.3f} | {gap} |"
+                )
+    return "\n".join(lines)
+
+
 def summary(out: dict) -> str:
-    """A markdown table per trace: policy rows x N columns of hit rate / imbalance / TTFT p99."""
+    """A markdown table per trace: policy rows x N columns of hit rate / imbalance / TTFT p99 (with
+    several seeds: the means over seeds, imbalance the worst seed's)."""
     lines = []
     for name, tr in out["traces"].items():
-        lines.append(f"\n{name} (infinite-cache hit {tr['info']['infinite_hit_rate']:.3f})\n")
+        multi = len({r.get("seed", 0) for r in tr["runs"]}) > 1
+        lines.append(
+            f"\n{name} (infinite-cache hit {tr['info']['infinite_hit_rate']:.3f})"
+            + (", means over seeds" if multi else "")
+            + "\n"
+        )
         lines.append("| N | policy | hit rate | prefill tokens | imbalance | TTFT p50 (s) | TTFT p99 (s) |")
         lines.append("|---|---|---|---|---|---|---|")
-        for r in sorted(tr["runs"], key=lambda r: (r["replicas"], r["policy"] != "bound", r["policy"])):
+        rows = tr.get("means") if multi and tr.get("means") else tr["runs"]
+        for r in sorted(rows, key=lambda r: (r["replicas"], r["policy"] != "bound", r["policy"])):
             lines.append(
-                f"| {r['replicas']} | {r['policy']} | {r['hit_rate']:.4f} | {r['prefill_tokens']} | "
+                f"| {r['replicas']} | {r['policy']} | {r['hit_rate']:.4f} | {round(r['prefill_tokens'])} | "
                 f"{r['imbalance']:.3f} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} |"
             )
     return "\n".join(lines)
@@ -537,7 +624,7 @@ def plot(out: dict, path: Path | None = None) -> Path:
     traces = list(out["traces"])
     fig, axes = plt.subplots(2, len(traces), figsize=(4.6 * len(traces), 7.5), squeeze=False)
     for col, name in enumerate(traces):
-        runs = out["traces"][name]["runs"]
+        runs = out["traces"][name].get("means") or out["traces"][name]["runs"]
         pols = sorted({r["policy"] for r in runs}, key=lambda p: (p == "bound", p))
         for p in pols:
             rs = sorted((r for r in runs if r["policy"] == p), key=lambda r: r["replicas"])
@@ -546,7 +633,9 @@ def plot(out: dict, path: Path | None = None) -> Path:
             axes[0][col].plot(xs, [r["hit_rate"] for r in rs], label=p, **style)
             if p != "bound":
                 axes[1][col].plot(xs, [r["ttft_p99_s"] for r in rs], label=p, **style)
-        axes[0][col].set_title(f"{name}: hit rate")
+        axes[0][col].set_title(
+            f"{name}: hit rate" + (" (mean over seeds)" if len(out["settings"].get("seeds") or [0]) > 1 else "")
+        )
         axes[1][col].set_title(f"{name}: TTFT p99 (s, simulated)")
         axes[1][col].set_yscale("log")
         for ax in (axes[0][col], axes[1][col]):

@@ -17,6 +17,7 @@ from test_scheduler import VOCAB, greedy, make_engine, run_all
 from radixkv.cache.radix_tree import RadixCache
 from radixkv.engine.publish import CacheEventPublisher
 from radixkv.router import CacheView, RouteRequest, make_policy
+from radixkv.router.policy import Decision
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,6 +239,39 @@ def test_cache_events_spreads_a_hot_prefix_by_load_and_keeps_a_conversation_home
     assert (d.replica, d.cached_tokens) == ("a", 1600)
 
 
+def test_cache_events_sends_a_prefix_cached_nowhere_home_and_spreads_new_prefixes_evenly():
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    A, B, C = list(range(1, 101)), list(range(2001, 2041)), list(range(4001, 4061))
+    da = p.choose(_req("A", A))
+    other = "b" if da.replica == "a" else "a"
+    # a new prefix goes where no prefix lives yet
+    assert p.choose(_req("B", B)) == Decision(other, 0, "miss")
+    for rid in ("A", "B"):
+        p.finished(rid, expire=True)  # never ran: nothing of them is cached anywhere
+    assert p.home_count == {da.replica: 1, other: 1}
+    # each replica is home to one prefix: C goes where fewer new tokens went (B's 40, not A's 100)
+    assert p.choose(_req("C", C)) == Decision(other, 0, "miss")
+    # A is cached nowhere (its replica never reported it): it goes home, whatever the load
+    for i in range(3):
+        p.choose(_req(f"x{i}", list(range(7000 + 100 * i, 7050 + 100 * i))), [da.replica])
+    assert p.loads[da.replica].requests == 3 and p.loads[other].requests == 1
+    assert p.choose(_req("A2", A[:80] + [9, 9])) == Decision(da.replica, 0, "home")
+    # the home is forgotten with its replica, and beyond home_size (least recently routed first)
+    p.remove_replica(other)
+    assert set(p.home.values()) == {da.replica} and p.home_count == {da.replica: 4}
+    q = make_policy("cache_events", seed=0, home_size=2)
+    q.add_replica("a")
+    for rid, toks in (("A", A), ("B", B), ("C", C)):
+        q.choose(_req(rid, toks))
+    assert len(q.home) == 2 and q.home_count == {"a": 2}
+    off = make_policy("cache_events", seed=0, miss_home=0)
+    off.add_replica("a")
+    off.choose(_req("A", A))
+    assert not off.home and not off.home_count
+
+
 def test_router_policies_import_without_torch_or_the_engine():
     code = (
         "import sys\n"
@@ -273,6 +307,46 @@ def test_simulator_views_mirror_every_replica_tree_and_cache_events_beats_round_
     }
     assert res["cache_events"]["hit_rate"] > res["round_robin"]["hit_rate"] + 0.2
     assert res["cache_events"]["hit_rate"] <= hit and res["cache_events"]["requests"] == len(reqs)
+
+
+def test_simulator_seed_means_and_targets_over_seeds():
+    sys.path.insert(0, str(ROOT))
+    from bench.sim_routing import seed_means, targets
+
+    def run(pol, seed, hit, p99, imb):
+        return dict(
+            replicas=2,
+            policy=pol,
+            seed=seed,
+            hit_rate=hit,
+            prefill_tokens=round(1000 * (1 - hit)),
+            imbalance=imb,
+            ttft_p50_s=p99 / 10,
+            ttft_p99_s=p99,
+        )
+
+    runs = [
+        run("cache_events", 0, 0.80, 1.0, 1.02),
+        run("cache_events", 1, 0.70, 3.0, 1.10),
+        run("least_load", 0, 0.60, 2.0, 1.01),
+        run("least_load", 1, 0.50, 2.5, 1.03),
+        run("bound", 0, 0.81, 0.5, 1.0),
+        run("bound", 1, 0.81, 0.7, 1.0),
+    ]
+    m = {r["policy"]: r for r in seed_means(runs)}
+    assert [r["policy"] for r in seed_means(runs)] == ["bound", "cache_events", "least_load"]
+    ce = m["cache_events"]
+    assert ce["seeds"] == [0, 1] and ce["hit_rate"] == pytest.approx(0.75) and ce["ttft_p99_s"] == pytest.approx(2.0)
+    assert ce["imbalance"] == 1.10 and ce["prefill_tokens"] == pytest.approx(250.0)
+    assert m["least_load"]["ttft_p99_s"] == pytest.approx(2.25)
+    out = {"traces": {"t": {"runs": runs, "means": seed_means(runs)}}}
+    rows = [ln for ln in targets(out).splitlines() if ln.startswith("| t |")]
+    # per seed: +20 / +20 points over least_load, p99 -50% / +20%; the mean: +20 points, 2.0 / 2.25 s = -11.1%
+    assert rows == [
+        "| t | 2 | 0 | +20.000 | least_load | -50.0% | 1.020 | -1.00 |",
+        "| t | 2 | 1 | +20.000 | least_load | +20.0% | 1.100 | -11.00 |",
+        "| t | 2 | mean | +20.000 | least_load | -11.1% | 1.100 | -6.00 |",
+    ]
 
 
 # ---------------------------------------------------------------------------- resuming after a replica died

@@ -40,9 +40,14 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   *hot* prefix (a few-shot preamble, the system prompt of new conversations): computing it once
   more on another replica is cheap against the traffic it serves there, so its outstanding
   requests are priced at ``hot_request_tokens`` (the load decides, join-the-shortest-queue
-  like). Optional (``miss_by_volume``, off: measured worse on gsp): a request cached nowhere
-  goes among the replicas sent the fewest uncached prompt tokens so far (SGLang's "smallest
-  tree").
+  like). A request cached nowhere (``miss_home``, on) goes *home*: to the replica its first
+  block was last routed to (the router remembers, for the last ``home_size`` first blocks, where
+  it sent each; it never forgets a prefix because the replica evicted it, as SGLang's
+  approximate trees do not); a first block never seen goes among the replicas that are home to
+  the fewest first blocks, then those sent the fewest uncached prompt tokens so far, so the
+  distinct prefixes partition evenly. Optional (``miss_by_volume``, off: measured worse on gsp
+  without the home rule): a request cached nowhere goes among the replicas sent the fewest
+  uncached prompt tokens so far (SGLang's "smallest tree").
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ import hashlib
 import heapq
 import itertools
 import random
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Optional, Sequence
 
@@ -108,7 +113,8 @@ class RouteRequest:
 @dataclass(frozen=True)
 class Decision:
     """A routing decision: the replica, the cached prompt tokens the policy expects there (0
-    when it does not know), and why (``"cache"``, ``"load"``, ``"miss"``, ``"session"``, ``"turn"``)."""
+    when it does not know), and why (``"cache"``, ``"load"``, ``"miss"``, ``"home"``,
+    ``"session"``, ``"turn"``)."""
 
     replica: str
     cached_tokens: int = 0
@@ -354,6 +360,11 @@ class CacheEvents(Policy):
         hot_request_tokens: ``request_tokens`` for a request on a hot prefix.
         miss_by_volume: nonzero: a request cached nowhere goes among the replicas sent the
             fewest uncached prompt tokens so far.
+        miss_home: nonzero: a request cached nowhere goes to its first block's home replica (the
+            replica that block was last routed to) when that replica is a candidate; a first
+            block with no home goes among the replicas home to the fewest first blocks, then the
+            fewest uncached prompt tokens sent so far (before ``miss_by_volume``).
+        home_size: first blocks whose home is remembered (least recently routed forgotten first).
     """
 
     name = "cache_events"
@@ -371,6 +382,8 @@ class CacheEvents(Policy):
         hot_request_tokens: float = 6000.0,
         hot_min: int = 8,
         miss_by_volume: float = 0.0,
+        miss_home: float = 1.0,
+        home_size: int = 1 << 16,
     ) -> None:
         super().__init__(seed)
         self.load_weight = load_weight
@@ -380,6 +393,10 @@ class CacheEvents(Policy):
         self.hot_request_tokens = hot_request_tokens
         self.hot_min = int(hot_min)
         self.miss_by_volume = bool(miss_by_volume)
+        self.miss_home = bool(miss_home)
+        self.home_size = int(home_size)
+        self.home: OrderedDict = OrderedDict()  # first block digest -> the replica it was last routed to
+        self.home_count: dict[str, int] = {}  # replica -> first blocks it is home to
         self.volume: dict[str, int] = {}  # uncached prompt tokens routed to each replica so far
         self._recent: deque = deque()  # the deepest matched block of the last hot_window requests
         self._recent_counts: dict = {}
@@ -402,6 +419,9 @@ class CacheEvents(Policy):
         self.views.pop(replica, None)
         self.pending.pop(replica, None)
         self.volume.pop(replica, None)
+        self.home_count.pop(replica, None)
+        for g in [g for g, r in self.home.items() if r == replica]:
+            del self.home[g]
         for rid in [r for r, (rep, _) in self._pending_req.items() if rep == replica]:
             del self._pending_req[rid]
 
@@ -456,7 +476,18 @@ class CacheEvents(Policy):
         if top is not None and self._recent_counts.get(top, 0) > self.hot_share * max(len(self._recent), self.hot_min):
             rt = self.hot_request_tokens  # a hot shared prefix: worth holding on every replica
         self._remember(top)
-        if top is None and self.miss_by_volume:
+        if top is None and self.miss_home and digests:
+            c = self.home.get(digests[0])
+            if c in cands:
+                return Decision(c, 0, "home")
+            # a new prefix (or its home is not a candidate): where the fewest prefixes live,
+            # then where the least new content went
+            hc = self.home_count
+            lo = min(hc.get(c, 0) for c in cands)
+            cands = [c for c in cands if hc.get(c, 0) == lo]
+            vol = min(self.volume.get(c, 0) for c in cands)
+            cands = [c for c in cands if self.volume.get(c, 0) == vol]
+        elif top is None and self.miss_by_volume:
             # cached nowhere: new content goes where the least new content went (approx_tree's
             # "smallest tree"), so the distinct prefixes partition evenly over the replicas
             vol = min(self.volume.get(c, 0) for c in cands)
@@ -489,11 +520,27 @@ class CacheEvents(Policy):
         super().record(req, d, now)
         self.volume[d.replica] = self.volume.get(d.replica, 0) + max(req.num_tokens - d.cached_tokens, 0)
         digests = req.digests()
+        if digests and self.miss_home:
+            self._set_home(digests[0], d.replica)
         if digests:
             counts = self.pending[d.replica]
             for g in digests:
                 counts[g] = counts.get(g, 0) + 1
             self._pending_req[req.request_id] = (d.replica, digests)
+
+    def _set_home(self, first: bytes, replica: str) -> None:
+        home, hc = self.home, self.home_count
+        old = home.get(first)
+        if old is not None:
+            home.move_to_end(first)
+            if old == replica:
+                return
+            hc[old] = hc.get(old, 0) - 1
+        home[first] = replica
+        hc[replica] = hc.get(replica, 0) + 1
+        while len(home) > self.home_size:
+            _, r = home.popitem(last=False)
+            hc[r] = hc.get(r, 0) - 1
 
     def finished(self, request_id, now=0.0, expire=False):
         super().finished(request_id, now, expire)
