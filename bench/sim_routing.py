@@ -11,7 +11,9 @@ Model (no model runs):
   sampled token's K/V is never computed), free the duplicates, unlock. Every insertion and
   eviction becomes the cache-event record the engine publishes (:mod:`radixkv.engine.publish`:
   chained 16-token block digests, a gap-free ``seq``), delivered to the router in one batch per
-  request, ``--event-lag`` seconds after the request ends.
+  request, ``--event-lag`` seconds after the request ends; at the end the router is also told
+  the request's output token ids (``Policy.finished(..., output_token_ids=...)``, as the Ray
+  ingress tells the index when it sees the final output).
 * **Service**: one request at a time per replica, FIFO (a simple service-time model):
   ``t_fixed + prefill_tokens * t_prefill + output_tokens * t_decode`` (``t_decode`` is the
   per-token decode cost amortized over a batch); TTFT = queueing + ``t_fixed + prefill_tokens *
@@ -285,7 +287,7 @@ def simulate(
         elif kind == FINISH:
             name, i = payload
             rep = reps[name]
-            policy.finished(str(i), now)
+            policy.finished(str(i), now, output_token_ids=trace.wl.requests[i].reply)
             reqs.pop(i, None)
             push(now + event_lag, DELIVER, (name, rep.take_events()))
             for c in children.get(i, ()):

@@ -164,7 +164,7 @@ def _replica_events(rep, tokens, seq, first=0):
 
 
 def test_cache_events_routes_to_the_exact_prefix_counts_its_own_decisions_at_once_and_balances():
-    p = make_policy("cache_events", seed=0)
+    p = make_policy("cache_events", seed=0, residual=0)  # the plain count (residual: its own test)
     for r in ("a", "b", "c"):
         p.add_replica(r)
     sys_prompt = list(range(1, 1025))
@@ -270,6 +270,82 @@ def test_cache_events_sends_a_prefix_cached_nowhere_home_and_spreads_new_prefixe
     off.add_replica("a")
     off.choose(_req("A", A))
     assert not off.home and not off.home_count
+
+
+def test_cache_events_counts_a_finished_reply_as_held_until_its_events_come():
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    prompt, out = list(range(100, 150)), list(range(500, 540))  # 50 prompt, 40 output tokens
+    d = p.choose(_req("t1", prompt), now=0.0)
+    p.finished("t1", now=1.0, output_token_ids=out)
+    nxt = prompt + out + [7, 8, 9]  # the next turn: the history and a new message
+    # what t1's replica caches (prompt + out[:-1], 89 tokens: 5 whole blocks) counts before any event
+    assert p.choose(_req("t2", nxt), now=1.1) == Decision(d.replica, 80, "cache")
+    p.finished("t2", now=1.2)
+    p.replied("t2", [1] * 33)  # the reply may reach the router after the completion: the same
+    d3 = p.choose(_req("t3", nxt + [1] * 33 + [5]), now=1.3)
+    assert (d3.replica, d3.cached_tokens) == (d.replica, 112)  # nxt + 32 of the reply: 7 blocks
+    assert p.stats()["replies"] == 2
+    p.finished("t3", now=1.4)
+    assert p.choose(_req("t4", nxt + [2]), now=10.0).cached_tokens == 0  # past pending_ttl, no event
+    off = make_policy("cache_events", seed=0, reply_record=0)
+    for r in ("a", "b"):
+        off.add_replica(r)
+    off.choose(_req("t1", prompt), now=0.0)
+    off.finished("t1", now=1.0, output_token_ids=out)
+    assert off.choose(_req("t2", nxt), now=1.1).cached_tokens == 48  # its prompt's 3 blocks only
+
+
+def test_cache_events_credits_the_sub_block_rest_of_a_hot_prefix_it_knows_is_held():
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    shots = list(range(1, 49))  # a 48-token preamble both replicas hold: hot once seen
+    for r, seq in (("a", 1), ("b", 1)):
+        assert not p.on_events(r, _replica_events(r, shots, seq))
+    for i in range(3):  # warm-up questions shorter than a block: hot from the 4th request on
+        p.choose(_req(f"w{i}", shots + [900 + i, 5]), now=0.0)
+        p.finished(f"w{i}", now=0.1, expire=True)
+    x = list(range(2000, 2020))
+    d1 = p.choose(_req("q1", shots + x), now=1.0)  # its block 3 (x[:16]) becomes pending there
+    p.finished("q1", now=1.1)
+    # equal loads: the question sharing 5 tokens of q1's block goes where that block is held,
+    # and the router counts those 5 tokens (the tree matches to the token)
+    d2 = p.choose(_req("q2", shots + x[:5] + list(range(3000, 3020))), now=1.2)
+    assert (d2.replica, d2.cached_tokens) == (d1.replica, 53)
+    p.finished("q2", now=1.3, expire=True)
+    # once q1's block is neither reported nor pending, nothing past the preamble is credited
+    assert p.choose(_req("q3", shots + x[:5] + [7] * 20), now=10.0).cached_tokens == 48
+    off = make_policy("cache_events", seed=0, tail_credit=0)
+    for r in ("a", "b"):
+        off.add_replica(r)
+        off.on_events(r, _replica_events(r, shots, 1))
+    off.choose(_req("q1", shots + x), now=1.0)
+    off.finished("q1", now=1.1)
+    assert off.choose(_req("q2", shots + x[:5] + list(range(3000, 3020))), now=1.2).cached_tokens == 48
+
+
+@pytest.mark.parametrize("durations, pick", [([1.0] * 10, "a"), ([0.1] * 8 + [10.0] * 2, "b")])
+def test_cache_events_prices_a_running_request_by_its_expected_time_left(durations, pick):
+    # "a" has run its request 0.8 s, "b" 0.05 s. Requests that all take 1 s: "a" is nearly done
+    # (0.2 s left against 0.95 s). Mostly 0.1 s with a few 10 s ones: a request still running
+    # after 0.8 s is one of the long ones (9.2 s left against 2.03 s): "b".
+    p = make_policy("cache_events", seed=0, request_tokens=6000, miss_home=0)  # the cost alone
+    for r in ("a", "b"):
+        p.add_replica(r)
+    t = 0.0
+    for i, dur in enumerate(durations):  # one after another on "a": each a whole service time
+        p.choose(_req(f"w{i}", [1000 + i] * 3), ["a"], now=t)
+        t += dur
+        p.finished(f"w{i}", now=t)
+    p.choose(_req("ra", [7] * 40), ["a"], now=100.0)
+    p.choose(_req("rb", [8] * 40), ["b"], now=100.75)
+    assert p.choose(_req("new", [9] * 40), now=100.8).replica == pick
+    mean = durations[0]
+    for dur in durations[1:]:
+        mean = 0.95 * mean + 0.05 * dur
+    assert p.service_s == pytest.approx(mean)  # the mean duration: an EWMA of those seen
 
 
 def test_router_policies_import_without_torch_or_the_engine():

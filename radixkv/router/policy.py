@@ -45,13 +45,26 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   it sent each; it never forgets a prefix because the replica evicted it, as SGLang's
   approximate trees do not); a first block never seen goes among the replicas that are home to
   the fewest first blocks, then those sent the fewest uncached prompt tokens so far, so the
-  distinct prefixes partition evenly. Optional (``miss_by_volume``, off: measured worse on gsp
+  distinct prefixes partition evenly. Three more (on since 2026-12-02 evening; docs/routing.md
+  has the measurements): ``reply_record``: a finished request's ``prompt + output[:-1]`` (what
+  its replica inserts when it ends; the serving layer passes the output token ids to
+  :meth:`CacheEvents.finished` or :meth:`CacheEvents.replied`) counts as held there at once,
+  so a conversation's next turn sent before the replica's events arrive follows its reply;
+  ``tail_credit``: for a hot request, the tokens past its held blocks that a held block this
+  router sent the same replica after the same prefix shares with it (16-token blocks hide
+  shorter overlaps, which the token-level tree still serves; a block in the view is whole, so
+  its every token is cached) count as cached, so among equally loaded replicas the one holding
+  more of it wins; ``residual``: a replica's oldest outstanding request (the running one, FIFO
+  assumed) counts as the share of a mean request it has left, from the mean residual life of
+  the durations seen (:meth:`CacheEvents._left`), so the load term of hot requests prefers the
+  replica about to be free. Optional (``miss_by_volume``, off: measured worse on gsp
   without the home rule): a request cached nowhere goes among the replicas sent the fewest
   uncached prompt tokens so far (SGLang's "smallest tree").
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import itertools
@@ -193,9 +206,13 @@ class Policy:
         load.requests += 1
         load.prefill_tokens += uncached
 
-    def finished(self, request_id: str, now: float = 0.0, expire: bool = False) -> None:
+    def finished(
+        self, request_id: str, now: float = 0.0, expire: bool = False, output_token_ids: Optional[Sequence[int]] = None
+    ) -> None:
         """``request_id`` ended (done, failed or cancelled); unknown ids are ignored. ``expire``:
-        drop what the decision implied at once (a retry, a request that never ran)."""
+        drop what the decision implied at once (a retry, a request that never ran).
+        ``output_token_ids``: the tokens it generated, when known (``cache_events`` counts the
+        blocks of ``prompt + output[:-1]``, what the replica caches, as soon held)."""
         got = self._out.pop(request_id, None)
         self.decisions.pop(request_id, None)
         if got is None:
@@ -365,6 +382,16 @@ class CacheEvents(Policy):
             block with no home goes among the replicas home to the fewest first blocks, then the
             fewest uncached prompt tokens sent so far (before ``miss_by_volume``).
         home_size: first blocks whose home is remembered (least recently routed forgotten first).
+        tail_credit: weight per token of a hot request's sub-block rest held on a replica (0:
+            off; 1: counted as cached tokens).
+        tail_children: blocks remembered per (replica, parent block) for the sub-block rest
+            (the most recently routed kept).
+        reply_record: nonzero: outputs passed to :meth:`finished` / :meth:`replied` count as
+            held on their replica until ``pending_ttl`` after the request ended.
+        residual: nonzero: a replica's running request counts by its expected time left (mean
+            residual life of the last ``residual_window`` request durations) in hot requests'
+            load term.
+        residual_window: request durations kept for ``residual``.
     """
 
     name = "cache_events"
@@ -384,8 +411,28 @@ class CacheEvents(Policy):
         miss_by_volume: float = 0.0,
         miss_home: float = 1.0,
         home_size: int = 1 << 16,
+        tail_credit: float = 1.0,
+        tail_children: int = 128,
+        reply_record: float = 1.0,
+        residual: float = 1.0,
+        residual_window: int = 512,
     ) -> None:
         super().__init__(seed)
+        self.tail_credit = tail_credit
+        self.tail_children = int(tail_children)
+        self.reply_record = bool(reply_record)
+        self.residual = bool(residual)
+        self.residual_window = int(residual_window)
+        self._fifo: dict[str, deque] = {}  # replica -> its outstanding request ids, in routing order
+        self._since: dict[str, float] = {}  # replica -> when its oldest outstanding request began
+        self.service_s: Optional[float] = None  # mean duration of the requests seen (EWMA, seconds)
+        self._durs: deque = deque()  # the last residual_window durations, in arrival order
+        self._sorted: list[float] = []  # the same, sorted
+        self._suffix: Optional[list[float]] = None  # suffix sums of _sorted (None: stale)
+        self._prompts: dict[str, RouteRequest] = {}  # requests with a pending record (reply_record)
+        self.replies = 0  # outputs recorded (reply_record)
+        # replica -> parent digest (None: a chain's first block) -> {child digest: its 16 tokens}
+        self.children: dict[str, dict] = {}
         self.load_weight = load_weight
         self.request_tokens = request_tokens
         self.hot_share = hot_share
@@ -413,17 +460,22 @@ class CacheEvents(Policy):
         super().add_replica(replica)
         self.views.setdefault(replica, CacheView())
         self.pending.setdefault(replica, {})
+        self.children.setdefault(replica, {})
 
     def remove_replica(self, replica: str) -> None:
         super().remove_replica(replica)
         self.views.pop(replica, None)
         self.pending.pop(replica, None)
+        self.children.pop(replica, None)
+        self._fifo.pop(replica, None)
+        self._since.pop(replica, None)
         self.volume.pop(replica, None)
         self.home_count.pop(replica, None)
         for g in [g for g, r in self.home.items() if r == replica]:
             del self.home[g]
         for rid in [r for r, (rep, _) in self._pending_req.items() if rep == replica]:
             del self._pending_req[rid]
+            self._prompts.pop(rid, None)
 
     def on_events(self, replica: str, batch: dict, now: float = 0.0) -> bool:
         view = self.views.get(replica)
@@ -447,6 +499,7 @@ class CacheEvents(Policy):
             self._drop_pending(rid)
 
     def _drop_pending(self, rid: str) -> None:
+        self._prompts.pop(rid, None)
         got = self._pending_req.pop(rid, None)
         if got is None:
             return
@@ -492,11 +545,18 @@ class CacheEvents(Policy):
             # "smallest tree"), so the distinct prefixes partition evenly over the replicas
             vol = min(self.volume.get(c, 0) for c in cands)
             cands = [c for c in cands if self.volume.get(c, 0) == vol]
+        tail = None
+        if self.tail_credit and rt == self.hot_request_tokens:
+            # a hot prefix: the load decides; among equally loaded replicas the sub-block rest
+            tail = {c: self._tail(req, c, held[c]) for c in cands}
         best_key, ties = None, []
         for c in cands:
-            h = min(held[c] * BLOCK_TOKENS, max(n - 1, 0))
+            h = min(held[c] * BLOCK_TOKENS + (tail[c] if tail else 0), max(n - 1, 0))
             ld = self.loads[c]
-            cost = (n - h) + self.load_weight * (ld.prefill_tokens + rt * ld.requests)
+            reqs = self._outstanding(c, now) if rt else ld.requests
+            cost = (n - h) + self.load_weight * (ld.prefill_tokens + rt * reqs)
+            if tail:
+                cost -= (self.tail_credit - 1.0) * tail[c]
             key = (cost, ld.requests)
             if best_key is None or key < best_key:
                 best_key, ties = key, [(c, h)]
@@ -504,6 +564,55 @@ class CacheEvents(Policy):
                 ties.append((c, h))
         c, h = ties[0] if len(ties) == 1 else self.rng.choice(ties)
         return Decision(c, h, "cache" if h else "miss")
+
+    def _tail(self, req: RouteRequest, replica: str, k: int) -> int:
+        """Tokens of ``req`` past its ``k`` held blocks that ``replica`` surely holds: the common
+        prefix of ``req``'s block ``k`` with a block this router sent ``replica`` after the same
+        ``k`` blocks that is still whole in its view (so its every token is cached there)."""
+        kids = self.children[replica].get(req.digests()[k - 1] if k else None)
+        if not kids:
+            return 0
+        toks = req.token_ids
+        lo = k * BLOCK_TOKENS
+        hi = min(lo + BLOCK_TOKENS, len(toks) - 1)
+        if hi <= lo:
+            return 0
+        mine = tuple(toks[lo:hi])
+        view, pend = self.views[replica].blocks, self.pending[replica]
+        best = 0
+        for d, blk in kids.items():
+            if d in view or d in pend:
+                m = 0
+                for a, b in zip(mine, blk):
+                    if a != b:
+                        break
+                    m += 1
+                if m > best:
+                    best = m
+        return best
+
+    def _left(self, elapsed: float) -> float:
+        """Expected remaining seconds of a request running for ``elapsed`` s: the mean residual
+        life E[T - e | T > e] over the last ``residual_window`` durations seen (one mean duration
+        when none is longer: no guess past the data): near-constant durations give the time
+        left, heavy-tailed ones a longer wait the longer it ran."""
+        srt = self._sorted
+        if self._suffix is None:
+            suf = [0.0] * (len(srt) + 1)
+            for i in range(len(srt) - 1, -1, -1):
+                suf[i] = suf[i + 1] + srt[i]
+            self._suffix = suf
+        i = bisect.bisect_right(srt, elapsed)
+        k = len(srt) - i
+        return (self._suffix[i] / k - elapsed) if k else float(self.service_s or 0.0)
+
+    def _outstanding(self, c: str, now: float) -> float:
+        """``c``'s outstanding requests, its oldest one counted as the share of a mean request it
+        has still to run (``residual``; the plain count before any request finished)."""
+        reqs = self.loads[c].requests
+        if self.residual and reqs and self.service_s:
+            reqs += self._left(now - self._since.get(c, now)) / self.service_s - 1.0
+        return reqs
 
     def _remember(self, top) -> None:
         self._recent.append(top)
@@ -518,15 +627,65 @@ class CacheEvents(Policy):
 
     def record(self, req, d, now=0.0):
         super().record(req, d, now)
+        if self.residual:  # FIFO service assumed: the oldest outstanding request is the running one
+            q = self._fifo.setdefault(d.replica, deque())
+            if not q:
+                self._since[d.replica] = now
+            q.append(req.request_id)
         self.volume[d.replica] = self.volume.get(d.replica, 0) + max(req.num_tokens - d.cached_tokens, 0)
         digests = req.digests()
         if digests and self.miss_home:
             self._set_home(digests[0], d.replica)
+        if digests and self.tail_credit:
+            self._add_children(d.replica, req.token_ids, digests, 0)
         if digests:
             counts = self.pending[d.replica]
             for g in digests:
                 counts[g] = counts.get(g, 0) + 1
             self._pending_req[req.request_id] = (d.replica, digests)
+            if self.reply_record:
+                self._prompts[req.request_id] = req
+        else:
+            self._prompts.pop(req.request_id, None)
+
+    def _add_children(self, replica: str, toks: Sequence[int], digests: list[bytes], start: int) -> None:
+        kids_of = self.children[replica]
+        cap = self.tail_children
+        for k in range(start, len(digests)):
+            parent = digests[k - 1] if k else None
+            kids = kids_of.get(parent)
+            if kids is None:
+                kids = kids_of[parent] = {}
+            d = digests[k]
+            if d in kids:
+                del kids[d]  # re-insert: most recent last
+            kids[d] = tuple(toks[k * BLOCK_TOKENS : (k + 1) * BLOCK_TOKENS])
+            if len(kids) > cap:
+                del kids[next(iter(kids))]
+
+    def replied(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        """``request_id`` generated ``output_token_ids`` (before or after :meth:`finished`, while
+        its pending record lasts; unknown ids are ignored): the blocks of ``prompt +
+        output[:-1]``, what its replica caches when it ends, count as held there until its own
+        events have surely arrived (``reply_record``)."""
+        req = self._prompts.pop(request_id, None)
+        got = self._pending_req.get(request_id)
+        if req is None or got is None:
+            return
+        self.replies += 1
+        rep, digests = got
+        toks = list(req.token_ids) + list(output_token_ids)[:-1]
+        k, stop = len(digests), len(toks) // BLOCK_TOKENS
+        if stop <= k:
+            return
+        more = block_digests(toks, req.namespace, k, stop, digests[k - 1] if k else None)
+        counts = self.pending[rep]
+        for g in more:
+            counts[g] = counts.get(g, 0) + 1
+        full = digests + more
+        self._pending_req[req.request_id] = (rep, full)
+        if self.tail_credit:
+            self._add_children(rep, toks, full, k)
 
     def _set_home(self, first: bytes, replica: str) -> None:
         home, hc = self.home, self.home_count
@@ -542,8 +701,30 @@ class CacheEvents(Policy):
             _, r = home.popitem(last=False)
             hc[r] = hc.get(r, 0) - 1
 
-    def finished(self, request_id, now=0.0, expire=False):
+    def finished(self, request_id, now=0.0, expire=False, output_token_ids=None):
+        rep = self._out.get(request_id, (None,))[0]
         super().finished(request_id, now, expire)
+        if output_token_ids is not None and not expire:
+            self.replied(request_id, output_token_ids)
+        q = self._fifo.get(rep) if rep is not None else None
+        if q:
+            if q[0] == request_id:
+                q.popleft()
+                if not expire:
+                    dur = now - self._since.get(rep, now)
+                    self.service_s = dur if self.service_s is None else 0.95 * self.service_s + 0.05 * dur
+                    self._durs.append(dur)
+                    bisect.insort(self._sorted, dur)
+                    if len(self._durs) > self.residual_window:
+                        old = self._durs.popleft()
+                        del self._sorted[bisect.bisect_left(self._sorted, old)]
+                    self._suffix = None
+                self._since[rep] = now
+            else:
+                try:
+                    q.remove(request_id)
+                except ValueError:
+                    pass
         if request_id in self._pending_req:
             if expire or self.pending_ttl <= 0:
                 self._drop_pending(request_id)
@@ -554,6 +735,7 @@ class CacheEvents(Policy):
         out = super().stats()
         out["blocks"] = {r: len(v) for r, v in self.views.items()}
         out["synced"] = {r: v.synced for r, v in self.views.items()}
+        out["replies"] = self.replies
         return out
 
 

@@ -92,6 +92,7 @@ class CacheIndex:
         self.stats: dict[str, dict] = {}
         self.removed: list[str] = []
         self._requests: dict[str, RouteRequest] = {}  # internal id -> request
+        self._keys: dict[str, str] = {}  # the request's own id -> its last routing key
         self._log: list[dict] = []
         self._log_size = log_size
 
@@ -153,6 +154,10 @@ class CacheIndex:
         rq = RouteRequest(key, request["token_ids"], request.get("namespace"), request.get("session"))
         d = self.policy.choose(rq, cands, time.monotonic())
         self._requests[key] = rq
+        if request.get("request_id") is not None:
+            self._keys[request["request_id"]] = key
+            if len(self._keys) > self._log_size:
+                del self._keys[next(iter(self._keys))]
         self._log.append(
             dict(
                 request_id=request.get("request_id"),
@@ -179,6 +184,14 @@ class CacheIndex:
     def completed(self, key: str) -> None:
         self._requests.pop(key, None)
         self.policy.finished(key, time.monotonic())
+
+    def replied(self, request_id: str, output_token_ids: Sequence[int]) -> None:
+        """The ingress saw ``request_id`` end with ``output_token_ids`` (before or after Serve's
+        completion callback): its replica will cache ``prompt + output[:-1]``
+        (:meth:`radixkv.router.policy.CacheEvents.replied`)."""
+        key = self._keys.pop(request_id, None)
+        if key is not None and hasattr(self.policy, "replied"):
+            self.policy.replied(key, output_token_ids)
 
     # -- inspection
     def decisions(self) -> list[dict]:
@@ -465,6 +478,11 @@ class RemoteLLM:
             self._open -= 1
             if last is not None and last.finished:
                 self._emit_finished(last)
+                if len(last.outputs) == 1 and self.index is not None:
+                    try:  # what the replica caches of it, for the router at once
+                        self.index.replied.remote(args["request_id"], list(last.outputs[0].token_ids))
+                    except Exception:  # noqa: BLE001 - the index restarting: its events will tell
+                        logger.debug("cache index unavailable for the reply", exc_info=True)
 
     async def _resuming(self, args: dict) -> AsyncIterator[Any]:
         """The request's outputs; when its replica dies, the request goes on elsewhere
