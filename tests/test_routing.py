@@ -297,6 +297,38 @@ def test_cache_events_counts_a_finished_reply_as_held_until_its_events_come():
     assert off.choose(_req("t2", nxt), now=1.1).cached_tokens == 48  # its prompt's 3 blocks only
 
 
+@pytest.mark.parametrize("queued, history, moves", [(8, 50, True), (5, 50, False), (8, 2000, False)])
+def test_cache_events_moves_a_next_turn_off_a_replica_queued_far_above_the_mean(queued, history, moves):
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b", "c"):
+        p.add_replica(r)
+    prompt, out = list(range(100, 100 + history)), list(range(5000, 5040))
+    home = p.choose(_req("t1", prompt), now=0.0).replica
+    p.finished("t1", now=1.0, output_token_ids=out)  # its reply chain's end: the next turn's mark
+    for i in range(queued):  # other work queued on the conversation's replica (50 tokens each)
+        p.choose(_req(f"x{i}", list(range(20000 + 100 * i, 20050 + 100 * i))), [home], now=1.0)
+    nxt = prompt + out + [7, 8, 9]
+    held = (len(prompt) + len(out) - 1) // 16 * 16
+    d = p.choose(_req("t2", nxt), now=1.1)
+    # home costs len(nxt) - held + 0.05 * 50 * queued, plus turn_tokens (300) x (queued - mean -
+    # turn_slack (3))^2 when queued is above mean + 3 (mean = queued / 3): 8 queued -> 300 x
+    # (8 - 8/3 - 3)^2 = 1,633 tokens against 93 to compute it elsewhere; 5 queued -> 33 (stays);
+    # a 2,043-token history costs more to recompute than the penalty (stays)
+    if moves:
+        assert d.replica != home and d.cached_tokens == 0
+    else:
+        assert (d.replica, d.cached_tokens) == (home, held)
+    # off (turn_tokens=0), or when the match is not a recorded reply's end: the affinity rule alone
+    off = make_policy("cache_events", seed=0, turn_tokens=0)
+    for r in ("a", "b", "c"):
+        off.add_replica(r)
+    h2 = off.choose(_req("t1", prompt), now=0.0).replica
+    off.finished("t1", now=1.0, output_token_ids=out)
+    for i in range(queued):
+        off.choose(_req(f"x{i}", list(range(20000 + 100 * i, 20050 + 100 * i))), [h2], now=1.0)
+    assert off.choose(_req("t2", nxt), now=1.1) == Decision(h2, held, "cache")
+
+
 def test_cache_events_credits_the_sub_block_rest_of_a_hot_prefix_it_knows_is_held():
     p = make_policy("cache_events", seed=0)
     for r in ("a", "b"):

@@ -57,7 +57,13 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   more of it wins; ``residual``: a replica's oldest outstanding request (the running one, FIFO
   assumed) counts as the share of a mean request it has left, from the mean residual life of
   the durations seen (:meth:`CacheEvents._left`), so the load term of hot requests prefers the
-  replica about to be free. Optional (``miss_by_volume``, off: measured worse on gsp
+  replica about to be free. And one for a conversation's next turn (on since 2026-12-03;
+  ``turn_tokens``, ``turn_slack``): a request whose deepest held block ends a reply this router
+  recorded (:meth:`CacheEvents.replied`) pays, on a replica with more than ``turn_slack``
+  outstanding requests above the candidates' mean ``m``, ``turn_tokens * (L_r - m -
+  turn_slack)**2`` tokens more: a short history leaves a replica whose queue its own
+  conversations keep full (each reply there releases the next turn there at once), a long one
+  stays, since recomputing it costs more. Optional (``miss_by_volume``, off: measured worse on gsp
   without the home rule): a request cached nowhere goes among the replicas sent the fewest
   uncached prompt tokens so far (SGLang's "smallest tree").
 """
@@ -392,6 +398,12 @@ class CacheEvents(Policy):
             residual life of the last ``residual_window`` request durations) in hot requests'
             load term.
         residual_window: request durations kept for ``residual``.
+        turn_tokens: tokens per squared request of queue excess a conversation's next turn pays
+            on a replica more than ``turn_slack`` outstanding requests above the candidates'
+            mean (0: off). A next turn: its deepest held block is the last block of a reply
+            chain recorded by :meth:`replied` (the last ``home_size`` kept).
+        turn_slack: outstanding requests above the candidates' mean a next turn's replica may
+            have free of that cost.
     """
 
     name = "cache_events"
@@ -416,8 +428,15 @@ class CacheEvents(Policy):
         reply_record: float = 1.0,
         residual: float = 1.0,
         residual_window: int = 512,
+        turn_tokens: float = 300.0,
+        turn_slack: float = 3.0,
     ) -> None:
         super().__init__(seed)
+        self.turn_tokens = turn_tokens
+        self.turn_slack = turn_slack
+        # the last block digest of each recorded reply chain (prompt + output[:-1]), most recent
+        # last, at most home_size: a request whose deepest held block is one is a next turn
+        self._ends: OrderedDict = OrderedDict()
         self.tail_credit = tail_credit
         self.tail_children = int(tail_children)
         self.reply_record = bool(reply_record)
@@ -551,12 +570,20 @@ class CacheEvents(Policy):
         if self.tail_credit and rt == self.hot_request_tokens:
             # a hot prefix: the load decides; among equally loaded replicas the sub-block rest
             tail = {c: self._tail(req, c, held[c]) for c in cands}
+        busy = None
+        if self.turn_tokens and rt != self.hot_request_tokens and top is not None and top in self._ends:
+            # a conversation's next turn (its deepest held block ends an earlier reply): a replica
+            # whose queue is more than turn_slack requests above the candidates' mean pays for it
+            ls = [self.loads[c].requests for c in cands]
+            busy = sum(ls) / len(ls) + self.turn_slack
         best_key, ties = None, []
         for c in cands:
             h = min(held[c] * BLOCK_TOKENS + (tail[c] if tail else 0), max(n - 1, 0))
             ld = self.loads[c]
             reqs = self._outstanding(c, now) if rt else ld.requests
             cost = (n - h) + self.load_weight * (ld.prefill_tokens + rt * reqs)
+            if busy is not None and ld.requests > busy:
+                cost += self.turn_tokens * (ld.requests - busy) ** 2
             if tail:
                 cost -= (self.tail_credit - 1.0) * tail[c]
             key = (cost, ld.requests)
@@ -684,8 +711,17 @@ class CacheEvents(Policy):
             counts[g] = counts.get(g, 0) + 1
         full = digests + more
         self._pending_req[req.request_id] = (rep, full)
+        if self.turn_tokens:
+            self._end(full[-1])
         if self.tail_credit:
             self._add_children(rep, toks, full, k)
+
+    def _end(self, d: bytes) -> None:
+        ends = self._ends
+        ends[d] = None
+        ends.move_to_end(d)
+        while len(ends) > self.home_size:
+            ends.popitem(last=False)
 
     def _set_home(self, first: bytes, replica: str) -> None:
         home, hc = self.home, self.home_count
