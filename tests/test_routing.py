@@ -297,19 +297,23 @@ def test_cache_events_counts_a_finished_reply_as_held_until_its_events_come():
     assert off.choose(_req("t2", nxt), now=1.1).cached_tokens == 48  # its prompt's 3 blocks only
 
 
-@pytest.mark.parametrize("queued, history, moves", [(8, 50, True), (5, 50, False), (8, 2000, False)])
-def test_cache_events_moves_a_next_turn_off_a_replica_queued_far_above_the_mean(queued, history, moves):
-    p = make_policy("cache_events", seed=0)
+def _queued_next_turn(p, queued, history):
+    """A conversation's first turn and reply on ``p``, ``queued`` other 50-token requests on its
+    replica, then its next turn routed: (home replica, decision, tokens held at home)."""
     for r in ("a", "b", "c"):
         p.add_replica(r)
     prompt, out = list(range(100, 100 + history)), list(range(5000, 5040))
     home = p.choose(_req("t1", prompt), now=0.0).replica
     p.finished("t1", now=1.0, output_token_ids=out)  # its reply chain's end: the next turn's mark
-    for i in range(queued):  # other work queued on the conversation's replica (50 tokens each)
+    for i in range(queued):
         p.choose(_req(f"x{i}", list(range(20000 + 100 * i, 20050 + 100 * i))), [home], now=1.0)
-    nxt = prompt + out + [7, 8, 9]
-    held = (len(prompt) + len(out) - 1) // 16 * 16
-    d = p.choose(_req("t2", nxt), now=1.1)
+    d = p.choose(_req("t2", prompt + out + [7, 8, 9]), now=1.1)
+    return home, d, (len(prompt) + len(out) - 1) // 16 * 16
+
+
+@pytest.mark.parametrize("queued, history, moves", [(8, 50, True), (5, 50, False), (8, 2000, False)])
+def test_cache_events_moves_a_next_turn_off_a_replica_queued_far_above_the_mean(queued, history, moves):
+    home, d, held = _queued_next_turn(make_policy("cache_events", seed=0), queued, history)
     # home costs len(nxt) - held + 0.05 * 50 * queued, plus turn_tokens (300) x (queued - mean -
     # turn_slack (3))^2 when queued is above mean + 3 (mean = queued / 3): 8 queued -> 300 x
     # (8 - 8/3 - 3)^2 = 1,633 tokens against 93 to compute it elsewhere; 5 queued -> 33 (stays);
@@ -318,15 +322,10 @@ def test_cache_events_moves_a_next_turn_off_a_replica_queued_far_above_the_mean(
         assert d.replica != home and d.cached_tokens == 0
     else:
         assert (d.replica, d.cached_tokens) == (home, held)
-    # off (turn_tokens=0), or when the match is not a recorded reply's end: the affinity rule alone
-    off = make_policy("cache_events", seed=0, turn_tokens=0)
-    for r in ("a", "b", "c"):
-        off.add_replica(r)
-    h2 = off.choose(_req("t1", prompt), now=0.0).replica
-    off.finished("t1", now=1.0, output_token_ids=out)
-    for i in range(queued):
-        off.choose(_req(f"x{i}", list(range(20000 + 100 * i, 20050 + 100 * i))), [h2], now=1.0)
-    assert off.choose(_req("t2", nxt), now=1.1) == Decision(h2, held, "cache")
+    # off (turn_tokens=0): the affinity rule alone keeps it home (a match that is no recorded
+    # reply's end: test_cache_events_spreads_a_hot_prefix_by_load_and_keeps_a_conversation_home)
+    home, d, held = _queued_next_turn(make_policy("cache_events", seed=0, turn_tokens=0), queued, history)
+    assert d == Decision(home, held, "cache")
 
 
 def test_cache_events_credits_the_sub_block_rest_of_a_hot_prefix_it_knows_is_held():
