@@ -355,6 +355,51 @@ def test_cache_events_credits_the_sub_block_rest_of_a_hot_prefix_it_knows_is_hel
     off.choose(_req("q1", shots + x), now=1.0)
     off.finished("q1", now=1.1)
     assert off.choose(_req("q2", shots + x[:5] + list(range(3000, 3020))), now=1.2).cached_tokens == 48
+    # the blocks it remembers are bounded: the last home_size parent blocks per replica
+    small = make_policy("cache_events", seed=0, home_size=4)
+    small.add_replica("a")
+    for i in range(10):
+        small.choose(_req(f"s{i}", [5000 + i] * 40), now=0.0)
+    assert len(small.children["a"]) == 4 and [5009] * 16 in [list(b) for b in small.children["a"][None].values()]
+
+
+def _one_shot_choice(p, follow):
+    """Ten hot requests on a 48-token preamble, each replied to (and, with ``follow``, followed
+    by its next turn); then a question sharing 5 tokens of q1's first question block (held on
+    "a") while "a" has just started a request and "b" is nearly done with one (requests take
+    1 s each): where does the question go?"""
+    for r in ("a", "b"):
+        p.add_replica(r)
+    shots = list(range(1, 49))
+    for r in ("a", "b"):
+        p.on_events(r, _replica_events(r, shots, 1))
+    t = 0.0
+    for i in range(10):
+        prompt, out = shots + [900 + i, 5], list(range(4000 + 100 * i, 4020 + 100 * i))
+        p.choose(_req(f"w{i}", prompt), ["a"], now=t)
+        t += 1.0
+        p.finished(f"w{i}", now=t, output_token_ids=out)
+        if follow:  # the reply's last block is the next turn's deepest held one
+            p.choose(_req(f"n{i}", prompt + out[:-1] + [7] * 20), ["a"], now=t)
+            t += 1.0
+            p.finished(f"n{i}", now=t)
+    x = list(range(2000, 2020))
+    p.choose(_req("q1", shots + x), ["a"], now=t)
+    p.finished("q1", now=t + 0.1)
+    p.choose(_req("rb", [8] * 40), ["b"], now=t + 0.2)
+    p.choose(_req("ra", [9] * 40), ["a"], now=t + 0.95)
+    return p.choose(_req("q2", shots + x[:5] + list(range(3000, 3020))), now=t + 1.0)
+
+
+@pytest.mark.parametrize(
+    "follow, kw, want", [(False, {}, ("a", 53)), (True, {}, ("b", 48)), (False, {"one_shot_credit": 0}, ("b", 48))]
+)
+def test_cache_events_lets_a_one_shot_request_follow_its_sub_block_rest_among_equal_queues(follow, kw, want):
+    # both replicas run one request: "a" 0.95 s left, "b" 0.2 s: by load "b", by 0.75 x 300 =
+    # 225 tokens, against the 5 tokens only "a" holds. One-shot traffic (replies never followed
+    # by a next turn) counts them 200 x: "a". A chat's start stays placed by load.
+    d = _one_shot_choice(make_policy("cache_events", seed=0, **kw), follow)
+    assert (d.replica, d.cached_tokens) == want
 
 
 @pytest.mark.parametrize("durations, pick", [([1.0] * 10, "a"), ([0.1] * 8 + [10.0] * 2, "b")])

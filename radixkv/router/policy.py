@@ -63,7 +63,14 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   outstanding requests above the candidates' mean ``m``, ``turn_tokens * (L_r - m -
   turn_slack)**2`` tokens more: a short history leaves a replica whose queue its own
   conversations keep full (each reply there releases the next turn there at once), a long one
-  stays, since recomputing it costs more. Optional (``miss_by_volume``, off: measured worse on gsp
+  stays, since recomputing it costs more. And one for one-shot traffic (on since 2026-12-03 noon;
+  ``one_shot_credit``, ``one_shot_share``): a hot request whose first block's replies are seldom
+  followed by a next turn (a few-shot preamble, not a chat's system prompt) gets, on the replicas
+  with the fewest outstanding requests, ``one_shot_credit`` tokens per token of its sub-block rest
+  beyond the least any candidate holds: where such a request goes commits nothing later, so among
+  replicas equal in queue length the few tokens it shares with earlier questions decide (against
+  the residual-time estimate that would otherwise); a conversation's start stays placed by load,
+  since its later turns follow it. Optional (``miss_by_volume``, off: measured worse on gsp
   without the home rule): a request cached nowhere goes among the replicas sent the fewest
   uncached prompt tokens so far (SGLang's "smallest tree").
 """
@@ -387,11 +394,20 @@ class CacheEvents(Policy):
             replica that block was last routed to) when that replica is a candidate; a first
             block with no home goes among the replicas home to the fewest first blocks, then the
             fewest uncached prompt tokens sent so far (before ``miss_by_volume``).
-        home_size: first blocks whose home is remembered (least recently routed forgotten first).
+        home_size: first blocks whose home is remembered (least recently routed forgotten first);
+            also the reply ends kept (``turn_tokens``) and the parent blocks per replica whose
+            children ``tail_credit`` keeps.
         tail_credit: weight per token of a hot request's sub-block rest held on a replica (0:
             off; 1: counted as cached tokens).
         tail_children: blocks remembered per (replica, parent block) for the sub-block rest
             (the most recently routed kept).
+        one_shot_credit: tokens of cost per token of a one-shot hot request's sub-block rest
+            beyond the least any candidate holds, on the candidates with the fewest outstanding
+            requests (0: off). One-shot: of the last ``hot_window`` replies recorded
+            (:meth:`replied`) and next turns routed, at least ``hot_min`` are replies to requests
+            with its first block, and that block's next turns number under ``one_shot_share``
+            of them.
+        one_shot_share: next turns per reply under which a first block's traffic is one-shot.
         reply_record: nonzero: outputs passed to :meth:`finished` / :meth:`replied` count as
             held on their replica until ``pending_ttl`` after the request ended.
         residual: nonzero: a replica's running request counts by its expected time left (mean
@@ -424,7 +440,9 @@ class CacheEvents(Policy):
         miss_home: float = 1.0,
         home_size: int = 1 << 16,
         tail_credit: float = 1.0,
-        tail_children: int = 128,
+        tail_children: int = 512,
+        one_shot_credit: float = 200.0,
+        one_shot_share: float = 0.05,
         reply_record: float = 1.0,
         residual: float = 1.0,
         residual_window: int = 512,
@@ -438,6 +456,12 @@ class CacheEvents(Policy):
         # last, at most home_size: a request whose deepest held block is one is a next turn
         self._ends: OrderedDict = OrderedDict()
         self.tail_credit = tail_credit
+        self.one_shot_credit = one_shot_credit
+        self.one_shot_share = one_shot_share
+        # (first block, 0: a reply recorded / 1: a next turn routed) of the last hot_window such
+        # events; first block -> [replies, next turns] among them (one-shot: few next turns per reply)
+        self._turn_recent: deque = deque()
+        self._turn_counts: dict = {}
         self.tail_children = int(tail_children)
         self.reply_record = bool(reply_record)
         self.residual = bool(residual)
@@ -452,8 +476,9 @@ class CacheEvents(Policy):
         self._suffix: Optional[list[float]] = None  # suffix sums of _sorted (None: stale)
         self._prompts: dict[str, RouteRequest] = {}  # requests with a pending record (reply_record)
         self.replies = 0  # outputs recorded (reply_record)
-        # replica -> parent digest (None: a chain's first block) -> {child digest: its 16 tokens}
-        self.children: dict[str, dict] = {}
+        # replica -> parent digest (None: a chain's first block) -> {child digest: its 16 tokens},
+        # the last home_size parents routed to the replica
+        self.children: dict[str, OrderedDict] = {}
         self.load_weight = load_weight
         self.request_tokens = request_tokens
         self.hot_share = hot_share
@@ -481,7 +506,7 @@ class CacheEvents(Policy):
         super().add_replica(replica)
         self.views.setdefault(replica, CacheView())
         self.pending.setdefault(replica, {})
-        self.children.setdefault(replica, {})
+        self.children.setdefault(replica, OrderedDict())
 
     def remove_replica(self, replica: str) -> None:
         super().remove_replica(replica)
@@ -547,7 +572,10 @@ class CacheEvents(Policy):
         deepest = max(held.values(), default=0)
         top = digests[deepest - 1] if deepest else None
         rt = self.request_tokens
-        if top is not None and self._recent_counts.get(top, 0) > self.hot_share * max(len(self._recent), self.hot_min):
+        hot = top is not None and self._recent_counts.get(top, 0) > self.hot_share * max(
+            len(self._recent), self.hot_min
+        )
+        if hot:
             rt = self.hot_request_tokens  # a hot shared prefix: worth holding on every replica
         self._remember(top)
         if top is None and self.miss_home and digests:
@@ -566,12 +594,21 @@ class CacheEvents(Policy):
             # "smallest tree"), so the distinct prefixes partition evenly over the replicas
             vol = min(self.volume.get(c, 0) for c in cands)
             cands = [c for c in cands if self.volume.get(c, 0) == vol]
-        tail = None
-        if self.tail_credit and rt == self.hot_request_tokens:
+        nxt = top is not None and top in self._ends  # a conversation's next turn
+        if nxt and self.one_shot_credit:
+            self._count_turn(digests[0], 1)
+        tail = boost = None
+        if self.tail_credit and hot:
             # a hot prefix: the load decides; among equally loaded replicas the sub-block rest
             tail = {c: self._tail(req, c, held[c]) for c in cands}
+            if self.one_shot_credit and self._one_shot(digests[0]):
+                # one-shot traffic (nothing follows the request there): among the replicas with the
+                # fewest outstanding requests, the sub-block rest beyond the least one holds decides
+                least = min(self.loads[c].requests for c in cands)
+                t0 = min(tail.values())
+                boost = {c: self.one_shot_credit * (tail[c] - t0) for c in cands if self.loads[c].requests == least}
         busy = None
-        if self.turn_tokens and rt != self.hot_request_tokens and top is not None and top in self._ends:
+        if self.turn_tokens and not hot and nxt:
             # a conversation's next turn (its deepest held block ends an earlier reply): a replica
             # whose queue is more than turn_slack requests above the candidates' mean pays for it
             ls = [self.loads[c].requests for c in cands]
@@ -586,6 +623,8 @@ class CacheEvents(Policy):
                 cost += self.turn_tokens * (ld.requests - busy) ** 2
             if tail:
                 cost -= (self.tail_credit - 1.0) * tail[c]
+            if boost:
+                cost -= boost.get(c, 0.0)
             key = (cost, ld.requests)
             if best_key is None or key < best_key:
                 best_key, ties = key, [(c, h)]
@@ -643,6 +682,24 @@ class CacheEvents(Policy):
             reqs += self._left(now - self._since.get(c, now)) / self.service_s - 1.0
         return reqs
 
+    def _count_turn(self, first: bytes, kind: int) -> None:
+        self._turn_recent.append((first, kind))
+        cnt = self._turn_counts.setdefault(first, [0, 0])
+        cnt[kind] += 1
+        while len(self._turn_recent) > self.hot_window:
+            f, k = self._turn_recent.popleft()
+            cnt = self._turn_counts[f]
+            cnt[k] -= 1
+            if not cnt[0] and not cnt[1]:
+                del self._turn_counts[f]
+
+    def _one_shot(self, first: bytes) -> bool:
+        """Whether requests starting with block ``first`` are one-shot: of the last
+        ``hot_window`` replies recorded and next turns routed, at least ``hot_min`` are its replies
+        and its next turns number under ``one_shot_share`` of them (before any reply: not)."""
+        replies, nxt = self._turn_counts.get(first, (0, 0))
+        return replies >= self.hot_min and nxt < self.one_shot_share * replies
+
     def _remember(self, top) -> None:
         self._recent.append(top)
         self._recent_counts[top] = self._recent_counts.get(top, 0) + 1
@@ -683,6 +740,10 @@ class CacheEvents(Policy):
             kids = kids_of.get(parent)
             if kids is None:
                 kids = kids_of[parent] = {}
+                if len(kids_of) > self.home_size:  # bounded: the least recently routed parent goes
+                    kids_of.popitem(last=False)
+            else:
+                kids_of.move_to_end(parent)
             d = digests[k]
             if d in kids:
                 del kids[d]  # re-insert: most recent last
@@ -701,6 +762,8 @@ class CacheEvents(Policy):
             return
         self.replies += 1
         rep, digests = got
+        if self.one_shot_credit:
+            self._count_turn(digests[0], 0)
         toks = list(req.token_ids) + list(output_token_ids)[:-1]
         k, stop = len(digests), len(toks) // BLOCK_TOKENS
         if stop <= k:
