@@ -33,7 +33,7 @@ worst imbalance; :func:`targets` prints the issue's targets per seed and on the 
 
 Usage::
 
-    python bench/sim_routing.py --check --plot --seeds $(seq -s ' ' 0 19)   # the committed run (282 s, 2 cores)
+    python bench/sim_routing.py --check --plot --seeds $(seq -s ' ' 0 19)   # the committed run (262 s, 2 cores)
     python bench/sim_routing.py --seed 1                      # one arrival seed
     python bench/sim_routing.py --traces gsp --replicas 4 --policies cache_events least_load
     python bench/sim_routing.py --check --plot --policies cache_events --reuse bench/results/sim_routing_X.json

@@ -239,6 +239,33 @@ def test_cache_events_spreads_a_hot_prefix_by_load_and_keeps_a_conversation_home
     assert (d.replica, d.cached_tokens) == ("a", 1600)
 
 
+@pytest.mark.parametrize("everywhere, first_b", [(1, 3), (0, 7)])
+def test_cache_events_lets_a_replica_lacking_a_hot_prefix_take_its_share(everywhere, first_b):
+    # a 2,000-token preamble only "a" holds, hot from the 4th request on. Counted as held on
+    # every candidate (hot_everywhere), "b" takes the first hot request that finds "a" busier
+    # (computing the preamble once); priced as missing there, it waits until "a" has 7
+    # outstanding requests (7 x 300 > 2,000 tokens)
+    p = make_policy("cache_events", seed=0, hot_everywhere=everywhere)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    shots = list(range(1, 2001))
+    p.on_events("a", _replica_events("a", shots, 1))
+    got = [p.choose(_req(f"q{i}", shots + [900 + i])) for i in range(first_b + 2)]
+    assert [d.replica for d in got] == ["a"] * first_b + ["b", "b"]
+    # the decision reports what "b" holds (nothing, then the first one's blocks in flight)
+    assert [d.cached_tokens for d in got[first_b:]] == [0, 2000]
+    # both idle: the one that holds it, whatever the seed (ties go to more held tokens)
+    for seed in range(10):
+        p = make_policy("cache_events", seed=seed, hot_everywhere=everywhere)
+        for r in ("a", "b"):
+            p.add_replica(r)
+        p.on_events("a", _replica_events("a", shots, 1))
+        for i in range(6):  # hot from the 4th on; each finished before the next
+            d = p.choose(_req(f"q{i}", shots + [900 + i]), now=float(i))
+            assert d.replica == "a"
+            p.finished(f"q{i}", now=i + 0.5, expire=True)
+
+
 def test_cache_events_sends_a_prefix_cached_nowhere_home_and_spreads_new_prefixes_evenly():
     p = make_policy("cache_events", seed=0)
     for r in ("a", "b"):

@@ -30,9 +30,9 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
 
       cost_r = (n - h_r) + load_weight * (W_r + request_tokens * L_r)
 
-  the replica of least cost wins (ties: fewer outstanding requests, then at random); ``n - h_r``
-  is the prefill it would compute, the second term the work queued ahead of it in the same
-  units (tokens of prefill; ``request_tokens`` prices one request's decode). SGLang's balance
+  the replica of least cost wins (ties: fewer outstanding requests, then more held tokens, then
+  at random); ``n - h_r`` is the prefill it would compute, the second term the work queued ahead
+  of it in the same units (tokens of prefill; ``request_tokens`` prices one request's decode). SGLang's balance
   guard bounds the pile-up on one hot prefix: a replica with ``L_r - L_min >
   balance_abs_threshold`` and ``L_r > balance_rel_threshold * L_min`` is not a candidate.
   Two refinements: a request whose deepest cached block (over all replicas) was also the
@@ -40,7 +40,9 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   *hot* prefix (a few-shot preamble, the system prompt of new conversations): computing it once
   more on another replica is cheap against the traffic it serves there, so its outstanding
   requests are priced at ``hot_request_tokens`` (the load decides, join-the-shortest-queue
-  like). A request cached nowhere (``miss_home``, on) goes *home*: to the replica its first
+  like), and the hot prefix counts as cached on every candidate (``hot_everywhere``, on since
+  2026-12-03: a replica lacking it is not kept out of the hot traffic by one prefill of it). A
+  request cached nowhere (``miss_home``, on) goes *home*: to the replica its first
   block was last routed to (the router remembers, for the last ``home_size`` first blocks, where
   it sent each; it never forgets a prefix because the replica evicted it, as SGLang's
   approximate trees do not); a first block never seen goes among the replicas that are home to
@@ -403,11 +405,17 @@ class CacheEvents(Policy):
             (the most recently routed kept).
         one_shot_credit: tokens of cost per token of a one-shot hot request's sub-block rest
             beyond the least any candidate holds, on the candidates with the fewest outstanding
-            requests (0: off). One-shot: of the last ``hot_window`` replies recorded
-            (:meth:`replied`) and next turns routed, at least ``hot_min`` are replies to requests
+            requests (0: off; needs ``tail_credit`` and ``reply_record`` with output token ids
+            passed, since replies are its evidence). One-shot: of the last ``hot_window`` replies
+            recorded (:meth:`replied`; those that complete a block past the prompt, the ones a
+            next turn can be told to follow) and next turns routed, at least ``hot_min`` are replies to requests
             with its first block, and that block's next turns number under ``one_shot_share``
             of them.
         one_shot_share: next turns per reply under which a first block's traffic is one-shot.
+        hot_everywhere: nonzero: a hot request's hot prefix (its deepest held block and those
+            before it) counts as cached on every candidate in the cost (the decision still
+            reports what the replica holds), so a replica that lacks it is not kept out of the
+            hot traffic by one prefill of it.
         reply_record: nonzero: outputs passed to :meth:`finished` / :meth:`replied` count as
             held on their replica until ``pending_ttl`` after the request ended.
         residual: nonzero: a replica's running request counts by its expected time left (mean
@@ -443,6 +451,7 @@ class CacheEvents(Policy):
         tail_children: int = 512,
         one_shot_credit: float = 200.0,
         one_shot_share: float = 0.05,
+        hot_everywhere: float = 1.0,
         reply_record: float = 1.0,
         residual: float = 1.0,
         residual_window: int = 512,
@@ -458,6 +467,7 @@ class CacheEvents(Policy):
         self.tail_credit = tail_credit
         self.one_shot_credit = one_shot_credit
         self.one_shot_share = one_shot_share
+        self.hot_everywhere = bool(hot_everywhere)
         # (first block, 0: a reply recorded / 1: a next turn routed) of the last hot_window such
         # events; first block -> [replies, next turns] among them (one-shot: few next turns per reply)
         self._turn_recent: deque = deque()
@@ -604,9 +614,11 @@ class CacheEvents(Policy):
             if self.one_shot_credit and self._one_shot(digests[0]):
                 # one-shot traffic (nothing follows the request there): among the replicas with the
                 # fewest outstanding requests, the sub-block rest beyond the least one holds decides
+                # (the rest past the hot prefix: a replica holding less of it has none)
+                rest = {c: tail[c] if held[c] == deepest else 0 for c in cands}
                 least = min(self.loads[c].requests for c in cands)
-                t0 = min(tail.values())
-                boost = {c: self.one_shot_credit * (tail[c] - t0) for c in cands if self.loads[c].requests == least}
+                t0 = min(rest.values())
+                boost = {c: self.one_shot_credit * (rest[c] - t0) for c in cands if self.loads[c].requests == least}
         busy = None
         if self.turn_tokens and not hot and nxt:
             # a conversation's next turn (its deepest held block ends an earlier reply): a replica
@@ -618,14 +630,17 @@ class CacheEvents(Policy):
             h = min(held[c] * BLOCK_TOKENS + (tail[c] if tail else 0), max(n - 1, 0))
             ld = self.loads[c]
             reqs = self._outstanding(c, now) if rt else ld.requests
-            cost = (n - h) + self.load_weight * (ld.prefill_tokens + rt * reqs)
+            # a hot prefix counts as held on every candidate (hot_everywhere): computed once where
+            # it is missing, it then serves that replica's share of the traffic
+            hc = max(h, min(deepest * BLOCK_TOKENS, max(n - 1, 0))) if hot and self.hot_everywhere else h
+            cost = (n - hc) + self.load_weight * (ld.prefill_tokens + rt * reqs)
             if busy is not None and ld.requests > busy:
                 cost += self.turn_tokens * (ld.requests - busy) ** 2
             if tail:
                 cost -= (self.tail_credit - 1.0) * tail[c]
             if boost:
                 cost -= boost.get(c, 0.0)
-            key = (cost, ld.requests)
+            key = (cost, ld.requests, -h)  # ties: fewer outstanding, then more truly held
             if best_key is None or key < best_key:
                 best_key, ties = key, [(c, h)]
             elif key == best_key:
@@ -762,8 +777,6 @@ class CacheEvents(Policy):
             return
         self.replies += 1
         rep, digests = got
-        if self.one_shot_credit:
-            self._count_turn(digests[0], 0)
         toks = list(req.token_ids) + list(output_token_ids)[:-1]
         k, stop = len(digests), len(toks) // BLOCK_TOKENS
         if stop <= k:
@@ -774,8 +787,10 @@ class CacheEvents(Policy):
             counts[g] = counts.get(g, 0) + 1
         full = digests + more
         self._pending_req[req.request_id] = (rep, full)
-        if self.turn_tokens:
+        if self.turn_tokens or self.one_shot_credit:  # next turns are told by these ends
             self._end(full[-1])
+        if self.one_shot_credit:  # a reply a next turn can be told to follow
+            self._count_turn(digests[0], 0)
         if self.tail_credit:
             self._add_children(rep, toks, full, k)
 
