@@ -13,6 +13,7 @@ import os
 import socket
 import time
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -169,6 +170,10 @@ def test_streaming_chat_through_the_ingress(cluster):
     with pytest.raises(openai.BadRequestError) as e:  # the engine's refusal reaches the client as a 400
         client.completions.create(model="smollm2-135m", prompt=[1, 2, 3], max_tokens=100_000)
     assert "max_tokens" in str(e.value)
+    # no flush across replicas: a 409 that says so (not "requests are unfinished")
+    r = httpx.post(str(client.base_url).replace("/v1/", "/flush_cache"), timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "flush_not_offered"
+    assert "across replicas" in r.json()["error"]["message"]
 
 
 KILL_CASES = [  # (sampling fields, what must happen when the request is in flight on the killed replica)

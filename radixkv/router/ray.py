@@ -584,8 +584,14 @@ class RemoteLLM:
         agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0
         return EngineStats(**agg)
 
+    #: why ``/flush_cache`` and ``/reset_prefix_cache`` refuse here (the serving layer answers 409)
+    flush_refused = (
+        "the prefix cache is not flushed across replicas (radixkv serve --replicas): each replica's "
+        "cache is its own and the router mirrors it; restart the deployment to start cold"
+    )
+
     async def reset_prefix_cache(self) -> bool:
-        """Not offered across replicas (each replica's cache is its own): always False."""
+        """Not offered across replicas (:attr:`flush_refused`): always False."""
         return False
 
     def num_unfinished_requests(self) -> int:

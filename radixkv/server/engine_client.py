@@ -257,8 +257,13 @@ class EngineClient:
             ``{"flushed": True, "message": ...}``.
 
         Raises:
-            APIError: 409 ``requests_running`` (nothing was flushed) while requests are unfinished.
+            APIError: 409 ``requests_running`` (nothing was flushed) while requests are unfinished;
+                409 ``flush_not_offered`` when the engine says why it never flushes (its
+                ``flush_refused``, as across Ray Serve replicas).
         """
+        refused = getattr(self.llm, "flush_refused", None)
+        if refused:
+            raise APIError(refused, None, status_code=409, code="flush_not_offered")
         if await self.flush(timeout):
             return {"flushed": True, "message": "the prefix cache was flushed"}
         running = self.llm.num_unfinished_requests()
