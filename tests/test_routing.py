@@ -460,6 +460,7 @@ def test_router_policies_import_without_torch_or_the_engine():
         " and sys.modules[m] is not None)\n"
         "assert not bad, bad\n"
         "pol = p.make_policy('approx_tree'); pol.add_replica('a'); pol.choose(p.RouteRequest('1', [1, 2, 3]))\n"
+        "pol = p.make_policy('cache_events'); pol.add_replica('a'); pol.choose(p.RouteRequest('2', [1] * 40))\n"
         "print('ok')\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
