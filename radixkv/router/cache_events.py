@@ -103,9 +103,9 @@ class CacheEvents(Policy):
             requests (0: off; needs ``tail_credit`` and ``reply_record`` with output token ids
             passed, since replies are its evidence). One-shot: of the last ``hot_window`` replies
             recorded (:meth:`replied`; those that complete a block past the prompt, the ones a
-            next turn can be told to follow) and next turns routed, at least ``hot_min`` are replies to requests
-            with its first block, and that block's next turns number under ``one_shot_share``
-            of them.
+            next turn can be told to follow) and next turns routed, at least ``hot_min`` are
+            replies to requests with its first block, and that block's next turns number under
+            ``one_shot_share`` of them.
         one_shot_share: next turns per reply under which a first block's traffic is one-shot.
         hot_everywhere: nonzero: a hot request's hot prefix (its deepest held block and those
             before it) counts as cached on every candidate in the cost (the decision still
@@ -320,14 +320,16 @@ class CacheEvents(Policy):
             # whose queue is more than turn_slack requests above the candidates' mean pays for it
             ls = [self.loads[c].requests for c in cands]
             busy = sum(ls) / len(ls) + self.turn_slack
+        cap = max(n - 1, 0)  # the prompt's last token is never served from the cache
+        # a hot prefix counts as held on every candidate (hot_everywhere): computed once where it
+        # is missing, it then serves that replica's share of the traffic
+        floor = min(deepest * BLOCK_TOKENS, cap) if hot and self.hot_everywhere else 0
         best_key, ties = None, []
         for c in cands:
-            h = min(held[c] * BLOCK_TOKENS + (tail[c] if tail else 0), max(n - 1, 0))
+            h = min(held[c] * BLOCK_TOKENS + (tail[c] if tail else 0), cap)
             ld = self.loads[c]
             reqs = self._outstanding(c, now) if rt else ld.requests
-            # a hot prefix counts as held on every candidate (hot_everywhere): computed once where
-            # it is missing, it then serves that replica's share of the traffic
-            hc = max(h, min(deepest * BLOCK_TOKENS, max(n - 1, 0))) if hot and self.hot_everywhere else h
+            hc = max(h, floor)
             cost = (n - hc) + self.load_weight * (ld.prefill_tokens + rt * reqs)
             if busy is not None and ld.requests > busy:
                 cost += self.turn_tokens * (ld.requests - busy) ** 2
