@@ -148,72 +148,18 @@ class ForwardBatch:
         if page_size < 1:
             raise ValueError(f"ForwardBatch.build: page_size must be >= 1, got {page_size}")
         device = torch.device(device) if device is not None else req_to_token.device
-        rows = _as_cpu_long(req_rows, "req_rows")
-        prefix = _as_cpu_long(prefix_lens, "prefix_lens")
-        extend = _as_cpu_long(extend_lens, "extend_lens")
-        ids = (
-            input_ids.reshape(-1).to(torch.int64)
-            if isinstance(input_ids, torch.Tensor)
-            else torch.as_tensor(list(input_ids), dtype=torch.int64)
-        )
-        bs = int(rows.numel())
-        if bs == 0:
-            raise ValueError("ForwardBatch.build: the batch has no requests (req_rows is empty)")
-        if prefix.numel() != bs or extend.numel() != bs:
-            raise ValueError(
-                f"ForwardBatch.build: req_rows ({bs}), prefix_lens ({prefix.numel()}) and "
-                f"extend_lens ({extend.numel()}) must have the same length"
-            )
-        if int(extend.min()) < 1:
-            raise ValueError(f"ForwardBatch.build: every extend_len must be >= 1, got {extend.tolist()}")
-        if int(prefix.min()) < 0:
-            raise ValueError(f"ForwardBatch.build: every prefix_len must be >= 0, got {prefix.tolist()}")
-        max_rows, max_ctx = req_to_token.shape
-        if int(rows.min()) < 0 or int(rows.max()) >= max_rows:
-            raise ValueError(f"ForwardBatch.build: req_rows must be in [0, {max_rows}), got {rows.tolist()}")
-        seq = prefix + extend
-        if int(seq.max()) > max_ctx:
-            raise ValueError(
-                f"ForwardBatch.build: prefix_len + extend_len = {int(seq.max())} exceeds max_context_len {max_ctx}"
-            )
-        num_tokens = int(extend.sum())
-        if ids.numel() != num_tokens:
-            raise ValueError(
-                f"ForwardBatch.build: input_ids has {ids.numel()} tokens but sum(extend_lens) = {num_tokens}"
-            )
-
+        ids, rows, prefix, extend = _checked_inputs(input_ids, req_rows, prefix_lens, extend_lens, req_to_token)
+        bs, seq, num_tokens = int(rows.numel()), prefix + extend, int(extend.sum())
         qo_indptr = _cumsum_indptr(extend)
         req_of_token = torch.repeat_interleave(torch.arange(bs), extend)
         positions = prefix[req_of_token] + (torch.arange(num_tokens) - qo_indptr[req_of_token])
-
         num_pages = (seq + page_size - 1) // page_size
         kv_indptr = _cumsum_indptr(num_pages)
-        req_of_page = torch.repeat_interleave(torch.arange(bs), num_pages)
-        page_pos = (torch.arange(int(kv_indptr[-1])) - kv_indptr[req_of_page]) * page_size
         last_page_len = seq - (num_pages - 1) * page_size
-
-        if logits_indices is None:
-            logits = qo_indptr[1:] - 1
-        else:
-            logits = _as_cpu_long(logits_indices, "logits_indices")
-            if logits.numel() and (int(logits.min()) < 0 or int(logits.max()) >= num_tokens):
-                raise ValueError(
-                    f"ForwardBatch.build: logits_indices must be in [0, {num_tokens}), got {logits.tolist()}"
-                )
-
-        r2t_dev = req_to_token.device
-        tok_rows = rows[req_of_token].to(r2t_dev)
-        out_slots = req_to_token[tok_rows, positions.to(r2t_dev)].to(torch.int64)
-        page_first_slots = req_to_token[rows[req_of_page].to(r2t_dev), page_pos.to(r2t_dev)]
-        kv_indices = torch.div(page_first_slots, page_size, rounding_mode="floor").to(torch.int32)
-        if page_size > 1 and r2t_dev.type == "cpu":
-            page_of_tok = kv_indptr[req_of_token] + torch.div(positions, page_size, rounding_mode="floor")
-            expect = kv_indices.to(torch.int64)[page_of_tok] * page_size + positions % page_size
-            if not torch.equal(expect, out_slots):
-                raise ValueError(
-                    f"ForwardBatch.build: slots in req_to_token are not aligned to page_size {page_size} "
-                    "(position p must sit at offset p % page_size of the page holding its page's first slot)"
-                )
+        logits = _logits_rows(logits_indices, qo_indptr, num_tokens)
+        out_slots, kv_indices = _gather_slots(
+            req_to_token, rows, req_of_token, positions, num_pages, kv_indptr, page_size
+        )
 
         def dev(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             return t.to(device=device, dtype=dtype)
@@ -242,3 +188,84 @@ class ForwardBatch:
             max_extend_len=int(extend.max()),
             max_seq_len=int(seq.max()),
         )
+
+
+def _checked_inputs(
+    input_ids: IntSeq, req_rows: IntSeq, prefix_lens: IntSeq, extend_lens: IntSeq, req_to_token: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(ids, rows, prefix, extend)`` as CPU int64 tensors, checked (:meth:`ForwardBatch.build`'s
+    ValueErrors but the page-size, logits-index and alignment ones)."""
+    rows = _as_cpu_long(req_rows, "req_rows")
+    prefix = _as_cpu_long(prefix_lens, "prefix_lens")
+    extend = _as_cpu_long(extend_lens, "extend_lens")
+    ids = (
+        input_ids.reshape(-1).to(torch.int64)
+        if isinstance(input_ids, torch.Tensor)
+        else torch.as_tensor(list(input_ids), dtype=torch.int64)
+    )
+    bs = int(rows.numel())
+    if bs == 0:
+        raise ValueError("ForwardBatch.build: the batch has no requests (req_rows is empty)")
+    if prefix.numel() != bs or extend.numel() != bs:
+        raise ValueError(
+            f"ForwardBatch.build: req_rows ({bs}), prefix_lens ({prefix.numel()}) and "
+            f"extend_lens ({extend.numel()}) must have the same length"
+        )
+    if int(extend.min()) < 1:
+        raise ValueError(f"ForwardBatch.build: every extend_len must be >= 1, got {extend.tolist()}")
+    if int(prefix.min()) < 0:
+        raise ValueError(f"ForwardBatch.build: every prefix_len must be >= 0, got {prefix.tolist()}")
+    max_rows, max_ctx = req_to_token.shape
+    if int(rows.min()) < 0 or int(rows.max()) >= max_rows:
+        raise ValueError(f"ForwardBatch.build: req_rows must be in [0, {max_rows}), got {rows.tolist()}")
+    seq = prefix + extend
+    if int(seq.max()) > max_ctx:
+        raise ValueError(
+            f"ForwardBatch.build: prefix_len + extend_len = {int(seq.max())} exceeds max_context_len {max_ctx}"
+        )
+    num_tokens = int(extend.sum())
+    if ids.numel() != num_tokens:
+        raise ValueError(f"ForwardBatch.build: input_ids has {ids.numel()} tokens but sum(extend_lens) = {num_tokens}")
+    return ids, rows, prefix, extend
+
+
+def _logits_rows(logits_indices: IntSeq | None, qo_indptr: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The rows whose logits are computed: the given ones, checked to be in ``[0, num_tokens)``,
+    or the last new token of each request."""
+    if logits_indices is None:
+        return qo_indptr[1:] - 1
+    logits = _as_cpu_long(logits_indices, "logits_indices")
+    if logits.numel() and (int(logits.min()) < 0 or int(logits.max()) >= num_tokens):
+        raise ValueError(f"ForwardBatch.build: logits_indices must be in [0, {num_tokens}), got {logits.tolist()}")
+    return logits
+
+
+def _gather_slots(
+    req_to_token: torch.Tensor,
+    rows: torch.Tensor,
+    req_of_token: torch.Tensor,
+    positions: torch.Tensor,
+    num_pages: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_slots, kv_indices)`` read from the block table (on its device): each new token's
+    slot (int64), and each request's page ids (int32). A CPU block table with ``page_size > 1``
+    is checked to hold page-aligned slots (ValueError otherwise)."""
+    r2t_dev = req_to_token.device
+    bs = int(rows.numel())
+    req_of_page = torch.repeat_interleave(torch.arange(bs), num_pages)
+    page_pos = (torch.arange(int(kv_indptr[-1])) - kv_indptr[req_of_page]) * page_size
+    tok_rows = rows[req_of_token].to(r2t_dev)
+    out_slots = req_to_token[tok_rows, positions.to(r2t_dev)].to(torch.int64)
+    page_first_slots = req_to_token[rows[req_of_page].to(r2t_dev), page_pos.to(r2t_dev)]
+    kv_indices = torch.div(page_first_slots, page_size, rounding_mode="floor").to(torch.int32)
+    if page_size > 1 and r2t_dev.type == "cpu":
+        page_of_tok = kv_indptr[req_of_token] + torch.div(positions, page_size, rounding_mode="floor")
+        expect = kv_indices.to(torch.int64)[page_of_tok] * page_size + positions % page_size
+        if not torch.equal(expect, out_slots):
+            raise ValueError(
+                f"ForwardBatch.build: slots in req_to_token are not aligned to page_size {page_size} "
+                "(position p must sit at offset p % page_size of the page holding its page's first slot)"
+            )
+    return out_slots, kv_indices

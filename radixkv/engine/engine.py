@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
-import operator
 import threading
 import time
 from itertools import repeat
@@ -42,6 +41,7 @@ from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats
+from radixkv.engine.validation import Limits, validate_request
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import KVPool
@@ -57,16 +57,53 @@ __all__ = ["Engine"]
 logger = logging.getLogger(__name__)
 
 
-def _token_id(t: Any) -> int:
-    """A token id from an integer (numpy integers too; not a bool, a float or a string)."""
-    if isinstance(t, bool):
-        raise TypeError(t)
-    return operator.index(t)
+def _load(cfg: EngineConfig) -> Any:
+    """``cfg.model`` loaded (a :class:`~radixkv.models.loader.LoadedModel`)."""
+    from radixkv.models.loader import load_model  # lazy: the model stack (torch + transformers)
+
+    return load_model(cfg.model, cfg.device, cfg.dtype, quantization=cfg.quantization)
 
 
-def _short(x: Any, limit: int = 80) -> str:
-    text = repr(x)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
+    """A :class:`~radixkv.executor.model_runner.ModelRunner` over ``loaded``, its KV pool and
+    context sized by ``cfg`` once resolved with the model's facts (``cfg`` is updated)."""
+    from radixkv.executor.model_runner import ModelRunner  # lazy: the model stack (torch + transformers)
+
+    m = loaded.model
+    cfg.resolve(
+        kv_bytes_per_token=KVPool.token_bytes(m.num_layers, m.num_kv_heads, m.head_dim, cfg.dtype),
+        max_position_embeddings=int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 62)),
+    )
+    return ModelRunner(
+        loaded,
+        num_slots=cfg.max_total_tokens,
+        page_size=cfg.page_size,
+        max_running_requests=cfg.max_running_requests,
+        max_context_len=cfg.max_context_len,
+        device=cfg.device,
+        dtype=cfg.dtype,
+        attention_backend=cfg.attention_backend,
+    )
+
+
+def _default_eos(hf_config: Any, tokenizer: Any) -> List[int]:
+    """The EOS ids of the model config and the tokenizer (either may be missing), sorted."""
+    eos: set = set()
+    for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            eos.add(src)
+        elif isinstance(src, (list, tuple)):
+            eos.update(int(t) for t in src)
+    return sorted(eos)
+
+
+def _make_cache(cfg: EngineConfig) -> Any:
+    """The prefix cache ``cfg.prefix_cache`` names (radix, hash blocks, or none)."""
+    if cfg.prefix_cache == "radix":
+        return RadixCache(cfg.page_size, eviction_policy=cfg.eviction_policy)
+    if cfg.prefix_cache == "hash":
+        return HashBlockCache(cfg.page_size, cfg.hash_algo)
+    return NoPrefixCache(cfg.page_size)
 
 
 class Engine:
@@ -115,29 +152,10 @@ class Engine:
         self.config = cfg = copy.copy(config or EngineConfig()).resolve()
         hf_config = None
         if model_runner is None:
-            from radixkv.executor.model_runner import ModelRunner  # lazy: the model stack (torch + transformers)
-            from radixkv.models.loader import load_model
-
-            loaded = loaded_model
-            if loaded is None:
-                loaded = load_model(cfg.model, cfg.device, cfg.dtype, quantization=cfg.quantization)
+            loaded = loaded_model if loaded_model is not None else _load(cfg)
             hf_config = loaded.hf_config
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
-            m = loaded.model
-            cfg.resolve(
-                kv_bytes_per_token=KVPool.token_bytes(m.num_layers, m.num_kv_heads, m.head_dim, cfg.dtype),
-                max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", 1 << 62)),
-            )
-            model_runner = ModelRunner(
-                loaded,
-                num_slots=cfg.max_total_tokens,
-                page_size=cfg.page_size,
-                max_running_requests=cfg.max_running_requests,
-                max_context_len=cfg.max_context_len,
-                device=cfg.device,
-                dtype=cfg.dtype,
-                attention_backend=cfg.attention_backend,
-            )
+            model_runner = _default_runner(cfg, loaded)
         else:
             if cfg.max_total_tokens is None:
                 raise ValueError("max_total_tokens is required when a model_runner is given")
@@ -148,22 +166,11 @@ class Engine:
         self.max_context_len: int = int(cfg.max_context_len)
         self.vocab_size = int(model_runner.vocab_size)
         if eos_token_ids is None:
-            eos: set = set()
-            for src in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
-                if isinstance(src, int):
-                    eos.add(src)
-                elif isinstance(src, (list, tuple)):
-                    eos.update(int(t) for t in src)
-            eos_token_ids = sorted(eos)
+            eos_token_ids = _default_eos(hf_config, tokenizer)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
 
         self.events = EventBus()
-        if cfg.prefix_cache == "radix":
-            cache: Any = RadixCache(cfg.page_size, eviction_policy=cfg.eviction_policy)
-        elif cfg.prefix_cache == "hash":
-            cache = HashBlockCache(cfg.page_size, cfg.hash_algo)
-        else:
-            cache = NoPrefixCache(cfg.page_size)
+        cache = _make_cache(cfg)
         self.kv = KVManager(
             cache,
             SlotAllocator(cfg.max_total_tokens, cfg.page_size),
@@ -237,10 +244,6 @@ class Engine:
                 fn = self._inbox.pop(0)
             fn(self)
 
-    def _pages(self, n: int) -> int:
-        ps = self.config.page_size
-        return (n + ps - 1) // ps * ps
-
     def add_request(
         self,
         prompt_token_ids: Sequence[int],
@@ -273,83 +276,10 @@ class Engine:
             QueueFullError: (a RequestError naming ``max_queued_requests``) that many requests
                 already wait for admission (``EngineConfig.max_queued_requests``).
         """
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            hint = " (build one with SamplingParams(**your_dict))" if isinstance(params, dict) else ""
-            raise RequestError(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}{hint}", "sampling_params"
-            )
-        if isinstance(prompt_token_ids, torch.Tensor):
-            prompt_token_ids = prompt_token_ids.reshape(-1).tolist()
-        try:
-            if isinstance(prompt_token_ids, (str, bytes)):
-                raise TypeError
-            ids = [_token_id(t) for t in prompt_token_ids]
-        except (TypeError, ValueError):
-            raise RequestError(
-                f"prompt_token_ids must be a sequence of integer token ids, got {_short(prompt_token_ids)}", "prompt"
-            ) from None
-        if not ids:
-            raise RequestError("prompt_token_ids is empty: a prompt needs at least 1 token", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})", "prompt"
-            )
-        if len(ids) >= self.max_context_len:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens; max_context_len is {self.max_context_len} "
-                f"(the prompt plus at least one generated token must fit)",
-                "prompt",
-            )
-        if len(ids) + params.max_tokens > self.max_context_len:
-            raise RequestError(
-                f"max_tokens={params.max_tokens} plus the {len(ids)} prompt tokens exceeds max_context_len "
-                f"{self.max_context_len} (at most {self.max_context_len - len(ids)} new tokens for this prompt)",
-                "max_tokens",
-            )
-        if params.n > self.config.max_n:
-            raise RequestError(f"n={params.n} exceeds this engine's max_n {self.config.max_n}", "n")
-        need = self._pages(len(ids) + params.max_tokens)
-        if need > self.kv.capacity:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
-                f"more than the pool's max_total_tokens {self.kv.capacity}",
-                "max_tokens",
-            )
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise RequestError(
-                f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size})", "stop_token_ids"
-            )
-        if params.logit_bias:
-            bad = [t for t in params.logit_bias if t >= self.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"logit_bias holds token id {bad[0]}, outside the vocabulary [0, {self.vocab_size})", "logit_bias"
-                )
-        if params.logprob_start_len is not None and params.logprob_start_len >= len(ids):
-            raise RequestError(
-                f"logprob_start_len {params.logprob_start_len} must be below the prompt length {len(ids)}",
-                "logprob_start_len",
-            )
-        compiled = None
-        if params.structured_output is not None:
-            kind = params.structured_output[0]
-            if self.tokenizer is None:
-                raise RequestError(f"{kind}: structured outputs need the model's tokenizer", kind)
-            self.grammars.validate(params.structured_output)
-            compiled = self.grammars.compile(params.structured_output)
-            compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
+        ids, params = validate_request(prompt_token_ids, sampling_params, self._limits())
+        compiled = self._start_grammar(params)
         with self._work:
-            limit = self.config.max_queued_requests
-            if limit is not None:
-                queued = len(self._groups) - len({r.request_id for r in list(self.scheduler.running)})
-                if queued >= limit:
-                    raise QueueFullError(
-                        f"the engine's queue is full: {queued} requests wait for admission, "
-                        f"max_queued_requests is {limit}; retry later"
-                    )
+            self._check_queue_bound()
             rid = str(request_id) if request_id is not None else str(next(self._ids))
             if rid in self._groups:
                 raise RequestError(f"request_id {rid!r} is already in use by an unfinished request", "request_id")
@@ -359,6 +289,46 @@ class Engine:
             self._inbox.append(lambda e: e._queue(group))
             self._work.notify_all()
         return rid
+
+    def _limits(self) -> Limits:
+        """The limits ``add_request`` checks a request against (:mod:`radixkv.engine.validation`)."""
+        return Limits(
+            vocab_size=self.vocab_size,
+            max_context_len=self.max_context_len,
+            max_n=self.config.max_n,
+            capacity=self.kv.capacity,
+            page_size=self.config.page_size,
+        )
+
+    def _start_grammar(self, params: SamplingParams) -> Any:
+        """Validate ``params``' structured-output constraint and start compiling it on the grammar
+        thread: the compile's ``Future``, or None without a constraint.
+
+        Raises:
+            RequestError: no tokenizer, or a constraint xgrammar refuses (the field as ``param``).
+        """
+        if params.structured_output is None:
+            return None
+        kind = params.structured_output[0]
+        if self.tokenizer is None:
+            raise RequestError(f"{kind}: structured outputs need the model's tokenizer", kind)
+        self.grammars.validate(params.structured_output)
+        compiled = self.grammars.compile(params.structured_output)
+        compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
+        return compiled
+
+    def _check_queue_bound(self) -> None:
+        """Raise QueueFullError when ``max_queued_requests`` requests wait for admission (called
+        holding the inbox lock)."""
+        limit = self.config.max_queued_requests
+        if limit is None:
+            return
+        queued = len(self._groups) - len({r.request_id for r in list(self.scheduler.running)})
+        if queued >= limit:
+            raise QueueFullError(
+                f"the engine's queue is full: {queued} requests wait for admission, "
+                f"max_queued_requests is {limit}; retry later"
+            )
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (any thread); unknown or finished ids are ignored. Its outputs end with
@@ -417,11 +387,8 @@ class Engine:
             exc = fut.exception()
             if exc is not None:
                 logger.error("request %s: its grammar failed to compile: %r", r.request_id, exc)
-                r.status = RequestStatus.FINISHED
-                g.abort()
-                g.metrics.finished_time = time.perf_counter()
-                self._finish_group(g)
-                self._ready.append(g.to_output())
+                r.status = RequestStatus.FINISHED  # never queued: nothing to release
+                self._end_group(g, self._ready, reason="abort")
                 continue
             r.sampling_state = self.sampling.new_state(r.params, self.grammars.matcher(fut.result()))
             self.scheduler.add(r)
@@ -439,15 +406,8 @@ class Engine:
         final output (finish_reason "abort") comes from the next :meth:`step`. Unknown or
         finished ids are ignored."""
         group = self._groups.get(request_id)
-        if group is None:
-            return
-        for r in group.samples:
-            if r is not None and r.status != RequestStatus.FINISHED:
-                self.scheduler.abort(r)
-        group.abort()
-        group.metrics.finished_time = time.perf_counter()
-        self._finish_group(group)
-        self._ready.append(group.to_output())
+        if group is not None:
+            self._end_group(group, self._ready, reason="abort")
 
     def _fail(self, request_id: str, exc: BaseException, outputs: List[RequestOutput]) -> None:
         """Request ``request_id``'s sampling (or output processing) raised ``exc`` for its row:
@@ -458,33 +418,44 @@ class Engine:
         if group is None:
             return
         logger.error("request %s failed in sampling; only it stops: %r", request_id, exc, exc_info=exc)
+        group.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        self.num_failed_requests += 1
+        self._end_group(group, outputs, reason="error")
+
+    def _end_group(
+        self,
+        group: RequestGroup,
+        outputs: List[RequestOutput],
+        reason: Optional[str] = None,
+        now: Optional[float] = None,
+    ) -> None:
+        """The one way a request ends: its samples still unfinished are aborted (their slots
+        released: computed K/V stays cached, unlocked) and, with ``reason``, marked with it
+        (``"abort"`` or ``"error"``); its finish time is set (``now``, default the current
+        ``time.perf_counter()``); it leaves the unfinished requests; a
+        :class:`~radixkv.engine.events.RequestFinished` is emitted; its final output is appended
+        to ``outputs``."""
         for r in group.samples:
             if r is not None and r.status != RequestStatus.FINISHED:
                 self.scheduler.abort(r)
-        for o in group.outputs:
-            if o.finish_reason is None:
-                o.finish_reason = "error"
-        group.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        group.metrics.finished_time = time.perf_counter()
-        self.num_failed_requests += 1
-        self._finish_group(group)
-        outputs.append(group.to_output())
-
-    def _finish_group(self, group: RequestGroup) -> None:
+        if reason is not None:
+            group.abort(reason)
+        group.metrics.finished_time = time.perf_counter() if now is None else now
         with self._work:
             del self._groups[group.request_id]
         if self.events.wants(RequestFinished):
             outs = group.outputs
             self.events.emit(
                 RequestFinished(
-                    group.request_id,
-                    self.num_steps,
-                    tuple(str(o.finish_reason) for o in outs),
-                    len(group.prompt_ids),
-                    sum(len(o.token_ids) for o in outs),
-                    group.num_cached_tokens,
+                    request_id=group.request_id,
+                    step=self.num_steps,
+                    finish_reasons=tuple(str(o.finish_reason) for o in outs),
+                    num_prompt_tokens=len(group.prompt_ids),
+                    num_output_tokens=sum(len(o.token_ids) for o in outs),
+                    num_cached_tokens=group.num_cached_tokens,
                 )
             )
+        outputs.append(group.to_output())
 
     def step(self) -> List[RequestOutput]:
         """Run one scheduling step (apply the inbox, admit + prefill chunk(s) + decode, one
@@ -511,8 +482,34 @@ class Engine:
                 self._wait_for_grammars()
             return outputs
         self.num_steps += 1
+        self._note_admissions(batch)
+        logits, sample_index, segments = self._forward(batch)
+        self.scheduler.after_forward(batch)
+        samplers = batch.samplers
+        result = self.sampling.step(
+            logits, samplers, self._rng, sample_index, [seg for _, seg in segments] if segments else ()
+        )
         now = time.perf_counter()
-        admitted = self.events.wants(RequestAdmitted)
+        failed: Dict[str, BaseException] = {}  # request id -> what its row raised (that request fails)
+        self._take_prompt_logprobs(segments, result, failed)
+        touched = self._take_tokens(samplers, result, failed, now)
+        for rid, exc in failed.items():
+            touched.pop(rid, None)
+            self._fail(rid, exc, outputs)
+        self._emit_step_finished(batch)
+        for g in touched.values():
+            if g.finished:
+                self._end_group(g, outputs, now=now)
+            else:
+                outputs.append(g.to_output())
+        return outputs
+
+    def _note_admissions(self, batch: ScheduledBatch) -> None:
+        """Admission bookkeeping of the step's members: first-scheduled times, the prompt and
+        cached-token totals (sample 0's first admission), and a
+        :class:`~radixkv.engine.events.RequestAdmitted` per new admission."""
+        now = time.perf_counter()
+        emit = self.events.wants(RequestAdmitted)
         for r in batch.members:
             g = self._groups[r.request_id]
             if g.metrics.first_scheduled_time is None:
@@ -523,32 +520,29 @@ class Engine:
                 g.cache_outcome = r.cache_outcome
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
-            if admitted and r.admit_seq > self._last_admit_seq:
+            if emit and r.admit_seq > self._last_admit_seq:
+                first = r.num_retractions == 0
                 self.events.emit(
                     RequestAdmitted(
-                        r.request_id,
-                        r.index,
-                        self.num_steps,
-                        len(r.prompt_token_ids),
-                        (r.num_cached_tokens or 0) if r.num_retractions == 0 else 0,
-                        r.prefix_len,
-                        r.num_retractions > 0,
-                        r.namespace,
-                        r.cache_outcome if r.num_retractions == 0 else None,
-                        r.num_shared_tokens,
+                        request_id=r.request_id,
+                        index=r.index,
+                        step=self.num_steps,
+                        num_prompt_tokens=len(r.prompt_token_ids),
+                        num_cached_tokens=(r.num_cached_tokens or 0) if first else 0,
+                        prefix_len=r.prefix_len,
+                        readmission=not first,
+                        namespace=r.namespace,
+                        cache_outcome=r.cache_outcome if first else None,
+                        num_shared_tokens=r.num_shared_tokens,
                     )
                 )
         self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.members)])
-        logits, sample_index, segments = self._forward(batch)
-        self.scheduler.after_forward(batch)
-        to_sample = batch.samplers
-        result = self.sampling.step(
-            logits, to_sample, self._rng, sample_index, [seg for _, seg in segments] if segments else ()
-        )
-        now = time.perf_counter()
-        touched: Dict[str, RequestGroup] = {}
-        failed: Dict[str, BaseException] = {}  # request id -> what its row raised (that request fails)
-        for (r, seg), lps, err in zip(segments, result.prompt_logprobs, result.prompt_errors or repeat(None)):
+
+    def _take_prompt_logprobs(self, segments: List[tuple], result: Any, failed: Dict[str, BaseException]) -> None:
+        """Record the prompt logprobs computed in this step (``segments``: ``(request,
+        PromptSegment)``) on their groups; a request whose row raised goes into ``failed``."""
+        errors = result.prompt_errors or repeat(None)
+        for (r, seg), lps, err in zip(segments, result.prompt_logprobs, errors):
             try:
                 if err is not None:
                     raise err
@@ -560,7 +554,16 @@ class Engine:
                     r.prompt_lp_pos = None  # all computed: the cache may serve its prompt again
             except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
                 failed.setdefault(r.request_id, exc)
-        for r, tok, lp, err in zip(to_sample, result.tokens, result.logprobs, result.errors or repeat(None)):
+
+    def _take_tokens(
+        self, samplers: List[Request], result: Any, failed: Dict[str, BaseException], now: float
+    ) -> Dict[str, RequestGroup]:
+        """Append each sampled token to its sample, fork the ``n > 1`` samples at sample 0's
+        first token, run the stop checks (a finished sample is released). Returns the groups
+        that got a token, by request id; a request whose row (or output processing) raised goes
+        into ``failed`` instead."""
+        touched: Dict[str, RequestGroup] = {}
+        for r, tok, lp, err in zip(samplers, result.tokens, result.logprobs, result.errors or repeat(None)):
             if err is not None or r.request_id in failed:
                 failed.setdefault(r.request_id, err)
                 continue
@@ -577,27 +580,22 @@ class Engine:
                     self.scheduler.finish(r)
             except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
                 failed.setdefault(r.request_id, exc)
-        for rid, exc in failed.items():
-            touched.pop(rid, None)
-            self._fail(rid, exc, outputs)
-        if self.events.wants(StepFinished):
-            self.events.emit(
-                StepFinished(
-                    self.num_steps,
-                    tuple((r.request_id, r.index) for r in batch.reqs),
-                    tuple(batch.extend_lens),
-                    tuple(batch.sample),
-                    batch.prefill_tokens,
-                    tuple((r.request_id, r.index) for r in batch.retracted),
-                    tuple((r.request_id, r.index) for r in batch.riders),
-                )
+        return touched
+
+    def _emit_step_finished(self, batch: ScheduledBatch) -> None:
+        if not self.events.wants(StepFinished):
+            return
+        self.events.emit(
+            StepFinished(
+                step=self.num_steps,
+                samples=tuple((r.request_id, r.index) for r in batch.reqs),
+                extend_lens=tuple(batch.extend_lens),
+                sampled=tuple(batch.sample),
+                prefill_tokens=batch.prefill_tokens,
+                retracted=tuple((r.request_id, r.index) for r in batch.retracted),
+                riders=tuple((r.request_id, r.index) for r in batch.riders),
             )
-        for g in touched.values():
-            if g.finished:
-                g.metrics.finished_time = now
-                self._finish_group(g)
-            outputs.append(g.to_output())
-        return outputs
+        )
 
     def _forward(self, batch: ScheduledBatch):
         """One forward pass. Logits are computed for the last new token of each sampling request

@@ -12,28 +12,30 @@ Slots take one form per place: a request's ``slots`` is a ``list[int]`` (it grow
 time); everything that crosses the cache and allocator APIs is a 1-D int64 slot array
 (:func:`radixkv.memory.slots.slot_array`, a CPU tensor), converted here and nowhere else.
 
-In-batch sharing (docs/engine.md, "In-batch prefix sharing"): while the scheduler plans one
-forward it publishes (:meth:`~KVManager.publish`) every prefill row it adds into a small radix
-tree of the tokens that will have K/V at the end of that forward (the rows' computed prefixes
-plus what they compute now, whole pages). A request admitted later in the same plan borrows the
-longest such prefix beyond its cached one: its ``req_to_token`` row points at the computing
-row's slots, which every attention backend writes before it attends in each layer, so the sharer
-attends to them as its prefix in that very forward. After the forward,
-:meth:`~KVManager.settle` re-points the borrowed positions at the prefix cache (the computing row
-has handed them over by then) and the sharer locks them there like any cached prefix. A request
-whose whole sequence is computed by another row (an identical prompt, or a prefix of a longer
-one, ending on a page boundary) computes nothing: it samples from that row's logits
-(``Request.logits_from``).
+Two helpers keep their own bookkeeping beside it and move no slot themselves:
 
-Pins: a :class:`Pin` keeps a computed prefix in memory for holders that are not running now: the
-samples ``1 .. n-1`` of a request with ``n > 1`` (hard pins, released by the samples), and
-sessions (soft pins, :meth:`~KVManager.pin_prefix`; also the server's stored responses). With a
-prefix cache the pin holds a lock on the cached prefix (its tokens are *protected*); without one
-(``prefix_cache="none"``) it owns the slots and frees them when its last holder lets go. Each
-holder keeps one reference until it is released. Soft pins are bounded: past
-``max_pinned_tokens`` (distinct pinned tokens) or ``pin_idle_timeout`` seconds without use, the
-least recently used soft pin is dropped (its tokens become evictable, not freed), and when a
-running request is short of memory soft pins are dropped before anything is retracted.
+* :class:`~radixkv.engine.batch_sharing.BatchSharing` (``kv.sharing``), in-batch prefix sharing
+  (docs/engine.md, "In-batch prefix sharing"): while the scheduler plans one forward, every
+  prefill row it adds is published (:meth:`~KVManager.publish`) into an index of what will have
+  K/V at the end of that forward; a request admitted later in the same plan borrows the longest
+  such prefix beyond its cached one: its ``req_to_token`` row points at the computing row's
+  slots, which every attention backend writes before it attends in each layer. After the
+  forward, :meth:`~KVManager.settle` re-points the borrowed positions at the prefix cache (the
+  computing row has handed them over by then) and locks them there like any cached prefix. A
+  request whose whole sequence another row computes (a *rider*) computes nothing: it samples
+  from that row's logits (``Request.logits_from``).
+* :class:`~radixkv.engine.pins.PinTable` (``kv.pins``), the pins: a :class:`Pin` keeps a computed
+  prefix in memory for holders not running now: the samples ``1 .. n-1`` of a request with
+  ``n > 1`` (hard pins, :meth:`~KVManager.fork`) and sessions and stored Responses (soft pins,
+  :meth:`~KVManager.pin_prefix`). With a prefix cache the pin holds a lock on the cached prefix
+  (its tokens are *protected*); without one (``prefix_cache="none"``) it owns the slots. The
+  table counts references and distinct pinned tokens and bounds the soft pins
+  (``max_pinned_tokens``, ``pin_idle_timeout``, least recently used first; also dropped before
+  anything is retracted when a running request is short of memory); when a pin dies the table
+  calls back here, and the KV manager unlocks (or frees) what it held.
+
+A later helper (a KV tier, tentative draft slots) plugs in the same way: its own bookkeeping in
+its own class, every slot it implies moved by the KV manager (a callback or a returned value).
 
 Invariant (:meth:`check_integrity`): every slot is exactly one of free, held by the cache, owned
 by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``
@@ -42,7 +44,6 @@ and ``protected == pinned``.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional
 
@@ -50,8 +51,9 @@ import torch
 
 from radixkv.cache.base import MatchResult, PrefixCache
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
-from radixkv.cache.radix_tree import RadixCache
+from radixkv.engine.batch_sharing import BatchSharing
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
+from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import ReqToTokenPool
@@ -61,37 +63,6 @@ __all__ = ["KVManager", "Pin", "Prefix"]
 
 def _as_slots(slots: List[int]) -> torch.Tensor:
     return torch.tensor(slots, dtype=torch.int64)
-
-
-class Pin:
-    """A computed prefix kept for holders that will attach to it (module docstring).
-
-    Attributes:
-        slots: ``list[int]`` KV slots of positions ``[0, len(slots))``, page aligned.
-        node: the locked prefix-cache handle (with a prefix cache), else None (the pin owns
-            ``slots``).
-        refs: holders left; the pin is released when it drops to 0.
-        soft: True for a session's pin, which the KV manager may drop (LRU, idle timeout, or
-            memory for running requests); False for the pin of ``n > 1`` samples.
-        last_used: the KV manager's clock (seconds) when a holder last used it.
-        live: False once released or dropped (a holder's handle then pins nothing).
-    """
-
-    __slots__ = ("slots", "node", "refs", "soft", "last_used", "live")
-
-    def __init__(self, slots: List[int], node: Any, refs: int, soft: bool = False, last_used: float = 0.0) -> None:
-        self.slots = slots
-        self.node = node
-        self.refs = refs
-        self.soft = soft
-        self.last_used = last_used
-        self.live = True
-
-    def __len__(self) -> int:
-        return len(self.slots)
-
-    def __repr__(self) -> str:
-        return f"Pin({len(self.slots)} tokens, refs={self.refs}, soft={self.soft}, live={self.live})"
 
 
 @dataclass
@@ -110,25 +81,6 @@ class Prefix:
     logits_from: Optional[tuple] = None
 
 
-class _BatchPrefixes:
-    """The prefixes that will have K/V at the end of the forward being planned: a radix tree
-    (used as a pure index, :class:`~radixkv.cache.radix_tree.RadixCache`) from the tokens of
-    every published prefill row to their slots, and each row's computed range."""
-
-    __slots__ = ("tree", "rows")
-
-    def __init__(self, page_size: int) -> None:
-        self.tree = RadixCache(page_size)
-        self.rows: List[tuple] = []  # (request, first position computed now, end)
-
-    def computing(self, slot: int, pos: int) -> Optional[Request]:
-        """The published row that computes position ``pos`` into ``slot`` in this forward."""
-        for r, start, end in self.rows:
-            if start <= pos < end and r.slots[pos] == slot:
-                return r
-        return None
-
-
 class KVManager:
     """Slot hand-overs between requests, the prefix cache and the allocator (module docstring).
 
@@ -145,8 +97,10 @@ class KVManager:
             what is cached when a request is admitted is shared).
 
     Attributes:
+        pins: the :class:`~radixkv.engine.pins.PinTable` (live pins, bounds of the soft ones).
+        sharing: the :class:`~radixkv.engine.batch_sharing.BatchSharing` of the forward being
+            planned.
         evicted_tokens: tokens evicted from the cache so far.
-        dropped_pins: soft pins dropped by the KV manager (limit, timeout, memory) so far.
 
     Raises:
         ValueError: the cache and the allocator have different page sizes.
@@ -173,15 +127,9 @@ class KVManager:
         self.shares = bool(cache.shares_prefixes)
         self.events = events if events is not None else EventBus()
         self.evicted_tokens = 0
-        self.dropped_pins = 0
-        self.max_pinned_tokens = max_pinned_tokens
-        self.pin_idle_timeout = pin_idle_timeout
-        self.clock: Callable[[], float] = clock if clock is not None else time.monotonic
-        self.in_batch_sharing = bool(in_batch_sharing) and self.shares
         self._seq = 0
-        self._pins: dict[int, Pin] = {}  # id(pin) -> pin, every live pin
-        self._pinned: dict[int, int] = {}  # slot -> live pins holding it (distinct pinned tokens)
-        self._batch: Optional[_BatchPrefixes] = None  # the forward being planned (in-batch sharing)
+        self.pins = PinTable(self._unhold, max_tokens=max_pinned_tokens, idle_timeout=pin_idle_timeout, clock=clock)
+        self.sharing = BatchSharing(self.page_size, enabled=bool(in_batch_sharing) and self.shares)
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -203,12 +151,32 @@ class KVManager:
     def pinned_size(self) -> int:
         """Distinct tokens held by pins (locked in the cache or owned); pins sharing a prefix
         (forked sessions) count it once."""
-        return len(self._pinned)
+        return self.pins.pinned_size()
 
     @property
     def num_pins(self) -> int:
         """Live pins."""
-        return len(self._pins)
+        return len(self.pins)
+
+    @property
+    def dropped_pins(self) -> int:
+        """Soft pins dropped by the KV manager (bound, timeout, memory, reset) so far."""
+        return self.pins.dropped
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The pins' time source (seconds)."""
+        return self.pins.clock
+
+    @property
+    def in_batch_sharing(self) -> bool:
+        """Whether rows of one forward share what they compute (settable; read when the next
+        plan begins; never True without a prefix cache that shares prefixes)."""
+        return self.sharing.enabled
+
+    @in_batch_sharing.setter
+    def in_batch_sharing(self, on: bool) -> None:
+        self.sharing.enabled = bool(on) and self.shares
 
     @property
     def event_seq(self) -> int:
@@ -250,8 +218,11 @@ class KVManager:
                 self.allocator.free(freed)
                 self.evicted_tokens += int(freed.numel())
                 if not hasattr(self.cache, "evict_listener") and self.events.wants(CacheEvicted):
-                    self._seq += 1
-                    self.events.emit(CacheEvicted(self._seq, None, int(freed.numel()), None))
+                    self.events.emit(
+                        CacheEvicted(
+                            seq=self._next_seq(), namespace=None, num_tokens=int(freed.numel()), block_digests=None
+                        )
+                    )
         return self.allocator.available_size() >= n
 
     def reserve(self, need: int, extra: int) -> bool:
@@ -273,14 +244,25 @@ class KVManager:
         self.req_to_token_pool.write(req.row, start, new)
 
     # ------------------------------------------------------------------ cache events
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
     def _insert(self, tokens: List[int], slots: List[int], namespace: Any) -> int:
         k = self.cache.insert(tokens, _as_slots(slots), namespace)
         if self.shares and self.events.wants(CacheInserted) and len(tokens) > k:
             n = len(tokens)
             first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
             digests = tuple(block_digests(tokens, namespace, first, stop)) if stop > first else ()
-            self._seq += 1
-            self.events.emit(CacheInserted(self._seq, namespace, n - k, first, digests))
+            self.events.emit(
+                CacheInserted(
+                    seq=self._next_seq(),
+                    namespace=namespace,
+                    num_tokens=n - k,
+                    first_block=first,
+                    block_digests=digests,
+                )
+            )
         return k
 
     def _on_evict(self, namespace: Any, path: bytes, start: int) -> None:
@@ -289,62 +271,31 @@ class KVManager:
         end = len(path) >> 2
         first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
         digests = tuple(block_digests(path, namespace, first, stop)) if stop > first else ()
-        self._seq += 1
-        self.events.emit(CacheEvicted(self._seq, namespace, end - start, digests))
+        self.events.emit(
+            CacheEvicted(seq=self._next_seq(), namespace=namespace, num_tokens=end - start, block_digests=digests)
+        )
 
     # ------------------------------------------------------------------ in-batch sharing
     def begin_batch(self) -> None:
-        """Start planning a forward: nothing is published yet (module docstring)."""
-        self._batch = _BatchPrefixes(self.page_size) if self.in_batch_sharing else None
+        """Start planning a forward: nothing is published yet (:class:`BatchSharing`)."""
+        self.sharing.begin()
 
     def end_batch(self) -> None:
         """The plan is complete; later admissions share nothing of it."""
-        self._batch = None
+        self.sharing.end()
 
     def publish(self, req: Request, upto: int) -> None:
         """``req`` (admitted, with slots up to ``upto``) computes positions ``[kv_len, upto)`` in
         the forward being planned: its whole pages ``[0, floor(upto))`` may be borrowed by
         requests admitted after it in the same plan."""
-        b = self._batch
-        if b is None:
-            return
-        b.rows.append((req, req.kv_len, upto))
-        n = upto // self.page_size * self.page_size
-        if n:
-            b.tree.insert(req.all_token_ids[:n], _as_slots(req.slots[:n]), req.namespace)
-
-    def _batch_match(self, req: Request) -> Optional[MatchResult]:
-        if self._batch is None or req.pin is not None or not self._batch.rows:
-            return None
-        return self._batch.tree.match_prefix(req.all_token_ids, req.namespace)
-
-    def _borrow_limit(self, req: Request) -> int:
-        """The most positions ``req`` may borrow without being a rider: all but its last token,
-        at most ``max_prefix_len`` (prompt logprobs need their positions' logits), whole pages."""
-        n = req.seq_len - 1
-        if req.max_prefix_len is not None:
-            n = min(n, req.max_prefix_len)
-        return n // self.page_size * self.page_size
-
-    def _rider_source(self, req: Request, b: MatchResult) -> Optional[tuple]:
-        """``(row, position)`` when a published row computes ``req``'s last position in this
-        forward and every position before it is published too: ``req`` then samples from that
-        row's logits and computes nothing (not when it wants prompt logprobs)."""
-        n = req.seq_len
-        if b.length != n or req.max_prefix_len is not None:
-            return None
-        src = self._batch.computing(int(b.slots[n - 1]), n - 1)
-        return None if src is None else (src, n - 1)
+        if self.sharing.planning:
+            n = upto // self.page_size * self.page_size
+            self.sharing.publish(req, upto, _as_slots(req.slots[:n]))
 
     def batch_prefix_len(self, req: Request) -> int:
         """The prefix ``req`` could borrow from the forward being planned (0 when none): its
         whole sequence when a row computes all of it now, else at most all but its last token."""
-        b = self._batch_match(req)
-        if b is None or b.length == 0:
-            return 0
-        if self._rider_source(req, b) is not None:
-            return b.length
-        return min(b.length, self._borrow_limit(req))
+        return self.sharing.prefix_len(req)
 
     def settle(self, req: Request) -> None:
         """After the forward in which ``req`` borrowed positions from other rows: re-point its
@@ -356,14 +307,19 @@ class KVManager:
         m = self.cache.match_prefix(req.all_token_ids[:n], req.namespace)
         if m.length != n:
             raise RuntimeError(f"settle: {req!r} borrowed {n} tokens but the cache holds {m.length} of them")
+        self._relock(req, m)
+        req.shared_len = 0
+        req.logits_from = None
+
+    def _relock(self, req: Request, m: MatchResult) -> None:
+        """Move ``req``'s lock to the cached path ``m`` and point its positions ``[0, m.length)``
+        at the cache's slots (its ``req_to_token`` row included)."""
         self.cache.inc_lock_ref(m.node)
         if req.prefix_node is not None:
             self.cache.dec_lock_ref(req.prefix_node)
         req.prefix_node = m.node
-        req.slots[:n] = m.slots.tolist()
+        req.slots[: m.length] = m.slots.tolist()
         self.req_to_token_pool.write(req.row, 0, m.slots)
-        req.shared_len = 0
-        req.logits_from = None
 
     # ------------------------------------------------------------------ admission
     def match(self, req: Request) -> MatchResult:
@@ -380,7 +336,7 @@ class KVManager:
         can borrow from the forward being planned)."""
         if req.pin is not None:
             return len(req.pin)
-        return max(self.match(req).length, self.batch_prefix_len(req))
+        return max(self.match(req).length, self.sharing.prefix_len(req))
 
     def lock_prefix(self, req: Request) -> Prefix:
         """The prefix ``req`` would be admitted on, locked so that no eviction frees it; undo with
@@ -391,13 +347,10 @@ class KVManager:
         m = self.match(req)
         self.cache.inc_lock_ref(m.node)
         slots = m.slots.tolist()
-        b = self._batch_match(req)
+        b = self.sharing.borrow(req)
         if b is not None and b.length > m.length:
-            src = self._rider_source(req, b)
-            n = b.length if src is not None else min(b.length, self._borrow_limit(req))
-            if n > m.length:
-                slots += b.slots[m.length : n].tolist()
-                return Prefix(n, slots, m.node, None, n - m.length, src)
+            slots += b.slots[m.length : b.length].tolist()
+            return Prefix(b.length, slots, m.node, None, b.length - m.length, b.logits_from)
         return Prefix(m.length, slots, m.node)
 
     def unlock_prefix(self, prefix: Prefix) -> None:
@@ -469,13 +422,8 @@ class KVManager:
                 f"hand-over: insert found {k}, match {m.length}, expected >= {req.prefix_len} / {aligned}"
             )
         self._free(req.slots[req.prefix_len : k])
-        self.cache.inc_lock_ref(m.node)
-        if req.prefix_node is not None:
-            self.cache.dec_lock_ref(req.prefix_node)
+        self._relock(req, m)
         self.drop_pin(req)  # the cache's lock now covers at least the pin's pages
-        req.prefix_node = m.node
-        req.slots[:aligned] = m.slots.tolist()
-        self.req_to_token_pool.write(req.row, 0, m.slots)
         req.prefix_len = aligned
 
     # ------------------------------------------------------------------ pins (n > 1)
@@ -494,14 +442,13 @@ class KVManager:
             if m.length != upto:
                 raise RuntimeError(f"fork: the parent's prompt is cached up to {m.length}, expected {upto}")
             self.cache.inc_lock_ref(m.node)
-            pin = Pin(m.slots.tolist(), m.node, len(children), last_used=self.clock())
+            pin = self.pins.add(m.slots.tolist(), m.node, len(children), soft=False)
         else:
             if upto == 0 or parent.prefix_len or parent.pin is not None or parent.kv_len < upto:
                 return
             # the parent's first pages become the pin's; the parent borrows them from it
-            pin = Pin(parent.slots[:upto], None, len(children) + 1, last_used=self.clock())
+            pin = self.pins.add(parent.slots[:upto], None, len(children) + 1, soft=False)
             parent.pin, parent.prefix_len = pin, upto
-        self._add_pin(pin)
         for c in children:
             c.pin = pin
 
@@ -511,7 +458,7 @@ class KVManager:
         if pin is None:
             return
         req.pin = None
-        self.release_pin(pin)
+        self.pins.release(pin)
 
     def detach_pins(self, waiting: Iterable[Request]) -> None:
         """Last resort when one running request is left short of memory: waiting requests drop
@@ -520,29 +467,14 @@ class KVManager:
             if r.pin is not None and r.row is None:
                 self.drop_pin(r)
 
-    # ------------------------------------------------------------------ pins (sessions)
-    def _add_pin(self, pin: Pin) -> None:
-        self._pins[id(pin)] = pin
-        counts = self._pinned
-        for s in pin.slots:
-            counts[s] = counts.get(s, 0) + 1
-
-    def _remove_pin(self, pin: Pin) -> None:
-        """Unlock (or free) what ``pin`` holds, whatever its references; it is dead afterwards."""
-        del self._pins[id(pin)]
-        pin.live = False
-        counts = self._pinned
-        for s in pin.slots:
-            c = counts[s] - 1
-            if c:
-                counts[s] = c
-            else:
-                del counts[s]
+    def _unhold(self, pin: Pin) -> None:
+        """``pin`` died (:class:`PinTable`): unlock its cached path, or free the slots it owns."""
         if pin.node is not None:
             self.cache.dec_lock_ref(pin.node)
         else:
             self._free(pin.slots)
 
+    # ------------------------------------------------------------------ pins (sessions)
     def pin_prefix(self, tokens: List[int], namespace: Any = None) -> Optional[Pin]:
         """A soft pin (one reference, the caller's) on the cached prefix of ``tokens``: its whole
         pages stay in memory, protected from eviction, until :meth:`release_pin` (or until the
@@ -556,56 +488,27 @@ class KVManager:
         if m.length == 0:
             return None
         self.cache.inc_lock_ref(m.node)
-        pin = Pin(m.slots.tolist(), m.node, 1, soft=True, last_used=self.clock())
-        self._add_pin(pin)
-        self.expire_pins()
+        pin = self.pins.add(m.slots.tolist(), m.node, 1, soft=True)
+        self.pins.expire()
         return pin
 
     def retain_pin(self, pin: Pin) -> bool:
         """One more holder of ``pin`` (a forked session): True, or False when it is dead."""
-        if not pin.live:
-            return False
-        pin.refs += 1
-        pin.last_used = self.clock()
-        return True
+        return self.pins.retain(pin)
 
     def touch_pin(self, pin: Pin) -> None:
         """A holder uses ``pin`` now (it becomes the most recently used)."""
-        pin.last_used = self.clock()
+        self.pins.touch(pin)
 
     def release_pin(self, pin: Pin) -> None:
         """A holder lets go of ``pin``; the last one unlocks (or frees) it. No-op on a dead pin."""
-        if not pin.live:
-            return
-        pin.refs -= 1
-        if pin.refs <= 0:
-            self._remove_pin(pin)
-
-    def _soft_pins_lru(self) -> List[Pin]:
-        return sorted((p for p in self._pins.values() if p.soft), key=lambda p: p.last_used)
-
-    def _drop_soft(self, pin: Pin) -> None:
-        self._remove_pin(pin)
-        self.dropped_pins += 1
+        self.pins.release(pin)
 
     def expire_pins(self) -> int:
         """Drop the soft pins idle for ``pin_idle_timeout`` seconds, then the least recently used
         ones while more than ``max_pinned_tokens`` distinct tokens are pinned; returns how many
         were dropped. Their tokens stay cached, evictable."""
-        if not self._pins:
-            return 0
-        dropped = 0
-        if self.pin_idle_timeout is not None:
-            now = self.clock()
-            for p in [p for p in self._pins.values() if p.soft and now - p.last_used >= self.pin_idle_timeout]:
-                self._drop_soft(p)
-                dropped += 1
-        if self.max_pinned_tokens is not None and len(self._pinned) > self.max_pinned_tokens:
-            lru = self._soft_pins_lru()
-            while lru and len(self._pinned) > self.max_pinned_tokens:
-                self._drop_soft(lru.pop(0))
-                dropped += 1
-        return dropped
+        return self.pins.expire()
 
     def yield_pins(self, need: int) -> bool:
         """Make ``need`` slots free for a running request, dropping soft pins (least recently used
@@ -613,20 +516,19 @@ class KVManager:
         lru = None
         while not self.ensure_free(need):
             if lru is None:
-                lru = self._soft_pins_lru()
+                lru = self.pins.soft_lru()
             if not lru:
                 return False
-            self._drop_soft(lru.pop(0))
+            self.pins.drop(lru.pop(0))
         return True
 
     # ------------------------------------------------------------------ cache
     def reset_cache(self) -> bool:
         """Drop every cached prefix, and the soft pins on them (sessions keep their contexts and
         recompute them); False (nothing done) while a request's pin or lock holds any."""
-        if any(not p.soft for p in self._pins.values()):
+        if self.pins.has_hard():
             return False
-        for p in list(self._pins.values()):
-            self._drop_soft(p)
+        self.pins.drop_soft()
         if self.cache.protected_size():  # a request's lock (the caller checks none is admitted)
             return False
         freed = self.cache.reset()
@@ -634,15 +536,15 @@ class KVManager:
         if n:
             self.allocator.free(freed)
         if self.events.wants(CacheReset):
-            self._seq += 1
-            self.events.emit(CacheReset(self._seq, n))
+            self.events.emit(CacheReset(seq=self._next_seq(), num_tokens=n))
         return True
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
-        """Raise AssertionError when slot ownership is inconsistent: the cache's own check, and
-        every slot counted exactly once among free, cached, owned by ``requests`` (the admitted
-        ones; others hold nothing but pins) and owned by pins."""
+        """Raise AssertionError when slot ownership is inconsistent: the cache's own check, the
+        pin table's, and every slot counted exactly once among free, cached, owned by
+        ``requests`` (the admitted ones; others hold nothing but pins) and owned by pins."""
         self.cache.check_integrity()
+        self.pins.check_integrity()
         held: set = set()
 
         def own(slots: List[int]) -> None:
@@ -660,16 +562,9 @@ class KVManager:
                 raise AssertionError(f"{r!r} holds slots without a req_to_token row")
             if r.pin is not None and not r.pin.live:
                 raise AssertionError(f"{r!r} holds a dead pin")
-        counts: dict[int, int] = {}
-        for pin in self._pins.values():
-            if pin.refs < 1 or not pin.live:
-                raise AssertionError(f"a registered pin has {pin.refs} references (live={pin.live})")
+        for pin in self.pins:
             if pin.node is None:
                 own(pin.slots)
-            for s in pin.slots:
-                counts[s] = counts.get(s, 0) + 1
-        if counts != self._pinned:
-            raise AssertionError("the pinned-token counts disagree with the live pins")
         cap = self.allocator.num_slots
         free, total = self.allocator.available_size(), self.cache.total_size()
         if free + total + len(held) != cap:

@@ -73,11 +73,12 @@ class RequestGroup:
         """True when every sample has a finish reason."""
         return all(o.finish_reason is not None for o in self.outputs)
 
-    def abort(self) -> None:
-        """Mark every unfinished sample ``"abort"``."""
+    def abort(self, reason: str = "abort") -> None:
+        """Mark every unfinished sample with finish_reason ``reason`` (``"abort"``, or ``"error"``
+        when its processing raised)."""
         for o in self.outputs:
             if o.finish_reason is None:
-                o.finish_reason = "abort"
+                o.finish_reason = reason
 
     def update(
         self,

@@ -60,7 +60,7 @@ class Request:
             logits at ``position`` in this forward instead of computing anything itself (its
             whole sequence is computed by that request: an identical prompt, or a prefix of a
             longer one), else None.
-        pin: the :class:`~radixkv.engine.kv_manager.Pin` it holds a reference on (its borrowed
+        pin: the :class:`~radixkv.engine.pins.Pin` it holds a reference on (its borrowed
             prefix), or None.
         kv_len: positions whose K/V is computed.
         admit_seq: admission counter value (the highest is the "newest" request, retracted first).

@@ -84,6 +84,43 @@ class ModelRunner:
                 f"ModelRunner: model must be a radixkv CausalLM or LoadedModel, got {type(model).__name__}"
             )
         self.hf_config = hf_config if hf_config is not None else model.config
+        self.model = self._place_model(model, device, dtype, quantization)
+        self.kv_pool = kv_pool = self._make_kv_pool(self.model, kv_pool, num_slots, page_size)
+        self.page_size = kv_pool.page_size
+        self.max_context_len = self._context_len(max_context_len, kv_pool.num_slots)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
+        self.attn_backend = self._make_backend(attention_backend, kv_pool, self.model.num_heads)
+        self.vocab_size = int(self.hf_config.vocab_size)
+        # the fused native decode step (one call a forward) when the backend and the model allow it
+        self.decode_step: cpu_decode.DecodeStep | None = None
+        if self.attn_backend.name == "cpu" and cpu_decode.model_supported(self.model) is None:
+            self.decode_step = cpu_decode.DecodeStep(
+                self.model, kv_pool, self.req_to_token_pool.req_to_token, self.attn_backend.sm_scale
+            )
+        logger.info(
+            "ModelRunner: %d layers, %d slots (page_size %d, %d bytes/token, %.1f MiB KV), backend %s",
+            self.model.num_layers,
+            kv_pool.num_slots,
+            kv_pool.page_size,
+            kv_pool.bytes_per_token,
+            kv_pool.total_bytes / 2**20,
+            self.attn_backend.name,
+        )
+
+    def _place_model(
+        self,
+        model: CausalLM,
+        device: Union[str, torch.device, None],
+        dtype: torch.dtype | None,
+        quantization: str | None,
+    ) -> CausalLM:
+        """Set :attr:`device` / :attr:`dtype` (default the model's), move or cast ``model`` there,
+        quantize it when asked; returns it in eval mode.
+
+        Raises:
+            ValueError: a quantized model asked to move or change dtype, or ``quantization`` off
+                CPU float32.
+        """
         param = next(model.parameters())
         self.device = torch.device(device) if device is not None else param.device
         self.dtype = dtype if dtype is not None else param.dtype
@@ -100,12 +137,19 @@ class ModelRunner:
                     f"ModelRunner: quantization={quantization!r} needs device='cpu' and dtype=torch.float32"
                 )
             quantize_model(model, quantization)
-        self.model = model.eval()
+        return model.eval()
 
+    def _make_kv_pool(self, model: CausalLM, kv_pool: KVPool | None, num_slots: int | None, page_size: int) -> KVPool:
+        """A new :class:`~radixkv.memory.kv_pool.KVPool` of ``num_slots`` for ``model``, or the
+        given one checked against it.
+
+        Raises:
+            ValueError: no pool and no ``num_slots``, or a pool whose shape does not fit the model.
+        """
         if kv_pool is None:
             if num_slots is None:
                 raise ValueError("ModelRunner: num_slots is required when no kv_pool is given")
-            kv_pool = KVPool(
+            return KVPool(
                 model.num_layers,
                 model.num_kv_heads,
                 model.head_dim,
@@ -114,22 +158,23 @@ class ModelRunner:
                 self.dtype,
                 self.device,
             )
-        elif (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim) != (
-            model.num_layers,
-            model.num_kv_heads,
-            model.head_dim,
-        ):
+        shape = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim)
+        if shape != (model.num_layers, model.num_kv_heads, model.head_dim):
             raise ValueError(
-                f"ModelRunner: kv_pool (layers, kv_heads, head_dim) = "
-                f"{(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim)} does not fit the model "
+                f"ModelRunner: kv_pool (layers, kv_heads, head_dim) = {shape} does not fit the model "
                 f"{(model.num_layers, model.num_kv_heads, model.head_dim)}"
             )
-        self.kv_pool = kv_pool
-        self.page_size = kv_pool.page_size
+        return kv_pool
 
-        max_pos = int(getattr(self.hf_config, "max_position_embeddings", kv_pool.num_slots))
+    def _context_len(self, max_context_len: int | None, num_slots: int) -> int:
+        """``max_context_len`` (default ``min(max_position_embeddings, num_slots)``), checked.
+
+        Raises:
+            ValueError: below 1, or above the model's sliding window.
+        """
+        max_pos = int(getattr(self.hf_config, "max_position_embeddings", num_slots))
         if max_context_len is None:
-            max_context_len = default_context_len(max_pos, kv_pool.num_slots)
+            max_context_len = default_context_len(max_pos, num_slots)
         if max_context_len < 1:
             raise ValueError(f"ModelRunner: max_context_len must be >= 1, got {max_context_len}")
         window = sliding_window_limit(self.hf_config)
@@ -138,31 +183,21 @@ class ModelRunner:
                 f"ModelRunner: max_context_len {max_context_len} exceeds the model's sliding_window {window} "
                 "(sliding-window attention is not implemented; pass max_context_len <= sliding_window)"
             )
-        self.max_context_len = int(max_context_len)
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
+        return int(max_context_len)
 
+    def _make_backend(
+        self, attention_backend: Union[str, AttentionBackend], kv_pool: KVPool, num_heads: int
+    ) -> AttentionBackend:
+        """The attention backend named (or the one given, checked to be built for ``kv_pool``).
+
+        Raises:
+            ValueError: a given backend built for another pool.
+        """
         if isinstance(attention_backend, AttentionBackend):
             if attention_backend.kv_pool is not kv_pool:
                 raise ValueError("ModelRunner: the given attention backend was built for another kv_pool")
-            self.attn_backend = attention_backend
-        else:
-            self.attn_backend = create_attention_backend(attention_backend, self.device, kv_pool, model.num_heads)
-        self.vocab_size = int(self.hf_config.vocab_size)
-        # the fused native decode step (one call a forward) when the backend and the model allow it
-        self.decode_step: cpu_decode.DecodeStep | None = None
-        if self.attn_backend.name == "cpu" and cpu_decode.model_supported(model) is None:
-            self.decode_step = cpu_decode.DecodeStep(
-                model, kv_pool, self.req_to_token_pool.req_to_token, self.attn_backend.sm_scale
-            )
-        logger.info(
-            "ModelRunner: %d layers, %d slots (page_size %d, %d bytes/token, %.1f MiB KV), backend %s",
-            model.num_layers,
-            kv_pool.num_slots,
-            kv_pool.page_size,
-            kv_pool.bytes_per_token,
-            kv_pool.total_bytes / 2**20,
-            self.attn_backend.name,
-        )
+            return attention_backend
+        return create_attention_backend(attention_backend, self.device, kv_pool, num_heads)
 
     def build_batch(
         self,
