@@ -32,13 +32,16 @@ def loaded(default_model):
 
 @pytest.fixture(scope="module")
 def hf_greedy(loaded, hf_default):
-    """transformers' greedy generate (the reference), memoized per prompt."""
+    """transformers' greedy generate (the reference), memoized per prompt. ``ignore_eos``: it
+    does not stop at EOS (``eos_token_id=[]``), so it gives ``max_tokens`` tokens, as the engine
+    does with ``SamplingParams(ignore_eos=True)``."""
     model = hf_default
     memo = {}
 
-    def run(ids, max_tokens=MAX_TOKENS):
-        key = (tuple(ids), max_tokens)
+    def run(ids, max_tokens=MAX_TOKENS, ignore_eos=False):
+        key = (tuple(ids), max_tokens, ignore_eos)
         if key not in memo:
+            kw = {"eos_token_id": []} if ignore_eos else {}
             with torch.no_grad():
                 out = model.generate(
                     torch.tensor([ids]),
@@ -46,8 +49,10 @@ def hf_greedy(loaded, hf_default):
                     do_sample=False,
                     max_new_tokens=max_tokens,
                     pad_token_id=loaded.tokenizer.eos_token_id,
+                    **kw,
                 )
             memo[key] = out[0, len(ids) :].tolist()
+            assert not ignore_eos or len(memo[key]) == max_tokens
         return memo[key]
 
     return run
@@ -182,17 +187,10 @@ def test_tiny_pool_eviction_and_retraction(loaded, convs, hf_greedy):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
     for p, o in zip(ids, outs):
-        assert o.outputs[0].token_ids == hf_greedy_ignore_eos(loaded, hf_greedy, p)
+        assert o.outputs[0].token_ids == hf_greedy(p, ignore_eos=True)
     s = llm.cache_stats()
     assert s["num_retractions"] > 0 and s["evicted_tokens"] > 0
     assert_no_leak(llm)
-
-
-def hf_greedy_ignore_eos(loaded, hf_greedy, prompt):
-    out = hf_greedy(prompt)
-    if len(out) == MAX_TOKENS:
-        return out
-    pytest.skip("reference stopped at EOS before max_tokens")
 
 
 def test_n_samples_and_seeds(llms, convs, hf_greedy):

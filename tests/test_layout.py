@@ -3,7 +3,8 @@
 * no import cycle between radixkv's modules, function-local imports included;
 * ``radixkv.cache`` (the trees, the allocator) imports and works with torch unavailable;
 * only the KV manager moves slots: calls the allocator's ``alloc`` / ``free``, takes or returns
-  ``req_to_token`` rows, or writes ``req_to_token``;
+  ``req_to_token`` rows, writes ``req_to_token``, locks or unlocks a prefix cache's path, evicts
+  from it or resets it (its helpers, the pin table and the in-batch sharing index, ask it to);
 * no test replaces ``Engine.step`` (the event bus serves observers instead).
 """
 
@@ -111,8 +112,9 @@ _DEFINITIONS = {"radixkv/memory/allocator.py", "radixkv/memory/kv_pool.py"}
 
 def _slot_moves(path: Path) -> list[str]:
     """Calls in ``path`` that move slots or rows: ``<x>.alloc(...)`` / ``<x>.free(...)`` on an
-    allocator or req_to_token pool, ``<x>.write(...)`` on a req_to_token pool, and assignments
-    into ``req_to_token[...]``."""
+    allocator or req_to_token pool, ``<x>.write(...)`` on a req_to_token pool, assignments into
+    ``req_to_token[...]``, and ``<x>.inc_lock_ref`` / ``dec_lock_ref`` / ``evict`` / ``reset``
+    on a prefix cache (what a lock holds, or eviction frees, is slots too)."""
     src = path.read_text()
     found = []
     for node in ast.walk(ast.parse(src)):
@@ -123,6 +125,8 @@ def _slot_moves(path: Path) -> list[str]:
                 found.append(f"{path.name}:{node.lineno} {owner}.{meth}")
             if meth == "write" and "req_to_token" in owner:
                 found.append(f"{path.name}:{node.lineno} {owner}.write")
+            if meth in ("inc_lock_ref", "dec_lock_ref", "evict", "reset") and "cache" in owner:
+                found.append(f"{path.name}:{node.lineno} {owner}.{meth}")
         if isinstance(node, (ast.Assign, ast.AugAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
@@ -143,7 +147,15 @@ def test_only_the_kv_manager_moves_slots():
     assert set(moves) == {_SLOT_OWNER}, moves
     # the checker sees what it must: the KV manager's own hand-overs
     kinds = " ".join(moves[_SLOT_OWNER])
-    for what in ("allocator.alloc", "allocator.free", "req_to_token_pool.write", "req_to_token_pool.alloc"):
+    for what in (
+        "allocator.alloc",
+        "allocator.free",
+        "req_to_token_pool.write",
+        "req_to_token_pool.alloc",
+        "cache.inc_lock_ref",
+        "cache.dec_lock_ref",
+        "cache.evict",
+    ):
         assert what in kinds, what
 
 

@@ -1,5 +1,5 @@
 """`KVManager`: the one place that moves KV slots between requests, the prefix cache and the
-allocator, and that holds pins.
+allocator, and that holds pins (through its pin table).
 
 The scheduler decides *which* requests run; the KV manager alone carries out what that means for
 memory: it locks a request's cached prefix, allocates its new pages, writes its row of the block
