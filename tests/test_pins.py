@@ -1,13 +1,18 @@
 """`PinTable` (radixkv/engine/pins.py) on its own: reference counts, distinct pinned-token counts,
 the soft pins' least-recently-used order, idle timeout and token bound, on a fake clock. The
 table moves nothing itself: every pin that dies is handed to its ``unhold`` callback exactly once
-(the KV manager's, which unlocks or frees what the pin held), recorded here."""
+(recorded here); the last test checks the KV manager's callback unlocks or frees what it held."""
 
 from __future__ import annotations
 
 import pytest
 
+from radixkv.cache import NoPrefixCache, RadixCache, SlotAllocator
+from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.pins import PinTable
+from radixkv.engine.request import Request
+from radixkv.memory.kv_pool import ReqToTokenPool
+from radixkv.sampling_params import SamplingParams
 
 
 class Clock:
@@ -124,3 +129,43 @@ def test_check_integrity_sees_a_miscount():
     pin.refs = 0
     with pytest.raises(AssertionError, match="0 references"):
         table.check_integrity()
+
+
+def _served(kv, tokens):
+    """``tokens`` computed by one request and handed to the cache (or freed without one)."""
+    r = Request("r", 0, list(tokens), SamplingParams())
+    prefix = kv.lock_prefix(r)
+    assert kv.reserve(len(tokens) - prefix.length, 0)
+    kv.admit(r, prefix, len(tokens))
+    r.kv_len = len(tokens)
+    return r
+
+
+def test_the_kv_manager_gives_back_what_a_dying_pin_held():
+    # with a prefix cache: the pin's lock is released (tokens evictable), on the table's clock
+    clock = Clock()
+    kv = KVManager(
+        RadixCache(1), SlotAllocator(16, 1), ReqToTokenPool(2, 16, "cpu"), pin_idle_timeout=10.0, clock=clock
+    )
+    kv.release(_served(kv, [1, 2, 3, 4, 5, 6]))
+    pin = kv.pin_prefix([1, 2, 3, 4, 9])
+    cache = kv.cache
+    assert (len(pin), kv.num_pins, kv.pinned_size(), cache.protected_size(), cache.evictable_size()) == (4, 1, 4, 4, 2)
+    assert kv.free_size() + cache.evictable_size() + kv.pinned_size() == kv.capacity
+    clock.t = 10.0
+    assert kv.expire_pins() == 1
+    assert (pin.live, kv.dropped_pins, kv.pinned_size()) == (False, 1, 0)
+    assert (cache.protected_size(), cache.evictable_size(), kv.free_size()) == (0, 6, 10)
+    kv.check_integrity([])
+    # without one: the pin owns sample 0's first pages, freed by the last holder
+    kv = KVManager(NoPrefixCache(1), SlotAllocator(16, 1), ReqToTokenPool(2, 16, "cpu"))
+    parent = _served(kv, [1, 2, 3, 4, 5])
+    child = Request("r", 1, [1, 2, 3, 4, 5], SamplingParams())
+    kv.fork(parent, [child])
+    assert (parent.pin is child.pin, len(parent.pin), parent.pin.refs, parent.prefix_len) == (True, 4, 2, 4)
+    pin = parent.pin
+    kv.check_integrity([parent, child])
+    kv.drop_pin(child)
+    kv.release(parent)
+    assert (pin.live, kv.free_size(), kv.num_pins, kv.pinned_size()) == (False, 16, 0, 0)
+    kv.check_integrity([])
