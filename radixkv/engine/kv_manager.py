@@ -55,6 +55,7 @@ from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, Event
 from radixkv.engine.request import Request
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import ReqToTokenPool
+from radixkv.namespace import Namespace
 
 __all__ = ["KVManager", "Pin", "Prefix"]
 
@@ -273,7 +274,7 @@ class KVManager:
         self.req_to_token_pool.write(req.row, start, new)
 
     # ------------------------------------------------------------------ cache events
-    def _insert(self, tokens: List[int], slots: List[int], namespace: Any) -> int:
+    def _insert(self, tokens: List[int], slots: List[int], namespace: Optional[Namespace]) -> int:
         k = self.cache.insert(tokens, _as_slots(slots), namespace)
         if self.shares and self.events.wants(CacheInserted) and len(tokens) > k:
             n = len(tokens)
@@ -283,7 +284,7 @@ class KVManager:
             self.events.emit(CacheInserted(self._seq, namespace, n - k, first, digests))
         return k
 
-    def _on_evict(self, namespace: Any, path: bytes, start: int) -> None:
+    def _on_evict(self, namespace: Optional[Namespace], path: bytes, start: int) -> None:
         if not self.events.wants(CacheEvicted):
             return
         end = len(path) >> 2
@@ -543,13 +544,14 @@ class KVManager:
         else:
             self._free(pin.slots)
 
-    def pin_prefix(self, tokens: List[int], namespace: Any = None) -> Optional[Pin]:
+    def pin_prefix(self, tokens: List[int], namespace: Optional[Namespace] = None) -> Optional[Pin]:
         """A soft pin (one reference, the caller's) on the cached prefix of ``tokens``: its whole
         pages stay in memory, protected from eviction, until :meth:`release_pin` (or until the
         KV manager drops it: ``max_pinned_tokens``, ``pin_idle_timeout``, or memory a running
         request needs). None when nothing of ``tokens`` is cached, or without a prefix cache
         (``prefix_cache="none"`` keeps nothing). The bounds are applied at once, so the pin
-        returned may already be dead (``live`` False) when it alone exceeds the token bound."""
+        returned may already be dead (``live`` False) when it alone exceeds the token bound.
+        ``namespace``: normalized (``Namespace.of``; the engine's ``pin_prefix`` does it)."""
         if not self.shares or not tokens:
             return None
         m = self.cache.match_prefix(tokens, namespace)
