@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from test_scheduler import make_engine, run_all
 
+import radixkv
 from radixkv.cache import HashBlockCache, RadixCache
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed
 from radixkv.engine import CacheInserted, RequestAdmitted
@@ -62,6 +63,7 @@ def test_equal_hashable_frozen_and_picklable():
 
 
 def test_normalization_of_what_the_python_api_accepts():
+    assert radixkv.Namespace is Namespace
     assert Namespace.of(None) is None
     assert Namespace.of(Namespace()) is None  # the shared default has one spelling below the API
     ns = Namespace(tenant="t")
