@@ -7,7 +7,16 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig"]
+__all__ = [
+    "LLM",
+    "AsyncLLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "EngineConfig",
+    "Namespace",
+]
 
 
 def __getattr__(name: str):
@@ -28,6 +37,10 @@ def __getattr__(name: str):
         from radixkv.config import EngineConfig
 
         return EngineConfig
+    if name == "Namespace":
+        from radixkv.namespace import Namespace
+
+        return Namespace
     if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from radixkv import outputs
 

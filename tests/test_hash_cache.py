@@ -4,7 +4,6 @@ eviction order, orphans, and the no-leak invariants with the real SlotAllocator.
 from __future__ import annotations
 
 import hashlib
-import pickle
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 from radixkv.cache import HashBlockCache, NoPrefixCache
 from radixkv.cache.base import PrefixCache
 from radixkv.memory.allocator import SlotAllocator
+from radixkv.namespace import Namespace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -127,11 +127,13 @@ def test_namespace_isolation():
 def test_sha256_keys_are_the_documented_chain():
     c = HashBlockCache(2)
     keys = c.block_keys([5, 6, 7, 8, 9], namespace="ns")
-    extra = pickle.dumps("ns", protocol=4)
+    extra = b"\x01NNS\x00\x00\x00\x02ns"  # Namespace(extra_key="ns").to_bytes(): no salt, no tenant
+    assert Namespace.of("ns").to_bytes() == extra
     k0 = hashlib.sha256(b"\x00" * 32 + torch.tensor([5, 6]).numpy().astype("<i8").tobytes() + extra).digest()
     k1 = hashlib.sha256(k0 + torch.tensor([7, 8]).numpy().astype("<i8").tobytes() + extra).digest()
     assert keys == [k0, k1]
     assert HashBlockCache(2).block_keys(torch.tensor([5, 6, 7, 8]), "ns") == [k0, k1]
+    assert c.block_keys([5, 6, 7, 8], Namespace(extra_key="ns")) == [k0, k1]  # one namespace, two spellings
 
 
 def test_insert_returns_leading_cached_and_caller_frees_duplicates():

@@ -127,6 +127,27 @@ def test_zero_new_tokens_prefills_and_caches_the_prefix(http, llm):
     assert_pool_whole(llm)
 
 
+def test_cache_salt_and_extra_key_are_separate_namespaces(http, llm):
+    """``cache_salt`` / ``extra_key`` are fields of one Namespace: requests share cached prefixes
+    only with the same salt and key; empty strings are none (the shared default)."""
+    flush(http)
+    ids = ids_of(llm, PROMPT)
+
+    def cached(**fields) -> int:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}, **fields}
+        r = http.post("/generate", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["meta_info"]["cached_tokens"]
+
+    assert cached(cache_salt="s1") == 0
+    assert cached(cache_salt="s1") == len(ids) - 1
+    assert cached(cache_salt="s2") == 0
+    assert cached() == 0
+    assert cached(extra_key="s1") == 0  # a key is not a salt
+    assert cached(cache_salt="s1", extra_key="k") == 0
+    assert cached(cache_salt="", extra_key="") == len(ids) - 1  # the default, cached by cached() above
+
+
 def test_stream_is_sglang_sse_with_cumulative_text(http, llm):
     body = {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     plain = http.post("/generate", json=body).json()

@@ -12,6 +12,7 @@ from test_scheduler import VOCAB, make_engine, run_all
 
 from radixkv.cache.outcome import CAUSES, CacheOutcome
 from radixkv.engine import RequestAdmitted
+from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.metrics import ServerMetrics
 
@@ -93,7 +94,11 @@ def test_namespace_in_flight_and_disabled():
     eng = make_engine(capacity=512)
     run_one(eng, SYS + [5], ns="alice")
     o = run_one(eng, SYS + [5], ns="bob")
-    assert o.cause == "namespace" and o.other_namespace == "alice" and o.missed == {"namespace": 40, "full": 1}
+    assert (
+        o.cause == "namespace"
+        and o.other_namespace == Namespace(extra_key="alice")
+        and o.missed == {"namespace": 40, "full": 1}
+    )
     # two requests admitted in the same step: the second needs what the first is computing.
     # With in-batch prefix sharing it borrows those tokens (a hit: "full"); without, they are
     # "in_flight" (being computed by a concurrent request, not yet cached).

@@ -11,11 +11,16 @@ Implementations: :class:`~radixkv.cache.radix_tree.RadixCache` (SGLang's RadixAt
 Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs", 2024),
 :class:`~radixkv.cache.hash_cache.HashBlockCache` (vLLM's automatic prefix caching with chained
 block hashes) and :class:`~radixkv.cache.hash_cache.NoPrefixCache` (caching off).
+
+Every ``namespace`` argument is a :class:`~radixkv.namespace.Namespace` or None (the shared
+default; the engine normalizes with ``Namespace.of``): entries only match within an equal one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Sequence, Union, runtime_checkable
+
+from radixkv.namespace import Namespace
 
 Tokens = Union[Sequence[int], Any]
 """A token sequence: a sequence of ints, a 1-D integer numpy array or a 1-D integer tensor."""
@@ -77,15 +82,15 @@ class PrefixCache(Protocol):
     page_size: int
     shares_prefixes: bool
 
-    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult: ...
+    def match_prefix(self, tokens: Tokens, namespace: Namespace | None = None) -> MatchResult: ...
 
-    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+    def peek(self, tokens: Tokens, namespace: Namespace | None = None, context: int = 8) -> PeekResult:
         """A read-only look at ``tokens``' cached prefix (:class:`PeekResult`): O(match), nothing
         locked, no access time refreshed (eviction order unchanged), no edge split. For dry runs
         (``LLM.explain``) and the per-request cache outcome."""
         ...
 
-    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int: ...
+    def insert(self, tokens: Tokens, slots: Any, namespace: Namespace | None = None) -> int: ...
 
     def inc_lock_ref(self, node: Any) -> None: ...
 

@@ -7,6 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.namespace import Namespace
+
 __all__ = ["check_tree", "format_tree"]
 
 
@@ -29,6 +31,8 @@ def check_tree(tree: Any) -> None:
             fail(f"bad namespace root for {ns!r}")
         if not ns_root.children and ns_root.lock_ref == 0:
             fail(f"empty namespace root {ns!r} kept")
+        if isinstance(ns, Namespace) and ns.is_default:
+            fail("a Namespace() root beside None's: the default namespace is None (Namespace.of)")
     for node in tree._iter_nodes():
         if node.parent is not tree.root:
             if not node.key or len(node.key) % pb:

@@ -2,10 +2,12 @@
 
 Block ``b`` of a sequence covers tokens ``[16 b, 16 b + 16)``. Its digest is
 ``blake2b(digest(b - 1) + int32 bytes of the block's tokens, 16 bytes)``, with ``digest(-1)`` the
-digest of the namespace's ``repr``: a digest names a block *and its whole prefix* (as vLLM's block
-hashes and llm-d's KV events do), whatever the engine's page size, so consumers that never see
-tokens (a router) can compare what several engines hold. Stable across processes for namespaces
-whose ``repr`` is (None, str, int, tuples of those).
+digest of the namespace's stable serialization (:func:`radixkv.namespace.namespace_key`): a digest
+names a block *and its whole prefix* (as vLLM's block hashes and llm-d's KV events do), whatever
+the engine's page size, so consumers that never see tokens (a router) can compare what several
+engines hold. The same in every process and Python version for persistable namespaces (None, and
+``Namespace`` values of str, bytes, int and tuples of those); a process-local namespace's digests
+name it within its process only.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import hashlib
 from array import array
 from typing import Hashable, Sequence
 
+from radixkv.namespace import namespace_key
+
 __all__ = ["BLOCK_TOKENS", "namespace_seed", "block_digests"]
 
 BLOCK_TOKENS = 16
@@ -21,8 +25,9 @@ _SIZE = 16
 
 
 def namespace_seed(namespace: Hashable) -> bytes:
-    """``digest(-1)``: the chain's start for ``namespace``."""
-    return hashlib.blake2b(repr(namespace).encode(), digest_size=_SIZE).digest()
+    """``digest(-1)``: the chain's start for ``namespace`` (a ``Namespace``, None, or any hashable
+    ``Namespace.of`` accepts: ``"a"`` and ``Namespace(extra_key="a")`` seed alike)."""
+    return hashlib.blake2b(namespace_key(namespace), digest_size=_SIZE).digest()
 
 
 def block_digests(
@@ -32,7 +37,7 @@ def block_digests(
 
     Args:
         tokens: at least ``16 * stop`` token ids.
-        namespace: the sequence's namespace.
+        namespace: the sequence's namespace (as :func:`namespace_seed`).
         start, stop: block range (``0 <= start <= stop``).
         prev: the digest of block ``start - 1`` when the caller has it (else it is recomputed
             from block 0).

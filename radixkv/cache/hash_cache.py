@@ -8,8 +8,10 @@ PagedAttention", SOSP 2023):
 * only *full* blocks of ``page_size`` tokens are cached;
 * block ``i``'s key is ``H(key[i-1], tokens[i*B:(i+1)*B], extra_keys)`` with ``extra_keys`` holding
   the namespace, so a key identifies the block *and its whole prefix*; ``H`` is SHA-256 over a
-  stable byte serialization by default (``hash_algo="builtin"`` uses Python's 64-bit ``hash``,
-  faster but with a small collision risk, as vLLM's ``builtin`` option);
+  stable byte serialization by default (the tokens as int64 little-endian, the namespace as
+  :func:`radixkv.namespace.namespace_key`; a process-local namespace's keys are ``(namespace,
+  digest)`` pairs, so it is isolated by ``==`` as in the tree); ``hash_algo="builtin"`` uses
+  Python's 64-bit ``hash``, faster but with a small collision risk, as vLLM's ``builtin`` option;
 * a lookup hashes the prompt's full blocks in order and stops at the first miss;
 * every cached block has a reference count (``lock_ref``: running requests using it); blocks whose
   count drops to zero stay cached in an LRU *free queue* and are evicted lazily, least recently
@@ -25,7 +27,6 @@ and eviction is per block, not per leaf.
 from __future__ import annotations
 
 import hashlib
-import pickle
 from collections import OrderedDict
 from typing import Any, Hashable, Sequence
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.memory.slots import as_int64, empty_slots, is_tensor, slot_array
+from radixkv.namespace import Namespace, namespace_key
 
 __all__ = ["HashBlockCache", "BlockChain", "as_token_array"]
 
@@ -67,10 +69,11 @@ class _Block:
         self.live = True
 
 
-def _root_key(namespace: Hashable) -> tuple:
-    """The parent key of a namespace's first blocks, in :attr:`HashBlockCache._kids` (a tuple,
-    so it never equals a block key, which is an int or bytes)."""
-    return (None, namespace)
+def _root_key(namespace: Namespace | None) -> tuple:
+    """The parent key of a namespace's first blocks, in :attr:`HashBlockCache._kids` (a tuple
+    starting with None, so it never equals a block key: an int, bytes, or ``(Namespace, bytes)``).
+    Any hashable ``Namespace.of`` accepts (``"a"`` and ``Namespace(extra_key="a")`` alike)."""
+    return (None, Namespace.of(namespace))
 
 
 class BlockChain:
@@ -123,8 +126,11 @@ class HashBlockCache:
         self._kids: dict[Hashable, int] = {}  # parent key -> live table entries under it (for peek)
 
     # ------------------------------------------------------------------ hashing
-    def block_keys(self, tokens: Tokens, namespace: Hashable = None) -> list:
-        """Chained keys of the full blocks of ``tokens`` (``len(tokens) // page_size`` of them)."""
+    def block_keys(self, tokens: Tokens, namespace: Namespace | None = None) -> list:
+        """Chained keys of the full blocks of ``tokens`` (``len(tokens) // page_size`` of them).
+        ``namespace``: a ``Namespace``, None, or any hashable ``Namespace.of`` accepts (``"a"``
+        and ``Namespace(extra_key="a")`` give the same keys)."""
+        ns = Namespace.of(namespace)
         arr = as_token_array(tokens)
         n = len(arr) // self.page_size
         if n == 0:
@@ -134,10 +140,10 @@ class HashBlockCache:
         if self.hash_algo == "builtin":
             parent: Hashable = None
             for row in blocks.tolist():
-                parent = hash((parent, tuple(row), namespace))
+                parent = hash((parent, tuple(row), ns))
                 keys.append(parent)
             return keys
-        extra = pickle.dumps(namespace, protocol=4)
+        extra = namespace_key(ns)
         parent_b = _ROOT_SHA
         for row in blocks.astype("<i8"):
             h = hashlib.sha256(parent_b)
@@ -145,6 +151,8 @@ class HashBlockCache:
             h.update(extra)
             parent_b = h.digest()
             keys.append(parent_b)
+        if ns is not None and not ns.persistable:
+            return [(ns, k) for k in keys]  # its bytes are not unique: == isolates it
         return keys
 
     # ------------------------------------------------------------------ protocol
@@ -154,7 +162,7 @@ class HashBlockCache:
         starts = np.fromiter((b.start for b in blocks), dtype=np.int64, count=len(blocks))
         return slot_array((starts[:, None] + self._offsets).reshape(-1))
 
-    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: Tokens, namespace: Namespace | None = None) -> MatchResult:
         """Longest cached run of leading full blocks of ``tokens`` (stops at the first miss).
 
         Returns ``MatchResult(slots [length] int64, length (multiple of page_size), node)`` with
@@ -169,7 +177,7 @@ class HashBlockCache:
             found.append(blk)
         return MatchResult(self._slots_of(found), len(found) * self.page_size, BlockChain(tuple(found)))
 
-    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+    def peek(self, tokens: Tokens, namespace: Namespace | None = None, context: int = 8) -> PeekResult:
         """Read-only look at ``tokens``' cached blocks (the protocol's ``peek``): ``length`` as
         :meth:`match_prefix` (which changes nothing either); ``token_length == length`` (a block
         cache cannot look inside a block); ``next_tokens`` is empty (blocks keep no tokens);
@@ -186,7 +194,7 @@ class HashBlockCache:
         length = found * self.page_size
         return PeekResult(length, length, (), diverged)
 
-    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
+    def insert(self, tokens: Tokens, slots: Any, namespace: Namespace | None = None) -> int:
         """Cache the full blocks of ``tokens`` whose KV lives in ``slots`` (``len(slots) ==
         len(tokens)``).
 

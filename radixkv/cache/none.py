@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any
 
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.hash_cache import as_token_array
 from radixkv.memory.slots import as_int64, empty_slots
+from radixkv.namespace import Namespace
 
 __all__ = ["NoPrefixCache"]
 
@@ -34,15 +35,15 @@ class NoPrefixCache:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
 
-    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: Tokens, namespace: Namespace | None = None) -> MatchResult:
         as_token_array(tokens)
         return MatchResult(empty_slots(), 0, None)
 
-    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+    def peek(self, tokens: Tokens, namespace: Namespace | None = None, context: int = 8) -> PeekResult:
         as_token_array(tokens)
         return PeekResult(0, 0, (), False)
 
-    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
+    def insert(self, tokens: Tokens, slots: Any, namespace: Namespace | None = None) -> int:
         arr = as_token_array(tokens)
         sl = as_int64(slots)
         if len(sl) != len(arr):

@@ -41,12 +41,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
 from radixkv.cache.token_keys import common_prefix_len, pack_tokens
+from radixkv.namespace import Namespace
 
 __all__ = ["CAUSES", "CacheOutcome", "EvictedRecord", "OutcomeClassifier"]
+
+_NONE = object()  # no other namespace found
 
 CAUSES = ("full", "page_floor", "diverged", "cold", "evicted", "namespace", "in_flight", "disabled")
 """The documented causes, in report order (see the module docstring)."""
@@ -67,7 +70,9 @@ class CacheOutcome:
             sequence, or None when no cached sequence continues there.
         cached_next: up to 8 token ids the nearest cached sequence holds from ``diverge_pos``
             (empty when unknown: block caches).
-        other_namespace: the namespace holding the ``namespace`` segment, else None.
+        other_namespace: the namespace holding the ``namespace`` segment (a
+            :class:`~radixkv.namespace.Namespace`, or None: the shared default), else None.
+            ``as_dict`` gives its ``repr`` (a salt shown as a short digest).
     """
 
     cause: str
@@ -77,7 +82,7 @@ class CacheOutcome:
     token_match: int = 0
     diverge_pos: Optional[int] = None
     cached_next: tuple = ()
-    other_namespace: Any = None
+    other_namespace: Optional[Namespace] = None
 
     @property
     def num_missed_tokens(self) -> int:
@@ -180,7 +185,7 @@ class OutcomeClassifier:
         if digests:
             self.evicted.add(digests)
 
-    def seen_namespace(self, namespace: Hashable) -> None:
+    def seen_namespace(self, namespace: Optional[Namespace]) -> None:
         """Note a namespace in use (the most recent ``max_namespaces`` are kept)."""
         d = self._namespaces
         if namespace in d:
@@ -193,9 +198,9 @@ class OutcomeClassifier:
     def classify(
         self,
         tokens: Sequence[int],
-        namespace: Hashable = None,
+        namespace: Optional[Namespace] = None,
         cached: Optional[int] = None,
-        running: Iterable[tuple[Hashable, Sequence[int]]] = (),
+        running: Iterable[tuple[Optional[Namespace], Sequence[int]]] = (),
     ) -> CacheOutcome:
         """The outcome of a prompt.
 
@@ -285,14 +290,14 @@ class OutcomeClassifier:
                 segs.add(end, L, "cold")
                 return None
         # namespace: another namespace has more of it
-        best_k, best_ns, best_div = p, None, False
+        best_k, best_ns, best_div = p, _NONE, False
         for ns in reversed(self._namespaces):
             if ns == namespace:
                 continue
             other = self.cache.peek(query, ns, 0)
             if other.token_length > best_k:
                 best_k, best_ns, best_div = other.token_length, ns, other.diverged
-        if best_ns is not None:
+        if best_ns is not _NONE:  # None is a namespace too: the shared default
             end = min(best_k, L)
             segs.add(p, end, "namespace")
             segs.add(end, L, "diverged" if best_div else "cold")

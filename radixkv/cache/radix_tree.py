@@ -31,8 +31,10 @@ Representation (docs/cache.md has the measurements behind it):
   the two heads each time: exact LRU order;
 * ``last_access`` is a logical clock bumped once per ``match_prefix`` / ``insert`` call.
 
-Namespaces: the root has one child per namespace (an empty-key node, dropped when emptied);
-lookups start there, so sequences in different namespaces never share a node.
+Namespaces: the root has one child per namespace (an empty-key node, dropped when emptied),
+keyed by the namespace as given (a :class:`~radixkv.namespace.Namespace` or None: the engine
+passes ``Namespace.of``'s; any hashable works, compared by ``==``); lookups start there, so
+sequences in different namespaces never share a node.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from __future__ import annotations
 import operator
 from collections import OrderedDict
 from itertools import count
-from typing import Any, Callable, Hashable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import numpy as np
 from sortedcontainers import SortedList
@@ -51,6 +53,7 @@ from radixkv.cache.check import check_tree, format_tree
 from radixkv.cache.evict_policy import EvictionPolicy, make_policy
 from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, query_tokens, slot_tensor_address
 from radixkv.memory.slots import buffer_reader, empty_slots
+from radixkv.namespace import Namespace
 
 __all__ = ["RadixCache", "TreeNode", "HAS_CEXT"]
 
@@ -98,7 +101,7 @@ class TreeNode:
         parent: the parent node; ``None`` for the root and for nodes no longer in a tree.
         lock_ref: number of live locks whose path passes through this node.
         last_access: logical time of the last match/insert that walked through this node.
-        namespace: the namespace this node belongs to.
+        namespace: the namespace this node belongs to (its namespace root's key).
         lru: where the node sits in the evictable-leaf set: ``None`` (not in it), ``True`` (in
             the OrderedDict of current-time entries) or its ``SortedList`` entry tuple.
         hits: match / insert calls that walked through this node (kept only under an eviction
@@ -108,7 +111,7 @@ class TreeNode:
     __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid", "namespace", "lru", "hits")
 
     def __init__(
-        self, key: bytes, value: bytes, parent: Optional["TreeNode"], namespace: Hashable, last_access: int
+        self, key: bytes, value: bytes, parent: Optional["TreeNode"], namespace: Namespace | None, last_access: int
     ) -> None:
         self.key = key
         self.value = value
@@ -169,7 +172,7 @@ class RadixCache:
         self.eviction_policy = "lru" if self._policy is None else self._policy.name
         self._page_bytes = 4 * page_size
         self._read_slots = buffer_reader()
-        self.evict_listener: Optional[Callable[[Hashable, bytes, int], None]] = None
+        self.evict_listener: Optional[Callable[[Optional[Namespace], bytes, int], None]] = None
         """Called as ``listener(namespace, path, start)`` for every node :meth:`evict` frees, before
         it is unlinked: ``path`` the int32 token bytes from the namespace root to the node's end,
         ``start`` the position of the node's first token (the engine's KV manager turns this into
@@ -259,7 +262,7 @@ class RadixCache:
         upper.children[key[:pb]] = node
         return upper
 
-    def match_prefix(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
+    def match_prefix(self, tokens: Tokens, namespace: Namespace | None = None) -> MatchResult:
         """Finds the longest cached prefix of ``tokens`` in ``namespace``.
 
         When the match ends inside an edge the edge is split there (at a page boundary), so
@@ -269,7 +272,8 @@ class RadixCache:
         Args:
             tokens: token ids (list/tuple/array of int, or 1-D integer tensor), each in the
                 int32 range.
-            namespace: any hashable; only sequences inserted with an equal namespace match.
+            namespace: a ``Namespace`` or None (the shared default); only sequences inserted
+                with an equal namespace match.
 
         Returns:
             :class:`MatchResult`: ``slots`` (1-D int64 CPU tensor of ``length`` slots),
@@ -317,7 +321,7 @@ class RadixCache:
         # holds them all (shared, not copied), else a fresh bytearray; the tensor is a view of it
         return _match_result(self._read_slots(buf), pos, node)
 
-    def peek(self, tokens: Tokens, namespace: Hashable = None, context: int = 8) -> PeekResult:
+    def peek(self, tokens: Tokens, namespace: Namespace | None = None, context: int = 8) -> PeekResult:
         """Read-only look at the cached prefix of ``tokens`` (the protocol's ``peek``).
 
         The same descent as :meth:`match_prefix` but nothing changes: no edge is split, no
@@ -374,7 +378,7 @@ class RadixCache:
             end = pos + best_c
             return PeekResult(pos, end, nxt, best is not None and end < total)
 
-    def insert(self, tokens: Tokens, slots: Any, namespace: Hashable = None) -> int:
+    def insert(self, tokens: Tokens, slots: Any, namespace: Namespace | None = None) -> int:
         """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
 
         Ownership rule: with ``p`` the return value and ``n = len(tokens)`` floored to a
@@ -390,7 +394,7 @@ class RadixCache:
                 ``len(slots) == len(tokens)``. They come from the caller's allocator: the tree
                 does not check that they are unique, non-negative or allocated
                 (:meth:`check_integrity` finds a slot held twice).
-            namespace: any hashable.
+            namespace: a ``Namespace`` or None (as for :meth:`match_prefix`).
 
         Returns:
             ``p``, the number of leading tokens that were already cached (a multiple of

@@ -45,6 +45,7 @@ from radixkv.engine.validation import Limits, validate_request
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import KVPool
+from radixkv.namespace import Namespace
 from radixkv.outputs import RequestOutput
 from radixkv.sampling.grammar import GrammarBackend
 from radixkv.sampling.logprobs import TokenDecoder, to_position_logprobs
@@ -259,7 +260,9 @@ class Engine:
             sampling_params: default ``SamplingParams()``.
             request_id: unique among unfinished requests (default: a fresh number).
             prompt: the prompt text, reported back in the outputs.
-            namespace: prefix-cache namespace (prefixes are only shared within one).
+            namespace: prefix-cache namespace (prefixes are only shared within one): None (the
+                shared default), a :class:`~radixkv.namespace.Namespace`, or any hashable
+                (``Namespace.of``: ``"a"`` is ``Namespace(extra_key="a")``).
 
         Returns:
             The request id.
@@ -272,11 +275,12 @@ class Engine:
                 ``EngineConfig.max_n``, a ``stop_token_ids`` id outside the vocabulary, a bad ``sampling_params`` (a ``logit_bias``
                 token outside the vocabulary, ``logprob_start_len`` not inside the prompt, a
                 schema / regex / grammar xgrammar refuses: its message, the field as ``param``)
-                or a duplicate id.
+                or a duplicate id; an unhashable ``namespace`` (param ``namespace``).
             QueueFullError: (a RequestError naming ``max_queued_requests``) that many requests
                 already wait for admission (``EngineConfig.max_queued_requests``).
         """
         ids, params = validate_request(prompt_token_ids, sampling_params, self._limits())
+        namespace = Namespace.of(namespace)
         compiled = self._start_grammar(params)
         with self._work:
             self._check_queue_bound()
@@ -649,8 +653,8 @@ class Engine:
         <radixkv.engine.kv_manager.KVManager.pin_prefix>`): it stays in memory until
         :meth:`release_pin`, within the bounds ``max_pinned_tokens`` / ``pin_idle_timeout``.
         None when nothing of it is cached. Sessions and stored responses hold their context this
-        way."""
-        return self.kv.pin_prefix(list(tokens), namespace)
+        way. ``namespace`` as for :meth:`add_request` (``Namespace.of``)."""
+        return self.kv.pin_prefix(list(tokens), Namespace.of(namespace))
 
     def retain_pin(self, pin: Any) -> bool:
         """One more holder of ``pin`` (False when it was dropped already)."""
@@ -664,11 +668,12 @@ class Engine:
     def explain(self, prompt_token_ids: Sequence[int], namespace: Hashable = None) -> Any:
         """The :class:`~radixkv.cache.outcome.CacheOutcome` the prompt would get if admitted now
         (driver thread). A dry run: a read-only ``peek`` of the prefix cache, nothing computed,
-        locked or refreshed; the running requests count as ``in_flight``."""
+        locked or refreshed; the running requests count as ``in_flight``. ``namespace`` as for
+        :meth:`add_request` (``Namespace.of``)."""
         tracker = self.outcomes
         if tracker is None:  # outcomes off: no record of evictions, the rest is the same
             tracker = OutcomeTracker(self.kv.cache, EventBus())
-        return tracker.explain(prompt_token_ids, namespace, self.scheduler.running)
+        return tracker.explain(prompt_token_ids, Namespace.of(namespace), self.scheduler.running)
 
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an

@@ -20,7 +20,8 @@ Events:
 * :class:`RequestFinished`: a user request (all its ``n`` samples) finished or was aborted.
 * :class:`CacheInserted` / :class:`CacheEvicted` / :class:`CacheReset`: tokens entered or left
   the prefix cache, with a per-engine sequence number ``seq`` (one counter for the three, no
-  gaps), the namespace, and the chained digests of the 16-token blocks that became fully cached
+  gaps), the namespace (a :class:`~radixkv.namespace.Namespace`, or None: the shared default;
+  every event carries it as the engine normalized it), and the chained digests of the 16-token blocks that became fully cached
   or stopped being so (:mod:`radixkv.cache.digests`; the same whatever the page size).
 """
 
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Optional
+
+from radixkv.namespace import Namespace
 
 __all__ = [
     "Event",
@@ -64,7 +67,7 @@ class RequestAdmitted(Event):
         prefix_len: tokens whose K/V it reuses now (the cached or shared prefix), also on
             re-admission.
         readmission: True when it was retracted before.
-        namespace: its prefix-cache namespace.
+        namespace: its prefix-cache namespace (``Namespace.of`` of what it was submitted with).
         cache_outcome: why its prefix match stopped
             (:class:`~radixkv.cache.outcome.CacheOutcome`: cause, missed tokens per cause), on
             the first admission of sample 0 when the engine records outcomes; else None.
@@ -80,7 +83,7 @@ class RequestAdmitted(Event):
     num_cached_tokens: int
     prefix_len: int
     readmission: bool
-    namespace: Hashable
+    namespace: Optional[Namespace]
     cache_outcome: Any = None
     num_shared_tokens: int = 0
 
@@ -154,7 +157,7 @@ class CacheInserted(Event):
     """
 
     seq: int
-    namespace: Hashable
+    namespace: Optional[Namespace]
     num_tokens: int
     first_block: int
     block_digests: tuple[bytes, ...]
@@ -174,7 +177,7 @@ class CacheEvicted(Event):
     """
 
     seq: int
-    namespace: Hashable
+    namespace: Optional[Namespace]
     num_tokens: int
     block_digests: Optional[tuple[bytes, ...]]
 

@@ -57,6 +57,7 @@ from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import ReqToTokenPool
+from radixkv.namespace import Namespace
 
 __all__ = ["KVManager", "Pin", "Prefix"]
 
@@ -248,7 +249,7 @@ class KVManager:
         self._seq += 1
         return self._seq
 
-    def _insert(self, tokens: List[int], slots: List[int], namespace: Any) -> int:
+    def _insert(self, tokens: List[int], slots: List[int], namespace: Optional[Namespace]) -> int:
         k = self.cache.insert(tokens, _as_slots(slots), namespace)
         if self.shares and self.events.wants(CacheInserted) and len(tokens) > k:
             n = len(tokens)
@@ -265,7 +266,7 @@ class KVManager:
             )
         return k
 
-    def _on_evict(self, namespace: Any, path: bytes, start: int) -> None:
+    def _on_evict(self, namespace: Optional[Namespace], path: bytes, start: int) -> None:
         if not self.events.wants(CacheEvicted):
             return
         end = len(path) >> 2
@@ -475,13 +476,14 @@ class KVManager:
             self._free(pin.slots)
 
     # ------------------------------------------------------------------ pins (sessions)
-    def pin_prefix(self, tokens: List[int], namespace: Any = None) -> Optional[Pin]:
+    def pin_prefix(self, tokens: List[int], namespace: Optional[Namespace] = None) -> Optional[Pin]:
         """A soft pin (one reference, the caller's) on the cached prefix of ``tokens``: its whole
         pages stay in memory, protected from eviction, until :meth:`release_pin` (or until the
         KV manager drops it: ``max_pinned_tokens``, ``pin_idle_timeout``, or memory a running
         request needs). None when nothing of ``tokens`` is cached, or without a prefix cache
         (``prefix_cache="none"`` keeps nothing). The bounds are applied at once, so the pin
-        returned may already be dead (``live`` False) when it alone exceeds the token bound."""
+        returned may already be dead (``live`` False) when it alone exceeds the token bound.
+        ``namespace``: normalized (``Namespace.of``; the engine's ``pin_prefix`` does it)."""
         if not self.shares or not tokens:
             return None
         m = self.cache.match_prefix(tokens, namespace)

@@ -18,10 +18,11 @@ outcome means the same in a replay as in the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from radixkv.cache.outcome import CacheOutcome, OutcomeClassifier
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, Event, EventBus
+from radixkv.namespace import Namespace
 
 __all__ = ["OutcomeTracker", "Explanation", "explain_text"]
 
@@ -68,7 +69,9 @@ class OutcomeTracker:
             req.prompt_token_ids, ns, cached, ((r.namespace, r.all_token_ids) for r in running if r is not req)
         )
 
-    def explain(self, tokens: Sequence[int], namespace: Hashable = None, running: Iterable[Any] = ()) -> CacheOutcome:
+    def explain(
+        self, tokens: Sequence[int], namespace: Optional[Namespace] = None, running: Iterable[Any] = ()
+    ) -> CacheOutcome:
         """The outcome ``tokens`` would get if admitted now (dry run: a read-only peek)."""
         return self.classifier.classify(
             list(tokens), namespace, None, ((r.namespace, r.all_token_ids) for r in running)

@@ -3,10 +3,11 @@ the cumulative :class:`~radixkv.outputs.RequestOutput` the engine returns."""
 
 from __future__ import annotations
 
-from typing import Hashable, List, Optional
+from typing import List, Optional
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.request import Request
+from radixkv.namespace import Namespace
 from radixkv.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from radixkv.sampling.logprobs import TokenDecoder, TokenLogprobs, to_position_logprobs
 from radixkv.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ class RequestGroup:
         prompt: Optional[str],
         prompt_ids: List[int],
         params: SamplingParams,
-        namespace: Hashable,
+        namespace: Optional[Namespace],
         arrival: float,
     ) -> None:
         self.request_id = request_id

@@ -9,6 +9,10 @@ them as plain tuples (no engine type crosses a process; the router side,
 * ``("evict", seq, namespace, digests | None)``
 * ``("reset", seq)``
 
+``namespace`` is the namespace's stable serialization (bytes,
+:func:`radixkv.namespace.namespace_key`; ``Namespace.from_bytes`` reads it back): the same in
+every process, as the digests are, which it seeds.
+
 :meth:`CacheEventPublisher.drain` hands the buffered records over as one batch
 ``{"epoch", "events", "dropped"}`` (any thread); ``epoch`` is a fresh id per publisher, so a
 restarted replica is told apart. The buffer is bounded (``max_events``): on overflow the oldest
@@ -27,6 +31,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, Event, EventBus
+from radixkv.namespace import namespace_key
 
 __all__ = ["CacheEventPublisher", "cache_snapshot"]
 
@@ -77,9 +82,9 @@ class CacheEventPublisher:
     def on_event(self, ev: Event) -> None:
         """The subscriber (driver thread): buffer one record."""
         if isinstance(ev, CacheInserted):
-            rec: tuple = ("insert", ev.seq, ev.namespace, ev.first_block, ev.block_digests)
+            rec: tuple = ("insert", ev.seq, namespace_key(ev.namespace), ev.first_block, ev.block_digests)
         elif isinstance(ev, CacheEvicted):
-            rec = ("evict", ev.seq, ev.namespace, ev.block_digests)
+            rec = ("evict", ev.seq, namespace_key(ev.namespace), ev.block_digests)
         elif isinstance(ev, CacheReset):
             rec = ("reset", ev.seq)
         else:

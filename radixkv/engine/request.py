@@ -17,10 +17,11 @@ docs/engine.md for the table of what is owned, handed to the cache or freed at e
 from __future__ import annotations
 
 import enum
-from typing import Any, Hashable, List, Optional
+from typing import Any, List, Optional
 
 import torch
 
+from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
 
 
@@ -41,7 +42,8 @@ class Request:
         index: sample index in ``[0, n)``.
         prompt_token_ids: the prompt (non-empty list of ints).
         params: the sampling parameters.
-        namespace: prefix-cache namespace (requests only share prefixes within one namespace).
+        namespace: prefix-cache namespace, normalized (``Namespace.of``; None: the shared
+            default); requests only share prefixes within one namespace.
         generator: this sample's ``torch.Generator`` (None when unseeded).
 
     Attributes:
@@ -81,7 +83,7 @@ class Request:
         index: int,
         prompt_token_ids: List[int],
         params: SamplingParams,
-        namespace: Hashable = None,
+        namespace: Optional[Namespace] = None,
         generator: Optional[torch.Generator] = None,
     ) -> None:
         self.request_id = request_id

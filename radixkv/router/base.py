@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Optional, Sequence
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.namespace import Namespace
 
 __all__ = ["RouteRequest", "Decision", "ReplicaLoad", "Policy"]
 
@@ -22,17 +23,24 @@ class RouteRequest:
     Attributes:
         request_id: unique among outstanding requests.
         token_ids: the prompt's token ids.
-        namespace: its prefix-cache namespace (blocks only match within one).
+        namespace: its prefix-cache namespace (blocks only match within one): a
+            :class:`~radixkv.namespace.Namespace` or None; any hashable ``Namespace.of``
+            accepts is normalized by it (so ``"a"`` routes as the engine caches
+            ``namespace="a"``), and its block digests are seeded by the stable serialization
+            the replicas' cache events use.
         session: a conversation key for ``session`` routing (None: the request id).
         output_tokens: expected output tokens (a load estimate; 0 when unknown).
     """
 
     request_id: str
     token_ids: Sequence[int]
-    namespace: Hashable = None
+    namespace: Optional[Namespace] = None
     session: Optional[str] = None
     output_tokens: int = 0
     _digests: Optional[list] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.namespace = Namespace.of(self.namespace)
 
     @property
     def num_tokens(self) -> int:

@@ -11,6 +11,9 @@ the engine):
   ``("insert", seq, namespace, first_block, digests)`` (blocks that became fully cached),
   ``("evict", seq, namespace, digests | None)`` (blocks that stopped being so; None: the engine's
   cache cannot tell, e.g. hash blocks -> resync), ``("reset", seq)`` (the cache was emptied);
+  ``namespace`` is the namespace's stable serialization (bytes,
+  :func:`radixkv.namespace.namespace_key`), carried for consumers that group by it; the view
+  needs only the digests, which it seeds;
 * a **snapshot** is ``{"epoch": str, "seq": int, "blocks": [digest, ...] | None}``: every fully
   cached 16-token block of the engine's tree after its event ``seq`` (None: the cache cannot list
   them; the view then stays empty and unsynced).

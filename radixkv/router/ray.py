@@ -41,6 +41,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from radixkv.namespace import Namespace
 from radixkv.router.policy import RouteRequest, make_policy
 
 logger = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ class CacheIndex:
     # -- routing
     def route(self, key: str, request: dict, candidates: Sequence[str]) -> str:
         """Choose among ``candidates`` for ``request`` (``request_id``, ``token_ids``,
-        ``namespace``, ``session``) and record the decision at once; ``key`` is the serving
+        ``namespace`` (:func:`wire_namespace`'s bytes), ``session``) and record the decision at once; ``key`` is the serving
         layer's id of this routing attempt."""
         for c in candidates:
             if c not in self.policy.loads and c in self.replicas:
@@ -151,7 +152,8 @@ class CacheIndex:
         cands = [c for c in candidates if c in self.policy.loads]
         if not cands:  # none registered yet: any candidate
             return candidates[0]
-        rq = RouteRequest(key, request["token_ids"], request.get("namespace"), request.get("session"))
+        ns = read_namespace(request.get("namespace"))
+        rq = RouteRequest(key, request["token_ids"], ns, request.get("session"))
         d = self.policy.choose(rq, cands, time.monotonic())
         self._requests[key] = rq
         if request.get("request_id") is not None:
@@ -204,6 +206,22 @@ class CacheIndex:
         out.update(replicas={r: {k: v for k, v in i.items() if k != "resync"} for r, i in self.replicas.items()})
         out.update(removed=list(self.removed), replica_stats=dict(self.stats))
         return out
+
+
+def wire_namespace(namespace: Any) -> bytes:
+    """A request's namespace as it crosses processes (the ``namespace`` of request dicts): its
+    stable serialization (``Namespace().to_bytes()`` for None).
+
+    Raises:
+        RequestError: (param ``namespace``) a process-local namespace (no stable form).
+    """
+    ns = Namespace.of(namespace)
+    return (ns if ns is not None else Namespace()).to_bytes()
+
+
+def read_namespace(data: Optional[bytes]) -> Optional[Namespace]:
+    """The namespace :func:`wire_namespace` serialized (None: absent or the shared default)."""
+    return None if data is None else Namespace.from_bytes(data)
 
 
 def prompt_key(token_ids: Sequence[int]) -> str:
@@ -381,13 +399,13 @@ class EngineReplica:
 
     async def generate(self, args: dict) -> AsyncIterator[Any]:
         """Stream the request's ``RequestOutput`` snapshots (``args``: ``request_id``, ``prompt``,
-        ``token_ids``, ``params`` (SamplingParams), ``namespace``)."""
+        ``token_ids``, ``params`` (SamplingParams), ``namespace``: :func:`wire_namespace`'s bytes)."""
         gen = self.llm.generate(
             args.get("prompt"),
             args["params"],
             args["request_id"],
             prompt_token_ids=args["token_ids"],
-            namespace=args.get("namespace"),
+            namespace=read_namespace(args.get("namespace")),
         )
         try:
             async for out in gen:
@@ -464,7 +482,7 @@ class RemoteLLM:
             prompt=text,
             token_ids=ids,
             params=sampling_params if sampling_params is not None else SamplingParams(),
-            namespace=namespace,
+            namespace=wire_namespace(namespace),
         )
         self._open += 1
         last = None  # the last output yielded to the consumer

@@ -18,12 +18,13 @@ import asyncio
 import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Hashable, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 
 from radixkv.async_llm import AsyncLLM
 from radixkv.errors import QueueFullError, RequestError
+from radixkv.namespace import Namespace
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.metrics import ServerMetrics
@@ -142,7 +143,7 @@ class EngineClient:
         renames: dict | None = None,
         *,
         request_ids: Sequence[str] | None = None,
-        namespace: Hashable = None,
+        namespace: Namespace | None = None,
         on_finish: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
@@ -156,7 +157,8 @@ class EngineClient:
             renames: engine field -> the request field that set it (for a refusal's ``param``).
             request_ids: the engine request id of each prompt (a client's ``rid``); fresh ids
                 when None. An id that is already running is refused (400).
-            namespace: the prefix-cache namespace of every prompt (e.g. SGLang's ``cache_salt``).
+            namespace: the prefix-cache namespace of every prompt (e.g. SGLang's ``cache_salt`` /
+                ``extra_key``; None: the shared default).
             on_finish: per prompt, a hook run on the engine thread when its request finishes
                 (:meth:`AsyncLLM.generate <radixkv.async_llm.AsyncLLM.generate>`'s ``on_finish``).
 

@@ -40,6 +40,7 @@ from typing import Sequence
 import numpy as np
 
 from radixkv.cache.radix_tree import RadixCache
+from radixkv.namespace import Namespace
 from radixkv.sim.simulator import SimRequest, SimResult
 
 __all__ = ["optimal"]
@@ -117,7 +118,7 @@ def optimal(
             raise ValueError("SimRequest.tokens is empty: a prompt needs at least 1 token")
         reply = list(r.reply)
         final = len(tokens) + max(len(reply) - 1, 0)  # positions whose K/V is computed
-        seqs.append(((tokens + reply)[:final], r.namespace))
+        seqs.append(((tokens + reply)[:final], Namespace.of(r.namespace)))
         match_pages.append((len(tokens) - 1) // ps)  # all prompt tokens but the last, floored
         finals.append(final)
         plens.append(len(tokens))

@@ -40,6 +40,7 @@ from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.request import Request
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import ReqToTokenPool
+from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
 
 __all__ = [
@@ -87,7 +88,8 @@ class SimRequest:
         tokens: the prompt's token ids (non-empty).
         reply: the token ids it generates (their K/V is cached when it finishes, all but the
             last one's, as in the engine); empty: one token whose K/V is never computed.
-        namespace: its prefix-cache namespace.
+        namespace: its prefix-cache namespace: None, a :class:`~radixkv.namespace.Namespace`,
+            or any hashable (normalized by ``Namespace.of``, as ``Engine.add_request`` does).
     """
 
     tokens: Sequence[int]
@@ -256,7 +258,7 @@ class CacheSimulator:
         if final > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
             self._ctx = max(final, 2 * self._ctx)
             kv.replace_block_table(ReqToTokenPool(1, self._ctx))
-        r = Request(str(i), 0, tokens, self._params, req.namespace)
+        r = Request(str(i), 0, tokens, self._params, Namespace.of(req.namespace))
         prefix = kv.lock_prefix(r)
         if self.tracker is not None:
             self.tracker.on_admit(r, prefix.length, ())

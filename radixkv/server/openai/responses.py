@@ -22,7 +22,9 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   <radixkv.engine.engine.Engine.pin_prefix>`, one soft pin per stored response, in the KV
   manager with every other pin): the follow-up's ``usage.input_tokens_details.cached_tokens`` is
   the whole stored context. Otherwise the conversation is rendered afresh (the prefix cache
-  still serves what matches).
+  still serves what matches). A stored response remembers its prefix-cache namespace
+  (``Responses.create``'s ``namespace``; today always None, the shared default): its pin is
+  taken in it, and only a request in the same namespace may continue it.
 
 Bounds: at most ``max_pinned`` stored responses hold a pin (LRU: the least recently used
 loses its pin, its text stays retrievable); the KV manager's own bounds (``max_pinned_tokens``,
@@ -45,6 +47,7 @@ from starlette.requests import Request
 from radixkv.branching import continue_chat, reply_stop_text
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
+from radixkv.namespace import Namespace
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params, tool_plan
 from radixkv.server.openai.protocol import APIError, server_error_event
@@ -71,6 +74,8 @@ class StoredResponse:
         tokens: its context token ids: the prompt + the output tokens.
         stop_text: the end-of-turn token's text its output stopped on ("" otherwise).
         pin: the KV manager's pin on the cached prefix of ``tokens`` (None: unpinned).
+        namespace: the prefix-cache namespace it ran in (None: the shared default): its pin is
+            taken in it, and a follow-up continues in it.
     """
 
     body: dict
@@ -80,6 +85,7 @@ class StoredResponse:
     tokens: list[int] = field(default_factory=list)
     stop_text: str = ""
     pin: Any = None
+    namespace: Optional[Namespace] = None
 
 
 class ResponseStore:
@@ -239,8 +245,12 @@ class Responses:
         return body
 
     # ---------------------------------------------------------------- create
-    async def create(self, req: ResponsesRequest, raw: Request) -> dict | AsyncIterator[str]:
-        """A Response dict, or the event stream when ``stream``.
+    async def create(
+        self, req: ResponsesRequest, raw: Request, namespace: Optional[Namespace] = None
+    ) -> dict | AsyncIterator[str]:
+        """A Response dict, or the event stream when ``stream``. ``namespace``: the prefix-cache
+        namespace it runs in (None: the shared default); a ``previous_response_id`` stored in
+        another namespace is not found (ids do not cross namespaces).
 
         Raises:
             APIError: 400 naming the field (``previous_response_id`` unknown, unsupported fields,
@@ -251,7 +261,7 @@ class Responses:
         prev = None
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)
-            if prev is None:
+            if prev is None or prev.namespace != namespace:
                 raise APIError(
                     f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
                     "past the store's bound)",
@@ -275,12 +285,15 @@ class Responses:
                 return
             c = out.outputs[0]
             tokens = list(ids) + list(c.token_ids)
+            pin = engine.pin_prefix(tokens, namespace)
             item = holder["item"] = StoredResponse(
-                {}, [], req.instructions, list(plan.tools), tokens, reply_stop_text(tok, c), engine.pin_prefix(tokens)
+                {}, [], req.instructions, list(plan.tools), tokens, reply_stop_text(tok, c), pin, namespace
             )
             store.put(rid, item, engine)
 
-        run = await self.client.start("responses", [(None, ids)], params, "input", renames, on_finish=[on_finish])
+        run = await self.client.start(
+            "responses", [(None, ids)], params, "input", renames, namespace=namespace, on_finish=[on_finish]
+        )
 
         def finish(out: Any, call_ids: list[str] | None) -> dict:
             c = out.outputs[0]

@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from radixkv.errors import RequestError
+from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError
@@ -325,12 +326,11 @@ class GenerateRequest(BaseModel):
             raise APIError(f"rid must hold {count} distinct ids, one per prompt", "rid")
         return list(self.rid)
 
-    def namespace(self) -> str | None:
-        """The prefix-cache namespace: SGLang's ``cache_salt`` / ``extra_key`` (requests only share
-        cached prefixes with requests of the same salt and key)."""
-        if self.cache_salt is None and self.extra_key is None:
-            return None
-        return f"{self.cache_salt or ''}\x00{self.extra_key or ''}"
+    def namespace(self) -> Namespace | None:
+        """The prefix-cache namespace: ``Namespace(salt=cache_salt, extra_key=extra_key)`` (requests
+        only share cached prefixes with requests of the same salt and key; an empty string is
+        no salt / no key, as in SGLang; neither: None, the shared default)."""
+        return Namespace.of(Namespace(salt=self.cache_salt or None, extra_key=self.extra_key or None))
 
 
 def field_names() -> set[str]:
