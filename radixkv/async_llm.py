@@ -38,7 +38,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 
-from radixkv.branching import AsyncSession, Prompt, SelectResult, _aselect, _select_prompt, initial_context
+from radixkv.branching import AsyncSession, Prompt, SelectResult, drive_async, select_program
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import RequestError, RequestFailed
 from radixkv.inputs import check_sampling_params, to_token_ids, to_token_prompt
@@ -81,11 +81,13 @@ class AsyncLLM:
         model: model name or path, as for :class:`~radixkv.llm.LLM` (ignored when ``engine`` is given).
         engine: an existing ``Engine`` to drive instead of building one. AsyncLLM takes it over:
             afterwards only the engine thread should call its methods.
-        **kwargs: :class:`~radixkv.config.EngineConfig` fields (``device``, ``dtype``,
-            ``page_size``, ``max_total_tokens``, ``prefix_cache``, ``enable_prefix_caching``,
-            ``attention_backend``, ``max_running_requests``, ``chunked_prefill_size``,
-            ``schedule_policy``, ...) plus the ``Engine`` keywords ``model_runner``,
-            ``tokenizer`` and ``eos_token_ids``. Not allowed together with ``engine``.
+        **kwargs: the same keywords as :class:`~radixkv.llm.LLM`
+            (:func:`radixkv.engine_args.split_engine_kwargs`): :class:`~radixkv.config.EngineConfig`
+            fields (``device``, ``dtype``, ``page_size``, ``max_total_tokens``, ``prefix_cache``,
+            ``enable_prefix_caching``, ``attention_backend``, ``max_running_requests``,
+            ``chunked_prefill_size``, ``schedule_policy``, ...) plus the ``Engine`` keywords
+            ``loaded_model``, ``model_runner``, ``tokenizer``, ``eos_token_ids`` and ``clock``.
+            Not allowed together with ``engine``.
 
     Thread model: one daemon thread named ``radixkv-engine``; all public methods are safe to call
     from any thread and any event loop (one AsyncLLM can serve several loops at once).
@@ -97,18 +99,9 @@ class AsyncLLM:
 
     def __init__(self, model: str = "smollm2-135m", *, engine: Any = None, **kwargs: Any):
         if engine is None:
-            from radixkv.config import EngineConfig
-            from radixkv.engine import Engine
+            from radixkv.engine_args import build_engine
 
-            engine_kwargs = {
-                k: kwargs.pop(k) for k in ("model_runner", "tokenizer", "eos_token_ids", "clock") if k in kwargs
-            }
-            unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
-            if unknown:
-                raise ValueError(
-                    f"AsyncLLM: unknown argument(s) {unknown}; valid: {sorted(EngineConfig.__dataclass_fields__)}"
-                )
-            engine = Engine(EngineConfig(model=model, **kwargs), **engine_kwargs)
+            engine = build_engine("AsyncLLM", model, kwargs)
         elif kwargs:
             raise ValueError(f"AsyncLLM: engine options {sorted(kwargs)} given together with an engine")
         self.engine = engine
@@ -240,7 +233,7 @@ class AsyncLLM:
 
         finished = False
         try:
-            await asyncio.wrap_future(self._submit(add))
+            await asyncio.wrap_future(self.submit(add))
             while True:
                 item = await stream.queue.get()
                 while not stream.queue.empty() and not _is_final(item):
@@ -270,32 +263,35 @@ class AsyncLLM:
         if not state[0]:
             self._abandoned.append((rid, stream))
 
-    async def _generate_batch(
+    async def generate_batch(
         self,
-        specs: Sequence[tuple],
-        hooks: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
+        requests: Sequence[tuple],
+        on_finish: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Submit every ``(prompt token ids, sampling params, namespace)`` of ``specs`` in ONE
+        """Submit every ``(prompt token ids, SamplingParams, namespace)`` of ``requests`` in ONE
         engine message (so they wait together and are admitted in the same step while they fit:
-        their common prefixes are computed once) and return their final outputs, in order.
-        ``hooks[i](engine, output)`` runs on the engine thread when request ``i`` finishes,
-        before its output is delivered (no step runs in between). Cancelling aborts them all.
+        their common prefixes are computed once) and return their final outputs, in order (the
+        same method as :meth:`radixkv.llm.LLM.generate_batch`, awaited; sessions and ``select``
+        run on it). ``on_finish[i](engine, output)`` (or None) runs on the engine thread when
+        request ``i`` finishes, before its output is delivered (no step runs in between; not on
+        abort; an exception it raises is logged). Cancelling aborts them all.
 
         Raises:
-            ValueError: any request refused (then none is submitted).
+            RequestError: any request refused (then none is submitted).
+            RequestFailed: a request's sampling raised in the engine (the others are aborted).
             EngineDeadError: the engine thread is not running.
         """
         self._check_alive()
         loop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
-        rids = [f"req-{base}-{i}" for i in range(len(specs))]
-        streams = [_Stream(loop=loop) for _ in specs]
-        hooks = list(hooks) if hooks is not None else [None] * len(specs)
+        rids = [f"req-{base}-{i}" for i in range(len(requests))]
+        streams = [_Stream(loop=loop) for _ in requests]
+        hooks = list(on_finish) if on_finish is not None else [None] * len(requests)
 
         def add(engine: Any) -> None:
             added: list[str] = []
             try:
-                for rid, stream, (ids, params, ns), hook in zip(rids, streams, specs, hooks):
+                for rid, stream, (ids, params, ns), hook in zip(rids, streams, requests, hooks):
                     engine.add_request(ids, params, request_id=rid, namespace=ns)
                     added.append(rid)
                     self._streams[rid] = stream
@@ -308,10 +304,10 @@ class AsyncLLM:
                     engine.abort_now(rid)
                 raise
 
-        finals: list[RequestOutput | None] = [None] * len(specs)
+        finals: list[RequestOutput | None] = [None] * len(requests)
         submitted = False
         try:
-            await asyncio.wrap_future(self._submit(add))
+            await asyncio.wrap_future(self.submit(add))
             submitted = True
             for i, stream in enumerate(streams):
                 while True:
@@ -338,7 +334,7 @@ class AsyncLLM:
         The engine releases the request's KV slots; its ``generate`` iterator then ends without
         a further output. Callers usually abort by cancelling or closing that iterator instead.
         """
-        await asyncio.wrap_future(self._submit(lambda e: self._abort_in_thread(request_id, None)))
+        await asyncio.wrap_future(self.submit(lambda e: self._abort_in_thread(request_id, None)))
 
     def cache_stats(self) -> EngineStats:
         """``Engine.cache_stats()`` as of the engine thread's latest step or posted call (a
@@ -355,7 +351,7 @@ class AsyncLLM:
 
     async def reset_prefix_cache(self) -> bool:
         """Flush the prefix cache; False (and nothing done) while any request is unfinished."""
-        return await asyncio.wrap_future(self._submit(self._reset_in_thread))
+        return await asyncio.wrap_future(self.submit(self._reset_in_thread))
 
     def num_unfinished_requests(self) -> int:
         """Requests submitted through this AsyncLLM whose streams are still open (a plain method,
@@ -368,13 +364,13 @@ class AsyncLLM:
         """Subscribe ``fn`` to the engine's events (:meth:`radixkv.engine.events.EventBus.subscribe`);
         ``fn`` runs on the engine thread. Blocks until subscribed; returns the unsubscribe
         function (which, called from any thread, takes effect between two steps)."""
-        unsubscribe = self._submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
+        unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
 
         def off() -> None:
             if threading.current_thread() is self._thread or self._dead is not None:
                 unsubscribe()
             else:
-                self._submit(lambda e: unsubscribe())
+                self.submit(lambda e: unsubscribe())
 
         return off
 
@@ -385,22 +381,20 @@ class AsyncLLM:
         Raises:
             RequestError: a malformed prompt (naming ``prompt``).
         """
-        tokens, messages = initial_context(self, prompt)
-        return AsyncSession(self, tokens, messages, namespace, None, None)
+        return AsyncSession(self, prompt, namespace=namespace)
 
     async def select(
         self, prompt: Prompt, choices: Sequence, *, method: str = "normalized", namespace: Hashable = None
     ) -> SelectResult:
         """As :meth:`radixkv.llm.LLM.select`, awaited: every choice submitted in one engine message."""
-        ids = _select_prompt(self, prompt)
-        return await _aselect(self, ids, choices, method, namespace, None)
+        return await drive_async(self, select_program(self, prompt, choices, method, namespace))
 
     async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result.
 
         Use for read-only inspection (scheduler queue lengths, pool sizes) without racing a step.
         """
-        return await asyncio.wrap_future(self._submit(fn))
+        return await asyncio.wrap_future(self.submit(fn))
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread after its current step. Unfinished requests are aborted and
@@ -432,8 +426,12 @@ class AsyncLLM:
         if self._closing:
             raise EngineDeadError("AsyncLLM is shut down")
 
-    def _submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
-        """Post ``fn(engine)`` to the engine thread; the future gets its result or exception."""
+    def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
+        """Post ``fn(engine)`` to the engine thread now, from any thread (no event loop needed),
+        and return a :class:`concurrent.futures.Future` of its result or exception
+        (:meth:`call_in_engine_thread` awaits one). The future fails with
+        :class:`EngineDeadError` when the engine thread is not running; cancelling it before the
+        call starts skips the call."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             try:

@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
-from radixkv.branching import Prompt, SelectResult, Session, _select, _select_prompt, initial_context
+from radixkv.branching import Prompt, SelectResult, Session, drive, select_program
 from radixkv.chat_template import render_chat
-from radixkv.config import EngineConfig
-from radixkv.engine import Engine, EngineStats
+from radixkv.engine import EngineStats
 from radixkv.engine.outcome import Explanation, explain_text
+from radixkv.engine_args import build_engine
 from radixkv.errors import RequestError
 from radixkv.inputs import conversations, params_per_prompt, to_token_ids, to_token_prompt, to_token_prompts
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
 Message = Dict[str, Any]
+FinishHook = Callable[[Any, RequestOutput], None]
+
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -29,9 +33,12 @@ class LLM:
             page_size (1), max_total_tokens (KV pool capacity in tokens), max_context_len,
             prefix_cache ("radix" | "hash" | "none"), enable_prefix_caching (False = "none"),
             attention_backend ("auto"), max_running_requests, chunked_prefill_size,
-            schedule_policy ("lpm" | "fcfs"), seed, max_pinned_tokens, pin_idle_timeout; and
-            ``loaded_model`` (a :class:`~radixkv.models.loader.LoadedModel` to share weights
-            between engines), ``clock`` (the pins' time source).
+            schedule_policy ("lpm" | "fcfs"), seed, max_n, max_pinned_tokens, pin_idle_timeout;
+            and the :class:`~radixkv.engine.Engine` keywords ``loaded_model`` (a
+            :class:`~radixkv.models.loader.LoadedModel` to share weights between engines),
+            ``model_runner``, ``tokenizer``, ``eos_token_ids``, ``clock`` (the pins' time
+            source). The same keywords as :class:`~radixkv.async_llm.AsyncLLM`
+            (:func:`radixkv.engine_args.split_engine_kwargs`).
 
     Threads: one ``LLM`` may be shared by several threads; its calls are serialized (a second
     thread's ``generate`` waits for the first's to return), since it drives its engine itself.
@@ -41,16 +48,7 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
-        engine_kwargs = {
-            k: kwargs.pop(k)
-            for k in ("model_runner", "tokenizer", "eos_token_ids", "loaded_model", "clock")
-            if k in kwargs
-        }
-        fields = EngineConfig.__dataclass_fields__
-        unknown = sorted(set(kwargs) - set(fields))
-        if unknown:
-            raise ValueError(f"LLM: unknown argument(s) {unknown}; valid: {sorted(fields)}")
-        self.engine = Engine(EngineConfig(model=model, **kwargs), **engine_kwargs)
+        self.engine = build_engine("LLM", model, kwargs)
         self._lock = threading.RLock()  # one caller drives the engine at a time
 
     @property
@@ -130,28 +128,73 @@ class LLM:
         with self._lock:
             return self._run_locked(ids, texts, sampling_params, use_tqdm)
 
+    def generate_batch(
+        self, requests: Sequence[tuple], on_finish: Optional[Sequence[Optional[FinishHook]]] = None
+    ) -> List[RequestOutput]:
+        """Submit every ``(prompt token ids, SamplingParams, namespace)`` of ``requests`` together
+        (they wait together, so their common prefixes are computed once) and run them to
+        completion (no progress bar); the same method as :meth:`radixkv.async_llm.AsyncLLM.generate_batch`,
+        which sessions and ``select`` run on.
+
+        Args:
+            requests: ``(prompt_token_ids, sampling_params, namespace)`` per request.
+            on_finish: per request, None or ``fn(engine, final output)``, run in this thread
+                right when that request finishes, before any further step (e.g. pin what it left
+                cached); an exception it raises is logged, not raised (as on AsyncLLM).
+
+        Returns:
+            One finished :class:`RequestOutput` per request, in order (finish_reason
+            ``"error"`` and ``error`` set for a request whose sampling raised, as :meth:`generate`).
+
+        Raises:
+            RequestError: any request refused (then none is submitted).
+        """
+        ids = [list(r[0]) for r in requests]
+        with self._lock:
+            return self._run_locked(
+                ids, None, [r[1] for r in requests], False, namespace=[r[2] for r in requests], on_finish=on_finish
+            )
+
+    def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(engine)`` as the engine's driver and return its result: in this thread, under
+        the LLM's lock (between two other calls, never during a step); the same method as
+        :meth:`radixkv.async_llm.AsyncLLM.call_in_engine_thread` (there awaited)."""
+        with self._lock:
+            return fn(self.engine)
+
     def _run_locked(
-        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool, namespace=None
+        self,
+        ids: List[List[int]],
+        texts: Optional[List[str]],
+        sampling_params,
+        use_tqdm: bool,
+        namespace=None,
+        on_finish: Optional[Sequence[Optional[FinishHook]]] = None,
     ) -> List[RequestOutput]:
         """Submit every prompt (in one go: they wait together, so they share their common
         prefixes), step until all finished; on any error or interrupt the submitted requests are
-        aborted and released before it propagates. ``namespace``: one for all or one per prompt."""
+        aborted and released before it propagates. ``namespace``: one for all or one per prompt;
+        ``on_finish``: one hook (or None) per prompt (:meth:`generate_batch`)."""
         params = params_per_prompt(sampling_params, len(ids))
         spaces = list(namespace) if isinstance(namespace, list) else [namespace] * len(ids)
         engine = self.engine
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}
+        hooks: Dict[str, FinishHook] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         try:
             for i, (p_ids, p) in enumerate(zip(ids, params)):
                 rids.append(
                     engine.add_request(p_ids, p, prompt=None if texts is None else texts[i], namespace=spaces[i])
                 )
+                if on_finish is not None and on_finish[i] is not None:
+                    hooks[rids[-1]] = on_finish[i]
             wanted = set(rids)
             while len(results) < len(rids) and engine.has_unfinished_requests():
                 for out in engine.step():
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
+                        _finish_hook(hooks.pop(out.request_id, None), engine, out)
                         bar.update(1)
         except BaseException:
             for rid in rids:
@@ -227,8 +270,7 @@ class LLM:
         Raises:
             RequestError: a malformed prompt (naming ``prompt``).
         """
-        tokens, messages = initial_context(self, prompt)
-        return Session(self, tokens, messages, namespace, None, None)
+        return Session(self, prompt, namespace=namespace)
 
     def select(self, prompt: Prompt, choices: Sequence, *, method: str = "normalized", namespace=None) -> SelectResult:
         """The log-likelihood of each choice as the continuation of ``prompt`` (SGLang's
@@ -251,8 +293,7 @@ class LLM:
         Raises:
             RequestError: an empty or malformed ``prompt`` / ``choices``, a bad ``method``.
         """
-        ids = _select_prompt(self, prompt)
-        return _select(self, ids, choices, method, namespace, None)
+        return drive(self, select_program(self, prompt, choices, method, namespace))
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (False while requests run)."""
@@ -269,3 +310,13 @@ class LLM:
         another thread runs (read without waiting for it; the same method as
         :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
         return self.engine.num_unfinished_requests()
+
+
+def _finish_hook(hook: Optional[FinishHook], engine: Any, out: RequestOutput) -> None:
+    """A caller's finish hook (not on abort); its exception is logged (it must not stop the batch)."""
+    if hook is None or out.outputs[0].finish_reason == "abort":
+        return
+    try:
+        hook(engine, out)
+    except Exception:  # noqa: BLE001 - a caller's hook
+        logger.exception("finish hook of %s failed", out.request_id)

@@ -339,3 +339,169 @@ def test_async_turn_cancelled_midway_leaves_the_session_as_it_was():
         asyncio.run(main())
     finally:
         alm.shutdown()
+
+
+def test_fork_is_bounded_by_max_n():
+    """``fork(n)`` takes n in [1, max_n] (the bound of SamplingParams.n): past it a RequestError
+    naming the limit, before any reference is taken."""
+    llm = make_llm(max_n=4)
+    s = llm.session(list(range(1, 20)))
+    s.generate(sampling_params=greedy(2))
+    pin = s._pin
+    for n in (5, 100000):
+        with pytest.raises(RequestError) as e:
+            s.fork(n)
+        assert e.value.param == "n" and str(e.value) == f"fork n={n} exceeds this engine's max_n 4"
+    assert pin.refs == 1 and llm.engine.kv.num_pins == 1
+    with s.fork(4) as kids:
+        assert len(kids) == 4 and pin.refs == 5
+    s.close()
+    assert_no_leak(llm.engine)
+    with pytest.raises(RequestError, match="max_n 128"):  # the default bound
+        make_llm().session([1, 2]).fork(100000)
+
+
+def test_async_fork_is_bounded_by_max_n():
+    runner = FakeRunner(256, 1, 16)
+    alm = AsyncLLM(device="cpu", model_runner=runner, tokenizer=None, eos_token_ids=[], max_total_tokens=256, max_n=3)
+
+    async def main():
+        async with alm.session(list(range(1, 20))) as s:
+            with pytest.raises(RequestError) as e:
+                await s.fork(100000)
+            assert e.value.param == "n" and "max_n 3" in str(e.value)
+            async with await s.fork(3) as kids:
+                assert len(kids) == 3
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
+
+
+def test_batch_turns_pin_each_context_when_its_turn_finishes():
+    """A child whose turn ends first holds its new context's pin from the next step on, while the
+    others still run (its finish hook runs before any further step, on LLM as on AsyncLLM)."""
+    from radixkv.engine import StepFinished
+
+    llm = make_llm()
+    s = llm.session(list(range(1, 30)))
+    s.generate(sampling_params=greedy(2))
+    kids = s.fork(2)
+    pins_per_step = []
+    off = llm.engine.events.subscribe(lambda ev: pins_per_step.append(llm.engine.kv.num_pins), (StepFinished,))
+    outs = kids.generate(prompt_token_ids=[[1], [2]], sampling_params=[greedy(1), greedy(6)])
+    off()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [1, 6]
+    # one pin (the parent's, three holders) until the first child's turn ends, then two, then its
+    # sibling's new pin replaces their shared one's last child reference (the parent still holds it)
+    assert pins_per_step[0] == 1 and pins_per_step[-1] == 2 and pins_per_step.count(2) == len(pins_per_step) - 1
+    assert kids[0].pinned_tokens == len(kids[0].tokens) - 1 and llm.engine.kv.num_pins == 3
+    kids.close()
+    s.close()
+    assert_no_leak(llm.engine)
+
+
+def test_generate_batch_hooks_run_before_the_next_step():
+    """``LLM.generate_batch`` / ``AsyncLLM.generate_batch``: each request's ``on_finish`` runs
+    right after the step that finished it, before any other step; a hook that raises is logged,
+    the batch goes on."""
+    from radixkv.engine import RequestFinished, StepFinished
+
+    def check(engine, run):
+        steps, finished, seen = [], {}, {}
+        off = engine.events.subscribe(
+            lambda ev: (
+                steps.append(ev.step) if isinstance(ev, StepFinished) else finished.setdefault(ev.request_id, ev.step)
+            ),
+            (StepFinished, RequestFinished),
+        )
+
+        def hook(i):
+            def on_finish(e, out):
+                seen[i] = (out.request_id, steps[-1], len(out.outputs[0].token_ids))
+                if i == 1:
+                    raise KeyError("a caller's bug")
+
+            return on_finish
+
+        requests = [([5, 6, 7], greedy(2), None), ([5, 6, 8], greedy(5), None), ([9], greedy(3), "other")]
+        outs = run(requests, [hook(0), hook(1), None])
+        off()
+        assert [o.outputs[0].token_ids for o in outs] == [reference(r[0], r[1].max_tokens) for r in requests]
+        assert sorted(seen) == [0, 1]
+        for i, (rid, step, n) in seen.items():
+            assert rid == outs[i].request_id and step == finished[rid] and n == requests[i][1].max_tokens
+
+    llm = make_llm()
+    check(llm.engine, llm.generate_batch)
+    alm = AsyncLLM(
+        device="cpu", model_runner=FakeRunner(256, 1, 16), tokenizer=None, eos_token_ids=[], max_total_tokens=256
+    )
+    try:
+        check(alm.engine, lambda reqs, hooks: asyncio.run(alm.generate_batch(reqs, hooks)))
+    finally:
+        alm.shutdown()
+
+
+def test_async_fork_cancelled_midway_gives_its_references_back():
+    """The caller of ``await s.fork(n)`` is cancelled while the engine thread takes the pin
+    references: they are given back on the engine thread, none is lost."""
+    import threading
+
+    runner = FakeRunner(256, 1, 16)
+    alm = AsyncLLM(device="cpu", model_runner=runner, tokenizer=None, eos_token_ids=[], max_total_tokens=256)
+
+    async def main():
+        s = alm.session(list(range(1, 20)))
+        await s.generate(sampling_params=greedy(2))
+        pin = s._pin
+        assert pin.refs == 1
+        held, release = threading.Event(), threading.Event()
+
+        def block(e):
+            held.set()
+            release.wait(60)
+
+        blocker = alm.submit(block)  # the engine thread waits: the fork's call queues behind
+        await asyncio.get_running_loop().run_in_executor(None, held.wait, 60)
+        fork = asyncio.ensure_future(s.fork(3))
+        await asyncio.sleep(0)  # the fork posts its call
+        fork.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await fork
+        await asyncio.wrap_future(blocker)
+        await alm.call_in_engine_thread(lambda e: None)  # the fork's call ran and its undo was posted
+        await alm.call_in_engine_thread(lambda e: None)  # and ran
+        assert pin.refs == 1 and s.pinned_tokens > 0
+        await s.close()
+        st = alm.cache_stats()
+        assert st["pinned"] == 0 and st["free"] + st["evictable"] == st["capacity"]
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
+
+
+def test_branching_uses_only_public_methods_of_the_front_ends():
+    """The branching package reaches into no private member of LLM / AsyncLLM / Engine, and the
+    front ends import no private name of it."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "radixkv"
+    for path in (root / "branching").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in ("owner", "llm", "alm", "engine", "e") and node.attr.startswith("_"):
+                    raise AssertionError(f"{path.name}: {node.value.id}.{node.attr}")
+            if isinstance(node, ast.Attribute) and node.attr == "kv":
+                raise AssertionError(f"{path.name}: reaches into the engine's KV manager")
+    for name in ("llm.py", "async_llm.py"):
+        tree = ast.parse((root / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("radixkv.branching"):
+                assert not [a.name for a in node.names if a.name.startswith("_")], name

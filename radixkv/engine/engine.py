@@ -660,6 +660,11 @@ class Engine:
         """One more holder of ``pin`` (False when it was dropped already)."""
         return self.kv.retain_pin(pin)
 
+    def touch_pin(self, pin: Any) -> None:
+        """A holder uses ``pin`` now: it becomes the most recently used (the last soft pin the
+        bounds drop)."""
+        self.kv.touch_pin(pin)
+
     def release_pin(self, pin: Any) -> None:
         """A holder lets go of ``pin`` (the last one unpins: its tokens become evictable)."""
         self.kv.release_pin(pin)

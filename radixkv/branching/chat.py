@@ -1,0 +1,67 @@
+"""A chat continued token for token: the prompt of a conversation's next turn built from the
+previous turn's tokens (its prompt + the model's reply) and the text the chat template adds, so
+a follow-up computes only its new tokens. Sessions (:mod:`radixkv.branching`) and stored
+Responses (``previous_response_id``, :mod:`radixkv.server.openai.responses`) continue this way."""
+
+from __future__ import annotations
+
+from typing import Any, List, Mapping, Optional, Sequence
+
+from radixkv.chat_template import render_chat
+from radixkv.errors import RequestError
+
+__all__ = ["continue_chat", "reply_stop_text"]
+
+_SENTINEL = "\x00radixkv-reply\x00"
+
+
+def continue_chat(
+    tok: Any,
+    tokens: List[int],
+    history: List[dict],
+    new: List[dict],
+    stop_text: Optional[str],
+    tools: Optional[Sequence[Mapping[str, Any]]] = None,
+) -> List[int]:
+    """Token ids of a chat continued token for token: ``tokens`` (the context: the prompt of the
+    last turn + the model's reply, whose conversation is ``history``) + the text the chat template
+    puts after ``history`` for the ``new`` messages and the assistant's generation prompt (with
+    the end-of-turn text after the model's last reply that it did not generate itself;
+    ``stop_text`` is the end-of-turn token's text the model stopped on, None when the last
+    message is not the model's reply). Sessions and stored Responses (``previous_response_id``)
+    continue this way, so a follow-up computes only its new tokens.
+
+    Raises:
+        RequestError: the template renders ``history`` differently once ``new`` is added (param
+            ``messages``): the conversation cannot be continued token for token.
+    """
+    old = render_chat(tok, history, add_generation_prompt=False, tools=tools) if history else ""
+    full = render_chat(tok, list(history) + list(new), add_generation_prompt=True, tools=tools)
+    if not full.startswith(old):
+        raise RequestError(
+            "the chat template renders earlier turns differently once a turn is added; a session "
+            "cannot continue it token for token (use generate with the whole prompt)",
+            "messages",
+        )
+    text = full[len(old) :]
+    if history and history[-1]["role"] == "assistant" and stop_text is not None:
+        text = _missing_close(tok, history, stop_text, tools) + text
+    return list(tokens) + list(tok.encode(text, add_special_tokens=False))
+
+
+def reply_stop_text(tok: Any, completion: Any) -> str:
+    """The text of the stop token a reply (a ``CompletionOutput``) ended on ("" when it stopped
+    otherwise): what :func:`continue_chat` takes as ``stop_text``."""
+    c = completion
+    stop = c.stop_reason if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else None
+    return "" if stop is None or tok is None else tok.decode([stop], skip_special_tokens=False)
+
+
+def _missing_close(tok: Any, hist: List[dict], gen: str, tools: Any = None) -> str:
+    """The text the template puts after the model's last reply that the model did not generate
+    itself (its end-of-turn token ``gen``, when it stopped on one, is already in the context)."""
+    probe = hist[:-1] + [{"role": "assistant", "content": _SENTINEL}]
+    rendered = render_chat(tok, probe, add_generation_prompt=False, tools=tools)
+    i = rendered.rfind(_SENTINEL)
+    closing = rendered[i + len(_SENTINEL) :] if i >= 0 else ""
+    return closing[len(gen) :] if gen and closing.startswith(gen) else closing
