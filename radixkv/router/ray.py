@@ -794,7 +794,7 @@ def run(args: Any, engine_kwargs: dict, served_model_name: str) -> int:
     """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
     Ctrl-C (SIGINT) or SIGTERM (what ``kill``, systemd and docker send); either one shuts the whole
     deployment down: Serve's actors, then the local Ray instance with every process it started
-    (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, without the app)."""
+    (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down)."""
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
         _serve_forever(args, engine_kwargs, served_model_name)
