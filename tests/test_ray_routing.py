@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
+import json
 import os
 import shutil
 import signal
@@ -302,6 +303,25 @@ def test_every_route_answers_on_the_replicas(cluster, check):
     answers, the stats summed over both replicas, the flushes 409 ``flush_not_offered``."""
     with httpx.Client(base_url=cluster["base_url"], timeout=120) as http:
         check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"]))
+
+
+def test_the_sglang_frontend_connects_to_the_replicas(cluster):
+    """The first requests SGLang's frontend sent when it connected (``RuntimeEndpoint`` reads
+    ``/get_model_info``, then the program flushes and reads ``/server_info``; recorded in
+    tests/fixtures/sglang_frontend/traffic.json) answer on the replicas with the recorded shapes;
+    the flush is the replicas' 409 ``flush_not_offered``."""
+    from test_native_protocols import FIXTURES, _same_shape
+
+    traffic = json.loads((FIXTURES / "traffic.json").read_text())
+    assert [ex["path"] for ex in traffic[:3]] == ["/get_model_info", "/flush_cache", "/server_info"]
+    with httpx.Client(base_url=cluster["base_url"], timeout=120) as http:
+        for ex in traffic[:3]:
+            r = http.request(ex["method"], ex["path"], json=ex["request"])
+            if ex["path"] == "/flush_cache":
+                assert r.status_code == 409 and r.json()["error"]["code"] == "flush_not_offered"
+            else:
+                assert r.status_code == ex["status"] == 200, r.text
+                _same_shape(ex["response"], r.json(), ex["path"])
 
 
 KILL_CASES = [  # (sampling fields, what must happen when the request is in flight on the killed replica)
