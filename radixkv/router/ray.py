@@ -20,13 +20,14 @@ The only module that imports ray (extra ``radixkv[ray]``). Parts:
   :class:`~radixkv.server.backend.EngineBackend` of the engine deployment, so every route, error
   format and streaming path is the single-engine server's (model facts from a replica,
   ``cache_stats`` summed over the replicas, ``/cache_stats?check=1`` checked on every replica
-  through calls the router sends to the replica they name, no pins for stored Responses). A request whose replica dies before its first output is
-  restarted on another replica; one that dies mid-stream goes on there as a continuation or a
-  replay (:mod:`radixkv.router.resume`), or ends with an error where that cannot be exact;
-  nothing waits on a dead replica.
+  through calls the router sends to the replica they name, no pins for stored Responses). A
+  request whose replica dies before its first output is restarted on another replica; one that
+  dies mid-stream goes on there as a continuation or a replay (:mod:`radixkv.router.resume`), or
+  ends with an error where that cannot be exact; nothing waits on a dead replica.
 
 Entry points: :func:`build_app` (a Serve application), :func:`run` (a local Ray instance + the
-app, what ``radixkv serve --replicas N`` calls; Ctrl-C and SIGTERM both shut it all down). docs/routing.md shows a Ray cluster deployment.
+app, what ``radixkv serve --replicas N`` calls; Ctrl-C and SIGTERM both shut it all down).
+docs/routing.md shows a Ray cluster deployment.
 """
 
 from __future__ import annotations
@@ -628,6 +629,8 @@ class RemoteLLM:
 
         from radixkv.async_llm import EngineDeadError
 
+        # NOTE: who answered is checked because Serve's FIFO matching (FIFOMixin) may hand the
+        # replica chosen for one request to an older pending one.
         want = set(await self.index.replica_ids.remote())
         got: dict[str, dict] = {}
         for _ in range(tries):
@@ -756,7 +759,7 @@ def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -
 
 
 class _Stop(KeyboardInterrupt):
-    """SIGTERM, raised where the main thread is, so it ends ``radixkv serve --replicas`` as Ctrl-C does."""
+    """SIGTERM, raised where the main thread is: it ends ``radixkv serve --replicas`` as Ctrl-C does."""
 
 
 def _raise_stop(signum: int, frame: Any) -> None:
