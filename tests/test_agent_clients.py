@@ -158,6 +158,72 @@ def test_openai_streamed_tool_call_deltas_reassemble_to_the_same_call(client, ll
     assert_idle(llm)
 
 
+def _cut_at(tokens: list[str], pos: int, more: int) -> int:
+    """How many of ``tokens`` (the texts of a greedy output's tokens) reach past character ``pos``
+    of their joined text, plus ``more``."""
+    end = 0
+    for i, t in enumerate(tokens):
+        end += len(t)
+        if end > pos:
+            return i + 1 + more
+    raise AssertionError(f"the output ends before character {pos}")
+
+
+def test_a_forced_call_cut_by_max_tokens_is_still_a_call(client, llm):
+    """As OpenAI and vLLM report a forced call whatever the finish reason: cut by ``max_tokens``
+    it is ``tool_calls`` (the function's name, ``arguments`` the JSON text generated so far) with
+    finish reason ``length``, not ``<tool_call>`` markup in ``content``; streamed and not, and as
+    a Responses ``function_call`` item (status ``incomplete``)."""
+    kwargs = dict(
+        model=MODEL, messages=ask("What is the weather in Berlin?"), tools=TOOLS, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    full = client.chat.completions.create(max_tokens=64, logprobs=True, **kwargs).choices[0]
+    (want,) = full.message.tool_calls
+    tokens = [t.token for t in full.logprobs.content]
+    raw = "".join(tokens)  # the output: <tool_call>\n{"name": "get_weather", "arguments": {...}}\n</tool_call>
+    assert raw.startswith("<tool_call>") and want.function.arguments in raw
+    args_at = raw.index(want.function.arguments)
+    k = _cut_at(tokens, args_at, 2)  # two tokens into the arguments
+    expected = raw[args_at : len("".join(tokens[:k]))]
+    assert 0 < len(expected) < len(want.function.arguments)
+
+    cut = client.chat.completions.create(max_tokens=k, **kwargs).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content is None
+    (call,) = cut.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert (call.function.name, call.function.arguments) == ("get_weather", expected)
+    assert want.function.arguments.startswith(call.function.arguments)
+
+    chunks = [c.choices[0] for c in client.chat.completions.create(max_tokens=k, stream=True, **kwargs) if c.choices]
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
+    assert not any(c.delta.content for c in chunks)  # no markup as content
+    parts = [tc for c in chunks for tc in (c.delta.tool_calls or [])]
+    assert parts[0].function.name == "get_weather" and all(p.index == 0 for p in parts)
+    assert "".join(p.function.arguments or "" for p in parts) == expected
+
+    # cut inside the opening tag: the call is there, with no arguments yet; required with one
+    # tool: its name
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        early = client.chat.completions.create(max_tokens=2, **dict(kwargs, tools=[WEATHER], tool_choice=choice))
+        early = early.choices[0]
+        assert early.finish_reason == "length" and early.message.content is None
+        assert [(c.function.name, c.function.arguments) for c in early.message.tool_calls] == [("get_weather", "")]
+
+    # the Responses API: a function_call item, incomplete
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = client.responses.create(
+        model=MODEL, input=kwargs["messages"][1:], instructions=SYSTEM, tools=tools,
+        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=k, temperature=0,
+    )  # fmt: skip
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (item,) = r.output
+    assert item.type == "function_call" and item.status == "incomplete"
+    assert (item.name, item.arguments) == ("get_weather", expected)
+    client.responses.delete(r.id)
+    assert_idle(llm)
+
+
 def test_openai_auto_tool_calls_are_parsed_from_the_output(client, llm):
     """``auto``: the model's text is parsed; the tiny model rarely calls on its own, so a regex on
     the same request makes it write content and a call in the built-in format."""

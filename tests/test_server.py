@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from route_table import ROUTES, Target, uncovered  # noqa: E402
 from server_helpers import assert_pool_whole, wait_idle  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
@@ -629,6 +630,22 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
         gone = http.get("/v1/models/gpt-4o")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- every route
+
+
+def test_the_route_table_covers_every_route_of_the_app(server):
+    """tests/route_table.py has a row for every route ``create_app`` serves (the same table runs
+    on Ray Serve replicas in tests/test_ray_routing.py)."""
+    assert uncovered(server.server.config.app) == set()
+
+
+@pytest.mark.parametrize("check", [c for _, _, c in ROUTES], ids=[name for name, _, _ in ROUTES])
+def test_every_route_answers_on_the_single_engine(server, llm, check):
+    with httpx.Client(base_url=server.base_url, timeout=300) as http:
+        check(Target(http, llm.tokenizer, replicas=1, capacity=16384))
+    assert_pool_whole(llm)  # every slot owned once, nothing left pinned
 
 
 # ---------------------------------------------------------------------------------- CLI

@@ -16,15 +16,18 @@ The only module that imports ray (extra ``radixkv[ray]``). Parts:
   :data:`AFFINE_ATTEMPTS` attempts (a queue-length probe that times out on a loaded machine
   would otherwise send the request to the next rank), then ranks it first and the rest after it, reports where each request went and when it completed, and
   drops a replica that died (``on_replica_actor_died``, or gone from ``update_replicas``).
-* :class:`Ingress`: :func:`radixkv.server.app.create_app` over :class:`RemoteLLM`, an
-  AsyncLLM-shaped client of the engine deployment, so every route, error format and streaming
-  path is the single-engine server's. A request whose replica dies before its first output is
-  restarted on another replica; one that dies mid-stream goes on there as a continuation or a
-  replay (:mod:`radixkv.router.resume`), or ends with an error where that cannot be exact;
-  nothing waits on a dead replica.
+* :class:`Ingress`: :func:`radixkv.server.app.create_app` over :class:`RemoteLLM`, the
+  :class:`~radixkv.server.backend.EngineBackend` of the engine deployment, so every route, error
+  format and streaming path is the single-engine server's (model facts from a replica,
+  ``cache_stats`` summed over the replicas, ``/cache_stats?check=1`` checked on every replica
+  through calls the router sends to the replica they name, no pins for stored Responses). A
+  request whose replica dies before its first output is restarted on another replica; one that
+  dies mid-stream goes on there as a continuation or a replay (:mod:`radixkv.router.resume`), or
+  ends with an error where that cannot be exact; nothing waits on a dead replica.
 
 Entry points: :func:`build_app` (a Serve application), :func:`run` (a local Ray instance + the
-app, what ``radixkv serve --replicas N`` calls). docs/routing.md shows a Ray cluster deployment.
+app, what ``radixkv serve --replicas N`` calls; Ctrl-C and SIGTERM both shut it all down).
+docs/routing.md shows a Ray cluster deployment.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -196,6 +200,10 @@ class CacheIndex:
             self.policy.replied(key, output_token_ids)
 
     # -- inspection
+    def replica_ids(self) -> list[str]:
+        """The replicas registered and not removed."""
+        return list(self.replicas)
+
     def decisions(self) -> list[dict]:
         """The last routing decisions: ``request_id``, ``replica``, ``cached`` (expected cached
         tokens) and ``reason``."""
@@ -265,9 +273,21 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
         a = pending_request.args[0]
         return a if isinstance(a, dict) and "token_ids" in a else None
 
+    @staticmethod
+    def _pinned(pending_request: Optional[PendingRequest]) -> Optional[str]:
+        """The replica a call names (``{"replica": id}``: :meth:`RemoteLLM._on_every_replica`)."""
+        if pending_request is None or not pending_request.args:
+            return None
+        a = pending_request.args[0]
+        return a.get("replica") if isinstance(a, dict) and "token_ids" not in a else None
+
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: Optional[PendingRequest] = None
     ) -> list[list[RunningReplica]]:
+        pinned = self._pinned(pending_request)
+        if pinned is not None:  # that replica (gone: any, and the caller sees who answered)
+            named = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
+            return [named or candidate_replicas]
         args = self._route_args(pending_request)
         if args is None or not candidate_replicas:
             return [candidate_replicas]
@@ -350,9 +370,11 @@ class EngineReplica:
 
         from radixkv.async_llm import AsyncLLM
         from radixkv.engine.publish import CACHE_EVENTS, CacheEventPublisher
+        from radixkv.server.backend import LocalBackend
 
         torch.set_num_threads(int(os.environ.get("RADIXKV_TORCH_THREADS", "1")))
         self.llm = AsyncLLM(engine=_load(engine_kwargs, random_model))
+        self.backend = LocalBackend(self.llm)
         self.publisher = CacheEventPublisher()
         self.llm.subscribe(self.publisher.on_event, CACHE_EVENTS)
         ctx = serve.get_replica_context()
@@ -390,11 +412,14 @@ class EngineReplica:
         loop.close()
 
     def info(self) -> dict:
+        """``replica_id``, ``max_context_len``, ``epoch``, ``actor_name`` and ``facts`` (the
+        model's :class:`~radixkv.server.backend.ModelFacts` as a dict)."""
         return dict(
             replica_id=self.replica_id,
             max_context_len=self.llm.max_context_len,
             epoch=self.publisher.epoch,
             actor_name=ray.get_runtime_context().get_actor_name(),
+            facts=self.backend.model_facts().as_dict(),
         )
 
     async def generate(self, args: dict) -> AsyncIterator[Any]:
@@ -416,6 +441,13 @@ class EngineReplica:
     async def cache_stats(self) -> dict:
         return self.llm.cache_stats().as_dict()
 
+    async def check_integrity(self, args: dict) -> dict:
+        """The engine's integrity check (every slot owned once; an ``AssertionError`` when not),
+        then its stats: ``{"replica": this replica's id, "stats": EngineStats.as_dict()}``
+        (``args``: ``{"replica": the id the caller meant}``, which the router routes by)."""
+        stats = await self.backend.cache_stats(check=True)
+        return dict(replica=self.replica_id, stats=stats.as_dict())
+
     def check_health(self) -> None:
         if not self.llm.is_running:
             raise RuntimeError(f"engine stopped: {self.llm.dead_error!r}")
@@ -428,29 +460,32 @@ class EngineReplica:
 
 
 # ---------------------------------------------------------------------------- the ingress
-class _NoPins:
-    """The engine an ingress-side ``on_finish`` hook sees: pinning is not offered (None)."""
-
-    def pin_prefix(self, tokens: Sequence[int], namespace: Any = None) -> None:
-        return None
-
-
-_NO_PINS = _NoPins()
-
-
 class RemoteLLM:
-    """The part of :class:`~radixkv.async_llm.AsyncLLM` that :func:`radixkv.server.app.create_app`
-    uses, over the engine deployment's handle (module docstring)."""
+    """The :class:`~radixkv.server.backend.EngineBackend` of the engine deployment, over its
+    handle (module docstring): what :func:`radixkv.server.app.create_app` serves on replicas.
 
-    def __init__(self, handle: Any, tokenizer: Any, max_context_len: int, index: Any) -> None:
+    Args:
+        handle: the engine deployment's handle.
+        tokenizer: the model's tokenizer (loaded by the ingress).
+        facts: a replica's :class:`~radixkv.server.backend.ModelFacts` (every replica serves
+            the same model and config).
+        index: the :class:`CacheIndex` actor.
+    """
+
+    def __init__(self, handle: Any, tokenizer: Any, facts: Any, index: Any) -> None:
         self.handle = handle
         self.tokenizer = tokenizer
-        self.max_context_len = int(max_context_len)
+        self.facts = facts
+        self.max_context_len = int(facts.max_context_len)
         self.index = index
         self.is_running = True
         self.dead_error = None
         self._subs: list[tuple[Callable, Optional[tuple]]] = []
         self._open = 0
+
+    def model_facts(self) -> Any:
+        """The replicas' :class:`~radixkv.server.backend.ModelFacts` (read from one at start)."""
+        return self.facts
 
     async def generate(
         self,
@@ -462,14 +497,15 @@ class RemoteLLM:
         namespace: Any = None,
         on_finish: Optional[Callable[[Any, Any], None]] = None,
     ) -> AsyncIterator[Any]:
-        """As :meth:`radixkv.async_llm.AsyncLLM.generate`. ``on_finish(engine, final output)``
-        runs here, on the ingress, before the final output is delivered, with an engine view
-        that holds no pins (:class:`_NoPins`: the replicas' KV cannot be pinned from the
-        ingress; a stored Response is kept as text and its follow-up is rendered again, routed
-        to the replica that caches it)."""
+        """As :meth:`radixkv.async_llm.AsyncLLM.generate`. ``on_finish(pins, final output)``
+        runs here, on the ingress, before the final output is delivered, with
+        :data:`~radixkv.server.backend.NO_PINS` (the replicas' KV cannot be pinned from the
+        ingress; a stored Response keeps its context tokens and its follow-up is routed to the
+        replica that caches them)."""
         import uuid
 
         from radixkv.sampling_params import SamplingParams
+        from radixkv.server.backend import NO_PINS
 
         if prompt_token_ids is not None:
             ids, text = list(prompt_token_ids), prompt if isinstance(prompt, str) else None
@@ -490,7 +526,7 @@ class RemoteLLM:
             async for out in self._resuming(args):
                 last = out
                 if out.finished and on_finish is not None:
-                    on_finish(_NO_PINS, out)
+                    on_finish(NO_PINS, out)
                 yield out
         finally:
             self._open -= 1
@@ -585,22 +621,55 @@ class RemoteLLM:
         self._subs.append(entry)
         return lambda: entry in self._subs and self._subs.remove(entry)
 
-    async def cache_stats(self) -> Any:
-        """The replicas' last reported ``cache_stats`` summed (ratios recomputed). A coroutine,
-        unlike ``AsyncLLM.cache_stats`` (a local snapshot): it asks the replicas' index actor."""
-        from radixkv.engine.stats import EngineStats
+    async def cache_stats(self, check: bool = False) -> Any:
+        """The replicas' ``cache_stats`` summed (ratios recomputed): as each last reported it to
+        the index actor (once a second), or with ``check`` as each returned it right after its
+        integrity check (run on every replica; an ``AssertionError`` when one fails)."""
+        from radixkv.server.backend import sum_stats
 
-        st = await self.index.state.remote()
-        per = list(st["replica_stats"].values())
-        fields = EngineStats.__dataclass_fields__
-        agg: dict = {}
-        for k in fields:
-            if k in ("page_size", "prefix_cache"):
-                agg[k] = per[0][k] if per else (1 if k == "page_size" else "radix")
-            elif k != "hit_rate":
-                agg[k] = sum(int(p.get(k, 0)) for p in per)
-        agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0
-        return EngineStats(**agg)
+        if check:
+            per = [r["stats"] for r in await self._on_every_replica("check_integrity")]
+        else:
+            per = list((await self.index.state.remote())["replica_stats"].values())
+        return sum_stats(per)
+
+    async def _on_every_replica(self, method: str, tries: int = 3) -> list[dict]:
+        """Call the replica deployment's ``method`` once on each registered replica (the
+        request names it: :meth:`CacheAwareRequestRouter.choose_replicas`); each answers
+        ``{"replica": its id, ...}``. A replica another one answered for is asked again, up to
+        ``tries`` rounds.
+
+        Raises:
+            EngineDeadError: a registered replica never answered (it died, or is not routable).
+            Exception: the replica's own error (e.g. the ``AssertionError`` of a failed check).
+        """
+        from ray.exceptions import RayTaskError
+
+        from radixkv.async_llm import EngineDeadError
+
+        # NOTE: who answered is checked because Serve's FIFO matching (FIFOMixin) may hand the
+        # replica chosen for one request to an older pending one.
+        want = set(await self.index.replica_ids.remote())
+        got: dict[str, dict] = {}
+        for _ in range(tries):
+            for r in sorted(want - set(got)):
+                try:
+                    res = await getattr(self.handle, method).remote({"replica": r})
+                except RayTaskError as exc:
+                    cause = getattr(exc, "cause", None)
+                    raise (cause if isinstance(cause, BaseException) else exc) from None
+                got.setdefault(res["replica"], res)
+            if want <= set(got):
+                break
+            want &= set(await self.index.replica_ids.remote())  # the dead are removed
+        missing = sorted(want - set(got))
+        if missing:
+            raise EngineDeadError(f"{method}: replicas {missing} did not answer")
+        return [got[r] for r in sorted(got)]
+
+    async def release_pin(self, pin: Any) -> None:
+        """No pins across replicas (:data:`~radixkv.server.backend.NO_PINS`): a no-op."""
+        return None
 
     #: why ``/flush_cache`` and ``/reset_prefix_cache`` refuse here (the serving layer answers 409)
     flush_refused = (
@@ -627,12 +696,13 @@ class Ingress:
         from transformers import AutoTokenizer
 
         from radixkv.models.loader import resolve_hf_dir
+        from radixkv.server.backend import ModelFacts
 
         self.engine = engine_handle
         self.served_model_name = served_model_name
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
-        self.llm = RemoteLLM(engine_handle, tok, info["max_context_len"], get_index())
+        self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index())
 
     def __serve_build_asgi_app__(self):
         from radixkv.server.app import create_app
@@ -706,34 +776,54 @@ def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -
         )
 
 
-def run(args: Any, engine_kwargs: dict, served_model_name: str) -> int:
-    """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
-    interrupted."""
+class _Stop(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is: it ends ``radixkv serve --replicas`` as Ctrl-C does."""
+
+
+def _raise_stop(signum: int, frame: Any) -> None:
+    raise _Stop(f"signal {signum}")
+
+
+def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str) -> None:
+    """Start Ray, deploy the app and block (until a signal interrupts it)."""
     start_ray(address=getattr(args, "ray_address", None))
+    # after ray.init, which installs its own SIGTERM handler (a bare sys.exit that leaves the
+    # deployment and Ray's agents running)
+    signal.signal(signal.SIGTERM, _raise_stop)
     serve.start(http_options={"host": args.host, "port": args.port})
-    served = served_model_name
     ekw = dict(engine_kwargs)
     ekw["device"] = "cpu" if ekw.get("device") == "auto" else ekw["device"]
     app = build_app(
         replicas=args.replicas,
         engine_kwargs=ekw,
-        served_model_name=served,
+        served_model_name=served_model_name,
         model=args.model,
         policy=args.router_policy,
         replica_cpus=args.replica_cpus,
     )
     serve.run(app, name="radixkv", route_prefix="/", blocking=False)
     print(
-        f"radixkv: serving {served!r} on {args.replicas} replicas ({args.router_policy} routing) at "
+        f"radixkv: serving {served_model_name!r} on {args.replicas} replicas ({args.router_policy} routing) at "
         f"http://{args.host}:{args.port}/v1",
         flush=True,
     )
+    while True:
+        time.sleep(3600)
+
+
+def run(args: Any, engine_kwargs: dict, served_model_name: str) -> int:
+    """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
+    Ctrl-C (SIGINT) or SIGTERM (what ``kill``, systemd and docker send); either one shuts the whole
+    deployment down: Serve's actors, then the local Ray instance with every process it started
+    (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down)."""
+    signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
+        _serve_forever(args, engine_kwargs, served_model_name)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_Stop)
         pass
     finally:
-        serve.shutdown()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the shutdown short
+        if ray.is_initialized():
+            serve.shutdown()
         ray.shutdown()
     return 0

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible FastAPI app over an :class:`~radixkv.async_llm.AsyncLLM`.
+"""The OpenAI-compatible FastAPI app over an :class:`~radixkv.server.backend.EngineBackend` (one
+local :class:`~radixkv.async_llm.AsyncLLM`, or engine replicas on Ray Serve: every route below
+answers the same on both, except the flushes, 409 ``flush_not_offered`` across replicas).
 
 Routes:
 
@@ -10,9 +12,9 @@ Routes:
 | GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin) |
 | GET | ``/v1/models`` | the served model |
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
-| GET | ``/health`` | 200 while the engine thread runs, 503 otherwise |
+| GET | ``/health`` | 200 while the engine runs, 503 otherwise |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
-| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...); ``?check=1`` first runs ``Engine.check_integrity()`` (every slot owned once; 500 when not) |
+| GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...; summed over replicas); ``?check=1`` first runs ``Engine.check_integrity()`` (every slot owned once; 500 when not) on the engine, on every replica |
 | GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's) |
 
 SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/get_model_info``,
@@ -22,8 +24,9 @@ SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/g
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, schema and value errors, unknown model, too-long prompt), 404/405 for unknown routes,
 503 when the engine has stopped, 500 ``request_failed`` when one request's sampling raised in the
-engine (only it stopped: :class:`~radixkv.errors.RequestFailed`), 500 otherwise. The handlers only await the AsyncLLM, so they
-never block the engine thread, and concurrent requests batch together in the engine.
+engine (only it stopped: :class:`~radixkv.errors.RequestFailed`), 500 otherwise. The handlers
+only await the backend (no route touches an engine's internals), so they never block the engine
+thread, and concurrent requests batch together in the engine.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from radixkv.async_llm import AsyncLLM, EngineDeadError
 from radixkv.engine.events import RequestAdmitted, RequestFinished
 from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
+from radixkv.server.backend import EngineBackend, as_backend
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
@@ -102,7 +106,7 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def create_app(
-    llm: AsyncLLM,
+    llm: AsyncLLM | EngineBackend,
     served_model_name: str = DEFAULT_SERVED_MODEL_NAME,
     model_aliases: tuple[str, ...] = (),
     shutdown_engine: bool = False,
@@ -111,20 +115,28 @@ def create_app(
     """Build the app.
 
     Args:
-        llm: the running AsyncLLM the app submits requests to.
+        llm: the engine the app submits requests to: a running AsyncLLM (served through
+            :class:`~radixkv.server.backend.LocalBackend`) or any
+            :class:`~radixkv.server.backend.EngineBackend` (Ray Serve's
+            :class:`~radixkv.router.ray.RemoteLLM`).
         served_model_name: the ``model`` name clients use and ``/v1/models`` lists.
         model_aliases: more names accepted as ``model`` (e.g. the ``--model`` path).
-        shutdown_engine: shut ``llm`` down when the app's lifespan ends (``radixkv serve``).
+        shutdown_engine: shut the engine down when the app's lifespan ends (``radixkv serve``).
         log_requests: append every completions / chat body to this JSONL file (the trace
             ``radixkv explain`` reads; :mod:`radixkv.server.request_log`).
 
     Returns:
-        A FastAPI app; ``app.state.llm``, ``app.state.metrics`` and ``app.state.client`` (the
-        :class:`~radixkv.server.engine_client.EngineClient`) hold its parts.
-    """
+        A FastAPI app; ``app.state.llm`` (``llm`` as given), ``app.state.backend``,
+        ``app.state.metrics``, ``app.state.client`` (the
+        :class:`~radixkv.server.engine_client.EngineClient`), ``app.state.models`` and
+        ``app.state.responses`` hold its parts.
 
+    Raises:
+        TypeError: ``llm`` is neither an AsyncLLM nor an EngineBackend.
+    """
+    backend = as_backend(llm)
     metrics = ServerMetrics()
-    unsubscribe = llm.subscribe(metrics.on_event, (RequestFinished, RequestAdmitted))
+    unsubscribe = backend.subscribe(metrics.on_event, (RequestFinished, RequestAdmitted))
     request_log = TraceWriter(log_requests) if log_requests else None
 
     @asynccontextmanager
@@ -134,18 +146,26 @@ def create_app(
         if request_log is not None:
             request_log.close()
         if shutdown_engine:
-            llm.shutdown()
+            backend.shutdown()
 
     app = FastAPI(title="radixkv", summary="OpenAI-compatible radixkv server", lifespan=lifespan)
     app.openapi = lambda: _openapi(app)
     if request_log is not None:
         app.add_middleware(RequestLogMiddleware, writer=request_log)
-    client = EngineClient(llm, metrics)
+    client = EngineClient(backend, metrics)
     models = ModelNames(served_model_name, model_aliases)
-    completions_handler, chat_handler = Completions(client, models), Chat(client, models)
-    responses_handler = Responses(client, models)
-    app.state.llm, app.state.metrics, app.state.client, app.state.models = llm, metrics, client, models
-    app.state.responses = responses_handler
+    app.state.llm, app.state.backend, app.state.metrics, app.state.client = llm, backend, metrics, client
+    app.state.models, app.state.responses = models, Responses(client, models)
+    _add_error_handlers(app, metrics)
+    _add_openai_routes(app, client, models, app.state.responses)
+    _add_engine_routes(app, client, metrics)
+    app.include_router(sglang_router)
+    app.include_router(vllm_router)
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error in OpenAI's format (module docstring), counted in ``radixkv_request_errors_total``."""
 
     def error(exc: APIError) -> JSONResponse:
         metrics.request_errors.labels(status=str(exc.status_code)).inc()
@@ -176,68 +196,87 @@ def create_app(
         logger.exception("internal error")
         return error(APIError(f"internal error: {exc!r}", status_code=500, type="server_error", code="internal_error"))
 
-    async def parse(request: Request, model: type) -> Any:
-        try:
-            body = await request.body()
-        except ClientDisconnect as exc:  # the client left before its body arrived: nothing to answer
-            raise ClientDisconnected("the client disconnected before sending its body") from exc
-        try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
-        if not isinstance(data, dict):
-            raise APIError("the request body must be a JSON object", None)
-        try:  # strict: JSON types are not coerced ("3" or 3.0 is no integer, "yes" no boolean)
-            return model.model_validate_json(body)
-        except ValidationError as exc:
-            raise validation_error(exc) from exc
 
-    def respond(result: Any) -> Response:
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+async def _parse(request: Request, model: type) -> Any:
+    """The request body validated strictly by the pydantic ``model`` (JSON types are not
+    coerced: "3" or 3.0 is no integer, "yes" no boolean).
+
+    Raises:
+        ClientDisconnected: the client left before its body arrived.
+        APIError: 400 ``invalid_json``, not an object, or a field pydantic refused.
+    """
+    try:
+        body = await request.body()
+    except ClientDisconnect as exc:  # the client left before its body arrived: nothing to answer
+        raise ClientDisconnected("the client disconnected before sending its body") from exc
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object", None)
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from exc
+
+
+def _respond(result: Any) -> Response:
+    """A handler's result: a dict as JSON, an iterator of SSE events as an event stream."""
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, responses: Responses) -> None:
+    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses[/{id}]``, ``/v1/models[/{id}]``."""
+    completions_handler, chat_handler = Completions(client, models), Chat(client, models)
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
-        return respond(await completions_handler(await parse(request, CompletionRequest), request))
+        return _respond(await completions_handler(await _parse(request, CompletionRequest), request))
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
-        return respond(await chat_handler(await parse(request, ChatCompletionRequest), request))
+        return _respond(await chat_handler(await _parse(request, ChatCompletionRequest), request))
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return respond(await responses_handler.create(await parse(request, ResponsesRequest), request))
+        return _respond(await responses.create(await _parse(request, ResponsesRequest), request))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict:
-        return responses_handler.retrieve(response_id)
+        return responses.retrieve(response_id)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
-        return await responses_handler.delete(response_id)
+        return await responses.delete(response_id)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        card = ModelCard(id=served_model_name, max_model_len=llm.max_context_len)
+        card = ModelCard(id=models.served, max_model_len=client.max_context_len)
         return ModelList(data=[card]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
         models.check(model_id, param="model", status_code=404)
-        return ModelCard(id=served_model_name, max_model_len=llm.max_context_len).model_dump()
+        return ModelCard(id=models.served, max_model_len=client.max_context_len).model_dump()
+
+
+def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetrics) -> None:
+    """``/health``, ``/cache_stats``, ``/metrics``, ``/flush_cache``."""
+    backend = client.backend
 
     @app.get("/health")
     async def health() -> Response:
-        if llm.is_running:
+        if backend.is_running:
             return Response(status_code=200)
-        raise EngineDeadError(f"the engine thread has stopped: {llm.dead_error!r}")
+        raise EngineDeadError(f"the engine thread has stopped: {backend.dead_error!r}")
 
     @app.get("/cache_stats")
     async def cache_stats(request: Request) -> dict:
-        if request.query_params.get("check") in ("1", "true"):  # every slot owned once (an AssertionError: 500)
-            await llm.call_in_engine_thread(lambda e: e.check_integrity())
-        return (await client.cache_stats()).as_dict()
+        check = request.query_params.get("check") in ("1", "true")  # every slot owned once (else a 500)
+        return (await client.cache_stats(check)).as_dict()
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -254,7 +293,3 @@ def create_app(
         if not timeout >= 0:
             raise APIError(f"timeout must be a number of seconds >= 0, got {raw!r}", "timeout")
         return await client.flush_or_409(timeout)
-
-    app.include_router(sglang_router)
-    app.include_router(vllm_router)
-    return app

@@ -3,7 +3,8 @@
 A handler (OpenAI completions and chat, SGLang's ``/generate``, the vLLM extras) turns its
 request body into prompts (``(text, token ids)`` pairs) and ``SamplingParams`` (one for all
 prompts, or one per prompt); :meth:`EngineClient.start` submits one engine request per prompt
-through :class:`~radixkv.async_llm.AsyncLLM` (``n`` choices of one prompt share one engine
+through the app's :class:`~radixkv.server.backend.EngineBackend` (one local AsyncLLM, or replicas
+on Ray Serve; ``n`` choices of one prompt share one engine
 request, so its prompt is prefilled and counted once), waits for every first output (so an engine
 refusal becomes an HTTP 400 before any header is sent), and hands back a :class:`Run`: the first
 outputs, the stream of later ones, and usage. Errors reach the client typed: a
@@ -15,18 +16,18 @@ is the one prefix-cache flush behind ``/flush_cache`` (SGLang) and ``/reset_pref
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
 
-from radixkv.async_llm import AsyncLLM
+from radixkv.engine.stats import EngineStats
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.namespace import Namespace
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
+from radixkv.server.backend import EngineBackend, FinishHook, ModelFacts
 from radixkv.server.metrics import ServerMetrics
 from radixkv.server.openai.protocol import APIError, PromptTokensDetails, Usage, new_id
 from radixkv.server.sse import close_all, merge
@@ -81,48 +82,29 @@ class EngineClient:
     """Submits prompts to the engine for the protocol handlers.
 
     Args:
-        llm: the running AsyncLLM.
+        backend: the engine behind the routes (:class:`~radixkv.server.backend.EngineBackend`:
+            one local AsyncLLM, or replicas on Ray Serve).
         metrics: the app's metrics (time to first output and end-to-end latency are observed
             here; token and finish counts come from the engine's events).
     """
 
-    def __init__(self, llm: AsyncLLM, metrics: ServerMetrics) -> None:
-        self.llm = llm
+    def __init__(self, backend: EngineBackend, metrics: ServerMetrics) -> None:
+        self.backend = backend
         self.metrics = metrics
 
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer."""
-        return self.llm.tokenizer
+        return self.backend.tokenizer
 
     @property
     def max_context_len(self) -> int:
         """Longest sequence (prompt + output) the engine accepts."""
-        return self.llm.max_context_len
+        return self.backend.max_context_len
 
-    def model_facts(self) -> dict[str, Any]:
-        """Static facts of the served model and engine (fixed once the engine is built, so safe to
-        read from any thread): ``model_path`` (the ``--model`` given), ``tokenizer_path`` (the
-        local Hugging Face directory the tokenizer was read from), ``model_type``,
-        ``architectures``, ``vocab_size``, ``max_context_len`` and the resolved
-        :class:`~radixkv.config.EngineConfig` as ``config`` (a dict; dtype as a string)."""
-        engine = self.llm.engine
-        cfg = getattr(engine, "config", None)
-        hf = getattr(getattr(engine, "runner", None), "hf_config", None)
-        config = {}
-        if cfg is not None:
-            config = {
-                k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in vars(cfg).items()
-            }
-        return {
-            "model_path": config.get("model"),
-            "tokenizer_path": getattr(self.tokenizer, "name_or_path", None),
-            "model_type": getattr(hf, "model_type", None),
-            "architectures": getattr(hf, "architectures", None),
-            "vocab_size": int(getattr(engine, "vocab_size", 0)) or None,
-            "max_context_len": self.max_context_len,
-            "config": config,
-        }
+    def model_facts(self) -> ModelFacts:
+        """Static facts of the served model and engine (:class:`~radixkv.server.backend.ModelFacts`)."""
+        return self.backend.model_facts()
 
     async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str, renames: dict | None) -> list:
         try:
@@ -144,7 +126,7 @@ class EngineClient:
         *,
         request_ids: Sequence[str] | None = None,
         namespace: Namespace | None = None,
-        on_finish: Sequence[Callable[[Any, RequestOutput], None] | None] | None = None,
+        on_finish: Sequence[FinishHook | None] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
         API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
@@ -159,8 +141,9 @@ class EngineClient:
                 when None. An id that is already running is refused (400).
             namespace: the prefix-cache namespace of every prompt (e.g. SGLang's ``cache_salt`` /
                 ``extra_key``; None: the shared default).
-            on_finish: per prompt, a hook run on the engine thread when its request finishes
-                (:meth:`AsyncLLM.generate <radixkv.async_llm.AsyncLLM.generate>`'s ``on_finish``).
+            on_finish: per prompt, a hook run where the engine lives when its request finishes,
+                given the backend's :class:`~radixkv.server.backend.Pins`
+                (:meth:`EngineBackend.generate <radixkv.server.backend.EngineBackend.generate>`).
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
@@ -173,7 +156,7 @@ class EngineClient:
         start = time.perf_counter()
         hooks = list(on_finish) if on_finish is not None else [None] * len(prompts)
         gens = [
-            self.llm.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
+            self.backend.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
             for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
         self.metrics.requests.labels(endpoint=endpoint).inc()
@@ -228,12 +211,11 @@ class EngineClient:
             raise ClientDisconnected("the client disconnected; its requests were aborted")
         return latest
 
-    async def cache_stats(self) -> Any:
-        """The engine's :class:`~radixkv.engine.stats.EngineStats` snapshot (a plain method on
-        :class:`~radixkv.async_llm.AsyncLLM`; a coroutine on the Ray front end, which asks its
-        replicas)."""
-        stats = self.llm.cache_stats()
-        return await stats if inspect.isawaitable(stats) else stats
+    async def cache_stats(self, check: bool = False) -> EngineStats:
+        """The engine's :class:`~radixkv.engine.stats.EngineStats` (summed over replicas);
+        ``check``: after the integrity check (:meth:`EngineBackend.cache_stats
+        <radixkv.server.backend.EngineBackend.cache_stats>`)."""
+        return await self.backend.cache_stats(check)
 
     async def flush(self, timeout: float = 0.0) -> bool:
         """Flush the prefix cache (``Engine.reset_prefix_cache``). While requests are unfinished
@@ -245,7 +227,7 @@ class EngineClient:
         """
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            if await self.llm.reset_prefix_cache():
+            if await self.backend.reset_prefix_cache():
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
@@ -263,12 +245,12 @@ class EngineClient:
                 409 ``flush_not_offered`` when the engine says why it never flushes (its
                 ``flush_refused``, as across Ray Serve replicas).
         """
-        refused = getattr(self.llm, "flush_refused", None)
+        refused = self.backend.flush_refused
         if refused:
             raise APIError(refused, None, status_code=409, code="flush_not_offered")
         if await self.flush(timeout):
             return {"flushed": True, "message": "the prefix cache was flushed"}
-        running = self.llm.num_unfinished_requests()
+        running = self.backend.num_unfinished_requests()
         raise APIError(
             f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
             None,

@@ -2,7 +2,7 @@
 
 | method | path | answer |
 |---|---|---|
-| POST | ``/reset_prefix_cache`` | ``/flush_cache``'s semantics: 200 ``{"flushed": true, ...}``; 409 ``requests_running`` while requests are unfinished (as vLLM answers when active requests prevent the reset) |
+| POST | ``/reset_prefix_cache`` | ``/flush_cache``'s semantics: 200 ``{"flushed": true, ...}``; 409 ``requests_running`` while requests are unfinished (as vLLM answers when active requests prevent the reset); 409 ``flush_not_offered`` across replicas |
 | GET | ``/version`` | ``{"version": radixkv's version}`` |
 | POST | ``/tokenize`` | ``{"count", "max_model_len", "tokens", "token_strs"}`` for a ``prompt`` or chat ``messages`` |
 | POST | ``/detokenize`` | ``{"prompt": text}`` for ``tokens`` |
@@ -156,7 +156,7 @@ async def detokenize(request: Request) -> dict:
     req = await parse_body(request, DetokenizeRequest)
     _check_model(request, req.model)
     client = _client(request)
-    vocab = client.model_facts()["vocab_size"] or len(client.tokenizer)
+    vocab = client.model_facts().vocab_size or len(client.tokenizer)
     bad = [t for t in req.tokens if not 0 <= t < vocab]
     if bad:
         raise APIError(f"tokens must be token ids in [0, {vocab}), got {bad[:5]}", "tokens")

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: a conversation (with its tools), rendered with the model's chat
 template, to ``n`` assistant messages: text, tool calls (parsed from the built-in
-``<tool_call>`` format; forced by a grammar for ``tool_choice`` ``required`` or named),
-structured output, logprobs."""
+``<tool_call>`` format; forced by a grammar for ``tool_choice`` ``required`` or named; a forced
+call cut by ``max_tokens`` is still a call, finish reason ``length``, with the argument text
+generated so far), structured output, logprobs."""
 
 from __future__ import annotations
 
@@ -55,10 +56,10 @@ class Chat:
         self.models = models
         self.token_text = TokenText(client.tokenizer)
 
-    def _message(self, text: str, plan: ToolPlan) -> tuple[ChatMessageOut, int]:
+    def _message(self, text: str, plan: ToolPlan, reason: Optional[str]) -> tuple[ChatMessageOut, int]:
         if not plan.parse:
             return ChatMessageOut(content=text), 0
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, plan.cut(reason))
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
         return ChatMessageOut(content=content, tool_calls=out or None), len(calls)
 
@@ -82,7 +83,7 @@ class Chat:
             (out,) = await self.client.collect(raw, run)
             choices = []
             for c in out.outputs:
-                message, num_calls = self._message(c.text, plan)
+                message, num_calls = self._message(c.text, plan, c.finish_reason)
                 lps = None
                 if top is not None and c.logprobs is not None:
                     lps = chat_logprobs(c.token_ids, c.logprobs, top, self.token_text)
@@ -117,7 +118,7 @@ class Chat:
                         tokens_sent[c.index] = len(c.token_ids)
                     if plan.parse:
                         safe = c.text if done else c.text[: max(0, len(c.text) - deltas.hold)]
-                        sent = _tool_deltas(parsers[c.index].update(safe, done))
+                        sent = _tool_deltas(parsers[c.index].update(safe, done, plan.cut(c.finish_reason)))
                     else:
                         text = deltas.take(c.index, c.text, done)
                         sent = [DeltaMessage(content=text)] if text else []

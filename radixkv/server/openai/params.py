@@ -64,18 +64,28 @@ class ToolPlan:
             allowed_tools ``required`` force them (:func:`forced_calls`); ``auto`` leaves the text
             free but makes every ``<tool_call>`` block a valid call (:func:`auto_calls`).
         choice: ``none`` / ``auto`` / ``required`` / ``named``.
+        names: the functions a forced call may name (``required``: all of them or the
+            allowed_tools subset; named: that one); empty otherwise.
     """
 
     tools: list[dict] = field(default_factory=list)
     parse: bool = False
     structural_tag: Optional[dict] = None
     choice: str = "none"
+    names: list[str] = field(default_factory=list)
 
     @property
     def forced(self) -> bool:
         """The output must be calls (a second constraint on the request is then an error; with
         ``auto`` another constraint takes the place of :func:`auto_calls`)."""
         return self.choice in ("required", "named")
+
+    def cut(self, finish_reason: Optional[str]) -> Optional[list[str]]:
+        """The ``cut`` argument of :func:`~radixkv.server.parsers.tool_calls.parse_tool_calls`
+        for an output that finished with ``finish_reason``: a forced call cut by ``max_tokens``
+        (``length``) is reported as a call (its name, the argument text so far), as OpenAI and
+        vLLM report it; None otherwise."""
+        return self.names if self.forced and finish_reason == "length" else None
 
 
 def forced_calls(functions: list[dict], parallel: bool) -> dict:
@@ -148,7 +158,7 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         if choice is None or choice == "auto":
             return ToolPlan(tools, True, auto_calls(functions, parallel), "auto")
         if choice == "required":
-            return ToolPlan(tools, True, forced_calls(functions, parallel), "required")
+            return ToolPlan(tools, True, forced_calls(functions, parallel), "required", names)
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
             allowed = choice.get("allowed_tools")
             if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
@@ -158,10 +168,10 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
                 raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
             if allowed["mode"] == "auto":
                 return ToolPlan(tools, True, auto_calls([by_name[n] for n in subset], parallel), "auto")
-            return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required")
+            return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required", subset)
         if isinstance(choice, dict):
             name = _named(choice, names)
-            return ToolPlan(tools, True, forced_calls([by_name[name]], False), "named")
+            return ToolPlan(tools, True, forced_calls([by_name[name]], False), "named", [name])
     except RequestError as exc:
         raise request_error_to_api(exc) from exc
     raise APIError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {choice!r}", "tool_choice")

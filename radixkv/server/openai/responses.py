@@ -10,7 +10,9 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   ``response.output_text.delta`` ... ``.done``, ``response.content_part.done``, for a call
   ``response.function_call_arguments.delta`` ... ``.done``, then ``response.output_item.done``,
   and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it) carrying
-  the same Response a non-streamed request returns.
+  the same Response a non-streamed request returns. A forced call (``tool_choice`` required or
+  named) cut by ``max_output_tokens`` is still a ``function_call`` item, status ``incomplete``,
+  with the argument text generated so far.
 * ``store`` (default true, as OpenAI's) keeps the Response in the :class:`ResponseStore`:
   ``GET /v1/responses/{id}`` returns it, ``DELETE`` removes it (and its pin).
 * ``previous_response_id``: the stored conversation (its input and output; not its
@@ -24,7 +26,10 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   the whole stored context. Otherwise the conversation is rendered afresh (the prefix cache
   still serves what matches). A stored response remembers its prefix-cache namespace
   (``Responses.create``'s ``namespace``; today always None, the shared default): its pin is
-  taken in it, and only a request in the same namespace may continue it.
+  taken in it, and only a request in the same namespace may continue it. Across replicas
+  (``radixkv serve --replicas``) no pin is taken (the backend's
+  :data:`~radixkv.server.backend.NO_PINS`): the follow-up, the same tokens, is routed to the
+  replica that caches them.
 
 Bounds: at most ``max_pinned`` stored responses hold a pin (LRU: the least recently used
 loses its pin, its text stays retrievable); the KV manager's own bounds (``max_pinned_tokens``,
@@ -48,6 +53,7 @@ from radixkv.branching import continue_chat, reply_stop_text
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
 from radixkv.namespace import Namespace
+from radixkv.server.backend import Pins
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params, tool_plan
 from radixkv.server.openai.protocol import APIError, server_error_event
@@ -91,7 +97,10 @@ class StoredResponse:
 class ResponseStore:
     """Stored Responses by id, LRU ordered (a lookup or a follow-up refreshes one).
 
-    Pins are taken and released on the engine thread (finish hooks and posted calls); the
+    Pins are taken, touched and released through the backend's
+    :class:`~radixkv.server.backend.Pins` in finish hooks (where the engine lives); a deleted
+    response's pin is taken out here and released through
+    :meth:`EngineBackend.release_pin <radixkv.server.backend.EngineBackend.release_pin>`. The
     store's lock orders them against the event loop's reads.
 
     Args:
@@ -115,38 +124,174 @@ class ResponseStore:
                 self._items.move_to_end(rid)
             return item
 
-    def put(self, rid: str, item: StoredResponse, engine: Any) -> None:
-        """Store ``item`` (engine thread: it may release other responses' pins)."""
+    def put(self, rid: str, item: StoredResponse, pins: Pins) -> None:
+        """Store ``item`` (in a finish hook: it may release other responses' pins)."""
         with self._lock:
             self._items[rid] = item
             self._items.move_to_end(rid)
             while len(self._items) > self.max_stored:
                 _, old = self._items.popitem(last=False)
-                self._unpin(engine, old)
+                self._unpin(pins, old)
             pinned = [s for s in self._items.values() if s.pin is not None]
             for s in pinned[: max(0, len(pinned) - self.max_pinned)]:
-                self._unpin(engine, s)
+                self._unpin(pins, s)
 
     def pop(self, rid: str) -> Optional[StoredResponse]:
+        """Remove ``rid`` from the store; its pin, if any, is the caller's to release
+        (:meth:`take_pin`)."""
         with self._lock:
             return self._items.pop(rid, None)
 
-    def touch(self, item: StoredResponse, engine: Any) -> None:
-        """A follow-up uses ``item``'s pin now (engine thread)."""
-        if item.pin is not None:
-            engine.kv.touch_pin(item.pin)
+    def take_pin(self, item: StoredResponse) -> Any:
+        """``item``'s pin, which it holds no more (None: it had none)."""
+        with self._lock:
+            pin, item.pin = item.pin, None
+            return pin
+
+    def touch(self, item: StoredResponse, pins: Pins) -> None:
+        """A follow-up uses ``item``'s pin now (in its finish hook)."""
+        pin = item.pin
+        if pin is not None:
+            pins.touch_pin(pin)
 
     @staticmethod
-    def _unpin(engine: Any, item: StoredResponse) -> None:
+    def _unpin(pins: Pins, item: StoredResponse) -> None:
         pin, item.pin = item.pin, None
         if pin is not None:
-            engine.release_pin(pin)
+            pins.release_pin(pin)
 
     def pinned_tokens(self, rid: str) -> int:
         """Tokens the pin of ``rid`` holds now (0: unpinned, dropped or unknown)."""
         item = self._items.get(rid)
         pin = item.pin if item is not None else None
         return len(pin) if pin is not None and pin.live else 0
+
+
+class _EventWriter:
+    """The Responses event stream of one response, as SSE events (numbered in order): the output
+    items opened, streamed and closed one after the other.
+
+    Args:
+        msg_id: the id of the response's message item.
+    """
+
+    def __init__(self, msg_id: str) -> None:
+        self.msg_id = msg_id
+        self.seq = 0
+        self.index = -1  # output index of the item open (or last closed)
+        self.open_kind: Optional[str] = None  # "message" or "call"
+        self.text = ""  # the message text streamed
+        self.call_args = ""  # the open call's argument text streamed
+        self.call_item: dict = {}
+        self.called = False  # text after a call is not streamed (the Response holds one message, first)
+
+    def ev(self, kind: str, **fields: Any) -> str:
+        """One event ``kind`` with its ``sequence_number``."""
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def _part(self) -> dict:
+        return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+
+    def close_open(self, status: str = "completed") -> list[str]:
+        """The events that end the open item (none when no item is open)."""
+        out, at = [], dict(output_index=self.index)
+        if self.open_kind == "message":
+            part, ids = self._part(), dict(item_id=self.msg_id, output_index=self.index, content_index=0)
+            out.append(self.ev("response.output_text.done", **ids, text=self.text, logprobs=[]))
+            out.append(self.ev("response.content_part.done", **ids, part=part))
+            item = {"id": self.msg_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
+            out.append(self.ev("response.output_item.done", **at, item=item))
+        elif self.open_kind == "call":
+            c = self.call_item
+            out.append(
+                self.ev(
+                    "response.function_call_arguments.done",
+                    item_id=c["id"],
+                    **at,
+                    name=c["name"],
+                    arguments=self.call_args,
+                )
+            )
+            out.append(
+                self.ev("response.output_item.done", **at, item=dict(c, arguments=self.call_args, status=status))
+            )
+        self.open_kind = None
+        return out
+
+    def content(self, delta: str) -> list[str]:
+        """Message text ``delta`` (opening the message item first)."""
+        if not delta or self.called:
+            return []
+        out = []
+        if self.open_kind != "message":
+            out += self.close_open()
+            self.index += 1
+            self.open_kind, self.text = "message", ""
+            item = {"id": self.msg_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            out.append(self.ev("response.output_item.added", output_index=self.index, item=item))
+            ids = dict(item_id=self.msg_id, output_index=self.index, content_index=0)
+            out.append(self.ev("response.content_part.added", **ids, part=self._part()))
+        self.text += delta
+        ids = dict(item_id=self.msg_id, output_index=self.index, content_index=0)
+        out.append(self.ev("response.output_text.delta", **ids, delta=delta, logprobs=[]))
+        return out
+
+    def call(self, call_id: str, name: str) -> list[str]:
+        """A function call starts (the open item ends first)."""
+        out = self.close_open()
+        self.called = True
+        self.index += 1
+        self.open_kind, self.call_args = "call", ""
+        self.call_item = {
+            "id": "fc_" + call_id.removeprefix("call_"),
+            "type": "function_call",
+            "call_id": call_id,
+            "name": name,
+            "arguments": "",
+            "status": "in_progress",
+        }
+        return out + [self.ev("response.output_item.added", output_index=self.index, item=self.call_item)]
+
+    def args(self, delta: str) -> list[str]:
+        """More argument text of the open call."""
+        self.call_args += delta
+        ids = dict(item_id=self.call_item["id"], output_index=self.index)
+        return [self.ev("response.function_call_arguments.delta", **ids, delta=delta)]
+
+    def output(self, c: Any, parser: Optional[ToolCallStream], plan: Any) -> list[str]:
+        """The events for the latest snapshot ``c`` (a ``CompletionOutput``) of the reply."""
+        if parser is None:
+            return self.content(c.text[len(self.text) :])
+        out = []
+        for e in parser.update(c.text, c.finish_reason is not None, plan.cut(c.finish_reason)):
+            if e[0] == "content":
+                out += self.content(e[1])
+            elif e[0] == "call":
+                out += self.call(e[2], e[3])
+            else:
+                out += self.args(e[2])
+        return out
+
+    def finish(self, final: dict) -> list[str]:
+        """The closing events: the open item's end (or, when nothing was streamed, the empty
+        message item whole), then ``response.completed`` / ``response.incomplete``."""
+        out = []
+        if self.index < 0 and final["output"]:  # nothing was streamed (an empty reply): its item still comes
+            item = dict(final["output"][0])
+            part, ids = item["content"][0], dict(item_id=self.msg_id, output_index=0, content_index=0)
+            out.append(
+                self.ev("response.output_item.added", output_index=0, item=dict(item, status="in_progress", content=[]))
+            )
+            out.append(self.ev("response.content_part.added", **ids, part=part))
+            out.append(self.ev("response.output_text.done", **ids, text="", logprobs=[]))
+            out.append(self.ev("response.content_part.done", **ids, part=part))
+            out.append(self.ev("response.output_item.done", output_index=0, item=item))
+        else:
+            out += self.close_open(final["output"][min(self.index, len(final["output"]) - 1)]["status"])
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        return out + [self.ev(kind, response=final)]
 
 
 class Responses:
@@ -188,7 +333,7 @@ class Responses:
     @staticmethod
     def _items(text: str, plan: Any, reason: Optional[str], msg_id: str, call_ids: list[str] | None) -> list[dict]:
         status = "incomplete" if reason == "length" else "completed"
-        content, calls = parse_tool_calls(text) if plan.parse else (text, [])
+        content, calls = parse_tool_calls(text, plan.cut(reason)) if plan.parse else (text, [])
         items: list[dict] = []
         if content or not calls:
             part = {"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}
@@ -202,7 +347,7 @@ class Responses:
                     "call_id": call_id,
                     "name": c.name,
                     "arguments": c.arguments,
-                    "status": "completed",
+                    "status": "completed" if c.complete else "incomplete",
                 }
             )
         return items
@@ -278,18 +423,18 @@ class Responses:
         holder: dict[str, Any] = {}
         store, tok = self.store, self.client.tokenizer
 
-        def on_finish(engine: Any, out: Any) -> None:  # engine thread, before the output is delivered
+        def on_finish(pins: Pins, out: Any) -> None:  # where the engine lives, before the output is delivered
             if prev is not None:
-                store.touch(prev, engine)
+                store.touch(prev, pins)
             if not req.store or out.outputs[0].finish_reason == "abort":
                 return
             c = out.outputs[0]
             tokens = list(ids) + list(c.token_ids)
-            pin = engine.pin_prefix(tokens, namespace)
+            pin = pins.pin_prefix(tokens, namespace)
             item = holder["item"] = StoredResponse(
                 {}, [], req.instructions, list(plan.tools), tokens, reply_stop_text(tok, c), pin, namespace
             )
-            store.put(rid, item, engine)
+            store.put(rid, item, pins)
 
         run = await self.client.start(
             "responses", [(None, ids)], params, "input", renames, namespace=namespace, on_finish=[on_finish]
@@ -328,139 +473,19 @@ class Responses:
                 await self._forget(rid)
 
     async def _event_stream(self, req, rid, created, msg_id, plan, run, finish) -> AsyncIterator[str]:
-        seq = [0]
-
-        def ev(kind: str, **fields: Any) -> str:
-            data = {"type": kind, "sequence_number": seq[0], **fields}
-            seq[0] += 1
-            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
+        w = _EventWriter(msg_id)
         head = self._body(rid, created, req, "in_progress", [], None)
-        yield ev("response.created", response=head)
-        yield ev("response.in_progress", response=head)
+        yield w.ev("response.created", response=head)
+        yield w.ev("response.in_progress", response=head)
         parser = ToolCallStream() if plan.parse else None
-        index = -1
-        open_kind: Optional[str] = None  # "message" or "call"
-        text_sent = ""
-        call_args = ""
-        call_item: dict = {}
         latest = run.firsts[0]
-
-        called = [False]  # text after a call is not streamed (the Response holds one message, first)
-
-        def close_open(status: str = "completed") -> list[str]:
-            nonlocal open_kind
-            out = []
-            if open_kind == "message":
-                part = {"type": "output_text", "text": text_sent, "annotations": [], "logprobs": []}
-                out.append(
-                    ev(
-                        "response.output_text.done",
-                        item_id=msg_id,
-                        output_index=index,
-                        content_index=0,
-                        text=text_sent,
-                        logprobs=[],
-                    )
-                )
-                out.append(
-                    ev("response.content_part.done", item_id=msg_id, output_index=index, content_index=0, part=part)
-                )
-                item = {"id": msg_id, "type": "message", "role": "assistant", "status": status, "content": [part]}
-                out.append(ev("response.output_item.done", output_index=index, item=item))
-            elif open_kind == "call":
-                out.append(
-                    ev(
-                        "response.function_call_arguments.done",
-                        item_id=call_item["id"],
-                        output_index=index,
-                        name=call_item["name"],
-                        arguments=call_args,
-                    )
-                )
-                done = dict(call_item, arguments=call_args, status="completed")
-                out.append(ev("response.output_item.done", output_index=index, item=done))
-            open_kind = None
-            return out
-
-        def content(delta: str) -> list[str]:
-            nonlocal index, open_kind, text_sent
-            out = []
-            if not delta or called[0]:
-                return out
-            if open_kind != "message":
-                out += close_open()
-                index += 1
-                open_kind, text_sent = "message", ""
-                item = {"id": msg_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-                out.append(ev("response.output_item.added", output_index=index, item=item))
-                part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-                out.append(
-                    ev("response.content_part.added", item_id=msg_id, output_index=index, content_index=0, part=part)
-                )
-            text_sent += delta
-            out.append(
-                ev(
-                    "response.output_text.delta",
-                    item_id=msg_id,
-                    output_index=index,
-                    content_index=0,
-                    delta=delta,
-                    logprobs=[],
-                )
-            )
-            return out
-
         async for _, out in chain(run.firsts, run.rest):
             latest = out
-            c = out.outputs[0]
-            done = c.finish_reason is not None
-            if parser is None:
-                for s in content(c.text[len(text_sent) :]):
-                    yield s
-                continue
-            for e in parser.update(c.text, done):
-                if e[0] == "content":
-                    for s in content(e[1]):
-                        yield s
-                elif e[0] == "call":
-                    for s in close_open():
-                        yield s
-                    _, _, call_id, name = e
-                    called[0] = True
-                    index += 1
-                    open_kind, call_args = "call", ""
-                    call_item = {
-                        "id": "fc_" + call_id.removeprefix("call_"),
-                        "type": "function_call",
-                        "call_id": call_id,
-                        "name": name,
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                    yield ev("response.output_item.added", output_index=index, item=call_item)
-                else:
-                    call_args += e[2]
-                    yield ev(
-                        "response.function_call_arguments.delta",
-                        item_id=call_item["id"],
-                        output_index=index,
-                        delta=e[2],
-                    )
+            for event in w.output(out.outputs[0], parser, plan):
+                yield event
         final = finish(latest, parser.call_ids() if parser is not None else None)
-        if index < 0 and final["output"]:  # nothing was streamed (an empty reply): its item still comes
-            item = dict(final["output"][0])
-            yield ev("response.output_item.added", output_index=0, item=dict(item, status="in_progress", content=[]))
-            part = item["content"][0]
-            yield ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0, part=part)
-            yield ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text="", logprobs=[])
-            yield ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0, part=part)
-            yield ev("response.output_item.done", output_index=0, item=item)
-        else:
-            for s in close_open(final["output"][0]["status"]):
-                yield s
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        yield ev(kind, response=final)
+        for event in w.finish(final):
+            yield event
 
     # ---------------------------------------------------------------- retrieve / delete
     def retrieve(self, rid: str) -> dict:
@@ -472,13 +497,14 @@ class Responses:
 
     async def _forget(self, rid: str) -> None:
         item = self.store.pop(rid)
-        if item is not None and self.client.llm.is_running:
-            await self.client.llm.call_in_engine_thread(lambda e: ResponseStore._unpin(e, item))
+        if item is not None:
+            await self.client.backend.release_pin(self.store.take_pin(item))
 
     async def delete(self, rid: str) -> dict:
-        """Delete the stored Response ``rid`` and release its pin. 404 when unknown."""
+        """Delete the stored Response ``rid`` and release its pin (none across replicas). 404
+        when unknown."""
         item = self.store.pop(rid)
         if item is None:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
-        await self.client.llm.call_in_engine_thread(lambda e: ResponseStore._unpin(e, item))
+        await self.client.backend.release_pin(self.store.take_pin(item))
         return {"id": rid, "object": "response", "deleted": True}

@@ -13,7 +13,11 @@ named by :func:`radixkv.server.openai.params.forced_calls`)::
   and :class:`ToolCall` s. A block that is not a JSON object with a string ``name`` and an
   object ``arguments`` (``parameters`` is accepted too) stays in the content, as does a block cut
   off by the end of the output. Whitespace right before a call and right after one is dropped;
-  an output without calls keeps its text unchanged.
+  an output without calls keeps its text unchanged. With ``cut`` (a forced call that ran out of
+  ``max_tokens``) the block cut off by the end is a call all the same, marked incomplete: its
+  name (the one allowed function its name so far fits, when it was not finished) and the JSON
+  text of its arguments generated so far, as OpenAI and vLLM report a forced call whatever the
+  finish reason.
 * :class:`ToolCallStream` turns the growing text of a streamed output into OpenAI-shaped deltas:
   content (holding back anything that could be the start of ``<tool_call>``), then per call one
   delta with ``id`` and ``name`` and deltas of argument text. Joined, they equal what
@@ -27,13 +31,14 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 __all__ = ["ToolCall", "ToolCallStream", "parse_tool_calls", "new_call_id"]
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_NAME_SO_FAR = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)(")?')
 _DECODER = json.JSONDecoder()
 
 
@@ -44,11 +49,14 @@ def new_call_id() -> str:
 
 @dataclass
 class ToolCall:
-    """One parsed call: ``arguments`` is JSON text (an object)."""
+    """One parsed call: ``arguments`` is JSON text (an object; for an incomplete call, the text
+    of one generated so far, possibly empty); ``complete`` False for a call cut off by the end of
+    the output."""
 
     name: str
     arguments: str
     id: str = ""
+    complete: bool = True
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -125,6 +133,20 @@ def _partial_call(body: str) -> _Partial:
     return _Partial(json.loads(m.group(1)), _args_prefix(body[m.end() :]), False)
 
 
+def _cut_call(body: str, names: Sequence[str]) -> ToolCall:
+    """The call of a block the end of the output cut off (``body``: its text after the opening
+    tag): the name, or when it is unfinished the one function of ``names`` it fits (else the part
+    written), and the argument text so far."""
+    p = _partial_call(body)
+    name = p.name
+    if name is None:
+        m = _NAME_SO_FAR.match(body)
+        so_far = m.group(1) if m is not None else ""
+        fits = [n for n in names if n == so_far or (m is None or m.group(2) is None) and n.startswith(so_far)]
+        name = fits[0] if len(fits) == 1 else so_far
+    return ToolCall(name, p.args, complete=False)
+
+
 def _held_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -138,9 +160,10 @@ def _after_call(parts: list[str], text: str) -> str:
     return "\n" + text if text and any(parts) else text
 
 
-def _scan(text: str, final: bool) -> tuple[str, list[Any]]:
+def _scan(text: str, final: bool, cut: Optional[Sequence[str]] = None) -> tuple[str, list[Any]]:
     """(content that is certain, calls) of ``text``; when not ``final`` the last call may be a
-    :class:`_Partial` and trailing text that could still change is held back."""
+    :class:`_Partial` and trailing text that could still change is held back. ``cut`` (the
+    allowed function names) with ``final``: a block cut off by the end is an incomplete call."""
     parts: list[str] = []
     calls: list[Any] = []
     pos = 0
@@ -148,6 +171,13 @@ def _scan(text: str, final: bool) -> tuple[str, list[Any]]:
         k = text.find(TOOL_CALL_OPEN, pos)
         start = k + len(TOOL_CALL_OPEN)
         j = text.find(TOOL_CALL_CLOSE, start) if k >= 0 else -1
+        if final and cut is not None and j < 0:  # a forced call the end cut off (maybe in its tag)
+            rest = text[pos:].lstrip()
+            if k >= 0 or (rest and TOOL_CALL_OPEN.startswith(rest)):
+                before = text[pos:k] if k >= 0 else text[pos : len(text) - len(rest)]
+                parts.append(_after_call(parts, before.strip()) if calls else before.rstrip())
+                calls.append(_cut_call(text[start:] if k >= 0 else "", cut))
+                break
         if k < 0 or (j < 0 and final):  # no further call (a block cut off by the end stays text)
             tail = text[pos:].lstrip() if calls else text[pos:]
             if not final:
@@ -170,10 +200,15 @@ def _scan(text: str, final: bool) -> tuple[str, list[Any]]:
     return "".join(parts), calls
 
 
-def parse_tool_calls(text: str) -> tuple[Optional[str], list[ToolCall]]:
+def parse_tool_calls(text: str, cut: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[ToolCall]]:
     """(content, calls) of a finished output. ``content`` is None when only calls remain;
-    without calls it is ``text`` unchanged."""
-    content, calls = _scan(text, final=True)
+    without calls it is ``text`` unchanged.
+
+    Args:
+        cut: the output is a forced call that ran out of tokens: the block the end cut off is
+            an incomplete call (``complete`` False) to one of these function names.
+    """
+    content, calls = _scan(text, True, cut)
     if not calls:
         return text, []
     return (content or None), calls
@@ -196,9 +231,10 @@ class ToolCallStream:
         """Calls started so far."""
         return len(self.calls)
 
-    def update(self, text: str, final: bool) -> list[tuple]:
-        """Deltas for cumulative ``text`` (``final``: the output has finished)."""
-        content, calls = _scan(text, final)
+    def update(self, text: str, final: bool, cut: Optional[Sequence[str]] = None) -> list[tuple]:
+        """Deltas for cumulative ``text`` (``final``: the output has finished; ``cut``: as
+        :func:`parse_tool_calls`' when it is a forced call that ran out of tokens)."""
+        content, calls = _scan(text, final, cut)
         if final and not calls:
             content = text
         events: list[tuple] = []

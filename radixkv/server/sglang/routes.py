@@ -40,17 +40,17 @@ def model_info(client: EngineClient, served_model_name: str) -> dict[str, Any]:
     """SGLang's ``/get_model_info`` object for this server."""
     facts = client.model_facts()
     return {
-        "model_path": facts["model_path"],
-        "tokenizer_path": facts["tokenizer_path"],
+        "model_path": facts.model_path,
+        "tokenizer_path": facts.tokenizer_path,
         "served_model_name": served_model_name,
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": facts["model_type"],
-        "architectures": facts["architectures"],
-        "max_context_len": facts["max_context_len"],
+        "model_type": facts.model_type,
+        "architectures": facts.architectures,
+        "max_context_len": facts.max_context_len,
     }
 
 
@@ -62,10 +62,10 @@ def server_info(client: EngineClient, served_model_name: str, stats: dict[str, A
     ``radixkv_config``, ``internal_states`` (one entry: the live ``cache_stats()``) and
     ``version``."""
     facts = client.model_facts()
-    cfg = facts["config"]
+    cfg = facts.config
     return {
-        "model_path": facts["model_path"],
-        "tokenizer_path": facts["tokenizer_path"],
+        "model_path": facts.model_path,
+        "tokenizer_path": facts.tokenizer_path,
         "served_model_name": served_model_name,
         "device": cfg.get("device"),
         "dtype": cfg.get("dtype"),
@@ -76,7 +76,7 @@ def server_info(client: EngineClient, served_model_name: str, stats: dict[str, A
         "schedule_policy": cfg.get("schedule_policy"),
         "disable_radix_cache": cfg.get("prefix_cache") != "radix",
         "attention_backend": cfg.get("attention_backend"),
-        "context_length": facts["max_context_len"],
+        "context_length": facts.max_context_len,
         "random_seed": cfg.get("seed"),
         "radixkv_config": cfg,
         "internal_states": [stats],

@@ -1,0 +1,333 @@
+"""Every route of radixkv's app (``create_app`` and the routers it includes), each with a check
+of its answer: the one table both servers run, the single engine (tests/test_server.py) and Ray
+Serve replicas (tests/test_ray_routing.py), so a route that answers on one and fails on the other
+is a failing test. ``uncovered(app)`` names the app's routes the table lacks (a new route must
+come with its row).
+
+Each check sends a few small greedy requests and asserts values: token counts against the
+tokenizer, cached tokens of a repeated prompt, streamed text against the non-streamed text, the
+KV capacity and pins in ``/cache_stats``, the Prometheus counters a request moves. Where the
+single engine and the replicas differ by design, :class:`Target` says which: ``/flush_cache``
+and ``/reset_prefix_cache`` answer 409 ``flush_not_offered`` across replicas, stored Responses
+hold no KV pin there, and the stats are the replicas' sums.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+import radixkv
+from radixkv.chat_template import encode_chat
+
+MODEL = "smollm2-135m"
+PROMPT = (
+    "A field guide entry. The red fox is a small carnivore found across the northern hemisphere; "
+    "it hunts rodents at dusk and dawn, stores food in shallow caches for the winter, and raises "
+    "its kits in a den that is"
+)
+"""Two whole 16-token blocks and more: across replicas its repeats are routed to the replica that
+caches it (the router sees whole blocks)."""
+
+
+@dataclass
+class Target:
+    """The server under test.
+
+    Attributes:
+        http: an ``httpx.Client`` on its base URL.
+        tokenizer: the served model's tokenizer.
+        replicas: 1 (one engine, ``radixkv serve``) or the number of Ray Serve replicas.
+        capacity: KV pool tokens of each engine.
+    """
+
+    http: httpx.Client
+    tokenizer: Any
+    replicas: int = 1
+    capacity: int = 16384
+
+    def ids(self, text: str = PROMPT) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def stats(self) -> dict:
+        """``/cache_stats?check=1``: fresh (every replica checked and asked at once)."""
+        r = self.http.get("/cache_stats", params={"check": "1"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def max_context_len(self) -> int:
+        return self.http.get("/v1/models").json()["data"][0]["max_model_len"]
+
+
+def sse_data(r: httpx.Response) -> list:
+    """The ``data:`` payloads of an event stream (JSON, or the raw ``[DONE]``)."""
+    out = []
+    for line in r.iter_lines():
+        if line.startswith("data:"):
+            payload = line[5:].strip()
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def _error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    return r.json()["error"]
+
+
+# ------------------------------------------------------------------------------ OpenAI
+def check_completions(t: Target) -> None:
+    ids = t.ids()
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    first = t.http.post("/v1/completions", json=body).json()
+    assert first["choices"][0]["finish_reason"] == "length"
+    assert (first["usage"]["prompt_tokens"], first["usage"]["completion_tokens"]) == (len(ids), 4)
+    again = t.http.post("/v1/completions", json=body).json()  # all but its last token cached (same replica)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    with t.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        events = sse_data(r)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == first["choices"][0]["text"]
+
+
+def check_chat(t: Target) -> None:
+    msgs = [{"role": "user", "content": "Name three colors."}]
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 5, "temperature": 0}
+    r = t.http.post("/v1/chat/completions", json=body).json()
+    assert r["usage"]["prompt_tokens"] == len(encode_chat(t.tokenizer, msgs))
+    assert r["choices"][0]["message"]["role"] == "assistant" and r["usage"]["completion_tokens"] <= 5
+    with t.http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        events = sse_data(s)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-1] if e["choices"])
+    assert text == r["choices"][0]["message"]["content"]
+
+
+def _respond(t: Target, **fields: Any) -> dict:
+    body = {"model": MODEL, "input": "Say hi.", "max_output_tokens": 4, "temperature": 0, **fields}
+    r = t.http.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_responses_create(t: Target) -> None:
+    first = _respond(t)
+    assert first["usage"]["input_tokens"] == len(encode_chat(t.tokenizer, [{"role": "user", "content": "Say hi."}]))
+    assert first["output"][0]["type"] == "message" and first["status"] in ("completed", "incomplete")
+    context = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    # the follow-up continues the stored context token for token: all of it but the last token is
+    # cached (pinned on one engine; on the replica the follow-up is routed to across replicas)
+    follow = _respond(t, input="Again.", previous_response_id=first["id"])
+    assert follow["usage"]["input_tokens_details"]["cached_tokens"] == context - 1
+    with t.http.stream("POST", "/v1/responses", json={"model": MODEL, "input": "Say hi.", "stream": True,
+                                                     "max_output_tokens": 4, "temperature": 0}) as r:  # fmt: skip
+        events = [e for e in sse_data(r) if e != "[DONE]"]
+    assert events[0]["type"] == "response.created" and events[-1]["type"] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    assert events[-1]["response"]["output"][0]["content"] == first["output"][0]["content"]
+    for rid in (first["id"], follow["id"], events[-1]["response"]["id"]):
+        assert t.http.delete(f"/v1/responses/{rid}").status_code == 200
+
+
+def check_responses_retrieve(t: Target) -> None:
+    made = _respond(t)
+    got = t.http.get(f"/v1/responses/{made['id']}").json()
+    assert got == made
+    assert t.http.delete(f"/v1/responses/{made['id']}").status_code == 200
+    assert _error(t.http.get(f"/v1/responses/{made['id']}"), 404)["code"] == "not_found"
+
+
+def check_responses_delete(t: Target) -> None:
+    made = _respond(t, input="Name a planet.")  # a prompt no other check continues
+    context = made["usage"]["input_tokens"] + made["usage"]["output_tokens"]
+    # one engine pins the stored context (all but the last token, never computed); replicas pin nothing
+    pinned = t.stats()["pinned"]
+    assert pinned == (context - 1 if t.replicas == 1 else 0), (pinned, context, made["usage"])
+    assert t.http.delete(f"/v1/responses/{made['id']}").json() == {
+        "id": made["id"],
+        "object": "response",
+        "deleted": True,
+    }
+    assert t.stats()["pinned"] == 0
+    assert _error(t.http.get(f"/v1/responses/{made['id']}"), 404)["code"] == "not_found"
+    assert _error(t.http.delete(f"/v1/responses/{made['id']}"), 404)["code"] == "not_found"
+
+
+def check_models(t: Target) -> None:
+    models = t.http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == t.http.get("/get_model_info").json()["max_context_len"]
+
+
+def check_model(t: Target) -> None:
+    card = t.http.get(f"/v1/models/{MODEL}").json()
+    assert card["id"] == MODEL and card["max_model_len"] == t.max_context_len()
+    assert _error(t.http.get("/v1/models/gpt-4"), 404)["code"] == "model_not_found"
+
+
+# ------------------------------------------------------------------------------ engine routes
+def check_health(t: Target) -> None:
+    assert t.http.get("/health").status_code == 200
+
+
+def check_cache_stats(t: Target) -> None:
+    plain = t.http.get("/cache_stats").json()
+    checked = t.stats()
+    for s in (plain, checked):
+        assert s["capacity"] == t.replicas * t.capacity and s["page_size"] == 1 and s["prefix_cache"] == "radix"
+    # idle: every slot free, cached-and-evictable or pinned
+    assert checked["running"] == checked["waiting"] == 0
+    assert checked["free"] + checked["evictable"] + checked["pinned"] == checked["capacity"]
+    rate = checked["cached_tokens"] / checked["prompt_tokens"] if checked["prompt_tokens"] else 0.0
+    assert abs(checked["hit_rate"] - rate) < 1e-12
+
+
+def _samples(t: Target) -> dict:
+    text = t.http.get("/metrics").text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def check_metrics(t: Target) -> None:
+    before = _samples(t)
+    assert before[("radixkv_kv_capacity_tokens", ())] == t.replicas * t.capacity
+    body = {"model": MODEL, "prompt": t.ids()[:8], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    assert t.http.post("/v1/completions", json=body).status_code == 200
+    after = _samples(t)
+    key = ("radixkv_requests_total", (("endpoint", "completions"),))
+    assert after[key] == before.get(key, 0) + 1
+    gen = ("radixkv_generation_tokens_total", ())
+    assert after[gen] == before.get(gen, 0) + 3
+    prompt = ("radixkv_prompt_tokens_total", ())
+    assert after[prompt] == before.get(prompt, 0) + 8
+
+
+def check_flush(t: Target) -> None:
+    for method in ("GET", "POST"):
+        r = t.http.request(method, "/flush_cache")
+        if t.replicas == 1:
+            assert r.status_code == 200 and r.json()["flushed"] is True
+            assert t.stats()["evictable"] == 0
+        else:
+            err = _error(r, 409)
+            assert err["code"] == "flush_not_offered" and "across replicas" in err["message"]
+    assert _error(t.http.post("/flush_cache", params={"timeout": "soon"}), 400)["param"] == "timeout"
+
+
+# ------------------------------------------------------------------------------ SGLang
+def check_generate(t: Target) -> None:
+    ids = t.ids()
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}
+    post = t.http.post("/generate", json=body).json()
+    assert post["meta_info"]["prompt_tokens"] == len(ids) and post["meta_info"]["completion_tokens"] == 3
+    assert post["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert post["text"] == t.tokenizer.decode(post["output_ids"])
+    put = t.http.put("/generate", json=body).json()
+    assert put["output_ids"] == post["output_ids"] and put["meta_info"]["cached_tokens"] == len(ids) - 1
+
+
+def check_model_info(t: Target) -> None:
+    info = t.http.get("/get_model_info").json()
+    assert info == t.http.get("/model_info").json()
+    assert info["model_path"] == MODEL and info["served_model_name"] == MODEL and info["is_generation"] is True
+    assert Path(info["tokenizer_path"], "tokenizer_config.json").is_file()  # a local tokenizer directory
+    assert info["model_type"] == "llama" and info["max_context_len"] == t.max_context_len()
+
+
+def check_server_info(t: Target) -> None:
+    si = t.http.get("/server_info").json()
+    assert si.keys() == t.http.get("/get_server_info").json().keys()
+    assert si["model_path"] == MODEL and si["page_size"] == 1 and si["max_total_num_tokens"] == t.capacity
+    assert si["disable_radix_cache"] is False and si["context_length"] == t.max_context_len()
+    assert si["internal_states"][0]["capacity"] == t.replicas * t.capacity
+    assert si["version"] == radixkv.__version__ and si["radixkv_config"]["max_total_tokens"] == t.capacity
+
+
+def check_health_generate(t: Target) -> None:
+    assert t.http.get("/health_generate").status_code == 200
+
+
+# ------------------------------------------------------------------------------ vLLM
+def check_reset_prefix_cache(t: Target) -> None:
+    r = t.http.post("/reset_prefix_cache")
+    if t.replicas == 1:
+        assert r.status_code == 200 and r.json()["flushed"] is True and t.stats()["evictable"] == 0
+    else:
+        assert _error(r, 409)["code"] == "flush_not_offered"
+    err = _error(t.http.post("/reset_prefix_cache", params={"reset_running_requests": "true"}), 400)
+    assert err["param"] == "reset_running_requests"
+
+
+def check_version(t: Target) -> None:
+    assert t.http.get("/version").json() == {"version": radixkv.__version__}
+
+
+def check_tokenize(t: Target) -> None:
+    r = t.http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT}).json()
+    assert r["tokens"] == t.tokenizer.encode(PROMPT, add_special_tokens=True) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == t.max_context_len()
+    msgs = [{"role": "user", "content": "Hello there"}]
+    assert t.http.post("/tokenize", json={"messages": msgs}).json()["tokens"] == encode_chat(t.tokenizer, msgs)
+
+
+def check_detokenize(t: Target) -> None:
+    ids = t.ids()
+    assert t.http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": t.tokenizer.decode(ids)}
+    vocab = len(t.tokenizer)  # the model's vocabulary (the default model's and the test replicas')
+    assert t.http.post("/detokenize", json={"tokens": [vocab - 1]}).status_code == 200
+    assert _error(t.http.post("/detokenize", json={"tokens": [vocab]}), 400)["param"] == "tokens"
+
+
+# ------------------------------------------------------------------------------ FastAPI's own
+def check_openapi(t: Target) -> None:
+    doc = t.http.get("/openapi.json").json()
+    assert "/v1/chat/completions" in doc["paths"] and "ChatCompletionRequest" in doc["components"]["schemas"]
+
+
+def check_docs(t: Target) -> None:
+    for path in ("/docs", "/redoc", "/docs/oauth2-redirect"):
+        r = t.http.get(path)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html"), path
+
+
+ROUTES: list[tuple[str, tuple[tuple[str, str], ...], Callable[[Target], None]]] = [
+    ("completions", (("POST", "/v1/completions"),), check_completions),
+    ("chat", (("POST", "/v1/chat/completions"),), check_chat),
+    ("responses", (("POST", "/v1/responses"),), check_responses_create),
+    ("responses_get", (("GET", "/v1/responses/{response_id}"),), check_responses_retrieve),
+    ("responses_delete", (("DELETE", "/v1/responses/{response_id}"),), check_responses_delete),
+    ("models", (("GET", "/v1/models"),), check_models),
+    ("model", (("GET", "/v1/models/{model_id:path}"),), check_model),
+    ("health", (("GET", "/health"),), check_health),
+    ("cache_stats", (("GET", "/cache_stats"),), check_cache_stats),
+    ("metrics", (("GET", "/metrics"),), check_metrics),
+    ("flush_cache", (("GET", "/flush_cache"), ("POST", "/flush_cache")), check_flush),
+    ("generate", (("POST", "/generate"), ("PUT", "/generate")), check_generate),
+    ("model_info", (("GET", "/get_model_info"), ("GET", "/model_info")), check_model_info),
+    ("server_info", (("GET", "/server_info"), ("GET", "/get_server_info")), check_server_info),
+    ("health_generate", (("GET", "/health_generate"),), check_health_generate),
+    ("reset_prefix_cache", (("POST", "/reset_prefix_cache"),), check_reset_prefix_cache),
+    ("version", (("GET", "/version"),), check_version),
+    ("tokenize", (("POST", "/tokenize"),), check_tokenize),
+    ("detokenize", (("POST", "/detokenize"),), check_detokenize),
+    ("openapi", (("GET", "/openapi.json"),), check_openapi),
+    ("docs", (("GET", "/docs"), ("GET", "/redoc"), ("GET", "/docs/oauth2-redirect")), check_docs),
+]
+"""(name, the (method, path) pairs it covers, its check)."""
+
+
+def uncovered(app: Any) -> set[tuple[str, str]]:
+    """The ``(method, path)`` pairs of ``app``'s routes no row of :data:`ROUTES` covers (HEAD,
+    which Starlette adds to every GET, aside)."""
+    served = {(m, r.path) for r in app.routes for m in (getattr(r, "methods", None) or ()) if m != "HEAD"}
+    covered = {pair for _, pairs, _ in ROUTES for pair in pairs}
+    return served - covered
