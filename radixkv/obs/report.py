@@ -299,10 +299,9 @@ def explain_html(rep: dict) -> str:
         f"<div class=card><div class=big>{len(rep.get('spans', []))}</div>volatile spans</div>",
     ]
     plots = _explain_plots(rep)
-    late = [p for p in plots if p[0] == "Hit rate vs capacity"]
-    for title, uri in plots:
-        if (title, uri) not in late:
-            b.append(f'<h2>{_e(title)}</h2><img alt="{_e(title)}" src="{uri}">')
+    late = [p for p in plots if p[0] == "Hit rate vs capacity"]  # after the spans and prompts
+    for title, uri in (p for p in plots if p not in late):
+        b.append(f'<h2>{_e(title)}</h2><img alt="{_e(title)}" src="{uri}">')
     b.append(
         "<table><tr><th>cause</th><th>missed tokens</th><th>share</th><th>requests (its cause)</th>"
         "<th>what the tokens are</th></tr>"
