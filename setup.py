@@ -1,10 +1,10 @@
 """Builds radixkv's optional C extensions.
 
 * csrc/prefix_match.c -> radixkv.cache._cprefix: the radix tree's walks (docs/cache.md).
-* csrc/cpu_kernels.c -> radixkv.kernels._ckernels: float32 GEMM and paged attention for CPU decode
-  (AVX2/FMA, checked at run time; docs/model.md). Built with OpenMP when the compiler has it,
-  so its threads are torch's own libgomp workers; without OpenMP it falls back to its pthread
-  pool (same results).
+* csrc/cpu_kernels/*.c -> radixkv.kernels._ckernels: float32 GEMM and paged attention for CPU decode
+  (AVX2/FMA, checked at run time; docs/model.md), one file per concern (csrc/cpu_kernels/internal.h
+  lists them). Built with OpenMP when the compiler has it, so its threads are torch's own libgomp
+  workers; without OpenMP it falls back to its pthread pool (same results).
 
 All metadata lives in pyproject.toml. Both extensions are ``optional``: if no C compiler is
 there, the build goes on without them and radixkv uses its pure-Python / torch paths (same
@@ -15,6 +15,10 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 OPENMP = ["-fopenmp"]
+KERNELS = "csrc/cpu_kernels"
+KERNEL_SOURCES = [
+    f"{KERNELS}/{name}.c" for name in ("bindings", "threadpool", "gemm", "quant", "attention", "ops", "step")
+]
 
 
 class BuildExt(build_ext):
@@ -44,7 +48,8 @@ setup(
         ),
         Extension(
             "radixkv.kernels._ckernels",
-            sources=["csrc/cpu_kernels.c"],
+            sources=KERNEL_SOURCES,
+            depends=[f"{KERNELS}/internal.h"],
             extra_compile_args=["-O3", "-pthread", *OPENMP],
             extra_link_args=["-pthread", *OPENMP],
             optional=True,

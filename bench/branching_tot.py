@@ -20,11 +20,9 @@ Usage: ``python bench/branching_tot.py [--questions N]`` (a few minutes on 2 CPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +30,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+
+from bench.results_io import write_result  # noqa: E402
 
 QUESTIONS = [
     "A farmer has 17 sheep and all but 9 run away. How many sheep are left? Think step by step.",
@@ -122,9 +122,6 @@ def main(argv=None) -> int:
             flush=True,
         )
     out = dict(
-        kind="branching_tot",
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        argv=sys.argv[1:] if argv is None else argv,
         thought_tokens=args.thought_tokens,
         answer_tokens=args.answer_tokens,
         threads=torch.get_num_threads(),
@@ -132,8 +129,7 @@ def main(argv=None) -> int:
         total_branching=sum(r["prefill_branching"] for r in rows),
         total_independent=sum(r["prefill_independent"] for r in rows),
     )
-    path = args.out or ROOT / "bench" / "results" / f"branching_tot_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result("branching_tot", out, args.out, argv=argv)
     print(f"total prefill {out['total_branching']} vs {out['total_independent']}; wrote {path}")
     return 0
 

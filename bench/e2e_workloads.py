@@ -31,12 +31,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +43,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from bench.results_io import write_result  # noqa: E402
 from bench.workloads import Workload, make_workload  # noqa: E402
 
 POLICIES = {
@@ -202,19 +200,7 @@ def main(argv=None) -> int:
                 r["ttft_p50_vs_none"] = base["ttft_p50_s"] / r["ttft_p50_s"]
                 r["wall_vs_none"] = base["wall_s"] / r["wall_s"]
     out = dict(
-        kind="e2e_workloads",
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        argv=sys.argv[1:] if argv is None else argv,
-        seconds=round(time.time() - t_start, 1),
         arrivals_per_step=args.arrivals_per_step,
-        machine=dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            device=args.device,
-            threads=torch.get_num_threads(),
-        ),
         model=args.model,
         max_tokens=args.max_tokens,
         concurrency=args.concurrency,
@@ -222,9 +208,8 @@ def main(argv=None) -> int:
         params=specs,
         workloads=cells,
     )
-    path = args.out or ROOT / "bench" / "results" / f"e2e_workloads_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    machine = dict(torch=torch.__version__, device=args.device, threads=torch.get_num_threads())
+    path = write_result("e2e_workloads", out, args.out, argv=argv, started=t_start, machine=machine)
     print(f"wrote {path} in {time.time() - t_start:.0f}s")
     return 0
 

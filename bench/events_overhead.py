@@ -15,14 +15,10 @@ Usage: ``python bench/events_overhead.py [--rounds 5] [--requests 24]``; writes
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +27,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.results_io import write_result  # noqa: E402
 from radixkv.config import EngineConfig  # noqa: E402
 from radixkv.engine import Engine  # noqa: E402
 from radixkv.engine.publish import CacheEventPublisher  # noqa: E402
@@ -134,11 +131,7 @@ def main(argv=None) -> int:
         f"publisher {per_event_us:.2f} us/event; snapshot of {len(snap['blocks'])} blocks {snap_ms:.2f} ms"
     )
     out = dict(
-        kind="events_overhead",
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         settings=dict(rounds=args.rounds, requests=args.requests, max_total_tokens=args.max_total_tokens),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version()),
-        seconds=round(time.time() - t_start, 1),
         rounds=rounds,
         ratio_total=round(on_t / off_t, 4),
         ratio_median=round(statistics.median(ratios), 4),
@@ -150,9 +143,7 @@ def main(argv=None) -> int:
         snapshot_blocks=len(snap["blocks"]),
         snapshot_ms=round(snap_ms, 3),
     )
-    path = args.out or ROOT / "bench" / "results" / f"events_overhead_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    path = write_result("events_overhead", out, args.out, argv=argv, started=t_start)
     print(f"wrote {path}")
     return 0
 

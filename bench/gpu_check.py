@@ -853,14 +853,14 @@ def build_pair(c: Check, cfg_kwargs: dict, seed: int):
 
 
 def random_model(c: Check, cfg_kwargs: dict, seed: int):
-    """A radixkv model with random weights drawn like ``radixkv.models.loader.build_model``
-    (N(0, initializer_range), norms 1, biases 0) but on the device (a CPU draw of 1.1B weights
+    """A radixkv model with radixkv's random init (``radixkv.models.loader.init_random_weights``:
+    N(0, initializer_range), norms 1, biases 0) drawn on the device (a CPU draw of 1.1B weights
     takes tens of seconds), wrapped as a ``LoadedModel`` (no tokenizer). Returns (config, loaded)."""
     torch = c.torch
     from transformers import LlamaConfig
 
     from radixkv.models.layers import RotaryEmbedding
-    from radixkv.models.loader import LoadedModel
+    from radixkv.models.loader import LoadedModel, init_random_weights
     from radixkv.models.registry import get_model_class
 
     cfg = LlamaConfig(**cfg_kwargs, architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
@@ -868,16 +868,7 @@ def random_model(c: Check, cfg_kwargs: dict, seed: int):
         model = get_model_class(cfg)(cfg)
     model = model.to_empty(device=c.device).to(c.dtype)
     model.model.rotary_emb = RotaryEmbedding(cfg).to(c.device)
-    g = torch.Generator(device=c.device).manual_seed(seed)
-    std = float(getattr(cfg, "initializer_range", 0.02))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g, device=c.device) * std)
+    init_random_weights(model, cfg, seed)
     lm = LoadedModel(model=model.eval(), hf_config=cfg, tokenizer=None, name="random-weights", hf_dir=REPO)
     return cfg, lm
 

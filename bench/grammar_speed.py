@@ -23,18 +23,24 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
-import torch
+import torch  # noqa: E402
 
-from radixkv import SamplingParams
-from radixkv.config import EngineConfig
-from radixkv.engine import Engine, StepFinished
-from radixkv.models import load_model
-from radixkv.sampling import grammar as grammar_mod
-from radixkv.sampling import pipeline as pipeline_mod
+from bench.results_io import write_result  # noqa: E402
+from radixkv import SamplingParams  # noqa: E402
+from radixkv.config import EngineConfig  # noqa: E402
+from radixkv.engine import Engine, StepFinished  # noqa: E402
+from radixkv.models import load_model  # noqa: E402
+from radixkv.sampling import grammar as grammar_mod  # noqa: E402
+from radixkv.sampling import pipeline as pipeline_mod  # noqa: E402
 
 
 def _xgr_version() -> str:
@@ -217,15 +223,7 @@ def main() -> None:
         f"{100 * gw / f:.2f}% of a free step"
     )
     if args.out != "-":
-        out = args.out or os.path.join(
-            os.path.dirname(os.path.abspath(__file__)),
-            "results",
-            time.strftime("grammar_speed_%Y%m%dT%H%M%SZ.json", time.gmtime()),
-        )
-        with open(out, "w") as fh:
-            json.dump(summary, fh, indent=2)
-            fh.write("\n")
-        print(f"wrote {out}")
+        print(f"wrote {write_result('grammar_speed', summary, args.out)}")
 
 
 if __name__ == "__main__":

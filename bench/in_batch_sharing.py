@@ -33,10 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.e2e_workloads import e2e_specs  # noqa: E402
+from bench.results_io import write_result  # noqa: E402
 from bench.workloads import Workload, make_workload  # noqa: E402
 
 POLICIES = {
@@ -244,18 +243,6 @@ def main(argv=None) -> int:
                 flush=True,
             )
     out = dict(
-        kind="in_batch_sharing",
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        argv=sys.argv[1:] if argv is None else argv,
-        seconds=round(time.time() - t_start, 1),
-        machine=dict(
-            platform=platform.platform(),
-            cpus=os.cpu_count(),
-            python=platform.python_version(),
-            torch=torch.__version__,
-            device=args.device,
-            threads=torch.get_num_threads(),
-        ),
         model=args.model,
         max_tokens=args.max_tokens,
         max_total_tokens=args.max_total_tokens,
@@ -263,9 +250,8 @@ def main(argv=None) -> int:
         params=specs,
         workloads=cells,
     )
-    path = args.out or ROOT / "bench" / "results" / f"in_batch_sharing_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    machine = dict(torch=torch.__version__, device=args.device, threads=torch.get_num_threads())
+    path = write_result("in_batch_sharing", out, args.out, argv=argv, started=t_start, machine=machine)
     print(f"wrote {path} in {time.time() - t_start:.0f}s")
     if args.plot:
         plot(path, ROOT / "docs" / "in_batch_sharing.png")

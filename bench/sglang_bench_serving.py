@@ -38,13 +38,17 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.results_io import write_result  # noqa: E402
+
 SHIM_DIR = "/work/shared/peers"  # sgl_import_shim: SGLang's benchmark imports torchvision
 
 RUNNER = """
@@ -179,10 +183,7 @@ def main(argv=None) -> int:
     finally:
         server.terminate()
         server.wait(60)
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_path = ROOT / "bench" / "results" / f"sglang_bench_serving_{stamp}.json"
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"runs": runs}, indent=1) + "\n")
+    out_path = write_result("sglang_bench_serving", {"runs": runs})
     print(f"wrote {out_path}")
     return 0 if all(r["returncode"] == 0 and r["cached_equal"] for r in runs) else 1
 

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +36,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.results_io import write_result  # noqa: E402
 from bench.workloads import Workload, make_workload  # noqa: E402
 from radixkv.sim import CacheSimulator, SimRequest, optimal  # noqa: E402
 
@@ -213,21 +211,8 @@ def main(argv=None) -> int:
                 f"evicted {res['evicted_tokens']} ({res['seconds']}s)",
                 flush=True,
             )
-    out = dict(
-        kind="sim_cache",
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        argv=sys.argv[1:] if argv is None else argv,
-        seconds=round(time.time() - t0, 1),
-        machine=dict(
-            platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__
-        ),
-        hash_algo=args.hash_algo,
-        fractions=args.fractions,
-        workloads=results,
-    )
-    path = args.out or ROOT / "bench" / "results" / f"sim_cache_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    out = dict(hash_algo=args.hash_algo, fractions=args.fractions, workloads=results)
+    path = write_result("sim_cache", out, args.out, argv=argv, started=t0, machine=dict(torch=torch.__version__))
     print(f"wrote {path} in {time.time() - t0:.0f}s")
     return 0
 

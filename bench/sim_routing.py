@@ -46,15 +46,12 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import os
-import platform
 import random
 import sys
 import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +60,7 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 
+from bench.results_io import write_result  # noqa: E402
 from bench.workloads import Workload, make_workload  # noqa: E402
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests  # noqa: E402
 from radixkv.cache.radix_tree import RadixCache  # noqa: E402
@@ -491,20 +489,12 @@ def main(argv=None) -> int:
     for tr in results.values():
         tr["means"] = seed_means(tr["runs"])
     out = dict(
-        kind="sim_routing",
         reused_from=reused,
-        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        argv=sys.argv[1:] if argv is None else argv,
-        seconds=round(time.time() - t_start, 1),
-        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), python=platform.python_version()),
-        settings=dict(vars(args), out=None, seeds=seeds),
+        settings=dict(vars(args), out=str(args.out) if args.out else None, seeds=seeds),
         cache_events_options=ce_kw,
         traces=results,
     )
-    out["settings"]["out"] = str(args.out) if args.out else None
-    path = args.out or ROOT / "bench" / "results" / f"sim_routing_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1, default=str))
+    path = write_result("sim_routing", out, args.out, argv=argv, started=t_start, default=str)
     print(f"wrote {path} in {time.time() - t_start:.0f}s")
     print(summary(out))
     print(targets(out))

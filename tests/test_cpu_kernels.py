@@ -1,4 +1,4 @@
-"""The native CPU kernels (radixkv/cpu_kernels.py, csrc/cpu_kernels.c) against torch references.
+"""The native CPU kernels (radixkv/kernels/cpu.py, csrc/cpu_kernels/) against torch references.
 
 The attention kernel is checked against a float64 reference in tests/test_attention_torch.py and
 the fused decoder layer against transformers in tests/test_models_tiny.py / test_model_default.py.
@@ -79,7 +79,7 @@ def _q8_0_weight(n, k, g):
 def test_block_formats_are_lossless(fmt, make, n, k):
     """A weight in Q4_1 / Q8_0 form packs into that format (6.4x / 3.8x fewer bytes) and holds its
     values exactly: a one-hot x gives every weight back bit for bit. Each GEMM sums with the block
-    scale factored out (csrc/cpu_kernels.c, "the factored sum"), so it is held to float64, not to
+    scale factored out (csrc/cpu_kernels/gemm.c, "the factored sum"), so it is held to float64, not to
     the float32 packing's bits."""
     g = torch.Generator().manual_seed(n * 7 + k)
     w = make(n, k, g)

@@ -1,5 +1,5 @@
 """The fused native decode step (radixkv/executor/cpu_decode.py, ``decode_step`` in
-csrc/cpu_kernels.c): the one-row GEMV against the micro-kernel bit for bit, long contexts (several
+csrc/cpu_kernels/step.c): the one-row GEMV against the micro-kernel bit for bit, long contexts (several
 attention chunks) against the torch reference, batch invariance, the plan following weight
 changes, and every out-of-range value refused before anything is written.
 

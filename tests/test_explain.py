@@ -189,3 +189,51 @@ def test_replay_writes_the_trace_format(tok, tmp_path):
     reqs = tokenize_trace(bodies, llm.tokenizer)
     assert sum(len(r.tokens) for r in reqs) == row["prompt_tokens"]  # the same prompts the engine saw
     assert reqs[0].reply and reqs[1].reply and not reqs[2].reply
+
+
+def test_cause_table_says_what_full_is_and_a_flat_trace_plot_is_left_out():
+    """The cause table names each cause's tokens (``full``: each prompt's last token) beside the
+    requests it is the main cause of; a trace whose hit rate never moves and has no fix gets no
+    hit-rate-over-the-trace plot (it would be two flat lines), the other plots stay."""
+    from radixkv.sim import SimRequest
+
+    same = list(range(10, 30))
+    reqs = [SimRequest(same)] * 3 + [SimRequest([1000 + 50 * i + j for j in range(20)]) for i in range(30)]
+    rep = explain_trace(reqs, spans=False, sweep=(0.5, 1.0))
+    assert rep["missed_by_cause"] == {"full": 33, "cold": 19 * 31}
+    assert rep["requests_by_cause"] == {"full": 2, "cold": 31}
+    text = explain_text_report(rep)
+    assert "by cause (sums exactly; requests: how many it is the main cause of):" in text
+    assert (
+        "  full                 33    5.3%         2  each prompt's last token, always computed (its requests: all else cached)"
+        in text
+    )
+    assert (
+        "  cold                589   94.7%        31  never seen (or evicted longer ago than the record reaches)"
+        in text
+    )
+    flat = explain_trace(
+        [SimRequest([1000 + 50 * i + j for j in range(20)]) for i in range(30)], spans=False, sweep=(1.0,)
+    )
+    assert rep["series"]["fix"] is None and flat["series"]["fix"] is None
+    assert max(flat["series"]["rolling"]) == 0.0
+    titles = re.findall(r"<h2>([^<]*)</h2><img", explain_html(flat))
+    assert titles == ["Missed tokens by cause", "Hit rate vs capacity"]
+    assert re.findall(r"<h2>([^<]*)</h2><img", explain_html(rep))[0] == "Hit rate over the trace"
+
+
+def test_the_fix_predicted_line_over_the_trace(tok, questions):
+    """With a volatile span, the hit-rate-over-the-trace plot carries the best what-if's replay
+    request by request: its cumulative line ends at that what-if's hit rate."""
+    reqs = tokenize_trace(agent_trace("timestamp", 16, questions=questions), tok)
+    rep = explain_trace(reqs, tok, sweep=())
+    fix = rep["series"]["fix"]
+    what_if = rep["spans"][0]["what_if"]
+    best = max(v["hit_rate"] for v in what_if.values())
+    assert fix["hit_rate"] == best == what_if[fix["how"]]["hit_rate"] and fix["span"] == 0
+    assert fix["how"] == next(h for h in ("static", "moved", "removed") if what_if[h]["hit_rate"] == best)
+    words = {"static": "made static", "moved": "moved after the shared part", "removed": "removed"}
+    assert fix["label"] == f"the timestamp span (#0) {words[fix['how']]}"
+    assert fix["cumulative"][-1] == best and fix["index"] == rep["series"]["index"]
+    assert fix["cumulative"][-1] > rep["series"]["cumulative"][-1] + 0.5
+    assert all("series" not in v for v in what_if.values())  # taken out into series.fix

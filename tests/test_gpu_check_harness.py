@@ -151,6 +151,28 @@ def test_gsp_prompts_first_tokens_are_distinct():
     assert chk.gsp_expected_prefill(5, 6, 9, 4, "none") == {"warm": 45, "main": 390, "total": 435}
 
 
+def test_random_model_is_radixkvs_random_init(tmp_path):
+    """The check's random-weight model is radixkv's own init (``init_random_weights``, drawn on the
+    check's device): on the CPU it is ``build_model``'s model, parameter for parameter; a bf16 copy
+    holds each draw rounded once."""
+    from radixkv.models import build_model, get_model_class, init_random_weights
+
+    c = chk.Check(chk.parse_args(["--cpu", "--out", str(tmp_path)]))
+    chk.step_torch(c)
+    cfg, lm = chk.random_model(c, chk.TINY, seed=5)
+    ref = dict(build_model(cfg, seed=5).named_parameters())
+    got = dict(lm.model.named_parameters())
+    assert list(got) == list(ref) and len(got) == 2 + 6 * cfg.num_hidden_layers
+    for name, p in got.items():
+        assert torch.equal(p, ref[name]), name
+    assert torch.equal(got["model.norm.weight"], torch.ones(cfg.hidden_size))
+    assert float(got["model.embed_tokens.weight"].detach().std()) == pytest.approx(0.02, rel=0.05)
+    half = get_model_class(cfg)(cfg).to(torch.bfloat16)
+    init_random_weights(half, cfg, seed=5)
+    for name, p in half.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, ref[name].to(torch.bfloat16)), name
+
+
 def test_engine_prefill_count_is_exact_and_radix_matches_none(tmp_path, request):
     """The formula holds with a budget of 12 tokens a step: radix admits two 5-token questions of
     one group in the same step and chunks the third; none chunks every 25-token prompt."""

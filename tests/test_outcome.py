@@ -69,6 +69,35 @@ def test_page_floor_to_the_token():
     assert o.cause == "full" and o.segments == ((28, 30, "page_floor"), (30, 31, "full"))
 
 
+def test_what_full_means_is_said_for_each_prompt():
+    """``full`` is the cause of a prompt that misses nothing the cache could give: its words say
+    which case (all but the last token cached, every whole page cached, or nothing to look up),
+    and the explanation's first line prints them beside the cause."""
+    from radixkv.engine.outcome import explain_text
+
+    eng = make_engine(capacity=512, page_size=4)
+    run_one(eng, SYS + [5, 6, 7])
+    cases = {
+        "one token": (SYS[:1], "a one-token prompt: nothing to look up, its only token is always computed"),
+        "no page": (
+            SYS[:4],
+            "no whole page before the last prompt token to look up; the last token is always computed",
+        ),
+        "pages": (
+            SYS[:31],
+            "every whole page before the last prompt token cached; the partial page and the last token computed",
+        ),
+        "all": (SYS[:29], "every token cached but the last one, which is always computed"),
+    }
+    for name, (prompt, words) in cases.items():
+        o = eng.explain(prompt)
+        assert o.cause == "full" and o.cause_meaning == words, name
+        assert str(explain_text(o, prompt, None)).startswith(f"cause full ({words}): {o.num_cached_tokens} of "), name
+    assert [eng.explain(p).num_cached_tokens for p in (SYS[:1], SYS[:4], SYS[:31], SYS[:29])] == [0, 0, 28, 28]
+    cold = eng.explain([9] * 12)
+    assert cold.cause == "cold" and cold.cause_meaning == "never seen (or evicted longer ago than the record reaches)"
+
+
 @pytest.mark.parametrize("cache", ["radix", "hash"])
 def test_evicted_is_told_apart_from_cold(cache):
     ps = 1 if cache == "radix" else 16

@@ -47,12 +47,25 @@ from radixkv.cache.digests import BLOCK_TOKENS, block_digests
 from radixkv.cache.token_keys import common_prefix_len, pack_tokens
 from radixkv.namespace import Namespace
 
-__all__ = ["CAUSES", "CacheOutcome", "EvictedRecord", "OutcomeClassifier"]
+__all__ = ["CAUSES", "CAUSE_NOTES", "CacheOutcome", "EvictedRecord", "OutcomeClassifier"]
 
 _NONE = object()  # no other namespace found
 
 CAUSES = ("full", "page_floor", "diverged", "cold", "evicted", "namespace", "in_flight", "disabled")
 """The documented causes, in report order (see the module docstring)."""
+
+CAUSE_NOTES = {
+    "full": "each prompt's last token, always computed (its requests: all else cached)",
+    "page_floor": "after the last cached page: lost to page rounding",
+    "diverged": "from where the prompt differs from the nearest cached sequence",
+    "cold": "never seen (or evicted longer ago than the record reaches)",
+    "evicted": "cached once, dropped by eviction",
+    "namespace": "cached under another namespace only",
+    "in_flight": "held by a running request, not cached yet",
+    "disabled": "prefix caching is off",
+}
+"""What the missed tokens charged to each cause are, in a few words (reports print it beside the
+cause; the module docstring has the rules)."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,21 @@ class CacheOutcome:
         for a, b, c in self.segments:
             out[c] = out.get(c, 0) + b - a
         return out
+
+    @property
+    def cause_meaning(self) -> str:
+        """What :attr:`cause` means for this prompt, in words. ``full`` says what was cached: all
+        but the last token (always computed), every whole page, or nothing at all because the
+        prompt has no whole page before its last token (a one-token prompt, say)."""
+        if self.cause != "full":
+            return CAUSE_NOTES.get(self.cause, self.cause)
+        if self.num_prompt_tokens <= 1:
+            return "a one-token prompt: nothing to look up, its only token is always computed"
+        if self.num_cached_tokens == 0:
+            return "no whole page before the last prompt token to look up; the last token is always computed"
+        if self.missed.get("page_floor"):
+            return "every whole page before the last prompt token cached; the partial page and the last token computed"
+        return "every token cached but the last one, which is always computed"
 
     def as_dict(self) -> dict:
         """A JSON-ready dict (``missed`` included)."""

@@ -51,7 +51,15 @@ from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.check import check_tree, format_tree
 from radixkv.cache.evict_policy import EvictionPolicy, make_policy
-from radixkv.cache.token_keys import HAS_CEXT, as_slot_array, pack_tokens, query_tokens, slot_tensor_address
+from radixkv.cache.token_keys import (
+    HAS_CEXT,
+    SLOT_SHIFT,
+    TOKEN_SHIFT,
+    as_slot_array,
+    pack_tokens,
+    query_tokens,
+    slot_tensor_address,
+)
 from radixkv.memory.slots import buffer_reader, empty_slots
 from radixkv.namespace import Namespace
 
@@ -134,7 +142,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return (
-            f"TreeNode(uid={self.uid}, len={len(self.key) >> 2}, lock_ref={self.lock_ref}, "
+            f"TreeNode(uid={self.uid}, len={len(self.key) >> TOKEN_SHIFT}, lock_ref={self.lock_ref}, "
             f"last_access={self.last_access}, children={len(self.children)})"
         )
 
@@ -170,7 +178,7 @@ class RadixCache:
             self._policy.bind(page_size)
         self._counts_hits = self._policy is not None and self._policy.counts_hits
         self.eviction_policy = "lru" if self._policy is None else self._policy.name
-        self._page_bytes = 4 * page_size
+        self._page_bytes = page_size << TOKEN_SHIFT
         self._read_slots = buffer_reader()
         self.evict_listener: Optional[Callable[[Optional[Namespace], bytes, int], None]] = None
         """Called as ``listener(namespace, path, start)`` for every node :meth:`evict` frees, before
@@ -251,13 +259,13 @@ class RadixCache:
         key = node.key
         value = node.value
         if upper_value is None:
-            upper_value = value[: m << 3]
-        upper = TreeNode(key[: m << 2], upper_value, parent, node.namespace, node.last_access)
+            upper_value = value[: m << SLOT_SHIFT]
+        upper = TreeNode(key[: m << TOKEN_SHIFT], upper_value, parent, node.namespace, node.last_access)
         upper.lock_ref = node.lock_ref
         upper.hits = node.hits
         parent.children[key[:pb]] = upper
-        node.key = key = key[m << 2 :]
-        node.value = value[m << 3 :]
+        node.key = key = key[m << TOKEN_SHIFT :]
+        node.value = value[m << SLOT_SHIFT :]
         node.parent = upper
         upper.children[key[:pb]] = node
         return upper
@@ -345,7 +353,7 @@ class RadixCache:
             ValueError: ``tokens`` is not 1-D integer or holds an id outside int32.
         """
         kb = pack_tokens(tokens)
-        total = len(kb) >> 2
+        total = len(kb) >> TOKEN_SHIFT
         ps = self.page_size
         floored = total - total % ps
         ns_root = self.root.children.get(namespace)
@@ -355,10 +363,10 @@ class RadixCache:
         cpl = token_keys.common_prefix_len
         node, pos = ns_root, 0
         while True:
-            child = node.children.get(kb[pos << 2 : (pos << 2) + pb]) if pos + ps <= total else None
+            child = node.children.get(kb[pos << TOKEN_SHIFT : (pos << TOKEN_SHIFT) + pb]) if pos + ps <= total else None
             if child is not None:
                 c = cpl(child.key, kb, pos, total)
-                if c << 2 == len(child.key):
+                if c << TOKEN_SHIFT == len(child.key):
                     node, pos = child, pos + c
                     continue
                 length = pos + min(c, floored - pos) // ps * ps
@@ -405,7 +413,7 @@ class RadixCache:
                 ``slots`` is not on the CPU, or a token id is outside int32.
         """
         q = query_tokens(tokens)
-        n = len(q) if type(q) is not bytes else len(q) >> 2
+        n = len(q) if type(q) is not bytes else len(q) >> TOKEN_SHIFT
         addr = slot_tensor_address(slots)
         if addr >= 0:  # a contiguous int64 CPU tensor: its slots are read in place
             value = None
@@ -439,10 +447,10 @@ class RadixCache:
             pos += m
         if tail_key:
             if new is None:
-                new = value[pos : pos + (len(tail_key) >> 2)].tobytes()
+                new = value[pos : pos + (len(tail_key) >> TOKEN_SHIFT)].tobytes()
             leaf = TreeNode(tail_key, new, node, namespace, tick)
             node.children[tail_key[: self._page_bytes]] = leaf
-            self._total += len(tail_key) >> 2
+            self._total += len(tail_key) >> TOKEN_SHIFT
             if node.lru is not None:
                 self._lru_remove(node)
             if self._policy is None:
@@ -482,7 +490,7 @@ class RadixCache:
         self._check_live(node)
         while node.parent is not None:
             if node.lock_ref == 0:
-                self._protected += len(node.key) >> 2
+                self._protected += len(node.key) >> TOKEN_SHIFT
                 if node.lru is not None:
                     self._lru_remove(node)
             node.lock_ref += 1
@@ -505,7 +513,7 @@ class RadixCache:
         while node.parent is not None:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self._protected -= len(node.key) >> 2
+                self._protected -= len(node.key) >> TOKEN_SHIFT
                 if not node.children and node.key:
                     self._lru_add(node)
             node = node.parent
@@ -567,7 +575,7 @@ class RadixCache:
                 entry = None
                 node = new.popitem(last=False)[1]
             node.lru = None
-            size = len(node.key) >> 2
+            size = len(node.key) >> TOKEN_SHIFT
             kept = None
             if num_tokens - done < size:  # free only the tail pages still needed
                 cut = -(-(num_tokens - done) // self.page_size) * self.page_size
@@ -578,7 +586,7 @@ class RadixCache:
                 policy.freed(entry[0], node)
             if listener is not None:
                 path = _path_key(node)
-                listener(node.namespace, path, (len(path) - len(node.key)) >> 2)
+                listener(node.namespace, path, (len(path) - len(node.key)) >> TOKEN_SHIFT)
             freed.append(node.value)
             done += size
             parent = node.parent
@@ -626,7 +634,7 @@ class RadixCache:
                     while todo:
                         x, prefix = todo.pop()
                         path = prefix + x.key
-                        listener(namespace, path, len(prefix) >> 2)
+                        listener(namespace, path, len(prefix) >> TOKEN_SHIFT)
                         todo.extend((c, path) for c in x.children.values())
                         values.append(x.value)
                         x.parent = None
@@ -638,7 +646,7 @@ class RadixCache:
         self._lru_new.clear()
         self._lru_old.clear()
         joined = bytearray().join(values)
-        self._total -= len(joined) >> 3  # one int64 slot per token
+        self._total -= len(joined) >> SLOT_SHIFT  # one int64 slot per token
         if not values:
             return empty_slots()
         return self._read_slots(joined)
@@ -699,8 +707,8 @@ class RadixCache:
         while stack:
             node, path, prev = stack.pop()
             path = path + node.key
-            end = len(path) >> 2
-            first, stop = (end - (len(node.key) >> 2)) // BLOCK_TOKENS, end // BLOCK_TOKENS
+            end = len(path) >> TOKEN_SHIFT
+            first, stop = (end - (len(node.key) >> TOKEN_SHIFT)) // BLOCK_TOKENS, end // BLOCK_TOKENS
             last = prev
             if stop > first:
                 ds = block_digests(path, node.namespace, first, stop, prev if first else None)

@@ -25,6 +25,8 @@ from radixkv.cache.base import Tokens
 from radixkv.memory.slots import as_int64, is_tensor
 
 __all__ = [
+    "TOKEN_SHIFT",
+    "SLOT_SHIFT",
     "HAS_CEXT",
     "NotAnInt",
     "pack_int32",
@@ -48,7 +50,11 @@ __all__ = [
 ]
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-assert array("i").itemsize == 4, "radixkv needs a 4-byte C int"
+TOKEN_SHIFT = 2
+"""A key holds int32 token ids: bytes = tokens << TOKEN_SHIFT, tokens = bytes >> TOKEN_SHIFT."""
+SLOT_SHIFT = 3
+"""A value holds int64 slot indices: bytes = slots << SLOT_SHIFT, slots = bytes >> SLOT_SHIFT."""
+assert array("i").itemsize == 1 << TOKEN_SHIFT, "radixkv needs a 4-byte C int"
 
 
 def pack_int32_py(seq) -> bytes:
@@ -78,14 +84,14 @@ def common_prefix_len_py(a: bytes, b: bytes, start: int, limit: int) -> int:
         The largest ``m <= min(len(a) // 4, limit - start)`` with ``a[:m] == b[start:start+m]``.
         One ``memcmp`` when the whole range matches, else a binary search over prefixes.
     """
-    n = min(len(a) >> 2, limit - start)
-    off = start << 2
-    if a[: n << 2] == b[off : off + (n << 2)]:
+    n = min(len(a) >> TOKEN_SHIFT, limit - start)
+    off = start << TOKEN_SHIFT
+    if a[: n << TOKEN_SHIFT] == b[off : off + (n << TOKEN_SHIFT)]:
         return n
     lo, hi = 0, n - 1
     while lo < hi:
         mid = (lo + hi + 1) >> 1
-        if a[: mid << 2] == b[off : off + (mid << 2)]:
+        if a[: mid << TOKEN_SHIFT] == b[off : off + (mid << TOKEN_SHIFT)]:
             lo = mid
         else:
             hi = mid - 1
@@ -113,17 +119,17 @@ def walk_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
         (``m`` a positive multiple of ``page_size``), that child (not updated; the caller
         splits it), else ``None`` and 0.
     """
-    pb = page_size << 2
+    pb = page_size << TOKEN_SHIFT
     pos = 0
     cpl = common_prefix_len
     while pos < n:
-        child = node.children.get(kb[pos << 2 : (pos << 2) + pb])
+        child = node.children.get(kb[pos << TOKEN_SHIFT : (pos << TOKEN_SHIFT) + pb])
         if child is None:
             break
         m = cpl(child.key, kb, pos, n)
         if page_size > 1:
             m -= m % page_size
-        if m << 2 < len(child.key):
+        if m << TOKEN_SHIFT < len(child.key):
             return node, pos, child, m
         child.last_access = tick
         pos += m
@@ -152,9 +158,9 @@ def walk_slots_py(node, kb: bytes, n: int, page_size: int, tick: int) -> tuple:
         cur = cur.parent
     if child is not None:
         if not values:
-            return end, pos, child.value[: m << 3], child, m
+            return end, pos, child.value[: m << SLOT_SHIFT], child, m
         values.reverse()
-        values.append(child.value[: m << 3])
+        values.append(child.value[: m << SLOT_SHIFT])
     elif len(values) <= 1:
         return end, pos, values[0] if values else b"", child, m
     else:
@@ -171,7 +177,7 @@ def read_int64_py(address: int, count: int) -> bytes:
     """
     if count < 0 or (address == 0 and count > 0):
         raise ValueError(f"read_int64: need a non-null address and count >= 0, got count={count}")
-    return ctypes.string_at(address, count << 3) if count else b""
+    return ctypes.string_at(address, count << SLOT_SHIFT) if count else b""
 
 
 def _as_int32_bytes(tokens) -> bytes:
@@ -228,7 +234,7 @@ def match_walk_py(node, tokens, page_size: int, tick: int) -> tuple:
         ValueError / TypeError: a token id that is not an int in the int32 range.
     """
     kb = _as_int32_bytes(tokens)
-    n = len(kb) >> 2
+    n = len(kb) >> TOKEN_SHIFT
     return walk_slots_py(node, kb, n - n % page_size, page_size, tick)
 
 
@@ -248,12 +254,12 @@ def insert_walk_py(node, tokens, page_size: int, tick: int, address: int) -> tup
         ``address < 0``).
     """
     kb = _as_int32_bytes(tokens)
-    n = len(kb) >> 2
+    n = len(kb) >> TOKEN_SHIFT
     n -= n % page_size
     node, pos, child, m = walk_py(node, kb, n, page_size, tick)
     s = pos + m
-    tail_slots = read_int64_py(address + (s << 3), n - s) if address >= 0 else None
-    return node, pos, child, m, kb[s << 2 : n << 2], tail_slots
+    tail_slots = read_int64_py(address + (s << SLOT_SHIFT), n - s) if address >= 0 else None
+    return node, pos, child, m, kb[s << TOKEN_SHIFT : n << TOKEN_SHIFT], tail_slots
 
 
 class _NoSuchError(TypeError):
@@ -401,7 +407,7 @@ def _tensor_int_dtypes() -> tuple:
 
 def num_query_tokens(q) -> int:
     """Number of tokens of a :func:`query_tokens` result (int32 ``bytes`` count 4 bytes a token)."""
-    return len(q) >> 2 if type(q) is bytes else len(q)
+    return len(q) >> TOKEN_SHIFT if type(q) is bytes else len(q)
 
 
 def slot_tensor_address(slots) -> int:

@@ -109,7 +109,8 @@ class Explanation:
     def __str__(self) -> str:
         o = self.outcome
         lines = [
-            f"cause {o.cause}: {o.num_cached_tokens} of {o.num_prompt_tokens} prompt tokens cached, missed {o.missed}",
+            f"cause {o.cause} ({o.cause_meaning}): {o.num_cached_tokens} of {o.num_prompt_tokens} prompt tokens "
+            f"cached, missed {o.missed}",
             f"match stops at token {self.stop_pos}",
             f"  shared : {self.before!r}",
             f"  prompt : {self.prompt_side!r}",

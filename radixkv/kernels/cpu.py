@@ -1,4 +1,4 @@
-"""Checked Python entry points to radixkv's native CPU kernels (``csrc/cpu_kernels.c``).
+"""Checked Python entry points to radixkv's native CPU kernels (``csrc/cpu_kernels/``).
 
 float32 kernels for the CPU decode step, all optional: :data:`AVAILABLE` is False when the
 extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use torch.

@@ -208,13 +208,17 @@ def load_tokenizer(name_or_path: Union[str, Path] = DEFAULT_MODEL) -> Any:
     return AutoTokenizer.from_pretrained(str(resolve_hf_dir(name_or_path)), local_files_only=True)
 
 
-def build_model(
-    hf_config, seed: int | None = 0, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32
-) -> CausalLM:
-    """A randomly initialized radixkv model for ``hf_config`` (weights ~ N(0, initializer_range),
-    norms 1, biases 0), in eval mode. ``seed`` seeds a private generator (None: global RNG)."""
-    model = get_model_class(hf_config)(hf_config)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+def init_random_weights(model: torch.nn.Module, hf_config, seed: int | None = 0) -> None:
+    """Fill ``model``'s parameters in place with radixkv's random init: weights ~ N(0,
+    initializer_range) (``hf_config.initializer_range``, default 0.02), norm weights 1, biases 0.
+
+    The draws are float32 on the device of the model's first parameter (all parameters must be
+    there, in any dtype: each draw is rounded once into it), from a private generator seeded with
+    ``seed`` (None: the global RNG), parameter by parameter in ``named_parameters`` order, so one
+    seed gives the same weights on every run on that device.
+    """
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     std = float(getattr(hf_config, "initializer_range", 0.02))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -223,7 +227,17 @@ def build_model(
             elif name.endswith(".bias"):
                 p.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * std)
+
+
+def build_model(
+    hf_config, seed: int | None = 0, device: Union[str, torch.device] = "cpu", dtype: torch.dtype = torch.float32
+) -> CausalLM:
+    """A randomly initialized radixkv model for ``hf_config`` (:func:`init_random_weights`, drawn on
+    the CPU, then moved to ``device`` / ``dtype``), in eval mode. ``seed`` seeds a private generator
+    (None: global RNG)."""
+    model = get_model_class(hf_config)(hf_config)
+    init_random_weights(model, hf_config, seed)
     return model.to(device=device, dtype=dtype).eval()
 
 

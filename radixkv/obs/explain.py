@@ -30,6 +30,10 @@ from radixkv.sim import SimRequest, simulate
 __all__ = ["explain_trace", "FRACTIONS", "DEFAULT_CAPACITY"]
 
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 0.9, 1.0)
+FIX_ORDER = ("static", "moved", "removed")
+"""The what-if rewrites preferred, in order, when their hit rates tie (the first keeps the most
+of the prompt)."""
+FIX_WORDS = {"static": "made static", "moved": "moved after the shared part", "removed": "removed"}
 DEFAULT_CAPACITY = 32768
 """The engine's default KV pool on CPU (tokens)."""
 
@@ -130,16 +134,36 @@ def explain_trace(
         raise ValueError("the trace has no requests")
     sims = [r.sim_request() if isinstance(r, TraceRequest) else r for r in requests]
     tokens = [list(s.tokens) for s in sims]
-    main = simulate(sims, policy, page_size, capacity, hash_algo)
-    inf = simulate(sims, policy, page_size, None, hash_algo, outcomes=False, keep_requests=False)
+    sim_kw = dict(policy=policy, page_size=page_size, hash_algo=hash_algo)
+    main = simulate(sims, capacity=capacity, **sim_kw)
+    inf = simulate(sims, capacity=None, outcomes=False, keep_requests=False, **sim_kw)
+    served = [r for r in main.requests if r.served]
+    report = _summary(main, inf, served, source, hash_algo)
+    report["top_misses"] = _top_misses(served, requests, tokens, tokenizer, top, context)
+    report["spans"] = []
+    if spans:
+        missed_idx = [r.index for r in served if r.outcome.cause not in ("full", "disabled")]
+        found, report["aligned_misses"] = find_spans(tokens, missed_idx)
+        for k, sp in enumerate(found):
+            report["spans"].append(
+                _span_report(
+                    k, sp, requests, tokens, sims, main.requests, tokenizer, what_if, dict(sim_kw, capacity=capacity)
+                )
+            )
+    report["series"]["fix"] = _fix_series(report["spans"])
+    report["capacity_curve"] = _capacity_curve(sims, sim_kw, max(page_size, inf.cache_tokens_end), sweep)
+    return report
+
+
+def _summary(main: Any, inf: Any, served: list, source: str, hash_algo: str) -> dict:
+    """The report's totals: config, hit rates, missed tokens and requests by cause, the series."""
     missed_total = main.prompt_tokens - main.cached_tokens
     by_cause = {c: main.missed_by_cause.get(c, 0) for c in CAUSES if main.missed_by_cause.get(c, 0)}
-    rows = main.requests
-    served = [r for r in rows if r.served]
+    by_request = {c: sum(1 for r in served if r.outcome.cause == c) for c in CAUSES}
     report: dict = dict(
         source=source,
-        config=dict(policy=policy, page_size=page_size, capacity=main.capacity, hash_algo=hash_algo),
-        requests=len(rows),
+        config=dict(policy=main.policy, page_size=main.page_size, capacity=main.capacity, hash_algo=hash_algo),
+        requests=len(main.requests),
         skipped=main.skipped,
         prompt_tokens=main.prompt_tokens,
         cached_tokens=main.cached_tokens,
@@ -149,23 +173,27 @@ def explain_trace(
         evicted_tokens=main.evicted_tokens,
         missed_by_cause=by_cause,
         causes_sum_to_missed=sum(by_cause.values()) == missed_total,
-        requests_by_cause=dict(
-            sorted(
-                ((c, sum(1 for r in served if r.outcome.cause == c)) for c in CAUSES),
-                key=lambda kv: CAUSES.index(kv[0]),
-            )
-        ),
+        requests_by_cause={c: n for c, n in by_request.items() if n},
     )
-    report["requests_by_cause"] = {c: n for c, n in report["requests_by_cause"].items() if n}
-    report["series"] = _series([r.num_cached_tokens for r in served], [r.num_prompt_tokens for r in served])
-    report["series"]["index"] = [served[i].index for i in report["series"]["index"]]
+    report["series"] = _series_of(served)
+    return report
 
+
+def _series_of(served: list) -> dict:
+    """:func:`_series` of the served requests of a replay, indexed by request index."""
+    series = _series([r.num_cached_tokens for r in served], [r.num_prompt_tokens for r in served])
+    series["index"] = [served[i].index for i in series["index"]]
+    return series
+
+
+def _top_misses(served: list, requests: Sequence[Any], tokens: list, tokenizer: Any, top: int, context: int) -> list:
+    """The ``top`` requests that miss most, with the text around their stop position."""
     worst = sorted(served, key=lambda r: -(r.num_prompt_tokens - r.num_cached_tokens))[:top]
-    report["top_misses"] = []
+    out = []
     for r in worst:
         o = r.outcome
         ex = explain_text(o, tokens[r.index], tokenizer, context)
-        report["top_misses"].append(
+        out.append(
             dict(
                 index=r.index,
                 line=getattr(requests[r.index], "line", r.index + 1),
@@ -173,6 +201,7 @@ def explain_trace(
                 cached_tokens=o.num_cached_tokens,
                 missed_tokens=o.num_missed_tokens,
                 cause=o.cause,
+                cause_meaning=o.cause_meaning,
                 missed=o.missed,
                 stop_pos=ex.stop_pos,
                 before=ex.before,
@@ -180,23 +209,34 @@ def explain_trace(
                 cached_side=ex.cached_side,
             )
         )
+    return out
 
-    report["spans"] = []
-    if spans:
-        missed_idx = [r.index for r in served if r.outcome.cause not in ("full", "disabled")]
-        found, aligned = find_spans(tokens, missed_idx)
-        report["aligned_misses"] = aligned
-        for k, sp in enumerate(found):
-            report["spans"].append(_span_report(k, sp, requests, tokens, sims, rows, tokenizer, what_if, dict(
-                policy=policy, page_size=page_size, capacity=capacity, hash_algo=hash_algo)))  # fmt: skip
 
-    report["capacity_curve"] = []
-    ws = max(page_size, inf.cache_tokens_end)
+def _fix_series(spans: list) -> Optional[dict]:
+    """The predicted hit rate over the trace with the best fix applied: the first span's what-if
+    with the highest hit rate (:data:`FIX_ORDER` on a tie), as ``{label, how, span, hit_rate,
+    window, index, cumulative, rolling}``; None without one. Takes the per-request series out of
+    the span's what-ifs."""
+    if not spans or not spans[0]["what_if"]:
+        return None
+    sp = spans[0]
+    series = {how: v.pop("series") for how, v in sp["what_if"].items() if "series" in v}
+    options = [(sp["what_if"][how]["hit_rate"], -i, how) for i, how in enumerate(FIX_ORDER) if how in series]
+    if not options:
+        return None
+    how = max(options)[2]
+    label = f"the {sp['kind']} span (#{sp['id']}) {FIX_WORDS[how]}"
+    return dict(label=label, how=how, span=sp["id"], hit_rate=sp["what_if"][how]["hit_rate"], **series[how])
+
+
+def _capacity_curve(sims: list, sim_kw: dict, working_set: int, sweep: Sequence[float]) -> list:
+    """The hit rate at each fraction of the working set (tokens), replayed."""
+    page_size = sim_kw["page_size"]
+    curve = []
     for f in sweep:
-        cap = max(page_size, int(ws * f))
-        r = simulate(sims, policy, page_size, cap, hash_algo, outcomes=False, keep_requests=False)
-        report["capacity_curve"].append(dict(fraction=f, capacity=r.capacity, hit_rate=r.hit_rate))
-    return report
+        r = simulate(sims, capacity=max(page_size, int(working_set * f)), outcomes=False, keep_requests=False, **sim_kw)
+        curve.append(dict(fraction=f, capacity=r.capacity, hit_rate=r.hit_rate))
+    return curve
 
 
 def _span_report(k, sp, requests, tokens, sims, rows, tokenizer, what_if, sim_kw) -> dict:
@@ -249,10 +289,12 @@ def _span_report(k, sp, requests, tokens, sims, rows, tokenizer, what_if, sim_kw
             res = simulate(
                 [SimRequest(t, s.reply, s.namespace) for t, s in zip(new, sims)],
                 outcomes=False,
-                keep_requests=False,
+                keep_requests=k == 0,
                 **sim_kw,
             )
             out["what_if"][how] = dict(
                 hit_rate=res.hit_rate, cached_tokens=res.cached_tokens, prompt_tokens=res.prompt_tokens
             )
+            if k == 0:  # the fix's predicted line over the trace (taken out by _fix_series)
+                out["what_if"][how]["series"] = _series_of([r for r in res.requests if r.served])
     return out

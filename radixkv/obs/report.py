@@ -10,7 +10,7 @@ import io
 import json
 from typing import Any, Optional
 
-from radixkv.cache.outcome import CAUSES
+from radixkv.cache.outcome import CAUSE_NOTES, CAUSES
 from radixkv.obs.plan import GB, format_bytes
 
 __all__ = ["explain_text_report", "plan_text_report", "to_json", "explain_html", "plan_html"]
@@ -48,6 +48,11 @@ def _where(pos: dict) -> str:
     return f"tokens {t[0]}-{t[1]}"
 
 
+def _cause_of(m: dict) -> str:
+    """A top miss's cause, with what it means when that is ``full`` (whose name alone misleads)."""
+    return f"{m['cause']} ({m['cause_meaning']})" if m["cause"] == "full" and m.get("cause_meaning") else m["cause"]
+
+
 def explain_text_report(rep: dict, top: int = 5) -> str:
     """The terminal summary of an explain report."""
     c = rep["config"]
@@ -60,13 +65,14 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
         f"{_pct(rep['infinite']['hit_rate'])}; working set {rep['infinite']['working_set_tokens']:,} tokens",
         "",
         f"missed {rep['missed_tokens']:,} prompt tokens, by cause"
-        + (" (sums exactly)" if rep.get("causes_sum_to_missed") else " (DOES NOT SUM)")
-        + ":",
+        + (" (sums exactly" if rep.get("causes_sum_to_missed") else " (DOES NOT SUM")
+        + "; requests: how many it is the main cause of):",
+        f"  {'cause':<11}{'tokens':>12}  {'share':>6}  {'requests':>8}  what the tokens are",
     ]
     for cause, n in rep["missed_by_cause"].items():
         reqs = rep["requests_by_cause"].get(cause, 0)
         share = n / rep["missed_tokens"] if rep["missed_tokens"] else 0
-        out.append(f"  {cause:<11}{n:>12,}  {_pct(share):>6}   requests with this cause: {reqs}")
+        out.append(f"  {cause:<11}{n:>12,}  {_pct(share):>6}  {reqs:>8,}  {CAUSE_NOTES.get(cause, '')}")
     spans = rep.get("spans", [])
     out.append("")
     if "aligned_misses" in rep:
@@ -90,7 +96,7 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
     for m in rep["top_misses"][:top]:
         out.append(
             f"  request {m['index']} (line {m['line']}): {m['missed_tokens']:,} of {m['prompt_tokens']:,} missed, "
-            f"{m['cause']} at token {m['stop_pos']}"
+            f"{_cause_of(m)} at token {m['stop_pos']}"
         )
         out.append(f"     shared ...{_short(m['before'], 60)!r}")
         out.append(f"     prompt    {_short(m['prompt_side'], 60)!r}")
@@ -179,20 +185,56 @@ def _plt():
     return plt
 
 
-def _explain_plots(rep: dict) -> list[tuple[str, str]]:
-    plt = _plt()
-    out = []
+FLAT = 0.02
+"""A hit-rate-over-the-trace plot whose lines stay within this (fraction) says nothing: it is left
+out unless a fix's predicted line is there to compare."""
+
+
+def _is_flat(series: dict) -> bool:
+    ys = list(series["rolling"]) + list(series["cumulative"])
+    return not ys or max(ys) - min(ys) < FLAT
+
+
+def _trace_plot(plt, rep: dict) -> Optional[str]:
+    """Hit rate over the trace (rolling and cumulative), with the predicted line of the best fix
+    (``series.fix``) when there is one; None when the lines are flat and there is no fix."""
     s = rep["series"]
+    fix = s.get("fix")
+    if fix is None and _is_flat(s):
+        return None
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     ax.plot(s["index"], [100 * x for x in s["rolling"]], label=f"last {s['window']} requests", color="#00798c")
     ax.plot(s["index"], [100 * x for x in s["cumulative"]], label="cumulative", color="#d1495b")
+    if fix is not None:
+        ax.plot(
+            fix["index"],
+            [100 * x for x in fix["rolling"]],
+            color="#4c9f70",
+            alpha=0.5,
+            lw=1,
+            label=f"predicted, last {fix['window']} requests",
+        )
+        ax.plot(
+            fix["index"],
+            [100 * x for x in fix["cumulative"]],
+            color="#4c9f70",
+            label="predicted, cumulative",
+        )
     ax.axhline(100 * rep["infinite"]["hit_rate"], ls="--", color="#888", lw=1, label="infinite capacity")
     ax.set_xlabel("request")
     ax.set_ylabel("hit rate (% of prompt tokens)")
     ax.set_ylim(0, 100)
-    ax.legend(fontsize=8)
-    ax.set_title("Hit rate over the trace")
-    out.append(("Hit rate over the trace", _png(fig)))
+    ax.legend(fontsize=8, loc="center right")
+    ax.set_title("Hit rate over the trace" + (f"; predicted with {fix['label']}" if fix else ""))
+    return _png(fig)
+
+
+def _explain_plots(rep: dict) -> list[tuple[str, str]]:
+    plt = _plt()
+    out = []
+    trace = _trace_plot(plt, rep)
+    if trace is not None:
+        out.append(("Hit rate over the trace", trace))
 
     causes = [c for c in CAUSES if rep["missed_by_cause"].get(c)]
     fig, ax = plt.subplots(figsize=(7.5, 0.6 + 0.45 * max(1, len(causes))))
@@ -257,14 +299,18 @@ def explain_html(rep: dict) -> str:
         f"<div class=card><div class=big>{len(rep.get('spans', []))}</div>volatile spans</div>",
     ]
     plots = _explain_plots(rep)
-    for title, uri in plots[:2]:
+    late = [p for p in plots if p[0] == "Hit rate vs capacity"]  # after the spans and prompts
+    for title, uri in (p for p in plots if p not in late):
         b.append(f'<h2>{_e(title)}</h2><img alt="{_e(title)}" src="{uri}">')
-    b.append("<table><tr><th>cause</th><th>missed tokens</th><th>share</th><th>requests</th></tr>")
+    b.append(
+        "<table><tr><th>cause</th><th>missed tokens</th><th>share</th><th>requests (its cause)</th>"
+        "<th>what the tokens are</th></tr>"
+    )
     for cause, n in rep["missed_by_cause"].items():
         share = n / rep["missed_tokens"] if rep["missed_tokens"] else 0
         b.append(
             f"<tr><td>{_e(cause)}</td><td class=n>{n:,}</td><td class=n>{_pct(share)}</td>"
-            f"<td class=n>{rep['requests_by_cause'].get(cause, 0)}</td></tr>"
+            f"<td class=n>{rep['requests_by_cause'].get(cause, 0)}</td><td>{_e(CAUSE_NOTES.get(cause, ''))}</td></tr>"
         )
     b.append("</table>")
     b.append("<h2>Volatile spans</h2>")
@@ -290,11 +336,11 @@ def explain_html(rep: dict) -> str:
     for m in rep["top_misses"]:
         b.append(
             f"<p><b>request {m['index']}</b> (line {m['line']}): {m['missed_tokens']:,} of {m['prompt_tokens']:,} "
-            f"tokens missed, <b>{_e(m['cause'])}</b> at token {m['stop_pos']}</p>"
+            f"tokens missed, <b>{_e(_cause_of(m))}</b> at token {m['stop_pos']}</p>"
             f"<pre><span class=k>…</span>{_e(m['before'])}<b>|</b>{_e(m['prompt_side'])}</pre>"
             + (f"<pre class=k>cached: {_e(m['cached_side'])}</pre>" if m["cached_side"] else "")
         )
-    for title, uri in plots[2:]:
+    for title, uri in late:
         b.append(f'<h2>{_e(title)}</h2><img alt="{_e(title)}" src="{uri}">')
     return _page("radixkv explain", b)
 

@@ -103,14 +103,62 @@ def optimal(
     Raises:
         ValueError: unknown policy, bad page size or capacity, an empty prompt.
     """
+    _check(policy, page_size, capacity)
+    t0 = time.perf_counter()
+    ps = page_size
+    seqs, match_pages, finals, plens = _paths(requests, ps)
+    pids = _page_ids(seqs, ps)
+    nexts = _next_uses(pids, match_pages) if policy == "min" else None
+    npages = 1 + max((int(p.max()) for p in pids if len(p)), default=0)
+    pages = _Pages(pids, npages, policy)
+    used = 0
+    cap_pages = capacity // ps
+    res = SimResult(policy, ps, cap_pages * ps)
+    for i, p in enumerate(pids):
+        need = -(-finals[i] // ps)
+        if need > cap_pages:  # larger than the pool: not served (nothing is looked up)
+            res.skipped += 1
+            continue
+        m = match_pages[i]
+        c = pages.cached[p[:m]]
+        h = m if c.all() else int(np.argmin(c))
+        if policy == "lru" and h:  # the match refreshes the reused prefix (and it is in use)
+            pages.file(i, p[:h], np.full(h, i, np.int64))
+        short = need - h - (cap_pages - used)
+        if short > 0:
+            evicted = pages.evict(short)
+            used -= evicted
+            res.evicted_tokens += evicted * ps
+        res.num_requests += 1
+        res.cached_tokens += h * ps
+        res.prompt_tokens += plens[i]
+        used += int(np.count_nonzero(~pages.cached[p]))
+        pages.cached[p] = True
+        if len(p):
+            pages.file(i, p, nexts[i] if policy == "min" else np.full(len(p), i, np.int64))
+    res.cache_tokens_end = used * ps
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _check(policy: str, page_size: int, capacity: int) -> None:
+    """Raises ValueError for an unknown policy, a bad page size or capacity."""
     if policy not in ("min", "lru"):
         raise ValueError(f"policy must be 'min' or 'lru', got {policy!r}")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
     if not isinstance(capacity, int) or capacity < page_size:
         raise ValueError(f"capacity must be an int >= page_size ({page_size}), got {capacity!r}")
-    t0 = time.perf_counter()
-    ps = page_size
+
+
+def _paths(requests: Sequence[SimRequest], ps: int) -> tuple[list, list, list, list]:
+    """Per request: the ``(tokens, namespace)`` whose K/V is computed (prompt + reply but the last
+    generated token), the whole pages its match may reuse (all prompt tokens but the last,
+    floored), its ``final`` token count and its prompt length.
+
+    Raises:
+        ValueError: an empty prompt.
+    """
     seqs, match_pages, finals, plens = [], [], [], []
     for r in requests:
         tokens = list(r.tokens)
@@ -122,32 +170,40 @@ def optimal(
         match_pages.append((len(tokens) - 1) // ps)  # all prompt tokens but the last, floored
         finals.append(final)
         plens.append(len(tokens))
-    pids = _page_ids(seqs, ps)
-    nexts = _next_uses(pids, match_pages) if policy == "min" else None
-    npages = 1 + max((int(p.max()) for p in pids if len(p)), default=0)
-    cached = np.zeros(npages, bool)
-    value = np.full(npages, -1, np.int64)  # the rank a page was filed under: next use / last use
-    sign = -1 if policy == "min" else 1  # heapq pops the smallest; MIN evicts the largest next use
-    heap: list = []  # runs of one request's path with one rank: (sign * rank, -tail depth, i, a, b)
-    used = 0
-    cap_pages = capacity // ps
-    res = SimResult(policy, ps, cap_pages * ps)
-    for i, p in enumerate(pids):
-        need = -(-finals[i] // ps)
-        if need > cap_pages:  # larger than the pool: not served (nothing is looked up)
-            res.skipped += 1
-            continue
-        m = match_pages[i]
-        c = cached[p[:m]]
-        h = m if c.all() else int(np.argmin(c))
-        if policy == "lru" and h:  # the match refreshes the reused prefix (and it is in use)
-            value[p[:h]] = i
-            heapq.heappush(heap, (i, -(h - 1), i, 0, h))
-        short = need - h - (cap_pages - used)
+    return seqs, match_pages, finals, plens
+
+
+class _Pages:
+    """The pages of a replay: which are cached, the rank each was last filed under (next use for
+    MIN, last use for LRU), and a heap of runs ``(sign * rank, -tail depth, request, a, b)``:
+    pages ``[a, b)`` of one request's path filed with one rank (heapq pops the smallest; MIN
+    evicts the largest next use, so its ranks are negated)."""
+
+    def __init__(self, pids: list[np.ndarray], npages: int, policy: str) -> None:
+        self.pids = pids
+        self.cached = np.zeros(npages, bool)
+        self.value = np.full(npages, -1, np.int64)
+        self.sign = -1 if policy == "min" else 1
+        self.heap: list = []
+
+    def file(self, i: int, p: np.ndarray, ranks: np.ndarray) -> None:
+        """File pages ``p`` (a prefix of request ``i``'s path) under ``ranks`` (non-decreasing
+        along the path): one run per stretch of equal rank."""
+        self.value[p] = ranks
+        cuts = (np.flatnonzero(np.diff(ranks)) + 1).tolist()
+        for a, b in zip([0] + cuts, cuts + [len(p)]):
+            heapq.heappush(self.heap, (self.sign * int(ranks[a]), -(b - 1), i, a, b))
+
+    def evict(self, short: int) -> int:
+        """Evict at least ``short`` pages, runs in heap order, each from its tail; returns the pages
+        evicted. A run whose tail went through another run is trimmed and re-filed; one whose
+        pages were used again since (their rank changed) is dropped."""
+        cached, value, heap = self.cached, self.value, self.heap
+        evicted = 0
         while short > 0:
             key, _, rid, a, b = heapq.heappop(heap)
-            ids = pids[rid][a:b]
-            rank = sign * key
+            ids = self.pids[rid][a:b]
+            rank = self.sign * key
             if not cached[ids[-1]]:  # its tail went through another run: trim and re-file
                 left = np.flatnonzero(cached[ids])
                 if len(left):
@@ -160,27 +216,8 @@ def optimal(
             bad = np.flatnonzero(~(cached[window] & (value[window] == rank)))
             k = len(window) - (int(bad[-1]) + 1 if len(bad) else 0)
             cached[window[len(window) - k :]] = False
-            used -= k
+            evicted += k
             short -= k
-            res.evicted_tokens += k * ps
             if k == len(window) and b - k > a:  # the rest of the run keeps its place
                 heapq.heappush(heap, (key, -(b - k - 1), rid, a, b - k))
-        res.num_requests += 1
-        res.cached_tokens += h * ps
-        res.prompt_tokens += plens[i]
-        used += int(np.count_nonzero(~cached[p]))
-        cached[p] = True
-        if not len(p):
-            continue
-        if policy == "min":
-            nx = nexts[i]
-            value[p] = nx
-            cuts = (np.flatnonzero(np.diff(nx)) + 1).tolist()
-            for a, b in zip([0] + cuts, cuts + [len(p)]):
-                heapq.heappush(heap, (-int(nx[a]), -(b - 1), i, a, b))
-        else:
-            value[p] = i
-            heapq.heappush(heap, (i, -(len(p) - 1), i, 0, len(p)))
-    res.cache_tokens_end = used * ps
-    res.seconds = time.perf_counter() - t0
-    return res
+        return evicted
