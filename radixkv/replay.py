@@ -41,6 +41,9 @@ ROW_KEYS = (
 )
 
 
+_KV_KEYS = ("capacity", "kv_cache_dtype", "kv_bytes_per_token", "kv_cache_bytes")
+
+
 def replay_mode(
     llm,
     conversations: List[List[str]],
@@ -141,6 +144,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pool capacity in tokens (default: the engine's, 32768 on CPU)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="K/V storage dtype: auto (the model's), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2 (default auto)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        default=None,
+        metavar="BYTES",
+        help="KV pool size in bytes, e.g. 512MiB, 1.5GB (instead of --max-total-tokens)",
+    )
+    parser.add_argument(
         "--modes", default="radix,off", help="comma-separated modes among radix, hash, off (default radix,off)"
     )
     parser.add_argument("--model", default="smollm2-135m", help="model name or path (default smollm2-135m)")
@@ -174,13 +188,22 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         if getattr(args, name) < 1:
             print(f"radixkv replay: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    from radixkv.config import EngineConfig
+
+    kv = dict(
+        max_total_tokens=args.max_total_tokens,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
+    )
+    try:  # bad K/V options fail before the dataset and the model load
+        cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
+    except ValueError as exc:
+        print(f"radixkv replay: {exc}", file=sys.stderr)
+        return 2
     t_setup = time.perf_counter()
     convs = load_conversations(args.conversations, args.turns, args.max_user_chars, args.skip)
     rows: List[dict] = []
     replies: Dict[str, list] = {}
-    from radixkv.config import EngineConfig
-
-    cfg = EngineConfig(model=args.model, device=args.device).resolve()
     t_load = time.perf_counter()
     loaded = loaded_model if loaded_model is not None else load_model(args.model, cfg.device, cfg.dtype)
     print(f"model {args.model} loaded in {time.perf_counter() - t_load:.1f} s on {cfg.device}", file=sys.stderr)
@@ -190,7 +213,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         args.model,
         device=cfg.device,
         page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
+        **kv,
         prefix_cache="none",
         loaded_model=loaded,
     )
@@ -207,11 +230,16 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             args.model,
             device=cfg.device,
             page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
+            **kv,
             prefix_cache=MODES[mode],
             loaded_model=loaded,
         )
-        print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}", file=sys.stderr)
+        st = llm.cache_stats()
+        print(
+            f"[{mode}] engine: {st['capacity']} KV slots, page_size {args.page_size}, {st['kv_cache_dtype']} K/V "
+            f"({st['kv_bytes_per_token']} bytes/token, {st['kv_cache_bytes'] / 2**20:.1f} MiB)",
+            file=sys.stderr,
+        )
         res = replay_mode(
             llm,
             convs,
@@ -222,7 +250,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             model=args.model,
         )
         replies[mode] = res.pop("replies")
-        rows.append({"mode": mode, **res, "page_size": args.page_size})
+        rows.append({"mode": mode, **res, "page_size": args.page_size, **{k: st[k] for k in _KV_KEYS}})
         del llm
         gc.collect()
     if log is not None:

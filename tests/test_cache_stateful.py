@@ -3,7 +3,8 @@
 Hypothesis drives random inserts, matches, lock/unlock, evictions, resets and slot holds over
 short sequences from a 3-token alphabet (so edges branch and split all the time), in two
 namespaces, at page_size 1 and 4 (LRU, the default policy), at page_size 2 under the LFU
-policy and at page_size 4 under reuse-odds. The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
+policy and at page_size 4 under reuse-odds; and at page_size 4 over an engine's own tree,
+allocator and bfloat16 KV pool (tiny random Llama), whose cached pages' K/V must read back intact. The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
 edges are matched, extended and split deep inside, not only near the root. Every match and
 insert hands the tree its tokens in a container drawn from CONTAINERS (list, tuple, array of
 i/l/q, numpy int32/int64, memoryviews, int32/int64 tensors), so every container type meets every
@@ -36,6 +37,7 @@ derandomized so every run checks the same cases. RADIXKV_SOAK=1 runs 20,000 exam
 """
 
 import os
+import zlib
 from array import array
 
 import numpy as np
@@ -302,6 +304,57 @@ class CacheMachineReuseOddsPage4(CacheMachine):
     policy = "reuse-odds"
 
 
+class CacheMachineEngineBF16Page4(CacheMachine):
+    """The same rules and oracle over an engine's own radix tree, slot allocator and **bfloat16**
+    KV pool (the tiny random Llama, ``kv_cache_dtype="bfloat16"``, ``max_total_tokens=CAPACITY``):
+    the pool's dtype does not touch slot logic. Every page an insert hands the tree gets K/V rows
+    written into the pool (values derived from its namespace and prefix); after every step each
+    cached page's slots still read back exactly the bfloat16 rounding of those rows (a slot is
+    rewritten only after eviction frees it)."""
+
+    page_size = 4
+    _loaded = None
+
+    @initialize()
+    def setup(self):
+        from model_helpers import tiny_loaded_model
+
+        from radixkv.config import EngineConfig
+        from radixkv.engine import Engine
+
+        if CacheMachineEngineBF16Page4._loaded is None:
+            CacheMachineEngineBF16Page4._loaded = tiny_loaded_model()
+        cfg = EngineConfig(device="cpu", page_size=self.page_size, max_total_tokens=CAPACITY, kv_cache_dtype="bf16")
+        engine = Engine(cfg, loaded_model=CacheMachineEngineBF16Page4._loaded)
+        CacheMachine.setup(self)
+        self.tree, self.alloc, self.pool = engine.kv.cache, engine.kv.allocator, engine.runner.kv_pool
+        assert self.pool.kv_cache_dtype == "bfloat16" and self.alloc.num_slots == CAPACITY
+        assert type(self.tree) is RadixCache and self.tree.page_size == self.page_size
+
+    def rows(self, ns, key):
+        """The K and V rows ``[page_size, kv_heads, head_dim]`` of the cached page ``key``."""
+        g = torch.Generator().manual_seed(zlib.crc32(repr((ns, key)).encode()))
+        p = self.pool
+        return [100 * torch.randn(self.page_size, p.num_kv_heads, p.head_dim, generator=g) for _ in range(2)]
+
+    def do_insert(self, toks, ns, box="list"):
+        before = set(self.cached[ns])
+        super().do_insert(toks, ns, box)
+        for key in set(self.cached[ns]) - before:  # the pages this insert handed the tree
+            k, v = self.rows(ns, key)
+            for layer in range(self.pool.num_layers):
+                self.pool.write(layer, torch.tensor(self.cached[ns][key]), k, v)
+
+    @invariant()
+    def cached_kv_intact(self):
+        for ns in NAMESPACES:
+            for key, page in self.cached[ns].items():
+                k, v = self.rows(ns, key)
+                got_k, got_v = self.pool.read(self.pool.num_layers - 1, torch.tensor(page))
+                assert torch.equal(got_k, k.to(torch.bfloat16).float())
+                assert torch.equal(got_v, v.to(torch.bfloat16).float())
+
+
 _settings = settings(
     max_examples=MAX_EXAMPLES,
     stateful_step_count=STEPS,
@@ -319,5 +372,7 @@ TestRadixCacheLFUPage2 = CacheMachineLFUPage2.TestCase
 TestRadixCacheLFUPage2.settings = _settings
 TestRadixCacheReuseOddsPage4 = CacheMachineReuseOddsPage4.TestCase
 TestRadixCacheReuseOddsPage4.settings = _settings
+TestEngineBF16PoolPage4 = CacheMachineEngineBF16Page4.TestCase
+TestEngineBF16PoolPage4.settings = settings(_settings, max_examples=MAX_EXAMPLES if SOAK else 60)
 
 pytestmark = pytest.mark.timeout(None if SOAK else 600)

@@ -71,8 +71,10 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     from radixkv.executor.model_runner import ModelRunner  # lazy: the model stack (torch + transformers)
 
     m = loaded.model
+    shape = (m.num_layers, m.num_kv_heads, m.head_dim)
     cfg.resolve(
-        kv_bytes_per_token=KVPool.token_bytes(m.num_layers, m.num_kv_heads, m.head_dim, cfg.dtype),
+        kv_bytes_per_token=KVPool.token_bytes(*shape, cfg.kv_cache_dtype),
+        float32_kv_bytes_per_token=KVPool.token_bytes(*shape, "float32"),
         max_position_embeddings=int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 62)),
     )
     return ModelRunner(
@@ -84,6 +86,7 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
         device=cfg.device,
         dtype=cfg.dtype,
         attention_backend=cfg.attention_backend,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
 
 
@@ -707,7 +710,20 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             page_size=self.config.page_size,
             prefix_cache=self.config.prefix_cache,
+            **self._kv_facts(),
         )
+
+    def _kv_facts(self) -> dict:
+        """``kv_cache_dtype``, ``kv_bytes_per_token``, ``kv_cache_bytes`` of the runner's KV pool
+        (a runner without one, as tests' stand-ins: the configured dtype and 0 bytes)."""
+        pool = getattr(self.runner, "kv_pool", None)
+        if isinstance(pool, KVPool):
+            return dict(
+                kv_cache_dtype=pool.kv_cache_dtype,
+                kv_bytes_per_token=pool.bytes_per_token,
+                kv_cache_bytes=pool.kv_cache_bytes,
+            )
+        return dict(kv_cache_dtype=str(self.config.kv_cache_dtype), kv_bytes_per_token=0, kv_cache_bytes=0)
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache; False (and nothing done) while requests are queued or running."""

@@ -31,6 +31,11 @@ class EngineStats(Mapping):
         running, waiting: samples admitted / queued.
         page_size: tokens per KV page.
         prefix_cache: "radix", "hash" or "none".
+        kv_cache_dtype: the K/V storage dtype's canonical name ("float32", "bfloat16",
+            "float16", "fp8_e4m3", "fp8_e5m2").
+        kv_bytes_per_token: K+V bytes of one token in every layer, fp8 scales included.
+        kv_cache_bytes: bytes of the pool's K/V tensors, scales included
+            (``capacity * kv_bytes_per_token``).
     """
 
     capacity: int
@@ -51,6 +56,9 @@ class EngineStats(Mapping):
     waiting: int
     page_size: int
     prefix_cache: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:

@@ -100,13 +100,19 @@ def model_facts_of(engine: Any) -> ModelFacts:
     )
 
 
+# facts of each engine's configuration (the same on every replica): the first replica's, not a sum
+_PER_ENGINE_FACTS = {"page_size": 1, "prefix_cache": "radix", "kv_cache_dtype": "float32", "kv_bytes_per_token": 0}
+
+
 def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
     """Several engines' ``EngineStats.as_dict()`` as one :class:`EngineStats`: counts and sizes
-    summed, ``hit_rate`` recomputed from the sums, ``page_size`` / ``prefix_cache`` the first's."""
+    summed (``kv_cache_bytes`` too: the pools' total, as ``capacity``), ``hit_rate`` recomputed
+    from the sums, the configuration facts ``page_size``, ``prefix_cache``, ``kv_cache_dtype`` and
+    ``kv_bytes_per_token`` the first's (every replica has the same)."""
     agg: dict[str, Any] = {}
     for k in EngineStats.__dataclass_fields__:
-        if k in ("page_size", "prefix_cache"):
-            agg[k] = per_engine[0][k] if per_engine else (1 if k == "page_size" else "radix")
+        if k in _PER_ENGINE_FACTS:
+            agg[k] = per_engine[0][k] if per_engine else _PER_ENGINE_FACTS[k]
         elif k != "hit_rate":
             agg[k] = sum(int(p.get(k, 0)) for p in per_engine)
     agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0

@@ -4,6 +4,7 @@ Example::
 
     radixkv serve --model smollm2-135m --host 127.0.0.1 --port 30000
     python -m radixkv serve --page-size 16 --max-total-tokens 65536 --prefix-cache radix
+    radixkv serve --kv-cache-dtype bf16 --kv-cache-memory-bytes 2GiB
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (default: %(default)s)")
     g.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens (default: engine's)")
+    g.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="K/V storage dtype: auto (the model's dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2 "
+        "(aliases fp32, bf16, fp16, half, fp8) (default: %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-cache-memory-bytes", default=None, metavar="BYTES",
+        help="KV pool size in bytes, e.g. 2GiB, 512MiB, 1.5GB (instead of --max-total-tokens; default: engine's)",
+    )  # fmt: skip
     g.add_argument(
         "--max-running-requests", type=int, default=None, help="running-batch size limit (default: engine's)"
     )
@@ -92,9 +102,11 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         schedule_policy=args.schedule_policy,
         prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
         eviction_policy=args.radix_eviction_policy,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     for name in (
         "max_total_tokens",
+        "kv_cache_memory_bytes",
         "max_running_requests",
         "chunked_prefill_size",
         "max_n",

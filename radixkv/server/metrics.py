@@ -20,7 +20,8 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_num_requests_running``, ``radixkv_num_requests_waiting``,
   ``radixkv_kv_capacity_tokens``, ``radixkv_kv_free_tokens``, ``radixkv_kv_evictable_tokens``,
   ``radixkv_kv_protected_tokens``, ``radixkv_kv_usage_ratio`` ((capacity - free) / capacity),
-  ``radixkv_page_size``.
+  ``radixkv_page_size``, ``radixkv_kv_bytes_per_token``, ``radixkv_kv_cache_bytes`` and
+  ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype).
 
 A private registry per app keeps several apps in one process (tests) from colliding.
 """
@@ -60,9 +61,20 @@ class _EngineCollector(Collector):
             ("kv_evictable_tokens", "KV slots held only by the prefix cache (unlocked, evictable).", s.evictable),
             ("kv_protected_tokens", "KV slots of cached prefixes locked by running requests.", s.protected),
             ("page_size", "Tokens per KV page.", s.page_size),
+            (
+                "kv_bytes_per_token",
+                "K+V bytes of one token in every layer (fp8 scales included).",
+                s.kv_bytes_per_token,
+            ),
+            ("kv_cache_bytes", "Bytes of the KV pool's K/V tensors (scales included).", s.kv_cache_bytes),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"radixkv_{name}", doc, value=float(value))
+        dtype = GaugeMetricFamily(
+            "radixkv_kv_cache_dtype", "K/V storage dtype of the KV pool (1 for its name).", labels=["kv_cache_dtype"]
+        )
+        dtype.add_metric([s.kv_cache_dtype], 1.0)
+        yield dtype
         if s.capacity:
             yield GaugeMetricFamily(
                 "radixkv_kv_usage_ratio",
