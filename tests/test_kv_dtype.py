@@ -607,3 +607,16 @@ def test_simulator_capacity_from_bytes():
         simulate(reqs, kv_cache_memory_bytes=1000)
     with pytest.raises(ValueError, match="holds no page"):
         capacity_for_memory(1000, 144, 16)
+
+
+def test_the_pool_takes_the_dtype_by_either_name():
+    """``KVPool(dtype=...)`` (a torch dtype or a name) and ``KVPool(kv_cache_dtype=...)`` build the
+    same pool; float32 when neither is given; two names that disagree are refused."""
+    for kv, spellings in SPELLINGS.items():
+        for spelling in spellings:
+            for pool in (KVPool(2, 2, 16, 8, dtype=spelling), KVPool(2, 2, 16, 8, kv_cache_dtype=spelling)):
+                assert (pool.kv_cache_dtype, pool.dtype, pool.bytes_per_token) == (kv, SPELLINGS[kv][-1], TINY_BPT[kv])
+    assert KVPool(1, 1, 8, 8).kv_cache_dtype == "float32"
+    assert KVPool(1, 1, 8, 8, dtype=torch.bfloat16, kv_cache_dtype="bf16").kv_cache_dtype == "bfloat16"
+    with pytest.raises(ValueError, match="disagree"):
+        KVPool(1, 1, 8, 8, dtype=torch.float32, kv_cache_dtype="fp8")

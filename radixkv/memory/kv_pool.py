@@ -41,8 +41,10 @@ class KVPool:
         page_size: tokens per page (>= 1).
         dtype: the K/V dtype: a torch dtype (float32, bfloat16, float16, float8_e4m3fn,
             float8_e5m2) or a name :func:`~radixkv.memory.kv_dtype.canonical_kv_dtype` accepts
-            (``"bf16"``, ``"fp8"``, ...; not ``"auto"``).
+            (``"bf16"``, ``"fp8"``, ...; not ``"auto"``). Default float32.
         device: where the buffers live.
+        kv_cache_dtype: the same as ``dtype`` under ``EngineConfig``'s name (either may be
+            given; both only when they agree).
 
     Attributes:
         k_buffer, v_buffer: lists (one per layer) of tensors
@@ -69,8 +71,9 @@ class KVPool:
         head_dim: int,
         num_slots: int,
         page_size: int = 1,
-        dtype: Union[str, torch.dtype] = torch.float32,
+        dtype: Union[str, torch.dtype, None] = None,
         device: Device = "cpu",
+        kv_cache_dtype: Union[str, torch.dtype, None] = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -89,7 +92,7 @@ class KVPool:
         self.num_slots = int(num_slots)
         self.page_size = int(page_size)
         self.num_pages = self.num_slots // self.page_size
-        self.kv_cache_dtype = canonical_kv_dtype(dtype)
+        self.kv_cache_dtype = self._dtype_name(dtype, kv_cache_dtype)
         self.dtype = kv_torch_dtype(self.kv_cache_dtype)
         self.device = torch.device(device)
         shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
@@ -102,6 +105,18 @@ class KVPool:
             self.k_scale = [torch.ones(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(num_layers)]
             self.v_scale = [torch.ones(shape[:3], dtype=SCALE_DTYPE, device=self.device) for _ in range(num_layers)]
         self.bytes_per_token = self.token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.kv_cache_dtype)
+
+    @staticmethod
+    def _dtype_name(dtype: Union[str, torch.dtype, None], kv_cache_dtype: Union[str, torch.dtype, None]) -> str:
+        """The canonical K/V dtype of the two spellings (float32 when neither is given).
+
+        Raises:
+            ValueError: an unknown dtype, or two that disagree (naming ``kv_cache_dtype``).
+        """
+        names = {canonical_kv_dtype(d) for d in (dtype, kv_cache_dtype) if d is not None}
+        if len(names) > 1:
+            raise ValueError(f"KVPool: dtype {dtype!r} and kv_cache_dtype {kv_cache_dtype!r} disagree; give one")
+        return names.pop() if names else "float32"
 
     @staticmethod
     def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: Union[str, torch.dtype]) -> int:
