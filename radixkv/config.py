@@ -78,7 +78,8 @@ _DTYPES = {
 class EngineConfig:
     """Configuration of an :class:`~radixkv.engine.Engine` (and of ``LLM``, which takes the same names).
 
-    Raises ``ValueError`` naming the field from :meth:`resolve` for any invalid value.
+    Raises ``ValueError`` naming the field from :meth:`resolve` for any invalid value (at
+    construction already for ``kv_cache_memory_bytes`` given with ``max_total_tokens``).
     """
 
     model: str = "smollm2-135m"
@@ -180,6 +181,15 @@ class EngineConfig:
     """Seconds after which a session pin unused that long is dropped (its tokens become evictable);
     None: never."""
 
+    def __post_init__(self) -> None:
+        # Checked where the values are given: resolve() later fills max_total_tokens from the
+        # memory, and a resolved config may be copied and resolved again.
+        if self.kv_cache_memory_bytes is not None and self.max_total_tokens is not None:
+            raise ValueError(
+                f"give kv_cache_memory_bytes ({self.kv_cache_memory_bytes!r}) or max_total_tokens "
+                f"({self.max_total_tokens!r}), not both"
+            )
+
     def resolve(
         self,
         *,
@@ -235,7 +245,6 @@ class EngineConfig:
                 f"tokens takes {self.page_size * bytes_per_token} bytes in {self.kv_cache_dtype} "
                 f"({bytes_per_token} bytes per token)"
             )
-        self._tokens_from_memory = tokens  # a later resolve sees them as derived, not given
         return tokens
 
     def _resolve_device(self) -> None:
@@ -295,15 +304,9 @@ class EngineConfig:
             raise ValueError(f"in_batch_prefix_sharing must be a bool, got {self.in_batch_prefix_sharing!r}")
 
     def _resolve_memory(self) -> None:
-        """Parse ``kv_cache_memory_bytes``; refuse it beside a given ``max_total_tokens``."""
-        if self.kv_cache_memory_bytes is None:
-            return
-        self.kv_cache_memory_bytes = parse_memory_bytes(self.kv_cache_memory_bytes)
-        given = self.max_total_tokens
-        if given is not None and given != getattr(self, "_tokens_from_memory", None):
-            raise ValueError(
-                f"give kv_cache_memory_bytes ({self.kv_cache_memory_bytes}) or max_total_tokens ({given}), not both"
-            )
+        """Parse ``kv_cache_memory_bytes`` (an int or a string) into bytes."""
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_memory_bytes(self.kv_cache_memory_bytes)
 
     def default_max_total_tokens(self, bytes_per_token: int, float32_bytes_per_token: Optional[int] = None) -> int:
         """The KV capacity used when neither ``max_total_tokens`` nor ``kv_cache_memory_bytes`` is

@@ -106,6 +106,10 @@ def test_engine_capacity_and_kv_cache_bytes_from_memory(tiny, kv, page_size):
     tensors = pool.k_buffer + pool.v_buffer + (pool.k_scale or []) + (pool.v_scale or [])
     assert sum(t.numel() * t.element_size() for t in tensors) == s["kv_cache_bytes"]
     assert pool.k_buffer[0].dtype == SPELLINGS[kv][-1] and (pool.k_scale is not None) == kv.startswith("fp8")
+    from radixkv.engine import Engine
+
+    again = Engine(llm.engine.config, loaded_model=tiny)  # a resolved config (tokens filled in) reused
+    assert again.cache_stats()["capacity"] == want and again.config.kv_cache_memory_bytes == 100 * 1024
     odd = LLM(loaded_model=tiny, device="cpu", kv_cache_dtype=kv, kv_cache_memory_bytes=memory, page_size=page_size)
     assert odd.cache_stats()["capacity"] == (memory // bpt) // page_size * page_size
 
