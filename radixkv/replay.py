@@ -10,7 +10,10 @@ replies (checked and printed).
 
 Reported per mode: requests, prompt tokens, cached tokens (prompt tokens served from the prefix
 cache), hit rate, prefill tokens computed, TTFT p50/p90 (submission to first token, queueing
-included), output tokens/s, wall time (model load excluded).
+included), output tokens/s, wall time (model load excluded). ``--kv-cache-dtype`` and
+``--kv-cache-memory-bytes`` (or ``--max-total-tokens``) set the KV pool as the engine's options do;
+the JSON rows (``--output``) carry its ``capacity``, ``kv_cache_dtype``, ``kv_bytes_per_token`` and
+``kv_cache_bytes``.
 """
 
 from __future__ import annotations
