@@ -129,8 +129,9 @@ class EngineConfig:
     ``--radix-eviction-policy``."""
 
     attention_backend: str = "auto"
-    """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA, cpu on
-    an AVX2 CPU with a float32 KV pool, else torch."""
+    """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA (a
+    bfloat16 / float16 KV pool), cpu on an AVX2 CPU with a K/V dtype of
+    ``radixkv.attention.CPU_AUTO_KV_DTYPES``, else torch."""
 
     quantization: Optional[str] = None
     """None (exact weights) or "int8": CPU-only, lossy int8 linear layers for decode speed
