@@ -584,7 +584,10 @@ def test_plan_prints_the_engines_bytes_per_token(capsys):
     assert engine_bytes_per_token(load_spec("llama-3-8b"), "fp8") == 32 * 8 * 128 * 2 + 32 * 8 * 2 * 2
     assert main(["plan", "--kv-cache-dtype", "fp8"]) == 0
     out = capsys.readouterr().out
-    assert "KV cache per token (fp8): 11,520 bytes" in out and "radixkv's KV pool in fp8: 11,880 bytes per token" in out
+    assert (
+        "KV cache per token (fp8): 11,520 bytes" in out
+        and "radixkv's own KV pool in fp8: 11,880 bytes per token" in out
+    )
     assert main(["plan", "--list", "--kv-dtype", "bf16"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split()[-4:] == ["bf16", "radixkv", "B/tok", "fp8"]

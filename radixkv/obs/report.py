@@ -116,11 +116,10 @@ def plan_text_report(rep: dict) -> str:
         f"KV cache per token ({rep['kv_dtype']}): {rep['kv_bytes_per_token']:,} bytes "
         f"({rep['kv_bytes_per_token_per_layer']:,} per layer x {m['num_layers']})",
     ]
-    if rep.get("engine_kv_bytes_per_token") is not None:
-        out.append(
-            f"  radixkv's KV pool in {rep['kv_dtype']}: {rep['engine_kv_bytes_per_token']:,} bytes per token "
-            "(KVPool.token_bytes: fp8 scales included, every token kept)"
-        )
+    engine = rep.get("engine_kv_bytes_per_token")
+    if engine is not None:
+        scales = " (its bfloat16 scales per token and KV head included)" if engine != rep["kv_bytes_per_token"] else ""
+        out.append(f"  radixkv's own KV pool in {rep['kv_dtype']}: {engine:,} bytes per token{scales}")
     if m.get("windows"):
         out.append(f"  sliding window {m['windows']} tokens on {m['facts'].get('sliding_layers')} layers")
     if "context" in rep:
