@@ -564,6 +564,11 @@ def test_serve_and_replay_flags(capsys):
     assert (kw["kv_cache_dtype"], kw["kv_cache_memory_bytes"]) == ("fp8", "2GiB")
     cfg = EngineConfig(**dict(kw, device="cpu")).resolve()
     assert (cfg.kv_cache_dtype, cfg.kv_cache_memory_bytes) == ("fp8_e4m3", 2 * 2**30)
+    from radixkv.engine_args import split_engine_kwargs
+
+    for owner in ("LLM", "AsyncLLM"):  # both front ends take every EngineConfig field
+        cfg, _ = split_engine_kwargs(owner, "smollm2-135m", {"kv_cache_dtype": "bf16", "kv_cache_memory_bytes": "1GB"})
+        assert (cfg.kv_cache_dtype, cfg.kv_cache_memory_bytes) == ("bf16", "1GB")
     default = server_cli.engine_kwargs_from_args(p.parse_args([]))
     assert default["kv_cache_dtype"] == "auto" and "kv_cache_memory_bytes" not in default
     assert main(["replay", "--kv-cache-dtype", "int4", "--device", "cpu"]) == 2
