@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -120,6 +120,12 @@ class EngineConfig:
     """Seconds after which a session pin unused that long is dropped (its tokens become evictable);
     None: never."""
 
+    tenant_kv_quota_tokens: Optional[Dict[str, int]] = None
+    """Soft KV quotas: tenant name (``Namespace.tenant``, set by the server from the API key) ->
+    cached tokens. When the pool must evict, tenants holding more than their quota lose their
+    least recently used pages first (:mod:`radixkv.cache.tenants`); nothing is refused. None: no
+    quotas. ``radixkv serve --api-keys-file`` fills it from the keys' ``kv_quota_tokens``."""
+
     def resolve(
         self, *, kv_bytes_per_token: Optional[int] = None, max_position_embeddings: Optional[int] = None
     ) -> "EngineConfig":
@@ -204,6 +210,12 @@ class EngineConfig:
             raise ValueError(f"pin_idle_timeout must be a number of seconds > 0 or None, got {t!r}")
         if not isinstance(self.in_batch_prefix_sharing, bool):
             raise ValueError(f"in_batch_prefix_sharing must be a bool, got {self.in_batch_prefix_sharing!r}")
+        q = self.tenant_kv_quota_tokens
+        if q is not None and (
+            not isinstance(q, dict)
+            or not all(isinstance(k, str) and k and type(v) is int and v >= 0 for k, v in q.items())
+        ):
+            raise ValueError(f"tenant_kv_quota_tokens must map tenant names to ints >= 0, got {q!r}")
 
     def default_max_total_tokens(self, bytes_per_token: int) -> int:
         """The KV capacity used when ``max_total_tokens`` is None (see its docstring)."""

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 from radixkv.async_llm import AsyncLLM
-from radixkv.engine.stats import EngineStats
+from radixkv.engine.stats import EngineStats, merge_tenants
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -102,11 +102,14 @@ def model_facts_of(engine: Any) -> ModelFacts:
 
 def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
     """Several engines' ``EngineStats.as_dict()`` as one :class:`EngineStats`: counts and sizes
-    summed, ``hit_rate`` recomputed from the sums, ``page_size`` / ``prefix_cache`` the first's."""
+    summed, ``hit_rate`` recomputed from the sums, ``page_size`` / ``prefix_cache`` the first's,
+    ``tenants`` merged (:func:`~radixkv.engine.stats.merge_tenants`)."""
     agg: dict[str, Any] = {}
     for k in EngineStats.__dataclass_fields__:
         if k in ("page_size", "prefix_cache"):
             agg[k] = per_engine[0][k] if per_engine else (1 if k == "page_size" else "radix")
+        elif k == "tenants":
+            agg[k] = merge_tenants(p.get(k) for p in per_engine)
         elif k != "hit_rate":
             agg[k] = sum(int(p.get(k, 0)) for p in per_engine)
     agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0

@@ -25,8 +25,12 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   manager with every other pin): the follow-up's ``usage.input_tokens_details.cached_tokens`` is
   the whole stored context. Otherwise the conversation is rendered afresh (the prefix cache
   still serves what matches). A stored response remembers its prefix-cache namespace
-  (``Responses.create``'s ``namespace``; today always None, the shared default): its pin is
-  taken in it, and only a request in the same namespace may continue it. Across replicas
+  (``Responses.create``'s ``namespace``: its API key's tenant and its ``cache_salt``,
+  :func:`radixkv.server.auth.request_namespace`): its pin is taken in it. It belongs to its
+  tenant: another tenant's ``GET`` / ``DELETE`` is a 404 and its ``previous_response_id`` is not
+  found, exactly as for an id that never existed; the same tenant may continue it under
+  another salt (the follow-up runs in its own namespace, so it reuses no KV of the other
+  salt). Across replicas
   (``radixkv serve --replicas``) no pin is taken (the backend's
   :data:`~radixkv.server.backend.NO_PINS`): the follow-up, the same tokens, is routed to the
   replica that caches them.
@@ -81,7 +85,7 @@ class StoredResponse:
         stop_text: the end-of-turn token's text its output stopped on ("" otherwise).
         pin: the KV manager's pin on the cached prefix of ``tokens`` (None: unpinned).
         namespace: the prefix-cache namespace it ran in (None: the shared default): its pin is
-            taken in it, and a follow-up continues in it.
+            taken in it; its ``tenant`` owns the response.
     """
 
     body: dict
@@ -92,6 +96,11 @@ class StoredResponse:
     stop_text: str = ""
     pin: Any = None
     namespace: Optional[Namespace] = None
+
+    @property
+    def tenant(self) -> Optional[str]:
+        """The tenant that owns it (its namespace's; None without API keys)."""
+        return self.namespace.tenant if self.namespace is not None else None
 
 
 class ResponseStore:
@@ -394,8 +403,8 @@ class Responses:
         self, req: ResponsesRequest, raw: Request, namespace: Optional[Namespace] = None
     ) -> dict | AsyncIterator[str]:
         """A Response dict, or the event stream when ``stream``. ``namespace``: the prefix-cache
-        namespace it runs in (None: the shared default); a ``previous_response_id`` stored in
-        another namespace is not found (ids do not cross namespaces).
+        namespace it runs in (None: the shared default); a ``previous_response_id`` of another
+        tenant is not found (ids do not cross tenants: the answer is an unknown id's).
 
         Raises:
             APIError: 400 naming the field (``previous_response_id`` unknown, unsupported fields,
@@ -405,8 +414,8 @@ class Responses:
         self.models.check(req.model)
         prev = None
         if req.previous_response_id is not None:
-            prev = self.store.get(req.previous_response_id)
-            if prev is None or prev.namespace != namespace:
+            prev = self._owned(req.previous_response_id, namespace.tenant if namespace is not None else None)
+            if prev is None:
                 raise APIError(
                     f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
                     "past the store's bound)",
@@ -488,9 +497,15 @@ class Responses:
             yield event
 
     # ---------------------------------------------------------------- retrieve / delete
-    def retrieve(self, rid: str) -> dict:
-        """The stored Response ``rid``. Raises :class:`APIError` 404 when unknown."""
+    def _owned(self, rid: str, tenant: Optional[str]) -> Optional[StoredResponse]:
+        """The stored Response ``rid`` when ``tenant`` owns it (None: unknown, or another tenant's)."""
         item = self.store.get(rid)
+        return item if item is not None and item.tenant == tenant else None
+
+    def retrieve(self, rid: str, tenant: Optional[str] = None) -> dict:
+        """The stored Response ``rid`` of ``tenant`` (None: no API keys). Raises :class:`APIError`
+        404 when unknown or another tenant's (the same answer)."""
+        item = self._owned(rid, tenant)
         if item is None or not item.body:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         return item.body
@@ -500,10 +515,10 @@ class Responses:
         if item is not None:
             await self.client.backend.release_pin(self.store.take_pin(item))
 
-    async def delete(self, rid: str) -> dict:
-        """Delete the stored Response ``rid`` and release its pin (none across replicas). 404
-        when unknown."""
-        item = self.store.pop(rid)
+    async def delete(self, rid: str, tenant: Optional[str] = None) -> dict:
+        """Delete the stored Response ``rid`` of ``tenant`` and release its pin (none across
+        replicas). 404 when unknown or another tenant's (the same answer)."""
+        item = self.store.pop(rid) if self._owned(rid, tenant) is not None else None
         if item is None:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         await self.client.backend.release_pin(self.store.take_pin(item))
