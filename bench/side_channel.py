@@ -185,10 +185,11 @@ class Remote:
         with self.http.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
             if r.status_code != 200:
                 raise RuntimeError(f"{r.status_code}: {r.read().decode()[:300]}")
-            for line in r.iter_lines():
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data:"):
                     t1 = time.perf_counter()
-                    for _ in r.iter_lines():
+                    for _ in lines:  # the rest of the stream
                         pass
                     return t1 - t0 if start is None else t1
         raise RuntimeError("the stream ended without a chunk")

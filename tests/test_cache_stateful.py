@@ -3,7 +3,9 @@
 Hypothesis drives random inserts, matches, lock/unlock, evictions, resets and slot holds over
 short sequences from a 3-token alphabet (so edges branch and split all the time), in two
 namespaces, at page_size 1 and 4 (LRU, the default policy), at page_size 2 under the LFU
-policy and at page_size 4 under reuse-odds. The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
+policy and at page_size 4 under reuse-odds; and at page_size 2 with tenants and soft quotas
+(issue 37: tenant "a" over two namespaces with a quota, "b" with one, the shared default
+without; small evictions interleaved so that both phases run in one call). The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
 edges are matched, extended and split deep inside, not only near the root. Every match and
 insert hands the tree its tokens in a container drawn from CONTAINERS (list, tuple, array of
 i/l/q, numpy int32/int64, memoryviews, int32/int64 tensors), so every container type meets every
@@ -15,13 +17,17 @@ walked through that page and the number of such walks. Eviction is checked exact
 frees, one page at a time, the evictable leaf page (cached, not on a locked prefix, no cached
 page below it) that the policy ranks lowest (LRU: oldest access; LFU: fewest walks, then
 oldest), until ``ceil(num / page_size)`` pages are gone or none is left, and the tree must free
-exactly those slots: partial eviction (a leaf's tail pages go, its head stays) included.
+exactly those slots: partial eviction (a leaf's tail pages go, its head stays) included. With
+quotas the oracle first frees, page by page while some tenant holds more tokens than its quota
+(every page of its namespaces, locked ones included), the least recently walked evictable leaf
+page of such tenants, then goes on as above.
 (Reuse-odds learns its order from the run, so for it the oracle checks what every policy must
 do: exactly that many slots, never a locked page, the cache prefix-closed afterwards.) (Two
 evictable leaf pages never share an access time: the pages one call walks through lie on one
 path, so at most one of them is a leaf.)
 
-After every step: check_integrity(); sizes are non-negative and equal the oracle's; the
+After every step: check_integrity(); sizes are non-negative and equal the oracle's, and so do
+the tokens per tenant (``tenant_sizes()``); the
 protected size equals the number of distinct locked prefix pages; allocator available + tree
 evictable + tree protected + slots held by the test == capacity (so no slot leaks and, with the
 allocator's double-free check, none is owned twice); the slots of the last 8 non-empty matches,
@@ -29,8 +35,8 @@ held on to, still hold the values they had when returned (``MatchResult.slots`` 
 read-only view of an edge's slot bytes, which later splits, inserts, evictions and resets must
 leave untouched).
 
-CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each of the four machines
-(up to 24,000 steps in all; ~40 s of CPU, 1-3 min wall on the busy 2-core dev machine),
+CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each of the five machines
+(up to 30,000 steps in all; ~40 s of CPU, 1-3 min wall on the busy 2-core dev machine),
 derandomized so every run checks the same cases. RADIXKV_SOAK=1 runs 20,000 examples of up to 100 steps each
 (~330x more; hours) with fresh random seeds each run.
 """
