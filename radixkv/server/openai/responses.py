@@ -67,6 +67,8 @@ from radixkv.server.sse import chain, framed
 
 __all__ = ["Responses", "ResponseStore", "StoredResponse"]
 
+_ANY = object()  # ResponseStore lookups for any tenant (the server's own, e.g. a follow-up's finish hook)
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -126,11 +128,14 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, rid: str) -> Optional[StoredResponse]:
+    def get(self, rid: str, tenant: Any = _ANY) -> Optional[StoredResponse]:
+        """The stored Response ``rid`` (refreshed in the LRU order); with ``tenant``, only when
+        that tenant owns it (another tenant's lookup changes nothing)."""
         with self._lock:
             item = self._items.get(rid)
-            if item is not None:
-                self._items.move_to_end(rid)
+            if item is None or (tenant is not _ANY and item.tenant != tenant):
+                return None
+            self._items.move_to_end(rid)
             return item
 
     def put(self, rid: str, item: StoredResponse, pins: Pins) -> None:
@@ -145,11 +150,14 @@ class ResponseStore:
             for s in pinned[: max(0, len(pinned) - self.max_pinned)]:
                 self._unpin(pins, s)
 
-    def pop(self, rid: str) -> Optional[StoredResponse]:
-        """Remove ``rid`` from the store; its pin, if any, is the caller's to release
-        (:meth:`take_pin`)."""
+    def pop(self, rid: str, tenant: Any = _ANY) -> Optional[StoredResponse]:
+        """Remove ``rid`` from the store (with ``tenant``: only when that tenant owns it); its pin,
+        if any, is the caller's to release (:meth:`take_pin`)."""
         with self._lock:
-            return self._items.pop(rid, None)
+            item = self._items.get(rid)
+            if item is None or (tenant is not _ANY and item.tenant != tenant):
+                return None
+            return self._items.pop(rid)
 
     def take_pin(self, item: StoredResponse) -> Any:
         """``item``'s pin, which it holds no more (None: it had none)."""
@@ -414,7 +422,7 @@ class Responses:
         self.models.check(req.model)
         prev = None
         if req.previous_response_id is not None:
-            prev = self._owned(req.previous_response_id, namespace.tenant if namespace is not None else None)
+            prev = self.store.get(req.previous_response_id, namespace.tenant if namespace is not None else None)
             if prev is None:
                 raise APIError(
                     f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
@@ -497,15 +505,10 @@ class Responses:
             yield event
 
     # ---------------------------------------------------------------- retrieve / delete
-    def _owned(self, rid: str, tenant: Optional[str]) -> Optional[StoredResponse]:
-        """The stored Response ``rid`` when ``tenant`` owns it (None: unknown, or another tenant's)."""
-        item = self.store.get(rid)
-        return item if item is not None and item.tenant == tenant else None
-
     def retrieve(self, rid: str, tenant: Optional[str] = None) -> dict:
         """The stored Response ``rid`` of ``tenant`` (None: no API keys). Raises :class:`APIError`
         404 when unknown or another tenant's (the same answer)."""
-        item = self._owned(rid, tenant)
+        item = self.store.get(rid, tenant)
         if item is None or not item.body:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         return item.body
@@ -518,7 +521,7 @@ class Responses:
     async def delete(self, rid: str, tenant: Optional[str] = None) -> dict:
         """Delete the stored Response ``rid`` of ``tenant`` and release its pin (none across
         replicas). 404 when unknown or another tenant's (the same answer)."""
-        item = self.store.pop(rid) if self._owned(rid, tenant) is not None else None
+        item = self.store.pop(rid, tenant)
         if item is None:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         await self.client.backend.release_pin(self.store.take_pin(item))
