@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 import torch
 
@@ -182,6 +182,12 @@ class EngineConfig:
     """Seconds after which a session pin unused that long is dropped (its tokens become evictable);
     None: never."""
 
+    tenant_kv_quota_tokens: Optional[Dict[str, int]] = None
+    """Soft KV quotas: tenant name (``Namespace.tenant``, set by the server from the API key) ->
+    cached tokens. When the pool must evict, tenants holding more than their quota lose their
+    least recently used pages first (:mod:`radixkv.cache.tenants`); nothing is refused. None: no
+    quotas. ``radixkv serve --api-keys-file`` fills it from the keys' ``kv_quota_tokens``."""
+
     def __post_init__(self) -> None:
         # Checked where the values are given: resolve() later fills max_total_tokens from the
         # memory, and a resolved config may be copied and resolved again.
@@ -303,6 +309,12 @@ class EngineConfig:
             raise ValueError(f"pin_idle_timeout must be a number of seconds > 0 or None, got {t!r}")
         if not isinstance(self.in_batch_prefix_sharing, bool):
             raise ValueError(f"in_batch_prefix_sharing must be a bool, got {self.in_batch_prefix_sharing!r}")
+        q = self.tenant_kv_quota_tokens
+        if q is not None and (
+            not isinstance(q, dict)
+            or not all(isinstance(k, str) and k and type(v) is int and v >= 0 for k, v in q.items())
+        ):
+            raise ValueError(f"tenant_kv_quota_tokens must map tenant names to ints >= 0, got {q!r}")
 
     def _resolve_memory(self) -> None:
         """Parse ``kv_cache_memory_bytes`` (an int or a string) into bytes."""

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 from radixkv.async_llm import AsyncLLM
-from radixkv.engine.stats import EngineStats
+from radixkv.engine.stats import EngineStats, merge_tenants
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -108,11 +108,14 @@ def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
     """Several engines' ``EngineStats.as_dict()`` as one :class:`EngineStats`: counts and sizes
     summed (``kv_cache_bytes`` too: the pools' total, as ``capacity``), ``hit_rate`` recomputed
     from the sums, the configuration facts ``page_size``, ``prefix_cache``, ``kv_cache_dtype`` and
-    ``kv_bytes_per_token`` the first's (every replica has the same)."""
+    ``kv_bytes_per_token`` the first's (every replica has the same), ``tenants`` merged
+    (:func:`~radixkv.engine.stats.merge_tenants`)."""
     agg: dict[str, Any] = {}
     for k in EngineStats.__dataclass_fields__:
         if k in _PER_ENGINE_FACTS:
             agg[k] = per_engine[0][k] if per_engine else _PER_ENGINE_FACTS[k]
+        elif k == "tenants":
+            agg[k] = merge_tenants(p.get(k) for p in per_engine)
         elif k != "hit_rate":
             agg[k] = sum(int(p.get(k, 0)) for p in per_engine)
     agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0

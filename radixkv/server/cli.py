@@ -5,17 +5,20 @@ Example::
     radixkv serve --model smollm2-135m --host 127.0.0.1 --port 30000
     python -m radixkv serve --page-size 16 --max-total-tokens 65536 --prefix-cache radix
     radixkv serve --kv-cache-dtype bf16 --kv-cache-memory-bytes 2GiB
+    radixkv serve --api-key "$KEY"            # one admin tenant; or RADIXKV_API_KEY
+    radixkv serve --api-keys-file keys.json   # tenants, admins, soft KV quotas (server/auth.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+import sys
+from typing import Any, Optional
 
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
 
-__all__ = ["add_arguments", "run", "engine_kwargs_from_args"]
+__all__ = ["add_arguments", "run", "engine_kwargs_from_args", "api_keys_of"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,11 +91,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-requests", default=None, metavar="FILE",
         help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
     )  # fmt: skip
+    a = parser.add_argument_group("API keys and tenants (docs/security.md)")
+    a.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (one tenant, an admin); "
+        "default: the RADIXKV_API_KEY environment variable",
+    )  # fmt: skip
+    a.add_argument(
+        "--api-keys-file", default=None, metavar="FILE",
+        help='JSON {"<key>": {"tenant": NAME, "admin": false, "kv_quota_tokens": N}, ...}: a cache namespace '
+        "per tenant, admin-only stats and flushes, soft KV quotas",
+    )  # fmt: skip
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def api_keys_of(args: argparse.Namespace) -> Any:
+    """The :class:`~radixkv.server.auth.APIKeys` of ``--api-key`` / ``RADIXKV_API_KEY`` /
+    ``--api-keys-file`` (None: no keys).
+
+    Raises:
+        KeysFileError: both given, an empty key, or a malformed keys file (naming the problem).
+    """
+    from radixkv.server.auth import keys_from_args
+
+    return keys_from_args(getattr(args, "api_key", None), getattr(args, "api_keys_file", None))
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = None) -> dict[str, Any]:
     """The :class:`~radixkv.config.EngineConfig` fields for parsed `serve` flags (options left
-    unset are omitted, so the engine's own defaults apply)."""
+    unset are omitted, so the engine's own defaults apply); ``api_keys``' quotas become
+    ``tenant_kv_quota_tokens``."""
     kw: dict[str, Any] = dict(
         model=args.model,
         device=args.device,
@@ -115,6 +142,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     ):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
+    if api_keys is not None and api_keys.quotas():
+        kw["tenant_kv_quota_tokens"] = api_keys.quotas()
     return kw
 
 
@@ -129,17 +158,30 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "replicas", 1) > 1:
         raise ValueError("replicas: server.cli.run serves one engine; radixkv.cli dispatches --replicas > 1")
     served = served_model_name(args)
+    from radixkv.server.auth import KeysFileError
+
+    try:
+        keys = api_keys_of(args)
+    except KeysFileError as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM
     from radixkv.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = AsyncLLM(**engine_kwargs_from_args(args))
+    llm = AsyncLLM(**engine_kwargs_from_args(args, keys))
     app = create_app(
-        llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True, log_requests=args.log_requests
+        llm,
+        served_model_name=served,
+        model_aliases=(args.model,),
+        shutdown_engine=True,
+        log_requests=args.log_requests,
+        api_keys=keys,
     )
-    print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1", flush=True)
+    auth = f", API keys of {len(keys.tenants())} tenant(s)" if keys is not None else ""
+    print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1{auth}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

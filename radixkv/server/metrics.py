@@ -23,6 +23,13 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_page_size``, ``radixkv_kv_bytes_per_token``, ``radixkv_kv_cache_bytes`` and
   ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype).
 
+Per tenant (the tenants of the server's API keys, by name: never a key), when any request named
+one: ``radixkv_tenant_prompt_tokens_total{tenant}`` and ``radixkv_tenant_cached_tokens_total{tenant}``
+(from ``RequestFinished`` events, completed requests, as the totals above), and from the engine
+snapshot ``radixkv_tenant_kv_cached_tokens{tenant}`` (tokens its namespaces hold in the prefix
+cache now), ``radixkv_tenant_kv_quota_tokens{tenant}`` (its soft quota, where it has one) and
+``radixkv_tenant_cache_hit_rate{tenant}`` (its cached / prompt tokens at admission).
+
 A private registry per app keeps several apps in one process (tests) from colliding.
 """
 
@@ -84,6 +91,30 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s.evicted_tokens)
         )
+        yield from _tenant_families(s)
+
+
+def _tenant_families(s: EngineStats) -> Iterator[Metric]:
+    """The per-tenant gauges of an engine snapshot (module docstring); none without tenants."""
+    if not s.tenants:
+        return
+    held = GaugeMetricFamily(
+        "radixkv_tenant_kv_cached_tokens", "Tokens a tenant's namespaces hold in the prefix cache.", labels=["tenant"]
+    )
+    quota = GaugeMetricFamily(
+        "radixkv_tenant_kv_quota_tokens", "A tenant's soft KV quota in tokens.", labels=["tenant"]
+    )
+    rate = GaugeMetricFamily(
+        "radixkv_tenant_cache_hit_rate", "A tenant's prefix-cache hit rate: cached / prompt tokens.", labels=["tenant"]
+    )
+    for name, row in s.tenants.items():
+        held.add_metric([name], float(row["cached"]))
+        if row.get("quota") is not None:
+            quota.add_metric([name], float(row["quota"]))
+        rate.add_metric([name], float(row["hit_rate"]))
+    yield held
+    yield quota
+    yield rate
 
 
 class ServerMetrics:
@@ -108,6 +139,13 @@ class ServerMetrics:
             "radixkv_cached_tokens", "Prompt tokens of finished requests served from the prefix cache.", registry=r
         )
         self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.", registry=r)
+        self.tenant_prompt_tokens = Counter(
+            "radixkv_tenant_prompt_tokens", "Prompt tokens of a tenant's finished requests.", ["tenant"], registry=r
+        )
+        self.tenant_cached_tokens = Counter(
+            "radixkv_tenant_cached_tokens", "Prompt tokens of a tenant's finished requests served from the prefix cache.",
+            ["tenant"], registry=r,
+        )  # fmt: skip
         self.missed_tokens = Counter(
             "radixkv_missed_prompt_tokens", "Prompt tokens of finished requests not served from the prefix cache, by cause.",
             ["cause"], registry=r,
@@ -148,6 +186,10 @@ class ServerMetrics:
             self.generation_tokens.inc(event.num_output_tokens)
             for cause, n in (missed or {}).items():
                 self.missed_tokens.labels(cause=cause).inc(n)
+            tenant = event.namespace.tenant if event.namespace is not None else None
+            if tenant is not None:
+                self.tenant_prompt_tokens.labels(tenant=tenant).inc(event.num_prompt_tokens)
+                self.tenant_cached_tokens.labels(tenant=tenant).inc(event.num_cached_tokens)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (content type ``CONTENT_TYPE_LATEST``)."""
