@@ -377,9 +377,11 @@ class CacheMachineEngineBF16Page4(CacheMachine):
         return [100 * torch.randn(self.page_size, p.num_kv_heads, p.head_dim, generator=g) for _ in range(2)]
 
     def do_insert(self, toks, ns, box="list"):
-        before = set(self.cached[ns])
+        before = dict(self.cached[ns])
         super().do_insert(toks, ns, box)
-        for key in set(self.cached[ns]) - before:  # the pages this insert handed the tree
+        # the pages this insert handed the tree: new keys, and keys evicted by the insert's own
+        # allocation and inserted again on other slots
+        for key in [key for key, page in self.cached[ns].items() if before.get(key) != page]:
             k, v = self.rows(ns, key)
             for layer in range(self.pool.num_layers):
                 self.pool.write(layer, torch.tensor(self.cached[ns][key]), k, v)
