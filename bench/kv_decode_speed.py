@@ -1,0 +1,169 @@
+"""Decode speed per K/V pool dtype: the fused native CPU decode step over a pool of each dtype.
+
+For each (context, batch) asked: one ModelRunner per dtype over the same model (the CPU backend,
+so decode runs the fused step), its pool filled with K/V already written in that dtype (random
+rows rounded by ``kv_quantize``: attention costs the same whatever the values), ``batch``
+requests of ``context`` tokens each. A trial times ``--steps`` decode steps of each dtype in turn
+(``build_batch`` + ``forward`` + argmax, the order rotated every trial) and keeps each dtype's
+median step; the ratios to float32 are taken within a trial (paired), then their median over
+``--trials``. Wall time and the process's CPU time per step are both printed: on a shared machine
+the wall time moves with the other jobs, the CPU time with the work.
+
+    python bench/kv_decode_speed.py                                  # 256 and 4096 tokens, batch 1 and 16
+    python bench/kv_decode_speed.py --contexts 4096 --batches 1 --trials 9 --dtypes float32 bfloat16 fp8_e4m3
+
+The pool is radixkv's KVPool in the dtype when it takes ``kv_cache_dtype``, else a stand-in with
+the same layout (the kernels only read its tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from radixkv.executor.model_runner import ModelRunner  # noqa: E402
+from radixkv.kernels import cpu  # noqa: E402
+from radixkv.memory.kv_pool import KVPool  # noqa: E402
+from radixkv.models import load_model  # noqa: E402
+
+
+def make_pool(layers: int, hkv: int, d: int, slots: int, name: str):
+    """A CPU pool of ``slots`` tokens in dtype ``name``: KVPool's own when it takes the dtype, else a
+    float32-less stand-in with the contract's layout (buffers in the dtype, fp8 scales)."""
+    if "kv_cache_dtype" in inspect.signature(KVPool).parameters:
+        return KVPool(
+            num_layers=layers, num_kv_heads=hkv, head_dim=d, num_slots=slots, page_size=1, kv_cache_dtype=name
+        )
+    pool = KVPool(layers, hkv, d, slots, 1, cpu.KV_DTYPES[name], "cpu")
+    pool.kv_cache_dtype = name
+    pool.k_scale = pool.v_scale = None
+    if name in cpu.FP8_MAX:
+        pool.k_scale = [torch.ones(slots, 1, hkv, dtype=torch.bfloat16) for _ in range(layers)]
+        pool.v_scale = [torch.ones(slots, 1, hkv, dtype=torch.bfloat16) for _ in range(layers)]
+    return pool
+
+
+def fill(pool, name: str, seed: int) -> None:
+    """Every slot of every layer: random K/V rows (N(0, 1)) as ``kv_quantize`` writes them."""
+    g = torch.Generator().manual_seed(seed)
+    n = min(pool.num_slots, 4096)
+    hkv, d = pool.num_kv_heads, pool.head_dim
+    blocks = [cpu.kv_quantize(torch.randn(n, hkv, d, generator=g), name) for _ in range(4)]
+    for layer in range(pool.num_layers):
+        for i, (buf, scales) in enumerate(((pool.k_buffer, pool.k_scale), (pool.v_buffer, pool.v_scale))):
+            q, s = blocks[(layer + i) % 4]
+            flat = buf[layer].view(pool.num_slots, hkv, d)
+            for s0 in range(0, pool.num_slots, n):
+                m = min(n, pool.num_slots - s0)
+                flat[s0 : s0 + m].view(torch.uint8).copy_(q[:m].view(torch.uint8))
+                if s is not None:
+                    scales[layer].view(pool.num_slots, hkv)[s0 : s0 + m].copy_(s[:m])
+
+
+class Runner:
+    """A ModelRunner over a pool of one dtype with ``batch`` requests of ``context`` tokens."""
+
+    def __init__(self, loaded, name: str, batch: int, context: int, steps: int) -> None:
+        cfg = loaded.hf_config
+        layers, hkv = cfg.num_hidden_layers, cfg.num_key_value_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        per = context + steps + 1
+        self.pool = make_pool(layers, hkv, d, batch * per, name)
+        fill(self.pool, name, seed=1)
+        self.runner = ModelRunner(
+            loaded, kv_pool=self.pool, max_running_requests=batch, max_context_len=per, attention_backend="cpu"
+        )
+        if self.runner.decode_step is None:
+            raise SystemExit("the fused decode step is not available (native kernels not built?)")
+        r2t = self.runner.req_to_token_pool
+        self.rows = [r2t.alloc() for _ in range(batch)]
+        for i, row in enumerate(self.rows):
+            r2t.write(row, 0, torch.arange(i * per, (i + 1) * per))
+        self.context, self.batch = context, batch
+        self.tokens = torch.full((batch,), 1000, dtype=torch.int64)
+
+    def step(self, s: int) -> None:
+        r = self.runner
+        b = r.build_batch(self.tokens, self.rows, [self.context + s] * self.batch, [1] * self.batch)
+        self.tokens = r.forward(b).argmax(-1)
+
+
+def trial(runners: dict, steps: int, order: list[str]) -> dict[str, tuple[float, float]]:
+    """Median wall and CPU seconds of a decode step, per dtype, the dtypes in ``order``."""
+    out = {}
+    for name in order:
+        rn = runners[name]
+        rn.step(0)  # warm: the plan, the RoPE table, the caches
+        wall, cpu_t = [], []
+        for s in range(steps):
+            w0, c0 = time.perf_counter(), time.process_time()
+            rn.step(s)
+            wall.append(time.perf_counter() - w0)
+            cpu_t.append(time.process_time() - c0)
+        out[name] = (statistics.median(wall), statistics.median(cpu_t))
+    return out
+
+
+def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
+    runners = {name: Runner(loaded, name, batch, context, args.steps) for name in dtypes}
+    base = dtypes[0]
+    per_trial = []
+    for t in range(args.trials):
+        k = t % len(dtypes)
+        order = dtypes[k:] + dtypes[:k] if t % 2 == 0 else list(reversed(dtypes[k:] + dtypes[:k]))
+        per_trial.append(trial(runners, args.steps, order))
+    load = os.getloadavg()[0]
+    print(f"\ncontext {context}, batch {batch} ({args.trials} trials x {args.steps} steps, load {load:.2f})")
+    print(f"{'dtype':<10}{'ms/step':>9}{'tok/s':>9}{'ratio':>8}  {'per trial':<40}{'cpu ms':>8}{'cpu ratio':>10}")
+    for name in dtypes:
+        wall = statistics.median(tr[name][0] for tr in per_trial)
+        cpu_ms = statistics.median(tr[name][1] for tr in per_trial)
+        ratios = [tr[base][0] / tr[name][0] for tr in per_trial]
+        cratio = statistics.median(tr[base][1] / tr[name][1] for tr in per_trial)
+        shown = ", ".join(f"{r:.2f}" for r in ratios[:8])
+        print(
+            f"{name:<10}{wall * 1e3:>9.2f}{batch / wall:>9.1f}{statistics.median(ratios):>7.2f}x  {shown:<40}"
+            f"{cpu_ms * 1e3:>8.2f}{cratio:>9.2f}x"
+        )
+    del runners
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "fp8_e4m3"], help="the first is the base")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[256, 4096])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per dtype per trial")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    for name in args.dtypes:
+        if name not in cpu.KV_DTYPES:
+            raise SystemExit(f"--dtypes: {name!r} is not one of {list(cpu.KV_DTYPES)}")
+    loaded = load_model(args.model, device="cpu", dtype=torch.float32)
+    print(
+        f"model {args.model}, {torch.get_num_threads()} threads, kernels {cpu.isa()} / {cpu.threading_mode()}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    for context in args.contexts:
+        for batch in args.batches:
+            measure(loaded, args.dtypes, batch, context, args)
+
+
+if __name__ == "__main__":
+    main()
