@@ -11,6 +11,14 @@ the wall time moves with the other jobs, the CPU time with the work.
 
     python bench/kv_decode_speed.py                                  # 256 and 4096 tokens, batch 1 and 16
     python bench/kv_decode_speed.py --contexts 4096 --batches 1 --trials 9 --dtypes float32 bfloat16 fp8_e4m3
+    python bench/kv_decode_speed.py --contexts 4096 --batches 1 --llamacpp f16 q8_0   # and llama.cpp beside
+
+``--llamacpp TYPE ...`` adds llama.cpp (llama-cpp-python over bench/llamacpp_setup.sh's build, the
+same model's GGUF file, flash attention on, ``--threads`` threads) with its K/V cache in each
+type, batch 1 only, in the same alternation: its context is a prefill of ``context`` random tokens
+once, then each trial times ``--steps`` one-token ``eval`` calls and an argmax of the logits (the
+cache cut back to ``context`` before each trial). Printed beside: radixkv bfloat16 / llama.cpp f16
+and radixkv fp8_e4m3 / llama.cpp q8_0 (the pairs of equal K/V bytes), per trial and their median.
 
 The pool is radixkv's KVPool in the dtype when it takes ``kv_cache_dtype``, else a stand-in with
 the same layout (the kernels only read its tensors).
@@ -100,6 +108,39 @@ class Runner:
         self.tokens = r.forward(b).argmax(-1)
 
 
+class LlamaCpp:
+    """llama.cpp decoding one request at ``context`` tokens with its K/V cache in ``cache_type``."""
+
+    flags = ""  # llama.cpp's system_info (its build's CPU features), once one was made
+
+    def __init__(self, gguf: str, cache_type: str, context: int, steps: int, threads: int) -> None:
+        from bench.vs_llamacpp import import_llama_cpp
+
+        llama_cpp = import_llama_cpp()
+        code = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32": llama_cpp.GGML_TYPE_F32}
+        self.llm = llama_cpp.Llama(
+            model_path=gguf,
+            n_ctx=context + steps + 8,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            flash_attn=True,
+            type_k=code[cache_type],
+            type_v=code[cache_type],
+            verbose=False,
+        )
+        LlamaCpp.flags = llama_cpp.llama_print_system_info().decode().strip()
+        g = torch.Generator().manual_seed(7)
+        self.llm.eval(torch.randint(100, self.llm.n_vocab() - 100, (context,), generator=g).tolist())
+        self.context, self.vocab, self.np = context, self.llm.n_vocab(), __import__("numpy")
+
+    def step(self, s: int) -> None:
+        if s == 0:
+            self.llm.n_tokens = self.context  # eval() drops the cache past n_tokens
+        logits = self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.vocab,))
+        self.llm.eval([int(logits.argmax())])
+
+
 def trial(runners: dict, steps: int, order: list[str]) -> dict[str, tuple[float, float]]:
     """Median wall and CPU seconds of a decode step, per dtype, the dtypes in ``order``."""
     out = {}
@@ -118,7 +159,11 @@ def trial(runners: dict, steps: int, order: list[str]) -> dict[str, tuple[float,
 
 def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
     runners = {name: Runner(loaded, name, batch, context, args.steps) for name in dtypes}
+    if batch == 1:
+        for t in args.llamacpp:
+            runners[f"llama.cpp {t}"] = LlamaCpp(args.gguf, t, context, args.steps, args.threads)
     base = dtypes[0]
+    dtypes = list(runners)
     per_trial = []
     for t in range(args.trials):
         k = t % len(dtypes)
@@ -126,7 +171,7 @@ def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
         per_trial.append(trial(runners, args.steps, order))
     load = os.getloadavg()[0]
     print(f"\ncontext {context}, batch {batch} ({args.trials} trials x {args.steps} steps, load {load:.2f})")
-    print(f"{'dtype':<10}{'ms/step':>9}{'tok/s':>9}{'ratio':>8}  {'per trial':<40}{'cpu ms':>8}{'cpu ratio':>10}")
+    print(f"{'dtype':<15}{'ms/step':>9}{'tok/s':>9}{'ratio':>8}  {'per trial':<40}{'cpu ms':>8}{'cpu ratio':>10}")
     for name in dtypes:
         wall = statistics.median(tr[name][0] for tr in per_trial)
         cpu_ms = statistics.median(tr[name][1] for tr in per_trial)
@@ -134,9 +179,18 @@ def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
         cratio = statistics.median(tr[base][1] / tr[name][1] for tr in per_trial)
         shown = ", ".join(f"{r:.2f}" for r in ratios[:8])
         print(
-            f"{name:<10}{wall * 1e3:>9.2f}{batch / wall:>9.1f}{statistics.median(ratios):>7.2f}x  {shown:<40}"
+            f"{name:<15}{wall * 1e3:>9.2f}{batch / wall:>9.1f}{statistics.median(ratios):>7.2f}x  {shown:<40}"
             f"{cpu_ms * 1e3:>8.2f}{cratio:>9.2f}x"
         )
+    for ours, theirs in (("bfloat16", "llama.cpp f16"), ("fp8_e4m3", "llama.cpp q8_0")):
+        if ours in runners and theirs in runners:
+            r = [tr[theirs][0] / tr[ours][0] for tr in per_trial]
+            rc = statistics.median(tr[theirs][1] / tr[ours][1] for tr in per_trial)
+            print(
+                f"radixkv {ours} / {theirs}: {statistics.median(r):.2f}x tok/s (per trial "
+                + ", ".join(f"{x:.2f}" for x in r)
+                + f"), CPU time {rc:.2f}x"
+            )
     del runners
 
 
@@ -149,7 +203,13 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--steps", type=int, default=16, help="timed decode steps per dtype per trial")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llamacpp", nargs="*", default=[], help="llama.cpp K/V cache types to time beside (f16, q8_0)")
+    ap.add_argument("--gguf", default=None, help="llama.cpp's model file (default: the default model's GGUF)")
     args = ap.parse_args()
+    if args.llamacpp and args.gguf is None:
+        from radixkv.models.loader import default_gguf_path
+
+        args.gguf = str(default_gguf_path())
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     for name in args.dtypes:
@@ -163,6 +223,8 @@ def main() -> None:
     for context in args.contexts:
         for batch in args.batches:
             measure(loaded, args.dtypes, batch, context, args)
+    if LlamaCpp.flags:
+        print(f"\nllama.cpp: {Path(args.gguf).name}, flash attention on, {args.threads} threads; {LlamaCpp.flags}")
 
 
 if __name__ == "__main__":
