@@ -69,7 +69,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 class RefPool(KVPool):
     """A CPU KVPool in dtype ``kv_cache_dtype`` laid out as the contract says; ``write`` rounds
-    with :func:`ref_quantize`."""
+    with :func:`ref_quantize` (or the ``quantizer`` given, as radixkv's KVPool.write takes one)."""
 
     def __init__(self, num_layers, num_kv_heads, head_dim, num_slots, page_size=1, kv_cache_dtype="float32"):
         super().__init__(num_layers, num_kv_heads, head_dim, num_slots, page_size, STORAGE[kv_cache_dtype], "cpu")
@@ -81,9 +81,9 @@ class RefPool(KVPool):
             self.v_scale = [torch.ones(shape, dtype=torch.bfloat16) for _ in range(num_layers)]
             self.bytes_per_token += 2 * self.num_layers * self.num_kv_heads * 2
 
-    def write(self, layer_id, slots, k, v):
+    def write(self, layer_id, slots, k, v, quantizer=None):
         for buf, scales, x in ((self.k_buffer, self.k_scale, k), (self.v_buffer, self.v_scale, v)):
-            q, s = ref_quantize(x, self.kv_cache_dtype)
+            q, s = (quantizer or ref_quantize)(x, self.kv_cache_dtype)
             _bytes(buf[layer_id]).view(self.num_slots, self.num_kv_heads, -1).index_copy_(0, slots, _bytes(q))
             if s is not None:
                 scales[layer_id].view(self.num_slots, -1).index_copy_(0, slots, s)

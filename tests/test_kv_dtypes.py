@@ -361,3 +361,40 @@ def test_fused_step_equals_the_module_path_in_the_pool_dtype(name):
     b, _ = _generate(_runner(model, cfg, _pool(cfg, name)), prompt, 6)
     torch.testing.assert_close(a, b, atol=2e-6, rtol=0)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("name", DTYPES)
+@pytest.mark.parametrize("extend", [3, 40])
+def test_cpu_backend_writes_the_reference_rounding(name, extend):
+    """The cpu backend's write (the native quantizer through the pool's ``write`` when it takes
+    one) stores the contract's bits, for a batch the native kernel serves (3 new tokens) and one it
+    leaves to the torch backend's attention (40: that attention is the torch backend's, tested
+    with it); the native kernel attends over the stored values: the float64 reference over the
+    rounded pool."""
+    from radixkv.attention.cpu_backend import CPUAttentionBackend
+    from radixkv.attention.metadata import ForwardBatch
+
+    g = torch.Generator().manual_seed(extend)
+    hq, hkv, d, prefix = 4, 2, 32, 7
+    pool = make_pool(1, hkv, d, 64, 1, name)
+    r2t = torch.arange(64, dtype=torch.int32).flip(0).reshape(1, 64).contiguous()  # slots in reverse
+    backend = CPUAttentionBackend(pool, hq)
+    old_k, old_v = (torch.randn(prefix, hkv, d, generator=g) for _ in range(2))
+    pool.write(0, r2t[0, :prefix].long(), old_k, old_v)
+    batch = ForwardBatch.build(list(range(extend)), [0], [prefix], [extend], r2t, 1)
+    backend.plan(batch)
+    q, k, v = (
+        torch.randn(extend, hq, d, generator=g),
+        torch.randn(extend, hkv, d, generator=g) * 5,
+        torch.randn(extend, hkv, d, generator=g),
+    )
+    out = backend.forward(0, q, k, v)
+    slots = r2t[0, : prefix + extend].long()
+    got_k, got_v = pool_rows(pool, 0, slots[prefix:])
+    assert torch.equal(got_k, ref_round(k, name)) and torch.equal(got_v, ref_round(v, name))
+    if extend > backend.native_max_q:
+        return
+    kf, vf = pool_rows(pool, 0, slots)
+    meta = torch.tensor([[0], [extend], [0], [prefix + extend]], dtype=torch.int32)
+    want = _reference_attention(q, kf, vf, meta, torch.arange(prefix + extend, dtype=torch.int32), 1, backend.sm_scale)
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)

@@ -11,8 +11,11 @@ both against the same float64 reference.
 
 The pool may hold K/V in any dtype of :data:`radixkv.kernels.cpu.KV_DTYPES` (float32, bfloat16,
 float16, fp8 e4m3 / e5m2 with the pool's per token-and-head bfloat16 scales): the kernel reads
-them widened to float32 (docs/model.md). New K/V are written by the pool's own ``write`` (its
-rounding) before the kernel reads them back, so every backend sees the same rounded values.
+them widened to float32 (docs/model.md). New K/V are written by the pool's own ``write`` before
+the kernel reads them back, so every backend sees the same rounded values; when the pool's
+``write`` takes a ``quantizer`` and its dtype is not float32, the rounding is the native
+:func:`radixkv.kernels.cpu.kv_quantize` (the same bits as the pool's torch reference, several
+times faster: tests/test_kv_dtypes.py, docs/model.md).
 
 Needs the ``radixkv.kernels._ckernels`` extension on an AVX2/FMA/F16C CPU, a pool on the CPU in one
 of those dtypes and a head_dim that is a multiple of 8; ``create_attention_backend("auto", "cpu",
@@ -20,6 +23,8 @@ of those dtypes and a head_dim that is a multiple of 8; ``create_attention_backe
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
@@ -43,6 +48,13 @@ def native_unsupported_reason(kv_pool: KVPool) -> str | None:
     if kv_pool.head_dim % 8:
         return f"head_dim {kv_pool.head_dim} is not a multiple of 8"
     return None
+
+
+def _native_quantize(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The pool's write rounding of K or V rows ``[T, Hkv, D]`` by the native kernel
+    (:func:`radixkv.kernels.cpu.kv_quantize`; rows in another float dtype are widened first,
+    exactly, as the torch reference does)."""
+    return cpu.kv_quantize(x.to(torch.float32), kv_cache_dtype)
 
 
 class CPUAttentionBackend(TorchAttentionBackend):
@@ -73,6 +85,11 @@ class CPUAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"CPUAttentionBackend: {reason}")
         super().__init__(kv_pool, num_q_heads, sm_scale, max_pad_waste)
         self.native_max_q = int(native_max_q)
+        self._quantizer = (
+            {"quantizer": _native_quantize}
+            if kv_pool.k_buffer[0].dtype != torch.float32 and "quantizer" in inspect.signature(kv_pool.write).parameters
+            else {}
+        )
         self._meta = torch.zeros(4, 0, dtype=torch.int32)
         self._kv_indices = torch.zeros(0, dtype=torch.int32)
         self._out_slots = torch.zeros(0, dtype=torch.int64)
@@ -115,9 +132,10 @@ class CPUAttentionBackend(TorchAttentionBackend):
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("CPUAttentionBackend.forward called before plan()")
-        if self._meta.shape[1] == 0:  # nothing native (e.g. one long prefill): the reference as it is
-            return super().forward(layer_id, q, k, v)
-        self.kv_pool.write(layer_id, self._batch.out_slots, k, v)
+        self.kv_pool.write(layer_id, self._batch.out_slots, k, v, **self._quantizer)
+        if self._meta.shape[1] == 0:  # nothing native (e.g. one long prefill): the reference's attention
+            in_order = len(self._groups) == 1 and self._groups[0].q_valid is None
+            return self._attend_groups(layer_id, q, None if in_order else torch.empty_like(q))
         q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)
         cpu.paged_attention(
