@@ -64,11 +64,13 @@ def make_pool(layers: int, hkv: int, d: int, slots: int, name: str):
 
 
 def fill(pool, name: str, seed: int) -> None:
-    """Every slot of every layer: random K/V rows (N(0, 1)) as ``kv_quantize`` writes them."""
+    """Every slot of every layer: random K/V rows (N(0, 1)) as ``kv_quantize`` writes them (float32:
+    as they are, so the script also times a build without the other dtypes)."""
     g = torch.Generator().manual_seed(seed)
     n = min(pool.num_slots, 4096)
     hkv, d = pool.num_kv_heads, pool.head_dim
-    blocks = [cpu.kv_quantize(torch.randn(n, hkv, d, generator=g), name) for _ in range(4)]
+    blocks = [torch.randn(n, hkv, d, generator=g) for _ in range(4)]
+    blocks = [(x, None) if name == "float32" else cpu.kv_quantize(x, name) for x in blocks]
     for layer in range(pool.num_layers):
         for i, (buf, scales) in enumerate(((pool.k_buffer, pool.k_scale), (pool.v_buffer, pool.v_scale))):
             q, s = blocks[(layer + i) % 4]
@@ -157,7 +159,9 @@ def trial(runners: dict, steps: int, order: list[str]) -> dict[str, tuple[float,
     return out
 
 
-def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
+def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> dict:
+    """Time every dtype (and llama.cpp at batch 1) at one (context, batch); print the table and
+    return it as a dict for the result file."""
     runners = {name: Runner(loaded, name, batch, context, args.steps) for name in dtypes}
     if batch == 1:
         for t in args.llamacpp:
@@ -170,6 +174,7 @@ def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
         order = dtypes[k:] + dtypes[:k] if t % 2 == 0 else list(reversed(dtypes[k:] + dtypes[:k]))
         per_trial.append(trial(runners, args.steps, order))
     load = os.getloadavg()[0]
+    result = {"context": context, "batch": batch, "load": round(load, 2), "rows": {}, "pairs": {}}
     print(f"\ncontext {context}, batch {batch} ({args.trials} trials x {args.steps} steps, load {load:.2f})")
     print(f"{'dtype':<15}{'ms/step':>9}{'tok/s':>9}{'ratio':>8}  {'per trial':<40}{'cpu ms':>8}{'cpu ratio':>10}")
     for name in dtypes:
@@ -178,6 +183,14 @@ def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
         ratios = [tr[base][0] / tr[name][0] for tr in per_trial]
         cratio = statistics.median(tr[base][1] / tr[name][1] for tr in per_trial)
         shown = ", ".join(f"{r:.2f}" for r in ratios[:8])
+        result["rows"][name] = {
+            "ms_per_step": round(wall * 1e3, 3),
+            "tok_s": round(batch / wall, 2),
+            "ratio": round(statistics.median(ratios), 3),
+            "ratio_per_trial": [round(r, 3) for r in ratios],
+            "cpu_ms_per_step": round(cpu_ms * 1e3, 3),
+            "cpu_ratio": round(cratio, 3),
+        }
         print(
             f"{name:<15}{wall * 1e3:>9.2f}{batch / wall:>9.1f}{statistics.median(ratios):>7.2f}x  {shown:<40}"
             f"{cpu_ms * 1e3:>8.2f}{cratio:>9.2f}x"
@@ -186,12 +199,14 @@ def measure(loaded, dtypes: list[str], batch: int, context: int, args) -> None:
         if ours in runners and theirs in runners:
             r = [tr[theirs][0] / tr[ours][0] for tr in per_trial]
             rc = statistics.median(tr[theirs][1] / tr[ours][1] for tr in per_trial)
+            result["pairs"][f"{ours} / {theirs}"] = {"ratio": round(statistics.median(r), 3), "cpu_ratio": round(rc, 3)}
             print(
                 f"radixkv {ours} / {theirs}: {statistics.median(r):.2f}x tok/s (per trial "
                 + ", ".join(f"{x:.2f}" for x in r)
                 + f"), CPU time {rc:.2f}x"
             )
     del runners
+    return result
 
 
 def main() -> None:
@@ -205,6 +220,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llamacpp", nargs="*", default=[], help="llama.cpp K/V cache types to time beside (f16, q8_0)")
     ap.add_argument("--gguf", default=None, help="llama.cpp's model file (default: the default model's GGUF)")
+    ap.add_argument("--out", default=None, help="result JSON (default bench/results/kv_decode_speed_<UTC time>.json)")
     args = ap.parse_args()
     if args.llamacpp and args.gguf is None:
         from radixkv.models.loader import default_gguf_path
@@ -220,11 +236,17 @@ def main() -> None:
         f"model {args.model}, {torch.get_num_threads()} threads, kernels {cpu.isa()} / {cpu.threading_mode()}, "
         f"torch {torch.__version__}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
+    started, results = time.time(), []
     for context in args.contexts:
         for batch in args.batches:
-            measure(loaded, args.dtypes, batch, context, args)
+            results.append(measure(loaded, args.dtypes, batch, context, args))
     if LlamaCpp.flags:
         print(f"\nllama.cpp: {Path(args.gguf).name}, flash attention on, {args.threads} threads; {LlamaCpp.flags}")
+    from bench.results_io import write_result
+
+    machine = {"torch": torch.__version__, "threads": args.threads, "isa": cpu.isa(), "llama_cpp": LlamaCpp.flags}
+    path = write_result("kv_decode_speed", {"results": results}, args.out, started=started, machine=machine)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

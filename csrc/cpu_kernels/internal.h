@@ -194,8 +194,9 @@ panel_at(const pw_header *w, Py_ssize_t pi, const float *bias, float *c)
 /* ------------------------------------------------------------------ GEMM (gemm.c) */
 
 /* Which vector kernels run (set once by cpu_ok, changed by set_isa): ISA_AVX512 when the CPU has
- * AVX-512 F/BW/VL and RADIXKV_KERNELS_ISA is not "avx2", else ISA_AVX2. Only the one-row GEMV has
- * an AVX-512 form; every other kernel is AVX2 on both. */
+ * AVX-512 F/BW/VL and RADIXKV_KERNELS_ISA is not "avx2", else ISA_AVX2. The one-row GEMV and the
+ * attention passes over bf16 / fp16 / fp8 K/V (attention_lowp.c) have AVX-512 forms with the AVX2
+ * forms' bits; every other kernel is AVX2 on both. */
 enum { ISA_AVX2 = 1, ISA_AVX512 = 2 };
 extern int rk_isa;
 extern int rk_has_avx512;

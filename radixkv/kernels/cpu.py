@@ -1,7 +1,8 @@
 """Checked Python entry points to radixkv's native CPU kernels (``csrc/cpu_kernels/``).
 
-float32 kernels for the CPU decode step, all optional: :data:`AVAILABLE` is False when the
-extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use torch.
+float32 kernels for the CPU decode step (over a K/V pool in any of :data:`KV_DTYPES`), all
+optional: :data:`AVAILABLE` is False when the extension was not built or the CPU lacks
+AVX2/FMA/F16C, and callers then use torch.
 
 * :class:`PackedWeight` + :func:`packed_linear`: ``x @ W.T (+ bias)`` with ``W`` repacked once
   into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS), stored in
@@ -21,10 +22,13 @@ it has checked and keeps alive.
 Every argument is validated here (dtype, device, contiguity, shapes, index ranges are the
 caller's contract: see :func:`paged_attention`), because the C side works on raw addresses.
 
-The ISA contract: every kernel gives the same bits on the AVX2 and the AVX-512 path (only the
-one-row GEMV has an AVX-512 form, and it keeps the AVX2 form's FMA chains), in every weight format
-and every K/V dtype (the K/V conversions, the fp8 quantizer and attention are the same AVX2
-instructions on both); tests/test_kernels_isa.py runs both and compares bits.
+The ISA contract: every kernel gives the same bits on the AVX2 and the AVX-512 path, in every
+weight format and every K/V dtype. The one-row GEMV's AVX-512 form keeps the AVX2 form's FMA
+chains; the attention passes over bfloat16 / float16 / fp8 rows have AVX-512 forms that keep the
+AVX2 forms' FMA chains and reduction trees (csrc/cpu_kernels/attention_lowp.c); the rest (float32
+attention, the K/V write rounding, the elementwise kernels) is the same AVX2 code on both.
+tests/test_kernels_isa.py and tests/test_kv_dtypes.py run both and compare bits.
+
 Threads: ``torch.get_num_threads()`` at call time, on torch's own OpenMP (libgomp) worker
 threads when the extension was built with OpenMP, else (and in a child forked after OpenMP ran)
 on the extension's pthread pool; ``_ck.threading()`` says which. One parallel region runs at a
@@ -47,8 +51,9 @@ except ImportError:  # pragma: no cover - depends on the build
 def isa() -> str | None:
     """The vector kernels in use: ``"avx512"`` (AVX-512 F/BW/VL, chosen at import when the CPU has
     them) or ``"avx2"`` (the AVX2 + FMA kernels, also what ``RADIXKV_KERNELS_ISA=avx2`` in the
-    environment forces); ``None`` without the kernels. Only the one-row GEMV (a decode step's
-    projections and LM head) has an AVX-512 form; it gives the AVX2 path's bits exactly."""
+    environment forces); ``None`` without the kernels. The one-row GEMV (a decode step's
+    projections and LM head) and the attention passes over bfloat16 / float16 / fp8 K/V have
+    AVX-512 forms; they give the AVX2 path's bits exactly."""
     return _ck.isa() if AVAILABLE else None
 
 
