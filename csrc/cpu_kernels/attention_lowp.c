@@ -236,12 +236,10 @@ qk2_256(const int hc, const float *qg, const uint8_t *const kr[2], int d, __m128
                 lo[h][j] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + (Py_ssize_t)h * d + e), k, lo[h][j]);
         }
     for (int h = 0; h < hc; h++) {
-        __m256 x = _mm256_hadd_ps(lo[h][0], lo[h][1]), z = _mm256_hadd_ps(hi[h][0], hi[h][1]);
-        x = _mm256_hadd_ps(x, x); /* quarters 0, 1: [s(k0), s(k1), ...] per 128-bit lane */
-        z = _mm256_hadd_ps(z, z); /* quarters 2, 3 */
-        __m128 r = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1)),
-                              _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
-        r = _mm_mul_ps(r, s);
+        /* per 128-bit lane, pairs then quarters: [S0(k0), S0(k1), S2(k0), S2(k1) | S1 .., S3 ..] */
+        __m256 w = _mm256_hadd_ps(_mm256_hadd_ps(lo[h][0], lo[h][1]), _mm256_hadd_ps(hi[h][0], hi[h][1]));
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1)); /* S0+S1, S2+S3 */
+        r = _mm_mul_ps(_mm_add_ps(r, _mm_movehl_ps(r, r)), s);
         out[(Py_ssize_t)h * ldo] = _mm_cvtss_f32(r);
         out[(Py_ssize_t)h * ldo + 1] = _mm_cvtss_f32(_mm_movehdup_ps(r));
     }
