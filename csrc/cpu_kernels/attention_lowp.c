@@ -13,12 +13,11 @@
  * from finite values.
  *
  * Each pass comes in an AVX2 form and an AVX-512 form (rk_isa chooses; the caller passes it as
- * `wide`) that give the same bits: a score is the FMA chain over d in 8-float chunks of qk4_heads
- * (the same source compiled for both, the AVX-512 build has 32 registers: no spills) reduced as
- * attention.c's qk8 reduces its first 4 lanes; a weighted sum of V is one FMA chain over the
- * positions per output element, which 8- or 16-float registers compute alike. The K rows of 4
- * positions are widened once (in registers) for up to 3 query heads; V rows once per position for
- * up to 3 query heads. */
+ * `wide`) that give the same bits: a score is 16 lane sums added in one fixed tree (see "scores"
+ * below), which AVX-512 holds in one register and AVX2 in two; a weighted sum of V is one FMA
+ * chain over the positions per output element, which 8- or 16-float registers compute alike. The
+ * K rows of 4 (AVX2: 2) positions are widened once, in registers, for up to 3 query heads; a V
+ * row once per position for up to 3 query heads. */
 
 #include "internal.h"
 

@@ -16,7 +16,10 @@ and ``ModelRunner.forward`` hands it to :meth:`DecodeStep.forward`: no torch op,
 
 The arithmetic is that of the module path's kernels (the same GEMM, norm, RoPE, SiLU and attention
 code; tests/test_cpu_kernels.py and tests/test_models_tiny.py check the logits against transformers
-and the module path). The plan is rebuilt when a weight is replaced or changed in place (the
+and the module path). The pool may be in any K/V dtype of :data:`radixkv.kernels.cpu.KV_DTYPES`: the
+step writes each new token's K/V with the pool's rounding (:func:`radixkv.kernels.cpu.kv_quantize`'s
+bits, fp8 scales included) and attends over the pool as ``paged_attention`` does
+(tests/test_kv_dtypes.py). The plan is rebuilt when a weight is replaced or changed in place (the
 weights epoch of :func:`~radixkv.models.layers.weights_epoch`, every source tensor's address and
 every packed weight's ``_version`` are compared before each step).
 """
