@@ -12,10 +12,10 @@ both against the same float64 reference.
 The pool may hold K/V in any dtype of :data:`radixkv.kernels.cpu.KV_DTYPES` (float32, bfloat16,
 float16, fp8 e4m3 / e5m2 with the pool's per token-and-head bfloat16 scales): the kernel reads
 them widened to float32 (docs/model.md). New K/V are written by the pool's own ``write`` before
-the kernel reads them back, so every backend sees the same rounded values; when the pool's
-``write`` takes a ``quantizer`` and its dtype is not float32, the rounding is the native
-:func:`radixkv.kernels.cpu.kv_quantize` (the same bits as the pool's torch reference, several
-times faster: tests/test_kv_dtypes.py, docs/model.md).
+the kernel reads them back, so every backend sees the same rounded values; for an fp8 pool whose
+``write`` takes a ``quantizer``, the rounding is the native :func:`radixkv.kernels.cpu.kv_quantize`
+(the same bits as the pool's torch reference, 4-6x less CPU time: tests/test_kv_dtypes.py,
+docs/model.md; bfloat16 / float16 keep torch's cast, as fast).
 
 Needs the ``radixkv.kernels._ckernels`` extension on an AVX2/FMA/F16C CPU, a pool on the CPU in one
 of those dtypes and a head_dim that is a multiple of 8; ``create_attention_backend("auto", "cpu",
@@ -85,11 +85,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"CPUAttentionBackend: {reason}")
         super().__init__(kv_pool, num_q_heads, sm_scale, max_pad_waste)
         self.native_max_q = int(native_max_q)
-        self._quantizer = (
-            {"quantizer": _native_quantize}
-            if kv_pool.k_buffer[0].dtype != torch.float32 and "quantizer" in inspect.signature(kv_pool.write).parameters
-            else {}
-        )
+        fp8 = cpu.kv_dtype_name(kv_pool.k_buffer[0].dtype) in cpu.FP8_MAX
+        native_write = fp8 and "quantizer" in inspect.signature(kv_pool.write).parameters
+        self._quantizer = {"quantizer": _native_quantize} if native_write else {}
         self._meta = torch.zeros(4, 0, dtype=torch.int32)
         self._kv_indices = torch.zeros(0, dtype=torch.int32)
         self._out_slots = torch.zeros(0, dtype=torch.int64)
