@@ -2,7 +2,7 @@
 
 The write rounding of every K/V pool dtype, written here from the contract (not from the
 kernels): float32 copied; bfloat16 / float16 torch's round-to-nearest-even casts; fp8 per (token,
-head) ``scale = bf16_ceil(amax / FP8_MAX)`` (1 for an all-zero row), ``q = (x / scale).to(fp8)``.
+head) ``scale = bf16_ceil(amax / FP8_MAX)`` (1 where amax / FP8_MAX is 0), ``q = (x / scale).to(fp8)``.
 A row reads back as ``q.to(float32) * scale``.
 
 :func:`make_pool` gives a pool laid out as the contract says (``k_buffer`` / ``v_buffer`` per
@@ -45,9 +45,8 @@ def ref_quantize(x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor
     x = x.to(torch.float32)
     if name not in FP8_MAX:
         return x.to(STORAGE[name]), None
-    amax = x.abs().amax(-1)
-    scale = bf16_ceil(amax / FP8_MAX[name])
-    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    ratio = x.abs().amax(-1) / FP8_MAX[name]
+    scale = torch.where(ratio == 0, torch.ones_like(ratio), bf16_ceil(ratio))
     return (x / scale[..., None]).to(STORAGE[name]), scale.to(torch.bfloat16)
 
 

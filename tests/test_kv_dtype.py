@@ -243,7 +243,7 @@ def contract_rounding(x: np.ndarray, kv: str) -> tuple[np.ndarray, np.ndarray | 
     amax = np.abs(x).max(axis=-1)
     ratio = (amax / np.float32(FP8_MAX[kv])).astype(np.float32)
     ceil = ((ratio.view(np.uint32).astype(np.uint64) + 0xFFFF) & 0xFFFF0000).astype(np.uint32).view(np.float32)
-    scale = np.where(amax == 0, np.float32(1), ceil).astype(np.float32)
+    scale = np.where(ratio == 0, np.float32(1), ceil).astype(np.float32)
     q = _round_fp8((x / scale[..., None]).astype(np.float32), kv)
     return (q * scale[..., None]).astype(np.float32), scale
 
@@ -353,6 +353,7 @@ def test_rounding_edge_cases():
                 [mx, -mx, 1.0, 0.0, 7.0, 9.0, 17.0, 33.0],
                 [1.0625, 1.1875, -1.0625, 3.0, 5.0, 6.5, 13.0, 448.0],
                 [1e-30, 2e-30, 3e-30, 0.0, -1e-30, 0.0, 0.0, 5e-31],
+                [1e-45, -1e-45, 0.0, 1e-45, 0.0, 0.0, 0.0, 0.0],  # amax / FP8_MAX underflows to 0
             ],
             dtype=np.float32,
         )[:, None, :]
@@ -363,7 +364,7 @@ def test_rounding_edge_cases():
         got = pool.read(0, slots)[0].numpy()
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), kv
         assert pool.k_scale_slots(0)[slots, 0].float().tolist() == scale[:, 0].tolist()
-        assert scale[0, 0] == 1.0 and not np.isnan(got).any()
+        assert scale[0, 0] == 1.0 and scale[-1, 0] == 1.0 and not np.isnan(got).any()
 
 
 def _paged(pool: KVPool, prefix: list[int], extend: list[int], seed: int):

@@ -88,9 +88,8 @@ def test_fp8_rounding_near_every_boundary_matches_torch(name, restore_isa):
 def test_random_rows_round_as_the_reference(name, restore_isa):
     """Millions of values: rows at magnitudes from 1e-30 to 1e30 (subnormal float32 too), rows
     with a few large outliers, all-zero rows: the same q and scale bits as the reference, and
-    no fp8 NaN code from finite input. (A row whose amax is below FP8_MAX * 2^-150 has a scale
-    that underflows to 0 in the contract's rounding: NaN codes there, as in the reference; no
-    such row here.)"""
+    no fp8 NaN code from finite input, also for rows whose amax is so small that amax / FP8_MAX
+    underflows to 0 (their scale is 1, as a zero row's)."""
     g = torch.Generator().manual_seed(11)
     rows, d = 8192, 128
     x = torch.randn(rows, 3, d, generator=g)
@@ -100,6 +99,7 @@ def test_random_rows_round_as_the_reference(name, restore_isa):
     x[5::17, :, :3] *= 1e4  # outliers
     x[7::101] = 0.0
     x[9::211] = torch.randn(x[9::211].shape, generator=g) * 1e-39  # float32 subnormals
+    x[11::307] = torch.randn(x[11::307].shape, generator=g).sign() * 1e-45  # amax / FP8_MAX underflows
     _check_quantize(x, name)
     if name in FP8:
         q, _ = ck.kv_quantize(x, name)

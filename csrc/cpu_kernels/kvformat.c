@@ -7,7 +7,7 @@
  *   float16    F16C's vcvtps2ph, round to nearest even (torch's .to(torch.float16): the same bits)
  *   fp8        per row (one token's head: d values) scale = bf16_ceil(amax / FP8_MAX) (amax = max
  *              |x|, float32 division, then the bits rounded UP to a bfloat16: (b + 0xFFFF) &
- *              0xFFFF0000; 1 for an all-zero row), then every x / scale (float32 division, not a
+ *              0xFFFF0000; 1 where amax / FP8_MAX is 0), then every x / scale (float32 division, not a
  *              reciprocal) rounded to nearest even to float8_e4m3fn (FP8_MAX 448) or float8_e5m2
  *              (FP8_MAX 57344), as torch's .to(torch.float8_e4m3fn / float8_e5m2) does: by integer
  *              arithmetic on the float32 bits for normal results, and for subnormal ones by adding
@@ -86,13 +86,15 @@ amax_row(const float *x, int d)
     return hmax256(m);
 }
 
-/* The fp8 scale of a row whose max |x| is amax: bf16_ceil(amax / fp8_max), 1 for 0 (bfloat16 bits). */
+/* The fp8 scale of a row whose max |x| is amax: bf16_ceil(amax / fp8_max), 1 where that ratio is 0
+ * (an all-zero row, or an amax so small the division underflows: a zero scale would read back NaN)
+ * (bfloat16 bits). */
 static inline uint16_t
 fp8_scale(float amax, float fp8_max)
 {
-    if (amax == 0.f)
-        return 0x3F80;
     float s = amax / fp8_max;
+    if (s == 0.f)
+        return 0x3F80;
     uint32_t u;
     memcpy(&u, &s, sizeof u);
     return (uint16_t)((u + 0xFFFFu) >> 16);

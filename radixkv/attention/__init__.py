@@ -41,10 +41,10 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "flashinfer")
 
-CPU_AUTO_KV_DTYPES = frozenset({"float32"})
+CPU_AUTO_KV_DTYPES = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
 """K/V dtypes (``KVPool.kv_cache_dtype``) for which ``"auto"`` picks the native ``cpu`` backend on
-the CPU; the others get the torch backend. The one place that widens when the native kernels
-take more dtypes (``"cpu"`` named explicitly is the backend's own check either way)."""
+the CPU (every K/V dtype: the native kernels read and write all five); a dtype outside it gets the
+torch backend (``"cpu"`` named explicitly is the backend's own check either way)."""
 
 
 def _flashinfer(kv_pool: KVPool, num_q_heads: int, sm_scale: float | None, **kwargs: Any) -> AttentionBackend:

@@ -11,7 +11,7 @@ torch ops), for a ``[..., head_dim]`` float32 row ``x`` of one token and one KV 
 * float32: stored as is. bfloat16 / float16: float32 -> round to nearest even (torch's ``.to``).
   Read back: exact widening to float32.
 * fp8 (``FP8_MAX`` 448 for e4m3fn, 57344 for e5m2): ``amax = max |x|``; ``scale = 1`` when
-  ``amax == 0``, else ``bf16_ceil(amax / FP8_MAX)`` (float32 division, then rounded *up* to a
+  ``amax / FP8_MAX == 0`` (a zero row, or an underflowing tiny one), else ``bf16_ceil(amax / FP8_MAX)`` (float32 division, then rounded *up* to a
   bfloat16 value through its bits: ``(bits + 0xFFFF) & 0xFFFF0000``); ``q = fp8_rne(x / scale)``
   (float32 true division, then torch's float32 -> float8 cast, round to nearest even). Stored:
   ``q`` and ``scale`` (a bfloat16, one per token and KV head). Read back:
@@ -132,8 +132,10 @@ def quantize(x: torch.Tensor, name: DtypeLike) -> tuple[torch.Tensor, Optional[t
     if kv not in FP8_MAX:
         return x.to(_TORCH[kv]), None
     x = x.to(torch.float32)
-    amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax == 0, torch.ones_like(amax), _bf16_ceil(amax / FP8_MAX[kv]))
+    ratio = x.abs().amax(dim=-1) / FP8_MAX[kv]
+    # NOTE: 1 where the ratio is 0 (a zero row, or an amax below ~6e-43 whose division underflows):
+    # a zero scale would read back as NaN
+    scale = torch.where(ratio == 0, torch.ones_like(ratio), _bf16_ceil(ratio))
     q = (x / scale.unsqueeze(-1)).to(_TORCH[kv])
     return q, scale.to(SCALE_DTYPE)
 
