@@ -59,7 +59,10 @@ def prompts_of(llm: LLM, n: int, max_tokens: int, skip: int) -> list[list[int]]:
 
 def greedy(llm: LLM, prompts: list[list[int]], gen: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    return [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    return [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
 
 
 def teacher_forced(llm: LLM, prompts: list[list[int]], conts: list[list[int]]) -> list[list[tuple[int, float]]]:
