@@ -142,8 +142,10 @@ class ReuseOdds(EvictionPolicy):
     conversation that has waited long is still likely to come back (a heavy tail), so the odds
     decay more slowly than ``exp(-a / K)``; ``horizon`` scales the time constant (``horizon * K``).
     On the ShareGPT multi-turn trace at 5% capacity ``horizon = 2`` caches 2.4 points more than
-    ``horizon = 1`` (79.71% vs 77.26%; LRU 72.27%) and is never below LRU on the other traces
-    (docs/benchmarks.md: the sweep over 1, 2 and 3).
+    ``horizon = 1`` (79.71% vs 77.26%; LRU 72.27%). It is not better everywhere: on the fork
+    trace at 1% capacity it is below LRU (91.14% vs 91.17%, as is ``horizon = 1``), and on gsp at
+    2% below ``horizon = 1`` (7.87% vs 7.89%), which is why LRU stays the default
+    (docs/benchmarks.md has the table and its result files).
 
     Args:
         depth_block: tokens per depth bucket (int >= 1).
