@@ -78,12 +78,10 @@ def sim_part(args) -> dict:
 def replay_part(args) -> dict:
     from radixkv import LLM
     from radixkv.datasets import load_conversations
-    from radixkv.models import load_model
     from radixkv.replay import replay_mode
 
     convs = load_conversations(args.replay_conversations, args.turns)
-    loaded = load_model("smollm2-135m", "cpu", "float32")
-    infinite = LLM(loaded_model=loaded, device="cpu", max_total_tokens=65536)
+    infinite = LLM(device="cpu", max_total_tokens=65536)
     base = replay_mode(infinite, convs, args.max_tokens, progress=False)
     ws_tokens = infinite.cache_stats()["cached"]
     del infinite
@@ -94,7 +92,7 @@ def replay_part(args) -> dict:
     for frac in args.fractions:
         mem = int(ws_tokens * bpt("float32") * frac)
         for kv, mult in ROWS:
-            llm = LLM(loaded_model=loaded, device="cpu", kv_cache_dtype=kv, kv_cache_memory_bytes=int(mem * mult))
+            llm = LLM(device="cpu", kv_cache_dtype=kv, kv_cache_memory_bytes=int(mem * mult))
             row = replay_mode(llm, convs, args.max_tokens, progress=False)
             cap = llm.cache_stats()["capacity"]
             del llm
