@@ -34,8 +34,17 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
   anything is retracted when a running request is short of memory); when a pin dies the table
   calls back here, and the KV manager unlocks (or frees) what it held.
 
-A later helper (a KV tier, tentative draft slots) plugs in the same way: its own bookkeeping in
-its own class, every slot it implies moved by the KV manager (a callback or a returned value).
+* :class:`~radixkv.engine.tiers.TierManager` (``kv.tiers``, None without tiers), the KV tiers
+  below the pool (docs/tiers.md): before a waiting request is admitted, the blocks after its
+  cached prefix are looked up tier by tier on the tiers' I/O thread while the KV manager keeps
+  that prefix locked (:meth:`~KVManager.tier_step`); a finished load is copied into new slots
+  here and inserted into the cache as if computed, its path locked until the request is
+  admitted; the request waits in the queue meanwhile (:meth:`~KVManager.tier_waiting`), so no
+  step stalls. Blocks entering the cache are written through, blocks it evicts written back
+  (per tier), their K/V copied out here before the slots are reused.
+
+A later helper (tentative draft slots) plugs in the same way: its own bookkeeping in its own
+class, every slot it implies moved by the KV manager (a callback or a returned value).
 
 Invariant (:meth:`check_integrity`): every slot is exactly one of free, held by the cache, owned
 by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``
@@ -55,7 +64,9 @@ from radixkv.engine.batch_sharing import BatchSharing
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
 from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
+from radixkv.engine.tiers import TierHold, TierManager
 from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.kv_io import scatter_rows
 from radixkv.memory.kv_pool import ReqToTokenPool
 from radixkv.namespace import Namespace
 
@@ -96,11 +107,13 @@ class KVManager:
             inject a fake one).
         in_batch_sharing: share prefixes computed by rows of the same forward (False: only
             what is cached when a request is admitted is shared).
+        tiers: the KV tiers below the pool (:class:`~radixkv.engine.tiers.TierManager`), or None.
 
     Attributes:
         pins: the :class:`~radixkv.engine.pins.PinTable` (live pins, bounds of the soft ones).
         sharing: the :class:`~radixkv.engine.batch_sharing.BatchSharing` of the forward being
             planned.
+        tiers: the :class:`~radixkv.engine.tiers.TierManager`, or None.
         evicted_tokens: tokens evicted from the cache so far.
 
     Raises:
@@ -118,6 +131,7 @@ class KVManager:
         pin_idle_timeout: Optional[float] = None,
         clock: Optional[Callable[[], float]] = None,
         in_batch_sharing: bool = True,
+        tiers: Optional[TierManager] = None,
     ) -> None:
         if cache.page_size != allocator.page_size:
             raise ValueError(f"cache page_size {cache.page_size} != allocator page_size {allocator.page_size}")
@@ -131,6 +145,8 @@ class KVManager:
         self._seq = 0
         self.pins = PinTable(self._unhold, max_tokens=max_pinned_tokens, idle_timeout=pin_idle_timeout, clock=clock)
         self.sharing = BatchSharing(self.page_size, enabled=bool(in_batch_sharing) and self.shares)
+        self.tiers = tiers if self.shares else None
+        self._evicting: Optional[list] = None  # pieces the cache evicts now, for write-back
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -214,7 +230,7 @@ class KVManager:
         if avail >= n:
             return True
         if self.cache.evictable_size() > 0:
-            freed = self.cache.evict(n - avail)
+            freed = self._evict(n - avail)
             if freed.numel():
                 self.allocator.free(freed)
                 self.evicted_tokens += int(freed.numel())
@@ -249,11 +265,18 @@ class KVManager:
         self._seq += 1
         return self._seq
 
-    def _insert(self, tokens: List[int], slots: List[int], namespace: Optional[Namespace]) -> int:
-        k = self.cache.insert(tokens, _as_slots(slots), namespace)
-        if self.shares and self.events.wants(CacheInserted) and len(tokens) > k:
-            n = len(tokens)
-            first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
+    def _insert(self, tokens: List[int], slots: Any, namespace: Optional[Namespace], skip: tuple = ()) -> int:
+        """``cache.insert``; the blocks that became fully cached are written through to the tiers
+        (but those in ``skip``) and announced (:class:`CacheInserted`)."""
+        slots = slots if isinstance(slots, torch.Tensor) else _as_slots(slots)
+        k = self.cache.insert(tokens, slots, namespace)
+        n = len(tokens)
+        first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
+        if self.tiers is not None and stop > first and self.tiers.through:
+            self.tiers.write(
+                "write_through", namespace, tokens, first, stop, slots[first * BLOCK_TOKENS : stop * BLOCK_TOKENS], skip
+            )
+        if self.shares and self.events.wants(CacheInserted) and n > k:
             digests = tuple(block_digests(tokens, namespace, first, stop)) if stop > first else ()
             self.events.emit(
                 CacheInserted(
@@ -267,6 +290,8 @@ class KVManager:
         return k
 
     def _on_evict(self, namespace: Optional[Namespace], path: bytes, start: int) -> None:
+        if self._evicting is not None:
+            self._evicting.append((namespace, path, start))
         if not self.events.wants(CacheEvicted):
             return
         end = len(path) >> 2
@@ -275,6 +300,52 @@ class KVManager:
         self.events.emit(
             CacheEvicted(seq=self._next_seq(), namespace=namespace, num_tokens=end - start, block_digests=digests)
         )
+
+    def _evict(self, n: int) -> Any:
+        """``cache.evict(n)``; with write-back tiers, the K/V of the blocks it evicts is copied
+        out (and queued for the tiers) before the caller frees the slots."""
+        if self.tiers is None or not self.tiers.writes_back or not hasattr(self.cache, "evict_listener"):
+            return self.cache.evict(n)
+        self._evicting = []
+        try:
+            freed = self.cache.evict(n)
+        finally:
+            pieces, self._evicting = self._evicting, None
+        if pieces and freed.numel():
+            self._write_back(pieces, freed)
+        return freed
+
+    def _write_back(self, pieces: list, freed: Any) -> None:
+        """Queue the whole 16-token blocks of evicted ``pieces`` (``(namespace, path, start)`` in
+        the order ``freed`` holds their slots) for the write-back tiers. A block's head may lie
+        before its piece: in a piece evicted by the same call, or still cached (read without
+        touching the tree's order)."""
+        ends: dict = {}
+        off = 0
+        for ns, path, start in pieces:
+            end = len(path) >> 2
+            ends[(ns, path)] = (start, freed[off : off + end - start])
+            off += end - start
+
+        def slots_of(ns: Any, path: bytes, lo: int, hi: int) -> Any:
+            got = ends.get((ns, path[: hi << 2]))
+            if got is None:  # still cached (or gone: then too short)
+                cached = self.cache.cached_slots(path[: hi << 2], ns)
+                return cached[lo:hi] if len(cached) >= hi else None
+            start, sl = got
+            if start <= lo:
+                return sl[lo - start : hi - start]
+            head = slots_of(ns, path, lo, start)
+            return None if head is None else torch.cat([torch.as_tensor(head), torch.as_tensor(sl[: hi - start])])
+
+        for ns, path, start in pieces:
+            end = len(path) >> 2
+            first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
+            if stop <= first:
+                continue
+            sl = slots_of(ns, path, first * BLOCK_TOKENS, stop * BLOCK_TOKENS)
+            if sl is not None:
+                self.tiers.write("write_back", ns, path, first, stop, torch.as_tensor(sl))
 
     # ------------------------------------------------------------------ in-batch sharing
     def begin_batch(self) -> None:
@@ -373,6 +444,7 @@ class KVManager:
         if prefix.slots:
             self.req_to_token_pool.write(req.row, 0, _as_slots(prefix.slots))
         self.grow(req, upto)
+        self._tier_unhold(req)  # its own lock covers what a tier load installed for it
 
     # ------------------------------------------------------------------ hand-over and release
     def release(self, req: Request) -> None:
@@ -399,6 +471,7 @@ class KVManager:
             self.cache.dec_lock_ref(req.prefix_node)
             req.prefix_node = None
         self.drop_pin(req)
+        self._tier_unhold(req)
         req.slots = []
         req.prefix_len = 0
         req.kv_len = 0
@@ -426,6 +499,105 @@ class KVManager:
         self._relock(req, m)
         self.drop_pin(req)  # the cache's lock now covers at least the pin's pages
         req.prefix_len = aligned
+
+    # ------------------------------------------------------------------ KV tiers
+    def tier_waiting(self, req: Request) -> bool:
+        """True while ``req``'s blocks are being looked up or loaded (the scheduler skips it)."""
+        t = req.tier
+        return t is not None and t.job is not None
+
+    def tier_step(self, waiting: Iterable[Request]) -> None:
+        """Install the loads the tiers' I/O thread finished, announce its finished writes, and
+        start a lookup for each waiting request not looked up yet (once per request: what it
+        could load beyond its cached prefix, :meth:`_tier_lookup`)."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        loads, writes = tiers.take_finished()
+        for job in loads:
+            self._tier_install(job)
+        if writes and self.events.wants(CacheInserted):
+            for w in writes:
+                for medium in w.stored:
+                    self.events.emit(
+                        CacheInserted(
+                            seq=self._next_seq(),
+                            namespace=w.namespace,
+                            num_tokens=BLOCK_TOKENS * len(w.digests),
+                            first_block=w.first,
+                            block_digests=tuple(w.digests),
+                            medium=medium,
+                        )
+                    )
+        for r in waiting:
+            if r.tier is None and r.row is None and r.pin is None:
+                self._tier_lookup(r)
+
+    def _tier_lookup(self, req: Request) -> None:
+        """Lock ``req``'s cached prefix and ask the tiers for the whole blocks after it (up to
+        what it may reuse, :meth:`match`'s limit, page-floored); not when another lookup would
+        hold more than half the pool locked for waiting requests."""
+        req.tier = hold = TierHold()
+        m = self.match(req)
+        n = len(req.all_token_ids) - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        limit = n // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
+        if limit <= m.length or self.tiers.held_tokens + limit > self.capacity // 2:
+            return
+        job = self.tiers.plan(req.namespace, req.all_token_ids, m.length, limit, req)
+        if job is None:
+            return
+        self.cache.inc_lock_ref(m.node)
+        hold.job, hold.node, hold.start, hold.limit, hold.prefix_slots = job, m.node, m.length, limit, m.slots
+        self.tiers.held_tokens += limit
+
+    def _tier_install(self, job: Any) -> None:
+        """Copy a finished load into new slots and insert it into the cache as if computed;
+        the request's lock moves to the inserted path (until it is admitted). Nothing when it
+        loaded no whole page past the cached prefix or the pool cannot make room."""
+        req = job.owner
+        hold = req.tier
+        if hold is None or hold.job is not job:
+            return
+        hold.job = None
+        start, base = hold.start, job.first * BLOCK_TOKENS
+        end = min(hold.limit, base + job.rows.shape[0]) // self.page_size * self.page_size
+        need = end - start
+        if need <= 0 or not self.ensure_free(need):
+            return
+        new = self.allocator.alloc(need)
+        if new is None:
+            raise RuntimeError(f"allocator refused {need} slots after ensure_free")
+        scatter_rows(self.tiers.pool, new, job.rows[start - base : end - base])
+        tokens = req.all_token_ids[:end]
+        slots = torch.cat([torch.as_tensor(hold.prefix_slots, dtype=torch.int64), torch.as_tensor(new)])
+        k = self._insert(tokens, slots, req.namespace, skip=tuple(set(job.media)))
+        if k > start:
+            self.allocator.free(new[: k - start])
+        m = self.cache.match_prefix(tokens, req.namespace)
+        if m.length != end:
+            raise RuntimeError(f"tier install: inserted {end} tokens, the cache matches {m.length}")
+        self.cache.inc_lock_ref(m.node)
+        self.cache.dec_lock_ref(hold.node)
+        hold.node = m.node
+        for b, medium in enumerate(job.media):
+            lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, base + BLOCK_TOKENS * (b + 1))
+            if hi > lo:
+                hold.spans.append((lo, hi, medium))
+
+    def _tier_unhold(self, req: Request) -> None:
+        """``req`` no longer waits for the tiers: its lookup is cancelled and its lock dropped
+        (what was installed stays cached, evictable); ``req.tier`` keeps the spans installed."""
+        hold = req.tier
+        if hold is None or hold.node is None:
+            return
+        if hold.job is not None:
+            hold.job.cancelled = True
+            hold.job = None
+        self.cache.dec_lock_ref(hold.node)
+        hold.node = None
+        self.tiers.held_tokens -= hold.limit
 
     # ------------------------------------------------------------------ pins (n > 1)
     def fork(self, parent: Request, children: List[Request]) -> None:
@@ -463,10 +635,13 @@ class KVManager:
 
     def detach_pins(self, waiting: Iterable[Request]) -> None:
         """Last resort when one running request is left short of memory: waiting requests drop
-        their pins (they recompute, or re-match, their prefix when admitted)."""
+        their pins and their tier loads' locks (they recompute, or re-match, their prefix when
+        admitted)."""
         for r in waiting:
             if r.pin is not None and r.row is None:
                 self.drop_pin(r)
+            if r.row is None:
+                self._tier_unhold(r)
 
     def _unhold(self, pin: Pin) -> None:
         """``pin`` died (:class:`PinTable`): unlock its cached path, or free the slots it owns."""

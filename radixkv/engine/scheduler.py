@@ -192,8 +192,9 @@ class Scheduler:
         return self.policy == "lpm" and self.kv.shares and 1 < n <= _LPM_MAX_QUEUE
 
     def _ordered_waiting(self) -> tuple[List[Request], dict]:
-        """The waiting queue in policy order, and (lpm) each one's reusable prefix length."""
-        reqs = list(self.waiting)
+        """The waiting queue in policy order, and (lpm) each one's reusable prefix length; not
+        the requests waiting for their blocks from the KV tiers."""
+        reqs = [r for r in self.waiting if not self.kv.tier_waiting(r)]
         lens: dict = {}
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
@@ -309,6 +310,7 @@ class Scheduler:
             kv.publish(r, r.kv_len + extend)
             budget -= extend
             partial = partial or not done
+        kv.tier_step(self.waiting)  # finished tier loads enter the cache; new lookups start
         if not batch.retracted:
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
 
 __all__ = ["EngineStats"]
@@ -31,6 +31,17 @@ class EngineStats(Mapping):
         running, waiting: samples admitted / queued.
         page_size: tokens per KV page.
         prefix_cache: "radix", "hash" or "none".
+        cached_tokens_by_tier: ``cached_tokens`` split by where they came from: ``device`` (the
+            pool: cached, or shared in the same forward), ``host``, ``disk``, ``remote`` (KV
+            tiers, docs/tiers.md).
+        tiers: per KV tier (``host``, ``disk``, ``remote``; only those configured) a dict of its
+            counters: the store's (``hits``, ``misses``, ``blocks_read``, ``blocks_written``,
+            ``bytes_read``, ``bytes_written``, ``corrupt``, ``errors``, ``degraded``) and the
+            engine's (:class:`~radixkv.engine.tier_io.TierCounters`: ``lookups``, ``found``,
+            ``loaded``, ``rejected``, ``skipped``, ``write_dropped``, ``served`` tokens,
+            ``load_latency`` histogram), ``used_bytes``, ``capacity_bytes``,
+            ``load_s_per_token`` and ``prefill_s_per_token`` (the cost model's running averages),
+            ``write_policy``.
     """
 
     capacity: int
@@ -51,6 +62,8 @@ class EngineStats(Mapping):
     waiting: int
     page_size: int
     prefix_cache: str
+    cached_tokens_by_tier: dict = field(default_factory=dict)
+    tiers: dict = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:
