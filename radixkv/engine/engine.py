@@ -125,9 +125,7 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
         weights = str(getattr(runner, "fingerprint", cfg.model)).encode()
     kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)
     fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta)
-    return TierManager(
-        stores, pool, fp, cfg.kv_tier_write_policy, write_back_ok=cfg.prefix_cache == "radix"
-    )
+    return TierManager(stores, pool, fp, cfg.kv_tier_write_policy, write_back_ok=cfg.prefix_cache == "radix")
 
 
 def _make_cache(cfg: EngineConfig) -> Any:

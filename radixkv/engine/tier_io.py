@@ -379,7 +379,9 @@ class TierIO:
                 idx = [i for i in range(n) if not present[i]]
                 if idx:
                     blocks = [
-                        Block(tuple(job.tokens[i]), view[BLOCK_TOKENS * i : BLOCK_TOKENS * (i + 1)].tobytes(), self.meta)
+                        Block(
+                            tuple(job.tokens[i]), view[BLOCK_TOKENS * i : BLOCK_TOKENS * (i + 1)].tobytes(), self.meta
+                        )
                         for i in idx
                     ]
                     store.put([job.keys[i] for i in idx], blocks)

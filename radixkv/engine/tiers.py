@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-from array import array
 import logging
 import weakref
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -45,7 +45,9 @@ SHARED_MEDIA = ("disk", "remote")
 """Tiers other processes read: a process-local namespace never goes there."""
 
 
-def model_fingerprint(weights: bytes, compute_dtype: Any, kv_dtype: Any, quantization: Any, layout_meta: bytes) -> bytes:
+def model_fingerprint(
+    weights: bytes, compute_dtype: Any, kv_dtype: Any, quantization: Any, layout_meta: bytes
+) -> bytes:
     """16 bytes naming what a block's K/V depends on besides its tokens: the weights
     (:func:`radixkv.models.fingerprint.weights_digest`), the compute dtype, the K/V dtype, the
     quantization and the pool's per-token layout (:class:`~radixkv.memory.kv_io.KVLayout`:
