@@ -108,15 +108,14 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
         ValueError: tiers without a prefix cache or without a runner's ``kv_pool``, or a store
             refused its configuration (naming the field).
     """
-    stores = list(build_stores(cfg) if stores is None else stores)
-    if not stores:
+    if stores is None and not cfg.kv_tiers:
         return None
     pool = getattr(runner, "kv_pool", None)
     if cfg.prefix_cache == "none" or pool is None:
-        for s in stores:
+        for s in stores or ():
             s.close()
-        what = "prefix_cache='none' keeps nothing" if pool is None else "the model runner has no kv_pool"
-        raise ValueError(f"KV tiers (host_cache_bytes, disk_cache_dir, remote_cache_url) need a prefix cache: {what}")
+        why = "prefix_cache='none' keeps nothing" if pool is not None else "the model runner has no kv_pool"
+        raise ValueError(f"KV tiers (host_cache_bytes, disk_cache_dir, remote_cache_url) need a prefix cache: {why}")
     if model is not None:
         from radixkv.models.fingerprint import weights_digest  # lazy: the model stack
 
@@ -125,6 +124,9 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
         weights = str(getattr(runner, "fingerprint", cfg.model)).encode()
     kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)
     fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta)
+    stores = list(build_stores(cfg, fp) if stores is None else stores)
+    if not stores:
+        return None
     return TierManager(stores, pool, fp, cfg.kv_tier_write_policy, write_back_ok=cfg.prefix_cache == "radix")
 
 

@@ -90,15 +90,27 @@ class WriteJob:
 
 class TierCounters:
     """What the engine side counts per tier (beside the store's own ``stats()``): blocks looked
-    up, found, loaded, rejected (wrong tokens, layout or length after the store's checks) or
-    skipped (found but dearer to load than to recompute), writes dropped (backlog full), tokens
-    served to requests, and the load-latency histogram (:data:`LATENCY_BUCKETS`). Updated under
-    the I/O lock."""
+    up (``lookups``), ``found``, ``loaded``, ``load_rejected`` (wrong tokens, layout or length
+    after the store's checks) or ``load_skipped`` (found but dearer to load than to recompute),
+    blocks whose write was dropped (``write_dropped``: the backlog was full), prompt tokens
+    served to requests (``served_tokens``), and the load-latency histogram
+    (:data:`LATENCY_BUCKETS`, one observation per ``get`` call). Updated under the I/O lock."""
 
-    __slots__ = ("lookups", "found", "loaded", "rejected", "skipped", "write_dropped", "served", "buckets", "lat_sum")
+    __slots__ = (
+        "lookups",
+        "found",
+        "loaded",
+        "load_rejected",
+        "load_skipped",
+        "write_dropped",
+        "served_tokens",
+        "buckets",
+        "lat_sum",
+    )
 
     def __init__(self) -> None:
-        self.lookups = self.found = self.loaded = self.rejected = self.skipped = self.write_dropped = self.served = 0
+        self.lookups = self.found = self.loaded = self.load_rejected = self.load_skipped = 0
+        self.write_dropped = self.served_tokens = 0
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.lat_sum = 0.0
 
@@ -324,7 +336,9 @@ class TierIO:
         out, bad = [], 0
         for i, b in zip(idx, got):
             if b is not None and (
-                tuple(b.tokens) != tuple(job.tokens[i]) or bytes(b.meta) != self.meta or len(b.payload) != size
+                tuple(b.tokens) != tuple(job.tokens[i])
+                or bytes(b.meta) != self.meta
+                or memoryview(b.payload).nbytes != size
             ):
                 b, bad = None, bad + 1
             out.append(b)
@@ -335,7 +349,7 @@ class TierIO:
         with self._cv:
             c.observe(dt)
             c.loaded += ok
-            c.rejected += bad
+            c.load_rejected += bad
         return out
 
     def _fetch(self, job: LoadJob, where: list, k: int) -> list:
@@ -357,7 +371,7 @@ class TierIO:
         k = self.costs.best_run([s.medium for s in where[:run]])
         for s in where[k:run]:
             with self._cv:
-                self.counters[s.medium].skipped += 1
+                self.counters[s.medium].load_skipped += 1
         got = self._fetch(job, where, k) if k else []
         n = next((i for i, g in enumerate(got) if g is None), len(got))
         tb = self.token_bytes

@@ -58,28 +58,26 @@ def model_fingerprint(
     return h.digest()
 
 
-def build_stores(cfg: Any) -> list:
+def build_stores(cfg: Any, fingerprint: bytes) -> list:
     """The stores ``cfg`` configures (``host_cache_bytes``, ``disk_cache_dir`` +
-    ``disk_cache_bytes``, ``remote_cache_url``), in tier order; [] when none.
+    ``disk_cache_bytes``, ``remote_cache_url``), in tier order; [] when none (no import then).
+    ``fingerprint``: the model's (a remote store's ``delete_all`` deletes only its keys).
 
     Raises:
         ValueError: an unwritable ``disk_cache_dir`` or a malformed ``remote_cache_url`` (the
             stores name the field).
     """
-    stores = []
-    if cfg.host_cache_bytes:
-        from radixkv.tiers import HostStore
+    if not cfg.kv_tiers:
+        return []
+    from radixkv.tiers import make_stores
 
-        stores.append(HostStore(int(cfg.host_cache_bytes)))
-    if cfg.disk_cache_dir is not None:
-        from radixkv.tiers import DiskStore
-
-        stores.append(DiskStore(cfg.disk_cache_dir, int(cfg.disk_cache_bytes)))
-    if cfg.remote_cache_url is not None:
-        from radixkv.tiers import RedisStore
-
-        stores.append(RedisStore(cfg.remote_cache_url))
-    return stores
+    return make_stores(
+        cfg.host_cache_bytes,
+        cfg.disk_cache_dir,
+        cfg.disk_cache_bytes,
+        cfg.remote_cache_url,
+        fingerprint=fingerprint,
+    )
 
 
 @dataclass(eq=False)
@@ -223,7 +221,7 @@ class TierManager:
         """Count tokens the tiers served to a request at its first admission."""
         for m, n in spans.items():
             if m in self.counters:
-                self.counters[m].served += n
+                self.counters[m].served_tokens += n
 
     # ------------------------------------------------------------------ writes
     def write(
