@@ -327,25 +327,28 @@ class KVManager:
             ends[(ns, path)] = (start, freed[off : off + end - start])
             off += end - start
 
-        def slots_of(ns: Any, path: bytes, lo: int, hi: int) -> Any:
+        def head(ns: Any, path: bytes, lo: int, hi: int) -> Any:
+            """The slots of positions ``[lo, hi)`` of ``path``, ``hi`` a piece's start."""
             got = ends.get((ns, path[: hi << 2]))
             if got is None:  # still cached (or gone: then too short)
-                cached = self.cache.cached_slots(path[: hi << 2], ns)
+                cached = self.cache.cached_slots(memoryview(path[: hi << 2]).cast("i"), ns)
                 return cached[lo:hi] if len(cached) >= hi else None
             start, sl = got
             if start <= lo:
-                return sl[lo - start : hi - start]
-            head = slots_of(ns, path, lo, start)
-            return None if head is None else torch.cat([torch.as_tensor(head), torch.as_tensor(sl[: hi - start])])
+                return sl[lo - start :]
+            h = head(ns, path, lo, start)
+            return None if h is None else torch.cat([torch.as_tensor(h), torch.as_tensor(sl)])
 
         for ns, path, start in pieces:
             end = len(path) >> 2
             first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
             if stop <= first:
                 continue
-            sl = slots_of(ns, path, first * BLOCK_TOKENS, stop * BLOCK_TOKENS)
-            if sl is not None:
-                self.tiers.write("write_back", ns, path, first, stop, torch.as_tensor(sl))
+            lo, hi = first * BLOCK_TOKENS, stop * BLOCK_TOKENS
+            own = torch.as_tensor(ends[(ns, path)][1][max(lo, start) - start : hi - start])
+            h = head(ns, path, lo, start) if lo < start else own[:0]
+            if h is not None:
+                self.tiers.write("write_back", ns, path, first, stop, torch.cat([torch.as_tensor(h), own]))
 
     # ------------------------------------------------------------------ in-batch sharing
     def begin_batch(self) -> None:
@@ -535,22 +538,23 @@ class KVManager:
 
     def _tier_lookup(self, req: Request) -> None:
         """Lock ``req``'s cached prefix and ask the tiers for the whole blocks after it (up to
-        what it may reuse, :meth:`match`'s limit, page-floored); not when another lookup would
-        hold more than half the pool locked for waiting requests."""
+        what it may reuse, :meth:`match`'s limit, page-floored); not when the loads of waiting
+        requests would then hold more than 3/4 of the pool (running requests short of memory
+        take it back: :meth:`detach_pins`)."""
         req.tier = hold = TierHold()
         m = self.match(req)
         n = len(req.all_token_ids) - 1
         if req.max_prefix_len is not None:
             n = min(n, req.max_prefix_len)
         limit = n // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
-        if limit <= m.length or self.tiers.held_tokens + limit > self.capacity // 2:
+        if limit <= m.length or self.tiers.held_tokens + limit - m.length > self.capacity * 3 // 4:
             return
         job = self.tiers.plan(req.namespace, req.all_token_ids, m.length, limit, req)
         if job is None:
             return
         self.cache.inc_lock_ref(m.node)
         hold.job, hold.node, hold.start, hold.limit, hold.prefix_slots = job, m.node, m.length, limit, m.slots
-        self.tiers.held_tokens += limit
+        self.tiers.held_tokens += limit - m.length
 
     def _tier_install(self, job: Any) -> None:
         """Copy a finished load into new slots and insert it into the cache as if computed;
@@ -597,7 +601,7 @@ class KVManager:
             hold.job = None
         self.cache.dec_lock_ref(hold.node)
         hold.node = None
-        self.tiers.held_tokens -= hold.limit
+        self.tiers.held_tokens -= hold.limit - hold.start
 
     # ------------------------------------------------------------------ pins (n > 1)
     def fork(self, parent: Request, children: List[Request]) -> None:

@@ -1,0 +1,230 @@
+"""The engine side of the KV tiers (radixkv/engine/tiers.py, tier_io.py, the KV manager's tier
+path) over a fake model whose K/V encodes each position's token, position and prefix
+(tier_fakes.KVRunner: a block loaded for other tokens fails the forward) and in-memory stores
+(tier_fakes.MemoryStore): write-through and a new engine over the same store, write-back on
+eviction and load back (the evicted blocks' cached heads included), exact cached-token counts by
+tier, namespaces, corrupt and failing tiers, the cost rule, aborts while waiting, flush, events.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+from tier_fakes import VOCAB, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
+
+from radixkv.config import EngineConfig, resolve_write_policy
+from radixkv.engine.events import CacheInserted
+from radixkv.namespace import Namespace
+from radixkv.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(n=6, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def generate(engine, prompts, params=None, namespace=None):
+    ids = [engine.add_request(p, params or greedy(), namespace=namespace) for p in prompts]
+    done = run_all(engine)
+    pool_holds_its_tokens(engine)
+    return [done[i] for i in ids]
+
+
+def test_write_policy_resolution():
+    assert resolve_write_policy(None) == {"host": "write_back", "disk": "write_through", "remote": "write_through"}
+    assert resolve_write_policy("write_back") == dict.fromkeys(("host", "disk", "remote"), "write_back")
+    assert resolve_write_policy({"disk": "write_back"})["disk"] == "write_back"
+    for bad in ("sometimes", {"tape": "write_back"}, {"host": "later"}, 3):
+        with pytest.raises(ValueError, match="kv_tier_write_policy"):
+            EngineConfig(kv_tier_write_policy=bad).resolve()
+    for field, value in (("host_cache_bytes", -1), ("disk_cache_dir", ""), ("remote_cache_url", 5)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value}).resolve()
+    assert EngineConfig(host_cache_bytes=1 << 20, remote_cache_url="redis://h:1/0").resolve().kv_tiers == (
+        "host",
+        "remote",
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16, 32])
+def test_write_through_then_a_new_engine_loads_the_exact_blocks(page_size):
+    shared: OrderedDict = OrderedDict()
+    p = prompt(1, 100)
+    first = generate(kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)]), [p])[0]
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == reference(p, 6)
+    # the new engine over the same store: the longest run of whole blocks below the last token
+    # (99 tokens -> 6 blocks), page-floored
+    e = kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)])
+    out = generate(e, [p])[0]
+    want = 96 // page_size * page_size
+    assert out.num_cached_tokens == want
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}
+    assert out.outputs[0].token_ids == reference(p, 6)
+    s = e.cache_stats()
+    assert s.cached_tokens_by_tier["disk"] == want and s.tiers["disk"]["served_tokens"] == want
+    assert s.tiers["disk"]["loaded"] == want // 16 + (1 if want % 16 else 0)
+
+
+def test_write_back_on_eviction_and_load_back_through_the_cached_head():
+    host = MemoryStore("host")  # write-back by default
+    e = kv_engine(capacity=160, stores=[host])
+    a = prompt(2, 100)
+    generate(e, [a], greedy(4))
+    assert host.puts == []  # nothing evicted yet: nothing written back
+    b, c = prompt(3, 70), prompt(4, 70)
+    generate(e, [b], greedy(4))
+    generate(e, [c], greedy(4))  # evicts a's tail (least recently used, tail first)
+    e.kv.tiers.drain()
+    held = e.explain(a)  # a's head is still in the pool
+    assert 0 < held.num_cached_tokens < 96 and len(host.data) >= 1
+    out = generate(e, [a], greedy(4))[0]
+    by = out.cached_tokens_by_tier
+    assert by["device"] == held.num_cached_tokens and by["device"] + by["host"] == out.num_cached_tokens
+    assert out.num_cached_tokens == 96 and by["host"] > 0
+    assert out.outputs[0].token_ids == reference(a, 4)
+
+
+def test_requests_wait_for_their_blocks_without_stalling_others():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(5, 90)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    other = prompt(6, 30)
+    r1 = e.add_request(p, greedy())
+    r2 = e.add_request(other, greedy())
+    first = e.step()  # p waits for its load; the other request is admitted and computes
+    assert e.scheduler.running and e.scheduler.running[0].request_id == r2
+    assert [r.request_id for r in e.scheduler.waiting] == [r1] and e.kv.tier_waiting(e.scheduler.waiting[0])
+    assert [o.request_id for o in first] == [r2]  # its first token, in the step the other waited
+    done = run_all(e)
+    assert done[r1].cached_tokens_by_tier["disk"] == 80 and done[r1].outputs[0].token_ids == reference(p, 6)
+    assert done[r2].outputs[0].token_ids == reference(other, 6)
+
+
+def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():
+    stores = [MemoryStore("host"), MemoryStore("disk"), MemoryStore("remote")]
+    e = kv_engine(stores=stores, kv_tier_write_policy="write_through")
+    p = prompt(7, 70)
+    generate(e, [p], namespace="a")
+    e.kv.tiers.drain()
+    assert all(len(s.data) == 4 for s in stores)
+    assert e.reset_prefix_cache()
+    other = generate(e, [p], namespace="b")[0]
+    assert other.num_cached_tokens == 0  # the same tokens in another namespace: no block
+    local = Namespace(extra_key=object())  # process-local: host only
+    assert e.reset_prefix_cache()
+    generate(e, [prompt(8, 70)], namespace=local)
+    e.kv.tiers.drain()
+    assert [len(s.data) for s in stores] == [12, 8, 8]
+    assert e.reset_prefix_cache()
+    again = generate(e, [p], namespace="a")[0]
+    assert again.cached_tokens_by_tier["host"] == 64
+
+
+def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(9, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    disk = MemoryStore("disk", data=shared)
+    disk.corrupt(list(shared)[2])
+    e = kv_engine(stores=[disk])
+    out = generate(e, [p])[0]
+    assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == reference(p, 6)
+    assert e.cache_stats().tiers["disk"]["corrupt"] == 1
+    down = MemoryStore("disk", data=shared)
+    down.failing = True
+    e = kv_engine(stores=[down])
+    out = generate(e, [p])[0]
+    s = e.cache_stats()
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(p, 6)
+    assert s.tiers["disk"]["degraded"] is True and s.tiers["disk"]["errors"] >= 1
+
+
+def test_a_tier_dearer_than_prefill_is_not_loaded():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(10, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    costs = e.kv.tiers.costs
+    costs.prefill_token_s, costs.block_s["disk"] = 1e-6, 1.0  # one block: 1 s; recomputing it: 16 us
+    out = generate(e, [p])[0]
+    assert out.num_cached_tokens == 0 and e.cache_stats().tiers["disk"]["load_skipped"] == 6
+    costs.prefill_token_s, costs.block_s["disk"] = 1e-3, 1e-6
+    assert e.reset_prefix_cache()
+    assert generate(e, [p])[0].cached_tokens_by_tier["disk"] == 96
+
+
+def test_prompt_logprobs_limit_what_is_loaded():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(11, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    out = generate(e, [p], greedy(prompt_logprobs=0, logprob_start_len=40))[0]
+    assert out.num_cached_tokens == 32  # positions from 39 on need their logits
+
+
+def test_abort_while_waiting_for_blocks_releases_the_lock():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(12, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    rid = e.add_request(p, greedy())
+    e.step()
+    assert e.kv.tier_waiting(e.scheduler.waiting[0]) and e.kv.tiers.held_tokens == 96
+    e.abort_request(rid)
+    run_all(e)
+    e.kv.tiers.drain()
+    e.step()  # a finished load of the aborted request is dropped, not installed
+    e.check_integrity()
+    s = e.cache_stats()
+    assert s.protected == 0 and e.kv.tiers.held_tokens == 0 and s.free + s.evictable == s.capacity
+
+
+def test_flush_with_tiers_empties_the_owned_ones_only():
+    stores = [MemoryStore("host"), MemoryStore("disk"), MemoryStore("remote")]
+    e = kv_engine(stores=stores, kv_tier_write_policy="write_through")
+    generate(e, [prompt(13, 70)])
+    assert e.reset_prefix_cache(tiers=False)
+    e.kv.tiers.drain()
+    assert [len(s.data) for s in stores] == [4, 4, 4]
+    assert e.reset_prefix_cache(tiers=True)
+    assert [len(s.data) for s in stores] == [0, 0, 4]
+
+
+def test_tier_writes_are_cache_events_with_their_medium():
+    e = kv_engine(stores=[MemoryStore("disk"), MemoryStore("remote")])
+    seen = []
+    e.events.subscribe(seen.append, (CacheInserted,))
+    generate(e, [prompt(14, 50)])
+    e.kv.tiers.drain()
+    e.step()  # finished writes are announced on the engine thread
+    media = [(ev.medium, ev.first_block, len(ev.block_digests)) for ev in seen]
+    assert ("device", 0, 3) in media and ("disk", 0, 3) in media and ("remote", 0, 3) in media
+    assert [ev.seq for ev in seen] == list(range(1, len(seen) + 1))
+    device = next(ev for ev in seen if ev.medium == "device")
+    assert all(ev.block_digests == device.block_digests for ev in seen if ev.medium != "device")
+
+
+def test_a_full_write_backlog_drops_writes_and_counts_them():
+    e = kv_engine(stores=[MemoryStore("disk")])
+    e.kv.tiers.io.max_pending_bytes = 0
+    generate(e, [prompt(15, 50)])
+    assert e.cache_stats().tiers["disk"]["write_dropped"] == 3
+
+
+def test_close_drains_and_closes_the_stores():
+    disk = MemoryStore("disk")
+    e = kv_engine(stores=[disk])
+    generate(e, [prompt(16, 80)])
+    assert e.close() and disk.closed and len(disk.data) == 5
+    assert e.close()  # idempotent
+    out = generate(e, [prompt(17, 40)])[0]  # runs on without its tiers
+    assert out.outputs[0].token_ids == reference(prompt(17, 40), 6) and len(disk.data) == 5
