@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         from radixkv.router.ray import run as run_replicas
 
         return run_replicas(args, server_cli.engine_kwargs_from_args(args), server_cli.served_model_name(args))
-    return server_cli.run(args)
+    try:
+        return server_cli.run(args)
+    except ValueError as e:  # a refused setting at start (e.g. an unwritable --disk-cache-dir)
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -103,6 +103,9 @@ def replay_mode(
         "wall_s": wall,
         "output_tokens": out_tokens,
         "evicted_tokens": after["evicted_tokens"] - before["evicted_tokens"],
+        "cached_tokens_by_tier": {
+            m: n - before.cached_tokens_by_tier.get(m, 0) for m, n in after.cached_tokens_by_tier.items()
+        },
         "replies": replies,
     }
 
@@ -157,6 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the first mode's requests as a JSONL trace of chat bodies (what `radixkv explain` reads)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    from radixkv.server.cli import add_tier_arguments
+
+    add_tier_arguments(parser)  # KV tiers of the cached modes (docs/tiers.md)
 
 
 def run(args: argparse.Namespace, loaded_model=None) -> int:
@@ -202,6 +208,9 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
 
         open(args.log_requests, "w").close()  # a fresh trace
         log = TraceWriter(args.log_requests)
+    from radixkv.server.cli import tier_kwargs_from_args
+
+    tiers = tier_kwargs_from_args(args)
     for k, mode in enumerate(modes):
         llm = LLM(
             args.model,
@@ -210,6 +219,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             max_total_tokens=args.max_total_tokens,
             prefix_cache=MODES[mode],
             loaded_model=loaded,
+            **(tiers if mode != "off" else {}),
         )
         print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}", file=sys.stderr)
         res = replay_mode(
@@ -223,12 +233,17 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         )
         replies[mode] = res.pop("replies")
         rows.append({"mode": mode, **res, "page_size": args.page_size})
+        llm.close()  # the KV tiers' queued writes (a later run on the same --disk-cache-dir finds them)
         del llm
         gc.collect()
     if log is not None:
         log.close()
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
+    for r in rows:
+        tiers = {m: n for m, n in r["cached_tokens_by_tier"].items() if m != "device" and n}
+        if tiers:
+            print(f"{r['mode']}: cached tokens by tier {r['cached_tokens_by_tier']}")
     same = all(replies[m] == replies[modes[0]] for m in modes)
     if len(modes) > 1:
         print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")

@@ -228,3 +228,13 @@ def test_close_drains_and_closes_the_stores():
     assert e.close()  # idempotent
     out = generate(e, [prompt(17, 40)])[0]  # runs on without its tiers
     assert out.outputs[0].token_ids == reference(prompt(17, 40), 6) and len(disk.data) == 5
+
+
+def test_bad_tier_settings_fail_at_start(tmp_path):
+    with pytest.raises(ValueError, match="remote_cache_url"):
+        kv_engine(remote_cache_url="http://127.0.0.1:6379/0")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="disk_cache_dir"):
+        kv_engine(disk_cache_dir=str(tmp_path / "f" / "sub"))
+    with pytest.raises(ValueError, match="prefix cache"):
+        kv_engine(stores=[MemoryStore("host")], cache="none")

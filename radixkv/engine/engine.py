@@ -41,7 +41,7 @@ from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats
-from radixkv.engine.tiers import TierManager, build_stores, model_fingerprint
+from radixkv.engine.tiers import TierManager, build_stores, check_settings, model_fingerprint
 from radixkv.engine.validation import Limits, validate_request
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
@@ -187,6 +187,8 @@ class Engine:
     ) -> None:
         # a copy: the caller's config is never changed (it may be reused for another engine)
         self.config = cfg = copy.copy(config or EngineConfig()).resolve()
+        if tier_stores is None:
+            check_settings(cfg)  # a bad tier setting fails before the model loads
         hf_config = None
         model = getattr(model_runner, "model", None)
         if model_runner is None:

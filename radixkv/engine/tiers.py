@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import logging
+import os
 import weakref
 from array import array
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
 
-__all__ = ["TierHold", "TierManager", "model_fingerprint", "build_stores"]
+__all__ = ["TierHold", "TierManager", "model_fingerprint", "build_stores", "check_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,27 @@ def model_fingerprint(
     for part in (weights, str(compute_dtype).encode(), str(kv_dtype).encode(), str(quantization).encode(), layout_meta):
         h.update(len(part).to_bytes(8, "big") + part)
     return h.digest()
+
+
+def check_settings(cfg: Any) -> None:
+    """Refuse a malformed ``remote_cache_url`` or an unwritable ``disk_cache_dir`` at once (the
+    engine calls it before it loads the model; the stores check again when built).
+
+    Raises:
+        ValueError: naming the field and what is wrong.
+    """
+    if cfg.remote_cache_url is not None:
+        from radixkv.tiers.remote import parse_redis_url
+
+        parse_redis_url(cfg.remote_cache_url)
+    if cfg.disk_cache_dir is not None:
+        path = os.path.abspath(os.path.expanduser(cfg.disk_cache_dir))
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"disk_cache_dir {cfg.disk_cache_dir!r} is not a writable directory: {e}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"disk_cache_dir {cfg.disk_cache_dir!r} is not a writable directory: permission denied")
 
 
 def build_stores(cfg: Any, fingerprint: bytes) -> list:
