@@ -287,3 +287,26 @@ def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
             raise ValueError(f"kv_tier_write_policy: {tier} must be one of {TIER_WRITE_POLICIES}, got {p!r}")
         out[tier] = p
     return out
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 1 << 10, "m": 1 << 20}
+_UNITS.update({"g": 1 << 30, "t": 1 << 40, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as the CLIs take it: an integer or decimal with an optional unit (``4GiB``,
+    ``512MiB``, ``2g``: binary for the ``*iB`` and one-letter units; ``500MB``, ``1GB``: decimal).
+
+    Raises:
+        ValueError: not a byte count (the message lists the units).
+    """
+    t = str(text).strip().lower().replace("_", "")
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = t[len(num) :]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in _UNITS or not value >= 0:
+        raise ValueError(f"not a byte count: {text!r} (e.g. 4GiB, 500MB, 1073741824; units {sorted(_UNITS)[1:]})")
+    return int(value * _UNITS[unit])

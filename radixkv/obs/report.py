@@ -142,10 +142,19 @@ def plan_text_report(rep: dict) -> str:
         out.append(
             f"trace: working set {cv['working_set_tokens']:,} tokens = {format_bytes(cv['working_set_tokens'] * cv['kv_bytes_per_token'])}"
         )
+        if cv.get("tiers"):
+            tiers = ", ".join(
+                f"{m} {format_bytes(t['bytes'])} ({t['tokens']:,} tokens)" for m, t in cv["tiers"].items()
+            )
+            out.append(f"  KV tiers below the pool: {tiers}; hit rate without -> with them")
         for label, rows in cv["curves"].items():
             step = max(1, (len(rows) + 5) // 6)
             shown = rows[::-1][::step][::-1]  # about six points, the largest one always
-            pts = "  ".join(f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}" for r in shown)
+            pts = "  ".join(
+                f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}"
+                + (f"->{_pct(r['hit_rate_tiers'])}" if "hit_rate_tiers" in r else "")
+                for r in shown
+            )
             out.append(f"  {label:<10} infinite {_pct(cv['infinite'][label])}; {pts}")
     if "target" in rep:
         for t in rep["target"]:

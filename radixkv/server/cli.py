@@ -14,6 +14,7 @@ import argparse
 import logging
 from typing import Any
 
+from radixkv.config import parse_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
 
 __all__ = ["add_arguments", "add_tier_arguments", "tier_kwargs_from_args", "run", "engine_kwargs_from_args"]
@@ -109,23 +110,12 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20}
-_UNITS.update({"gib": 1 << 30, "tib": 1 << 40, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40})
-
-
 def _bytes(text: str) -> int:
-    """A byte count: an integer with an optional unit (``512MiB``, ``4GB``, ``2g``: binary for the
-    ``*iB`` and one-letter units, decimal for ``kB``/``MB``/``GB``)."""
-    t = text.strip().lower().replace("_", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num) :]
+    """``--*-cache-bytes``: :func:`radixkv.config.parse_bytes`."""
     try:
-        value = float(num)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 4GiB, 500MB, 1073741824)") from None
-    if unit not in _UNITS or value < 0:
-        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (units: {', '.join(sorted(_UNITS)[1:])})")
-    return int(value * _UNITS[unit])
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _write_policy(text: str) -> Any:
