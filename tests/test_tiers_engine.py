@@ -238,3 +238,25 @@ def test_bad_tier_settings_fail_at_start(tmp_path):
         kv_engine(disk_cache_dir=str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="prefix cache"):
         kv_engine(stores=[MemoryStore("host")], cache="none")
+
+
+def test_explain_names_the_tier_holding_each_missed_span():
+    disk = MemoryStore("disk")
+    host = MemoryStore("host")
+    e = kv_engine(stores=[host, disk])
+    p = prompt(18, 100)
+    generate(e, [p])
+    e.kv.tiers.drain()
+    head = p[:40]
+    assert e.reset_prefix_cache()
+    generate(e, [head + prompt(19, 5)])  # the pool holds 40 tokens of p again (computed)
+    keys, _, _ = e.kv.tiers._keys(None, p, 3, 4)
+    host.data[keys[0]] = disk.data[keys[0]]  # block 3 also in host, which is asked first
+    loaded = e.cache_stats().tiers["disk"]["loaded"]
+    o = e.explain(p)
+    assert o.num_cached_tokens == 40 and o.tier_spans == ((40, 48, "disk"), (48, 64, "host"), (64, 96, "disk"))
+    assert o.as_dict()["tier_spans"] == [[40, 48, "disk"], [48, 64, "host"], [64, 96, "disk"]]
+    assert "KV tiers hold disk [40, 48), host [48, 64), disk [64, 96)" in str(
+        __import__("radixkv.engine.outcome", fromlist=["explain_text"]).explain_text(o, p, None)
+    )
+    assert e.cache_stats().tiers["disk"]["loaded"] == loaded  # a dry run: nothing loaded

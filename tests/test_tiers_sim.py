@@ -32,9 +32,11 @@ def test_tier_model_takes_inserted_or_evicted_blocks_lru_within_capacity():
     bus.emit(CacheInserted(seq=3, namespace=None, num_tokens=16, first_block=0, block_digests=(d[0],), medium="disk"))
     assert list(tm.held["disk"]) == d[2:]  # a tier's own event is not the pool's
     # lookup after 5 pool tokens, below position 79: host holds blocks 0-1, disk 2-4
-    assert tm.lookup(None, toks, 5, 79 // 16 * 16, 1) == {"host": 27, "disk": 32}
-    assert tm.lookup(None, toks, 5, 64, 32) == {"host": 27, "disk": 32}  # floored to pages of 32
-    assert tm.lookup("other", toks, 0, 64, 1) == {}  # another namespace: other digests
+    assert tm.lookup(None, toks, 5, 79 // 16 * 16, 1) == [(5, 32, "host"), (32, 64, "disk")]
+    assert tm.lookup(None, toks, 0, 64, 32) == [(0, 32, "host"), (32, 64, "disk")]  # pages of 32
+    assert tm.lookup(None, toks, 0, 64, 64) == [(0, 32, "host"), (32, 64, "disk")]
+    assert tm.lookup(None, toks, 0, 48, 32) == [(0, 32, "host")]  # the run floored to whole pages
+    assert tm.lookup("other", toks, 0, 64, 1) == []  # another namespace: other digests
     with pytest.raises(ValueError, match="tier"):
         TierModel({"tape": 16})
 
@@ -101,3 +103,17 @@ def test_plan_trace_shows_the_hit_rate_with_tiers(tmp_path, capsys):
     assert all(r["hit_rate_tiers"] >= r["hit_rate"] for r in rows)
     assert any(r["hit_rate_tiers"] > r["hit_rate"] + 0.1 for r in rows)
     assert main(["plan", "--model", "smollm2-135m", "--disk-cache-bytes", "1GiB"]) == 2
+
+
+def test_explain_trace_counts_what_the_tiers_serve():
+    from radixkv.obs.explain import explain_trace
+    from radixkv.obs.report import explain_text_report
+
+    reqs = _conversations(seed=3)
+    rep = explain_trace(reqs, None, capacity=200, tiers={"disk": 1 << 20}, spans=False, sweep=())
+    plain = explain_trace(reqs, None, capacity=200, spans=False, sweep=())
+    served = rep["tiers"]["served_tokens"]["disk"]
+    assert served > 0 and rep["cached_tokens"] == plain["cached_tokens"] + served
+    assert rep["missed_tokens"] == plain["missed_tokens"] and rep["causes_sum_to_missed"]
+    assert any(m["tier_spans"] for m in rep["top_misses"]) or served
+    assert f"the KV tiers below the pool served {served:,}: disk {served:,}" in explain_text_report(rep)

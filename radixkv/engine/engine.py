@@ -23,6 +23,7 @@ message into the inbox, which the driver applies in order at the start of its ne
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
@@ -742,12 +744,21 @@ class Engine:
     def explain(self, prompt_token_ids: Sequence[int], namespace: Hashable = None) -> Any:
         """The :class:`~radixkv.cache.outcome.CacheOutcome` the prompt would get if admitted now
         (driver thread). A dry run: a read-only ``peek`` of the prefix cache, nothing computed,
-        locked or refreshed; the running requests count as ``in_flight``. ``namespace`` as for
-        :meth:`add_request` (``Namespace.of``)."""
+        locked or refreshed; the running requests count as ``in_flight``; with KV tiers, which
+        tier holds each missed whole block after the pool's match (``tier_spans``: the stores
+        are asked, nothing is loaded). ``namespace`` as for :meth:`add_request`
+        (``Namespace.of``)."""
         tracker = self.outcomes
         if tracker is None:  # outcomes off: no record of evictions, the rest is the same
             tracker = OutcomeTracker(self.kv.cache, EventBus())
-        return tracker.explain(prompt_token_ids, Namespace.of(namespace), self.scheduler.running)
+        ns = Namespace.of(namespace)
+        outcome = tracker.explain(prompt_token_ids, ns, self.scheduler.running)
+        tiers = self.kv.tiers
+        if tiers is None or not outcome.num_missed_tokens:
+            return outcome
+        limit = (len(prompt_token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS // self.kv.page_size * self.kv.page_size
+        spans = tiers.where(ns, list(prompt_token_ids), outcome.num_cached_tokens, limit)
+        return dataclasses.replace(outcome, tier_spans=tuple(spans))
 
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an

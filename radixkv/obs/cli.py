@@ -67,6 +67,11 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
     p.add_argument("--capacity", type=_capacity, default=32768, help="KV capacity in tokens, or 'inf' (default 32768)")
     p.add_argument("--top", type=int, default=5, help="prompts that miss most to show (default 5)")
+    for tier in ("host", "disk", "remote"):
+        p.add_argument(
+            f"--{tier}-cache-tokens", type=int, default=None, metavar="TOKENS",
+            help=f"a {tier} KV tier of TOKENS below the pool: which missed tokens it would serve (docs/tiers.md)",
+        )  # fmt: skip
     p.add_argument("--no-what-if", action="store_true", help="skip replaying the volatile spans' rewrites")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
@@ -105,7 +110,9 @@ def run_explain(args: argparse.Namespace) -> int:
             top=max(args.top, 10),
             what_if=not args.no_what_if,
             source=args.trace,
-        )
+            tiers={m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
+                   if getattr(args, f"{m}_cache_tokens", None)} or None,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv explain: {exc}", file=sys.stderr)
         return 2

@@ -73,6 +73,10 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
         reqs = rep["requests_by_cause"].get(cause, 0)
         share = n / rep["missed_tokens"] if rep["missed_tokens"] else 0
         out.append(f"  {cause:<11}{n:>12,}  {_pct(share):>6}  {reqs:>8,}  {CAUSE_NOTES.get(cause, '')}")
+    if rep.get("tiers"):
+        served = rep["tiers"]["served_tokens"]
+        by = ", ".join(f"{m} {n:,}" for m, n in served.items()) or "nothing"
+        out.append(f"  of these, the KV tiers below the pool served {sum(served.values()):,}: {by}")
     spans = rep.get("spans", [])
     out.append("")
     if "aligned_misses" in rep:
@@ -102,6 +106,8 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
         out.append(f"     prompt    {_short(m['prompt_side'], 60)!r}")
         if m["cached_side"]:
             out.append(f"     cached    {_short(m['cached_side'], 60)!r}")
+        if m.get("tier_spans"):
+            out.append("     served by " + ", ".join(f"{t} [{a}, {b})" for a, b, t in m["tier_spans"]))
     if rep.get("capacity_curve"):
         out += ["", "hit rate vs capacity (share of the working set):"]
         out.append("  " + "  ".join(f"{100 * p['fraction']:g}% {_pct(p['hit_rate'])}" for p in rep["capacity_curve"]))

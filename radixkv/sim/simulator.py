@@ -32,6 +32,7 @@ instance can be passed as ``cache``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
@@ -279,10 +280,14 @@ class CacheSimulator:
         prefix = kv.lock_prefix(r)
         if self.tracker is not None:
             self.tracker.on_admit(r, prefix.length, ())
-        loaded = {}
+        loaded: dict = {}
         if self.tiers is not None and kv.shares:  # the engine's limit: whole blocks below the last token
             limit = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
-            loaded = self.tiers.lookup(r.namespace, tokens, prefix.length, limit, self.page_size)
+            spans = self.tiers.lookup(r.namespace, tokens, prefix.length, limit, self.page_size)
+            for a, b, m in spans:
+                loaded[m] = loaded.get(m, 0) + b - a
+            if spans and r.cache_outcome is not None:
+                r.cache_outcome = dataclasses.replace(r.cache_outcome, tier_spans=tuple(spans))
         extend = min(n - prefix.length, self.chunk)
         if not kv.reserve(kv.pages(prefix.length + extend) - prefix.length, 0):
             raise AssertionError("a lone request that fits the pool could not be admitted")

@@ -14,7 +14,7 @@ held block as loaded). It models what a tier holds, not how long it takes.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
@@ -65,21 +65,27 @@ class TierModel:
         elif isinstance(ev, CacheEvicted) and ev.block_digests:
             self._put(self.back, ev.block_digests)
 
-    def lookup(self, namespace: Any, tokens: Sequence[int], start: int, limit: int, page_size: int) -> Dict[str, int]:
-        """Tokens of ``tokens`` after the ``start`` the pool holds, up to position ``limit``
-        (exclusive; page-floored here), that the tiers would serve, by tier."""
+    def lookup(self, namespace: Any, tokens: Sequence[int], start: int, limit: int, page_size: int) -> List[tuple]:
+        """``(lo, hi, medium)`` spans of ``tokens`` after the ``start`` the pool holds, up to
+        position ``limit`` (exclusive; page-floored here), that the tiers would serve."""
         first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
         if stop <= first or not self.held:
-            return {}
-        got: Dict[str, int] = {}
-        end = start
-        for b, d in zip(range(first, stop), block_digests(tokens, namespace, first, stop)):
+            return []
+        media: List[str] = []
+        for d in block_digests(tokens, namespace, first, stop):
             m = next((m for m in self.held if d in self.held[m]), None)
             if m is None:
                 break
             self.held[m].move_to_end(d)
-            hi = BLOCK_TOKENS * (b + 1) // page_size * page_size
-            if hi > end:
-                got[m] = got.get(m, 0) + hi - end
-                end = hi
-        return got
+            media.append(m)
+        end = BLOCK_TOKENS * (first + len(media)) // page_size * page_size
+        spans: List[tuple] = []
+        for i, m in enumerate(media):  # each block's own positions, as the engine counts them
+            lo, hi = max(start, BLOCK_TOKENS * (first + i)), min(end, BLOCK_TOKENS * (first + i + 1))
+            if hi <= lo:
+                continue
+            if spans and spans[-1][2] == m and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], hi, m)
+            else:
+                spans.append((lo, hi, m))
+        return spans
