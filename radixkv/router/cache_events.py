@@ -50,6 +50,12 @@ otherwise); a conversation's start stays placed by load, since its later turns f
 (``miss_by_volume``, off: measured worse on gsp without the home rule): a request cached nowhere
 goes among the replicas sent the fewest uncached prompt tokens so far (SGLang's "smallest tree").
 
+KV tiers (``tier_weight``, docs/tiers.md): the blocks after a replica's held ones that a KV tier
+holds for it (its own host or disk tier, or the ``remote`` tier every replica shares, from the
+replicas' tier insert records) cost ``tier_weight`` of a missed token each (default 0.25: loading
+is cheaper than recomputing, dearer than a local hit), so ``n - h_r`` becomes
+``n - h_r - t_r + tier_weight * t_r``.
+
 Pure Python and torch-free, as every policy (:mod:`radixkv.router.policy`); the replicas' views
 come from :mod:`radixkv.router.index`.
 """
@@ -123,6 +129,9 @@ class CacheEvents(Policy):
             chain recorded by :meth:`replied` (the last ``home_size`` kept).
         turn_slack: outstanding requests above the candidates' mean a next turn's replica may
             have free of that cost.
+        tier_weight: cost of a prompt token a KV tier holds for a replica (its host or disk
+            tier, or the shared remote tier), per token of a miss (1: the tiers do not count; 0:
+            as a local hit).
     """
 
     name = "cache_events"
@@ -152,8 +161,10 @@ class CacheEvents(Policy):
         residual_window: int = 512,
         turn_tokens: float = 300.0,
         turn_slack: float = 3.0,
+        tier_weight: float = 0.25,
     ) -> None:
         super().__init__(seed)
+        self.tier_weight = tier_weight
         self.turn_tokens = turn_tokens
         self.turn_slack = turn_slack
         # the last block digest of each recorded reply chain (prompt + output[:-1]), most recent
@@ -325,12 +336,15 @@ class CacheEvents(Policy):
         # is missing, it then serves that replica's share of the traffic
         floor = min(deepest * BLOCK_TOKENS, cap) if hot and self.hot_everywhere else 0
         best_key, ties = None, []
+        tiered = self._tiered(digests, held, cands) if self.tier_weight < 1 else None
         for c in cands:
             h = min(held[c] * BLOCK_TOKENS + (tail[c] if tail else 0), cap)
             ld = self.loads[c]
             reqs = self._outstanding(c, now) if rt else ld.requests
             hc = max(h, floor)
             cost = (n - hc) + self.load_weight * (ld.prefill_tokens + rt * reqs)
+            if tiered:  # tokens a KV tier holds after what the pool holds: cheaper than a miss
+                cost -= (1.0 - self.tier_weight) * max(0, min(tiered[c] * BLOCK_TOKENS, cap) - hc)
             if busy is not None and ld.requests > busy:
                 cost += self.turn_tokens * (ld.requests - busy) ** 2
             if tail:
@@ -344,6 +358,19 @@ class CacheEvents(Policy):
                 ties.append((c, h))
         c, h = ties[0] if len(ties) == 1 else self.rng.choice(ties)
         return Decision(c, h, "cache" if h else "miss")
+
+    def _tiered(self, digests: list, held: dict, cands: list) -> dict:
+        """Per candidate, the leading blocks of ``digests`` it holds in its pool or a KV tier
+        holds for it (its own, or the remote tier any replica stored them in)."""
+        remote = [v.tiered["remote"] for v in self.views.values() if "remote" in v.tiered]
+        out = {}
+        for c in cands:
+            own = list(self.views[c].tiered.values())
+            k = held[c]
+            while k < len(digests) and any(digests[k] in t for t in own + remote):
+                k += 1
+            out[c] = k
+        return out
 
     def _tail(self, req: RouteRequest, replica: str, k: int) -> int:
         """Tokens of ``req`` past its ``k`` held blocks that ``replica`` surely holds: the common
