@@ -533,16 +533,28 @@ class KVManager:
                         )
                     )
         for r in waiting:
-            if r.tier is None and r.row is None and r.pin is None:
+            if r.row is not None or r.pin is not None:
+                continue
+            t = r.tier
+            if t is None or (t.job is None and t.node is None and not t.spans and self._tier_shrunk(r, t.start)):
                 self._tier_lookup(r)
+
+    def _tier_shrunk(self, req: Request, start: int) -> bool:
+        """Whether the pool now holds less of ``req``'s prefix than the ``start`` tokens it held
+        at its last lookup (evicted while it waited: the tiers may hold the rest). Read-only."""
+        n = len(req.all_token_ids) - 1
+        if req.max_prefix_len is not None:
+            n = min(n, req.max_prefix_len)
+        return self.cache.peek(req.all_token_ids[:n], req.namespace, context=0).length < start
 
     def _tier_lookup(self, req: Request) -> None:
         """Lock ``req``'s cached prefix and ask the tiers for the whole blocks after it (up to
         what it may reuse, :meth:`match`'s limit, page-floored); not when the loads of waiting
         requests would then hold more than 3/4 of the pool (running requests short of memory
-        take it back: :meth:`detach_pins`)."""
-        req.tier = hold = TierHold()
+        take it back: :meth:`detach_pins`). Looked up again only if the pool loses some of that
+        prefix while it waits (:meth:`tier_step`)."""
         m = self.match(req)
+        req.tier = hold = TierHold(start=m.length)
         n = len(req.all_token_ids) - 1
         if req.max_prefix_len is not None:
             n = min(n, req.max_prefix_len)
