@@ -67,7 +67,7 @@ def check_settings(cfg: Any) -> None:
         ValueError: naming the field and what is wrong.
     """
     if cfg.remote_cache_url is not None:
-        from radixkv.tiers.remote import parse_redis_url
+        from radixkv.tiers import parse_redis_url
 
         parse_redis_url(cfg.remote_cache_url)
     if cfg.disk_cache_dir is not None:

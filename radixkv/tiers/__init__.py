@@ -24,6 +24,7 @@ from radixkv.tiers.codec import decode, encode, encoded_size, why_corrupt
 from radixkv.tiers.disk import DiskStore
 from radixkv.tiers.factory import make_stores
 from radixkv.tiers.host import HostStore
+from radixkv.tiers.redis_url import RedisURL, parse_redis_url
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -35,11 +36,13 @@ __all__ = [
     "HostStore",
     "PageStore",
     "RedisStore",
+    "RedisURL",
     "block_nbytes",
     "decode",
     "encode",
     "encoded_size",
     "make_stores",
+    "parse_redis_url",
     "why_corrupt",
 ]
 

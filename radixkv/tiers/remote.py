@@ -13,12 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import urllib.parse
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from radixkv.tiers.base import Backoff, Block, BlockKey, StoreStats, ThrottledLog
 from radixkv.tiers.codec import decode, encode, why_corrupt
+from radixkv.tiers.redis_url import RedisURL, parse_redis_url
 
 __all__ = ["DEFAULT_TTL_S", "RedisStore", "RedisURL", "parse_redis_url"]
 
@@ -26,86 +25,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 86400
 """The records' time to live when ``ttl_s`` is None: a day, refreshed by each read."""
-
-_QUERY = {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
-
-
-@dataclass(frozen=True)
-class RedisURL:
-    """A checked ``remote_cache_url`` (``password`` never shown by ``repr``)."""
-
-    scheme: str
-    host: str
-    port: int
-    db: int
-    username: Optional[str]
-    password: Optional[str]
-    query: tuple[tuple[str, str], ...] = ()
-
-    def __repr__(self) -> str:
-        return f"RedisURL({self.redacted()!r})"
-
-    def redacted(self) -> str:
-        """The URL with the password replaced by ``***``."""
-        auth = ""
-        if self.username or self.password:
-            auth = f"{self.username or ''}{':***' if self.password else ''}@"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{auth}{host}:{self.port}/{self.db}"
-
-
-def _bad(url: str, why: str) -> ValueError:
-    shown = url
-    try:
-        parts = urllib.parse.urlsplit(url)
-        if parts.password:
-            shown = url.replace(f":{parts.password}@", ":***@")
-    except ValueError:
-        pass
-    return ValueError(
-        f"remote_cache_url {shown!r}: {why} (expected redis://[user:password@]host:port/db or rediss://...)"
-    )
-
-
-def parse_redis_url(url: str) -> RedisURL:
-    """Check ``remote_cache_url``: ``redis://[user:password@]host[:port][/db]`` or ``rediss://``
-    (TLS; query options ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
-    ``ssl_check_hostname``). Port 6379 and db 0 by default.
-
-    Raises:
-        ValueError: naming ``remote_cache_url`` and what is wrong (the password never shown).
-    """
-    if not isinstance(url, str) or not url:
-        raise _bad(str(url), "not a URL string")
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError as e:
-        raise _bad(url, str(e)) from None
-    if parts.scheme not in ("redis", "rediss"):
-        raise _bad(url, f"scheme {parts.scheme!r} is not redis or rediss")
-    if not parts.hostname:
-        raise _bad(url, "no host")
-    path = parts.path.strip("/")
-    if path and not path.isdigit():
-        raise _bad(url, f"database {path!r} is not a number")
-    if parts.fragment:
-        raise _bad(url, "a fragment is not allowed")
-    query = tuple(urllib.parse.parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False))
-    unknown = sorted({k for k, _ in query} - _QUERY)
-    if unknown or (query and parts.scheme != "rediss"):
-        raise _bad(
-            url, f"query options {unknown or [k for k, _ in query]} not allowed (rediss:// takes {sorted(_QUERY)})"
-        )
-    return RedisURL(
-        scheme=parts.scheme,
-        host=parts.hostname,
-        port=6379 if port is None else port,
-        db=int(path or 0),
-        username=urllib.parse.unquote(parts.username) if parts.username else None,
-        password=urllib.parse.unquote(parts.password) if parts.password else None,
-        query=query,
-    )
 
 
 def _client(u: RedisURL, timeout_s: float) -> Any:
@@ -193,6 +112,8 @@ class RedisStore:
         info = self.server_info()
         if info:
             _log_policy(info, self.ttl_s, self.url)
+        # GETEX (a read refreshing the TTL) needs Redis >= 6.2 (any Valkey); older: GET + EXPIRE
+        self._getex = _version(info.get("redis_version", "")) >= (6, 2)
 
     @property
     def capacity_bytes(self) -> int:
@@ -266,8 +187,12 @@ class RedisStore:
                 return r.mget(names)
             p = r.pipeline(transaction=False)
             for n in names:
-                p.getex(n, ex=ttl)
-            return p.execute(raise_on_error=False)
+                if self._getex:
+                    p.getex(n, ex=ttl)
+                else:
+                    p.get(n).expire(n, ttl)
+            res = p.execute(raise_on_error=False)
+            return res if self._getex else res[::2]
 
         vals = self._call(fetch) if names else []
         out: list[Block | None] = [None] * len(names)
@@ -348,11 +273,13 @@ class RedisStore:
         return {k: info[k] for k in keys if k in info}
 
     def stats(self) -> dict[str, int | bool]:
-        """Counters (docs/tiers.md "Stores"), ``capacity_bytes``, ``used_bytes`` (0), ``degraded``."""
+        """Counters (docs/tiers.md "Stores"), ``blocks`` and ``used_bytes`` (0: not tracked),
+        ``capacity_bytes`` (advisory), ``degraded``."""
         return {
             **self._stats.snapshot(),
-            "capacity_bytes": self._capacity,
+            "blocks": 0,
             "used_bytes": 0,
+            "capacity_bytes": self._capacity,
             "degraded": self.degraded,
         }
 
@@ -380,6 +307,14 @@ def _check_args(capacity_bytes: Any, ttl_s: Any, fingerprint: Any, prefix: Any) 
         raise ValueError(f"fingerprint must be 16 bytes, got {fingerprint!r}")
     if not isinstance(prefix, str) or not prefix or not all(c.isalnum() or c in "_-." for c in prefix):
         raise ValueError(f"prefix must be letters, digits, '_', '-' or '.', got {prefix!r}")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"7.0.15"`` -> (7, 0); unknown -> a version new enough for every command used."""
+    try:
+        return tuple(int(x) for x in text.split(".")[:2])
+    except ValueError:
+        return (99,)
 
 
 def _log_policy(info: dict, ttl_s: int, url: RedisURL) -> None:
