@@ -63,6 +63,7 @@ def replay_mode(
     replies: List[List[List[int]]] = [[] for _ in conversations]
     ttfts: List[float] = []
     out_tokens = 0
+    longest = 0
     before = llm.cache_stats()
     turns = max(len(c) for c in conversations)
     bar = tqdm(total=sum(len(c) for c in conversations), desc=desc, unit="req", disable=not progress)
@@ -74,6 +75,7 @@ def replay_mode(
             histories[i].append({"role": "user", "content": conversations[i][t]})
             text = llm.render_chat(histories[i])
             prompts.append(llm.tokenizer.encode(text, add_special_tokens=False))
+            longest = max(longest, len(prompts[-1]))
             if log is not None:
                 log.write(
                     dict(model=model, messages=[dict(m) for m in histories[i]], max_tokens=max_tokens, temperature=0)
@@ -103,6 +105,7 @@ def replay_mode(
         "wall_s": wall,
         "output_tokens": out_tokens,
         "evicted_tokens": after["evicted_tokens"] - before["evicted_tokens"],
+        "max_prompt_tokens": longest,
         "cached_tokens_by_tier": {
             m: n - before.cached_tokens_by_tier.get(m, 0) for m, n in after.cached_tokens_by_tier.items()
         },

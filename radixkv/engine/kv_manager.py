@@ -559,7 +559,10 @@ class KVManager:
         if req.max_prefix_len is not None:
             n = min(n, req.max_prefix_len)
         limit = n // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
-        if limit <= m.length or self.tiers.held_tokens + limit - m.length > self.capacity * 3 // 4:
+        if limit <= m.length:
+            return
+        if self.tiers.held_tokens + limit - m.length > self.capacity * 3 // 4:
+            req.tier = None  # not now: looked up at a later step
             return
         job = self.tiers.plan(req.namespace, req.all_token_ids, m.length, limit, req)
         if job is None:
