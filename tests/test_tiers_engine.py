@@ -178,7 +178,8 @@ def test_abort_while_waiting_for_blocks_releases_the_lock():
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     rid = e.add_request(p, greedy())
     e.step()
-    assert e.kv.tier_waiting(e.scheduler.waiting[0]) and e.kv.tiers.held_tokens == 96
+    assert e.kv.tier_waiting(e.scheduler.waiting[0])
+    assert e.kv.tiers.held_tokens == 0 and e.cache_stats().protected == 0  # the pool holds nothing for it
     e.abort_request(rid)
     run_all(e)
     e.kv.tiers.drain()
@@ -260,3 +261,26 @@ def test_explain_names_the_tier_holding_each_missed_span():
         __import__("radixkv.engine.outcome", fromlist=["explain_text"]).explain_text(o, p, None)
     )
     assert e.cache_stats().tiers["disk"]["loaded"] == loaded  # a dry run: nothing loaded
+
+
+def test_a_load_without_room_waits_for_it_and_is_installed_later():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(20, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(capacity=160, stores=[MemoryStore("disk", data=shared)])
+    busy = prompt(21, 120)
+    r_busy = e.add_request(busy, greedy(30))  # holds up to 150 of the 160 slots while it runs
+    outs = e.step() + e.step()
+    r = e.add_request(p, greedy())
+    outs += e.step()  # its lookup starts
+    waited = 0
+    while e.scheduler.waiting and e.kv.tier_waiting(e.scheduler.waiting[0]):
+        assert waited < 100  # it waits while the busy one runs (then its memory is evictable)
+        outs += e.step()
+        e.check_integrity()
+        waited += 1
+    done = {o.request_id: o for o in outs if o.finished}
+    done.update(run_all(e))
+    assert waited > 1 and done[r].cached_tokens_by_tier["disk"] == 96
+    assert done[r].outputs[0].token_ids == reference(p, 6) and done[r_busy].outputs[0].token_ids == reference(busy, 30)
+    pool_holds_its_tokens(e)

@@ -36,11 +36,11 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
 
 * :class:`~radixkv.engine.tiers.TierManager` (``kv.tiers``, None without tiers), the KV tiers
   below the pool (docs/tiers.md): before a waiting request is admitted, the blocks after its
-  cached prefix are looked up tier by tier on the tiers' I/O thread while the KV manager keeps
-  that prefix locked (:meth:`~KVManager.tier_step`); a finished load is copied into new slots
-  here and inserted into the cache as if computed, its path locked until the request is
-  admitted; the request waits in the queue meanwhile (:meth:`~KVManager.tier_waiting`), so no
-  step stalls. Blocks entering the cache are written through, blocks it evicts written back
+  cached prefix are looked up tier by tier and loaded into host memory on the tiers' I/O thread
+  (:meth:`~KVManager.tier_step`); a finished load is copied into new slots here, after what the
+  pool holds then, and inserted into the cache as if computed, its path locked until the
+  request is admitted; the request waits in the queue meanwhile
+  (:meth:`~KVManager.tier_waiting`), so no step stalls. Blocks entering the cache are written through, blocks it evicts written back
   (per tier), their K/V copied out here before the slots are reused.
 
 A later helper (tentative draft slots) plugs in the same way: its own bookkeeping in its own
@@ -505,20 +505,20 @@ class KVManager:
 
     # ------------------------------------------------------------------ KV tiers
     def tier_waiting(self, req: Request) -> bool:
-        """True while ``req``'s blocks are being looked up or loaded (the scheduler skips it)."""
+        """True while ``req``'s blocks are being looked up, loaded or wait to be installed (the
+        scheduler skips it meanwhile)."""
         t = req.tier
         return t is not None and t.job is not None
 
-    def tier_step(self, waiting: Iterable[Request]) -> None:
-        """Install the loads the tiers' I/O thread finished, announce its finished writes, and
-        start a lookup for each waiting request not looked up yet (once per request: what it
-        could load beyond its cached prefix, :meth:`_tier_lookup`)."""
+    def tier_step(self, waiting: Iterable[Request], idle: bool = False) -> None:
+        """The KV tiers' part of a step: announce the writes the I/O thread finished, install
+        the finished loads of waiting requests (:meth:`_tier_install`; ``idle``: nothing runs,
+        so a load that finds no room now never will: given up), and start a lookup for each
+        waiting request not looked up yet, or whose cached prefix shrank since its lookup."""
         tiers = self.tiers
         if tiers is None:
             return
-        loads, writes = tiers.take_finished()
-        for job in loads:
-            self._tier_install(job)
+        _, writes = tiers.take_finished()  # loads: each request's own job says when it is done
         if writes and self.events.wants(CacheInserted):
             for w in writes:
                 for medium in w.stored:
@@ -532,91 +532,97 @@ class KVManager:
                             medium=medium,
                         )
                     )
-        for r in waiting:
+        for r in list(waiting):
             if r.row is not None or r.pin is not None:
                 continue
             t = r.tier
-            if t is None or (t.job is None and t.node is None and not t.spans and self._tier_shrunk(r, t.start)):
+            if t is not None and t.job is not None:
+                if t.job.done:
+                    self._tier_install(r, idle)
+            elif t is None or (t.node is None and not t.spans and self._cached_len(r) < t.start):
                 self._tier_lookup(r)
 
-    def _tier_shrunk(self, req: Request, start: int) -> bool:
-        """Whether the pool now holds less of ``req``'s prefix than the ``start`` tokens it held
-        at its last lookup (evicted while it waited: the tiers may hold the rest). Read-only."""
+    def _reusable(self, req: Request) -> int:
+        """How many of ``req``'s tokens it may take from caches: all but its last, at most
+        ``max_prefix_len`` (:meth:`match`'s limit)."""
         n = len(req.all_token_ids) - 1
-        if req.max_prefix_len is not None:
-            n = min(n, req.max_prefix_len)
-        return self.cache.peek(req.all_token_ids[:n], req.namespace, context=0).length < start
+        return n if req.max_prefix_len is None else min(n, req.max_prefix_len)
+
+    def _cached_len(self, req: Request) -> int:
+        """The prefix of ``req`` the pool holds now, read-only (no access time refreshed)."""
+        return self.cache.peek(req.all_token_ids[: self._reusable(req)], req.namespace, context=0).length
 
     def _tier_lookup(self, req: Request) -> None:
-        """Lock ``req``'s cached prefix and ask the tiers for the whole blocks after it (up to
-        what it may reuse, :meth:`match`'s limit, page-floored); not when the loads of waiting
-        requests would then hold more than 3/4 of the pool (running requests short of memory
-        take it back: :meth:`detach_pins`). Looked up again only if the pool loses some of that
-        prefix while it waits (:meth:`tier_step`)."""
+        """Ask the tiers for the whole blocks after ``req``'s cached prefix (up to what it may
+        reuse, page-floored): the I/O thread looks them up and loads them into host memory while
+        the request waits; nothing in the pool is held meanwhile. Looked up again only when the
+        pool loses some of that prefix before it is admitted (:meth:`tier_step`)."""
+        start = self._cached_len(req)
+        req.tier = hold = TierHold(start=start)
+        limit = self._reusable(req) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
+        if limit > start:
+            hold.job = self.tiers.plan(req.namespace, req.all_token_ids, start, limit, req)
+            hold.limit = limit
+
+    def _tier_install(self, req: Request, idle: bool) -> None:
+        """Copy ``req``'s finished load into new slots after the prefix the pool holds now and
+        insert it into the cache as if computed; that path stays locked for it until it is
+        admitted. No room now (or the loads installed for waiting requests would hold more than
+        3/4 of the pool): tried again at a later step, or given up when ``idle``. The pool lost
+        blocks before the loaded run: looked up again."""
+        hold = req.tier
+        job, base = hold.job, hold.job.first * BLOCK_TOKENS
+        end = min(hold.limit, base + (job.rows.shape[0] if job.rows is not None else 0))
+        end = end // self.page_size * self.page_size
         m = self.match(req)
-        req.tier = hold = TierHold(start=m.length)
-        n = len(req.all_token_ids) - 1
-        if req.max_prefix_len is not None:
-            n = min(n, req.max_prefix_len)
-        limit = n // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
-        if limit <= m.length:
+        if m.length < base:
+            req.tier = None
             return
-        if self.tiers.held_tokens + limit - m.length > self.capacity * 3 // 4:
-            req.tier = None  # not now: looked up at a later step
-            return
-        job = self.tiers.plan(req.namespace, req.all_token_ids, m.length, limit, req)
-        if job is None:
+        need = end - m.length
+        if need <= 0:
+            hold.job = None
             return
         self.cache.inc_lock_ref(m.node)
-        hold.job, hold.node, hold.start, hold.limit, hold.prefix_slots = job, m.node, m.length, limit, m.slots
-        self.tiers.held_tokens += limit - m.length
-
-    def _tier_install(self, job: Any) -> None:
-        """Copy a finished load into new slots and insert it into the cache as if computed;
-        the request's lock moves to the inserted path (until it is admitted). Nothing when it
-        loaded no whole page past the cached prefix or the pool cannot make room."""
-        req = job.owner
-        hold = req.tier
-        if hold is None or hold.job is not job:
+        if self.tiers.held_tokens + need > self.capacity * 3 // 4 or not self.ensure_free(need):
+            self.cache.dec_lock_ref(m.node)
+            if idle:
+                hold.job = None
             return
         hold.job = None
-        start, base = hold.start, job.first * BLOCK_TOKENS
-        end = min(hold.limit, base + job.rows.shape[0]) // self.page_size * self.page_size
-        need = end - start
-        if need <= 0 or not self.ensure_free(need):
-            return
         new = self.allocator.alloc(need)
         if new is None:
             raise RuntimeError(f"allocator refused {need} slots after ensure_free")
-        scatter_rows(self.tiers.pool, new, job.rows[start - base : end - base])
+        scatter_rows(self.tiers.pool, new, job.rows[m.length - base : end - base])
         tokens = req.all_token_ids[:end]
-        slots = torch.cat([torch.as_tensor(hold.prefix_slots, dtype=torch.int64), torch.as_tensor(new)])
-        k = self._insert(tokens, slots, req.namespace, skip=tuple(set(job.media)))
-        if k > start:
-            self.allocator.free(new[: k - start])
-        m = self.cache.match_prefix(tokens, req.namespace)
-        if m.length != end:
-            raise RuntimeError(f"tier install: inserted {end} tokens, the cache matches {m.length}")
-        self.cache.inc_lock_ref(m.node)
-        self.cache.dec_lock_ref(hold.node)
-        hold.node = m.node
+        k = self._insert(tokens, torch.cat([m.slots, torch.as_tensor(new)]), req.namespace, tuple(set(job.media)))
+        if k > m.length:
+            self.allocator.free(new[: k - m.length])
+        got = self.cache.match_prefix(tokens, req.namespace)
+        if got.length != end:
+            raise RuntimeError(f"tier install: inserted {end} tokens, the cache matches {got.length}")
+        self.cache.inc_lock_ref(got.node)
+        self.cache.dec_lock_ref(m.node)
+        hold.node, hold.held = got.node, end - m.length
+        self.tiers.held_tokens += hold.held
         for b, medium in enumerate(job.media):
             lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, base + BLOCK_TOKENS * (b + 1))
             if hi > lo:
                 hold.spans.append((lo, hi, medium))
 
     def _tier_unhold(self, req: Request) -> None:
-        """``req`` no longer waits for the tiers: its lookup is cancelled and its lock dropped
-        (what was installed stays cached, evictable); ``req.tier`` keeps the spans installed."""
+        """``req`` no longer waits for the tiers: its load is cancelled and the lock on what was
+        installed for it dropped (that stays cached, evictable); ``req.tier`` keeps the spans."""
         hold = req.tier
-        if hold is None or hold.node is None:
+        if hold is None:
             return
         if hold.job is not None:
             hold.job.cancelled = True
             hold.job = None
-        self.cache.dec_lock_ref(hold.node)
-        hold.node = None
-        self.tiers.held_tokens -= hold.limit - hold.start
+        if hold.node is not None:
+            self.cache.dec_lock_ref(hold.node)
+            hold.node = None
+            self.tiers.held_tokens -= hold.held
+            hold.held = 0
 
     # ------------------------------------------------------------------ pins (n > 1)
     def fork(self, parent: Request, children: List[Request]) -> None:

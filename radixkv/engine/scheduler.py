@@ -310,7 +310,7 @@ class Scheduler:
             kv.publish(r, r.kv_len + extend)
             budget -= extend
             partial = partial or not done
-        kv.tier_step(self.waiting)  # finished tier loads enter the cache; new lookups start
+        kv.tier_step(self.waiting, idle=not self.running)  # finished tier loads enter the cache
         if not batch.retracted:
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()

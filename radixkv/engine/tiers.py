@@ -107,20 +107,21 @@ class TierHold:
     """A waiting request's tier state (``Request.tier``), owned by the KV manager.
 
     Attributes:
-        job: its :class:`~radixkv.engine.tier_io.LoadJob` while the I/O thread works on it.
-        node: the cache node the KV manager locked for it (the prefix matched at lookup, then the
-            prefix installed), None once the request was admitted or gave up.
-        start: tokens cached in the pool at lookup (the load starts there).
+        job: its :class:`~radixkv.engine.tier_io.LoadJob` from the lookup until it is installed
+            (or given up).
+        node: the cache node the KV manager locked for it once its load was installed (until it
+            is admitted), else None.
+        held: tokens of that install (counted in :attr:`TierManager.held_tokens`).
+        start: tokens of its prefix in the pool at the lookup.
         limit: the most tokens it may reuse (page-floored).
-        prefix_slots: the slots of ``[0, start)`` (locked through ``node``).
         spans: ``(lo, hi, medium)`` of the positions installed from the tiers.
     """
 
     job: Optional[LoadJob] = None
     node: Any = None
+    held: int = 0
     start: int = 0
     limit: int = 0
-    prefix_slots: Any = None
     spans: List[tuple] = field(default_factory=list)
 
     def by_tier(self, upto: int) -> Dict[str, int]:
@@ -153,7 +154,7 @@ class TierManager:
 
     Attributes:
         costs: the :class:`~radixkv.engine.tier_io.CostModel` (load vs prefill per token).
-        held_tokens: tokens locked for waiting requests (lookups and installed loads).
+        held_tokens: tokens installed from the tiers and locked for waiting requests.
     """
 
     def __init__(
