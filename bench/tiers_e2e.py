@@ -92,17 +92,21 @@ def replay_part(args, loaded) -> dict:
     pool = max(int(inf["working_set_tokens"] * args.pool_fraction), longest + 16)
     runs = {"unbounded": inf, "no_tier": _run(_llm(loaded, pool), convs, args.max_tokens, "no tier")}
     d = tempfile.mkdtemp(prefix="radixkv-bench-disk-")
+    want = args.replay_tiers.split(",")
     try:
-        runs["disk"] = _run(_llm(loaded, pool, disk_cache_dir=d), convs, args.max_tokens, "disk")
-        runs["host"] = _run(_llm(loaded, pool, host_cache_bytes=8 << 30), convs, args.max_tokens, "host")
-        with RedisServer() as redis:
-            runs["remote"] = _run(_llm(loaded, pool, remote_cache_url=redis.url), convs, args.max_tokens, "remote")
+        if "disk" in want:
+            runs["disk"] = _run(_llm(loaded, pool, disk_cache_dir=d), convs, args.max_tokens, "disk")
+        if "host" in want:
+            runs["host"] = _run(_llm(loaded, pool, host_cache_bytes=8 << 30), convs, args.max_tokens, "host")
+        if "remote" in want:
+            with RedisServer() as redis:
+                runs["remote"] = _run(_llm(loaded, pool, remote_cache_url=redis.url), convs, args.max_tokens, "remote")
     finally:
         shutil.rmtree(d, ignore_errors=True)
     replies = {k: r.pop("replies") for k, r in runs.items()}
     same = all(v == replies["unbounded"] for v in replies.values())
     costs = {}
-    for m in ("host", "disk", "remote"):
+    for m in [m for m in ("host", "disk", "remote") if m in runs]:
         t = runs[m]["tiers"][m]
         if t["load_s_per_token"] and t["prefill_s_per_token"]:
             costs[m] = round(t["load_s_per_token"] / t["prefill_s_per_token"], 4)
@@ -364,6 +368,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-user-chars", type=int, default=1200)
     ap.add_argument("--pool-fraction", type=float, default=0.1)
+    ap.add_argument("--replay-tiers", default="disk,host,remote", help="replay: the tier runs (default all three)")
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4, help="overhead: rounds")
     ap.add_argument("--requests", type=int, default=16, help="overhead: requests per round")

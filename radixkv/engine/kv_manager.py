@@ -567,8 +567,9 @@ class KVManager:
     def _tier_install(self, req: Request, idle: bool) -> None:
         """Copy ``req``'s finished load into new slots after the prefix the pool holds now and
         insert it into the cache as if computed; that path stays locked for it until it is
-        admitted. No room now (or the loads installed for waiting requests would hold more than
-        3/4 of the pool): tried again at a later step, or given up when ``idle``. The pool lost
+        admitted. No room now (or, with other waiting requests' loads installed, they would all
+        hold more than 3/4 of the pool): tried again at a later step, or given up when ``idle``
+        with no other load installed (then nothing would ever free memory for it). The pool lost
         blocks before the loaded run: looked up again."""
         hold = req.tier
         job, base = hold.job, hold.job.first * BLOCK_TOKENS
@@ -583,9 +584,10 @@ class KVManager:
             hold.job = None
             return
         self.cache.inc_lock_ref(m.node)
-        if self.tiers.held_tokens + need > self.capacity * 3 // 4 or not self.ensure_free(need):
+        crowded = self.tiers.held_tokens and self.tiers.held_tokens + need > self.capacity * 3 // 4
+        if crowded or not self.ensure_free(need):
             self.cache.dec_lock_ref(m.node)
-            if idle:
+            if idle and not self.tiers.held_tokens:  # nothing will free memory for it: compute
                 hold.job = None
             return
         hold.job = None
@@ -609,13 +611,13 @@ class KVManager:
             if hi > lo:
                 hold.spans.append((lo, hi, medium))
 
-    def _tier_unhold(self, req: Request) -> None:
-        """``req`` no longer waits for the tiers: its load is cancelled and the lock on what was
-        installed for it dropped (that stays cached, evictable); ``req.tier`` keeps the spans."""
+    def _tier_unhold(self, req: Request, cancel: bool = True) -> None:
+        """Drop the lock on what was installed for ``req`` (that stays cached, evictable;
+        ``req.tier`` keeps the spans) and, with ``cancel``, its load not installed yet."""
         hold = req.tier
         if hold is None:
             return
-        if hold.job is not None:
+        if cancel and hold.job is not None:
             hold.job.cancelled = True
             hold.job = None
         if hold.node is not None:
@@ -666,7 +668,7 @@ class KVManager:
             if r.pin is not None and r.row is None:
                 self.drop_pin(r)
             if r.row is None:
-                self._tier_unhold(r)
+                self._tier_unhold(r, cancel=False)  # a load still in host memory holds no slot
 
     def _unhold(self, pin: Pin) -> None:
         """``pin`` died (:class:`PinTable`): unlock its cached path, or free the slots it owns."""
