@@ -284,3 +284,80 @@ def test_a_load_without_room_waits_for_it_and_is_installed_later():
     assert waited > 1 and done[r].cached_tokens_by_tier["disk"] == 96
     assert done[r].outputs[0].token_ids == reference(p, 6) and done[r_busy].outputs[0].token_ids == reference(busy, 30)
     pool_holds_its_tokens(e)
+
+
+def test_fingerprint_names_weights_dtypes_quantization_and_layout():
+    import torch
+
+    from radixkv.engine.tiers import model_fingerprint
+    from radixkv.models.fingerprint import weights_digest
+
+    lin = torch.nn.Linear(4, 4)
+    w = weights_digest(lin)
+    assert w == weights_digest(lin) and len(w) == 16
+    twin = torch.nn.Linear(4, 4)
+    twin.load_state_dict(lin.state_dict())
+    assert weights_digest(twin) == w  # the same weights in another object (another process)
+    with torch.no_grad():
+        twin.weight[0, 0] += 1e-6
+    twin2 = torch.nn.Linear(4, 4)
+    twin2.load_state_dict(twin.state_dict())
+    assert weights_digest(twin2) != w
+    base = model_fingerprint(w, torch.float32, "float32", None, b"layout")
+    assert base == model_fingerprint(w, torch.float32, "float32", None, b"layout")
+    others = [
+        model_fingerprint(weights_digest(twin2), torch.float32, "float32", None, b"layout"),
+        model_fingerprint(w, torch.bfloat16, "float32", None, b"layout"),
+        model_fingerprint(w, torch.float32, "fp8_e4m3", None, b"layout"),
+        model_fingerprint(w, torch.float32, "float32", "int8", b"layout"),
+        model_fingerprint(w, torch.float32, "float32", None, b"other layout"),
+    ]
+    assert len({base, *others}) == 6
+
+
+def test_another_fingerprint_never_reads_a_block():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(22, 80)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    from tier_fakes import KVRunner
+
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    cfg = EngineConfig(model="kv-runner", device="cpu", max_total_tokens=256, chunked_prefill_size=64)
+    other = Engine(
+        cfg,
+        model_runner=KVRunner(256, 1, fingerprint="another model"),
+        tokenizer=None,
+        eos_token_ids=[],
+        tier_stores=[MemoryStore("disk", data=shared)],
+    )
+    assert generate(other, [p])[0].num_cached_tokens == 0
+    assert generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])[0].num_cached_tokens == 64
+
+
+def test_async_llm_shutdown_drains_the_writes():
+    from radixkv.async_llm import AsyncLLM
+
+    disk = MemoryStore("disk")
+    e = kv_engine(stores=[disk])
+    e.kv.tiers.io.max_pending_bytes = 1 << 30
+    llm = AsyncLLM.from_engine(e)
+    gate = __import__("threading").Event()
+    orig = disk.put
+
+    def slow_put(keys, blocks):  # the writes are still queued when shutdown starts
+        gate.wait(30)
+        orig(keys, blocks)
+
+    disk.put = slow_put
+
+    async def go():
+        async for _ in llm.generate(prompt_token_ids=prompt(23, 70), sampling_params=greedy()):
+            pass
+
+    __import__("asyncio").run(go())
+    assert len(disk.data) == 0
+    gate.set()
+    llm.shutdown()
+    assert len(disk.data) == 4 and disk.closed

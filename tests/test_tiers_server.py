@@ -112,3 +112,22 @@ def test_serve_refuses_an_unwritable_disk_dir(tmp_path):
         timeout=280,
     )
     assert r.returncode == 2 and "disk_cache_dir" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+
+
+def test_serve_flags_reach_every_replica_as_engine_fields():
+    import argparse
+
+    from radixkv.server.cli import add_arguments, engine_kwargs_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(
+        ["--replicas", "2", "--remote-cache-url", "redis://10.0.0.5:6379/1", "--host-cache-bytes", "2GiB"]
+        + ["--disk-cache-dir", "/tmp/kv", "--disk-cache-bytes", "500MB", "--kv-tier-write-policy", "host=write_through"]
+    )
+    kw = engine_kwargs_from_args(args)  # what radixkv.router.ray.build_app hands every replica
+    assert kw["remote_cache_url"] == "redis://10.0.0.5:6379/1" and kw["host_cache_bytes"] == 2 << 30
+    assert kw["disk_cache_dir"] == "/tmp/kv" and kw["disk_cache_bytes"] == 500_000_000
+    assert kw["kv_tier_write_policy"] == {"host": "write_through"}
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--host-cache-bytes", "lots"])
