@@ -40,8 +40,9 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
   (:meth:`~KVManager.tier_step`); a finished load is copied into new slots here, after what the
   pool holds then, and inserted into the cache as if computed, its path locked until the
   request is admitted; the request waits in the queue meanwhile
-  (:meth:`~KVManager.tier_waiting`), so no step stalls. Blocks entering the cache are written through, blocks it evicts written back
-  (per tier), their K/V copied out here before the slots are reused.
+  (:meth:`~KVManager.tier_waiting`), so no step stalls. Blocks entering the cache are written
+  through, blocks it evicts written back (per tier), their K/V copied out here before the slots
+  are reused.
 
 A later helper (tentative draft slots) plugs in the same way: its own bookkeeping in its own
 class, every slot it implies moved by the KV manager (a callback or a returned value).
