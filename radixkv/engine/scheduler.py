@@ -25,7 +25,9 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    cached or being computed in this plan (re-ranked after each admission, so the sharers of a
    row follow it), as SGLang's longest-prefix-match; "fcfs" keeps queue order. A request whose
    whole sequence a row computes (an identical prompt) takes no budget: it samples from that
-   row's logits.
+   row's logits. With KV tiers (docs/tiers.md), before admissions the KV manager installs the
+   tier loads that finished and starts lookups (``KVManager.tier_step``); a request whose blocks
+   are still on their way is skipped (it waits in the queue; the step runs the others).
 
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
