@@ -361,3 +361,16 @@ def test_async_llm_shutdown_drains_the_writes():
     gate.set()
     llm.shutdown()
     assert len(disk.data) == 4 and disk.closed
+
+
+def test_block_hashing_cache_works_with_tiers_written_through():
+    shared: OrderedDict = OrderedDict()
+    host = MemoryStore("host", data=shared)  # write-back asked: the hash cache cannot tell its evictions
+    p = prompt(24, 100)
+    e = kv_engine(page_size=16, cache="hash", stores=[host])
+    generate(e, [p])
+    assert e.kv.tiers.back == [] and e.kv.tiers.drain()
+    assert len(shared) == 6  # written through instead
+    assert e.reset_prefix_cache()
+    out = generate(e, [p])[0]
+    assert out.cached_tokens_by_tier["host"] == 96 and out.outputs[0].token_ids == reference(p, 6)
