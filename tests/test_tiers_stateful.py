@@ -94,6 +94,32 @@ class TiersMachine(RuleBasedStateMachine):
     def generate(self, stem, cut, tail, namespace, n) -> None:
         self._send(STEMS[stem][:cut] + tail, namespace, n)
 
+    @rule(
+        picks=st.lists(
+            st.tuples(st.integers(0, 1 << 16), st.lists(st.integers(1, VOCAB - 1), max_size=40)), min_size=2, max_size=4
+        ),
+        n=st.integers(1, 8),
+    )
+    def generate_together(self, picks, n) -> None:
+        """Several requests at once (earlier prompts continued, or stems): they wait for their
+        loads, install them and compete for the pool together; every one must finish."""
+        e = self.engine
+        params = SamplingParams(temperature=0.0, max_tokens=n)
+        sent = []
+        for which, extra in picks:
+            if self.sent and which % 3:
+                prompt, ns = self.sent[which % len(self.sent)]
+            else:
+                prompt, ns = STEMS[which % len(STEMS)], None
+            prompt = (prompt + extra)[: CAPACITY - n - 8]
+            sent.append((e.add_request(prompt, params, namespace=ns), prompt, ns))
+        done = run_all(e, max_steps=2000)
+        for rid, prompt, ns in sent:
+            out = done[rid]
+            assert out.outputs[0].token_ids == reference(prompt, n)
+            SERVED.update(out.cached_tokens_by_tier)
+            self.sent.append((prompt + out.outputs[0].token_ids, ns))
+
     @precondition(lambda self: self.sent)
     @rule(which=st.integers(0, 1 << 16), extra=st.lists(st.integers(1, VOCAB - 1), max_size=20), n=st.integers(1, 3))
     def resend(self, which, extra, n) -> None:
@@ -105,7 +131,7 @@ class TiersMachine(RuleBasedStateMachine):
         e = self.engine
         params = SamplingParams(temperature=0.0, max_tokens=n)
         rid = e.add_request(prompt, params, namespace=namespace)
-        out = run_all(e)[rid]
+        out = run_all(e, max_steps=2000)[rid]
         assert out.outputs[0].token_ids == reference(prompt, n)
         by = out.cached_tokens_by_tier
         assert set(by) == {"device", "host", "disk", "remote"} and sum(by.values()) == out.num_cached_tokens

@@ -261,10 +261,14 @@ def kv_engine(capacity=256, page_size=1, stores=(), chunk=64, max_running=16, ca
     return Engine(config, model_runner=runner, tokenizer=None, eos_token_ids=[], tier_stores=list(stores) or None)
 
 
-def run_all(engine, check_every_step=True):
-    """Step ``engine`` until idle; the finished outputs by request id."""
+def run_all(engine, check_every_step=True, max_steps=None):
+    """Step ``engine`` until idle; the finished outputs by request id. ``max_steps``: fail
+    (AssertionError) when more step calls than that do not finish (a livelock)."""
     done = {}
+    calls = 0
     while engine.has_unfinished_requests():
+        calls += 1
+        assert max_steps is None or calls <= max_steps, f"not finished after {max_steps} steps"
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out

@@ -148,6 +148,7 @@ class KVManager:
         self.sharing = BatchSharing(self.page_size, enabled=bool(in_batch_sharing) and self.shares)
         self.tiers = tiers if self.shares else None
         self._evicting: Optional[list] = None  # pieces the cache evicts now, for write-back
+        self._tier_held: dict = {}  # id(request) -> waiting request holding an installed load
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -540,7 +541,7 @@ class KVManager:
             if t is not None and t.job is not None:
                 if t.job.done:
                     self._tier_install(r, idle)
-            elif t is None or (t.node is None and not t.spans and self._cached_len(r) < t.start):
+            elif t is None or (t.node is None and self._cached_len(r) < t.start):
                 self._tier_lookup(r)
 
     def _reusable(self, req: Request) -> int:
@@ -557,9 +558,13 @@ class KVManager:
         """Ask the tiers for the whole blocks after ``req``'s cached prefix (up to what it may
         reuse, page-floored): the I/O thread looks them up and loads them into host memory while
         the request waits; nothing in the pool is held meanwhile. Looked up again only when the
-        pool loses some of that prefix before it is admitted (:meth:`tier_step`)."""
+        pool loses some of its prefix (what it held at the lookup, or what was installed) before
+        the request is admitted (:meth:`tier_step`)."""
         start = self._cached_len(req)
+        old = req.tier  # looked up again: what its earlier installs served below start still counts
         req.tier = hold = TierHold(start=start)
+        if old is not None:
+            hold.spans = [(lo, min(hi, start), m) for lo, hi, m in old.spans if lo < start]
         limit = self._reusable(req) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
         if limit > start:
             hold.job = self.tiers.plan(req.namespace, req.all_token_ids, start, limit, req)
@@ -605,8 +610,9 @@ class KVManager:
             raise RuntimeError(f"tier install: inserted {end} tokens, the cache matches {got.length}")
         self.cache.inc_lock_ref(got.node)
         self.cache.dec_lock_ref(m.node)
-        hold.node, hold.held = got.node, end - m.length
+        hold.node, hold.held, hold.start = got.node, end - m.length, end
         self.tiers.held_tokens += hold.held
+        self._tier_held[id(req)] = req
         for b, medium in enumerate(job.media):
             lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, base + BLOCK_TOKENS * (b + 1))
             if hi > lo:
@@ -626,6 +632,7 @@ class KVManager:
             hold.node = None
             self.tiers.held_tokens -= hold.held
             hold.held = 0
+            del self._tier_held[id(req)]
 
     # ------------------------------------------------------------------ pins (n > 1)
     def fork(self, parent: Request, children: List[Request]) -> None:
@@ -716,15 +723,20 @@ class KVManager:
         return self.pins.expire()
 
     def yield_pins(self, need: int) -> bool:
-        """Make ``need`` slots free for a running request, dropping soft pins (least recently used
-        first) when evicting what is unlocked is not enough; False if even that is not."""
+        """Make ``need`` slots free for a running request (or the one being admitted while
+        nothing runs), dropping soft pins (least recently used first), then the locks on what the
+        KV tiers installed for waiting requests (most recent first; they stay cached, evictable),
+        when evicting what is unlocked is not enough; False if even that is not."""
         lru = None
         while not self.ensure_free(need):
             if lru is None:
                 lru = self.pins.soft_lru()
-            if not lru:
+            if lru:
+                self.pins.drop(lru.pop(0))
+            elif self._tier_held:
+                self._tier_unhold(next(reversed(self._tier_held.values())), cancel=False)
+            else:
                 return False
-            self.pins.drop(lru.pop(0))
         return True
 
     # ------------------------------------------------------------------ cache
@@ -770,6 +782,13 @@ class KVManager:
         for pin in self.pins:
             if pin.node is None:
                 own(pin.slots)
+        if self.tiers is not None:
+            holds = [r.tier for r in self._tier_held.values()]
+            if any(t is None or t.node is None for t in holds):
+                raise AssertionError("a request counted as holding a tier install holds none")
+            tier_held = sum(t.held for t in holds)
+            if tier_held != self.tiers.held_tokens:
+                raise AssertionError(f"tier holds {tier_held} tokens, counted {self.tiers.held_tokens}")
         cap = self.allocator.num_slots
         free, total = self.allocator.available_size(), self.cache.total_size()
         if free + total + len(held) != cap:

@@ -112,7 +112,8 @@ class TierHold:
         node: the cache node the KV manager locked for it once its load was installed (until it
             is admitted), else None.
         held: tokens of that install (counted in :attr:`TierManager.held_tokens`).
-        start: tokens of its prefix in the pool at the lookup.
+        start: tokens of its prefix in the pool at the lookup, then the end of what was
+            installed (fewer in the pool later: looked up again).
         limit: the most tokens it may reuse (page-floored).
         spans: ``(lo, hi, medium)`` of the positions installed from the tiers.
     """
