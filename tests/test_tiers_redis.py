@@ -77,6 +77,10 @@ def test_ttl_is_set_and_refreshed_by_reads(redis_server, rclient):
     rclient.expire(_name(keys[0]), 5)
     assert s.get(keys[:1], toks[:1]) == blocks[:1]
     assert 590 <= rclient.ttl(_name(keys[0])) <= 600  # GETEX refreshed it
+    old_server = RedisStore(redis_server.url, ttl_s=600)
+    old_server._getex = False  # what a server older than 6.2 gets: GET + EXPIRE
+    rclient.expire(_name(keys[1]), 5)
+    assert old_server.get(keys, toks) == blocks and 590 <= rclient.ttl(_name(keys[1])) <= 600
     forever = RedisStore(redis_server.url, ttl_s=0)
     k3, t3, b3 = _blocks(1, seed=201)
     forever.put(k3, b3)

@@ -94,13 +94,15 @@ class Block:
     Args:
         tokens: exactly 16 token ids (int32 range); any sequence, kept as a tuple of ints.
         payload: the K/V of those 16 positions in the pool's storage dtype, opaque to the stores:
-            ``bytes``, or any bytes-like object (the stores return a read-only ``memoryview`` of
-            what they read, to avoid a copy; ``bytes(block.payload)`` copies). A store keeps what
-            ``put`` hands it: the caller must not change that buffer afterwards.
+            ``bytes`` or any C-contiguous buffer (a ``memoryview``, a numpy array: its raw bytes
+            are stored). The stores return a read-only ``memoryview`` of what they read, to avoid
+            a copy (``bytes(block.payload)`` copies). ``HostStore`` keeps what ``put`` hands it:
+            the caller must not change that buffer afterwards.
         meta: the engine side's layout description (opaque; dtype, layers, heads, ...).
 
     Raises:
-        ValueError: not 16 tokens, a token outside int32, ``payload`` / ``meta`` not bytes-like.
+        ValueError: not 16 tokens, a token outside int32, ``payload`` not a C-contiguous buffer,
+            ``meta`` not bytes.
     """
 
     tokens: tuple[int, ...]
@@ -114,15 +116,21 @@ class Block:
         if not all(-(1 << 31) <= t < (1 << 31) for t in toks):
             raise ValueError("Block.tokens must be int32 token ids")
         object.__setattr__(self, "tokens", toks)
-        for name in ("payload", "meta"):
-            if not isinstance(getattr(self, name), (bytes, bytearray, memoryview)):
-                raise ValueError(f"Block.{name} must be bytes-like, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.meta, bytes):
+            raise ValueError(f"Block.meta must be bytes, got {type(self.meta).__name__}")
+        if not isinstance(self.payload, bytes):
+            try:
+                view = memoryview(self.payload)
+            except TypeError:
+                raise ValueError(f"Block.payload must be bytes-like, got {type(self.payload).__name__}") from None
+            if not view.c_contiguous:
+                raise ValueError("Block.payload must be a C-contiguous buffer")
 
     @property
     def payload_nbytes(self) -> int:
         """The payload's size in bytes."""
         p = self.payload
-        return p.nbytes if isinstance(p, memoryview) else len(p)
+        return len(p) if isinstance(p, bytes) else memoryview(p).nbytes
 
 
 def block_nbytes(block: Block) -> int:

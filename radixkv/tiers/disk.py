@@ -80,6 +80,8 @@ class DiskStore:
         self._refresh_s, self._fsync, self._clock = refresh_s, fsync, clock
         self._stats = StoreStats(extra=("full", "corrupt_index"))
         self._lock = threading.Lock()
+        # NOTE: one put at a time: room made for a record stays free until it is written
+        self._put_lock = threading.Lock()
         self._index: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._used = 0
         self._closed = False
@@ -137,7 +139,8 @@ class DiskStore:
         name = key.hex()
         path = files.layout_path(self.path, name)
         try:
-            data, ino = files.read_record(path)
+            # NOTE: no record is larger than the tier (put rejects those): a larger file is not read
+            data, ino, size = files.read_record(path, self._capacity)
         except FileNotFoundError:
             self._forget(name)
             return None
@@ -145,21 +148,38 @@ class DiskStore:
             self._stats.add(errors=1)
             self._read_log.failure(e)
             return None
-        self._stats.add(blocks_read=1, bytes_read=len(data))
-        block = decode(key, data, tokens)
+        self._stats.add(blocks_read=1, bytes_read=size if data is None else len(data))
+        block = None if data is None else decode(key, data, tokens)
         if block is None:
             self._stats.add(corrupt=1)
-            logger.warning("disk tier: dropped corrupt record %s (%s)", path, why_corrupt(key, data, tokens))
+            why = f"length: {size} bytes, more than the tier" if data is None else why_corrupt(key, data, tokens)
+            logger.warning("disk tier: dropped corrupt record %s (%s)", path, why)
             files.unlink_if_same(path, ino)
             self._forget(name)
             return None
-        now = self._now_ns()
-        try:
-            os.utime(path, ns=(now, now))
-        except OSError:
-            pass
-        self._remember(name, len(data), now)
+        self._touch(name, path, len(data))
         return block
+
+    def _touch(self, name: str, path: str, size: int | None) -> bool:
+        """Mark the record used now (its mtime, its place in the index); False when it is gone.
+        Under the lock, so that no eviction of this process comes between the two."""
+        now = self._now_ns()
+        with self._lock:
+            try:
+                os.utime(path, ns=(now, now))
+                if size is None:
+                    known = self._index.get(name)
+                    size = known[0] if known else os.stat(path).st_size
+            except FileNotFoundError:
+                old = self._index.pop(name, None)
+                self._used -= old[0] if old else 0
+                return False
+            except OSError:
+                return True
+            old = self._index.pop(name, None)
+            self._used += size - (old[0] if old else 0)
+            self._index[name] = (size, now)
+            return True
 
     def _forget(self, name: str) -> None:
         with self._lock:
@@ -177,28 +197,19 @@ class DiskStore:
         """Write each block not yet stored (a stored one is only marked used now), evicting the
         least recently used records to stay within ``capacity_bytes``. Never raises for the disk's
         failures (counted: ``errors``, ``full``; later writes ``skipped`` during the backoff)."""
-        if self._clock() - self._scanned_at >= self._refresh_s:
-            self.refresh()
-        for key, block in zip(keys, blocks, strict=True):
-            if self._closed:
-                return
-            self._put_one(key, block)
+        with self._put_lock:
+            if self._clock() - self._scanned_at >= self._refresh_s:
+                self.refresh()
+            for key, block in zip(keys, blocks, strict=True):
+                if self._closed:
+                    return
+                self._put_one(key, block)
 
     def _put_one(self, key: BlockKey, block: Block) -> None:
         name = key.hex()
         path = files.layout_path(self.path, name)
-        now = self._now_ns()
-        try:
-            # Stored already (by this process or another): only mark it used now.
-            os.utime(path, ns=(now, now))
-            with self._lock:
-                known = self._index.get(name)
-            self._remember(name, known[0] if known else os.stat(path).st_size, now)
-            return
-        except FileNotFoundError:
-            self._forget(name)
-        except OSError:
-            pass
+        if self._touch(name, path, None):
+            return  # stored already (by this process or another): only marked used now
         if not self._backoff.ready():
             self._stats.add(skipped=1)
             return
@@ -207,6 +218,7 @@ class DiskStore:
             self._stats.add(rejected=1)
             return
         self._make_room(len(data))
+        now = self._now_ns()
         try:
             files.write_record(path, data, now, self._fsync)
         except OSError as e:

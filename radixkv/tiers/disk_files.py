@@ -220,15 +220,16 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
         raise
 
 
-def read_record(path: str) -> tuple[bytes, int]:
-    """The bytes of the file at ``path`` and its inode number.
+def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:
+    """The bytes of the file at ``path`` (None, unread, when it is larger than ``limit`` bytes),
+    its inode number and its size.
 
     Raises:
         FileNotFoundError: no such file; OSError: it could not be read.
     """
     with open(path, "rb", buffering=0) as f:
-        ino = os.fstat(f.fileno()).st_ino
-        return f.readall(), ino
+        st = os.fstat(f.fileno())
+        return (f.readall() if st.st_size <= limit else None), st.st_ino, st.st_size
 
 
 def unlink_if_same(path: str, ino: int) -> bool:

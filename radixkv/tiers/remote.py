@@ -112,6 +112,8 @@ class RedisStore:
         info = self.server_info()
         if info:
             _log_policy(info, self.ttl_s, self.url)
+        # GETEX (a read refreshing the TTL) needs Redis >= 6.2 (any Valkey); older: GET + EXPIRE
+        self._getex = _version(info.get("redis_version", "")) >= (6, 2)
 
     @property
     def capacity_bytes(self) -> int:
@@ -185,8 +187,12 @@ class RedisStore:
                 return r.mget(names)
             p = r.pipeline(transaction=False)
             for n in names:
-                p.getex(n, ex=ttl)
-            return p.execute(raise_on_error=False)
+                if self._getex:
+                    p.getex(n, ex=ttl)
+                else:
+                    p.get(n).expire(n, ttl)
+            res = p.execute(raise_on_error=False)
+            return res if self._getex else res[::2]
 
         vals = self._call(fetch) if names else []
         out: list[Block | None] = [None] * len(names)
@@ -267,11 +273,13 @@ class RedisStore:
         return {k: info[k] for k in keys if k in info}
 
     def stats(self) -> dict[str, int | bool]:
-        """Counters (docs/tiers.md "Stores"), ``capacity_bytes``, ``used_bytes`` (0), ``degraded``."""
+        """Counters (docs/tiers.md "Stores"), ``blocks`` and ``used_bytes`` (0: not tracked),
+        ``capacity_bytes`` (advisory), ``degraded``."""
         return {
             **self._stats.snapshot(),
-            "capacity_bytes": self._capacity,
+            "blocks": 0,
             "used_bytes": 0,
+            "capacity_bytes": self._capacity,
             "degraded": self.degraded,
         }
 
@@ -299,6 +307,14 @@ def _check_args(capacity_bytes: Any, ttl_s: Any, fingerprint: Any, prefix: Any) 
         raise ValueError(f"fingerprint must be 16 bytes, got {fingerprint!r}")
     if not isinstance(prefix, str) or not prefix or not all(c.isalnum() or c in "_-." for c in prefix):
         raise ValueError(f"prefix must be letters, digits, '_', '-' or '.', got {prefix!r}")
+
+
+def _version(text: str) -> tuple[int, ...]:
+    """``"7.0.15"`` -> (7, 0); unknown -> a version new enough for every command used."""
+    try:
+        return tuple(int(x) for x in text.split(".")[:2])
+    except ValueError:
+        return (99,)
 
 
 def _log_policy(info: dict, ttl_s: int, url: RedisURL) -> None:
