@@ -17,7 +17,8 @@ from setuptools.command.build_ext import build_ext
 OPENMP = ["-fopenmp"]
 KERNELS = "csrc/cpu_kernels"
 KERNEL_SOURCES = [
-    f"{KERNELS}/{name}.c" for name in ("bindings", "threadpool", "gemm", "quant", "attention", "ops", "step")
+    f"{KERNELS}/{name}.c"
+    for name in ("bindings", "threadpool", "gemm", "quant", "kvformat", "attention", "attention_lowp", "ops", "step")
 ]
 
 

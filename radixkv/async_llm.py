@@ -36,12 +36,13 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Hashable, Sequence
+from typing import Any, AsyncIterator, Callable, Hashable, Mapping, Sequence
 
 from radixkv.branching import AsyncSession, Prompt, SelectResult, drive_async, select_program
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import RequestError, RequestFailed
 from radixkv.inputs import check_sampling_params, to_token_ids, to_token_prompt
+from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -88,6 +89,8 @@ class AsyncLLM:
             ``chunked_prefill_size``, ``schedule_policy``, ...) plus the ``Engine`` keywords
             ``loaded_model``, ``model_runner``, ``tokenizer``, ``eos_token_ids`` and ``clock``.
             Not allowed together with ``engine``.
+        namespace: the prefix-cache namespace of every request that names none, as
+            :class:`~radixkv.llm.LLM`'s (``generate``, ``generate_batch``, sessions, ``select``).
 
     Thread model: one daemon thread named ``radixkv-engine``; all public methods are safe to call
     from any thread and any event loop (one AsyncLLM can serve several loops at once).
@@ -97,7 +100,8 @@ class AsyncLLM:
             option (naming the field).
     """
 
-    def __init__(self, model: str = "smollm2-135m", *, engine: Any = None, **kwargs: Any):
+    def __init__(self, model: str = "smollm2-135m", *, engine: Any = None, namespace: Hashable = None, **kwargs: Any):
+        self.namespace = Namespace.of(namespace)
         if engine is None:
             from radixkv.engine_args import build_engine
 
@@ -162,12 +166,14 @@ class AsyncLLM:
         Args:
             prompt: text (tokenized with the engine's tokenizer without added special tokens,
                 as ``LLM.generate`` does; no chat template), a list of token ids, or a dict
-                ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` (:mod:`radixkv.inputs`).
+                ``{"prompt": ...}`` / ``{"prompt_token_ids": [...]}`` (:mod:`radixkv.inputs`;
+                its ``"cache_salt"`` joins the namespace as its salt).
             sampling_params: default ``SamplingParams()``.
             request_id: unique among unfinished requests; a fresh ``"req-<uuid>"`` when None.
             prompt_token_ids: token ids, as an alternative to ``prompt`` (then ``prompt`` must
                 be None or the text those ids came from, kept for the output).
-            namespace: prefix-cache namespace (requests only share cache within one namespace).
+            namespace: prefix-cache namespace (requests only share cache within one namespace);
+                None: this AsyncLLM's ``namespace``.
             on_finish: ``on_finish(engine, final output)`` runs on the engine thread when the
                 request finishes, before its final output is delivered (no step runs in between;
                 not on abort): e.g. pin what it left cached (stored Responses).
@@ -221,6 +227,9 @@ class AsyncLLM:
             ids, text = to_token_prompt(self.engine.tokenizer, prompt)
         else:
             raise RequestError("prompt: one of prompt or prompt_token_ids is required", "prompt")
+        namespace = self.namespace if namespace is None else namespace
+        if isinstance(prompt, Mapping) and prompt.get("cache_salt") is not None:
+            namespace = with_salt(namespace, prompt["cache_salt"])
         stream.loop = asyncio.get_running_loop()
 
         def add(engine: Any) -> None:
@@ -292,7 +301,7 @@ class AsyncLLM:
             added: list[str] = []
             try:
                 for rid, stream, (ids, params, ns), hook in zip(rids, streams, requests, hooks):
-                    engine.add_request(ids, params, request_id=rid, namespace=ns)
+                    engine.add_request(ids, params, request_id=rid, namespace=self.namespace if ns is None else ns)
                     added.append(rid)
                     self._streams[rid] = stream
                     if hook is not None:
@@ -382,13 +391,14 @@ class AsyncLLM:
         Raises:
             RequestError: a malformed prompt (naming ``prompt``).
         """
-        return AsyncSession(self, prompt, namespace=namespace)
+        return AsyncSession(self, prompt, namespace=self.namespace if namespace is None else namespace)
 
     async def select(
         self, prompt: Prompt, choices: Sequence, *, method: str = "normalized", namespace: Hashable = None
     ) -> SelectResult:
         """As :meth:`radixkv.llm.LLM.select`, awaited: every choice submitted in one engine message."""
-        return await drive_async(self, select_program(self, prompt, choices, method, namespace))
+        ns = self.namespace if namespace is None else namespace
+        return await drive_async(self, select_program(self, prompt, choices, method, ns))
 
     async def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result.

@@ -36,8 +36,15 @@ def main(argv: list[str] | None = None) -> int:
             print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
             return 2
         from radixkv.router.ray import run as run_replicas
+        from radixkv.server.auth import KeysFileError
 
-        return run_replicas(args, server_cli.engine_kwargs_from_args(args), server_cli.served_model_name(args))
+        try:
+            keys = server_cli.api_keys_of(args)
+        except KeysFileError as exc:
+            print(f"radixkv serve: {exc}", file=sys.stderr)
+            return 2
+        ekw = server_cli.engine_kwargs_from_args(args, keys)
+        return run_replicas(args, ekw, server_cli.served_model_name(args), api_keys=keys)
     try:
         return server_cli.run(args)
     except ValueError as e:  # a refused setting at start (e.g. an unwritable --disk-cache-dir)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import Optional, Union
+from decimal import Decimal, InvalidOperation
+from typing import Dict, Optional, Union
 
 import torch
+
+from radixkv.memory.kv_dtype import canonical_kv_dtype
 
 PREFIX_CACHES = ("radix", "hash", "none")
 EVICTION_POLICIES = ("lru", "lfu", "gdf", "reuse-odds")  # radixkv.cache.evict_policy (config stays a leaf)
@@ -19,6 +23,48 @@ def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> 
     """The longest sequence when ``max_context_len`` is not given: the model's
     ``max_position_embeddings``, capped at the KV pool's capacity in tokens."""
     return min(int(max_position_embeddings), int(max_total_tokens))
+
+
+DEFAULT_CPU_FLOAT32_TOKENS = 32768
+"""The default pool on the CPU holds the bytes of this many float32 tokens of the model."""
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_memory_bytes(value: Union[int, str], field: str = "kv_cache_memory_bytes") -> int:
+    """A memory size in bytes: an int, or a string of a number and an optional unit (B, KB, MB,
+    GB, TB decimal; KiB, MiB, GiB, TiB binary; any case, spaces allowed): ``"2GiB"``,
+    ``"512MiB"``, ``"1.5GB"``, ``"1000"``. Fractions are floored to whole bytes.
+
+    Raises:
+        ValueError: naming ``field``: anything else, or less than 1 byte.
+    """
+    n = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*", value)
+        if m is not None and m.group(2).lower() in _UNITS:
+            try:
+                n = int(Decimal(m.group(1)) * _UNITS[m.group(2).lower()])
+            except InvalidOperation:
+                n = None
+    if n is None or n < 1:
+        raise ValueError(
+            f"{field} must be a number of bytes >= 1, as an int or a string like '2GiB', '512MiB', '1.5GB', "
+            f"got {value!r}"
+        )
+    return n
+
+
+def kv_tokens_for_bytes(memory_bytes: int, bytes_per_token: int, page_size: int = 1) -> int:
+    """Tokens of ``bytes_per_token`` each that ``memory_bytes`` holds, floored to whole pages."""
+    tokens = int(memory_bytes) // int(bytes_per_token)
+    return tokens - tokens % int(page_size)
 
 
 _DTYPES = {
@@ -36,7 +82,8 @@ _DTYPES = {
 class EngineConfig:
     """Configuration of an :class:`~radixkv.engine.Engine` (and of ``LLM``, which takes the same names).
 
-    Raises ``ValueError`` naming the field from :meth:`resolve` for any invalid value.
+    Raises ``ValueError`` naming the field from :meth:`resolve` for any invalid value (at
+    construction already for ``kv_cache_memory_bytes`` given with ``max_total_tokens``).
     """
 
     model: str = "smollm2-135m"
@@ -52,8 +99,22 @@ class EngineConfig:
     """Tokens per KV page (>= 1). Prefix matches are floored to whole pages when > 1."""
 
     max_total_tokens: Optional[int] = None
-    """KV pool capacity in tokens (rounded down to whole pages). Default: 32768 on CPU (1.4 GiB
-    of float32 K/V for SmolLM2-135M); on CUDA 40% of the free memory, at most 1M tokens."""
+    """KV pool capacity in tokens (rounded down to whole pages). Give it or
+    ``kv_cache_memory_bytes``, not both. Default (neither): on CPU the tokens that fit in the
+    bytes 32,768 float32 tokens take (1.4 GiB for SmolLM2-135M: 32,768 float32 tokens, 65,536
+    bfloat16 ones, 127,100 fp8 ones); on CUDA the tokens that fit in 40% of the free memory, at
+    most 1M."""
+
+    kv_cache_dtype: Union[str, torch.dtype] = "auto"
+    """K/V storage dtype: "auto" (the model's compute dtype ``dtype``: float32 on CPU), "float32",
+    "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2" or an alias ("fp32", "bf16", "fp16", "half",
+    "fp8" = "fp8_e4m3"); the canonical name after :meth:`resolve`. fp8 keeps a bfloat16 scale per
+    token and KV head (:mod:`radixkv.memory.kv_dtype`); attention reads K/V back in float32."""
+
+    kv_cache_memory_bytes: Optional[Union[int, str]] = None
+    """KV pool size in bytes (vLLM's name): an int or a string like "2GiB", "512MiB", "1.5GB"
+    (:func:`parse_memory_bytes`); the pool holds ``bytes // kv_bytes_per_token`` tokens, whole
+    pages. Giving it and ``max_total_tokens`` both is a ValueError."""
 
     max_context_len: Optional[int] = None
     """Longest sequence (prompt + output). Default: the model's max_position_embeddings, capped
@@ -72,8 +133,9 @@ class EngineConfig:
     ``--radix-eviction-policy``."""
 
     attention_backend: str = "auto"
-    """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA, cpu on
-    an AVX2 CPU with a float32 KV pool, else torch."""
+    """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA (a
+    bfloat16 / float16 KV pool), cpu on an AVX2 CPU with a K/V dtype of
+    ``radixkv.attention.CPU_AUTO_KV_DTYPES``, else torch."""
 
     quantization: Optional[str] = None
     """None (exact weights) or "int8": CPU-only, lossy int8 linear layers for decode speed
@@ -148,23 +210,45 @@ class EngineConfig:
     (``{"host": "write_back", "disk": "write_through"}``). Default: write-back for host,
     write-through for disk and remote (so restarts and other engines see blocks before eviction).
     Resolved into a dict with one entry per tier."""
+    tenant_kv_quota_tokens: Optional[Dict[str, int]] = None
+    """Soft KV quotas: tenant name (``Namespace.tenant``, set by the server from the API key) ->
+    cached tokens. When the pool must evict, tenants holding more than their quota lose their
+    least recently used pages first (:mod:`radixkv.cache.tenants`); nothing is refused. None: no
+    quotas. ``radixkv serve --api-keys-file`` fills it from the keys' ``kv_quota_tokens``."""
+
+    def __post_init__(self) -> None:
+        # Checked where the values are given: resolve() later fills max_total_tokens from the
+        # memory, and a resolved config may be copied and resolved again.
+        if self.kv_cache_memory_bytes is not None and self.max_total_tokens is not None:
+            raise ValueError(
+                f"give kv_cache_memory_bytes ({self.kv_cache_memory_bytes!r}) or max_total_tokens "
+                f"({self.max_total_tokens!r}), not both"
+            )
 
     def resolve(
-        self, *, kv_bytes_per_token: Optional[int] = None, max_position_embeddings: Optional[int] = None
+        self,
+        *,
+        kv_bytes_per_token: Optional[int] = None,
+        max_position_embeddings: Optional[int] = None,
+        float32_kv_bytes_per_token: Optional[int] = None,
     ) -> "EngineConfig":
         """Validate and fill the "auto"/None defaults; returns self. Idempotent.
 
-        Called once without arguments (device, dtype and every check that needs no model), then
-        by the engine with the loaded model's facts, which fill ``max_total_tokens`` (from
-        ``kv_bytes_per_token``, K+V bytes of one token) and ``max_context_len`` (capped at
-        ``max_position_embeddings``).
+        Called once without arguments (device, dtype, ``kv_cache_dtype``, the memory string and
+        every check that needs no model), then by the engine with the loaded model's facts,
+        which fill ``max_total_tokens`` (from ``kv_bytes_per_token``, K+V bytes of one token in
+        ``kv_cache_dtype``, scales included: ``KVPool.token_bytes``; and from
+        ``float32_kv_bytes_per_token``, the same in float32, default ``kv_bytes_per_token``, for
+        the CPU default) and ``max_context_len`` (capped at ``max_position_embeddings``).
 
         Raises:
             ValueError: naming the field and its limit.
         """
         self._resolve_device()
         if kv_bytes_per_token is not None and self.max_total_tokens is None:
-            self.max_total_tokens = self.default_max_total_tokens(kv_bytes_per_token)
+            self.max_total_tokens = self._tokens_of_memory(
+                int(kv_bytes_per_token), int(float32_kv_bytes_per_token or kv_bytes_per_token)
+            )
         if self.max_total_tokens is not None:
             self.max_total_tokens -= self.max_total_tokens % self.page_size
             if self.max_pinned_tokens is None:
@@ -180,6 +264,24 @@ class EngineConfig:
                 )
         return self
 
+    def _tokens_of_memory(self, bytes_per_token: int, float32_bytes_per_token: int) -> int:
+        """``max_total_tokens`` from ``kv_cache_memory_bytes``, or the default memory (the
+        ``max_total_tokens`` docstring), at ``bytes_per_token``; whole pages.
+
+        Raises:
+            ValueError: ``kv_cache_memory_bytes`` holds less than one page.
+        """
+        if self.kv_cache_memory_bytes is None:
+            return self.default_max_total_tokens(bytes_per_token, float32_bytes_per_token)
+        tokens = kv_tokens_for_bytes(self.kv_cache_memory_bytes, bytes_per_token, self.page_size)
+        if tokens < self.page_size:
+            raise ValueError(
+                f"kv_cache_memory_bytes {self.kv_cache_memory_bytes} holds no page: one page of {self.page_size} "
+                f"tokens takes {self.page_size * bytes_per_token} bytes in {self.kv_cache_dtype} "
+                f"({bytes_per_token} bytes per token)"
+            )
+        return tokens
+
     def _resolve_device(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -193,6 +295,8 @@ class EngineConfig:
                 self.dtype = _DTYPES[self.dtype]
             else:
                 raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype, auto=self.dtype)
+        self._resolve_memory()
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if not self.enable_prefix_caching:
@@ -233,6 +337,12 @@ class EngineConfig:
             raise ValueError(f"pin_idle_timeout must be a number of seconds > 0 or None, got {t!r}")
         if not isinstance(self.in_batch_prefix_sharing, bool):
             raise ValueError(f"in_batch_prefix_sharing must be a bool, got {self.in_batch_prefix_sharing!r}")
+        q = self.tenant_kv_quota_tokens
+        if q is not None and (
+            not isinstance(q, dict)
+            or not all(isinstance(k, str) and k and type(v) is int and v >= 0 for k, v in q.items())
+        ):
+            raise ValueError(f"tenant_kv_quota_tokens must map tenant names to ints >= 0, got {q!r}")
         self._resolve_tiers()
 
     def _resolve_tiers(self) -> None:
@@ -257,12 +367,20 @@ class EngineConfig:
         on["remote"] = self.remote_cache_url is not None
         return tuple(m for m in TIER_MEDIA if on[m])
 
-    def default_max_total_tokens(self, bytes_per_token: int) -> int:
-        """The KV capacity used when ``max_total_tokens`` is None (see its docstring)."""
+    def _resolve_memory(self) -> None:
+        """Parse ``kv_cache_memory_bytes`` (an int or a string) into bytes."""
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_memory_bytes(self.kv_cache_memory_bytes)
+
+    def default_max_total_tokens(self, bytes_per_token: int, float32_bytes_per_token: Optional[int] = None) -> int:
+        """The KV capacity used when neither ``max_total_tokens`` nor ``kv_cache_memory_bytes`` is
+        given (see ``max_total_tokens``), at ``bytes_per_token`` per token (``kv_cache_dtype``)
+        and ``float32_bytes_per_token`` (default ``bytes_per_token``) per float32 token."""
         if torch.device(self.device).type == "cuda":
             free, _ = torch.cuda.mem_get_info(torch.device(self.device))
             return max(self.page_size, min(1 << 20, int(free * 0.4) // bytes_per_token))
-        return 32768
+        memory = DEFAULT_CPU_FLOAT32_TOKENS * int(float32_bytes_per_token or bytes_per_token)
+        return max(self.page_size, memory // bytes_per_token)
 
 
 def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
@@ -289,24 +407,13 @@ def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
     return out
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 1 << 10, "m": 1 << 20}
-_UNITS.update({"g": 1 << 30, "t": 1 << 40, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count as the CLIs take it: an integer or decimal with an optional unit (``4GiB``,
-    ``512MiB``, ``2g``: binary for the ``*iB`` and one-letter units; ``500MB``, ``1GB``: decimal).
+def parse_bytes(text: Union[int, str], field: str = "bytes") -> int:
+    """A byte budget as the CLIs take it: 0, or :func:`parse_memory_bytes`'s forms (``4GiB``,
+    ``500MB``, ``1073741824``).
 
     Raises:
-        ValueError: not a byte count (the message lists the units).
+        ValueError: naming ``field``: not a byte count.
     """
-    t = str(text).strip().lower().replace("_", "")
-    num = t.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = t[len(num) :]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in _UNITS or not value >= 0:
-        raise ValueError(f"not a byte count: {text!r} (e.g. 4GiB, 500MB, 1073741824; units {sorted(_UNITS)[1:]})")
-    return int(value * _UNITS[unit])
+    if (isinstance(text, str) and text.strip() == "0") or text == 0:
+        return 0
+    return parse_memory_bytes(text, field)

@@ -4,7 +4,8 @@
 A prompt is, as in vLLM (``vllm.inputs``): a text (tokenized with the model's tokenizer, no
 special tokens added, no chat template), a list of token ids, or a dict ``{"prompt": text}`` /
 ``{"prompt_token_ids": [...]}`` (vLLM's ``TextPrompt`` / ``TokensPrompt``; ``prompt`` may come
-along with ``prompt_token_ids`` as the text reported back). Anything else is a
+along with ``prompt_token_ids`` as the text reported back; ``cache_salt``, as in vLLM, names the
+prompt's prefix-cache salt: :func:`prompt_salts`). Anything else is a
 :class:`~radixkv.errors.RequestError` naming the argument (and the index in a list) and the
 accepted shapes. The token ids themselves (integers inside the vocabulary, the context limit)
 are checked by :meth:`radixkv.engine.Engine.add_request`, their one owner.
@@ -16,6 +17,7 @@ import numbers
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from radixkv.errors import RequestError
+from radixkv.namespace import check_cache_salt
 from radixkv.sampling_params import SamplingParams
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "conversations",
     "to_token_ids",
     "params_per_prompt",
+    "prompt_salts",
     "to_token_prompt",
     "to_token_prompts",
 ]
@@ -69,10 +72,11 @@ def to_token_prompt(tokenizer: Any, prompt: Any, param: str = "prompt") -> Tuple
             without either key, or a text prompt without a tokenizer.
     """
     if isinstance(prompt, Mapping):
-        extra = sorted(str(k) for k in set(prompt) - _PROMPT_KEYS)
+        extra = sorted(str(k) for k in set(prompt) - _PROMPT_KEYS - {"cache_salt"})
         if extra or not set(prompt) & _PROMPT_KEYS:
             raise RequestError(
-                f"{param}: a dict prompt takes the keys 'prompt' and/or 'prompt_token_ids', got {sorted(map(str, prompt))}",
+                f"{param}: a dict prompt takes the keys 'prompt' and/or 'prompt_token_ids' (and 'cache_salt'), "
+                f"got {sorted(map(str, prompt))}",
                 param,
             )
         text = prompt.get("prompt")
@@ -141,6 +145,20 @@ def to_token_prompts(
         out_ids.append(ids)
         out_texts.append(text)
     return out_ids, out_texts
+
+
+def prompt_salts(prompts: Any) -> List[Optional[str]]:
+    """The ``cache_salt`` of each prompt of ``LLM.generate``'s ``prompts`` (one prompt or a list,
+    as :func:`to_token_prompts` takes them; None where a prompt is not a dict or has none).
+
+    Raises:
+        RequestError: (param ``cache_salt``) a salt that is not a non-empty str of at most 128
+            characters (:func:`radixkv.namespace.check_cache_salt`).
+    """
+    if prompts is None:
+        return []
+    items = [prompts] if isinstance(prompts, (str, Mapping)) or _is_token_list(prompts) else list(prompts)
+    return [check_cache_salt(p.get("cache_salt")) if isinstance(p, Mapping) else None for p in items]
 
 
 def params_per_prompt(sampling_params: Any, num_prompts: int) -> List[SamplingParams]:

@@ -14,7 +14,15 @@ from radixkv.engine import EngineStats
 from radixkv.engine.outcome import Explanation, explain_text
 from radixkv.engine_args import build_engine
 from radixkv.errors import RequestError
-from radixkv.inputs import conversations, params_per_prompt, to_token_ids, to_token_prompt, to_token_prompts
+from radixkv.inputs import (
+    conversations,
+    params_per_prompt,
+    prompt_salts,
+    to_token_ids,
+    to_token_prompt,
+    to_token_prompts,
+)
+from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -42,6 +50,13 @@ class LLM:
             source), ``tier_stores`` (KV tier stores instead of those the fields name). The same
             keywords as :class:`~radixkv.async_llm.AsyncLLM`
             (:func:`radixkv.engine_args.split_engine_kwargs`).
+        namespace: the prefix-cache namespace of every request of this ``LLM`` that names none
+            (``generate``, ``chat``, ``generate_batch``, sessions, ``select``, ``explain``): None (the
+            shared default), a :class:`~radixkv.namespace.Namespace` (e.g.
+            ``Namespace(tenant="alice")``: in one process, the isolation the server gives a
+            tenant) or any hashable (``Namespace.of``). A call's own ``namespace`` replaces it; a
+            prompt's ``cache_salt`` (its dict, or ``SamplingParams.cache_salt``) joins it as its
+            salt (:func:`radixkv.namespace.with_salt`).
 
     Threads: one ``LLM`` may be shared by several threads; its calls are serialized (a second
     thread's ``generate`` waits for the first's to return), since it drives its engine itself.
@@ -50,9 +65,14 @@ class LLM:
         ValueError: unknown keyword or invalid value (naming the field).
     """
 
-    def __init__(self, model: str = "smollm2-135m", **kwargs: Any) -> None:
+    def __init__(self, model: str = "smollm2-135m", *, namespace: Any = None, **kwargs: Any) -> None:
+        self.namespace = Namespace.of(namespace)
         self.engine = build_engine("LLM", model, kwargs)
         self._lock = threading.RLock()  # one caller drives the engine at a time
+
+    def _ns(self, namespace: Any) -> Any:
+        """A call's namespace: its own, else this LLM's."""
+        return self.namespace if namespace is None else namespace
 
     @property
     def tokenizer(self):
@@ -71,7 +91,9 @@ class LLM:
         Args:
             prompts: one prompt or a list of them; a prompt is a str (tokenized with the model's
                 tokenizer, no template), a list of token ids, or a dict ``{"prompt": str}`` /
-                ``{"prompt_token_ids": [...]}`` (vLLM's shapes, :mod:`radixkv.inputs`).
+                ``{"prompt_token_ids": [...]}`` (vLLM's shapes, :mod:`radixkv.inputs`), which
+                may hold a ``"cache_salt"`` (the prompt's prefix-cache salt, joined to the
+                LLM's namespace; with ``SamplingParams.cache_salt`` too, they must be equal).
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
             prompt_token_ids: one token-id list or a list of them, instead of ``prompts``.
             use_tqdm: show a progress bar over finished requests.
@@ -89,7 +111,8 @@ class LLM:
                 beyond ``max_n``); then nothing is submitted.
         """
         ids, texts = to_token_prompts(self.tokenizer, prompts, prompt_token_ids)
-        return self._run(ids, texts, sampling_params, use_tqdm)
+        salts = prompt_salts(prompts) or [None] * len(ids)
+        return self._run(ids, texts, sampling_params, use_tqdm, [with_salt(self.namespace, s) for s in salts])
 
     def chat(
         self,
@@ -126,10 +149,10 @@ class LLM:
         return render_chat(self.tokenizer, conversation, add_generation_prompt, tools)
 
     def _run(
-        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool
+        self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool, namespace=None
     ) -> List[RequestOutput]:
         with self._lock:
-            return self._run_locked(ids, texts, sampling_params, use_tqdm)
+            return self._run_locked(ids, texts, sampling_params, use_tqdm, namespace)
 
     def generate_batch(
         self, requests: Sequence[tuple], on_finish: Optional[Sequence[Optional[FinishHook]]] = None
@@ -153,10 +176,9 @@ class LLM:
             RequestError: any request refused (then none is submitted).
         """
         ids = [list(r[0]) for r in requests]
+        spaces = [self._ns(r[2]) for r in requests]
         with self._lock:
-            return self._run_locked(
-                ids, None, [r[1] for r in requests], False, namespace=[r[2] for r in requests], on_finish=on_finish
-            )
+            return self._run_locked(ids, None, [r[1] for r in requests], False, namespace=spaces, on_finish=on_finish)
 
     def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` as the engine's driver and return its result: in this thread, under
@@ -179,7 +201,7 @@ class LLM:
         aborted and released before it propagates. ``namespace``: one for all or one per prompt;
         ``on_finish``: one hook (or None) per prompt (:meth:`generate_batch`)."""
         params = params_per_prompt(sampling_params, len(ids))
-        spaces = list(namespace) if isinstance(namespace, list) else [namespace] * len(ids)
+        spaces = list(namespace) if isinstance(namespace, list) else [self._ns(namespace)] * len(ids)
         engine = self.engine
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}
@@ -256,7 +278,7 @@ class LLM:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt_token_ids")
         with self._lock:
-            outcome = self.engine.explain(ids, namespace)
+            outcome = self.engine.explain(ids, self._ns(namespace))
         return explain_text(outcome, ids, self.tokenizer, context)
 
     # ------------------------------------------------------------------ branching
@@ -273,7 +295,7 @@ class LLM:
         Raises:
             RequestError: a malformed prompt (naming ``prompt``).
         """
-        return Session(self, prompt, namespace=namespace)
+        return Session(self, prompt, namespace=self._ns(namespace))
 
     def select(self, prompt: Prompt, choices: Sequence, *, method: str = "normalized", namespace=None) -> SelectResult:
         """The log-likelihood of each choice as the continuation of ``prompt`` (SGLang's
@@ -296,7 +318,7 @@ class LLM:
         Raises:
             RequestError: an empty or malformed ``prompt`` / ``choices``, a bad ``method``.
         """
-        return drive(self, select_program(self, prompt, choices, method, namespace))
+        return drive(self, select_program(self, prompt, choices, method, self._ns(namespace)))
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Empty the prefix cache (False while requests run); ``tiers``: also the KV tiers this

@@ -45,7 +45,10 @@ from typing import Any, Hashable, Optional
 
 from radixkv.errors import RequestError
 
-__all__ = ["Namespace", "namespace_key"]
+__all__ = ["Namespace", "namespace_key", "check_cache_salt", "with_salt", "MAX_CACHE_SALT_CHARS"]
+
+MAX_CACHE_SALT_CHARS = 128
+"""The longest ``cache_salt`` accepted (characters): radixkv's rule for every API that takes one."""
 
 _VERSION = 1
 _LOCAL = 0xFF
@@ -235,3 +238,43 @@ def namespace_key(namespace: Any) -> bytes:
     """
     ns = Namespace.of(namespace)
     return _DEFAULT_KEY if ns is None else ns._key
+
+
+def check_cache_salt(value: Any, param: str = "cache_salt") -> Optional[str]:
+    """``value`` as a cache salt: None (no salt), or a non-empty str of at most
+    :data:`MAX_CACHE_SALT_CHARS` characters (radixkv's rule on every API that takes
+    ``cache_salt``: the server's bodies, the prompt dict, ``SamplingParams``).
+
+    Raises:
+        RequestError: (param ``param``) anything else; the message never repeats the salt.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise RequestError(f"{param} must be a string, got {type(value).__name__}", param)
+    if not value or len(value) > MAX_CACHE_SALT_CHARS:
+        raise RequestError(
+            f"{param} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}",
+            param,
+        )
+    return value
+
+
+def with_salt(namespace: Any, salt: Optional[str]) -> Optional[Namespace]:
+    """``Namespace.of(namespace)`` with ``salt`` as its salt (the same namespace when ``salt`` is
+    None or already its salt): how a request's ``cache_salt`` joins the namespace its API gives
+    it (an ``LLM``'s ``namespace=``, the server's tenant).
+
+    Raises:
+        RequestError: (param ``cache_salt``) a bad salt (:func:`check_cache_salt`), or the
+            namespace already holds another salt (two salts given for one request).
+    """
+    ns = Namespace.of(namespace)
+    salt = check_cache_salt(salt)
+    if salt is None or (ns is not None and ns.salt == salt):
+        return ns
+    if ns is None:
+        return Namespace(salt=salt)
+    if ns.salt is not None:
+        raise RequestError("cache_salt differs from the salt the request's namespace already has", "cache_salt")
+    return Namespace(ns.tenant, salt, ns.extra_key)

@@ -10,7 +10,10 @@ replies (checked and printed).
 
 Reported per mode: requests, prompt tokens, cached tokens (prompt tokens served from the prefix
 cache), hit rate, prefill tokens computed, TTFT p50/p90 (submission to first token, queueing
-included), output tokens/s, wall time (model load excluded).
+included), output tokens/s, wall time (model load excluded). ``--kv-cache-dtype`` and
+``--kv-cache-memory-bytes`` (or ``--max-total-tokens``) set the KV pool as the engine's options do;
+the JSON rows (``--output``) carry its ``capacity``, ``kv_cache_dtype``, ``kv_bytes_per_token`` and
+``kv_cache_bytes``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ ROW_KEYS = (
     "output_tokens_per_s",
     "wall_s",
 )
+
+
+_KV_KEYS = ("capacity", "kv_cache_dtype", "kv_bytes_per_token", "kv_cache_bytes")
 
 
 def replay_mode(
@@ -147,6 +153,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="KV pool capacity in tokens (default: the engine's, 32768 on CPU)",
     )
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="K/V storage dtype: auto (the model's), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2 (default auto)",
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        default=None,
+        metavar="BYTES",
+        help="KV pool size in bytes, e.g. 512MiB, 1.5GB (instead of --max-total-tokens)",
+    )
+    parser.add_argument(
         "--modes", default="radix,off", help="comma-separated modes among radix, hash, off (default radix,off)"
     )
     parser.add_argument("--model", default="smollm2-135m", help="model name or path (default smollm2-135m)")
@@ -183,13 +200,22 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         if getattr(args, name) < 1:
             print(f"radixkv replay: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    from radixkv.config import EngineConfig
+
+    kv = dict(
+        max_total_tokens=args.max_total_tokens,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
+    )
+    try:  # bad K/V options fail before the dataset and the model load
+        cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
+    except ValueError as exc:
+        print(f"radixkv replay: {exc}", file=sys.stderr)
+        return 2
     t_setup = time.perf_counter()
     convs = load_conversations(args.conversations, args.turns, args.max_user_chars, args.skip)
     rows: List[dict] = []
     replies: Dict[str, list] = {}
-    from radixkv.config import EngineConfig
-
-    cfg = EngineConfig(model=args.model, device=args.device).resolve()
     t_load = time.perf_counter()
     loaded = loaded_model if loaded_model is not None else load_model(args.model, cfg.device, cfg.dtype)
     print(f"model {args.model} loaded in {time.perf_counter() - t_load:.1f} s on {cfg.device}", file=sys.stderr)
@@ -199,7 +225,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         args.model,
         device=cfg.device,
         page_size=args.page_size,
-        max_total_tokens=args.max_total_tokens,
+        **kv,
         prefix_cache="none",
         loaded_model=loaded,
     )
@@ -219,12 +245,17 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             args.model,
             device=cfg.device,
             page_size=args.page_size,
-            max_total_tokens=args.max_total_tokens,
+            **kv,
             prefix_cache=MODES[mode],
             loaded_model=loaded,
             **(tiers if mode != "off" else {}),
         )
-        print(f"[{mode}] engine: {llm.cache_stats()['capacity']} KV slots, page_size {args.page_size}", file=sys.stderr)
+        st = llm.cache_stats()
+        print(
+            f"[{mode}] engine: {st['capacity']} KV slots, page_size {args.page_size}, {st['kv_cache_dtype']} K/V "
+            f"({st['kv_bytes_per_token']} bytes/token, {st['kv_cache_bytes'] / 2**20:.1f} MiB)",
+            file=sys.stderr,
+        )
         res = replay_mode(
             llm,
             convs,
@@ -235,7 +266,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             model=args.model,
         )
         replies[mode] = res.pop("replies")
-        rows.append({"mode": mode, **res, "page_size": args.page_size})
+        rows.append({"mode": mode, **res, "page_size": args.page_size, **{k: st[k] for k in _KV_KEYS}})
         llm.close()  # the KV tiers' queued writes (a later run on the same --disk-cache-dir finds them)
         del llm
         gc.collect()

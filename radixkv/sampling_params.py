@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from radixkv.errors import RequestError
+from radixkv.namespace import check_cache_salt
 
 MAX_LOGPROBS = 20
 """The most top alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
@@ -90,6 +91,10 @@ class SamplingParams:
         choice: constrain the output to exactly one of these strings.
         structural_tag: an xgrammar structural tag (dict or JSON text, ``{"type":
             "structural_tag", "format": {...}}``), e.g. tool calls (docs/sampling.md).
+        cache_salt: None, or a prefix-cache salt (a non-empty str of at most 128 characters,
+            vLLM's ``cache_salt``): the request shares cached prefixes only with requests of the
+            same salt (and namespace); it joins the request's namespace
+            (:func:`radixkv.namespace.with_salt`; another salt already there is an error).
 
     At most one of the structured-output fields may be set; a constrained sample finishes with
     ``"stop"`` when its grammar is complete and the model emits EOS (EOS is masked before).
@@ -124,6 +129,7 @@ class SamplingParams:
     grammar: Optional[str] = None
     choice: Optional[List[str]] = None
     structural_tag: Union[None, str, Dict[str, Any]] = None
+    cache_salt: Optional[str] = field(default=None, repr=False)
     max_new_tokens: Optional[int] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -179,6 +185,7 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
+        check_cache_salt(self.cache_salt)
 
     def _validate_processors(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -65,3 +65,32 @@ class PagedRequests:
                 out.append(logits[len(out) : len(out) + 1])
             off += e
         return out
+
+
+TINY_LLAMA = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+"""The tiny random Llama of the engine-level tests (2 layers, 2 KV heads of 16: 512 float32 K/V
+bytes per token), with the default model's tokenizer (as ``radixkv.router.ray``'s test replicas)."""
+
+
+def tiny_loaded_model(seed: int = 0):
+    """A ``LoadedModel`` of :data:`TINY_LLAMA` with random weights (``seed``) and the default
+    model's tokenizer, for ``LLM(loaded_model=...)`` / ``Engine(loaded_model=...)``."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    from radixkv.models.loader import LoadedModel, build_model, resolve_hf_dir
+
+    hf_dir = resolve_hf_dir("smollm2-135m")
+    tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    cfg = LlamaConfig(**TINY_LLAMA)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return LoadedModel(build_model(cfg, seed=seed), cfg, tok, "tiny-random-llama", hf_dir)

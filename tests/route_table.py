@@ -325,6 +325,34 @@ ROUTES: list[tuple[str, tuple[tuple[str, str], ...], Callable[[Target], None]]] 
 """(name, the (method, path) pairs it covers, its check)."""
 
 
+# ------------------------------------------------------------------------------ API keys
+PUBLIC = {"health"}
+"""Rows answered without a key when the server has API keys."""
+ADMIN = {"cache_stats", "metrics", "flush_cache", "reset_prefix_cache", "server_info"}
+"""Rows only an admin key may use (403 for a tenant key): they describe every tenant's cache."""
+
+
+def check_auth(anonymous: httpx.Client, tenant: dict, admin: dict) -> None:
+    """Every row's routes on a server with API keys: without a key 401 ``invalid_api_key`` (but
+    :data:`PUBLIC`), with a tenant's key 403 ``permission_denied`` on :data:`ADMIN` and neither
+    401 nor 403 elsewhere, with an admin's key neither anywhere (``tenant`` / ``admin``: the
+    ``Authorization`` headers of such keys; request bodies are empty, so a route may answer 400)."""
+    for name, pairs, _ in ROUTES:
+        for method, path in pairs:
+            url = path.replace("{response_id}", "resp_none").replace("{model_id:path}", MODEL)
+            plain = anonymous.request(method, url)
+            if name in PUBLIC:
+                assert plain.status_code == 200, (method, url, plain.text)
+                continue
+            assert plain.status_code == 401 and _error(plain, 401)["code"] == "invalid_api_key", (method, url)
+            as_tenant = anonymous.request(method, url, headers=tenant)
+            if name in ADMIN:
+                assert _error(as_tenant, 403)["code"] == "permission_denied", (method, url)
+            else:
+                assert as_tenant.status_code not in (401, 403), (method, url, as_tenant.text)
+            assert anonymous.request(method, url, headers=admin).status_code not in (401, 403), (method, url)
+
+
 def uncovered(app: Any) -> set[tuple[str, str]]:
     """The ``(method, path)`` pairs of ``app``'s routes no row of :data:`ROUTES` covers (HEAD,
     which Starlette adds to every GET, aside)."""

@@ -3,7 +3,11 @@
 Hypothesis drives random inserts, matches, lock/unlock, evictions, resets and slot holds over
 short sequences from a 3-token alphabet (so edges branch and split all the time), in two
 namespaces, at page_size 1 and 4 (LRU, the default policy), at page_size 2 under the LFU
-policy and at page_size 4 under reuse-odds. The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
+policy and at page_size 4 under reuse-odds; at page_size 4 over an engine's own tree,
+allocator and bfloat16 KV pool (tiny random Llama), whose cached pages' K/V must read back intact;
+and at page_size 2 with tenants and soft quotas (tenant "a" over two namespaces with a quota, "b"
+with one, the shared default without; small evictions interleaved so that both phases run in one
+call). The *_derived rules reuse a prefix of an earlier insert plus a random tail, so that long
 edges are matched, extended and split deep inside, not only near the root. Every match and
 insert hands the tree its tokens in a container drawn from CONTAINERS (list, tuple, array of
 i/l/q, numpy int32/int64, memoryviews, int32/int64 tensors), so every container type meets every
@@ -15,13 +19,17 @@ walked through that page and the number of such walks. Eviction is checked exact
 frees, one page at a time, the evictable leaf page (cached, not on a locked prefix, no cached
 page below it) that the policy ranks lowest (LRU: oldest access; LFU: fewest walks, then
 oldest), until ``ceil(num / page_size)`` pages are gone or none is left, and the tree must free
-exactly those slots: partial eviction (a leaf's tail pages go, its head stays) included.
+exactly those slots: partial eviction (a leaf's tail pages go, its head stays) included. With
+quotas the oracle first frees, page by page while some tenant holds more tokens than its quota
+(every page of its namespaces, locked ones included), the least recently walked evictable leaf
+page of such tenants, then goes on as above.
 (Reuse-odds learns its order from the run, so for it the oracle checks what every policy must
 do: exactly that many slots, never a locked page, the cache prefix-closed afterwards.) (Two
 evictable leaf pages never share an access time: the pages one call walks through lie on one
 path, so at most one of them is a leaf.)
 
-After every step: check_integrity(); sizes are non-negative and equal the oracle's; the
+After every step: check_integrity(); sizes are non-negative and equal the oracle's, and so do
+the tokens per tenant (``tenant_sizes()``); the
 protected size equals the number of distinct locked prefix pages; allocator available + tree
 evictable + tree protected + slots held by the test == capacity (so no slot leaks and, with the
 allocator's double-free check, none is owned twice); the slots of the last 8 non-empty matches,
@@ -29,13 +37,14 @@ held on to, still hold the values they had when returned (``MatchResult.slots`` 
 read-only view of an edge's slot bytes, which later splits, inserts, evictions and resets must
 leave untouched).
 
-CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each of the four machines
-(up to 24,000 steps in all; ~40 s of CPU, 1-3 min wall on the busy 2-core dev machine),
+CI runs MAX_EXAMPLES = 150 examples of up to STEPS = 40 rule steps for each of the five machines
+(up to 30,000 steps in all; ~40 s of CPU, 1-3 min wall on the busy 2-core dev machine),
 derandomized so every run checks the same cases. RADIXKV_SOAK=1 runs 20,000 examples of up to 100 steps each
 (~330x more; hours) with fresh random seeds each run.
 """
 
 import os
+import zlib
 from array import array
 
 import numpy as np
@@ -46,16 +55,20 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixkv.cache import RadixCache, SlotAllocator
+from radixkv.cache.tenants import tenant_of
+from radixkv.namespace import Namespace
 
 SOAK = os.environ.get("RADIXKV_SOAK") == "1"
 MAX_EXAMPLES = 20_000 if SOAK else 150
 STEPS = 100 if SOAK else 40
 CAPACITY = 96  # slots; small so that inserts hit "no room" and must evict
-NAMESPACES = [None, "lora-b"]
+NAMESPACES = [None, "lora-b", None, "lora-b"]  # drawn by index (ns_st); the tenant machine has its own
+TENANT_NAMESPACES = [Namespace(tenant="a"), Namespace(tenant="a", salt="s"), Namespace(tenant="b"), None]
+QUOTAS = {"a": 6, "b": 10}  # tenant "a" spans two namespaces; None (no tenant) has no quota
 
 tokens_st = st.lists(st.integers(0, 2), min_size=0, max_size=14)
 tail_st = st.lists(st.integers(0, 2), min_size=0, max_size=6)
-ns_st = st.sampled_from(NAMESPACES)
+ns_st = st.integers(0, 3)
 CONTAINERS = {
     "list": list,
     "tuple": tuple,
@@ -75,13 +88,16 @@ box_st = st.sampled_from(sorted(CONTAINERS))
 class CacheMachine(RuleBasedStateMachine):
     page_size = 1
     policy = "lru"
+    namespaces = NAMESPACES
+    quotas = None
 
     @initialize()
     def setup(self):
-        self.tree = RadixCache(self.page_size, eviction_policy=self.policy)
+        self.tree = RadixCache(self.page_size, eviction_policy=self.policy, tenant_quotas=self.quotas)
         self.alloc = SlotAllocator(CAPACITY, self.page_size)
-        self.cached = {ns: {} for ns in NAMESPACES}  # prefix tuple -> slots of its last page
-        self.touched = {ns: {} for ns in NAMESPACES}  # prefix tuple -> (last walk time, walks)
+        self.spaces = list(dict.fromkeys(self.namespaces))  # the distinct namespaces
+        self.cached = {ns: {} for ns in self.spaces}  # prefix tuple -> slots of its last page
+        self.touched = {ns: {} for ns in self.spaces}  # prefix tuple -> (last walk time, walks)
         self.clock = 0
         self.locks = []  # (namespace, locked prefix tuple, node)
         self.held = []  # slot tensors the test holds (like running requests)
@@ -108,24 +124,40 @@ class CacheMachine(RuleBasedStateMachine):
             key = tuple(toks[:end])
             self.touched[ns][key] = (self.clock, self.touched[ns].get(key, (0, 0))[1] + 1)
 
+    def ns(self, i):
+        """The namespace drawn as index ``i``."""
+        return self.namespaces[i]
+
     def rank(self, ns, key):
         t, walks = self.touched[ns][key]
         return t if self.policy == "lru" else (walks, t)
 
+    def tenant_tokens(self, pages):
+        """Tokens per tenant of the cached ``(namespace, prefix)`` pages ``pages``."""
+        out = {}
+        for ns, _ in pages:
+            out[tenant_of(ns)] = out.get(tenant_of(ns), 0) + self.page_size
+        return out
+
     def oracle_evict(self, num):
-        """The slots the tree must free for ``evict(num)``, page by page (see module docstring)."""
+        """The slots the tree must free for ``evict(num)``, page by page (see module docstring):
+        while a tenant holds more than its quota, the least recently walked evictable leaf page of
+        such tenants; then the one the policy ranks lowest."""
         ps = self.page_size
         locked = {(ns, p[:end]) for ns, p, _ in self.locks for end in range(ps, len(p) + 1, ps)}
-        left = {(ns, k) for ns in NAMESPACES for k in self.cached[ns]}
+        left = {(ns, k) for ns in self.spaces for k in self.cached[ns]}
         freed = []
         while len(freed) < num:
             inner = {(ns, k[:-ps]) for ns, k in left}
             leaves = [(self.rank(ns, k), ns, k) for ns, k in left if (ns, k) not in inner | locked]
             if not leaves:
                 break
-            ranks = sorted(r for r, _, _ in leaves)
+            held = self.tenant_tokens(left)
+            over = {t for t, q in (self.quotas or {}).items() if held.get(t, 0) > q}
+            first = [(self.touched[ns][k][0], ns, k) for _, ns, k in leaves if tenant_of(ns) in over]
+            ranks = sorted(r for r, _, _ in first or leaves)
             assert len(ranks) < 2 or ranks[0] != ranks[1], "two evictable leaf pages tie"
-            _, ns, k = min(leaves, key=lambda x: x[0])
+            _, ns, k = min(first or leaves, key=lambda x: x[0])
             left.discard((ns, k))
             freed.extend(self.cached[ns][k])
         return freed
@@ -149,7 +181,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert sorted(got) == sorted(expected)
         self.alloc.free(freed)  # raises on a double free or a slot never allocated
         gone = set(got)
-        for ns in NAMESPACES:
+        for ns in self.spaces:
             for key in [k for k, page in self.cached[ns].items() if page[0] in gone]:
                 assert set(self.cached[ns][key]) <= gone  # whole pages go
                 del self.cached[ns][key]
@@ -169,7 +201,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(toks=tokens_st, ns=ns_st, box=box_st)
     def insert(self, toks, ns, box):
-        self.do_insert(toks, ns, box)
+        self.do_insert(toks, self.ns(ns), box)
 
     @precondition(lambda self: self.seen)
     @rule(i=st.integers(0, 1000), cut=st.integers(0, 20), tail=tail_st, box=box_st)
@@ -210,6 +242,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.seen.append((ns, toks))
 
     @rule(toks=tokens_st, ns=ns_st, box=box_st)
+    def match_drawn(self, toks, ns, box):
+        self.match(toks, self.ns(ns), box)
+
     def match(self, toks, ns, box="list"):
         r = self.tree.match_prefix(CONTAINERS[box](toks), namespace=ns)
         expected = self.oracle_match(ns, toks)
@@ -220,6 +255,9 @@ class CacheMachine(RuleBasedStateMachine):
             self.views = self.views[-7:] + [(r.slots, expected)]
 
     @rule(toks=tokens_st, ns=ns_st)
+    def lock_drawn(self, toks, ns):
+        self.lock(toks, self.ns(ns))
+
     def lock(self, toks, ns):
         r = self.tree.match_prefix(toks, namespace=ns)
         self.touch(ns, toks, r.length)
@@ -235,6 +273,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @rule(toks=tokens_st, ns=ns_st)
     def unbalanced_unlock_raises(self, toks, ns):
+        ns = self.ns(ns)
         r = self.tree.match_prefix(toks, namespace=ns)
         self.touch(ns, toks, r.length)
         if r.length and r.node.lock_ref == 0:
@@ -267,8 +306,8 @@ class CacheMachine(RuleBasedStateMachine):
         freed = self.tree.reset()
         assert len(freed) == sum(len(p) for c in self.cached.values() for p in c.values())
         self.alloc.free(freed)
-        self.cached = {ns: {} for ns in NAMESPACES}
-        self.touched = {ns: {} for ns in NAMESPACES}
+        self.cached = {ns: {} for ns in self.spaces}
+        self.touched = {ns: {} for ns in self.spaces}
 
     # ---------------------------------------------------------------- invariants
 
@@ -284,6 +323,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert t.evictable_size() == total - ps * len(locked_pages) >= 0
         held = sum(len(s) for s in self.held)
         assert self.alloc.available_size() + t.evictable_size() + t.protected_size() + held == CAPACITY
+        pages = {(ns, k) for ns in self.spaces for k in self.cached[ns]}
+        assert t.tenant_sizes() == self.tenant_tokens(pages)  # every tenant's namespaces, locked ones too
         for view, values in self.views:  # read-only views of edge slot bytes stay as they were
             assert view.tolist() == values
 
@@ -300,6 +341,73 @@ class CacheMachineLFUPage2(CacheMachine):
 class CacheMachineReuseOddsPage4(CacheMachine):
     page_size = 4
     policy = "reuse-odds"
+
+
+class CacheMachineEngineBF16Page4(CacheMachine):
+    """The same rules and oracle over an engine's own radix tree, slot allocator and **bfloat16**
+    KV pool (the tiny random Llama, ``kv_cache_dtype="bfloat16"``, ``max_total_tokens=CAPACITY``):
+    the pool's dtype does not touch slot logic. Every page an insert hands the tree gets K/V rows
+    written into the pool (values derived from its namespace and prefix); after every step each
+    cached page's slots still read back exactly the bfloat16 rounding of those rows (a slot is
+    rewritten only after eviction frees it)."""
+
+    page_size = 4
+    _loaded = None
+
+    @initialize()
+    def setup(self):
+        from model_helpers import tiny_loaded_model
+
+        from radixkv.config import EngineConfig
+        from radixkv.engine import Engine
+
+        if CacheMachineEngineBF16Page4._loaded is None:
+            CacheMachineEngineBF16Page4._loaded = tiny_loaded_model()
+        cfg = EngineConfig(device="cpu", page_size=self.page_size, max_total_tokens=CAPACITY, kv_cache_dtype="bf16")
+        engine = Engine(cfg, loaded_model=CacheMachineEngineBF16Page4._loaded)
+        CacheMachine.setup(self)
+        self.tree, self.alloc, self.pool = engine.kv.cache, engine.kv.allocator, engine.runner.kv_pool
+        assert self.pool.kv_cache_dtype == "bfloat16" and self.alloc.num_slots == CAPACITY
+        assert type(self.tree) is RadixCache and self.tree.page_size == self.page_size
+
+    def rows(self, ns, key):
+        """The K and V rows ``[page_size, kv_heads, head_dim]`` of the cached page ``key``."""
+        g = torch.Generator().manual_seed(zlib.crc32(repr((ns, key)).encode()))
+        p = self.pool
+        return [100 * torch.randn(self.page_size, p.num_kv_heads, p.head_dim, generator=g) for _ in range(2)]
+
+    def do_insert(self, toks, ns, box="list"):
+        before = dict(self.cached[ns])
+        super().do_insert(toks, ns, box)
+        # the pages this insert handed the tree: new keys, and keys evicted by the insert's own
+        # allocation and inserted again on other slots
+        for key in [key for key, page in self.cached[ns].items() if before.get(key) != page]:
+            k, v = self.rows(ns, key)
+            for layer in range(self.pool.num_layers):
+                self.pool.write(layer, torch.tensor(self.cached[ns][key]), k, v)
+
+    @invariant()
+    def cached_kv_intact(self):
+        for ns in NAMESPACES:
+            for key, page in self.cached[ns].items():
+                k, v = self.rows(ns, key)
+                got_k, got_v = self.pool.read(self.pool.num_layers - 1, torch.tensor(page))
+                assert torch.equal(got_k, k.to(torch.bfloat16).float())
+                assert torch.equal(got_v, v.to(torch.bfloat16).float())
+
+
+class CacheMachineTenantsPage2(CacheMachine):
+    """Tenants with soft quotas: tenant "a" over two namespaces (a salt splits it) with a quota of
+    6 tokens, "b" with 10, the shared default without one; eviction takes over-quota tenants'
+    least recently used pages first (the oracle's first phase)."""
+
+    page_size = 2
+    namespaces = TENANT_NAMESPACES
+    quotas = QUOTAS
+
+    @rule(num=st.integers(1, 6))
+    def evict_few(self, num):  # a little at a time: the quota phase, then the LRU phase, in one call
+        self.do_evict(num)
 
 
 _settings = settings(
@@ -319,5 +427,9 @@ TestRadixCacheLFUPage2 = CacheMachineLFUPage2.TestCase
 TestRadixCacheLFUPage2.settings = _settings
 TestRadixCacheReuseOddsPage4 = CacheMachineReuseOddsPage4.TestCase
 TestRadixCacheReuseOddsPage4.settings = _settings
+TestEngineBF16PoolPage4 = CacheMachineEngineBF16Page4.TestCase
+TestEngineBF16PoolPage4.settings = settings(_settings, max_examples=MAX_EXAMPLES if SOAK else 60)
+TestRadixCacheTenantsPage2 = CacheMachineTenantsPage2.TestCase
+TestRadixCacheTenantsPage2.settings = _settings
 
 pytestmark = pytest.mark.timeout(None if SOAK else 600)

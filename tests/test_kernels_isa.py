@@ -1,7 +1,8 @@
 """The kernels' run-time ISA choice (radixkv.kernels.cpu.isa / set_isa, RADIXKV_KERNELS_ISA).
 
-On a CPU with AVX-512 the one-row GEMV runs its AVX-512 form; it must give exactly the AVX2
-path's bits (same FMA chains), so the logits and greedy tokens do not depend on the CPU. The
+On a CPU with AVX-512 the one-row GEMV and the attention passes over bf16 / fp16 / fp8 K/V run
+their AVX-512 forms; they must give exactly the AVX2 path's bits (same FMA chains, same reduction
+trees), so the logits and greedy tokens do not depend on the CPU. The
 AVX2 path stays tested on such CPUs: the kernel and fused-step test modules run again here
 with RADIXKV_KERNELS_ISA=avx2.
 """
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kv_dtype_ref import make_pool
 from model_helpers import PagedRequests
 from test_cpu_kernels import _q4_1_weight, _q8_0_weight
 from test_decode_step import _runner, _tiny
 
+from radixkv.executor.model_runner import ModelRunner
 from radixkv.kernels import cpu as ck
 
 pytestmark = [
@@ -102,6 +105,39 @@ def test_fused_decode_logits_equal_under_both_isas(restore_isa):
             tok = int(logits.argmax())
         runs[isa] = torch.stack(out)
     assert torch.equal(runs["avx2"], runs["avx512"])
+
+
+@needs_avx512
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+def test_fused_decode_logits_equal_under_both_isas_in_each_kv_dtype(restore_isa, kv_dtype):
+    """The GGUF-block model over a K/V pool of each dtype, 300 positions (two attention chunks):
+    the AVX-512 forms of the K/V widening, the scores and the weighted sum of V give the AVX2
+    forms' bits (and so do the K/V writes: the pools end equal)."""
+    cfg, model = _blocky_tiny()
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, cfg.vocab_size, (300,), generator=g).tolist()
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    runs, pools = {}, {}
+    for isa in ("avx2", "avx512"):
+        ck.set_isa(isa)
+        pool = make_pool(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, 1024, 4, kv_dtype)
+        runner = ModelRunner(
+            model, cfg, kv_pool=pool, max_running_requests=2, max_context_len=512, attention_backend="cpu"
+        )
+        reqs = PagedRequests(runner, seed=1)
+        for i in range(0, len(prompt), 16):  # the fused step's extends
+            (logits,) = reqs.forward([("a", prompt[i : i + 16])])
+        out, tok = [], int(logits.argmax())
+        for _ in range(6):
+            (logits,) = reqs.forward([("a", [tok])])
+            out.append(logits)
+            tok = int(logits.argmax())
+        runs[isa], pools[isa] = torch.stack(out), pool
+    assert torch.equal(runs["avx2"], runs["avx512"])
+    for a, b in zip(
+        pools["avx2"].k_buffer + pools["avx2"].v_buffer, pools["avx512"].k_buffer + pools["avx512"].v_buffer
+    ):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @needs_avx512

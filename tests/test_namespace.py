@@ -260,12 +260,20 @@ def test_router_index_matches_by_namespace():
 
 
 def test_sglang_salt_and_extra_key_are_fields_not_a_string():
+    from radixkv.server.openai.protocol import APIError
     from radixkv.server.sglang.protocol import GenerateRequest
 
-    def ns(**kw):
-        return GenerateRequest(text="x", **kw).namespace()
+    def ns(tenant=None, **kw):
+        return GenerateRequest(text="x", **kw).namespace(tenant)
 
-    assert ns() is None and ns(cache_salt="", extra_key="") is None
+    assert ns() is None and ns(extra_key="") is None
+    # radixkv's salt rule (issue 37): "" or more than 128 characters is a 400 naming cache_salt
+    for bad in ("", "s" * 129):
+        with pytest.raises(APIError) as e:
+            ns(cache_salt=bad)
+        assert e.value.param == "cache_salt" and e.value.status_code == 400
+    assert ns(cache_salt="s" * 128) == Namespace(salt="s" * 128)
+    assert ns("t", cache_salt="s") == Namespace(tenant="t", salt="s")  # the API key's tenant
     assert ns(cache_salt="s") == Namespace(salt="s")
     assert ns(extra_key="k") == Namespace(extra_key="k")
     assert ns(cache_salt="s", extra_key="k") == Namespace(salt="s", extra_key="k")

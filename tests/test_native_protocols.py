@@ -129,7 +129,8 @@ def test_zero_new_tokens_prefills_and_caches_the_prefix(http, llm):
 
 def test_cache_salt_and_extra_key_are_separate_namespaces(http, llm):
     """``cache_salt`` / ``extra_key`` are fields of one Namespace: requests share cached prefixes
-    only with the same salt and key; empty strings are none (the shared default)."""
+    only with the same salt and key; an empty ``extra_key`` is none (the shared default), an empty
+    ``cache_salt`` a 400."""
     flush(http)
     ids = ids_of(llm, PROMPT)
 
@@ -145,7 +146,11 @@ def test_cache_salt_and_extra_key_are_separate_namespaces(http, llm):
     assert cached() == 0
     assert cached(extra_key="s1") == 0  # a key is not a salt
     assert cached(cache_salt="s1", extra_key="k") == 0
-    assert cached(cache_salt="", extra_key="") == len(ids) - 1  # the default, cached by cached() above
+    assert cached(extra_key="") == len(ids) - 1  # the default, cached by cached() above
+    # radixkv's cache_salt rule (issue 37): "" is no salt but a 400 naming the field
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "cache_salt": ""}
+    r = http.post("/generate", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 def test_stream_is_sglang_sse_with_cumulative_text(http, llm):

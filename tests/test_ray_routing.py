@@ -5,8 +5,11 @@ SDK: a multi-turn replay of real ShareGPT user messages gets every next turn rou
 replica that holds the conversation (cached tokens asserted per request), round-robin on the same
 kind of replay does measurably worse, streaming works, every route of the app answers as on the
 single engine (tests/route_table.py, the table tests/test_server.py runs), and a replica killed
-mid-run is dropped from the router while requests go elsewhere and nothing hangs. The set-up time
-is printed.
+mid-run is dropped from the router while requests go elsewhere and nothing hangs. The ingress
+has API keys (every test above uses the admin key ``x``): every route asks for a key and the
+admin routes for an admin's (tests/route_table.py's ``check_auth``, as on one engine), and two
+tenants sending the same prompt never share a cached prefix across the router and its replicas
+(their stored Responses neither). The set-up time is printed.
 
 First, before that instance starts: ``radixkv serve --replicas 2`` as a subprocess (its own Ray
 instance in its own temp dir) shut down by SIGTERM leaves no process of its Ray instance behind."""
@@ -50,6 +53,13 @@ TINY = dict(
     seed=0,
 )
 ENGINE = dict(device="cpu", max_total_tokens=16384, max_running_requests=16, chunked_prefill_size=512)
+QUOTA = 3000
+KEYS = {  # the ingress's API keys: "x" (the key every other test uses) is the admin's
+    "x": {"tenant": "ops", "admin": True},
+    "sk-ray-alice": {"tenant": "alice", "kv_quota_tokens": QUOTA},
+    "sk-ray-bob": {"tenant": "bob"},
+}
+ADMIN = {"Authorization": "Bearer x"}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -172,7 +182,12 @@ def cluster():
     rr.start_ray(num_cpus=2)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = rr.build_app(replicas=2, engine_kwargs=ENGINE, random_model=TINY, replica_cpus=0.5, ingress_cpus=0.25)
+    from radixkv.server.auth import APIKeys
+
+    keys = APIKeys.from_mapping(KEYS)
+    app = rr.build_app(
+        replicas=2, engine_kwargs=ENGINE, random_model=TINY, replica_cpus=0.5, ingress_cpus=0.25, api_keys=keys
+    )
     serve.run(app, name="radixkv", route_prefix="/")
     index = rr.get_index()
     setup_s = time.perf_counter() - t0
@@ -292,7 +307,7 @@ def test_streaming_chat_through_the_ingress(cluster):
         client.completions.create(model="smollm2-135m", prompt=[1, 2, 3], max_tokens=100_000)
     assert "max_tokens" in str(e.value)
     # no flush across replicas: a 409 that says so (not "requests are unfinished")
-    r = httpx.post(str(client.base_url).replace("/v1/", "/flush_cache"), timeout=30)
+    r = httpx.post(str(client.base_url).replace("/v1/", "/flush_cache"), headers=ADMIN, timeout=30)
     assert r.status_code == 409 and r.json()["error"]["code"] == "flush_not_offered"
     assert "across replicas" in r.json()["error"]["message"]
 
@@ -301,7 +316,7 @@ def test_streaming_chat_through_the_ingress(cluster):
 def test_every_route_answers_on_the_replicas(cluster, check):
     """The single engine's route table (tests/route_table.py) through the ingress: the same
     answers, the stats summed over both replicas, the flushes 409 ``flush_not_offered``."""
-    with httpx.Client(base_url=cluster["base_url"], timeout=120) as http:
+    with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=120) as http:
         check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"]))
 
 
@@ -314,7 +329,7 @@ def test_the_sglang_frontend_connects_to_the_replicas(cluster):
 
     traffic = json.loads((FIXTURES / "traffic.json").read_text())
     assert [ex["path"] for ex in traffic[:3]] == ["/get_model_info", "/flush_cache", "/server_info"]
-    with httpx.Client(base_url=cluster["base_url"], timeout=120) as http:
+    with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=120) as http:
         for ex in traffic[:3]:
             r = http.request(ex["method"], ex["path"], json=ex["request"])
             if ex["path"] == "/flush_cache":
@@ -322,6 +337,41 @@ def test_the_sglang_frontend_connects_to_the_replicas(cluster):
             else:
                 assert r.status_code == ex["status"] == 200, r.text
                 _same_shape(ex["response"], r.json(), ex["path"])
+
+
+def test_keys_and_tenants_on_the_replicas(cluster):
+    """The ingress's API keys: every route's 401 / 403 as on one engine (route_table.check_auth);
+    alice's repeated prompt hits on the replica the router sends it to, bob's identical prompt
+    reuses nothing of it (the router's view and every replica's cache are per namespace), bob's
+    own repeat hits; alice's stored Response is a 404 to bob; each replica applies alice's quota."""
+    from route_table import check_auth
+
+    base = cluster["base_url"]
+    with httpx.Client(base_url=base, timeout=120) as anonymous:
+        check_auth(anonymous, {"Authorization": "Bearer sk-ray-bob"}, ADMIN)
+
+    def tenant(key):
+        return openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=60)
+
+    alice, bob = tenant("sk-ray-alice"), tenant("sk-ray-bob")
+    tok = _tokenizer()
+    prompt = _conversations(tok, 1, 1, skip=8)[0][0]  # a real ShareGPT first turn
+
+    def cached(c, **kw):
+        r = c.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=2, temperature=0, **kw)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    n = len(prompt)
+    assert [cached(alice), cached(alice), cached(bob), cached(bob)] == [0, n - 1, 0, n - 1]
+    assert [cached(bob, extra_body={"cache_salt": "s"}), cached(alice)] == [0, n - 1]
+    made = alice.responses.create(model="smollm2-135m", input="Hello there.", max_output_tokens=2, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(made.id)
+    assert alice.responses.retrieve(made.id).id == made.id
+    with httpx.Client(base_url=base, headers=ADMIN, timeout=120) as ops:
+        tenants = ops.get("/cache_stats", params={"check": "1"}).json()["tenants"]
+    assert tenants["alice"]["quota"] == 2 * QUOTA and tenants["bob"]["quota"] is None  # per replica, summed
+    assert tenants["alice"]["cached"] >= n and tenants["bob"]["cached"] >= 2 * n  # bob: unsalted and salted
 
 
 KILL_CASES = [  # (sampling fields, what must happen when the request is in flight on the killed replica)

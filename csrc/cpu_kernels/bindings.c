@@ -2,7 +2,8 @@
  *
  * The Python wrappers and the checks on every argument live in radixkv/kernels/cpu.py (and
  * radixkv/executor/cpu_decode.py for decode_step); the functions here trust their arguments:
- * raw addresses of contiguous float32 / int32 / int64 buffers, passed as integers.
+ * raw addresses of contiguous float32 / int32 / int64 buffers (and K/V pool tensors in their
+ * dtype), passed as integers.
  *
  * available() -> bool
  *   True when this CPU has AVX2, FMA and F16C (checked at run time; the module is built for any
@@ -26,15 +27,22 @@
  *   and the prefetching. Each C element is one float32 FMA chain over k (a summation order other
  *   than MKL's: equal up to float32 rounding), the same bits in every format.
  *
- * paged_attention(q, req_meta, n_req, kv_indices, page_size, k_cache, v_cache, num_q_heads,
- *                 num_kv_heads, head_dim, sm_scale, out, nthreads)
+ * paged_attention(q, T, req_meta, n_req, kv_indices, n_indices, page_size, num_pages, k_cache,
+ *                 v_cache, k_scale, v_scale, kv_dtype, num_q_heads, num_kv_heads, head_dim,
+ *                 sm_scale, out, nthreads)
  *   FlashInfer-paged-prefill semantics (causal, bottom-right aligned) for the requests given.
  *   req_meta: int32 [4, n_req]: first query row, query count q_len, offset into kv_indices
- *   (kv_indptr) and KV length kv_len of each request. q / out: [T, Hq, D]. Position p of a
+ *   (kv_indptr) and KV length kv_len of each request. q / out: float32 [T, Hq, D]. Position p of a
  *   request lives in slot page * page_size + p % page_size of k_cache / v_cache ([num_slots,
- *   Hkv, D]), page = kv_indices[kv_indptr + p / page_size]. Query row j attends to positions
- *   0 .. kv_len - q_len + j. GQA: query head h reads KV head h / (Hq / Hkv). Softmax in float32,
- *   max subtracted (two passes, not online). head_dim must be a multiple of 8.
+ *   Hkv, D] of kv_dtype: 0 float32, 1 bfloat16, 2 float16, 3 float8_e4m3fn, 4 float8_e5m2; the
+ *   fp8 ones with bfloat16 scales k_scale / v_scale [num_slots, Hkv], else 0), page =
+ *   kv_indices[kv_indptr + p / page_size]. Query row j attends to positions 0 .. kv_len - q_len
+ *   + j. GQA: query head h reads KV head h / (Hq / Hkv). K/V widened to float32, softmax in
+ *   float32, max subtracted (two passes, not online). head_dim must be a multiple of 8.
+ *
+ * kv_quantize(x, rows, d, kv_dtype, q, scale)
+ *   rows rows of d float32 (d a multiple of 8) rounded to kv_dtype into q (rows * d elements) and,
+ *   for fp8, one bfloat16 scale per row into scale: the pool's write rounding (kvformat.c).
  *
  * add_rms_norm(delta, residual, out, M, K, w, eps), rope_inplace(x, T, nh, d, ldx, cos, sin),
  * silu_mul(gate_up, out, M, I): RMSNorm with the residual add fused, rotate-half RoPE in place,
@@ -187,12 +195,18 @@ py_sgemm_packed(PyObject *self, PyObject *args)
 static PyObject *
 py_paged_attention(PyObject *self, PyObject *args)
 {
-    Py_ssize_t q, T, q_start, n_req, kv_indices, n_indices, page_size, num_pages, k_cache, v_cache;
+    Py_ssize_t q, T, q_start, n_req, kv_indices, n_indices, page_size, num_pages, k_cache, v_cache, k_scale, v_scale;
     Py_ssize_t hq, hkv, d, out, nthreads;
+    int dt;
     double sm_scale;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnnndnn", &q, &T, &q_start, &n_req, &kv_indices, &n_indices, &page_size,
-                          &num_pages, &k_cache, &v_cache, &hq, &hkv, &d, &sm_scale, &out, &nthreads))
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnninnndnn", &q, &T, &q_start, &n_req, &kv_indices, &n_indices, &page_size,
+                          &num_pages, &k_cache, &v_cache, &k_scale, &v_scale, &dt, &hq, &hkv, &d, &sm_scale, &out,
+                          &nthreads))
         return NULL;
+    if (dt < 0 || dt >= KV_NDTYPES || kv_has_scale(dt) != (k_scale != 0) || (k_scale != 0) != (v_scale != 0)) {
+        PyErr_SetString(PyExc_ValueError, "paged_attention: unknown kv_dtype, or scales given for a dtype without");
+        return NULL;
+    }
     const char *bad = check_attn_meta((const int32_t *)q_start, n_req, T, (const int32_t *)kv_indices, n_indices,
                                       page_size, num_pages);
     if (bad) {
@@ -203,9 +217,30 @@ py_paged_attention(PyObject *self, PyObject *args)
         return NULL;
 #if RK_X86
     Py_BEGIN_ALLOW_THREADS
+    kv_tensor k = {(void *)k_cache, (uint16_t *)k_scale}, v = {(void *)v_cache, (uint16_t *)v_scale};
     paged_attention((const float *)q, hq * d, (const int32_t *)q_start, n_req, (const int32_t *)kv_indices, page_size,
-                    (const kv_elem *)k_cache, (const kv_elem *)v_cache, (int)hq, (int)hkv, (int)d, (float)sm_scale,
-                    (float *)out, (int)nthreads);
+                    k, v, dt, (int)hq, (int)hkv, (int)d, (float)sm_scale, (float *)out, (int)nthreads);
+    Py_END_ALLOW_THREADS
+#endif
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+py_kv_quantize(PyObject *self, PyObject *args)
+{
+    Py_ssize_t x, rows, d, q, scale;
+    int dt;
+    if (!PyArg_ParseTuple(args, "nnninn", &x, &rows, &d, &dt, &q, &scale))
+        return NULL;
+    if (dt < 0 || dt >= KV_NDTYPES || rows < 0 || d < 8 || d % 8 || kv_has_scale(dt) != (scale != 0)) {
+        PyErr_SetString(PyExc_ValueError, "kv_quantize: bad kv_dtype, shape or scale buffer");
+        return NULL;
+    }
+    if (!cpu_or_raise("kv_quantize"))
+        return NULL;
+#if RK_X86
+    Py_BEGIN_ALLOW_THREADS
+    kv_quantize_rows(dt, (const float *)x, rows, (int)d, (void *)q, (uint16_t *)scale);
     Py_END_ALLOW_THREADS
 #endif
     Py_RETURN_NONE;
@@ -297,11 +332,12 @@ step_plan_capsule_free(PyObject *cap)
 }
 
 /* step_plan(dims, layers, embed, final_norm, final_eps, lm_head, r2t, r2t_rows, r2t_cols,
- *           page_size, num_slots, sm_scale) -> capsule
+ *           page_size, num_slots, sm_scale, kv_dtype) -> capsule
  * dims: (L, H, hq, hkv, d, inter, V). layers: L tuples (norm_in, norm_post, eps_in, eps_post,
- * qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b, k_cache, v_cache): addresses (0 for no
- * bias) and floats. Every packed weight's header is checked against its shape. The RoPE tables
- * are set with step_set_rope before the first step. */
+ * qkv, qkv_b, o, o_b, gate_up, gate_up_b, down, down_b, k_cache, v_cache, k_scale, v_scale):
+ * addresses (0 for no bias, and for the scales of a pool that is not fp8) and floats. kv_dtype:
+ * the pool's (paged_attention's codes). Every packed weight's header is checked against its
+ * shape. The RoPE tables are set with step_set_rope before the first step. */
 static PyObject *
 py_step_plan(PyObject *self, PyObject *args)
 {
@@ -309,9 +345,9 @@ py_step_plan(PyObject *self, PyObject *args)
     PyObject *layers;
     Py_ssize_t embed, fnorm, lm_head, r2t, r2t_rows, r2t_cols, page_size, num_slots;
     double feps, sm_scale;
-    if (!PyArg_ParseTuple(args, "(iiiiiii)Onndnnnnnnd", &dm.L, &dm.H, &dm.hq, &dm.hkv, &dm.d, &dm.inter, &dm.V, &layers,
-                          &embed, &fnorm, &feps, &lm_head, &r2t, &r2t_rows, &r2t_cols, &page_size, &num_slots,
-                          &sm_scale))
+    if (!PyArg_ParseTuple(args, "(iiiiiii)Onndnnnnnndi", &dm.L, &dm.H, &dm.hq, &dm.hkv, &dm.d, &dm.inter, &dm.V,
+                          &layers, &embed, &fnorm, &feps, &lm_head, &r2t, &r2t_rows, &r2t_cols, &page_size, &num_slots,
+                          &sm_scale, &dm.kv_dt))
         return NULL;
     if (!cpu_or_raise("step_plan"))
         return NULL;
@@ -325,11 +361,11 @@ py_step_plan(PyObject *self, PyObject *args)
     if (!lps)
         return PyErr_NoMemory();
     for (int l = 0; l < dm.L && !bad; l++) {
-        Py_ssize_t a[12];
+        Py_ssize_t a[14];
         double e0, e1;
         PyObject *item = PyTuple_GET_ITEM(layers, l);
-        if (!PyArg_ParseTuple(item, "nnddnnnnnnnnnn", &a[0], &a[1], &e0, &e1, &a[2], &a[3], &a[4], &a[5], &a[6],
-                              &a[7], &a[8], &a[9], &a[10], &a[11])) {
+        if (!PyArg_ParseTuple(item, "nnddnnnnnnnnnnnn", &a[0], &a[1], &e0, &e1, &a[2], &a[3], &a[4], &a[5], &a[6],
+                              &a[7], &a[8], &a[9], &a[10], &a[11], &a[12], &a[13])) {
             free(lps);
             return NULL;
         }
@@ -340,7 +376,8 @@ py_step_plan(PyObject *self, PyObject *args)
             lp->w[i] = (const pw_header *)a[2 + 2 * i];
             lp->b[i] = (const float *)a[3 + 2 * i];
         }
-        lp->k_cache = (kv_elem *)a[10], lp->v_cache = (kv_elem *)a[11];
+        lp->k_cache.data = (void *)a[10], lp->v_cache.data = (void *)a[11];
+        lp->k_cache.scale = (uint16_t *)a[12], lp->v_cache.scale = (uint16_t *)a[13];
         bad = step_check_layer(&dm, lp);
     }
     if (bad || !embed || !fnorm || !r2t) {
@@ -469,6 +506,7 @@ static PyMethodDef methods[] = {
     {"step_set_rope", py_step_set_rope, METH_VARARGS, "Set a step plan's RoPE tables."},
     {"decode_step", py_decode_step, METH_VARARGS, "One whole forward pass of a decode batch (see the source)."},
     {"paged_attention", py_paged_attention, METH_VARARGS, "Causal paged attention (FlashInfer semantics)."},
+    {"kv_quantize", py_kv_quantize, METH_VARARGS, "float32 rows rounded to a K/V pool dtype (+ fp8 scales)."},
     {NULL, NULL, 0, NULL},
 };
 

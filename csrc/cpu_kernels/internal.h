@@ -3,7 +3,9 @@
  *   threadpool.c  run_parallel: OpenMP (torch's libgomp) or the pthread pool
  *   gemm.c        packed-weight GEMM: the micro-kernel, the one-row GEMV (AVX2 and AVX-512), the ISA choice
  *   quant.c       weight packing: the float32 panels and the lossless Q4_1 / Q8_0 block formats
- *   attention.c   paged attention: the K/V row loader, scores, the one softmax, the weighted sum of V
+ *   kvformat.c    the K/V pool's element formats: float32 rows rounded to bf16 / fp16 / fp8 (the one writer)
+ *   attention.c   paged attention: the float32 K/V row loader, scores, the one softmax, the weighted sum of V
+ *   attention_lowp.c  attention's scores and weighted sum of V over bf16 / fp16 / fp8 K/V rows (their loader)
  *   ops.c         RMSNorm, RoPE, SwiGLU, grammar bitmasks (one thread each)
  *   step.c        the whole decode step of a batch in one parallel region (decode_step)
  *   bindings.c    the Python functions (argument parsing, GIL release) and the module
@@ -192,8 +194,9 @@ panel_at(const pw_header *w, Py_ssize_t pi, const float *bias, float *c)
 /* ------------------------------------------------------------------ GEMM (gemm.c) */
 
 /* Which vector kernels run (set once by cpu_ok, changed by set_isa): ISA_AVX512 when the CPU has
- * AVX-512 F/BW/VL and RADIXKV_KERNELS_ISA is not "avx2", else ISA_AVX2. Only the one-row GEMV has
- * an AVX-512 form; every other kernel is AVX2 on both. */
+ * AVX-512 F/BW/VL and RADIXKV_KERNELS_ISA is not "avx2", else ISA_AVX2. The one-row GEMV and the
+ * attention passes over bf16 / fp16 / fp8 K/V (attention_lowp.c) have AVX-512 forms with the AVX2
+ * forms' bits; every other kernel is AVX2 on both. */
 enum { ISA_AVX2 = 1, ISA_AVX512 = 2 };
 extern int rk_isa;
 extern int rk_has_avx512;
@@ -217,35 +220,126 @@ void gemm(const float *x, Py_ssize_t M, Py_ssize_t K, Py_ssize_t ldx, const pw_h
           const float *bias, float *c, Py_ssize_t ldc, int nthreads, float *xs);
 #endif
 
-/* ------------------------------------------------------------------ attention (attention.c) */
+/* ------------------------------------------------------------------ the K/V pool (kvformat.c, attention.c) */
 
-/* The element type of the K/V pool tensors ([num_slots, hkv, d]): attention.c's kv_row and
- * kv_load8 are the only code that reads them, kv_store the only code that writes them. */
-typedef float kv_elem;
+/* The element types of the K/V pool tensors ([num_slots, hkv, d]). The kv_load8 of attention.c
+ * (float32) and of attention_lowp.c (the others) are the only code that reads them, kvformat.c's
+ * kv_quantize_rows (kv_store for one head) the only code that writes them. fp8 tensors carry one bfloat16 scale per (slot, KV head) ([num_slots, hkv]):
+ * the value of element x is fp8(x) * scale. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2, KV_E4M3 = 3, KV_E5M2 = 4, KV_NDTYPES = 5 };
 
-/* dst[0 .. d) = src[0 .. d): one head's new K or V row into the pool. */
-static inline void
-kv_store(kv_elem *dst, const float *src, int d)
+/* Bytes of one element of dtype dt. */
+static inline int
+kv_elem_size(int dt)
 {
-    memcpy(dst, src, sizeof(float) * (size_t)d);
+    return dt == KV_F32 ? 4 : dt <= KV_F16 ? 2 : 1;
 }
+
+/* 1 when dtype dt carries per (slot, head) scales (the fp8 formats). */
+static inline int
+kv_has_scale(int dt)
+{
+    return dt >= KV_E4M3;
+}
+
+/* The float32 value of a bfloat16 (its bits, widened exactly). */
+static inline float
+bf16_to_f32(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One layer's K or V pool tensor: data [num_slots, hkv, d] elements of the pool's dtype, scale
+ * [num_slots, hkv] bfloat16 for the fp8 dtypes (else NULL). */
+typedef struct {
+    void *data;
+    uint16_t *scale;
+} kv_tensor;
+
+#if RK_X86
+/* rows rows of d floats (d a multiple of 8) at x, written in dtype dt: q gets rows * d elements,
+ * scale (fp8 only) one bfloat16 per row. The rounding (the contract of radixkv/kernels/cpu.py's
+ * kv_quantize): float32 copied; bfloat16 and float16 round to nearest even; fp8 per row scale =
+ * the bfloat16 ceiling of amax / FP8_MAX (1 for an all-zero row), then x / scale rounded to nearest
+ * even (saturating at FP8_MAX). The same instructions on both ISAs. */
+void kv_quantize_rows(int dt, const float *x, Py_ssize_t rows, int d, void *q, uint16_t *scale);
+
+/* One head's new K or V row (d floats at src) into slot `slot`, head h of a pool tensor. */
+static inline void
+kv_store(const kv_tensor *t, int dt, Py_ssize_t slot, int hkv, int h, const float *src, int d)
+{
+    const Py_ssize_t i = slot * hkv + h;
+    kv_quantize_rows(dt, src, 1, d, (uint8_t *)t->data + i * d * kv_elem_size(dt), t->scale ? t->scale + i : NULL);
+}
+#endif
+
+/* The pool as one KV head of the attention sees it: that head's part of slot 0's K and V rows
+ * (slot s at + s * row_len elements) and, for fp8, that head's scale of slot 0 (slot s at + s *
+ * hkv). g: which head (head 0's unit prefetches whole rows, for the other heads' units). */
+typedef struct {
+    const uint8_t *k, *v;
+    const uint16_t *ks, *vs;
+    Py_ssize_t row_len;
+    int hkv, dt, g;
+} kv_head;
+
+/* Floats of attend_chunk's scratch for n positions and G query heads: slots, scores, fp8 scales. */
+static inline Py_ssize_t
+attend_chunk_scratch(Py_ssize_t n, int G)
+{
+    return (4 + (Py_ssize_t)G) * n + 16;
+}
+
+#ifndef KV_PREFETCH
+#define KV_PREFETCH 24 /* positions ahead whose K rows are prefetched */
+#endif
+#ifndef LOWP_BLOCK
+#define LOWP_BLOCK 256 /* positions per block of a bf16 / fp16 / fp8 row's scores (their rows in L2) */
+#endif
+
+/* The row of slot `slot` in a K or V pool tensor of dtype dt ([num_slots, hkv, d]: row_len = hkv *
+ * d elements), or of one head's part of it when cache points at that part of slot 0. */
+__attribute__((always_inline)) static inline const uint8_t *
+kv_row(const uint8_t *cache, Py_ssize_t slot, Py_ssize_t row_len, const int dt)
+{
+    return cache + slot * row_len * kv_elem_size(dt);
+}
+
+#if RK_X86
+/* The scores (attention_lowp.c) of the G query heads at qg (d apart) of one KV head, dtype dt
+ * (not float32), over n positions slot[0 .. n): sc[h * ldsc + p] = (q_h . k_p) * (ks ? ks[p] :
+ * sm_scale). k_head: that head's part of slot 0's K row. Meanwhile the first pf_bytes of each
+ * position's K row from k_pf (KV_PREFETCH positions ahead, to L1) and V row from v_pf (to L2) are
+ * prefetched (0: none). wide: the AVX-512 form (the same bits). */
+void kv_scores_lp(int wide, int dt, const float *qg, int G, const uint8_t *k_head, const uint8_t *k_pf,
+                  const uint8_t *v_pf, Py_ssize_t pf_bytes, const Py_ssize_t *slot, Py_ssize_t n, Py_ssize_t row_len,
+                  int d, float sm_scale, const float *ks, float *sc, Py_ssize_t ldsc);
+/* out[h * ldo .. + d) = inv[h] * sum_p w[h * ldw + p] v_p for the nh query heads of one KV head,
+ * dtype dt (not float32), over n positions slot[0 .. n) (v_head: that head's part of slot 0's V
+ * row). wide: the AVX-512 form (the same bits). */
+void kv_pv_lp(int wide, int dt, int nh, const uint8_t *v_head, const Py_ssize_t *slot, Py_ssize_t row_len, Py_ssize_t n,
+              const float *w, Py_ssize_t ldw, const float *inv, float *out, Py_ssize_t ldo, int d);
+#endif
 
 /* NULL when the attention metadata is in range, else what is wrong (see attention.c). */
 const char *check_attn_meta(const int32_t *meta, Py_ssize_t n_req, Py_ssize_t T, const int32_t *kv_indices,
                             Py_ssize_t n_indices, Py_ssize_t page_size, Py_ssize_t num_pages);
 #if RK_X86
 /* Causal paged attention of a batch on nthreads threads (paged_attention in bindings.c). meta:
- * [4, n_req] int32 (first query row, query count, kv_indptr, KV length) per request. */
+ * [4, n_req] int32 (first query row, query count, kv_indptr, KV length) per request. k / v: one
+ * layer's pool tensors in dtype dt. */
 void paged_attention(const float *q, Py_ssize_t ldq, const int32_t *meta, Py_ssize_t n_req, const int32_t *kv_indices,
-                     Py_ssize_t page_size, const kv_elem *k_cache, const kv_elem *v_cache, int hq, int hkv, int d,
-                     float sm_scale, float *out, int nthreads);
+                     Py_ssize_t page_size, kv_tensor k, kv_tensor v, int dt, int hq, int hkv, int d, float sm_scale,
+                     float *out, int nthreads);
 /* One chunk of a query row's attention for one KV head: G (<= 64) query heads at q (d apart), n
- * positions in slots[0 .. n), whose K / V rows (that head's part) are at k_base / v_base +
- * slot * row_len. Writes per head h its partial (max, sum, unnormalized weighted sum of V: d
- * floats) at part + h * ldp. scratch: (2 + G) * n floats. */
-void attend_chunk(const float *q, int G, const int32_t *slots, Py_ssize_t n, const kv_elem *k_base,
-                  const kv_elem *v_base, Py_ssize_t row_len, int d, float sm_scale, float *part, Py_ssize_t ldp,
-                  float *scratch);
+ * positions in slots[0 .. n) of the pool kv. Writes per head h its partial (max, sum,
+ * unnormalized weighted sum of V: d floats) at part + h * ldp. scratch: attend_chunk_scratch(n,
+ * G) floats. */
+void attend_chunk(const float *q, int G, const int32_t *slots, Py_ssize_t n, const kv_head *kv, int d, float sm_scale,
+                  float *part, Py_ssize_t ldp, float *scratch);
 /* o[0 .. d) = the nc partials at ph (d + 2 floats apart) merged in order (one: attend_row's bits). */
 void merge_partials(const float *ph, int nc, int d, float *o);
 #endif
@@ -268,6 +362,7 @@ void apply_token_bitmask(float *logits, Py_ssize_t ldl, const int32_t *bitmask, 
 
 typedef struct {
     int L, H, hq, hkv, d, inter, V;
+    int kv_dt; /* the pool's K/V dtype (KV_F32 ...) */
 } step_dims;
 
 typedef struct {
@@ -275,13 +370,13 @@ typedef struct {
     float eps_in, eps_post;
     const pw_header *w[4]; /* qkv, o, gate|up, down */
     const float *b[4];
-    kv_elem *k_cache, *v_cache; /* [num_slots, hkv, d] */
+    kv_tensor k_cache, v_cache; /* [num_slots, hkv, d] in the plan's K/V dtype (+ fp8 scales) */
 } layer_plan;
 
 typedef struct step_plan step_plan; /* opaque: the model's addresses and the step's scratch */
 
 /* 1 when dims suit the step (every size >= 1, head_dim a multiple of 8 up to 256, at most 64 query
- * heads per KV head), else 0. */
+ * heads per KV head, a known K/V dtype), else 0. */
 int step_dims_ok(const step_dims *dm);
 /* NULL when layer lp's weights are packed in the shapes dm gives and its addresses are set. */
 const char *step_check_layer(const step_dims *dm, const layer_plan *lp);

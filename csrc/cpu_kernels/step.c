@@ -29,6 +29,7 @@
 
 struct step_plan {
     int L, H, hq, hkv, d, inter, V;
+    int kv_dt; /* the pool's K/V dtype */
     layer_plan *layer;
     const float *embed; /* [V, H] */
     const float *final_norm;
@@ -115,17 +116,21 @@ step_attend(const step_args *sa, const layer_plan *lp, int t, int g, int c, floa
     const float *q = p->shared + t * nqkv + (Py_ssize_t)g * G * d; /* the q heads of group g */
     const int32_t *slots = p->r2t + (Py_ssize_t)sa->t_row[t] * p->r2t_cols + p0;
     float *part = p->part + ((Py_ssize_t)t * hq + (Py_ssize_t)g * G) * ldp + (Py_ssize_t)c * (d + 2);
-    attend_chunk(q, G, slots, n, lp->k_cache + (Py_ssize_t)g * d, lp->v_cache + (Py_ssize_t)g * d, (Py_ssize_t)hkv * d,
-                 d, p->sm_scale, part, ldp, scratch);
+    const Py_ssize_t hb = (Py_ssize_t)g * d * kv_elem_size(p->kv_dt); /* head g's bytes into a row */
+    const kv_head kv = {(const uint8_t *)lp->k_cache.data + hb, (const uint8_t *)lp->v_cache.data + hb,
+                        lp->k_cache.scale ? lp->k_cache.scale + g : NULL, lp->v_cache.scale ? lp->v_cache.scale + g : NULL,
+                        (Py_ssize_t)hkv * d, hkv, p->kv_dt, g};
+    attend_chunk(q, G, slots, n, &kv, d, p->sm_scale, part, ldp, scratch);
 }
 
-/* RoPE on head hd (< hq + hkv) of every row of qkv, then k / v heads (hd >= hq) into the cache. */
+/* RoPE on head hd (< hq + hkv) of every row of qkv, then k / v heads (hd >= hq) into the cache
+ * (rounded to its dtype by kv_store). */
 static void
 step_rope_kv(const step_args *sa, const layer_plan *lp, int hd, int t0, int t1)
 {
     const step_plan *p = sa->p;
     const int d = p->d, hq = p->hq, hkv = p->hkv;
-    const Py_ssize_t nqkv = (Py_ssize_t)(hq + 2 * hkv) * d, row_len = (Py_ssize_t)hkv * d;
+    const Py_ssize_t nqkv = (Py_ssize_t)(hq + 2 * hkv) * d;
     for (int t = t0; t < t1; t++) {
         float *hp = p->shared + t * nqkv + (Py_ssize_t)hd * d;
         const Py_ssize_t pos = sa->t_pos[t];
@@ -133,9 +138,10 @@ step_rope_kv(const step_args *sa, const layer_plan *lp, int hd, int t0, int t1)
             rope_inplace(hp, 1, 1, d, d, p->cos + pos * d, p->sin + pos * d);
         if (hd >= hq) {
             const Py_ssize_t slot = p->r2t[(Py_ssize_t)sa->t_row[t] * p->r2t_cols + pos];
-            kv_elem *dst = hd < hq + hkv ? lp->k_cache + slot * row_len + (Py_ssize_t)(hd - hq) * d
-                                         : lp->v_cache + slot * row_len + (Py_ssize_t)(hd - hq - hkv) * d;
-            kv_store(dst, hp, d);
+            if (hd < hq + hkv)
+                kv_store(&lp->k_cache, p->kv_dt, slot, hkv, hd - hq, hp, d);
+            else
+                kv_store(&lp->v_cache, p->kv_dt, slot, hkv, hd - hq - hkv, hp, d);
         }
     }
 }
@@ -162,7 +168,7 @@ step_task(void *arg, int tid, int n)
     float *act = gu + STEP_MAX_ROWS * 2 * I;
     float *res = p->priv + (Py_ssize_t)tid * p->priv_floats, *x = res + STEP_MAX_ROWS * H;
     float *att = x + STEP_MAX_ROWS * H, *scratch = att + (Py_ssize_t)STEP_MAX_ROWS * hq * d;
-    float *xs = scratch + (2 + G) * ATT_CHUNK + 64 + H; /* block sums of the GEMM input at hand */
+    float *xs = scratch + attend_chunk_scratch(ATT_CHUNK, G) + 64 + H; /* block sums of the GEMM input at hand */
     float buf[KC * NR] __attribute__((aligned(64)));
     int sense = 0, ph = 0;
     const int head_units = d % NR == 0, pair_units = I % NR == 0;
@@ -239,7 +245,8 @@ step_task(void *arg, int tid, int n)
         step_sync(&sa->bar, n, &sense);
     }
     /* final norm of the rows asked for, into x, then the output projection */
-    float *tmp = scratch + (2 + G) * ATT_CHUNK + 64; /* the residual row (a row may be asked for twice) */
+    /* the residual row (a row may be asked for twice) */
+    float *tmp = scratch + attend_chunk_scratch(ATT_CHUNK, G) + 64;
     for (int s = 0; s < sa->S; s++) {
         const Py_ssize_t r = sa->lrows[s];
         memcpy(tmp, res + r * H, sizeof(float) * (size_t)H);
@@ -257,7 +264,8 @@ int
 step_dims_ok(const step_dims *dm)
 {
     return !(dm->L < 1 || dm->H < 1 || dm->hq < 1 || dm->hkv < 1 || dm->hq % dm->hkv || dm->d < 8 || dm->d % 8 ||
-             dm->d > 256 || dm->inter < 1 || dm->V < 1 || dm->hq / dm->hkv > 64);
+             dm->d > 256 || dm->inter < 1 || dm->V < 1 || dm->hq / dm->hkv > 64 || dm->kv_dt < 0 ||
+             dm->kv_dt >= KV_NDTYPES);
 }
 
 const char *
@@ -271,8 +279,12 @@ step_check_layer(const step_dims *dm, const layer_plan *lp)
         bad = check_pw(lp->w[2], 2 * (Py_ssize_t)inter, H);
     if (!bad)
         bad = check_pw(lp->w[3], H, inter);
-    if (!bad && (!lp->norm_in || !lp->norm_post || !lp->k_cache || !lp->v_cache))
+    if (!bad && (!lp->norm_in || !lp->norm_post || !lp->k_cache.data || !lp->v_cache.data))
         bad = "a layer's address is 0";
+    if (!bad && kv_has_scale(dm->kv_dt) != (lp->k_cache.scale != NULL))
+        bad = kv_has_scale(dm->kv_dt) ? "an fp8 pool needs its scales" : "only an fp8 pool has scales";
+    if (!bad && (lp->k_cache.scale != NULL) != (lp->v_cache.scale != NULL))
+        bad = "K and V need scales alike";
     return bad;
 }
 
@@ -285,7 +297,7 @@ step_plan_new(const step_dims *dm, const layer_plan *layers, const float *embed,
     step_plan *p = (step_plan *)calloc(1, sizeof *p);
     if (!p)
         return NULL;
-    p->L = L, p->H = H, p->hq = hq, p->hkv = hkv, p->d = d, p->inter = inter, p->V = dm->V;
+    p->L = L, p->H = H, p->hq = hq, p->hkv = hkv, p->d = d, p->inter = inter, p->V = dm->V, p->kv_dt = dm->kv_dt;
     pthread_mutex_init(&p->mu, NULL);
     p->layer = (layer_plan *)calloc((size_t)L, sizeof(layer_plan));
     if (!p->layer) {
@@ -301,8 +313,8 @@ step_plan_new(const step_dims *dm, const layer_plan *layers, const float *embed,
     const Py_ssize_t nqkv = (Py_ssize_t)(hq + 2 * hkv) * d;
     Py_ssize_t kmax = H > (Py_ssize_t)hq * d ? H : (Py_ssize_t)hq * d;
     kmax = kmax > inter ? kmax : inter;
-    p->priv_floats = STEP_MAX_ROWS * (2 * (Py_ssize_t)H + (Py_ssize_t)hq * d) + 2 * ATT_CHUNK +
-                     (Py_ssize_t)(hq / hkv) * ATT_CHUNK + 64 + H + STEP_MAX_ROWS * (kmax / QB + 1);
+    p->priv_floats = STEP_MAX_ROWS * (2 * (Py_ssize_t)H + (Py_ssize_t)hq * d) + attend_chunk_scratch(ATT_CHUNK, hq / hkv) +
+                     64 + H + STEP_MAX_ROWS * (kmax / QB + 1);
     p->priv_floats = (p->priv_floats + 15) / 16 * 16; /* each thread's buffers on their own lines */
     p->shared = (float *)aligned_alloc(64, sizeof(float) * (size_t)(STEP_MAX_ROWS * (nqkv + H + 3 * (Py_ssize_t)inter) + 16));
     p->priv = (float *)aligned_alloc(64, sizeof(float) * (size_t)(p->priv_floats * p->nt_max));

@@ -8,8 +8,9 @@
   native kernel for decode rows (float32 pool on an AVX2/FMA/F16C CPU).
 * ``"flashinfer"``: ``radixkv.attention.flashinfer_backend.FlashInferAttentionBackend``
   (CUDA only; the module is imported only here, so CPU installs never import flashinfer).
-* ``"auto"``: FlashInfer on a CUDA device when its backend imports and constructs; on the CPU,
-  ``"cpu"`` when the pool supports it; else torch.
+* ``"auto"``: FlashInfer on a CUDA device when its backend imports and constructs (a bfloat16 or
+  float16 pool); on the CPU, ``"cpu"`` when the pool's K/V dtype is one of
+  :data:`CPU_AUTO_KV_DTYPES` and the pool and CPU support it; else torch.
   The choice (and the reason for a fallback) is logged at INFO level.
 """
 
@@ -33,11 +34,17 @@ __all__ = [
     "TorchAttentionBackend",
     "create_attention_backend",
     "BACKEND_NAMES",
+    "CPU_AUTO_KV_DTYPES",
 ]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "flashinfer")
+
+CPU_AUTO_KV_DTYPES = frozenset({"float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"})
+"""K/V dtypes (``KVPool.kv_cache_dtype``) for which ``"auto"`` picks the native ``cpu`` backend on
+the CPU (every K/V dtype: the native kernels read and write all five); a dtype outside it gets the
+torch backend (``"cpu"`` named explicitly is the backend's own check either way)."""
 
 
 def _flashinfer(kv_pool: KVPool, num_q_heads: int, sm_scale: float | None, **kwargs: Any) -> AttentionBackend:
@@ -90,6 +97,8 @@ def create_attention_backend(
             logger.info("attention backend: torch (auto; flashinfer unavailable: %s: %s)", type(exc).__name__, exc)
     else:
         reason = native_unsupported_reason(kv_pool)
+        if reason is None and kv_pool.kv_cache_dtype not in CPU_AUTO_KV_DTYPES:
+            reason = f"auto picks it for K/V dtypes {sorted(CPU_AUTO_KV_DTYPES)}, not {kv_pool.kv_cache_dtype}"
         if reason is None:
             logger.info("attention backend: cpu (auto, device %s)", device)
             return CPUAttentionBackend(kv_pool, num_q_heads, sm_scale)

@@ -40,6 +40,9 @@ from radixkv.attention.metadata import ForwardBatch
 from radixkv.memory.kv_pool import KVPool
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_KV_CACHE_DTYPES = ("bfloat16", "float16")
+"""K/V dtypes of the pool this backend serves (``KVPool.kv_cache_dtype``); float32 and fp8 pools
+are refused (no GPU run has covered them)."""
 DEFAULT_WORKSPACE_BYTES = 128 * 1024 * 1024
 # FlashInfer's kernels need CUDA. Tests set this to False to run the backend's glue (plan routing,
 # run arguments, KV writes) on CPU against a stand-in ``flashinfer`` module.
@@ -120,6 +123,19 @@ def flashinfer_plan_inputs(
     return FlashInferPlan("prefill", qo, kv, indices, last, dict(common, head_dim_qk=int(head_dim), causal=True))
 
 
+def check_kv_cache_dtype(kv_pool: KVPool) -> None:
+    """Refuse a pool whose K/V dtype the FlashInfer backend does not serve (no flashinfer import).
+
+    Raises:
+        ValueError: naming the backend and ``kv_cache_dtype``, listing :data:`SUPPORTED_KV_CACHE_DTYPES`.
+    """
+    if kv_pool.kv_cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+        raise ValueError(
+            f"attention backend 'flashinfer': kv_cache_dtype must be one of {list(SUPPORTED_KV_CACHE_DTYPES)}, "
+            f"got {kv_pool.kv_cache_dtype!r} (use attention_backend='torch' for it)"
+        )
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     """Paged attention through FlashInfer's FA2 prefill and decode kernels (CUDA, bf16/fp16).
 
@@ -134,7 +150,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             choice also keeps decode's ``"auto"`` rule from routing to cuDNN).
 
     Raises:
-        ValueError: the pool is not on CUDA, its dtype is not bf16/fp16, ``workspace_bytes < 1``.
+        ValueError: the pool is not on CUDA, its K/V dtype is not bfloat16/float16
+            (:func:`check_kv_cache_dtype`), ``workspace_bytes < 1``.
         ImportError: ``flashinfer`` is not installed (``pip install flashinfer-python``).
     """
 
@@ -152,10 +169,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(kv_pool, num_q_heads, sm_scale)
         if REQUIRE_CUDA and kv_pool.device.type != "cuda":
             raise ValueError(f"FlashInferAttentionBackend: kv_pool must be on a CUDA device, got {kv_pool.device}")
-        if kv_pool.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(
-                f"FlashInferAttentionBackend: kv_pool.dtype must be bfloat16 or float16, got {kv_pool.dtype}"
-            )
+        check_kv_cache_dtype(kv_pool)
         if int(workspace_bytes) < 1:
             raise ValueError(f"FlashInferAttentionBackend: workspace_bytes must be >= 1, got {workspace_bytes}")
         import flashinfer  # lazy: CPU installs never import it

@@ -14,6 +14,10 @@ position, from the page table) plus a boolean mask. Each layer then does one gat
 * the other requests together when padding them to a common ``[Qmax, Lmax]`` wastes at most
   half of the work, otherwise one group per request (the loop is over requests, not tokens).
 
+K/V are read through :meth:`KVPool.gather <radixkv.memory.kv_pool.KVPool.gather>`, which
+dequantizes the pool's dtype (bfloat16, float16, fp8 with scales) to the queries' dtype, so every
+K/V dtype works and the new tokens attend to their own K/V as stored (rounded), as on every backend.
+
 GQA without copying K/V: the ``G = num_q_heads // num_kv_heads`` query heads sharing a KV head
 are folded into the query-length axis, ``[Bg, Hkv, G * Qmax, D]`` against ``[Bg, Hkv, Lmax, D]``
 (the mask is repeated per head of the group). A single fresh prefill instead uses SDPA's own
@@ -146,15 +150,14 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend_groups(self, layer_id: int, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """Attention of the planned groups' rows, written into ``out`` (``None``: the single
         in-order group's output is returned as it is)."""
-        k_all = self.kv_pool.k_slots(layer_id)
-        v_all = self.kv_pool.v_slots(layer_id)
         hkv, g, d = self.num_kv_heads, self.group_size, self.head_dim
         for grp in self._groups:
             bg, qmax = grp.q_rows.shape
             lmax = grp.kv_slots.shape[1]
-            kv_idx = grp.kv_slots.reshape(-1)
-            kg = k_all.index_select(0, kv_idx).view(bg, lmax, hkv, d).transpose(1, 2).to(q.dtype)
-            vg = v_all.index_select(0, kv_idx).view(bg, lmax, hkv, d).transpose(1, 2).to(q.dtype)
+            # the pool's values (dequantized, in q's dtype), the new tokens' own K/V included
+            kg, vg = self.kv_pool.gather(layer_id, grp.kv_slots.reshape(-1), q.dtype)
+            kg = kg.view(bg, lmax, hkv, d).transpose(1, 2)
+            vg = vg.view(bg, lmax, hkv, d).transpose(1, 2)
             if grp.is_causal:
                 # one fresh prefill (qmax == lmax): SDPA's own causal kernel, heads not folded
                 qg = q if out is None else q.index_select(0, grp.q_rows.reshape(-1))

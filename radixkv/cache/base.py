@@ -18,7 +18,7 @@ default; the engine normalizes with ``Namespace.of``): entries only match within
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol, Sequence, Union, runtime_checkable
+from typing import Any, NamedTuple, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from radixkv.namespace import Namespace
 
@@ -107,3 +107,11 @@ class PrefixCache(Protocol):
     def reset(self) -> Any: ...
 
     def check_integrity(self) -> None: ...
+
+    def tenant_sizes(self) -> dict:
+        """Tokens cached per tenant (:mod:`radixkv.cache.tenants`), kept incrementally."""
+        ...
+
+    def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
+        """Soft per-tenant quotas that :meth:`evict` applies first (tenant -> tokens)."""
+        ...

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from radixkv.cache.tenants import tenant_of
 from radixkv.namespace import Namespace
 
 __all__ = ["check_tree", "format_tree"]
@@ -26,6 +27,8 @@ def check_tree(tree: Any) -> None:
     total = protected = 0
     leaves = set()
     seen_slots = []
+    per_tenant: dict = {}
+    tenant_leaves: dict = {t: set() for t in tree._tenant_leaves}
     for ns, ns_root in tree.root.children.items():
         if ns_root.parent is not tree.root or ns_root.key or ns_root.namespace != ns:
             fail(f"bad namespace root for {ns!r}")
@@ -45,8 +48,17 @@ def check_tree(tree: Any) -> None:
                 fail(f"last_access newer than its parent's: {node!r}")
             if tree._counts_hits and node.parent.key and node.hits > node.parent.hits:
                 fail(f"more hits than its parent: {node!r}")
+            tenant = tenant_of(node.namespace)
+            if node.key:
+                per_tenant[tenant] = per_tenant.get(tenant, 0) + (len(node.key) >> 2)
+            if node.tq is not tree._tenant_leaves.get(tenant):
+                fail(f"node filed under another tenant's leaf set: {node!r}")
             if not node.children and node.lock_ref == 0:
                 leaves.add(node.uid)
+                if node.tq is not None:
+                    if node.tentry != (node.last_access, node.uid, node) or node.tentry not in node.tq:
+                        fail(f"evictable leaf of a tenant with a quota missing from its leaf set: {node!r}")
+                    tenant_leaves[tenant].add(node.uid)
                 e = node.lru
                 if policy is None:
                     ok = (
@@ -58,7 +70,7 @@ def check_tree(tree: Any) -> None:
                     ok = type(e) is tuple and e[1] == node.uid and e[2] is node and e in tree._lru_old
                 if not ok:
                     fail(f"evictable leaf with a missing or bad LRU entry: {node!r}")
-            elif node.lru is not None:
+            elif node.lru is not None or node.tentry is not None:
                 fail(f"non-evictable node in the LRU set: {node!r}")
         if node.lock_ref < 0:
             fail(f"negative lock_ref: {node!r}")
@@ -77,6 +89,11 @@ def check_tree(tree: Any) -> None:
     times = [n.last_access for n in tree._lru_new.values()]
     if times != sorted(times):
         fail("the OrderedDict of evictable leaves is out of last_access order")
+    for t, tl in tree._tenant_leaves.items():
+        if {e[1] for e in tl} != tenant_leaves[t] or len(tl) != len(tenant_leaves[t]):
+            fail(f"leaf set of tenant {t!r} has {len(tl)} entries, expected {len(tenant_leaves[t])}")
+    if per_tenant != tree.tenants.tokens:
+        fail(f"tokens per tenant {tree.tenants.tokens}, recomputed {per_tenant}")
     if total != tree._total or protected != tree._protected:
         fail(f"sizes total={tree._total} protected={tree._protected}, recomputed total={total} protected={protected}")
     all_slots = np.sort(np.concatenate(seen_slots)) if seen_slots else np.empty(0, np.int64)

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
+from radixkv.cache.tenants import TenantLedger, check_quotas, tenant_of
 from radixkv.memory.slots import as_int64, empty_slots, is_tensor, slot_array
 from radixkv.namespace import Namespace, namespace_key
 
@@ -56,17 +57,20 @@ def as_token_array(tokens: Tokens) -> np.ndarray:
 
 class _Block:
     """One cached full block: its key, its parent's key (:func:`_root_key` for a first block),
-    the first of its ``page_size`` contiguous slots, its reference count, and whether it is still
-    the table entry for its key."""
+    the first of its ``page_size`` contiguous slots, its reference count, whether it is still
+    the table entry for its key, its tenant and its place in the free queues (``stamp``: they
+    are ordered by it)."""
 
-    __slots__ = ("key", "parent", "start", "ref", "live")
+    __slots__ = ("key", "parent", "start", "ref", "live", "tenant", "stamp")
 
-    def __init__(self, key: Hashable, parent: Hashable, start: int) -> None:
+    def __init__(self, key: Hashable, parent: Hashable, start: int, tenant: Optional[str]) -> None:
         self.key = key
         self.parent = parent
         self.start = start
         self.ref = 0
         self.live = True
+        self.tenant = tenant
+        self.stamp = 0
 
 
 def _root_key(namespace: Namespace | None) -> tuple:
@@ -101,16 +105,21 @@ class HashBlockCache:
         hash_algo: ``"sha256"`` (default; collision-safe, stable across processes) or
             ``"builtin"`` (Python ``hash`` of a tuple; faster, 64-bit).
 
+    ``tenant_quotas`` (tenant -> ``kv_quota_tokens``, :mod:`radixkv.cache.tenants`): soft quotas;
+    :meth:`evict` first takes the least recently freed blocks of tenants above their quota, until
+    they are within it, then the free queue's head as usual. Cached tokens are counted per tenant
+    either way (:meth:`tenant_sizes`).
+
     Sizes (``evictable_size`` etc.) are in tokens (= slots). Slots are 1-D int64 slot arrays
     (:func:`radixkv.memory.slots.slot_array`). Raises ``ValueError`` for a bad ``page_size``/``hash_algo``, malformed ``tokens`` or
     ``slots``, ``len(slots) != len(tokens)``, a block whose slots are not one contiguous page, a
-    negative ``num_tokens``, and ``dec_lock_ref`` below zero; ``RuntimeError`` for ``reset``
-    while blocks are locked.
+    negative ``num_tokens``, ``dec_lock_ref`` below zero and bad ``tenant_quotas``; ``RuntimeError``
+    for ``reset`` while blocks are locked.
     """
 
     shares_prefixes = True
 
-    def __init__(self, page_size: int = 16, hash_algo: str = "sha256") -> None:
+    def __init__(self, page_size: int = 16, hash_algo: str = "sha256", tenant_quotas: Optional[dict] = None) -> None:
         if not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         if hash_algo not in ("sha256", "builtin"):
@@ -124,6 +133,48 @@ class HashBlockCache:
         self._num_blocks = 0  # table entries + retired (replaced) blocks not yet evicted
         self._num_locked = 0  # blocks with ref > 0
         self._kids: dict[Hashable, int] = {}  # parent key -> live table entries under it (for peek)
+        self.tenants = TenantLedger(tenant_quotas)
+        """Cached tokens per tenant and the quotas (:class:`~radixkv.cache.tenants.TenantLedger`)."""
+        # the free queue of each tenant with a quota (the same order: ascending stamps)
+        self._tfree: dict[str, OrderedDict] = {t: OrderedDict() for t in self.tenants.quotas}
+        self._back = 0  # the stamp of the last block queued at the tail
+        self._front = 0  # the stamp of the last block queued at the head
+
+    # ------------------------------------------------------------------ the free queues
+    def _queue(self, blk: _Block, front: bool = False) -> None:
+        """``blk`` (unreferenced) joins the free queue and its tenant's: at the tail, or the head."""
+        if front:
+            self._front -= 1
+            blk.stamp = self._front
+        else:
+            self._back += 1
+            blk.stamp = self._back
+        for q in (self._free, self._tfree.get(blk.tenant)) if self._tfree else (self._free,):
+            if q is not None:
+                q[id(blk)] = blk
+                if front:
+                    q.move_to_end(id(blk), last=False)
+
+    def _dequeue(self, blk: _Block) -> None:
+        """``blk`` leaves the free queues (it is referenced, or evicted)."""
+        del self._free[id(blk)]
+        if self._tfree:
+            q = self._tfree.get(blk.tenant)
+            if q is not None:
+                del q[id(blk)]
+
+    def _drop(self, blk: _Block) -> None:
+        """Forget the evicted ``blk`` (already out of the free queues)."""
+        if blk.live:
+            del self._table[blk.key]
+            blk.live = False
+            left = self._kids[blk.parent] - 1
+            if left:
+                self._kids[blk.parent] = left
+            else:
+                del self._kids[blk.parent]
+        self._num_blocks -= 1
+        self.tenants.add(blk.tenant, -self.page_size)
 
     # ------------------------------------------------------------------ hashing
     def block_keys(self, tokens: Tokens, namespace: Namespace | None = None) -> list:
@@ -226,7 +277,8 @@ class HashBlockCache:
                     f"be one page: {ps} contiguous ascending slots"
                 )
         starts_l = starts.tolist()
-        table, free, kids = self._table, self._free, self._kids
+        table, kids = self._table, self._kids
+        tenant = tenant_of(Namespace.of(namespace))
         prefix_blocks = 0
         n = len(keys)
         while prefix_blocks < n and keys[prefix_blocks] in table:
@@ -240,21 +292,23 @@ class HashBlockCache:
             if old is not None:  # an orphan (unreferenced): retire it, to be evicted first
                 old.live = False
                 if old.ref == 0:
-                    free.move_to_end(id(old), last=False)
+                    self._dequeue(old)
+                    self._queue(old, front=True)
             else:
                 kids[parent] = kids.get(parent, 0) + 1
-            blk = _Block(key, parent, starts_l[i])
+            blk = _Block(key, parent, starts_l[i], tenant)
             table[key] = blk
-            free[id(blk)] = blk
+            self._queue(blk)
             self._num_blocks += 1  # a retired orphan keeps its count until evicted
+        if n > prefix_blocks:
+            self.tenants.add(tenant, (n - prefix_blocks) * ps)
         return prefix_blocks * ps
 
     def inc_lock_ref(self, node: BlockChain) -> None:
         """Pin every block of ``node`` (ref += 1; a block leaving ref 0 leaves the free queue)."""
-        free = self._free
         for blk in node.blocks:
             if blk.ref == 0:
-                del free[id(blk)]
+                self._dequeue(blk)
                 self._num_locked += 1
             blk.ref += 1
 
@@ -264,11 +318,10 @@ class HashBlockCache:
         for blk in node.blocks:
             if blk.ref <= 0:
                 raise ValueError("dec_lock_ref on a block whose lock_ref is already 0")
-        free = self._free
         for blk in reversed(node.blocks):
             blk.ref -= 1
             if blk.ref == 0:
-                free[id(blk)] = blk
+                self._queue(blk)
                 self._num_locked -= 1
 
     def evict(self, num_tokens: int) -> Any:
@@ -276,23 +329,37 @@ class HashBlockCache:
         slots are freed or none is left; returns their slots (1-D int64) for the allocator."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        out = []
-        freed = 0
-        free, table = self._free, self._table
+        out: list = []
+        freed = self._evict_over_quota(num_tokens, out) if self._tfree else 0
+        free = self._free
         while freed < num_tokens and free:
-            _, blk = free.popitem(last=False)
-            if blk.live:
-                del table[blk.key]
-                blk.live = False
-                left = self._kids[blk.parent] - 1
-                if left:
-                    self._kids[blk.parent] = left
-                else:
-                    del self._kids[blk.parent]
-            self._num_blocks -= 1
+            blk = next(iter(free.values()))
+            self._dequeue(blk)
+            self._drop(blk)
             out.append(blk)
             freed += self.page_size
         return self._slots_of(out)
+
+    def _evict_over_quota(self, num_tokens: int, out: list) -> int:
+        """``evict``'s first phase: while tenants are above their quota, the least recently freed
+        block among theirs, until ``num_tokens`` are freed or none of them has an unreferenced
+        block left; returns the tokens freed (the blocks appended to ``out``)."""
+        freed = 0
+        while freed < num_tokens:
+            best = None
+            for tenant, _ in self.tenants.over_quota():
+                q = self._tfree[tenant]
+                if q:
+                    head = next(iter(q.values()))
+                    if best is None or head.stamp < best.stamp:
+                        best = head
+            if best is None:
+                break
+            self._dequeue(best)
+            self._drop(best)
+            out.append(best)
+            freed += self.page_size
+        return freed
 
     def evictable_size(self) -> int:
         """Tokens in unreferenced cached blocks (what :meth:`evict` can free)."""
@@ -315,7 +382,25 @@ class HashBlockCache:
         self._free.clear()
         self._kids.clear()
         self._num_blocks = 0
+        self.tenants.clear()
+        for q in self._tfree.values():
+            q.clear()
         return out
+
+    def tenant_sizes(self) -> dict:
+        """Tokens cached per tenant (``Namespace.tenant``; None: namespaces without a tenant),
+        referenced blocks included; tenants with none are absent. O(tenants)."""
+        return self.tenants.sizes()
+
+    def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
+        """Replace the tenants' soft quotas (tenant -> ``kv_quota_tokens``; None: none); O(free
+        blocks). Raises ValueError for bad quotas (nothing is changed then)."""
+        self.tenants.quotas = check_quotas(quotas)
+        self._tfree = {t: OrderedDict() for t in self.tenants.quotas}
+        for blk in self._free.values():  # in queue order, so each tenant's queue keeps it
+            q = self._tfree.get(blk.tenant)
+            if q is not None:
+                q[id(blk)] = blk
 
     def check_integrity(self) -> None:
         """Raise AssertionError if the table, free queue, counters or slot ownership disagree."""
@@ -347,3 +432,18 @@ class HashBlockCache:
             kids[b.parent] = kids.get(b.parent, 0) + 1
         if kids != self._kids:
             raise AssertionError("child counts (for peek) disagree with the table")
+        self._check_tenants()
+
+    def _check_tenants(self) -> None:
+        """The per-tenant counts and free queues of :meth:`check_integrity` (AssertionError)."""
+        stamps = [b.stamp for b in self._free.values()]
+        if stamps != sorted(stamps):
+            raise AssertionError("the free queue is out of stamp order")
+        for t, q in self._tfree.items():
+            if list(q.values()) != [b for b in self._free.values() if b.tenant == t]:
+                raise AssertionError(f"the free queue of tenant {t!r} disagrees with the free queue")
+        counts: dict = {}
+        for b in list(self._table.values()) + [b for b in self._free.values() if not b.live]:
+            counts[b.tenant] = counts.get(b.tenant, 0) + self.page_size
+        if counts != self.tenants.tokens:
+            raise AssertionError(f"tokens per tenant {self.tenants.tokens}, recounted {counts}")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.hash_cache import as_token_array
+from radixkv.cache.tenants import check_quotas
 from radixkv.memory.slots import as_int64, empty_slots
 from radixkv.namespace import Namespace
 
@@ -75,3 +76,9 @@ class NoPrefixCache:
 
     def check_integrity(self) -> None:
         return None
+
+    def tenant_sizes(self) -> dict:
+        return {}
+
+    def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
+        check_quotas(quotas)  # nothing is ever cached, so no quota ever applies

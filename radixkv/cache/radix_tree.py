@@ -51,6 +51,7 @@ from radixkv.cache import token_keys
 from radixkv.cache.base import MatchResult, PeekResult, Tokens
 from radixkv.cache.check import check_tree, format_tree
 from radixkv.cache.evict_policy import EvictionPolicy, make_policy
+from radixkv.cache.tenants import TenantLedger, check_quotas, tenant_of
 from radixkv.cache.token_keys import (
     HAS_CEXT,
     SLOT_SHIFT,
@@ -114,12 +115,23 @@ class TreeNode:
             the OrderedDict of current-time entries) or its ``SortedList`` entry tuple.
         hits: match / insert calls that walked through this node (kept only under an eviction
             policy that uses it, else 0).
+        tq: the evictable-leaf set of its tenant when that tenant has a quota (a ``SortedList``
+            of ``(last_access, uid, node)``), else None; ``tentry``: its entry there, or None.
     """
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid", "namespace", "lru", "hits")
+    __slots__ = (
+        "key", "value", "children", "parent", "lock_ref", "last_access", "uid", "namespace", "lru", "hits", "tq",
+        "tentry",
+    )  # fmt: skip
 
     def __init__(
-        self, key: bytes, value: bytes, parent: Optional["TreeNode"], namespace: Namespace | None, last_access: int
+        self,
+        key: bytes,
+        value: bytes,
+        parent: Optional["TreeNode"],
+        namespace: Namespace | None,
+        last_access: int,
+        tq: Optional[SortedList] = None,
     ) -> None:
         self.key = key
         self.value = value
@@ -131,6 +143,8 @@ class TreeNode:
         self.namespace = namespace
         self.lru: Any = None
         self.hits = 0
+        self.tq = tq
+        self.tentry: Any = None
 
     def tokens(self) -> list:
         """The edge's token ids as a list of int."""
@@ -162,17 +176,29 @@ class RadixCache:
             used) or a name / object of :mod:`radixkv.cache.evict_policy` (``"lfu"``,
             ``"gdf"``, ``"reuse-odds"``). Whatever the policy, a leaf is freed tail first, page by
             page.
+        tenant_quotas: tenant name -> ``kv_quota_tokens`` (soft quotas, :mod:`radixkv.cache.tenants`):
+            when :meth:`evict` must free pages, tenants above their quota lose their least
+            recently used leaves' tail pages first (down to the quota), then the policy picks.
+            The tree counts the tokens of every tenant (:meth:`tenant_sizes`) either way.
 
     Raises:
-        ValueError: ``page_size`` is not an int >= 1, or an unknown ``eviction_policy``.
+        ValueError: ``page_size`` is not an int >= 1, an unknown ``eviction_policy``, or bad
+            ``tenant_quotas``.
     """
 
     shares_prefixes = True
 
-    def __init__(self, page_size: int = 1, eviction_policy: Union[str, EvictionPolicy] = "lru") -> None:
+    def __init__(
+        self,
+        page_size: int = 1,
+        eviction_policy: Union[str, EvictionPolicy] = "lru",
+        tenant_quotas: Optional[dict] = None,
+    ) -> None:
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
         self.page_size = page_size
+        self.tenants = TenantLedger(tenant_quotas)
+        """Cached tokens per tenant and the quotas (:class:`~radixkv.cache.tenants.TenantLedger`)."""
         self._policy = make_policy(eviction_policy)
         if self._policy is not None:
             self._policy.bind(page_size)
@@ -194,6 +220,9 @@ class RadixCache:
         self._lru_old: SortedList = SortedList()  # (last_access or policy priority, uid, node)
         self._total = 0
         self._protected = 0
+        self.tenants.clear()
+        # the evictable leaves of each tenant with a quota, least recently used first
+        self._tenant_leaves: dict = {t: SortedList() for t in self.tenants.quotas}
         if self._policy is not None:
             self._policy.reset()
 
@@ -208,6 +237,8 @@ class RadixCache:
         else:
             node.lru = (node.last_access, node.uid, node)
             self._lru_old.add(node.lru)
+        if node.tq is not None:
+            self._tq_add(node)
 
     def _lru_remove(self, node: TreeNode) -> None:
         if node.lru is True:
@@ -215,6 +246,19 @@ class RadixCache:
         else:
             self._lru_old.remove(node.lru)
         node.lru = None
+        if node.tentry is not None:
+            self._tq_drop(node)
+
+    @staticmethod
+    def _tq_add(node: TreeNode) -> None:
+        """Files the evictable leaf ``node`` in its tenant's leaf set (a tenant with a quota)."""
+        node.tentry = (node.last_access, node.uid, node)
+        node.tq.add(node.tentry)
+
+    @staticmethod
+    def _tq_drop(node: TreeNode) -> None:
+        node.tq.remove(node.tentry)
+        node.tentry = None
 
     def _pq_add(self, node: TreeNode, priority: Any) -> None:
         """Files ``node`` under a policy's ``priority`` (policy mode: every entry is in the
@@ -242,6 +286,9 @@ class RadixCache:
             self._lru_old.remove(node.lru)
             self._lru_new[node.uid] = node
             node.lru = True
+        if node.tentry is not None:
+            self._tq_drop(node)
+            self._tq_add(node)
 
     # ------------------------------------------------------------------ lookup / insertion
 
@@ -260,7 +307,7 @@ class RadixCache:
         value = node.value
         if upper_value is None:
             upper_value = value[: m << SLOT_SHIFT]
-        upper = TreeNode(key[: m << TOKEN_SHIFT], upper_value, parent, node.namespace, node.last_access)
+        upper = TreeNode(key[: m << TOKEN_SHIFT], upper_value, parent, node.namespace, node.last_access, node.tq)
         upper.lock_ref = node.lock_ref
         upper.hits = node.hits
         parent.children[key[:pb]] = upper
@@ -321,7 +368,7 @@ class RadixCache:
         if self._counts_hits:
             self._count_hits(node)
         lru = node.lru
-        if lru is True:  # the common case of _lru_refresh, inlined
+        if lru is True and node.tentry is None:  # the common case of _lru_refresh, inlined
             self._lru_new.move_to_end(node.uid)
         elif lru is not None:
             self._lru_refresh(node)
@@ -451,7 +498,7 @@ class RadixCache:
         ns_root = self.root.children.get(namespace)
         new_ns = ns_root is None
         if new_ns:
-            ns_root = TreeNode(b"", _EMPTY, self.root, namespace, tick)
+            ns_root = TreeNode(b"", _EMPTY, self.root, namespace, tick, self._tenant_leaves.get(tenant_of(namespace)))
         try:
             node, pos, child, m, tail_key, new = token_keys.insert_walk(ns_root, q, ps, tick, addr)
         except token_keys.NotAnInt:  # numpy integers etc. in a list: convert, then walk
@@ -467,14 +514,18 @@ class RadixCache:
         if tail_key:
             if new is None:
                 new = value[pos : pos + (len(tail_key) >> TOKEN_SHIFT)].tobytes()
-            leaf = TreeNode(tail_key, new, node, namespace, tick)
+            leaf = TreeNode(tail_key, new, node, namespace, tick, ns_root.tq)
             node.children[tail_key[: self._page_bytes]] = leaf
-            self._total += len(tail_key) >> TOKEN_SHIFT
+            added = len(tail_key) >> TOKEN_SHIFT
+            self._total += added
+            self.tenants.add(tenant_of(namespace), added)
             if node.lru is not None:
                 self._lru_remove(node)
             if self._policy is None:
                 self._lru_new[leaf.uid] = leaf
                 leaf.lru = True
+                if leaf.tq is not None:
+                    self._tq_add(leaf)
             else:
                 if self._counts_hits:
                     self._count_hits(leaf)
@@ -552,6 +603,10 @@ class RadixCache:
         page_size, evictable_size())`` tokens are freed. :attr:`evict_listener` hears of every
         freed piece (a whole node, or the tail of a split one).
 
+        Quotas (``tenant_quotas``): first, while a tenant holds more than its quota, the least
+        recently used evictable leaf of such tenants loses tail pages (at most its tenant's excess,
+        in whole pages); what is still needed then goes by the policy above.
+
         Args:
             num_tokens: tokens to free (int >= 0).
 
@@ -572,12 +627,9 @@ class RadixCache:
             raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
         if num_tokens >= self._total - self._protected and self._policy is None:
             return self._evict_every_unlocked()
+        freed: list = []
+        done = self._evict_over_quota(num_tokens, freed) if self._tenant_leaves else 0
         new, old = self._lru_new, self._lru_old
-        pb = self._page_bytes
-        listener = self.evict_listener
-        policy = self._policy
-        freed = []
-        done = 0
         while done < num_tokens and (new or old):
             if old:
                 if new:
@@ -594,36 +646,71 @@ class RadixCache:
                 entry = None
                 node = new.popitem(last=False)[1]
             node.lru = None
-            size = len(node.key) >> TOKEN_SHIFT
-            kept = None
-            if num_tokens - done < size:  # free only the tail pages still needed
-                cut = -(-(num_tokens - done) // self.page_size) * self.page_size
-                if cut < size:
-                    kept = self._split(node, size - cut)  # node keeps the tail, kept the head
-                    size = cut
-            if policy is not None:
-                policy.freed(entry[0], node)
-            if listener is not None:
-                path = _path_key(node)
-                listener(node.namespace, path, (len(path) - len(node.key)) >> TOKEN_SHIFT)
-            freed.append(node.value)
-            done += size
-            parent = node.parent
-            del parent.children[node.key[:pb]]
-            node.parent = None
-            if not parent.children and parent.lock_ref == 0:
-                if parent.key:
-                    if parent is kept and policy is not None:  # the kept head keeps its place
-                        self._pq_add(kept, entry[0])
-                    else:
-                        self._lru_add(parent)
-                else:  # an emptied namespace root
-                    del self.root.children[parent.namespace]
-                    parent.parent = None
-        self._total -= done
+            if node.tentry is not None:
+                self._tq_drop(node)
+            done += self._free_leaf(node, entry, num_tokens - done, freed)
         if not freed:
             return empty_slots()
         return self._read_slots(bytearray().join(freed))
+
+    def _evict_over_quota(self, num_tokens: int, freed: list) -> int:
+        """``evict``'s first phase: while tenants are above their quota (:attr:`tenants`), the least
+        recently used evictable leaf among theirs loses tail pages (at most what brings its tenant
+        back to its quota, rounded up to whole pages), until ``num_tokens`` are freed or no tenant
+        above its quota has an evictable leaf. Returns the tokens freed (appended to ``freed``)."""
+        done = 0
+        leaves = self._tenant_leaves
+        while done < num_tokens:
+            best = most = None
+            for tenant, over in self.tenants.over_quota():
+                tl = leaves[tenant]
+                if tl and (best is None or tl[0][:2] < best[:2]):
+                    best, most = tl[0], over
+            if best is None:
+                break
+            node = best[2]
+            entry = node.lru
+            self._lru_remove(node)
+            done += self._free_leaf(node, entry, min(num_tokens - done, most), freed)
+        return done
+
+    def _free_leaf(self, node: TreeNode, entry: Any, want: int, freed: list) -> int:
+        """Frees ``node`` (an evictable leaf already taken out of the leaf sets; ``entry``: its
+        policy entry) or, when it is longer than ``want`` tokens rounded up to pages, only its tail
+        pages; the kept head, or a parent left without children, becomes an evictable leaf.
+        Appends the freed slot bytes to ``freed``; returns how many tokens they are."""
+        size = len(node.key) >> TOKEN_SHIFT
+        kept = None
+        if want < size:  # free only the tail pages still needed
+            cut = -(-want // self.page_size) * self.page_size
+            if cut < size:
+                kept = self._split(node, size - cut)  # node keeps the tail, kept the head
+                size = cut
+        policy = self._policy
+        if policy is not None:
+            policy.freed(entry[0], node)
+        listener = self.evict_listener
+        if listener is not None:
+            path = _path_key(node)
+            listener(node.namespace, path, (len(path) - len(node.key)) >> TOKEN_SHIFT)
+        freed.append(node.value)
+        self._total -= size
+        self.tenants.add(tenant_of(node.namespace), -size)
+        parent = node.parent
+        del parent.children[node.key[: self._page_bytes]]
+        node.parent = None
+        if not parent.children and parent.lock_ref == 0:
+            if parent.key:
+                if parent is kept and policy is not None:  # the kept head keeps its place
+                    self._pq_add(kept, entry[0])
+                    if kept.tq is not None:
+                        self._tq_add(kept)
+                else:
+                    self._lru_add(parent)
+            else:  # an emptied namespace root
+                del self.root.children[parent.namespace]
+                parent.parent = None
+        return size
 
     def _evict_every_unlocked(self) -> Any:
         """``evict`` of everything evictable (LRU; the order does not matter then): cuts every
@@ -633,6 +720,7 @@ class RadixCache:
         listener = self.evict_listener
         values = []
         for namespace, ns_root in list(self.root.children.items()):
+            first = len(values)
             above = [ns_root]  # locked nodes whose children are looked at
             while above:
                 node = above.pop()
@@ -659,11 +747,16 @@ class RadixCache:
                         x.parent = None
                         x.lru = None
                 above.extend(kids.values())
+            self.tenants.add(tenant_of(namespace), -(sum(map(len, values[first:])) >> SLOT_SHIFT))
             if not ns_root.children and ns_root.lock_ref == 0:
                 del self.root.children[namespace]
                 ns_root.parent = None
         self._lru_new.clear()
         self._lru_old.clear()
+        for tl in self._tenant_leaves.values():  # every evictable leaf is gone
+            for e in tl:
+                e[2].tentry = None
+            tl.clear()
         joined = bytearray().join(values)
         self._total -= len(joined) >> SLOT_SHIFT  # one int64 slot per token
         if not values:
@@ -691,6 +784,30 @@ class RadixCache:
         return self._read_slots(values)
 
     # ------------------------------------------------------------------ sizes and checks
+
+    def tenant_sizes(self) -> dict:
+        """Tokens cached per tenant (``Namespace.tenant``; None: namespaces without a tenant),
+        evictable and protected alike; tenants with none are absent. O(tenants)."""
+        return self.tenants.sizes()
+
+    def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
+        """Replace the tenants' soft quotas (tenant -> ``kv_quota_tokens``; None: none). Refiles
+        every node once (O(tree size)): meant for configuration, not for the request path.
+
+        Raises:
+            ValueError: bad quotas (nothing is changed then).
+        """
+        self.tenants.quotas = check_quotas(quotas)
+        self._tenant_leaves = {t: SortedList() for t in self.tenants.quotas}
+        for ns, ns_root in self.root.children.items():
+            tq = self._tenant_leaves.get(tenant_of(ns))
+            stack = [ns_root]
+            while stack:
+                node = stack.pop()
+                node.tq, node.tentry = tq, None
+                if tq is not None and node.lru is not None:
+                    self._tq_add(node)
+                stack.extend(node.children.values())
 
     def evictable_size(self) -> int:
         """Cached tokens with ``lock_ref == 0`` (leaves now, inner nodes after their subtree)."""

@@ -42,14 +42,14 @@ from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
-from radixkv.engine.stats import EngineStats
+from radixkv.engine.stats import EngineStats, tenant_row
 from radixkv.engine.tiers import TierManager, build_stores, check_settings, model_fingerprint
 from radixkv.engine.validation import Limits, validate_request
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_io import layout_of
 from radixkv.memory.kv_pool import KVPool
-from radixkv.namespace import Namespace
+from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import CACHE_MEDIA, RequestOutput
 from radixkv.sampling.grammar import GrammarBackend
 from radixkv.sampling.logprobs import TokenDecoder, to_position_logprobs
@@ -75,8 +75,10 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     from radixkv.executor.model_runner import ModelRunner  # lazy: the model stack (torch + transformers)
 
     m = loaded.model
+    shape = (m.num_layers, m.num_kv_heads, m.head_dim)
     cfg.resolve(
-        kv_bytes_per_token=KVPool.token_bytes(m.num_layers, m.num_kv_heads, m.head_dim, cfg.dtype),
+        kv_bytes_per_token=KVPool.token_bytes(*shape, cfg.kv_cache_dtype),
+        float32_kv_bytes_per_token=KVPool.token_bytes(*shape, "float32"),
         max_position_embeddings=int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 62)),
     )
     return ModelRunner(
@@ -88,6 +90,7 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
         device=cfg.device,
         dtype=cfg.dtype,
         attention_backend=cfg.attention_backend,
+        kv_cache_dtype=cfg.kv_cache_dtype,
     )
 
 
@@ -134,10 +137,11 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
 
 def _make_cache(cfg: EngineConfig) -> Any:
     """The prefix cache ``cfg.prefix_cache`` names (radix, hash blocks, or none)."""
+    quotas = cfg.tenant_kv_quota_tokens
     if cfg.prefix_cache == "radix":
-        return RadixCache(cfg.page_size, eviction_policy=cfg.eviction_policy)
+        return RadixCache(cfg.page_size, eviction_policy=cfg.eviction_policy, tenant_quotas=quotas)
     if cfg.prefix_cache == "hash":
-        return HashBlockCache(cfg.page_size, cfg.hash_algo)
+        return HashBlockCache(cfg.page_size, cfg.hash_algo, tenant_quotas=quotas)
     return NoPrefixCache(cfg.page_size)
 
 
@@ -241,6 +245,7 @@ class Engine:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.cached_by_tier = {m: 0 for m in CACHE_MEDIA}  # cached_tokens by where they came from
+        self._tenant_counts: Dict[str, List[int]] = {}  # tenant -> [prompt tokens, cached tokens]
         self.generated_tokens = 0
         self.num_steps = 0
         self.num_failed_requests = 0  # requests ended with "error" (their sampling raised)
@@ -307,7 +312,8 @@ class Engine:
             prompt: the prompt text, reported back in the outputs.
             namespace: prefix-cache namespace (prefixes are only shared within one): None (the
                 shared default), a :class:`~radixkv.namespace.Namespace`, or any hashable
-                (``Namespace.of``: ``"a"`` is ``Namespace(extra_key="a")``).
+                (``Namespace.of``: ``"a"`` is ``Namespace(extra_key="a")``);
+                ``sampling_params.cache_salt`` joins it as its salt (``with_salt``).
 
         Returns:
             The request id.
@@ -320,12 +326,13 @@ class Engine:
                 ``EngineConfig.max_n``, a ``stop_token_ids`` id outside the vocabulary, a bad ``sampling_params`` (a ``logit_bias``
                 token outside the vocabulary, ``logprob_start_len`` not inside the prompt, a
                 schema / regex / grammar xgrammar refuses: its message, the field as ``param``)
-                or a duplicate id; an unhashable ``namespace`` (param ``namespace``).
+                or a duplicate id; an unhashable ``namespace`` (param ``namespace``); a
+                ``cache_salt`` other than the namespace's own salt (param ``cache_salt``).
             QueueFullError: (a RequestError naming ``max_queued_requests``) that many requests
                 already wait for admission (``EngineConfig.max_queued_requests``).
         """
         ids, params = validate_request(prompt_token_ids, sampling_params, self._limits())
-        namespace = Namespace.of(namespace)
+        namespace = with_salt(namespace, params.cache_salt)
         compiled = self._start_grammar(params)
         with self._work:
             self._check_queue_bound()
@@ -509,6 +516,7 @@ class Engine:
                     num_prompt_tokens=len(group.prompt_ids),
                     num_output_tokens=sum(len(o.token_ids) for o in outs),
                     num_cached_tokens=group.num_cached_tokens,
+                    namespace=group.namespace,
                 )
             )
         outputs.append(group.to_output())
@@ -582,6 +590,11 @@ class Engine:
                 g.cached_tokens_by_tier = self._by_tier(r)
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
+                tenant = r.namespace.tenant if r.namespace is not None else None
+                if tenant is not None:
+                    counts = self._tenant_counts.setdefault(tenant, [0, 0])
+                    counts[0] += len(g.prompt_ids)
+                    counts[1] += r.num_cached_tokens
             if emit and r.admit_seq > self._last_admit_seq:
                 first = r.num_retractions == 0
                 self.events.emit(
@@ -789,7 +802,28 @@ class Engine:
             prefix_cache=self.config.prefix_cache,
             cached_tokens_by_tier=dict(self.cached_by_tier),
             tiers=kv.tiers.stats() if kv.tiers is not None else {},
+            tenants=self._tenant_stats(),
+            **self._kv_facts(),
         )
+
+    def _kv_facts(self) -> dict:
+        """``kv_cache_dtype``, ``kv_bytes_per_token``, ``kv_cache_bytes`` of the runner's KV pool
+        (a runner without one, as tests' stand-ins: the configured dtype and 0 bytes)."""
+        pool = getattr(self.runner, "kv_pool", None)
+        if isinstance(pool, KVPool):
+            return dict(
+                kv_cache_dtype=pool.kv_cache_dtype,
+                kv_bytes_per_token=pool.bytes_per_token,
+                kv_cache_bytes=pool.kv_cache_bytes,
+            )
+        return dict(kv_cache_dtype=str(self.config.kv_cache_dtype), kv_bytes_per_token=0, kv_cache_bytes=0)
+
+    def _tenant_stats(self) -> Dict[str, Dict[str, Any]]:
+        """``EngineStats.tenants``: every named tenant that sent a request or holds cached tokens."""
+        sizes = self.kv.cache.tenant_sizes()
+        quotas = self.config.tenant_kv_quota_tokens or {}
+        names = sorted({t for t in sizes if t is not None} | set(self._tenant_counts))
+        return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *self._tenant_counts.get(t, (0, 0))) for t in names}
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Empty the prefix cache; False (and nothing done) while requests are queued or running.

@@ -134,6 +134,8 @@ class RequestFinished(Event):
         request_id: its id; ``step``: the engine step it ended in.
         finish_reasons: each sample's reason (``"stop"``, ``"length"``, ``"abort"``).
         num_prompt_tokens, num_output_tokens (all samples), num_cached_tokens.
+        namespace: its prefix-cache namespace (its ``tenant`` keys the server's per-tenant
+            metrics).
     """
 
     request_id: str
@@ -142,6 +144,7 @@ class RequestFinished(Event):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    namespace: Optional[Namespace] = None
 
 
 @dataclass(frozen=True, slots=True)

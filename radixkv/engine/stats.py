@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any, Dict, Iterator
 
-__all__ = ["EngineStats"]
+__all__ = ["EngineStats", "tenant_row", "merge_tenants"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,16 @@ class EngineStats(Mapping):
             ``served_tokens``, ``load_latency`` histogram), ``used_bytes``, ``capacity_bytes``,
             ``load_s_per_token`` and ``prefill_s_per_token`` (the cost model's running averages),
             ``write_policy``.
+        kv_cache_dtype: the K/V storage dtype's canonical name ("float32", "bfloat16",
+            "float16", "fp8_e4m3", "fp8_e5m2").
+        kv_bytes_per_token: K+V bytes of one token in every layer, fp8 scales included.
+        kv_cache_bytes: bytes of the pool's K/V tensors, scales included
+            (``capacity * kv_bytes_per_token``).
+        tenants: per named tenant (``Namespace.tenant``; the server's API keys set it), a dict:
+            ``cached`` (tokens its namespaces hold in the prefix cache now, pinned and locked
+            included), ``quota`` (its ``kv_quota_tokens``, or None), ``prompt_tokens`` /
+            ``cached_tokens`` (summed as above, over its requests) and ``hit_rate``. Empty when
+            no request named a tenant.
     """
 
     capacity: int
@@ -62,8 +72,12 @@ class EngineStats(Mapping):
     waiting: int
     page_size: int
     prefix_cache: str
+    kv_cache_dtype: str
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
     cached_tokens_by_tier: dict = field(default_factory=dict)
     tiers: dict = field(default_factory=dict)
+    tenants: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:
@@ -82,3 +96,30 @@ class EngineStats(Mapping):
 
 
 _KEYS = tuple(f.name for f in fields(EngineStats))
+
+
+def tenant_row(cached: int, quota: Any, prompt_tokens: int, cached_tokens: int) -> Dict[str, Any]:
+    """One tenant's entry of :attr:`EngineStats.tenants`."""
+    return dict(
+        cached=cached,
+        quota=quota,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+    )
+
+
+def merge_tenants(per_engine: Any) -> Dict[str, Dict[str, Any]]:
+    """Several engines' ``tenants`` (dicts of :func:`tenant_row` entries) as one: counts summed,
+    quotas summed where every engine has one (each engine's quota is its own), hit rates
+    recomputed."""
+    acc: Dict[str, list] = {}
+    for tenants in per_engine:
+        for name, row in (tenants or {}).items():
+            a = acc.setdefault(name, [0, 0, 0, 0])
+            a[0] += int(row.get("cached", 0))
+            a[2] += int(row.get("prompt_tokens", 0))
+            a[3] += int(row.get("cached_tokens", 0))
+            q = row.get("quota")
+            a[1] = None if q is None or a[1] is None else a[1] + int(q)
+    return {name: tenant_row(*a) for name, a in sorted(acc.items())}

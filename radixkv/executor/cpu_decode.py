@@ -16,7 +16,10 @@ and ``ModelRunner.forward`` hands it to :meth:`DecodeStep.forward`: no torch op,
 
 The arithmetic is that of the module path's kernels (the same GEMM, norm, RoPE, SiLU and attention
 code; tests/test_cpu_kernels.py and tests/test_models_tiny.py check the logits against transformers
-and the module path). The plan is rebuilt when a weight is replaced or changed in place (the
+and the module path). The pool may be in any K/V dtype of :data:`radixkv.kernels.cpu.KV_DTYPES`: the
+step writes each new token's K/V with the pool's rounding (:func:`radixkv.kernels.cpu.kv_quantize`'s
+bits, fp8 scales included) and attends over the pool as ``paged_attention`` does
+(tests/test_kv_dtypes.py). The plan is rebuilt when a weight is replaced or changed in place (the
 weights epoch of :func:`~radixkv.models.layers.weights_epoch`, every source tensor's address and
 every packed weight's ``_version`` are compared before each step).
 """
@@ -138,7 +141,9 @@ class DecodeStep:
 
     Args:
         model: the runner's model (:func:`model_supported` must hold).
-        kv_pool: the runner's pool (float32 on the CPU, ``head_dim % 8 == 0``).
+        kv_pool: the runner's pool on the CPU (``head_dim % 8 == 0``), in a dtype of
+            :data:`radixkv.kernels.cpu.KV_DTYPES`; an fp8 pool has ``k_scale`` / ``v_scale``
+            (per layer ``[pages, page_size, Hkv]`` bfloat16).
         req_to_token: the runner's block table (int32 ``[rows, max_context_len]``, CPU).
         sm_scale: the attention softmax scale.
     """
@@ -258,10 +263,7 @@ class DecodeStep:
             ]
             for lin in (sa.qkv_proj, sa.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 row += [packed(lin.pack, lin.weight), direct(lin.bias, lin.weight.shape[0])]
-            k, v = pool.k_buffer[lid], pool.v_buffer[lid]
-            if not (k.is_contiguous() and v.is_contiguous()):
-                raise ValueError("DecodeStep: the KV pool's buffers must be contiguous")
-            row += [k.data_ptr(), v.data_ptr()]
+            row += self._pool_layer(lid)
             table.append(tuple(row))
         embed = model.model.embed_tokens.weight.detach()
         if not embed.is_contiguous():
@@ -282,6 +284,7 @@ class DecodeStep:
             pool.page_size,
             pool.num_slots,
             self.sm_scale,
+            cpu.kv_dtype_name(pool.k_buffer[0].dtype),
         )
         self._plan, self._keep = plan, (keep, embed, r2t, pool)
         self._tensors, self._packed_src = tensors, packed_src
@@ -290,6 +293,21 @@ class DecodeStep:
         self._epoch = weights_epoch()
         self._rope_len = 0
         return plan
+
+    def _pool_layer(self, lid: int) -> list[int]:
+        """Layer ``lid``'s pool addresses for the plan: K, V (``[pages, page_size, Hkv, D]`` in the
+        pool's dtype) and, for an fp8 pool, its K and V scales (``[pages, page_size, Hkv]``
+        bfloat16), else 0, 0."""
+        pool = self.kv_pool
+        k, v = pool.k_buffer[lid], pool.v_buffer[lid]
+        k_scale, v_scale = (getattr(pool, name, None) for name in ("k_scale", "v_scale"))
+        scales = (k_scale[lid], v_scale[lid]) if k_scale is not None else ()
+        shape = (pool.num_pages, pool.page_size, pool.num_kv_heads)
+        if not (k.is_contiguous() and v.is_contiguous() and all(t.is_contiguous() for t in scales)):
+            raise ValueError("DecodeStep: the KV pool's buffers must be contiguous")
+        if any(t.dtype != torch.bfloat16 or tuple(t.shape) != shape for t in scales):
+            raise ValueError(f"DecodeStep: the KV pool's scales must be bfloat16 {shape}")
+        return [k.data_ptr(), v.data_ptr(), *(t.data_ptr() for t in scales)] + [0, 0][len(scales) :]
 
     def _set_rope(self, need: int) -> None:
         """RoPE tables for positions ``0 .. n-1`` (``n >= need``, doubling, at most

@@ -16,6 +16,7 @@ import torch
 from radixkv.attention import AttentionBackend, ForwardBatch, create_attention_backend
 from radixkv.config import default_context_len
 from radixkv.executor import cpu_decode
+from radixkv.memory.kv_dtype import canonical_kv_dtype
 from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
 from radixkv.models.layers import CausalLM
 from radixkv.models.quantize import quantize_model
@@ -44,6 +45,8 @@ class ModelRunner:
         quantization: ``None`` (default) or ``"int8"``: quantize the model's linear layers in place
             (:func:`radixkv.models.quantize.quantize_model`; CPU float32 only, lossy, faster
             decode). A model that is already quantized is left as it is.
+        kv_cache_dtype: the new pool's K/V dtype (a name of :mod:`radixkv.memory.kv_dtype` or a
+            torch dtype); default (None or ``"auto"``): ``dtype``.
 
     For the positional form of the architecture contract, ``ModelRunner(model, kv_pool,
     attention_backend)`` is accepted too.
@@ -71,6 +74,7 @@ class ModelRunner:
         attention_backend: Union[str, AttentionBackend] = "auto",
         kv_pool: KVPool | None = None,
         quantization: str | None = None,
+        kv_cache_dtype: Union[str, torch.dtype, None] = None,
     ) -> None:
         if isinstance(hf_config, KVPool):  # contract form ModelRunner(model, kv_pool, backend)
             kv_pool, hf_config = hf_config, None
@@ -85,7 +89,7 @@ class ModelRunner:
             )
         self.hf_config = hf_config if hf_config is not None else model.config
         self.model = self._place_model(model, device, dtype, quantization)
-        self.kv_pool = kv_pool = self._make_kv_pool(self.model, kv_pool, num_slots, page_size)
+        self.kv_pool = kv_pool = self._make_kv_pool(self.model, kv_pool, num_slots, page_size, kv_cache_dtype)
         self.page_size = kv_pool.page_size
         self.max_context_len = self._context_len(max_context_len, kv_pool.num_slots)
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
@@ -98,10 +102,11 @@ class ModelRunner:
                 self.model, kv_pool, self.req_to_token_pool.req_to_token, self.attn_backend.sm_scale
             )
         logger.info(
-            "ModelRunner: %d layers, %d slots (page_size %d, %d bytes/token, %.1f MiB KV), backend %s",
+            "ModelRunner: %d layers, %d slots (page_size %d, %s K/V, %d bytes/token, %.1f MiB KV), backend %s",
             self.model.num_layers,
             kv_pool.num_slots,
             kv_pool.page_size,
+            kv_pool.kv_cache_dtype,
             kv_pool.bytes_per_token,
             kv_pool.total_bytes / 2**20,
             self.attn_backend.name,
@@ -139,12 +144,20 @@ class ModelRunner:
             quantize_model(model, quantization)
         return model.eval()
 
-    def _make_kv_pool(self, model: CausalLM, kv_pool: KVPool | None, num_slots: int | None, page_size: int) -> KVPool:
-        """A new :class:`~radixkv.memory.kv_pool.KVPool` of ``num_slots`` for ``model``, or the
-        given one checked against it.
+    def _make_kv_pool(
+        self,
+        model: CausalLM,
+        kv_pool: KVPool | None,
+        num_slots: int | None,
+        page_size: int,
+        kv_cache_dtype: Union[str, torch.dtype, None],
+    ) -> KVPool:
+        """A new :class:`~radixkv.memory.kv_pool.KVPool` of ``num_slots`` in ``kv_cache_dtype``
+        (default the model's dtype) for ``model``, or the given one checked against it.
 
         Raises:
-            ValueError: no pool and no ``num_slots``, or a pool whose shape does not fit the model.
+            ValueError: no pool and no ``num_slots``, a pool whose shape does not fit the model,
+                or an unknown ``kv_cache_dtype``.
         """
         if kv_pool is None:
             if num_slots is None:
@@ -155,7 +168,7 @@ class ModelRunner:
                 model.head_dim,
                 int(num_slots),
                 page_size,
-                self.dtype,
+                canonical_kv_dtype(kv_cache_dtype if kv_cache_dtype is not None else "auto", auto=self.dtype),
                 self.device,
             )
         shape = (kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim)

@@ -1,14 +1,18 @@
 """Checked Python entry points to radixkv's native CPU kernels (``csrc/cpu_kernels/``).
 
-float32 kernels for the CPU decode step, all optional: :data:`AVAILABLE` is False when the
-extension was not built or the CPU lacks AVX2/FMA/F16C, and callers then use torch.
+float32 kernels for the CPU decode step (over a K/V pool in any of :data:`KV_DTYPES`), all
+optional: :data:`AVAILABLE` is False when the extension was not built or the CPU lacks
+AVX2/FMA/F16C, and callers then use torch.
 
 * :class:`PackedWeight` + :func:`packed_linear`: ``x @ W.T (+ bias)`` with ``W`` repacked once
   into 16-column panels (a register-blocked GEMM, Goto & van de Geijn 2008; BLIS), stored in
   float32 or, when its values are exactly GGUF Q4_1 / Q8_0 block values, in that block form
   (lossless: the same weights, summed with the block scale factored out). docs/model.md has its speed against MKL and ``F.linear``.
 * :func:`paged_attention`: causal paged attention in FlashInfer's semantics (bottom-right
-  aligned) for a set of requests, reading K/V straight from the pool through the page table.
+  aligned) for a set of requests, reading K/V straight from the pool through the page table, in
+  any of the pool dtypes of :data:`KV_DTYPES` (float32, bfloat16, float16, fp8 e4m3 / e5m2 with
+  per token-and-head scales), widened to float32.
+* :func:`kv_quantize`: float32 K/V rows rounded to a pool dtype, the pool's write rounding.
 * :func:`add_rms_norm`, :func:`rope_`, :func:`silu_mul`: the decoder's elementwise steps.
 
 :func:`step_plan` + :data:`decode_step` (a whole forward pass of a decode batch in one call, on
@@ -17,6 +21,14 @@ it has checked and keeps alive.
 
 Every argument is validated here (dtype, device, contiguity, shapes, index ranges are the
 caller's contract: see :func:`paged_attention`), because the C side works on raw addresses.
+
+The ISA contract: every kernel gives the same bits on the AVX2 and the AVX-512 path, in every
+weight format and every K/V dtype. The one-row GEMV's AVX-512 form keeps the AVX2 form's FMA
+chains; the attention passes over bfloat16 / float16 / fp8 rows have AVX-512 forms that keep the
+AVX2 forms' FMA chains and reduction trees (csrc/cpu_kernels/attention_lowp.c); the rest (float32
+attention, the K/V write rounding, the elementwise kernels) is the same AVX2 code on both.
+tests/test_kernels_isa.py and tests/test_kv_dtypes.py run both and compare bits.
+
 Threads: ``torch.get_num_threads()`` at call time, on torch's own OpenMP (libgomp) worker
 threads when the extension was built with OpenMP, else (and in a child forked after OpenMP ran)
 on the extension's pthread pool; ``_ck.threading()`` says which. One parallel region runs at a
@@ -39,8 +51,9 @@ except ImportError:  # pragma: no cover - depends on the build
 def isa() -> str | None:
     """The vector kernels in use: ``"avx512"`` (AVX-512 F/BW/VL, chosen at import when the CPU has
     them) or ``"avx2"`` (the AVX2 + FMA kernels, also what ``RADIXKV_KERNELS_ISA=avx2`` in the
-    environment forces); ``None`` without the kernels. Only the one-row GEMV (a decode step's
-    projections and LM head) has an AVX-512 form; it gives the AVX2 path's bits exactly."""
+    environment forces); ``None`` without the kernels. The one-row GEMV (a decode step's
+    projections and LM head) and the attention passes over bfloat16 / float16 / fp8 K/V have
+    AVX-512 forms; they give the AVX2 path's bits exactly."""
     return _ck.isa() if AVAILABLE else None
 
 
@@ -91,25 +104,33 @@ def step_plan(
     page_size: int,
     num_slots: int,
     sm_scale: float,
+    kv_dtype: str = "float32",
 ):
     """The native plan of one model for :data:`decode_step` (an opaque capsule).
 
     Args:
         dims: ``(layers, hidden, q heads, kv heads, head_dim, intermediate, vocab)``.
         layers: per layer ``(norm_in, norm_post, eps_in, eps_post, qkv, qkv_bias, o, o_bias,
-            gate_up, gate_up_bias, down, down_bias, k_cache, v_cache)``: addresses of float32
-            vectors, :class:`PackedWeight` addresses (their headers are checked against the
-            shapes), 0 for no bias, and the layer's contiguous pool tensors.
+            gate_up, gate_up_bias, down, down_bias, k_cache, v_cache, k_scale, v_scale)``:
+            addresses of float32 vectors, :class:`PackedWeight` addresses (their headers are
+            checked against the shapes), 0 for no bias, the layer's contiguous pool tensors in
+            ``kv_dtype`` and, for fp8, their bfloat16 scales ``[num_slots, Hkv]`` (else 0).
         embed: address of the float32 ``[vocab, hidden]`` embedding; ``final_norm`` of the final
             norm's weight; ``lm_head`` of the packed ``[vocab, hidden]`` output projection.
         req_to_token: the int32 ``[rows, max_context_len]`` contiguous CPU block table.
         page_size, num_slots: the KV pool's.
+        kv_dtype: the pool's dtype (a name of :data:`KV_DTYPES`): the step writes each new
+            token's K/V rounded as :func:`kv_quantize` does and attends over the pool as
+            :func:`paged_attention` does.
 
     The caller keeps every tensor alive while the plan is used. Raises ValueError for bad
-    dimensions, a packed weight that does not match its shape, or a 0 address.
+    dimensions, a packed weight that does not match its shape, a 0 address, an unknown
+    ``kv_dtype`` or scales that do not match it.
     """
     if not AVAILABLE:
         raise RuntimeError("step_plan: radixkv.kernels._ckernels is not available")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"step_plan: kv_cache_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
     if req_to_token.dtype != torch.int32 or req_to_token.device.type != "cpu" or not req_to_token.is_contiguous():
         raise ValueError("step_plan: req_to_token must be a contiguous int32 CPU tensor")
     rows, cols = req_to_token.shape
@@ -126,6 +147,7 @@ def step_plan(
         int(page_size),
         int(num_slots),
         float(sm_scale),
+        _KV_CODES[kv_dtype],
     )
 
 
@@ -143,6 +165,73 @@ def threading_mode() -> str:
     """``"openmp"`` (torch's libgomp workers) or ``"pthreads"`` (the extension's own pool, used
     without OpenMP and in a child forked after OpenMP ran); ``"unavailable"`` without the kernels."""
     return _ck.threading() if AVAILABLE else "unavailable"
+
+
+KV_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""The K/V pool dtypes the kernels read and write (canonical names, as ``EngineConfig.kv_cache_dtype``
+resolves them) and their torch storage dtypes. The fp8 ones come with one bfloat16 scale per
+(token, KV head)."""
+
+FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+"""The largest finite value of each fp8 format (what an fp8 row's amax is scaled to at most)."""
+
+_KV_CODES = {name: i for i, name in enumerate(KV_DTYPES)}  # csrc/cpu_kernels/internal.h's KV_F32 ...
+_KV_BY_TORCH = {dt: name for name, dt in KV_DTYPES.items()}
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """The canonical K/V dtype name of a pool's torch storage dtype (:data:`KV_DTYPES`).
+
+    Raises ValueError for a dtype the kernels do not read."""
+    name = _KV_BY_TORCH.get(dtype)
+    if name is None:
+        raise ValueError(f"kv_cache_dtype: the kernels read {sorted(KV_DTYPES)}, not {dtype}")
+    return name
+
+
+def kv_quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Round float32 K or V rows to a K/V pool dtype: the pool's write rounding, bit for bit.
+
+    * ``"float32"``: a copy. ``"bfloat16"`` / ``"float16"``: round to nearest even, the bits of
+      ``x.to(torch.bfloat16)`` / ``x.to(torch.float16)``.
+    * ``"fp8_e4m3"`` / ``"fp8_e5m2"``: per row ``x[t, h]`` (``D`` values) ``scale =
+      bf16_ceil(amax / FP8_MAX)`` (``amax = max |x|``; the float32 quotient's bits rounded up to a
+      bfloat16 value; 1 when ``amax == 0``), then ``q = (x / scale).to(float8_e4m3fn / float8_e5m2)``
+      (float32 true division, round to nearest even; saturating at ``FP8_MAX``). The row reads back
+      as ``q.to(float32) * scale``. Finite input never gives a NaN code.
+
+    Args:
+        x: ``[T, H, D]`` float32 CPU tensor (made contiguous), ``D`` a multiple of 8.
+        kv_dtype: a name of :data:`KV_DTYPES`.
+
+    Returns:
+        ``(q, scale)``: ``q`` ``[T, H, D]`` in the dtype's torch storage dtype; ``scale`` ``[T, H]``
+        bfloat16 for fp8, else ``None``.
+
+    Raises:
+        ValueError: an unknown ``kv_dtype`` (the valid ones listed), or ``x`` not a 3-d float32 CPU
+            tensor with ``D % 8 == 0``.
+        RuntimeError: the native kernels are not available.
+    """
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_quantize: kv_cache_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
+    _check_cpu_f32("kv_quantize: x", x, 3)
+    t, h, d = x.shape
+    if d % 8 or d < 8:
+        raise ValueError(f"kv_quantize: head_dim must be a positive multiple of 8, got {d}")
+    if not AVAILABLE:
+        raise RuntimeError("kv_quantize: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)")
+    x = x.detach().contiguous()
+    q = torch.empty(t, h, d, dtype=KV_DTYPES[kv_dtype])
+    scale = torch.empty(t, h, dtype=torch.bfloat16) if kv_dtype in FP8_MAX else None
+    _ck.kv_quantize(x.data_ptr(), t * h, d, _KV_CODES[kv_dtype], q.data_ptr(), 0 if scale is None else scale.data_ptr())
+    return q, scale
 
 
 def _check_cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
@@ -299,6 +388,8 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     sm_scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Causal paged attention for some requests of a batch, written into ``out`` in place.
 
@@ -315,9 +406,12 @@ def paged_attention(
             pages inside ``kv_indices``, page ids inside the pool).
         kv_indices: int32 contiguous page ids.
         page_size: tokens per page.
-        k_cache, v_cache: one layer's ``[num_slots, Hkv, D]`` float32 contiguous pool tensors
-            (the NHD pages flattened).
+        k_cache, v_cache: one layer's ``[num_slots, Hkv, D]`` contiguous pool tensors (the NHD
+            pages flattened), both of one dtype of :data:`KV_DTYPES` (read as float32: exact
+            widening; fp8 values times their scale, factored out of the dot products).
         sm_scale: softmax scale.
+        k_scale, v_scale: fp8 pools only (and then required): ``[num_slots, Hkv]`` bfloat16
+            contiguous, the scale of each (slot, KV head).
 
     Raises:
         RuntimeError: the native kernels are not available.
@@ -328,10 +422,11 @@ def paged_attention(
             "paged_attention: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)"
         )
     page_size = int(page_size)
-    for name, t, dim in (("q", q, 3), ("out", out, 3), ("k_cache", k_cache, 3), ("v_cache", v_cache, 3)):
+    for name, t, dim in (("q", q, 3), ("out", out, 3)):
         _check_cpu_f32(f"paged_attention: {name}", t, dim)
         if not t.is_contiguous():
             raise ValueError(f"paged_attention: {name} must be contiguous")
+    dt = _check_kv_tensors("paged_attention", k_cache, v_cache, k_scale, v_scale)
     t_rows, hq, d = q.shape
     hkv = k_cache.shape[1]
     if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[2] != d:
@@ -364,6 +459,9 @@ def paged_attention(
         k_cache.shape[0] // page_size,
         k_cache.data_ptr(),
         v_cache.data_ptr(),
+        0 if k_scale is None else k_scale.data_ptr(),
+        0 if v_scale is None else v_scale.data_ptr(),
+        _KV_CODES[dt],
         hq,
         hkv,
         d,
@@ -371,6 +469,36 @@ def paged_attention(
         out.data_ptr(),
         torch.get_num_threads(),
     )
+
+
+def _check_kv_tensors(
+    fn: str, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> str:
+    """The K/V dtype name of one layer's pool tensors ``[num_slots, Hkv, D]`` (contiguous CPU, one
+    dtype of :data:`KV_DTYPES`) after checking them and their scales (``[num_slots, Hkv]``
+    bfloat16 contiguous for fp8, else ``None``); ValueError naming what is wrong."""
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if t.device.type != "cpu" or t.dim() != 3 or not t.is_contiguous() or t.dtype not in _KV_BY_TORCH:
+            raise ValueError(
+                f"{fn}: {name} must be a contiguous 3-d CPU tensor of {[str(x) for x in KV_DTYPES.values()]}, "
+                f"got {t.dim()}-d {t.dtype} on {t.device}"
+            )
+    if k.dtype != v.dtype:
+        raise ValueError(f"{fn}: k_cache is {k.dtype}, v_cache {v.dtype}")
+    name = _KV_BY_TORCH[k.dtype]
+    if name not in FP8_MAX:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"{fn}: a {name} pool has no scales")
+        return name
+    for sname, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{fn}: an {name} pool needs {sname}")
+        if s.dtype != torch.bfloat16 or s.device.type != "cpu" or not s.is_contiguous() or s.shape != k.shape[:2]:
+            raise ValueError(
+                f"{fn}: {sname} must be a contiguous bfloat16 CPU tensor of shape {tuple(k.shape[:2])}, "
+                f"got {tuple(s.shape)} {s.dtype} on {s.device}"
+            )
+    return name
 
 
 def _check_rows(name: str, t: torch.Tensor, cols: int | None = None) -> None:

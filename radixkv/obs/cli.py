@@ -137,7 +137,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "deepseek-v3, smollm2-135m), a config.json or its directory (default %(default)s)",
     )  # fmt: skip
     p.add_argument(
-        "--kv-dtype", default="bfloat16", help="float32, bfloat16/bf16, float16/fp16 or fp8 (default %(default)s)"
+        "--kv-dtype",
+        "--kv-cache-dtype",
+        dest="kv_dtype",
+        default="bfloat16",
+        help="float32, bfloat16/bf16, float16/fp16, fp8 (= fp8_e4m3) or fp8_e5m2 (default %(default)s)",
     )
     p.add_argument(
         "--weight-dtype", default="bfloat16", help="dtype of the weights, for their size (default %(default)s)"
@@ -188,19 +192,25 @@ def _policies(s: str) -> list[tuple[str, int]]:
 
 
 def list_architectures(kv_dtypes=("bfloat16", "fp8")) -> str:
-    """The architecture table with KV bytes per token and the KV of 1M tokens per dtype."""
+    """The architecture table with KV bytes per token and the KV of 1M tokens per dtype, and
+    beside them radixkv's own KV pool's bytes per token in each dtype (fp8 scales included;
+    "-" for a model radixkv does not load)."""
     from radixkv.obs.architectures import ARCHITECTURES
-    from radixkv.obs.plan import GB, load_spec
+    from radixkv.obs.plan import GB, engine_bytes_per_token, load_spec
 
     head = f"{'model':<24}{'attention':<22}{'layers':>7}" + "".join(
         f"{'B/token ' + d:>18}{'1M tok ' + d:>16}" for d in kv_dtypes
     )
+    head += "".join(f"{'radixkv B/tok ' + d:>24}" for d in kv_dtypes)
     lines = [head]
     for key in ARCHITECTURES:
         s = load_spec(key)
         row = f"{s.name:<24}{s.attention:<22}{s.num_layers:>7}"
         for d in kv_dtypes:
             row += f"{s.bytes_per_token(d):>18,}{s.sequence_bytes(10**6, d) / GB:>13,.1f} GB"
+        for d in kv_dtypes:
+            e = engine_bytes_per_token(s, d)
+            row += f"{'-' if e is None else format(e, ','):>24}"
         lines.append(row)
     return "\n".join(lines)
 

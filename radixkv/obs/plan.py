@@ -14,6 +14,11 @@ entry of :data:`radixkv.obs.architectures.ARCHITECTURES`):
   ``sum over layers of min(C, window) x per-layer bytes``;
 * KV dtypes: float32 (4 bytes), bfloat16 / float16 (2), fp8 (e4m3 / e5m2, 1; scales ignored).
 
+Beside these formulas, for a model radixkv itself loads (Llama / Qwen2 / Mistral, not MLA),
+:func:`engine_bytes_per_token` gives what radixkv's own KV pool takes per token in that dtype
+(``KVPool.token_bytes``: fp8 with its bfloat16 scale per token and KV head, and no sliding-window
+saving, as the engine keeps every token): the bytes per token of a running radixkv engine.
+
 Answers: tokens that fit in a GPU's memory after the weights (``memory x fraction - weights``),
 KV memory of one sequence of a given length, and, given a trace, the hit rate vs KV memory
 curve for each simulator policy (:mod:`radixkv.sim`) and the least memory that reaches a target
@@ -33,6 +38,7 @@ __all__ = [
     "DTYPE_BYTES",
     "KVSpec",
     "dtype_bytes",
+    "engine_bytes_per_token",
     "load_spec",
     "plan_memory",
     "hit_rate_curve",
@@ -119,6 +125,9 @@ class KVSpec:
             elems = 2 * kv_heads * int(head_dim)
             kind = "MHA" if kv_heads == heads else ("MQA" if kv_heads == 1 else "GQA")
             facts.update(num_attention_heads=int(heads), num_key_value_heads=kv_heads, head_dim=int(head_dim))
+        for key in ("architectures", "model_type"):
+            if get(key):
+                facts[key] = list(get(key)) if key == "architectures" else str(get(key))
         windows: list = [None] * int(layers)
         sw = get("sliding_window")
         types = get("layer_types")
@@ -161,6 +170,37 @@ class KVSpec:
         d = asdict(self)
         d["windows"] = sorted({w for w in self.windows if w is not None})
         return d
+
+
+_TORCH_FP8_NAMES = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+
+
+def engine_bytes_per_token(spec: KVSpec, kv_dtype: str = "bfloat16") -> Optional[int]:
+    """K+V bytes per token of radixkv's own KV pool for ``spec`` in ``kv_dtype``
+    (``KVPool.token_bytes``, fp8 scales included; module docstring), or None when radixkv does not
+    load the model (MLA, or ``architectures`` / ``model_type`` outside
+    :mod:`radixkv.models.registry`).
+
+    Raises:
+        ValueError: ``kv_dtype`` is not a K/V dtype (naming ``kv_cache_dtype``).
+    """
+    from types import SimpleNamespace
+
+    from radixkv.memory.kv_pool import KVPool
+    from radixkv.models.registry import get_model_class
+
+    key = str(kv_dtype).lower().replace("torch.", "")
+    dtype = _TORCH_FP8_NAMES.get(key, key)
+    KVPool.token_bytes(1, 1, 1, dtype)  # an unknown dtype raises here, loadable model or not
+    f = spec.facts
+    if "num_key_value_heads" not in f:  # MLA
+        return None
+    if "architectures" in f or "model_type" in f:
+        try:
+            get_model_class(SimpleNamespace(architectures=f.get("architectures"), model_type=f.get("model_type")))
+        except ValueError:
+            return None
+    return KVPool.token_bytes(spec.num_layers, f["num_key_value_heads"], f["head_dim"], dtype)
 
 
 def _estimate_parameters(cfg: dict) -> Optional[int]:
@@ -244,6 +284,7 @@ def plan_memory(
         kv_dtype=kv_dtype,
         kv_bytes_per_token=bpt,
         kv_bytes_per_token_per_layer=spec.elems_per_layer * dtype_bytes(kv_dtype),
+        engine_kv_bytes_per_token=engine_bytes_per_token(spec, kv_dtype),
     )
     if context is not None:
         seq = spec.sequence_bytes(context, kv_dtype)

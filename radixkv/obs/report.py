@@ -122,6 +122,10 @@ def plan_text_report(rep: dict) -> str:
         f"KV cache per token ({rep['kv_dtype']}): {rep['kv_bytes_per_token']:,} bytes "
         f"({rep['kv_bytes_per_token_per_layer']:,} per layer x {m['num_layers']})",
     ]
+    engine = rep.get("engine_kv_bytes_per_token")
+    if engine is not None:
+        scales = " (its bfloat16 scales per token and KV head included)" if engine != rep["kv_bytes_per_token"] else ""
+        out.append(f"  radixkv's own KV pool in {rep['kv_dtype']}: {engine:,} bytes per token{scales}")
     if m.get("windows"):
         out.append(f"  sliding window {m['windows']} tokens on {m['facts'].get('sliding_layers')} layers")
     if "context" in rep:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Optional, Sequence
 
 from radixkv.chat_template import encode_chat, render_chat
+from radixkv.namespace import Namespace
 from radixkv.sim import SimRequest
 
 __all__ = ["TraceRequest", "read_trace", "tokenize_trace", "TraceWriter", "write_trace", "message_text"]
@@ -44,7 +45,9 @@ class TraceRequest:
         reply: inferred generated token ids (module docstring), possibly empty.
         text: the rendered prompt text (None for token-id prompts).
         messages: the chat messages as ``{"role", "content"}`` (chat only).
-        namespace: its prefix-cache namespace (always None: the server has no such field).
+        namespace: its prefix-cache namespace, as the server set it: ``Namespace(tenant,
+            cache_salt)`` from the body's ``"tenant"`` (what ``--log-requests`` adds with API
+            keys) and ``"cache_salt"``; None when it has neither.
     """
 
     index: int
@@ -125,6 +128,7 @@ def tokenize_trace(
     eos = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
     for no, body in enumerate(bodies, 1):
         mark = len(out)
+        ns = _namespace(body)
         try:
             if "messages" in body:
                 msgs = [{"role": str(m["role"]), "content": message_text(m.get("content"))} for m in body["messages"]]
@@ -133,10 +137,10 @@ def tokenize_trace(
                 ids = encode_chat(tokenizer, msgs)
                 req = TraceRequest(len(out), no, "chat", ids, text=render_chat(tokenizer, msgs), messages=msgs)
                 if infer_replies and len(msgs) >= 3 and msgs[-2]["role"] == "assistant":
-                    j = by_history.get(_key(msgs[:-2]))
+                    j = by_history.get(repr(ns) + _key(msgs[:-2]))
                     if j is not None:
                         _set_reply(out[j], ids, tokenizer, msgs[-2]["content"], eos)
-                by_history[_key(msgs)] = len(out)
+                by_history[repr(ns) + _key(msgs)] = len(out)
                 out.append(req)
             elif "prompt" in body:
                 p = body["prompt"]
@@ -153,12 +157,22 @@ def tokenize_trace(
                 raise ValueError("a body needs 'messages' (chat) or 'prompt' (completions)")
             if any(not r.tokens for r in out[mark:]):
                 raise ValueError("the prompt has no tokens")
+            for r in out[mark:]:
+                r.namespace = ns
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if invalid is None:
                 raise ValueError(f"trace request {no}: {exc}") from exc
             del out[mark:]
             invalid.append((no, str(exc)))
     return out
+
+
+def _namespace(body: dict) -> Optional[Namespace]:
+    """A logged body's namespace: its ``"tenant"`` and ``"cache_salt"`` (strings; else none)."""
+    tenant, salt = body.get("tenant"), body.get("cache_salt")
+    return Namespace.of(
+        Namespace(tenant if isinstance(tenant, str) else None, salt if isinstance(salt, str) and salt else None)
+    )
 
 
 def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: str, eos: set) -> None:

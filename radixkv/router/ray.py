@@ -531,7 +531,7 @@ class RemoteLLM:
         finally:
             self._open -= 1
             if last is not None and last.finished:
-                self._emit_finished(last)
+                self._emit_finished(last, Namespace.of(namespace))
                 if len(last.outputs) == 1 and self.index is not None:
                     try:  # what the replica caches of it, for the router at once
                         self.index.replied.remote(args["request_id"], list(last.outputs[0].token_ids))
@@ -595,7 +595,7 @@ class RemoteLLM:
                 if not ended:  # the consumer left, or the seam's stop check ended it: abort it there
                     gen.cancel()
 
-    def _emit_finished(self, out: Any) -> None:
+    def _emit_finished(self, out: Any, namespace: Optional[Namespace]) -> None:
         if not self._subs:
             return
         from radixkv.engine.events import RequestFinished
@@ -607,6 +607,7 @@ class RemoteLLM:
             len(out.prompt_token_ids or ()),
             sum(len(o.token_ids) for o in out.outputs),
             int(out.num_cached_tokens or 0),
+            namespace,
         )
         for fn, kinds in self._subs:
             if kinds is None or isinstance(ev, kinds):
@@ -690,9 +691,13 @@ class RemoteLLM:
 
 
 class Ingress:
-    """The OpenAI app (:func:`radixkv.server.app.create_app`) over :class:`RemoteLLM`."""
+    """The OpenAI app (:func:`radixkv.server.app.create_app`) over :class:`RemoteLLM`, behind the
+    same API keys as one engine's (``api_keys``: :meth:`APIKeys.to_wire
+    <radixkv.server.auth.APIKeys.to_wire>`, the keys' digests and tenants, never the keys)."""
 
-    async def __init__(self, engine_handle: Any, served_model_name: str, model: str = "smollm2-135m") -> None:
+    async def __init__(
+        self, engine_handle: Any, served_model_name: str, model: str = "smollm2-135m", api_keys: Optional[list] = None
+    ) -> None:
         from transformers import AutoTokenizer
 
         from radixkv.models.loader import resolve_hf_dir
@@ -700,14 +705,17 @@ class Ingress:
 
         self.engine = engine_handle
         self.served_model_name = served_model_name
+        self.api_keys = api_keys
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
         self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index())
 
     def __serve_build_asgi_app__(self):
         from radixkv.server.app import create_app
+        from radixkv.server.auth import APIKeys
 
-        return create_app(self.llm, served_model_name=self.served_model_name)
+        keys = APIKeys.from_wire(self.api_keys) if self.api_keys is not None else None
+        return create_app(self.llm, served_model_name=self.served_model_name, api_keys=keys)
 
 
 def build_app(
@@ -721,6 +729,7 @@ def build_app(
     ingress_cpus: float = 0.25,
     random_model: Optional[dict] = None,
     max_ongoing_requests: int = 256,
+    api_keys: Any = None,
 ):
     """The Serve application: ``replicas`` x :class:`EngineReplica` behind the cache-aware
     request router, :class:`Ingress` in front. Creates the index actor (needs ``ray.init``).
@@ -731,8 +740,13 @@ def build_app(
         replica_cpus, ingress_cpus: logical CPUs each (fractions let 2 replicas and the ingress
             schedule on a 2-core machine).
         random_model: see :class:`EngineReplica`.
+        api_keys: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys); their
+            quotas become every replica's ``tenant_kv_quota_tokens`` unless ``engine_kwargs``
+            sets it (each replica applies the quota to its own cache).
     """
     ekw = dict(engine_kwargs or {})
+    if api_keys is not None and api_keys.quotas():
+        ekw.setdefault("tenant_kv_quota_tokens", api_keys.quotas())
     ekw.setdefault("model", model)
     ekw.setdefault("device", "cpu")
     get_index(create=True, policy=policy, policy_kwargs=policy_kwargs)
@@ -754,7 +768,8 @@ def build_app(
         max_ongoing_requests=4 * max_ongoing_requests,
         ray_actor_options={"num_cpus": ingress_cpus},
     )
-    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model)
+    wire = api_keys.to_wire() if api_keys is not None else None
+    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire)
 
 
 def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -> None:
@@ -784,7 +799,7 @@ def _raise_stop(signum: int, frame: Any) -> None:
     raise _Stop(f"signal {signum}")
 
 
-def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str) -> None:
+def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = None) -> None:
     """Start Ray, deploy the app and block (until a signal interrupts it)."""
     start_ray(address=getattr(args, "ray_address", None))
     # after ray.init, which installs its own SIGTERM handler (a bare sys.exit that leaves the
@@ -800,6 +815,7 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str) -> No
         model=args.model,
         policy=args.router_policy,
         replica_cpus=args.replica_cpus,
+        api_keys=api_keys,
     )
     serve.run(app, name="radixkv", route_prefix="/", blocking=False)
     print(
@@ -811,14 +827,15 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str) -> No
         time.sleep(3600)
 
 
-def run(args: Any, engine_kwargs: dict, served_model_name: str) -> int:
+def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = None) -> int:
     """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
     Ctrl-C (SIGINT) or SIGTERM (what ``kill``, systemd and docker send); either one shuts the whole
     deployment down: Serve's actors, then the local Ray instance with every process it started
-    (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down)."""
+    (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down).
+    ``api_keys``: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys)."""
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
-        _serve_forever(args, engine_kwargs, served_model_name)
+        _serve_forever(args, engine_kwargs, served_model_name, api_keys)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_Stop)
         pass
     finally:

@@ -21,6 +21,11 @@ SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/g
 ``/server_info``, ``/health_generate``) and vLLM's extras (:mod:`radixkv.server.vllm`:
 ``/reset_prefix_cache``, ``/version``, ``/tokenize``, ``/detokenize``) are included routers.
 
+With API keys (``create_app(api_keys=...)``, :mod:`radixkv.server.auth`) every route but
+``/health`` needs ``Authorization: Bearer <key>`` (401 ``invalid_api_key``), the routes that
+describe every tenant answer 403 ``permission_denied`` to a key that is not an admin's, and each
+request's prefix-cache namespace is its key's tenant plus its ``cache_salt``.
+
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed
 JSON, schema and value errors, unknown model, too-long prompt), 404/405 for unknown routes,
 503 when the engine has stopped, 500 ``request_failed`` when one request's sampling raised in the
@@ -47,6 +52,7 @@ from radixkv.async_llm import AsyncLLM, EngineDeadError
 from radixkv.engine.events import RequestAdmitted, RequestFinished
 from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
+from radixkv.server.auth import APIKeys, AuthMiddleware, request_namespace, request_tenant
 from radixkv.server.backend import EngineBackend, as_backend
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -111,6 +117,7 @@ def create_app(
     model_aliases: tuple[str, ...] = (),
     shutdown_engine: bool = False,
     log_requests: str | None = None,
+    api_keys: APIKeys | None = None,
 ) -> FastAPI:
     """Build the app.
 
@@ -124,6 +131,8 @@ def create_app(
         shutdown_engine: shut the engine down when the app's lifespan ends (``radixkv serve``).
         log_requests: append every completions / chat body to this JSONL file (the trace
             ``radixkv explain`` reads; :mod:`radixkv.server.request_log`).
+        api_keys: the keys and tenants (:class:`~radixkv.server.auth.APIKeys`); None: no
+            authentication, one tenant (None).
 
     Returns:
         A FastAPI app; ``app.state.llm`` (``llm`` as given), ``app.state.backend``,
@@ -152,6 +161,11 @@ def create_app(
     app.openapi = lambda: _openapi(app)
     if request_log is not None:
         app.add_middleware(RequestLogMiddleware, writer=request_log)
+    if api_keys is not None:  # added last, so it runs first: the request log sees the tenant
+        app.add_middleware(
+            AuthMiddleware, keys=api_keys, on_error=lambda s: metrics.request_errors.labels(str(s)).inc()
+        )
+    app.state.api_keys = api_keys
     client = EngineClient(backend, metrics)
     models = ModelNames(served_model_name, model_aliases)
     app.state.llm, app.state.backend, app.state.metrics, app.state.client = llm, backend, metrics, client
@@ -242,15 +256,16 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
 
     @app.post("/v1/responses")
     async def create_response(request: Request) -> Response:
-        return _respond(await responses.create(await _parse(request, ResponsesRequest), request))
+        body = await _parse(request, ResponsesRequest)
+        return _respond(await responses.create(body, request, request_namespace(request, body.cache_salt)))
 
     @app.get("/v1/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> dict:
-        return responses.retrieve(response_id)
+    async def retrieve_response(response_id: str, request: Request) -> dict:
+        return responses.retrieve(response_id, _tenant_name(request))
 
     @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str) -> dict:
-        return await responses.delete(response_id)
+    async def delete_response(response_id: str, request: Request) -> dict:
+        return await responses.delete(response_id, _tenant_name(request))
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -261,6 +276,11 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
     async def retrieve_model(model_id: str) -> dict:
         models.check(model_id, param="model", status_code=404)
         return ModelCard(id=models.served, max_model_len=client.max_context_len).model_dump()
+
+
+def _tenant_name(request: Request) -> str | None:
+    tenant = request_tenant(request)
+    return tenant.name if tenant is not None else None
 
 
 def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetrics) -> None:

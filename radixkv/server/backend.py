@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Optional, Protocol, Sequence, runtime_checkable
 
 from radixkv.async_llm import AsyncLLM
-from radixkv.engine.stats import EngineStats
+from radixkv.engine.stats import EngineStats, merge_tenants
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 
@@ -125,15 +125,24 @@ def _sum_nested(dicts: Sequence[dict]) -> dict:
     return out
 
 
+# facts of each engine's configuration (the same on every replica): the first replica's, not a sum
+_PER_ENGINE_FACTS = {"page_size": 1, "prefix_cache": "radix", "kv_cache_dtype": "float32", "kv_bytes_per_token": 0}
+
+
 def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
     """Several engines' ``EngineStats.as_dict()`` as one :class:`EngineStats`: counts and sizes
-    summed, ``hit_rate`` recomputed from the sums, ``page_size`` / ``prefix_cache`` the first's;
-    ``cached_tokens_by_tier`` and the per-tier ``tiers`` counters summed per key (a ``degraded``
-    tier: on any replica; the cost model's seconds per token: the slowest replica's)."""
+    summed (``kv_cache_bytes`` too: the pools' total, as ``capacity``), ``hit_rate`` recomputed
+    from the sums, the configuration facts ``page_size``, ``prefix_cache``, ``kv_cache_dtype`` and
+    ``kv_bytes_per_token`` the first's (every replica has the same), ``tenants`` merged
+    (:func:`~radixkv.engine.stats.merge_tenants`); ``cached_tokens_by_tier`` and the per-tier
+    ``tiers`` counters summed per key (a ``degraded`` tier: on any replica; the cost model's
+    seconds per token: the slowest replica's)."""
     agg: dict[str, Any] = {}
     for k in EngineStats.__dataclass_fields__:
-        if k in ("page_size", "prefix_cache"):
-            agg[k] = per_engine[0][k] if per_engine else (1 if k == "page_size" else "radix")
+        if k in _PER_ENGINE_FACTS:
+            agg[k] = per_engine[0][k] if per_engine else _PER_ENGINE_FACTS[k]
+        elif k == "tenants":
+            agg[k] = merge_tenants(p.get(k) for p in per_engine)
         elif k in ("cached_tokens_by_tier", "tiers"):
             agg[k] = _sum_nested([p.get(k) or {} for p in per_engine])
         elif k != "hit_rate":

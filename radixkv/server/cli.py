@@ -6,18 +6,22 @@ Example::
     python -m radixkv serve --page-size 16 --max-total-tokens 65536 --prefix-cache radix
     radixkv serve --host-cache-bytes 4GiB --disk-cache-dir /var/cache/radixkv   # KV tiers
     radixkv serve --replicas 2 --remote-cache-url redis://127.0.0.1:6379/0      # a shared tier
+    radixkv serve --kv-cache-dtype bf16 --kv-cache-memory-bytes 2GiB
+    radixkv serve --api-key "$KEY"            # one admin tenant; or RADIXKV_API_KEY
+    radixkv serve --api-keys-file keys.json   # tenants, admins, soft KV quotas (server/auth.py)
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
+import sys
+from typing import Any, Optional
 
 from radixkv.config import parse_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
 
-__all__ = ["add_arguments", "add_tier_arguments", "tier_kwargs_from_args", "run", "engine_kwargs_from_args"]
+__all__ = ["add_arguments", "add_tier_arguments", "tier_kwargs_from_args", "run", "engine_kwargs_from_args", "api_keys_of"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +38,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="float32, float16, bfloat16 or auto (default: %(default)s)")
     g.add_argument("--page-size", type=int, default=1, help="tokens per KV page (default: %(default)s)")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool capacity in tokens (default: engine's)")
+    g.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="K/V storage dtype: auto (the model's dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2 "
+        "(aliases fp32, bf16, fp16, half, fp8) (default: %(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--kv-cache-memory-bytes", default=None, metavar="BYTES",
+        help="KV pool size in bytes, e.g. 2GiB, 512MiB, 1.5GB (instead of --max-total-tokens; default: engine's)",
+    )  # fmt: skip
     g.add_argument(
         "--max-running-requests", type=int, default=None, help="running-batch size limit (default: engine's)"
     )
@@ -81,6 +94,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h.add_argument(
         "--log-requests", default=None, metavar="FILE",
         help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
+    )  # fmt: skip
+    a = parser.add_argument_group("API keys and tenants (docs/security.md)")
+    a.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health (one tenant, an admin); "
+        "default: the RADIXKV_API_KEY environment variable",
+    )  # fmt: skip
+    a.add_argument(
+        "--api-keys-file", default=None, metavar="FILE",
+        help='JSON {"<key>": {"tenant": NAME, "admin": false, "kv_quota_tokens": N}, ...}: a cache namespace '
+        "per tenant, admin-only stats and flushes, soft KV quotas",
     )  # fmt: skip
 
 
@@ -141,9 +165,22 @@ def tier_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return kw
 
 
-def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+def api_keys_of(args: argparse.Namespace) -> Any:
+    """The :class:`~radixkv.server.auth.APIKeys` of ``--api-key`` / ``RADIXKV_API_KEY`` /
+    ``--api-keys-file`` (None: no keys).
+
+    Raises:
+        KeysFileError: both given, an empty key, or a malformed keys file (naming the problem).
+    """
+    from radixkv.server.auth import keys_from_args
+
+    return keys_from_args(getattr(args, "api_key", None), getattr(args, "api_keys_file", None))
+
+
+def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = None) -> dict[str, Any]:
     """The :class:`~radixkv.config.EngineConfig` fields for parsed `serve` flags (options left
-    unset are omitted, so the engine's own defaults apply)."""
+    unset are omitted, so the engine's own defaults apply); ``api_keys``' quotas become
+    ``tenant_kv_quota_tokens``."""
     kw: dict[str, Any] = dict(
         model=args.model,
         device=args.device,
@@ -153,9 +190,11 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         schedule_policy=args.schedule_policy,
         prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
         eviction_policy=args.radix_eviction_policy,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     for name in (
         "max_total_tokens",
+        "kv_cache_memory_bytes",
         "max_running_requests",
         "chunked_prefill_size",
         "max_n",
@@ -165,6 +204,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     kw.update(tier_kwargs_from_args(args))
+    if api_keys is not None and api_keys.quotas():
+        kw["tenant_kv_quota_tokens"] = api_keys.quotas()
     return kw
 
 
@@ -179,17 +220,30 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "replicas", 1) > 1:
         raise ValueError("replicas: server.cli.run serves one engine; radixkv.cli dispatches --replicas > 1")
     served = served_model_name(args)
+    from radixkv.server.auth import KeysFileError
+
+    try:
+        keys = api_keys_of(args)
+    except KeysFileError as exc:
+        print(f"radixkv serve: {exc}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM
     from radixkv.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = AsyncLLM(**engine_kwargs_from_args(args))
+    llm = AsyncLLM(**engine_kwargs_from_args(args, keys))
     app = create_app(
-        llm, served_model_name=served, model_aliases=(args.model,), shutdown_engine=True, log_requests=args.log_requests
+        llm,
+        served_model_name=served,
+        model_aliases=(args.model,),
+        shutdown_engine=True,
+        log_requests=args.log_requests,
+        api_keys=keys,
     )
-    print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1", flush=True)
+    auth = f", API keys of {len(keys.tenants())} tenant(s)" if keys is not None else ""
+    print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1{auth}", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

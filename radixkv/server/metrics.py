@@ -20,7 +20,9 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_num_requests_running``, ``radixkv_num_requests_waiting``,
   ``radixkv_kv_capacity_tokens``, ``radixkv_kv_free_tokens``, ``radixkv_kv_evictable_tokens``,
   ``radixkv_kv_protected_tokens``, ``radixkv_kv_usage_ratio`` ((capacity - free) / capacity),
-  ``radixkv_page_size``; ``radixkv_cached_tokens_by_tier_total{tier}`` (the engine's cached
+  ``radixkv_page_size``, ``radixkv_kv_bytes_per_token``, ``radixkv_kv_cache_bytes`` and
+  ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype);
+  ``radixkv_cached_tokens_by_tier_total{tier}`` (the engine's cached
   tokens by where they came from: ``device`` the pool, or a KV tier) and, per KV tier
   (docs/tiers.md; label ``tier``: host, disk, remote), the store's counters
   ``radixkv_kv_tier_{hits,misses,blocks_read,blocks_written,bytes_read,bytes_written,corrupt,errors}_total``,
@@ -28,6 +30,13 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   the gauges ``radixkv_kv_tier_{used,capacity}_bytes`` and ``radixkv_kv_tier_degraded`` (1 while
   the tier fails: every lookup there is a miss), and the histogram
   ``radixkv_kv_tier_load_latency_seconds`` (one ``get`` call).
+
+Per tenant (the tenants of the server's API keys, by name: never a key), when any request named
+one: ``radixkv_tenant_prompt_tokens_total{tenant}`` and ``radixkv_tenant_cached_tokens_total{tenant}``
+(from ``RequestFinished`` events, completed requests, as the totals above), and from the engine
+snapshot ``radixkv_tenant_kv_cached_tokens{tenant}`` (tokens its namespaces hold in the prefix
+cache now), ``radixkv_tenant_kv_quota_tokens{tenant}`` (its soft quota, where it has one) and
+``radixkv_tenant_cache_hit_rate{tenant}`` (its cached / prompt tokens at admission).
 
 A private registry per app keeps several apps in one process (tests) from colliding.
 """
@@ -67,9 +76,20 @@ class _EngineCollector(Collector):
             ("kv_evictable_tokens", "KV slots held only by the prefix cache (unlocked, evictable).", s.evictable),
             ("kv_protected_tokens", "KV slots of cached prefixes locked by running requests.", s.protected),
             ("page_size", "Tokens per KV page.", s.page_size),
+            (
+                "kv_bytes_per_token",
+                "K+V bytes of one token in every layer (fp8 scales included).",
+                s.kv_bytes_per_token,
+            ),
+            ("kv_cache_bytes", "Bytes of the KV pool's K/V tensors (scales included).", s.kv_cache_bytes),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(f"radixkv_{name}", doc, value=float(value))
+        dtype = GaugeMetricFamily(
+            "radixkv_kv_cache_dtype", "K/V storage dtype of the KV pool (1 for its name).", labels=["kv_cache_dtype"]
+        )
+        dtype.add_metric([s.kv_cache_dtype], 1.0)
+        yield dtype
         if s.capacity:
             yield GaugeMetricFamily(
                 "radixkv_kv_usage_ratio",
@@ -80,6 +100,7 @@ class _EngineCollector(Collector):
             "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s.evicted_tokens)
         )
         yield from _tier_metrics(s)
+        yield from _tenant_families(s)
 
 
 _TIER_COUNTERS = (
@@ -141,6 +162,29 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
     yield hist
 
 
+def _tenant_families(s: EngineStats) -> Iterator[Metric]:
+    """The per-tenant gauges of an engine snapshot (module docstring); none without tenants."""
+    if not s.tenants:
+        return
+    held = GaugeMetricFamily(
+        "radixkv_tenant_kv_cached_tokens", "Tokens a tenant's namespaces hold in the prefix cache.", labels=["tenant"]
+    )
+    quota = GaugeMetricFamily(
+        "radixkv_tenant_kv_quota_tokens", "A tenant's soft KV quota in tokens.", labels=["tenant"]
+    )
+    rate = GaugeMetricFamily(
+        "radixkv_tenant_cache_hit_rate", "A tenant's prefix-cache hit rate: cached / prompt tokens.", labels=["tenant"]
+    )
+    for name, row in s.tenants.items():
+        held.add_metric([name], float(row["cached"]))
+        if row.get("quota") is not None:
+            quota.add_metric([name], float(row["quota"]))
+        rate.add_metric([name], float(row["hit_rate"]))
+    yield held
+    yield quota
+    yield rate
+
+
 class ServerMetrics:
     """The metrics of one app; ``registry`` is private to it.
 
@@ -163,6 +207,13 @@ class ServerMetrics:
             "radixkv_cached_tokens", "Prompt tokens of finished requests served from the prefix cache.", registry=r
         )
         self.generation_tokens = Counter("radixkv_generation_tokens", "Tokens generated.", registry=r)
+        self.tenant_prompt_tokens = Counter(
+            "radixkv_tenant_prompt_tokens", "Prompt tokens of a tenant's finished requests.", ["tenant"], registry=r
+        )
+        self.tenant_cached_tokens = Counter(
+            "radixkv_tenant_cached_tokens", "Prompt tokens of a tenant's finished requests served from the prefix cache.",
+            ["tenant"], registry=r,
+        )  # fmt: skip
         self.missed_tokens = Counter(
             "radixkv_missed_prompt_tokens", "Prompt tokens of finished requests not served from the prefix cache, by cause.",
             ["cause"], registry=r,
@@ -203,6 +254,10 @@ class ServerMetrics:
             self.generation_tokens.inc(event.num_output_tokens)
             for cause, n in (missed or {}).items():
                 self.missed_tokens.labels(cause=cause).inc(n)
+            tenant = event.namespace.tenant if event.namespace is not None else None
+            if tenant is not None:
+                self.tenant_prompt_tokens.labels(tenant=tenant).inc(event.num_prompt_tokens)
+                self.tenant_cached_tokens.labels(tenant=tenant).inc(event.num_cached_tokens)
 
     def render(self) -> bytes:
         """The registry in Prometheus text exposition format (content type ``CONTENT_TYPE_LATEST``)."""

@@ -6,14 +6,20 @@ A pure ASGI middleware: it passes the request through untouched, copying the bod
 app reads them, and writes the body once it is complete, before the answer starts (so a trace
 holds the requests in the order they were read). Bodies that are not a JSON object are not
 logged (the app answers them with a 400 anyway).
+
+With API keys (:mod:`radixkv.server.auth`, whose middleware runs first) each line also holds the
+request's tenant as ``"tenant"`` (its name, never its key; the server's value replaces any the
+body had), and only authenticated requests are logged; ``radixkv explain`` replays a line in
+the namespace of its tenant and ``cache_salt``.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from radixkv.obs.trace import TraceWriter
+from radixkv.server.auth import request_tenant
 
 __all__ = ["RequestLogMiddleware", "LOGGED_PATHS"]
 
@@ -37,6 +43,7 @@ class RequestLogMiddleware:
             return await self.app(scope, receive, send)
         chunks: list[bytes] = []
         done = False
+        tenant = request_tenant(scope)
 
         async def logging_receive() -> dict:
             nonlocal done
@@ -45,15 +52,15 @@ class RequestLogMiddleware:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body", False):
                     done = True
-                    self._log(b"".join(chunks))
+                    self._log(b"".join(chunks), tenant.name if tenant is not None else None)
             return message
 
         return await self.app(scope, logging_receive, send)
 
-    def _log(self, raw: bytes) -> None:
+    def _log(self, raw: bytes, tenant: Optional[str]) -> None:
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return
         if isinstance(body, dict):
-            self.writer.write(body)
+            self.writer.write(body if tenant is None else dict(body, tenant=tenant))

@@ -14,6 +14,7 @@ from radixkv.sim.simulator import (
     SimRequest,
     SimResult,
     capacity_bound,
+    capacity_for_memory,
     make_cache,
     simulate,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "SimRequest",
     "SimResult",
     "capacity_bound",
+    "capacity_for_memory",
     "make_cache",
     "optimal",
     "simulate",

@@ -13,6 +13,10 @@ the same requests one at a time (tests/test_sim.py checks it). The
 simulator's :attr:`CacheSimulator.events` carries the same cache events as an engine's, so
 observers (the explainer, a router model) subscribe the same way.
 
+The capacity is in slots (tokens); a KV memory in bytes at a K/V dtype becomes slots with
+:func:`capacity_for_memory` (``simulate(..., kv_cache_memory_bytes=, kv_bytes_per_token=)``), the
+engine's own rule: a smaller dtype holds more tokens in the same memory, and nothing else changes.
+
 Hit rate = cached prompt tokens / prompt tokens of the served requests. A request longer than the
 whole pool is skipped (counted in ``skipped``). Slot conservation and the cache's own invariants
 are checked at the end of every :meth:`CacheSimulator.run`.
@@ -41,6 +45,7 @@ from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
 from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
+from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes
 from radixkv.engine.events import EventBus
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
@@ -60,6 +65,7 @@ __all__ = [
     "CacheSimulator",
     "simulate",
     "capacity_bound",
+    "capacity_for_memory",
 ]
 
 POLICIES: dict[str, Callable[[int, str], Any]] = {
@@ -347,6 +353,28 @@ class CacheSimulator:
         return res
 
 
+def capacity_for_memory(kv_cache_memory_bytes: int | str, kv_bytes_per_token: int, page_size: int = 1) -> int:
+    """Slots a KV pool of ``kv_cache_memory_bytes`` holds at ``kv_bytes_per_token`` each (the
+    engine's rule, :func:`radixkv.config.kv_tokens_for_bytes`: ``bytes // bytes_per_token``, whole
+    pages). ``kv_bytes_per_token`` from ``KVPool.token_bytes(layers, kv_heads, head_dim,
+    kv_cache_dtype)`` (fp8 scales included): the dtype only changes how many slots the memory
+    holds; the replay moves slots, no K/V.
+
+    Raises:
+        ValueError: a bad memory size (:func:`radixkv.config.parse_memory_bytes`), bytes per token
+            below 1, or less than one page.
+    """
+    memory = parse_memory_bytes(kv_cache_memory_bytes)
+    if isinstance(kv_bytes_per_token, bool) or not isinstance(kv_bytes_per_token, int) or kv_bytes_per_token < 1:
+        raise ValueError(f"kv_bytes_per_token must be an int >= 1, got {kv_bytes_per_token!r}")
+    tokens = kv_tokens_for_bytes(memory, kv_bytes_per_token, page_size)
+    if tokens < page_size:
+        raise ValueError(
+            f"kv_cache_memory_bytes {memory} holds no page of {page_size} tokens at {kv_bytes_per_token} bytes per token"
+        )
+    return tokens
+
+
 def simulate(
     requests: Sequence[SimRequest],
     policy: str = "radix",
@@ -357,10 +385,24 @@ def simulate(
     keep_requests: bool = True,
     chunked_prefill_size: int = 2048,
     tiers: Optional[dict] = None,
+    kv_cache_memory_bytes: int | str | None = None,
+    kv_bytes_per_token: Optional[int] = None,
 ) -> SimResult:
     """One replay of ``requests`` (a sequence) at ``capacity`` slots; None: enough that nothing
     is ever evicted (:func:`capacity_bound`); ``tiers``: KV tier capacities in tokens per tier.
-    See :class:`CacheSimulator`."""
+    See :class:`CacheSimulator`. Or sized in bytes: ``kv_cache_memory_bytes`` with
+    ``kv_bytes_per_token`` (:func:`capacity_for_memory`), instead of ``capacity``.
+
+    Raises:
+        ValueError: ``capacity`` and ``kv_cache_memory_bytes`` both given, or the memory without
+            ``kv_bytes_per_token``; as :class:`CacheSimulator` and :func:`capacity_for_memory`.
+    """
+    if kv_cache_memory_bytes is not None:
+        if capacity is not None:
+            raise ValueError("give kv_cache_memory_bytes or capacity, not both")
+        if kv_bytes_per_token is None:
+            raise ValueError("kv_cache_memory_bytes needs kv_bytes_per_token (KVPool.token_bytes of the model's shape)")
+        capacity = capacity_for_memory(kv_cache_memory_bytes, kv_bytes_per_token, page_size)
     if capacity is None:
         capacity = capacity_bound(requests, page_size)
     sim = CacheSimulator(

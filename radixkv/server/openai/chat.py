@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
+from radixkv.server.auth import request_namespace
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs_json
 from radixkv.server.openai.params import (
@@ -75,7 +76,8 @@ class Chat:
             raise request_error_to_api(exc, "messages") from exc
         params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages", plan)
         renames = constraint_renames(constraint_of(req, plan)[0])
-        run = await self.client.start("chat", [(None, ids)], params, "messages", renames)
+        ns = request_namespace(raw, req.cache_salt)
+        run = await self.client.start("chat", [(None, ids)], params, "messages", renames, namespace=ns)
         rid, model = new_id("chatcmpl"), self.models.served
         top = req.num_top_logprobs()
 

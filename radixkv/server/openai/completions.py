@@ -7,6 +7,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
+from radixkv.server.auth import request_namespace
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.openai.logprobs import TokenText, completion_logprobs, prompt_logprobs_json
 from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params
@@ -77,7 +78,8 @@ class Completions:
             req, [len(ids) for _, ids in prompts], self.client.max_context_len, DEFAULT_MAX_TOKENS, "prompt"
         )
         renames = constraint_renames(constraint_of(req)[0])
-        run = await self.client.start("completions", prompts, params, "prompt", renames)
+        ns = request_namespace(raw, req.cache_salt)
+        run = await self.client.start("completions", prompts, params, "prompt", renames, namespace=ns)
         rid, n, model = new_id("cmpl"), params.n, self.models.served
         echoes = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
 

@@ -44,8 +44,9 @@ NO_EFFECT_FIELDS = {
     "completions": ("user",),
 }
 """OpenAI fields accepted and without effect on generation here (``prompt_cache_key`` is never
-a cache namespace: every request shares one prefix cache; ``prediction`` only speeds OpenAI up
-and never changes its output)."""
+a cache namespace: a request's namespace is its API key's tenant and its ``cache_salt``,
+:func:`radixkv.server.auth.request_namespace`; ``prediction`` only speeds OpenAI up and never
+changes its output)."""
 
 
 class APIError(Exception):
@@ -141,6 +142,8 @@ class _SamplingFields(_Strict):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[StructuredOutputs] = None
+    # vLLM's: the prefix-cache salt (a non-empty string of at most 128 characters)
+    cache_salt: Optional[str] = None
 
     def check_values(self) -> None:
         """Checks of this endpoint's own fields; raises :class:`APIError` (param = the field).

@@ -25,8 +25,12 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   manager with every other pin): the follow-up's ``usage.input_tokens_details.cached_tokens`` is
   the whole stored context. Otherwise the conversation is rendered afresh (the prefix cache
   still serves what matches). A stored response remembers its prefix-cache namespace
-  (``Responses.create``'s ``namespace``; today always None, the shared default): its pin is
-  taken in it, and only a request in the same namespace may continue it. Across replicas
+  (``Responses.create``'s ``namespace``: its API key's tenant and its ``cache_salt``,
+  :func:`radixkv.server.auth.request_namespace`): its pin is taken in it. It belongs to its
+  tenant: another tenant's ``GET`` / ``DELETE`` is a 404 and its ``previous_response_id`` is not
+  found, exactly as for an id that never existed; the same tenant may continue it under
+  another salt (the follow-up runs in its own namespace, so it reuses no KV of the other
+  salt). Across replicas
   (``radixkv serve --replicas``) no pin is taken (the backend's
   :data:`~radixkv.server.backend.NO_PINS`): the follow-up, the same tokens, is routed to the
   replica that caches them.
@@ -63,6 +67,8 @@ from radixkv.server.sse import chain, framed
 
 __all__ = ["Responses", "ResponseStore", "StoredResponse"]
 
+_ANY = object()  # ResponseStore lookups for any tenant (the server's own, e.g. a follow-up's finish hook)
+
 
 def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -81,7 +87,7 @@ class StoredResponse:
         stop_text: the end-of-turn token's text its output stopped on ("" otherwise).
         pin: the KV manager's pin on the cached prefix of ``tokens`` (None: unpinned).
         namespace: the prefix-cache namespace it ran in (None: the shared default): its pin is
-            taken in it, and a follow-up continues in it.
+            taken in it; its ``tenant`` owns the response.
     """
 
     body: dict
@@ -92,6 +98,11 @@ class StoredResponse:
     stop_text: str = ""
     pin: Any = None
     namespace: Optional[Namespace] = None
+
+    @property
+    def tenant(self) -> Optional[str]:
+        """The tenant that owns it (its namespace's; None without API keys)."""
+        return self.namespace.tenant if self.namespace is not None else None
 
 
 class ResponseStore:
@@ -117,11 +128,14 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, rid: str) -> Optional[StoredResponse]:
+    def get(self, rid: str, tenant: Any = _ANY) -> Optional[StoredResponse]:
+        """The stored Response ``rid`` (refreshed in the LRU order); with ``tenant``, only when
+        that tenant owns it (another tenant's lookup changes nothing)."""
         with self._lock:
             item = self._items.get(rid)
-            if item is not None:
-                self._items.move_to_end(rid)
+            if item is None or (tenant is not _ANY and item.tenant != tenant):
+                return None
+            self._items.move_to_end(rid)
             return item
 
     def put(self, rid: str, item: StoredResponse, pins: Pins) -> None:
@@ -136,11 +150,14 @@ class ResponseStore:
             for s in pinned[: max(0, len(pinned) - self.max_pinned)]:
                 self._unpin(pins, s)
 
-    def pop(self, rid: str) -> Optional[StoredResponse]:
-        """Remove ``rid`` from the store; its pin, if any, is the caller's to release
-        (:meth:`take_pin`)."""
+    def pop(self, rid: str, tenant: Any = _ANY) -> Optional[StoredResponse]:
+        """Remove ``rid`` from the store (with ``tenant``: only when that tenant owns it); its pin,
+        if any, is the caller's to release (:meth:`take_pin`)."""
         with self._lock:
-            return self._items.pop(rid, None)
+            item = self._items.get(rid)
+            if item is None or (tenant is not _ANY and item.tenant != tenant):
+                return None
+            return self._items.pop(rid)
 
     def take_pin(self, item: StoredResponse) -> Any:
         """``item``'s pin, which it holds no more (None: it had none)."""
@@ -394,8 +411,8 @@ class Responses:
         self, req: ResponsesRequest, raw: Request, namespace: Optional[Namespace] = None
     ) -> dict | AsyncIterator[str]:
         """A Response dict, or the event stream when ``stream``. ``namespace``: the prefix-cache
-        namespace it runs in (None: the shared default); a ``previous_response_id`` stored in
-        another namespace is not found (ids do not cross namespaces).
+        namespace it runs in (None: the shared default); a ``previous_response_id`` of another
+        tenant is not found (ids do not cross tenants: the answer is an unknown id's).
 
         Raises:
             APIError: 400 naming the field (``previous_response_id`` unknown, unsupported fields,
@@ -405,8 +422,8 @@ class Responses:
         self.models.check(req.model)
         prev = None
         if req.previous_response_id is not None:
-            prev = self.store.get(req.previous_response_id)
-            if prev is None or prev.namespace != namespace:
+            prev = self.store.get(req.previous_response_id, namespace.tenant if namespace is not None else None)
+            if prev is None:
                 raise APIError(
                     f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
                     "past the store's bound)",
@@ -488,9 +505,10 @@ class Responses:
             yield event
 
     # ---------------------------------------------------------------- retrieve / delete
-    def retrieve(self, rid: str) -> dict:
-        """The stored Response ``rid``. Raises :class:`APIError` 404 when unknown."""
-        item = self.store.get(rid)
+    def retrieve(self, rid: str, tenant: Optional[str] = None) -> dict:
+        """The stored Response ``rid`` of ``tenant`` (None: no API keys). Raises :class:`APIError`
+        404 when unknown or another tenant's (the same answer)."""
+        item = self.store.get(rid, tenant)
         if item is None or not item.body:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         return item.body
@@ -500,10 +518,10 @@ class Responses:
         if item is not None:
             await self.client.backend.release_pin(self.store.take_pin(item))
 
-    async def delete(self, rid: str) -> dict:
-        """Delete the stored Response ``rid`` and release its pin (none across replicas). 404
-        when unknown."""
-        item = self.store.pop(rid)
+    async def delete(self, rid: str, tenant: Optional[str] = None) -> dict:
+        """Delete the stored Response ``rid`` of ``tenant`` and release its pin (none across
+        replicas). 404 when unknown or another tenant's (the same answer)."""
+        item = self.store.pop(rid, tenant)
         if item is None:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         await self.client.backend.release_pin(self.store.take_pin(item))

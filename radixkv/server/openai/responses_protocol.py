@@ -10,7 +10,7 @@ OpenAI does not define is a 400 ``unknown_parameter``. Every OpenAI field is in 
   ``instructions``, ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``,
   ``text.format`` (``text``, ``json_object``, ``json_schema``), ``max_output_tokens``,
   ``temperature``, ``top_p``, ``stream``, ``store``, ``previous_response_id``, ``metadata``
-  (echoed);
+  (echoed); and vLLM's extension ``cache_salt`` (the prefix-cache salt, as on chat);
 * accepted without effect on generation: ``user``, ``safety_identifier``, ``prompt_cache_key``,
   ``prompt_cache_retention``, ``service_tier``, ``stream_options.include_obfuscation``,
   ``include: []``, ``truncation: "disabled"``, ``text.verbosity: "medium"``,
@@ -176,6 +176,8 @@ class ResponsesRequest(_Strict):
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     service_tier: Optional[str] = None
+    # vLLM's extension: the prefix-cache salt
+    cache_salt: Optional[str] = None
     # unsupported unless unset
     conversation: Union[str, dict[str, Any], None] = None
     prompt: Optional[dict[str, Any]] = None

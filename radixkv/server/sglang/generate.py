@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from radixkv.outputs import CompletionOutput, RequestOutput
+from radixkv.server.auth import request_tenant
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.openai.protocol import APIError, server_error_event
 from radixkv.server.sglang.protocol import (
@@ -79,6 +80,8 @@ class Generate:
         """The answer (an object or a list), or an SSE stream when ``stream``."""
         t0 = time.perf_counter()
         req.check_fields()
+        tenant = request_tenant(raw)
+        namespace = req.namespace(tenant.name if tenant is not None else None)
         prompts, batch, prompt_param = req.prompts(self.client.tokenizer)
         count = len(prompts)
         sps = req.sampling_list(count)
@@ -94,7 +97,7 @@ class Generate:
         rids = req.request_ids(count, batch)
         listed = batch or n > 1
         run = await self.client.start(
-            "generate", prompts, params, prompt_param, ENGINE_RENAMES, request_ids=rids, namespace=req.namespace()
+            "generate", prompts, params, prompt_param, ENGINE_RENAMES, request_ids=rids, namespace=namespace
         )
 
         def item(p: int, out: RequestOutput, c: CompletionOutput, text: str | None = None) -> dict:

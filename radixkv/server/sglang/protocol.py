@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from radixkv.errors import RequestError
-from radixkv.namespace import Namespace
+from radixkv.namespace import Namespace, check_cache_salt
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError
@@ -326,11 +326,21 @@ class GenerateRequest(BaseModel):
             raise APIError(f"rid must hold {count} distinct ids, one per prompt", "rid")
         return list(self.rid)
 
-    def namespace(self) -> Namespace | None:
-        """The prefix-cache namespace: ``Namespace(salt=cache_salt, extra_key=extra_key)`` (requests
-        only share cached prefixes with requests of the same salt and key; an empty string is
-        no salt / no key, as in SGLang; neither: None, the shared default)."""
-        return Namespace.of(Namespace(salt=self.cache_salt or None, extra_key=self.extra_key or None))
+    def namespace(self, tenant: Optional[str] = None) -> Namespace | None:
+        """The prefix-cache namespace: ``Namespace(tenant, salt=cache_salt, extra_key=extra_key)``
+        (requests only share cached prefixes with requests of the same tenant, salt and key; an
+        empty ``extra_key`` is no key, as in SGLang; none of the three: None, the shared default).
+        ``tenant``: the API key's (:func:`radixkv.server.auth.request_namespace` builds it so).
+
+        Raises:
+            APIError: 400 naming ``cache_salt`` unless it is None or a non-empty string of at
+                most 128 characters (radixkv's rule; SGLang took "" as no salt).
+        """
+        try:
+            salt = check_cache_salt(self.cache_salt)
+        except ValueError as exc:
+            raise APIError(str(exc), "cache_salt") from None
+        return Namespace.of(Namespace(tenant, salt, self.extra_key or None))
 
 
 def field_names() -> set[str]:

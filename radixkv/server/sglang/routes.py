@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 import radixkv
 from radixkv.sampling_params import SamplingParams
+from radixkv.server.auth import request_namespace
 from radixkv.server.body import parse_body
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.sglang.generate import Generate
@@ -116,8 +117,9 @@ async def health_generate(request: Request) -> Response:
     """200 once a one-token greedy generation went through the engine (SGLang's deep health
     check); the engine refusing or having stopped is a 503 from the app's handlers."""
     client = _client(request)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
     run = await client.start(
-        "health_generate", [(None, [0])], SamplingParams(max_tokens=1, temperature=0.0), "input_ids"
+        "health_generate", [(None, [0])], params, "input_ids", namespace=request_namespace(request)
     )
     await client.collect(request, run)
     return Response(status_code=200)

@@ -1,0 +1,221 @@
+"""Tenants below the server (issue 37): the caches' per-tenant accounting and soft quotas (radix
+tree and hash blocks; the radix tree's stateful oracle is tests/test_cache_stateful.py's tenant
+machine), the engine's per-tenant stats, the scheduler's side channel (the longest-prefix-first
+order and in-batch sharing compare a request only with what its own namespace holds: another
+tenant's cache changes neither the admission order nor ``cached_tokens`` of a tenant's requests),
+and the Python API's ``cache_salt`` (prompt dict, ``SamplingParams``) and ``LLM(namespace=)``.
+The engine runs the fake model of tests/test_scheduler.py (exact token-level references)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_scheduler import FakeRunner, greedy, make_engine, reference, run_all
+
+from radixkv import LLM, AsyncLLM, SamplingParams
+from radixkv.cache import HashBlockCache, RadixCache
+from radixkv.config import EngineConfig
+from radixkv.engine import RequestAdmitted
+from radixkv.errors import RequestError
+from radixkv.namespace import Namespace, check_cache_salt, with_salt
+
+A, A2, B, F = Namespace(tenant="a"), Namespace(tenant="a", salt="s"), Namespace(tenant="b"), Namespace(tenant="f")
+
+
+def _slots(start: int, n: int) -> np.ndarray:
+    return np.arange(start, start + n, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------- caches
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_tenant_above_its_quota_loses_its_own_pages_first(kind):
+    """The victim's prefix is the least recently used, but the flooding tenant is above its quota:
+    its own least recently used pages go first, exactly down to its quota; then plain LRU."""
+    ps = 4
+    c = RadixCache(ps, tenant_quotas={"f": 16}) if kind == "radix" else HashBlockCache(ps, tenant_quotas={"f": 16})
+    victim = list(range(100, 132))
+    c.insert(victim, _slots(0, 32), B)  # oldest
+    floods = [[1000 * (i + 1) + t for t in range(16)] for i in range(4)]
+    for i, toks in enumerate(floods):  # 64 tokens of f, over two of its namespaces (one tenant)
+        c.insert(toks, _slots(32 + 16 * i, 16), F if i % 2 else Namespace(tenant="f", salt="x"))
+    assert c.tenant_sizes() == {"b": 32, "f": 64}
+    # f is 48 over: its 40 least recently used tokens go (the third prompt's tail pages first),
+    # none of b's
+    freed = sorted(c.evict(40).tolist())
+    assert freed == list(range(32, 64)) + list(range(72, 80)) and c.tenant_sizes() == {"b": 32, "f": 24}
+    # f is 8 over: the rest of its third prompt, then plain LRU: the tail page of b's prefix
+    freed = sorted(c.evict(12).tolist())
+    assert freed == [28, 29, 30, 31] + list(range(64, 72)) and c.tenant_sizes() == {"b": 28, "f": 16}
+    c.check_integrity()
+    assert c.match_prefix(victim, A).length == 0 and c.match_prefix(floods[3], F).length == 16
+
+
+def test_quotas_set_later_refile_the_tree_and_count_every_namespace_of_a_tenant():
+    c = RadixCache(1)
+    c.insert(list(range(10)), _slots(0, 10), A)
+    c.insert(list(range(10)), _slots(10, 10), A2)  # the same tokens under a salt: another namespace
+    c.insert(list(range(50, 60)), _slots(20, 10), B)
+    m = c.match_prefix(list(range(5)), A)
+    c.inc_lock_ref(m.node)  # locked tokens count toward the tenant too
+    assert c.tenant_sizes() == {"a": 20, "b": 10}
+    c.set_tenant_quotas({"a": 12})
+    c.check_integrity()
+    c.match_prefix(list(range(50, 60)), B)  # b is now the most recently used
+    assert len(c.evict(9)) == 9 and c.tenant_sizes() == {"a": 11, "b": 10}  # only a's unlocked tail pages
+    c.check_integrity()
+    with pytest.raises(ValueError, match="kv_quota_tokens of tenant 'a'"):
+        c.set_tenant_quotas({"a": -1})
+    with pytest.raises(ValueError):
+        RadixCache(1, tenant_quotas={"": 3})
+    c.dec_lock_ref(m.node)
+    c.reset()
+    assert c.tenant_sizes() == {}
+
+
+def test_the_engine_reports_each_tenant():
+    cfg = EngineConfig(device="cpu", max_total_tokens=256, tenant_kv_quota_tokens={"a": 40})
+    from radixkv.engine import Engine
+
+    eng = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    prompt = list(range(1, 30))
+    for ns in (A, A, A2, B, None):
+        eng.add_request(prompt, greedy(3), namespace=ns)
+        run_all(eng)
+    t = eng.cache_stats().tenants
+    # each run caches its 29 prompt tokens + 2 computed output tokens; a's two namespaces add up
+    assert t == {
+        "a": dict(cached=62, quota=40, prompt_tokens=87, cached_tokens=28, hit_rate=28 / 87),
+        "b": dict(cached=31, quota=None, prompt_tokens=29, cached_tokens=0, hit_rate=0.0),
+    }
+    with pytest.raises(ValueError, match="tenant_kv_quota_tokens"):
+        EngineConfig(tenant_kv_quota_tokens={"a": True}).resolve()
+
+
+# ---------------------------------------------------------------------------- side channels
+def _admission_order(eng, batch) -> tuple[list, list]:
+    """Submit ``batch`` (``(name, tokens, namespace)``) at once; the order the scheduler admits
+    them and each one's cached tokens."""
+    got = []
+    off = eng.events.subscribe(got.append, (RequestAdmitted,))
+    rids = {eng.add_request(toks, greedy(2), request_id=name, namespace=ns): name for name, toks, ns in batch}
+    done = run_all(eng)
+    off()
+    return [e.request_id for e in got if e.index == 0], [done[r].num_cached_tokens for r in rids]
+
+
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_longest_prefix_first_ranks_a_request_only_by_its_own_namespace(in_batch):
+    """B submits fillers and a probe together (the probe last): its admission order and cached
+    tokens are the same whether or not tenant A has the probe's prefix cached; only B's own
+    cache moves the probe to the front (the control)."""
+    secret = [1 + (3 * i) % 50 for i in range(48)]
+    probe = secret + [55, 56]
+    fillers = [[60 + i] + [2 + (i * 7 + t) % 40 for t in range(47)] for i in range(3)]
+    batch = [(f"fill{i}", f, B) for i, f in enumerate(fillers)] + [("probe", probe, B)]
+
+    def engine(cached_by):
+        eng = make_engine(capacity=1024, chunk=512, in_batch=in_batch)
+        if cached_by is not None:
+            eng.add_request(secret, greedy(2), namespace=cached_by)
+            run_all(eng)
+        return eng
+
+    cold = _admission_order(engine(None), batch)
+    assert cold == (["fill0", "fill1", "fill2", "probe"], [0, 0, 0, 0])  # ties keep queue order
+    assert _admission_order(engine(A), batch) == cold  # A's cache changes nothing B sees
+    assert _admission_order(engine(Namespace(tenant="b", salt="x")), batch) == cold  # nor B's other salt
+    own = _admission_order(engine(B), batch)  # the control: B's own cache
+    assert own == (["probe", "fill0", "fill1", "fill2"], [0, 0, 0, len(secret)])
+
+
+def test_a_request_of_another_tenant_in_the_same_forward_is_no_one_to_share_with():
+    """A and B send the same prompt in one step: B's row borrows nothing of A's (no rider, no
+    borrowed prefix), and B's outputs are the reference's."""
+    prompt = list(range(1, 41))
+    eng = make_engine(capacity=512, chunk=512)
+    got = []
+    eng.events.subscribe(got.append, (RequestAdmitted,))
+    ra = eng.add_request(prompt, greedy(4), namespace=A)
+    rb = eng.add_request(prompt, greedy(4), namespace=B)
+    rb2 = eng.add_request(prompt, greedy(4), namespace=B)
+    done = run_all(eng)
+    shared = {e.request_id: (e.num_cached_tokens, e.num_shared_tokens) for e in got}
+    assert shared == {ra: (0, 0), rb: (0, 0), rb2: (40, 40)}  # only B's twin rides on B's row
+    assert all(done[r].outputs[0].token_ids == reference(prompt, 4) for r in (ra, rb, rb2))
+
+
+# ---------------------------------------------------------------------------- Python API
+def _llm(**kw) -> LLM:
+    return LLM(model_runner=FakeRunner(512, 1), tokenizer=None, eos_token_ids=[], device="cpu",
+               max_total_tokens=512, **kw)  # fmt: skip
+
+
+def _cached(llm, prompt, params=None) -> int:
+    return llm.generate(prompt, params or greedy(2), use_tqdm=False)[0].num_cached_tokens
+
+
+def test_cache_salt_in_the_prompt_dict_or_sampling_params_splits_the_cache():
+    llm = _llm()
+    ids = list(range(1, 25))
+    assert _cached(llm, {"prompt_token_ids": ids, "cache_salt": "s"}) == 0
+    assert _cached(llm, {"prompt_token_ids": ids, "cache_salt": "s"}) == len(ids) - 1
+    assert _cached(llm, {"prompt_token_ids": ids}) == 0  # no salt: another namespace
+    assert _cached(llm, ids, greedy(2, cache_salt="s")) == len(ids) - 1  # SamplingParams: the same salt
+    assert _cached(llm, {"prompt_token_ids": ids, "cache_salt": "s"}, greedy(2, cache_salt="s")) == len(ids) - 1
+    with pytest.raises(ValueError) as e:  # both given and different
+        _cached(llm, {"prompt_token_ids": ids, "cache_salt": "s"}, greedy(2, cache_salt="t"))
+    assert e.value.param == "cache_salt"
+    for bad in ("", "x" * 129, 5):
+        with pytest.raises(RequestError) as e:
+            _cached(llm, {"prompt_token_ids": ids, "cache_salt": bad})
+        assert e.value.param == "cache_salt"
+        with pytest.raises(RequestError) as e:
+            SamplingParams(cache_salt=bad)
+        assert e.value.param == "cache_salt"
+    assert check_cache_salt("x" * 128) == "x" * 128
+    assert with_salt(A, "s") == A2 and with_salt(None, None) is None and with_salt(A2, "s") == A2
+    with pytest.raises(RequestError, match="differs"):
+        with_salt(A2, "t")
+
+
+def test_llm_namespace_is_a_tenant_in_process():
+    """``LLM(namespace=Namespace(tenant=...))`` is every request's namespace: what the server's
+    API key gives; a prompt's cache_salt joins it, and a call's own namespace replaces it."""
+    llm = _llm(namespace=Namespace(tenant="a"))
+    ids = list(range(1, 25))
+    assert _cached(llm, ids) == 0 and _cached(llm, ids) == len(ids) - 1
+    hit = len(ids) - 1  # a dry run: all but the last token would come from the cache
+    assert llm.explain(prompt_token_ids=ids).outcome.num_cached_tokens == hit
+    assert llm.explain(prompt_token_ids=ids, namespace=B).outcome.num_cached_tokens == 0
+    # an explicit Namespace() is the shared default namespace, not this LLM's
+    assert llm.explain(prompt_token_ids=ids, namespace=Namespace()).outcome.num_cached_tokens == 0
+    assert _cached(llm, {"prompt_token_ids": ids, "cache_salt": "s"}) == 0  # Namespace(tenant="a", salt="s")
+    assert llm.explain(prompt_token_ids=ids, namespace=A2).outcome.num_cached_tokens == hit
+    assert llm.engine.cache_stats().tenants["a"]["cached"] == 2 * (len(ids) + 1)
+    with llm.session(ids) as s:
+        assert s.namespace == A
+    out = llm.generate_batch([(ids, greedy(2), B)])[0]  # a call's own namespace
+    assert out.num_cached_tokens == 0
+
+
+def test_async_llm_namespace_and_prompt_salt():
+    async def main():
+        async with AsyncLLM(model_runner=FakeRunner(512, 1), tokenizer=None, eos_token_ids=[], device="cpu",
+                            max_total_tokens=512, namespace=B) as alm:  # fmt: skip
+            ids = list(range(3, 30))
+
+            async def cached(prompt, **kw):
+                final = None
+                async for out in alm.generate(prompt, greedy(2), **kw):
+                    final = out
+                return final.num_cached_tokens
+
+            got = [await cached(ids), await cached(ids), await cached(ids, namespace=A)]
+            got += [await cached({"prompt_token_ids": ids, "cache_salt": "z"}), await cached(ids, namespace=A)]
+            return got, alm.cache_stats().tenants
+
+    got, tenants = asyncio.run(main())
+    assert got == [0, 26, 0, 0, 26]
+    assert set(tenants) == {"a", "b"} and tenants["b"]["cached"] == 2 * 28
