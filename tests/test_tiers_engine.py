@@ -374,3 +374,27 @@ def test_block_hashing_cache_works_with_tiers_written_through():
     assert e.reset_prefix_cache()
     out = generate(e, [p])[0]
     assert out.cached_tokens_by_tier["host"] == 96 and out.outputs[0].token_ids == reference(p, 6)
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_tenants_are_isolated_in_the_host_and_disk_tiers(tmp_path, medium):
+    """Blocks are keyed by the whole namespace (tenant, salt, extra_key: its stable bytes): over
+    the real stores, a new engine (nothing in its pool) serves tenant A's prompt entirely from the
+    tier and tenant B's identical prompt, or A's with a salt, not at all. (Redis: the same in
+    tests/test_tiers_redis.py.)"""
+    from radixkv.tiers import DiskStore, HostStore
+
+    store = HostStore(1 << 30) if medium == "host" else DiskStore(str(tmp_path), 1 << 30)
+    e = kv_engine(stores=[store], kv_tier_write_policy="write_through")
+    p = prompt(21, 70)
+    generate(e, [p], namespace=Namespace(tenant="A"))
+    assert e.kv.tiers.drain(60)
+    other = kv_engine(stores=[store])  # a restart over the same store: nothing in the pool
+    none = {"device": 0, "host": 0, "disk": 0, "remote": 0}
+    for ns in (Namespace(tenant="B"), Namespace(tenant="A", salt="s"), Namespace(extra_key="A"), None):
+        out = generate(other, [p], namespace=ns)[0]
+        assert out.num_cached_tokens == 0 and out.cached_tokens_by_tier == none, ns
+    assert other.reset_prefix_cache()
+    a = generate(other, [p], namespace=Namespace(tenant="A"))[0]
+    assert a.cached_tokens_by_tier == {**none, medium: 64} and a.outputs[0].token_ids == reference(p, 6)
+    assert other.cache_stats().tiers[medium]["corrupt"] == 0

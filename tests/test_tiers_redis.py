@@ -24,6 +24,7 @@ from tier_fakes import VOCAB, kv_engine, pool_holds_its_tokens, reference, run_a
 from tier_helpers import FP, FP2, keys_and_tokens, make_block, payload_for, run_two_processes
 
 from radixkv import LLM, SamplingParams
+from radixkv.namespace import Namespace
 from radixkv.tiers import encoded_size, make_stores
 from radixkv.tiers.remote import DEFAULT_TTL_S, RedisStore, parse_redis_url
 
@@ -267,6 +268,7 @@ _READ = textwrap.dedent(
     """
     import json, sys
     from radixkv import LLM, SamplingParams
+from radixkv.namespace import Namespace
     llm = LLM(device="cpu", max_total_tokens=4096, remote_cache_url=sys.argv[1])
     out = llm.generate(prompt_token_ids=[json.loads(sys.argv[2])],
                        sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
@@ -339,17 +341,24 @@ def test_redis_down_is_a_miss_and_back_up_it_serves_again(redis_server):
 
 
 @pytest.mark.timeout(600)
-def test_namespaces_are_isolated_in_redis(redis_server):
+def test_tenants_are_isolated_in_redis(redis_server):
+    """Another engine on the same Redis serves tenant A's prompt entirely from it, and tenant B's
+    identical prompt (or A's with a salt, or the same name as an extra_key) not at all: keys hold
+    the namespace's stable bytes (tenant, salt, extra_key)."""
     e = kv_engine(stores=[RedisStore(redis_server.url)])
     p = _prompt(2, 80)
     params = SamplingParams(temperature=0.0, max_tokens=2)
-    e.add_request(p, params, namespace="tenant-a")
+    e.add_request(p, params, namespace=Namespace(tenant="A"))
     run_all(e)
     assert e.kv.tiers.drain(60)
     other = kv_engine(stores=[RedisStore(redis_server.url)])  # another engine, same Redis
-    rid = other.add_request(p, params, namespace="tenant-b")
-    assert run_all(other)[rid].num_cached_tokens == 0
-    rid = other.add_request(p, params, namespace="tenant-a")
-    assert run_all(other)[rid].cached_tokens_by_tier["remote"] == 64
+    for ns in (Namespace(tenant="B"), Namespace(tenant="A", salt="s"), Namespace(extra_key="A")):
+        rid = other.add_request(p, params, namespace=ns)
+        out = run_all(other)[rid]
+        assert out.num_cached_tokens == 0 and sum(out.cached_tokens_by_tier.values()) == 0, ns
+    rid = other.add_request(p, params, namespace=Namespace(tenant="A"))
+    out = run_all(other)[rid]
+    assert out.num_cached_tokens == 64 and out.cached_tokens_by_tier["remote"] == 64
+    assert out.outputs[0].token_ids == reference(p, 2)
     e.close()
     other.close()

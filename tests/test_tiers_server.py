@@ -131,3 +131,38 @@ def test_serve_flags_reach_every_replica_as_engine_fields():
     assert kw["kv_tier_write_policy"] == {"host": "write_through"}
     with pytest.raises(SystemExit):
         ap.parse_args(["--host-cache-bytes", "lots"])
+
+
+def test_tenants_of_api_keys_are_isolated_in_the_tiers(tmp_path):
+    """Through the server with API keys: a restart on the same disk directory serves tenant A's
+    prompt from the disk tier in full, and tenant B's identical prompt (or A's with a cache_salt)
+    not at all: the server-set namespace (tenant, salt) keys every tier block."""
+    from radixkv.server.auth import APIKeys
+
+    keys = APIKeys.from_mapping({"sk-a": {"tenant": "A"}, "sk-b": {"tenant": "B"}})
+    ids = [random.Random(4).randrange(100, 40000) for _ in range(100)]
+
+    def serve():
+        llm = AsyncLLM(loaded_model=tiny_model(), device="cpu", max_total_tokens=4096, disk_cache_dir=str(tmp_path))
+        return llm, Server(create_app(llm, served_model_name=MODEL, api_keys=keys))
+
+    def cached(server, key, **extra):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, **extra}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    llm, server = serve()
+    assert cached(server, "sk-a") == 0
+    server.stop()
+    llm.shutdown()  # drains the disk tier's writes
+    llm, server = serve()
+    try:
+        assert cached(server, "sk-b") == 0
+        assert cached(server, "sk-a", cache_salt="s1") == 0
+        assert cached(server, "sk-a") == 96  # 6 whole blocks below the last prompt token, from disk
+        wait_idle(llm)
+        assert llm.cache_stats().cached_tokens_by_tier["disk"] == 96
+    finally:
+        server.stop()
+        llm.shutdown()
