@@ -185,6 +185,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tier_arguments(parser)  # KV tiers of the cached modes (docs/tiers.md)
 
 
+def _print_tier_rows(rows: List[dict]) -> None:
+    """A line per mode whose KV tiers served tokens: its cached tokens by tier."""
+    for r in rows:
+        if any(n for m, n in r["cached_tokens_by_tier"].items() if m != "device"):
+            print(f"{r['mode']}: cached tokens by tier {r['cached_tokens_by_tier']}")
+
+
 def run(args: argparse.Namespace, loaded_model=None) -> int:
     """Run the replay described by ``args``; prints the table, returns 0 (1 if outputs differ
     between modes, 2 for bad arguments). ``loaded_model`` reuses already loaded weights."""
@@ -274,10 +281,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         log.close()
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
-    for r in rows:
-        tiers = {m: n for m, n in r["cached_tokens_by_tier"].items() if m != "device" and n}
-        if tiers:
-            print(f"{r['mode']}: cached tokens by tier {r['cached_tokens_by_tier']}")
+    _print_tier_rows(rows)
     same = all(replies[m] == replies[modes[0]] for m in modes)
     if len(modes) > 1:
         print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")

@@ -21,7 +21,14 @@ from typing import Any, Optional
 from radixkv.config import parse_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
 
-__all__ = ["add_arguments", "add_tier_arguments", "tier_kwargs_from_args", "run", "engine_kwargs_from_args", "api_keys_of"]
+__all__ = [
+    "add_arguments",
+    "add_tier_arguments",
+    "tier_kwargs_from_args",
+    "run",
+    "engine_kwargs_from_args",
+    "api_keys_of",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
