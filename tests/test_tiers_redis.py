@@ -268,7 +268,6 @@ _READ = textwrap.dedent(
     """
     import json, sys
     from radixkv import LLM, SamplingParams
-from radixkv.namespace import Namespace
     llm = LLM(device="cpu", max_total_tokens=4096, remote_cache_url=sys.argv[1])
     out = llm.generate(prompt_token_ids=[json.loads(sys.argv[2])],
                        sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
