@@ -218,8 +218,8 @@ def test_stored_responses_belong_to_their_tenant(served):
         body = {"model": MODEL, "input": "And a vegetable?", "max_output_tokens": 2, "store": False}
         theirs = bob.post("/v1/responses", json={**body, "previous_response_id": made.id})
         none = bob.post("/v1/responses", json={**body, "previous_response_id": unknown})
-    # another tenant's id is answered exactly as an id that never existed (OpenAI's answer: 400)
-    assert theirs.status_code == none.status_code == 400
+    # another tenant's id is answered exactly as an id that never existed (404, as GET and DELETE)
+    assert theirs.status_code == none.status_code == 404
     assert theirs.json()["error"]["code"] == none.json()["error"]["code"] == "previous_response_not_found"
     with pytest.raises(openai.NotFoundError):
         b.responses.retrieve(made.id)

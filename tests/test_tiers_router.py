@@ -51,7 +51,7 @@ def _batch(epoch, seq, digests, medium=None):
 def test_a_block_in_the_shared_tier_is_cheaper_than_a_miss_dearer_than_a_local_hit(tier_weight, winner):
     toks = list(range(100, 260))  # 160 tokens: 9 whole blocks below the last one
     d = block_digests(toks, None, 0, 10)
-    p = make_policy("cache_events", tier_weight=tier_weight, miss_home=0)
+    p = make_policy("cache_events", tier_weight=tier_weight, home=False)
     for r in ("a", "b"):
         p.add_replica(r)
     p.on_events("a", _batch("ea", 1, d))  # a's pool holds the prompt
@@ -69,7 +69,7 @@ def test_a_block_in_the_shared_tier_is_cheaper_than_a_miss_dearer_than_a_local_h
 def test_a_replicas_own_host_tier_counts_only_for_it():
     toks = list(range(300, 460))
     d = block_digests(toks, None, 0, 10)
-    p = make_policy("cache_events", miss_home=0)
+    p = make_policy("cache_events", home=False)
     for r in ("a", "b"):
         p.add_replica(r)
     p.on_events("b", _batch("eb", 1, d, "host"))

@@ -22,10 +22,11 @@ Policies (:data:`POLICIES`, :func:`make_policy`):
   Rule: if loads are imbalanced (``max - min > balance_abs_threshold`` and ``max >
   balance_rel_threshold * min``, on outstanding requests) the least-loaded replica; else the
   longest match if its match rate exceeds ``cache_threshold``, else the smallest tree.
-* ``cache_events`` -- radixkv's: the longest *exactly* cached prefix, from the replicas' events,
-  weighed against load, with refinements for hot prefixes, conversations' next turns and
-  one-shot traffic (:class:`~radixkv.router.cache_events.CacheEvents`; its module states the
-  rule, docs/routing.md the measurements behind it).
+* ``cache_events`` -- radixkv's: the longest *exactly* cached prefix, from the replicas' events
+  (prompts in flight and replies counted as held at once), weighed against load in tokens of
+  prefill, SGLang's balance guard, one popularity rule and a home for prefixes held nowhere
+  (:class:`~radixkv.router.cache_events.CacheEvents`; its module states the rule in one
+  paragraph, docs/routing.md the measurements).
 """
 
 from __future__ import annotations

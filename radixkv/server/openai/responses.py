@@ -428,6 +428,8 @@ class Responses:
                     f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
                     "past the store's bound)",
                     "previous_response_id",
+                    status_code=404,  # NOTE: as GET / DELETE answer an unknown id (the tenants issue asks
+                    # one answer for all three); OpenAI itself answers 400 here
                     code="previous_response_not_found",
                 )
         ids, new_history, chat_req, plan = self._prompt(req, prev)
