@@ -358,9 +358,10 @@ class AsyncLLM:
         """The same as :meth:`cache_stats` (kept for older callers; ``timeout`` is unused)."""
         return self._stats
 
-    async def reset_prefix_cache(self) -> bool:
-        """Flush the prefix cache; False (and nothing done) while any request is unfinished."""
-        return await asyncio.wrap_future(self.submit(self._reset_in_thread))
+    async def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Flush the prefix cache (``tiers``: also the KV tiers the engine owns, host and disk);
+        False (and nothing done) while any request is unfinished."""
+        return await asyncio.wrap_future(self.submit(lambda e: self._reset_in_thread(e, tiers)))
 
     def num_unfinished_requests(self) -> int:
         """Requests submitted through this AsyncLLM whose streams are still open (a plain method,
@@ -408,7 +409,8 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the engine thread after its current step. Unfinished requests are aborted and
-        their streams raise ``EngineDeadError``. Idempotent; safe from any thread."""
+        their streams raise ``EngineDeadError``; the writes queued for the KV tiers are done
+        before the thread ends (``Engine.close``). Idempotent; safe from any thread."""
         with self._lock:
             if not self._closing:
                 self._closing = True
@@ -470,10 +472,10 @@ class AsyncLLM:
         current.put(_ABORTED)
         logger.debug("aborted %s", rid)
 
-    def _reset_in_thread(self, engine: Any) -> bool:
+    def _reset_in_thread(self, engine: Any, tiers: bool = False) -> bool:
         if self._streams:
             return False
-        return bool(engine.reset_prefix_cache())
+        return bool(engine.reset_prefix_cache(tiers=tiers))
 
     def _request_stop(self, engine: Any) -> None:
         self._stop = True
@@ -542,6 +544,10 @@ class AsyncLLM:
         finally:
             if self._dead is None:
                 self._dead = EngineDeadError("AsyncLLM is shut down")
+            try:
+                engine.close()  # the KV tiers' queued writes, so a restart finds them
+            except Exception:  # noqa: BLE001 - shutting down
+                logger.exception("closing the engine's KV tiers failed")
 
     def _fail_all(self, exc: BaseException, abort: bool) -> None:
         with self._lock:  # nothing can be posted after this point

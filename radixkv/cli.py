@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         ekw = server_cli.engine_kwargs_from_args(args, keys)
         return run_replicas(args, ekw, server_cli.served_model_name(args), api_keys=keys)
-    return server_cli.run(args)
+    try:
+        return server_cli.run(args)
+    except ValueError as e:  # a refused setting at start (e.g. an unwritable --disk-cache-dir)
+        print(f"radixkv serve: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

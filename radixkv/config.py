@@ -13,6 +13,10 @@ from radixkv.memory.kv_dtype import canonical_kv_dtype
 
 PREFIX_CACHES = ("radix", "hash", "none")
 EVICTION_POLICIES = ("lru", "lfu", "gdf", "reuse-odds")  # radixkv.cache.evict_policy (config stays a leaf)
+TIER_MEDIA = ("host", "disk", "remote")  # the KV tiers below the pool, in lookup order (docs/tiers.md)
+TIER_WRITE_POLICIES = ("write_through", "write_back")
+DEFAULT_WRITE_POLICY = {"host": "write_back", "disk": "write_through", "remote": "write_through"}
+DEFAULT_DISK_CACHE_BYTES = 8 << 30
 
 
 def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> int:
@@ -182,6 +186,30 @@ class EngineConfig:
     """Seconds after which a session pin unused that long is dropped (its tokens become evictable);
     None: never."""
 
+    host_cache_bytes: Optional[int] = None
+    """KV tier in host RAM below the pool (docs/tiers.md): its budget in bytes of stored blocks
+    (pinned host memory when the pool is on a GPU). None or 0: no host tier."""
+
+    disk_cache_dir: Optional[str] = None
+    """KV tier on local disk: a directory (created if missing; an unwritable one is a
+    ``ValueError`` naming this field at start). Blocks persist across restarts and may be shared
+    by several processes. None: no disk tier."""
+
+    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
+    """Budget of the disk tier in bytes (default 8 GiB); the tier evicts its least recently used
+    blocks beyond it."""
+
+    remote_cache_url: Optional[str] = None
+    """KV tier shared by engines on any machine: ``redis://[user:pass@]host:port/db`` or
+    ``rediss://...`` (Redis or Valkey). A malformed URL is a ``ValueError`` naming this field; a
+    server that is down is a miss (the tier is degraded, retried with backoff). None: none."""
+
+    kv_tier_write_policy: Union[None, str, dict] = None
+    """When computed blocks are written to the tiers: "write_through" (after they enter the pool)
+    or "write_back" (when the pool evicts them); one value for every tier, or a dict per tier
+    (``{"host": "write_back", "disk": "write_through"}``). Default: write-back for host,
+    write-through for disk and remote (so restarts and other engines see blocks before eviction).
+    Resolved into a dict with one entry per tier."""
     tenant_kv_quota_tokens: Optional[Dict[str, int]] = None
     """Soft KV quotas: tenant name (``Namespace.tenant``, set by the server from the API key) ->
     cached tokens. When the pool must evict, tenants holding more than their quota lose their
@@ -315,6 +343,29 @@ class EngineConfig:
             or not all(isinstance(k, str) and k and type(v) is int and v >= 0 for k, v in q.items())
         ):
             raise ValueError(f"tenant_kv_quota_tokens must map tenant names to ints >= 0, got {q!r}")
+        self._resolve_tiers()
+
+    def _resolve_tiers(self) -> None:
+        """Check the KV tier fields (types and the write policy; the stores check the directory
+        and the URL when they are built) and resolve ``kv_tier_write_policy`` into a dict."""
+        for name in ("host_cache_bytes", "disk_cache_bytes"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+                raise ValueError(f"{name} must be an integer number of bytes >= 0, got {v!r}")
+        for name in ("disk_cache_dir", "remote_cache_url"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"{name} must be a non-empty string or None, got {v!r}")
+        if self.disk_cache_dir is not None and not self.disk_cache_bytes:
+            raise ValueError("disk_cache_bytes must be > 0 when disk_cache_dir is set")
+        self.kv_tier_write_policy = resolve_write_policy(self.kv_tier_write_policy)
+
+    @property
+    def kv_tiers(self) -> tuple:
+        """The KV tiers configured, in lookup order (some of ``TIER_MEDIA``)."""
+        on = {"host": bool(self.host_cache_bytes), "disk": self.disk_cache_dir is not None}
+        on["remote"] = self.remote_cache_url is not None
+        return tuple(m for m in TIER_MEDIA if on[m])
 
     def _resolve_memory(self) -> None:
         """Parse ``kv_cache_memory_bytes`` (an int or a string) into bytes."""
@@ -330,3 +381,39 @@ class EngineConfig:
             return max(self.page_size, min(1 << 20, int(free * 0.4) // bytes_per_token))
         memory = DEFAULT_CPU_FLOAT32_TOKENS * int(float32_bytes_per_token or bytes_per_token)
         return max(self.page_size, memory // bytes_per_token)
+
+
+def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
+    """``kv_tier_write_policy`` as ``{tier: policy}`` for every tier of ``TIER_MEDIA``: None gives
+    the defaults (:data:`DEFAULT_WRITE_POLICY`), a str applies to every tier, a dict overrides
+    the tiers it names.
+
+    Raises:
+        ValueError: (naming ``kv_tier_write_policy``) an unknown policy or tier.
+    """
+    out = dict(DEFAULT_WRITE_POLICY)
+    if policy is None:
+        return out
+    if isinstance(policy, str):
+        policy = {m: policy for m in TIER_MEDIA}
+    if not isinstance(policy, dict):
+        raise ValueError(f"kv_tier_write_policy must be None, a str or a dict per tier, got {policy!r}")
+    for tier, p in policy.items():
+        if tier not in TIER_MEDIA:
+            raise ValueError(f"kv_tier_write_policy: unknown tier {tier!r}; tiers are {TIER_MEDIA}")
+        if p not in TIER_WRITE_POLICIES:
+            raise ValueError(f"kv_tier_write_policy: {tier} must be one of {TIER_WRITE_POLICIES}, got {p!r}")
+        out[tier] = p
+    return out
+
+
+def parse_bytes(text: Union[int, str], field: str = "bytes") -> int:
+    """A byte budget as the CLIs take it: 0, or :func:`parse_memory_bytes`'s forms (``4GiB``,
+    ``500MB``, ``1073741824``).
+
+    Raises:
+        ValueError: naming ``field``: not a byte count.
+    """
+    if (isinstance(text, str) and text.strip() == "0") or text == 0:
+        return 0
+    return parse_memory_bytes(text, field)

@@ -41,11 +41,14 @@ class LLM:
             page_size (1), max_total_tokens (KV pool capacity in tokens), max_context_len,
             prefix_cache ("radix" | "hash" | "none"), enable_prefix_caching (False = "none"),
             attention_backend ("auto"), max_running_requests, chunked_prefill_size,
-            schedule_policy ("lpm" | "fcfs"), seed, max_n, max_pinned_tokens, pin_idle_timeout;
+            schedule_policy ("lpm" | "fcfs"), seed, max_n, max_pinned_tokens, pin_idle_timeout,
+            the KV tiers host_cache_bytes, disk_cache_dir, disk_cache_bytes, remote_cache_url,
+            kv_tier_write_policy (docs/tiers.md);
             and the :class:`~radixkv.engine.Engine` keywords ``loaded_model`` (a
             :class:`~radixkv.models.loader.LoadedModel` to share weights between engines),
             ``model_runner``, ``tokenizer``, ``eos_token_ids``, ``clock`` (the pins' time
-            source). The same keywords as :class:`~radixkv.async_llm.AsyncLLM`
+            source), ``tier_stores`` (KV tier stores instead of those the fields name). The same
+            keywords as :class:`~radixkv.async_llm.AsyncLLM`
             (:func:`radixkv.engine_args.split_engine_kwargs`).
         namespace: the prefix-cache namespace of every request of this ``LLM`` that names none
             (``generate``, ``chat``, ``generate_batch``, sessions, ``select``, ``explain``): None (the
@@ -317,10 +320,25 @@ class LLM:
         """
         return drive(self, select_program(self, prompt, choices, method, self._ns(namespace)))
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache (False while requests run)."""
+    def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Empty the prefix cache (False while requests run); ``tiers``: also the KV tiers this
+        engine owns (host, disk; not a shared remote tier)."""
         with self._lock:
-            return self.engine.reset_prefix_cache()
+            return self.engine.reset_prefix_cache(tiers=tiers)
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Finish the writes queued for the KV tiers and close them (docs/tiers.md), so that a
+        restart or another engine finds every block; idempotent (also done on ``with LLM(...)``
+        exit and at interpreter exit). Returns whether every write was done within ``timeout``
+        seconds (None: no limit)."""
+        with self._lock:
+            return self.engine.close(timeout)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def cache_stats(self) -> EngineStats:
         """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict)."""

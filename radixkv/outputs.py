@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 if TYPE_CHECKING:
     from radixkv.cache.outcome import CacheOutcome
 
+CACHE_MEDIA = ("device", "host", "disk", "remote")
+"""Where a reused prompt token came from: the KV pool (``device``) or a KV tier below it; the keys
+of :attr:`RequestOutput.cached_tokens_by_tier`."""
+
 
 @dataclass
 class Logprob:
@@ -110,6 +114,10 @@ class RequestOutput:
         error: when its sampling, logits processing, grammar or output processing raised (its
             samples end with finish_reason ``"error"``; the other requests of the batch go on),
             ``"<exception type>: <message>"``; else None.
+        cached_tokens_by_tier: ``num_cached_tokens`` by where they came from, a plain dict of
+            ints with the keys ``device`` (the KV pool: cached, or shared with a request computing
+            them in the same forward), ``host``, ``disk`` and ``remote`` (the KV tiers,
+            docs/tiers.md); its values sum to ``num_cached_tokens``.
     """
 
     request_id: str
@@ -122,3 +130,4 @@ class RequestOutput:
     prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = None
     cache_outcome: Optional["CacheOutcome"] = None
     error: Optional[str] = None
+    cached_tokens_by_tier: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_MEDIA, 0))

@@ -69,6 +69,7 @@ def replay_mode(
     replies: List[List[List[int]]] = [[] for _ in conversations]
     ttfts: List[float] = []
     out_tokens = 0
+    longest = 0
     before = llm.cache_stats()
     turns = max(len(c) for c in conversations)
     bar = tqdm(total=sum(len(c) for c in conversations), desc=desc, unit="req", disable=not progress)
@@ -80,6 +81,7 @@ def replay_mode(
             histories[i].append({"role": "user", "content": conversations[i][t]})
             text = llm.render_chat(histories[i])
             prompts.append(llm.tokenizer.encode(text, add_special_tokens=False))
+            longest = max(longest, len(prompts[-1]))
             if log is not None:
                 log.write(
                     dict(model=model, messages=[dict(m) for m in histories[i]], max_tokens=max_tokens, temperature=0)
@@ -109,6 +111,10 @@ def replay_mode(
         "wall_s": wall,
         "output_tokens": out_tokens,
         "evicted_tokens": after["evicted_tokens"] - before["evicted_tokens"],
+        "max_prompt_tokens": longest,
+        "cached_tokens_by_tier": {
+            m: n - before.cached_tokens_by_tier.get(m, 0) for m, n in after.cached_tokens_by_tier.items()
+        },
         "replies": replies,
     }
 
@@ -174,6 +180,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="write the first mode's requests as a JSONL trace of chat bodies (what `radixkv explain` reads)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    from radixkv.server.cli import add_tier_arguments
+
+    add_tier_arguments(parser)  # KV tiers of the cached modes (docs/tiers.md)
+
+
+def _print_tier_rows(rows: List[dict]) -> None:
+    """A line per mode whose KV tiers served tokens: its cached tokens by tier."""
+    for r in rows:
+        if any(n for m, n in r["cached_tokens_by_tier"].items() if m != "device"):
+            print(f"{r['mode']}: cached tokens by tier {r['cached_tokens_by_tier']}")
 
 
 def run(args: argparse.Namespace, loaded_model=None) -> int:
@@ -228,6 +244,9 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
 
         open(args.log_requests, "w").close()  # a fresh trace
         log = TraceWriter(args.log_requests)
+    from radixkv.server.cli import tier_kwargs_from_args
+
+    tiers = tier_kwargs_from_args(args)
     for k, mode in enumerate(modes):
         llm = LLM(
             args.model,
@@ -236,6 +255,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             **kv,
             prefix_cache=MODES[mode],
             loaded_model=loaded,
+            **(tiers if mode != "off" else {}),
         )
         st = llm.cache_stats()
         print(
@@ -254,12 +274,14 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         )
         replies[mode] = res.pop("replies")
         rows.append({"mode": mode, **res, "page_size": args.page_size, **{k: st[k] for k in _KV_KEYS}})
+        llm.close()  # the KV tiers' queued writes (a later run on the same --disk-cache-dir finds them)
         del llm
         gc.collect()
     if log is not None:
         log.close()
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
+    _print_tier_rows(rows)
     same = all(replies[m] == replies[modes[0]] for m in modes)
     if len(modes) > 1:
         print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")

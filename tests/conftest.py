@@ -64,3 +64,18 @@ def client(server):
 
     with openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    """A real ``redis-server`` on a free 127.0.0.1 port, its own temp dir, no persistence
+    (``redis_fixture.RedisServer``: ``.url``, ``.kill()``, ``.start()`` on the same port), stopped
+    after the module. Skips when Debian's ``redis-server`` is not installed (``.ci/setup``
+    installs it with apt-get)."""
+    from redis_fixture import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed: .ci/setup installs it (apt-get install redis-server)")
+    s = RedisServer()
+    yield s
+    s.stop()

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_engine_keywords_are_the_engines():
-    assert engine_keywords() == ["clock", "eos_token_ids", "loaded_model", "model_runner", "tokenizer"]
+    assert engine_keywords() == ["clock", "eos_token_ids", "loaded_model", "model_runner", "tier_stores", "tokenizer"]
 
 
 def test_split_into_config_and_engine_keywords():

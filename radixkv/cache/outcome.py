@@ -86,6 +86,10 @@ class CacheOutcome:
         other_namespace: the namespace holding the ``namespace`` segment (a
             :class:`~radixkv.namespace.Namespace`, or None: the shared default), else None.
             ``as_dict`` gives its ``repr`` (a salt shown as a short digest).
+        tier_spans: ``(start, end, medium)`` ranges of the missed tokens that a KV tier below
+            the pool holds (``host``, ``disk``, ``remote``; docs/tiers.md): the request loads them
+            instead of computing them when that is cheaper. The segments stay the pool's view:
+            these ranges lie inside them.
     """
 
     cause: str
@@ -96,6 +100,7 @@ class CacheOutcome:
     diverge_pos: Optional[int] = None
     cached_next: tuple = ()
     other_namespace: Optional[Namespace] = None
+    tier_spans: tuple = ()
 
     @property
     def num_missed_tokens(self) -> int:
@@ -137,6 +142,7 @@ class CacheOutcome:
             diverge_pos=self.diverge_pos,
             cached_next=list(self.cached_next),
             other_namespace=None if self.other_namespace is None else repr(self.other_namespace),
+            tier_spans=[list(t) for t in self.tier_spans],
         )
 
 

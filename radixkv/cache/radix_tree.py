@@ -433,6 +433,25 @@ class RadixCache:
             end = pos + best_c
             return PeekResult(pos, end, nxt, best is not None and end < total)
 
+    def cached_slots(self, tokens: Tokens, namespace: Namespace | None = None) -> Any:
+        """The slots of the longest cached prefix of ``tokens`` (page-floored, as
+        :meth:`match_prefix` would return them), read-only: nothing is split, refreshed or
+        locked, so the eviction order is untouched (the KV tiers read the K/V of evicted blocks'
+        cached heads with it). 1-D int64 slot array (a copy)."""
+        kb = pack_tokens(tokens)
+        total = len(kb) >> TOKEN_SHIFT
+        ps, pb = self.page_size, self._page_bytes
+        node, pos, parts = self.root.children.get(namespace), 0, []
+        while node is not None and pos + ps <= total:
+            child = node.children.get(kb[pos << TOKEN_SHIFT : (pos << TOKEN_SHIFT) + pb])
+            if child is None:
+                break
+            c = token_keys.common_prefix_len(child.key, kb, pos, total) // ps * ps
+            parts.append(child.value[: c << SLOT_SHIFT])
+            pos += c
+            node = child if c << TOKEN_SHIFT == len(child.key) else None
+        return self._read_slots(bytearray().join(parts)) if parts else empty_slots()
+
     def insert(self, tokens: Tokens, slots: Any, namespace: Namespace | None = None) -> int:
         """Caches ``tokens`` with their KV ``slots`` in ``namespace``.
 

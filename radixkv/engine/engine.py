@@ -23,6 +23,7 @@ message into the inbox, which the driver applies in order at the start of its ne
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import logging
 import threading
@@ -33,6 +34,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
@@ -41,12 +43,14 @@ from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats, tenant_row
+from radixkv.engine.tiers import TierManager, build_stores, check_settings, model_fingerprint
 from radixkv.engine.validation import Limits, validate_request
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.kv_io import layout_of
 from radixkv.memory.kv_pool import KVPool
 from radixkv.namespace import Namespace, with_salt
-from radixkv.outputs import RequestOutput
+from radixkv.outputs import CACHE_MEDIA, RequestOutput
 from radixkv.sampling.grammar import GrammarBackend
 from radixkv.sampling.logprobs import TokenDecoder, to_position_logprobs
 from radixkv.sampling.pipeline import PromptSegment, SamplingPipeline
@@ -101,6 +105,36 @@ def _default_eos(hf_config: Any, tokenizer: Any) -> List[int]:
     return sorted(eos)
 
 
+def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Sequence[Any]]) -> Optional[TierManager]:
+    """The KV tiers of ``cfg`` (or the ``stores`` given), over ``runner``'s KV pool; None without
+    any.
+
+    Raises:
+        ValueError: tiers without a prefix cache or without a runner's ``kv_pool``, or a store
+            refused its configuration (naming the field).
+    """
+    if stores is None and not cfg.kv_tiers:
+        return None
+    pool = getattr(runner, "kv_pool", None)
+    if cfg.prefix_cache == "none" or pool is None:
+        for s in stores or ():
+            s.close()
+        why = "prefix_cache='none' keeps nothing" if pool is not None else "the model runner has no kv_pool"
+        raise ValueError(f"KV tiers (host_cache_bytes, disk_cache_dir, remote_cache_url) need a prefix cache: {why}")
+    if model is not None:
+        from radixkv.models.fingerprint import weights_digest  # lazy: the model stack
+
+        weights = weights_digest(model)
+    else:  # a runner without a model (tests): its name stands for its weights
+        weights = str(getattr(runner, "fingerprint", cfg.model)).encode()
+    kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)
+    fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta)
+    stores = list(build_stores(cfg, fp) if stores is None else stores)
+    if not stores:
+        return None
+    return TierManager(stores, pool, fp, cfg.kv_tier_write_policy, write_back_ok=cfg.prefix_cache == "radix")
+
+
 def _make_cache(cfg: EngineConfig) -> Any:
     """The prefix cache ``cfg.prefix_cache`` names (radix, hash blocks, or none)."""
     quotas = cfg.tenant_kv_quota_tokens
@@ -128,6 +162,9 @@ class Engine:
             KV pool).
         clock: time source in seconds of the pins' idle timeout (default ``time.monotonic``;
             tests pass a fake one).
+        tier_stores: the KV tiers' stores (:class:`~radixkv.tiers.PageStore` s) to use instead of
+            those ``config`` names (``host_cache_bytes``, ``disk_cache_dir``,
+            ``remote_cache_url``); the engine closes them at :meth:`close`.
 
     Attributes:
         events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
@@ -152,13 +189,17 @@ class Engine:
         eos_token_ids: Optional[Sequence[int]] = None,
         loaded_model: Any = None,
         clock: Optional[Callable[[], float]] = None,
+        tier_stores: Optional[Sequence[Any]] = None,
     ) -> None:
         # a copy: the caller's config is never changed (it may be reused for another engine)
         self.config = cfg = copy.copy(config or EngineConfig()).resolve()
+        if tier_stores is None:
+            check_settings(cfg)  # a bad tier setting fails before the model loads
         hf_config = None
+        model = getattr(model_runner, "model", None)
         if model_runner is None:
             loaded = loaded_model if loaded_model is not None else _load(cfg)
-            hf_config = loaded.hf_config
+            hf_config, model = loaded.hf_config, loaded.model
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
             model_runner = _default_runner(cfg, loaded)
         else:
@@ -185,7 +226,10 @@ class Engine:
             pin_idle_timeout=cfg.pin_idle_timeout,
             clock=clock,
             in_batch_sharing=cfg.in_batch_prefix_sharing,
+            tiers=_make_tiers(cfg, model_runner, model, tier_stores),
         )
+        if self.kv.tiers is not None:
+            self.kv.tiers.io.on_load_done = self._wake
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
         )
@@ -200,6 +244,7 @@ class Engine:
         self._rng = torch.Generator(device=torch.device(cfg.device)).manual_seed(cfg.seed)
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.cached_by_tier = {m: 0 for m in CACHE_MEDIA}  # cached_tokens by where they came from
         self._tenant_counts: Dict[str, List[int]] = {}  # tenant -> [prompt tokens, cached tokens]
         self.generated_tokens = 0
         self.num_steps = 0
@@ -412,6 +457,13 @@ class Engine:
         with self._work:
             self._work.wait_for(lambda: bool(self._inbox) or any(f.done() for f in futs), timeout)
 
+    def _wait_for_tiers(self, timeout: float = 0.05) -> None:
+        """Nothing could run and waiting requests wait for their blocks from the KV tiers: sleep
+        until a load finishes or a message arrives (at most ``timeout`` seconds)."""
+        io = self.kv.tiers.io
+        with self._work:
+            self._work.wait_for(lambda: bool(self._inbox) or io.has_done_loads(), timeout)
+
     def abort_now(self, request_id: str) -> None:
         """Abort a request at once (driver thread: from a posted call or between steps); its
         final output (finish_reason "abort") comes from the next :meth:`step`. Unknown or
@@ -492,10 +544,15 @@ class Engine:
         if batch is None:
             if self._compiling:
                 self._wait_for_grammars()
+            elif self.kv.tiers is not None and any(self.kv.tier_waiting(r) for r in self.scheduler.waiting):
+                self._wait_for_tiers()
             return outputs
         self.num_steps += 1
         self._note_admissions(batch)
+        t0 = time.perf_counter()
         logits, sample_index, segments = self._forward(batch)
+        if self.kv.tiers is not None and batch.prefill_tokens >= max(16, sum(batch.extend_lens) // 2):
+            self.kv.tiers.costs.note_prefill(time.perf_counter() - t0, batch.prefill_tokens)
         self.scheduler.after_forward(batch)
         samplers = batch.samplers
         result = self.sampling.step(
@@ -530,6 +587,7 @@ class Engine:
                 g.counted = True
                 g.num_cached_tokens = r.num_cached_tokens
                 g.cache_outcome = r.cache_outcome
+                g.cached_tokens_by_tier = self._by_tier(r)
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
                 tenant = r.namespace.tenant if r.namespace is not None else None
@@ -554,6 +612,19 @@ class Engine:
                     )
                 )
         self._last_admit_seq = max([self._last_admit_seq, *(r.admit_seq for r in batch.members)])
+
+    def _by_tier(self, r: Request) -> Dict[str, int]:
+        """Where ``r``'s cached prompt tokens came from (:data:`CACHE_MEDIA`), added to the
+        engine's totals: the KV tiers' installs for it, the pool for the rest."""
+        n = r.num_cached_tokens or 0
+        tiers = r.tier.by_tier(n) if r.tier is not None else {}
+        out = {m: tiers.get(m, 0) for m in CACHE_MEDIA}
+        out["device"] = n - sum(tiers.values())
+        for m, k in out.items():
+            self.cached_by_tier[m] += k
+        if tiers:
+            self.kv.tiers.served(tiers)
+        return out
 
     def _take_prompt_logprobs(self, segments: List[tuple], result: Any, failed: Dict[str, BaseException]) -> None:
         """Record the prompt logprobs computed in this step (``segments``: ``(request,
@@ -686,12 +757,21 @@ class Engine:
     def explain(self, prompt_token_ids: Sequence[int], namespace: Hashable = None) -> Any:
         """The :class:`~radixkv.cache.outcome.CacheOutcome` the prompt would get if admitted now
         (driver thread). A dry run: a read-only ``peek`` of the prefix cache, nothing computed,
-        locked or refreshed; the running requests count as ``in_flight``. ``namespace`` as for
-        :meth:`add_request` (``Namespace.of``)."""
+        locked or refreshed; the running requests count as ``in_flight``; with KV tiers, which
+        tier holds each missed whole block after the pool's match (``tier_spans``: the stores
+        are asked, nothing is loaded). ``namespace`` as for :meth:`add_request`
+        (``Namespace.of``)."""
         tracker = self.outcomes
         if tracker is None:  # outcomes off: no record of evictions, the rest is the same
             tracker = OutcomeTracker(self.kv.cache, EventBus())
-        return tracker.explain(prompt_token_ids, Namespace.of(namespace), self.scheduler.running)
+        ns = Namespace.of(namespace)
+        outcome = tracker.explain(prompt_token_ids, ns, self.scheduler.running)
+        tiers = self.kv.tiers
+        if tiers is None or not outcome.num_missed_tokens:
+            return outcome
+        limit = (len(prompt_token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS // self.kv.page_size * self.kv.page_size
+        spans = tiers.where(ns, list(prompt_token_ids), outcome.num_cached_tokens, limit)
+        return dataclasses.replace(outcome, tier_spans=tuple(spans))
 
     def cache_stats(self) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an
@@ -720,6 +800,8 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             page_size=self.config.page_size,
             prefix_cache=self.config.prefix_cache,
+            cached_tokens_by_tier=dict(self.cached_by_tier),
+            tiers=kv.tiers.stats() if kv.tiers is not None else {},
             tenants=self._tenant_stats(),
             **self._kv_facts(),
         )
@@ -743,11 +825,29 @@ class Engine:
         names = sorted({t for t in sizes if t is not None} | set(self._tenant_counts))
         return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *self._tenant_counts.get(t, (0, 0))) for t in names}
 
-    def reset_prefix_cache(self) -> bool:
-        """Empty the prefix cache; False (and nothing done) while requests are queued or running."""
+    def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Empty the prefix cache; False (and nothing done) while requests are queued or running.
+
+        Args:
+            tiers: also empty the KV tiers this engine owns (host, disk; not the shared remote
+                one), once the writes queued for them are done.
+        """
         if self._groups or self._inbox:
             return False
-        return self.scheduler.reset_cache()
+        if not self.scheduler.reset_cache():
+            return False
+        if tiers and self.kv.tiers is not None:
+            self.kv.tiers.delete_all()
+        return True
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Write what is queued for the KV tiers and close them (driver thread; idempotent;
+        afterwards the engine runs without its tiers). Returns whether every queued write was
+        done within ``timeout`` seconds (None: no limit). ``LLM.close``, ``AsyncLLM.shutdown``
+        and their context exits call it; interpreter exit drains too."""
+        if self.kv.tiers is None:
+            return True
+        return self.kv.tiers.close(timeout)
 
     def check_integrity(self) -> None:
         """Raise AssertionError when slot ownership is inconsistent: the cache's own check, and

@@ -19,7 +19,8 @@ Events:
   sampled from another row's logits without a row of their own (in-batch sharing).
 * :class:`RequestFinished`: a user request (all its ``n`` samples) finished or was aborted.
 * :class:`CacheInserted` / :class:`CacheEvicted` / :class:`CacheReset`: tokens entered or left
-  the prefix cache, with a per-engine sequence number ``seq`` (one counter for the three, no
+  the prefix cache (``CacheInserted.medium``: the pool, ``"device"``, or a KV tier the blocks
+  were stored in), with a per-engine sequence number ``seq`` (one counter for the three, no
   gaps), the namespace (a :class:`~radixkv.namespace.Namespace`, or None: the shared default;
   every event carries it as the engine normalized it), and the chained digests of the 16-token blocks that became fully cached
   or stopped being so (:mod:`radixkv.cache.digests`; the same whatever the page size).
@@ -148,15 +149,18 @@ class RequestFinished(Event):
 
 @dataclass(frozen=True, slots=True)
 class CacheInserted(Event):
-    """Tokens entered the prefix cache.
+    """Tokens entered the prefix cache, or blocks were stored in a KV tier below it.
 
     Attributes:
         seq: per-engine sequence number of cache events (1, 2, ...; no gaps).
         namespace: the namespace of the inserted sequence.
-        num_tokens: tokens newly cached (whole pages).
+        num_tokens: tokens newly cached (whole pages; for a tier, 16 per block).
         first_block: index of the first 16-token block in ``block_digests`` (block ``b`` covers
             tokens ``[16 b, 16 b + 16)`` of the sequence).
         block_digests: chained digests of the blocks that became fully cached, in order.
+        medium: where they are held: ``"device"`` (the KV pool; also blocks loaded into it from
+            a tier) or a KV tier, ``"host"``, ``"disk"``, ``"remote"`` (the blocks are stored
+            there now; vLLM's ``BlockStored.medium``). A tier's own evictions are not announced.
     """
 
     seq: int
@@ -164,6 +168,7 @@ class CacheInserted(Event):
     num_tokens: int
     first_block: int
     block_digests: tuple[bytes, ...]
+    medium: str = "device"
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,8 +34,18 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
   anything is retracted when a running request is short of memory); when a pin dies the table
   calls back here, and the KV manager unlocks (or frees) what it held.
 
-A later helper (a KV tier, tentative draft slots) plugs in the same way: its own bookkeeping in
-its own class, every slot it implies moved by the KV manager (a callback or a returned value).
+* :class:`~radixkv.engine.tiers.TierManager` (``kv.tiers``, None without tiers), the KV tiers
+  below the pool (docs/tiers.md): before a waiting request is admitted, the blocks after its
+  cached prefix are looked up tier by tier and loaded into host memory on the tiers' I/O thread
+  (:meth:`~KVManager.tier_step`); a finished load is copied into new slots here, after what the
+  pool holds then, and inserted into the cache as if computed, its path locked until the
+  request is admitted; the request waits in the queue meanwhile
+  (:meth:`~KVManager.tier_waiting`), so no step stalls. Blocks entering the cache are written
+  through, blocks it evicts written back (per tier), their K/V copied out here before the slots
+  are reused.
+
+A later helper (tentative draft slots) plugs in the same way: its own bookkeeping in its own
+class, every slot it implies moved by the KV manager (a callback or a returned value).
 
 Invariant (:meth:`check_integrity`): every slot is exactly one of free, held by the cache, owned
 by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``
@@ -55,7 +65,9 @@ from radixkv.engine.batch_sharing import BatchSharing
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
 from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
+from radixkv.engine.tiers import TierHold, TierManager
 from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.kv_io import scatter_rows
 from radixkv.memory.kv_pool import ReqToTokenPool
 from radixkv.namespace import Namespace
 
@@ -96,11 +108,13 @@ class KVManager:
             inject a fake one).
         in_batch_sharing: share prefixes computed by rows of the same forward (False: only
             what is cached when a request is admitted is shared).
+        tiers: the KV tiers below the pool (:class:`~radixkv.engine.tiers.TierManager`), or None.
 
     Attributes:
         pins: the :class:`~radixkv.engine.pins.PinTable` (live pins, bounds of the soft ones).
         sharing: the :class:`~radixkv.engine.batch_sharing.BatchSharing` of the forward being
             planned.
+        tiers: the :class:`~radixkv.engine.tiers.TierManager`, or None.
         evicted_tokens: tokens evicted from the cache so far.
 
     Raises:
@@ -118,6 +132,7 @@ class KVManager:
         pin_idle_timeout: Optional[float] = None,
         clock: Optional[Callable[[], float]] = None,
         in_batch_sharing: bool = True,
+        tiers: Optional[TierManager] = None,
     ) -> None:
         if cache.page_size != allocator.page_size:
             raise ValueError(f"cache page_size {cache.page_size} != allocator page_size {allocator.page_size}")
@@ -131,6 +146,9 @@ class KVManager:
         self._seq = 0
         self.pins = PinTable(self._unhold, max_tokens=max_pinned_tokens, idle_timeout=pin_idle_timeout, clock=clock)
         self.sharing = BatchSharing(self.page_size, enabled=bool(in_batch_sharing) and self.shares)
+        self.tiers = tiers if self.shares else None
+        self._evicting: Optional[list] = None  # pieces the cache evicts now, for write-back
+        self._tier_held: dict = {}  # id(request) -> waiting request holding an installed load
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -214,7 +232,7 @@ class KVManager:
         if avail >= n:
             return True
         if self.cache.evictable_size() > 0:
-            freed = self.cache.evict(n - avail)
+            freed = self._evict(n - avail)
             if freed.numel():
                 self.allocator.free(freed)
                 self.evicted_tokens += int(freed.numel())
@@ -249,11 +267,18 @@ class KVManager:
         self._seq += 1
         return self._seq
 
-    def _insert(self, tokens: List[int], slots: List[int], namespace: Optional[Namespace]) -> int:
-        k = self.cache.insert(tokens, _as_slots(slots), namespace)
-        if self.shares and self.events.wants(CacheInserted) and len(tokens) > k:
-            n = len(tokens)
-            first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
+    def _insert(self, tokens: List[int], slots: Any, namespace: Optional[Namespace], skip: tuple = ()) -> int:
+        """``cache.insert``; the blocks that became fully cached are written through to the tiers
+        (but those in ``skip``) and announced (:class:`CacheInserted`)."""
+        slots = slots if isinstance(slots, torch.Tensor) else _as_slots(slots)
+        k = self.cache.insert(tokens, slots, namespace)
+        n = len(tokens)
+        first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
+        if self.tiers is not None and stop > first and self.tiers.through:
+            self.tiers.write(
+                "write_through", namespace, tokens, first, stop, slots[first * BLOCK_TOKENS : stop * BLOCK_TOKENS], skip
+            )
+        if self.shares and self.events.wants(CacheInserted) and n > k:
             digests = tuple(block_digests(tokens, namespace, first, stop)) if stop > first else ()
             self.events.emit(
                 CacheInserted(
@@ -267,6 +292,8 @@ class KVManager:
         return k
 
     def _on_evict(self, namespace: Optional[Namespace], path: bytes, start: int) -> None:
+        if self._evicting is not None:
+            self._evicting.append((namespace, path, start))
         if not self.events.wants(CacheEvicted):
             return
         end = len(path) >> 2
@@ -275,6 +302,55 @@ class KVManager:
         self.events.emit(
             CacheEvicted(seq=self._next_seq(), namespace=namespace, num_tokens=end - start, block_digests=digests)
         )
+
+    def _evict(self, n: int) -> Any:
+        """``cache.evict(n)``; with write-back tiers, the K/V of the blocks it evicts is copied
+        out (and queued for the tiers) before the caller frees the slots."""
+        if self.tiers is None or not self.tiers.writes_back or not hasattr(self.cache, "evict_listener"):
+            return self.cache.evict(n)
+        self._evicting = []
+        try:
+            freed = self.cache.evict(n)
+        finally:
+            pieces, self._evicting = self._evicting, None
+        if pieces and freed.numel():
+            self._write_back(pieces, freed)
+        return freed
+
+    def _write_back(self, pieces: list, freed: Any) -> None:
+        """Queue the whole 16-token blocks of evicted ``pieces`` (``(namespace, path, start)`` in
+        the order ``freed`` holds their slots) for the write-back tiers. A block's head may lie
+        before its piece: in a piece evicted by the same call, or still cached (read without
+        touching the tree's order)."""
+        ends: dict = {}
+        off = 0
+        for ns, path, start in pieces:
+            end = len(path) >> 2
+            ends[(ns, path)] = (start, freed[off : off + end - start])
+            off += end - start
+
+        def head(ns: Any, path: bytes, lo: int, hi: int) -> Any:
+            """The slots of positions ``[lo, hi)`` of ``path``, ``hi`` a piece's start."""
+            got = ends.get((ns, path[: hi << 2]))
+            if got is None:  # still cached (or gone: then too short)
+                cached = self.cache.cached_slots(memoryview(path[: hi << 2]).cast("i"), ns)
+                return cached[lo:hi] if len(cached) >= hi else None
+            start, sl = got
+            if start <= lo:
+                return sl[lo - start :]
+            h = head(ns, path, lo, start)
+            return None if h is None else torch.cat([torch.as_tensor(h), torch.as_tensor(sl)])
+
+        for ns, path, start in pieces:
+            end = len(path) >> 2
+            first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
+            if stop <= first:
+                continue
+            lo, hi = first * BLOCK_TOKENS, stop * BLOCK_TOKENS
+            own = torch.as_tensor(ends[(ns, path)][1][max(lo, start) - start : hi - start])
+            h = head(ns, path, lo, start) if lo < start else own[:0]
+            if h is not None:
+                self.tiers.write("write_back", ns, path, first, stop, torch.cat([torch.as_tensor(h), own]))
 
     # ------------------------------------------------------------------ in-batch sharing
     def begin_batch(self) -> None:
@@ -373,6 +449,7 @@ class KVManager:
         if prefix.slots:
             self.req_to_token_pool.write(req.row, 0, _as_slots(prefix.slots))
         self.grow(req, upto)
+        self._tier_unhold(req)  # its own lock covers what a tier load installed for it
 
     # ------------------------------------------------------------------ hand-over and release
     def release(self, req: Request) -> None:
@@ -399,6 +476,7 @@ class KVManager:
             self.cache.dec_lock_ref(req.prefix_node)
             req.prefix_node = None
         self.drop_pin(req)
+        self._tier_unhold(req)
         req.slots = []
         req.prefix_len = 0
         req.kv_len = 0
@@ -426,6 +504,135 @@ class KVManager:
         self._relock(req, m)
         self.drop_pin(req)  # the cache's lock now covers at least the pin's pages
         req.prefix_len = aligned
+
+    # ------------------------------------------------------------------ KV tiers
+    def tier_waiting(self, req: Request) -> bool:
+        """True while ``req``'s blocks are being looked up, loaded or wait to be installed (the
+        scheduler skips it meanwhile)."""
+        t = req.tier
+        return t is not None and t.job is not None
+
+    def tier_step(self, waiting: Iterable[Request], idle: bool = False) -> None:
+        """The KV tiers' part of a step: announce the writes the I/O thread finished, install
+        the finished loads of waiting requests (:meth:`_tier_install`; ``idle``: nothing runs,
+        so a load that finds no room now never will: given up), and start a lookup for each
+        waiting request not looked up yet, or whose cached prefix shrank since its lookup."""
+        tiers = self.tiers
+        if tiers is None:
+            return
+        _, writes = tiers.take_finished()  # loads: each request's own job says when it is done
+        if writes and self.events.wants(CacheInserted):
+            for w in writes:
+                for medium in w.stored:
+                    self.events.emit(
+                        CacheInserted(
+                            seq=self._next_seq(),
+                            namespace=w.namespace,
+                            num_tokens=BLOCK_TOKENS * len(w.digests),
+                            first_block=w.first,
+                            block_digests=tuple(w.digests),
+                            medium=medium,
+                        )
+                    )
+        for r in list(waiting):
+            if r.row is not None or r.pin is not None:
+                continue
+            t = r.tier
+            if t is not None and t.job is not None:
+                if t.job.done:
+                    self._tier_install(r, idle)
+            elif t is None or (t.node is None and self._cached_len(r) < t.start):
+                self._tier_lookup(r)
+
+    def _reusable(self, req: Request) -> int:
+        """How many of ``req``'s tokens it may take from caches: all but its last, at most
+        ``max_prefix_len`` (:meth:`match`'s limit)."""
+        n = len(req.all_token_ids) - 1
+        return n if req.max_prefix_len is None else min(n, req.max_prefix_len)
+
+    def _cached_len(self, req: Request) -> int:
+        """The prefix of ``req`` the pool holds now, read-only (no access time refreshed)."""
+        return self.cache.peek(req.all_token_ids[: self._reusable(req)], req.namespace, context=0).length
+
+    def _tier_lookup(self, req: Request) -> None:
+        """Ask the tiers for the whole blocks after ``req``'s cached prefix (up to what it may
+        reuse, page-floored): the I/O thread looks them up and loads them into host memory while
+        the request waits; nothing in the pool is held meanwhile. Looked up again only when the
+        pool loses some of its prefix (what it held at the lookup, or what was installed) before
+        the request is admitted (:meth:`tier_step`)."""
+        start = self._cached_len(req)
+        old = req.tier  # looked up again: what its earlier installs served below start still counts
+        req.tier = hold = TierHold(start=start)
+        if old is not None:
+            hold.spans = [(lo, min(hi, start), m) for lo, hi, m in old.spans if lo < start]
+        limit = self._reusable(req) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
+        if limit > start:
+            hold.job = self.tiers.plan(req.namespace, req.all_token_ids, start, limit, req)
+            hold.limit = limit
+
+    def _tier_install(self, req: Request, idle: bool) -> None:
+        """Copy ``req``'s finished load into new slots after the prefix the pool holds now and
+        insert it into the cache as if computed; that path stays locked for it until it is
+        admitted. No room now (or, with other waiting requests' loads installed, they would all
+        hold more than 3/4 of the pool): tried again at a later step, or given up when ``idle``
+        with no other load installed (then nothing would ever free memory for it). The pool lost
+        blocks before the loaded run: looked up again."""
+        hold = req.tier
+        job, base = hold.job, hold.job.first * BLOCK_TOKENS
+        end = min(hold.limit, base + (job.rows.shape[0] if job.rows is not None else 0))
+        end = end // self.page_size * self.page_size
+        m = self.match(req)
+        if m.length < base:
+            req.tier = None
+            return
+        need = end - m.length
+        if need <= 0:
+            hold.job = None
+            return
+        self.cache.inc_lock_ref(m.node)
+        crowded = self.tiers.held_tokens and self.tiers.held_tokens + need > self.capacity * 3 // 4
+        if crowded or not self.ensure_free(need):
+            self.cache.dec_lock_ref(m.node)
+            if idle and not self.tiers.held_tokens:  # nothing will free memory for it: compute
+                hold.job = None
+            return
+        hold.job = None
+        new = self.allocator.alloc(need)
+        if new is None:
+            raise RuntimeError(f"allocator refused {need} slots after ensure_free")
+        scatter_rows(self.tiers.pool, new, job.rows[m.length - base : end - base])
+        tokens = req.all_token_ids[:end]
+        k = self._insert(tokens, torch.cat([m.slots, torch.as_tensor(new)]), req.namespace, tuple(set(job.media)))
+        if k > m.length:
+            self.allocator.free(new[: k - m.length])
+        got = self.cache.match_prefix(tokens, req.namespace)
+        if got.length != end:
+            raise RuntimeError(f"tier install: inserted {end} tokens, the cache matches {got.length}")
+        self.cache.inc_lock_ref(got.node)
+        self.cache.dec_lock_ref(m.node)
+        hold.node, hold.held, hold.start = got.node, end - m.length, end
+        self.tiers.held_tokens += hold.held
+        self._tier_held[id(req)] = req
+        for b, medium in enumerate(job.media):
+            lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, base + BLOCK_TOKENS * (b + 1))
+            if hi > lo:
+                hold.spans.append((lo, hi, medium))
+
+    def _tier_unhold(self, req: Request, cancel: bool = True) -> None:
+        """Drop the lock on what was installed for ``req`` (that stays cached, evictable;
+        ``req.tier`` keeps the spans) and, with ``cancel``, its load not installed yet."""
+        hold = req.tier
+        if hold is None:
+            return
+        if cancel and hold.job is not None:
+            hold.job.cancelled = True
+            hold.job = None
+        if hold.node is not None:
+            self.cache.dec_lock_ref(hold.node)
+            hold.node = None
+            self.tiers.held_tokens -= hold.held
+            hold.held = 0
+            del self._tier_held[id(req)]
 
     # ------------------------------------------------------------------ pins (n > 1)
     def fork(self, parent: Request, children: List[Request]) -> None:
@@ -463,10 +670,13 @@ class KVManager:
 
     def detach_pins(self, waiting: Iterable[Request]) -> None:
         """Last resort when one running request is left short of memory: waiting requests drop
-        their pins (they recompute, or re-match, their prefix when admitted)."""
+        their pins and their tier loads' locks (they recompute, or re-match, their prefix when
+        admitted)."""
         for r in waiting:
             if r.pin is not None and r.row is None:
                 self.drop_pin(r)
+            if r.row is None:
+                self._tier_unhold(r, cancel=False)  # a load still in host memory holds no slot
 
     def _unhold(self, pin: Pin) -> None:
         """``pin`` died (:class:`PinTable`): unlock its cached path, or free the slots it owns."""
@@ -513,15 +723,20 @@ class KVManager:
         return self.pins.expire()
 
     def yield_pins(self, need: int) -> bool:
-        """Make ``need`` slots free for a running request, dropping soft pins (least recently used
-        first) when evicting what is unlocked is not enough; False if even that is not."""
+        """Make ``need`` slots free for a running request (or the one being admitted while
+        nothing runs), dropping soft pins (least recently used first), then the locks on what the
+        KV tiers installed for waiting requests (most recent first; they stay cached, evictable),
+        when evicting what is unlocked is not enough; False if even that is not."""
         lru = None
         while not self.ensure_free(need):
             if lru is None:
                 lru = self.pins.soft_lru()
-            if not lru:
+            if lru:
+                self.pins.drop(lru.pop(0))
+            elif self._tier_held:
+                self._tier_unhold(next(reversed(self._tier_held.values())), cancel=False)
+            else:
                 return False
-            self.pins.drop(lru.pop(0))
         return True
 
     # ------------------------------------------------------------------ cache
@@ -567,6 +782,13 @@ class KVManager:
         for pin in self.pins:
             if pin.node is None:
                 own(pin.slots)
+        if self.tiers is not None:
+            holds = [r.tier for r in self._tier_held.values()]
+            if any(t is None or t.node is None for t in holds):
+                raise AssertionError("a request counted as holding a tier install holds none")
+            tier_held = sum(t.held for t in holds)
+            if tier_held != self.tiers.held_tokens:
+                raise AssertionError(f"tier holds {tier_held} tokens, counted {self.tiers.held_tokens}")
         cap = self.allocator.num_slots
         free, total = self.allocator.available_size(), self.cache.total_size()
         if free + total + len(held) != cap:

@@ -117,6 +117,9 @@ class Explanation:
         ]
         if self.cached_side:
             lines.append(f"  cached : {self.cached_side!r}")
+        if o.tier_spans:
+            spans = ", ".join(f"{m} [{a}, {b})" for a, b, m in o.tier_spans)
+            lines.append(f"  KV tiers hold {spans} (loaded instead of computed when cheaper)")
         return "\n".join(lines)
 
 

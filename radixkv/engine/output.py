@@ -8,7 +8,7 @@ from typing import List, Optional
 from radixkv.engine.detokenizer import IncrementalDetokenizer
 from radixkv.engine.request import Request
 from radixkv.namespace import Namespace
-from radixkv.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from radixkv.outputs import CACHE_MEDIA, CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from radixkv.sampling.logprobs import TokenDecoder, TokenLogprobs, to_position_logprobs
 from radixkv.sampling_params import SamplingParams
 
@@ -31,6 +31,7 @@ class RequestGroup:
             0 at admission, the others when sample 0 forks them).
         outputs: one :class:`~radixkv.outputs.CompletionOutput` per sample, updated in place.
         num_cached_tokens: sample 0's cached prompt tokens at its first admission.
+        cached_tokens_by_tier: the same by where they came from (``RequestOutput``'s).
         cache_outcome: sample 0's cache outcome at its first admission (or None).
         counted: whether its prompt has been counted in the engine's hit-rate totals.
         prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt position
@@ -58,6 +59,7 @@ class RequestGroup:
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self._detoks: List[Optional[IncrementalDetokenizer]] = [None] * params.n
         self.num_cached_tokens = 0
+        self.cached_tokens_by_tier = dict.fromkeys(CACHE_MEDIA, 0)
         self.cache_outcome = None
         self.counted = False
         self.prompt_logprobs: Optional[List[Optional[PositionLogprobs]]] = (
@@ -157,4 +159,5 @@ class RequestGroup:
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             cache_outcome=self.cache_outcome,
             error=self.error,
+            cached_tokens_by_tier=dict(self.cached_tokens_by_tier),
         )

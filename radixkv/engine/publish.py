@@ -5,7 +5,9 @@ A :class:`CacheEventPublisher` subscribes to the engine's cache events
 them as plain tuples (no engine type crosses a process; the router side,
 :mod:`radixkv.router.index`, documents the same format and never imports the engine):
 
-* ``("insert", seq, namespace, first_block, digests)``
+* ``("insert", seq, namespace, first_block, digests)``, and for blocks stored in a KV tier below
+  the pool ``("insert", seq, namespace, first_block, digests, medium)`` (``medium``: ``"host"``,
+  ``"disk"`` or ``"remote"``, :attr:`CacheInserted.medium <radixkv.engine.events.CacheInserted>`)
 * ``("evict", seq, namespace, digests | None)``
 * ``("reset", seq)``
 
@@ -83,6 +85,8 @@ class CacheEventPublisher:
         """The subscriber (driver thread): buffer one record."""
         if isinstance(ev, CacheInserted):
             rec: tuple = ("insert", ev.seq, namespace_key(ev.namespace), ev.first_block, ev.block_digests)
+            if ev.medium != "device":
+                rec += (ev.medium,)
         elif isinstance(ev, CacheEvicted):
             rec = ("evict", ev.seq, namespace_key(ev.namespace), ev.block_digests)
         elif isinstance(ev, CacheReset):

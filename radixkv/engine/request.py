@@ -75,6 +75,9 @@ class Request:
             matcher, processor tensors), or None; owned by the sampling package.
         prompt_lp_pos: with prompt logprobs still to compute, the next prompt position whose
             logits are needed (they score the token after it); None when none are due.
+        tier: its KV-tier state (:class:`~radixkv.engine.tiers.TierHold`: a pending load, the
+            lock held for it, the positions the tiers served) once the KV manager looked it up;
+            None before.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.sampling_state: Any = None
         self.prompt_lp_pos: Optional[int] = None
+        self.tier: Any = None
 
     @property
     def max_prefix_len(self) -> Optional[int]:

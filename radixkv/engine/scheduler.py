@@ -25,7 +25,9 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    cached or being computed in this plan (re-ranked after each admission, so the sharers of a
    row follow it), as SGLang's longest-prefix-match; "fcfs" keeps queue order. A request whose
    whole sequence a row computes (an identical prompt) takes no budget: it samples from that
-   row's logits.
+   row's logits. With KV tiers (docs/tiers.md), before admissions the KV manager installs the
+   tier loads that finished and starts lookups (``KVManager.tier_step``); a request whose blocks
+   are still on their way is skipped (it waits in the queue; the step runs the others).
 
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
@@ -192,8 +194,9 @@ class Scheduler:
         return self.policy == "lpm" and self.kv.shares and 1 < n <= _LPM_MAX_QUEUE
 
     def _ordered_waiting(self) -> tuple[List[Request], dict]:
-        """The waiting queue in policy order, and (lpm) each one's reusable prefix length."""
-        reqs = list(self.waiting)
+        """The waiting queue in policy order, and (lpm) each one's reusable prefix length; not
+        the requests waiting for their blocks from the KV tiers."""
+        reqs = [r for r in self.waiting if not self.kv.tier_waiting(r)]
         lens: dict = {}
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
@@ -309,6 +312,7 @@ class Scheduler:
             kv.publish(r, r.kv_len + extend)
             budget -= extend
             partial = partial or not done
+        kv.tier_step(self.waiting, idle=not self.running)  # finished tier loads enter the cache
         if not batch.retracted:
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()

@@ -31,6 +31,17 @@ class EngineStats(Mapping):
         running, waiting: samples admitted / queued.
         page_size: tokens per KV page.
         prefix_cache: "radix", "hash" or "none".
+        cached_tokens_by_tier: ``cached_tokens`` split by where they came from: ``device`` (the
+            pool: cached, or shared in the same forward), ``host``, ``disk``, ``remote`` (KV
+            tiers, docs/tiers.md).
+        tiers: per KV tier (``host``, ``disk``, ``remote``; only those configured) a dict of its
+            counters: the store's (``hits``, ``misses``, ``blocks_read``, ``blocks_written``,
+            ``bytes_read``, ``bytes_written``, ``corrupt``, ``errors``, ``degraded``) and the
+            engine's (:class:`~radixkv.engine.tier_io.TierCounters`: ``lookups``, ``found``,
+            ``loaded``, ``load_rejected``, ``load_skipped``, ``write_dropped``,
+            ``served_tokens``, ``load_latency`` histogram), ``used_bytes``, ``capacity_bytes``,
+            ``load_s_per_token`` and ``prefill_s_per_token`` (the cost model's running averages),
+            ``write_policy``.
         kv_cache_dtype: the K/V storage dtype's canonical name ("float32", "bfloat16",
             "float16", "fp8_e4m3", "fp8_e5m2").
         kv_bytes_per_token: K+V bytes of one token in every layer, fp8 scales included.
@@ -64,6 +75,8 @@ class EngineStats(Mapping):
     kv_cache_dtype: str
     kv_bytes_per_token: int
     kv_cache_bytes: int
+    cached_tokens_by_tier: dict = field(default_factory=dict)
+    tiers: dict = field(default_factory=dict)
     tenants: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def __getitem__(self, key: str) -> Any:

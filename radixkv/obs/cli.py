@@ -67,6 +67,11 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
     p.add_argument("--capacity", type=_capacity, default=32768, help="KV capacity in tokens, or 'inf' (default 32768)")
     p.add_argument("--top", type=int, default=5, help="prompts that miss most to show (default 5)")
+    for tier in ("host", "disk", "remote"):
+        p.add_argument(
+            f"--{tier}-cache-tokens", type=int, default=None, metavar="TOKENS",
+            help=f"a {tier} KV tier of TOKENS below the pool: which missed tokens it would serve (docs/tiers.md)",
+        )  # fmt: skip
     p.add_argument("--no-what-if", action="store_true", help="skip replaying the volatile spans' rewrites")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
@@ -105,7 +110,9 @@ def run_explain(args: argparse.Namespace) -> int:
             top=max(args.top, 10),
             what_if=not args.no_what_if,
             source=args.trace,
-        )
+            tiers={m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
+                   if getattr(args, f"{m}_cache_tokens", None)} or None,
+        )  # fmt: skip
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv explain: {exc}", file=sys.stderr)
         return 2
@@ -153,11 +160,25 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--policies", default="radix-p1,radix-p16,hash-b16", help="simulated policies for --trace (default %(default)s)"
     )
     p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for --trace (default %(default)s)")
+    for tier, where in (("host", "host RAM"), ("disk", "local disk"), ("remote", "a shared Redis")):
+        p.add_argument(
+            f"--{tier}-cache-bytes", type=_tier_bytes, default=None, metavar="BYTES",
+            help=f"with --trace: also the hit rate with a KV tier in {where} of BYTES (e.g. 8GiB; docs/tiers.md)",
+        )  # fmt: skip
     p.add_argument(
         "--list", action="store_true", help="print the table of architectures (KV bytes per token, 1M tokens)"
     )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
+
+
+def _tier_bytes(s: str) -> int:
+    from radixkv.config import parse_bytes
+
+    try:
+        return parse_bytes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _policies(s: str) -> list[tuple[str, int]]:
@@ -214,6 +235,9 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         if args.target_hit_rate is not None and args.trace is None:
             raise ValueError("--target-hit-rate needs --trace")
+        for m in ("host", "disk", "remote"):
+            if getattr(args, f"{m}_cache_bytes", None) is not None and args.trace is None:
+                raise ValueError(f"--{m}-cache-bytes needs --trace")
         if args.trace:
             from radixkv.models.loader import load_tokenizer
             from radixkv.obs.trace import tokenize_trace
@@ -229,7 +253,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise ValueError("the trace has no valid request")
             pols = _policies(args.policies)
             rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
-            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols)
+            tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
+            tiers = {m: b for m, b in tiers.items() if b}
+            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None)
             if args.target_hit_rate is not None:
                 rep["target"] = [
                     memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols

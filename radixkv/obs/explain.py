@@ -108,6 +108,7 @@ def explain_trace(
     sweep: Sequence[float] = FRACTIONS,
     context: int = 24,
     source: str = "",
+    tiers: Optional[dict] = None,
 ) -> dict:
     """Analyse a trace (module docstring).
 
@@ -123,6 +124,10 @@ def explain_trace(
             none).
         context: tokens of text shown on each side of a divergence.
         source: where the trace came from (shown in the report).
+        tiers: KV tiers below the pool, ``{medium: capacity in tokens}`` (docs/tiers.md): the
+            replay counts what they hold as served (``tiers`` in the report: tokens served by
+            each; ``hit_rate`` and ``cached_tokens`` include them, ``missed_tokens`` and its
+            causes stay the pool's, and each top miss lists its ``tier_spans``).
 
     Returns:
         The report, a JSON-ready dict (see docs/explain.md for its fields).
@@ -135,10 +140,12 @@ def explain_trace(
     sims = [r.sim_request() if isinstance(r, TraceRequest) else r for r in requests]
     tokens = [list(s.tokens) for s in sims]
     sim_kw = dict(policy=policy, page_size=page_size, hash_algo=hash_algo)
-    main = simulate(sims, capacity=capacity, **sim_kw)
+    main = simulate(sims, capacity=capacity, tiers=tiers, **sim_kw)
     inf = simulate(sims, capacity=None, outcomes=False, keep_requests=False, **sim_kw)
     served = [r for r in main.requests if r.served]
     report = _summary(main, inf, served, source, hash_algo)
+    if tiers:
+        report["tiers"] = dict(capacity_tokens=dict(tiers), served_tokens=dict(main.cached_tokens_by_tier))
     report["top_misses"] = _top_misses(served, requests, tokens, tokenizer, top, context)
     report["spans"] = []
     if spans:
@@ -157,7 +164,7 @@ def explain_trace(
 
 def _summary(main: Any, inf: Any, served: list, source: str, hash_algo: str) -> dict:
     """The report's totals: config, hit rates, missed tokens and requests by cause, the series."""
-    missed_total = main.prompt_tokens - main.cached_tokens
+    missed_total = main.prompt_tokens - main.cached_tokens + sum(main.cached_tokens_by_tier.values())  # the pool's
     by_cause = {c: main.missed_by_cause.get(c, 0) for c in CAUSES if main.missed_by_cause.get(c, 0)}
     by_request = {c: sum(1 for r in served if r.outcome.cause == c) for c in CAUSES}
     report: dict = dict(
@@ -207,6 +214,7 @@ def _top_misses(served: list, requests: Sequence[Any], tokens: list, tokenizer: 
                 before=ex.before,
                 prompt_side=ex.prompt_side,
                 cached_side=ex.cached_side,
+                tier_spans=[list(t) for t in o.tier_spans],
             )
         )
     return out

@@ -321,14 +321,21 @@ def hit_rate_curve(
     kv_dtype: str = "bfloat16",
     policies: Sequence[tuple[str, int]] = (("radix", 1), ("radix", 16), ("hash", 16)),
     points: int = 12,
+    tiers: Optional[dict] = None,
 ) -> dict:
     """Hit rate vs KV memory of ``requests`` (:class:`~radixkv.sim.SimRequest`) for each
     ``(policy, page_size)``: capacities from 1% of the working set (the tokens an infinite
     token-level cache holds at the end) to all of it, on a log scale.
 
+    Args:
+        tiers: KV tiers below the pool, ``{medium: capacity in bytes}`` (``host``, ``disk``,
+            ``remote``; docs/tiers.md): each row also gets the hit rate with them
+            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`).
+
     Returns:
         ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
-        "kv_gb", "hit_rate"}, ...]}}`` with labels like ``radix-p16``, ``hash-b16``.
+        "kv_gb", "hit_rate"[, "hit_rate_tiers"]}, ...]}[, "tiers": {medium: {"bytes",
+        "tokens"}}]}`` with labels like ``radix-p16``, ``hash-b16``.
     """
     from radixkv.sim import simulate
 
@@ -338,6 +345,7 @@ def hit_rate_curve(
     caps = sorted({max(16, int(ws * 10 ** (-2 + 2 * i / max(1, points - 1)))) for i in range(points)})
     curves: dict = {}
     infinite: dict = {}
+    tier_tokens = {m: int(b) // bpt for m, b in (tiers or {}).items() if b}
     for policy, ps in policies:
         label = _label(policy, ps)
         infinite[label] = simulate(requests, policy, ps, None, outcomes=False, keep_requests=False).hit_rate
@@ -346,8 +354,14 @@ def hit_rate_curve(
             cap = max(ps, cap - cap % ps)
             r = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False)
             rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate))
+            if tier_tokens and policy != "none":
+                t = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tier_tokens)
+                rows[-1]["hit_rate_tiers"] = t.hit_rate
         curves[label] = rows
-    return dict(working_set_tokens=ws, kv_bytes_per_token=bpt, infinite=infinite, curves=curves)
+    out = dict(working_set_tokens=ws, kv_bytes_per_token=bpt, infinite=infinite, curves=curves)
+    if tier_tokens:
+        out["tiers"] = {m: dict(bytes=int(tiers[m]), tokens=t) for m, t in tier_tokens.items()}
+    return out
 
 
 def memory_for_hit_rate(

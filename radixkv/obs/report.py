@@ -73,6 +73,10 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
         reqs = rep["requests_by_cause"].get(cause, 0)
         share = n / rep["missed_tokens"] if rep["missed_tokens"] else 0
         out.append(f"  {cause:<11}{n:>12,}  {_pct(share):>6}  {reqs:>8,}  {CAUSE_NOTES.get(cause, '')}")
+    if rep.get("tiers"):
+        served = rep["tiers"]["served_tokens"]
+        by = ", ".join(f"{m} {n:,}" for m, n in served.items()) or "nothing"
+        out.append(f"  of these, the KV tiers below the pool served {sum(served.values()):,}: {by}")
     spans = rep.get("spans", [])
     out.append("")
     if "aligned_misses" in rep:
@@ -102,6 +106,8 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
         out.append(f"     prompt    {_short(m['prompt_side'], 60)!r}")
         if m["cached_side"]:
             out.append(f"     cached    {_short(m['cached_side'], 60)!r}")
+        if m.get("tier_spans"):
+            out.append("     served by " + ", ".join(f"{t} [{a}, {b})" for a, b, t in m["tier_spans"]))
     if rep.get("capacity_curve"):
         out += ["", "hit rate vs capacity (share of the working set):"]
         out.append("  " + "  ".join(f"{100 * p['fraction']:g}% {_pct(p['hit_rate'])}" for p in rep["capacity_curve"]))
@@ -146,10 +152,19 @@ def plan_text_report(rep: dict) -> str:
         out.append(
             f"trace: working set {cv['working_set_tokens']:,} tokens = {format_bytes(cv['working_set_tokens'] * cv['kv_bytes_per_token'])}"
         )
+        if cv.get("tiers"):
+            tiers = ", ".join(
+                f"{m} {format_bytes(t['bytes'])} ({t['tokens']:,} tokens)" for m, t in cv["tiers"].items()
+            )
+            out.append(f"  KV tiers below the pool: {tiers}; hit rate without -> with them")
         for label, rows in cv["curves"].items():
             step = max(1, (len(rows) + 5) // 6)
             shown = rows[::-1][::step][::-1]  # about six points, the largest one always
-            pts = "  ".join(f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}" for r in shown)
+            pts = "  ".join(
+                f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}"
+                + (f"->{_pct(r['hit_rate_tiers'])}" if "hit_rate_tiers" in r else "")
+                for r in shown
+            )
             out.append(f"  {label:<10} infinite {_pct(cv['infinite'][label])}; {pts}")
     if "target" in rep:
         for t in rep["target"]:

@@ -22,9 +22,11 @@ distinct prefixes partition evenly and a prefix its replica evicted comes back t
 Nothing assumes a service order: the load is the router's own count of outstanding requests and
 their uncached tokens, whatever order (or batch) a replica runs them in.
 
-KV tiers plug in at :meth:`CacheEvents.miss_cost`: tokens after ``h_r`` that a tier holds for
-``r`` would cost ``tier_weight`` of a missed token each (``n - h_r`` becomes ``n - h_r - t_r +
-tier_weight * t_r``), in the same unit.
+KV tiers (docs/tiers.md) count in :meth:`CacheEvents.miss_cost`: the ``t_r`` tokens after
+``h_r`` that a KV tier holds for ``r`` (its own host or disk tier, or the ``remote`` tier every
+replica shares, from the replicas' tier insert records) cost ``tier_weight`` of a missed token
+each (default 0.25: loading is cheaper than recomputing, dearer than a local hit), so ``n - h_r``
+becomes ``n - h_r - t_r + tier_weight * t_r``, in the same unit.
 
 Pure Python and torch-free, as every policy (:mod:`radixkv.router.policy`); the replicas' views
 come from :mod:`radixkv.router.index`.
@@ -65,6 +67,8 @@ class CacheEvents(Policy):
         pending_ttl: seconds after a request ends that its prompt and reply blocks still count
             as held on its replica (until its own events have surely arrived).
         home: a request held nowhere goes to its first block's home replica.
+        tier_weight: cost of a prompt token a KV tier holds for a replica, per token of a miss
+            (1: the tiers do not count; 0: as a local hit).
 
     Raises:
         ValueError: a negative weight or ttl, ``hot_share`` outside (0, 1], ``home`` not a bool.
@@ -82,10 +86,12 @@ class CacheEvents(Policy):
         balance_rel_threshold: float = 1.5,
         pending_ttl: float = 2.0,
         home: bool = True,
+        tier_weight: float = 0.25,
     ) -> None:
         super().__init__(seed)
         for k, v in (
             ("load_weight", load_weight),
+            ("tier_weight", tier_weight),
             ("hot_request_tokens", hot_request_tokens),
             ("pending_ttl", pending_ttl),
         ):
@@ -96,6 +102,7 @@ class CacheEvents(Policy):
         if not isinstance(home, bool):
             raise ValueError(f"cache_events: home must be a bool, got {home!r}")
         self.load_weight = float(load_weight)
+        self.tier_weight = float(tier_weight)
         self.hot_request_tokens = float(hot_request_tokens)
         self.hot_share = float(hot_share)
         self.balance_abs_threshold = balance_abs_threshold
@@ -215,11 +222,30 @@ class CacheEvents(Policy):
 
     def miss_cost(self, req: RouteRequest, cands: list[str], held: dict, floor: int) -> dict:
         """Per candidate, the prompt tokens it would compute, ``n - h_r``, with ``h_r`` its
-        ``held`` blocks but at least ``floor`` blocks (a hot prefix), in tokens. (The place for
-        a KV tier's blocks: each would add ``tier_weight`` instead of 1.)"""
+        ``held`` blocks but at least ``floor`` blocks (a hot prefix), in tokens; the tokens after
+        those that a KV tier holds for it count ``tier_weight`` each instead of 1."""
         n = req.num_tokens
         cap = max(n - 1, 0)  # the prompt's last token is never served from the cache
-        return {c: n - min(max(held[c], floor) * BLOCK_TOKENS, cap) for c in cands}
+        cost = {c: n - min(max(held[c], floor) * BLOCK_TOKENS, cap) for c in cands}
+        if self.tier_weight < 1:
+            tiered = self._tiered(req.digests(), held, cands)
+            for c in cands:
+                hc = min(max(held[c], floor) * BLOCK_TOKENS, cap)
+                cost[c] -= (1.0 - self.tier_weight) * max(0, min(tiered[c] * BLOCK_TOKENS, cap) - hc)
+        return cost
+
+    def _tiered(self, digests: list, held: dict, cands: list) -> dict:
+        """Per candidate, the leading blocks of ``digests`` it holds in its pool or a KV tier
+        holds for it (its own, or the remote tier any replica stored them in)."""
+        remote = [v.tiered["remote"] for v in self.views.values() if "remote" in v.tiered]
+        out = {}
+        for c in cands:
+            own = list(self.views[c].tiered.values())
+            k = held[c]
+            while k < len(digests) and any(digests[k] in t for t in own + remote):
+                k += 1
+            out[c] = k
+        return out
 
     def _fewest_homes(self, cands: list[str]) -> list[str]:
         """The candidates home to the fewest first blocks, then sent the fewest uncached tokens."""

@@ -9,6 +9,9 @@ the engine):
 * a **record** is a tuple, in ``seq`` order, ``seq`` numbering every cache event of the engine
   from 1 without gaps (:mod:`radixkv.engine.events`):
   ``("insert", seq, namespace, first_block, digests)`` (blocks that became fully cached),
+  ``("insert", seq, namespace, first_block, digests, medium)`` (blocks stored in a KV tier below
+  the pool: ``"host"`` or ``"disk"`` of that replica, or the ``"remote"`` tier all replicas
+  share; docs/tiers.md),
   ``("evict", seq, namespace, digests | None)`` (blocks that stopped being so; None: the engine's
   cache cannot tell, e.g. hash blocks -> resync), ``("reset", seq)`` (the cache was emptied);
   ``namespace`` is the namespace's stable serialization (bytes,
@@ -25,6 +28,7 @@ longest run of its leading block digests found in the view.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Iterable, Optional
 
 __all__ = ["CacheView"]
@@ -33,23 +37,32 @@ __all__ = ["CacheView"]
 class CacheView:
     """One replica's fully cached blocks, mirrored from its events.
 
+    Args:
+        max_tiered: how many digests of blocks stored in KV tiers to remember (least recently
+            stored forgotten first: the tiers evict without telling).
+
     Attributes:
         epoch: the engine instance the view follows (None before its first batch).
         seq: the last event applied (0: none).
-        blocks: the set of block digests held.
+        blocks: the set of block digests held (in the replica's pool).
+        tiered: digests of blocks stored in the replica's KV tiers (insertion order), by medium:
+            ``{"host": OrderedDict, ...}``; a consumer merges the shared ``"remote"`` ones of every
+            replica.
         synced: False after a gap, an unknown eviction or a new epoch that did not start at
             ``seq`` 1, until a snapshot is loaded (the blocks then are a stale guess).
         resyncs: snapshots loaded so far.
     """
 
-    __slots__ = ("epoch", "seq", "blocks", "synced", "resyncs")
+    __slots__ = ("epoch", "seq", "blocks", "synced", "resyncs", "tiered", "max_tiered")
 
-    def __init__(self) -> None:
+    def __init__(self, max_tiered: int = 1 << 18) -> None:
         self.epoch: Optional[str] = None
         self.seq = 0
         self.blocks: set[bytes] = set()
         self.synced = True
         self.resyncs = 0
+        self.tiered: dict[str, OrderedDict] = {}
+        self.max_tiered = max_tiered
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self.blocks
@@ -80,7 +93,9 @@ class CacheView:
                 self.synced = False
                 return True
             self.seq = seq
-            if kind == "insert":
+            if kind == "insert" and len(ev) > 5:
+                self._store(ev[5], ev[4])
+            elif kind == "insert":
                 self.blocks.update(ev[4])
             elif kind == "evict":
                 if ev[3] is None:
@@ -92,6 +107,14 @@ class CacheView:
             else:
                 raise ValueError(f"unknown cache event record {kind!r}")
         return False
+
+    def _store(self, medium: str, digests: Iterable[bytes]) -> None:
+        held = self.tiered.setdefault(medium, OrderedDict())
+        for d in digests:
+            held[d] = None
+            held.move_to_end(d)
+        while len(held) > self.max_tiered:
+            held.popitem(last=False)
 
     def load_snapshot(self, snap: dict) -> None:
         """Replace the view by a snapshot (then later batches continue from ``snap["seq"]``)."""

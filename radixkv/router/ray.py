@@ -678,8 +678,8 @@ class RemoteLLM:
         "cache is its own and the router mirrors it; restart the deployment to start cold"
     )
 
-    async def reset_prefix_cache(self) -> bool:
-        """Not offered across replicas (:attr:`flush_refused`): always False."""
+    async def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        """Not offered across replicas (:attr:`flush_refused`): always False (``tiers`` too)."""
         return False
 
     def num_unfinished_requests(self) -> int:

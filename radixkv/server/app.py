@@ -12,10 +12,10 @@ Routes:
 | GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin) |
 | GET | ``/v1/models`` | the served model |
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
-| GET | ``/health`` | 200 while the engine runs, 503 otherwise |
+| GET | ``/health`` | 200 ``{"status": "ok" or "degraded", "degraded_tiers": [...]}`` while the engine runs (a failing KV tier, e.g. Redis down, is a miss: still 200, named there), 503 otherwise |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
 | GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...; summed over replicas); ``?check=1`` first runs ``Engine.check_integrity()`` (every slot owned once; 500 when not) on the engine, on every replica |
-| GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's) |
+| GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's; ``?tiers=true``: also the KV tiers the engine owns, host and disk, not a shared remote tier) |
 
 SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/get_model_info``,
 ``/server_info``, ``/health_generate``) and vLLM's extras (:mod:`radixkv.server.vllm`:
@@ -289,9 +289,11 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
 
     @app.get("/health")
     async def health() -> Response:
-        if backend.is_running:
-            return Response(status_code=200)
-        raise EngineDeadError(f"the engine thread has stopped: {backend.dead_error!r}")
+        if not backend.is_running:
+            raise EngineDeadError(f"the engine thread has stopped: {backend.dead_error!r}")
+        tiers = (await client.cache_stats()).tiers  # a failing KV tier is a miss: still healthy
+        degraded = sorted(m for m, t in tiers.items() if t.get("degraded"))
+        return JSONResponse({"status": "degraded" if degraded else "ok", "degraded_tiers": degraded})
 
     @app.get("/cache_stats")
     async def cache_stats(request: Request) -> dict:
@@ -312,4 +314,7 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
             timeout = -1.0
         if not timeout >= 0:
             raise APIError(f"timeout must be a number of seconds >= 0, got {raw!r}", "timeout")
-        return await client.flush_or_409(timeout)
+        tiers = request.query_params.get("tiers", "false")
+        if tiers not in ("true", "false", "1", "0"):
+            raise APIError(f"tiers must be true or false, got {tiers!r}", "tiers")
+        return await client.flush_or_409(timeout, tiers=tiers in ("true", "1"))

@@ -100,6 +100,31 @@ def model_facts_of(engine: Any) -> ModelFacts:
     )
 
 
+def _sum_nested(dicts: Sequence[dict]) -> dict:
+    """Dicts of numbers (and nested dicts, lists of numbers, bools) summed key by key: numbers
+    added (rates, the keys ending in ``_per_token``: the largest), bools or-ed, lists added
+    element-wise, None kept only when every value is None (a cost not measured anywhere), other
+    values the first's."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            if k not in out:
+                out[k] = v if not isinstance(v, dict) else _sum_nested([v])
+            elif k.endswith("_per_token") and v is not None:
+                out[k] = v if out[k] is None else max(out[k], v)
+            elif isinstance(v, bool):
+                out[k] = bool(out[k]) or v
+            elif isinstance(v, dict):
+                out[k] = _sum_nested([out[k], v])
+            elif isinstance(v, (int, float)) and isinstance(out[k], (int, float)):
+                out[k] = out[k] + v
+            elif isinstance(v, list) and isinstance(out[k], list) and len(v) == len(out[k]):
+                out[k] = [a + b if not isinstance(a, str) else a for a, b in zip(out[k], v)]
+            elif out[k] is None:
+                out[k] = v
+    return out
+
+
 # facts of each engine's configuration (the same on every replica): the first replica's, not a sum
 _PER_ENGINE_FACTS = {"page_size": 1, "prefix_cache": "radix", "kv_cache_dtype": "float32", "kv_bytes_per_token": 0}
 
@@ -109,13 +134,17 @@ def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
     summed (``kv_cache_bytes`` too: the pools' total, as ``capacity``), ``hit_rate`` recomputed
     from the sums, the configuration facts ``page_size``, ``prefix_cache``, ``kv_cache_dtype`` and
     ``kv_bytes_per_token`` the first's (every replica has the same), ``tenants`` merged
-    (:func:`~radixkv.engine.stats.merge_tenants`)."""
+    (:func:`~radixkv.engine.stats.merge_tenants`); ``cached_tokens_by_tier`` and the per-tier
+    ``tiers`` counters summed per key (a ``degraded`` tier: on any replica; the cost model's
+    seconds per token: the slowest replica's)."""
     agg: dict[str, Any] = {}
     for k in EngineStats.__dataclass_fields__:
         if k in _PER_ENGINE_FACTS:
             agg[k] = per_engine[0][k] if per_engine else _PER_ENGINE_FACTS[k]
         elif k == "tenants":
             agg[k] = merge_tenants(p.get(k) for p in per_engine)
+        elif k in ("cached_tokens_by_tier", "tiers"):
+            agg[k] = _sum_nested([p.get(k) or {} for p in per_engine])
         elif k != "hit_rate":
             agg[k] = sum(int(p.get(k, 0)) for p in per_engine)
     agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0
@@ -252,9 +281,14 @@ class EngineBackend(Protocol):
             EngineDeadError: the engine stopped, or a replica did not answer the check.
         """
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Flush the prefix cache; False (nothing done) while requests are unfinished or when
-        not offered (:attr:`flush_refused`)."""
+        not offered (:attr:`flush_refused`).
+
+        Args:
+            tiers: also empty the KV tiers the engine owns (host RAM and disk, after the writes
+                queued for them; never a shared remote tier), ``/flush_cache?tiers=true``.
+        """
 
     def num_unfinished_requests(self) -> int:
         """Requests submitted through this backend whose streams are still open."""
@@ -332,8 +366,8 @@ class LocalBackend:
             await self.llm.call_in_engine_thread(lambda e: e.check_integrity())
         return self.llm.cache_stats()  # the snapshot published after the check ran
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.llm.reset_prefix_cache()
+    async def reset_prefix_cache(self, tiers: bool = False) -> bool:
+        return await self.llm.reset_prefix_cache(tiers)
 
     def num_unfinished_requests(self) -> int:
         return self.llm.num_unfinished_requests()

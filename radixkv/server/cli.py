@@ -4,6 +4,8 @@ Example::
 
     radixkv serve --model smollm2-135m --host 127.0.0.1 --port 30000
     python -m radixkv serve --page-size 16 --max-total-tokens 65536 --prefix-cache radix
+    radixkv serve --host-cache-bytes 4GiB --disk-cache-dir /var/cache/radixkv   # KV tiers
+    radixkv serve --replicas 2 --remote-cache-url redis://127.0.0.1:6379/0      # a shared tier
     radixkv serve --kv-cache-dtype bf16 --kv-cache-memory-bytes 2GiB
     radixkv serve --api-key "$KEY"            # one admin tenant; or RADIXKV_API_KEY
     radixkv serve --api-keys-file keys.json   # tenants, admins, soft KV quotas (server/auth.py)
@@ -16,9 +18,17 @@ import logging
 import sys
 from typing import Any, Optional
 
+from radixkv.config import parse_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
 
-__all__ = ["add_arguments", "run", "engine_kwargs_from_args", "api_keys_of"]
+__all__ = [
+    "add_arguments",
+    "add_tier_arguments",
+    "tier_kwargs_from_args",
+    "run",
+    "engine_kwargs_from_args",
+    "api_keys_of",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--radix-eviction-policy", choices=["lru", "lfu", "gdf", "reuse-odds"], default="lru",
         help="which radix-tree leaf is evicted first, page by page from its tail (default: %(default)s)",
     )  # fmt: skip
+    add_tier_arguments(parser)
     r = parser.add_argument_group("replicas (Ray Serve, extra radixkv[ray]; docs/routing.md)")
     r.add_argument("--replicas", type=int, default=1, help="engine replicas; > 1 serves them on Ray Serve (default: 1)")
     r.add_argument(
@@ -102,6 +113,63 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help='JSON {"<key>": {"tenant": NAME, "admin": false, "kv_quota_tokens": N}, ...}: a cache namespace '
         "per tenant, admin-only stats and flushes, soft KV quotas",
     )  # fmt: skip
+
+
+def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
+    """The KV tier flags (docs/tiers.md), shared by ``serve`` and ``replay``: the
+    :class:`~radixkv.config.EngineConfig` fields of the same names."""
+    t = parser.add_argument_group("KV tiers below the pool (docs/tiers.md)")
+    t.add_argument(
+        "--host-cache-bytes", type=_bytes, default=None, metavar="BYTES",
+        help="host-RAM tier budget, e.g. 4GiB or 500MB (default: none)",
+    )  # fmt: skip
+    t.add_argument(
+        "--disk-cache-dir", default=None, metavar="DIR",
+        help="disk tier directory, kept across restarts and shareable by processes (default: none)",
+    )  # fmt: skip
+    t.add_argument(
+        "--disk-cache-bytes", type=_bytes, default=None, metavar="BYTES", help="disk tier budget (default: 8GiB)"
+    )
+    t.add_argument(
+        "--remote-cache-url", default=None, metavar="URL",
+        help="shared Redis / Valkey tier: redis://[user:pass@]host:port/db or rediss://... (default: none)",
+    )  # fmt: skip
+    t.add_argument(
+        "--kv-tier-write-policy", default=None, metavar="POLICY",
+        help="write_through or write_back for every tier, or per tier as host=write_back,disk=write_through "
+        "(default: write_back for host, write_through for disk and remote)",
+    )  # fmt: skip
+
+
+def _bytes(text: str) -> int:
+    """``--*-cache-bytes``: :func:`radixkv.config.parse_bytes`."""
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _write_policy(text: str) -> Any:
+    """``--kv-tier-write-policy``: one policy, or ``tier=policy`` pairs separated by commas."""
+    if "=" not in text:
+        return text
+    out = {}
+    for part in text.split(","):
+        tier, _, policy = part.partition("=")
+        out[tier.strip()] = policy.strip()
+    return out
+
+
+def tier_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The KV tier fields of ``EngineConfig`` from parsed :func:`add_tier_arguments` flags (those
+    left unset are omitted)."""
+    kw: dict[str, Any] = {}
+    for name in ("host_cache_bytes", "disk_cache_dir", "disk_cache_bytes", "remote_cache_url"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    if getattr(args, "kv_tier_write_policy", None) is not None:
+        kw["kv_tier_write_policy"] = _write_policy(args.kv_tier_write_policy)
+    return kw
 
 
 def api_keys_of(args: argparse.Namespace) -> Any:
@@ -142,6 +210,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = 
     ):
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
+    kw.update(tier_kwargs_from_args(args))
     if api_keys is not None and api_keys.quotas():
         kw["tenant_kv_quota_tokens"] = api_keys.quotas()
     return kw

@@ -217,24 +217,25 @@ class EngineClient:
         <radixkv.server.backend.EngineBackend.cache_stats>`)."""
         return await self.backend.cache_stats(check)
 
-    async def flush(self, timeout: float = 0.0) -> bool:
-        """Flush the prefix cache (``Engine.reset_prefix_cache``). While requests are unfinished
-        nothing is flushed; with ``timeout`` > 0 (seconds; SGLang's ``/flush_cache?timeout=``)
-        it retries until they finish or the time is up.
+    async def flush(self, timeout: float = 0.0, tiers: bool = False) -> bool:
+        """Flush the prefix cache (``Engine.reset_prefix_cache``; ``tiers``: also the KV tiers the
+        engine owns). While requests are unfinished nothing is flushed; with ``timeout`` > 0
+        (seconds; SGLang's ``/flush_cache?timeout=``) it retries until they finish or the time is
+        up.
 
         Returns:
             True when the cache was flushed, False when requests were still unfinished.
         """
         deadline = time.monotonic() + max(0.0, timeout)
         while True:
-            if await self.backend.reset_prefix_cache():
+            if await self.backend.reset_prefix_cache(tiers=tiers):
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             await asyncio.sleep(min(0.05, left))
 
-    async def flush_or_409(self, timeout: float = 0.0) -> dict:
+    async def flush_or_409(self, timeout: float = 0.0, tiers: bool = False) -> dict:
         """:meth:`flush`, answered as ``/flush_cache`` and ``/reset_prefix_cache`` answer it.
 
         Returns:
@@ -248,8 +249,9 @@ class EngineClient:
         refused = self.backend.flush_refused
         if refused:
             raise APIError(refused, None, status_code=409, code="flush_not_offered")
-        if await self.flush(timeout):
-            return {"flushed": True, "message": "the prefix cache was flushed"}
+        if await self.flush(timeout, tiers):
+            what = "the prefix cache and the KV tiers it owns were" if tiers else "the prefix cache was"
+            return {"flushed": True, "message": f"{what} flushed"}
         running = self.backend.num_unfinished_requests()
         raise APIError(
             f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",

@@ -21,7 +21,15 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_kv_capacity_tokens``, ``radixkv_kv_free_tokens``, ``radixkv_kv_evictable_tokens``,
   ``radixkv_kv_protected_tokens``, ``radixkv_kv_usage_ratio`` ((capacity - free) / capacity),
   ``radixkv_page_size``, ``radixkv_kv_bytes_per_token``, ``radixkv_kv_cache_bytes`` and
-  ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype).
+  ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype);
+  ``radixkv_cached_tokens_by_tier_total{tier}`` (the engine's cached
+  tokens by where they came from: ``device`` the pool, or a KV tier) and, per KV tier
+  (docs/tiers.md; label ``tier``: host, disk, remote), the store's counters
+  ``radixkv_kv_tier_{hits,misses,blocks_read,blocks_written,bytes_read,bytes_written,corrupt,errors}_total``,
+  the engine's ``radixkv_kv_tier_{lookups,blocks_found,blocks_loaded,load_rejected,load_skipped,write_dropped,served_tokens}_total``,
+  the gauges ``radixkv_kv_tier_{used,capacity}_bytes`` and ``radixkv_kv_tier_degraded`` (1 while
+  the tier fails: every lookup there is a miss), and the histogram
+  ``radixkv_kv_tier_load_latency_seconds`` (one ``get`` call).
 
 Per tenant (the tenants of the server's API keys, by name: never a key), when any request named
 one: ``radixkv_tenant_prompt_tokens_total{tenant}`` and ``radixkv_tenant_cached_tokens_total{tenant}``
@@ -38,7 +46,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixkv.engine.events import Event, RequestAdmitted, RequestFinished
@@ -91,7 +99,67 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily(
             "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s.evicted_tokens)
         )
+        yield from _tier_metrics(s)
         yield from _tenant_families(s)
+
+
+_TIER_COUNTERS = (
+    ("hits", "hits", "Blocks a KV tier returned (verified)."),
+    ("misses", "misses", "Blocks asked of a KV tier that it did not hold."),
+    ("blocks_read", "blocks_read", "Blocks read from a KV tier."),
+    ("blocks_written", "blocks_written", "Blocks written to a KV tier."),
+    ("bytes_read", "bytes_read", "Bytes read from a KV tier."),
+    ("bytes_written", "bytes_written", "Bytes written to a KV tier."),
+    ("corrupt", "corrupt", "Stored blocks of a KV tier that failed verification (dropped, never loaded)."),
+    ("errors", "errors", "Failed calls to a KV tier's backend (each a miss or a lost write)."),
+    ("lookups", "lookups", "Blocks the engine looked up in a KV tier."),
+    ("blocks_found", "found", "Blocks a KV tier held when looked up."),
+    ("blocks_loaded", "loaded", "Blocks loaded from a KV tier into the pool's staging buffer."),
+    ("load_rejected", "load_rejected", "Blocks a KV tier returned that the engine refused (tokens, layout, size)."),
+    ("load_skipped", "load_skipped", "Blocks held by a KV tier but not loaded: recomputing them was cheaper."),
+    ("write_dropped", "write_dropped", "Blocks whose write to a KV tier was dropped (write backlog full)."),
+    ("served_tokens", "served_tokens", "Prompt tokens a KV tier served to requests."),
+)
+
+
+def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
+    """The KV tier families of an engine snapshot (module docstring)."""
+    by = CounterMetricFamily(
+        "radixkv_cached_tokens_by_tier", "Cached prompt tokens by where they came from.", labels=["tier"]
+    )
+    for m, n in (s.cached_tokens_by_tier or {}).items():
+        by.add_metric([m], float(n))
+    yield by
+    if not s.tiers:
+        return
+    for name, key, doc in _TIER_COUNTERS:
+        fam = CounterMetricFamily(f"radixkv_kv_tier_{name}", doc, labels=["tier"])
+        for m, t in s.tiers.items():
+            fam.add_metric([m], float(t.get(key, 0) or 0))
+        yield fam
+    for name, key, doc in (
+        ("used_bytes", "used_bytes", "Bytes a KV tier holds."),
+        ("capacity_bytes", "capacity_bytes", "A KV tier's byte budget."),
+        ("degraded", "degraded", "1 while a KV tier fails (its lookups are misses), else 0."),
+    ):
+        fam = GaugeMetricFamily(f"radixkv_kv_tier_{name}", doc, labels=["tier"])
+        for m, t in s.tiers.items():
+            fam.add_metric([m], float(t.get(key, 0) or 0))
+        yield fam
+    hist = HistogramMetricFamily(
+        "radixkv_kv_tier_load_latency_seconds", "Seconds of one load (get) from a KV tier.", labels=["tier"]
+    )
+    for m, t in s.tiers.items():
+        lat = t.get("load_latency") or {}
+        bounds, counts = lat.get("buckets", []), lat.get("counts", [])
+        if len(counts) != len(bounds) + 1:
+            continue
+        acc, buckets = 0, []
+        for b, c in zip([*map(str, bounds), "+Inf"], counts):
+            acc += c
+            buckets.append((b, float(acc)))
+        hist.add_metric([m], buckets, float(lat.get("sum", 0.0)))
+    yield hist
 
 
 def _tenant_families(s: EngineStats) -> Iterator[Metric]:

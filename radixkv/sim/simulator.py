@@ -21,6 +21,11 @@ Hit rate = cached prompt tokens / prompt tokens of the served requests. A reques
 whole pool is skipped (counted in ``skipped``). Slot conservation and the cache's own invariants
 are checked at the end of every :meth:`CacheSimulator.run`.
 
+KV tiers below the pool (``tiers``: capacities in tokens per tier, :mod:`radixkv.sim.tiers`): a
+request's whole blocks after the pool's match that a tier holds count as cached (by tier in
+``cached_tokens_by_tier``), as the engine loads them; its slot path is the same (the engine inserts
+what it loads before admitting the request).
+
 Policies (:data:`POLICIES`, extended by the eviction and routing work): ``radix``
 (:class:`~radixkv.cache.radix_tree.RadixCache`, LRU), ``radix-lfu`` / ``radix-gdf`` /
 ``radix-reuse-odds`` (its other eviction policies), ``hash``
@@ -31,11 +36,13 @@ instance can be passed as ``cache``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
 from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes
@@ -47,6 +54,7 @@ from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_pool import ReqToTokenPool
 from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
+from radixkv.sim.tiers import TierModel
 
 __all__ = [
     "POLICIES",
@@ -105,14 +113,16 @@ class SimRequest:
 
 @dataclass
 class RequestResult:
-    """What one request got: prompt tokens, cached tokens, its outcome (None when outcomes are
-    off or it was skipped), and whether it was served."""
+    """What one request got: prompt tokens, cached tokens (the pool's and the tiers'), its
+    outcome (None when outcomes are off or it was skipped; the pool's view), whether it was
+    served, and the cached tokens the KV tiers served, by tier."""
 
     index: int
     num_prompt_tokens: int
     num_cached_tokens: int
     outcome: Optional[CacheOutcome]
     served: bool = True
+    tier_tokens: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -131,6 +141,7 @@ class SimResult:
     cache_tokens_end: int = 0
     missed_by_cause: dict = field(default_factory=dict)
     seconds: float = 0.0
+    cached_tokens_by_tier: dict = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -158,6 +169,7 @@ class SimResult:
             cache_tokens_end=self.cache_tokens_end,
             missed_by_cause=dict(self.missed_by_cause),
             seconds=round(self.seconds, 3),
+            cached_tokens_by_tier=dict(self.cached_tokens_by_tier),
         )
         if requests:
             out["per_request"] = [
@@ -193,6 +205,8 @@ class CacheSimulator:
         max_evicted_blocks: bound of the outcome tracker's evicted-block record.
         chunked_prefill_size: prefill tokens per step, as the engine's option (default 2048,
             the engine's CPU default; it decides when evictions happen under memory pressure).
+        tiers: KV tiers below the pool, ``{medium: capacity in tokens}`` (:mod:`radixkv.sim.tiers`),
+            or None.
 
     Attributes:
         kv: the :class:`~radixkv.engine.kv_manager.KVManager`.
@@ -212,6 +226,7 @@ class CacheSimulator:
         cache: Any = None,
         max_evicted_blocks: int = 1 << 16,
         chunked_prefill_size: int = 2048,
+        tiers: Optional[dict] = None,
     ) -> None:
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
@@ -231,6 +246,9 @@ class CacheSimulator:
         self._ctx = 4096
         self.kv = KVManager(cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events)
         self.tracker = OutcomeTracker(cache, self.events, max_evicted_blocks) if outcomes else None
+        self.tiers = TierModel(tiers) if tiers else None
+        if self.tiers is not None:
+            self.tiers.attach(self.events)
         self._params = SamplingParams()
         self._n = 0
 
@@ -268,6 +286,14 @@ class CacheSimulator:
         prefix = kv.lock_prefix(r)
         if self.tracker is not None:
             self.tracker.on_admit(r, prefix.length, ())
+        loaded: dict = {}
+        if self.tiers is not None and kv.shares:  # the engine's limit: whole blocks below the last token
+            limit = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
+            spans = self.tiers.lookup(r.namespace, tokens, prefix.length, limit, self.page_size)
+            for a, b, m in spans:
+                loaded[m] = loaded.get(m, 0) + b - a
+            if spans and r.cache_outcome is not None:
+                r.cache_outcome = dataclasses.replace(r.cache_outcome, tier_spans=tuple(spans))
         extend = min(n - prefix.length, self.chunk)
         if not kv.reserve(kv.pages(prefix.length + extend) - prefix.length, 0):
             raise AssertionError("a lone request that fits the pool could not be admitted")
@@ -292,7 +318,7 @@ class CacheSimulator:
             kv.grow(r, final)
             r.kv_len = final
         kv.release(r)
-        return RequestResult(i, n, prefix.length, r.cache_outcome)
+        return RequestResult(i, n, prefix.length + sum(loaded.values()), r.cache_outcome, tier_tokens=loaded)
 
     def run(self, requests: Iterable[SimRequest], keep_requests: bool = True) -> SimResult:
         """Serve every request in order; returns the totals (and per-request results).
@@ -314,6 +340,8 @@ class CacheSimulator:
             res.num_requests += 1
             res.prompt_tokens += rr.num_prompt_tokens
             res.cached_tokens += rr.num_cached_tokens
+            for m, t in rr.tier_tokens.items():
+                res.cached_tokens_by_tier[m] = res.cached_tokens_by_tier.get(m, 0) + t
             if rr.outcome is not None:
                 for c, t in rr.outcome.missed.items():
                     missed[c] += t
@@ -356,13 +384,14 @@ def simulate(
     outcomes: bool = True,
     keep_requests: bool = True,
     chunked_prefill_size: int = 2048,
+    tiers: Optional[dict] = None,
     kv_cache_memory_bytes: int | str | None = None,
     kv_bytes_per_token: Optional[int] = None,
 ) -> SimResult:
     """One replay of ``requests`` (a sequence) at ``capacity`` slots; None: enough that nothing
-    is ever evicted (:func:`capacity_bound`). See :class:`CacheSimulator`. Or sized in bytes:
-    ``kv_cache_memory_bytes`` with ``kv_bytes_per_token`` (:func:`capacity_for_memory`), instead
-    of ``capacity``.
+    is ever evicted (:func:`capacity_bound`); ``tiers``: KV tier capacities in tokens per tier.
+    See :class:`CacheSimulator`. Or sized in bytes: ``kv_cache_memory_bytes`` with
+    ``kv_bytes_per_token`` (:func:`capacity_for_memory`), instead of ``capacity``.
 
     Raises:
         ValueError: ``capacity`` and ``kv_cache_memory_bytes`` both given, or the memory without
@@ -377,6 +406,12 @@ def simulate(
     if capacity is None:
         capacity = capacity_bound(requests, page_size)
     sim = CacheSimulator(
-        policy, page_size, max(capacity, page_size), hash_algo, outcomes, chunked_prefill_size=chunked_prefill_size
+        policy,
+        page_size,
+        max(capacity, page_size),
+        hash_algo,
+        outcomes,
+        chunked_prefill_size=chunked_prefill_size,
+        tiers=tiers,
     )
     return sim.run(requests, keep_requests)

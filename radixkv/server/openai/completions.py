@@ -107,7 +107,7 @@ class Completions:
                     )
             body = CompletionResponse(id=rid, model=model, choices=choices, usage=run.usage(outs)).model_dump()
             if req.return_cached_tokens_details:
-                body["sglext"] = _sglext(sum(int(o.num_cached_tokens or 0) for o in outs))
+                body["sglext"] = _sglext(outs)
             return body
 
         async def events() -> AsyncIterator[str]:
@@ -138,7 +138,7 @@ class Completions:
                     if text or reason or (lps is not None and lps.tokens):
                         extra = None
                         if reason and req.return_cached_tokens_details and c.index == 0:
-                            extra = {"sglext": _sglext(int(out.num_cached_tokens or 0))}
+                            extra = {"sglext": _sglext([out])}
                         yield chunk(
                             [CompletionChoice(index=k, text=text, logprobs=lps, finish_reason=reason)], None, extra
                         )
@@ -148,6 +148,13 @@ class Completions:
         return framed(events(), run.rest, server_error_event)
 
 
-def _sglext(cached: int) -> dict:
-    """SGLang's ``sglext`` of a completion: the cached tokens by tier (radixkv has one)."""
-    return {"cached_tokens_details": {"device": cached, "host": 0}}
+def _sglext(outs: list) -> dict:
+    """SGLang's ``sglext`` of a completion: the prompts' cached tokens by tier, in SGLang's two
+    keys: ``device`` (the KV pool) and ``host`` (every KV tier below it: host RAM, disk and the
+    remote tier, docs/tiers.md; ``RequestOutput.cached_tokens_by_tier`` has them apart)."""
+    device = host = 0
+    for o in outs:
+        by = getattr(o, "cached_tokens_by_tier", None) or {"device": int(o.num_cached_tokens or 0)}
+        device += int(by.get("device", 0))
+        host += sum(int(n) for m, n in by.items() if m != "device")
+    return {"cached_tokens_details": {"device": device, "host": host}}

@@ -1,0 +1,404 @@
+"""The KV tiers' I/O thread: it looks blocks up in the stores and loads them into a staging buffer,
+and writes blocks gathered from the pool to the stores, off the engine thread.
+
+The engine thread hands it :class:`LoadJob` s (a request's next blocks, in order) and
+:class:`WriteJob` s (blocks already copied out of the pool, so the pool's slots are free to be
+reused at once); loads go first (a request waits for them), writes after. A load asks the stores
+in tier order which blocks they hold (``contains``), keeps the longest leading run that some tier
+holds and that is cheaper to load than to recompute (:class:`CostModel`), fetches it (``get``:
+each store verifies its bytes; here the tokens, the layout and the length are checked once more,
+and a block that fails any check ends the run) into one ``uint8`` tensor
+``[16 * blocks, token_bytes]`` (pinned when the pool is on a GPU). A write puts the blocks a store
+does not hold yet. A store's failure is a miss (counted), never an exception here.
+
+Nothing here touches the pool, the cache or a request: the KV manager installs a finished load
+(the only code that moves slots) and the tier manager emits the events of finished writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+import numpy as np
+import torch
+
+from radixkv.cache.digests import BLOCK_TOKENS
+from radixkv.tiers import Block
+
+__all__ = ["LATENCY_BUCKETS", "CostModel", "LoadJob", "TierCounters", "TierIO", "WriteJob"]
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+"""Upper bounds (seconds) of the load-latency histogram of each tier (one ``get`` call)."""
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One request's lookup and load (module docstring).
+
+    Attributes:
+        keys, tokens: the ``BlockKey`` and the 16 token ids of blocks ``first, first + 1, ...``.
+        first: index of the first block (block ``b`` covers tokens ``[16 b, 16 b + 16)``).
+        stores: the stores to look in, in tier order.
+        rows: (set by the I/O thread) ``uint8 [16 * n, token_bytes]``, the K/V of the ``n``
+            leading blocks loaded (``n`` may be 0).
+        media: (I/O thread) the tier each loaded block came from.
+        done, cancelled: finished by the I/O thread / given up by the engine thread.
+        owner: what the engine side waits on it for (a request).
+    """
+
+    keys: list
+    tokens: list
+    first: int
+    stores: list
+    owner: Any = None
+    rows: Optional[torch.Tensor] = None
+    media: List[str] = field(default_factory=list)
+    done: bool = False
+    cancelled: bool = False
+
+
+@dataclass(eq=False)
+class WriteJob:
+    """Blocks copied out of the pool for the stores (module docstring).
+
+    Attributes:
+        namespace: their namespace (events); keys, tokens, digests: per block, in order from
+            block ``first``; rows: ``uint8 [16 * n, token_bytes]`` on the CPU; stores: where to
+            put them; stored: (I/O thread) the media that hold all of them afterwards.
+    """
+
+    namespace: Any
+    keys: list
+    tokens: list
+    digests: list
+    first: int
+    rows: torch.Tensor
+    stores: list
+    stored: List[str] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.numel())
+
+
+class TierCounters:
+    """What the engine side counts per tier (beside the store's own ``stats()``): blocks looked
+    up (``lookups``), ``found``, ``loaded``, ``load_rejected`` (wrong tokens, layout or length
+    after the store's checks) or ``load_skipped`` (found but dearer to load than to recompute),
+    blocks whose write was dropped (``write_dropped``: the backlog was full), prompt tokens
+    served to requests (``served_tokens``), and the load-latency histogram
+    (:data:`LATENCY_BUCKETS`, one observation per ``get`` call). Updated under the I/O lock."""
+
+    __slots__ = (
+        "lookups",
+        "found",
+        "loaded",
+        "load_rejected",
+        "load_skipped",
+        "write_dropped",
+        "served_tokens",
+        "buckets",
+        "lat_sum",
+    )
+
+    def __init__(self) -> None:
+        self.lookups = self.found = self.loaded = self.load_rejected = self.load_skipped = 0
+        self.write_dropped = self.served_tokens = 0
+        self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.lat_sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        i = next((k for k, b in enumerate(LATENCY_BUCKETS) if seconds <= b), len(LATENCY_BUCKETS))
+        self.buckets[i] += 1
+        self.lat_sum += seconds
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__slots__ if k not in ("buckets", "lat_sum")}
+        d["load_latency"] = {"buckets": list(LATENCY_BUCKETS), "counts": list(self.buckets), "sum": self.lat_sum}
+        return d
+
+
+class CostModel:
+    """Running averages (EWMA, weight ``alpha``) of the seconds to load one block from each tier
+    and to prefill one token; :meth:`best_run` picks how many leading blocks of a run to load.
+
+    Before a tier's first load its cost counts as 0 (load: that measures it); before the first
+    prefill is measured every run is loaded.
+    """
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.block_s: Dict[str, float] = {}
+        self.prefill_token_s: Optional[float] = None
+        self._lock = threading.Lock()
+
+    def _ewma(self, old: Optional[float], x: float) -> float:
+        return x if old is None else (1 - self.alpha) * old + self.alpha * x
+
+    def note_load(self, medium: str, seconds: float, blocks: int) -> None:
+        """``blocks`` blocks came from ``medium`` in ``seconds`` (fetch, checks and staging)."""
+        if blocks > 0:
+            with self._lock:
+                self.block_s[medium] = self._ewma(self.block_s.get(medium), seconds / blocks)
+
+    def note_prefill(self, seconds: float, tokens: int) -> None:
+        """A forward computed ``tokens`` prompt tokens in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            with self._lock:
+                self.prefill_token_s = self._ewma(self.prefill_token_s, seconds / tokens)
+
+    def token_s(self, medium: str) -> Optional[float]:
+        """Seconds per token to load from ``medium`` (None: not measured yet)."""
+        b = self.block_s.get(medium)
+        return None if b is None else b / BLOCK_TOKENS
+
+    def best_run(self, media: List[str]) -> int:
+        """How many leading blocks of a run held in ``media`` (per block) to load: the prefix
+        that saves the most time against recomputing it (0 when none saves any)."""
+        if self.prefill_token_s is None:
+            return len(media)
+        gain = BLOCK_TOKENS * self.prefill_token_s
+        best = acc = 0.0
+        k = 0
+        for i, m in enumerate(media):
+            acc += gain - self.block_s.get(m, 0.0)
+            if acc > best:
+                best, k = acc, i + 1
+        return k
+
+
+class TierIO:
+    """The I/O thread (module docstring).
+
+    Args:
+        meta: the pool's layout name (a loaded block must carry exactly it).
+        token_bytes: bytes of one token's K/V in the pool.
+        costs: the :class:`CostModel` it measures loads into and decides with.
+        counters: a :class:`TierCounters` per medium.
+        pin_memory: stage loads in pinned host memory (a GPU pool).
+        max_pending_bytes: bound on the bytes of queued writes; a write beyond it is dropped
+            (counted in ``write_dropped``).
+
+    Attributes:
+        on_load_done: called (on the I/O thread, no lock held) after each finished load, e.g. to
+            wake an engine driver waiting for it; None: nobody.
+    """
+
+    def __init__(
+        self,
+        meta: bytes,
+        token_bytes: int,
+        costs: CostModel,
+        counters: Dict[str, TierCounters],
+        pin_memory: bool = False,
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
+        self.meta = meta
+        self.token_bytes = token_bytes
+        self.costs = costs
+        self.counters = counters
+        self.pin_memory = pin_memory
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
+        self._cv = threading.Condition()
+        self._loads: deque = deque()
+        self._writes: deque = deque()
+        self._done_loads: List[LoadJob] = []
+        self._done_writes: List[WriteJob] = []
+        self._busy = False
+        self._closed = False
+        self.on_load_done: Optional[Callable[[], None]] = None
+        self._thread = threading.Thread(target=self._run, name="radixkv-kv-tiers", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine thread
+    def submit_load(self, job: LoadJob) -> None:
+        with self._cv:
+            self._loads.append(job)
+            self._cv.notify_all()
+
+    def submit_write(self, job: WriteJob) -> bool:
+        """Queue ``job``; False (dropped, counted) when the backlog is over ``max_pending_bytes``
+        or the thread is closed."""
+        with self._cv:
+            if self._closed or self.pending_bytes + job.nbytes > self.max_pending_bytes:
+                for s in job.stores:
+                    self.counters[s.medium].write_dropped += len(job.keys)
+                return False
+            self.pending_bytes += job.nbytes
+            self._writes.append(job)
+            self._cv.notify_all()
+        return True
+
+    def take_done(self) -> tuple:
+        """``(loads, writes)`` finished since the last call."""
+        with self._cv:
+            loads, self._done_loads = self._done_loads, []
+            writes, self._done_writes = self._done_writes, []
+        return loads, writes
+
+    def has_done_loads(self) -> bool:
+        """Whether a finished load waits to be taken (:meth:`take_done`)."""
+        return bool(self._done_loads)
+
+    def idle(self) -> bool:
+        with self._cv:
+            return not (self._loads or self._writes or self._busy)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued job has run (True), or ``timeout`` seconds passed (False)."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not (self._loads or self._writes or self._busy), timeout)
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Drain the writes (loads still queued are dropped), then stop the thread; idempotent.
+        Returns whether everything queued was written."""
+        with self._cv:
+            for job in self._loads:
+                job.cancelled = True
+            self._loads.clear()
+        drained = self.drain(timeout)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout)
+        return drained
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._closed or self._loads or self._writes)
+                if self._closed and not (self._loads or self._writes):
+                    return
+                job = self._loads.popleft() if self._loads else self._writes.popleft()
+                self._busy = True
+            try:
+                if isinstance(job, LoadJob):
+                    if not job.cancelled:
+                        self._load(job)
+                else:
+                    self._write(job)
+            except Exception:  # noqa: BLE001 - a failing tier is a miss; the thread goes on
+                logger.exception("KV tier I/O failed")
+            with self._cv:
+                self._busy = False
+                if isinstance(job, LoadJob):
+                    job.done = True
+                    if not job.cancelled:
+                        self._done_loads.append(job)
+                else:
+                    self.pending_bytes -= job.nbytes
+                    self._done_writes.append(job)
+                self._cv.notify_all()
+            if isinstance(job, LoadJob) and self.on_load_done is not None:
+                self.on_load_done()
+
+    def _where(self, job: LoadJob) -> list:
+        """The first store holding each block of ``job`` (None: none does)."""
+        n = len(job.keys)
+        where: list = [None] * n
+        for store in job.stores:
+            idx = [i for i in range(n) if where[i] is None]
+            if not idx:
+                break
+            try:
+                present = list(store.contains([job.keys[i] for i in idx]))
+            except Exception:  # noqa: BLE001 - a store that fails is a miss
+                logger.exception("KV tier %s: contains failed", store.medium)
+                present = [False] * len(idx)
+            c = self.counters[store.medium]
+            with self._cv:
+                c.lookups += len(idx)
+                c.found += sum(bool(p) for p in present)
+            for i, p in zip(idx, present):
+                if p:
+                    where[i] = store
+        return where
+
+    def _get(self, store: Any, job: LoadJob, idx: List[int]) -> list:
+        """``store.get`` of blocks ``idx`` of ``job``, each checked (tokens, layout, length):
+        the block, or None (missed, failed or rejected); timed and counted."""
+        t0 = time.perf_counter()
+        try:
+            got = list(store.get([job.keys[i] for i in idx], [job.tokens[i] for i in idx]))
+        except Exception:  # noqa: BLE001 - a store that fails is a miss
+            logger.exception("KV tier %s: get failed", store.medium)
+            got = [None] * len(idx)
+        size = BLOCK_TOKENS * self.token_bytes
+        out, bad = [], 0
+        for i, b in zip(idx, got):
+            if b is not None and (
+                tuple(b.tokens) != tuple(job.tokens[i])
+                or bytes(b.meta) != self.meta
+                or memoryview(b.payload).nbytes != size
+            ):
+                b, bad = None, bad + 1
+            out.append(b)
+        dt = time.perf_counter() - t0
+        ok = sum(b is not None for b in out)
+        self.costs.note_load(store.medium, dt, ok)
+        c = self.counters[store.medium]
+        with self._cv:
+            c.observe(dt)
+            c.loaded += ok
+            c.load_rejected += bad
+        return out
+
+    def _fetch(self, job: LoadJob, where: list, k: int) -> list:
+        """Blocks ``0 .. k-1`` of ``job`` as ``(block, medium)``, None where no store gave it:
+        each from the first store holding it, else (it failed there) from the stores after."""
+        rank = {id(s): r for r, s in enumerate(job.stores)}
+        got: list = [None] * k
+        for r, store in enumerate(job.stores):
+            idx = [i for i in range(k) if got[i] is None and rank[id(where[i])] <= r]
+            if idx:
+                for i, b in zip(idx, self._get(store, job, idx)):
+                    if b is not None:
+                        got[i] = (b, store.medium)
+        return got
+
+    def _load(self, job: LoadJob) -> None:
+        where = self._where(job)
+        run = next((i for i, s in enumerate(where) if s is None), len(where))
+        k = self.costs.best_run([s.medium for s in where[:run]])
+        for s in where[k:run]:
+            with self._cv:
+                self.counters[s.medium].load_skipped += 1
+        got = self._fetch(job, where, k) if k else []
+        n = next((i for i, g in enumerate(got) if g is None), len(got))
+        tb = self.token_bytes
+        rows = torch.empty((BLOCK_TOKENS * n, tb), dtype=torch.uint8, pin_memory=self.pin_memory and n > 0)
+        view = rows.numpy()
+        for i in range(n):
+            block = got[i][0]
+            view[BLOCK_TOKENS * i : BLOCK_TOKENS * (i + 1)] = np.frombuffer(block.payload, np.uint8).reshape(
+                BLOCK_TOKENS, tb
+            )
+        job.rows, job.media = rows, [g[1] for g in got[:n]]
+
+    def _write(self, job: WriteJob) -> None:
+        view = job.rows.numpy()
+        n = len(job.keys)
+        for store in job.stores:
+            try:
+                present = list(store.contains(job.keys))
+                idx = [i for i in range(n) if not present[i]]
+                if idx:
+                    blocks = [
+                        Block(
+                            tuple(job.tokens[i]), view[BLOCK_TOKENS * i : BLOCK_TOKENS * (i + 1)].tobytes(), self.meta
+                        )
+                        for i in idx
+                    ]
+                    store.put([job.keys[i] for i in idx], blocks)
+                job.stored.append(store.medium)
+            except Exception:  # noqa: BLE001 - a store that fails loses the write (counted by it)
+                logger.exception("KV tier %s: put failed", store.medium)

@@ -1,0 +1,361 @@
+"""`TierManager`: the KV tiers below the pool (host RAM, local disk, a shared Redis), seen from the
+engine: which blocks to look up and load for a request, which to write and when, what it cost.
+
+Like the pin table and the in-batch sharing index, it keeps its own bookkeeping beside the
+:class:`~radixkv.engine.kv_manager.KVManager` and moves no slot: the KV manager locks a
+request's cached prefix before a lookup, copies a finished load into new slots and inserts it
+into the prefix cache as if computed, and hands this class the slots whose K/V to write.
+
+The unit is the 16-token block of :mod:`radixkv.cache.digests`; a block's key is (model
+fingerprint, namespace, chained digest) (:func:`model_fingerprint`, :class:`~radixkv.tiers.BlockKey`),
+so another model, dtype or namespace never reads it. A process-local namespace (no stable
+serialization) is kept in the host tier only. The stores (``radixkv.tiers``) verify every block
+they return; :mod:`radixkv.engine.tier_io` checks it once more and runs all store I/O on its
+thread. Write policy per tier (``EngineConfig.kv_tier_write_policy``): write-through copies a
+block's K/V out when it enters the pool, write-back when the pool evicts it (the radix cache
+tells which pieces it evicts; with ``prefix_cache="hash"`` every tier is write-through).
+Pending writes drain at :meth:`TierManager.close` (``LLM.close``, ``AsyncLLM.shutdown``, context
+exits) and at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import logging
+import os
+import weakref
+from array import array
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.config import TIER_MEDIA
+from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob
+from radixkv.memory.kv_io import gather_rows, layout_of
+from radixkv.namespace import Namespace, namespace_key
+from radixkv.tiers import BlockKey
+
+__all__ = ["TierHold", "TierManager", "model_fingerprint", "build_stores", "check_settings"]
+
+logger = logging.getLogger(__name__)
+
+SHARED_MEDIA = ("disk", "remote")
+"""Tiers other processes read: a process-local namespace never goes there."""
+
+
+def model_fingerprint(
+    weights: bytes, compute_dtype: Any, kv_dtype: Any, quantization: Any, layout_meta: bytes
+) -> bytes:
+    """16 bytes naming what a block's K/V depends on besides its tokens: the weights
+    (:func:`radixkv.models.fingerprint.weights_digest`), the compute dtype, the K/V dtype, the
+    quantization and the pool's per-token layout (:class:`~radixkv.memory.kv_io.KVLayout`:
+    dtypes and shapes per slot; not the page size)."""
+    h = hashlib.blake2b(b"radixkv-kv-fingerprint-1", digest_size=16)
+    for part in (weights, str(compute_dtype).encode(), str(kv_dtype).encode(), str(quantization).encode(), layout_meta):
+        h.update(len(part).to_bytes(8, "big") + part)
+    return h.digest()
+
+
+def check_settings(cfg: Any) -> None:
+    """Refuse a malformed ``remote_cache_url`` or an unwritable ``disk_cache_dir`` at once (the
+    engine calls it before it loads the model; the stores check again when built).
+
+    Raises:
+        ValueError: naming the field and what is wrong.
+    """
+    if cfg.remote_cache_url is not None:
+        from radixkv.tiers import parse_redis_url
+
+        parse_redis_url(cfg.remote_cache_url)
+    if cfg.disk_cache_dir is not None:
+        path = os.path.abspath(os.path.expanduser(cfg.disk_cache_dir))
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"disk_cache_dir {cfg.disk_cache_dir!r} is not a writable directory: {e}") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"disk_cache_dir {cfg.disk_cache_dir!r} is not a writable directory: permission denied")
+
+
+def build_stores(cfg: Any, fingerprint: bytes) -> list:
+    """The stores ``cfg`` configures (``host_cache_bytes``, ``disk_cache_dir`` +
+    ``disk_cache_bytes``, ``remote_cache_url``), in tier order; [] when none (no import then).
+    ``fingerprint``: the model's (a remote store's ``delete_all`` deletes only its keys).
+
+    Raises:
+        ValueError: an unwritable ``disk_cache_dir`` or a malformed ``remote_cache_url`` (the
+            stores name the field).
+    """
+    if not cfg.kv_tiers:
+        return []
+    from radixkv.tiers import make_stores
+
+    return make_stores(
+        cfg.host_cache_bytes,
+        cfg.disk_cache_dir,
+        cfg.disk_cache_bytes,
+        cfg.remote_cache_url,
+        fingerprint=fingerprint,
+    )
+
+
+@dataclass(eq=False)
+class TierHold:
+    """A waiting request's tier state (``Request.tier``), owned by the KV manager.
+
+    Attributes:
+        job: its :class:`~radixkv.engine.tier_io.LoadJob` from the lookup until it is installed
+            (or given up).
+        node: the cache node the KV manager locked for it once its load was installed (until it
+            is admitted), else None.
+        held: tokens of that install (counted in :attr:`TierManager.held_tokens`).
+        start: tokens of its prefix in the pool at the lookup, then the end of what was
+            installed (fewer in the pool later: looked up again).
+        limit: the most tokens it may reuse (page-floored).
+        spans: ``(lo, hi, medium)`` of the positions installed from the tiers.
+    """
+
+    job: Optional[LoadJob] = None
+    node: Any = None
+    held: int = 0
+    start: int = 0
+    limit: int = 0
+    spans: List[tuple] = field(default_factory=list)
+
+    def by_tier(self, upto: int) -> Dict[str, int]:
+        """Tokens of ``[0, upto)`` installed from each tier."""
+        out: Dict[str, int] = {}
+        for lo, hi, m in self.spans:
+            n = min(hi, upto) - lo
+            if n > 0:
+                out[m] = out.get(m, 0) + n
+        return out
+
+
+def _drain_at_exit(ref: "weakref.ref[TierManager]") -> None:
+    tm = ref()
+    if tm is not None:
+        tm.close(timeout=60.0)
+
+
+class TierManager:
+    """The tiers of one engine (module docstring).
+
+    Args:
+        stores: :class:`~radixkv.tiers.PageStore` s (at most one per medium), any order.
+        pool: the engine's KV pool (blocks are gathered from it here; the KV manager scatters).
+        fingerprint: :func:`model_fingerprint` of the engine's model and pool.
+        write_policy: ``{medium: "write_through" | "write_back"}``.
+        write_back_ok: the prefix cache reports what it evicts (else write-back tiers are written
+            through).
+        max_pending_bytes: bound on the bytes of writes queued for the I/O thread.
+
+    Attributes:
+        costs: the :class:`~radixkv.engine.tier_io.CostModel` (load vs prefill per token).
+        held_tokens: tokens installed from the tiers and locked for waiting requests.
+    """
+
+    def __init__(
+        self,
+        stores: Sequence[Any],
+        pool: Any,
+        fingerprint: bytes,
+        write_policy: Dict[str, str],
+        *,
+        write_back_ok: bool = True,
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
+        order = {m: i for i, m in enumerate(TIER_MEDIA)}
+        self.stores = sorted(stores, key=lambda s: order.get(s.medium, len(order)))
+        media = [s.medium for s in self.stores]
+        if len(set(media)) != len(media) or any(m not in order for m in media):
+            raise ValueError(f"KV tiers: one store per medium of {TIER_MEDIA}, got {media}")
+        self.pool = pool
+        self.layout = layout_of(pool)
+        self.fingerprint = fingerprint
+        back = {m for m, p in write_policy.items() if p == "write_back"} if write_back_ok else set()
+        self.through = [s for s in self.stores if s.medium not in back]
+        self.back = [s for s in self.stores if s.medium in back]
+        self.costs = CostModel()
+        self.counters = {s.medium: TierCounters() for s in self.stores}
+        pin = torch.device(getattr(pool, "device", "cpu")).type == "cuda"
+        self.io = TierIO(self.layout.meta, self.layout.token_bytes, self.costs, self.counters, pin, max_pending_bytes)
+        self.held_tokens = 0
+        self._closed = False
+        atexit.register(_drain_at_exit, weakref.ref(self))
+
+    @property
+    def media(self) -> tuple:
+        """The tiers, in lookup order."""
+        return tuple(s.medium for s in self.stores)
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether some tier is written when the pool evicts."""
+        return bool(self.back)
+
+    def _stores_for(self, namespace: Optional[Namespace], stores: Sequence[Any]) -> list:
+        """``stores`` a block of ``namespace`` may go to (a process-local one: host only)."""
+        if namespace is None or namespace.persistable:
+            return list(stores)
+        return [s for s in stores if s.medium not in SHARED_MEDIA]
+
+    def _keys(self, namespace: Optional[Namespace], tokens: Any, first: int, stop: int) -> tuple:
+        """``(keys, token tuples, digests)`` of blocks ``[first, stop)`` of ``tokens`` (ids, or
+        their int32 bytes)."""
+        if isinstance(tokens, (bytes, bytearray)):
+            tokens = array("i", tokens)
+        ns = namespace_key(namespace)
+        digests = block_digests(tokens, namespace, first, stop)
+        keys = [BlockKey(self.fingerprint, ns, d) for d in digests]
+        toks = [tuple(tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]) for b in range(first, stop)]
+        return keys, toks, digests
+
+    # ------------------------------------------------------------------ loads
+    def plan(
+        self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int, owner: Any = None
+    ) -> Optional[LoadJob]:
+        """Start looking up the blocks after the ``start`` tokens the pool holds, up to position
+        ``limit`` (page-floored by the caller) for ``owner``: a :class:`LoadJob` submitted to the I/O thread, or
+        None when no tier can serve a whole block there (the local tiers do not hold the first
+        one; with a remote tier the I/O thread always asks)."""
+        first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
+        stores = self._stores_for(namespace, self.stores)
+        if self._closed or stop <= first or BLOCK_TOKENS * stop <= start or not stores:
+            return None
+        keys, toks, _ = self._keys(namespace, tokens, first, stop)
+        if all(s.medium != "remote" for s in stores):
+            if not any(_contains_one(s, keys[0]) for s in stores):
+                for s in stores:
+                    self.counters[s.medium].lookups += 1
+                return None
+        job = LoadJob(keys, toks, first, stores, owner)
+        self.io.submit_load(job)
+        return job
+
+    def take_finished(self) -> tuple:
+        """``(loads, writes)``: the :class:`LoadJob` s and :class:`WriteJob` s the I/O thread
+        finished since the last call (cancelled loads excluded)."""
+        return self.io.take_done()
+
+    def served(self, spans: Dict[str, int]) -> None:
+        """Count tokens the tiers served to a request at its first admission."""
+        for m, n in spans.items():
+            if m in self.counters:
+                self.counters[m].served_tokens += n
+
+    # ------------------------------------------------------------------ writes
+    def write(
+        self,
+        policy: str,
+        namespace: Optional[Namespace],
+        tokens: Sequence[int],
+        first: int,
+        stop: int,
+        slots: Any,
+        skip: Sequence[str] = (),
+    ) -> None:
+        """Copy the K/V of blocks ``[first, stop)`` of ``tokens`` (their pool ``slots``, one per
+        token of ``[16 first, 16 stop)``) out of the pool now and queue their write to the tiers
+        with ``policy`` ("write_through" or "write_back"), except the media in ``skip``."""
+        if self._closed or stop <= first:
+            return
+        stores = self.through if policy == "write_through" else self.back
+        stores = [s for s in self._stores_for(namespace, stores) if s.medium not in skip]
+        if not stores:
+            return
+        rows = gather_rows(self.pool, slots)
+        keys, toks, digests = self._keys(namespace, tokens, first, stop)
+        self.io.submit_write(WriteJob(namespace, keys, toks, digests, first, rows, stores))
+
+    # ------------------------------------------------------------------ inspection
+    def where(self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int) -> List[tuple]:
+        """``(lo, hi, medium)`` spans of the positions after ``start`` that the tiers hold now
+        (the first tier holding each block; up to the first block none holds, ``limit`` at most).
+        Asks the stores on this thread (``explain``: a dry run, nothing loaded)."""
+        first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
+        stores = self._stores_for(namespace, self.stores)
+        if stop <= first or not stores:
+            return []
+        keys, _, _ = self._keys(namespace, tokens, first, stop)
+        where: list = [None] * len(keys)
+        for s in stores:
+            idx = [i for i, w in enumerate(where) if w is None]
+            try:
+                present = list(s.contains([keys[i] for i in idx])) if idx else []
+            except Exception:  # noqa: BLE001 - a failing tier holds nothing
+                present = [False] * len(idx)
+            for i, p in zip(idx, present):
+                if p:
+                    where[i] = s.medium
+        spans: List[tuple] = []
+        for i, m in enumerate(where):
+            if m is None:
+                break
+            lo, hi = max(start, BLOCK_TOKENS * (first + i)), BLOCK_TOKENS * (first + i + 1)
+            if spans and spans[-1][2] == m and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], hi, m)
+            else:
+                spans.append((lo, hi, m))
+        return spans
+
+    def stats(self) -> Dict[str, Dict[str, Any]]:
+        """Per tier: the store's ``stats()`` (hits, misses, blocks / bytes read and written,
+        corrupt, errors, degraded), the engine side's counters (:class:`TierCounters`), its
+        ``used_bytes`` / ``capacity_bytes`` and the cost model's seconds per token to load from
+        it and to prefill (None until measured)."""
+        out: Dict[str, Dict[str, Any]] = {}
+        for s in self.stores:
+            try:
+                d = dict(s.stats())
+            except Exception:  # noqa: BLE001 - a failing store still reports the engine's counts
+                d = {"degraded": True}
+            d.update(self.counters[s.medium].as_dict())
+            d["used_bytes"] = int(getattr(s, "used_bytes", 0))
+            d["capacity_bytes"] = int(getattr(s, "capacity_bytes", 0) or 0)
+            d["load_s_per_token"] = self.costs.token_s(s.medium)
+            d["prefill_s_per_token"] = self.costs.prefill_token_s
+            d["write_policy"] = "write_back" if s in self.back else "write_through"
+            out[s.medium] = d
+        return out
+
+    def degraded(self) -> List[str]:
+        """The tiers whose store says it is degraded (e.g. Redis unreachable)."""
+        return [m for m, d in self.stats().items() if d.get("degraded")]
+
+    # ------------------------------------------------------------------ lifetime
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued write has reached its stores (True) or ``timeout`` s passed."""
+        return self.io.drain(timeout)
+
+    def delete_all(self, remote: bool = False) -> None:
+        """Empty the tiers this engine owns (host, disk; the shared remote tier only with
+        ``remote``), after the queued writes (so none lands after)."""
+        self.io.drain()
+        for s in self.stores:
+            if s.medium != "remote" or remote:
+                s.delete_all()
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Drain the queued writes, stop the I/O thread and close the stores; idempotent.
+        Returns whether every queued write was done."""
+        if self._closed:
+            return True
+        self._closed = True
+        done = self.io.close(timeout)
+        for s in self.stores:
+            try:
+                s.close()
+            except Exception:  # noqa: BLE001 - closing: report, go on with the others
+                logger.exception("closing the %s KV tier failed", s.medium)
+        return done
+
+
+def _contains_one(store: Any, key: BlockKey) -> bool:
+    try:
+        return bool(list(store.contains([key]))[0])
+    except Exception:  # noqa: BLE001 - a failing tier holds nothing
+        return False

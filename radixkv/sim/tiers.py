@@ -1,0 +1,91 @@
+"""KV tiers in the cache simulator: each tier a capacity of 16-token blocks, least recently used
+first, fed by the simulated pool's cache events (docs/tiers.md).
+
+A tier holds block digests (:mod:`radixkv.cache.digests`: chained, namespace-seeded): a
+write-through tier takes every block that becomes fully cached in the pool
+(:class:`~radixkv.engine.events.CacheInserted`), a write-back tier every block the pool evicts
+(:class:`~radixkv.engine.events.CacheEvicted`), as the engine's tiers do. A request's lookup, after
+the pool's match, takes the longest run of following whole blocks that some tier holds (in tier
+order, each block from the first tier holding it; the run refreshed there), page-floored, below
+its last token: what the engine would load (the cost rule aside: the simulator counts every
+held block as loaded). It models what a tier holds, not how long it takes.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional, Sequence
+
+from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
+from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
+
+__all__ = ["TierModel"]
+
+
+class TierModel:
+    """Tiers of the given capacities (module docstring).
+
+    Args:
+        capacities: ``{medium: tokens}`` for some of ``host``, ``disk``, ``remote`` (floored to
+            whole 16-token blocks; 0 or absent: no such tier).
+        write_policy: ``{medium: "write_through" | "write_back"}`` (default: the engine's,
+            write-back for host, write-through for disk and remote).
+
+    Raises:
+        ValueError: an unknown medium or a negative capacity.
+    """
+
+    def __init__(self, capacities: Dict[str, int], write_policy: Optional[Dict[str, str]] = None) -> None:
+        bad = [m for m in capacities if m not in TIER_MEDIA]
+        if bad or any(int(c) < 0 for c in capacities.values()):
+            raise ValueError(f"tier capacities must be tokens >= 0 for tiers among {TIER_MEDIA}, got {capacities!r}")
+        policy = dict(DEFAULT_WRITE_POLICY, **(write_policy or {}))
+        self.blocks = {m: int(capacities[m]) // BLOCK_TOKENS for m in TIER_MEDIA if capacities.get(m)}
+        self.held: Dict[str, OrderedDict] = {m: OrderedDict() for m in self.blocks}
+        self.through = [m for m in self.held if policy[m] == "write_through"]
+        self.back = [m for m in self.held if policy[m] == "write_back"]
+
+    def attach(self, events: EventBus) -> None:
+        """Follow the pool's cache events on ``events``."""
+        events.subscribe(self._on_event, (CacheInserted, CacheEvicted))
+
+    def _put(self, media: Sequence[str], digests: Sequence[bytes]) -> None:
+        for m in media:
+            held, cap = self.held[m], self.blocks[m]
+            for d in digests:
+                held[d] = None
+                held.move_to_end(d)
+            while len(held) > cap:
+                held.popitem(last=False)
+
+    def _on_event(self, ev: Event) -> None:
+        if isinstance(ev, CacheInserted) and ev.medium == "device":
+            self._put(self.through, ev.block_digests)
+        elif isinstance(ev, CacheEvicted) and ev.block_digests:
+            self._put(self.back, ev.block_digests)
+
+    def lookup(self, namespace: Any, tokens: Sequence[int], start: int, limit: int, page_size: int) -> List[tuple]:
+        """``(lo, hi, medium)`` spans of ``tokens`` after the ``start`` the pool holds, up to
+        position ``limit`` (exclusive; page-floored here), that the tiers would serve."""
+        first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
+        if stop <= first or not self.held:
+            return []
+        media: List[str] = []
+        for d in block_digests(tokens, namespace, first, stop):
+            m = next((m for m in self.held if d in self.held[m]), None)
+            if m is None:
+                break
+            self.held[m].move_to_end(d)
+            media.append(m)
+        end = BLOCK_TOKENS * (first + len(media)) // page_size * page_size
+        spans: List[tuple] = []
+        for i, m in enumerate(media):  # each block's own positions, as the engine counts them
+            lo, hi = max(start, BLOCK_TOKENS * (first + i)), min(end, BLOCK_TOKENS * (first + i + 1))
+            if hi <= lo:
+                continue
+            if spans and spans[-1][2] == m and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], hi, m)
+            else:
+                spans.append((lo, hi, m))
+        return spans

@@ -1,0 +1,242 @@
+"""The disk tier's directory: its layout, its manifest, atomic writes, reads and the scan that
+rebuilds the in-memory index (what :class:`~radixkv.tiers.disk.DiskStore` stands on).
+
+Layout of ``disk_cache_dir``::
+
+    radixkv-kv-tier.json          the manifest: {"format": "radixkv-kv-tier", "version": 1, "fanout": 256}
+    blocks/<xx>/<key hex>.kvb     one record per block (radixkv.tiers.codec); <xx>: the block
+                                  digest's first byte in hex (BlockKey.hex()[64:66])
+    blocks/<xx>/.<key hex>.<pid>.<random>.tmp   a record being written (then os.replace'd)
+
+A record's mtime is its last use (set on write and on each read), so the least recently used
+order survives restarts and is shared by every process using the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import tempfile
+import time
+from typing import Iterator
+
+__all__ = [
+    "BLOCKS",
+    "MANIFEST",
+    "layout_path",
+    "prepare",
+    "read_record",
+    "remove_records",
+    "scan",
+    "unlink_if_same",
+    "write_record",
+]
+
+MANIFEST = "radixkv-kv-tier.json"
+BLOCKS = "blocks"
+_FORMAT = {"format": "radixkv-kv-tier", "version": 1, "fanout": 256}
+_SUFFIX = ".kvb"
+_NAME_LEN = 96
+_HEX = frozenset("0123456789abcdef")
+STALE_TMP_S = 3600.0
+"""A temporary file older than this (seconds, by its mtime) is a crashed writer's: removed by scans."""
+
+
+def layout_path(root: str, name: str) -> str:
+    """The record file of the key whose ``hex()`` is ``name``."""
+    return os.path.join(root, BLOCKS, name[64:66], name + _SUFFIX)
+
+
+def _unwritable(root: str, why: str) -> ValueError:
+    return ValueError(f"disk_cache_dir {root!r} is not a writable directory: {why}")
+
+
+def _write_manifest(root: str) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=root)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_FORMAT, f)
+        os.replace(tmp, os.path.join(root, MANIFEST))
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def _manifest_ok(root: str) -> bool:
+    try:
+        with open(os.path.join(root, MANIFEST), "rb") as f:
+            return json.loads(f.read(4096)) == _FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def prepare(root: str) -> bool:
+    """Make ``root`` a disk tier's directory; returns True when its index was corrupt (a manifest
+    unreadable, of another format or version, or missing beside existing blocks) and the tier was
+    emptied.
+
+    Raises:
+        ValueError: (naming ``disk_cache_dir``) ``root`` cannot be created, is not a directory,
+            or a file cannot be written in it.
+    """
+    try:
+        os.makedirs(root, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(root, e.strerror or str(e)) from None
+    if not os.path.isdir(root):
+        raise _unwritable(root, "not a directory")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise _unwritable(root, "permission denied")
+    blocks = os.path.join(root, BLOCKS)
+    # NOTE: blocks/ is looked at before the manifest: a process creating the tier writes the
+    # manifest first, so blocks/ seen here means its manifest is visible below.
+    had_blocks = os.path.lexists(blocks)
+    has_manifest = os.path.lexists(os.path.join(root, MANIFEST))
+    corrupt = (has_manifest and not _manifest_ok(root)) or (had_blocks and not has_manifest)
+    try:
+        if corrupt:
+            remove_records(root, everything=True)
+        if corrupt or not has_manifest:
+            _write_manifest(root)
+        if os.path.lexists(blocks) and not os.path.isdir(blocks):
+            corrupt = True
+            os.unlink(blocks)
+        os.makedirs(blocks, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(root, e.strerror or str(e)) from None
+    return corrupt
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
+
+
+def _fanout_dirs(root: str) -> Iterator[os.DirEntry]:
+    try:
+        with os.scandir(os.path.join(root, BLOCKS)) as it:
+            subs = [e for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    yield from subs
+
+
+def _entries(sub: os.DirEntry) -> list[os.DirEntry]:
+    try:
+        with os.scandir(sub.path) as it:
+            return list(it)
+    except OSError:
+        return []
+
+
+def _record_name(entry: os.DirEntry, sub: str) -> str | None:
+    n = entry.name
+    if len(n) != _NAME_LEN + len(_SUFFIX) or not n.endswith(_SUFFIX) or n[64:66] != sub:
+        return None
+    return n[:_NAME_LEN] if _HEX.issuperset(n[:_NAME_LEN]) else None
+
+
+def scan(root: str) -> list[tuple[str, int, int]]:
+    """Every record in the directory as ``(key hex, size in bytes, mtime in ns)``, oldest use
+    first (ties by name). Removes temporary files older than :data:`STALE_TMP_S`; ignores any
+    other file and entries that vanish meanwhile (another process evicting)."""
+    out = []
+    stale_before = time.time_ns() - int(STALE_TMP_S * 1e9)
+    for sub in _fanout_dirs(root):
+        for e in _entries(sub):
+            name = _record_name(e, sub.name)
+            is_tmp = name is None and e.name.startswith(".") and e.name.endswith(".tmp")
+            if name is None and not is_tmp:
+                continue
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if is_tmp:
+                if st.st_mtime_ns < stale_before:
+                    _unlink(e.path)
+            elif stat.S_ISREG(st.st_mode):
+                out.append((name, st.st_size, st.st_mtime_ns))
+    out.sort(key=lambda r: (r[2], r[0]))
+    return out
+
+
+def remove_records(root: str, everything: bool = False) -> int:
+    """Unlink every record (``everything``: also every other entry under ``blocks/``, emptied
+    fan-out folders and a ``blocks`` that is not a folder); returns the number of records removed."""
+    removed = 0
+    blocks = os.path.join(root, BLOCKS)
+    if everything and os.path.lexists(blocks) and not os.path.isdir(blocks):
+        _unlink(blocks)
+        return 0
+    for sub in _fanout_dirs(root):
+        for e in _entries(sub):
+            if _record_name(e, sub.name) is not None:
+                removed += _unlink(e.path)
+            elif everything:
+                _unlink(e.path)
+        if everything:
+            try:
+                os.rmdir(sub.path)
+            except OSError:
+                pass
+    return removed
+
+
+def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically: a temporary file in the same folder (created when
+    missing), its mtime set to ``mtime_ns``, then ``os.replace``. A reader sees the old file, the
+    new one, or none, never a part.
+
+    Raises:
+        OSError: the write failed (the temporary file is removed).
+    """
+    folder = os.path.dirname(path)
+    tmp = os.path.join(folder, f".{os.path.basename(path)[:_NAME_LEN]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(tmp, flags, 0o644)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink(tmp)
+        raise
+
+
+def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:
+    """The bytes of the file at ``path`` (None, unread, when it is larger than ``limit`` bytes),
+    its inode number and its size.
+
+    Raises:
+        FileNotFoundError: no such file; OSError: it could not be read.
+    """
+    with open(path, "rb", buffering=0) as f:
+        st = os.fstat(f.fileno())
+        return (f.readall() if st.st_size <= limit else None), st.st_ino, st.st_size
+
+
+def unlink_if_same(path: str, ino: int) -> bool:
+    """Unlink ``path`` if it is still the file with inode ``ino`` (not a newer replacement)."""
+    try:
+        if os.stat(path).st_ino != ino:
+            return False
+    except OSError:
+        return False
+    return _unlink(path)

@@ -1,0 +1,90 @@
+"""`remote_cache_url`: the Redis / Valkey URL, checked before any connection (no ``redis``
+import): ``redis://[user:password@]host[:port][/db]`` or ``rediss://`` (TLS)."""
+
+from __future__ import annotations
+
+import urllib.parse
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["RedisURL", "parse_redis_url"]
+
+_QUERY = {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+
+
+@dataclass(frozen=True)
+class RedisURL:
+    """A checked ``remote_cache_url`` (``password`` never shown by ``repr``)."""
+
+    scheme: str
+    host: str
+    port: int
+    db: int
+    username: Optional[str]
+    password: Optional[str]
+    query: tuple[tuple[str, str], ...] = ()
+
+    def __repr__(self) -> str:
+        return f"RedisURL({self.redacted()!r})"
+
+    def redacted(self) -> str:
+        """The URL with the password replaced by ``***``."""
+        auth = ""
+        if self.username or self.password:
+            auth = f"{self.username or ''}{':***' if self.password else ''}@"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{auth}{host}:{self.port}/{self.db}"
+
+
+def _bad(url: str, why: str) -> ValueError:
+    shown = url
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password:
+            shown = url.replace(f":{parts.password}@", ":***@")
+    except ValueError:
+        pass
+    return ValueError(
+        f"remote_cache_url {shown!r}: {why} (expected redis://[user:password@]host:port/db or rediss://...)"
+    )
+
+
+def parse_redis_url(url: str) -> RedisURL:
+    """Check ``remote_cache_url``: ``redis://[user:password@]host[:port][/db]`` or ``rediss://``
+    (TLS; query options ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
+    ``ssl_check_hostname``). Port 6379 and db 0 by default.
+
+    Raises:
+        ValueError: naming ``remote_cache_url`` and what is wrong (the password never shown).
+    """
+    if not isinstance(url, str) or not url:
+        raise _bad(str(url), "not a URL string")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise _bad(url, str(e)) from None
+    if parts.scheme not in ("redis", "rediss"):
+        raise _bad(url, f"scheme {parts.scheme!r} is not redis or rediss")
+    if not parts.hostname:
+        raise _bad(url, "no host")
+    path = parts.path.strip("/")
+    if path and not path.isdigit():
+        raise _bad(url, f"database {path!r} is not a number")
+    if parts.fragment:
+        raise _bad(url, "a fragment is not allowed")
+    query = tuple(urllib.parse.parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False))
+    unknown = sorted({k for k, _ in query} - _QUERY)
+    if unknown or (query and parts.scheme != "rediss"):
+        raise _bad(
+            url, f"query options {unknown or [k for k, _ in query]} not allowed (rediss:// takes {sorted(_QUERY)})"
+        )
+    return RedisURL(
+        scheme=parts.scheme,
+        host=parts.hostname,
+        port=6379 if port is None else port,
+        db=int(path or 0),
+        username=urllib.parse.unquote(parts.username) if parts.username else None,
+        password=urllib.parse.unquote(parts.password) if parts.password else None,
+        query=query,
+    )

@@ -1,0 +1,400 @@
+"""The engine side of the KV tiers (radixkv/engine/tiers.py, tier_io.py, the KV manager's tier
+path) over a fake model whose K/V encodes each position's token, position and prefix
+(tier_fakes.KVRunner: a block loaded for other tokens fails the forward) and in-memory stores
+(tier_fakes.MemoryStore): write-through and a new engine over the same store, write-back on
+eviction and load back (the evicted blocks' cached heads included), exact cached-token counts by
+tier, namespaces, corrupt and failing tiers, the cost rule, aborts while waiting, flush, events.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import pytest
+from tier_fakes import VOCAB, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
+
+from radixkv.config import EngineConfig, resolve_write_policy
+from radixkv.engine.events import CacheInserted
+from radixkv.namespace import Namespace
+from radixkv.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(n=6, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=n, **kw)
+
+
+def prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+def generate(engine, prompts, params=None, namespace=None):
+    ids = [engine.add_request(p, params or greedy(), namespace=namespace) for p in prompts]
+    done = run_all(engine)
+    pool_holds_its_tokens(engine)
+    return [done[i] for i in ids]
+
+
+def test_write_policy_resolution():
+    assert resolve_write_policy(None) == {"host": "write_back", "disk": "write_through", "remote": "write_through"}
+    assert resolve_write_policy("write_back") == dict.fromkeys(("host", "disk", "remote"), "write_back")
+    assert resolve_write_policy({"disk": "write_back"})["disk"] == "write_back"
+    for bad in ("sometimes", {"tape": "write_back"}, {"host": "later"}, 3):
+        with pytest.raises(ValueError, match="kv_tier_write_policy"):
+            EngineConfig(kv_tier_write_policy=bad).resolve()
+    for field, value in (("host_cache_bytes", -1), ("disk_cache_dir", ""), ("remote_cache_url", 5)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: value}).resolve()
+    assert EngineConfig(host_cache_bytes=1 << 20, remote_cache_url="redis://h:1/0").resolve().kv_tiers == (
+        "host",
+        "remote",
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16, 32])
+def test_write_through_then_a_new_engine_loads_the_exact_blocks(page_size):
+    shared: OrderedDict = OrderedDict()
+    p = prompt(1, 100)
+    first = generate(kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)]), [p])[0]
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == reference(p, 6)
+    # the new engine over the same store: the longest run of whole blocks below the last token
+    # (99 tokens -> 6 blocks), page-floored
+    e = kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)])
+    out = generate(e, [p])[0]
+    want = 96 // page_size * page_size
+    assert out.num_cached_tokens == want
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}
+    assert out.outputs[0].token_ids == reference(p, 6)
+    s = e.cache_stats()
+    assert s.cached_tokens_by_tier["disk"] == want and s.tiers["disk"]["served_tokens"] == want
+    assert s.tiers["disk"]["loaded"] == want // 16 + (1 if want % 16 else 0)
+
+
+def test_write_back_on_eviction_and_load_back_through_the_cached_head():
+    host = MemoryStore("host")  # write-back by default
+    e = kv_engine(capacity=160, stores=[host])
+    a = prompt(2, 100)
+    generate(e, [a], greedy(4))
+    assert host.puts == []  # nothing evicted yet: nothing written back
+    b, c = prompt(3, 70), prompt(4, 70)
+    generate(e, [b], greedy(4))
+    generate(e, [c], greedy(4))  # evicts a's tail (least recently used, tail first)
+    e.kv.tiers.drain()
+    held = e.explain(a)  # a's head is still in the pool
+    assert 0 < held.num_cached_tokens < 96 and len(host.data) >= 1
+    out = generate(e, [a], greedy(4))[0]
+    by = out.cached_tokens_by_tier
+    assert by["device"] == held.num_cached_tokens and by["device"] + by["host"] == out.num_cached_tokens
+    assert out.num_cached_tokens == 96 and by["host"] > 0
+    assert out.outputs[0].token_ids == reference(a, 4)
+
+
+def test_requests_wait_for_their_blocks_without_stalling_others():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(5, 90)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    other = prompt(6, 30)
+    r1 = e.add_request(p, greedy())
+    r2 = e.add_request(other, greedy())
+    first = e.step()  # p waits for its load; the other request is admitted and computes
+    assert e.scheduler.running and e.scheduler.running[0].request_id == r2
+    assert [r.request_id for r in e.scheduler.waiting] == [r1] and e.kv.tier_waiting(e.scheduler.waiting[0])
+    assert [o.request_id for o in first] == [r2]  # its first token, in the step the other waited
+    done = run_all(e)
+    assert done[r1].cached_tokens_by_tier["disk"] == 80 and done[r1].outputs[0].token_ids == reference(p, 6)
+    assert done[r2].outputs[0].token_ids == reference(other, 6)
+
+
+def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():
+    stores = [MemoryStore("host"), MemoryStore("disk"), MemoryStore("remote")]
+    e = kv_engine(stores=stores, kv_tier_write_policy="write_through")
+    p = prompt(7, 70)
+    generate(e, [p], namespace="a")
+    e.kv.tiers.drain()
+    assert all(len(s.data) == 4 for s in stores)
+    assert e.reset_prefix_cache()
+    other = generate(e, [p], namespace="b")[0]
+    assert other.num_cached_tokens == 0  # the same tokens in another namespace: no block
+    local = Namespace(extra_key=object())  # process-local: host only
+    assert e.reset_prefix_cache()
+    generate(e, [prompt(8, 70)], namespace=local)
+    e.kv.tiers.drain()
+    assert [len(s.data) for s in stores] == [12, 8, 8]
+    assert e.reset_prefix_cache()
+    again = generate(e, [p], namespace="a")[0]
+    assert again.cached_tokens_by_tier["host"] == 64
+
+
+def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(9, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    disk = MemoryStore("disk", data=shared)
+    disk.corrupt(list(shared)[2])
+    e = kv_engine(stores=[disk])
+    out = generate(e, [p])[0]
+    assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == reference(p, 6)
+    assert e.cache_stats().tiers["disk"]["corrupt"] == 1
+    down = MemoryStore("disk", data=shared)
+    down.failing = True
+    e = kv_engine(stores=[down])
+    out = generate(e, [p])[0]
+    s = e.cache_stats()
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(p, 6)
+    assert s.tiers["disk"]["degraded"] is True and s.tiers["disk"]["errors"] >= 1
+
+
+def test_a_tier_dearer_than_prefill_is_not_loaded():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(10, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    costs = e.kv.tiers.costs
+    costs.prefill_token_s, costs.block_s["disk"] = 1e-6, 1.0  # one block: 1 s; recomputing it: 16 us
+    out = generate(e, [p])[0]
+    assert out.num_cached_tokens == 0 and e.cache_stats().tiers["disk"]["load_skipped"] == 6
+    costs.prefill_token_s, costs.block_s["disk"] = 1e-3, 1e-6
+    assert e.reset_prefix_cache()
+    assert generate(e, [p])[0].cached_tokens_by_tier["disk"] == 96
+
+
+def test_prompt_logprobs_limit_what_is_loaded():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(11, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    out = generate(e, [p], greedy(prompt_logprobs=0, logprob_start_len=40))[0]
+    assert out.num_cached_tokens == 32  # positions from 39 on need their logits
+
+
+def test_abort_while_waiting_for_blocks_releases_the_lock():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(12, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    rid = e.add_request(p, greedy())
+    e.step()
+    assert e.kv.tier_waiting(e.scheduler.waiting[0])
+    assert e.kv.tiers.held_tokens == 0 and e.cache_stats().protected == 0  # the pool holds nothing for it
+    e.abort_request(rid)
+    run_all(e)
+    e.kv.tiers.drain()
+    e.step()  # a finished load of the aborted request is dropped, not installed
+    e.check_integrity()
+    s = e.cache_stats()
+    assert s.protected == 0 and e.kv.tiers.held_tokens == 0 and s.free + s.evictable == s.capacity
+
+
+def test_flush_with_tiers_empties_the_owned_ones_only():
+    stores = [MemoryStore("host"), MemoryStore("disk"), MemoryStore("remote")]
+    e = kv_engine(stores=stores, kv_tier_write_policy="write_through")
+    generate(e, [prompt(13, 70)])
+    assert e.reset_prefix_cache(tiers=False)
+    e.kv.tiers.drain()
+    assert [len(s.data) for s in stores] == [4, 4, 4]
+    assert e.reset_prefix_cache(tiers=True)
+    assert [len(s.data) for s in stores] == [0, 0, 4]
+
+
+def test_tier_writes_are_cache_events_with_their_medium():
+    e = kv_engine(stores=[MemoryStore("disk"), MemoryStore("remote")])
+    seen = []
+    e.events.subscribe(seen.append, (CacheInserted,))
+    generate(e, [prompt(14, 50)])
+    e.kv.tiers.drain()
+    e.step()  # finished writes are announced on the engine thread
+    media = [(ev.medium, ev.first_block, len(ev.block_digests)) for ev in seen]
+    assert ("device", 0, 3) in media and ("disk", 0, 3) in media and ("remote", 0, 3) in media
+    assert [ev.seq for ev in seen] == list(range(1, len(seen) + 1))
+    device = next(ev for ev in seen if ev.medium == "device")
+    assert all(ev.block_digests == device.block_digests for ev in seen if ev.medium != "device")
+
+
+def test_a_full_write_backlog_drops_writes_and_counts_them():
+    e = kv_engine(stores=[MemoryStore("disk")])
+    e.kv.tiers.io.max_pending_bytes = 0
+    generate(e, [prompt(15, 50)])
+    assert e.cache_stats().tiers["disk"]["write_dropped"] == 3
+
+
+def test_close_drains_and_closes_the_stores():
+    disk = MemoryStore("disk")
+    e = kv_engine(stores=[disk])
+    generate(e, [prompt(16, 80)])
+    assert e.close() and disk.closed and len(disk.data) == 5
+    assert e.close()  # idempotent
+    out = generate(e, [prompt(17, 40)])[0]  # runs on without its tiers
+    assert out.outputs[0].token_ids == reference(prompt(17, 40), 6) and len(disk.data) == 5
+
+
+def test_bad_tier_settings_fail_at_start(tmp_path):
+    with pytest.raises(ValueError, match="remote_cache_url"):
+        kv_engine(remote_cache_url="http://127.0.0.1:6379/0")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="disk_cache_dir"):
+        kv_engine(disk_cache_dir=str(tmp_path / "f" / "sub"))
+    with pytest.raises(ValueError, match="prefix cache"):
+        kv_engine(stores=[MemoryStore("host")], cache="none")
+
+
+def test_explain_names_the_tier_holding_each_missed_span():
+    disk = MemoryStore("disk")
+    host = MemoryStore("host")
+    e = kv_engine(stores=[host, disk])
+    p = prompt(18, 100)
+    generate(e, [p])
+    e.kv.tiers.drain()
+    head = p[:40]
+    assert e.reset_prefix_cache()
+    generate(e, [head + prompt(19, 5)])  # the pool holds 40 tokens of p again (computed)
+    keys, _, _ = e.kv.tiers._keys(None, p, 3, 4)
+    host.data[keys[0]] = disk.data[keys[0]]  # block 3 also in host, which is asked first
+    loaded = e.cache_stats().tiers["disk"]["loaded"]
+    o = e.explain(p)
+    assert o.num_cached_tokens == 40 and o.tier_spans == ((40, 48, "disk"), (48, 64, "host"), (64, 96, "disk"))
+    assert o.as_dict()["tier_spans"] == [[40, 48, "disk"], [48, 64, "host"], [64, 96, "disk"]]
+    assert "KV tiers hold disk [40, 48), host [48, 64), disk [64, 96)" in str(
+        __import__("radixkv.engine.outcome", fromlist=["explain_text"]).explain_text(o, p, None)
+    )
+    assert e.cache_stats().tiers["disk"]["loaded"] == loaded  # a dry run: nothing loaded
+
+
+def test_a_load_without_room_waits_for_it_and_is_installed_later():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(20, 100)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(capacity=160, stores=[MemoryStore("disk", data=shared)])
+    busy = prompt(21, 120)
+    r_busy = e.add_request(busy, greedy(30))  # holds up to 150 of the 160 slots while it runs
+    outs = e.step() + e.step()
+    r = e.add_request(p, greedy())
+    outs += e.step()  # its lookup starts
+    waited = 0
+    while e.scheduler.waiting and e.kv.tier_waiting(e.scheduler.waiting[0]):
+        assert waited < 100  # it waits while the busy one runs (then its memory is evictable)
+        outs += e.step()
+        e.check_integrity()
+        waited += 1
+    done = {o.request_id: o for o in outs if o.finished}
+    done.update(run_all(e))
+    assert waited > 1 and done[r].cached_tokens_by_tier["disk"] == 96
+    assert done[r].outputs[0].token_ids == reference(p, 6) and done[r_busy].outputs[0].token_ids == reference(busy, 30)
+    pool_holds_its_tokens(e)
+
+
+def test_fingerprint_names_weights_dtypes_quantization_and_layout():
+    import torch
+
+    from radixkv.engine.tiers import model_fingerprint
+    from radixkv.models.fingerprint import weights_digest
+
+    lin = torch.nn.Linear(4, 4)
+    w = weights_digest(lin)
+    assert w == weights_digest(lin) and len(w) == 16
+    twin = torch.nn.Linear(4, 4)
+    twin.load_state_dict(lin.state_dict())
+    assert weights_digest(twin) == w  # the same weights in another object (another process)
+    with torch.no_grad():
+        twin.weight[0, 0] += 1e-6
+    twin2 = torch.nn.Linear(4, 4)
+    twin2.load_state_dict(twin.state_dict())
+    assert weights_digest(twin2) != w
+    base = model_fingerprint(w, torch.float32, "float32", None, b"layout")
+    assert base == model_fingerprint(w, torch.float32, "float32", None, b"layout")
+    others = [
+        model_fingerprint(weights_digest(twin2), torch.float32, "float32", None, b"layout"),
+        model_fingerprint(w, torch.bfloat16, "float32", None, b"layout"),
+        model_fingerprint(w, torch.float32, "fp8_e4m3", None, b"layout"),
+        model_fingerprint(w, torch.float32, "float32", "int8", b"layout"),
+        model_fingerprint(w, torch.float32, "float32", None, b"other layout"),
+    ]
+    assert len({base, *others}) == 6
+
+
+def test_another_fingerprint_never_reads_a_block():
+    shared: OrderedDict = OrderedDict()
+    p = prompt(22, 80)
+    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    from tier_fakes import KVRunner
+
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    cfg = EngineConfig(model="kv-runner", device="cpu", max_total_tokens=256, chunked_prefill_size=64)
+    other = Engine(
+        cfg,
+        model_runner=KVRunner(256, 1, fingerprint="another model"),
+        tokenizer=None,
+        eos_token_ids=[],
+        tier_stores=[MemoryStore("disk", data=shared)],
+    )
+    assert generate(other, [p])[0].num_cached_tokens == 0
+    assert generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])[0].num_cached_tokens == 64
+
+
+def test_async_llm_shutdown_drains_the_writes():
+    from radixkv.async_llm import AsyncLLM
+
+    disk = MemoryStore("disk")
+    e = kv_engine(stores=[disk])
+    e.kv.tiers.io.max_pending_bytes = 1 << 30
+    llm = AsyncLLM.from_engine(e)
+    gate = __import__("threading").Event()
+    orig = disk.put
+
+    def slow_put(keys, blocks):  # the writes are still queued when shutdown starts
+        gate.wait(30)
+        orig(keys, blocks)
+
+    disk.put = slow_put
+
+    async def go():
+        async for _ in llm.generate(prompt_token_ids=prompt(23, 70), sampling_params=greedy()):
+            pass
+
+    __import__("asyncio").run(go())
+    assert len(disk.data) == 0
+    gate.set()
+    llm.shutdown()
+    assert len(disk.data) == 4 and disk.closed
+
+
+def test_block_hashing_cache_works_with_tiers_written_through():
+    shared: OrderedDict = OrderedDict()
+    host = MemoryStore("host", data=shared)  # write-back asked: the hash cache cannot tell its evictions
+    p = prompt(24, 100)
+    e = kv_engine(page_size=16, cache="hash", stores=[host])
+    generate(e, [p])
+    assert e.kv.tiers.back == [] and e.kv.tiers.drain()
+    assert len(shared) == 6  # written through instead
+    assert e.reset_prefix_cache()
+    out = generate(e, [p])[0]
+    assert out.cached_tokens_by_tier["host"] == 96 and out.outputs[0].token_ids == reference(p, 6)
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_tenants_are_isolated_in_the_host_and_disk_tiers(tmp_path, medium):
+    """Blocks are keyed by the whole namespace (tenant, salt, extra_key: its stable bytes): over
+    the real stores, a new engine (nothing in its pool) serves tenant A's prompt entirely from the
+    tier and tenant B's identical prompt, or A's with a salt, not at all. (Redis: the same in
+    tests/test_tiers_redis.py.)"""
+    from radixkv.tiers import DiskStore, HostStore
+
+    store = HostStore(1 << 30) if medium == "host" else DiskStore(str(tmp_path), 1 << 30)
+    e = kv_engine(stores=[store], kv_tier_write_policy="write_through")
+    p = prompt(21, 70)
+    generate(e, [p], namespace=Namespace(tenant="A"))
+    assert e.kv.tiers.drain(60)
+    other = kv_engine(stores=[store])  # a restart over the same store: nothing in the pool
+    none = {"device": 0, "host": 0, "disk": 0, "remote": 0}
+    for ns in (Namespace(tenant="B"), Namespace(tenant="A", salt="s"), Namespace(extra_key="A"), None):
+        out = generate(other, [p], namespace=ns)[0]
+        assert out.num_cached_tokens == 0 and out.cached_tokens_by_tier == none, ns
+    assert other.reset_prefix_cache()
+    a = generate(other, [p], namespace=Namespace(tenant="A"))[0]
+    assert a.cached_tokens_by_tier == {**none, medium: 64} and a.outputs[0].token_ids == reference(p, 6)
+    assert other.cache_stats().tiers[medium]["corrupt"] == 0

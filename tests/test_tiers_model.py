@@ -1,0 +1,205 @@
+"""KV tiers on real models: greedy outputs identical with and without tiers (a tiny random model
+and the default model, with blocks loaded back from host and disk), and a restart: a new process
+on the same ``disk_cache_dir`` reuses exactly the whole blocks the first one computed, which wrote
+them and just returned (the writes drain at interpreter exit)."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tier_fakes import tiny_model
+
+from radixkv import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _turns(llm, convs, params):
+    """Replay ``convs`` (lists of user messages) turn by turn; the outputs of every request."""
+    hist = [[] for _ in convs]
+    outs = []
+    for t in range(max(len(c) for c in convs)):
+        active = [i for i, c in enumerate(convs) if t < len(c)]
+        for i in active:
+            hist[i].append({"role": "user", "content": convs[i][t]})
+        res = llm.chat([hist[i] for i in active], params, use_tqdm=False)
+        for i, o in zip(active, res):
+            hist[i].append({"role": "assistant", "content": o.outputs[0].text})
+            outs.append(o)
+    return outs
+
+
+def _convs(seed, n, turns, words=40):
+    rng = random.Random(seed)
+    vocab = "alpha beta gamma delta river stone cloud paper music orange window garden".split()
+    return [[" ".join(rng.choice(vocab) for _ in range(words)) for _ in range(turns)] for _ in range(n)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_tiny_model_outputs_identical_with_tiers(tmp_path, page_size):
+    lm = tiny_model()
+    convs = _convs(1, 4, 3)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    plain = _turns(LLM(loaded_model=lm, device="cpu", max_total_tokens=8192, page_size=page_size), convs, params)
+    # a pool far smaller than the working set: turns come back from the host tier (evicted) or disk
+    tiered_llm = LLM(
+        loaded_model=lm,
+        device="cpu",
+        max_total_tokens=384,
+        page_size=page_size,
+        host_cache_bytes=1 << 20,
+        disk_cache_dir=str(tmp_path),
+    )
+    tiered = _turns(tiered_llm, convs, params)
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    s = tiered_llm.cache_stats()
+    assert s.cached_tokens_by_tier["host"] + s.cached_tokens_by_tier["disk"] > 0
+    assert s.cached_tokens == sum(s.cached_tokens_by_tier.values())
+    tiered_llm.engine.check_integrity()
+    tiered_llm.close()
+
+
+def test_default_model_outputs_identical_with_tiers(default_model, tmp_path):
+    convs = _convs(2, 3, 3, words=30)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    plain_llm = LLM(loaded_model=default_model, device="cpu", max_total_tokens=8192)
+    plain = _turns(plain_llm, convs, params)
+    llm = LLM(
+        loaded_model=default_model,
+        device="cpu",
+        max_total_tokens=400,
+        host_cache_bytes=64 << 20,
+        disk_cache_dir=str(tmp_path),
+    )
+    tiered = _turns(llm, convs, params)
+    assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
+    by = llm.cache_stats().cached_tokens_by_tier
+    assert by["host"] + by["disk"] > 0
+    # the tiers keep what the small pool evicted: more reuse than the same small pool without
+    small = _turns(LLM(loaded_model=default_model, device="cpu", max_total_tokens=400), convs, params)
+    assert sum(o.num_cached_tokens for o in tiered) > sum(o.num_cached_tokens for o in small)
+    llm.close()
+
+
+_RESTART = textwrap.dedent(
+    """
+    import json, sys
+    from radixkv import LLM, SamplingParams
+    llm = LLM(device="cpu", max_total_tokens=4096, disk_cache_dir=sys.argv[1])
+    ids = json.loads(sys.argv[2])
+    out = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=8),
+                       use_tqdm=False)[0]
+    print(json.dumps(dict(cached=out.num_cached_tokens, by=out.cached_tokens_by_tier, tokens=out.outputs[0].token_ids)))
+    # no close(): the writes queued for the disk tier drain at interpreter exit
+    """
+)
+
+
+def test_restart_on_the_same_disk_dir_reuses_exact_blocks(tmp_path, default_model):
+    ids = default_model.tokenizer.encode("The history of the printing press, told in detail. " * 12)
+    ids = ids[:150]
+
+    def run() -> dict:
+        r = subprocess.run(
+            [sys.executable, "-c", _RESTART, str(tmp_path / "kv"), json.dumps(ids)],
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd=ROOT,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["cached"] == 0
+    want = (len(ids) - 1) // 16 * 16  # every whole block below the last prompt token
+    assert second["cached"] == want and second["by"] == {"device": 0, "host": 0, "disk": want, "remote": 0}
+    assert second["tokens"] == first["tokens"]
+
+
+# ---------------------------------------------------------------- K/V dtypes (bf16, fp8 with scales)
+def _ids(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _tiny_llm(lm, kv, disk=None, **kw):
+    return LLM(loaded_model=lm, device="cpu", max_total_tokens=1024, kv_cache_dtype=kv, disk_cache_dir=disk, **kw)
+
+
+def _greedy(llm, ids, n=8):
+    return llm.generate(
+        prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=n), use_tqdm=False
+    )[0]
+
+
+def _pool_rows(llm, ids, n):
+    """The pool's bytes (every per-slot tensor: K, V and fp8's scales) of the first ``n`` cached
+    tokens of ``ids``, and their slots."""
+    from radixkv.memory.kv_io import gather_rows
+
+    m = llm.engine.kv.cache.match_prefix(ids[:n], None)
+    assert m.length == n
+    return gather_rows(llm.engine.runner.kv_pool, m.slots), m.slots
+
+
+@pytest.mark.parametrize("kv", ["bfloat16", "fp8_e4m3"])
+def test_low_precision_blocks_come_back_bit_exact_with_their_scales(tmp_path, kv):
+    """A bf16 / fp8 pool's blocks go to disk in the pool's dtype (fp8: with their per-token-and-head
+    scales) and a new engine loads them bit for bit: the same K, V and scale bytes in its pool,
+    the same greedy tokens."""
+    import torch
+
+    lm = tiny_model()
+    ids = _ids(5, 90)
+    want = (len(ids) - 1) // 16 * 16
+    a = _tiny_llm(lm, kv, str(tmp_path))
+    first = _greedy(a, ids)
+    a.close()
+    b = _tiny_llm(lm, kv, str(tmp_path))
+    second = _greedy(b, ids)
+    assert second.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    pool = b.engine.runner.kv_pool
+    assert pool.kv_cache_dtype == kv
+    rows_a, _ = _pool_rows(a, ids, want)
+    rows_b, slots = _pool_rows(b, ids, want)
+    assert rows_b.shape == (want, pool.bytes_per_token)  # the whole row: K, V and scales of every layer
+    assert torch.equal(rows_a, rows_b)
+    if pool.k_scale is not None:  # the scales are the computed ones, not the pool's initial 1s
+        assert bool((pool.k_scale_slots(0).index_select(0, torch.as_tensor(slots)) != 1).any())
+    b.close()
+
+
+def test_a_bf16_engine_never_reads_what_a_float32_engine_wrote(tmp_path):
+    """A block's key holds the K/V dtype (the model fingerprint), so a bf16 engine restarting on a
+    disk directory a float32 engine wrote finds none of its blocks: a plain miss (never read, so
+    neither rejected nor corrupt), not float32 bytes read as bf16. Both dtypes' blocks then live in
+    the one directory, each engine reading its own."""
+    lm = tiny_model()
+    ids = _ids(6, 90)
+    want = (len(ids) - 1) // 16 * 16
+    f32 = _tiny_llm(lm, "float32", str(tmp_path))
+    out32 = _greedy(f32, ids)
+    f32.close()
+    ref16 = _greedy(_tiny_llm(lm, "bfloat16"), ids)
+    b16 = _tiny_llm(lm, "bfloat16", str(tmp_path))
+    got = _greedy(b16, ids)
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == ref16.outputs[0].token_ids
+    st = b16.cache_stats().tiers["disk"]
+    assert (st["found"], st["loaded"], st["load_rejected"], st["corrupt"]) == (0, 0, 0, 0)
+    b16.close()
+    again16 = _greedy(_tiny_llm(lm, "bfloat16", str(tmp_path)), ids)
+    assert again16.cached_tokens_by_tier["disk"] == want
+    assert again16.outputs[0].token_ids == ref16.outputs[0].token_ids
+    again32 = _greedy(_tiny_llm(lm, "float32", str(tmp_path)), ids)
+    assert again32.cached_tokens_by_tier["disk"] == want
+    assert again32.outputs[0].token_ids == out32.outputs[0].token_ids

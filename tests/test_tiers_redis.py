@@ -1,0 +1,363 @@
+"""The remote KV tier against a real ``redis-server`` (one per module: the ``redis_server`` fixture
+of tests/conftest.py, started on a free 127.0.0.1 port; skipped when Redis is not installed).
+No mock: the faults are the server killed and restarted, memory limits set on it, and records
+damaged in it. Tests that need the shared tier end to end join this module and its server.
+
+The engine's side (the last tests): two processes share a conversation through one Redis on the
+default model (a conversation's next turn sent to the other process reuses exactly the whole
+blocks the first one wrote: this test process writes, a subprocess reads); Redis going down mid-run
+never fails a request (a miss, counted, the tier degraded; back up, empty: no persistence, it
+stores and serves again after its backoff, on a fake clock); another namespace never reads a
+block."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tier_fakes import VOCAB, kv_engine, pool_holds_its_tokens, reference, run_all
+from tier_helpers import FP, FP2, keys_and_tokens, make_block, payload_for, run_two_processes
+
+from radixkv import LLM, SamplingParams
+from radixkv.namespace import Namespace
+from radixkv.tiers import encoded_size, make_stores
+from radixkv.tiers.remote import DEFAULT_TTL_S, RedisStore, parse_redis_url
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class FakeClock:
+    """The stores' backoff clock, moved by the test (no sleeping)."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def rclient(redis_server):
+    import redis
+
+    with redis.Redis.from_url(redis_server.url) as r:
+        yield r
+
+
+def _blocks(n: int, seed: int, size: int = 4096, fp: bytes = FP, namespace=None):
+    keys, toks = keys_and_tokens(n, seed=seed, namespace=namespace, fp=fp)
+    return keys, toks, [make_block(k, t, size) for k, t in zip(keys, toks)]
+
+
+def _name(k) -> str:
+    return f"rkv:{k.fingerprint.hex()}:{k.namespace_digest.hex()}:{k.digest.hex()}"
+
+
+def test_round_trip_contains_and_exact_counters(redis_server, rclient):
+    keys, toks, blocks = _blocks(3, seed=100)
+    s = RedisStore(redis_server.url)
+    assert s.contains(keys) == [False] * 3 and s.get(keys, toks) == [None] * 3
+    s.put(keys[:2], blocks[:2])
+    assert s.contains(keys) == [True, True, False]
+    assert s.get(keys, toks) == [blocks[0], blocks[1], None]
+    assert rclient.get(_name(keys[0])) is not None  # the documented key format
+    rec = encoded_size(blocks[0])
+    st = s.stats()
+    assert {k: st[k] for k in ("hits", "misses", "blocks_read", "bytes_read", "blocks_written", "bytes_written")} == {
+        "hits": 2,
+        "misses": 4,
+        "blocks_read": 2,
+        "bytes_read": 2 * rec,
+        "blocks_written": 2,
+        "bytes_written": 2 * rec,
+    }
+    assert (st["corrupt"], st["errors"], st["degraded"]) == (0, 0, False)
+    # another model or namespace never reads these blocks
+    other_fp, _, _ = _blocks(3, seed=100, fp=FP2)
+    other_ns, ns_toks, _ = _blocks(3, seed=100, namespace="tenant-b")
+    assert s.get(other_fp[:2], toks[:2]) == [None, None] and s.get(other_ns[:2], ns_toks[:2]) == [None, None]
+    s.close()
+    s.close()
+    assert s.get(keys[:1], toks[:1]) == [None]
+
+
+def test_ttl_is_set_and_refreshed_by_reads(redis_server, rclient):
+    keys, toks, blocks = _blocks(2, seed=200)
+    s = RedisStore(redis_server.url, ttl_s=600)
+    s.put(keys, blocks)
+    assert 590 <= rclient.ttl(_name(keys[0])) <= 600
+    rclient.expire(_name(keys[0]), 5)
+    assert s.get(keys[:1], toks[:1]) == blocks[:1]
+    assert 590 <= rclient.ttl(_name(keys[0])) <= 600  # GETEX refreshed it
+    old_server = RedisStore(redis_server.url, ttl_s=600)
+    old_server._getex = False  # what a server older than 6.2 gets: GET + EXPIRE
+    rclient.expire(_name(keys[1]), 5)
+    assert old_server.get(keys, toks) == blocks and 590 <= rclient.ttl(_name(keys[1])) <= 600
+    forever = RedisStore(redis_server.url, ttl_s=0)
+    k3, t3, b3 = _blocks(1, seed=201)
+    forever.put(k3, b3)
+    assert rclient.ttl(_name(k3[0])) == -1 and forever.get(k3, t3) == b3
+    default = RedisStore(redis_server.url)
+    k4, _, b4 = _blocks(1, seed=202)
+    default.put(k4, b4)
+    assert default.ttl_s == DEFAULT_TTL_S == 86400 and DEFAULT_TTL_S - 10 <= rclient.ttl(_name(k4[0])) <= DEFAULT_TTL_S
+
+
+def test_corrupt_records_are_counted_misses_and_deleted(redis_server, rclient):
+    keys, toks, blocks = _blocks(4, seed=300)
+    s = RedisStore(redis_server.url)
+    s.put(keys, blocks)
+    good = rclient.get(_name(keys[3]))
+    rclient.set(_name(keys[0]), good[:-1])  # truncated
+    rclient.set(_name(keys[1]), good[:100] + bytes([good[100] ^ 1]) + good[101:])  # flipped bit (its key part)
+    rclient.set(_name(keys[2]), good)  # another block's record
+    assert s.get(keys, toks) == [None, None, None, blocks[3]]
+    st = s.stats()
+    assert (st["corrupt"], st["hits"], st["misses"], st["blocks_read"], st["errors"]) == (3, 1, 3, 4, 0)
+    assert [rclient.exists(_name(k)) for k in keys] == [0, 0, 0, 1]
+
+
+def test_server_killed_then_restarted_misses_then_recovers(redis_server):
+    keys, toks, blocks = _blocks(2, seed=400)
+    clock = FakeClock()
+    s = RedisStore(redis_server.url, clock=clock, backoff_base_s=2.0, backoff_max_s=8.0)
+    s.put(keys[:1], blocks[:1])
+    assert s.get(keys[:1], toks[:1]) == blocks[:1] and not s.degraded
+    redis_server.kill()
+    try:
+        assert s.get(keys, toks) == [None, None]  # one attempt: fails, counted
+        assert s.degraded and s.stats()["errors"] == 1
+        s.put(keys, blocks)  # backing off: nothing tried
+        assert s.contains(keys) == [False, False] and s.get(keys, toks) == [None, None]
+        s.delete_all()
+        st = s.stats()
+        assert (st["errors"], st["skipped"], st["misses"], st["degraded"]) == (1, 2, 4, True)
+        clock.t += 2.0  # the backoff passed: one more attempt fails, the delay doubles to 4 s
+        assert s.get(keys[:1], toks[:1]) == [None] and s.stats()["errors"] == 2
+        clock.t += 2.0
+        assert s.get(keys[:1], toks[:1]) == [None] and s.stats()["errors"] == 2  # still backing off
+    finally:
+        redis_server.start()
+    assert s.get(keys[:1], toks[:1]) == [None] and s.degraded  # recovers only after the backoff
+    clock.t += 2.0
+    assert s.get(keys[:1], toks[:1]) == [None]  # reconnected: the restarted server is empty
+    assert not s.degraded and s.stats()["errors"] == 2
+    s.put(keys, blocks)
+    assert s.get(keys, toks) == blocks
+
+
+def test_unreachable_at_start_is_degraded_not_an_error(redis_server):
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    keys, toks, blocks = _blocks(1, seed=500)
+    s = RedisStore(f"redis://127.0.0.1:{port}/0", timeout_s=1.0)
+    assert s.degraded and s.stats()["errors"] == 1
+    s.put(keys, blocks)
+    assert s.get(keys, toks) == [None] and s.stats()["skipped"] == 1
+
+
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("http://localhost:6379/0", "scheme 'http'"),
+        ("localhost:6379", "scheme 'localhost'"),
+        ("redis://", "no host"),
+        ("redis://:pw@:6379/0", "no host"),
+        ("redis://localhost:99999/0", "Port out of range"),
+        ("redis://localhost:port/0", "Port could not be cast"),
+        ("redis://localhost:6379/zero", "database 'zero'"),
+        ("redis://localhost:6379/0?ssl_cert_reqs=none", "not allowed"),
+        ("rediss://localhost:6379/0?timeout=3", "not allowed"),
+        ("redis://localhost/0#x", "fragment"),
+        ("", "not a URL"),
+    ],
+)
+def test_malformed_url_is_a_clear_error(url, why):
+    with pytest.raises(ValueError, match="remote_cache_url") as e:
+        RedisStore(url)
+    assert why in str(e.value)
+    with pytest.raises(ValueError, match="remote_cache_url"):
+        make_stores(remote_cache_url=url)
+
+
+def test_url_forms_and_password_never_shown():
+    u = parse_redis_url("redis://alice:s3cret@cache.internal:7000/3")
+    assert (u.scheme, u.host, u.port, u.db, u.username, u.password) == (
+        "redis",
+        "cache.internal",
+        7000,
+        3,
+        "alice",
+        "s3cret",
+    )
+    assert "s3cret" not in repr(u) and u.redacted() == "redis://alice:***@cache.internal:7000/3"
+    assert parse_redis_url("redis://localhost").port == 6379 and parse_redis_url("redis://localhost").db == 0
+    assert parse_redis_url("redis://[::1]:6380/1").redacted() == "redis://[::1]:6380/1"
+    t = parse_redis_url("rediss://:pw@h:6380/0?ssl_cert_reqs=none")
+    assert (t.scheme, t.password, t.query) == ("rediss", "pw", (("ssl_cert_reqs", "none"),))
+    with pytest.raises(ValueError) as e:
+        parse_redis_url("redis://u:s3cret@host:1/x")
+    assert "s3cret" not in str(e.value) and "***" in str(e.value)
+
+
+def test_two_processes_share_blocks(redis_server):
+    size, n_seqs, per_seq = 8192, 8, 3
+    res = run_two_processes("redis_worker", lambda w, barrier: (redis_server.url, w, n_seqs, per_seq, size, barrier))
+    for r in res:
+        # each found every block, its own and the other process's, exactly as written
+        assert r["wrong"] == [] and r["found"] == n_seqs * per_seq
+        assert r["stats"]["blocks_written"] == n_seqs * per_seq // 2 and r["stats"]["corrupt"] == 0
+    s = RedisStore(redis_server.url)
+    for seq in range(n_seqs):
+        keys, toks = keys_and_tokens(per_seq, seed=seq)
+        got = s.get(keys, toks)
+        assert all(bytes(b.payload) == payload_for(k, t, size) for k, t, b in zip(keys, toks, got))
+
+
+def test_delete_all_only_this_stores_fingerprints(redis_server, rclient):
+    a = RedisStore(redis_server.url, fingerprint=FP2)
+    mine, _, blocks = _blocks(3, seed=600, fp=FP2)
+    theirs, ttoks, tblocks = _blocks(3, seed=600)
+    a.put(mine, blocks)
+    RedisStore(redis_server.url).put(theirs, tblocks)
+    rclient.set("unrelated:key", b"x")
+    fresh = RedisStore(redis_server.url, fingerprint=FP2)  # knows FP2 from its constructor only
+    fresh.delete_all()
+    assert a.contains(mine) == [False] * 3
+    assert RedisStore(redis_server.url).get(theirs, ttoks) == tblocks and rclient.get("unrelated:key") == b"x"
+    rclient.delete("unrelated:key")
+
+
+def test_memory_policy_allkeys_lru_evicts_and_noeviction_fails_softly(redis_server, rclient):
+    rclient.flushdb()
+    keys, toks, blocks = _blocks(40, seed=700, size=262144)
+    try:
+        rclient.config_set("maxmemory", str(4 << 20))
+        rclient.config_set("maxmemory-policy", "allkeys-lru")
+        s = RedisStore(redis_server.url)
+        for i in range(0, 40, 4):
+            s.put(keys[i : i + 4], blocks[i : i + 4])
+        st = s.stats()
+        assert (st["blocks_written"], st["errors"], st["degraded"]) == (40, 0, False)
+        got = s.get(keys, toks)
+        assert 0 < sum(b is not None for b in got) < 40  # the oldest were evicted: misses, not errors
+        assert all(b is None or b == blocks[i] for i, b in enumerate(got)) and s.stats()["corrupt"] == 0
+        rclient.config_set("maxmemory-policy", "noeviction")
+        more, _, mblocks = _blocks(40, seed=701, size=262144)
+        s.put(more, mblocks)  # out of memory: counted, never raised
+        st2 = s.stats()
+        assert st2["errors"] == 1 and st2["degraded"] and st2["blocks_written"] < 80
+    finally:
+        rclient.config_set("maxmemory", "0")
+        rclient.config_set("maxmemory-policy", "noeviction")
+        rclient.flushdb()
+
+
+# ---------------------------------------------------------------- the engine over the shared tier
+ROOT = Path(__file__).resolve().parents[1]
+
+_READ = textwrap.dedent(
+    """
+    import json, sys
+    from radixkv import LLM, SamplingParams
+    llm = LLM(device="cpu", max_total_tokens=4096, remote_cache_url=sys.argv[1])
+    out = llm.generate(prompt_token_ids=[json.loads(sys.argv[2])],
+                       sampling_params=SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    print(json.dumps(dict(cached=out.num_cached_tokens, by=out.cached_tokens_by_tier, tokens=out.outputs[0].token_ids)))
+    """
+)
+
+
+@pytest.mark.timeout(600)
+def test_two_processes_share_a_conversation_through_redis(redis_server, default_model):
+    tok = default_model.tokenizer
+    turn1 = tok.encode("Tell me about the rivers of Europe and the cities along them. " * 6)
+    with LLM(loaded_model=default_model, device="cpu", max_total_tokens=4096, remote_cache_url=redis_server.url) as a:
+        first = a.generate(
+            prompt_token_ids=[turn1], sampling_params=SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+        )[0]
+    reply = first.outputs[0].token_ids
+    turn2 = turn1 + reply + tok.encode(" And which one is the longest?")
+    r = subprocess.run(
+        [sys.executable, "-c", _READ, redis_server.url, json.dumps(turn2)],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # process A cached prompt + reply[:-1]: its whole blocks went to Redis (write-through)
+    want = min((len(turn1) + len(reply) - 1) // 16, (len(turn2) - 1) // 16) * 16
+    assert got["cached"] == want and got["by"] == {"device": 0, "host": 0, "disk": 0, "remote": want}
+    assert want / len(turn2) > 0.8
+
+
+def _prompt(seed, n):
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+@pytest.mark.timeout(600)
+def test_redis_down_is_a_miss_and_back_up_it_serves_again(redis_server):
+    clock = FakeClock()
+    store = RedisStore(redis_server.url, backoff_base_s=1.0, backoff_max_s=1.0, clock=clock)
+    e = kv_engine(stores=[store])
+    p = _prompt(1, 100)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    rid = e.add_request(p, params)
+    assert run_all(e)[rid].outputs[0].token_ids == reference(p, 4)
+    assert e.kv.tiers.drain(60)
+    assert e.reset_prefix_cache()
+    redis_server.kill()
+    try:
+        rid = e.add_request(p, params)
+        out = run_all(e)[rid]
+        assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(p, 4)
+        s = e.cache_stats().tiers["remote"]
+        assert s["degraded"] is True and s["errors"] >= 1
+        assert e.reset_prefix_cache()
+    finally:
+        redis_server.start()
+    clock.t += 2.0  # past the backoff: the next call reconnects (to an empty server: no persistence)
+    rid = e.add_request(p, params)
+    assert run_all(e)[rid].num_cached_tokens == 0
+    assert e.kv.tiers.drain(60) and e.reset_prefix_cache()
+    rid = e.add_request(p, params)
+    out = run_all(e)[rid]
+    assert out.cached_tokens_by_tier["remote"] == 96 and out.outputs[0].token_ids == reference(p, 4)
+    assert e.cache_stats().tiers["remote"]["degraded"] is False
+    pool_holds_its_tokens(e)
+    e.close()
+
+
+@pytest.mark.timeout(600)
+def test_tenants_are_isolated_in_redis(redis_server):
+    """Another engine on the same Redis serves tenant A's prompt entirely from it, and tenant B's
+    identical prompt (or A's with a salt, or the same name as an extra_key) not at all: keys hold
+    the namespace's stable bytes (tenant, salt, extra_key)."""
+    e = kv_engine(stores=[RedisStore(redis_server.url)])
+    p = _prompt(2, 80)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    e.add_request(p, params, namespace=Namespace(tenant="A"))
+    run_all(e)
+    assert e.kv.tiers.drain(60)
+    other = kv_engine(stores=[RedisStore(redis_server.url)])  # another engine, same Redis
+    for ns in (Namespace(tenant="B"), Namespace(tenant="A", salt="s"), Namespace(extra_key="A")):
+        rid = other.add_request(p, params, namespace=ns)
+        out = run_all(other)[rid]
+        assert out.num_cached_tokens == 0 and sum(out.cached_tokens_by_tier.values()) == 0, ns
+    rid = other.add_request(p, params, namespace=Namespace(tenant="A"))
+    out = run_all(other)[rid]
+    assert out.num_cached_tokens == 64 and out.cached_tokens_by_tier["remote"] == 64
+    assert out.outputs[0].token_ids == reference(p, 2)
+    e.close()
+    other.close()

@@ -1,0 +1,168 @@
+"""The KV tiers through the HTTP server: usage's ``cached_tokens`` is the total of every tier,
+SGLang's ``sglext`` splits pool and tiers, ``/metrics`` per tier, ``/health`` stays 200 and names a
+degraded tier (a Redis nobody listens on), ``/flush_cache`` empties the pool and, with
+``?tiers=true``, the tiers the engine owns; ``radixkv serve`` refuses an unwritable
+``--disk-cache-dir`` at start. A tiny random model, real host and disk stores."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import httpx
+import pytest
+from server_helpers import Server, assert_pool_whole, wait_idle
+from tier_fakes import tiny_model
+
+from radixkv.async_llm import AsyncLLM
+from radixkv.server.app import create_app
+
+pytestmark = pytest.mark.timeout(300)
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("disk-tier")
+    llm = AsyncLLM(
+        loaded_model=tiny_model(),
+        device="cpu",
+        max_total_tokens=4096,
+        host_cache_bytes=1 << 24,
+        disk_cache_dir=str(d),
+        remote_cache_url="redis://127.0.0.1:1/0",  # nobody listens: the remote tier is degraded
+    )
+    server = Server(create_app(llm, served_model_name=MODEL))
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        yield llm, http, d
+    server.stop()
+    llm.shutdown()
+
+
+def _complete(http, ids):
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "return_cached_tokens_details": True}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_cached_tokens_count_every_tier_and_flushes(setup):
+    llm, http, d = setup
+    ids = [random.Random(3).randrange(100, 40000) for _ in range(100)]
+    first = _complete(http, ids)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_idle(llm)
+    assert http.post("/flush_cache").json()["flushed"] is True  # the pool only
+    again = _complete(http, ids)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 blocks from the disk tier
+    assert again["sglext"] == {"cached_tokens_details": {"device": 0, "host": 96}}
+    stats = http.get("/cache_stats").json()
+    assert stats["cached_tokens_by_tier"]["disk"] == 96 and stats["tiers"]["disk"]["served_tokens"] == 96
+    text = http.get("/metrics").text
+    assert 'radixkv_kv_tier_served_tokens_total{tier="disk"} 96.0' in text
+    assert 'radixkv_cached_tokens_by_tier_total{tier="disk"} 96.0' in text
+    assert 'radixkv_kv_tier_load_latency_seconds_count{tier="disk"}' in text
+    assert 'radixkv_kv_tier_degraded{tier="remote"} 1.0' in text
+    wait_idle(llm)
+    assert http.post("/flush_cache?tiers=true").json()["flushed"] is True
+    assert stats_tier(http, "disk")["used_bytes"] == 0
+    third = _complete(http, ids)
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_idle(llm)
+    assert_pool_whole(llm)
+
+
+def stats_tier(http, tier):
+    return http.get("/cache_stats").json()["tiers"][tier]
+
+
+def test_health_stays_200_and_names_the_degraded_tier(setup):
+    _, http, _ = setup
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "degraded", "degraded_tiers": ["remote"]}
+
+
+def test_flush_cache_tiers_must_be_a_boolean(setup):
+    _, http, _ = setup
+    r = http.post("/flush_cache?tiers=maybe")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tiers"
+
+
+def test_serve_refuses_an_unwritable_disk_dir(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixkv",
+            "serve",
+            "--device",
+            "cpu",
+            "--disk-cache-dir",
+            str(f / "sub"),
+            "--port",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert r.returncode == 2 and "disk_cache_dir" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+
+
+def test_serve_flags_reach_every_replica_as_engine_fields():
+    import argparse
+
+    from radixkv.server.cli import add_arguments, engine_kwargs_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(
+        ["--replicas", "2", "--remote-cache-url", "redis://10.0.0.5:6379/1", "--host-cache-bytes", "2GiB"]
+        + ["--disk-cache-dir", "/tmp/kv", "--disk-cache-bytes", "500MB", "--kv-tier-write-policy", "host=write_through"]
+    )
+    kw = engine_kwargs_from_args(args)  # what radixkv.router.ray.build_app hands every replica
+    assert kw["remote_cache_url"] == "redis://10.0.0.5:6379/1" and kw["host_cache_bytes"] == 2 << 30
+    assert kw["disk_cache_dir"] == "/tmp/kv" and kw["disk_cache_bytes"] == 500_000_000
+    assert kw["kv_tier_write_policy"] == {"host": "write_through"}
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--host-cache-bytes", "lots"])
+
+
+def test_tenants_of_api_keys_are_isolated_in_the_tiers(tmp_path):
+    """Through the server with API keys: a restart on the same disk directory serves tenant A's
+    prompt from the disk tier in full, and tenant B's identical prompt (or A's with a cache_salt)
+    not at all: the server-set namespace (tenant, salt) keys every tier block."""
+    from radixkv.server.auth import APIKeys
+
+    keys = APIKeys.from_mapping({"sk-a": {"tenant": "A"}, "sk-b": {"tenant": "B"}})
+    ids = [random.Random(4).randrange(100, 40000) for _ in range(100)]
+
+    def serve():
+        llm = AsyncLLM(loaded_model=tiny_model(), device="cpu", max_total_tokens=4096, disk_cache_dir=str(tmp_path))
+        return llm, Server(create_app(llm, served_model_name=MODEL, api_keys=keys))
+
+    def cached(server, key, **extra):
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, **extra}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    llm, server = serve()
+    assert cached(server, "sk-a") == 0
+    server.stop()
+    llm.shutdown()  # drains the disk tier's writes
+    llm, server = serve()
+    try:
+        assert cached(server, "sk-b") == 0
+        assert cached(server, "sk-a", cache_salt="s1") == 0
+        assert cached(server, "sk-a") == 96  # 6 whole blocks below the last prompt token, from disk
+        wait_idle(llm)
+        assert llm.cache_stats().cached_tokens_by_tier["disk"] == 96
+    finally:
+        server.stop()
+        llm.shutdown()

@@ -1,0 +1,119 @@
+"""KV tiers in the cache simulator (radixkv/sim/tiers.py) and `radixkv plan --trace` with them:
+tiers by capacity fed by the pool's cache events, lookups as the engine's, the same cached tokens
+by tier as the engine over the same requests, and the plan's hit rate without and with tiers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from tier_fakes import VOCAB, MemoryStore, kv_engine, reference, run_all
+
+from radixkv.cache.digests import block_digests
+from radixkv.engine.events import CacheEvicted, CacheInserted, EventBus
+from radixkv.sampling_params import SamplingParams
+from radixkv.sim import SimRequest, simulate
+from radixkv.sim.tiers import TierModel
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_tier_model_takes_inserted_or_evicted_blocks_lru_within_capacity():
+    bus = EventBus()
+    tm = TierModel({"host": 32, "disk": 48})  # host: write-back, 2 blocks; disk: write-through, 3 blocks
+    tm.attach(bus)
+    toks = list(range(1, 81))
+    d = block_digests(toks, None, 0, 5)
+    bus.emit(CacheInserted(seq=1, namespace=None, num_tokens=80, first_block=0, block_digests=tuple(d)))
+    assert list(tm.held["disk"]) == d[2:] and not tm.held["host"]  # the last 3 (LRU beyond capacity)
+    bus.emit(CacheEvicted(seq=2, namespace=None, num_tokens=32, block_digests=tuple(d[:2])))
+    assert list(tm.held["host"]) == d[:2]
+    bus.emit(CacheInserted(seq=3, namespace=None, num_tokens=16, first_block=0, block_digests=(d[0],), medium="disk"))
+    assert list(tm.held["disk"]) == d[2:]  # a tier's own event is not the pool's
+    # lookup after 5 pool tokens, below position 79: host holds blocks 0-1, disk 2-4
+    assert tm.lookup(None, toks, 5, 79 // 16 * 16, 1) == [(5, 32, "host"), (32, 64, "disk")]
+    assert tm.lookup(None, toks, 0, 64, 32) == [(0, 32, "host"), (32, 64, "disk")]  # pages of 32
+    assert tm.lookup(None, toks, 0, 64, 64) == [(0, 32, "host"), (32, 64, "disk")]
+    assert tm.lookup(None, toks, 0, 48, 32) == [(0, 32, "host")]  # the run floored to whole pages
+    assert tm.lookup("other", toks, 0, 64, 1) == []  # another namespace: other digests
+    with pytest.raises(ValueError, match="tier"):
+        TierModel({"tape": 16})
+
+
+def _conversations(seed=0, n=6, turns=3):
+    """Turns of ``n`` conversations; each reply is the fake model's (tier_fakes.reference)."""
+    rng = random.Random(seed)
+    convs = [[rng.randrange(1, VOCAB) for _ in range(150)] for _ in range(n)]
+    return [SimRequest(c[: 60 + 40 * t], reply=reference(c[: 60 + 40 * t], 3)) for t in range(turns) for c in convs]
+
+
+def test_simulated_tiers_raise_the_hit_rate_to_the_infinite_pools():
+    reqs = _conversations()
+    small = simulate(reqs, "radix", 1, 200, outcomes=False)
+    infinite = simulate(reqs, "radix", 1, None, outcomes=False)
+    assert small.hit_rate < 0.2 < infinite.hit_rate
+    for ps, tier in ((1, "disk"), (4, "host")):
+        tiered = simulate(reqs, "radix", ps, 200, outcomes=False, tiers={tier: 1 << 20})
+        inf = simulate(reqs, "radix", ps, None, outcomes=False)
+        assert set(tiered.cached_tokens_by_tier) == {tier} and tiered.cached_tokens_by_tier[tier] > 0
+        # each request gets what the infinite pool gives it, but the tail of its last partial block
+        gaps = [a.num_cached_tokens - b.num_cached_tokens for a, b in zip(inf.requests, tiered.requests)]
+        assert all(0 <= g < 16 for g in gaps), gaps
+
+
+@pytest.mark.parametrize("tier", ["disk", "host"])
+def test_simulator_and_engine_agree_on_cached_tokens_by_tier(tier):
+    reqs = _conversations(seed=1, n=4)
+    sim = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={tier: 1 << 20}, keep_requests=True)
+    e = kv_engine(capacity=200, stores=[MemoryStore(tier)], chunk=2048)
+    e.kv.tiers.costs.prefill_token_s = 1.0  # loading always pays: the simulator counts every held block
+    got = []
+    for r in reqs:  # one at a time, as the simulator serves them; the engine's replies are r.reply
+        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
+        out = run_all(e)[rid]
+        assert out.outputs[0].token_ids == list(r.reply)
+        got.append((out.num_cached_tokens, out.cached_tokens_by_tier[tier]))
+        e.kv.tiers.drain()
+    want = [(x.num_cached_tokens, x.tier_tokens.get(tier, 0)) for x in sim.requests]
+    assert got == want and sum(t for _, t in want) > 0
+
+
+def test_plan_trace_shows_the_hit_rate_with_tiers(tmp_path, capsys):
+    from radixkv.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    rng = random.Random(2)
+    words = [f"w{i}" for i in range(300)]
+    with trace.open("w") as f:
+        convs = [[rng.choice(words) for _ in range(120)] for _ in range(6)]
+        for t in range(3):
+            for c in convs:
+                body = {"model": "m", "messages": [{"role": "user", "content": " ".join(c[: 50 + 35 * t])}]}
+                f.write(json.dumps(body) + "\n")
+    rc = main(
+        ["plan", "--model", "smollm2-135m", "--trace", str(trace), "--policies", "radix-p1", "--json"]
+        + ["--disk-cache-bytes", "1GiB"]
+    )
+    assert rc == 0
+    rep = json.loads(capsys.readouterr().out)
+    cv = rep["curve"]
+    assert cv["tiers"]["disk"]["tokens"] == (1 << 30) // rep["kv_bytes_per_token"]
+    rows = cv["curves"]["radix-p1"]
+    assert all(r["hit_rate_tiers"] >= r["hit_rate"] for r in rows)
+    assert any(r["hit_rate_tiers"] > r["hit_rate"] + 0.1 for r in rows)
+    assert main(["plan", "--model", "smollm2-135m", "--disk-cache-bytes", "1GiB"]) == 2
+
+
+def test_explain_trace_counts_what_the_tiers_serve():
+    from radixkv.obs.explain import explain_trace
+    from radixkv.obs.report import explain_text_report
+
+    reqs = _conversations(seed=3)
+    rep = explain_trace(reqs, None, capacity=200, tiers={"disk": 1 << 20}, spans=False, sweep=())
+    plain = explain_trace(reqs, None, capacity=200, spans=False, sweep=())
+    served = rep["tiers"]["served_tokens"]["disk"]
+    assert served > 0 and rep["cached_tokens"] == plain["cached_tokens"] + served
+    assert rep["missed_tokens"] == plain["missed_tokens"] and rep["causes_sum_to_missed"]
+    assert any(m["tier_spans"] for m in rep["top_misses"]) or served
+    assert f"the KV tiers below the pool served {served:,}: disk {served:,}" in explain_text_report(rep)
