@@ -94,7 +94,7 @@ def replay_part(args) -> dict:
     from radixkv import LLM
     from radixkv.datasets import load_conversations
 
-    convs = load_conversations(args.replay_conversations, args.turns)
+    convs = load_conversations(args.replay_conversations, args.turns, args.max_user_chars)
     infinite = LLM(device="cpu", max_total_tokens=262144)
     base = _replay_waves(infinite, convs, args)
     ws_tokens = infinite.cache_stats()["cached"]
@@ -131,10 +131,11 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="*", default=[0.05, 0.10])
     ap.add_argument("--sim-conversations", type=int, default=4000)
     ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--replay-conversations", type=int, default=100)
+    ap.add_argument("--replay-conversations", type=int, default=200)
+    ap.add_argument("--max-user-chars", type=int, default=600, help="user turns cut to this many characters")
     ap.add_argument("--replay-concurrency", type=int, default=4, help="conversations per replay wave")
-    ap.add_argument("--turns", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     started = time.time()
