@@ -95,7 +95,7 @@ def replay_part(args) -> dict:
     from radixkv.datasets import load_conversations
 
     convs = load_conversations(args.replay_conversations, args.turns, args.max_user_chars)
-    infinite = LLM(device="cpu", max_total_tokens=262144)
+    infinite = LLM(device="cpu", max_total_tokens=65536)
     base = _replay_waves(infinite, convs, args)
     ws_tokens = infinite.cache_stats()["cached"]
     del infinite
