@@ -34,8 +34,13 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
   anything is retracted when a running request is short of memory); when a pin dies the table
   calls back here, and the KV manager unlocks (or frees) what it held.
 
-A later helper (a KV tier, tentative draft slots) plugs in the same way: its own bookkeeping in
-its own class, every slot it implies moved by the KV manager (a callback or a returned value).
+* :class:`~radixkv.engine.drafts.DraftSlots` (``kv.drafts``), the tentative slots of draft
+  tokens (speculative decoding): :meth:`~KVManager.reserve_drafts` gives a decoding request slots
+  for its draft positions when the step is planned, :meth:`~KVManager.settle_drafts` keeps the
+  accepted ones and frees the rest in the same step. A draft token never reaches the cache.
+
+A later helper (a KV tier) plugs in the same way: its own bookkeeping in its own class, every
+slot it implies moved by the KV manager (a callback or a returned value).
 
 Invariant (:meth:`check_integrity`): every slot is exactly one of free, held by the cache, owned
 by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``
@@ -52,6 +57,7 @@ import torch
 from radixkv.cache.base import MatchResult, PrefixCache
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
 from radixkv.engine.batch_sharing import BatchSharing
+from radixkv.engine.drafts import DraftSlots
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
 from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
@@ -101,6 +107,7 @@ class KVManager:
         pins: the :class:`~radixkv.engine.pins.PinTable` (live pins, bounds of the soft ones).
         sharing: the :class:`~radixkv.engine.batch_sharing.BatchSharing` of the forward being
             planned.
+        drafts: the :class:`~radixkv.engine.drafts.DraftSlots` (tentative draft slots).
         evicted_tokens: tokens evicted from the cache so far.
 
     Raises:
@@ -131,6 +138,7 @@ class KVManager:
         self._seq = 0
         self.pins = PinTable(self._unhold, max_tokens=max_pinned_tokens, idle_timeout=pin_idle_timeout, clock=clock)
         self.sharing = BatchSharing(self.page_size, enabled=bool(in_batch_sharing) and self.shares)
+        self.drafts = DraftSlots()
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -243,6 +251,35 @@ class KVManager:
         start = len(req.slots)
         req.slots.extend(new.tolist())
         self.req_to_token_pool.write(req.row, start, new)
+
+    # ------------------------------------------------------------------ draft slots
+    def reserve_drafts(self, req: Request, n: int) -> int:
+        """Give the decoding ``req`` (slots up to ``kv_len + 1`` already) tentative slots for
+        ``n`` draft positions ``[kv_len + 1, kv_len + 1 + n)``, evicting unlocked cached prefixes
+        when short but never dropping a pin or retracting: fewer when memory is short. Returns
+        how many draft positions got slots (0 .. n)."""
+        start = req.kv_len + 1
+        if n <= 0 or len(req.slots) < start:
+            return 0
+        need = self.pages(start + n) - len(req.slots)
+        if need > 0 and not self.ensure_free(need):
+            fit = len(req.slots) + self.allocator.available_size() // self.page_size * self.page_size
+            n = min(n, fit - start)
+            if n <= 0:
+                return 0
+        self.grow(req, start + n)
+        self.drafts.open(req, start, start + n)
+        return n
+
+    def settle_drafts(self, req: Request) -> None:
+        """``req``'s verify is decided (``kv_len`` counts its accepted positions): keep the slots
+        of ``[0, kv_len)`` rounded up to whole pages, free the rest (the rejected drafts')."""
+        if not self.drafts.close(req) or req.row is None:
+            return
+        keep = self.pages(req.kv_len)
+        if len(req.slots) > keep:
+            self._free(req.slots[keep:])
+            del req.slots[keep:]
 
     # ------------------------------------------------------------------ cache events
     def _next_seq(self) -> int:
@@ -382,6 +419,7 @@ class KVManager:
         ``[prefix_len, k)`` freed (duplicates), ``[k, a)`` handed to the cache, ``[a, len(slots))``
         freed, ``[0, prefix_len)`` unlocked (or its pin reference dropped).
         """
+        self.drafts.close(req)
         if req.row is not None:
             own_from = req.prefix_len
             aligned = req.kv_len // self.page_size * self.page_size
@@ -547,6 +585,7 @@ class KVManager:
         ``requests`` (the admitted ones; others hold nothing but pins) and owned by pins."""
         self.cache.check_integrity()
         self.pins.check_integrity()
+        self.drafts.check_integrity()
         held: set = set()
 
         def own(slots: List[int]) -> None:

@@ -41,6 +41,8 @@ class EngineStats(Mapping):
             included), ``quota`` (its ``kv_quota_tokens``, or None), ``prompt_tokens`` /
             ``cached_tokens`` (summed as above, over its requests) and ``hit_rate``. Empty when
             no request named a tenant.
+        spec_draft_tokens: draft tokens verified so far (speculative decoding; 0 when off).
+        spec_accepted_tokens: those of them accepted (each saved a forward of its own).
     """
 
     capacity: int
@@ -65,6 +67,8 @@ class EngineStats(Mapping):
     kv_bytes_per_token: int
     kv_cache_bytes: int
     tenants: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:

@@ -20,8 +20,10 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_num_requests_running``, ``radixkv_num_requests_waiting``,
   ``radixkv_kv_capacity_tokens``, ``radixkv_kv_free_tokens``, ``radixkv_kv_evictable_tokens``,
   ``radixkv_kv_protected_tokens``, ``radixkv_kv_usage_ratio`` ((capacity - free) / capacity),
-  ``radixkv_page_size``, ``radixkv_kv_bytes_per_token``, ``radixkv_kv_cache_bytes`` and
-  ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype).
+  ``radixkv_page_size``, ``radixkv_kv_bytes_per_token``, ``radixkv_kv_cache_bytes``,
+  ``radixkv_kv_cache_dtype{kv_cache_dtype="..."}`` (1: the pool's K/V dtype) and speculative
+  decoding's ``radixkv_spec_decode_num_draft_tokens_total`` /
+  ``radixkv_spec_decode_num_accepted_tokens_total`` (vLLM's names; 0 when it is off).
 
 Per tenant (the tenants of the server's API keys, by name: never a key), when any request named
 one: ``radixkv_tenant_prompt_tokens_total{tenant}`` and ``radixkv_tenant_cached_tokens_total{tenant}``
@@ -90,6 +92,16 @@ class _EngineCollector(Collector):
             )
         yield CounterMetricFamily(
             "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s.evicted_tokens)
+        )
+        yield CounterMetricFamily(
+            "radixkv_spec_decode_num_draft_tokens",
+            "Draft tokens verified by speculative decoding since start.",
+            value=float(s.spec_draft_tokens),
+        )
+        yield CounterMetricFamily(
+            "radixkv_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by speculative decoding since start.",
+            value=float(s.spec_accepted_tokens),
         )
         yield from _tenant_families(s)
 
