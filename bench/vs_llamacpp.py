@@ -8,6 +8,9 @@ and ``llama-server``. Nothing else in radixkv needs it (it is not in .ci/setup).
     python bench/vs_llamacpp.py                      # both parts, default model (SmolLM2-135M Q4_1)
     python bench/vs_llamacpp.py --parts single       # only the in-process single-stream trials
     python bench/vs_llamacpp.py --trials 9 --threads 2 --output bench/results/vs_llamacpp.json
+    # decode at 4,096 tokens of context with equal K/V bytes (radixkv bf16 vs llama.cpp f16; fp8 vs q8_0):
+    python bench/vs_llamacpp.py --parts single --prompt-len 4096 --gen 64 --kv-cache-dtype bf16 --llama-cache-type f16
+    python bench/vs_llamacpp.py --parts single --prompt-len 4096 --gen 64 --kv-cache-dtype fp8 --llama-cache-type q8_0
 
 Part ``single`` (one process, paired alternating trials): for each trial one fresh real prompt of
 ``--prompt-len`` tokens (ShareGPT text), greedy decoding of ``--gen`` tokens, radixkv's engine
@@ -115,15 +118,22 @@ def sharegpt_text(chars: int, skip: int = 0) -> list[str]:
 
 
 class RadixkvStream:
-    def __init__(self, model: str, threads: int) -> None:
+    def __init__(self, model: str, threads: int, kv_cache_dtype: str = "auto", max_total_tokens: int = 8192) -> None:
         import torch
 
         from radixkv.llm import LLM
 
         torch.set_num_threads(threads)
-        self.llm = LLM(model, attention_backend="auto", prefix_cache="none", max_total_tokens=8192)
+        self.llm = LLM(
+            model,
+            attention_backend="auto",
+            prefix_cache="none",
+            max_total_tokens=max_total_tokens,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         self.engine = self.llm.engine
-        self.name = f"radixkv (attention {self.engine.runner.attn_backend.name})"
+        kv = self.llm.cache_stats()["kv_cache_dtype"]
+        self.name = f"radixkv (attention {self.engine.runner.attn_backend.name}, K/V {kv})"
 
     def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int], float, float]:
         from radixkv.sampling_params import SamplingParams
@@ -142,8 +152,12 @@ class RadixkvStream:
 
 
 class LlamaCppStream:
-    def __init__(self, gguf: str, threads: int, n_ctx: int) -> None:
+    def __init__(self, gguf: str, threads: int, n_ctx: int, cache_type: str | None = None) -> None:
         llama_cpp = import_llama_cpp()
+        kv = {}
+        if cache_type is not None:  # its K/V cache type, with flash attention (llama.cpp needs it for q8_0 V)
+            code = {"f16": llama_cpp.GGML_TYPE_F16, "q8_0": llama_cpp.GGML_TYPE_Q8_0, "f32": llama_cpp.GGML_TYPE_F32}
+            kv = dict(flash_attn=True, type_k=code[cache_type], type_v=code[cache_type])
         self.llm = llama_cpp.Llama(
             model_path=gguf,
             n_ctx=n_ctx,
@@ -151,9 +165,11 @@ class LlamaCppStream:
             n_threads=threads,
             n_threads_batch=threads,
             verbose=False,
+            **kv,
         )
         self.system_info = llama_cpp.llama_print_system_info().decode()
-        self.name = "llama.cpp (llama-cpp-python)"
+        flags = "" if cache_type is None else f", flash_attn=True, type_k=type_v={cache_type}"
+        self.name = f"llama.cpp (llama-cpp-python{flags})"
 
     def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int], float, float]:
         self.llm.reset()
@@ -170,10 +186,11 @@ class LlamaCppStream:
 
 
 def single_stream(args) -> dict:
-    ours = RadixkvStream(args.model, args.threads)
+    n_ctx = args.prompt_len + args.gen + 64
+    ours = RadixkvStream(args.model, args.threads, args.kv_cache_dtype, max(8192, n_ctx))
     tok = ours.llm.tokenizer
     theirs = (
-        LlamaCppStream(args.gguf, args.threads, args.prompt_len + args.gen + 64) if "llama.cpp" in args.sides else None
+        LlamaCppStream(args.gguf, args.threads, n_ctx, args.llama_cache_type) if "llama.cpp" in args.sides else None
     )
     sides = [("radixkv", ours)] + ([("llama.cpp", theirs)] if theirs else [])
     texts = sharegpt_text(args.prompt_len * 6, skip=args.skip)
@@ -225,6 +242,7 @@ def single_stream(args) -> dict:
         "per_trial": rows,
         "llama_system_info": theirs.system_info if theirs else "(llama.cpp not run)",
         "radixkv_backend": ours.name,
+        "llama_side": theirs.name if theirs else None,
     }
 
 
@@ -450,6 +468,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m", help="radixkv model (default smollm2-135m)")
     ap.add_argument("--gguf", default=None, help="the GGUF file both run (default: the default model's)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="radixkv's K/V dtype (part single; default auto)")
+    ap.add_argument(
+        "--llama-cache-type",
+        default=None,
+        choices=["f16", "q8_0", "f32"],
+        help="llama.cpp's K/V cache type, with flash attention on (part single; default: its own default)",
+    )
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--trials", type=int, default=5)
