@@ -201,6 +201,68 @@ def test_step_events_count_drafts_never_their_tokens():
     assert out.metrics.spec_accepted_tokens > 0
 
 
+def _cached_paths(cache):
+    """Every root-to-leaf path of a radix tree: ``(tokens, slots)``."""
+    out, stack = [], [(cache.root, [], [])]
+    while stack:
+        node, toks, slots = stack.pop()
+        toks, slots = toks + node.tokens(), slots + node.slots()
+        if not node.children and toks:
+            out.append((toks, slots))
+        stack.extend((c, toks, slots) for c in node.children.values())
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_tree_never_holds_an_unverified_token(page_size):
+    """After every step each cached path is a prefix of a prompt + its reference output (a
+    rejected draft never enters the tree), and each cached slot holds the K/V of that path's
+    token at that position (no rejected draft's K/V is handed to the cache)."""
+    rng = random.Random(40 + page_size)
+    eng = fake_engine({"method": "radix", "num_speculative_tokens": 6, "adaptive": False}, page_size=page_size)
+    runner = eng.runner
+    stems = [[rng.randrange(1, ALPHA + 1) for _ in range(12)] for _ in range(3)]
+    prompts = [s + [rng.randrange(1, ALPHA + 1) for _ in range(rng.randrange(1, 6))] for s in stems * 3]
+    full = [p + local_reference(p, 40) for p in prompts]
+    checked = 0
+    for p in prompts:
+        eng.add_request(p, greedy(rng.randrange(10, 40)))
+        for _ in range(3):
+            eng.step()
+            eng.check_integrity()
+            for toks, slots in _cached_paths(eng.cache):
+                assert any(f[: len(toks)] == toks for f in full), f"a cached path no request produced: {toks}"
+                assert [runner.kv[s] for s in slots] == [(t, i) for i, t in enumerate(toks)]
+                checked += len(toks)
+    drive(eng)
+    s = eng.cache_stats()
+    assert checked > 0 and s["spec_draft_tokens"] > s["spec_accepted_tokens"] > 0
+
+
+def test_speculative_config_flag_of_serve_and_replay(capsys):
+    import argparse
+
+    from radixkv import replay
+    from radixkv.server import cli
+    from radixkv.spec import SpeculativeConfig
+
+    for add in (cli.add_arguments, replay.add_arguments):
+        ap = argparse.ArgumentParser()
+        add(ap)
+        args = ap.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+        assert args.speculative_config == SpeculativeConfig("ngram", num_speculative_tokens=3)
+        assert ap.parse_args([]).speculative_config is None
+        with pytest.raises(SystemExit) as e:
+            ap.parse_args(["--speculative-config", '{"method": "radix", "num_speculative_tokens": 17}'])
+        assert e.value.code == 2
+        assert "speculative_config.num_speculative_tokens must be an integer from 1 to 16" in capsys.readouterr().err
+    ap = argparse.ArgumentParser()
+    cli.add_arguments(ap)
+    kw = cli.engine_kwargs_from_args(ap.parse_args(["--speculative-config", '{"method": "radix"}']))
+    assert kw["speculative_config"] == SpeculativeConfig("radix")
+    assert "speculative_config" not in cli.engine_kwargs_from_args(ap.parse_args([]))
+
+
 # ---------------------------------------------------------------------- the tiny model
 @pytest.fixture(scope="module")
 def tiny():
