@@ -64,7 +64,7 @@ if str(ROOT) not in sys.path:
 from bench.results_io import write_result  # noqa: E402
 
 WORKLOADS = ("json_rewrite", "code_edit", "tool_call", "regenerate", "siblings")
-MAX_TOKENS = {"json_rewrite": 160, "code_edit": 192, "tool_call": 96, "regenerate": 128, "siblings": 96}
+MAX_TOKENS = {"json_rewrite": 160, "code_edit": 192, "tool_call": 96, "regenerate": 128, "siblings": 64}
 _KEYWORDS = set(
     "self this return const false true none null else elif while with from import class function "
     "print for def var let int str float void public static string char bool list dict type".split()
@@ -178,7 +178,7 @@ def make_llm(spec, loaded, threads: int):
     from radixkv.llm import LLM
 
     torch.set_num_threads(threads)
-    return LLM(loaded_model=loaded, max_total_tokens=32768, speculative_config=spec)
+    return LLM(loaded_model=loaded, max_total_tokens=8192, speculative_config=spec)
 
 
 def run_batch(llm, prompts: list, params: list) -> dict:
@@ -226,10 +226,12 @@ def _encode(llm, messages) -> list:
     return llm.tokenizer.encode(llm.render_chat(messages), add_special_tokens=False)
 
 
-def agent_trial(llm, workload: str, mat: dict, i: int) -> dict:
+def agent_trial(llm, workload: str, mat: dict, i: int, max_tokens: int = 0) -> dict:
     from radixkv.sampling_params import SamplingParams
 
     messages, kw = build(workload, mat, i)
+    if max_tokens:
+        kw["max_tokens"] = max_tokens
     prompt = _encode(llm, messages)
     if workload == "regenerate":
         run_batch(llm, [prompt], [SamplingParams(**kw)])  # the previous answer (untimed)
@@ -245,10 +247,10 @@ def part_agent(args, mat, loaded, llama=None) -> dict:
     warm = {"pairs": mat["pairs"][-20:], "code": mat["code"][-5:]}
     for llm in sides.values():  # untimed warm-up: every kernel shape, the grammar-free paths
         for w in WORKLOADS:
-            agent_trial(llm, w, warm, 0)
+            agent_trial(llm, w, warm, 0, max_tokens=24)
     if llama is not None:
         for w in WORKLOADS:
-            llama.trial(w, warm, 0, _encode(sides["off"], build(w, warm, 0)[0]))
+            llama.trial(w, warm, 0, _encode(sides["off"], build(w, warm, 0)[0]), max_tokens=24)
     res: dict = {w: {"off": [], "radix": [], "same": []} for w in WORKLOADS}
     for i in range(args.trials):
         for w in WORKLOADS:
@@ -493,8 +495,10 @@ class LlamaSide:
                 break
         return out - 1, time.perf_counter() - first
 
-    def trial(self, workload: str, mat: dict, i: int, prompt: list) -> dict:
+    def trial(self, workload: str, mat: dict, i: int, prompt: list, max_tokens: int = 0) -> dict:
         _, kw = build(workload, mat, i)
+        if max_tokens:
+            kw["max_tokens"] = max_tokens
         res = {}
         for name, llm in (("plain", self.plain), ("lookup", self.lookup)):
             if workload == "regenerate":
