@@ -279,6 +279,33 @@ def part_agent(args, mat, loaded, llama=None) -> dict:
     return summarize_agent(res)
 
 
+def part_llama_only(args, mat, loaded, llama) -> dict:
+    """``--parts llamacpp`` without ``agent``: llama.cpp alone on the agent workloads (compare with
+    an ``agent`` run's radix tok/s on the same machine)."""
+    enc = make_llm(None, loaded, args.threads)
+    warm = {"pairs": mat["pairs"][-20:], "code": mat["code"][-5:]}
+    for w in WORKLOADS:
+        llama.trial(w, warm, 0, _encode(enc, build(w, warm, 0)[0]), 24)
+    res: dict = {}
+    for i in range(args.trials):
+        for w in WORKLOADS:
+            t = llama.trial(w, mat, i, _encode(enc, build(w, mat, i)[0]))
+            res.setdefault(w, []).append(t)
+            print(
+                f"trial {i} {w}: llama.cpp plain {t['plain_tok_s']:.1f}, lookup {t['lookup_tok_s']:.1f} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
+    return {
+        w: {
+            "plain_tok_s": statistics.median(t["plain_tok_s"] for t in v),
+            "lookup_tok_s": statistics.median(t["lookup_tok_s"] for t in v),
+            "trials": v,
+        }
+        for w, v in res.items()
+    }
+
+
 def summarize_agent(res: dict) -> dict:
     out: dict = {"workloads": {}}
     ratios, lratios = [], []
@@ -548,6 +575,14 @@ def report(out: dict) -> str:
             lines.append(
                 f"vs llama.cpp (its faster mode per workload): geometric mean {ag['geomean_vs_llama']:.2f}x (>= 2.0x)"
             )
+    lo = out.get("llama_only")
+    if lo:
+        lines.append(
+            "llama.cpp alone: "
+            + ", ".join(
+                f"{w} plain {r['plain_tok_s']:.1f} / lookup {r['lookup_tok_s']:.1f} tok/s" for w, r in lo.items()
+            )
+        )
     b = out.get("batch16")
     if b:
         lines.append(
@@ -587,6 +622,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default=None, help="result JSON path (default bench/results/spec_decode_<time>.json)")
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",")}
+    if "llamacpp" in parts and "agent" not in parts:
+        parts.add("llama_only")
     t0 = time.time()
     import torch
 
@@ -604,6 +641,7 @@ def main(argv=None) -> int:
     path = None
     for part, fn in (
         ("agent", lambda: part_agent(args, mat, loaded, llama)),
+        ("llama_only", lambda: part_llama_only(args, mat, loaded, llama)),
         ("batch16", lambda: part_batch16(args, mat, loaded)),
         ("chat", lambda: part_chat(args, loaded)),
         ("structured", lambda: part_structured(args, mat, loaded)),
