@@ -36,7 +36,7 @@ greedy) with and without ``"radix"``; output tok/s over the replay's wall time, 
 radix with ``grammar_drafts: false`` (the grammar only cuts drafts) and radix with grammar drafts
 (forced spans drafted: jump-forward).
 
-``llamacpp``: the agent workloads on llama.cpp (llama-cpp-python, the same GGUF, ``--threads``):
+``llamacpp`` (with ``agent``; alone it runs llama.cpp only): the agent workloads on llama.cpp (llama-cpp-python, the same GGUF, ``--threads``):
 plain decoding and its prompt-lookup decoding (``LlamaPromptLookupDecoding``, no second model);
 the faster of the two per workload is the comparison. ``n = 4`` runs as 4 requests in turn.
 
