@@ -18,7 +18,18 @@ OPENMP = ["-fopenmp"]
 KERNELS = "csrc/cpu_kernels"
 KERNEL_SOURCES = [
     f"{KERNELS}/{name}.c"
-    for name in ("bindings", "threadpool", "gemm", "quant", "kvformat", "attention", "attention_lowp", "ops", "step")
+    for name in (
+        "bindings",
+        "threadpool",
+        "gemm",
+        "gemm_small",
+        "quant",
+        "kvformat",
+        "attention",
+        "attention_lowp",
+        "ops",
+        "step",
+    )
 ]
 
 

@@ -10,6 +10,7 @@ from typing import Dict, Optional, Union
 import torch
 
 from radixkv.memory.kv_dtype import canonical_kv_dtype
+from radixkv.spec.config import SpeculativeConfig, parse_speculative_config
 
 PREFIX_CACHES = ("radix", "hash", "none")
 EVICTION_POLICIES = ("lru", "lfu", "gdf", "reuse-odds")  # radixkv.cache.evict_policy (config stays a leaf)
@@ -216,6 +217,13 @@ class EngineConfig:
     least recently used pages first (:mod:`radixkv.cache.tenants`); nothing is refused. None: no
     quotas. ``radixkv serve --api-keys-file`` fills it from the keys' ``kv_quota_tokens``."""
 
+    speculative_config: Optional[Union[dict, str, SpeculativeConfig]] = None
+    """Speculative decoding without a draft model (vLLM's ``speculative_config``; docs/speculative.md):
+    None (off, the default), or ``{"method": "radix" | "ngram", "num_speculative_tokens": k}``
+    (k from 1 to 16; optional keys in :class:`~radixkv.spec.config.SpeculativeConfig`), as a dict,
+    its JSON text or a ``SpeculativeConfig`` (what :meth:`resolve` leaves). Outputs are exactly
+    those without it; decoding is faster where drafts are accepted."""
+
     def __post_init__(self) -> None:
         # Checked where the values are given: resolve() later fills max_total_tokens from the
         # memory, and a resolved config may be copied and resolved again.
@@ -337,6 +345,7 @@ class EngineConfig:
             raise ValueError(f"pin_idle_timeout must be a number of seconds > 0 or None, got {t!r}")
         if not isinstance(self.in_batch_prefix_sharing, bool):
             raise ValueError(f"in_batch_prefix_sharing must be a bool, got {self.in_batch_prefix_sharing!r}")
+        self.speculative_config = parse_speculative_config(self.speculative_config)
         q = self.tenant_kv_quota_tokens
         if q is not None and (
             not isinstance(q, dict)

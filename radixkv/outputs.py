@@ -78,12 +78,17 @@ class RequestMetrics:
         first_scheduled_time: when its prefill was first scheduled.
         first_token_time: when its first output token was sampled (TTFT = this - arrival).
         finished_time: when its last sample finished.
+        spec_draft_tokens: draft tokens its samples verified (speculative decoding; 0 when off).
+        spec_accepted_tokens: those of them accepted: each is a token that cost no forward of
+            its own (tokens per forward = 1 + accepted / verifies).
     """
 
     arrival_time: float
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def ttft(self) -> Optional[float]:

@@ -10,7 +10,9 @@ replies (checked and printed).
 
 Reported per mode: requests, prompt tokens, cached tokens (prompt tokens served from the prefix
 cache), hit rate, prefill tokens computed, TTFT p50/p90 (submission to first token, queueing
-included), output tokens/s, wall time (model load excluded). ``--kv-cache-dtype`` and
+included), output tokens/s, wall time (model load excluded). ``--speculative-config JSON``
+turns on speculative decoding in every mode (the JSON rows then count its draft and accepted
+tokens; the replies stay identical). ``--kv-cache-dtype`` and
 ``--kv-cache-memory-bytes`` (or ``--max-total-tokens``) set the KV pool as the engine's options do;
 the JSON rows (``--output``) carry its ``capacity``, ``kv_cache_dtype``, ``kv_bytes_per_token`` and
 ``kv_cache_bytes``.
@@ -28,6 +30,7 @@ from typing import Dict, List
 import numpy as np
 
 from radixkv.datasets import load_conversations
+from radixkv.spec import config as spec_config
 
 MODES = {"radix": "radix", "hash": "hash", "off": "none"}
 ROW_KEYS = (
@@ -115,6 +118,8 @@ def replay_mode(
         "cached_tokens_by_tier": {
             m: n - before.cached_tokens_by_tier.get(m, 0) for m, n in after.cached_tokens_by_tier.items()
         },
+        "spec_draft_tokens": after["spec_draft_tokens"] - before["spec_draft_tokens"],
+        "spec_accepted_tokens": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
         "replies": replies,
     }
 
@@ -179,6 +184,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="write the first mode's requests as a JSONL trace of chat bodies (what `radixkv explain` reads)",
     )
+    parser.add_argument(
+        "--speculative-config", type=spec_config.cli_arg, default=None, metavar="JSON", help=spec_config.CLI_HELP
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     from radixkv.server.cli import add_tier_arguments
 
@@ -214,6 +222,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
     )
+    spec = getattr(args, "speculative_config", None)
     try:  # bad K/V options fail before the dataset and the model load
         cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
     except ValueError as exc:
@@ -256,6 +265,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             prefix_cache=MODES[mode],
             loaded_model=loaded,
             **(tiers if mode != "off" else {}),
+            speculative_config=spec,
         )
         st = llm.cache_stats()
         print(
@@ -282,6 +292,10 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
     _print_tier_rows(rows)
+    if spec is not None:
+        for r in rows:
+            d, a = r["spec_draft_tokens"], r["spec_accepted_tokens"]
+            print(f"[{r['mode']}] speculative {spec.method}: {d} draft tokens, {a} accepted ({a / max(d, 1):.0%})")
     same = all(replies[m] == replies[modes[0]] for m in modes)
     if len(modes) > 1:
         print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")

@@ -200,9 +200,11 @@ def test_decode_steps_and_mixed_batch(pair, page_size, backend, monkeypatch):
             ref = _hf_logits(hf, seq)[-1:]
             torch.testing.assert_close(g, ref, atol=ATOL, rtol=0, msg=f"step {step} request {rid}")
             seq.append(int(g.argmax()))
-    # the fused step served exactly the pure-decode steps (1-5: every request brings one token;
-    # the first two passes carry prefills longer than MAX_EXTEND); the torch backend never uses it
-    assert len(fused) == (5 if backend == "cpu" else 0)
+    # the fused step served exactly the pure-decode steps (1-5: every request brings one token)
+    # and, in step 0, a's decode row, split out of the batch whose prefills are longer than
+    # MAX_EXTEND (row_split: a decode row runs on the one-row path in any batch); the first pass
+    # has no decode row. The torch backend never uses it
+    assert len(fused) == (6 if backend == "cpu" else 0)
 
 
 def test_native_decode_does_not_depend_on_thread_count(pair, monkeypatch):

@@ -605,29 +605,28 @@ gemv_refs(const float *x, const float *xs, Py_ssize_t K, int fmt, const panel_re
     }
 }
 
-/* C[0:M, panel pi] (+ bias) for one panel of w, M > 1 (one row takes gemv_refs): the micro-kernel
- * over 128-row blocks (see gemm_task). xs: the rows' block sums (K / QB a row; block formats).
- * buf: KC * NR floats, 64-byte aligned. */
-__attribute__((target("avx2,fma,f16c"))) void
-gemm_panel(const float *xrows, const float *xs, Py_ssize_t M, Py_ssize_t ldx, const pw_header *w, Py_ssize_t pi,
-           const float *bias, float *cbase, Py_ssize_t ldc, float *buf)
+/* C[0:M, panel r] (+ bias) for one panel, M > 1 (one row takes gemv_refs): the micro-kernel over
+ * 128-row blocks (see gemm_task). xs: the rows' block sums (K / QB a row; block formats). buf: KC *
+ * NR floats, 64-byte aligned. */
+__attribute__((target("avx2,fma,f16c"))) static void
+gemm_panel_ref(const float *xrows, const float *xs, Py_ssize_t M, Py_ssize_t ldx, Py_ssize_t K, int fmt,
+               const panel_ref *r, Py_ssize_t ldc, float *buf)
 {
-    const Py_ssize_t K = w->k, nb = K / QB;
-    const int fmt = (int)w->fmt;
+    const Py_ssize_t nb = K / QB;
     const Py_ssize_t group = fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP;
-    const uint8_t *panel = (const uint8_t *)(w + 1) + pi * panel_bytes(fmt, K);
-    Py_ssize_t n0 = pi * NR;
-    int nv = (int)(w->n - n0 < NR ? w->n - n0 : NR);
+    const uint8_t *panel = r->pan;
+    const float *bias = r->bias;
+    const int nv = r->nv;
     for (Py_ssize_t k0 = 0; k0 < K; k0 += KC) {
         Py_ssize_t kc = K - k0 < KC ? K - k0 : KC;
         if (fmt == PW_F32) {
-            const float *bb = bias && k0 + kc >= K ? bias + n0 : NULL;
+            const float *bb = bias && k0 + kc >= K ? bias : NULL;
             const float *wp = (const float *)panel + k0 * NR;
             const float *pf = wp + PF_BLOCKS * KC * NR; /* may run past the end: prefetch never faults */
             for (Py_ssize_t m0 = 0; m0 < M; m0 += MR) {
                 Py_ssize_t mr = M - m0 < MR ? M - m0 : MR;
                 const float *x = xrows + m0 * ldx + k0;
-                float *c = cbase + m0 * ldc + n0;
+                float *c = r->c + m0 * ldc;
                 const float *pfp = m0 == 0 ? pf : NULL;
                 int first = k0 == 0;
                 switch (mr) {
@@ -648,12 +647,12 @@ gemm_panel(const float *xrows, const float *xs, Py_ssize_t M, Py_ssize_t ldx, co
         dequant_block(fmt, g, kc, buf);
         for (Py_ssize_t m0 = 0; m0 < M; m0 += MR) {
             Py_ssize_t mr = M - m0 < MR ? M - m0 : MR;
-            float *c = cbase + m0 * ldc + n0;
+            float *c = r->c + m0 * ldc;
             for (Py_ssize_t b = 0; b < kc / QB; b++) {
                 const uint8_t *gb = g + b * group;
                 const Py_ssize_t kb = k0 + b * QB;
                 const float *x = xrows + m0 * ldx + kb, *qb = buf + b * QB * NR, *s = xs + m0 * nb + kb / QB;
-                const float *bb = bias && kb + QB >= K ? bias + n0 : NULL;
+                const float *bb = bias && kb + QB >= K ? bias : NULL;
                 int first = kb == 0;
                 __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gb));
                 __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gb + 16)));
@@ -683,24 +682,42 @@ gemm_panel(const float *xrows, const float *xs, Py_ssize_t M, Py_ssize_t ldx, co
     }
 }
 
-/* Panels [p0, p1) of C = X @ W^T (+ bias): the GEMV for one row, else panel by panel. xs: the rows'
- * block sums (block_sums_rows; read only for the block formats). */
+/* The micro-kernel for panel pi of w. */
+void
+gemm_panel(const float *xrows, const float *xs, Py_ssize_t M, Py_ssize_t ldx, const pw_header *w, Py_ssize_t pi,
+           const float *bias, float *cbase, Py_ssize_t ldc, float *buf)
+{
+    const panel_ref r = panel_at(w, pi, bias, cbase);
+    gemm_panel_ref(xrows, xs, M, ldx, w->k, (int)w->fmt, &r, ldc, buf);
+}
+
+/* The path for M rows (internal.h): one row the GEMV, AVX-512 the small-M GEMM, else the micro-kernel. */
+void
+gemm_refs(const float *x, const float *xs, Py_ssize_t M, Py_ssize_t ldx, Py_ssize_t K, int fmt, const panel_ref *r,
+          int np, Py_ssize_t ldc, float *buf)
+{
+    if (M == 1)
+        gemv_refs(x, xs, K, fmt, r, np);
+    else if (rk_isa == ISA_AVX512)
+        gemm_small_refs(x, xs, M, ldx, K, fmt, r, np, ldc);
+    else
+        for (int j = 0; j < np; j++)
+            gemm_panel_ref(x, xs, M, ldx, K, fmt, &r[j], ldc, buf);
+}
+
+/* Panels [p0, p1) of C = X @ W^T (+ bias), 8 at a time through gemm_refs. xs: the rows' block sums
+ * (block_sums_rows; read only for the block formats). */
 void
 gemm_range(const float *x, const float *xs, Py_ssize_t M, Py_ssize_t ldx, const pw_header *w, Py_ssize_t p0,
            Py_ssize_t p1, const float *bias, float *c, Py_ssize_t ldc, float *buf)
 {
-    if (M == 1) {
-        panel_ref r[8];
-        for (Py_ssize_t pi = p0; pi < p1;) {
-            int np = 0;
-            for (; np < 8 && pi < p1; np++, pi++)
-                r[np] = panel_at(w, pi, bias, c);
-            gemv_refs(x, xs, w->k, (int)w->fmt, r, np);
-        }
-        return;
+    panel_ref r[8];
+    for (Py_ssize_t pi = p0; pi < p1;) {
+        int np = 0;
+        for (; np < 8 && pi < p1; np++, pi++)
+            r[np] = panel_at(w, pi, bias, c);
+        gemm_refs(x, xs, M, ldx, w->k, (int)w->fmt, r, np, ldc, buf);
     }
-    for (Py_ssize_t pi = p0; pi < p1; pi++)
-        gemm_panel(x, xs, M, ldx, w, pi, bias, c, ldc, buf);
 }
 
 /* Panels are taken in shrinking chunks (take_chunk). Within a panel, K is walked in blocks of KC
@@ -708,7 +725,8 @@ gemm_range(const float *x, const float *xs, Py_ssize_t M, Py_ssize_t ldx, const 
  * before the next is read: the weight stream from memory then advances at a steady pace with all
  * M rows' work, and each block prefetches the block PF_BLOCKS ahead in the (contiguous) packed
  * weight stream. A quantized block is first decoded into a float32 block on the stack. One row
- * (M = 1) takes the GEMV instead (same bits). */
+ * (M = 1) takes the GEMV instead, and on AVX-512 every M the small-M GEMM (gemm_small.c; both the
+ * same bits); those take panels in groups of up to 4, so chunks are whole groups. */
 __attribute__((target("avx2,fma,f16c"))) static void
 gemm_task(void *p, int tid, int nthreads)
 {
@@ -716,7 +734,8 @@ gemm_task(void *p, int tid, int nthreads)
     const Py_ssize_t panels = (a->N + NR - 1) / NR;
     float buf[KC * NR] __attribute__((aligned(64)));
     Py_ssize_t p0, p1;
-    while (take_chunk(&a->next, panels, nthreads, a->M == 1 ? 4 : 1, &p0, &p1))
+    const Py_ssize_t align = a->M == 1 || rk_isa == ISA_AVX512 ? 4 : 1;
+    while (take_chunk(&a->next, panels, nthreads, align, &p0, &p1))
         gemm_range(a->x, a->xs, a->M, a->ldx, a->w, p0, p1, a->bias, a->c, a->ldc, buf);
 }
 

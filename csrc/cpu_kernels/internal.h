@@ -2,6 +2,7 @@
  *
  *   threadpool.c  run_parallel: OpenMP (torch's libgomp) or the pthread pool
  *   gemm.c        packed-weight GEMM: the micro-kernel, the one-row GEMV (AVX2 and AVX-512), the ISA choice
+ *   gemm_small.c  the small-M GEMM on AVX-512 (2 .. 64 rows: each weight block decoded once for 8 rows)
  *   quant.c       weight packing: the float32 panels and the lossless Q4_1 / Q8_0 block formats
  *   kvformat.c    the K/V pool's element formats: float32 rows rounded to bf16 / fp16 / fp8 (the one writer)
  *   attention.c   paged attention: the float32 K/V row loader, scores, the one softmax, the weighted sum of V
@@ -208,6 +209,17 @@ int cpu_ok(void);
 void block_sums_rows(const float *x, Py_ssize_t M, Py_ssize_t ldx, Py_ssize_t K, float *xs);
 /* x (one row; xs its block sums) against np panels given as refs, on the ISA rk_isa says. */
 void gemv_refs(const float *x, const float *xs, Py_ssize_t K, int fmt, const panel_ref *r, int np);
+#define SM_ROWS 8 /* rows of a row group of the small-M GEMM */
+/* Rows [0, M) of x (ldx apart; xs their block sums, K / QB a row, block formats only) against np
+ * panels given as refs (row i of panel j into r[j].c + i * ldc), on AVX-512 (gemm_small.c): the
+ * GEMV's and the micro-kernel's bits, each weight block decoded once per group of SM_ROWS rows. */
+void gemm_small_refs(const float *x, const float *xs, Py_ssize_t M, Py_ssize_t ldx, Py_ssize_t K, int fmt,
+                     const panel_ref *r, int np, Py_ssize_t ldc);
+/* Rows [0, M) of x against np panels given as refs, on the path the ISA and M choose (the GEMV for
+ * one row, the small-M GEMM on AVX-512, else the micro-kernel panel by panel: the same bits on
+ * all). buf: KC * NR floats, 64-byte aligned (the micro-kernel's). */
+void gemm_refs(const float *x, const float *xs, Py_ssize_t M, Py_ssize_t ldx, Py_ssize_t K, int fmt,
+               const panel_ref *r, int np, Py_ssize_t ldc, float *buf);
 /* C[0:M, panel pi] (+ bias) for one panel of w, M > 1. buf: KC * NR floats, 64-byte aligned. */
 void gemm_panel(const float *xrows, const float *xs, Py_ssize_t M, Py_ssize_t ldx, const pw_header *w, Py_ssize_t pi,
                 const float *bias, float *cbase, Py_ssize_t ldc, float *buf);

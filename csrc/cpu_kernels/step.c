@@ -153,7 +153,7 @@ step_gemm(const float *x, const float *xs, int M, Py_ssize_t ldx, const pw_heade
 {
     const Py_ssize_t panels = (w->n + NR - 1) / NR;
     Py_ssize_t p0, p1;
-    while (take_chunk(counter, panels, n, M == 1 ? 4 : 1, &p0, &p1))
+    while (take_chunk(counter, panels, n, M == 1 || rk_isa == ISA_AVX512 ? 4 : 1, &p0, &p1))
         gemm_range(x, xs, M, ldx, w, p0, p1, bias, c, ldc, buf);
 }
 
@@ -213,21 +213,18 @@ step_task(void *arg, int tid, int n)
         /* gate|up: a unit is a gate panel and its up panel, so SiLU-and-multiply follows at once */
         ctr = &p->counters[ph++];
         if (pair_units) {
-            /* one row: two gate panels and their up panels at a time (the GEMV's 4) */
-            const Py_ssize_t np = I / NR, two = T == 1 && np % 2 == 0 ? 2 : 1;
+            /* two gate panels and their up panels at a time (the GEMV's 4) for one row, and on
+             * AVX-512 for the small-M GEMM's row counts that take 4 panels a group */
+            const int wide = T == 1 || (rk_isa == ISA_AVX512 && T <= 3);
+            const Py_ssize_t np = I / NR, two = wide && np % 2 == 0 ? 2 : 1;
             while (take_chunk(ctr, np, n, two, &u0, &u1))
                 for (Py_ssize_t u = u0; u < u1; u += two) {
-                    if (T == 1) {
-                        panel_ref r[4] = {panel_at(lp->w[2], u, lp->b[2], gu), panel_at(lp->w[2], u + two - 1, lp->b[2], gu),
-                                          panel_at(lp->w[2], u + np, lp->b[2], gu),
-                                          panel_at(lp->w[2], u + np + two - 1, lp->b[2], gu)};
-                        if (two == 1)
-                            r[1] = r[2];
-                        gemv_refs(x, xs, H, (int)lp->w[2]->fmt, r, 2 * (int)two);
-                    } else {
-                        gemm_panel(x, xs, T, H, lp->w[2], u, lp->b[2], gu, 2 * I, buf);
-                        gemm_panel(x, xs, T, H, lp->w[2], u + np, lp->b[2], gu, 2 * I, buf);
-                    }
+                    panel_ref r[4] = {panel_at(lp->w[2], u, lp->b[2], gu), panel_at(lp->w[2], u + two - 1, lp->b[2], gu),
+                                      panel_at(lp->w[2], u + np, lp->b[2], gu),
+                                      panel_at(lp->w[2], u + np + two - 1, lp->b[2], gu)};
+                    if (two == 1)
+                        r[1] = r[2];
+                    gemm_refs(x, xs, T, H, H, (int)lp->w[2]->fmt, r, 2 * (int)two, 2 * I, buf);
                     for (Py_ssize_t v = u; v < u + two; v++)
                         silu_cols(gu, act, T, I, v * NR);
                 }

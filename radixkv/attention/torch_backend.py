@@ -10,9 +10,19 @@ Speed without per-token Python: :meth:`TorchAttentionBackend.plan` splits the re
 position, from the page table) plus a boolean mask. Each layer then does one gather of K/V, one
 ``scaled_dot_product_attention`` call and one scatter per group. Groups:
 
-* all decode requests (one new token each) together: ``Qmax = 1``;
+* all decode requests (one new token each) together: ``Qmax = 1``; on the CPU (``row_exact``)
+  one group per decode request instead, so that a decode row gets the bits it gets alone;
 * the other requests together when padding them to a common ``[Qmax, Lmax]`` wastes at most
   half of the work, otherwise one group per request (the loop is over requests, not tokens).
+
+Row-count invariance (the verify rows of speculative decoding, docs/model.md): SDPA's result for
+one row depends on the padded length and on the rows batched beside it (its blocked reductions),
+so a decode row padded into a group differs in the last bits from the same row alone. With
+``row_exact`` every decode row is its own unpadded, unmasked SDPA call, the same call a one-row
+decode step makes: its output, and the K/V the next layers write from it, are the same bits
+whatever else is in the batch (tests/test_verify_rows.py). It is the default on the CPU (where
+the model's native GEMMs are row-invariant too); on CUDA the padded group stays (cuBLAS's GEMMs
+are not row-invariant, so nothing would be gained).
 
 K/V are read through :meth:`KVPool.gather <radixkv.memory.kv_pool.KVPool.gather>`, which
 dequantizes the pool's dtype (bfloat16, float16, fp8 with scales) to the queries' dtype, so every
@@ -55,15 +65,23 @@ class TorchAttentionBackend(AttentionBackend):
         kv_pool, num_q_heads, sm_scale: as in :class:`~radixkv.attention.base.AttentionBackend`.
         max_pad_waste: a non-decode group is padded together only when its padded work
             ``Bg * Qmax * Lmax`` is at most ``max_pad_waste`` times the useful work.
+        row_exact: one SDPA call per decode request (module docstring); default (None): on a
+            CPU pool.
     """
 
     name = "torch"
 
     def __init__(
-        self, kv_pool: KVPool, num_q_heads: int, sm_scale: float | None = None, max_pad_waste: float = 2.0
+        self,
+        kv_pool: KVPool,
+        num_q_heads: int,
+        sm_scale: float | None = None,
+        max_pad_waste: float = 2.0,
+        row_exact: bool | None = None,
     ) -> None:
         super().__init__(kv_pool, num_q_heads, sm_scale)
         self.max_pad_waste = float(max_pad_waste)
+        self.row_exact = kv_pool.device.type == "cpu" if row_exact is None else bool(row_exact)
         self._groups: list[_Group] = []
         self._batch: ForwardBatch | None = None
 
@@ -83,7 +101,9 @@ class TorchAttentionBackend(AttentionBackend):
         decode = [i for i in reqs if extend[i] == 1]
         rest = [i for i in reqs if extend[i] > 1]
         groups: list[list[int]] = []
-        if decode:
+        if decode and self.row_exact:
+            groups.extend([i] for i in decode)
+        elif decode:
             groups.append(decode)
         if rest:
             useful = sum(extend[i] * (extend[i] + prefix[i]) for i in rest)

@@ -45,6 +45,7 @@ from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats, tenant_row
 from radixkv.engine.tiers import TierManager, build_stores, check_settings, model_fingerprint
 from radixkv.engine.validation import Limits, validate_request
+from radixkv.engine.verify import Verify, verify_rounds
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_io import layout_of
@@ -56,6 +57,7 @@ from radixkv.sampling.logprobs import TokenDecoder, to_position_logprobs
 from radixkv.sampling.pipeline import PromptSegment, SamplingPipeline
 from radixkv.sampling.sampler import make_generator
 from radixkv.sampling_params import SamplingParams
+from radixkv.spec.drafter import Drafter
 
 __all__ = ["Engine"]
 
@@ -170,6 +172,8 @@ class Engine:
         events: the :class:`~radixkv.engine.events.EventBus` (``engine.events.subscribe(fn)``).
         sampling: the :class:`~radixkv.sampling.pipeline.SamplingPipeline` (one call per step).
         grammars: the :class:`~radixkv.sampling.grammar.GrammarBackend` of structured outputs.
+        spec: the :class:`~radixkv.spec.drafter.Drafter` of speculative decoding
+            (``config.speculative_config``), or None when it is off.
         num_steps: steps that ran a forward pass.
         num_forwards: the same count (vLLM's name).
         num_failed_requests: requests that ended with finish_reason ``"error"``: their row's
@@ -256,6 +260,8 @@ class Engine:
         self.grammars = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
         self._decode = TokenDecoder(tokenizer)
+        spec = cfg.speculative_config
+        self.spec: Optional[Drafter] = Drafter(spec, cache) if spec is not None else None
 
     @property
     def cache(self) -> Any:
@@ -540,6 +546,10 @@ class Engine:
             self._admit_compiled()
         outputs, self._ready = self._ready, []
         self.kv.expire_pins()
+        if self.spec is not None:  # draft tokens of the decoding requests (docs/speculative.md)
+            self.spec.propose(
+                [r for r in self.scheduler.running if r.status == RequestStatus.DECODE], self.max_context_len
+            )
         batch = self.scheduler.schedule()
         if batch is None:
             if self._compiling:
@@ -550,7 +560,7 @@ class Engine:
         self.num_steps += 1
         self._note_admissions(batch)
         t0 = time.perf_counter()
-        logits, sample_index, segments = self._forward(batch)
+        logits, sample_index, segments, verifies = self._forward(batch)
         if self.kv.tiers is not None and batch.prefill_tokens >= max(16, sum(batch.extend_lens) // 2):
             self.kv.tiers.costs.note_prefill(time.perf_counter() - t0, batch.prefill_tokens)
         self.scheduler.after_forward(batch)
@@ -562,6 +572,8 @@ class Engine:
         failed: Dict[str, BaseException] = {}  # request id -> what its row raised (that request fails)
         self._take_prompt_logprobs(segments, result, failed)
         touched = self._take_tokens(samplers, result, failed, now)
+        if verifies:
+            self._verify(verifies, logits, failed, touched, now)
         for rid, exc in failed.items():
             touched.pop(rid, None)
             self._fail(rid, exc, outputs)
@@ -665,6 +677,8 @@ class Engine:
                 if r.fork_pending:
                     self._fork(g, r)
                 if g.update(r, self.tokenizer, self.eos_token_ids, self.max_context_len, lp, self._decode):
+                    if self.spec is not None:
+                        self.spec.on_finished(r)
                     self.scheduler.finish(r)
             except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
                 failed.setdefault(r.request_id, exc)
@@ -682,24 +696,47 @@ class Engine:
                 prefill_tokens=batch.prefill_tokens,
                 retracted=tuple((r.request_id, r.index) for r in batch.retracted),
                 riders=tuple((r.request_id, r.index) for r in batch.riders),
+                draft_lens=tuple(len(d) for d in batch.drafts),
             )
         )
 
     def _forward(self, batch: ScheduledBatch):
-        """One forward pass. Logits are computed for the last new token of each sampling request
-        and, for a request with prompt logprobs due, for its prompt positions in this chunk.
+        """One forward pass. Logits are computed for the last new token of each sampling request,
+        for a request with prompt logprobs due, for its prompt positions in this chunk, and for
+        each draft position of a verifying request (its rows come last, after the riders').
+
+        A request verifying ``k`` drafts runs as ``k + 1`` decode rows of its ``req_to_token``
+        row (positions ``kv_len .. kv_len + k``), not as one extend: each row then gives the bits
+        of a one-row decode step at its position (docs/speculative.md).
 
         Returns:
-            ``(logits, sample_index, segments)``: ``logits`` ``[S, V]``; ``sample_index`` the
-            logits row of each sampling request (None when they are rows ``0..``, i.e. no prompt
-            rows were asked for); ``segments`` a list of ``(request, PromptSegment)``.
+            ``(logits, sample_index, segments, verifies)``: ``logits`` ``[S, V]``;
+            ``sample_index`` the logits row of each sampling request (None when they are rows
+            ``0 ..`` and nothing else is); ``segments`` a list of ``(request, PromptSegment)``;
+            ``verifies`` a :class:`~radixkv.engine.verify.Verify` per verifying request.
         """
-        rows = [r.row for r in batch.reqs]
+        rows: List[int] = []
+        prefix_lens: List[int] = []
+        extend_lens: List[int] = []
         logits_idx: List[int] = []
         sample_index: List[int] = []
         segments: List[tuple] = []
+        verifies: List[Verify] = []
         start = 0
-        for r, p, e, s in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+        for r, p, e, s, d in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample, batch.drafts):
+            if d:  # a verify: 1 + len(d) decode rows
+                n = len(d) + 1
+                rows.extend([r.row] * n)
+                prefix_lens.extend(range(p, p + n))
+                extend_lens.extend([1] * n)
+                sample_index.append(len(logits_idx))
+                logits_idx.append(start)
+                verifies.append(Verify(r, d, [start + j for j in range(1, n)]))
+                start += n
+                continue
+            rows.append(r.row)
+            prefix_lens.append(p)
+            extend_lens.append(e)
             if r.prompt_lp_pos is not None:
                 lo, hi = max(r.prompt_lp_pos, p), min(len(r.prompt_token_ids) - 1, p + e)
                 if hi > lo:
@@ -714,10 +751,40 @@ class Engine:
         for row in batch.rider_rows:  # riders sample from another row's logits (in-batch sharing)
             sample_index.append(len(logits_idx))
             logits_idx.append(row)
-        fb = self.runner.build_batch(
-            batch.input_ids, rows, batch.prefix_lens, batch.extend_lens, logits_indices=logits_idx
-        )
-        return self.runner.forward(fb), (sample_index if segments else None), segments
+        for v in verifies:  # the draft positions' rows, after every sampling row
+            v.rows = [self._logits_row(logits_idx, t) for t in v.rows]
+        fb = self.runner.build_batch(batch.input_ids, rows, prefix_lens, extend_lens, logits_indices=logits_idx)
+        index = sample_index if (segments or verifies) else None
+        return self.runner.forward(fb), index, segments, verifies
+
+    @staticmethod
+    def _logits_row(logits_idx: List[int], token_row: int) -> int:
+        """Ask for the logits of new-token row ``token_row``; returns its logits row."""
+        logits_idx.append(token_row)
+        return len(logits_idx) - 1
+
+    def _verify(
+        self, verifies: List[Verify], logits: Any, failed: Dict[str, BaseException], touched: dict, now: float
+    ) -> None:
+        """Rounds ``1 ..`` of the step's verifies (:func:`~radixkv.engine.verify.verify_rounds`):
+        each accepted draft position is sampled in order as a decode step would sample it; then
+        the acceptance is recorded and the rejected drafts' slots are freed (this step)."""
+
+        def sample(reqs: List[Request], idx: List[int]) -> Any:
+            return self.sampling.step(logits, reqs, self._rng, idx)
+
+        def take(reqs: List[Request], result: Any) -> None:
+            touched.update(self._take_tokens(reqs, result, failed, now))
+
+        verify_rounds(verifies, sample, take, failed)
+        for v in verifies:
+            r = v.req
+            self.spec.observe(r, len(v.drafts), v.accepted, v.rejected)
+            g = self._groups.get(r.request_id)
+            if g is not None:
+                g.metrics.spec_draft_tokens += len(v.drafts)
+                g.metrics.spec_accepted_tokens += v.accepted
+            self.kv.settle_drafts(r)
 
     def _fork(self, g: RequestGroup, parent: Request) -> None:
         children = []
@@ -803,6 +870,8 @@ class Engine:
             cached_tokens_by_tier=dict(self.cached_by_tier),
             tiers=kv.tiers.stats() if kv.tiers is not None else {},
             tenants=self._tenant_stats(),
+            spec_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
+            spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
             **self._kv_facts(),
         )
 

@@ -96,7 +96,8 @@ class StepFinished(Event):
     Attributes:
         step: the engine step number (1 for the first forward).
         samples: ``(request_id, index)`` of each row of the batch, in batch order.
-        extend_lens: new tokens of each row (1 for a decode).
+        extend_lens: new tokens of each row (1 for a decode; ``1 + k`` for a decode that
+            verifies ``k`` draft tokens).
         sampled: whether each row sampled a token (decodes and last prefill chunks).
         prefill_tokens: new tokens of the rows that were prefilling (not decoding).
         retracted: ``(request_id, index)`` of the samples retracted while planning this step.
@@ -104,6 +105,8 @@ class StepFinished(Event):
             another row's logits, with no row of their own (in-batch sharing: that row computed
             their whole sequence, e.g. an identical prompt). With the rows whose ``sampled`` is
             True they are every sample that got a token in this step.
+        draft_lens: draft tokens each row verified (speculative decoding; all 0 when off). The
+            tokens themselves are never in an event: only the sampled ones enter a request.
     """
 
     step: int
@@ -113,6 +116,7 @@ class StepFinished(Event):
     prefill_tokens: int
     retracted: tuple[tuple[str, int], ...]
     riders: tuple[tuple[str, int], ...] = ()
+    draft_lens: tuple[int, ...] = ()
 
     @property
     def num_reqs(self) -> int:

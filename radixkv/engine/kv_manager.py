@@ -44,8 +44,13 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
   through, blocks it evicts written back (per tier), their K/V copied out here before the slots
   are reused.
 
-A later helper (tentative draft slots) plugs in the same way: its own bookkeeping in its own
-class, every slot it implies moved by the KV manager (a callback or a returned value).
+* :class:`~radixkv.engine.drafts.DraftSlots` (``kv.drafts``), the tentative slots of draft
+  tokens (speculative decoding): :meth:`~KVManager.reserve_drafts` gives a decoding request slots
+  for its draft positions when the step is planned, :meth:`~KVManager.settle_drafts` keeps the
+  accepted ones and frees the rest in the same step. A draft token never reaches the cache.
+
+A new helper plugs in the same way: its own bookkeeping in its own class, every slot it implies
+moved by the KV manager (a callback or a returned value).
 
 Invariant (:meth:`check_integrity`): every slot is exactly one of free, held by the cache, owned
 by a running request, or owned by a pin; when idle, ``free + evictable + pinned == capacity``
@@ -62,6 +67,7 @@ import torch
 from radixkv.cache.base import MatchResult, PrefixCache
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests
 from radixkv.engine.batch_sharing import BatchSharing
+from radixkv.engine.drafts import DraftSlots
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
 from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
@@ -115,6 +121,7 @@ class KVManager:
         sharing: the :class:`~radixkv.engine.batch_sharing.BatchSharing` of the forward being
             planned.
         tiers: the :class:`~radixkv.engine.tiers.TierManager`, or None.
+        drafts: the :class:`~radixkv.engine.drafts.DraftSlots` (tentative draft slots).
         evicted_tokens: tokens evicted from the cache so far.
 
     Raises:
@@ -149,6 +156,7 @@ class KVManager:
         self.tiers = tiers if self.shares else None
         self._evicting: Optional[list] = None  # pieces the cache evicts now, for write-back
         self._tier_held: dict = {}  # id(request) -> waiting request holding an installed load
+        self.drafts = DraftSlots()
         if hasattr(cache, "evict_listener"):
             cache.evict_listener = self._on_evict
 
@@ -261,6 +269,35 @@ class KVManager:
         start = len(req.slots)
         req.slots.extend(new.tolist())
         self.req_to_token_pool.write(req.row, start, new)
+
+    # ------------------------------------------------------------------ draft slots
+    def reserve_drafts(self, req: Request, n: int) -> int:
+        """Give the decoding ``req`` (slots up to ``kv_len + 1`` already) tentative slots for
+        ``n`` draft positions ``[kv_len + 1, kv_len + 1 + n)``, evicting unlocked cached prefixes
+        when short but never dropping a pin or retracting: fewer when memory is short. Returns
+        how many draft positions got slots (0 .. n)."""
+        start = req.kv_len + 1
+        if n <= 0 or len(req.slots) < start:
+            return 0
+        need = self.pages(start + n) - len(req.slots)
+        if need > 0 and not self.ensure_free(need):
+            fit = len(req.slots) + self.allocator.available_size() // self.page_size * self.page_size
+            n = min(n, fit - start)
+            if n <= 0:
+                return 0
+        self.grow(req, start + n)
+        self.drafts.open(req, start, start + n)
+        return n
+
+    def settle_drafts(self, req: Request) -> None:
+        """``req``'s verify is decided (``kv_len`` counts its accepted positions): keep the slots
+        of ``[0, kv_len)`` rounded up to whole pages, free the rest (the rejected drafts')."""
+        if not self.drafts.close(req) or req.row is None:
+            return
+        keep = self.pages(req.kv_len)
+        if len(req.slots) > keep:
+            self._free(req.slots[keep:])
+            del req.slots[keep:]
 
     # ------------------------------------------------------------------ cache events
     def _next_seq(self) -> int:
@@ -459,6 +496,7 @@ class KVManager:
         ``[prefix_len, k)`` freed (duplicates), ``[k, a)`` handed to the cache, ``[a, len(slots))``
         freed, ``[0, prefix_len)`` unlocked (or its pin reference dropped).
         """
+        self.drafts.close(req)
         if req.row is not None:
             own_from = req.prefix_len
             aligned = req.kv_len // self.page_size * self.page_size
@@ -762,6 +800,7 @@ class KVManager:
         ``requests`` (the admitted ones; others hold nothing but pins) and owned by pins."""
         self.cache.check_integrity()
         self.pins.check_integrity()
+        self.drafts.check_integrity()
         held: set = set()
 
         def own(slots: List[int]) -> None:

@@ -11,7 +11,9 @@ docs/engine.md for the table of what is owned, handed to the cache or freed at e
                                computing them in that same forward (in-batch sharing)
     [prefix_len, kv_len)       owned, K/V computed
     [kv_len, len(slots))       owned, allocated, K/V not computed yet (the tokens of the current
-                               forward, and with page_size > 1 the rest of the last page)
+                               forward, and with page_size > 1 the rest of the last page); during
+                               a verify step, from ``kv_len + 1`` on the tentative slots of its
+                               draft tokens (:mod:`radixkv.engine.drafts`)
 """
 
 from __future__ import annotations
@@ -78,6 +80,10 @@ class Request:
         tier: its KV-tier state (:class:`~radixkv.engine.tiers.TierHold`: a pending load, the
             lock held for it, the positions the tiers served) once the KV manager looked it up;
             None before.
+        draft_tokens: the draft tokens proposed for its next decode step (speculative decoding;
+            never part of its tokens: only what the sampler produces is appended).
+        spec_state: its drafting state (:class:`~radixkv.spec.drafter.SpecState`), or None;
+            owned by the spec package.
     """
 
     def __init__(
@@ -115,6 +121,8 @@ class Request:
         self.sampling_state: Any = None
         self.prompt_lp_pos: Optional[int] = None
         self.tier: Any = None
+        self.draft_tokens: List[int] = []
+        self.spec_state: Any = None
 
     @property
     def max_prefix_len(self) -> Optional[int]:

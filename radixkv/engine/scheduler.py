@@ -7,7 +7,9 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    its last page is full). When the pool is short, unlocked cached prefixes are evicted; if that
    is not enough, the newest admitted request is retracted (its computed K/V handed to the
    prefix cache, everything else freed, the request requeued at the front) until it fits.
-   Soft pins (sessions) are dropped before anything is retracted.
+   Soft pins (sessions) are dropped before anything is retracted. Then a request with draft
+   tokens (speculative decoding) gets tentative slots for them from what is left (cached
+   prefixes may be evicted for them; a pin or a running request never gives way to a draft).
 2. Prefill: the partly computed (chunked) request continues, then waiting requests are admitted
    under the prefill token budget ``chunked_prefill_size``, the row budget and the memory
    budget. Admission locks the request's prefix first and only then evicts for headroom, so
@@ -64,6 +66,9 @@ class ScheduledBatch:
             whole sequence is computed by that row in this forward; in-batch sharing).
         rider_rows: for each rider, the row of the ``sum(extend_lens)`` new tokens whose logits it
             samples from.
+        drafts: per request, the draft tokens it verifies in this forward (speculative decoding;
+            empty for most): a decode with ``k`` drafts has ``extend_len`` ``1 + k`` and its new
+            tokens are its last sampled token, then the drafts (docs/speculative.md).
     """
 
     reqs: List[Request] = field(default_factory=list)
@@ -75,15 +80,23 @@ class ScheduledBatch:
     prefill_tokens: int = 0
     riders: List[Request] = field(default_factory=list)
     rider_rows: List[int] = field(default_factory=list)
+    drafts: List[List[int]] = field(default_factory=list)
 
-    def add(self, req: Request, extend: int, sample: bool) -> None:
-        """Append ``extend`` new tokens of ``req`` starting at its ``kv_len``."""
+    def add(self, req: Request, extend: int, sample: bool, drafts: List[int] = ()) -> None:
+        """Append ``extend`` new tokens of ``req`` starting at its ``kv_len``: its own tokens,
+        then ``drafts`` (the last ``len(drafts)`` of the ``extend``)."""
         self.reqs.append(req)
         self.prefix_lens.append(req.kv_len)
         self.extend_lens.append(extend)
-        tokens = req.all_token_ids
-        self.input_ids.extend(tokens[req.kv_len : req.kv_len + extend])
+        own = extend - len(drafts)
+        if own == 1 and req.kv_len == req.seq_len - 1:  # a decode: no copy of the whole sequence
+            last = req.output_token_ids[-1] if req.output_token_ids else req.prompt_token_ids[-1]
+            self.input_ids.append(last)
+        else:
+            self.input_ids.extend(req.all_token_ids[req.kv_len : req.kv_len + own])
+        self.input_ids.extend(drafts)
         self.sample.append(sample)
+        self.drafts.append(list(drafts))
 
     def add_rider(self, req: Request, source: Request, position: int) -> None:
         """``req`` samples from the logits of ``source``'s row at ``position`` (computed in this
@@ -177,6 +190,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.release(req)
         req.status = RequestStatus.WAITING
+        req.draft_tokens = []
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
@@ -290,10 +304,14 @@ class Scheduler:
                     break
             self.retract(victim)
             batch.retracted.append(victim)
-        for r in self.running:
-            if r.status == RequestStatus.DECODE:
-                kv.grow(r, r.kv_len + 1)
-                batch.add(r, 1, True)
+        decodes = [r for r in self.running if r.status == RequestStatus.DECODE]
+        for r in decodes:
+            kv.grow(r, r.kv_len + 1)
+        for r in decodes:  # then drafts' tentative slots: never at a decode's or a retraction's cost
+            drafts, r.draft_tokens = r.draft_tokens, []
+            if drafts:
+                drafts = drafts[: kv.reserve_drafts(r, len(drafts))]
+            batch.add(r, 1 + len(drafts), True, drafts)
         # 2. prefill: the chunked request first, then admissions.
         budget = self.chunked_prefill_size
         reserve = ps * len(self.running)
@@ -332,9 +350,9 @@ class Scheduler:
         prefix re-pointed at the cache those rows have just handed their pages to), in batch
         order, so every row's sources come before it; the riders last.
         """
-        for r, e in zip(batch.reqs, batch.extend_lens):
+        for r, e, d in zip(batch.reqs, batch.extend_lens, batch.drafts):
             was_prefill = r.status == RequestStatus.PREFILL
-            r.kv_len += e
+            r.kv_len += e - len(d)  # a draft position counts once its token is accepted
             if was_prefill and r.kv_len == r.seq_len:
                 r.status = RequestStatus.DECODE
             if was_prefill:

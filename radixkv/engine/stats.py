@@ -52,6 +52,8 @@ class EngineStats(Mapping):
             included), ``quota`` (its ``kv_quota_tokens``, or None), ``prompt_tokens`` /
             ``cached_tokens`` (summed as above, over its requests) and ``hit_rate``. Empty when
             no request named a tenant.
+        spec_draft_tokens: draft tokens verified so far (speculative decoding; 0 when off).
+        spec_accepted_tokens: those of them accepted (each saved a forward of its own).
     """
 
     capacity: int
@@ -78,6 +80,8 @@ class EngineStats(Mapping):
     cached_tokens_by_tier: dict = field(default_factory=dict)
     tiers: dict = field(default_factory=dict)
     tenants: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def __getitem__(self, key: str) -> Any:
         if key not in _KEYS:

@@ -34,7 +34,7 @@ import torch
 from radixkv.kernels import cpu
 from radixkv.models.layers import CausalLM, Linear, weights_epoch
 
-__all__ = ["MAX_ROWS", "MAX_EXTEND", "DecodeBatch", "DecodeStep", "model_supported"]
+__all__ = ["MAX_ROWS", "MAX_EXTEND", "DecodeBatch", "DecodeStep", "ints", "model_supported"]
 
 MAX_ROWS = 64
 """Most new tokens in a batch the fused step serves (the native kernels' decode-sized batches)."""
@@ -47,7 +47,7 @@ _data_ptr = torch.Tensor.data_ptr
 _version = attrgetter("_version")
 
 
-def _ints(v) -> list[int]:
+def ints(v) -> list[int]:
     """A list of Python ints from a sequence or a tensor (``TypeError`` / ``ValueError`` else)."""
     if isinstance(v, torch.Tensor):
         return v.reshape(-1).tolist()
@@ -162,7 +162,7 @@ class DecodeStep:
         value in range), else ``None`` (the caller builds a ``ForwardBatch``, which also raises
         the ``ValueError`` of a bad argument)."""
         try:
-            tokens, rows, prefix, extend = (_ints(v) for v in (input_ids, req_rows, prefix_lens, extend_lens))
+            tokens, rows, prefix, extend = (ints(v) for v in (input_ids, req_rows, prefix_lens, extend_lens))
             b = len(rows)
             if not (
                 0 < b == len(prefix) == len(extend)
@@ -179,7 +179,7 @@ class DecodeStep:
             if logits_indices is None:
                 lrows = [e - 1 for e in accumulate(extend)]
             else:
-                lrows = _ints(logits_indices)
+                lrows = ints(logits_indices)
                 if len(lrows) > MAX_ROWS or (lrows and (min(lrows) < 0 or max(lrows) >= len(tokens))):
                     return None
         except (TypeError, ValueError, RuntimeError):  # not sequences of ints: ForwardBatch.build says why

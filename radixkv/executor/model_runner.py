@@ -9,16 +9,18 @@ logits of the rows it samples.
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from typing import Any, Sequence, Union
 
 import torch
 
 from radixkv.attention import AttentionBackend, ForwardBatch, create_attention_backend
 from radixkv.config import default_context_len
-from radixkv.executor import cpu_decode
+from radixkv.executor import cpu_decode, row_split
+from radixkv.kernels import cpu
 from radixkv.memory.kv_dtype import canonical_kv_dtype
 from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
-from radixkv.models.layers import CausalLM
+from radixkv.models.layers import PACKED_MAX_ROWS, CausalLM
 from radixkv.models.quantize import quantize_model
 from radixkv.models.registry import sliding_window_limit
 
@@ -101,6 +103,13 @@ class ModelRunner:
             self.decode_step = cpu_decode.DecodeStep(
                 self.model, kv_pool, self.req_to_token_pool.req_to_token, self.attn_backend.sm_scale
             )
+        # decode rows give their one-row bits in any batch (row_split): a float32 CPU model on the kernels
+        self.row_exact = (
+            self.device.type == "cpu"
+            and self.dtype == torch.float32
+            and cpu.AVAILABLE
+            and self.model.quantization is None
+        )
         logger.info(
             "ModelRunner: %d layers, %d slots (page_size %d, %s K/V, %d bytes/token, %.1f MiB KV), backend %s",
             self.model.num_layers,
@@ -223,11 +232,21 @@ class ModelRunner:
         """:meth:`ForwardBatch.build` over this runner's block table, page size and device. A
         decode-sized batch for the fused native step comes back as a
         :class:`~radixkv.executor.cpu_decode.DecodeBatch`, which builds the same ``ForwardBatch``
-        only if one of its fields is read."""
+        only if one of its fields is read; a batch whose decode rows that path does not reach whole
+        as a :class:`~radixkv.executor.row_split.SplitBatch` (same).
+
+        Decode rows (``extend_len == 1``) may repeat a request's row at consecutive positions: the
+        ``k + 1`` verify rows of speculative decoding (:func:`~radixkv.executor.row_split.verify_rows`
+        builds their arguments). On a float32 CPU model (:attr:`row_exact`) every decode row gives
+        exactly the bits, K/V written and logits, that it gives in a one-row batch, whatever the
+        batch holds besides (docs/model.md, "Verify rows")."""
         if self.decode_step is not None:
             fast = self.decode_step.batch(input_ids, req_rows, prefix_lens, extend_lens, logits_indices)
             if fast is not None:
                 return fast
+        split = self._split(input_ids, req_rows, prefix_lens, extend_lens, logits_indices)
+        if split is not None:
+            return split
         return ForwardBatch.build(
             input_ids,
             req_rows,
@@ -239,15 +258,44 @@ class ModelRunner:
             device=self.device,
         )
 
+    def _split(self, input_ids, req_rows, prefix_lens, extend_lens, logits_indices) -> row_split.SplitBatch | None:
+        """The batch as parts whose decode rows run on the one-row path
+        (:func:`~radixkv.executor.row_split.plan_parts`), or None: nothing to split, or arguments
+        that :meth:`ForwardBatch.build` refuses (it then says why)."""
+        if not self.row_exact:
+            return None
+        try:
+            tokens, rows, prefix, extend = (cpu_decode.ints(v) for v in (input_ids, req_rows, prefix_lens, extend_lens))
+            if self.decode_step is None and len(tokens) <= PACKED_MAX_ROWS:
+                return None  # the module path serves it on the native, row-invariant kernels
+            if len(extend) != len(rows) or sum(extend) != len(tokens) or min(extend, default=0) < 1:
+                return None
+            starts = [0, *accumulate(extend)]
+            lrows = [s - 1 for s in starts[1:]] if logits_indices is None else cpu_decode.ints(logits_indices)
+            if lrows and (min(lrows) < 0 or max(lrows) >= len(tokens)):
+                return None
+        except (TypeError, ValueError, RuntimeError):
+            return None
+        parts = row_split.plan_parts(tokens, rows, prefix, extend, lrows, cpu_decode.MAX_ROWS)
+        if parts is None:
+            return None
+        batches = [self.build_batch(p.tokens, p.rows, p.prefix, p.extend, p.logits_rows) for p in parts]
+        r2t = self.req_to_token_pool.req_to_token
+        args = (tokens, rows, prefix, extend, lrows, r2t, self.device)
+        return row_split.SplitBatch(batches, [p.out for p in parts], len(lrows), self.page_size, args)
+
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run the model on ``batch`` (no gradient is recorded): writes the new tokens' K/V into the
         pool (every layer) and returns float32 logits ``[S, vocab_size]`` for
         ``batch.logits_indices``. Picks the path:
         the fused native CPU decode step (:mod:`radixkv.executor.cpu_decode`: the whole pass in
         one call) for a :class:`~radixkv.executor.cpu_decode.DecodeBatch` from :meth:`build_batch`,
-        else the model's module path."""
+        each part in order for a :class:`~radixkv.executor.row_split.SplitBatch`, else the
+        model's module path."""
         if batch.page_size != self.page_size:
             raise ValueError(f"ModelRunner.forward: batch.page_size {batch.page_size} != {self.page_size}")
+        if isinstance(batch, row_split.SplitBatch):
+            return batch.run(self.forward)
         if isinstance(batch, cpu_decode.DecodeBatch):
             if self.decode_step is not None and batch._req_to_token is self.req_to_token_pool.req_to_token:
                 logits = self.decode_step.forward(batch)

@@ -176,12 +176,11 @@ class SamplingPipeline:
         saved = _generator_states(params, gens, default_generator)
 
         def draw(sel: List[int]) -> List[tuple]:
-            if plain and sample_index is None and len(sel) == n:
-                x = logits  # sample() does not write to its input
+            idx = [src[i] for i in sel]
+            if plain and idx and idx == list(range(idx[0], idx[0] + len(idx))):
+                x = logits.narrow(0, idx[0], len(idx))  # a view: sample() does not write to its input
             else:  # a copy: the masks and processors below write to it, the logits stay as they were
-                x = logits.index_select(
-                    0, torch.as_tensor([src[i] for i in sel], dtype=torch.int64, device=logits.device)
-                )
+                x = logits.index_select(0, torch.as_tensor(idx, dtype=torch.int64, device=logits.device))
             sub = [rows[i] for i in sel]
             if plain:
                 toks = sample(x, [params[i] for i in sel], [gens[i] for i in sel], default_generator)

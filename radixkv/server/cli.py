@@ -9,6 +9,7 @@ Example::
     radixkv serve --kv-cache-dtype bf16 --kv-cache-memory-bytes 2GiB
     radixkv serve --api-key "$KEY"            # one admin tenant; or RADIXKV_API_KEY
     radixkv serve --api-keys-file keys.json   # tenants, admins, soft KV quotas (server/auth.py)
+    radixkv serve --speculative-config '{"method": "radix", "num_speculative_tokens": 5}'
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Optional
 
 from radixkv.config import parse_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
+from radixkv.spec import config as spec_config
 
 __all__ = [
     "add_arguments",
@@ -80,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="prefix cache: radix tree, hashed blocks, or none (default: %(default)s)",
     )  # fmt: skip
     g.add_argument("--disable-prefix-caching", action="store_true", help="same as --prefix-cache none")
+    g.add_argument(
+        "--speculative-config", type=spec_config.cli_arg, default=None, metavar="JSON", help=spec_config.CLI_HELP
+    )
     g.add_argument(
         "--radix-eviction-policy", choices=["lru", "lfu", "gdf", "reuse-odds"], default="lru",
         help="which radix-tree leaf is evicted first, page by page from its tail (default: %(default)s)",
@@ -211,6 +216,8 @@ def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = 
         if getattr(args, name, None) is not None:
             kw[name] = getattr(args, name)
     kw.update(tier_kwargs_from_args(args))
+    if getattr(args, "speculative_config", None) is not None:
+        kw["speculative_config"] = args.speculative_config
     if api_keys is not None and api_keys.quotas():
         kw["tenant_kv_quota_tokens"] = api_keys.quotas()
     return kw

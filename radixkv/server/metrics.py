@@ -29,7 +29,9 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   the engine's ``radixkv_kv_tier_{lookups,blocks_found,blocks_loaded,load_rejected,load_skipped,write_dropped,served_tokens}_total``,
   the gauges ``radixkv_kv_tier_{used,capacity}_bytes`` and ``radixkv_kv_tier_degraded`` (1 while
   the tier fails: every lookup there is a miss), and the histogram
-  ``radixkv_kv_tier_load_latency_seconds`` (one ``get`` call).
+  ``radixkv_kv_tier_load_latency_seconds`` (one ``get`` call); speculative decoding's
+  ``radixkv_spec_decode_num_draft_tokens_total`` / ``radixkv_spec_decode_num_accepted_tokens_total``
+  (vLLM's names; 0 when it is off).
 
 Per tenant (the tenants of the server's API keys, by name: never a key), when any request named
 one: ``radixkv_tenant_prompt_tokens_total{tenant}`` and ``radixkv_tenant_cached_tokens_total{tenant}``
@@ -100,6 +102,16 @@ class _EngineCollector(Collector):
             "radixkv_evicted_tokens", "Tokens evicted from the prefix cache since start.", value=float(s.evicted_tokens)
         )
         yield from _tier_metrics(s)
+        yield CounterMetricFamily(
+            "radixkv_spec_decode_num_draft_tokens",
+            "Draft tokens verified by speculative decoding since start.",
+            value=float(s.spec_draft_tokens),
+        )
+        yield CounterMetricFamily(
+            "radixkv_spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by speculative decoding since start.",
+            value=float(s.spec_accepted_tokens),
+        )
         yield from _tenant_families(s)
 
 

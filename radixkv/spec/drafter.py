@@ -1,0 +1,195 @@
+"""`Drafter`: the draft tokens of each decoding request, from what the engine already holds.
+
+Sources, for a request whose sequence so far is ``S`` (prompt + output):
+
+1. ``"radix"`` only: the radix tree. When all of ``S`` is a cached path of the request's
+   namespace (a regenerated request, a replayed conversation, a sibling that finished), the
+   tree's next tokens are the draft (:meth:`PrefixCache.peek <radixkv.cache.base.PrefixCache.peek>`:
+   read-only, nothing locked, no access time refreshed). A request whose sequence left the tree
+   looks again only every :data:`TREE_RETRY` steps.
+2. Prompt lookup (both methods): the last ``prompt_lookup_min`` tokens of ``S`` found earlier in
+   ``S`` (:class:`~radixkv.spec.ngram.NgramIndex`).
+3. Siblings (both methods): the same lookup in the sequences of the other decoding requests of
+   the namespace with the same prompt (the samples of an ``n > 1`` request, forks of a session).
+4. ``"radix"`` only: the cross-request :class:`~radixkv.spec.suffix.SuffixIndex` of recently
+   finished sequences of the namespace.
+
+The tree's continuation wins (it agrees with all of ``S``); among the lookups the longest match
+wins (:func:`~radixkv.spec.ngram.best_continuation`). Every source is read in the request's own
+namespace only, so an accepted draft never reveals another tenant's text. With a structured output
+the draft is cut where the grammar refuses it and extended by the tokens the grammar forces
+(:func:`~radixkv.spec.grammar_drafts.grammar_draft`).
+
+How many tokens: per request, :class:`~radixkv.spec.adaptive.Acceptance` (the cost model) unless
+``adaptive`` is off, capped by ``num_speculative_tokens``, by what ``max_tokens`` and the context
+length leave, and by ``max_draft_tokens_per_step`` over the whole step (the requests with the best
+acceptance rate first).
+
+Requests are read by attribute (``prompt_token_ids``, ``output_token_ids``, ``namespace``,
+``params``, ``sampling_state``); the drafter sets ``draft_tokens`` and keeps its per-request state
+in ``spec_state``; this package does not import the engine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, List, Optional, Sequence
+
+from radixkv.spec.adaptive import Acceptance
+from radixkv.spec.config import SpeculativeConfig
+from radixkv.spec.grammar_drafts import grammar_draft
+from radixkv.spec.ngram import NgramIndex, best_continuation
+from radixkv.spec.suffix import SuffixIndex
+
+__all__ = ["Drafter", "SpecState", "TREE_RETRY"]
+
+TREE_RETRY = 16
+"""Decode steps before a request whose sequence left the radix tree looks it up again."""
+
+
+class SpecState:
+    """A request's drafting state (``Request.spec_state``).
+
+    Attributes:
+        own: the :class:`~radixkv.spec.ngram.NgramIndex` of its sequence.
+        acceptance: its :class:`~radixkv.spec.adaptive.Acceptance`.
+        prompt_key: ``(len, hash)`` of its prompt (siblings share it).
+        tree_wait: decode steps to skip before the next radix tree lookup.
+    """
+
+    __slots__ = ("own", "acceptance", "prompt_key", "tree_wait")
+
+    def __init__(self, key_len: int, prompt: Sequence[int]) -> None:
+        self.own = NgramIndex(key_len)
+        self.acceptance = Acceptance()
+        self.prompt_key = (len(prompt), hash(tuple(prompt)))
+        self.tree_wait = 0
+
+
+class Drafter:
+    """Drafts for the decoding requests of one engine (module docstring).
+
+    Args:
+        config: the :class:`~radixkv.spec.config.SpeculativeConfig`.
+        cache: the engine's prefix cache (its ``peek``), read only for ``"radix"``.
+
+    Attributes:
+        suffix: the cross-request :class:`~radixkv.spec.suffix.SuffixIndex` (None for
+            ``"ngram"`` or ``suffix_index_tokens=0``).
+        num_draft_tokens, num_accepted_tokens: totals over every verify so far.
+    """
+
+    def __init__(self, config: SpeculativeConfig, cache: Any = None) -> None:
+        self.config = config
+        radix = config.method == "radix"
+        self.cache = cache if radix else None
+        self.suffix: Optional[SuffixIndex] = None
+        if radix and config.suffix_index_tokens > 0:
+            self.suffix = SuffixIndex(config.prompt_lookup_min, config.suffix_index_tokens)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def state(self, req: Any) -> SpecState:
+        """``req``'s :class:`SpecState` (made at its first use)."""
+        st = req.spec_state
+        if st is None:
+            st = req.spec_state = SpecState(self.config.prompt_lookup_min, req.prompt_token_ids)
+        return st
+
+    # ------------------------------------------------------------------ proposing
+    def propose(self, reqs: Sequence[Any], max_context_len: int) -> None:
+        """Set ``draft_tokens`` of each of ``reqs`` (the decoding requests; an empty list when it
+        does not draft this step)."""
+        cfg = self.config
+        wants = []
+        for r in reqs:
+            r.draft_tokens = []
+            st = self.state(r)
+            room = min(
+                r.params.max_tokens - len(r.output_token_ids) - 1,
+                max_context_len - len(r.prompt_token_ids) - len(r.output_token_ids) - 1,
+            )
+            cap = min(cfg.num_speculative_tokens, room)
+            if cap <= 0:
+                continue
+            k = st.acceptance.draft_len(cap, cfg.draft_row_cost) if cfg.adaptive else cap
+            if k > 0:
+                st.own.sync(r.prompt_token_ids, r.output_token_ids)
+                wants.append((st.acceptance.rate, k, r, st))
+        if not wants:
+            return
+        wants.sort(key=lambda w: -w[0])  # stable: the best acceptance rate drafts first
+        peers = self._peers(reqs) if len(reqs) > 1 else {}
+        budget = cfg.max_draft_tokens_per_step
+        for _, k, r, st in wants:
+            if budget <= 0:
+                break
+            k = min(k, budget)
+            siblings = [p for p in peers.get((r.namespace, st.prompt_key), ()) if p is not st]
+            draft = self._draft(r, st, k, siblings)
+            r.draft_tokens = draft
+            budget -= len(draft)
+
+    def _peers(self, reqs: Sequence[Any]) -> Dict[tuple, List[SpecState]]:
+        """The decoding requests' states grouped by (namespace, prompt)."""
+        groups: Dict[tuple, List[SpecState]] = defaultdict(list)
+        for r in reqs:
+            st = r.spec_state
+            if st is not None:
+                groups[(r.namespace, st.prompt_key)].append(st)
+        return groups
+
+    def _draft(self, r: Any, st: SpecState, k: int, siblings: List[SpecState]) -> List[int]:
+        """Up to ``k`` draft tokens of ``r`` (module docstring's sources, then its grammar)."""
+        seq = st.own.tokens
+        draft = self._tree(r, st, seq, k) if self.cache is not None else []
+        if not draft:
+            draft = self._lookup(r, st, seq, k, siblings)
+        gs = r.sampling_state.grammar if r.sampling_state is not None else None
+        if gs is not None:
+            if gs.terminated:
+                return []
+            draft = grammar_draft(gs.matcher, draft, k, self.config.grammar_drafts)
+        return draft[:k]
+
+    def _tree(self, r: Any, st: SpecState, seq: List[int], k: int) -> List[int]:
+        """The radix tree's continuation of all of ``seq`` (empty when it is not a cached path)."""
+        if st.tree_wait > 0:
+            st.tree_wait -= 1
+            return []
+        peek = self.cache.peek(seq, r.namespace, context=k)
+        if peek.token_length == len(seq) and peek.next_tokens:
+            return [int(t) for t in peek.next_tokens[:k]]
+        st.tree_wait = TREE_RETRY
+        return []
+
+    def _lookup(self, r: Any, st: SpecState, seq: List[int], k: int, siblings: List[SpecState]) -> List[int]:
+        """The best prompt-lookup draft: own sequence, siblings', then the suffix index."""
+        key = st.own.suffix_key()
+        if key is None:
+            return []
+        sources = [(seq, st.own.ends(key))]
+        for p in siblings:
+            ends = p.own.ends(key)
+            if ends:
+                sources.append((p.own.tokens, ends))
+        match, draft = best_continuation(seq, sources, k, self.config.prompt_lookup_max)
+        if self.suffix is not None and match < self.config.prompt_lookup_max:
+            m2, d2 = self.suffix.lookup(r.namespace, seq, k, self.config.prompt_lookup_max)
+            if (m2, len(d2)) > (match, len(draft)):
+                draft = d2
+        return draft
+
+    # ------------------------------------------------------------------ results
+    def observe(self, req: Any, drafted: int, accepted: int, rejected: bool) -> None:
+        """A verify of ``req`` ran: ``drafted`` tokens, ``accepted`` of them taken, ``rejected``
+        whether a draft token was compared and refused (False when all were taken or the
+        request stopped first)."""
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.state(req).acceptance.update(drafted, accepted, rejected)
+
+    def on_finished(self, req: Any) -> None:
+        """``req`` finished: its sequence (verified tokens only) joins the suffix index."""
+        if self.suffix is not None:
+            self.suffix.add(req.namespace, req.prompt_token_ids + req.output_token_ids)
