@@ -18,6 +18,7 @@ import random
 
 import pytest
 import torch
+from test_cpu_kernels import _q4_1_weight, _q8_0_weight
 from test_decode_step import _tiny
 from test_kernels_isa import _blocky_tiny
 
@@ -163,6 +164,31 @@ def test_verify_rows_give_the_one_row_bits_tiny(backend, kv_dtype, page_size, we
     for i, isa in enumerate(ISAS):
         ck.set_isa(isa)
         _check(model, cfg, backend, kv_dtype, page_size, seed=len(kv_dtype) * 10 + page_size + i)
+
+
+@pytest.mark.parametrize("fmt", ["f32", "q4_1", "q8_0"])
+@pytest.mark.parametrize("n, k", [(16, 64), (35, 96), (130, 576), (49, 1536), (7, 37)])
+def test_packed_gemm_rows_give_the_one_row_bits(restore_isa, fmt, n, k):
+    """The GEMM itself: every row of an M-row product (the small-M GEMM on AVX-512, its row and
+    panel groups; the micro-kernel on AVX2) is the bits of that row alone (the GEMV), bias or not,
+    whole and partial panels, under both ISAs alike."""
+    if fmt != "f32" and k % 32:
+        pytest.skip("block formats need K % 32 == 0")
+    g = torch.Generator().manual_seed(n * 7 + k)
+    make = {"f32": lambda: torch.randn(n, k, generator=g), "q4_1": lambda: _q4_1_weight(n, k, g)}
+    packed = ck.PackedWeight(make.get(fmt, lambda: _q8_0_weight(n, k, g))(), (fmt,))
+    b, x = torch.randn(n, generator=g), torch.randn(17, k, generator=g)
+    one = None
+    for isa in ISAS:
+        ck.set_isa(isa)
+        alone = torch.cat([ck.packed_linear(x[i : i + 1], packed, b) for i in range(len(x))])
+        assert one is None or torch.equal(alone, one), isa
+        one = alone
+        for m in (2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17):
+            assert torch.equal(ck.packed_linear(x[:m], packed, b), one[:m]), (isa, m)
+        assert torch.equal(
+            ck.packed_linear(x[:5], packed), torch.cat([ck.packed_linear(r[None], packed) for r in x[:5]])
+        )
 
 
 def test_plan_parts_keeps_order_and_maps_logits():
