@@ -103,26 +103,27 @@ def _runner(model, cfg, backend, kv_dtype, page_size, num_slots):
     return runner
 
 
-def _scenario(vocab: int, seed: int):
+def _scenario(vocab: int, seed: int, groups: int = 14):
     """Random requests: name -> (prompt, rows to verify after it), and the verify run's batches.
 
     ``A`` verifies 5 rows from position 254 (its rows cross the 256-position attention chunk);
     the others have random prompts (1-300 tokens) and 1 (a plain decode row) to 5 rows. Batches:
     A alone; B, C (a decode row) beside a 40-token prefill chunk of P (40 + 4 + 1 tokens); D, E
-    beside a 100-token chunk of Q (more than 64 tokens); G0..G13, 5 rows each (70 decode rows)."""
+    beside a 100-token chunk of Q (more than 64 tokens); G0..G<groups - 1>, 5 rows each (14: 70
+    decode rows, more than the fused step's 64)."""
     rng = random.Random(seed)
     reqs = {"A": (254, 5), "B": (rng.randint(1, 300), 4), "C": (rng.randint(1, 300), 1)}
     reqs.update({"D": (rng.randint(250, 300), 5), "E": (rng.randint(1, 40), rng.randint(1, 5))})
-    reqs.update({f"G{i}": (rng.randint(1, 300), 5) for i in range(14)})
+    reqs.update({f"G{i}": (rng.randint(1, 300), 5) for i in range(groups)})
     toks = {n: [rng.randrange(vocab) for _ in range(n_prompt + k)] for n, (n_prompt, k) in reqs.items()}
     prefills = {"P": [rng.randrange(vocab) for _ in range(40)], "Q": [rng.randrange(vocab) for _ in range(100)]}
-    batches = [["A"], ["P", "B", "C"], ["D", "Q", "E"], [f"G{i}" for i in range(14)]]
+    batches = [["A"], ["P", "B", "C"], ["D", "Q", "E"]] + ([[f"G{i}" for i in range(groups)]] if groups else [])
     return reqs, toks, prefills, batches
 
 
-def _check(model, cfg, backend, kv_dtype, page_size, seed):
+def _check(model, cfg, backend, kv_dtype, page_size, seed, groups=14):
     """The scenario's verify rows against one-row decode steps: logits and K/V bits."""
-    reqs, toks, prefills, batches = _scenario(cfg.vocab_size, seed)
+    reqs, toks, prefills, batches = _scenario(cfg.vocab_size, seed, groups)
     names = [*reqs, *prefills]
     slots = len(names) * (-(-320 // page_size) * page_size)
 
@@ -233,18 +234,16 @@ def default(default_model):
     "backend, kv_dtype, page_size",
     [
         ("cpu", "float32", 1),
-        ("cpu", "float32", 16),
         ("cpu", "bfloat16", 16),
-        ("cpu", "fp8_e4m3", 1),
-        ("cpu-generic", "float16", 16),
+        ("cpu-generic", "fp8_e4m3", 16),
         ("torch", "float32", 1),
-        ("torch", "fp8_e5m2", 16),
     ],
 )
-def test_verify_rows_give_the_one_row_bits_default_model(default, backend, kv_dtype, page_size, restore_isa):
-    for i, isa in enumerate(ISAS):
-        ck.set_isa(isa)
-        _check(default.model, default.hf_config, backend, kv_dtype, page_size, seed=41 + i)
+def test_verify_rows_give_the_one_row_bits_default_model(default, backend, kv_dtype, page_size):
+    """The default model's packed Q4_1 / Q8_0 weights, on the best ISA, with 3 five-row requests in
+    the last batch (the tiny model's test covers the ISAs, every combination and the 70-row batch:
+    the default model's 30 layers make that scenario take minutes per case)."""
+    _check(default.model, default.hf_config, backend, kv_dtype, page_size, seed=41, groups=3)
 
 
 def _greedy_steps(reqs, name, prompt, n):
