@@ -43,15 +43,25 @@ sm_store(__m512 a, const float *bias, float *c, int nv)
     _mm512_mask_storeu_ps(c, mk, a);
 }
 
+/* Q4_1 lanes: lane L holds column SM_LANE_COL[L] of the panel (not L), so that a step's 8 bytes
+ * decode in two vector ops: broadcast as a qword (a load), its even dwords are bytes 0-3 (columns
+ * 0-3 low nibbles, 8-11 high), its odd ones bytes 4-7 (columns 4-7, 12-15); a per-lane shift
+ * (SM_Q4_SHIFT) brings lane L's nibble to the low 4 bits, and vpermps (which reads only those) turns
+ * it into a float. Per-lane arithmetic is unchanged, so the bits are the GEMV's; the block scales
+ * are permuted into lane order once per block and the sums back into column order once per output. */
+static const int32_t SM_LANE_COL[16] = {0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15};
+static const int32_t SM_COL_LANE[16] = {0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15};
+static const int32_t SM_Q4_SHIFT[16] = {0, 0, 8, 8, 16, 16, 24, 24, 4, 4, 12, 12, 20, 20, 28, 28};
+
 /* q of step k of a block-format group at gp (Q4_1: 8 bytes of nibbles, low nibbles columns 0-7,
- * high 8-15; Q8_0: 16 int8) as 16 float32: the AVX-512 GEMV's decode. */
+ * high 8-15, as 16 float32 in SM_LANE_COL's lane order; Q8_0: 16 int8, in column order). */
 __attribute__((target(SM_TARGET), always_inline)) static inline __m512
 sm_q(const int fmt, const uint8_t *qs, int k, __m512i sh, __m512 qtab)
 {
     if (fmt == PW_Q4_1) {
-        int64_t b;
+        long long b;
         memcpy(&b, qs + 8 * k, 8);
-        __m512i q = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(b)), sh);
+        __m512i q = _mm512_srlv_epi32(_mm512_set1_epi64(b), sh);
         return _mm512_permutexvar_ps(q, qtab); /* vpermps reads the low 4 bits of each index */
     }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qs + 16 * k))));
@@ -64,7 +74,8 @@ sm_block(const int M, const int P, const int fmt, const float *x, Py_ssize_t ldx
          Py_ssize_t K, const panel_ref *r, Py_ssize_t ldc)
 {
     const Py_ssize_t group = fmt == PW_Q4_1 ? Q4_GROUP : Q8_GROUP, qoff = fmt == PW_Q4_1 ? 64 : 32;
-    const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+    const __m512i sh = _mm512_loadu_si512(SM_Q4_SHIFT);
+    const __m512i lane_col = _mm512_loadu_si512(SM_LANE_COL), col_lane = _mm512_loadu_si512(SM_COL_LANE);
     const __m512 qtab = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512 y[SM_ROWS][4];
 #pragma GCC unroll 8
@@ -102,9 +113,12 @@ sm_block(const int M, const int P, const int fmt, const float *x, Py_ssize_t ldx
         }
 #pragma GCC unroll 4
         for (int j = 0; j < P; j++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gp[j]));
-            const __m512 m = fmt == PW_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gp[j] + 32)))
-                                            : _mm512_setzero_ps();
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)gp[j]));
+            __m512 m = _mm512_setzero_ps();
+            if (fmt == PW_Q4_1) {
+                d = _mm512_permutexvar_ps(lane_col, d);
+                m = _mm512_permutexvar_ps(lane_col, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(gp[j] + 32))));
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < M; i++) {
                 y[i][j] = _mm512_fmadd_ps(t[i][j], d, y[i][j]);
@@ -117,7 +131,8 @@ sm_block(const int M, const int P, const int fmt, const float *x, Py_ssize_t ldx
     for (int i = 0; i < M; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < P; j++)
-            sm_store(y[i][j], r[j].bias, r[j].c + i * ldc, r[j].nv);
+            sm_store(fmt == PW_Q4_1 ? _mm512_permutexvar_ps(col_lane, y[i][j]) : y[i][j], r[j].bias, r[j].c + i * ldc,
+                     r[j].nv);
 }
 
 /* The same for float32 panels: one FMA chain over k per output. */
