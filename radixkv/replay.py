@@ -193,6 +193,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_tier_arguments(parser)  # KV tiers of the cached modes (docs/tiers.md)
 
 
+def _print_spec_rows(rows: List[dict], spec) -> None:
+    """Each mode's speculative-decoding totals (nothing when ``spec`` is None)."""
+    if spec is None:
+        return
+    for r in rows:
+        d, a = r["spec_draft_tokens"], r["spec_accepted_tokens"]
+        print(f"[{r['mode']}] speculative {spec.method}: {d} draft tokens, {a} accepted ({a / max(d, 1):.0%})")
+
+
 def _print_tier_rows(rows: List[dict]) -> None:
     """A line per mode whose KV tiers served tokens: its cached tokens by tier."""
     for r in rows:
@@ -292,10 +301,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
     _print_tier_rows(rows)
-    if spec is not None:
-        for r in rows:
-            d, a = r["spec_draft_tokens"], r["spec_accepted_tokens"]
-            print(f"[{r['mode']}] speculative {spec.method}: {d} draft tokens, {a} accepted ({a / max(d, 1):.0%})")
+    _print_spec_rows(rows, spec)
     same = all(replies[m] == replies[modes[0]] for m in modes)
     if len(modes) > 1:
         print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")
