@@ -25,7 +25,7 @@ import gc
 import json
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 
@@ -209,6 +209,16 @@ def _print_tier_rows(rows: List[dict]) -> None:
             print(f"{r['mode']}: cached tokens by tier {r['cached_tokens_by_tier']}")
 
 
+def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
+    """What is wrong with the replay's ``modes`` and counts (None: nothing)."""
+    if not modes or any(m not in MODES for m in modes):
+        return f"--modes must list some of {sorted(MODES)}, got {args.modes!r}"
+    for name in ("conversations", "turns", "max_tokens", "page_size"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    return None
+
+
 def run(args: argparse.Namespace, loaded_model=None) -> int:
     """Run the replay described by ``args``; prints the table, returns 0 (1 if outputs differ
     between modes, 2 for bad arguments). ``loaded_model`` reuses already loaded weights."""
@@ -216,14 +226,10 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     from radixkv.models.loader import load_model
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        print(f"radixkv replay: --modes must list some of {sorted(MODES)}, got {args.modes!r}", file=sys.stderr)
+    err = _bad_args(args, modes)
+    if err is not None:
+        print(f"radixkv replay: {err}", file=sys.stderr)
         return 2
-    for name in ("conversations", "turns", "max_tokens", "page_size"):
-        if getattr(args, name) < 1:
-            print(f"radixkv replay: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
-            return 2
     from radixkv.config import EngineConfig
 
     kv = dict(

@@ -279,13 +279,9 @@ typedef struct {
  * even (saturating at FP8_MAX). The same instructions on both ISAs. */
 void kv_quantize_rows(int dt, const float *x, Py_ssize_t rows, int d, void *q, uint16_t *scale);
 
-/* One head's new K or V row (d floats at src) into slot `slot`, head h of a pool tensor. */
-static inline void
-kv_store(const kv_tensor *t, int dt, Py_ssize_t slot, int hkv, int h, const float *src, int d)
-{
-    const Py_ssize_t i = slot * hkv + h;
-    kv_quantize_rows(dt, src, 1, d, (uint8_t *)t->data + i * d * kv_elem_size(dt), t->scale ? t->scale + i : NULL);
-}
+/* One head's new K or V row (d floats at src) into slot `slot`, head h of a pool tensor
+ * (kvformat.c). */
+void kv_store(const kv_tensor *t, int dt, Py_ssize_t slot, int hkv, int h, const float *src, int d);
 #endif
 
 /* The pool as one KV head of the attention sees it: that head's part of slot 0's K and V rows

@@ -1,4 +1,4 @@
-/* The K/V pool's element formats: the one writer (kv_quantize_rows; kv_store in internal.h is it
+/* The K/V pool's element formats: the one writer (kv_quantize_rows; kv_store, below, is it
  * for one head's row). Reading is attention.c's kv_load8.
  *
  *   float32    copied
@@ -130,3 +130,10 @@ kv_quantize_rows(int dt, const float *x, Py_ssize_t rows, int d, void *q, uint16
     }
 }
 #endif
+
+void
+kv_store(const kv_tensor *t, int dt, Py_ssize_t slot, int hkv, int h, const float *src, int d)
+{
+    const Py_ssize_t i = slot * hkv + h;
+    kv_quantize_rows(dt, src, 1, d, (uint8_t *)t->data + i * d * kv_elem_size(dt), t->scale ? t->scale + i : NULL);
+}
