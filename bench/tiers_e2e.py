@@ -2,8 +2,12 @@
 
 Parts (``--parts``, all by default), each on the default model (SmolLM2-135M) on the CPU:
 
-* ``replay``: ShareGPT multi-turn replay (``radixkv replay``'s ``replay_mode``: every active
-  conversation's next turn submitted together, greedy) with the pool at ``--pool-fraction`` (10%)
+* ``replay``: ShareGPT multi-turn replay (``radixkv replay``'s ``replay_mode``, greedy) under each
+  ``--arrivals`` pattern: ``waves`` (every active conversation's next turn submitted together, the
+  next turn when all replied: TTFT is mostly queueing behind the whole wave) and a closed loop of
+  ``C`` requests in flight (default 4; a reply queues its conversation's next turn at the back,
+  as SGLang's HiCache multi-turn bench does: TTFT is mostly the request's own prefill or load),
+  with the pool at ``--pool-fraction`` (10%)
   of the working set (the tokens an unbounded pool holds at the end), without tiers, with a disk
   tier, with a host tier and with a remote (Redis) tier, beside the unbounded pool. Targets: hit
   rate with the disk tier >= 0.95 x the unbounded pool's, TTFT p50 <= 0.5 x the no-tier run's;
@@ -62,10 +66,10 @@ def _llm(loaded, pool: int, **tiers):
     return LLM(loaded_model=loaded, device="cpu", max_total_tokens=pool, **tiers)
 
 
-def _run(llm, convs, max_tokens: int, label: str) -> dict:
+def _run(llm, convs, max_tokens: int, label: str, concurrency=None) -> dict:
     from radixkv.replay import replay_mode
 
-    res = replay_mode(llm, convs, max_tokens, progress=False)
+    res = replay_mode(llm, convs, max_tokens, progress=False, concurrency=concurrency)
     s = llm.cache_stats()
     res["tiers"] = {
         m: {k: t.get(k) for k in ("served_tokens", "loaded", "load_skipped", "load_s_per_token", "prefill_s_per_token")}
@@ -81,26 +85,41 @@ def _run(llm, convs, max_tokens: int, label: str) -> dict:
     return res
 
 
-def replay_part(args, loaded) -> dict:
-    from redis_fixture import RedisServer
+def _arrival(spec: str):
+    """``--arrivals`` item: "waves" (None) or a closed loop's concurrency (int)."""
+    return None if spec == "waves" else int(spec)
 
+
+def replay_part(args, loaded) -> dict:
+    """The replay under each ``--arrivals`` pattern (module docstring)."""
     from radixkv.datasets import load_conversations
 
     convs = load_conversations(args.conversations, args.turns, args.max_user_chars)
-    inf = _run(_llm(loaded, 1 << 16), convs, args.max_tokens, "unbounded")
+    return {a: _replay_one(args, loaded, convs, _arrival(a)) for a in args.arrivals.split(",")}
+
+
+def _replay_one(args, loaded, convs, concurrency) -> dict:
+    from redis_fixture import RedisServer
+
+    tag = "waves" if concurrency is None else f"c={concurrency}"
+
+    def run(label: str, pool: int, **tiers) -> dict:
+        return _run(_llm(loaded, pool, **tiers), convs, args.max_tokens, f"{tag} {label}", concurrency)
+
+    inf = run("unbounded", 1 << 16)
     longest = inf["max_prompt_tokens"] + args.max_tokens
     pool = max(int(inf["working_set_tokens"] * args.pool_fraction), longest + 16)
-    runs = {"unbounded": inf, "no_tier": _run(_llm(loaded, pool), convs, args.max_tokens, "no tier")}
+    runs = {"unbounded": inf, "no_tier": run("no tier", pool)}
     d = tempfile.mkdtemp(prefix="radixkv-bench-disk-")
     want = args.replay_tiers.split(",")
     try:
         if "disk" in want:
-            runs["disk"] = _run(_llm(loaded, pool, disk_cache_dir=d), convs, args.max_tokens, "disk")
+            runs["disk"] = run("disk", pool, disk_cache_dir=d)
         if "host" in want:
-            runs["host"] = _run(_llm(loaded, pool, host_cache_bytes=8 << 30), convs, args.max_tokens, "host")
+            runs["host"] = run("host", pool, host_cache_bytes=8 << 30)
         if "remote" in want:
             with RedisServer() as redis:
-                runs["remote"] = _run(_llm(loaded, pool, remote_cache_url=redis.url), convs, args.max_tokens, "remote")
+                runs["remote"] = run("remote", pool, remote_cache_url=redis.url)
     finally:
         shutil.rmtree(d, ignore_errors=True)
     replies = {k: r.pop("replies") for k, r in runs.items()}
@@ -111,6 +130,8 @@ def replay_part(args, loaded) -> dict:
         if t["load_s_per_token"] and t["prefill_s_per_token"]:
             costs[m] = round(t["load_s_per_token"] / t["prefill_s_per_token"], 4)
     out = dict(
+        arrivals=tag,
+        concurrency=concurrency,
         conversations=args.conversations,
         turns=args.turns,
         max_tokens=args.max_tokens,
@@ -120,13 +141,15 @@ def replay_part(args, loaded) -> dict:
         replies_identical=same,
         hit_ratio_disk_vs_unbounded=runs["disk"]["hit_rate"] / inf["hit_rate"],
         ttft_p50_ratio_disk_vs_no_tier=runs["disk"]["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
+        ttft_p50_ratio_unbounded_vs_no_tier=inf["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
         load_cost_vs_prefill_per_token=costs,
     )
     print(
-        f"replay: pool {pool} tokens ({args.pool_fraction:.0%} of {inf['working_set_tokens']}); hit rate disk "
+        f"replay ({tag}): pool {pool} tokens ({args.pool_fraction:.0%} of {inf['working_set_tokens']}); hit rate disk "
         f"{runs['disk']['hit_rate']:.1%} / unbounded {inf['hit_rate']:.1%} = {out['hit_ratio_disk_vs_unbounded']:.3f} "
         f"(no tier {runs['no_tier']['hit_rate']:.1%}); TTFT p50 disk / no tier = "
-        f"{out['ttft_p50_ratio_disk_vs_no_tier']:.3f}; load/prefill per token {costs}; replies identical: {same}",
+        f"{out['ttft_p50_ratio_disk_vs_no_tier']:.3f} (unbounded / no tier {out['ttft_p50_ratio_unbounded_vs_no_tier']:.3f}); "
+        f"load/prefill per token {costs}; replies identical: {same}",
         flush=True,
     )
     return out
@@ -368,6 +391,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-user-chars", type=int, default=1200)
     ap.add_argument("--pool-fraction", type=float, default=0.1)
+    ap.add_argument(
+        "--arrivals",
+        default="waves,4",
+        help="replay: comma-separated arrival patterns, 'waves' (every conversation's turn at once) or a closed "
+        "loop's concurrency C (at most C requests in flight; a reply queues the next turn; default waves,4)",
+    )
     ap.add_argument("--replay-tiers", default="disk,host,remote", help="replay: the tier runs (default all three)")
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4, help="overhead: rounds")

@@ -5,7 +5,8 @@ Each turn's prompt is the model's chat template over the conversation so far (th
 messages and the model's *own* earlier replies) plus the next user message, so turn ``t + 1``
 starts with everything turn ``t`` computed. ``--conversations`` conversations run at once: the
 current turn of every active conversation is submitted together, and the next turn goes out when
-all replies are back. Greedy decoding, so every mode sees the same prompts and must give the same
+all replies are back; with ``--concurrency C``, at most C requests are in flight instead, a
+conversation's next turn queued behind the others' once its reply is back (closed loop). Greedy decoding, so every mode sees the same prompts and must give the same
 replies (checked and printed).
 
 Reported per mode: requests, prompt tokens, cached tokens (prompt tokens served from the prefix
@@ -25,6 +26,7 @@ import gc
 import json
 import sys
 import time
+from collections import deque
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -50,6 +52,81 @@ ROW_KEYS = (
 _KV_KEYS = ("capacity", "kv_cache_dtype", "kv_bytes_per_token", "kv_cache_bytes")
 
 
+class _Replay:
+    """One replay's state: each conversation's history and replies, the requests' TTFTs; builds
+    a conversation's next prompt and takes its reply."""
+
+    def __init__(self, llm, conversations: List[List[str]], max_tokens: int, log, model: str) -> None:
+        self.llm, self.conversations, self.max_tokens, self.log, self.model = llm, conversations, max_tokens, log, model
+        self.histories: List[List[dict]] = [[] for _ in conversations]
+        self.replies: List[List[List[int]]] = [[] for _ in conversations]
+        self.ttfts: List[float] = []
+        self.out_tokens = 0
+        self.longest = 0
+
+    def prompt(self, i: int) -> List[int]:
+        """Conversation ``i``'s next turn: the chat template over its history plus its next user
+        message (token ids); logged as the chat body a client would send."""
+        h = self.histories[i]
+        h.append({"role": "user", "content": self.conversations[i][len(self.replies[i])]})
+        ids = self.llm.tokenizer.encode(self.llm.render_chat(h), add_special_tokens=False)
+        self.longest = max(self.longest, len(ids))
+        if self.log is not None:
+            self.log.write(
+                dict(model=self.model, messages=[dict(m) for m in h], max_tokens=self.max_tokens, temperature=0)
+            )
+        return ids
+
+    def reply(self, i: int, out) -> bool:
+        """Take conversation ``i``'s finished request ``out``; True while it has turns left."""
+        c = out.outputs[0]
+        self.histories[i].append({"role": "assistant", "content": c.text})
+        self.replies[i].append(list(c.token_ids))
+        self.out_tokens += len(c.token_ids)
+        self.ttfts.append(out.metrics.ttft)
+        return len(self.replies[i]) < len(self.conversations[i])
+
+
+def _waves(rp: _Replay, params, bar) -> None:
+    """Every active conversation's next turn submitted together; the next wave once all replied."""
+    for t in range(max(len(c) for c in rp.conversations)):
+        active = [i for i, c in enumerate(rp.conversations) if t < len(c)]
+        prompts = [rp.prompt(i) for i in active]
+        outs = rp.llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        for i, o in zip(active, outs):
+            rp.reply(i, o)
+        bar.update(len(active))
+
+
+def _closed_loop(rp: _Replay, params, concurrency: int, bar) -> None:
+    """At most ``concurrency`` requests in flight, from a FIFO queue that starts with every
+    conversation's first turn; a reply puts its conversation's next turn at the back of the queue
+    (SGLang's multi-turn bench for HiCache, ``benchmark/hicache/bench_multiturn.py`` with
+    ``--max-parallel``, works so)."""
+
+    def drive(engine) -> None:
+        queue, running = deque(range(len(rp.conversations))), {}
+        try:
+            while queue or running:
+                while queue and len(running) < concurrency:
+                    i = queue.popleft()
+                    running[engine.add_request(rp.prompt(i), params)] = i
+                for out in engine.step():
+                    if out.finished and out.request_id in running:
+                        i = running.pop(out.request_id)
+                        bar.update(1)
+                        if rp.reply(i, out):
+                            queue.append(i)
+        except BaseException:
+            for rid in running:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+
+    rp.llm.call_in_engine_thread(drive)
+
+
 def replay_mode(
     llm,
     conversations: List[List[str]],
@@ -58,69 +135,62 @@ def replay_mode(
     desc: str = "replay",
     log=None,
     model: str = "smollm2-135m",
+    concurrency: Optional[int] = None,
 ) -> Dict[str, object]:
     """Replay ``conversations`` turn by turn through ``llm`` (greedy); returns the metrics row
-    (without "mode") plus ``replies`` (token ids per conversation and turn). ``log``: a
-    :class:`~radixkv.obs.trace.TraceWriter` that gets each request as the chat body a client
-    would send (``model`` in it), the trace ``radixkv explain`` reads."""
+    (without "mode") plus ``replies`` (token ids per conversation and turn). ``concurrency``:
+    None sends every active conversation's next turn together (waves); an int ``c >= 1`` keeps
+    at most ``c`` requests in flight, a conversation's next turn queued behind the others' when
+    its reply is back (:func:`_closed_loop`). TTFT counts from submission (queueing in the engine
+    included). ``log``: a :class:`~radixkv.obs.trace.TraceWriter` that gets each request as the
+    chat body a client would send (``model`` in it), the trace ``radixkv explain`` reads.
+
+    Raises:
+        ValueError: ``concurrency`` below 1.
+    """
     from tqdm.auto import tqdm
 
     from radixkv.sampling_params import SamplingParams
 
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1 (or None: waves), got {concurrency}")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    histories: List[List[dict]] = [[] for _ in conversations]
-    replies: List[List[List[int]]] = [[] for _ in conversations]
-    ttfts: List[float] = []
-    out_tokens = 0
-    longest = 0
+    rp = _Replay(llm, conversations, max_tokens, log, model)
     before = llm.cache_stats()
-    turns = max(len(c) for c in conversations)
     bar = tqdm(total=sum(len(c) for c in conversations), desc=desc, unit="req", disable=not progress)
     t0 = time.perf_counter()
-    for t in range(turns):
-        active = [i for i, c in enumerate(conversations) if t < len(c)]
-        prompts = []
-        for i in active:
-            histories[i].append({"role": "user", "content": conversations[i][t]})
-            text = llm.render_chat(histories[i])
-            prompts.append(llm.tokenizer.encode(text, add_special_tokens=False))
-            longest = max(longest, len(prompts[-1]))
-            if log is not None:
-                log.write(
-                    dict(model=model, messages=[dict(m) for m in histories[i]], max_tokens=max_tokens, temperature=0)
-                )
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        for i, o in zip(active, outs):
-            c = o.outputs[0]
-            histories[i].append({"role": "assistant", "content": c.text})
-            replies[i].append(list(c.token_ids))
-            out_tokens += len(c.token_ids)
-            ttfts.append(o.metrics.ttft)
-        bar.update(len(active))
+    if concurrency is None:
+        _waves(rp, params, bar)
+    else:
+        _closed_loop(rp, params, concurrency, bar)
     wall = time.perf_counter() - t0
     bar.close()
-    after = llm.cache_stats()
+    return _row(rp, before, llm.cache_stats(), wall)
+
+
+def _row(rp: _Replay, before, after, wall: float) -> Dict[str, object]:
+    """The replay's metrics row from the engine's stats before and after it."""
     prompt_tokens = after["prompt_tokens"] - before["prompt_tokens"]
     cached = after["cached_tokens"] - before["cached_tokens"]
     return {
-        "requests": len(ttfts),
+        "requests": len(rp.ttfts),
         "prompt_tokens": prompt_tokens,
         "cached_tokens": cached,
         "hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
         "prefill_tokens": after["prefill_tokens"] - before["prefill_tokens"],
-        "ttft_p50_s": float(np.percentile(ttfts, 50)),
-        "ttft_p90_s": float(np.percentile(ttfts, 90)),
-        "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_s": float(np.percentile(rp.ttfts, 50)),
+        "ttft_p90_s": float(np.percentile(rp.ttfts, 90)),
+        "output_tokens_per_s": rp.out_tokens / wall if wall > 0 else 0.0,
         "wall_s": wall,
-        "output_tokens": out_tokens,
+        "output_tokens": rp.out_tokens,
         "evicted_tokens": after["evicted_tokens"] - before["evicted_tokens"],
-        "max_prompt_tokens": longest,
+        "max_prompt_tokens": rp.longest,
         "cached_tokens_by_tier": {
             m: n - before.cached_tokens_by_tier.get(m, 0) for m, n in after.cached_tokens_by_tier.items()
         },
         "spec_draft_tokens": after["spec_draft_tokens"] - before["spec_draft_tokens"],
         "spec_accepted_tokens": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
-        "replies": replies,
+        "replies": rp.replies,
     }
 
 
@@ -150,6 +220,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conversations", type=int, default=8, help="conversations replayed at once (default 8)")
     parser.add_argument("--turns", type=int, default=4, help="user turns per conversation (default 4)")
     parser.add_argument("--max-tokens", type=int, default=32, help="max tokens per reply (default 32)")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="at most this many requests in flight, each reply queueing its conversation's next turn "
+        "(default: every conversation's turn at once, turn by turn)",
+    )
     parser.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
     parser.add_argument(
         "--max-total-tokens",
@@ -213,8 +290,8 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     """What is wrong with the replay's ``modes`` and counts (None: nothing)."""
     if not modes or any(m not in MODES for m in modes):
         return f"--modes must list some of {sorted(MODES)}, got {args.modes!r}"
-    for name in ("conversations", "turns", "max_tokens", "page_size"):
-        if getattr(args, name) < 1:
+    for name in ("conversations", "turns", "max_tokens", "page_size", "concurrency"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     return None
 
@@ -296,6 +373,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
             desc=f"replay {mode}",
             log=log if k == 0 else None,
             model=args.model,
+            concurrency=getattr(args, "concurrency", None),
         )
         replies[mode] = res.pop("replies")
         rows.append({"mode": mode, **res, "page_size": args.page_size, **{k: st[k] for k in _KV_KEYS}})

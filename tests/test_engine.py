@@ -304,3 +304,32 @@ def test_replay_tiny(tmp_path, loaded):
         assert r["prefill_tokens"] == r["prompt_tokens"] - r["cached_tokens"]
     assert rows[0]["prompt_tokens"] == rows[1]["prompt_tokens"]
     assert rows[0]["cached_tokens"] > 0 and rows[1]["cached_tokens"] == 0
+
+
+def test_replay_closed_loop(loaded):
+    """``replay_mode(concurrency=c)``: never more than ``c`` requests in flight, every turn of every
+    conversation served once in order, the same greedy replies and prompts as the waves."""
+    from radixkv import LLM
+    from radixkv.datasets import load_conversations
+    from radixkv.replay import replay_mode
+
+    convs = load_conversations(3, 2)
+    waves = replay_mode(LLM(loaded_model=loaded, device="cpu", max_total_tokens=4096), convs, 4, progress=False)
+    llm = LLM(loaded_model=loaded, device="cpu", max_total_tokens=4096)
+    engine, add = llm.engine, llm.engine.add_request
+    in_flight = []
+
+    def counted(*a, **kw):
+        in_flight.append(engine.num_unfinished_requests())
+        return add(*a, **kw)
+
+    engine.add_request = counted
+    loop = replay_mode(llm, convs, 4, progress=False, concurrency=2)
+    assert len(in_flight) == sum(len(c) for c in convs) == loop["requests"] == waves["requests"]
+    assert max(in_flight) == 1  # 2 in flight at most: the third turn waits for a reply
+    assert loop["replies"] == waves["replies"]
+    assert loop["prompt_tokens"] == waves["prompt_tokens"]
+    assert loop["prefill_tokens"] == loop["prompt_tokens"] - loop["cached_tokens"]
+    assert_no_leak(llm)
+    with pytest.raises(ValueError, match="concurrency"):
+        replay_mode(llm, convs, 4, progress=False, concurrency=0)
