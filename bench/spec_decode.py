@@ -34,7 +34,9 @@ greedy) with and without ``"radix"``; output tok/s over the replay's wall time, 
 
 ``structured``: a JSON schema at temperature 0 (a summary object of a ShareGPT question): off,
 radix with ``grammar_drafts: false`` (the grammar only cuts drafts) and radix with grammar drafts
-(forced spans drafted: jump-forward).
+(forced spans drafted: jump-forward). The prompt names the schema's keys, so prompt lookup can
+draft them too. ``structured_plain``: the same with the schema only in the request's
+``json_schema`` (OpenAI's ``response_format`` usage), the prompt naming no key.
 
 ``llamacpp`` (with ``agent``; alone it runs llama.cpp only): the agent workloads on llama.cpp (llama-cpp-python, the same GGUF, ``--threads``):
 plain decoding and its prompt-lookup decoding (``LlamaPromptLookupDecoding``, no second model);
@@ -437,7 +439,9 @@ SCHEMA = {
 }
 
 
-def part_structured(args, mat, loaded) -> dict:
+def part_structured(args, mat, loaded, name_keys: bool = True) -> dict:
+    """``name_keys``: the prompt lists the schema's keys (prompt lookup can then draft them);
+    else the schema is only the request's ``json_schema``, as OpenAI's ``response_format`` is used."""
     from radixkv.sampling_params import SamplingParams
 
     base = {"method": "radix", "num_speculative_tokens": args.k}
@@ -450,7 +454,8 @@ def part_structured(args, mat, loaded) -> dict:
 
     def trial(llm, i):
         q, _ = mat["pairs"][(3 * i + 5) % len(mat["pairs"])]
-        text = f"Describe this message as JSON (title, topic, language, sentiment, needs_code, keywords):\n\n{q[:600]}"
+        keys = " (title, topic, language, sentiment, needs_code, keywords)" if name_keys else ""
+        text = f"Describe this message as JSON{keys}:\n\n{q[:600]}"
         r = run_batch(llm, [_encode(llm, [{"role": "user", "content": text}])], [params])
         r["tokens_per_forward"] = r["decode_tokens"] / max(r["steps_after_first"], 1)
         return r
@@ -466,7 +471,7 @@ def part_structured(args, mat, loaded) -> dict:
             res[n].append({k: v for k, v in got[n].items() if k != "tokens"})
         res["same"].append(len({json.dumps(g["tokens"]) for g in got.values()}) == 1)
         print(
-            f"structured trial {i}: "
+            f"structured{'' if name_keys else ' (schema only)'} trial {i}: "
             + ", ".join(f"{n} {got[n]['decode_tok_s']:.1f} tok/s" for n in sides)
             + f" (accepted {got['radix']['accepted']}/{got['radix']['draft']}), identical {res['same'][-1]}",
             file=sys.stderr,
@@ -594,10 +599,12 @@ def report(out: dict) -> str:
             f"chat replay: off {c['off_tok_s']:.1f}, radix {c['radix_tok_s']:.1f} tok/s ({c['ratio']:.2f}x, per CPU-s "
             f"{c.get('cpu_ratio', 0):.2f}x; >= 0.95x)"
         )
-    s = out.get("structured")
-    if s:
+    for part, what in (("structured", "keys named in the prompt"), ("structured_plain", "schema only")):
+        s = out.get(part)
+        if not s:
+            continue
         lines.append(
-            "structured (JSON schema, temperature 0): "
+            f"{part} (JSON schema, temperature 0, {what}): "
             + ", ".join(f"{n} {v:.1f} tok/s" for n, v in s["tok_s"].items())
             + f"; radix vs off {s['ratio_vs_off']['radix']:.2f}x, vs radix without grammar drafts "
             f"{s['ratio_vs_no_grammar_drafts']:.2f}x (>= 1.5x); acceptance {s['acceptance_rate']:.0%}, "
@@ -608,7 +615,7 @@ def report(out: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="agent,llamacpp,batch16,chat,structured")
+    ap.add_argument("--parts", default="agent,llamacpp,batch16,chat,structured,structured_plain")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens (default 5)")
@@ -645,6 +652,7 @@ def main(argv=None) -> int:
         ("batch16", lambda: part_batch16(args, mat, loaded)),
         ("chat", lambda: part_chat(args, loaded)),
         ("structured", lambda: part_structured(args, mat, loaded)),
+        ("structured_plain", lambda: part_structured(args, mat, loaded, name_keys=False)),
     ):
         if part not in parts:
             continue
