@@ -20,6 +20,7 @@ Parts (``--parts``, all by default), each on the default model (SmolLM2-135M) on
 * ``shared``: two ``radixkv serve`` processes on one Redis (``--remote-cache-url``), each
   conversation's turns sent to the two alternately: the reuse of a turn sent to the other engine
   (cached / prompt tokens), beside the reuse the same turn gets on one engine. Target >= 90%.
+  Once per ``--shared-max-tokens`` reply length (32 and 256 tokens).
 * ``replicas``: ``radixkv serve --replicas 2 --remote-cache-url``: one request with a shared
   prefix, then a concurrent burst of ``--burst`` requests with it: each one's cached tokens
   (target: every one reuses the prefix's whole blocks, on whichever replica), beside the same
@@ -266,6 +267,11 @@ def restart_part(args) -> dict:
 
 
 def shared_part(args) -> dict:
+    """Two engines on one Redis, once per ``--shared-max-tokens`` reply length (module docstring)."""
+    return {f"max_tokens_{n}": _shared_one(args, int(n)) for n in args.shared_max_tokens.split(",")}
+
+
+def _shared_one(args, max_tokens: int) -> dict:
     from redis_fixture import RedisServer
 
     from radixkv.datasets import load_conversations
@@ -274,13 +280,13 @@ def shared_part(args) -> dict:
     with RedisServer() as redis:
         a, b = Serve("--remote-cache-url", redis.url), Serve("--remote-cache-url", redis.url)
         try:
-            alt = http_replay([a.url, b.url], convs, args.max_tokens, route=lambda i, t: (i + t) % 2)
+            alt = http_replay([a.url, b.url], convs, max_tokens, route=lambda i, t: (i + t) % 2)
         finally:
             a.stop()
             b.stop()
     one = Serve()
     try:
-        same = http_replay([one.url], convs, args.max_tokens)
+        same = http_replay([one.url], convs, max_tokens)
     finally:
         one.stop()
     later = [r for r in alt["rows"] if r["turn"] > 0]
@@ -289,18 +295,21 @@ def shared_part(args) -> dict:
     vs_same = [r["cached"] / max(1, base[(r["conv"], r["turn"])]["cached"]) for r in later]
     out = dict(
         conversations=len(convs),
+        max_tokens=max_tokens,
         next_turn_reuse_mean=statistics.mean(reuse),
         next_turn_reuse_min=min(reuse),
         same_engine_reuse_mean=statistics.mean(base[(r["conv"], r["turn"])]["cached"] / r["prompt"] for r in later),
         vs_same_engine_mean=statistics.mean(vs_same),
         vs_same_engine_min=min(vs_same),
         rows=alt["rows"],
+        same_engine_rows=same["rows"],
         replies_identical=alt["replies"] == same["replies"],
     )
     print(
-        f"shared: a next turn on the other engine reuses {out['next_turn_reuse_mean']:.1%} of its prompt "
-        f"(min {out['next_turn_reuse_min']:.1%}; one engine: {out['same_engine_reuse_mean']:.1%}); of what one "
-        f"engine reuses: mean {out['vs_same_engine_mean']:.1%}, min {out['vs_same_engine_min']:.1%}",
+        f"shared ({max_tokens}-token replies): a next turn on the other engine reuses {out['next_turn_reuse_mean']:.1%} "
+        f"of its prompt (min {out['next_turn_reuse_min']:.1%}; one engine: {out['same_engine_reuse_mean']:.1%}); of "
+        f"what one engine reuses: mean {out['vs_same_engine_mean']:.1%}, min {out['vs_same_engine_min']:.1%}; "
+        f"replies identical: {out['replies_identical']}",
         flush=True,
     )
     return out
@@ -390,6 +399,12 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-user-chars", type=int, default=1200)
+    ap.add_argument(
+        "--shared-max-tokens",
+        default="32,256",
+        help="shared: comma-separated reply lengths, one run each (default 32,256: ShareGPT's own replies run to "
+        "hundreds of tokens, and the reply is most of the history a next turn reuses)",
+    )
     ap.add_argument("--pool-fraction", type=float, default=0.1)
     ap.add_argument(
         "--arrivals",
