@@ -73,3 +73,29 @@ def test_seeded_sampling_reproducible_and_filtered():
 def test_sample_length_mismatch():
     with pytest.raises(ValueError, match="same length"):
         sample(torch.zeros(2, 4), [SamplingParams()], [None])
+
+
+@pytest.mark.parametrize("temperature, extra", [(0.7, {}), (1.3, {"top_k": 50}), (0.9, {"top_p": 0.8, "min_p": 0.02})])
+def test_sampled_tokens_and_generator_states_are_torch_multinomials(temperature, extra):
+    """sample() draws as torch.multinomial(filter_logits(row).exp(), 1) with the row's generator
+    would: the same token and the generator left in the same state (so a seeded request's later
+    tokens, with or without speculative decoding, are what they always were). Rows with filtered
+    (-inf) tokens and a row with no token left (argmax, no draw) included."""
+    p = SamplingParams(temperature=temperature, seed=0, **extra)
+    for s in range(40):
+        g = torch.Generator().manual_seed(s)
+        logits = torch.randn(3, 4096, generator=g) * (1 + s % 5)
+        logits[1, : 64 * (s % 4)] = float("-inf")
+        if s % 10 == 9:
+            logits[2] = float("nan")
+        ours = [torch.Generator().manual_seed(100 * s + i) for i in range(3)]
+        ref = [torch.Generator().manual_seed(100 * s + i) for i in range(3)]
+        want = []
+        for i in range(3):
+            probs = filter_logits(logits[i], p).exp()
+            if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+                want.append(int(torch.argmax(torch.nan_to_num(logits[i], nan=float("-inf")))))
+            else:
+                want.append(int(torch.multinomial(probs, 1, generator=ref[i])))
+        assert sample(logits, [p] * 3, ours) == want, s
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, ref)), s

@@ -360,6 +360,7 @@ SAMPLING = {
     "logprobs": dict(temperature=0, logprobs=3),
     "seeded_logprobs": dict(temperature=0.7, seed=5, logprobs=2),
     "n3": dict(temperature=0.9, n=3, seed=9),
+    "n4": dict(temperature=0.7, n=4, seed=21),  # samples ahead of the slowest one skip drafting
 }
 
 

@@ -188,6 +188,29 @@ def test_lookup_sources_own_sequence_siblings_and_suffix_index():
     assert q2.draft_tokens == []
 
 
+def test_a_sample_far_ahead_of_its_slowest_sibling_does_not_draft():
+    """The samples of an n > 1 request end together: a sample more than num_speculative_tokens
+    output tokens ahead of its slowest decoding sibling drafts nothing (its rows would buy no
+    time), one within that distance drafts, and the one ahead still serves as the laggard's
+    source; other requests with the same prompt are not siblings."""
+    cfg = SpeculativeConfig("ngram", num_speculative_tokens=3, adaptive=False)
+    d = Drafter(cfg)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    ahead = Req(prompt, [8, 9, 5, 6, 7, 8], rid="x")  # 6 tokens: 5 ahead of `slow` (> 3)
+    near = Req(prompt, [8, 9, 5, 6], rid="x")  # 4 tokens: 3 ahead (not more than 3)
+    slow = Req(prompt, [8], rid="x")
+    other = Req(prompt, [8, 9, 5, 6, 7, 8], rid="y")  # the same progress, another request
+    d.propose([ahead, near, slow, other], 4096)
+    assert ahead.draft_tokens == []
+    assert near.draft_tokens == [7, 8]  # the longest match: the sample ahead, which has drafted on to its end
+    assert slow.draft_tokens == [9, 5, 6]
+    assert other.draft_tokens == [9, 5, 6]
+    assert ahead.spec_state.own.tokens == prompt + ahead.output_token_ids  # indexed for its siblings
+    slow.output_token_ids += [9, 5, 6]  # the laggard caught up: the leader drafts again
+    d.propose([ahead, near, slow], 4096)
+    assert ahead.draft_tokens == [9, 5, 6] and slow.draft_tokens == [7, 8]
+
+
 def test_drafts_stop_at_max_tokens_and_the_step_budget():
     cfg = SpeculativeConfig("ngram", num_speculative_tokens=8, adaptive=False, max_draft_tokens_per_step=5)
     d = Drafter(cfg)

@@ -9,6 +9,7 @@ min-p (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024), then one mul
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Sequence
 
 import torch
@@ -97,10 +98,25 @@ def sample(
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        probs = filter_logits(logits[i], p).exp()
-        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:  # no token left
+        probs = filter_logits(logits[i], p).exp()  # in [0, 1], or NaN where no token is left
+        total = float(probs.sum())
+        if not (math.isfinite(total) and total > 0):  # no token left
             out[i] = int(torch.argmax(torch.nan_to_num(logits[i].float(), nan=float("-inf"))))
             continue
         gen = generators[i] if generators[i] is not None else default_generator
-        out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+        out[i] = draw(probs, gen)
     return out
+
+
+def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+    """``torch.multinomial(probs, 1, generator=generator)``: the same token and the same draws
+    from ``generator`` (its one-sample path: the argmax of ``probs`` over ``V`` Exp(1) draws),
+    without its validity checks (max, min and sum: three passes over the row).
+
+    Args:
+        probs: ``[V]`` float32 probabilities, finite, >= 0, summing to > 0 (not checked);
+            overwritten.
+        generator: the row's generator (None: torch's global one).
+    """
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return int(probs.div_(q).argmax())

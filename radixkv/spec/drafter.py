@@ -23,7 +23,11 @@ the draft is cut where the grammar refuses it and extended by the tokens the gra
 How many tokens: per request, :class:`~radixkv.spec.adaptive.Acceptance` (the cost model) unless
 ``adaptive`` is off, capped by ``num_speculative_tokens``, by what ``max_tokens`` and the context
 length leave, and by ``max_draft_tokens_per_step`` over the whole step (the requests with the best
-acceptance rate first).
+acceptance rate first). A sample of an ``n > 1`` request that is more than
+``num_speculative_tokens`` output tokens ahead of its slowest decoding sibling drafts nothing that
+step: the request ends with its slowest sample, so rows that speed up a sample already ahead only
+cost (each verify row is a full row of multiply-adds once the forward is compute-bound, as it is
+with several samples), while the slow samples go on drafting.
 
 Requests are read by attribute (``prompt_token_ids``, ``output_token_ids``, ``namespace``,
 ``params``, ``sampling_state``); the drafter sets ``draft_tokens`` and keeps its per-request state
@@ -102,9 +106,15 @@ class Drafter:
         does not draft this step)."""
         cfg = self.config
         wants = []
+        slowest = _slowest_sibling(reqs) if len(reqs) > 1 else {}
         for r in reqs:
             r.draft_tokens = []
             st = self.state(r)
+            behind = slowest.get(r.request_id)
+            if behind is not None:  # a sample of an n > 1 request: its siblings draft from its index
+                st.own.sync(r.prompt_token_ids, r.output_token_ids)
+                if len(r.output_token_ids) > behind + cfg.num_speculative_tokens:
+                    continue  # its request waits for a slower sample: rows for this one buy nothing
             room = min(
                 r.params.max_tokens - len(r.output_token_ids) - 1,
                 max_context_len - len(r.prompt_token_ids) - len(r.output_token_ids) - 1,
@@ -193,3 +203,16 @@ class Drafter:
         """``req`` finished: its sequence (verified tokens only) joins the suffix index."""
         if self.suffix is not None:
             self.suffix.add(req.namespace, req.prompt_token_ids + req.output_token_ids)
+
+
+def _slowest_sibling(reqs: Sequence[Any]) -> Dict[str, int]:
+    """Request id -> the fewest output tokens among its decoding samples, for the requests with
+    two or more of them in ``reqs`` (the samples of an ``n > 1`` request)."""
+    low: Dict[str, int] = {}
+    count: Dict[str, int] = defaultdict(int)
+    for r in reqs:
+        n = len(r.output_token_ids)
+        count[r.request_id] += 1
+        if n < low.get(r.request_id, n + 1):
+            low[r.request_id] = n
+    return {rid: n for rid, n in low.items() if count[rid] > 1}
