@@ -10,16 +10,16 @@ prompt this router sent ``r`` and, once a request ends, of its ``prompt + output
 h_r) + load_weight * W_r``, with ``n`` the prompt's tokens and ``W_r`` the uncached prompt
 tokens of ``r``'s outstanding requests; the least cost wins (ties: fewer outstanding requests,
 then more held tokens, then at random). One popularity rule: a block is hot when it was the
-deepest held block (over all replicas) of more than ``hot_share`` of the last 256 requests, and a
-request is on a hot prefix (a few-shot preamble, a shared system prompt) when its held prefix
-reaches a hot block and holds less beyond it than one outstanding request costs there
-(``load_weight * hot_request_tokens`` tokens); that prefix then counts as held on every
-candidate and each outstanding request adds ``hot_request_tokens`` to ``W_r``, so the load
-places it (computing the prefix once more serves that replica's share of the traffic). With
-``home`` on, a request held nowhere goes home instead: to the candidate its first block was last
-routed to, and a first block never seen (or whose home is not a candidate) to a candidate home to
-the fewest first blocks (then the one sent the fewest uncached tokens), so distinct prefixes
-partition evenly and a prefix its replica evicted comes back there.
+deepest held block (over all replicas) of more than ``hot_share`` of the last 256 requests (all
+of them, while fewer), and a request is on a hot prefix (a few-shot preamble, a shared system
+prompt) when its held prefix reaches a hot block and holds fewer tokens beyond it than one
+outstanding request on a hot prefix costs (``load_weight * hot_request_tokens``); that prefix
+then counts as held on every candidate and each outstanding request adds ``hot_request_tokens``
+to ``W_r``, so the load places it (computing the prefix once more serves that replica's share of
+the traffic). With ``home`` on, a request held nowhere goes home instead: to the candidate its
+first block was last routed to, and a first block never seen (or whose home is not a candidate)
+to a candidate home to the fewest first blocks (then the one sent the fewest uncached tokens), so
+distinct prefixes partition evenly and a prefix its replica evicted comes back there.
 
 Nothing assumes a service order: the load is the router's own count of outstanding requests and
 their uncached tokens, whatever order (or batch) a replica runs them in.
@@ -61,7 +61,7 @@ class CacheEvents(Policy):
         load_weight: tokens of cost per token of queued work (dimensionless, >= 0).
         hot_request_tokens: queued work of one outstanding request (its decode and its share of
             the queue), in prefill tokens, for a request on a hot prefix (>= 0).
-        hot_share: a prefix is hot when it was the deepest held block of more than this share
+        hot_share: a block is hot when it was the deepest held block of more than this share
             of the last 256 requests (0 < hot_share <= 1; 1: never).
         balance_abs_threshold, balance_rel_threshold: SGLang's balance guard on outstanding
             requests.
