@@ -138,7 +138,7 @@ def test_held_blocks_beyond_a_hot_prefix_worth_less_than_one_queued_request_do_n
     pre = tuple(block_digests(LONG[: 16 * HOT_BLOCKS], None, 0, HOT_BLOCKS))
     for r in reps:  # every replica holds the preamble
         assert not p.on_events(r, {"epoch": r, "events": [("insert", 1, None, 0, pre)]})
-    for i in range(4):  # it is the deepest held block of every request so far: hot
+    for i in range(40):  # the deepest held block of 40 requests, more than a quarter of all: hot
         p.choose(RouteRequest(f"h{i}", LONG[: 16 * HOT_BLOCKS] + [10**6 + i] * 20))
         p.finished(f"h{i}", expire=True)
     more = tuple(block_digests(LONG[: 16 * (HOT_BLOCKS + beyond)], None, HOT_BLOCKS, HOT_BLOCKS + beyond))
