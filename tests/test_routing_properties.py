@@ -116,3 +116,38 @@ def test_the_choice_is_the_least_cost_and_options_are_checked():
             assert next(iter(bad)) in str(exc)
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+LONG = list(range(1, 1 + 16 * 40)) + [7]  # 40 whole blocks and one more token
+HOT_BLOCKS = 12  # a preamble every request shares: LONG's first 12 blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(2, 4),
+    beyond=st.integers(1, 28),
+    queued=st.integers(1, 5),
+    fewer=st.lists(st.integers(1, 5), min_size=3, max_size=3),
+    seed=st.integers(0, 3),
+)
+def test_held_blocks_beyond_a_hot_prefix_worth_less_than_one_queued_request_do_not_hold_a_request(
+    n, beyond, queued, fewer, seed
+):
+    p = _policy(n, seed)
+    reps = [f"r{i}" for i in range(n)]
+    pre = tuple(block_digests(LONG[: 16 * HOT_BLOCKS], None, 0, HOT_BLOCKS))
+    for r in reps:  # every replica holds the preamble
+        assert not p.on_events(r, {"epoch": r, "events": [("insert", 1, None, 0, pre)]})
+    for i in range(40):  # the deepest held block of 40 requests, more than a quarter of all: hot
+        p.choose(RouteRequest(f"h{i}", LONG[: 16 * HOT_BLOCKS] + [10**6 + i] * 20))
+        p.finished(f"h{i}", expire=True)
+    more = tuple(block_digests(LONG[: 16 * (HOT_BLOCKS + beyond)], None, HOT_BLOCKS, HOT_BLOCKS + beyond))
+    assert not p.on_events("r0", {"epoch": "r0", "events": [("insert", 2, None, HOT_BLOCKS, more)]})
+    _queue(p, "r0", queued)  # r0 holds `beyond` blocks more and is busier than every other
+    for r, k in zip(reps[1:], fewer):
+        _queue(p, r, max(queued - k, 0))
+    d = p.choose(RouteRequest("q", LONG))
+    if 16 * beyond < p.load_weight * p.hot_request_tokens:  # worth less than one queued request
+        assert d.replica != "r0" and d.cached_tokens == 16 * HOT_BLOCKS
+    else:  # worth more: the longer prefix wins as without a hot prefix (queues differ by <= 5)
+        assert (d.replica, d.cached_tokens) == ("r0", 16 * (HOT_BLOCKS + beyond))

@@ -51,7 +51,9 @@ def _batch(epoch, seq, digests, medium=None):
 def test_a_block_in_the_shared_tier_is_cheaper_than_a_miss_dearer_than_a_local_hit(tier_weight, winner):
     toks = list(range(100, 260))  # 160 tokens: 9 whole blocks below the last one
     d = block_digests(toks, None, 0, 10)
-    p = make_policy("cache_events", tier_weight=tier_weight, home=False)
+    # hot_share 1: the popularity rule off (the same prompt again would be on a hot prefix, the
+    # deepest held block of the one request before it, and count as held on "b" too)
+    p = make_policy("cache_events", tier_weight=tier_weight, home=False, hot_share=1.0)
     for r in ("a", "b"):
         p.add_replica(r)
     p.on_events("a", _batch("ea", 1, d))  # a's pool holds the prompt

@@ -9,11 +9,13 @@ prompt this router sent ``r`` and, once a request ends, of its ``prompt + output
 ``r`` inserts then), until ``pending_ttl`` seconds after it ended. The cost is ``cost_r = (n -
 h_r) + load_weight * W_r``, with ``n`` the prompt's tokens and ``W_r`` the uncached prompt
 tokens of ``r``'s outstanding requests; the least cost wins (ties: fewer outstanding requests,
-then more held tokens, then at random). One popularity rule: a request whose deepest held block
-(over all replicas) was the deepest held block of more than ``hot_share`` of the last 256
-requests is on a hot prefix (a few-shot preamble, a shared system prompt); that prefix then
-counts as held on every candidate and each outstanding request adds ``hot_request_tokens`` to
-``W_r``, so the load places it (computing the prefix once more serves that replica's share of
+then more held tokens, then at random). One popularity rule: a block is hot when it was the
+deepest held block (over all replicas) of more than ``hot_share`` of the last 256 requests (all
+of them, while fewer), and a request is on a hot prefix (a few-shot preamble, a shared system
+prompt) when its held prefix reaches a hot block and holds fewer tokens beyond it than one
+outstanding request on a hot prefix costs (``load_weight * hot_request_tokens``); that prefix
+then counts as held on every candidate and each outstanding request adds ``hot_request_tokens``
+to ``W_r``, so the load places it (computing the prefix once more serves that replica's share of
 the traffic). With ``home`` on, a request held nowhere goes home instead: to the candidate its
 first block was last routed to, and a first block never seen (or whose home is not a candidate)
 to a candidate home to the fewest first blocks (then the one sent the fewest uncached tokens), so
@@ -47,7 +49,6 @@ from radixkv.router.index import CacheView
 __all__ = ["CacheEvents"]
 
 HOT_WINDOW = 256  # requests whose deepest held block the popularity rule counts
-HOT_MIN = 8  # the share is of at least this many requests (no prefix is hot after 1 of 1)
 HOME_SIZE = 1 << 16  # first blocks whose home is remembered (least recently routed forgotten)
 
 
@@ -60,7 +61,7 @@ class CacheEvents(Policy):
         load_weight: tokens of cost per token of queued work (dimensionless, >= 0).
         hot_request_tokens: queued work of one outstanding request (its decode and its share of
             the queue), in prefill tokens, for a request on a hot prefix (>= 0).
-        hot_share: a prefix is hot when it was the deepest held block of more than this share
+        hot_share: a block is hot when it was the deepest held block of more than this share
             of the last 256 requests (0 < hot_share <= 1; 1: never).
         balance_abs_threshold, balance_rel_threshold: SGLang's balance guard on outstanding
             requests.
@@ -165,13 +166,13 @@ class CacheEvents(Policy):
         cands = [c for c in (self.replicas if candidates is None else candidates) if c in self.loads]
         held, deepest, top = self._held(req, cands)
         kept = set(self._guard(cands))
-        cost = self._cost(req, cands, held, deepest, self._hot(top))
+        cost = self._cost(req, cands, held, self._hot_floor(req.digests(), deepest))
         return {c: cost[c] if c in kept else math.inf for c in cands}
 
     def _select(self, req, cands, now):
         self._purge(now)
         held, deepest, top = self._held(req, cands)
-        hot = self._hot(top)
+        floor = self._hot_floor(req.digests(), deepest)
         self._remember(top)
         cands = self._guard(cands)
         digests = req.digests()
@@ -180,7 +181,7 @@ class CacheEvents(Policy):
             if c in cands:
                 return Decision(c, 0, "home")
             cands = self._fewest_homes(cands)
-        cost = self._cost(req, cands, held, deepest, hot)
+        cost = self._cost(req, cands, held, floor)
         best_key, ties = None, []
         for c in cands:
             key = (cost[c], self.loads[c].requests, -held[c])
@@ -199,10 +200,18 @@ class CacheEvents(Policy):
         deepest = max(held.values(), default=0)
         return held, deepest, digests[deepest - 1] if deepest else None
 
-    def _hot(self, top: Optional[bytes]) -> bool:
-        """Whether ``top`` was the deepest held block of more than ``hot_share`` of the last
-        requests (at least :data:`HOT_MIN` counted)."""
-        return top is not None and self._recent_counts.get(top, 0) > self.hot_share * max(len(self._recent), HOT_MIN)
+    def _hot_floor(self, digests: list, deepest: int) -> int:
+        """The hot prefix a request of block ``digests`` is on, in blocks (0: none): the deepest
+        hot block among its ``deepest`` held ones that it holds fewer than ``load_weight *
+        hot_request_tokens`` tokens beyond (its deepest held block itself always counts)."""
+        counts, limit = self._recent_counts, self.hot_share * len(self._recent)
+        price = self.load_weight * self.hot_request_tokens
+        k = deepest
+        while k > 0 and (k == deepest or (deepest - k) * BLOCK_TOKENS < price):
+            if counts.get(digests[k - 1], 0) > limit:
+                return k
+            k -= 1
+        return 0
 
     def _guard(self, cands: list[str]) -> list[str]:
         """SGLang's balance guard: the candidates not too far above the least loaded one."""
@@ -210,11 +219,11 @@ class CacheEvents(Policy):
         a, r = self.balance_abs_threshold, self.balance_rel_threshold
         return [c for c in cands if not (self.loads[c].requests - lo > a and self.loads[c].requests > r * lo)]
 
-    def _cost(self, req: RouteRequest, cands: list[str], held: dict, deepest: int, hot: bool) -> dict:
-        """``cost_r`` per candidate: :meth:`miss_cost` (a hot prefix of ``deepest`` blocks held
-        everywhere) plus the weighted queued work."""
-        cost = self.miss_cost(req, cands, held, deepest if hot else 0)
-        w, q = self.load_weight, self.hot_request_tokens if hot else 0.0
+    def _cost(self, req: RouteRequest, cands: list[str], held: dict, floor: int) -> dict:
+        """``cost_r`` per candidate: :meth:`miss_cost` (a hot prefix of ``floor`` blocks held
+        everywhere; 0: none) plus the weighted queued work."""
+        cost = self.miss_cost(req, cands, held, floor)
+        w, q = self.load_weight, self.hot_request_tokens if floor else 0.0
         for c in cands:
             ld = self.loads[c]
             cost[c] += w * (ld.prefill_tokens + q * ld.requests)
