@@ -44,7 +44,8 @@ class MemoryStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(len(b.payload) for b in self.data.values())
+        with self._lock:  # the I/O thread may be writing
+            return sum(len(b.payload) for b in self.data.values())
 
     def contains(self, keys: Sequence) -> list:
         with self._lock:
