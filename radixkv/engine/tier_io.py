@@ -8,8 +8,12 @@ in tier order which blocks they hold (``contains``), keeps the longest leading r
 holds and that is cheaper to load than to recompute (:class:`CostModel`), fetches it (``get``:
 each store verifies its bytes; here the tokens, the layout and the length are checked once more,
 and a block that fails any check ends the run) into one ``uint8`` tensor
-``[16 * blocks, token_bytes]`` (pinned when the pool is on a GPU). A write puts the blocks a store
-does not hold yet. A store's failure is a miss (counted), never an exception here.
+``[16 * blocks, token_bytes]`` (pinned when the pool is on a GPU); when every block the tiers
+hold was loaded, the tail after them (the partial block a sequence ended with, docs/tiers.md
+"Tails") is read from the first tier whose record shares ``c > 0`` tokens with the request's next
+ones, and its first ``c`` rows follow. A write puts the blocks a store does not hold yet, and its
+tail over whatever tail the store holds there. A store's failure is a miss (counted), never an
+exception here.
 
 Nothing here touches the pool, the cache or a request: the KV manager installs a finished load
 (the only code that moves slots) and the tier manager emits the events of finished writes.

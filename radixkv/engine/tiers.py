@@ -8,7 +8,10 @@ into the prefix cache as if computed, and hands this class the slots whose K/V t
 
 The unit is the 16-token block of :mod:`radixkv.cache.digests`; a block's key is (model
 fingerprint, namespace, chained digest) (:func:`model_fingerprint`, :class:`~radixkv.tiers.BlockKey`),
-so another model, dtype or namespace never reads it. A process-local namespace (no stable
+so another model, dtype or namespace never reads it; the partial block after a sequence's whole
+blocks is kept as a *tail* record, named by the tail digest of the block before it
+(:func:`~radixkv.cache.digests.tail_digest`) and served for the prefix its tokens share with a
+request's (docs/tiers.md, "Tails"). A process-local namespace (no stable
 serialization) is kept in the host tier only. The stores (``radixkv.tiers``) verify every block
 they return; :mod:`radixkv.engine.tier_io` checks it once more and runs all store I/O on its
 thread. Write policy per tier (``EngineConfig.kv_tier_write_policy``): write-through copies a
