@@ -33,7 +33,7 @@ SAMPLES = [
     "{'name': 'Ethan C. Carter', 'age': 25} stop {107: Logprob(logprob=-8.904",  # json_schema, logprobs=2
     "[0, 339, 340, 339] 382",  # the fan-out: cached tokens per request, prefill tokens of the call
     " Paris",  # LLM.select
-    "32 {'device': 0, 'host': 0, 'disk': 32, 'remote': 0}",  # a new engine on the disk tier's directory
+    "34 {'device': 0, 'host': 0, 'disk': 34, 'remote': 0}",  # a new engine on the disk tier's directory
     "tool_calls get_weather {'city': 'Paris'}",  # the grammar-forced tool call, its arguments parsed
     "name='A person' age=100 job='teacher'",  # the pydantic structured output
 ]

@@ -60,17 +60,19 @@ def test_write_through_then_a_new_engine_loads_the_exact_blocks(page_size):
     p = prompt(1, 100)
     first = generate(kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)]), [p])[0]
     assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == reference(p, 6)
-    # the new engine over the same store: the longest run of whole blocks below the last token
-    # (99 tokens -> 6 blocks), page-floored
+    # the new engine over the same store: every token below the last (99), page-floored: 6 whole
+    # blocks, then 3 tokens of the tail after them (the first engine's 105 computed tokens end
+    # with a 9-token tail)
     e = kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)])
     out = generate(e, [p])[0]
-    want = 96 // page_size * page_size
+    want = 99 // page_size * page_size
     assert out.num_cached_tokens == want
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}
     assert out.outputs[0].token_ids == reference(p, 6)
     s = e.cache_stats()
     assert s.cached_tokens_by_tier["disk"] == want and s.tiers["disk"]["served_tokens"] == want
-    assert s.tiers["disk"]["loaded"] == want // 16 + (1 if want % 16 else 0)
+    assert s.tiers["disk"]["loaded"] == 6
+    assert (s.tiers["disk"]["tails_loaded"], s.tiers["disk"]["tail_tokens"]) == ((1, 3) if want == 99 else (0, 0))
 
 
 def test_write_back_on_eviction_and_load_back_through_the_cached_head():
@@ -88,7 +90,7 @@ def test_write_back_on_eviction_and_load_back_through_the_cached_head():
     out = generate(e, [a], greedy(4))[0]
     by = out.cached_tokens_by_tier
     assert by["device"] == held.num_cached_tokens and by["device"] + by["host"] == out.num_cached_tokens
-    assert out.num_cached_tokens == 96 and by["host"] > 0
+    assert out.num_cached_tokens == 99 and by["host"] > 0  # blocks and the tail after them written back
     assert out.outputs[0].token_ids == reference(a, 4)
 
 
@@ -105,7 +107,7 @@ def test_requests_wait_for_their_blocks_without_stalling_others():
     assert [r.request_id for r in e.scheduler.waiting] == [r1] and e.kv.tier_waiting(e.scheduler.waiting[0])
     assert [o.request_id for o in first] == [r2]  # its first token, in the step the other waited
     done = run_all(e)
-    assert done[r1].cached_tokens_by_tier["disk"] == 80 and done[r1].outputs[0].token_ids == reference(p, 6)
+    assert done[r1].cached_tokens_by_tier["disk"] == 89 and done[r1].outputs[0].token_ids == reference(p, 6)
     assert done[r2].outputs[0].token_ids == reference(other, 6)
 
 
@@ -115,7 +117,7 @@ def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():
     p = prompt(7, 70)
     generate(e, [p], namespace="a")
     e.kv.tiers.drain()
-    assert all(len(s.data) == 4 for s in stores)
+    assert all(len(s.data) == 5 for s in stores)  # 4 blocks, the tail after them (11 tokens)
     assert e.reset_prefix_cache()
     other = generate(e, [p], namespace="b")[0]
     assert other.num_cached_tokens == 0  # the same tokens in another namespace: no block
@@ -123,10 +125,10 @@ def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():
     assert e.reset_prefix_cache()
     generate(e, [prompt(8, 70)], namespace=local)
     e.kv.tiers.drain()
-    assert [len(s.data) for s in stores] == [12, 8, 8]
+    assert [len(s.data) for s in stores] == [15, 10, 10]
     assert e.reset_prefix_cache()
     again = generate(e, [p], namespace="a")[0]
-    assert again.cached_tokens_by_tier["host"] == 64
+    assert again.cached_tokens_by_tier["host"] == 69
 
 
 def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
@@ -159,7 +161,7 @@ def test_a_tier_dearer_than_prefill_is_not_loaded():
     assert out.num_cached_tokens == 0 and e.cache_stats().tiers["disk"]["load_skipped"] == 6
     costs.prefill_token_s, costs.block_s["disk"] = 1e-3, 1e-6
     assert e.reset_prefix_cache()
-    assert generate(e, [p])[0].cached_tokens_by_tier["disk"] == 96
+    assert generate(e, [p])[0].cached_tokens_by_tier["disk"] == 99
 
 
 def test_prompt_logprobs_limit_what_is_loaded():
@@ -195,9 +197,9 @@ def test_flush_with_tiers_empties_the_owned_ones_only():
     generate(e, [prompt(13, 70)])
     assert e.reset_prefix_cache(tiers=False)
     e.kv.tiers.drain()
-    assert [len(s.data) for s in stores] == [4, 4, 4]
+    assert [len(s.data) for s in stores] == [5, 5, 5]  # 4 blocks and a tail
     assert e.reset_prefix_cache(tiers=True)
-    assert [len(s.data) for s in stores] == [0, 0, 4]
+    assert [len(s.data) for s in stores] == [0, 0, 5]
 
 
 def test_tier_writes_are_cache_events_with_their_medium():
@@ -225,10 +227,10 @@ def test_close_drains_and_closes_the_stores():
     disk = MemoryStore("disk")
     e = kv_engine(stores=[disk])
     generate(e, [prompt(16, 80)])
-    assert e.close() and disk.closed and len(disk.data) == 5
+    assert e.close() and disk.closed and len(disk.data) == 6  # 5 blocks and the 5-token tail
     assert e.close()  # idempotent
     out = generate(e, [prompt(17, 40)])[0]  # runs on without its tiers
-    assert out.outputs[0].token_ids == reference(prompt(17, 40), 6) and len(disk.data) == 5
+    assert out.outputs[0].token_ids == reference(prompt(17, 40), 6) and len(disk.data) == 6
 
 
 def test_bad_tier_settings_fail_at_start(tmp_path):
@@ -251,13 +253,14 @@ def test_explain_names_the_tier_holding_each_missed_span():
     head = p[:40]
     assert e.reset_prefix_cache()
     generate(e, [head + prompt(19, 5)])  # the pool holds 40 tokens of p again (computed)
-    keys, _, _ = e.kv.tiers._keys(None, p, 3, 4)
+    keys, _, _, _ = e.kv.tiers._keys(None, p, 3, 4)
     host.data[keys[0]] = disk.data[keys[0]]  # block 3 also in host, which is asked first
     loaded = e.cache_stats().tiers["disk"]["loaded"]
     o = e.explain(p)
-    assert o.num_cached_tokens == 40 and o.tier_spans == ((40, 48, "disk"), (48, 64, "host"), (64, 96, "disk"))
-    assert o.as_dict()["tier_spans"] == [[40, 48, "disk"], [48, 64, "host"], [64, 96, "disk"]]
-    assert "KV tiers hold disk [40, 48), host [48, 64), disk [64, 96)" in str(
+    # the tail after block 5 (p's 105 computed tokens end with 9) serves 96..99
+    assert o.num_cached_tokens == 40 and o.tier_spans == ((40, 48, "disk"), (48, 64, "host"), (64, 99, "disk"))
+    assert o.as_dict()["tier_spans"] == [[40, 48, "disk"], [48, 64, "host"], [64, 99, "disk"]]
+    assert "KV tiers hold disk [40, 48), host [48, 64), disk [64, 99)" in str(
         __import__("radixkv.engine.outcome", fromlist=["explain_text"]).explain_text(o, p, None)
     )
     assert e.cache_stats().tiers["disk"]["loaded"] == loaded  # a dry run: nothing loaded
@@ -281,7 +284,7 @@ def test_a_load_without_room_waits_for_it_and_is_installed_later():
         waited += 1
     done = {o.request_id: o for o in outs if o.finished}
     done.update(run_all(e))
-    assert waited > 1 and done[r].cached_tokens_by_tier["disk"] == 96
+    assert waited > 1 and done[r].cached_tokens_by_tier["disk"] == 99
     assert done[r].outputs[0].token_ids == reference(p, 6) and done[r_busy].outputs[0].token_ids == reference(busy, 30)
     pool_holds_its_tokens(e)
 
@@ -396,5 +399,5 @@ def test_tenants_are_isolated_in_the_host_and_disk_tiers(tmp_path, medium):
         assert out.num_cached_tokens == 0 and out.cached_tokens_by_tier == none, ns
     assert other.reset_prefix_cache()
     a = generate(other, [p], namespace=Namespace(tenant="A"))[0]
-    assert a.cached_tokens_by_tier == {**none, medium: 64} and a.outputs[0].token_ids == reference(p, 6)
+    assert a.cached_tokens_by_tier == {**none, medium: 69} and a.outputs[0].token_ids == reference(p, 6)
     assert other.cache_stats().tiers[medium]["corrupt"] == 0

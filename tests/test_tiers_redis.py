@@ -86,6 +86,31 @@ def test_round_trip_contains_and_exact_counters(redis_server, rclient):
     assert s.get(keys[:1], toks[:1]) == [None]
 
 
+def test_a_tail_record_round_trips_is_replaced_and_a_corrupt_one_is_a_miss(redis_server, rclient):
+    """A tail (1 to 15 tokens, docs/tiers.md "How it works") under its tail digest: read back with
+    any tokens (the record's returned), overwritten by the last writer, isolated by model and
+    namespace, and a truncated one is a counted miss, deleted."""
+    from radixkv.cache.digests import tail_digest
+    from radixkv.tiers import Block, BlockKey
+
+    keys, _, _ = _blocks(2, seed=150)
+    key = BlockKey(FP, keys[0].namespace, tail_digest(keys[-1].digest))
+    short, long = (Block(tuple(range(1, 1 + r)), payload_for(key, (r,), 64 * r), b"m") for r in (5, 12))
+    s = RedisStore(redis_server.url)
+    s.put([key], [short], replace=True)
+    got = s.get([key], [None])[0]
+    assert got.tokens == short.tokens and bytes(got.payload) == short.payload
+    assert s.get([key], [short.tokens]) == [short] and s.get([key], [long.tokens]) == [None]  # exact: checked
+    s.put([key], [short], replace=True)  # the exact check dropped it (corrupt for those tokens): again
+    s.put([key], [long], replace=True)
+    assert s.get([key], [None])[0].tokens == long.tokens  # the last writer wins
+    assert s.get([BlockKey(FP2, key.namespace, key.digest)], [None]) == [None]
+    assert s.get([BlockKey(FP, b"\x01other", key.digest)], [None]) == [None]
+    rclient.set(_name(key), rclient.get(_name(key))[:-3])
+    before = s.stats()["corrupt"]
+    assert s.get([key], [None]) == [None] and s.stats()["corrupt"] == before + 1 and not rclient.exists(_name(key))
+
+
 def test_ttl_is_set_and_refreshed_by_reads(redis_server, rclient):
     keys, toks, blocks = _blocks(2, seed=200)
     s = RedisStore(redis_server.url, ttl_s=600)
@@ -295,8 +320,9 @@ def test_two_processes_share_a_conversation_through_redis(redis_server, default_
     )
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
-    # process A cached prompt + reply[:-1]: its whole blocks went to Redis (write-through)
-    want = min((len(turn1) + len(reply) - 1) // 16, (len(turn2) - 1) // 16) * 16
+    # process A cached prompt + reply[:-1]: its whole blocks and the tail after them went to Redis
+    # (write-through); B reuses all of it
+    want = len(turn1) + len(reply) - 1
     assert got["cached"] == want and got["by"] == {"device": 0, "host": 0, "disk": 0, "remote": want}
     assert want / len(turn2) > 0.8
 
@@ -333,7 +359,7 @@ def test_redis_down_is_a_miss_and_back_up_it_serves_again(redis_server):
     assert e.kv.tiers.drain(60) and e.reset_prefix_cache()
     rid = e.add_request(p, params)
     out = run_all(e)[rid]
-    assert out.cached_tokens_by_tier["remote"] == 96 and out.outputs[0].token_ids == reference(p, 4)
+    assert out.cached_tokens_by_tier["remote"] == 99 and out.outputs[0].token_ids == reference(p, 4)
     assert e.cache_stats().tiers["remote"]["degraded"] is False
     pool_holds_its_tokens(e)
     e.close()

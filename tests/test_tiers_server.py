@@ -57,13 +57,15 @@ def test_cached_tokens_count_every_tier_and_flushes(setup):
     assert http.post("/flush_cache").json()["flushed"] is True  # the pool only
     again = _complete(http, ids)
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 96  # 6 blocks from the disk tier
-    assert again["sglext"] == {"cached_tokens_details": {"device": 0, "host": 96}}
+    # 6 blocks and 3 tokens of the tail after them from the disk tier
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 99
+    assert again["sglext"] == {"cached_tokens_details": {"device": 0, "host": 99}}
     stats = http.get("/cache_stats").json()
-    assert stats["cached_tokens_by_tier"]["disk"] == 96 and stats["tiers"]["disk"]["served_tokens"] == 96
+    assert stats["cached_tokens_by_tier"]["disk"] == 99 and stats["tiers"]["disk"]["served_tokens"] == 99
+    assert stats["tiers"]["disk"]["tail_tokens"] == 3
     text = http.get("/metrics").text
-    assert 'radixkv_kv_tier_served_tokens_total{tier="disk"} 96.0' in text
-    assert 'radixkv_cached_tokens_by_tier_total{tier="disk"} 96.0' in text
+    assert 'radixkv_kv_tier_served_tokens_total{tier="disk"} 99.0' in text
+    assert 'radixkv_cached_tokens_by_tier_total{tier="disk"} 99.0' in text
     assert 'radixkv_kv_tier_load_latency_seconds_count{tier="disk"}' in text
     assert 'radixkv_kv_tier_degraded{tier="remote"} 1.0' in text
     wait_idle(llm)
@@ -160,9 +162,9 @@ def test_tenants_of_api_keys_are_isolated_in_the_tiers(tmp_path):
     try:
         assert cached(server, "sk-b") == 0
         assert cached(server, "sk-a", cache_salt="s1") == 0
-        assert cached(server, "sk-a") == 96  # 6 whole blocks below the last prompt token, from disk
+        assert cached(server, "sk-a") == 99  # every token below the last prompt token, from disk
         wait_idle(llm)
-        assert llm.cache_stats().cached_tokens_by_tier["disk"] == 96
+        assert llm.cache_stats().cached_tokens_by_tier["disk"] == 99
     finally:
         server.stop()
         llm.shutdown()

@@ -6,6 +6,8 @@ namespaces), evictions of everything evictable to the tiers (write-back), pool f
 the write queue, a new engine over the same stores (a restart: the host tier is gone, the disk
 directory and the remote store stay), corrupting or truncating a stored disk file, and the remote
 tier going down and up again. Page sizes 1, 4 and 16; all three tiers, or one or two of them.
+Tails (the partial block after a sequence's whole blocks) are written and loaded like blocks, and
+the run must load some from every tier; a damaged disk file may be a tail's.
 
 The oracle is the fake model (tests/tier_fakes.KVRunner): every position's K/V encodes its token,
 its position and a chained hash of the tokens before it, the forward checks every position it
@@ -54,6 +56,7 @@ TIER_SETS = [("host", "disk", "remote"), ("host",), ("disk",), ("remote",), ("ho
 _rng = random.Random(0)
 STEMS = [[_rng.randrange(1, VOCAB) for _ in range(n)] for n in (40, 56, 23)]
 SERVED: Counter = Counter()  # tokens served by each tier over the whole run (the test's reach)
+TAILS: Counter = Counter()  # tail tokens loaded from each tier (tails: docs/tiers.md "How it works")
 
 
 class TiersMachine(RuleBasedStateMachine):
@@ -64,13 +67,19 @@ class TiersMachine(RuleBasedStateMachine):
         self.engine = None
         self.sent: list = []
 
+    def _count_tails(self) -> None:
+        for m, t in self.engine.kv.tiers.stats().items():
+            TAILS[m] += t["tail_tokens"]
+
     def teardown(self) -> None:
         if self.engine is not None:
+            self._count_tails()
             self.engine.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _new_engine(self) -> None:
         if self.engine is not None:
+            self._count_tails()
             assert self.engine.close()
         make = {
             "host": lambda: HostStore(HOST_BYTES),
@@ -196,6 +205,7 @@ class TiersMachine(RuleBasedStateMachine):
 
 def test_tiers_stateful():
     SERVED.clear()
+    TAILS.clear()
     run_state_machine_as_test(
         TiersMachine,
         settings=settings(
@@ -206,6 +216,8 @@ def test_tiers_stateful():
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
-    # the run reached every tier: each served requests (else the checks above proved little)
-    print(dict(SERVED))
+    # the run reached every tier: each served requests, tails included (else the checks above
+    # proved little: a tail loaded for other tokens or another prefix fails the fake forward)
+    print(dict(SERVED), dict(TAILS))
     assert SERVED["host"] > 0 and SERVED["disk"] > 0 and SERVED["remote"] > 0, SERVED
+    assert TAILS["host"] > 0 and TAILS["disk"] > 0 and TAILS["remote"] > 0, TAILS

@@ -67,8 +67,10 @@ def test_block_key_names_model_namespace_and_block():
 
 def test_block_checks_its_tokens_and_buffers():
     assert Block(list(range(16)), b"").tokens == tuple(range(16))
-    with pytest.raises(ValueError, match="16 token ids, got 15"):
-        Block(tuple(range(15)), b"")
+    assert Block(tuple(range(15)), b"").tokens == tuple(range(15))  # a tail: 1 to 15 tokens
+    for n in (0, 17):
+        with pytest.raises(ValueError, match=f"1 to 16 token ids, got {n}"):
+            Block(tuple(range(n)), b"")
     with pytest.raises(ValueError, match="int32"):
         Block((1 << 31,) + tuple(range(15)), b"")
     with pytest.raises(ValueError, match="payload must be bytes-like"):

@@ -44,7 +44,8 @@ class MemoryStore:
 
     @property
     def used_bytes(self) -> int:
-        return sum(len(b.payload) for b in self.data.values())
+        with self._lock:  # the I/O thread may be writing
+            return sum(len(b.payload) for b in self.data.values())
 
     def contains(self, keys: Sequence) -> list:
         with self._lock:
@@ -65,7 +66,7 @@ class MemoryStore:
                 if b is None:
                     self.counts["misses"] += 1
                     out.append(None)
-                elif k in self._bad or tuple(b.tokens) != tuple(t):
+                elif k in self._bad or (t is not None and tuple(b.tokens) != tuple(t)):
                     self.counts["corrupt"] += 1
                     del self.data[k]
                     self._bad.discard(k)
@@ -78,7 +79,7 @@ class MemoryStore:
                     out.append(b)
         return out
 
-    def put(self, keys: Sequence, blocks: Sequence[Block]) -> None:
+    def put(self, keys: Sequence, blocks: Sequence[Block], replace: bool = False) -> None:
         with self._lock:
             if self.failing:
                 self.counts["errors"] += 1

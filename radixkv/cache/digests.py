@@ -5,7 +5,8 @@ Block ``b`` of a sequence covers tokens ``[16 b, 16 b + 16)``. Its digest is
 digest of the namespace's stable serialization (:func:`radixkv.namespace.namespace_key`): a digest
 names a block *and its whole prefix* (as vLLM's block hashes and llm-d's KV events do), whatever
 the engine's page size, so consumers that never see tokens (a router) can compare what several
-engines hold. The same in every process and Python version for persistable namespaces (None, and
+engines hold. :func:`tail_digest` names the partial block after a digest (the KV tiers keep
+it). The same in every process and Python version for persistable namespaces (None, and
 ``Namespace`` values of str, bytes, int and tuples of those); a process-local namespace's digests
 name it within its process only.
 """
@@ -18,7 +19,7 @@ from typing import Hashable, Sequence
 
 from radixkv.namespace import namespace_key
 
-__all__ = ["BLOCK_TOKENS", "namespace_seed", "block_digests"]
+__all__ = ["BLOCK_TOKENS", "namespace_seed", "block_digests", "tail_digest"]
 
 BLOCK_TOKENS = 16
 _SIZE = 16
@@ -60,3 +61,12 @@ def block_digests(
         if b >= start:
             out.append(d)
     return out
+
+
+def tail_digest(parent: bytes) -> bytes:
+    """The name of the *tail* after ``parent`` (16 bytes): the partial block (1 to 15 tokens)
+    that follows the block whose chained digest is ``parent`` (or the namespace's seed, for a
+    tail at position 0). Domain-separated from every block digest (blake2b's personalization),
+    so a tail's name never equals a block's; chained like them over every earlier token and the
+    namespace, so a tail is found only after exactly the tokens it was computed after."""
+    return hashlib.blake2b(parent, digest_size=_SIZE, person=b"radixkv-tail").digest()

@@ -34,7 +34,6 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
-from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
@@ -825,8 +824,8 @@ class Engine:
         """The :class:`~radixkv.cache.outcome.CacheOutcome` the prompt would get if admitted now
         (driver thread). A dry run: a read-only ``peek`` of the prefix cache, nothing computed,
         locked or refreshed; the running requests count as ``in_flight``; with KV tiers, which
-        tier holds each missed whole block after the pool's match (``tier_spans``: the stores
-        are asked, nothing is loaded). ``namespace`` as for :meth:`add_request`
+        tier holds each missed whole block after the pool's match, and the tail after them
+        (``tier_spans``: the stores are asked, nothing is loaded). ``namespace`` as for :meth:`add_request`
         (``Namespace.of``)."""
         tracker = self.outcomes
         if tracker is None:  # outcomes off: no record of evictions, the rest is the same
@@ -836,7 +835,7 @@ class Engine:
         tiers = self.kv.tiers
         if tiers is None or not outcome.num_missed_tokens:
             return outcome
-        limit = (len(prompt_token_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS // self.kv.page_size * self.kv.page_size
+        limit = (len(prompt_token_ids) - 1) // self.kv.page_size * self.kv.page_size
         spans = tiers.where(ns, list(prompt_token_ids), outcome.num_cached_tokens, limit)
         return dataclasses.replace(outcome, tier_spans=tuple(spans))
 

@@ -304,17 +304,19 @@ class KVManager:
         self._seq += 1
         return self._seq
 
-    def _insert(self, tokens: List[int], slots: Any, namespace: Optional[Namespace], skip: tuple = ()) -> int:
+    def _insert(
+        self, tokens: List[int], slots: Any, namespace: Optional[Namespace], skip: tuple = (), tail: bool = True
+    ) -> int:
         """``cache.insert``; the blocks that became fully cached are written through to the tiers
-        (but those in ``skip``) and announced (:class:`CacheInserted`)."""
+        (but those in ``skip``), with the partial block after them (a tail, when ``tail`` and
+        something new was inserted), and announced (:class:`CacheInserted`)."""
         slots = slots if isinstance(slots, torch.Tensor) else _as_slots(slots)
         k = self.cache.insert(tokens, slots, namespace)
         n = len(tokens)
         first, stop = k // BLOCK_TOKENS, n // BLOCK_TOKENS
-        if self.tiers is not None and stop > first and self.tiers.through:
-            self.tiers.write(
-                "write_through", namespace, tokens, first, stop, slots[first * BLOCK_TOKENS : stop * BLOCK_TOKENS], skip
-            )
+        r = n - stop * BLOCK_TOKENS if tail and n > k else 0
+        if self.tiers is not None and (stop > first or r) and self.tiers.through:
+            self.tiers.write("write_through", namespace, tokens, first, stop, slots[first * BLOCK_TOKENS : n], skip, r)
         if self.shares and self.events.wants(CacheInserted) and n > k:
             digests = tuple(block_digests(tokens, namespace, first, stop)) if stop > first else ()
             self.events.emit(
@@ -356,7 +358,8 @@ class KVManager:
 
     def _write_back(self, pieces: list, freed: Any) -> None:
         """Queue the whole 16-token blocks of evicted ``pieces`` (``(namespace, path, start)`` in
-        the order ``freed`` holds their slots) for the write-back tiers. A block's head may lie
+        the order ``freed`` holds their slots), and the tail after them (unless another piece
+        continues the path), for the write-back tiers. A block's head may lie
         before its piece: in a piece evicted by the same call, or still cached (read without
         touching the tree's order)."""
         ends: dict = {}
@@ -378,16 +381,19 @@ class KVManager:
             h = head(ns, path, lo, start)
             return None if h is None else torch.cat([torch.as_tensor(h), torch.as_tensor(sl)])
 
+        continued = {(ns, path[: start << 2]) for ns, path, start in pieces}
         for ns, path, start in pieces:
             end = len(path) >> 2
             first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
-            if stop <= first:
+            # the tail after the last whole block, unless a piece of this call continues the path
+            r = 0 if (ns, path) in continued else end - stop * BLOCK_TOKENS
+            if stop <= first and not r:
                 continue
-            lo, hi = first * BLOCK_TOKENS, stop * BLOCK_TOKENS
-            own = torch.as_tensor(ends[(ns, path)][1][max(lo, start) - start : hi - start])
+            lo = first * BLOCK_TOKENS
+            own = torch.as_tensor(ends[(ns, path)][1][max(lo, start) - start :])
             h = head(ns, path, lo, start) if lo < start else own[:0]
             if h is not None:
-                self.tiers.write("write_back", ns, path, first, stop, torch.cat([torch.as_tensor(h), own]))
+                self.tiers.write("write_back", ns, path, first, stop, torch.cat([torch.as_tensor(h), own]), tail=r)
 
     # ------------------------------------------------------------------ in-batch sharing
     def begin_batch(self) -> None:
@@ -560,8 +566,8 @@ class KVManager:
             return
         _, writes = tiers.take_finished()  # loads: each request's own job says when it is done
         if writes and self.events.wants(CacheInserted):
-            for w in writes:
-                for medium in w.stored:
+            for w in writes:  # NOTE: tails are not announced: a consumer names whole blocks only
+                for medium in w.stored if w.digests else ():
                     self.events.emit(
                         CacheInserted(
                             seq=self._next_seq(),
@@ -603,7 +609,7 @@ class KVManager:
         req.tier = hold = TierHold(start=start)
         if old is not None:
             hold.spans = [(lo, min(hi, start), m) for lo, hi, m in old.spans if lo < start]
-        limit = self._reusable(req) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
+        limit = self._reusable(req) // self.page_size * self.page_size
         if limit > start:
             hold.job = self.tiers.plan(req.namespace, req.all_token_ids, start, limit, req)
             hold.limit = limit
@@ -640,7 +646,8 @@ class KVManager:
             raise RuntimeError(f"allocator refused {need} slots after ensure_free")
         scatter_rows(self.tiers.pool, new, job.rows[m.length - base : end - base])
         tokens = req.all_token_ids[:end]
-        k = self._insert(tokens, torch.cat([m.slots, torch.as_tensor(new)]), req.namespace, tuple(set(job.media)))
+        slots = torch.cat([m.slots, torch.as_tensor(new)])
+        k = self._insert(tokens, slots, req.namespace, tuple(set(job.media)), tail=False)
         if k > m.length:
             self.allocator.free(new[: k - m.length])
         got = self.cache.match_prefix(tokens, req.namespace)
@@ -651,8 +658,11 @@ class KVManager:
         hold.node, hold.held, hold.start = got.node, end - m.length, end
         self.tiers.held_tokens += hold.held
         self._tier_held[id(req)] = req
-        for b, medium in enumerate(job.media):
-            lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, base + BLOCK_TOKENS * (b + 1))
+        ends = [(base + BLOCK_TOKENS * (b + 1), medium) for b, medium in enumerate(job.media)]
+        if job.tail_medium is not None:
+            ends.append((base + job.rows.shape[0], job.tail_medium))
+        for b, (stop, medium) in enumerate(ends):
+            lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, stop)
             if hi > lo:
                 hold.spans.append((lo, hi, medium))
 

@@ -8,8 +8,12 @@ in tier order which blocks they hold (``contains``), keeps the longest leading r
 holds and that is cheaper to load than to recompute (:class:`CostModel`), fetches it (``get``:
 each store verifies its bytes; here the tokens, the layout and the length are checked once more,
 and a block that fails any check ends the run) into one ``uint8`` tensor
-``[16 * blocks, token_bytes]`` (pinned when the pool is on a GPU). A write puts the blocks a store
-does not hold yet. A store's failure is a miss (counted), never an exception here.
+``[16 * blocks, token_bytes]`` (pinned when the pool is on a GPU); when every block the tiers
+hold was loaded, the tail after them (the partial block a sequence ended with, docs/tiers.md
+"Tails") is read from the first tier whose record shares ``c > 0`` tokens with the request's next
+ones, and its first ``c`` rows follow. A write puts the blocks a store does not hold yet, and its
+tail over whatever tail the store holds there. A store's failure is a miss (counted), never an
+exception here.
 
 Nothing here touches the pool, the cache or a request: the KV manager installs a finished load
 (the only code that moves slots) and the tier manager emits the events of finished writes.
@@ -51,6 +55,12 @@ class LoadJob:
         media: (I/O thread) the tier each loaded block came from.
         done, cancelled: finished by the I/O thread / given up by the engine thread.
         owner: what the engine side waits on it for (a request).
+        tail_keys: ``tail_keys[i]``: the key of the tail after block ``first + i - 1`` (after
+            the ``i`` leading blocks; ``len(keys) + 1`` of them, or none: no tail looked up).
+        ahead: the request's token ids from position ``16 first`` up to its limit: a tail
+            serves the prefix its tokens share with them.
+        tail_medium: (I/O thread) the tier the tail came from (its rows follow the blocks' in
+            ``rows``), or None.
     """
 
     keys: list
@@ -58,8 +68,11 @@ class LoadJob:
     first: int
     stores: list
     owner: Any = None
+    tail_keys: list = field(default_factory=list)
+    ahead: tuple = ()
     rows: Optional[torch.Tensor] = None
     media: List[str] = field(default_factory=list)
+    tail_medium: Optional[str] = None
     done: bool = False
     cancelled: bool = False
 
@@ -70,8 +83,10 @@ class WriteJob:
 
     Attributes:
         namespace: their namespace (events); keys, tokens, digests: per block, in order from
-            block ``first``; rows: ``uint8 [16 * n, token_bytes]`` on the CPU; stores: where to
-            put them; stored: (I/O thread) the media that hold all of them afterwards.
+            block ``first``; rows: ``uint8 [16 * n + len(tail_tokens), token_bytes]`` on the
+            CPU; stores: where to put them; stored: (I/O thread) the media that hold all the
+            blocks afterwards. tail_key, tail_tokens: the tail after the last block (1 to 15
+            tokens, its rows last in ``rows``; written over any tail held there), or None / ().
     """
 
     namespace: Any
@@ -82,6 +97,8 @@ class WriteJob:
     rows: torch.Tensor
     stores: list
     stored: List[str] = field(default_factory=list)
+    tail_key: Any = None
+    tail_tokens: tuple = ()
 
     @property
     def nbytes(self) -> int:
@@ -91,7 +108,8 @@ class WriteJob:
 class TierCounters:
     """What the engine side counts per tier (beside the store's own ``stats()``): blocks looked
     up (``lookups``), ``found``, ``loaded``, ``load_rejected`` (wrong tokens, layout or length
-    after the store's checks) or ``load_skipped`` (found but dearer to load than to recompute),
+    after the store's checks; tails included) or ``load_skipped`` (found but dearer to load than
+    to recompute), tails loaded (``tails_loaded``) and the tokens of them used (``tail_tokens``),
     blocks whose write was dropped (``write_dropped``: the backlog was full), prompt tokens
     served to requests (``served_tokens``), and the load-latency histogram
     (:data:`LATENCY_BUCKETS`, one observation per ``get`` call). Updated under the I/O lock."""
@@ -102,6 +120,8 @@ class TierCounters:
         "loaded",
         "load_rejected",
         "load_skipped",
+        "tails_loaded",
+        "tail_tokens",
         "write_dropped",
         "served_tokens",
         "buckets",
@@ -110,7 +130,7 @@ class TierCounters:
 
     def __init__(self) -> None:
         self.lookups = self.found = self.loaded = self.load_rejected = self.load_skipped = 0
-        self.write_dropped = self.served_tokens = 0
+        self.write_dropped = self.served_tokens = self.tails_loaded = self.tail_tokens = 0
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.lat_sum = 0.0
 
@@ -142,8 +162,9 @@ class CostModel:
     def _ewma(self, old: Optional[float], x: float) -> float:
         return x if old is None else (1 - self.alpha) * old + self.alpha * x
 
-    def note_load(self, medium: str, seconds: float, blocks: int) -> None:
-        """``blocks`` blocks came from ``medium`` in ``seconds`` (fetch, checks and staging)."""
+    def note_load(self, medium: str, seconds: float, blocks: float) -> None:
+        """``blocks`` blocks came from ``medium`` in ``seconds`` (fetch, checks and staging; a
+        tail of ``r`` tokens counts ``r / 16``)."""
         if blocks > 0:
             with self._lock:
                 self.block_s[medium] = self._ewma(self.block_s.get(medium), seconds / blocks)
@@ -158,6 +179,10 @@ class CostModel:
         """Seconds per token to load from ``medium`` (None: not measured yet)."""
         b = self.block_s.get(medium)
         return None if b is None else b / BLOCK_TOKENS
+
+    def saves(self, medium: str) -> bool:
+        """Whether loading from ``medium`` is cheaper per token than recomputing."""
+        return self.prefill_token_s is None or BLOCK_TOKENS * self.prefill_token_s > self.block_s.get(medium, 0.0)
 
     def best_run(self, media: List[str]) -> int:
         """How many leading blocks of a run held in ``media`` (per block) to load: the prefix
@@ -374,22 +399,61 @@ class TierIO:
                 self.counters[s.medium].load_skipped += 1
         got = self._fetch(job, where, k) if k else []
         n = next((i for i, g in enumerate(got) if g is None), len(got))
+        tail = self._tail(job, n) if n == run else None
+        c = 0 if tail is None else tail[1]
         tb = self.token_bytes
-        rows = torch.empty((BLOCK_TOKENS * n, tb), dtype=torch.uint8, pin_memory=self.pin_memory and n > 0)
+        rows = torch.empty((BLOCK_TOKENS * n + c, tb), dtype=torch.uint8, pin_memory=self.pin_memory and n + c > 0)
         view = rows.numpy()
         for i in range(n):
             block = got[i][0]
             view[BLOCK_TOKENS * i : BLOCK_TOKENS * (i + 1)] = np.frombuffer(block.payload, np.uint8).reshape(
                 BLOCK_TOKENS, tb
             )
+        if tail is not None:
+            view[BLOCK_TOKENS * n :] = np.frombuffer(tail[0].payload, np.uint8).reshape(-1, tb)[:c]
+            job.tail_medium = tail[2]
         job.rows, job.media = rows, [g[1] for g in got[:n]]
+
+    def _tail(self, job: LoadJob, n: int) -> Optional[tuple]:
+        """``(block, c, medium)``: the tail after the ``n`` leading blocks of ``job`` from the
+        first tier (where loading saves time) whose record shares ``c > 0`` leading tokens with
+        the request's next ones, checked (layout, length); None when no tier has one."""
+        want = tuple(job.ahead[BLOCK_TOKENS * n : BLOCK_TOKENS * (n + 1)])
+        if n >= len(job.tail_keys) or not want:
+            return None
+        for store in job.stores:
+            if not self.costs.saves(store.medium):
+                continue
+            t0 = time.perf_counter()
+            try:
+                b = store.get([job.tail_keys[n]], [None])[0]
+            except Exception:  # noqa: BLE001 - a store that fails is a miss
+                logger.exception("KV tier %s: get failed", store.medium)
+                b = None
+            if b is None:
+                continue
+            r = len(b.tokens)
+            c = next((i for i, (x, y) in enumerate(zip(b.tokens, want)) if x != y), min(r, len(want)))
+            ok = bytes(b.meta) == self.meta and memoryview(b.payload).nbytes == r * self.token_bytes
+            dt = time.perf_counter() - t0
+            counters = self.counters[store.medium]
+            with self._cv:
+                counters.observe(dt)
+                counters.load_rejected += not ok
+                counters.tails_loaded += ok and c > 0
+                counters.tail_tokens += c if ok else 0
+            if ok:
+                self.costs.note_load(store.medium, dt, r / BLOCK_TOKENS)
+                if c:
+                    return b, c, store.medium
+        return None
 
     def _write(self, job: WriteJob) -> None:
         view = job.rows.numpy()
         n = len(job.keys)
         for store in job.stores:
             try:
-                present = list(store.contains(job.keys))
+                present = list(store.contains(job.keys)) if n else []
                 idx = [i for i in range(n) if not present[i]]
                 if idx:
                     blocks = [
@@ -399,6 +463,9 @@ class TierIO:
                         for i in idx
                     ]
                     store.put([job.keys[i] for i in idx], blocks)
+                if job.tail_key is not None:
+                    tail = Block(job.tail_tokens, view[BLOCK_TOKENS * n :].tobytes(), self.meta)
+                    store.put([job.tail_key], [tail], replace=True)
                 job.stored.append(store.medium)
             except Exception:  # noqa: BLE001 - a store that fails loses the write (counted by it)
                 logger.exception("KV tier %s: put failed", store.medium)

@@ -8,7 +8,10 @@ into the prefix cache as if computed, and hands this class the slots whose K/V t
 
 The unit is the 16-token block of :mod:`radixkv.cache.digests`; a block's key is (model
 fingerprint, namespace, chained digest) (:func:`model_fingerprint`, :class:`~radixkv.tiers.BlockKey`),
-so another model, dtype or namespace never reads it. A process-local namespace (no stable
+so another model, dtype or namespace never reads it; the partial block after a sequence's whole
+blocks is kept as a *tail* record, named by the tail digest of the block before it
+(:func:`~radixkv.cache.digests.tail_digest`) and served for the prefix its tokens share with a
+request's (docs/tiers.md, "Tails"). A process-local namespace (no stable
 serialization) is kept in the host tier only. The stores (``radixkv.tiers``) verify every block
 they return; :mod:`radixkv.engine.tier_io` checks it once more and runs all store I/O on its
 thread. Write policy per tier (``EngineConfig.kv_tier_write_policy``): write-through copies a
@@ -31,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import TIER_MEDIA
 from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob
 from radixkv.memory.kv_io import gather_rows, layout_of
@@ -204,35 +207,41 @@ class TierManager:
         return [s for s in stores if s.medium not in SHARED_MEDIA]
 
     def _keys(self, namespace: Optional[Namespace], tokens: Any, first: int, stop: int) -> tuple:
-        """``(keys, token tuples, digests)`` of blocks ``[first, stop)`` of ``tokens`` (ids, or
-        their int32 bytes)."""
+        """``(keys, token tuples, digests, tail keys)`` of blocks ``[first, stop)`` of ``tokens``
+        (ids, or their int32 bytes); ``tail keys[i]``: the key of the tail after block
+        ``first + i - 1`` (``stop - first + 1`` of them)."""
         if isinstance(tokens, (bytes, bytearray)):
             tokens = array("i", tokens)
         ns = namespace_key(namespace)
-        digests = block_digests(tokens, namespace, first, stop)
+        chain = block_digests(tokens, namespace, first - 1, stop) if first else [namespace_seed(namespace)]
+        digests = chain[1:] if first else block_digests(tokens, namespace, 0, stop)
         keys = [BlockKey(self.fingerprint, ns, d) for d in digests]
         toks = [tuple(tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]) for b in range(first, stop)]
-        return keys, toks, digests
+        tails = [BlockKey(self.fingerprint, ns, tail_digest(d)) for d in chain[:1] + digests]
+        return keys, toks, digests, tails
 
     # ------------------------------------------------------------------ loads
     def plan(
         self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int, owner: Any = None
     ) -> Optional[LoadJob]:
         """Start looking up the blocks after the ``start`` tokens the pool holds, up to position
-        ``limit`` (page-floored by the caller) for ``owner``: a :class:`LoadJob` submitted to the I/O thread, or
-        None when no tier can serve a whole block there (the local tiers do not hold the first
-        one; with a remote tier the I/O thread always asks)."""
+        ``limit`` (page-floored by the caller), then the tail after the last of them the tiers
+        hold, for ``owner``: a :class:`LoadJob` submitted to the I/O thread, or None when no tier
+        can serve a token there (the local tiers hold neither the first block nor the tail
+        before it; with a remote tier the I/O thread always asks)."""
         first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
         stores = self._stores_for(namespace, self.stores)
-        if self._closed or stop <= first or BLOCK_TOKENS * stop <= start or not stores:
+        if self._closed or limit <= start or not stores:
             return None
-        keys, toks, _ = self._keys(namespace, tokens, first, stop)
+        keys, toks, _, tails = self._keys(namespace, tokens, first, stop)
         if all(s.medium != "remote" for s in stores):
-            if not any(_contains_one(s, keys[0]) for s in stores):
+            probe = keys[:1] + tails[:1]
+            if not any(_contains_one(s, k) for s in stores for k in probe):
                 for s in stores:
-                    self.counters[s.medium].lookups += 1
+                    self.counters[s.medium].lookups += len(keys[:1])
                 return None
-        job = LoadJob(keys, toks, first, stores, owner)
+        ahead = tuple(tokens[BLOCK_TOKENS * first : limit])
+        job = LoadJob(keys, toks, first, stores, owner, tail_keys=tails, ahead=ahead)
         self.io.submit_load(job)
         return job
 
@@ -257,30 +266,41 @@ class TierManager:
         stop: int,
         slots: Any,
         skip: Sequence[str] = (),
+        tail: int = 0,
     ) -> None:
-        """Copy the K/V of blocks ``[first, stop)`` of ``tokens`` (their pool ``slots``, one per
-        token of ``[16 first, 16 stop)``) out of the pool now and queue their write to the tiers
-        with ``policy`` ("write_through" or "write_back"), except the media in ``skip``."""
-        if self._closed or stop <= first:
+        """Copy the K/V of blocks ``[first, stop)`` of ``tokens`` and of the ``tail`` (0 to 15)
+        tokens after them (their pool ``slots``, one per token of ``[16 first, 16 stop +
+        tail)``) out of the pool now and queue their write to the tiers with ``policy``
+        ("write_through" or "write_back"), except the media in ``skip``. The tail is stored
+        under the key of the tail after block ``stop - 1``, replacing the one held there."""
+        if self._closed or (stop <= first and not tail):
             return
         stores = self.through if policy == "write_through" else self.back
         stores = [s for s in self._stores_for(namespace, stores) if s.medium not in skip]
         if not stores:
             return
+        if isinstance(tokens, (bytes, bytearray)):
+            tokens = array("i", tokens)
         rows = gather_rows(self.pool, slots)
-        keys, toks, digests = self._keys(namespace, tokens, first, stop)
-        self.io.submit_write(WriteJob(namespace, keys, toks, digests, first, rows, stores))
+        keys, toks, digests, tails = self._keys(namespace, tokens, first, stop)
+        job = WriteJob(namespace, keys, toks, digests, first, rows, stores)
+        if tail:
+            end = BLOCK_TOKENS * stop
+            job.tail_key, job.tail_tokens = tails[-1], tuple(tokens[end : end + tail])
+        self.io.submit_write(job)
 
     # ------------------------------------------------------------------ inspection
     def where(self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int) -> List[tuple]:
         """``(lo, hi, medium)`` spans of the positions after ``start`` that the tiers hold now
-        (the first tier holding each block; up to the first block none holds, ``limit`` at most).
-        Asks the stores on this thread (``explain``: a dry run, nothing loaded)."""
+        (the first tier holding each block; up to the first block none holds, ``limit`` at most;
+        then the part of the tail after those blocks that the first tier holding one shares with
+        ``tokens``). Asks the stores on this thread (``explain``: a dry run, nothing loaded; a
+        tail is read to compare its tokens)."""
         first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
         stores = self._stores_for(namespace, self.stores)
-        if stop <= first or not stores:
+        if limit <= start or not stores:
             return []
-        keys, _, _ = self._keys(namespace, tokens, first, stop)
+        keys, _, _, tails = self._keys(namespace, tokens, first, stop)
         where: list = [None] * len(keys)
         for s in stores:
             idx = [i for i, w in enumerate(where) if w is None]
@@ -291,11 +311,17 @@ class TierManager:
             for i, p in zip(idx, present):
                 if p:
                     where[i] = s.medium
+        run = next((i for i, m in enumerate(where) if m is None), len(where))
         spans: List[tuple] = []
-        for i, m in enumerate(where):
-            if m is None:
-                break
-            lo, hi = max(start, BLOCK_TOKENS * (first + i)), BLOCK_TOKENS * (first + i + 1)
+        at = BLOCK_TOKENS * (first + run)
+        found = [(BLOCK_TOKENS * (first + i + 1), m) for i, m in enumerate(where[:run])]
+        c, m = _peek_tail(stores, tails[run], tokens[at:limit])
+        if c:
+            found.append((at + c, m))
+        for hi, m in found:
+            lo = max(start, spans[-1][1] if spans else 0, hi - BLOCK_TOKENS)
+            if hi <= lo:
+                continue
             if spans and spans[-1][2] == m and spans[-1][1] == lo:
                 spans[-1] = (spans[-1][0], hi, m)
             else:
@@ -352,6 +378,22 @@ class TierManager:
             except Exception:  # noqa: BLE001 - closing: report, go on with the others
                 logger.exception("closing the %s KV tier failed", s.medium)
         return done
+
+
+def _peek_tail(stores: Sequence[Any], key: BlockKey, want: Sequence[int]) -> tuple:
+    """``(c, medium)``: the tokens the first store's tail under ``key`` shares with ``want``
+    (``(0, None)``: none shares any)."""
+    want = tuple(want[:BLOCK_TOKENS])
+    for s in stores if want else ():
+        try:
+            b = s.get([key], [None])[0]
+        except Exception:  # noqa: BLE001 - a failing tier holds nothing
+            b = None
+        if b is not None:
+            c = next((i for i, (x, y) in enumerate(zip(b.tokens, want)) if x != y), min(len(b.tokens), len(want)))
+            if c:
+                return c, s.medium
+    return 0, None
 
 
 def _contains_one(store: Any, key: BlockKey) -> bool:

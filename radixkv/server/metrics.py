@@ -26,7 +26,8 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   tokens by where they came from: ``device`` the pool, or a KV tier) and, per KV tier
   (docs/tiers.md; label ``tier``: host, disk, remote), the store's counters
   ``radixkv_kv_tier_{hits,misses,blocks_read,blocks_written,bytes_read,bytes_written,corrupt,errors}_total``,
-  the engine's ``radixkv_kv_tier_{lookups,blocks_found,blocks_loaded,load_rejected,load_skipped,write_dropped,served_tokens}_total``,
+  the engine's ``radixkv_kv_tier_{lookups,blocks_found,blocks_loaded,load_rejected,load_skipped,write_dropped,served_tokens}_total``
+  and ``radixkv_kv_tier_{tails_loaded,tail_tokens}_total`` (tails: a sequence's last partial block),
   the gauges ``radixkv_kv_tier_{used,capacity}_bytes`` and ``radixkv_kv_tier_degraded`` (1 while
   the tier fails: every lookup there is a miss), and the histogram
   ``radixkv_kv_tier_load_latency_seconds`` (one ``get`` call); speculative decoding's
@@ -131,6 +132,8 @@ _TIER_COUNTERS = (
     ("load_skipped", "load_skipped", "Blocks held by a KV tier but not loaded: recomputing them was cheaper."),
     ("write_dropped", "write_dropped", "Blocks whose write to a KV tier was dropped (write backlog full)."),
     ("served_tokens", "served_tokens", "Prompt tokens a KV tier served to requests."),
+    ("tails_loaded", "tails_loaded", "Tail records (a sequence's last partial block) loaded from a KV tier."),
+    ("tail_tokens", "tail_tokens", "Tokens of the tail records loaded from a KV tier."),
 )
 
 

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
-from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
 from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes
@@ -244,11 +243,12 @@ class CacheSimulator:
         self.capacity = capacity
         self.events = EventBus()
         self._ctx = 4096
-        self.kv = KVManager(cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events)
-        self.tracker = OutcomeTracker(cache, self.events, max_evicted_blocks) if outcomes else None
         self.tiers = TierModel(tiers) if tiers else None
-        if self.tiers is not None:
-            self.tiers.attach(self.events)
+        # NOTE: the tier model is the KV manager's tiers: it hears the engine's own tier writes
+        self.kv = KVManager(
+            cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events, tiers=self.tiers
+        )
+        self.tracker = OutcomeTracker(cache, self.events, max_evicted_blocks) if outcomes else None
         self._params = SamplingParams()
         self._n = 0
 
@@ -287,8 +287,8 @@ class CacheSimulator:
         if self.tracker is not None:
             self.tracker.on_admit(r, prefix.length, ())
         loaded: dict = {}
-        if self.tiers is not None and kv.shares:  # the engine's limit: whole blocks below the last token
-            limit = (n - 1) // BLOCK_TOKENS * BLOCK_TOKENS // self.page_size * self.page_size
+        if self.tiers is not None and kv.shares:  # the engine's limit: below the last token
+            limit = (n - 1) // self.page_size * self.page_size
             spans = self.tiers.lookup(r.namespace, tokens, prefix.length, limit, self.page_size)
             for a, b, m in spans:
                 loaded[m] = loaded.get(m, 0) + b - a

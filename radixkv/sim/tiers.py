@@ -1,22 +1,28 @@
 """KV tiers in the cache simulator: each tier a capacity of 16-token blocks, least recently used
 first, fed by the simulated pool's cache events (docs/tiers.md).
 
-A tier holds block digests (:mod:`radixkv.cache.digests`: chained, namespace-seeded): a
-write-through tier takes every block that becomes fully cached in the pool
-(:class:`~radixkv.engine.events.CacheInserted`), a write-back tier every block the pool evicts
-(:class:`~radixkv.engine.events.CacheEvicted`), as the engine's tiers do. A request's lookup, after
-the pool's match, takes the longest run of following whole blocks that some tier holds (in tier
-order, each block from the first tier holding it; the run refreshed there), page-floored, below
-its last token: what the engine would load (the cost rule aside: the simulator counts every
-held block as loaded). It models what a tier holds, not how long it takes.
+A tier holds block digests (:mod:`radixkv.cache.digests`: chained, namespace-seeded) and tails
+(the partial block after a sequence's whole blocks, under its
+:func:`~radixkv.cache.digests.tail_digest`, with its tokens; one entry of the capacity each). The
+simulator hands the model to its KV manager as its tiers, so the model hears the engine's own
+writes (:meth:`TierModel.write`): a write-through tier takes every block that becomes fully
+cached in the pool and the tail after them, a write-back tier every block the pool evicts and
+the tail of each evicted path. (:meth:`TierModel.attach` follows the pool's cache events instead:
+blocks only.) A request's lookup, after the pool's match, takes the longest run of following
+whole blocks that some tier holds (in tier order, each block from the first tier holding it; the
+run refreshed there), then the part of the tail after them that the first tier holding one
+shares with the request's tokens, page-floored, below its last token: what the engine would
+load (the cost rule aside: the simulator counts every held block as loaded). It models what a
+tier holds, not how long it takes.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence
 
-from radixkv.cache.digests import BLOCK_TOKENS, block_digests
+from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
 from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
 
@@ -45,16 +51,45 @@ class TierModel:
         self.held: Dict[str, OrderedDict] = {m: OrderedDict() for m in self.blocks}
         self.through = [m for m in self.held if policy[m] == "write_through"]
         self.back = [m for m in self.held if policy[m] == "write_back"]
+        self.held_tokens = 0  # the KV manager's view: nothing is ever installed and held
+
+    @property
+    def writes_back(self) -> bool:
+        """Whether some tier is written when the pool evicts."""
+        return bool(self.back)
+
+    def write(
+        self,
+        policy: str,
+        namespace: Any,
+        tokens: Any,
+        first: int,
+        stop: int,
+        slots: Any = None,
+        skip: Sequence[str] = (),
+        tail: int = 0,
+    ) -> None:
+        """The engine's tier write (:meth:`radixkv.engine.tiers.TierManager.write`): blocks
+        ``[first, stop)`` of ``tokens`` (ids or their int32 bytes) and the ``tail`` tokens after
+        them go to the ``policy`` tiers (but ``skip``); ``slots`` is ignored."""
+        media = [m for m in (self.through if policy == "write_through" else self.back) if m not in skip]
+        if isinstance(tokens, (bytes, bytearray)):
+            tokens = array("i", tokens)
+        if stop > first:
+            self._put(media, block_digests(tokens, namespace, first, stop))
+        if tail:
+            key = _tail_key(namespace, tokens, stop)
+            self._put(media, [key], tuple(tokens[BLOCK_TOKENS * stop : BLOCK_TOKENS * stop + tail]))
 
     def attach(self, events: EventBus) -> None:
         """Follow the pool's cache events on ``events``."""
         events.subscribe(self._on_event, (CacheInserted, CacheEvicted))
 
-    def _put(self, media: Sequence[str], digests: Sequence[bytes]) -> None:
+    def _put(self, media: Sequence[str], digests: Sequence[bytes], value: Any = None) -> None:
         for m in media:
             held, cap = self.held[m], self.blocks[m]
             for d in digests:
-                held[d] = None
+                held[d] = value
                 held.move_to_end(d)
             while len(held) > cap:
                 held.popitem(last=False)
@@ -69,7 +104,7 @@ class TierModel:
         """``(lo, hi, medium)`` spans of ``tokens`` after the ``start`` the pool holds, up to
         position ``limit`` (exclusive; page-floored here), that the tiers would serve."""
         first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
-        if stop <= first or not self.held:
+        if limit <= start or not self.held:
             return []
         media: List[str] = []
         for d in block_digests(tokens, namespace, first, stop):
@@ -78,10 +113,15 @@ class TierModel:
                 break
             self.held[m].move_to_end(d)
             media.append(m)
-        end = BLOCK_TOKENS * (first + len(media)) // page_size * page_size
+        at = BLOCK_TOKENS * (first + len(media))
+        ends = [BLOCK_TOKENS * (first + i + 1) for i in range(len(media))]
+        c, m = self._tail(namespace, tokens, first + len(media), tuple(tokens[at:limit]))
+        if c:
+            media, ends = media + [m], ends + [at + c]
+        end = (ends[-1] if ends else 0) // page_size * page_size
         spans: List[tuple] = []
         for i, m in enumerate(media):  # each block's own positions, as the engine counts them
-            lo, hi = max(start, BLOCK_TOKENS * (first + i)), min(end, BLOCK_TOKENS * (first + i + 1))
+            lo, hi = max(start, BLOCK_TOKENS * (first + i)), min(end, ends[i])
             if hi <= lo:
                 continue
             if spans and spans[-1][2] == m and spans[-1][1] == lo:
@@ -89,3 +129,26 @@ class TierModel:
             else:
                 spans.append((lo, hi, m))
         return spans
+
+    def _tail(self, namespace: Any, tokens: Sequence[int], b: int, want: tuple) -> tuple:
+        """``(c, medium)``: the tokens of ``want`` that the tail after block ``b - 1`` held by the
+        first tier holding one that shares any shares (refreshed there); ``(0, None)``: none."""
+        want = want[:BLOCK_TOKENS]
+        key = _tail_key(namespace, tokens, b) if want else None
+        for m in self.held if want else ():
+            held = self.held[m].get(key)
+            c = (
+                next((i for i, (x, y) in enumerate(zip(held, want)) if x != y), min(len(held), len(want)))
+                if held
+                else 0
+            )
+            if c:
+                self.held[m].move_to_end(key)
+                return c, m
+        return 0, None
+
+
+def _tail_key(namespace: Any, tokens: Sequence[int], b: int) -> bytes:
+    """The name of the tail after block ``b - 1`` of ``tokens`` (``b`` 0: the namespace's seed)."""
+    parent = block_digests(tokens, namespace, b - 1, b)[0] if b else namespace_seed(namespace)
+    return tail_digest(parent)

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 from radixkv.cache.digests import BLOCK_TOKENS
 
@@ -89,10 +89,11 @@ class BlockKey:
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """One 16-token block as a tier stores it.
+    """One 16-token block as a tier stores it, or a *tail*: the 1 to 15 tokens of a sequence
+    after its last whole block (stored under a :func:`~radixkv.cache.digests.tail_digest` key).
 
     Args:
-        tokens: exactly 16 token ids (int32 range); any sequence, kept as a tuple of ints.
+        tokens: 16 token ids (a tail: 1 to 15; int32 range); any sequence, kept as a tuple of ints.
         payload: the K/V of those 16 positions in the pool's storage dtype, opaque to the stores:
             ``bytes`` or any C-contiguous buffer (a ``memoryview``, a numpy array: its raw bytes
             are stored). The stores return a read-only ``memoryview`` of what they read, to avoid
@@ -101,7 +102,7 @@ class Block:
         meta: the engine side's layout description (opaque; dtype, layers, heads, ...).
 
     Raises:
-        ValueError: not 16 tokens, a token outside int32, ``payload`` not a C-contiguous buffer,
+        ValueError: not 1 to 16 tokens, a token outside int32, ``payload`` not a C-contiguous buffer,
             ``meta`` not bytes.
     """
 
@@ -111,8 +112,8 @@ class Block:
 
     def __post_init__(self) -> None:
         toks = self.tokens if type(self.tokens) is tuple else tuple(int(t) for t in self.tokens)
-        if len(toks) != BLOCK_TOKENS:
-            raise ValueError(f"Block.tokens must hold {BLOCK_TOKENS} token ids, got {len(toks)}")
+        if not 1 <= len(toks) <= BLOCK_TOKENS:
+            raise ValueError(f"Block.tokens must hold 1 to {BLOCK_TOKENS} token ids, got {len(toks)}")
         if not all(-(1 << 31) <= t < (1 << 31) for t in toks):
             raise ValueError("Block.tokens must be int32 token ids")
         object.__setattr__(self, "tokens", toks)
@@ -165,12 +166,16 @@ class PageStore(Protocol):
         """Whether each key is stored (cheap; may be optimistic: a later ``get`` may miss)."""
         ...
 
-    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> list[Block | None]:
-        """The block of each key, verified against the 16 ``tokens`` the caller expects, or None."""
+    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Optional[Sequence[int]]]) -> list[Block | None]:
+        """The block of each key, verified against the ``tokens`` the caller expects, or None.
+        ``tokens[i]`` None: any token ids (a tail, whose caller keeps the prefix it shares with
+        its own tokens): the record's are returned; the key, lengths and checksum are checked."""
         ...
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block]) -> None:
-        """Store each block under its key, evicting the tier's least recently used to fit."""
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
+        """Store each block under its key, evicting the tier's least recently used to fit. A key
+        already held is only marked used, or with ``replace`` overwritten (tails: the last writer
+        wins)."""
         ...
 
     def delete_all(self) -> None:

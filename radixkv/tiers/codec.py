@@ -8,7 +8,7 @@ Format version 1, little-endian::
          4     2  version (1)
          6     2  flags (0)
          8    48  key: fingerprint, namespace digest, block digest (BlockKey.to_bytes)
-        56     4  n: number of token ids (16)
+        56     4  n: number of token ids (16; a tail's 1 to 15)
         60     4  m: meta length in bytes
         64     8  p: payload length in bytes
         72    4n  token ids, int32
@@ -18,7 +18,7 @@ Format version 1, little-endian::
        end    16  blake2b-128 of every byte before it
 
 :func:`decode` returns None when any of them does not match: the magic, the version or flags, the
-key, the token ids (against those the caller expects), the lengths (against the record's size),
+key, the token ids (against those the caller expects; a tail's caller may take any), the lengths (against the record's size),
 or the checksum. :func:`why_corrupt` says which.
 """
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Sequence
+from typing import Optional, Sequence
 
-from radixkv.tiers.base import Block, BlockKey
+from radixkv.tiers.base import BLOCK_TOKENS, Block, BlockKey
 
 __all__ = ["ALIGN", "HEADER_SIZE", "MAGIC", "VERSION", "decode", "encode", "encoded_size", "why_corrupt"]
 
@@ -81,7 +81,7 @@ def _expected_tokens(tokens: Sequence[int]) -> bytes | None:
         return None
 
 
-def _check(key: BlockKey, view: memoryview, tokens: Sequence[int]) -> tuple[str | None, slice, slice]:
+def _check(key: BlockKey, view: memoryview, tokens: Optional[Sequence[int]]) -> tuple[str | None, slice, slice]:
     """(why the record is corrupt or None, the meta's slice, the payload's slice)."""
     none = slice(0, 0)
     if len(view) < HEADER_SIZE + _SUM:
@@ -97,26 +97,30 @@ def _check(key: BlockKey, view: memoryview, tokens: Sequence[int]) -> tuple[str 
     pay_at = meta_at + m + _pad(n, m)
     if pay_at + p + _SUM != len(view):
         return f"length: header says {pay_at + p + _SUM} bytes, record has {len(view)}", none, none
-    if n != len(tokens) or view[HEADER_SIZE:meta_at] != _expected_tokens(tokens):
+    if tokens is None:
+        if not 1 <= n <= BLOCK_TOKENS:
+            return f"tokens: {n} token ids, expected 1 to {BLOCK_TOKENS}", none, none
+    elif n != len(tokens) or view[HEADER_SIZE:meta_at] != _expected_tokens(tokens):
         return "tokens: not the expected token ids", none, none
     if hashlib.blake2b(view[:-_SUM], digest_size=_SUM).digest() != view[-_SUM:]:
         return "checksum", none, none
     return None, slice(meta_at, meta_at + m), slice(pay_at, pay_at + p)
 
 
-def why_corrupt(key: BlockKey, data: bytes | bytearray | memoryview, tokens: Sequence[int]) -> str | None:
+def why_corrupt(key: BlockKey, data: bytes | bytearray | memoryview, tokens: Optional[Sequence[int]]) -> str | None:
     """Why ``data`` is not the record of ``key`` for ``tokens`` (``"magic"``, ``"version: ..."``,
     ``"key: ..."``, ``"tokens: ..."``, ``"length: ..."``, ``"checksum"``), or None when it is."""
     return _check(key, memoryview(data).cast("B"), tokens)[0]
 
 
-def decode(key: BlockKey, data: bytes | bytearray | memoryview, tokens: Sequence[int]) -> Block | None:
+def decode(key: BlockKey, data: bytes | bytearray | memoryview, tokens: Optional[Sequence[int]]) -> Block | None:
     """The block ``data`` holds, or None when it is not exactly the record of ``key`` for ``tokens``.
 
     Args:
         key: the key the caller asked for.
         data: a record as :func:`encode` wrote it (any bytes-like object).
-        tokens: the 16 token ids the caller expects the block to hold.
+        tokens: the token ids the caller expects the block to hold (16; a tail's 1 to 15), or
+            None: any 1 to 16 (a tail's caller compares them itself); the record's are returned.
 
     Returns:
         A :class:`Block` whose ``payload`` is a read-only ``memoryview`` into ``data`` (no copy),
@@ -126,4 +130,6 @@ def decode(key: BlockKey, data: bytes | bytearray | memoryview, tokens: Sequence
     why, meta, payload = _check(key, view, tokens)
     if why is not None:
         return None
+    if tokens is None:
+        tokens = struct.unpack_from(f"<{(meta.start - HEADER_SIZE) // 4}i", view, HEADER_SIZE)
     return Block(tokens=tuple(tokens), payload=view[payload], meta=bytes(view[meta]))

@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from radixkv.tiers import disk_files as files
 from radixkv.tiers.base import DEFAULT_DISK_CACHE_BYTES, Backoff, Block, BlockKey, StoreStats, ThrottledLog
@@ -125,15 +125,15 @@ class DiskStore:
             indexed = [k.hex() in self._index for k in keys]
         return [hit or os.path.exists(files.layout_path(self.path, k.hex())) for hit, k in zip(indexed, keys)]
 
-    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> list[Block | None]:
-        """Each key's block, read and verified against ``tokens[i]``; a missing, unreadable or
-        corrupt file is None (corrupt ones are removed)."""
+    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Optional[Sequence[int]]]) -> list[Block | None]:
+        """Each key's block, read and verified against ``tokens[i]`` (None: any token ids); a
+        missing, unreadable or corrupt file is None (corrupt ones are removed)."""
         out = [self._get_one(k, t) for k, t in zip(keys, tokens, strict=True)]
         hits = sum(b is not None for b in out)
         self._stats.add(hits=hits, misses=len(out) - hits)
         return out
 
-    def _get_one(self, key: BlockKey, tokens: Sequence[int]) -> Block | None:
+    def _get_one(self, key: BlockKey, tokens: Optional[Sequence[int]]) -> Block | None:
         if self._closed:
             return None
         name = key.hex()
@@ -193,22 +193,23 @@ class DiskStore:
             self._used += size - (old[0] if old else 0)
             self._index[name] = (size, mtime_ns)
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block]) -> None:
-        """Write each block not yet stored (a stored one is only marked used now), evicting the
-        least recently used records to stay within ``capacity_bytes``. Never raises for the disk's
-        failures (counted: ``errors``, ``full``; later writes ``skipped`` during the backoff)."""
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
+        """Write each block not yet stored (a stored one is only marked used now; with ``replace``
+        written again, atomically), evicting the least recently used records to stay within
+        ``capacity_bytes``. Never raises for the disk's failures (counted: ``errors``, ``full``;
+        later writes ``skipped`` during the backoff)."""
         with self._put_lock:
             if self._clock() - self._scanned_at >= self._refresh_s:
                 self.refresh()
             for key, block in zip(keys, blocks, strict=True):
                 if self._closed:
                     return
-                self._put_one(key, block)
+                self._put_one(key, block, replace)
 
-    def _put_one(self, key: BlockKey, block: Block) -> None:
+    def _put_one(self, key: BlockKey, block: Block, replace: bool) -> None:
         name = key.hex()
         path = files.layout_path(self.path, name)
-        if self._touch(name, path, None):
+        if not replace and self._touch(name, path, None):
             return  # stored already (by this process or another): only marked used now
         if not self._backoff.ready():
             self._stats.add(skipped=1)

@@ -58,14 +58,14 @@ class HostStore:
         with self._lock:
             return [k in self._blocks for k in keys]
 
-    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> list[Block | None]:
-        """The held block of each key when its token ids equal ``tokens[i]``, else None."""
+    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Optional[Sequence[int]]]) -> list[Block | None]:
+        """The held block of each key when its token ids equal ``tokens[i]`` (None: any), else None."""
         out: list[Block | None] = []
         hits = corrupt = nbytes = 0
         with self._lock:
             for key, toks in zip(keys, tokens, strict=True):
                 b = self._blocks.get(key) if not self._closed else None
-                if b is not None and b.tokens != tuple(toks):
+                if b is not None and toks is not None and b.tokens != tuple(toks):
                     nbytes += block_nbytes(b)
                     del self._blocks[key]
                     self._used -= block_nbytes(b)
@@ -81,8 +81,9 @@ class HostStore:
         )
         return out
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block]) -> None:
-        """Hold each block (an already held key: only made the most recently used)."""
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
+        """Hold each block (an already held key: only made the most recently used, or with
+        ``replace`` given the new block)."""
         written = nbytes = rejected = 0
         evicted: list[tuple[BlockKey, Block]] = []
         with self._lock:
@@ -90,8 +91,10 @@ class HostStore:
                 if self._closed:
                     break
                 if key in self._blocks:
-                    self._blocks.move_to_end(key)
-                    continue
+                    if not replace:
+                        self._blocks.move_to_end(key)
+                        continue
+                    self._used -= block_nbytes(self._blocks.pop(key))
                 size = block_nbytes(block)
                 if size > self._capacity:
                     rejected += 1

@@ -174,9 +174,10 @@ class RedisStore:
         res = self._call(exists) if names else []
         return [False] * len(names) if res is _FAIL else [r == 1 for r in res]
 
-    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Sequence[int]]) -> list[Block | None]:
-        """Each key's block, verified against ``tokens[i]`` (one round trip); a missing or corrupt
-        record, or a failing server, is None (corrupt records are deleted)."""
+    def get(self, keys: Sequence[BlockKey], tokens: Sequence[Optional[Sequence[int]]]) -> list[Block | None]:
+        """Each key's block, verified against ``tokens[i]`` (None: any token ids; one round
+        trip); a missing or corrupt record, or a failing server, is None (corrupt records are
+        deleted)."""
         if len(keys) != len(tokens):
             raise ValueError(f"get: {len(keys)} keys but {len(tokens)} token blocks")
         names = self._names(keys)
@@ -213,9 +214,10 @@ class RedisStore:
         self._stats.add(hits=hits, misses=len(out) - hits)
         return out
 
-    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block]) -> None:
-        """Write each block (one pipelined round trip of ``SET ... EX ttl``); never raises for the
-        server's failures (``errors``; while backing off the blocks are ``skipped``)."""
+    def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
+        """Write each block (one pipelined round trip of ``SET ... EX ttl``: a held key is always
+        overwritten, ``replace`` or not); never raises for the server's failures (``errors``;
+        while backing off the blocks are ``skipped``)."""
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
         if not keys or self._closed:
