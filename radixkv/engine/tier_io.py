@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +40,13 @@ logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 """Upper bounds (seconds) of the load-latency histogram of each tier (one ``get`` call)."""
+
+
+def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading token ids ``a`` and ``b`` share (a tail's record against a request's
+    next tokens: at most 16 each, so a Python loop)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 @dataclass(eq=False)
@@ -433,7 +440,7 @@ class TierIO:
             if b is None:
                 continue
             r = len(b.tokens)
-            c = next((i for i, (x, y) in enumerate(zip(b.tokens, want)) if x != y), min(r, len(want)))
+            c = shared_len(b.tokens, want)
             ok = bytes(b.meta) == self.meta and memoryview(b.payload).nbytes == r * self.token_bytes
             dt = time.perf_counter() - t0
             counters = self.counters[store.medium]

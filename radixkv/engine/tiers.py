@@ -36,7 +36,7 @@ import torch
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import TIER_MEDIA
-from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob
+from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob, shared_len
 from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
@@ -390,7 +390,7 @@ def _peek_tail(stores: Sequence[Any], key: BlockKey, want: Sequence[int]) -> tup
         except Exception:  # noqa: BLE001 - a failing tier holds nothing
             b = None
         if b is not None:
-            c = next((i for i, (x, y) in enumerate(zip(b.tokens, want)) if x != y), min(len(b.tokens), len(want)))
+            c = shared_len(b.tokens, want)
             if c:
                 return c, s.medium
     return 0, None

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
 from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
+from radixkv.engine.tier_io import shared_len
 
 __all__ = ["TierModel"]
 
@@ -137,11 +138,7 @@ class TierModel:
         key = _tail_key(namespace, tokens, b) if want else None
         for m in self.held if want else ():
             held = self.held[m].get(key)
-            c = (
-                next((i for i, (x, y) in enumerate(zip(held, want)) if x != y), min(len(held), len(want)))
-                if held
-                else 0
-            )
+            c = shared_len(held, want) if held else 0
             if c:
                 self.held[m].move_to_end(key)
                 return c, m
