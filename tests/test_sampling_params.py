@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from radixkv.sampling.sampler import filter_logits, make_generator, sample
+from radixkv.sampling.sampler import draw, filter_logits, make_generator, sample
 from radixkv.sampling_params import SamplingParams
 
 
@@ -76,11 +77,12 @@ def test_sample_length_mismatch():
 
 
 @pytest.mark.parametrize("temperature, extra", [(0.7, {}), (1.3, {"top_k": 50}), (0.9, {"top_p": 0.8, "min_p": 0.02})])
-def test_sampled_tokens_and_generator_states_are_torch_multinomials(temperature, extra):
-    """sample() draws as torch.multinomial(filter_logits(row).exp(), 1) with the row's generator
-    would: the same token and the generator left in the same state (so a seeded request's later
-    tokens, with or without speculative decoding, are what they always were). Rows with filtered
-    (-inf) tokens and a row with no token left (argmax, no draw) included."""
+def test_sampled_tokens_are_inverse_cdf_draws_of_one_variate(temperature, extra):
+    """sample() draws each row as the first index whose float64 cumulative probability exceeds
+    u * total, u one float64 uniform from the row's generator, and leaves the generator exactly
+    one variate on (so a seeded request's later tokens, with or without speculative decoding,
+    do not depend on the logits). Rows with filtered (-inf) tokens and a row with no token left
+    (argmax, no draw) included. The reference is numpy's, computed apart from the sampler."""
     p = SamplingParams(temperature=temperature, seed=0, **extra)
     for s in range(40):
         g = torch.Generator().manual_seed(s)
@@ -92,10 +94,38 @@ def test_sampled_tokens_and_generator_states_are_torch_multinomials(temperature,
         ref = [torch.Generator().manual_seed(100 * s + i) for i in range(3)]
         want = []
         for i in range(3):
-            probs = filter_logits(logits[i], p).exp()
-            if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
+            probs = filter_logits(logits[i], p).exp().numpy().astype(np.float64)
+            if not np.isfinite(probs).all() or not probs.sum() > 0:
                 want.append(int(torch.argmax(torch.nan_to_num(logits[i], nan=float("-inf")))))
-            else:
-                want.append(int(torch.multinomial(probs, 1, generator=ref[i])))
+                continue
+            cdf = np.cumsum(probs)
+            u = float(torch.rand(1, dtype=torch.float64, generator=ref[i])) * cdf[-1]
+            want.append(int(np.searchsorted(cdf, u, side="right")))
+            assert probs[want[-1]] > 0
         assert sample(logits, [p] * 3, ours) == want, s
         assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, ref)), s
+
+
+def test_draws_follow_the_distribution():
+    """A chi-square goodness-of-fit test of 40,000 seeded draws against softmax(logits / T) on
+    a small vocabulary with two filtered tokens, which are never drawn (df = 5; the 1e-6 tail of
+    chi-square with 5 degrees of freedom is 35.9)."""
+    logits = torch.tensor([2.0, 1.0, float("-inf"), 0.5, 0.0, -1.0, float("-inf"), 1.5])
+    p = SamplingParams(temperature=0.8, seed=0)
+    want = torch.softmax(logits / 0.8, dim=-1).numpy().astype(np.float64)
+    n = 40_000
+    gen = make_generator(5, "cpu")
+    counts = np.bincount([sample(logits[None], [p], [gen])[0] for _ in range(n)], minlength=8)
+    assert counts[2] == counts[6] == 0
+    live = want > 0
+    chi2 = float((((counts - n * want) ** 2)[live] / (n * want[live])).sum())
+    assert chi2 < 35.9, (chi2, counts.tolist())
+
+
+@pytest.mark.parametrize("u, want", [(1.0, 5), (0.0, 2)])
+def test_draw_edges_never_pick_a_zero_probability_token(monkeypatch, u, want):
+    """u * total rounding up to the total (u = 1 stands in) draws the last token of nonzero
+    probability, not one past the end; u = 0 draws the first, skipping leading zeros."""
+    cdf = torch.cumsum(torch.tensor([0.0, 0.0, 0.25, 0.25, 0.0, 0.5, 0.0]), 0, dtype=torch.float64)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([u], dtype=torch.float64))
+    assert draw(cdf, None) == want

