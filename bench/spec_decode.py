@@ -36,7 +36,11 @@ greedy) with and without ``"radix"``; output tok/s over the replay's wall time, 
 radix with ``grammar_drafts: false`` (the grammar only cuts drafts) and radix with grammar drafts
 (forced spans drafted: jump-forward). The prompt names the schema's keys, so prompt lookup can
 draft them too. ``structured_plain``: the same with the schema only in the request's
-``json_schema`` (OpenAI's ``response_format`` usage), the prompt naming no key.
+``json_schema`` (OpenAI's ``response_format`` usage), the prompt naming no key. In both the
+schema is the same in every trial, so after the first the suffix index of finished sequences
+drafts its keys too. ``structured_fresh``: the schema only in ``json_schema`` and new to the
+engines in each trial (:func:`fresh_schema`: six keys from the trial's own question), as an
+agent's first call with a tool's schema is.
 
 ``llamacpp`` (with ``agent``; alone it runs llama.cpp only): the agent workloads on llama.cpp (llama-cpp-python, the same GGUF, ``--threads``):
 plain decoding and its prompt-lookup decoding (``LlamaPromptLookupDecoding``, no second model);
@@ -439,9 +443,25 @@ SCHEMA = {
 }
 
 
-def part_structured(args, mat, loaded, name_keys: bool = True) -> dict:
+def fresh_schema(text: str, i: int) -> dict:
+    """A JSON schema of six required keys named after the first distinct words (4 to 12
+    letters) of ``text`` (``field_<i>_<j>`` where it has fewer), in the order of the five value
+    kinds of :data:`SCHEMA` (string, enum, boolean, array of strings)."""
+    words: list = []
+    for w in re.findall(r"[A-Za-z]{4,12}", text):
+        if w.lower() not in words:
+            words.append(w.lower())
+    names = (words + [f"field_{i}_{j}" for j in range(6)])[:6]
+    kinds = list(SCHEMA["properties"].values())
+    props = {n: kinds[j % len(kinds)] for j, n in enumerate(names)}
+    return {"type": "object", "properties": props, "required": names, "additionalProperties": False}
+
+
+def part_structured(args, mat, loaded, name_keys: bool = True, fresh: bool = False) -> dict:
     """``name_keys``: the prompt lists the schema's keys (prompt lookup can then draft them);
-    else the schema is only the request's ``json_schema``, as OpenAI's ``response_format`` is used."""
+    else the schema is only the request's ``json_schema``, as OpenAI's ``response_format`` is used.
+    ``fresh``: each trial's schema is new to the engines (:func:`fresh_schema`; implies not
+    ``name_keys``)."""
     from radixkv.sampling_params import SamplingParams
 
     base = {"method": "radix", "num_speculative_tokens": args.k}
@@ -450,12 +470,12 @@ def part_structured(args, mat, loaded, name_keys: bool = True) -> dict:
         "radix_no_grammar_drafts": make_llm({**base, "grammar_drafts": False}, loaded, args.threads),
         "radix": make_llm(base, loaded, args.threads),
     }
-    params = SamplingParams(temperature=0.0, max_tokens=160, json_schema=SCHEMA)
-
     def trial(llm, i):
         q, _ = mat["pairs"][(3 * i + 5) % len(mat["pairs"])]
-        keys = " (title, topic, language, sentiment, needs_code, keywords)" if name_keys else ""
+        keys = " (title, topic, language, sentiment, needs_code, keywords)" if name_keys and not fresh else ""
         text = f"Describe this message as JSON{keys}:\n\n{q[:600]}"
+        schema = fresh_schema(q, i) if fresh else SCHEMA
+        params = SamplingParams(temperature=0.0, max_tokens=160, json_schema=schema)
         r = run_batch(llm, [_encode(llm, [{"role": "user", "content": text}])], [params])
         r["tokens_per_forward"] = r["decode_tokens"] / max(r["steps_after_first"], 1)
         return r
@@ -471,7 +491,7 @@ def part_structured(args, mat, loaded, name_keys: bool = True) -> dict:
             res[n].append({k: v for k, v in got[n].items() if k != "tokens"})
         res["same"].append(len({json.dumps(g["tokens"]) for g in got.values()}) == 1)
         print(
-            f"structured{'' if name_keys else ' (schema only)'} trial {i}: "
+            f"structured{' (fresh schema)' if fresh else '' if name_keys else ' (schema only)'} trial {i}: "
             + ", ".join(f"{n} {got[n]['decode_tok_s']:.1f} tok/s" for n in sides)
             + f" (accepted {got['radix']['accepted']}/{got['radix']['draft']}), identical {res['same'][-1]}",
             file=sys.stderr,
@@ -599,7 +619,11 @@ def report(out: dict) -> str:
             f"chat replay: off {c['off_tok_s']:.1f}, radix {c['radix_tok_s']:.1f} tok/s ({c['ratio']:.2f}x, per CPU-s "
             f"{c.get('cpu_ratio', 0):.2f}x; >= 0.95x)"
         )
-    for part, what in (("structured", "keys named in the prompt"), ("structured_plain", "schema only")):
+    for part, what in (
+        ("structured", "keys named in the prompt"),
+        ("structured_plain", "schema only"),
+        ("structured_fresh", "a schema new to the engines in each trial"),
+    ):
         s = out.get(part)
         if not s:
             continue
@@ -615,7 +639,7 @@ def report(out: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="agent,llamacpp,batch16,chat,structured,structured_plain")
+    ap.add_argument("--parts", default="agent,llamacpp,batch16,chat,structured,structured_plain,structured_fresh")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens (default 5)")
@@ -653,6 +677,7 @@ def main(argv=None) -> int:
         ("chat", lambda: part_chat(args, loaded)),
         ("structured", lambda: part_structured(args, mat, loaded)),
         ("structured_plain", lambda: part_structured(args, mat, loaded, name_keys=False)),
+        ("structured_fresh", lambda: part_structured(args, mat, loaded, name_keys=False, fresh=True)),
     ):
         if part not in parts:
             continue
