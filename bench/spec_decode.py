@@ -470,6 +470,7 @@ def part_structured(args, mat, loaded, name_keys: bool = True, fresh: bool = Fal
         "radix_no_grammar_drafts": make_llm({**base, "grammar_drafts": False}, loaded, args.threads),
         "radix": make_llm(base, loaded, args.threads),
     }
+
     def trial(llm, i):
         q, _ = mat["pairs"][(3 * i + 5) % len(mat["pairs"])]
         keys = " (title, topic, language, sentiment, needs_code, keywords)" if name_keys and not fresh else ""
