@@ -129,3 +129,18 @@ def test_draw_edges_never_pick_a_zero_probability_token(monkeypatch, u, want):
     cdf = torch.cumsum(torch.tensor([0.0, 0.0, 0.25, 0.25, 0.0, 0.5, 0.0]), 0, dtype=torch.float64)
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.tensor([u], dtype=torch.float64))
     assert draw(cdf, None) == want
+
+
+def test_a_row_with_every_token_masked_takes_no_draw():
+    """A row of -inf everywhere (every token masked) has no token left: the argmax fallback, and
+    the row's generator is not advanced; one -inf token in an otherwise normal row is never drawn."""
+    logits = torch.full((2, 64), float("-inf"))
+    logits[1] = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    logits[1, 7] = float("-inf")
+    p = SamplingParams(temperature=1.0, seed=0)
+    gens = [make_generator(1, "cpu"), make_generator(2, "cpu")]
+    before = gens[0].get_state()
+    draws = [sample(logits, [p, p], gens) for _ in range(200)]
+    assert all(d[0] == 0 for d in draws)
+    assert torch.equal(gens[0].get_state(), before)
+    assert all(d[1] != 7 for d in draws)

@@ -41,8 +41,9 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """
     x = logits.float() / params.temperature
     # a huge logit (a tiny repetition_penalty, say) is +inf after scaling: the largest finite
-    # value keeps the distribution defined; NaN is no token
-    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    # value keeps the distribution defined; NaN is no token, and -inf stays -inf (a row with
+    # every token masked is "no token left", not a uniform draw over the vocabulary)
+    x = torch.nan_to_num(x, nan=float("-inf"), posinf=torch.finfo(torch.float32).max, neginf=float("-inf"))
     vocab = x.shape[-1]
     if params.top_k > 0 and params.top_k < vocab:
         kth = torch.topk(x, params.top_k).values[-1]
