@@ -170,7 +170,10 @@ def test_prompt_logprobs_limit_what_is_loaded():
     generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     out = generate(e, [p], greedy(prompt_logprobs=0, logprob_start_len=40))[0]
-    assert out.num_cached_tokens == 32  # positions from 39 on need their logits
+    # positions from 39 on need their logits: blocks 0-1 and the first 7 tokens of block 2 (the
+    # request knows all of block 2, so its digest names it), as the pool itself would serve
+    assert out.num_cached_tokens == 39
+    assert out.cached_tokens_by_tier["disk"] == 39
 
 
 def test_abort_while_waiting_for_blocks_releases_the_lock():
@@ -336,7 +339,8 @@ def test_another_fingerprint_never_reads_a_block():
         tier_stores=[MemoryStore("disk", data=shared)],
     )
     assert generate(other, [p])[0].num_cached_tokens == 0
-    assert generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])[0].num_cached_tokens == 64
+    # the same model: every token below the last (5 blocks, the last used for 15 tokens)
+    assert generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])[0].num_cached_tokens == 79
 
 
 def test_async_llm_shutdown_drains_the_writes():

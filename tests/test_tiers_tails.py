@@ -114,6 +114,29 @@ def test_a_next_turn_on_a_new_engine_reuses_the_whole_previous_sequence(tmp_path
     assert generate(kv_engine(page_size=page_size), p2).num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_resent_prompt_ending_on_a_block_boundary_reuses_all_but_its_last_token(tmp_path, page_size):
+    """A prompt of 32 or 48 tokens (whole blocks, no tail) sent again to a new engine over the
+    first's disk directory reuses every token below its last: the last whole block, which the
+    request knows all of, is loaded too and used for its first 15 tokens (page-floored); explain
+    names the same span. A 33-token prompt (a 1-token tail) reuses 32."""
+    for n in (32, 48, 33):
+        d = str(tmp_path / f"{n}-{page_size}")
+        p = prompt(40 + n, n)
+        first = kv_engine(page_size=page_size, stores=[DiskStore(d)])
+        generate(first, p)
+        assert first.close()
+        e = kv_engine(page_size=page_size, stores=[DiskStore(d)])
+        want = (n - 1) // page_size * page_size
+        assert e.explain(p).tier_spans == ((0, want, "disk"),), n
+        out = generate(e, p)
+        assert out.num_cached_tokens == want, n
+        assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}, n
+        t = e.cache_stats().tiers["disk"]
+        assert (t["loaded"], t["tails_loaded"]) == ((n - 1) // 16 + (n % 16 == 0), 0), n
+        e.close()
+
+
 def test_a_tail_that_diverges_serves_exactly_the_common_prefix(tmp_path):
     for c in (0, 1, 5, 12):
         d = str(tmp_path / str(c))  # NOTE: each request writes its own tail there (the last writer wins)

@@ -34,7 +34,7 @@ import torch
 from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.tiers import Block
 
-__all__ = ["LATENCY_BUCKETS", "CostModel", "LoadJob", "TierCounters", "TierIO", "WriteJob"]
+__all__ = ["LATENCY_BUCKETS", "CostModel", "LoadJob", "TierCounters", "TierIO", "WriteJob", "lookup_stop", "shared_len"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,16 @@ def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
     next tokens: at most 16 each, so a Python loop)."""
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def lookup_stop(known: int, limit: int) -> int:
+    """The block index a lookup of positions below ``limit`` stops before, for a request that
+    knows its first ``known`` token ids: every whole block below ``limit`` and, when ``limit``
+    falls inside a block whose 16 tokens the request knows, that block too (its digest names it;
+    only its tokens below ``limit`` are served). A prompt of 32 tokens may reuse 31: blocks 0 and
+    1, the second used for 15 of its tokens."""
+    stop = limit // BLOCK_TOKENS
+    return stop + 1 if limit % BLOCK_TOKENS and known >= BLOCK_TOKENS * (stop + 1) else stop
 
 
 @dataclass(eq=False)

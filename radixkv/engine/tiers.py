@@ -36,7 +36,7 @@ import torch
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import TIER_MEDIA
-from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob, shared_len
+from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob, lookup_stop, shared_len
 from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
@@ -225,11 +225,12 @@ class TierManager:
         self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int, owner: Any = None
     ) -> Optional[LoadJob]:
         """Start looking up the blocks after the ``start`` tokens the pool holds, up to position
-        ``limit`` (page-floored by the caller), then the tail after the last of them the tiers
-        hold, for ``owner``: a :class:`LoadJob` submitted to the I/O thread, or None when no tier
-        can serve a token there (the local tiers hold neither the first block nor the tail
-        before it; with a remote tier the I/O thread always asks)."""
-        first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
+        ``limit`` (page-floored by the caller; the block ``limit`` falls in too when ``tokens``
+        has all of it: :func:`~radixkv.engine.tier_io.lookup_stop`), then the tail after the
+        last of them the tiers hold, for ``owner``: a :class:`LoadJob` submitted to the I/O
+        thread, or None when no tier can serve a token there (the local tiers hold neither the
+        first block nor the tail before it; with a remote tier the I/O thread always asks)."""
+        first, stop = start // BLOCK_TOKENS, lookup_stop(len(tokens), limit)
         stores = self._stores_for(namespace, self.stores)
         if self._closed or limit <= start or not stores:
             return None
@@ -296,7 +297,7 @@ class TierManager:
         then the part of the tail after those blocks that the first tier holding one shares with
         ``tokens``). Asks the stores on this thread (``explain``: a dry run, nothing loaded; a
         tail is read to compare its tokens)."""
-        first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
+        first, stop = start // BLOCK_TOKENS, lookup_stop(len(tokens), limit)
         stores = self._stores_for(namespace, self.stores)
         if limit <= start or not stores:
             return []
@@ -314,7 +315,7 @@ class TierManager:
         run = next((i for i, m in enumerate(where) if m is None), len(where))
         spans: List[tuple] = []
         at = BLOCK_TOKENS * (first + run)
-        found = [(BLOCK_TOKENS * (first + i + 1), m) for i, m in enumerate(where[:run])]
+        found = [(min(limit, BLOCK_TOKENS * (first + i + 1)), m) for i, m in enumerate(where[:run])]
         c, m = _peek_tail(stores, tails[run], tokens[at:limit])
         if c:
             found.append((at + c, m))

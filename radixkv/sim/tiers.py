@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
 from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
-from radixkv.engine.tier_io import shared_len
+from radixkv.engine.tier_io import lookup_stop, shared_len
 
 __all__ = ["TierModel"]
 
@@ -104,7 +104,7 @@ class TierModel:
     def lookup(self, namespace: Any, tokens: Sequence[int], start: int, limit: int, page_size: int) -> List[tuple]:
         """``(lo, hi, medium)`` spans of ``tokens`` after the ``start`` the pool holds, up to
         position ``limit`` (exclusive; page-floored here), that the tiers would serve."""
-        first, stop = start // BLOCK_TOKENS, limit // BLOCK_TOKENS
+        first, stop = start // BLOCK_TOKENS, lookup_stop(len(tokens), limit)
         if limit <= start or not self.held:
             return []
         media: List[str] = []
@@ -119,7 +119,7 @@ class TierModel:
         c, m = self._tail(namespace, tokens, first + len(media), tuple(tokens[at:limit]))
         if c:
             media, ends = media + [m], ends + [at + c]
-        end = (ends[-1] if ends else 0) // page_size * page_size
+        end = min(limit, ends[-1] if ends else 0) // page_size * page_size
         spans: List[tuple] = []
         for i, m in enumerate(media):  # each block's own positions, as the engine counts them
             lo, hi = max(start, BLOCK_TOKENS * (first + i)), min(end, ends[i])
