@@ -367,6 +367,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-empty string or None, got {v!r}")
         if self.disk_cache_dir is not None and not self.disk_cache_bytes:
             raise ValueError("disk_cache_bytes must be > 0 when disk_cache_dir is set")
+        if self.kv_tiers and self.prefix_cache == "none":  # before the model loads
+            raise ValueError(
+                "KV tiers (host_cache_bytes, disk_cache_dir, remote_cache_url) need a prefix cache: "
+                "prefix_cache='none' keeps nothing"
+            )
         self.kv_tier_write_policy = resolve_write_policy(self.kv_tier_write_policy)
 
     @property

@@ -244,6 +244,11 @@ def test_bad_tier_settings_fail_at_start(tmp_path):
         kv_engine(disk_cache_dir=str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="prefix cache"):
         kv_engine(stores=[MemoryStore("host")], cache="none")
+    from radixkv.config import EngineConfig
+
+    for off in ({"prefix_cache": "none"}, {"enable_prefix_caching": False}):  # refused before a model loads
+        with pytest.raises(ValueError, match="need a prefix cache"):
+            EngineConfig(model="no-such-model", host_cache_bytes=1 << 20, **off).resolve()
 
 
 def test_explain_names_the_tier_holding_each_missed_span():
