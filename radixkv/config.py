@@ -430,4 +430,7 @@ def parse_bytes(text: Union[int, str], field: str = "bytes") -> int:
     """
     if (isinstance(text, str) and text.strip() == "0") or text == 0:
         return 0
-    return parse_memory_bytes(text, field)
+    try:
+        return parse_memory_bytes(text, field)
+    except ValueError as e:  # 0 is taken here too: say so
+        raise ValueError(str(e).replace("bytes >= 1,", "bytes >= 1 (or 0: none),", 1)) from None

@@ -244,8 +244,11 @@ def test_bad_tier_settings_fail_at_start(tmp_path):
         kv_engine(disk_cache_dir=str(tmp_path / "f" / "sub"))
     with pytest.raises(ValueError, match="prefix cache"):
         kv_engine(stores=[MemoryStore("host")], cache="none")
-    from radixkv.config import EngineConfig
+    from radixkv.config import EngineConfig, parse_bytes
 
+    assert (parse_bytes("0"), parse_bytes(0), parse_bytes("1KiB")) == (0, 0, 1024)  # the CLIs' budgets
+    with pytest.raises(ValueError, match=r"host_cache_bytes must be a number of bytes >= 1 \(or 0: none\)"):
+        parse_bytes("-1", "host_cache_bytes")
     for off in ({"prefix_cache": "none"}, {"enable_prefix_caching": False}):  # refused before a model loads
         with pytest.raises(ValueError, match="need a prefix cache"):
             EngineConfig(model="no-such-model", host_cache_bytes=1 << 20, **off).resolve()
