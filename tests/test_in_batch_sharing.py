@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from random_drive import assert_outputs, random_drive
 from test_scheduler import VOCAB, assert_no_leak, greedy, make_engine, reference, run_all
 
 from radixkv.engine import RequestAdmitted, StepFinished
@@ -267,33 +268,16 @@ def test_random_arrivals_aborts_and_tiny_pools(seed):
         policy=rng.choice(["lpm", "fcfs"]),
     )
     forest = random_forest(rng, 40, page_size)
-    expected, aborted, done = {}, set(), {}
-    for _step in range(500):
-        if forest and rng.random() < 0.5:
-            for _ in range(rng.randrange(1, 4)):  # several at once: they wait together
-                if not forest:
-                    break
-                p = forest.pop()[:60]
-                mt = rng.randrange(1, 10)
-                rid = eng.add_request(p, greedy(mt, n=rng.choice([1, 1, 2])))
-                expected[rid] = reference(p, mt)
-        if expected and rng.random() < 0.06:
-            rid = rng.choice(sorted(expected))
-            if rid not in done:
-                eng.abort_request(rid)
-                aborted.add(rid)
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.check_integrity()
-        if not forest and not eng.has_unfinished_requests():
-            break
-    assert set(done) == set(expected)
-    for rid, out in done.items():
-        for c in out.outputs:
-            if c.finish_reason == "abort":
-                assert rid in aborted
-                assert c.token_ids == expected[rid][: len(c.token_ids)]
-            else:
-                assert c.token_ids == expected[rid]
+
+    def arrive(_step):
+        if not (forest and rng.random() < 0.5):
+            return
+        for _ in range(rng.randrange(1, 4)):  # several at once: they wait together
+            if not forest:
+                break
+            p = forest.pop()[:60]
+            mt = rng.randrange(1, 10)
+            yield eng.add_request(p, greedy(mt, n=rng.choice([1, 1, 2]))), reference(p, mt)
+
+    assert_outputs(*random_drive(eng, rng, arrive, lambda _s: bool(forest), steps=500, abort_p=0.06))
     assert_no_leak(eng)

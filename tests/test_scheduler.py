@@ -14,6 +14,7 @@ import zlib
 
 import pytest
 import torch
+from random_drive import assert_outputs, random_drive
 
 from radixkv.attention.metadata import ForwardBatch
 from radixkv.config import EngineConfig
@@ -471,33 +472,16 @@ def test_random_workload_with_aborts(seed):
         policy=rng.choice(["lpm", "fcfs"]),
     )
     bases = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
-    expected, aborted, done = {}, set(), {}
-    for step in range(400):
+
+    def arrive(step):
         if step < 60 and rng.random() < 0.4:
             p = rng.choice(bases) + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 12))]
             mt, n = rng.randrange(1, 12), rng.choice([1, 1, 2, 3])
-            rid = eng.add_request(p, greedy(mt, n=n))
-            expected[rid] = reference(p, mt)
-        if expected and rng.random() < 0.05:
-            rid = rng.choice(sorted(expected))
-            if rid not in done:
-                eng.abort_request(rid)
-                aborted.add(rid)
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.check_integrity()
-        if step >= 60 and not eng.has_unfinished_requests():
-            break
+            yield eng.add_request(p, greedy(mt, n=n)), reference(p, mt)
+
+    got = random_drive(eng, rng, arrive, lambda step: step < 60, steps=400, abort_p=0.05)
     assert not eng.has_unfinished_requests()
-    assert set(done) == set(expected)
-    for rid, out in done.items():
-        for c in out.outputs:
-            if c.finish_reason == "abort":
-                assert rid in aborted
-                assert c.token_ids == expected[rid][: len(c.token_ids)]
-            else:
-                assert c.token_ids == expected[rid]
+    assert_outputs(*got)
     assert_no_leak(eng)
 
 

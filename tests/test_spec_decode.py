@@ -25,6 +25,7 @@ from functools import lru_cache
 import pytest
 import torch
 from model_helpers import tiny_loaded_model
+from random_drive import assert_outputs, random_drive
 from test_scheduler import FakeRunner
 
 from radixkv import AsyncLLM, SamplingParams
@@ -143,31 +144,16 @@ def test_fake_engine_random_arrivals_aborts_retraction_with_drafts(seed):
         max_running=rng.choice([2, 4, 8]),
     )
     stems = [[rng.randrange(1, ALPHA + 1) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
-    expected, aborted, done = {}, set(), {}
-    for _step in range(600):
-        if len(expected) < 40 and rng.random() < 0.4:
+    added = []
+
+    def arrive(_step):
+        if len(added) < 40 and rng.random() < 0.4:
             p = rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(1, ALPHA + 1)]
             mt = rng.randrange(1, 24)
-            rid = eng.add_request(p, greedy(mt, n=rng.choice([1, 1, 2])))
-            expected[rid] = local_reference(p, mt)
-        if expected and rng.random() < 0.05:
-            rid = rng.choice(sorted(expected))
-            if rid not in done:
-                eng.abort_request(rid)
-                aborted.add(rid)
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.check_integrity()
-        if len(expected) >= 40 and not eng.has_unfinished_requests():
-            break
-    assert set(done) == set(expected)
-    for rid, out in done.items():
-        for c in out.outputs:
-            if c.finish_reason == "abort":
-                assert rid in aborted and c.token_ids == expected[rid][: len(c.token_ids)]
-            else:
-                assert c.token_ids == expected[rid]
+            added.append(eng.add_request(p, greedy(mt, n=rng.choice([1, 1, 2]))))
+            yield added[-1], local_reference(p, mt)
+
+    assert_outputs(*random_drive(eng, rng, arrive, lambda _s: len(added) < 40, steps=600, abort_p=0.05))
     s = eng.cache_stats()
     assert s["spec_accepted_tokens"] > 0
     assert s["free"] + s["evictable"] == s["capacity"]
