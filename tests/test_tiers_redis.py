@@ -353,7 +353,14 @@ def test_redis_down_is_a_miss_and_back_up_it_serves_again(redis_server):
         assert e.reset_prefix_cache()
     finally:
         redis_server.start()
-    clock.t += 2.0  # past the backoff: the next call reconnects (to an empty server: no persistence)
+    # no request uses the tier: reading the stats queues a probe (a PING on the I/O thread), which
+    # waits for the backoff, then ends the degraded state (the /health of an idle replica)
+    assert e.cache_stats().tiers["remote"]["degraded"] is True
+    assert e.kv.tiers.drain(60) and e.cache_stats().tiers["remote"]["degraded"] is True
+    clock.t += 2.0  # past the backoff: a probe reconnects (to an empty server: no persistence)
+    assert e.kv.tiers.drain(60)
+    e.cache_stats()  # still degraded unless the probe queued before the clock moved ran after it
+    assert e.kv.tiers.drain(60) and e.cache_stats().tiers["remote"]["degraded"] is False
     rid = e.add_request(p, params)
     assert run_all(e)[rid].num_cached_tokens == 0
     assert e.kv.tiers.drain(60) and e.reset_prefix_cache()

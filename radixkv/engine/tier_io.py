@@ -252,6 +252,7 @@ class TierIO:
         self._cv = threading.Condition()
         self._loads: deque = deque()
         self._writes: deque = deque()
+        self._probes: deque = deque()  # stores to probe (PageStore.probe), each at most once
         self._done_loads: List[LoadJob] = []
         self._done_writes: List[WriteJob] = []
         self._busy = False
@@ -279,6 +280,15 @@ class TierIO:
             self._cv.notify_all()
         return True
 
+    def submit_probe(self, store: Any) -> None:
+        """Queue one ``store.probe()`` (a degraded store trying its backend again) unless one is
+        queued for it already; run after the queued loads and writes."""
+        with self._cv:
+            if self._closed or any(p is store for p in self._probes):
+                return
+            self._probes.append(store)
+            self._cv.notify_all()
+
     def take_done(self) -> tuple:
         """``(loads, writes)`` finished since the last call."""
         with self._cv:
@@ -292,12 +302,12 @@ class TierIO:
 
     def idle(self) -> bool:
         with self._cv:
-            return not (self._loads or self._writes or self._busy)
+            return not (self._loads or self._writes or self._probes or self._busy)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
         """Wait until every queued job has run (True), or ``timeout`` seconds passed (False)."""
         with self._cv:
-            return self._cv.wait_for(lambda: not (self._loads or self._writes or self._busy), timeout)
+            return self._cv.wait_for(lambda: not (self._loads or self._writes or self._probes or self._busy), timeout)
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Drain the writes (loads still queued are dropped), then stop the thread; idempotent.
@@ -317,11 +327,17 @@ class TierIO:
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._closed or self._loads or self._writes)
+                self._cv.wait_for(lambda: self._closed or self._loads or self._writes or self._probes)
                 if self._closed and not (self._loads or self._writes):
                     return
-                job = self._loads.popleft() if self._loads else self._writes.popleft()
+                if self._loads or self._writes:
+                    job = self._loads.popleft() if self._loads else self._writes.popleft()
+                else:
+                    job = self._probes[0]  # left queued while it runs: no second probe of it
                 self._busy = True
+            if not isinstance(job, (LoadJob, WriteJob)):
+                self._probe(job)
+                continue
             try:
                 if isinstance(job, LoadJob):
                     if not job.cancelled:
@@ -406,6 +422,16 @@ class TierIO:
                     if b is not None:
                         got[i] = (b, store.medium)
         return got
+
+    def _probe(self, store: Any) -> None:
+        try:
+            store.probe()
+        except Exception:  # noqa: BLE001 - a probe that fails leaves the store degraded
+            logger.exception("KV tier probe failed")
+        with self._cv:
+            self._probes.popleft()
+            self._busy = False
+            self._cv.notify_all()
 
     def _load(self, job: LoadJob) -> None:
         where = self._where(job)

@@ -333,13 +333,17 @@ class TierManager:
         """Per tier: the store's ``stats()`` (hits, misses, blocks / bytes read and written,
         corrupt, errors, degraded), the engine side's counters (:class:`TierCounters`), its
         ``used_bytes`` / ``capacity_bytes`` and the cost model's seconds per token to load from
-        it and to prefill (None until measured)."""
+        it and to prefill (None until measured). A degraded store with a ``probe`` method (the
+        remote one) gets one queued on the I/O thread, so a later call sees it recover without a
+        request having to use it (``/health`` of an idle replica)."""
         out: Dict[str, Dict[str, Any]] = {}
         for s in self.stores:
             try:
                 d = dict(s.stats())
             except Exception:  # noqa: BLE001 - a failing store still reports the engine's counts
                 d = {"degraded": True}
+            if d.get("degraded") and hasattr(s, "probe"):
+                self.io.submit_probe(s)
             d.update(self.counters[s.medium].as_dict())
             d["used_bytes"] = int(getattr(s, "used_bytes", 0))
             d["capacity_bytes"] = int(getattr(s, "capacity_bytes", 0) or 0)

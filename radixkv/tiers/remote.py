@@ -274,6 +274,13 @@ class RedisStore:
         keys = ("redis_version", "used_memory", "maxmemory", "maxmemory_policy")
         return {k: info[k] for k in keys if k in info}
 
+    def probe(self) -> None:
+        """While degraded, one ``PING`` once the backoff allows (a success ends ``degraded``), so
+        a tier that recovers says so without a request having to call it; otherwise nothing.
+        Blocks for at most the client's timeout: call it off the engine thread."""
+        if self.degraded:
+            self._call(lambda r: [r.ping()])
+
     def stats(self) -> dict[str, int | bool]:
         """Counters (docs/tiers.md "Stores"), ``blocks`` and ``used_bytes`` (0: not tracked),
         ``capacity_bytes`` (advisory), ``degraded``."""
