@@ -252,7 +252,7 @@ class TierIO:
         self._cv = threading.Condition()
         self._loads: deque = deque()
         self._writes: deque = deque()
-        self._probes: deque = deque()  # stores to probe (PageStore.probe), each at most once
+        self._probes: deque = deque()  # stores to probe (their optional probe()), each at most once
         self._done_loads: List[LoadJob] = []
         self._done_writes: List[WriteJob] = []
         self._busy = False
