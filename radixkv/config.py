@@ -372,6 +372,10 @@ class EngineConfig:
                 "KV tiers (host_cache_bytes, disk_cache_dir, remote_cache_url) need a prefix cache: "
                 "prefix_cache='none' keeps nothing"
             )
+        named = self.kv_tier_write_policy if isinstance(self.kv_tier_write_policy, dict) else {}
+        for tier in [t for t in named if t in TIER_MEDIA and t not in self.kv_tiers]:
+            field = {"host": "host_cache_bytes", "disk": "disk_cache_dir", "remote": "remote_cache_url"}[tier]
+            raise ValueError(f"kv_tier_write_policy names the {tier} tier, which is not configured (set {field})")
         self.kv_tier_write_policy = resolve_write_policy(self.kv_tier_write_policy)
 
     @property

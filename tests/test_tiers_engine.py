@@ -45,6 +45,11 @@ def test_write_policy_resolution():
     for bad in ("sometimes", {"tape": "write_back"}, {"host": "later"}, 3):
         with pytest.raises(ValueError, match="kv_tier_write_policy"):
             EngineConfig(kv_tier_write_policy=bad).resolve()
+    with pytest.raises(ValueError, match="names the disk tier, which is not configured \\(set disk_cache_dir\\)"):
+        EngineConfig(kv_tier_write_policy={"disk": "write_back"}, host_cache_bytes=1 << 20).resolve()
+    cfg = EngineConfig(kv_tier_write_policy={"host": "write_through"}, host_cache_bytes=1 << 20)
+    cfg.resolve()
+    assert cfg.kv_tier_write_policy["host"] == "write_through"
     for field, value in (("host_cache_bytes", -1), ("disk_cache_dir", ""), ("remote_cache_url", 5)):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: value}).resolve()
