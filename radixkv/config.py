@@ -373,6 +373,7 @@ class EngineConfig:
                 "prefix_cache='none' keeps nothing"
             )
         named = self.kv_tier_write_policy if isinstance(self.kv_tier_write_policy, dict) else {}
+        named = {} if isinstance(named, ResolvedWritePolicy) else named  # resolve() is idempotent
         for tier in [t for t in named if t in TIER_MEDIA and t not in self.kv_tiers]:
             field = {"host": "host_cache_bytes", "disk": "disk_cache_dir", "remote": "remote_cache_url"}[tier]
             raise ValueError(f"kv_tier_write_policy names the {tier} tier, which is not configured (set {field})")
@@ -401,6 +402,11 @@ class EngineConfig:
         return max(self.page_size, memory // bytes_per_token)
 
 
+class ResolvedWritePolicy(dict):
+    """``kv_tier_write_policy`` once resolved: ``{tier: policy}`` for every tier of ``TIER_MEDIA``
+    (a dict; the type tells a resolved policy from one a user wrote)."""
+
+
 def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
     """``kv_tier_write_policy`` as ``{tier: policy}`` for every tier of ``TIER_MEDIA``: None gives
     the defaults (:data:`DEFAULT_WRITE_POLICY`), a str applies to every tier, a dict overrides
@@ -409,7 +415,7 @@ def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
     Raises:
         ValueError: (naming ``kv_tier_write_policy``) an unknown policy or tier.
     """
-    out = dict(DEFAULT_WRITE_POLICY)
+    out = ResolvedWritePolicy(DEFAULT_WRITE_POLICY)
     if policy is None:
         return out
     if isinstance(policy, str):

@@ -34,7 +34,17 @@ import torch
 from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.tiers import Block
 
-__all__ = ["LATENCY_BUCKETS", "CostModel", "LoadJob", "TierCounters", "TierIO", "WriteJob", "lookup_stop", "shared_len"]
+__all__ = [
+    "LATENCY_BUCKETS",
+    "CostModel",
+    "LoadJob",
+    "TierCounters",
+    "TierIO",
+    "WriteJob",
+    "lookup_stop",
+    "merge_spans",
+    "shared_len",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +67,23 @@ def lookup_stop(known: int, limit: int) -> int:
     1, the second used for 15 of its tokens."""
     stop = limit // BLOCK_TOKENS
     return stop + 1 if limit % BLOCK_TOKENS and known >= BLOCK_TOKENS * (stop + 1) else stop
+
+
+def merge_spans(start: int, blocks: Sequence[tuple]) -> List[tuple]:
+    """``(lo, hi, medium)`` spans of the positions at and after ``start`` that ``blocks`` serve:
+    ``blocks`` are consecutive ``(lo, hi, medium)`` (a block's positions, a tail's last), each
+    clipped to ``start`` and to the previous one's end, empty ones dropped, neighbours of one
+    medium merged (``explain``'s dry run and the simulator's tiers count spans so)."""
+    spans: List[tuple] = []
+    for lo, hi, m in blocks:
+        lo = max(lo, start, spans[-1][1] if spans else 0)
+        if hi <= lo:
+            continue
+        if spans and spans[-1][2] == m and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi, m)
+        else:
+            spans.append((lo, hi, m))
+    return spans
 
 
 @dataclass(eq=False)

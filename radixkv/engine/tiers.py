@@ -36,7 +36,16 @@ import torch
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import TIER_MEDIA
-from radixkv.engine.tier_io import CostModel, LoadJob, TierCounters, TierIO, WriteJob, lookup_stop, shared_len
+from radixkv.engine.tier_io import (
+    CostModel,
+    LoadJob,
+    TierCounters,
+    TierIO,
+    WriteJob,
+    lookup_stop,
+    merge_spans,
+    shared_len,
+)
 from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
@@ -313,21 +322,13 @@ class TierManager:
                 if p:
                     where[i] = s.medium
         run = next((i for i, m in enumerate(where) if m is None), len(where))
-        spans: List[tuple] = []
         at = BLOCK_TOKENS * (first + run)
-        found = [(min(limit, BLOCK_TOKENS * (first + i + 1)), m) for i, m in enumerate(where[:run])]
+        b = BLOCK_TOKENS
+        found = [(b * (first + i), min(limit, b * (first + i + 1)), m) for i, m in enumerate(where[:run])]
         c, m = _peek_tail(stores, tails[run], tokens[at:limit])
         if c:
-            found.append((at + c, m))
-        for hi, m in found:
-            lo = max(start, spans[-1][1] if spans else 0, hi - BLOCK_TOKENS)
-            if hi <= lo:
-                continue
-            if spans and spans[-1][2] == m and spans[-1][1] == lo:
-                spans[-1] = (spans[-1][0], hi, m)
-            else:
-                spans.append((lo, hi, m))
-        return spans
+            found.append((at, at + c, m))
+        return merge_spans(start, found)
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """Per tier: the store's ``stats()`` (hits, misses, blocks / bytes read and written,

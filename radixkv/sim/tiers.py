@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
 from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
-from radixkv.engine.tier_io import lookup_stop, shared_len
+from radixkv.engine.tier_io import lookup_stop, merge_spans, shared_len
 
 __all__ = ["TierModel"]
 
@@ -120,16 +120,8 @@ class TierModel:
         if c:
             media, ends = media + [m], ends + [at + c]
         end = min(limit, ends[-1] if ends else 0) // page_size * page_size
-        spans: List[tuple] = []
-        for i, m in enumerate(media):  # each block's own positions, as the engine counts them
-            lo, hi = max(start, BLOCK_TOKENS * (first + i)), min(end, ends[i])
-            if hi <= lo:
-                continue
-            if spans and spans[-1][2] == m and spans[-1][1] == lo:
-                spans[-1] = (spans[-1][0], hi, m)
-            else:
-                spans.append((lo, hi, m))
-        return spans
+        # each block's own positions, as the engine counts them
+        return merge_spans(start, [(BLOCK_TOKENS * (first + i), min(end, ends[i]), m) for i, m in enumerate(media)])
 
     def _tail(self, namespace: Any, tokens: Sequence[int], b: int, want: tuple) -> tuple:
         """``(c, medium)``: the tokens of ``want`` that the tail after block ``b - 1`` held by the
