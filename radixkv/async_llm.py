@@ -119,6 +119,7 @@ class AsyncLLM:
         self._pending: set[concurrent.futures.Future] = set()  # futures of posted calls not run yet
         self._abandoned: collections.deque = collections.deque()  # (rid, stream) dropped by consumers
         self._stats: EngineStats = engine.cache_stats()  # published by the engine thread
+        self._refresh_posted = False  # a stats refresh is posted and has not run yet (KV tiers)
         self._lock = threading.Lock()  # orders "check alive + post" against "stop + fail the rest"
         self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
         self._thread.start()
@@ -351,12 +352,29 @@ class AsyncLLM:
         that never blocks: the engine thread publishes it after every step, before it delivers
         that step's outputs, and after every call it runs, before its result is delivered; so an
         awaited ``generate`` / ``reset_prefix_cache`` / ``call_in_engine_thread`` is always
-        reflected)."""
+        reflected).
+
+        With KV tiers, whose state also moves off the engine thread (writes finishing, a degraded
+        remote tier's probe), each read also posts one refresh (none while one is pending), so
+        an idle engine's next read reports them: a ``/health`` poll sees a recovered Redis on
+        the read after the probe's ``PING`` answers."""
+        if getattr(getattr(self.engine, "kv", None), "tiers", None) is not None:
+            self._post_refresh()
         return self._stats
+
+    def _post_refresh(self) -> None:
+        def refreshed(engine: Any) -> None:  # _apply publishes the stats after it
+            self._refresh_posted = False
+
+        with self._lock:
+            if self._refresh_posted or self._dead is not None or self._closing:
+                return
+            self._refresh_posted = True
+            self.engine.post(lambda e: self._apply(refreshed, None))
 
     def get_cache_stats(self, timeout: float | None = None) -> EngineStats:
         """The same as :meth:`cache_stats` (kept for older callers; ``timeout`` is unused)."""
-        return self._stats
+        return self.cache_stats()
 
     async def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Flush the prefix cache (``tiers``: also the KV tiers the engine owns, host and disk);

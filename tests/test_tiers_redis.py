@@ -394,3 +394,55 @@ def test_tenants_are_isolated_in_redis(redis_server):
     assert out.outputs[0].token_ids == reference(p, 2)
     e.close()
     other.close()
+
+
+@pytest.mark.timeout(600)
+def test_an_idle_async_engines_stats_reads_see_redis_come_back(redis_server):
+    """The server's /health, /metrics and /cache_stats read ``AsyncLLM.cache_stats()``, a snapshot
+    the engine thread publishes: with KV tiers each read also posts a refresh, whose stats queue
+    the degraded tier's probe, so an engine that runs nothing reports the recovery."""
+    import asyncio
+    import queue
+
+    from radixkv.async_llm import AsyncLLM
+
+    clock = FakeClock()
+    store = RedisStore(redis_server.url, backoff_base_s=1.0, backoff_max_s=1.0, clock=clock)
+    engine = kv_engine(stores=[store])
+    computed: queue.Queue = queue.Queue()  # every stats the engine computes, in order
+    own = engine.cache_stats
+
+    def counted():
+        s = own()
+        computed.put(s)
+        return s
+
+    engine.cache_stats = counted
+    alm = AsyncLLM(engine=engine)
+    p = _prompt(2, 40)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+
+    async def one():
+        async for o in alm.generate(prompt_token_ids=p, sampling_params=params):
+            last = o
+        return last
+
+    redis_server.kill()
+    try:
+        assert asyncio.run(one()).outputs[0].token_ids == reference(p, 2)
+        assert alm.submit(lambda e: e.kv.tiers.drain(60)).result(60)
+        assert alm.cache_stats().tiers["remote"]["degraded"] is True
+    finally:
+        redis_server.start()
+    assert alm.submit(lambda e: None).result(60) is None  # every refresh posted so far has run
+    assert engine.kv.tiers.drain(60)  # and the probes their stats queued (inside the backoff: no PING)
+    clock.t += 2.0  # past the backoff
+    assert store.stats()["degraded"] is True  # nothing has probed since
+    while not computed.empty():
+        computed.get_nowait()
+    alm.cache_stats()  # posts a refresh: the engine thread computes the stats, which queue a probe
+    assert computed.get(timeout=60).tiers["remote"]["degraded"] is True
+    assert engine.kv.tiers.drain(60) and store.stats()["degraded"] is False  # the PING answered
+    alm.cache_stats()  # the next read's refresh reports it
+    assert computed.get(timeout=60).tiers["remote"]["degraded"] is False
+    alm.shutdown()
