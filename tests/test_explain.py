@@ -169,6 +169,28 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
     assert main(["explain", str(write_trace(tmp_path / "none.jsonl", [{"prompt": []}]))]) == 2
 
 
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["explain", "synthetic:uuid", "--html", "{missing}/r.html"], "cannot write '{missing}/r.html'"),
+        (["explain", "synthetic:uuid", "--output", "{tmp}"], "cannot write '{tmp}'"),
+        (["plan", "--model", "llama-3-8b", "--trace", "synthetic:uuid", "--html", "{missing}/r.html"], "cannot write"),
+        (["explain", "sharegpt:multi_turn:x"], "CONVERSATIONS must be an integer >= 1, got 'x'"),
+        (["explain", "synthetic:uuid:0"], "N must be an integer >= 1, got '0'"),
+        (["explain", "synthetic:uuid", "--top", "-1"], "--top >= 0"),
+    ],
+)
+def test_cli_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
+    """An output path that cannot be written or a malformed trace spec: exit 2 with a message
+    naming it, before the trace is replayed (nothing is written)."""
+    from radixkv.cli import main
+
+    fill = dict(missing=str(tmp_path / "no" / "such"), tmp=str(tmp_path))
+    assert main([a.format(**fill) for a in argv]) == 2
+    assert why.format(**fill) in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_replay_writes_the_trace_format(tok, tmp_path):
     from obs_helpers import NullRunner
 

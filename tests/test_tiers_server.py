@@ -135,6 +135,27 @@ def test_serve_flags_reach_every_replica_as_engine_fields():
         ap.parse_args(["--host-cache-bytes", "lots"])
 
 
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--replicas", "0"], "argument --replicas: must be >= 1, got 0"),
+        (["--replicas", "two"], "argument --replicas: must be an integer, got 'two'"),
+        (["--replica-cpus", "-1"], "argument --replica-cpus: must be >= 0, got -1"),
+    ],
+)
+def test_replica_flags_are_checked_before_anything_starts(argv, why, capsys):
+    import argparse
+
+    from radixkv.server.cli import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    with pytest.raises(SystemExit) as exc:
+        ap.parse_args(argv)
+    assert exc.value.code == 2 and why in capsys.readouterr().err
+    assert ap.parse_args(["--replicas", "2", "--replica-cpus", "0"]).replicas == 2
+
+
 def test_tenants_of_api_keys_are_isolated_in_the_tiers(tmp_path):
     """Through the server with API keys: a restart on the same disk directory serves tenant A's
     prompt from the disk tier in full, and tenant B's identical prompt (or A's with a cache_salt)

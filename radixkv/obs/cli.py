@@ -11,10 +11,11 @@ timestamp, uuid, user, tools, control; ``synthetic:KIND:N:fixed`` for the fixed 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["add_explain_arguments", "run_explain", "add_plan_arguments", "run_plan", "load_bodies"]
 
@@ -31,19 +32,35 @@ def load_bodies(trace: str) -> list[dict]:
     if trace.startswith("synthetic:"):
         parts = trace.split(":")[1:]
         kind = parts[0]
-        n = int(parts[1]) if len(parts) > 1 and parts[1] else 40
+        n = _count(trace, "N", parts[1]) if len(parts) > 1 and parts[1] else 40
         fixed = len(parts) > 2 and parts[2] == "fixed"
         return synthetic.agent_trace(kind, n, fixed=fixed)
     if trace.startswith("sharegpt:"):
         parts = trace.split(":")[1:]
         if parts[0] != "multi_turn":
             raise ValueError(f"built-in ShareGPT traces: sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got {trace!r}")
-        convs = int(parts[1]) if len(parts) > 1 else 24
-        turns = int(parts[2]) if len(parts) > 2 else 4
+        convs = _count(trace, "CONVERSATIONS", parts[1]) if len(parts) > 1 else 24
+        turns = _count(trace, "TURNS", parts[2]) if len(parts) > 2 else 4
         return synthetic.sharegpt_multi_turn_trace(convs, turns)
     if not Path(trace).is_file():
         raise FileNotFoundError(f"trace file {trace!r} not found")
     return read_trace(trace)
+
+
+def _count(trace: str, name: str, text: str) -> int:
+    """A count of a built-in trace's spec: an integer >= 1 (ValueError naming the trace)."""
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"trace {trace!r}: {name} must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def check_writable(*paths: Optional[str]) -> None:
+    """Raise ValueError for an output file (``--output``, ``--html``) whose folder does not exist
+    or is not writable, before any work is done."""
+    for p in [Path(p) for p in paths if p]:
+        folder = p.parent if str(p.parent) else Path(".")
+        if not folder.is_dir() or not os.access(folder, os.W_OK) or p.is_dir():
+            raise ValueError(f"cannot write {str(p)!r}: no such writable folder, or it is a folder")
 
 
 def _capacity(s: str) -> Any:
@@ -85,10 +102,11 @@ def run_explain(args: argparse.Namespace) -> int:
     from radixkv.obs.report import explain_html, explain_text_report, to_json
     from radixkv.obs.trace import tokenize_trace
 
-    if args.page_size < 1:
-        print("radixkv explain: --page-size must be >= 1", file=sys.stderr)
+    if args.page_size < 1 or args.top < 0:
+        print("radixkv explain: --page-size must be >= 1 and --top >= 0", file=sys.stderr)
         return 2
     try:
+        check_writable(args.output, args.html)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
         invalid: list = []
@@ -224,6 +242,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.list:
             print(list_architectures((args.kv_dtype, "fp8") if args.kv_dtype not in ("fp8",) else ("bfloat16", "fp8")))
             return 0
+        check_writable(args.html)
         model = args.model
         if model.endswith(".gguf"):
             from radixkv.models.loader import resolve_hf_dir

@@ -91,13 +91,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_tier_arguments(parser)
     r = parser.add_argument_group("replicas (Ray Serve, extra radixkv[ray]; docs/routing.md)")
-    r.add_argument("--replicas", type=int, default=1, help="engine replicas; > 1 serves them on Ray Serve (default: 1)")
+    r.add_argument(
+        "--replicas",
+        type=_at_least(int, 1),
+        default=1,
+        help="engine replicas; > 1 serves them on Ray Serve (default: 1)",
+    )
     r.add_argument(
         "--router-policy", default="cache_events",
         choices=["cache_events", "approx_tree", "session", "least_load", "round_robin"],
         help="routing policy across replicas (default: %(default)s)",
     )  # fmt: skip
-    r.add_argument("--replica-cpus", type=float, default=0.5, help="Ray logical CPUs per replica (default: 0.5)")
+    r.add_argument(
+        "--replica-cpus", type=_at_least(float, 0), default=0.5, help="Ray logical CPUs per replica (default: 0.5)"
+    )
     r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     h = parser.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
@@ -144,6 +151,23 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         help="write_through or write_back for every tier, or per tier as host=write_back,disk=write_through "
         "(default: write_back for host, write_through for disk and remote)",
     )  # fmt: skip
+
+
+def _at_least(kind: type, low: float) -> Any:
+    """An argparse ``type``: ``kind(text)``, refused below ``low`` (argparse names the flag)."""
+
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if not v >= low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text}")
+        return v
+
+    return parse
 
 
 def _bytes(text: str) -> int:
