@@ -247,6 +247,18 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
         err = error_of(http.post("/generate", json=body))
         assert (err["param"], err["code"]) == (param, code), (body, err)
     assert error_of(http.post("/generate", content=b"{not json"))["code"] == "invalid_json"
+    deep = b'{"a": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # the stdlib parser's recursion limit
+    surrogate = b'{"messages": [{"role": "user", "content": "\\ud800"}]}'  # json.loads takes it, pydantic not
+    for route, body in [(r, deep) for r in ("/generate", "/v1/chat/completions", "/v1/responses", "/tokenize")] + [
+        ("/v1/chat/completions", surrogate)
+    ]:
+        err = error_of(http.post(route, content=body, headers={"content-type": "application/json"}))
+        assert err["code"] == "invalid_json" and "not valid JSON" in err["message"], (route, err)
+    part = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "bar": 1}]}]}
+    err = error_of(http.post("/v1/chat/completions", json=part))
+    assert (err["param"], err["code"]) == ("messages", "unknown_parameter") and "messages.0.content.0.bar" in err[
+        "message"
+    ]
     ok = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
     assert ok.status_code == 200  # still serving
     assert_pool_whole(llm)

@@ -247,7 +247,18 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
             "unsupported_parameter",
         ),
         ({"input": [{"type": "reasoning", "summary": []}]}, "input", "unsupported_parameter"),
-    ]
+        # keys no field reads: refused, never ignored
+        ({"text": {"format": {"type": "json_schema", "name": "x", "scheme": {}}}}, "text", "unknown_parameter"),
+        ({"text": {"format": {"type": "json_object", "zz": 1}}}, "text", "unknown_parameter"),
+        ({"input": [{"role": "user", "content": "Hi", "q": 1}]}, "input", "unknown_parameter"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi", "q": 1}]}]}, "input",
+         "unknown_parameter"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1", "q": 1}]}, "input",
+         "unknown_parameter"),
+        ({"reasoning": {"zz": 1}}, "reasoning", "unknown_parameter"),
+        ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f", "zz": 1}},
+         "tool_choice", "unknown_parameter"),
+    ]  # fmt: skip
     for extra, param, code in cases:
         resp = httpx.post(server.base_url + "/v1/responses", json={**base, **extra}, timeout=60)
         assert resp.status_code == 400, (extra, resp.text)

@@ -617,6 +617,23 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
                 assert (err["param"], err["code"]) == (name, "unsupported_parameter"), (name, err)
         r = http.post("/v1/chat/completions", json={**bodies["/v1/chat/completions"], "frobnicate": 1})
         assert r.json()["error"]["code"] == "unknown_parameter" and r.json()["error"]["param"] == "frobnicate"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        named = {"type": "function", "function": {"name": "f"}}
+        for extra, param, code in [  # a key no field reads, or a part the chosen type ignores: refused
+            ({"prediction": {"type": "content", "content": "x", "zz": 1}}, "prediction", "unknown_parameter"),
+            ({"tools": tools, "tool_choice": {**named, "zz": 1}}, "tool_choice", "unknown_parameter"),
+            ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f", "zz": 1}}},
+             "tool_choice", "unknown_parameter"),
+            ({"tools": tools, "tool_choice": {"type": "allowed_tools",
+                                              "allowed_tools": {"mode": "auto", "tools": [named], "zz": 1}}},
+             "tool_choice", "unknown_parameter"),
+            ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}},
+             "response_format", "invalid_value"),
+            ({"response_format": {"type": "text", "json_schema": {"name": "x", "schema": {}}}},
+             "response_format", "invalid_value"),
+        ]:  # fmt: skip
+            err = http.post("/v1/chat/completions", json={**bodies["/v1/chat/completions"], **extra}).json()["error"]
+            assert (err["param"], err["code"]) == (param, code), (extra, err)
         # prompt_cache_key is no cache namespace: another key still hits the same prefix cache
         msgs = chat_messages("Where are the ladders?")
         a = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 1,

@@ -36,7 +36,6 @@ thread, and concurrent requests batch together in the engine.
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Any
@@ -54,6 +53,7 @@ from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
 from radixkv.server.auth import APIKeys, AuthMiddleware, request_namespace, request_tenant
 from radixkv.server.backend import EngineBackend, as_backend
+from radixkv.server.body import is_type_tag, parse_json
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
@@ -76,10 +76,11 @@ DEFAULT_SERVED_MODEL_NAME = "smollm2-135m"
 def validation_error(exc: ValidationError) -> APIError:
     """The 400 for a body pydantic refused: ``param`` is the top-level field at fault; a field no
     one defines is ``unknown_parameter``."""
-    err = exc.errors()[0]
+    errors = exc.errors()  # an unknown key first: pydantic lists a union's other members' errors before it
+    err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
     loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
     param = loc[0] if loc else None
-    where = ".".join(str(p) for p in err.get("loc", ()))
+    where = ".".join(str(p) for p in err.get("loc", ()) if not is_type_tag(p))
     if err.get("type") == "extra_forbidden":
         return APIError(
             f"{where}: unknown parameter (neither OpenAI's API nor radixkv's documented extensions define it; "
@@ -223,16 +224,7 @@ async def _parse(request: Request, model: type) -> Any:
         body = await request.body()
     except ClientDisconnect as exc:  # the client left before its body arrived: nothing to answer
         raise ClientDisconnected("the client disconnected before sending its body") from exc
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
-    if not isinstance(data, dict):
-        raise APIError("the request body must be a JSON object", None)
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as exc:
-        raise validation_error(exc) from exc
+    return parse_json(body, model, validation_error, strict=None)
 
 
 def _respond(result: Any) -> Response:

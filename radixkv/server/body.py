@@ -1,5 +1,5 @@
-"""Reading a request body into a pydantic model, strictly: what the protocol modules outside
-``server/openai/`` (SGLang's native API, the vLLM extras) share.
+"""Reading a request body into a pydantic model, strictly: what every route shares (the OpenAI
+routes with their own :func:`validation_error`, SGLang's native API, the vLLM extras).
 
 Strict means: the body is a JSON object; JSON types are not coerced (``"3"`` or ``3.0`` is no
 integer, ``1`` no boolean; an integer is a valid float); a field the model does not define is a 400
@@ -11,49 +11,66 @@ integer, ``1`` no boolean; an integer is a valid float); a field the model does 
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from radixkv.server.openai.protocol import APIError
 
-__all__ = ["parse_body", "parse_json", "validation_error"]
+__all__ = ["is_type_tag", "parse_body", "parse_json", "validation_error"]
 
 M = TypeVar("M", bound=BaseModel)
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "tuple"})
 
 
+def is_type_tag(part: Any) -> bool:
+    """Whether ``part`` of a pydantic error location names the union member it tried
+    (``str``, ``list[str]``, ``GenerateSamplingParams``) rather than a field or a position."""
+    p = str(part)
+    return not isinstance(part, int) and not (p.isidentifier() and p[0].islower() and p not in _TYPE_TAGS)
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The 400 for a body pydantic refused: ``param`` is the dotted path of the first field at
     fault; a field the model does not define is ``code="unknown_parameter"``."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
-    # pydantic also names the union member it tried ("str", "list[str]", "GenerateSamplingParams")
-    loc = [p for p in loc if p.isidentifier() and p[0].islower() and p not in _TYPE_TAGS]
+    loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int) and not is_type_tag(p)]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
         return APIError(f"{param}: unknown parameter (see docs/server.md)", param, code="unknown_parameter")
     return APIError(f"{param or 'body'}: {err.get('msg')}", param)
 
 
-def parse_json(body: bytes, model: type[M]) -> M:
-    """``body`` (a JSON object) validated strictly as ``model``.
+def parse_json(
+    body: bytes,
+    model: type[M],
+    to_error: Callable[[ValidationError], APIError] = validation_error,
+    strict: Optional[bool] = True,
+) -> M:
+    """``body`` (a JSON object) validated as ``model`` (``strict``: pydantic's; None: the model's
+    own config), a field refused becoming ``to_error(exc)``.
 
     Raises:
-        APIError: malformed JSON (``code="invalid_json"``), not an object, or a field refused.
+        APIError: malformed JSON, nested too deeply or not UTF-8 (``code="invalid_json"``), not an
+            object, or a field refused.
     """
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(f"the request body is not valid JSON: {exc}", None, code="invalid_json") from exc
+    except RecursionError:  # NOTE: the stdlib parser recurses once per nesting level
+        raise APIError("the request body is not valid JSON: nested too deeply", None, code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError("the request body must be a JSON object", None)
     try:
-        return model.model_validate_json(body, strict=True)
+        return model.model_validate_json(body, strict=strict)
     except ValidationError as exc:
-        raise validation_error(exc) from exc
+        bad = [e for e in exc.errors() if e["type"] == "json_invalid"]  # e.g. a lone surrogate
+        if bad:
+            raise APIError(f"the request body is not valid JSON: {bad[0]['msg']}", None, code="invalid_json") from None
+        raise to_error(exc) from exc
 
 
 async def parse_body(request: Request, model: type[M]) -> M:

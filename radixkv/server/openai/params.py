@@ -12,7 +12,7 @@ from radixkv.errors import RequestError
 from radixkv.sampling.grammar import tool_call_structural_tag
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
-from radixkv.server.openai.protocol import APIError, ChatCompletionRequest
+from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, check_keys
 
 __all__ = [
     "ModelNames",
@@ -119,7 +119,7 @@ def auto_calls(functions: list[dict], parallel: bool) -> dict:
     return {"type": "structural_tag", "format": fmt}
 
 
-def _named(choice: dict, names: list[str]) -> str:
+def _named(choice: dict, names: list[str], where: str = "tool_choice") -> str:
     fn = choice.get("function")
     if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise APIError(
@@ -127,6 +127,8 @@ def _named(choice: dict, names: list[str]) -> str:
             f"or {{'type': 'allowed_tools', ...}}, got {choice!r}",
             "tool_choice",
         )
+    check_keys(choice, ("type", "function"), where, "tool_choice")
+    check_keys(fn, ("name",), f"{where}.function", "tool_choice")
     if fn["name"] not in names:
         raise APIError(f"tool_choice names function {fn['name']!r}, which is not in tools {names}", "tool_choice")
     return fn["name"]
@@ -163,7 +165,10 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
             allowed = choice.get("allowed_tools")
             if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
                 raise APIError("tool_choice.allowed_tools needs mode 'auto' or 'required' and tools", "tool_choice")
-            subset = [_named(t, names) for t in allowed.get("tools") or []]
+            check_keys(choice, ("type", "allowed_tools"), "tool_choice", "tool_choice")
+            check_keys(allowed, ("mode", "tools"), "tool_choice.allowed_tools", "tool_choice")
+            at = "tool_choice.allowed_tools.tools"
+            subset = [_named(t, names, f"{at}.{i}") for i, t in enumerate(allowed.get("tools") or [])]
             if not subset:
                 raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
             if allowed["mode"] == "auto":

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Iterable, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 NO_EFFECT_FIELDS = {
     "chat": (
@@ -83,6 +83,15 @@ class APIError(Exception):
 def unsupported(param: str, why: str) -> APIError:
     """400 ``unsupported_parameter`` naming ``param``."""
     return APIError(f"{param}: {why}", param, code="unsupported_parameter")
+
+
+def check_keys(obj: dict, allowed: Iterable[str], where: str, param: str) -> None:
+    """400 ``unknown_parameter`` naming the first key of ``obj`` (at ``where``) not in
+    ``allowed``: what a pydantic model with ``extra="forbid"`` does, for the objects the protocol
+    keeps as plain dicts."""
+    extra = sorted(set(obj) - set(allowed))
+    if extra:
+        raise APIError(f"{where}.{extra[0]}: unknown parameter (see docs/server.md)", param, code="unknown_parameter")
 
 
 def server_error_event(exc: Exception) -> dict:
@@ -305,6 +314,19 @@ class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JSONSchemaFormat] = None
 
+    @model_validator(mode="after")
+    def _schema_only_for_json_schema(self) -> "ResponseFormat":
+        if self.json_schema is not None and self.type != "json_schema":
+            raise ValueError(f"json_schema is only read with type 'json_schema', got type {self.type!r}")
+        return self
+
+
+class Prediction(_Strict):
+    """``prediction`` (OpenAI's predicted outputs): accepted, no effect (module docstring)."""
+
+    type: Literal["content"]
+    content: Union[str, list[dict[str, Any]]]
+
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of
@@ -326,7 +348,7 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[dict[str, Any]] = None
     safety_identifier: Optional[str] = None
-    prediction: Optional[dict[str, Any]] = None
+    prediction: Optional[Prediction] = None
     # unsupported unless unset (or at their no-op value)
     audio: Optional[dict[str, Any]] = None
     modalities: Optional[list[str]] = None

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
-from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, _Strict, unsupported
+from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, _Strict, check_keys, unsupported
 
 __all__ = ["ResponsesRequest", "input_messages", "chat_param"]
 
@@ -60,6 +60,20 @@ def remap_error(exc: APIError) -> APIError:
     return exc
 
 
+# The keys each input item and content part may carry: OpenAI's own (``id``, ``status``,
+# ``annotations``, ``logprobs``: what a client echoes back from an earlier response) and no other.
+_PART_KEYS = {
+    "input_text": ("type", "text"),
+    "output_text": ("type", "text", "annotations", "logprobs"),
+    "refusal": ("type", "refusal"),
+}
+_ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
+    "function_call_output": ("type", "call_id", "output", "id", "status"),
+}
+
+
 def _text_of(content: Any, where: str, allowed: tuple[str, ...]) -> str:
     """The text of a message's ``content`` (a string or a list of text parts)."""
     if isinstance(content, str):
@@ -76,6 +90,7 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...]) -> str:
         key = "refusal" if kind == "refusal" else "text"
         if not isinstance(part.get(key), str):
             raise APIError(f"{where}.content[{j}]: a {kind} part needs its {key!r} string", "input")
+        check_keys(part, _PART_KEYS[kind], f"{where}.content[{j}]", "input")
         texts.append(part[key])
     return "".join(texts)
 
@@ -98,6 +113,8 @@ def input_messages(items: Union[str, list]) -> list[dict]:
         if not isinstance(item, dict):
             raise APIError(f"{where} must be an object", "input")
         kind = item.get("type", "message" if "role" in item else None)
+        if kind in _ITEM_KEYS:
+            check_keys(item, _ITEM_KEYS[kind], where, "input")
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
@@ -140,9 +157,15 @@ def _chat_tool_choice(choice: Any) -> Any:
     if not isinstance(choice, dict):
         raise APIError(f"tool_choice must be a string or an object, got {choice!r}", "tool_choice")
     if choice.get("type") == "function":
+        check_keys(choice, ("type", "name"), "tool_choice", "tool_choice")
         return {"type": "function", "function": {"name": choice.get("name")}}
     if choice.get("type") == "allowed_tools":
-        tools = [{"type": "function", "function": {"name": t.get("name")}} for t in choice.get("tools") or []]
+        check_keys(choice, ("type", "mode", "tools"), "tool_choice", "tool_choice")
+        listed = choice.get("tools") or []
+        for i, t in enumerate(listed):
+            if isinstance(t, dict):
+                check_keys(t, ("type", "name"), f"tool_choice.tools[{i}]", "tool_choice")
+        tools = [{"type": "function", "function": {"name": t.get("name")}} for t in listed]
         return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": tools}}
     raise unsupported("tool_choice", f"only function tool choices are supported, got {choice.get('type')!r}")
 
@@ -210,7 +233,9 @@ class ResponsesRequest(_Strict):
             raise unsupported("include", f"no extra output data is available, got {self.include}")
         if self.truncation not in (None, "disabled"):
             raise unsupported("truncation", "only 'disabled' is supported (a too-long input is a 400)")
-        if self.reasoning and (self.reasoning.get("effort") not in (None, "none") or self.reasoning.get("summary")):
+        check_keys(self.reasoning or {}, ("effort", "summary", "generate_summary"), "reasoning", "reasoning")
+        r = self.reasoning or {}
+        if r.get("effort") not in (None, "none") or r.get("summary") or r.get("generate_summary"):
             raise unsupported("reasoning", "this model does not reason; only effort 'none' is accepted")
         if self.top_logprobs:
             raise unsupported("top_logprobs", "logprobs are not reported by /v1/responses")
@@ -250,6 +275,8 @@ class ResponsesRequest(_Strict):
             return None
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise APIError(f"text.format.type must be text, json_object or json_schema, got {fmt!r}", "text")
+        keys = ("type", "name", "description", "schema", "strict") if fmt["type"] == "json_schema" else ("type",)
+        check_keys(fmt, keys, "text.format", "text")
         if fmt["type"] != "json_schema":
             return {"type": fmt["type"]}
         schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if fmt.get(k) is not None}
