@@ -1,4 +1,4 @@
-"""The default model (SmolLM2-135M-Instruct): logits equal transformers' (fp32, atol 1e-4) over the
+"""The default model (SmolLM2-135M-Instruct): logits equal transformers' (fp32, atol 2e-4) over the
 paged KV cache, and greedy decoding of 32 tokens equals ``generate(do_sample=False)`` on 5 real
 ShareGPT prompts with the chat template applied. Both models load once per module."""
 
@@ -18,7 +18,10 @@ from radixkv.kernels import cpu as cpu_kernels
 
 pytestmark = pytest.mark.timeout(900)
 
-ATOL = 1e-4
+# NOTE: the native kernels sum each block of 32 weights with its scale factored out (docs/model.md,
+# "Lossless block formats"): float32 with another summation order, up to about 1.5e-4 from
+# transformers' logits over these prompts (bench/prefill_path.py prints it).
+ATOL = 2e-4
 
 
 def _sharegpt_prompts(n: int, max_chars: int = 300) -> list[str]:

@@ -20,7 +20,7 @@ from radixkv.executor import cpu_decode, row_split
 from radixkv.kernels import cpu
 from radixkv.memory.kv_dtype import canonical_kv_dtype
 from radixkv.memory.kv_pool import KVPool, ReqToTokenPool
-from radixkv.models.layers import PACKED_MAX_ROWS, CausalLM
+from radixkv.models.layers import CausalLM
 from radixkv.models.quantize import quantize_model
 from radixkv.models.registry import sliding_window_limit
 
@@ -266,7 +266,7 @@ class ModelRunner:
             return None
         try:
             tokens, rows, prefix, extend = (cpu_decode.ints(v) for v in (input_ids, req_rows, prefix_lens, extend_lens))
-            if self.decode_step is None and len(tokens) <= PACKED_MAX_ROWS:
+            if self.decode_step is None:
                 return None  # the module path serves it on the native, row-invariant kernels
             if len(extend) != len(rows) or sum(extend) != len(tokens) or min(extend, default=0) < 1:
                 return None

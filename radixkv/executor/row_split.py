@@ -5,15 +5,13 @@ A decode row (a request entry with ``extend_len == 1``: an ordinary decode step,
 consecutive positions) must give the bits (K/V written, logits) that the same row gives alone,
 whatever else is in the batch. The native CPU kernels give them for any batch they serve (every
 output element is computed per row in a fixed order: the GEMV, the small-M GEMM and the
-micro-kernel share one summation order per row; attention is per row), but two batches do not
-reach them whole:
-
-* with the fused decode step (:mod:`radixkv.executor.cpu_decode`), a batch beyond its limits (more
-  than :data:`~radixkv.executor.cpu_decode.MAX_ROWS` tokens, or a prefill chunk longer than
-  :data:`~radixkv.executor.cpu_decode.MAX_EXTEND`) goes through the module path, whose attention
-  merges no 256-position chunks (other bits past 256 positions);
-* without it, a batch of more than :data:`~radixkv.models.ops.PACKED_MAX_ROWS` tokens runs the
-  module path's torch GEMMs and norms (MKL: other bits, and M-dependent ones).
+micro-kernel share one summation order per row; attention is per row), but one batch does not
+reach the one-row path whole: with the fused decode step (:mod:`radixkv.executor.cpu_decode`), a
+batch beyond its limits (more than :data:`~radixkv.executor.cpu_decode.MAX_ROWS` tokens, or a
+prefill chunk longer than :data:`~radixkv.executor.cpu_decode.MAX_EXTEND`) goes through the module
+path, whose attention merges no 256-position chunks (other bits past 256 positions). Without the
+fused step every batch runs the module path on the native kernels, whose bits do not depend on
+the batch, and nothing is split.
 
 :func:`plan_parts` splits such a batch into parts the runner runs one after the other: the decode
 rows in chunks of at most ``max_rows`` (each on the one-row path: the fused step, or the module

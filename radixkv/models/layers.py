@@ -21,7 +21,7 @@ from torch import nn
 
 from radixkv.attention.base import AttentionBackend
 from radixkv.models import ops
-from radixkv.models.ops import PACKED_MAX_ROWS, SMALL_M_ROWS, PackCache, apply_rope, linear
+from radixkv.models.ops import SMALL_M_ROWS, PackCache, apply_rope, linear
 
 __all__ = [
     "CausalLM",
@@ -34,7 +34,6 @@ __all__ = [
     "config_head_dim",
     "weights_epoch",
     # re-exported from radixkv.models.ops, where they live
-    "PACKED_MAX_ROWS",
     "SMALL_M_ROWS",
     "PackCache",
     "apply_rope",

@@ -16,7 +16,6 @@ from radixkv.kernels import cpu
 
 __all__ = [
     "SMALL_M_ROWS",
-    "PACKED_MAX_ROWS",
     "PackCache",
     "native_rows",
     "linear",
@@ -28,9 +27,6 @@ __all__ = [
 
 SMALL_M_ROWS = 128
 """Row counts (2 to this) for which :func:`linear` uses the weight-major product on the CPU."""
-
-PACKED_MAX_ROWS = 64
-"""Row counts (1 to this) for which :func:`linear` uses radixkv's packed-weight GEMM on the CPU."""
 
 
 class PackCache:
@@ -70,15 +66,17 @@ def _no_grad(*tensors: torch.Tensor | None) -> bool:
 
 
 def native_rows(x: torch.Tensor) -> bool:
-    """True when the native CPU kernels serve these rows: ``x`` is float32 on the CPU with at most
-    :data:`PACKED_MAX_ROWS` rows (a decode-sized batch), the kernels are available and no
-    gradient is being recorded. Larger batches (prefill) use torch's multi-threaded ops."""
+    """True when the native CPU kernels serve these rows: ``x`` is float32 on the CPU with at least
+    one row, the kernels are available and no gradient is being recorded. Every batch size, a
+    decode step's rows as a prefill's: the packed GEMM streams the block formats' 4.5-8.5 bits a
+    weight instead of float32's 32 (MKL's sgemm on the float32 weights prefilled about half as
+    fast, docs/model.md), and its bits do not depend on the row count."""
     return (
         cpu.AVAILABLE
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and x.dim() == 2
-        and 1 <= x.shape[0] <= PACKED_MAX_ROWS
+        and x.shape[0] >= 1
         and _no_grad(x)
     )
 
@@ -89,7 +87,7 @@ def linear(
     """``F.linear(x, weight, bias)`` (``x [M, K]``, ``weight [N, K]`` -> ``[M, N]``), with two
     faster float32 CPU paths for decode-sized batches (same values up to float32 rounding):
 
-    * ``1 <= M <= PACKED_MAX_ROWS``, a ``pack`` cache given, the native kernels available and
+    * ``M >= 1``, a ``pack`` cache given, the native kernels available and
       no gradient needed (:func:`native_rows`): :func:`radixkv.kernels.cpu.packed_linear` on the
       weight repacked once into 16-column panels (an AVX2 register-blocked GEMM). The packed copy
       costs the weight's bytes again (less in the lossless block formats).
