@@ -30,8 +30,7 @@ import torch  # noqa: E402
 
 from bench.model_speed import _HF, _Ours, _tokens  # noqa: E402
 from bench.results_io import write_result  # noqa: E402
-from radixkv.models import load_model  # noqa: E402
-from radixkv.models import ops  # noqa: E402
+from radixkv.models import load_model, ops  # noqa: E402
 
 _NATIVE = ops.native_rows
 
