@@ -129,7 +129,8 @@ def test_codec_every_corruption_is_a_miss_with_its_reason():
     other_ns, _, _ = _one(namespace="tenant-a")
     cases = {
         "magic": (k, _patch(data, 0, b"XKVB"), t),
-        "version": (k, _patch(data, 4, struct.pack("<H", 2)), t),
+        "version": (k, _patch(data, 4, struct.pack("<H", 3)), t),
+        "checksum-version": (k, _patch(data, 4, struct.pack("<H", 1)), t),  # a version-1 record's sum is blake2b
         "flags": (k, _patch(data, 6, struct.pack("<H", 1)), t),
         "key": (other_key, data, t),
         "key-namespace": (other_ns, data, t),
@@ -151,6 +152,7 @@ def test_codec_every_corruption_is_a_miss_with_its_reason():
     assert reasons == {
         "magic": "magic",
         "version": "version",
+        "checksum-version": "checksum",
         "flags": "version",
         "key": "key",
         "key-namespace": "key",
@@ -165,6 +167,21 @@ def test_codec_every_corruption_is_a_miss_with_its_reason():
         "checksum-meta": "checksum",
         "checksum-sum": "checksum",
     }
+
+
+def test_codec_reads_a_version_1_record():
+    """Records written before the checksum became XXH3 (version 1: blake2b-128) still load, and
+    are checked with their own sum."""
+    import hashlib
+
+    k, t, b = _one(size=1000)
+    v2 = encode(k, b)
+    body = _patch(v2[:-16], 4, struct.pack("<H", 1))
+    v1 = body + hashlib.blake2b(body, digest_size=16).digest()
+    got = decode(k, v1, t)
+    assert got is not None and bytes(got.payload) == bytes(b.payload) and got.tokens == t and got.meta == b.meta
+    assert why_corrupt(k, _patch(v1, len(v1) - 100, bytes([v1[-100] ^ 1])), t) == "checksum"
+    assert struct.unpack_from("<H", v2, 4) == (2,)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,11 +1,11 @@
 """The stored form of a block (disk files, Redis values): self-describing and checked, so that a
 record is loaded only for exactly the key and the tokens it was written for.
 
-Format version 1, little-endian::
+Format version 2, little-endian::
 
     offset  size  field
          0     4  magic b"RKVB"
-         4     2  version (1)
+         4     2  version (2; 1 is still read)
          6     2  flags (0)
          8    48  key: fingerprint, namespace digest, block digest (BlockKey.to_bytes)
         56     4  n: number of token ids (16; a tail's 1 to 15)
@@ -15,7 +15,13 @@ Format version 1, little-endian::
          .     m  meta
          .     z  zero padding: the payload starts at a multiple of 64 bytes
          .     p  payload
-       end    16  blake2b-128 of every byte before it
+       end    16  checksum of every byte before it: XXH3-128 (version 1: blake2b-128)
+
+The checksum guards against damage (a torn write, a flipped bit, a truncated file), not against
+whoever can write the store: it keeps a damaged record from being loaded, as the key and the
+token ids keep another block's from being. XXH3 (the ``xxhash`` package) checks a 740 KB
+float32 block in about 0.01 ms, blake2b in about 0.5 ms, most of a disk load's CPU time; records
+of version 1 (blake2b), from before, are still read.
 
 :func:`decode` returns None when any of them does not match: the magic, the version or flags, the
 key, the token ids (against those the caller expects; a tail's caller may take any), the lengths (against the record's size),
@@ -26,18 +32,37 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+import xxhash
 
 from radixkv.tiers.base import BLOCK_TOKENS, Block, BlockKey
 
 __all__ = ["ALIGN", "HEADER_SIZE", "MAGIC", "VERSION", "decode", "encode", "encoded_size", "why_corrupt"]
 
 MAGIC = b"RKVB"
-VERSION = 1
+VERSION = 2
 ALIGN = 64
 _HEADER = struct.Struct("<4sHH48sIIQ")
 HEADER_SIZE = _HEADER.size  # 72
 _SUM = 16
+
+
+def _blake2b(parts: Sequence) -> bytes:
+    h = hashlib.blake2b(digest_size=_SUM)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def _xxh3(parts: Sequence) -> bytes:
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+_CHECKSUMS: dict[int, Callable[[Sequence], bytes]] = {1: _blake2b, 2: _xxh3}  # by format version
 
 
 def _pad(n_tokens: int, meta_len: int) -> int:
@@ -68,10 +93,7 @@ def encode(key: BlockKey, block: Block) -> bytes:
         bytes(_pad(n, m)),
         block.payload,
     )
-    h = hashlib.blake2b(digest_size=_SUM)
-    for part in parts:
-        h.update(part)
-    return b"".join((*parts, h.digest()))
+    return b"".join((*parts, _CHECKSUMS[VERSION](parts)))
 
 
 def _expected_tokens(tokens: Sequence[int]) -> bytes | None:
@@ -89,8 +111,8 @@ def _check(key: BlockKey, view: memoryview, tokens: Optional[Sequence[int]]) -> 
     magic, version, flags, kb, n, m, p = _HEADER.unpack_from(view)
     if magic != MAGIC:
         return "magic", none, none
-    if version != VERSION or flags != 0:
-        return f"version: {version} (flags {flags}), expected {VERSION}", none, none
+    if version not in _CHECKSUMS or flags != 0:
+        return f"version: {version} (flags {flags}), expected one of {sorted(_CHECKSUMS)}", none, none
     if kb != key.to_bytes():
         return "key: the record is another block's", none, none
     meta_at = HEADER_SIZE + 4 * n
@@ -102,7 +124,7 @@ def _check(key: BlockKey, view: memoryview, tokens: Optional[Sequence[int]]) -> 
             return f"tokens: {n} token ids, expected 1 to {BLOCK_TOKENS}", none, none
     elif n != len(tokens) or view[HEADER_SIZE:meta_at] != _expected_tokens(tokens):
         return "tokens: not the expected token ids", none, none
-    if hashlib.blake2b(view[:-_SUM], digest_size=_SUM).digest() != view[-_SUM:]:
+    if _CHECKSUMS[version]((view[:-_SUM],)) != view[-_SUM:]:
         return "checksum", none, none
     return None, slice(meta_at, meta_at + m), slice(pay_at, pay_at + p)
 
