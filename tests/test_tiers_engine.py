@@ -418,3 +418,29 @@ def test_tenants_are_isolated_in_the_host_and_disk_tiers(tmp_path, medium):
     a = generate(other, [p], namespace=Namespace(tenant="A"))[0]
     assert a.cached_tokens_by_tier == {**none, medium: 69} and a.outputs[0].token_ids == reference(p, 6)
     assert other.cache_stats().tiers[medium]["corrupt"] == 0
+
+
+def test_cost_model_picks_the_run_that_saves_and_remeasures_a_skipped_tier():
+    """The load rule (docs/tiers.md, "Cost rule"): the prefix of the run that saves the most time;
+    a tier its estimate keeps from loading is measured again after 64 skipped blocks, so one slow
+    load does not stop that tier for good; a tail's fetch counts as one block."""
+    from radixkv.engine.tier_io import CostModel
+
+    cm = CostModel(alpha=1.0, reprobe_blocks=64)
+    assert cm.best_run(["disk", "remote"]) == 2  # nothing measured: load everything
+    cm.note_prefill(1.0, 1000)  # 1 ms a token: recomputing a block costs 16 ms
+    cm.note_load("disk", 0.004, 2)  # 2 ms a block
+    cm.note_load("remote", 0.030, 1)  # 30 ms a block: dearer than recomputing
+    assert cm.best_run(["disk", "disk", "remote"]) == 2
+    assert cm.best_run(["disk", "remote", "remote", "disk", "disk", "disk"]) == 6  # 3 x 14 > 2 x 14 ms
+    assert cm.saves("disk") and not cm.saves("remote")
+    cm.skipped.clear()
+    for _ in range(31):
+        assert cm.best_run(["remote", "remote"]) == 0
+    assert not cm.saves("remote") and cm.skipped["remote"] == 62
+    assert cm.best_run(["remote", "remote"]) == 0 and cm.skipped["remote"] == 64
+    assert cm.saves("remote") and cm.best_run(["remote", "remote"]) == 2  # stale: measured again
+    cm.note_load("remote", 0.002, 2)  # the tier was slow for a moment only
+    assert cm.skipped["remote"] == 0 and cm.best_run(["remote"]) == 1
+    cm.note_load("host", 0.001, 1)  # a tail's fetch: one record, 1 ms
+    assert cm.token_s("host") == 0.001 / 16

@@ -194,24 +194,30 @@ class CostModel:
     and to prefill one token; :meth:`best_run` picks how many leading blocks of a run to load.
 
     Before a tier's first load its cost counts as 0 (load: that measures it); before the first
-    prefill is measured every run is loaded.
+    prefill is measured every run is loaded. A tier whose cost kept ``reprobe_blocks`` blocks in a
+    row from loading counts as 0 once more, so the next load measures it again: an estimate made
+    in a slow moment (a reconnect, a burst of other work on the cores) would otherwise stop every
+    load from that tier, and with them every new measurement.
     """
 
-    def __init__(self, alpha: float = 0.2) -> None:
+    def __init__(self, alpha: float = 0.2, reprobe_blocks: int = 64) -> None:
         self.alpha = alpha
+        self.reprobe_blocks = reprobe_blocks
         self.block_s: Dict[str, float] = {}
         self.prefill_token_s: Optional[float] = None
+        self.skipped: Dict[str, int] = {}  # blocks a tier's cost kept from loading since it was measured
         self._lock = threading.Lock()
 
     def _ewma(self, old: Optional[float], x: float) -> float:
         return x if old is None else (1 - self.alpha) * old + self.alpha * x
 
     def note_load(self, medium: str, seconds: float, blocks: float) -> None:
-        """``blocks`` blocks came from ``medium`` in ``seconds`` (fetch, checks and staging; a
-        tail of ``r`` tokens counts ``r / 16``)."""
+        """``blocks`` records came from ``medium`` in ``seconds`` (fetch, checks and staging; a
+        tail counts as one: its fetch costs a record's round trip whatever its length)."""
         if blocks > 0:
             with self._lock:
                 self.block_s[medium] = self._ewma(self.block_s.get(medium), seconds / blocks)
+                self.skipped[medium] = 0
 
     def note_prefill(self, seconds: float, tokens: int) -> None:
         """A forward computed ``tokens`` prompt tokens in ``seconds``."""
@@ -226,7 +232,9 @@ class CostModel:
 
     def saves(self, medium: str) -> bool:
         """Whether loading from ``medium`` is cheaper per token than recomputing."""
-        return self.prefill_token_s is None or BLOCK_TOKENS * self.prefill_token_s > self.block_s.get(medium, 0.0)
+        if self.prefill_token_s is None or self.skipped.get(medium, 0) >= self.reprobe_blocks:
+            return True
+        return BLOCK_TOKENS * self.prefill_token_s > self.block_s.get(medium, 0.0)
 
     def best_run(self, media: List[str]) -> int:
         """How many leading blocks of a run held in ``media`` (per block) to load: the prefix
@@ -234,12 +242,16 @@ class CostModel:
         if self.prefill_token_s is None:
             return len(media)
         gain = BLOCK_TOKENS * self.prefill_token_s
-        best = acc = 0.0
-        k = 0
-        for i, m in enumerate(media):
-            acc += gain - self.block_s.get(m, 0.0)
-            if acc > best:
-                best, k = acc, i + 1
+        with self._lock:
+            stale = {m for m in media if self.skipped.get(m, 0) >= self.reprobe_blocks}
+            best = acc = 0.0
+            k = 0
+            for i, m in enumerate(media):
+                acc += gain - (0.0 if m in stale else self.block_s.get(m, 0.0))
+                if acc > best:
+                    best, k = acc, i + 1
+            for m in media[k:]:
+                self.skipped[m] = self.skipped.get(m, 0) + 1
         return k
 
 
@@ -513,7 +525,7 @@ class TierIO:
                 counters.tails_loaded += ok and c > 0
                 counters.tail_tokens += c if ok else 0
             if ok:
-                self.costs.note_load(store.medium, dt, r / BLOCK_TOKENS)
+                self.costs.note_load(store.medium, dt, 1)
                 if c:
                     return b, c, store.medium
         return None
