@@ -152,6 +152,26 @@ def _check_backend_against_naive(make, seed, page_size, hq, hkv, head_dim=8):
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_row_exact_rows_do_not_depend_on_the_other_requests(page_size, seed):
+    """On the CPU (``row_exact``) every request attends in its own SDPA call: its rows are the
+    same bits in the mixed batch as in a batch of that request alone (a padded group's blocked
+    reductions would make them depend on the others' lengths)."""
+    pool, r2t, rows, prefix, extend, batch, q, k, v = _scenario(seed, page_size, 6, 2)
+    backend = TorchAttentionBackend(pool, 6, max_pad_waste=100.0)  # would pad every extend together
+    assert backend.row_exact
+    backend.plan(batch)
+    mixed = backend.forward(1, q, k, v)
+    off = 0
+    for row, p, e in zip(rows, prefix, extend):
+        alone = ForwardBatch.build(list(range(e)), [row], [p], [e], r2t, page_size)
+        backend.plan(alone)
+        out = backend.forward(1, q[off : off + e], k[off : off + e], v[off : off + e])
+        assert torch.equal(out, mixed[off : off + e]), (p, e)
+        off += e
+
+
 def test_create_attention_backend_cpu():
     pool = KVPool(1, 2, 8, 16)
     auto = create_attention_backend("auto", "cpu", pool, 4)

@@ -13,7 +13,9 @@ position, from the page table) plus a boolean mask. Each layer then does one gat
 * all decode requests (one new token each) together: ``Qmax = 1``; on the CPU (``row_exact``)
   one group per decode request instead, so that a decode row gets the bits it gets alone;
 * the other requests together when padding them to a common ``[Qmax, Lmax]`` wastes at most
-  half of the work, otherwise one group per request (the loop is over requests, not tokens).
+  half of the work, otherwise one group per request (the loop is over requests, not tokens); on
+  the CPU (``row_exact``) always one group per request, so a prompt's rows do not depend on the
+  other prompts prefilled beside it.
 
 Row-count invariance (the verify rows of speculative decoding, docs/model.md): SDPA's result for
 one row depends on the padded length and on the rows batched beside it (its blocked reductions),
@@ -65,8 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_pool, num_q_heads, sm_scale: as in :class:`~radixkv.attention.base.AttentionBackend`.
         max_pad_waste: a non-decode group is padded together only when its padded work
             ``Bg * Qmax * Lmax`` is at most ``max_pad_waste`` times the useful work.
-        row_exact: one SDPA call per decode request (module docstring); default (None): on a
-            CPU pool.
+        row_exact: one SDPA call per request (module docstring); default (None): on a CPU pool.
     """
 
     name = "torch"
@@ -108,7 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
         if rest:
             useful = sum(extend[i] * (extend[i] + prefix[i]) for i in rest)
             padded = len(rest) * max(extend[i] for i in rest) * max(extend[i] + prefix[i] for i in rest)
-            if len(rest) == 1 or padded <= self.max_pad_waste * useful:
+            if len(rest) == 1 or (not self.row_exact and padded <= self.max_pad_waste * useful):
                 groups.append(rest)
             else:
                 groups.extend([i] for i in rest)
