@@ -259,6 +259,23 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
         ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f", "zz": 1}},
          "tool_choice", "unknown_parameter"),
     ]  # fmt: skip
+    echoed = [  # what the openai SDK's input types define (a client echoing an earlier response): accepted
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi", "prompt_cache_breakpoint": {"mode": "explicit"}}]},
+        {"role": "assistant", "phase": "commentary", "content": "Hello"},
+        {"type": "message", "role": "assistant", "phase": "final_answer", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Hello", "annotations": []}]},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "namespace": "x",
+         "caller": {"type": "direct"}, "async": False},
+        {"type": "function_call_output", "call_id": "c1", "output": "1", "name": "f", "namespace": "x"},
+        {"role": "user", "content": "Thanks"},
+    ]  # fmt: skip
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    resp = httpx.post(
+        server.base_url + "/v1/responses",
+        json={**base, "input": echoed, "tools": tools, "max_output_tokens": 2},
+        timeout=60,
+    )
+    assert resp.status_code == 200, resp.text
     for extra, param, code in cases:
         resp = httpx.post(server.base_url + "/v1/responses", json={**base, **extra}, timeout=60)
         assert resp.status_code == 400, (extra, resp.text)

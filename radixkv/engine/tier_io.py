@@ -231,10 +231,15 @@ class CostModel:
         return None if b is None else b / BLOCK_TOKENS
 
     def saves(self, medium: str) -> bool:
-        """Whether loading from ``medium`` is cheaper per token than recomputing."""
+        """Whether fetching one record (a tail) from ``medium`` costs less than recomputing 16
+        tokens (the most a tail serves); a False counts as one skipped block."""
         if self.prefill_token_s is None or self.skipped.get(medium, 0) >= self.reprobe_blocks:
             return True
-        return BLOCK_TOKENS * self.prefill_token_s > self.block_s.get(medium, 0.0)
+        if BLOCK_TOKENS * self.prefill_token_s > self.block_s.get(medium, 0.0):
+            return True
+        with self._lock:  # a tail not fetched counts toward the re-measuring, as a block would
+            self.skipped[medium] = self.skipped.get(medium, 0) + 1
+        return False
 
     def best_run(self, media: List[str]) -> int:
         """How many leading blocks of a run held in ``media`` (per block) to load: the prefix

@@ -60,17 +60,20 @@ def remap_error(exc: APIError) -> APIError:
     return exc
 
 
-# The keys each input item and content part may carry: OpenAI's own (``id``, ``status``,
-# ``annotations``, ``logprobs``: what a client echoes back from an earlier response) and no other.
+# The keys each input item and content part may carry: those the openai SDK's input types define
+# and no other. The ones a chat prompt has no place for are what a client echoes back from an
+# earlier response (``id``, ``status``, ``annotations``, ``logprobs``, a message's ``phase``, a
+# call's ``caller`` / ``namespace`` / ``async``) or a cache hint (``prompt_cache_breakpoint``:
+# every prefix is cached here anyway); they change nothing.
 _PART_KEYS = {
-    "input_text": ("type", "text"),
+    "input_text": ("type", "text", "prompt_cache_breakpoint"),
     "output_text": ("type", "text", "annotations", "logprobs"),
     "refusal": ("type", "refusal"),
 }
 _ITEM_KEYS = {
-    "message": ("type", "role", "content", "id", "status"),
-    "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
-    "function_call_output": ("type", "call_id", "output", "id", "status"),
+    "message": ("type", "role", "content", "id", "status", "phase"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status", "caller", "namespace", "async"),
+    "function_call_output": ("type", "call_id", "output", "id", "status", "caller", "name", "namespace"),
 }
 
 
