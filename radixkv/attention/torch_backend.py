@@ -106,14 +106,18 @@ class TorchAttentionBackend(AttentionBackend):
             groups.extend([i] for i in decode)
         elif decode:
             groups.append(decode)
-        if rest:
-            useful = sum(extend[i] * (extend[i] + prefix[i]) for i in rest)
-            padded = len(rest) * max(extend[i] for i in rest) * max(extend[i] + prefix[i] for i in rest)
-            if len(rest) == 1 or (not self.row_exact and padded <= self.max_pad_waste * useful):
-                groups.append(rest)
-            else:
-                groups.extend([i] for i in rest)
+        if len(rest) == 1 or (rest and not self.row_exact and self._pad_pays(rest, extend, prefix)):
+            groups.append(rest)
+        else:
+            groups.extend([i] for i in rest)
         return [self._make_group(batch, g, extend, prefix) for g in groups]
+
+    def _pad_pays(self, reqs: list[int], extend: list[int], prefix: list[int]) -> bool:
+        """Whether padding ``reqs`` to one ``[Qmax, Lmax]`` group wastes at most ``max_pad_waste``
+        times the useful work."""
+        useful = sum(extend[i] * (extend[i] + prefix[i]) for i in reqs)
+        padded = len(reqs) * max(extend[i] for i in reqs) * max(extend[i] + prefix[i] for i in reqs)
+        return padded <= self.max_pad_waste * useful
 
     def _make_group(self, batch: ForwardBatch, reqs: list[int], extend: list[int], prefix: list[int]) -> _Group:
         dev = self.device

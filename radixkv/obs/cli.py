@@ -58,8 +58,7 @@ def check_writable(*paths: Optional[str]) -> None:
     """Raise ValueError for an output file (``--output``, ``--html``) whose folder does not exist
     or is not writable, before any work is done."""
     for p in [Path(p) for p in paths if p]:
-        folder = p.parent if str(p.parent) else Path(".")
-        if not folder.is_dir() or not os.access(folder, os.W_OK) or p.is_dir():
+        if not p.parent.is_dir() or not os.access(p.parent, os.W_OK) or p.is_dir():
             raise ValueError(f"cannot write {str(p)!r}: no such writable folder, or it is a folder")
 
 

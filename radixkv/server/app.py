@@ -53,7 +53,7 @@ from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
 from radixkv.server.auth import APIKeys, AuthMiddleware, request_namespace, request_tenant
 from radixkv.server.backend import EngineBackend, as_backend
-from radixkv.server.body import is_type_tag, parse_json
+from radixkv.server.body import first_error, is_type_tag, parse_json
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
@@ -76,8 +76,7 @@ DEFAULT_SERVED_MODEL_NAME = "smollm2-135m"
 def validation_error(exc: ValidationError) -> APIError:
     """The 400 for a body pydantic refused: ``param`` is the top-level field at fault; a field no
     one defines is ``unknown_parameter``."""
-    errors = exc.errors()  # an unknown key first: pydantic lists a union's other members' errors before it
-    err = next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+    err = first_error(exc)
     loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
     param = loc[0] if loc else None
     where = ".".join(str(p) for p in err.get("loc", ()) if not is_type_tag(p))

@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from radixkv.server.openai.protocol import APIError
 
-__all__ = ["is_type_tag", "parse_body", "parse_json", "validation_error"]
+__all__ = ["first_error", "is_type_tag", "parse_body", "parse_json", "validation_error"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -32,10 +32,17 @@ def is_type_tag(part: Any) -> bool:
     return not isinstance(part, int) and not (p.isidentifier() and p[0].islower() and p not in _TYPE_TAGS)
 
 
+def first_error(exc: ValidationError) -> dict:
+    """The error of ``exc`` to report: an unknown key first (pydantic lists the errors of a
+    union's other members, ``content.str`` say, before it), else the first."""
+    errors = exc.errors()
+    return next((e for e in errors if e.get("type") == "extra_forbidden"), errors[0])
+
+
 def validation_error(exc: ValidationError) -> APIError:
     """The 400 for a body pydantic refused: ``param`` is the dotted path of the first field at
     fault; a field the model does not define is ``code="unknown_parameter"``."""
-    err = exc.errors()[0]
+    err = first_error(exc)
     loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int) and not is_type_tag(p)]
     param = ".".join(loc) or None
     if err.get("type") == "extra_forbidden":
