@@ -300,6 +300,41 @@ def test_cache_events_sends_a_prefix_cached_nowhere_home_and_spreads_new_prefixe
     assert not off.home and not off.home_count
 
 
+def test_cache_events_brings_a_prefix_its_home_partly_evicted_back_home():
+    # SGLang's generated-shared-prefix shape: a 1,024-token system prompt per group. Its home
+    # evicted all but the first two blocks (the LRU evicts from a leaf's tail): a stub, worth
+    # less than one outstanding request (0.05 x 6,000 = 300 tokens).
+    p = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        p.add_replica(r)
+    system = list(range(1, 1025))
+    home = p.choose(_req("g0", system + [5])).replica
+    other = "b" if home == "a" else "a"
+    p.finished("g0", expire=True)
+    assert not p.on_events(home, _replica_events(home, system[:32], 1))
+    for i in range(3):  # the home is busier: 3,000 uncached tokens queued
+        p.choose(_req(f"x{i}", list(range(7000 + 2000 * i, 8000 + 2000 * i))), [home])
+    costs = p.costs(_req("probe", system + [6]))
+    assert costs[other] < costs[home]  # by the cost alone it would move, and its group with it
+    assert p.choose(_req("g1", system + [6])) == Decision(home, 32, "cache")
+    p.finished("g1", expire=True)
+    # a stub the other replica holds as much of has no home (a template every replica holds)
+    assert not p.on_events(other, _replica_events(other, system[:32], 1))
+    assert p.choose(_req("g2", system + [7])).replica == other
+    # more than a stub (320 tokens on the home): the cost decides, and 8,000 queued tokens there
+    # (x 0.05 = 400) outweigh them
+    q = make_policy("cache_events", seed=0)
+    for r in ("a", "b"):
+        q.add_replica(r)
+    home = q.choose(_req("g0", system + [5])).replica
+    other = "b" if home == "a" else "a"
+    q.finished("g0", expire=True)
+    q.on_events(home, _replica_events(home, system[:320], 1))
+    for i in range(8):
+        q.choose(_req(f"x{i}", list(range(7000 + 2000 * i, 8000 + 2000 * i))), [home])
+    assert q.choose(_req("g1", system + [6])) == Decision(other, 0, "miss")
+
+
 def test_cache_events_counts_a_finished_reply_as_held_until_its_events_come():
     p = make_policy("cache_events", seed=0)
     for r in ("a", "b"):

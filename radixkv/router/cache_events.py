@@ -16,10 +16,14 @@ prompt) when its held prefix reaches a hot block and holds fewer tokens beyond i
 outstanding request on a hot prefix costs (``load_weight * hot_request_tokens``); that prefix
 then counts as held on every candidate and each outstanding request adds ``hot_request_tokens``
 to ``W_r``, so the load places it (computing the prefix once more serves that replica's share of
-the traffic). With ``home`` on, a request held nowhere goes home instead: to the candidate its
-first block was last routed to, and a first block never seen (or whose home is not a candidate)
-to a candidate home to the fewest first blocks (then the one sent the fewest uncached tokens), so
-distinct prefixes partition evenly and a prefix its replica evicted comes back there.
+the traffic). With ``home`` on, a request not on a hot prefix that is held nowhere, or of which
+only a stub is held (fewer tokens than one outstanding request on a hot prefix costs, most of
+them on its home and less on every other candidate), goes home instead: to the candidate its
+first block was last routed to; a request held nowhere whose first block was never seen (or whose
+home is not a candidate) goes to a candidate home to the fewest first blocks (then the one sent
+the fewest uncached tokens). So distinct prefixes partition evenly, and a prefix its replica
+evicted, wholly or all but its first blocks, comes back there instead of moving to whichever
+replica is least loaded that moment.
 
 Nothing assumes a service order: the load is the router's own count of outstanding requests and
 their uncached tokens, whatever order (or batch) a replica runs them in.
@@ -67,7 +71,8 @@ class CacheEvents(Policy):
             requests.
         pending_ttl: seconds after a request ends that its prompt and reply blocks still count
             as held on its replica (until its own events have surely arrived).
-        home: a request held nowhere goes to its first block's home replica.
+        home: a request held nowhere, or only as a stub on its home, goes to its first block's
+            home replica.
         tier_weight: cost of a prompt token a KV tier holds for a replica, per token of a miss
             (1: the tiers do not count; 0: as a local hit).
 
@@ -160,7 +165,7 @@ class CacheEvents(Policy):
     def costs(self, req: RouteRequest, candidates: Optional[Sequence[str]] = None, now: float = 0.0) -> dict:
         """``cost_r`` of routing ``req`` to each candidate (default: all), in prefill tokens, as
         :meth:`choose` would weigh it now (``math.inf``: out by the balance guard); routes and
-        records nothing. The home rule, which overrides the cost for a request held nowhere,
+        records nothing. The home rule, which overrides the cost for a request held nowhere or as a stub,
         is not applied."""
         self._purge(now)
         cands = [c for c in (self.replicas if candidates is None else candidates) if c in self.loads]
@@ -176,11 +181,13 @@ class CacheEvents(Policy):
         self._remember(top)
         cands = self._guard(cands)
         digests = req.digests()
-        if top is None and self.home_on and digests:
+        if self.home_on and digests and not floor:
             c = self.home.get(digests[0])
-            if c in cands:
-                return Decision(c, 0, "home")
-            cands = self._fewest_homes(cands)
+            if c in cands and self._stays_home(c, held, cands):
+                h = min(held[c] * BLOCK_TOKENS, max(req.num_tokens - 1, 0))
+                return Decision(c, h, "cache" if h else "home")
+            if top is None:
+                cands = self._fewest_homes(cands)
         cost = self._cost(req, cands, held, floor)
         best_key, ties = None, []
         for c in cands:
@@ -212,6 +219,23 @@ class CacheEvents(Policy):
                 return k
             k -= 1
         return 0
+
+    def _stays_home(self, home: str, held: dict, cands: list[str]) -> bool:
+        """Whether a request whose first block's home is ``home`` (a candidate) goes home: it is
+        held nowhere, or only a stub of it is held, on its home alone or most there (fewer tokens
+        than one outstanding request is worth, ``load_weight * hot_request_tokens``).
+
+        NOTE: a prefix its home partly evicted (the leading blocks survive the LRU's tail
+        eviction) would otherwise go to whichever replica is least loaded that moment, and the
+        prefix's later requests would follow it there: its home drifts, and a replica that
+        collects more prefixes than its share stays overloaded until the balance guard fires.
+        A stub held on several replicas equally (a template every replica holds) has no home.
+        """
+        h = held[home]
+        if h == 0:
+            return all(held[c] == 0 for c in cands)
+        stub = h * BLOCK_TOKENS < self.load_weight * self.hot_request_tokens
+        return stub and all(held[c] < h for c in cands if c != home)
 
     def _guard(self, cands: list[str]) -> list[str]:
         """SGLang's balance guard: the candidates not too far above the least loaded one."""
