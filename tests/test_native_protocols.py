@@ -261,6 +261,19 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
     ]
     ok = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
     assert ok.status_code == 200  # still serving
+    # an assistant message as the openai SDK dumps a response's (annotations and all) is a message;
+    # annotations on another role are named
+    said = {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None}
+    said |= {"function_call": None, "tool_calls": None}
+    turn = [{"role": "user", "content": "hello"}, said, {"role": "user", "content": "again"}]
+    plain = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}, turn[2]]
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    got = [http.post("/v1/chat/completions", json=body | {"messages": m}).json() for m in (turn, plain)]
+    assert got[0]["choices"][0]["message"] == got[1]["choices"][0]["message"]
+    assert got[0]["usage"]["prompt_tokens"] == got[1]["usage"]["prompt_tokens"]
+    bad = [{"role": "user", "content": "x", "annotations": [{"type": "url_citation"}]}]
+    err = error_of(http.post("/v1/chat/completions", json=body | {"messages": bad}))
+    assert err["param"] == "messages" and "annotations" in err["message"], err
     assert_pool_whole(llm)
 
 

@@ -242,6 +242,9 @@ class ChatMessage(_Strict):
     refusal: Optional[str] = None
     audio: Optional[dict[str, Any]] = None
     function_call: Optional[dict[str, Any]] = None
+    annotations: Optional[list[dict[str, Any]]] = None
+    """An assistant message's output annotations (URL citations), as a client that sends a
+    response's ``message.model_dump()`` back includes them; they do not change the prompt."""
 
     def check(self, i: int) -> None:
         """Raises :class:`APIError` (param ``messages``) for what this server cannot render."""
@@ -262,6 +265,8 @@ class ChatMessage(_Strict):
                 raise unsupported("messages", f"{where}: only function tool calls are supported")
         if self.tool_calls and self.role != "assistant":
             raise APIError(f"{where}: only assistant messages carry tool_calls", "messages")
+        if self.annotations and self.role != "assistant":
+            raise APIError(f"{where}: only assistant messages carry annotations", "messages")
         if self.role == "tool" and not self.tool_call_id:
             raise APIError(f"{where}: a tool message needs tool_call_id", "messages")
         if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal)):
