@@ -110,6 +110,16 @@ def test_openai_required_and_named_tool_calls(client, llm):
     assert choice.finish_reason == "tool_calls", choice
     assert len(choice.message.tool_calls) == 1
     check_call(choice.message.tool_calls[0])
+    # a response_format beside a forced call (openai-agents' output_type): the calls, unchanged
+    place = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": place}}
+    typed = client.chat.completions.create(
+        model=MODEL, messages=ask("What is the weather in Paris?"), tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=64, response_format=fmt,
+    )  # fmt: skip
+    assert typed.choices[0].finish_reason == "tool_calls"
+    same = [(c.function.name, c.function.arguments) for c in typed.choices[0].message.tool_calls]
+    assert same == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
     # named: this function, whatever the question
     r = client.chat.completions.create(
         model=MODEL, messages=ask("What is 2 plus 3?"), tools=TOOLS,

@@ -387,8 +387,11 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         # two constraints
         ("two constraints", chat, j({"model": MODEL, "messages": msgs, "regex": "a+", "guided_choice": ["a", "b"]}),
          "guided_choice"),
-        ("response_format and a forced tool", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
-         "tool_choice": "required", "response_format": {"type": "json_object"}}), "tool_choice"),
+        ("two constraints beside auto tools", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "regex": "a+", "response_format": {"type": "json_object"}}), "regex"),
+        ("a bad schema beside auto tools", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
+         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
+         "response_format"),
     ]  # fmt: skip
 
 
@@ -505,6 +508,35 @@ def test_logit_bias_penalties_min_tokens_reach_the_engine(server, llm):
         held = http.post("/v1/chat/completions", json={**chat, "min_tokens": n + 5}).json()
         assert held["usage"]["completion_tokens"] >= n + 5
     assert_pool_whole(llm)
+
+
+def test_tools_with_a_response_format_give_calls_or_text_in_the_format():
+    """OpenAI's semantics: with ``tool_choice: "auto"`` the model calls tools or answers in the
+    ``response_format``; a forced call leaves no text for the format to shape."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from radixkv.server.openai.params import constraint_of, tool_plan
+    from radixkv.server.openai.protocol import ChatCompletionRequest
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    schema["additionalProperties"] = False
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": [_TOOL]}
+    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema}}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+    def grammar(extra):
+        req = ChatCompletionRequest.model_validate(body | extra)
+        source, kw = constraint_of(req, tool_plan(req))
+        return source, Grammar.from_structural_tag(json.dumps(kw["structural_tag"]))
+
+    source, auto = grammar({})
+    assert source == "response_format"
+    assert accepts(auto, call) and accepts(auto, '{"city": "Paris"}')
+    assert not accepts(auto, "It is sunny.") and not accepts(auto, '{"town": "Paris"}')
+    source, forced = grammar({"tool_choice": "required"})
+    assert source == "tool_choice"
+    assert accepts(forced, call) and not accepts(forced, '{"city": "Paris"}')
 
 
 def test_request_fields_map_onto_sampling_params():

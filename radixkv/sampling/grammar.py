@@ -50,6 +50,7 @@ __all__ = [
     "choice_ebnf",
     "fill_bitmasks",
     "tool_call_structural_tag",
+    "tool_calls_or",
 ]
 
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+?:\d+: ")  # "[16:53:01] /project/cpp/x.cc:5082: "
@@ -357,4 +358,22 @@ def tool_call_structural_tag(
         "at_least_one": True,
         "stop_after_first": not parallel,
     }
+    return {"type": "structural_tag", "format": fmt}
+
+
+def tool_calls_or(calls: Dict[str, Any], kind: str, text: str) -> Dict[str, Any]:
+    """An xgrammar structural tag whose output is either ``calls`` (a structural tag of one or
+    more tool calls, :func:`tool_call_structural_tag`'s) or text under the constraint ``(kind,
+    text)`` (:attr:`~radixkv.sampling_params.SamplingParams.structured_output`'s pair), with the
+    same grammar as that constraint alone: OpenAI's ``tool_choice: "auto"`` with a
+    ``response_format``, where the model either calls tools or answers in the format.
+
+    Raises:
+        RequestError: the constraint does not parse (``param``: ``kind``).
+    """
+    try:
+        grammar = str(_parse(kind, text))
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
+        raise RequestError(f"{kind}: {_XGR_PREFIX.sub('', str(e)).strip()}", kind) from None
+    fmt = {"type": "or", "elements": [calls["format"], {"type": "grammar", "grammar": grammar}]}
     return {"type": "structural_tag", "format": fmt}

@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 from radixkv.chat_template import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, TOOL_CALLS_SEPARATOR
 from radixkv.errors import RequestError
-from radixkv.sampling.grammar import tool_call_structural_tag
+from radixkv.sampling.grammar import tool_call_structural_tag, tool_calls_or
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, check_keys
@@ -76,8 +76,8 @@ class ToolPlan:
 
     @property
     def forced(self) -> bool:
-        """The output must be calls (a second constraint on the request is then an error; with
-        ``auto`` another constraint takes the place of :func:`auto_calls`)."""
+        """The output must be calls (a text constraint beside them then has no text to shape;
+        with ``auto`` and a text constraint the output is calls or text under it)."""
         return self.choice in ("required", "named")
 
     def cut(self, finish_reason: Optional[str]) -> Optional[list[str]]:
@@ -224,15 +224,33 @@ def constraint_of(req: Any, tools: Optional[ToolPlan] = None) -> tuple[Optional[
         ):
             if value is not None:
                 found.append(("structured_outputs", {key: value}))
-    if tools is not None and tools.structural_tag is not None and (tools.forced or not found):
-        found.append(("tool_choice", {"structural_tag": tools.structural_tag}))
     if len(found) > 1:
         (first, _), (second, _) = found[0], found[1]
         raise APIError(
             f"{second}: at most one structured-output constraint per request, and {first} already sets one",
             second,
         )
+    calls = tools.structural_tag if tools is not None else None
+    if calls is not None and (tools.forced or not found):
+        # NOTE: a forced call leaves no text for a text constraint to shape (OpenAI accepts
+        # both and returns the calls); with "auto" the model calls tools or answers in it
+        return "tool_choice", {"structural_tag": calls}
+    if calls is not None:
+        return found[0][0], {"structural_tag": _calls_or(calls, *found[0])}
     return found[0] if found else (None, {})
+
+
+def _calls_or(calls: dict, source: str, constraint: dict) -> dict:
+    """``tool_choice: "auto"``'s calls (their triggered tags, made the whole output) or the text
+    constraint ``source`` set (:func:`~radixkv.sampling.grammar.tool_calls_or`)."""
+    fmt = calls["format"]
+    forced = {"type": "tags_with_separator", "tags": fmt["tags"], "separator": TOOL_CALLS_SEPARATOR}
+    forced |= {"at_least_one": True, "stop_after_first": fmt["stop_after_first"]}
+    try:
+        kind, text = SamplingParams(**constraint).structured_output
+        return tool_calls_or({"format": forced}, kind, text)
+    except RequestError as exc:
+        raise APIError(f"{source}: {exc}", source) from None
 
 
 # ------------------------------------------------------------------------------ SamplingParams
