@@ -392,6 +392,9 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("a bad schema beside auto tools", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL],
          "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}),
          "response_format"),
+        ("a bad tool schema beside a response_format", chat, j({"model": MODEL, "messages": msgs, "tools": [_TOOL,
+         {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties":
+         {"x": {"type": "nonsense"}}}}}], "response_format": {"type": "json_object"}}), "tools"),
     ]  # fmt: skip
 
 

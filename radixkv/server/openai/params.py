@@ -336,4 +336,6 @@ def constraint_renames(source: Optional[str]) -> dict[str, str]:
     forced call's structural tag is built from ``tools``, so its faults are the tools')."""
     if source == "tool_choice":
         return {k: "tools" for k in CONSTRAINT_FIELDS}
-    return {k: source for k in CONSTRAINT_FIELDS} if source else {}
+    # NOTE: only tools make a structural tag; beside a text constraint (auto) that constraint's
+    # own faults were named by _calls_or, so what the engine refuses in the tag is the tools'
+    return {k: source for k in CONSTRAINT_FIELDS} | {"structural_tag": "tools"} if source else {}
