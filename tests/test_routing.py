@@ -312,7 +312,8 @@ def test_cache_events_brings_a_prefix_its_home_partly_evicted_back_home():
     other = "b" if home == "a" else "a"
     p.finished("g0", expire=True)
     assert not p.on_events(home, _replica_events(home, system[:32], 1))
-    for i in range(3):  # the home is busier: 3,000 uncached tokens queued
+    for i in range(10):  # the home is busier (10,000 uncached tokens queued); other prefixes, so
+        # this group's first block begins under a quarter of the requests (a group, not a template)
         p.choose(_req(f"x{i}", list(range(7000 + 2000 * i, 8000 + 2000 * i))), [home])
     costs = p.costs(_req("probe", system + [6]))
     assert costs[other] < costs[home]  # by the cost alone it would move, and its group with it
@@ -333,6 +334,26 @@ def test_cache_events_brings_a_prefix_its_home_partly_evicted_back_home():
     for i in range(8):
         q.choose(_req(f"x{i}", list(range(7000 + 2000 * i, 8000 + 2000 * i))), [home])
     assert q.choose(_req("g1", system + [6])) == Decision(other, 0, "miss")
+
+
+def test_cache_events_gives_no_home_to_a_template_every_conversation_begins_with():
+    # chat traffic: every conversation begins with the same 32-token system prompt, most requests
+    # are later turns (so the template is not the deepest held block of many: not hot), and "b"
+    # has just been added. A new conversation holds only the template, on "a" alone: a stub, but
+    # of a first block every request begins with, so the cost places it, on the idle "b"
+    p = make_policy("cache_events", seed=0)
+    p.add_replica("a")
+    template = list(range(1, 33))
+    convs = [template + list(range(1000 + 100 * i, 1050 + 100 * i)) for i in range(2)]
+    for i, conv in enumerate(convs):
+        p.choose(_req(f"c{i}", conv))
+    for t in range(12):  # later turns, all outstanding on "a"
+        convs[t % 2] = convs[t % 2] + list(range(5000 + 100 * t, 5060 + 100 * t))
+        assert p.choose(_req(f"t{t}", convs[t % 2])).replica == "a"
+    p.add_replica("b")
+    d = p.choose(_req("new", template + list(range(9000, 9050))))
+    assert d == Decision("b", 0, "miss"), (d, p.costs(_req("probe", template + [7])))
+    assert p.choose(_req("t12", convs[0] + [3])).replica == "a"  # a later turn follows its history
 
 
 def test_cache_events_counts_a_finished_reply_as_held_until_its_events_come():

@@ -18,7 +18,9 @@ then counts as held on every candidate and each outstanding request adds ``hot_r
 to ``W_r``, so the load places it (computing the prefix once more serves that replica's share of
 the traffic). With ``home`` on, a request not on a hot prefix that is held nowhere, or of which
 only a stub is held (fewer tokens than one outstanding request on a hot prefix costs, most of
-them on its home and less on every other candidate), goes home instead: to the candidate its
+them on its home and less on every other candidate, and its first block begins no more than
+``hot_share`` of the last 256 requests: not a template every conversation shares), goes home
+instead: to the candidate its
 first block was last routed to; a request held nowhere whose first block was never seen (or whose
 home is not a candidate) goes to a candidate home to the fewest first blocks (then the one sent
 the fewest uncached tokens). So distinct prefixes partition evenly, and a prefix its replica
@@ -54,6 +56,32 @@ __all__ = ["CacheEvents"]
 
 HOT_WINDOW = 256  # requests whose deepest held block the popularity rule counts
 HOME_SIZE = 1 << 16  # first blocks whose home is remembered (least recently routed forgotten)
+
+
+class _Window:
+    """How many of the last :data:`HOT_WINDOW` requests had each key (a block digest)."""
+
+    __slots__ = ("keys", "counts")
+
+    def __init__(self) -> None:
+        self.keys: deque = deque()
+        self.counts: dict = {}
+
+    def add(self, key) -> None:
+        self.keys.append(key)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        if len(self.keys) > HOT_WINDOW:
+            old = self.keys.popleft()
+            k = self.counts[old] - 1
+            if k:
+                self.counts[old] = k
+            else:
+                del self.counts[old]
+
+    def over(self, key, share: float) -> bool:
+        """``key`` was had by more than ``share`` of the requests counted (all of them, while
+        fewer than the window)."""
+        return self.counts.get(key, 0) > share * len(self.keys)
 
 
 class CacheEvents(Policy):
@@ -124,8 +152,8 @@ class CacheEvents(Policy):
         self._expiry: list[tuple[float, int, str]] = []  # (when, tie, request) of ended requests
         self._tick = itertools.count()
         self.replies = 0  # outputs recorded
-        self._recent: deque = deque()  # the deepest held block of the last HOT_WINDOW requests
-        self._recent_counts: dict = {}
+        self._deepest = _Window()  # the deepest held block of the last HOT_WINDOW requests
+        self._firsts = _Window()  # the first block of the last HOT_WINDOW requests
         self.home: OrderedDict = OrderedDict()  # first block digest -> the replica it was last routed to
         self.home_count: dict[str, int] = {}  # replica -> first blocks it is home to
         self.volume: dict[str, int] = {}  # replica -> uncached prompt tokens routed there so far
@@ -178,12 +206,14 @@ class CacheEvents(Policy):
         self._purge(now)
         held, deepest, top = self._held(req, cands)
         floor = self._hot_floor(req.digests(), deepest)
-        self._remember(top)
+        self._deepest.add(top)
         cands = self._guard(cands)
         digests = req.digests()
+        if digests:
+            self._firsts.add(digests[0])
         if self.home_on and digests and not floor:
             c = self.home.get(digests[0])
-            if c in cands and self._stays_home(c, held, cands):
+            if c in cands and self._stays_home(c, held, cands, digests[0]):
                 h = min(held[c] * BLOCK_TOKENS, max(req.num_tokens - 1, 0))
                 return Decision(c, h, "cache" if h else "home")
             if top is None:
@@ -211,29 +241,34 @@ class CacheEvents(Policy):
         """The hot prefix a request of block ``digests`` is on, in blocks (0: none): the deepest
         hot block among its ``deepest`` held ones that it holds fewer than ``load_weight *
         hot_request_tokens`` tokens beyond (its deepest held block itself always counts)."""
-        counts, limit = self._recent_counts, self.hot_share * len(self._recent)
         price = self.load_weight * self.hot_request_tokens
         k = deepest
         while k > 0 and (k == deepest or (deepest - k) * BLOCK_TOKENS < price):
-            if counts.get(digests[k - 1], 0) > limit:
+            if self._deepest.over(digests[k - 1], self.hot_share):
                 return k
             k -= 1
         return 0
 
-    def _stays_home(self, home: str, held: dict, cands: list[str]) -> bool:
-        """Whether a request whose first block's home is ``home`` (a candidate) goes home: it is
-        held nowhere, or only a stub of it is held, on its home alone or most there (fewer tokens
-        than one outstanding request is worth, ``load_weight * hot_request_tokens``).
+    def _stays_home(self, home: str, held: dict, cands: list[str], first: bytes) -> bool:
+        """Whether a request whose first block ``first`` has its home on ``home`` (a candidate)
+        goes home: it is held nowhere, or only a stub of it is held (fewer tokens than one
+        outstanding request is worth, ``load_weight * hot_request_tokens``), most of it on its
+        home, and ``first`` begins no more than ``hot_share`` of the last 256 requests.
 
         NOTE: a prefix its home partly evicted (the leading blocks survive the LRU's tail
         eviction) would otherwise go to whichever replica is least loaded that moment, and the
         prefix's later requests would follow it there: its home drifts, and a replica that
         collects more prefixes than its share stays overloaded until the balance guard fires.
-        A stub held on several replicas equally (a template every replica holds) has no home.
+        A first block that many requests begin with (a chat template's system prompt) names no
+        prefix: its "home" is just where it was last routed, and a stub of it (a new
+        conversation) is placed by the cost, or a replica that does not hold it yet (one just
+        added or flushed) would never be sent one.
         """
         h = held[home]
         if h == 0:
             return all(held[c] == 0 for c in cands)
+        if self._firsts.over(first, self.hot_share):
+            return False
         stub = h * BLOCK_TOKENS < self.load_weight * self.hot_request_tokens
         return stub and all(held[c] < h for c in cands if c != home)
 
@@ -287,17 +322,6 @@ class CacheEvents(Policy):
         cands = [c for c in cands if hc.get(c, 0) == lo]
         v = min(vol.get(c, 0) for c in cands)
         return [c for c in cands if vol.get(c, 0) == v]
-
-    def _remember(self, top) -> None:
-        self._recent.append(top)
-        self._recent_counts[top] = self._recent_counts.get(top, 0) + 1
-        if len(self._recent) > HOT_WINDOW:
-            old = self._recent.popleft()
-            k = self._recent_counts[old] - 1
-            if k:
-                self._recent_counts[old] = k
-            else:
-                del self._recent_counts[old]
 
     # ------------------------------------------------------------------ bookkeeping
     def record(self, req, d, now=0.0):
