@@ -136,6 +136,8 @@ TEXTS = {
     "cut off": "x " + CALL[:40],
     "keys reordered": '<tool_call>{"arguments": {"q": [1, {"r": "}"}]}, "name": "find"}</tool_call>',
     "parameters alias, string arguments": '<tool_call>{"name": "f", "parameters": "{\\"a\\": 1}"}</tool_call>',
+    # the grammar allows the closing tag inside a string: it does not end the call
+    "a closing tag inside an argument": 'x <tool_call>\n{"name": "emit", "arguments": {"html": "a</tool_call>b"}}\n</tool_call>',
 }
 
 
@@ -156,6 +158,8 @@ def test_parse_tool_calls():
     assert (c.name, json.loads(c.arguments)) == ("find", {"q": [1, {"r": "}"}]})
     (c,) = parse_tool_calls(TEXTS["parameters alias, string arguments"])[1]
     assert (c.name, json.loads(c.arguments)) == ("f", {"a": 1})
+    content, (c,) = parse_tool_calls(TEXTS["a closing tag inside an argument"])
+    assert content == "x" and (c.name, json.loads(c.arguments)) == ("emit", {"html": "a</tool_call>b"})
 
 
 def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], list[tuple]]:

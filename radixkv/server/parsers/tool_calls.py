@@ -101,13 +101,12 @@ def _parse_call(body: str) -> Optional[ToolCall]:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _args_prefix(region: str) -> str:
-    """The certain prefix of a JSON object's text that has not necessarily ended: everything up
-    to its closing brace, or all of it while it is open."""
-    if not region.startswith("{"):
-        return ""
+def _object_end(text: str, i: int) -> int:
+    """The index just past the JSON object (or array) that starts at ``text[i]``, or -1 while it
+    is open (strings and escapes respected, so a brace or a tag inside a string is text)."""
     depth, in_str, esc = 0, False, False
-    for i, ch in enumerate(region):
+    for k in range(i, len(text)):
+        ch = text[k]
         if in_str:
             if esc:
                 esc = False
@@ -122,8 +121,34 @@ def _args_prefix(region: str) -> str:
         elif ch in "}]":
             depth -= 1
             if depth == 0:
-                return region[: i + 1]
-    return region
+                return k + 1
+    return -1
+
+
+def _args_prefix(region: str) -> str:
+    """The certain prefix of a JSON object's text that has not necessarily ended: everything up
+    to its closing brace, or all of it while it is open."""
+    if not region.startswith("{"):
+        return ""
+    end = _object_end(region, 0)
+    return region if end < 0 else region[:end]
+
+
+def _close_of(text: str, start: int, final: bool) -> int:
+    """Where the closing tag of the block whose body starts at ``start`` is (-1: not yet): the
+    first one after the body's JSON object, so that ``</tool_call>`` inside an argument string
+    (which the grammar allows) does not end the call. A body that is no JSON object, or one the
+    finished output leaves open, ends at the first closing tag."""
+    i = start
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    if i < len(text) and text[i] == "{":
+        end = _object_end(text, i)
+        if end >= 0:
+            return text.find(TOOL_CALL_CLOSE, end)
+        if not final:
+            return -1
+    return text.find(TOOL_CALL_CLOSE, start)
 
 
 def _partial_call(body: str) -> _Partial:
@@ -170,7 +195,7 @@ def _scan(text: str, final: bool, cut: Optional[Sequence[str]] = None) -> tuple[
     while True:
         k = text.find(TOOL_CALL_OPEN, pos)
         start = k + len(TOOL_CALL_OPEN)
-        j = text.find(TOOL_CALL_CLOSE, start) if k >= 0 else -1
+        j = _close_of(text, start, final) if k >= 0 else -1
         if final and cut is not None and j < 0:  # a forced call the end cut off (maybe in its tag)
             rest = text[pos:].lstrip()
             if k >= 0 or (rest and TOOL_CALL_OPEN.startswith(rest)):
