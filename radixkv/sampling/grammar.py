@@ -29,6 +29,7 @@ request.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -371,9 +372,19 @@ def tool_calls_or(calls: Dict[str, Any], kind: str, text: str) -> Dict[str, Any]
     Raises:
         RequestError: the constraint does not parse (``param``: ``kind``).
     """
+    fmt = {"type": "or", "elements": [calls["format"], {"type": "grammar", "grammar": _grammar_text(kind, text)}]}
+    return {"type": "structural_tag", "format": fmt}
+
+
+@functools.lru_cache(maxsize=128)
+def _grammar_text(kind: str, text: str) -> str:
+    """The EBNF text of one constraint's grammar (kept by canonical text: an agent sends the same
+    schema with every request).
+
+    Raises:
+        RequestError: the constraint does not parse (``param``: ``kind``; not cached).
+    """
     try:
-        grammar = str(_parse(kind, text))
+        return str(_parse(kind, text))
     except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses
         raise RequestError(f"{kind}: {_XGR_PREFIX.sub('', str(e)).strip()}", kind) from None
-    fmt = {"type": "or", "elements": [calls["format"], {"type": "grammar", "grammar": grammar}]}
-    return {"type": "structural_tag", "format": fmt}
