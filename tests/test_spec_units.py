@@ -6,6 +6,7 @@ restored), and the KV manager's tentative draft slots."""
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -259,6 +260,24 @@ def test_grammar_cuts_refused_drafts_adds_forced_spans_and_restores_the_matcher(
     # the matcher is where it started: the same forced span again, its first token accepted
     assert grammar_draft(st.matcher, [], 8, True) == forced
     assert st.accept(forced[0]) and not st.terminated
+
+
+def test_forced_text_is_drafted_as_the_tokenizer_splits_it(grammars):
+    """The grammar allows every split of a forced key; the model writes its tokenizer's, so that
+    is the draft (xgrammar's own is the longest token at each point)."""
+    from radixkv.spec.grammar_drafts import grammar_draft
+
+    tok, backend = grammars
+    schema = {"type": "object", "properties": {"describes_topic": {"type": "string"}}, "required": ["describes_topic"]}
+    st = backend.matcher(backend.compile(("json_schema", json.dumps(schema))).result())
+    text = '{"describes_topic": "'
+    encode = functools.partial(tok.encode, add_special_tokens=False)
+    longest = grammar_draft(st.matcher, [], 16, True)
+    split = grammar_draft(st.matcher, [], 16, True, encode)
+    assert split == encode(text) and tok.decode(split) == text
+    assert split != longest and tok.decode(longest) == text[: len(tok.decode(longest))]
+    assert grammar_draft(st.matcher, [], 3, True, encode) == split[:3]
+    assert st.accept(split[0]) and not st.terminated  # the matcher was restored
 
 
 # ---------------------------------------------------------------------- tentative slots

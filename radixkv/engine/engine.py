@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -260,7 +261,8 @@ class Engine:
         self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
         self._decode = TokenDecoder(tokenizer)
         spec = cfg.speculative_config
-        self.spec: Optional[Drafter] = Drafter(spec, cache) if spec is not None else None
+        encode = None if tokenizer is None else functools.partial(tokenizer.encode, add_special_tokens=False)
+        self.spec: Optional[Drafter] = Drafter(spec, cache, encode) if spec is not None else None
 
     @property
     def cache(self) -> Any:

@@ -76,6 +76,8 @@ class Drafter:
     Args:
         config: the :class:`~radixkv.spec.config.SpeculativeConfig`.
         cache: the engine's prefix cache (its ``peek``), read only for ``"radix"``.
+        encode: text -> token ids (the tokenizer, no special tokens), for the text a grammar
+            forces (:func:`~radixkv.spec.grammar_drafts.grammar_draft`); None: xgrammar's split.
 
     Attributes:
         suffix: the cross-request :class:`~radixkv.spec.suffix.SuffixIndex` (None for
@@ -83,8 +85,9 @@ class Drafter:
         num_draft_tokens, num_accepted_tokens: totals over every verify so far.
     """
 
-    def __init__(self, config: SpeculativeConfig, cache: Any = None) -> None:
+    def __init__(self, config: SpeculativeConfig, cache: Any = None, encode: Any = None) -> None:
         self.config = config
+        self.encode = encode
         radix = config.method == "radix"
         self.cache = cache if radix else None
         self.suffix: Optional[SuffixIndex] = None
@@ -159,7 +162,7 @@ class Drafter:
         if gs is not None:
             if gs.terminated:
                 return []
-            draft = grammar_draft(gs.matcher, draft, k, self.config.grammar_drafts)
+            draft = grammar_draft(gs.matcher, draft, k, self.config.grammar_drafts, self.encode)
         return draft[:k]
 
     def _tree(self, r: Any, st: SpecState, seq: List[int], k: int) -> List[int]:

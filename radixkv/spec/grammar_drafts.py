@@ -10,17 +10,28 @@ and is rolled back to where it was: nothing changes its state but the tokens the
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 __all__ = ["grammar_draft"]
 
 _JUMPS = 4  # forced spans appended per draft (each after the tokens before it)
 
 
-def grammar_draft(matcher: Any, draft: Sequence[int], k: int, jump_forward: bool) -> List[int]:
+def grammar_draft(
+    matcher: Any,
+    draft: Sequence[int],
+    k: int,
+    jump_forward: bool,
+    encode: Optional[Callable[[str], List[int]]] = None,
+) -> List[int]:
     """The longest prefix of ``draft`` (at most ``k`` tokens) that ``matcher`` (an
     ``xgrammar.GrammarMatcher``) accepts, then, with ``jump_forward`` and room left, the tokens
-    the grammar forces after it. ``matcher`` is left in the state it had."""
+    the grammar forces after it: the forced text as ``encode`` (the tokenizer, no special
+    tokens) splits it, else as xgrammar does. ``matcher`` is left in the state it had.
+
+    NOTE: the grammar allows every split of a forced text into tokens, and the model writes the
+    one its tokenizer taught it (``desc`` + ``ribes``), not xgrammar's longest-token split
+    (``describe`` + ``s``), which it rejects at the first token."""
     out: List[int] = []
     if matcher.is_terminated():
         return out
@@ -34,7 +45,7 @@ def grammar_draft(matcher: Any, draft: Sequence[int], k: int, jump_forward: bool
         for _ in range(_JUMPS if jump_forward else 0):
             if len(out) >= k or matcher.is_terminated():
                 break
-            forced = matcher.find_jump_forward_tokens()
+            forced = _forced(matcher, encode)
             n = len(out)
             for t in forced[: k - len(out)]:
                 if not matcher.accept_token(int(t)):
@@ -46,3 +57,12 @@ def grammar_draft(matcher: Any, draft: Sequence[int], k: int, jump_forward: bool
         if out:
             matcher.rollback(len(out))
     return out
+
+
+def _forced(matcher: Any, encode: Optional[Callable[[str], List[int]]]) -> List[int]:
+    """The tokens of the text ``matcher`` forces next (see :func:`grammar_draft`)."""
+    if encode is not None:
+        text = matcher.find_jump_forward_string()
+        if text:
+            return list(encode(text))
+    return list(matcher.find_jump_forward_tokens())
