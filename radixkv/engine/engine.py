@@ -96,6 +96,13 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     )
 
 
+def _encoder(tokenizer: Any) -> Optional[Callable[[str], List[int]]]:
+    """Text -> token ids without special tokens, for the drafts of forced grammar text (None
+    without a transformers-style ``encode``: the drafter then takes xgrammar's split)."""
+    encode = getattr(tokenizer, "encode", None)
+    return None if encode is None else functools.partial(encode, add_special_tokens=False)
+
+
 def _default_eos(hf_config: Any, tokenizer: Any) -> List[int]:
     """The EOS ids of the model config and the tokenizer (either may be missing), sorted."""
     eos: set = set()
@@ -261,8 +268,7 @@ class Engine:
         self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
         self._decode = TokenDecoder(tokenizer)
         spec = cfg.speculative_config
-        encode = None if tokenizer is None else functools.partial(tokenizer.encode, add_special_tokens=False)
-        self.spec: Optional[Drafter] = Drafter(spec, cache, encode) if spec is not None else None
+        self.spec: Optional[Drafter] = Drafter(spec, cache, _encoder(tokenizer)) if spec is not None else None
 
     @property
     def cache(self) -> Any:
