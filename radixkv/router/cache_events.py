@@ -20,10 +20,9 @@ the traffic). With ``home`` on, a request not on a hot prefix that is held nowhe
 only a stub is held (fewer tokens than one outstanding request on a hot prefix costs, most of
 them on its home and less on every other candidate, and its first block begins no more than
 ``hot_share`` of the last 256 requests: not a template every conversation shares), goes home
-instead: to the candidate its
-first block was last routed to; a request held nowhere whose first block was never seen (or whose
-home is not a candidate) goes to a candidate home to the fewest first blocks (then the one sent
-the fewest uncached tokens). So distinct prefixes partition evenly, and a prefix its replica
+instead: to the candidate its first block was last routed to; a request held nowhere whose first
+block was never seen (or whose home is not a candidate) goes to a candidate home to the fewest
+first blocks (then the one sent the fewest uncached tokens). So distinct prefixes partition evenly, and a prefix its replica
 evicted, wholly or all but its first blocks, comes back there instead of moving to whichever
 replica is least loaded that moment.
 
@@ -193,8 +192,8 @@ class CacheEvents(Policy):
     def costs(self, req: RouteRequest, candidates: Optional[Sequence[str]] = None, now: float = 0.0) -> dict:
         """``cost_r`` of routing ``req`` to each candidate (default: all), in prefill tokens, as
         :meth:`choose` would weigh it now (``math.inf``: out by the balance guard); routes and
-        records nothing. The home rule, which overrides the cost for a request held nowhere or as a stub,
-        is not applied."""
+        records nothing. The home rule, which overrides the cost for a request held nowhere or
+        as a stub, is not applied."""
         self._purge(now)
         cands = [c for c in (self.replicas if candidates is None else candidates) if c in self.loads]
         held, deepest, top = self._held(req, cands)

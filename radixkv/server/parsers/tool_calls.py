@@ -139,6 +139,9 @@ def _close_of(text: str, start: int, final: bool) -> int:
     first one after the body's JSON object, so that ``</tool_call>`` inside an argument string
     (which the grammar allows) does not end the call. A body that is no JSON object, or one the
     finished output leaves open, ends at the first closing tag."""
+    first = text.find(TOOL_CALL_CLOSE, start)
+    if first < 0:  # no closing tag at all (the common case while a call streams): no scan
+        return -1
     i = start
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
@@ -148,7 +151,7 @@ def _close_of(text: str, start: int, final: bool) -> int:
             return text.find(TOOL_CALL_CLOSE, end)
         if not final:
             return -1
-    return text.find(TOOL_CALL_CLOSE, start)
+    return first
 
 
 def _partial_call(body: str) -> _Partial:
