@@ -280,6 +280,35 @@ def test_forced_text_is_drafted_as_the_tokenizer_splits_it(grammars):
     assert st.accept(split[0]) and not st.terminated  # the matcher was restored
 
 
+def test_forced_tokens_are_drafted_on_their_own_acceptance_rate(grammars):
+    """A request whose looked-up drafts fail (free text) stops looking up, but still drafts the
+    keys and punctuation its grammar forces: the two parts keep apart acceptance rates."""
+    from types import SimpleNamespace
+
+    tok, backend = grammars
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    st = backend.matcher(backend.compile(("json_schema", json.dumps(schema))).result())
+    d = Drafter(SpeculativeConfig("ngram", num_speculative_tokens=5))
+    r = Req([1, 2, 3, 1, 2], sampling_state=SimpleNamespace(grammar=st))
+    r.params = SamplingParams(max_tokens=100)
+    forced = tok.encode('{"answer":', add_special_tokens=False)
+    d.propose([r], 4096)  # both rates start at 0.5: up to 2 tokens each; the lookup's are refused
+    assert r.draft_tokens == forced[:2] and r.spec_state.n_free == 0
+    ss = r.spec_state
+    for _ in range(6):  # looked-up drafts keep failing: their rate falls below the row cost
+        ss.n_free = 2
+        d.observe(r, 2, 0, True)
+    assert ss.acceptance.draft_len(5, 0.25) == 0 and ss.forced.rate == 0.5
+    d.propose([r], 4096)
+    assert r.draft_tokens == forced[:2] and r.spec_state.n_free == 0  # the forced part only
+    d.observe(r, 2, 2, False)  # taken: the forced rate rises, the looked-up one is untouched
+    assert ss.forced.rate > 0.5 and ss.acceptance.rate < 0.25
+    before = (ss.forced.accepted, ss.forced.compared)
+    ss.n_free = 1
+    d.observe(r, 3, 0, True)  # the looked-up token refused: the forced two were never compared
+    assert (ss.forced.accepted, ss.forced.compared) == before
+
+
 # ---------------------------------------------------------------------- tentative slots
 def test_kv_manager_reserves_and_settles_draft_slots():
     from radixkv.engine.kv_manager import KVManager

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from radixkv.spec.adaptive import Acceptance
 from radixkv.spec.config import SpeculativeConfig
-from radixkv.spec.grammar_drafts import grammar_draft
+from radixkv.spec.grammar_drafts import grammar_draft_split
 from radixkv.spec.ngram import NgramIndex, best_continuation
 from radixkv.spec.suffix import SuffixIndex
 
@@ -56,16 +56,21 @@ class SpecState:
 
     Attributes:
         own: the :class:`~radixkv.spec.ngram.NgramIndex` of its sequence.
-        acceptance: its :class:`~radixkv.spec.adaptive.Acceptance`.
+        acceptance: the :class:`~radixkv.spec.adaptive.Acceptance` of its looked-up drafts
+            (tree, lookups).
+        forced: the :class:`~radixkv.spec.adaptive.Acceptance` of the tokens its grammar forced.
+        n_free: how many of its last draft's tokens were looked up (the rest were forced).
         prompt_key: ``(len, hash)`` of its prompt (siblings share it).
         tree_wait: decode steps to skip before the next radix tree lookup.
     """
 
-    __slots__ = ("own", "acceptance", "prompt_key", "tree_wait")
+    __slots__ = ("own", "acceptance", "forced", "n_free", "prompt_key", "tree_wait")
 
     def __init__(self, key_len: int, prompt: Sequence[int]) -> None:
         self.own = NgramIndex(key_len)
         self.acceptance = Acceptance()
+        self.forced = Acceptance()
+        self.n_free = 0
         self.prompt_key = (len(prompt), hash(tuple(prompt)))
         self.tree_wait = 0
 
@@ -126,22 +131,32 @@ class Drafter:
             if cap <= 0:
                 continue
             k = st.acceptance.draft_len(cap, cfg.draft_row_cost) if cfg.adaptive else cap
-            if k > 0:
+            kf = self._forced_len(r, st, cap)
+            if k > 0 or kf > 0:
                 st.own.sync(r.prompt_token_ids, r.output_token_ids)
-                wants.append((st.acceptance.rate, k, r, st))
+                wants.append((st.acceptance.rate, (k, kf, cap), r, st))
         if not wants:
             return
         wants.sort(key=lambda w: -w[0])  # stable: the best acceptance rate drafts first
         peers = self._peers(reqs) if len(reqs) > 1 else {}
         budget = cfg.max_draft_tokens_per_step
-        for _, k, r, st in wants:
+        for _, (k, kf, cap), r, st in wants:
             if budget <= 0:
                 break
-            k = min(k, budget)
             siblings = [p for p in peers.get((r.namespace, st.prompt_key), ()) if p is not st]
-            draft = self._draft(r, st, k, siblings)
+            draft = self._draft(r, st, (k, kf, min(cap, budget)), siblings)
             r.draft_tokens = draft
             budget -= len(draft)
+
+    def _forced_len(self, r: Any, st: SpecState, cap: int) -> int:
+        """Forced tokens worth drafting for ``r`` now (0 without an active grammar or with
+        ``grammar_drafts`` off): its own adaptive length, apart from its looked-up drafts', so
+        a request whose free text is never guessed still drafts the keys and punctuation its
+        grammar forces."""
+        gs = r.sampling_state.grammar if r.sampling_state is not None else None
+        if gs is None or gs.terminated or not self.config.grammar_drafts:
+            return 0
+        return st.forced.draft_len(cap, self.config.draft_row_cost) if self.config.adaptive else cap
 
     def _peers(self, reqs: Sequence[Any]) -> Dict[tuple, List[SpecState]]:
         """The decoding requests' states grouped by (namespace, prompt)."""
@@ -152,18 +167,27 @@ class Drafter:
                 groups[(r.namespace, st.prompt_key)].append(st)
         return groups
 
-    def _draft(self, r: Any, st: SpecState, k: int, siblings: List[SpecState]) -> List[int]:
-        """Up to ``k`` draft tokens of ``r`` (module docstring's sources, then its grammar)."""
+    def _draft(self, r: Any, st: SpecState, lens: tuple, siblings: List[SpecState]) -> List[int]:
+        """``r``'s draft (module docstring's sources, then its grammar); ``lens`` is ``(k,
+        k_forced, cap)``: up to ``k`` looked-up tokens, then up to ``k_forced`` forced ones, at
+        most ``cap`` in all. Sets ``st.n_free``."""
+        k, kf, cap = lens
+        k = min(k, cap)
         seq = st.own.tokens
-        draft = self._tree(r, st, seq, k) if self.cache is not None else []
-        if not draft:
-            draft = self._lookup(r, st, seq, k, siblings)
+        draft: List[int] = []
+        if k > 0:
+            draft = self._tree(r, st, seq, k) if self.cache is not None else []
+            if not draft:
+                draft = self._lookup(r, st, seq, k, siblings)
+        draft = draft[:k]
+        st.n_free = len(draft)
         gs = r.sampling_state.grammar if r.sampling_state is not None else None
         if gs is not None:
             if gs.terminated:
+                st.n_free = 0
                 return []
-            draft = grammar_draft(gs.matcher, draft, k, self.config.grammar_drafts, self.encode)
-        return draft[:k]
+            draft, st.n_free = grammar_draft_split(gs.matcher, draft, k, kf, cap, self.encode)
+        return draft
 
     def _tree(self, r: Any, st: SpecState, seq: List[int], k: int) -> List[int]:
         """The radix tree's continuation of all of ``seq`` (empty when it is not a cached path)."""
@@ -200,7 +224,11 @@ class Drafter:
         request stopped first)."""
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        self.state(req).acceptance.update(drafted, accepted, rejected)
+        st = self.state(req)
+        free = min(st.n_free, drafted)
+        st.acceptance.update(free, min(accepted, free), rejected and accepted < free)
+        if accepted >= free:  # the forced tokens were compared too
+            st.forced.update(drafted - free, accepted - free, rejected)
 
     def on_finished(self, req: Any) -> None:
         """``req`` finished: its sequence (verified tokens only) joins the suffix index."""

@@ -10,9 +10,9 @@ and is rolled back to where it was: nothing changes its state but the tokens the
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-__all__ = ["grammar_draft"]
+__all__ = ["grammar_draft", "grammar_draft_split"]
 
 _JUMPS = 4  # forced spans appended per draft (each after the tokens before it)
 
@@ -32,22 +32,39 @@ def grammar_draft(
     NOTE: the grammar allows every split of a forced text into tokens, and the model writes the
     one its tokenizer taught it (``desc`` + ``ribes``), not xgrammar's longest-token split
     (``describe`` + ``s``), which it rejects at the first token."""
+    return grammar_draft_split(matcher, draft, k, k if jump_forward else 0, k, encode)[0]
+
+
+def grammar_draft_split(
+    matcher: Any,
+    draft: Sequence[int],
+    k_free: int,
+    k_forced: int,
+    cap: int,
+    encode: Optional[Callable[[str], List[int]]] = None,
+) -> Tuple[List[int], int]:
+    """``(tokens, n_free)``: the longest prefix of ``draft[:k_free]`` that ``matcher`` accepts
+    (its ``n_free`` tokens), then up to ``k_forced`` tokens the grammar forces after it, at most
+    ``cap`` tokens in all (:func:`grammar_draft`). The two parts are counted apart because their
+    acceptance rates differ: a forced token is refused only when the model splits the forced
+    text otherwise. ``matcher`` is left in the state it had."""
     out: List[int] = []
     if matcher.is_terminated():
-        return out
+        return out, 0
     try:
-        for t in draft[:k]:
+        for t in draft[: min(k_free, cap)]:
             if not matcher.accept_token(int(t)):
                 break
             out.append(int(t))
             if matcher.is_terminated():
-                return out
-        for _ in range(_JUMPS if jump_forward else 0):
-            if len(out) >= k or matcher.is_terminated():
+                return out, len(out)
+        n_free = len(out)
+        end = min(cap, n_free + k_forced)
+        for _ in range(_JUMPS):
+            if len(out) >= end or matcher.is_terminated():
                 break
-            forced = _forced(matcher, encode)
             n = len(out)
-            for t in forced[: k - len(out)]:
+            for t in _forced(matcher, encode)[: end - n]:
                 if not matcher.accept_token(int(t)):
                     break
                 out.append(int(t))
@@ -56,7 +73,7 @@ def grammar_draft(
     finally:
         if out:
             matcher.rollback(len(out))
-    return out
+    return out, n_free
 
 
 def _forced(matcher: Any, encode: Optional[Callable[[str], List[int]]]) -> List[int]:
