@@ -119,6 +119,17 @@ def test_draft_length_follows_the_acceptance_rate():
     assert a.draft_len(8, 0.25) >= 1
 
 
+def test_a_draft_row_costs_more_in_a_step_of_more_rows():
+    from radixkv.spec.adaptive import row_cost_at
+
+    assert row_cost_at(0.25, 1) == pytest.approx(0.25) and row_cost_at(0.25, 0) == pytest.approx(0.25)
+    assert row_cost_at(0.25, 4) == pytest.approx(1 / 1.75)  # r = T0 / 3: 4 r / (T0 + 4 r)
+    costs = [row_cost_at(0.25, b) for b in range(1, 65)]
+    assert costs == sorted(costs) and costs[-1] < 1 and row_cost_at(1.0, 8) == 1.0
+    a = Acceptance()  # a rate of 0.5: two tokens alone, none beside three other decode rows
+    assert a.draft_len(5, row_cost_at(0.25, 1)) == 2 and a.draft_len(5, row_cost_at(0.25, 4)) == 0
+
+
 # ---------------------------------------------------------------------- the drafter
 class Req:
     """What the drafter reads of a request."""

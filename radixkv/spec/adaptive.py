@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["Acceptance", "DECAY", "PRIOR", "PROBE_EVERY"]
+__all__ = ["Acceptance", "DECAY", "PRIOR", "PROBE_EVERY", "row_cost_at"]
 
 DECAY = 0.7
 """Weight of the past per verify (0.7: the last ~3 verifies dominate)."""
@@ -29,6 +29,20 @@ PRIOR = (1.0, 2.0)
 
 PROBE_EVERY = 8
 """Decode steps between one-token probes of a request that stopped drafting."""
+
+
+def row_cost_at(row_cost: float, rows: int) -> float:
+    """The cost of one draft row against the tokens it can win, in a step of ``rows`` decode rows.
+
+    ``row_cost`` (``c``) is a draft row's cost relative to a one-row decode step. Model a step of
+    ``b`` rows as ``T0 + r * b`` (reading the weights, then each row's multiply-adds), so
+    ``c = r / (T0 + r)``. One more draft row adds ``r`` to the step, which yields ``b`` tokens
+    without drafts, so it pays while it wins at least ``r * b / (T0 + r * b)`` tokens:
+    ``c * b / (1 - c + c * b)``, which is ``c`` at ``b = 1`` and tends to 1 as the step becomes
+    bound by multiply-adds (a draft row then costs what a sampled token does).
+    """
+    b = max(int(rows), 1)
+    return row_cost * b / (1.0 - row_cost + row_cost * b)
 
 
 class Acceptance:

@@ -20,7 +20,8 @@ namespace only, so an accepted draft never reveals another tenant's text. With a
 the draft is cut where the grammar refuses it and extended by the tokens the grammar forces
 (:func:`~radixkv.spec.grammar_drafts.grammar_draft`).
 
-How many tokens: per request, :class:`~radixkv.spec.adaptive.Acceptance` (the cost model) unless
+How many tokens: per request, :class:`~radixkv.spec.adaptive.Acceptance` (the cost model, at the
+row cost :func:`~radixkv.spec.adaptive.row_cost_at` gives for the step's decode rows) unless
 ``adaptive`` is off, capped by ``num_speculative_tokens``, by what ``max_tokens`` and the context
 length leave, and by ``max_draft_tokens_per_step`` over the whole step (the requests with the best
 acceptance rate first). A sample of an ``n > 1`` request that is more than
@@ -39,7 +40,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Sequence
 
-from radixkv.spec.adaptive import Acceptance
+from radixkv.spec.adaptive import Acceptance, row_cost_at
 from radixkv.spec.config import SpeculativeConfig
 from radixkv.spec.grammar_drafts import grammar_draft_split
 from radixkv.spec.ngram import NgramIndex, best_continuation
@@ -115,6 +116,7 @@ class Drafter:
         cfg = self.config
         wants = []
         slowest = _slowest_sibling(reqs) if len(reqs) > 1 else {}
+        cost = row_cost_at(cfg.draft_row_cost, len(reqs))
         for r in reqs:
             r.draft_tokens = []
             st = self.state(r)
@@ -130,8 +132,8 @@ class Drafter:
             cap = min(cfg.num_speculative_tokens, room)
             if cap <= 0:
                 continue
-            k = st.acceptance.draft_len(cap, cfg.draft_row_cost) if cfg.adaptive else cap
-            kf = self._forced_len(r, st, cap)
+            k = st.acceptance.draft_len(cap, cost) if cfg.adaptive else cap
+            kf = self._forced_len(r, st, cap, cost)
             if k > 0 or kf > 0:
                 st.own.sync(r.prompt_token_ids, r.output_token_ids)
                 wants.append((st.acceptance.rate, (k, kf, cap), r, st))
@@ -148,7 +150,7 @@ class Drafter:
             r.draft_tokens = draft
             budget -= len(draft)
 
-    def _forced_len(self, r: Any, st: SpecState, cap: int) -> int:
+    def _forced_len(self, r: Any, st: SpecState, cap: int, cost: float) -> int:
         """Forced tokens worth drafting for ``r`` now (0 without an active grammar or with
         ``grammar_drafts`` off): its own adaptive length, apart from its looked-up drafts', so
         a request whose free text is never guessed still drafts the keys and punctuation its
@@ -156,7 +158,7 @@ class Drafter:
         gs = r.sampling_state.grammar if r.sampling_state is not None else None
         if gs is None or gs.terminated or not self.config.grammar_drafts:
             return 0
-        return st.forced.draft_len(cap, self.config.draft_row_cost) if self.config.adaptive else cap
+        return st.forced.draft_len(cap, cost) if self.config.adaptive else cap
 
     def _peers(self, reqs: Sequence[Any]) -> Dict[tuple, List[SpecState]]:
         """The decoding requests' states grouped by (namespace, prompt)."""
