@@ -286,6 +286,20 @@ def test_memory_policy_allkeys_lru_evicts_and_noeviction_fails_softly(redis_serv
         rclient.flushdb()
 
 
+def test_touch_refreshes_the_ttl_of_held_keys_only(redis_server, rclient):
+    """``touch`` (write-through marks the head the pool held): the TTL of each held key back to
+    the store's, a missing key left missing, nothing counted as read."""
+    keys, toks, blocks = _blocks(2, seed=720)
+    s = RedisStore(redis_server.url, ttl_s=1000)
+    s.put(keys[:1], blocks[:1])
+    rclient.expire(_name(keys[0]), 5)
+    s.touch(keys)
+    assert rclient.ttl(_name(keys[0])) > 900 and rclient.exists(_name(keys[1])) == 0
+    st = s.stats()
+    assert (st["blocks_read"], st["errors"], st["degraded"]) == (0, 0, False)
+    assert s.get(keys, toks) == [blocks[0], None]
+
+
 def test_a_server_out_of_memory_pauses_writes_only(redis_server, rclient, caplog):
     """``noeviction`` at ``maxmemory``: a refused write pauses writes on their own backoff while
     reads go on; a read's success neither ends the pause (``degraded`` stays, no write is tried

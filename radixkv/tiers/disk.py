@@ -160,6 +160,14 @@ class DiskStore:
         self._touch(name, path, len(data))
         return block
 
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark each key's record used now (a missing one stays missing; nothing is written)."""
+        for key in keys:
+            if self._closed:
+                return
+            name = key.hex()
+            self._touch(name, files.layout_path(self.path, name), None)
+
     def _touch(self, name: str, path: str, size: int | None) -> bool:
         """Mark the record used now (its mtime, its place in the index); False when it is gone.
         Under the lock, so that no eviction of this process comes between the two."""

@@ -266,6 +266,23 @@ class RedisStore:
         done = [d for (_, d), ok in zip(records, res) if ok is True]
         self._stats.add(blocks_written=len(done), bytes_written=sum(map(len, done)))
 
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark each key used now: ``TOUCH`` (the server's LRU clock) and, with a TTL, ``EXPIRE``
+        (one pipelined round trip; a missing key stays missing; never raises for the server)."""
+        if not keys or self._closed:
+            return
+        names = self._names(keys)
+        ttl = self.ttl_s
+
+        def mark(r: Any) -> list:
+            p = r.pipeline(transaction=False)
+            p.touch(*names)
+            for n in names if ttl else ():
+                p.expire(n, ttl)
+            return p.execute(raise_on_error=False)
+
+        self._call(mark)
+
     def delete_all(self) -> None:
         """Delete every key of this store's fingerprints (the constructor's and those it has
         seen): ``SCAN MATCH <prefix>:<fingerprint>:*`` then ``UNLINK`` in batches. Other models'
