@@ -445,3 +445,23 @@ def test_cost_model_picks_the_run_that_saves_and_remeasures_a_skipped_tier():
     assert cm.skipped["remote"] == 0 and cm.best_run(["remote"]) == 1
     cm.note_load("host", 0.001, 1)  # a tail's fetch: one record, 1 ms
     assert cm.token_s("host") == 0.001 / 16
+
+
+def test_write_through_marks_the_head_the_pool_hit_as_used(tmp_path):
+    """Write-through marks the blocks before a request's new ones (the head its pool hit covers)
+    used in the stores: a head every request shares, never read back from the disk while the pool
+    holds it, is not the first block the disk evicts. It was (its mtime stayed its first write),
+    and after a restart no block under it could be loaded: the last prompt, every block of it
+    still on disk, reused 0 tokens."""
+    from radixkv.tiers import Block, DiskStore, HostStore, encoded_size
+
+    layout = kv_engine(stores=[HostStore(1 << 20)]).kv.tiers.layout
+    rec = encoded_size(Block(tuple(range(16)), bytes(16 * layout.token_bytes), layout.meta))
+    head, tails = prompt(31, 32), [prompt(40 + i, 48) for i in range(4)]  # 2 blocks, then 3 each
+    e = kv_engine(stores=[DiskStore(tmp_path, 9 * rec)])
+    for t in tails:
+        generate(e, [head + t], greedy(1))
+    assert e.kv.tiers.drain(60)
+    again = kv_engine(stores=[DiskStore(tmp_path, 9 * rec)])  # a restart: nothing in the pool
+    out = generate(again, [head + tails[-1]], greedy(1))[0]
+    assert out.cached_tokens_by_tier["disk"] == 79 and out.outputs[0].token_ids == reference(head + tails[-1], 1)

@@ -286,6 +286,61 @@ def test_memory_policy_allkeys_lru_evicts_and_noeviction_fails_softly(redis_serv
         rclient.flushdb()
 
 
+def test_touch_refreshes_the_ttl_of_held_keys_only(redis_server, rclient):
+    """``touch`` (write-through marks the head the pool held): the TTL of each held key back to
+    the store's, a missing key left missing, nothing counted as read."""
+    keys, toks, blocks = _blocks(2, seed=720)
+    s = RedisStore(redis_server.url, ttl_s=1000)
+    s.put(keys[:1], blocks[:1])
+    rclient.expire(_name(keys[0]), 5)
+    s.touch(keys)
+    assert rclient.ttl(_name(keys[0])) > 900 and rclient.exists(_name(keys[1])) == 0
+    st = s.stats()
+    assert (st["blocks_read"], st["errors"], st["degraded"]) == (0, 0, False)
+    assert s.get(keys, toks) == [blocks[0], None]
+
+
+def test_a_server_out_of_memory_pauses_writes_only(redis_server, rclient, caplog):
+    """``noeviction`` at ``maxmemory``: a refused write pauses writes on their own backoff while
+    reads go on; a read's success neither ends the pause (``degraded`` stays, no write is tried
+    before the backoff) nor logs a recovery (the log and ``/health`` used to flap between a failed
+    write and the next successful read, every half second)."""
+    rclient.flushdb()
+    keys, toks, blocks = _blocks(20, seed=710, size=262144)
+    clock = FakeClock()
+    s = RedisStore(redis_server.url, clock=clock, backoff_base_s=2.0, backoff_max_s=8.0)
+    s.put(keys[:2], blocks[:2])
+    try:
+        rclient.config_set("maxmemory-policy", "noeviction")
+        rclient.config_set("maxmemory", str(int(rclient.info("memory")["used_memory"]) + (1 << 19)))
+        s.put(keys[2:], blocks[2:])  # fills the server, then refused: out of memory
+        st = s.stats()
+        assert st["errors"] == 1 and st["degraded"]
+        written = st["blocks_written"]
+        assert 2 <= written < 20
+        with caplog.at_level("WARNING", logger="radixkv.tiers.remote"):
+            assert s.get(keys[:2], toks[:2]) == blocks[:2]  # reads go on
+            assert s.degraded and s.stats()["errors"] == 1
+            s.put(keys[2:], blocks[2:])  # writes still paused: skipped, not tried
+            assert s.stats()["skipped"] == 18 and s.stats()["errors"] == 1
+            clock.t += 2.0
+            s.put(keys[2:], blocks[2:])  # tried again: refused, the delay doubles to 4 s
+            assert s.stats()["errors"] == 2 and s.degraded
+            clock.t += 2.0
+            assert s.get(keys[:1], toks[:1]) == blocks[:1]
+            s.put(keys[2:3], blocks[2:3])
+            assert s.stats()["errors"] == 2 and s.stats()["skipped"] == 19
+        assert not any("recovered" in r.getMessage() for r in caplog.records), caplog.text
+        rclient.config_set("maxmemory", "0")
+        clock.t += 2.0
+        s.put(keys[2:], blocks[2:])  # room again: written, the tier recovers
+        assert not s.degraded and s.get(keys, toks) == blocks
+    finally:
+        rclient.config_set("maxmemory", "0")
+        rclient.config_set("maxmemory-policy", "noeviction")
+        rclient.flushdb()
+
+
 # ---------------------------------------------------------------- the engine over the shared tier
 ROOT = Path(__file__).resolve().parents[1]
 

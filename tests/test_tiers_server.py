@@ -189,3 +189,24 @@ def test_tenants_of_api_keys_are_isolated_in_the_tiers(tmp_path):
     finally:
         server.stop()
         llm.shutdown()
+
+
+def test_server_info_never_shows_the_redis_password():
+    """``/server_info`` (open without API keys) shows the resolved config: ``remote_cache_url``
+    with its password as ``***`` (the password would let any client write forged blocks into the
+    tier every engine reads, and read every tenant's K/V)."""
+    llm = AsyncLLM(
+        loaded_model=tiny_model(),
+        device="cpu",
+        max_total_tokens=256,
+        remote_cache_url="redis://u1:s3cr3t@127.0.0.1:1/2",
+    )
+    server = Server(create_app(llm, served_model_name=MODEL))
+    try:
+        for route in ("/server_info", "/get_server_info"):
+            r = httpx.get(server.base_url + route)
+            assert r.status_code == 200 and "s3cr3t" not in r.text, route
+            assert r.json()["radixkv_config"]["remote_cache_url"] == "redis://u1:***@127.0.0.1:1/2"
+    finally:
+        server.stop()
+        llm.shutdown()

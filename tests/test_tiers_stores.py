@@ -371,6 +371,55 @@ def test_disk_corrupt_index_means_an_empty_tier(tmp_path):
     assert d2.stats()["corrupt_index"] == 0 and d2.stats()["blocks"] == 3 and d2.get(keys, toks) == blocks
 
 
+def test_disk_never_removes_another_programs_files(tmp_path):
+    """A directory with a ``blocks`` but no manifest whose content no tier writes (another
+    program's, or a mistyped ``--disk-cache-dir``) is refused, and nothing in it is removed; one
+    holding only a tier's records and temporary files is a tier that lost its manifest: emptied."""
+    for make in (
+        lambda b: (b / "ab").mkdir(parents=True) or (b / "ab" / "notes.txt").write_text("mine"),
+        lambda b: b.mkdir() or (b / "readme").write_text("mine"),
+        lambda b: (b / "v1").mkdir(parents=True),
+        lambda b: b.write_text("mine"),
+    ):
+        root = tmp_path / f"user{len(list(tmp_path.iterdir()))}"
+        root.mkdir()
+        make(root / files.BLOCKS)
+        before = sorted((p.relative_to(root), p.is_file() and p.read_text()) for p in root.rglob("*"))
+        with pytest.raises(ValueError, match=r"disk_cache_dir .* is not a KV tier's directory: it has no "):
+            DiskStore(root)
+        assert sorted((p.relative_to(root), p.is_file() and p.read_text()) for p in root.rglob("*")) == before
+    keys, toks, blocks = _blocks(2)
+    root = tmp_path / "tier"
+    DiskStore(root).put(keys, blocks)
+    fan = _file(root, keys[0]).parent
+    (fan / f".{keys[0].hex()}.123.abcd.tmp").write_bytes(b"a crashed writer's")
+    (root / files.MANIFEST).unlink()
+    d = DiskStore(root)
+    assert d.stats()["corrupt_index"] == 1 and d.contains(keys) == [False, False]
+    assert list(root.rglob("*.kvb")) == [] and list(root.rglob("*.tmp")) == []
+
+
+def test_disk_dir_expands_the_users_home(tmp_path, monkeypatch):
+    """``disk_cache_dir="~/kv"`` (``--disk-cache-dir=~/kv``, which the shell leaves as it is) is
+    the home's ``kv``, where the engine's start-up check created it too, not a ``~`` folder in the
+    working directory."""
+    from types import SimpleNamespace
+
+    from radixkv.engine.tiers import check_settings
+
+    home, cwd = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir()
+    cwd.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(cwd)
+    check_settings(SimpleNamespace(remote_cache_url=None, disk_cache_dir="~/kv"))
+    keys, toks, blocks = _blocks(1)
+    d = DiskStore("~/kv")
+    d.put(keys, blocks)
+    assert d.path == str(home / "kv") and _file(home / "kv", keys[0]).is_file()
+    assert list(cwd.iterdir()) == [] and DiskStore(home / "kv").get(keys, toks) == blocks
+
+
 def test_disk_sees_another_stores_writes_and_uses(tmp_path):
     keys, toks, blocks = _blocks(4)
     rec = encoded_size(blocks[0])

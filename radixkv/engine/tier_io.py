@@ -131,6 +131,8 @@ class WriteJob:
             CPU; stores: where to put them; stored: (I/O thread) the media that hold all the
             blocks afterwards. tail_key, tail_tokens: the tail after the last block (1 to 15
             tokens, its rows last in ``rows``; written over any tail held there), or None / ().
+            touch_keys: the blocks before them that the pool already held (the head of their
+            sequence): marked used in each store that can (``touch``) before the puts.
     """
 
     namespace: Any
@@ -143,6 +145,7 @@ class WriteJob:
     stored: List[str] = field(default_factory=list)
     tail_key: Any = None
     tail_tokens: tuple = ()
+    touch_keys: list = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -540,6 +543,9 @@ class TierIO:
         n = len(job.keys)
         for store in job.stores:
             try:
+                touch = getattr(store, "touch", None)
+                if job.touch_keys and touch is not None:
+                    touch(job.touch_keys)  # NOTE: before the puts evict: the head is in use
                 present = list(store.contains(job.keys)) if n else []
                 idx = [i for i in range(n) if not present[i]]
                 if idx:

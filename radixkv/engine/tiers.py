@@ -282,7 +282,10 @@ class TierManager:
         tokens after them (their pool ``slots``, one per token of ``[16 first, 16 stop +
         tail)``) out of the pool now and queue their write to the tiers with ``policy``
         ("write_through" or "write_back"), except the media in ``skip``. The tail is stored
-        under the key of the tail after block ``stop - 1``, replacing the one held there."""
+        under the key of the tail after block ``stop - 1``, replacing the one held there.
+        Written through, the blocks before ``first`` (the head the pool held) are marked used
+        in the stores: a head the pool keeps is never read back from a tier, and would
+        otherwise be the first block each tier evicts, with it every block under it."""
         if self._closed or (stop <= first and not tail):
             return
         stores = self.through if policy == "write_through" else self.back
@@ -297,6 +300,9 @@ class TierManager:
         if tail:
             end = BLOCK_TOKENS * stop
             job.tail_key, job.tail_tokens = tails[-1], tuple(tokens[end : end + tail])
+        if first and policy == "write_through":
+            ns = namespace_key(namespace)
+            job.touch_keys = [BlockKey(self.fingerprint, ns, d) for d in block_digests(tokens, namespace, 0, first)]
         self.io.submit_write(job)
 
     # ------------------------------------------------------------------ inspection

@@ -30,6 +30,7 @@ from radixkv.async_llm import AsyncLLM
 from radixkv.engine.stats import EngineStats, merge_tenants
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
+from radixkv.tiers.redis_url import parse_redis_url
 
 __all__ = [
     "EngineBackend",
@@ -56,7 +57,8 @@ class ModelFacts:
         max_context_len: longest prompt + output the engine accepts, in tokens.
         page_size: tokens per KV page.
         config: the resolved :class:`~radixkv.config.EngineConfig` as a dict (values that are
-            not JSON scalars, e.g. the dtype, as strings).
+            not JSON scalars, e.g. the dtype, as strings; ``remote_cache_url``'s password as
+            ``***``).
     """
 
     model_path: Optional[str]
@@ -87,6 +89,9 @@ def model_facts_of(engine: Any) -> ModelFacts:
         config = {
             k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in vars(cfg).items()
         }
+        if config.get("remote_cache_url"):
+            # NOTE: /server_info shows this dict; the Redis password must never reach a client
+            config["remote_cache_url"] = parse_redis_url(config["remote_cache_url"]).redacted()
     arch = getattr(hf, "architectures", None)
     return ModelFacts(
         model_path=config.get("model"),

@@ -45,7 +45,7 @@ class DiskStore:
     with backoff, and writes pause for the backoff (``skipped``); ``degraded`` while they do.
 
     Args:
-        path: the directory (``disk_cache_dir``), created when missing.
+        path: the directory (``disk_cache_dir``; ``~`` is the user's home), created when missing.
         capacity_bytes: the byte budget (``disk_cache_bytes``, default 8 GiB).
         refresh_s: seconds between rescans of the directory (other processes' writes).
         fsync: fsync each record before it replaces the old one.
@@ -75,7 +75,7 @@ class DiskStore:
             raise ValueError(f"disk_cache_bytes must be an integer >= 0, got {capacity_bytes!r}")
         if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
             raise ValueError(f"disk_cache_dir must be a directory path, got {path!r}")
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._capacity = capacity_bytes
         self._refresh_s, self._fsync, self._clock = refresh_s, fsync, clock
         self._stats = StoreStats(extra=("full", "corrupt_index"))
@@ -159,6 +159,14 @@ class DiskStore:
             return None
         self._touch(name, path, len(data))
         return block
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark each key's record used now (a missing one stays missing; nothing is written)."""
+        for key in keys:
+            if self._closed:
+                return
+            name = key.hex()
+            self._touch(name, files.layout_path(self.path, name), None)
 
     def _touch(self, name: str, path: str, size: int | None) -> bool:
         """Mark the record used now (its mtime, its place in the index); False when it is gone.

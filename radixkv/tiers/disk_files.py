@@ -53,6 +53,24 @@ def _unwritable(root: str, why: str) -> ValueError:
     return ValueError(f"disk_cache_dir {root!r} is not a writable directory: {why}")
 
 
+def _stray_entry(root: str) -> str | None:
+    """The first entry under ``blocks/`` that no disk tier writes (a ``blocks`` that is not a
+    folder, a folder not named by a byte in hex, a file that is neither a record of its folder
+    nor a temporary one), or None."""
+    blocks = os.path.join(root, BLOCKS)
+    if os.path.islink(blocks) or not os.path.isdir(blocks):
+        return blocks
+    with os.scandir(blocks) as it:
+        subs = list(it)
+    for sub in subs:
+        if len(sub.name) != 2 or not _HEX.issuperset(sub.name) or not sub.is_dir(follow_symlinks=False):
+            return sub.path
+        for e in _entries(sub):
+            if _record_name(e, sub.name) is None and not (e.name.startswith(".") and e.name.endswith(".tmp")):
+                return e.path
+    return None
+
+
 def _write_manifest(root: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=root)
     try:
@@ -79,7 +97,9 @@ def prepare(root: str) -> bool:
 
     Raises:
         ValueError: (naming ``disk_cache_dir``) ``root`` cannot be created, is not a directory,
-            or a file cannot be written in it.
+            or a file cannot be written in it; or it has a ``blocks`` but no manifest and
+            something under ``blocks`` is not a disk tier's (another program's directory: nothing
+            of it is removed).
     """
     try:
         os.makedirs(root, exist_ok=True)
@@ -95,6 +115,15 @@ def prepare(root: str) -> bool:
     had_blocks = os.path.lexists(blocks)
     has_manifest = os.path.lexists(os.path.join(root, MANIFEST))
     corrupt = (has_manifest and not _manifest_ok(root)) or (had_blocks and not has_manifest)
+    try:
+        stray = _stray_entry(root) if had_blocks and not has_manifest else None
+    except OSError as e:
+        raise _unwritable(root, e.strerror or str(e)) from None
+    if stray is not None:
+        raise ValueError(
+            f"disk_cache_dir {root!r} is not a KV tier's directory: it has no {MANIFEST} and {stray!r} is "
+            "not a tier's record (give an empty or new directory)"
+        )
     try:
         if corrupt:
             remove_records(root, everything=True)

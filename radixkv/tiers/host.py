@@ -81,6 +81,13 @@ class HostStore:
         )
         return out
 
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Make each held key the most recently used (the others stay absent)."""
+        with self._lock:
+            for key in keys:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
         """Hold each block (an already held key: only made the most recently used, or with
         ``replace`` given the new block)."""

@@ -56,6 +56,12 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (redis.RedisError, OSError)
 
 
+def _oom_error() -> type[BaseException]:
+    from redis.exceptions import OutOfMemoryError
+
+    return OutOfMemoryError
+
+
 _FAIL = object()
 
 
@@ -105,9 +111,13 @@ class RedisStore:
         self._lock = threading.Lock()
         self._backoff = Backoff(backoff_base_s, backoff_max_s, clock)
         self._log = ThrottledLog(logger, f"remote tier {self.url.redacted()}")
+        # NOTE: a server out of memory (noeviction) refuses writes but still serves reads: writes
+        # back off on their own, so a read's success neither ends their pause nor flaps the log
+        self._write_backoff = Backoff(backoff_base_s, backoff_max_s, clock)
+        self._write_log = ThrottledLog(logger, f"remote tier {self.url.redacted()}: write")
         self._stats = StoreStats()
         self._closed = False
-        self._errors = _errors()
+        self._errors, self._oom = _errors(), _oom_error()
         self._redis = _client(self.url, timeout_s)
         info = self.server_info()
         if info:
@@ -126,8 +136,9 @@ class RedisStore:
 
     @property
     def degraded(self) -> bool:
-        """The last call to the server failed (none succeeded since)."""
-        return self._backoff.failing
+        """The last call to the server failed (none succeeded since), or the last write was
+        refused for memory (no write succeeded since)."""
+        return self._backoff.failing or self._write_backoff.failing
 
     def _name(self, key: BlockKey) -> str:
         return f"{self._prefix}:{key.fingerprint.hex()}:{key.namespace_digest.hex()}:{key.digest.hex()}"
@@ -139,8 +150,9 @@ class RedisStore:
                 self._fingerprints |= fps
         return [self._name(k) for k in keys]
 
-    def _call(self, fn: Callable[[Any], Any]) -> Any:
-        """``fn(client)``, or ``_FAIL`` when closed, backing off, or it failed (counted, logged)."""
+    def _call(self, fn: Callable[[Any], Any], write: bool = False) -> Any:
+        """``fn(client)``, or ``_FAIL`` when closed, backing off, or it failed (counted, logged).
+        A ``write`` refused for memory pauses writes only (their own backoff)."""
         with self._lock:
             if self._closed or not self._backoff.ready():
                 return _FAIL
@@ -149,16 +161,28 @@ class RedisStore:
             failure = next((r for r in result if isinstance(r, Exception)), None) if isinstance(result, list) else None
         except self._errors as e:
             result, failure = _FAIL, e
+        full = write and isinstance(failure, self._oom)
+        writes_ok = False
         with self._lock:
-            if failure is not None:
+            if failure is not None and not full:
                 delay = self._backoff.failed()
             else:
-                recovered = self._backoff.succeeded()
+                recovered = self._backoff.succeeded()  # the server answered
+                if full:
+                    delay = self._write_backoff.failed()
+                else:
+                    writes_ok = write and self._write_backoff.succeeded()
         if failure is not None:
             self._stats.add(errors=1)
-            self._log.failure(failure, f"no call for {delay:g} s")
-        elif recovered:
-            self._log.recovered()
+            log = self._write_log if full else self._log
+            log.failure(
+                failure, f"writes paused {delay:g} s (server out of memory)" if full else f"no call for {delay:g} s"
+            )
+        if failure is None or full:
+            if recovered:
+                self._log.recovered()
+            if writes_ok:
+                self._write_log.recovered()
         return result
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -223,7 +247,7 @@ class RedisStore:
         if not keys or self._closed:
             return
         with self._lock:
-            backing_off = not self._backoff.ready()
+            backing_off = not (self._backoff.ready() and self._write_backoff.ready())
         if backing_off:
             self._stats.add(skipped=len(keys))
             return
@@ -236,11 +260,28 @@ class RedisStore:
                 p.set(n, data, ex=ttl)
             return p.execute(raise_on_error=False)
 
-        res = self._call(store)
+        res = self._call(store, write=True)
         if res is _FAIL:
             return
         done = [d for (_, d), ok in zip(records, res) if ok is True]
         self._stats.add(blocks_written=len(done), bytes_written=sum(map(len, done)))
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark each key used now: ``TOUCH`` (the server's LRU clock) and, with a TTL, ``EXPIRE``
+        (one pipelined round trip; a missing key stays missing; never raises for the server)."""
+        if not keys or self._closed:
+            return
+        names = self._names(keys)
+        ttl = self.ttl_s
+
+        def mark(r: Any) -> list:
+            p = r.pipeline(transaction=False)
+            p.touch(*names)
+            for n in names if ttl else ():
+                p.expire(n, ttl)
+            return p.execute(raise_on_error=False)
+
+        self._call(mark)
 
     def delete_all(self) -> None:
         """Delete every key of this store's fingerprints (the constructor's and those it has
