@@ -50,6 +50,9 @@ def test_config_parses_dicts_json_and_none():
         ({"method": "radix", "draft_row_cost": 0}, "speculative_config.draft_row_cost"),
         ("[1, 2]", "speculative_config must be None, a dict"),
         ("{not json", "speculative_config must be a JSON object"),
+        ('{"method": "radix", "method": "ngram"}', "key 'method' given twice"),
+        ('{"method": "radix", "num_speculative_tokens": 3, "num_speculative_tokens": 17}', "given twice"),
+        ('"radix"', "its JSON text, got JSON text of a str"),
     ],
 )
 def test_config_errors_name_the_field(value, field):

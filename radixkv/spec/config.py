@@ -98,25 +98,40 @@ def _check(cfg: SpeculativeConfig) -> None:
         raise ValueError(f"speculative_config.draft_row_cost must be a number in (0, 1], got {c!r}")
 
 
+def _unique_keys(pairs: list) -> dict:
+    """``json.loads``' ``object_pairs_hook``: the object as a dict; a key given twice is a
+    ValueError (JSON keeps the last one silently, so ``{"method": "radix", "method": "ngram"}``
+    would drop a setting without a word)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"speculative_config: key {k!r} given twice in the JSON text")
+        out[k] = v
+    return out
+
+
 def parse_speculative_config(value: Any) -> Optional[SpeculativeConfig]:
     """``value`` as a :class:`SpeculativeConfig`: None (off), a dict, its JSON text (``"null"``
     is off) or a ``SpeculativeConfig``.
 
     Raises:
-        ValueError: naming the field: text that is not a JSON object, an unknown key (the valid
-            ones listed), a missing or unknown ``method``, a value out of its range.
+        ValueError: naming the field: text that is not a JSON object, a key given twice in the
+            text, an unknown key (the valid ones listed), a missing or unknown ``method``, a value
+            out of its range.
     """
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
+    text = isinstance(value, str)
+    if text:
         try:
-            value = json.loads(value)
+            value = json.loads(value, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative_config must be a JSON object, got {value!r} ({e})") from None
         if value is None:
             return None
     if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be None, a dict or its JSON text, got {type(value).__name__}")
+        kind = f"JSON text of a {type(value).__name__}" if text else type(value).__name__
+        raise ValueError(f"speculative_config must be None, a dict or its JSON text, got {kind}")
     unknown = sorted(str(k) for k in value if k not in _KEYS)
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid: {list(_KEYS)}")
