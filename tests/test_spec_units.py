@@ -33,6 +33,10 @@ def test_config_parses_dicts_json_and_none():
     cfg = EngineConfig(device="cpu", speculative_config={"method": "radix"}).resolve()
     assert cfg.speculative_config == SpeculativeConfig("radix") and cfg.speculative_config.num_speculative_tokens == 5
     assert EngineConfig(device="cpu").resolve().speculative_config is None
+    # "ngram" keeps no suffix index: 0 (off) and the default are consistent with it, so its
+    # as_dict() parses back
+    ng = SpeculativeConfig("ngram", suffix_index_tokens=0)
+    assert parse_speculative_config(SpeculativeConfig("ngram").as_dict()) == SpeculativeConfig("ngram") != ng
 
 
 @pytest.mark.parametrize(
@@ -53,6 +57,7 @@ def test_config_parses_dicts_json_and_none():
         ('{"method": "radix", "method": "ngram"}', "key 'method' given twice"),
         ('{"method": "radix", "num_speculative_tokens": 3, "num_speculative_tokens": 17}', "given twice"),
         ('"radix"', "its JSON text, got JSON text of a str"),
+        ({"method": "ngram", "suffix_index_tokens": 1000}, "speculative_config.suffix_index_tokens applies to"),
     ],
 )
 def test_config_errors_name_the_field(value, field):

@@ -27,6 +27,9 @@ MAX_SPECULATIVE_TOKENS = 16
 """The cap on ``num_speculative_tokens``: a verify forward has at most 17 rows per request (the
 fused CPU decode step serves 64 rows a forward; ``max_draft_tokens_per_step`` shares them)."""
 
+_DEFAULT_SUFFIX_TOKENS = 65536
+"""The default ``suffix_index_tokens`` (about 10 MB of index)."""
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -45,7 +48,8 @@ class SpeculativeConfig:
         grammar_drafts: with a structured output, the tokens the grammar forces are drafts and
             drafts the grammar refuses are cut (default True).
         suffix_index_tokens: tokens of recently finished sequences the cross-request suffix
-            index keeps (``"radix"``; 0 turns it off; default 65536, about 10 MB).
+            index keeps (``"radix"``; 0 turns it off; default 65536, about 10 MB; with
+            ``"ngram"`` another value than 0 or the default is a ValueError: it would do nothing).
         draft_row_cost: the cost of one verify row relative to a one-row decode step, the
             adaptive rule's constant (in (0, 1], default 0.25): a request drafts ``k`` tokens
             while its acceptance rate ``a`` keeps ``a ** k >= draft_row_cost``.
@@ -59,7 +63,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 8
     adaptive: bool = True
     grammar_drafts: bool = True
-    suffix_index_tokens: int = 65536
+    suffix_index_tokens: int = _DEFAULT_SUFFIX_TOKENS
     draft_row_cost: float = 0.25
     max_draft_tokens_per_step: int = 48
 
@@ -89,6 +93,11 @@ def _check(cfg: SpeculativeConfig) -> None:
     _int_in(cfg, "prompt_lookup_min", 1, 64)
     _int_in(cfg, "prompt_lookup_max", cfg.prompt_lookup_min, 256)
     _int_in(cfg, "suffix_index_tokens", 0)
+    if cfg.method != "radix" and cfg.suffix_index_tokens not in (0, _DEFAULT_SUFFIX_TOKENS):
+        raise ValueError(
+            f"speculative_config.suffix_index_tokens applies to method 'radix' only ({cfg.method!r} keeps no "
+            f"suffix index), got {cfg.suffix_index_tokens}"
+        )
     _int_in(cfg, "max_draft_tokens_per_step", 1)
     for name in ("adaptive", "grammar_drafts"):
         if not isinstance(getattr(cfg, name), bool):
