@@ -58,6 +58,7 @@ def test_config_parses_dicts_json_and_none():
         ('{"method": "radix", "num_speculative_tokens": 3, "num_speculative_tokens": 17}', "given twice"),
         ('"radix"', "its JSON text, got JSON text of a str"),
         ({"method": "ngram", "suffix_index_tokens": 1000}, "speculative_config.suffix_index_tokens applies to"),
+        ({"method": "radix", "adaptive": False, "draft_row_cost": 0.5}, "speculative_config.draft_row_cost applies"),
     ],
 )
 def test_config_errors_name_the_field(value, field):

@@ -30,6 +30,9 @@ fused CPU decode step serves 64 rows a forward; ``max_draft_tokens_per_step`` sh
 _DEFAULT_SUFFIX_TOKENS = 65536
 """The default ``suffix_index_tokens`` (about 10 MB of index)."""
 
+_DEFAULT_ROW_COST = 0.25
+"""The default ``draft_row_cost``."""
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -52,7 +55,8 @@ class SpeculativeConfig:
             ``"ngram"`` another value than 0 or the default is a ValueError: it would do nothing).
         draft_row_cost: the cost of one verify row relative to a one-row decode step, the
             adaptive rule's constant (in (0, 1], default 0.25): a request drafts ``k`` tokens
-            while its acceptance rate ``a`` keeps ``a ** k >= draft_row_cost``.
+            while its acceptance rate ``a`` keeps ``a ** k >= draft_row_cost`` (another value than
+            the default with ``adaptive`` off is a ValueError: it would do nothing).
         max_draft_tokens_per_step: draft tokens verified in one forward, all requests together
             (>= 1, default 48); the requests with the best acceptance rate draft first.
     """
@@ -64,7 +68,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     grammar_drafts: bool = True
     suffix_index_tokens: int = _DEFAULT_SUFFIX_TOKENS
-    draft_row_cost: float = 0.25
+    draft_row_cost: float = _DEFAULT_ROW_COST
     max_draft_tokens_per_step: int = 48
 
     def __post_init__(self) -> None:
@@ -105,6 +109,10 @@ def _check(cfg: SpeculativeConfig) -> None:
     c = cfg.draft_row_cost
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
         raise ValueError(f"speculative_config.draft_row_cost must be a number in (0, 1], got {c!r}")
+    if not cfg.adaptive and c != _DEFAULT_ROW_COST:
+        raise ValueError(
+            f"speculative_config.draft_row_cost applies only with adaptive true (the rule it sets), got {c!r}"
+        )
 
 
 def _unique_keys(pairs: list) -> dict:
