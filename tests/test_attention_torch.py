@@ -193,3 +193,23 @@ def test_create_attention_backend_cpu():
         create_attention_backend("triton", "cpu", pool, 4)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         TorchAttentionBackend(pool, 3)
+
+
+@pytest.mark.skipif(not cpu_kernels.AVAILABLE, reason="native CPU kernels not built or no AVX2/FMA/F16C")
+@pytest.mark.parametrize("native_max_q", [1, 64])  # decode rows native, the rest in groups / all native
+def test_cpu_backend_returns_the_queries_dtype(native_max_q):
+    """A bfloat16 model (``--dtype bfloat16``) hands bfloat16 queries: the output is bfloat16 too
+    (the base contract), the attention of the queries' values, so ``o_proj``'s bfloat16 weight
+    takes it (a float32 output stopped the engine at the first request)."""
+    pool, r2t, rows, prefix, extend, batch, q, k, v = _scenario(0, 1, 4, 2, head_dim=16)
+    half = KVPool(2, 2, 16, pool.num_slots, 1, dtype=torch.bfloat16)
+    for layer in range(2):
+        half.k_buffer[layer].copy_(pool.k_buffer[layer])
+        half.v_buffer[layer].copy_(pool.v_buffer[layer])
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    backend = CPUAttentionBackend(half, 4, native_max_q=native_max_q)
+    backend.plan(batch)
+    out = backend.forward(1, q, k, v)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    ref = _naive(q.float(), half, 1, r2t, rows, prefix, extend, 1 / math.sqrt(16))
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)

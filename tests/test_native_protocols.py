@@ -489,3 +489,28 @@ def test_replay_of_the_sglang_frontend_traffic(server, llm):
     for b in output["batch"] + [output["stream"]]:
         assert re.fullmatch(r"(10|[1-9])", b["score"]) and b["verdict"] in CHOICES and len(b["tips"]) == 3
     assert_pool_whole(llm)
+
+
+def test_server_info_config_values_are_json_not_python_reprs():
+    """``radixkv_config`` holds the resolved config's objects as JSON: the speculative config's
+    fields, the tier write policy and tenant quotas as objects (a client reads
+    ``radixkv_config["speculative_config"]["method"]``), not ``"SpeculativeConfig(method=...)"``."""
+    from types import SimpleNamespace
+
+    from radixkv.config import EngineConfig
+    from radixkv.server.backend import model_facts_of
+    from radixkv.spec import SpeculativeConfig
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    cfg = EngineConfig(device="cpu", speculative_config=spec, tenant_kv_quota_tokens={"alice": 100}).resolve()
+    engine = SimpleNamespace(config=cfg, tokenizer=None, vocab_size=49152, max_context_len=2048)
+    got = json.loads(json.dumps(model_facts_of(engine).config))
+    assert got["speculative_config"] == SpeculativeConfig(**spec).as_dict()
+    assert got["speculative_config"]["num_speculative_tokens"] == 3 and got["speculative_config"]["adaptive"] is True
+    assert got["tenant_kv_quota_tokens"] == {"alice": 100}
+    assert got["kv_tier_write_policy"] == cfg.kv_tier_write_policy and isinstance(got["kv_tier_write_policy"], dict)
+    assert got["dtype"] == str(cfg.dtype) and got["page_size"] == 1
+    off = model_facts_of(
+        SimpleNamespace(config=EngineConfig(device="cpu").resolve(), tokenizer=None, vocab_size=1, max_context_len=2)
+    )
+    assert off.config["speculative_config"] is None

@@ -521,6 +521,26 @@ def test_reporting_metrics_stats_and_prometheus(tiny):
     assert (off.metrics.spec_draft_tokens, off.metrics.spec_accepted_tokens) == (0, 0)
 
 
+def test_a_runner_without_row_count_invariance_warns_that_outputs_may_differ(tiny, caplog):
+    """Exact outputs rest on row-count invariance (a float32 CPU model on the native kernels,
+    ``ModelRunner.row_exact``); with a bfloat16 model (or on CUDA) a verify row is not the bits of
+    a one-row decode step, so the engine says at start that outputs may differ (a greedy
+    regeneration on such a server gave another text than without speculation)."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.engine"):
+        half = tiny_engine(tiny_loaded_model(seed=0), RADIX, dtype="bfloat16")  # a copy: the cast is in place
+    assert not half.runner.row_exact
+    (warning,) = [r.getMessage() for r in caplog.records if "speculative" in r.getMessage()]
+    assert "bfloat16" in warning and "may differ" in warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="radixkv.engine.engine"):
+        exact = tiny_engine(tiny, RADIX)
+        tiny_engine(tiny_loaded_model(seed=0), None, dtype="bfloat16")
+    assert exact.runner.row_exact
+    assert not [r for r in caplog.records if "speculative" in r.getMessage()]
+
+
 # ---------------------------------------------------------------------- the default model
 def test_default_model_json_rewrite_and_schema(default_model):
     from radixkv import LLM

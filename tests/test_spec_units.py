@@ -33,6 +33,10 @@ def test_config_parses_dicts_json_and_none():
     cfg = EngineConfig(device="cpu", speculative_config={"method": "radix"}).resolve()
     assert cfg.speculative_config == SpeculativeConfig("radix") and cfg.speculative_config.num_speculative_tokens == 5
     assert EngineConfig(device="cpu").resolve().speculative_config is None
+    # "ngram" keeps no suffix index: 0 (off) and the default are consistent with it, so its
+    # as_dict() parses back
+    ng = SpeculativeConfig("ngram", suffix_index_tokens=0)
+    assert parse_speculative_config(SpeculativeConfig("ngram").as_dict()) == SpeculativeConfig("ngram") != ng
 
 
 @pytest.mark.parametrize(
@@ -50,6 +54,11 @@ def test_config_parses_dicts_json_and_none():
         ({"method": "radix", "draft_row_cost": 0}, "speculative_config.draft_row_cost"),
         ("[1, 2]", "speculative_config must be None, a dict"),
         ("{not json", "speculative_config must be a JSON object"),
+        ('{"method": "radix", "method": "ngram"}', "key 'method' given twice"),
+        ('{"method": "radix", "num_speculative_tokens": 3, "num_speculative_tokens": 17}', "given twice"),
+        ('"radix"', "its JSON text, got JSON text of a str"),
+        ({"method": "ngram", "suffix_index_tokens": 1000}, "speculative_config.suffix_index_tokens applies to"),
+        ({"method": "radix", "adaptive": False, "draft_row_cost": 0.5}, "speculative_config.draft_row_cost applies"),
     ],
 )
 def test_config_errors_name_the_field(value, field):

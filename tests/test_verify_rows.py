@@ -211,6 +211,68 @@ def test_plan_parts_keeps_order_and_maps_logits():
         row_split.verify_rows(3, 10, 0)
 
 
+def test_plan_parts_runs_a_part_after_the_part_whose_slots_it_reads():
+    """In-batch prefix sharing puts a request (a rider) on slots another one (its source) writes in
+    the same forward. A rider whose only new token is its last one is a decode entry: it must run
+    after the source's part, whose K/V it reads (it read the slots before they were written:
+    another answer than the rider alone); a source with one new token runs before its riders as
+    before; readers in both directions: no split (the whole batch writes every K/V first)."""
+    r2t = {
+        1: list(range(100, 150)),  # a long chunk: positions 0..49
+        2: list(range(100, 133)) + [900],  # rides on row 1's first 33 slots, computes position 33
+        3: list(range(300, 320)),  # shares nothing
+        4: list(range(200, 211)),  # cached 0..9, computes position 10
+        5: list(range(200, 211)) + list(range(600, 620)),  # rides on row 4's position 10
+    }
+
+    def slot_at(row, pos):
+        return r2t[row][pos]
+
+    def plan(rows, prefix, extend):
+        lrows = [sum(extend[: i + 1]) - 1 for i in range(len(rows))]
+        return row_split.plan_parts(list(range(sum(extend))), rows, prefix, extend, lrows, 4, slot_at=slot_at)
+
+    parts = plan([1, 2], [0, 33], [50, 1])
+    assert [p.rows for p in parts] == [[1], [2]] and [p.out for p in parts] == [[0], [1]]  # the source first
+    assert [p.rows for p in plan([3, 2], [0, 33], [20, 1])] == [[2], [3]]  # nothing shared: decode first
+    assert [p.rows for p in plan([5, 4], [11, 10], [20, 1])] == [[4], [5]]  # a one-token source first
+    assert plan([1, 2, 5, 4], [0, 33, 11, 10], [50, 1, 20, 1]) is None  # both ways: no split
+    assert [p.rows for p in row_split.plan_parts(list(range(51)), [1, 2], [0, 33], [50, 1], [49, 50], 4)] == [
+        [2],
+        [1],
+    ]  # without slot_at: no slots are shared
+
+
+def test_a_one_token_rider_in_the_same_forward_gets_its_alone_answer():
+    """The bug behind the test above, end to end: a prompt that is another's first 33 tokens plus
+    one, submitted with it (in-batch prefix sharing), decodes exactly as when sent alone."""
+    from model_helpers import tiny_loaded_model
+
+    from radixkv import SamplingParams
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    rng = random.Random(5)
+    a = [rng.randrange(300, 3000) for _ in range(50)]
+    b = a[:33] + [7777]
+    sp = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    loaded = tiny_loaded_model(seed=0)
+
+    def run(prompts):
+        eng = Engine(EngineConfig(device="cpu", max_total_tokens=1024), loaded_model=loaded)
+        ids = [eng.add_request(p, sp) for p in prompts]
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        return [done[i] for i in ids]
+
+    (alone,) = run([b])
+    _, rider = run([a, b])
+    assert rider.num_cached_tokens == 33  # it rode on a's prefill
+    assert rider.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert rider.outputs[0].logprobs == alone.outputs[0].logprobs
+
+
 def test_split_batch_reads_as_the_whole_forward_batch():
     cfg, model = _tiny(vocab=160)
     runner = _runner(model, cfg, "cpu", "float32", 1, 1024)

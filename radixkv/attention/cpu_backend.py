@@ -134,6 +134,7 @@ class CPUAttentionBackend(TorchAttentionBackend):
         if self._meta.shape[1] == 0:  # nothing native (e.g. one long prefill): the reference's attention
             in_order = len(self._groups) == 1 and self._groups[0].q_valid is None
             return self._attend_groups(layer_id, q, None if in_order else torch.empty_like(q))
+        dtype = q.dtype  # NOTE: the kernel attends in float32; the output is the queries' dtype
         q = q.to(torch.float32).contiguous()
         out = torch.empty_like(q)
         cpu.paged_attention(
@@ -149,4 +150,4 @@ class CPUAttentionBackend(TorchAttentionBackend):
         )
         if self._groups:
             self._attend_groups(layer_id, q, out)
-        return out
+        return out if dtype == torch.float32 else out.to(dtype)

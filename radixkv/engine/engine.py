@@ -269,6 +269,17 @@ class Engine:
         self._decode = TokenDecoder(tokenizer)
         spec = cfg.speculative_config
         self.spec: Optional[Drafter] = Drafter(spec, cache, _encoder(tokenizer)) if spec is not None else None
+        if spec is not None and getattr(self.runner, "row_exact", True) is False:
+            # NOTE: exact outputs rest on verify rows giving one-row decode bits (docs/speculative.md)
+            quant = getattr(getattr(self.runner, "model", None), "quantization", None)
+            logger.warning(
+                "speculative decoding: on %s with a %s%s model a verify row is not the bits of a one-row "
+                "decode step (only an unquantized float32 CPU model on the native kernels is), so outputs "
+                "may differ from those without speculation where two logits nearly tie",
+                getattr(self.runner, "device", "?"),
+                str(getattr(self.runner, "dtype", "?")).replace("torch.", ""),
+                f" {quant}-quantized" if quant else "",
+            )
 
     @property
     def cache(self) -> Any:

@@ -276,7 +276,10 @@ class ModelRunner:
                 return None
         except (TypeError, ValueError, RuntimeError):
             return None
-        parts = row_split.plan_parts(tokens, rows, prefix, extend, lrows, cpu_decode.MAX_ROWS)
+        table = self.req_to_token_pool.req_to_token.numpy()  # a view: the CPU block table (row_exact)
+        parts = row_split.plan_parts(
+            tokens, rows, prefix, extend, lrows, cpu_decode.MAX_ROWS, slot_at=lambda row, pos: int(table[row, pos])
+        )
         if parts is None:
             return None
         batches = [self.build_batch(p.tokens, p.rows, p.prefix, p.extend, p.logits_rows) for p in parts]

@@ -15,9 +15,12 @@ the batch, and nothing is split.
 
 :func:`plan_parts` splits such a batch into parts the runner runs one after the other: the decode
 rows in chunks of at most ``max_rows`` (each on the one-row path: the fused step, or the module
-path at native row counts), and the other requests (prefill chunks) as one part. Requests do not
-read each other's K/V, so running them apart computes the same thing; rows of one request stay
-in order (chunk after chunk), so a later verify row reads the earlier rows' K/V as written.
+path at native row counts), and the other requests (prefill chunks) as one part. Running them apart
+computes the same thing as long as no part reads K/V a later part writes: rows of one request stay
+in order (chunk after chunk), so a later verify row reads the earlier rows' K/V as written; and a
+request riding on another's prefill in the same forward (in-batch prefix sharing) runs after it
+(the prefill chunks first when a decode entry is such a rider; no split when parts read each
+other's new K/V both ways).
 :class:`SplitBatch` holds the parts' batches and puts their logits back in the caller's order.
 """
 
@@ -31,6 +34,9 @@ import torch
 from radixkv.attention.metadata import ForwardBatch
 
 __all__ = ["Part", "SplitBatch", "plan_parts", "verify_rows"]
+
+SlotAt = Callable[[int, int], int]
+"""``slot_at(row, pos)``: the KV slot of position ``pos`` in block-table row ``row``."""
 
 
 def verify_rows(row: int, prefix_len: int, num_rows: int) -> tuple[list[int], list[int], list[int]]:
@@ -83,6 +89,35 @@ def _chunks(entries: list[int], rows: list[int], max_rows: int) -> list[list[int
     return chunks
 
 
+def _reads(readers: list[int], writers: list[int], rows: list[int], prefix: list[int], slot_at: SlotAt) -> bool:
+    """Whether an entry of ``readers`` attends over a slot an entry of ``writers`` writes in this
+    forward. NOTE: slots are shared as prefixes (a rider's block-table row holds its source's slots
+    from position 0 on), so a reader reads a writer's new K/V exactly when it holds the writer's
+    slot at the writer's first new position."""
+    for j in writers:
+        pos = prefix[j]
+        mine = None
+        for i in readers:
+            if prefix[i] > pos and rows[i] != rows[j]:
+                mine = slot_at(rows[j], pos) if mine is None else mine
+                if slot_at(rows[i], pos) == mine:
+                    return True
+    return False
+
+
+def _ordered(
+    groups: list[list[int]], rows: list[int], prefix: list[int], slot_at: SlotAt | None
+) -> list[list[int]] | None:
+    """``groups`` (decode chunks, then the rest) in an order where no part reads a later part's new
+    K/V: as given, else the rest first; None when neither order is one."""
+    if slot_at is None or len(groups) < 2:
+        return groups
+    for order in (groups, groups[-1:] + groups[:-1]):
+        if not any(_reads(a, b, rows, prefix, slot_at) for g, a in enumerate(order) for b in order[g + 1 :]):
+            return order
+    return None
+
+
 def plan_parts(
     tokens: list[int],
     rows: list[int],
@@ -90,14 +125,18 @@ def plan_parts(
     extend: list[int],
     logits_rows: list[int],
     max_rows: int,
+    slot_at: SlotAt | None = None,
 ) -> list[Part] | None:
     """The parts of a batch (module docstring): the decode entries (``extend == 1``) in chunks of at
-    most ``max_rows`` tokens, in order, then the other entries as one part. ``logits_rows`` are
-    rows of the whole batch's ``T = len(tokens)`` tokens, in ``[0, T)``.
+    most ``max_rows`` tokens, in order, then the other entries as one part; the other entries
+    first when a decode entry reads slots they write in this forward (in-batch prefix sharing: a
+    request whose only new token is its last rides on another's prefill). ``logits_rows`` are rows
+    of the whole batch's ``T = len(tokens)`` tokens, in ``[0, T)``. ``slot_at(row, pos)`` is the
+    block table's slot (None: entries share no slots).
 
     Returns None when there is nothing to split: no decode entry, only decode entries that fit in
-    one chunk, or a block-table row used by a decode entry and by a longer one (one request's
-    tokens in two parts could run out of order)."""
+    one chunk, a block-table row used by a decode entry and by a longer one (one request's tokens
+    in two parts could run out of order), or parts that read each other's new K/V both ways."""
     decode = [i for i, e in enumerate(extend) if e == 1]
     rest = [i for i, e in enumerate(extend) if e != 1]
     if not decode or (not rest and len(decode) <= max_rows):
@@ -107,7 +146,9 @@ def plan_parts(
     start = [0] * len(extend)
     for i in range(1, len(extend)):
         start[i] = start[i - 1] + extend[i - 1]
-    groups = _chunks(decode, rows, max_rows) + ([rest] if rest else [])
+    groups = _ordered(_chunks(decode, rows, max_rows) + ([rest] if rest else []), rows, prefix, slot_at)
+    if groups is None:
+        return None
     where: dict[int, tuple[int, int]] = {}  # token of the whole batch -> (part, token of the part)
     for g, entries in enumerate(groups):
         t = 0

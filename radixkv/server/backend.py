@@ -56,8 +56,9 @@ class ModelFacts:
         vocab_size: rows of the model's logits (token ids are in ``[0, vocab_size)``).
         max_context_len: longest prompt + output the engine accepts, in tokens.
         page_size: tokens per KV page.
-        config: the resolved :class:`~radixkv.config.EngineConfig` as a dict (values that are
-            not JSON scalars, e.g. the dtype, as strings; ``remote_cache_url``'s password as
+        config: the resolved :class:`~radixkv.config.EngineConfig` as a JSON-ready dict (dicts
+            and lists as JSON, ``speculative_config`` as its fields' object, other values that
+            are not JSON scalars, e.g. the dtype, as strings; ``remote_cache_url``'s password as
             ``***``).
     """
 
@@ -79,6 +80,21 @@ class ModelFacts:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+def _json_value(v: Any) -> Any:
+    """A config value as JSON: scalars as they are, dicts and lists / tuples element-wise, an
+    object with ``as_dict`` (``SpeculativeConfig``) as that dict, anything else (a dtype) as its
+    ``str``."""
+    if isinstance(v, (int, float, str, bool, type(None))):
+        return v
+    if isinstance(v, dict):
+        return {str(k): _json_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
+    if callable(getattr(v, "as_dict", None)):
+        return _json_value(v.as_dict())
+    return str(v)
+
+
 def model_facts_of(engine: Any) -> ModelFacts:
     """The :class:`ModelFacts` of an :class:`~radixkv.engine.Engine` (static attributes only, so
     any thread may read them)."""
@@ -86,9 +102,7 @@ def model_facts_of(engine: Any) -> ModelFacts:
     hf = getattr(getattr(engine, "runner", None), "hf_config", None)
     config: dict[str, Any] = {}
     if cfg is not None:
-        config = {
-            k: (v if isinstance(v, (int, float, str, bool, type(None))) else str(v)) for k, v in vars(cfg).items()
-        }
+        config = {k: _json_value(v) for k, v in vars(cfg).items()}
         if config.get("remote_cache_url"):
             # NOTE: /server_info shows this dict; the Redis password must never reach a client
             config["remote_cache_url"] = parse_redis_url(config["remote_cache_url"]).redacted()

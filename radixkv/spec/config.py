@@ -27,6 +27,12 @@ MAX_SPECULATIVE_TOKENS = 16
 """The cap on ``num_speculative_tokens``: a verify forward has at most 17 rows per request (the
 fused CPU decode step serves 64 rows a forward; ``max_draft_tokens_per_step`` shares them)."""
 
+_DEFAULT_SUFFIX_TOKENS = 65536
+"""The default ``suffix_index_tokens`` (about 10 MB of index)."""
+
+_DEFAULT_ROW_COST = 0.25
+"""The default ``draft_row_cost``."""
+
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
@@ -45,10 +51,12 @@ class SpeculativeConfig:
         grammar_drafts: with a structured output, the tokens the grammar forces are drafts and
             drafts the grammar refuses are cut (default True).
         suffix_index_tokens: tokens of recently finished sequences the cross-request suffix
-            index keeps (``"radix"``; 0 turns it off; default 65536, about 10 MB).
+            index keeps (``"radix"``; 0 turns it off; default 65536, about 10 MB; with
+            ``"ngram"`` another value than 0 or the default is a ValueError: it would do nothing).
         draft_row_cost: the cost of one verify row relative to a one-row decode step, the
             adaptive rule's constant (in (0, 1], default 0.25): a request drafts ``k`` tokens
-            while its acceptance rate ``a`` keeps ``a ** k >= draft_row_cost``.
+            while its acceptance rate ``a`` keeps ``a ** k >= draft_row_cost`` (another value than
+            the default with ``adaptive`` off is a ValueError: it would do nothing).
         max_draft_tokens_per_step: draft tokens verified in one forward, all requests together
             (>= 1, default 48); the requests with the best acceptance rate draft first.
     """
@@ -59,8 +67,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 8
     adaptive: bool = True
     grammar_drafts: bool = True
-    suffix_index_tokens: int = 65536
-    draft_row_cost: float = 0.25
+    suffix_index_tokens: int = _DEFAULT_SUFFIX_TOKENS
+    draft_row_cost: float = _DEFAULT_ROW_COST
     max_draft_tokens_per_step: int = 48
 
     def __post_init__(self) -> None:
@@ -89,6 +97,11 @@ def _check(cfg: SpeculativeConfig) -> None:
     _int_in(cfg, "prompt_lookup_min", 1, 64)
     _int_in(cfg, "prompt_lookup_max", cfg.prompt_lookup_min, 256)
     _int_in(cfg, "suffix_index_tokens", 0)
+    if cfg.method != "radix" and cfg.suffix_index_tokens not in (0, _DEFAULT_SUFFIX_TOKENS):
+        raise ValueError(
+            f"speculative_config.suffix_index_tokens applies to method 'radix' only ({cfg.method!r} keeps no "
+            f"suffix index), got {cfg.suffix_index_tokens}"
+        )
     _int_in(cfg, "max_draft_tokens_per_step", 1)
     for name in ("adaptive", "grammar_drafts"):
         if not isinstance(getattr(cfg, name), bool):
@@ -96,6 +109,22 @@ def _check(cfg: SpeculativeConfig) -> None:
     c = cfg.draft_row_cost
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c <= 1:
         raise ValueError(f"speculative_config.draft_row_cost must be a number in (0, 1], got {c!r}")
+    if not cfg.adaptive and c != _DEFAULT_ROW_COST:
+        raise ValueError(
+            f"speculative_config.draft_row_cost applies only with adaptive true (the rule it sets), got {c!r}"
+        )
+
+
+def _unique_keys(pairs: list) -> dict:
+    """``json.loads``' ``object_pairs_hook``: the object as a dict; a key given twice is a
+    ValueError (JSON keeps the last one silently, so ``{"method": "radix", "method": "ngram"}``
+    would drop a setting without a word)."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"speculative_config: key {k!r} given twice in the JSON text")
+        out[k] = v
+    return out
 
 
 def parse_speculative_config(value: Any) -> Optional[SpeculativeConfig]:
@@ -103,20 +132,23 @@ def parse_speculative_config(value: Any) -> Optional[SpeculativeConfig]:
     is off) or a ``SpeculativeConfig``.
 
     Raises:
-        ValueError: naming the field: text that is not a JSON object, an unknown key (the valid
-            ones listed), a missing or unknown ``method``, a value out of its range.
+        ValueError: naming the field: text that is not a JSON object, a key given twice in the
+            text, an unknown key (the valid ones listed), a missing or unknown ``method``, a value
+            out of its range.
     """
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
+    text = isinstance(value, str)
+    if text:
         try:
-            value = json.loads(value)
+            value = json.loads(value, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             raise ValueError(f"speculative_config must be a JSON object, got {value!r} ({e})") from None
         if value is None:
             return None
     if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be None, a dict or its JSON text, got {type(value).__name__}")
+        kind = f"JSON text of a {type(value).__name__}" if text else type(value).__name__
+        raise ValueError(f"speculative_config must be None, a dict or its JSON text, got {kind}")
     unknown = sorted(str(k) for k in value if k not in _KEYS)
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {unknown}; valid: {list(_KEYS)}")
