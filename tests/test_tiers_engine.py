@@ -269,7 +269,7 @@ def test_explain_names_the_tier_holding_each_missed_span():
     head = p[:40]
     assert e.reset_prefix_cache()
     generate(e, [head + prompt(19, 5)])  # the pool holds 40 tokens of p again (computed)
-    keys, _, _, _ = e.kv.tiers._keys(None, p, 3, 4)
+    keys = e.kv.tiers._keys(None, p, 3, 4)[0]
     host.data[keys[0]] = disk.data[keys[0]]  # block 3 also in host, which is asked first
     loaded = e.cache_stats().tiers["disk"]["loaded"]
     o = e.explain(p)

@@ -216,18 +216,20 @@ class TierManager:
         return [s for s in stores if s.medium not in SHARED_MEDIA]
 
     def _keys(self, namespace: Optional[Namespace], tokens: Any, first: int, stop: int) -> tuple:
-        """``(keys, token tuples, digests, tail keys)`` of blocks ``[first, stop)`` of ``tokens``
-        (ids, or their int32 bytes); ``tail keys[i]``: the key of the tail after block
-        ``first + i - 1`` (``stop - first + 1`` of them)."""
+        """``(keys, token tuples, digests, tail keys, head digests)`` of blocks ``[first, stop)``
+        of ``tokens`` (ids, or their int32 bytes); ``tail keys[i]``: the key of the tail after
+        block ``first + i - 1`` (``stop - first + 1`` of them); ``head digests``: those of blocks
+        ``[0, first)`` (the chain is computed from block 0 either way)."""
         if isinstance(tokens, (bytes, bytearray)):
             tokens = array("i", tokens)
         ns = namespace_key(namespace)
-        chain = block_digests(tokens, namespace, first - 1, stop) if first else [namespace_seed(namespace)]
-        digests = chain[1:] if first else block_digests(tokens, namespace, 0, stop)
+        every = block_digests(tokens, namespace, 0, stop)
+        digests = every[first:]
         keys = [BlockKey(self.fingerprint, ns, d) for d in digests]
         toks = [tuple(tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]) for b in range(first, stop)]
-        tails = [BlockKey(self.fingerprint, ns, tail_digest(d)) for d in chain[:1] + digests]
-        return keys, toks, digests, tails
+        before = every[first - 1] if first else namespace_seed(namespace)
+        tails = [BlockKey(self.fingerprint, ns, tail_digest(d)) for d in [before] + digests]
+        return keys, toks, digests, tails, every[:first]
 
     # ------------------------------------------------------------------ loads
     def plan(
@@ -243,7 +245,7 @@ class TierManager:
         stores = self._stores_for(namespace, self.stores)
         if self._closed or limit <= start or not stores:
             return None
-        keys, toks, _, tails = self._keys(namespace, tokens, first, stop)
+        keys, toks, _, tails, _ = self._keys(namespace, tokens, first, stop)
         if all(s.medium != "remote" for s in stores):
             probe = keys[:1] + tails[:1]
             if not any(_contains_one(s, k) for s in stores for k in probe):
@@ -295,14 +297,14 @@ class TierManager:
         if isinstance(tokens, (bytes, bytearray)):
             tokens = array("i", tokens)
         rows = gather_rows(self.pool, slots)
-        keys, toks, digests, tails = self._keys(namespace, tokens, first, stop)
+        keys, toks, digests, tails, head = self._keys(namespace, tokens, first, stop)
         job = WriteJob(namespace, keys, toks, digests, first, rows, stores)
         if tail:
             end = BLOCK_TOKENS * stop
             job.tail_key, job.tail_tokens = tails[-1], tuple(tokens[end : end + tail])
         if first and policy == "write_through":
             ns = namespace_key(namespace)
-            job.touch_keys = [BlockKey(self.fingerprint, ns, d) for d in block_digests(tokens, namespace, 0, first)]
+            job.touch_keys = [BlockKey(self.fingerprint, ns, d) for d in head]
         self.io.submit_write(job)
 
     # ------------------------------------------------------------------ inspection
@@ -316,7 +318,7 @@ class TierManager:
         stores = self._stores_for(namespace, self.stores)
         if limit <= start or not stores:
             return []
-        keys, _, _, tails = self._keys(namespace, tokens, first, stop)
+        keys, _, _, tails, _ = self._keys(namespace, tokens, first, stop)
         where: list = [None] * len(keys)
         for s in stores:
             idx = [i for i, w in enumerate(where) if w is None]
