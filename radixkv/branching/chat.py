@@ -9,6 +9,7 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from radixkv.chat_template import render_chat
 from radixkv.errors import RequestError
+from radixkv.text import encode_text
 
 __all__ = ["continue_chat", "reply_stop_text"]
 
@@ -46,7 +47,7 @@ def continue_chat(
     text = full[len(old) :]
     if history and history[-1]["role"] == "assistant" and stop_text is not None:
         text = _missing_close(tok, history, stop_text, tools) + text
-    return list(tokens) + list(tok.encode(text, add_special_tokens=False))
+    return list(tokens) + encode_text(tok, text, "message", "the rendered turn")
 
 
 def reply_stop_text(tok: Any, completion: Any) -> str:

@@ -32,6 +32,7 @@ from radixkv.branching.scoring import SelectResult, check_method, score_choices,
 from radixkv.errors import RequestError
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
+from radixkv.text import encode_text
 
 __all__ = ["Context", "ForkList", "turns_program", "select_program"]
 
@@ -225,7 +226,7 @@ class Context:
         elif text is None:
             new = []
         elif isinstance(text, str):
-            new = list(self._tok().encode(text, add_special_tokens=False)) if text else []
+            new = encode_text(self._tok(), text, "text") if text else []
         else:
             raise RequestError(f"text must be a str or None, got {type(text).__name__}", "text")
         prompt = self._tokens + new
