@@ -295,7 +295,7 @@ class LLM:
             namespace: prefix-cache namespace of its requests.
 
         Raises:
-            RequestError: a malformed prompt (naming ``prompt``).
+            RequestError: a malformed prompt (naming ``prompt``), an unhashable ``namespace``.
         """
         return Session(self, prompt, namespace=self._ns(namespace))
 

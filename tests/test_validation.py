@@ -228,6 +228,20 @@ def test_text_with_a_lone_surrogate_is_a_request_error_naming_the_field(llm, tok
     assert_idle(llm.engine)
 
 
+def test_a_session_refuses_an_unhashable_namespace_when_made(llm, tokenizer):
+    """``session(prompt, namespace=...)`` validates its namespace as it validates its prompt: at
+    once (a RequestError naming ``namespace``), not at the session's first turn; nothing is pinned."""
+    for ns in (["a"], {"t": 1}):
+        refused(lambda ns=ns: llm.session("hello", namespace=ns), "namespace", "hashable")
+    runner = NullRunner(len(tokenizer), 1, 8, max_context_len=CTX)
+    with AsyncLLM(model_runner=runner, tokenizer=tokenizer, eos_token_ids=[], device="cpu", max_total_tokens=4096) as a:
+        refused(lambda: a.session("hello", namespace=["a"]), "namespace", "hashable")
+        asyncio.run(a.call_in_engine_thread(assert_idle))
+    with llm.session("hello", namespace=("tenant", 1)) as s:  # a hashable one still works
+        assert s.generate(" there", SamplingParams(max_tokens=1)).finished
+    assert_idle(llm.engine)
+
+
 # ------------------------------------------------------------------------------ AsyncLLM
 
 

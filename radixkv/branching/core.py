@@ -30,6 +30,7 @@ from radixkv.branching.prompts import (
 )
 from radixkv.branching.scoring import SelectResult, check_method, score_choices, select_params
 from radixkv.errors import RequestError
+from radixkv.namespace import Namespace
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 from radixkv.text import encode_text
@@ -49,12 +50,14 @@ class Context:
         namespace: the prefix-cache namespace of its requests.
 
     Raises:
-        RequestError: a malformed prompt (param ``prompt``).
+        RequestError: a malformed prompt (param ``prompt``), an unhashable ``namespace``
+            (param ``namespace``).
     """
 
     _forks: type  # the ForkList subclass fork() returns
 
     def __init__(self, owner: Any, prompt: Prompt = None, *, namespace: Hashable = None) -> None:
+        Namespace.of(namespace)  # refused now, not at the first turn
         tokens, msgs = initial_context(owner, prompt)
         self._set(owner, tokens, msgs, namespace, None, None)
 
