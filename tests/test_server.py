@@ -384,6 +384,15 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), "tools"),
         ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
             {"role": "tool", "content": "42"}]}), "messages"),
+        # a tool result answers a call of the assistant message right before its run (as OpenAI checks)
+        ("tool message answering no call", chat, j({"model": MODEL, "messages": msgs + [
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]}), "messages"),
+        ("tool_call_id of no call", chat, j({"model": MODEL, "messages": msgs + [_CALLED,
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "tool", "tool_call_id": "c2",
+            "content": "42"}]}), "messages"),
+        ("tool_call_id of an older turn's call", chat, j({"model": MODEL, "messages": msgs + [_CALLED,
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "assistant", "content": "ok"},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]}), "messages"),
         # two constraints
         ("two constraints", chat, j({"model": MODEL, "messages": msgs, "regex": "a+", "guided_choice": ["a", "b"]}),
          "guided_choice"),
@@ -398,6 +407,8 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
     ]  # fmt: skip
 
 
+_CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}  # fmt: skip
 _TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 

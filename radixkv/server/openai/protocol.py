@@ -295,6 +295,33 @@ class ChatMessage(_Strict):
         return out
 
 
+def check_tool_answers(messages: list[ChatMessage]) -> None:
+    """Each ``tool`` message answers a call of the assistant message right before its run of tool
+    messages, as OpenAI checks: its ``tool_call_id`` is the ``id`` of one of that message's
+    ``tool_calls`` (the rendered prompt carries no ids, so a mismatch would pass unnoticed).
+
+    Raises:
+        APIError: (param ``messages``) a tool message after no assistant ``tool_calls``, or whose
+            ``tool_call_id`` is none of their ids; the message names its index and the ids.
+    """
+    calls: Optional[list[str]] = None  # the ids the current run of tool messages may answer
+    for i, m in enumerate(messages):
+        if m.role != "tool":
+            calls = [c.id for c in m.tool_calls or ()] if m.role == "assistant" and m.tool_calls else None
+        elif calls is None:
+            raise APIError(
+                f"messages[{i}]: a tool message must answer a tool call of the assistant message before it "
+                "(messages with role 'tool' follow an assistant message with tool_calls)",
+                "messages",
+            )
+        elif m.tool_call_id not in calls:
+            raise APIError(
+                f"messages[{i}]: tool_call_id {m.tool_call_id!r} is not the id of a tool call of the assistant "
+                f"message before it (its tool_calls ids: {calls})",
+                "messages",
+            )
+
+
 class FunctionDef(_Strict):
     name: str
     description: Optional[str] = None
@@ -378,6 +405,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError("messages must be a non-empty list", "messages")
         for i, m in enumerate(self.messages):
             m.check(i)
+        check_tool_answers(self.messages)
         if self.top_logprobs is not None:
             if not (0 <= self.top_logprobs <= 20):
                 raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
