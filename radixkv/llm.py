@@ -343,8 +343,11 @@ class LLM:
         self.close()
 
     def cache_stats(self) -> EngineStats:
-        """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict)."""
+        """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict); messages
+        posted to the engine since its last step (e.g. a dropped session's pin release) are
+        applied first."""
         with self._lock:
+            self.engine.run_posted()
             return self.engine.cache_stats()
 
     def num_unfinished_requests(self) -> int:

@@ -74,6 +74,18 @@ class Context:
     def _run(self, program: Program) -> Any:
         raise NotImplementedError
 
+    def __del__(self) -> None:
+        # NOTE: a session dropped while open gives its pin reference back (as an abandoned
+        # AsyncLLM stream aborts), else its context would stay pinned until pin_idle_timeout.
+        # The release is posted: a finalizer may run on any thread, and Engine.post is re-entrant.
+        pin = getattr(self, "_pin", None)
+        if pin is None or getattr(self, "_closed", True):
+            return
+        try:
+            self._owner.engine.post(lambda e: e.release_pin(pin))
+        except Exception:  # noqa: BLE001 - at interpreter exit the engine may be gone already
+            pass
+
     # -------------------------------------------------------------- read-only views
     @property
     def tokens(self) -> List[int]:
