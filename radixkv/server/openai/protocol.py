@@ -159,6 +159,9 @@ class _SamplingFields(_Strict):
         The sampling fields' types and ranges have one owner, :class:`~radixkv.sampling_params.
         SamplingParams` (its :class:`~radixkv.errors.RequestError` becomes a 400 naming the
         field, :func:`radixkv.server.openai.params.sampling_params`)."""
+        if self.stream_options is not None and not self.stream:
+            # NOTE: as OpenAI answers: options of a stream that is not one would change nothing
+            raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
 
     @property
     def stop_list(self) -> list[str]:
