@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Hashable, List, Mapping, Optional, Sequence
 
-from radixkv.branching.chat import continue_chat, reply_stop_text
+from radixkv.branching.chat import continue_chat, reply_stop_text, reply_tokens
 from radixkv.branching.driver import EngineCall, Program, Submit
 from radixkv.branching.prompts import (
     Prompt,
@@ -266,7 +266,7 @@ class Context:
     def _advance(self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]]) -> None:
         """The turn finished: the context becomes its prompt + the reply's tokens."""
         c = out.outputs[0]
-        self._tokens = list(prompt) + list(c.token_ids)
+        self._tokens = list(prompt) + reply_tokens(self._owner.tokenizer, c)
         if new_messages is None:
             self._messages = None  # raw text went in: the conversation can no longer be tracked
         elif self._messages is not None:
@@ -329,7 +329,8 @@ class _Batch:
             with self.lock:
                 if self.settled:  # the caller gave up first: the session stays as it was
                     return
-                self.pins[i] = engine.pin_prefix(list(prompt) + list(out.outputs[0].token_ids), s.namespace)
+                reply = reply_tokens(s._owner.tokenizer, out.outputs[0])
+                self.pins[i] = engine.pin_prefix(list(prompt) + reply, s.namespace)
                 if s._pin is not None:
                     engine.release_pin(s._pin)
                 self.done[i] = out
