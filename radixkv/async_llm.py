@@ -407,7 +407,7 @@ class AsyncLLM:
         growing context whose KV stays pinned between its awaited calls.
 
         Raises:
-            RequestError: a malformed prompt (naming ``prompt``).
+            RequestError: a malformed prompt (naming ``prompt``), an unhashable ``namespace``.
         """
         return AsyncSession(self, prompt, namespace=self.namespace if namespace is None else namespace)
 

@@ -28,6 +28,7 @@ import json
 from typing import Any, Mapping, Optional, Sequence
 
 from radixkv.errors import RequestError
+from radixkv.text import encode_text
 
 __all__ = [
     "CHAT_ROLES",
@@ -255,5 +256,9 @@ def encode_chat(
 ) -> list[int]:
     """Token ids of :func:`render_chat`'s text. The template already holds the special tokens,
     so none are added when encoding. Raises :class:`~radixkv.errors.RequestError` as it does."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, tools)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_text(
+        tokenizer,
+        render_chat(tokenizer, messages, add_generation_prompt, tools),
+        "messages",
+        "the rendered conversation",
+    )

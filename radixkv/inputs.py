@@ -19,6 +19,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 from radixkv.errors import RequestError
 from radixkv.namespace import check_cache_salt
 from radixkv.sampling_params import SamplingParams
+from radixkv.text import encode_text
 
 __all__ = [
     "check_sampling_params",
@@ -93,7 +94,7 @@ def to_token_prompt(tokenizer: Any, prompt: Any, param: str = "prompt") -> Tuple
     if isinstance(prompt, str):
         if tokenizer is None:
             raise RequestError(f"{param}: a text prompt needs the model's tokenizer; give token ids", param)
-        return list(tokenizer.encode(prompt, add_special_tokens=False)), prompt
+        return encode_text(tokenizer, prompt, param), prompt
     if _is_token_list(prompt):
         return _tokens(prompt), None
     raise RequestError(f"{param} must be {_SHAPES}; got {_type(prompt)} {prompt!r:.80}", param)

@@ -25,11 +25,13 @@ from radixkv.inputs import (
 from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
+from radixkv.text import encode_text
 
 Message = Dict[str, Any]
 FinishHook = Callable[[Any, RequestOutput], None]
 
 logger = logging.getLogger(__name__)
+_RENDERED = "messages (rendered with the chat template)"  # where a chat's text is checked: after rendering
 
 
 class LLM:
@@ -136,7 +138,7 @@ class LLM:
         :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
         convs = conversations(messages)
         texts = [self.render_chat(c, add_generation_prompt, tools) for c in convs]
-        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        ids = [encode_text(self.tokenizer, t, "messages", _RENDERED) for t in texts]
         return self._run(ids, texts, sampling_params, use_tqdm)
 
     def render_chat(
@@ -268,7 +270,7 @@ class LLM:
         if prompt_token_ids is not None:
             ids = to_token_ids(prompt_token_ids, "prompt_token_ids")
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
-            ids = self.tokenizer.encode(self.render_chat(list(conversations(prompt)[0])), add_special_tokens=False)
+            ids = encode_text(self.tokenizer, self.render_chat(list(conversations(prompt)[0])), "messages", _RENDERED)
         else:
             ids, _ = to_token_prompt(self.tokenizer, prompt)
         if not ids:
@@ -293,7 +295,7 @@ class LLM:
             namespace: prefix-cache namespace of its requests.
 
         Raises:
-            RequestError: a malformed prompt (naming ``prompt``).
+            RequestError: a malformed prompt (naming ``prompt``), an unhashable ``namespace``.
         """
         return Session(self, prompt, namespace=self._ns(namespace))
 
@@ -341,8 +343,11 @@ class LLM:
         self.close()
 
     def cache_stats(self) -> EngineStats:
-        """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict)."""
+        """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict); messages
+        posted to the engine since its last step (e.g. a dropped session's pin release) are
+        applied first."""
         with self._lock:
+            self.engine.run_posted()
             return self.engine.cache_stats()
 
     def num_unfinished_requests(self) -> int:

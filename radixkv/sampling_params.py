@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from radixkv.errors import RequestError
 from radixkv.namespace import check_cache_salt
+from radixkv.text import check_text
 
 MAX_LOGPROBS = 20
 """The most top alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
@@ -179,6 +180,7 @@ class SamplingParams:
         for s in self.stop:
             if not s:
                 raise RequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
+            check_text(s, "stop")
         for t in self.stop_token_ids:
             if t < 0:
                 raise RequestError(f"stop_token_ids must be token ids >= 0, got {t}", "stop_token_ids")

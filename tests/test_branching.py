@@ -334,6 +334,43 @@ def test_chat_session_continues_token_for_token(llms, hf_greedy):
     assert assert_idle(llm)["pinned"] == 0
 
 
+def test_a_reply_cut_by_a_stop_string_joins_the_context_as_returned(llms):
+    """A reply that ended on a stop string joins the context as the text it returned (the stop
+    string cut off): the tokens before it, plus the tokens of the rest of the text when the stop
+    string starts inside a token. So a chat session's next prompt is still a fresh render of its
+    conversation, and the kept tokens' K/V is reused."""
+    llm = llms[1]
+    tok = llm.tokenizer
+    assert llm.reset_prefix_cache()
+    with llm.session([{"role": "system", "content": "You count."}]) as s:
+        o1 = s.chat("Count from 1 to 10 separated by commas.", SamplingParams(temperature=0, max_tokens=40, stop=["5"]))
+        c1 = o1.outputs[0]
+        assert (c1.text, c1.finish_reason, c1.stop_reason) == ("1. 1\n2. 2\n3. 3\n4. 4\n", "stop", "5")
+        kept = len(c1.token_ids) - 1  # the stop string is the last token: it is dropped
+        assert tok.decode(c1.token_ids[:kept]) == c1.text
+        o2 = s.chat("Continue.", SamplingParams(temperature=0, max_tokens=4))
+        assert tok.decode(o2.prompt_token_ids, skip_special_tokens=False) == render_chat(
+            tok, s.messages[:-1], add_generation_prompt=True
+        )
+        assert o2.prompt_token_ids[: len(o1.prompt_token_ids) + kept] == o1.prompt_token_ids + c1.token_ids[:kept]
+        assert o2.num_cached_tokens == len(o1.prompt_token_ids) + kept
+        assert_idle(llm)
+    with llm.session("The quick brown fox") as s:  # a stop string that starts inside a token (" bear")
+        o = s.generate(None, SamplingParams(temperature=0, max_tokens=20, stop=["ear."]))
+        c = o.outputs[0]
+        assert (c.text, c.stop_reason) == (" with a quick brown b", "ear.")
+        assert tok.decode(s.tokens) == "The quick brown fox with a quick brown b"
+        n = len(o.prompt_token_ids) + 4  # " with a quick brown": the tokens before " bear"
+        assert s.tokens[:n] == o.prompt_token_ids + c.token_ids[:4]
+        assert s.tokens[n:] == tok.encode(" b", add_special_tokens=False)
+        ctx = s.tokens
+        nxt = s.generate(" and", SamplingParams(temperature=0, max_tokens=2))
+        assert nxt.prompt_token_ids[: len(ctx)] == ctx
+        assert nxt.num_cached_tokens == n
+        assert_idle(llm)
+    assert assert_idle(llm)["pinned"] == 0
+
+
 # ---------------------------------------------------------------------------------- select / fork
 @pytest.fixture(scope="module")
 def hf_logprobs(hf_default):

@@ -84,6 +84,11 @@ def test_tokens_that_fit_after_the_weights():
         plan_memory(
             KVSpec.from_config(dict(num_hidden_layers=2, num_attention_heads=2, hidden_size=64)), gpu_memory_gb=8
         )
+    # sizes must be finite numbers (`--gpu-memory 1e400` is inf: a ValueError, not an OverflowError)
+    for kw, field in (({"gpu_memory_gb": float("inf")}, "gpu_memory_gb"), ({"weights_gb": float("inf")}, "weights_gb"),
+                      ({"gpu_memory_gb": float("nan")}, "gpu_memory_gb"), ({"weights_gb": float("nan")}, "weights_gb")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+            plan_memory(s, "bf16", **{"gpu_memory_gb": 80, **kw})
 
 
 def test_hit_rate_vs_memory_and_memory_for_a_target(default_model):

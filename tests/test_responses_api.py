@@ -193,6 +193,16 @@ def test_function_call_and_its_output_through_previous_response_id(server, clien
     assert streamed.output[0].arguments == item.arguments
 
     context = call.usage.input_tokens + call.usage.output_tokens
+    with pytest.raises(openai.BadRequestError) as info:  # an output answering no call of the conversation
+        client.responses.create(
+            model=MODEL,
+            input=[{"type": "function_call_output", "call_id": item.call_id + "x", "output": "Sunny."}],
+            previous_response_id=call.id,
+            max_output_tokens=4,
+        )
+    err = info.value.body
+    assert err["param"] == "input" and err["code"] == "invalid_value", err
+    assert f"call_id {item.call_id + 'x'!r}" in err["message"] and item.call_id in err["message"], err
     result = client.responses.create(
         model=MODEL,
         input=[{"type": "function_call_output", "call_id": item.call_id, "output": "Sunny, 21 degrees."}],
@@ -256,6 +266,10 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1", "q": 1}]}, "input",
          "unknown_parameter"),
         ({"reasoning": {"zz": 1}}, "reasoning", "unknown_parameter"),
+        # a function_call_output answers a function_call made before it (as OpenAI checks)
+        ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "invalid_value"),
+        ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                    {"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "invalid_value"),
         ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f", "zz": 1}},
          "tool_choice", "unknown_parameter"),
     ]  # fmt: skip

@@ -358,6 +358,11 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("integer for a string", chat, j({"model": MODEL, "messages": [{"role": "user", "content": 7}]}), "messages"),
         # fields the endpoint does not define
         ("unknown field", chat, j({"model": MODEL, "messages": msgs, "temprature": 0}), "temprature"),
+        # streaming options of a request that does not stream (OpenAI: only allowed with stream)
+        ("stream_options without stream", chat, j({"model": MODEL, "messages": msgs,
+         "stream_options": {"include_usage": True}}), "stream_options"),
+        ("stream_options with stream false", comp, j({"model": MODEL, "prompt": "hi", "stream": False,
+         "stream_options": {"include_usage": True}}), "stream_options"),
         ("prompt on chat", chat, j({"model": MODEL, "messages": msgs, "prompt": "hi"}), "prompt"),
         ("messages on completions", comp, j({"model": MODEL, "prompt": "hi", "messages": msgs}), "messages"),
         ("unknown message field", chat, j({"model": MODEL, "messages": [{"role": "user", "content": "hi", "x": 1}]}),
@@ -384,6 +389,15 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), "tools"),
         ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
             {"role": "tool", "content": "42"}]}), "messages"),
+        # a tool result answers a call of the assistant message right before its run (as OpenAI checks)
+        ("tool message answering no call", chat, j({"model": MODEL, "messages": msgs + [
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]}), "messages"),
+        ("tool_call_id of no call", chat, j({"model": MODEL, "messages": msgs + [_CALLED,
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "tool", "tool_call_id": "c2",
+            "content": "42"}]}), "messages"),
+        ("tool_call_id of an older turn's call", chat, j({"model": MODEL, "messages": msgs + [_CALLED,
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}, {"role": "assistant", "content": "ok"},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"}]}), "messages"),
         # two constraints
         ("two constraints", chat, j({"model": MODEL, "messages": msgs, "regex": "a+", "guided_choice": ["a", "b"]}),
          "guided_choice"),
@@ -398,6 +412,8 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
     ]  # fmt: skip
 
 
+_CALLED = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]}  # fmt: skip
 _TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 
@@ -593,7 +609,6 @@ _NO_EFFECT = {
         "modalities": ["text"],
         "reasoning_effort": "none",
         "verbosity": "medium",
-        "stream_options": {"include_obfuscation": False},
         "parallel_tool_calls": True,
     },
     "/v1/completions": {"user": "u-1", "best_of": 1},
@@ -644,6 +659,10 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
         for path, fields in _NO_EFFECT.items():
             r = http.post(path, json={**bodies[path], **fields})
             assert r.status_code == 200, (path, r.text)
+        # include_obfuscation changes nothing (chunks carry no obfuscation); stream_options needs stream
+        streamed = {**bodies["/v1/chat/completions"], "stream": True, "stream_options": {"include_obfuscation": False}}
+        with http.stream("POST", "/v1/chat/completions", json=streamed) as r:
+            assert r.status_code == 200 and "data: [DONE]" in r.read().decode()
         for path, fields in _UNSUPPORTED.items():
             for name, value in fields.items():
                 r = http.post(path, json={**bodies[path], name: value})

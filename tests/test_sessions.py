@@ -8,6 +8,7 @@ checked after every call."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 from test_scheduler import VOCAB, FakeRunner, assert_no_leak, greedy, reference
@@ -201,6 +202,43 @@ def test_exception_inside_with_blocks_unpins_everything():
                 raise KeyError("tool call failed")
     assert s.closed and all(k.closed for k in kids)
     assert_no_leak(llm.engine)
+
+
+def test_a_session_dropped_without_close_gives_its_pin_back():
+    """A session (or a fork's child) garbage-collected while open releases its pin reference, as
+    an abandoned AsyncLLM stream aborts: its tokens become evictable, not pinned until
+    ``pin_idle_timeout``; a session still open keeps the pin it shares."""
+    llm = make_llm()
+    s = llm.session(list(range(1, 30)))
+    s.generate(sampling_params=greedy(2))
+    kids = s.fork(2)
+    kids.generate(prompt_token_ids=[[1], [2]], sampling_params=greedy(2))
+    keep = kids[0]
+    context = len(keep.tokens) - 1
+    assert idle_invariant(llm)["pinned"] > context
+    del s, kids
+    gc.collect()
+    assert idle_invariant(llm)["pinned"] == context == keep.pinned_tokens  # the kept child's own pin
+    del keep
+    gc.collect()
+    assert idle_invariant(llm)["pinned"] == 0
+    assert_no_leak(llm.engine)
+
+    alm = AsyncLLM(engine=make_llm().engine)
+
+    async def main():
+        s = alm.session(list(range(1, 30)))
+        await s.generate(sampling_params=greedy(2))
+        assert alm.cache_stats()["pinned"] == len(s.tokens) - 1
+        del s
+        gc.collect()
+        assert await alm.call_in_engine_thread(lambda e: e.cache_stats()["pinned"]) == 0  # the release came first
+        await alm.call_in_engine_thread(assert_no_leak)
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
 
 
 def test_validation_names_the_argument():

@@ -197,6 +197,51 @@ def test_chat_roles_are_openais(llm):
     assert_idle(llm.engine)
 
 
+def test_text_with_a_lone_surrogate_is_a_request_error_naming_the_field(llm, tokenizer):
+    """A str holding a lone UTF-16 surrogate (U+D800..U+DFFF, e.g. half of an emoji cut from a
+    JSON escape) is not valid Unicode: the tokenizer would raise a bare TypeError, and a stop
+    string holding one could never match decoded text. Every text entry point names its field."""
+    bad = "caf\u00e9 \ud83d tail"  # a high surrogate without its low half
+    refused(lambda: llm.generate(bad), "prompts", "surrogate", "U+D83D", "position 5")
+    refused(lambda: llm.generate(["ok", {"prompt": bad}]), "prompts", "prompts[1]", "surrogate")
+    refused(lambda: llm.chat([{"role": "user", "content": bad}]), "messages", "surrogate")
+    refused(lambda: llm.explain(bad), "prompt", "surrogate")
+    refused(lambda: llm.explain([{"role": "user", "content": bad}]), "messages", "surrogate")
+    refused(lambda: llm.select(bad, ["a"]), "prompt", "surrogate")
+    refused(lambda: llm.select("ok", ["a", "b\udc00"]), "choices", "surrogate", "U+DC00")
+    refused(lambda: llm.session(bad), "prompt", "surrogate")
+    refused(lambda: llm.session([{"role": "user", "content": bad}]), "prompt", "surrogate")
+    refused(lambda: SamplingParams(stop=["ok", "\udfff"]), "stop", "surrogate")
+    with llm.session([{"role": "user", "content": "hi"}]) as s:
+        refused(lambda: s.chat(bad), "message", "surrogate")
+        refused(lambda: s.generate(bad), "text", "surrogate")
+        refused(lambda: s.select(["a"], message=bad), "message", "surrogate")
+        before = s.tokens
+        out = s.chat("fine", SamplingParams(max_tokens=1))  # the refusals left the session as it was
+        assert (
+            out.prompt_token_ids[: len(before)] == before
+            and s.tokens == out.prompt_token_ids + out.outputs[0].token_ids
+        )
+    assert llm.generate("emoji \U0001f600 ok", SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids == (
+        tokenizer.encode("emoji \U0001f600 ok", add_special_tokens=False)
+    )
+    assert_idle(llm.engine)
+
+
+def test_a_session_refuses_an_unhashable_namespace_when_made(llm, tokenizer):
+    """``session(prompt, namespace=...)`` validates its namespace as it validates its prompt: at
+    once (a RequestError naming ``namespace``), not at the session's first turn; nothing is pinned."""
+    for ns in (["a"], {"t": 1}):
+        refused(lambda ns=ns: llm.session("hello", namespace=ns), "namespace", "hashable")
+    runner = NullRunner(len(tokenizer), 1, 8, max_context_len=CTX)
+    with AsyncLLM(model_runner=runner, tokenizer=tokenizer, eos_token_ids=[], device="cpu", max_total_tokens=4096) as a:
+        refused(lambda: a.session("hello", namespace=["a"]), "namespace", "hashable")
+        asyncio.run(a.call_in_engine_thread(assert_idle))
+    with llm.session("hello", namespace=("tenant", 1)) as s:  # a hashable one still works
+        assert s.generate(" there", SamplingParams(max_tokens=1)).finished
+    assert_idle(llm.engine)
+
+
 # ------------------------------------------------------------------------------ AsyncLLM
 
 

@@ -9,8 +9,9 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 from radixkv.chat_template import render_chat
 from radixkv.errors import RequestError
+from radixkv.text import encode_text
 
-__all__ = ["continue_chat", "reply_stop_text"]
+__all__ = ["continue_chat", "reply_stop_text", "reply_tokens"]
 
 _SENTINEL = "\x00radixkv-reply\x00"
 
@@ -46,7 +47,27 @@ def continue_chat(
     text = full[len(old) :]
     if history and history[-1]["role"] == "assistant" and stop_text is not None:
         text = _missing_close(tok, history, stop_text, tools) + text
-    return list(tokens) + list(tok.encode(text, add_special_tokens=False))
+    return list(tokens) + encode_text(tok, text, "message", "the rendered turn")
+
+
+def reply_tokens(tok: Any, completion: Any) -> List[int]:
+    """The token ids a reply (a ``CompletionOutput``) joins its session's context with: its
+    ``token_ids``, except when it ended on a stop string (``finish_reason`` ``"stop"``,
+    ``stop_reason`` a str), whose ``text`` is cut before the stop string: then the longest run of
+    its tokens whose decoded text starts ``text``, plus the tokens of the rest of ``text`` (a stop
+    string that starts inside a token), so the context decodes to exactly the returned text."""
+    c = completion
+    ids = list(c.token_ids)
+    if tok is None or c.finish_reason != "stop" or not isinstance(c.stop_reason, str):
+        return ids
+    n, head = len(ids), None
+    while n > 0:
+        head = tok.decode(ids[:n], skip_special_tokens=False)
+        if c.text.startswith(head):
+            break
+        n -= 1
+    rest = c.text[len(head) :] if n > 0 else c.text
+    return ids[:n] + (encode_text(tok, rest, "text") if rest else [])
 
 
 def reply_stop_text(tok: Any, completion: Any) -> str:

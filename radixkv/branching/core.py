@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Hashable, List, Mapping, Optional, Sequence
 
-from radixkv.branching.chat import continue_chat, reply_stop_text
+from radixkv.branching.chat import continue_chat, reply_stop_text, reply_tokens
 from radixkv.branching.driver import EngineCall, Program, Submit
 from radixkv.branching.prompts import (
     Prompt,
@@ -30,8 +30,10 @@ from radixkv.branching.prompts import (
 )
 from radixkv.branching.scoring import SelectResult, check_method, score_choices, select_params
 from radixkv.errors import RequestError
+from radixkv.namespace import Namespace
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
+from radixkv.text import encode_text
 
 __all__ = ["Context", "ForkList", "turns_program", "select_program"]
 
@@ -48,12 +50,14 @@ class Context:
         namespace: the prefix-cache namespace of its requests.
 
     Raises:
-        RequestError: a malformed prompt (param ``prompt``).
+        RequestError: a malformed prompt (param ``prompt``), an unhashable ``namespace``
+            (param ``namespace``).
     """
 
     _forks: type  # the ForkList subclass fork() returns
 
     def __init__(self, owner: Any, prompt: Prompt = None, *, namespace: Hashable = None) -> None:
+        Namespace.of(namespace)  # refused now, not at the first turn
         tokens, msgs = initial_context(owner, prompt)
         self._set(owner, tokens, msgs, namespace, None, None)
 
@@ -69,6 +73,18 @@ class Context:
 
     def _run(self, program: Program) -> Any:
         raise NotImplementedError
+
+    def __del__(self) -> None:
+        # NOTE: a session dropped while open gives its pin reference back (as an abandoned
+        # AsyncLLM stream aborts), else its context would stay pinned until pin_idle_timeout.
+        # The release is posted: a finalizer may run on any thread, and Engine.post is re-entrant.
+        pin = getattr(self, "_pin", None)
+        if pin is None or getattr(self, "_closed", True):
+            return
+        try:
+            self._owner.engine.post(lambda e: e.release_pin(pin))
+        except Exception:  # noqa: BLE001 - at interpreter exit the engine may be gone already
+            pass
 
     # -------------------------------------------------------------- read-only views
     @property
@@ -225,7 +241,7 @@ class Context:
         elif text is None:
             new = []
         elif isinstance(text, str):
-            new = list(self._tok().encode(text, add_special_tokens=False)) if text else []
+            new = encode_text(self._tok(), text, "text") if text else []
         else:
             raise RequestError(f"text must be a str or None, got {type(text).__name__}", "text")
         prompt = self._tokens + new
@@ -250,7 +266,7 @@ class Context:
     def _advance(self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]]) -> None:
         """The turn finished: the context becomes its prompt + the reply's tokens."""
         c = out.outputs[0]
-        self._tokens = list(prompt) + list(c.token_ids)
+        self._tokens = list(prompt) + reply_tokens(self._owner.tokenizer, c)
         if new_messages is None:
             self._messages = None  # raw text went in: the conversation can no longer be tracked
         elif self._messages is not None:
@@ -313,7 +329,8 @@ class _Batch:
             with self.lock:
                 if self.settled:  # the caller gave up first: the session stays as it was
                     return
-                self.pins[i] = engine.pin_prefix(list(prompt) + list(out.outputs[0].token_ids), s.namespace)
+                reply = reply_tokens(s._owner.tokenizer, out.outputs[0])
+                self.pins[i] = engine.pin_prefix(list(prompt) + reply, s.namespace)
                 if s._pin is not None:
                     engine.release_pin(s._pin)
                 self.done[i] = out

@@ -9,6 +9,7 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Unio
 from radixkv.chat_template import render_chat
 from radixkv.errors import RequestError
 from radixkv.sampling_params import SamplingParams
+from radixkv.text import encode_text
 
 __all__ = [
     "Prompt",
@@ -115,8 +116,8 @@ def fork_count(n: Any, max_n: int) -> int:
     return n
 
 
-def _encode(owner: Any, text: str) -> List[int]:
-    return list(owner.tokenizer.encode(text, add_special_tokens=False))
+def _encode(owner: Any, text: str, param: str) -> List[int]:
+    return encode_text(owner.tokenizer, text, param)
 
 
 def initial_context(owner: Any, prompt: Prompt) -> Tuple[List[int], Optional[List[dict]]]:
@@ -132,12 +133,13 @@ def initial_context(owner: Any, prompt: Prompt) -> Tuple[List[int], Optional[Lis
     if isinstance(prompt, str):
         if owner.tokenizer is None:
             raise RequestError("text prompts need the model's tokenizer", "prompt")
-        return _encode(owner, prompt) if prompt else [], None
+        return _encode(owner, prompt, "prompt") if prompt else [], None
     if is_messages(prompt):
         msgs = messages(prompt, "prompt")
         if owner.tokenizer is None:
             raise RequestError("chat messages need the model's tokenizer", "prompt")
-        return _encode(owner, render_chat(owner.tokenizer, msgs, add_generation_prompt=False) if msgs else ""), msgs
+        text = render_chat(owner.tokenizer, msgs, add_generation_prompt=False) if msgs else ""
+        return _encode(owner, text, "prompt"), msgs
     return token_ids(prompt, int(owner.engine.vocab_size), "prompt"), None
 
 
@@ -151,12 +153,12 @@ def select_prompt(owner: Any, prompt: Prompt, param: str = "prompt") -> List[int
     if isinstance(prompt, str):
         if not prompt:
             raise RequestError("prompt must not be empty", param)
-        return _encode(owner, prompt)
+        return _encode(owner, prompt, param)
     if is_messages(prompt):
         msgs = messages(prompt, param)
         if not msgs:
             raise RequestError("prompt must not be an empty conversation", param)
-        return _encode(owner, render_chat(owner.tokenizer, msgs, add_generation_prompt=True))
+        return _encode(owner, render_chat(owner.tokenizer, msgs, add_generation_prompt=True), param)
     ids = token_ids(prompt, int(owner.engine.vocab_size), param)
     if not ids:
         raise RequestError("prompt must not be empty", param)
@@ -179,7 +181,7 @@ def choice_ids(tokenizer: Any, vocab_size: int, choices: Any) -> List[List[int]]
                 raise RequestError("choices must not hold an empty string", "choices")
             if tokenizer is None:
                 raise RequestError("text prompts and chat need the model's tokenizer", "prompt")
-            ids = list(tokenizer.encode(c, add_special_tokens=False))
+            ids = encode_text(tokenizer, c, "choices")
         else:
             ids = token_ids(c, vocab_size, "choices")
         if not ids:

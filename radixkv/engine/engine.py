@@ -248,7 +248,9 @@ class Engine:
         self.scheduler.outcomes = self.outcomes
         self._groups: Dict[str, RequestGroup] = {}
         self._inbox: List[Callable[["Engine"], None]] = []
-        self._inbox_lock = threading.Lock()
+        # NOTE: re-entrant, so a finalizer that posts (a dropped session's pin release) cannot
+        # deadlock when garbage collection runs it inside post() on the same thread
+        self._inbox_lock = threading.RLock()
         self._work = threading.Condition(self._inbox_lock)
         self._ready: List[RequestOutput] = []  # outputs of aborts, returned by the next step
         self._ids = itertools.count()

@@ -28,6 +28,7 @@ hit rate. Activations, CUDA graphs and allocator fragmentation are not counted.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -268,16 +269,17 @@ def plan_memory(
         context: a sequence length to size (None: skip).
 
     Raises:
-        ValueError: bad dtype, a fraction outside (0, 1], or unknown weights with a GPU size.
+        ValueError: bad dtype, a fraction outside (0, 1], a size that is not a finite number
+            (``gpu_memory_gb`` > 0, ``weights_gb`` >= 0), or unknown weights with a GPU size.
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
-    if gpu_memory_gb is not None and not gpu_memory_gb > 0:
-        raise ValueError(f"gpu_memory_gb must be > 0, got {gpu_memory_gb!r}")
-    if weights_gb is not None and not weights_gb >= 0:
-        raise ValueError(f"weights_gb must be >= 0, got {weights_gb!r}")
+    if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb) and gpu_memory_gb > 0):
+        raise ValueError(f"gpu_memory_gb must be a finite number > 0, got {gpu_memory_gb!r}")
+    if weights_gb is not None and not (math.isfinite(weights_gb) and weights_gb >= 0):
+        raise ValueError(f"weights_gb must be a finite number >= 0, got {weights_gb!r}")
     bpt = spec.bytes_per_token(kv_dtype)
     out: dict = dict(
         model=spec.as_dict(),

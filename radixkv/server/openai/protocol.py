@@ -159,6 +159,9 @@ class _SamplingFields(_Strict):
         The sampling fields' types and ranges have one owner, :class:`~radixkv.sampling_params.
         SamplingParams` (its :class:`~radixkv.errors.RequestError` becomes a 400 naming the
         field, :func:`radixkv.server.openai.params.sampling_params`)."""
+        if self.stream_options is not None and not self.stream:
+            # NOTE: as OpenAI answers: options of a stream that is not one would change nothing
+            raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
 
     @property
     def stop_list(self) -> list[str]:
@@ -295,6 +298,33 @@ class ChatMessage(_Strict):
         return out
 
 
+def check_tool_answers(messages: list[ChatMessage]) -> None:
+    """Each ``tool`` message answers a call of the assistant message right before its run of tool
+    messages, as OpenAI checks: its ``tool_call_id`` is the ``id`` of one of that message's
+    ``tool_calls`` (the rendered prompt carries no ids, so a mismatch would pass unnoticed).
+
+    Raises:
+        APIError: (param ``messages``) a tool message after no assistant ``tool_calls``, or whose
+            ``tool_call_id`` is none of their ids; the message names its index and the ids.
+    """
+    calls: Optional[list[str]] = None  # the ids the current run of tool messages may answer
+    for i, m in enumerate(messages):
+        if m.role != "tool":
+            calls = [c.id for c in m.tool_calls or ()] if m.role == "assistant" and m.tool_calls else None
+        elif calls is None:
+            raise APIError(
+                f"messages[{i}]: a tool message must answer a tool call of the assistant message before it "
+                "(messages with role 'tool' follow an assistant message with tool_calls)",
+                "messages",
+            )
+        elif m.tool_call_id not in calls:
+            raise APIError(
+                f"messages[{i}]: tool_call_id {m.tool_call_id!r} is not the id of a tool call of the assistant "
+                f"message before it (its tool_calls ids: {calls})",
+                "messages",
+            )
+
+
 class FunctionDef(_Strict):
     name: str
     description: Optional[str] = None
@@ -378,6 +408,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError("messages must be a non-empty list", "messages")
         for i, m in enumerate(self.messages):
             m.check(i)
+        check_tool_answers(self.messages)
         if self.top_logprobs is not None:
             if not (0 <= self.top_logprobs <= 20):
                 raise APIError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")

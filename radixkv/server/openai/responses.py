@@ -322,8 +322,8 @@ class Responses:
     # ---------------------------------------------------------------- prompt
     def _prompt(self, req: ResponsesRequest, prev: Optional[StoredResponse]) -> tuple[list[int], list[dict], Any, Any]:
         """(prompt token ids, the new messages, the chat request, the tool plan)."""
-        new = input_messages(req.input)
         history = prev.messages if prev is not None else []
+        new = input_messages(req.input, [c["id"] for m in history for c in m.get("tool_calls") or ()])
         system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
         chat_req = req.chat_request(system + history + new)
         try:

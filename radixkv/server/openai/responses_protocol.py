@@ -28,7 +28,7 @@ constraint and ``SamplingParams`` come from the one place chat uses
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 from pydantic import ValidationError
 
@@ -98,19 +98,23 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...]) -> str:
     return "".join(texts)
 
 
-def input_messages(items: Union[str, list]) -> list[dict]:
+def input_messages(items: Union[str, list], earlier_calls: Iterable[str] = ()) -> list[dict]:
     """Chat messages (the form :func:`radixkv.chat_template.render_chat` takes) of ``input``.
 
     A ``function_call`` item joins the assistant message right before it (the text and the calls
     of one model turn are one assistant message in chat); ``function_call_output`` becomes a
-    ``tool`` message.
+    ``tool`` message. ``earlier_calls``: the ``call_id`` of every function call the conversation
+    made before ``input`` (the previous response's).
 
     Raises:
-        APIError: a malformed or unsupported item (param ``input``).
+        APIError: (param ``input``) a malformed or unsupported item, or a
+            ``function_call_output`` whose ``call_id`` is no ``function_call``'s before it (in
+            ``input`` or ``earlier_calls``), as OpenAI checks.
     """
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict] = []
+    calls = list(earlier_calls)
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -136,6 +140,7 @@ def input_messages(items: Union[str, list]) -> list[dict]:
                 "type": "function",
                 "function": {"name": item["name"], "arguments": item["arguments"]},
             }
+            calls.append(item["call_id"])
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -143,6 +148,12 @@ def input_messages(items: Union[str, list]) -> list[dict]:
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise APIError(f"{where}: a function_call_output needs a string 'call_id'", "input")
+            if item["call_id"] not in calls:
+                raise APIError(
+                    f"{where}: no function call found for the function_call_output with call_id {item['call_id']!r} "
+                    f"(the conversation's function calls: {calls})",
+                    "input",
+                )
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where, ("input_text",))
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
