@@ -470,10 +470,12 @@ class RemoteLLM:
         facts: a replica's :class:`~radixkv.server.backend.ModelFacts` (every replica serves
             the same model and config).
         index: the :class:`CacheIndex` actor.
+        replicas: the replicas deployed (``/health`` is degraded while fewer are live).
     """
 
-    def __init__(self, handle: Any, tokenizer: Any, facts: Any, index: Any) -> None:
+    def __init__(self, handle: Any, tokenizer: Any, facts: Any, index: Any, replicas: int = 1) -> None:
         self.handle = handle
+        self.replicas = int(replicas)
         self.tokenizer = tokenizer
         self.facts = facts
         self.max_context_len = int(facts.max_context_len)
@@ -668,6 +670,10 @@ class RemoteLLM:
             raise EngineDeadError(f"{method}: replicas {missing} did not answer")
         return [got[r] for r in sorted(got)]
 
+    async def replica_health(self) -> dict[str, int]:
+        """``{"live": replicas registered with the index and not seen dead, "replicas": deployed}``."""
+        return dict(live=len(await self.index.replica_ids.remote()), replicas=self.replicas)
+
     async def release_pin(self, pin: Any) -> None:
         """No pins across replicas (:data:`~radixkv.server.backend.NO_PINS`): a no-op."""
         return None
@@ -693,10 +699,16 @@ class RemoteLLM:
 class Ingress:
     """The OpenAI app (:func:`radixkv.server.app.create_app`) over :class:`RemoteLLM`, behind the
     same API keys as one engine's (``api_keys``: :meth:`APIKeys.to_wire
-    <radixkv.server.auth.APIKeys.to_wire>`, the keys' digests and tenants, never the keys)."""
+    <radixkv.server.auth.APIKeys.to_wire>`, the keys' digests and tenants, never the keys);
+    ``replicas``: the engine deployment's replica count (``/health``)."""
 
     async def __init__(
-        self, engine_handle: Any, served_model_name: str, model: str = "smollm2-135m", api_keys: Optional[list] = None
+        self,
+        engine_handle: Any,
+        served_model_name: str,
+        model: str = "smollm2-135m",
+        api_keys: Optional[list] = None,
+        replicas: int = 1,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -708,7 +720,7 @@ class Ingress:
         self.api_keys = api_keys
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
-        self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index())
+        self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index(), replicas)
 
     def __serve_build_asgi_app__(self):
         from radixkv.server.app import create_app
@@ -769,7 +781,7 @@ def build_app(
         ray_actor_options={"num_cpus": ingress_cpus},
     )
     wire = api_keys.to_wire() if api_keys is not None else None
-    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire)
+    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire, replicas)
 
 
 def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -> None:

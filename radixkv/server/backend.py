@@ -309,6 +309,11 @@ class EngineBackend(Protocol):
                 queued for them; never a shared remote tier), ``/flush_cache?tiers=true``.
         """
 
+    async def replica_health(self) -> Optional[dict[str, int]]:
+        """None for one engine; across replicas ``{"live": L, "replicas": N}``: the replicas
+        registered with the router and not seen dead (``L``), of the ``N`` deployed. ``/health``
+        answers 503 when ``L`` is 0 and ``"degraded"`` while ``L < N``."""
+
     def num_unfinished_requests(self) -> int:
         """Requests submitted through this backend whose streams are still open."""
 
@@ -354,6 +359,10 @@ class LocalBackend:
     @property
     def dead_error(self) -> Optional[BaseException]:
         return self.llm.dead_error
+
+    async def replica_health(self) -> Optional[dict[str, int]]:
+        """One engine: None (:attr:`is_running` says it all)."""
+        return None
 
     def model_facts(self) -> ModelFacts:
         if self._facts is None:
