@@ -484,6 +484,7 @@ class RemoteLLM:
         self.dead_error = None
         self._subs: list[tuple[Callable, Optional[tuple]]] = []
         self._open = 0
+        self._running: set[str] = set()  # request ids of the open streams (one ingress replica)
 
     def model_facts(self) -> Any:
         """The replicas' :class:`~radixkv.server.backend.ModelFacts` (read from one at start)."""
@@ -503,9 +504,11 @@ class RemoteLLM:
         runs here, on the ingress, before the final output is delivered, with
         :data:`~radixkv.server.backend.NO_PINS` (the replicas' KV cannot be pinned from the
         ingress; a stored Response keeps its context tokens and its follow-up is routed to the
-        replica that caches them)."""
+        replica that caches them). A ``request_id`` already running here is refused (a
+        ``RequestError`` naming it, as one engine refuses it), whichever replica runs it."""
         import uuid
 
+        from radixkv.errors import RequestError
         from radixkv.sampling_params import SamplingParams
         from radixkv.server.backend import NO_PINS
 
@@ -522,6 +525,9 @@ class RemoteLLM:
             params=sampling_params if sampling_params is not None else SamplingParams(),
             namespace=wire_namespace(namespace),
         )
+        if args["request_id"] in self._running:
+            raise RequestError(f"request_id {args['request_id']!r} is already running", "request_id")
+        self._running.add(args["request_id"])
         self._open += 1
         last = None  # the last output yielded to the consumer
         try:
@@ -532,6 +538,7 @@ class RemoteLLM:
                 yield out
         finally:
             self._open -= 1
+            self._running.discard(args["request_id"])
             if last is not None and last.finished:
                 self._emit_finished(last, Namespace.of(namespace))
                 if len(last.outputs) == 1 and self.index is not None:

@@ -1,0 +1,124 @@
+"""The ingress of ``radixkv serve --replicas N`` (radixkv.router.ray.RemoteLLM, and the app over
+it) without a Ray cluster: the router's index and the engine deployment's handle are stand-ins.
+``/health``: with every replica dead (Serve restarting them) it answers 503, with some dead
+``"degraded"``, and names how many are live. A request id already running is refused as one
+engine refuses it, though another replica would run it."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+ray_mod = pytest.importorskip("radixkv.router.ray")
+
+
+class _Call:
+    def __init__(self, value):
+        self.value = value
+
+    def remote(self, *args):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.value() if callable(self.value) else self.value)
+        return fut
+
+
+class _Handle:
+    """The engine deployment's handle: every request streams one unfinished output, then waits
+    for ``release`` and finishes."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls: list[str] = []
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, args: dict):
+        self.calls.append(args["request_id"])
+
+        async def stream():
+            yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])])
+            await self.release.wait()
+            yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=[1, 2])])
+
+        return stream()
+
+
+class _Index:
+    """The :class:`~radixkv.router.ray.CacheIndex` calls the ingress makes, over a mutable list
+    of live replicas (each pushed the same stats)."""
+
+    def __init__(self, live: list[str], stats: dict) -> None:
+        self.live = live
+        self.replica_ids = _Call(lambda: list(self.live))
+        self.state = _Call(lambda: dict(replica_stats={r: stats for r in self.live}))
+        self.replied = _Call(None)
+
+
+def _health(app) -> tuple[int, dict]:
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.get("/health")
+            return r.status_code, r.json()
+
+    return asyncio.run(get())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from radixkv.models.loader import load_tokenizer
+
+    return load_tokenizer()
+
+
+def test_health_reports_dead_replicas(tokenizer):
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts, sum_stats
+
+    stats = sum_stats([]).as_dict()  # a replica's stats as it pushes them (their values do not matter here)
+    index = _Index(["r0", "r1"], stats)
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    llm = ray_mod.RemoteLLM(handle=None, tokenizer=tokenizer, facts=facts, index=index, replicas=2)
+    app = create_app(llm, served_model_name="m")
+
+    assert _health(app) == (200, {"status": "ok", "degraded_tiers": [], "replicas": {"live": 2, "replicas": 2}})
+    index.live[:] = ["r1"]  # r0 died: requests go to r1, the deployment is degraded
+    assert _health(app) == (200, {"status": "degraded", "degraded_tiers": [], "replicas": {"live": 1, "replicas": 2}})
+    index.live[:] = []  # both died: nothing can serve until Serve restarts them
+    code, body = _health(app)
+    assert code == 503 and body["error"]["code"] == "engine_dead", body
+    assert "0 of 2 live" in body["error"]["message"], body
+    index.live[:] = ["r2", "r3"]  # restarted
+    assert _health(app)[0] == 200
+
+
+def test_a_running_request_id_is_refused(tokenizer):
+    from radixkv.errors import RequestError
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = _Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+
+    async def run():
+        first = llm.generate(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="dup")
+        assert (await first.__anext__()).finished is False
+        second = llm.generate(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="dup")
+        with pytest.raises(RequestError, match="'dup' is already running") as e:
+            await second.__anext__()
+        assert e.value.param == "request_id" and handle.calls == ["dup"]  # never sent to a replica
+        handle.release.set()
+        assert [o.finished async for o in first] == [True]
+        again = llm.generate(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="dup")
+        assert [o.finished async for o in again] == [False, True]  # it ended: the id is free again
+        assert llm.num_unfinished_requests() == 0
+
+    asyncio.run(run())
