@@ -26,12 +26,13 @@ class _Call:
 
 
 class _Handle:
-    """The engine deployment's handle: every request streams one unfinished output, then waits
-    for ``release`` and finishes."""
+    """The engine deployment's handle: every request streams one unfinished output (one token
+    per sample), then waits for ``release`` and finishes (``"length"``, a cold prompt)."""
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
         self.calls: list[str] = []
+        self.cancelled = 0
 
     def options(self, **_):
         return self
@@ -43,12 +44,37 @@ class _Handle:
     def remote(self, args: dict):
         self.calls.append(args["request_id"])
 
-        async def stream():
-            yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])])
-            await self.release.wait()
-            yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=[1, 2])])
+        def out(finished: bool, tokens: list[int]):
+            samples = [SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None)]
+            outcome = SimpleNamespace(missed={"cold": len(args["token_ids"])})  # what the metrics read
+            return SimpleNamespace(
+                request_id=args["request_id"],
+                finished=finished,
+                outputs=samples * args["params"].n,
+                prompt_token_ids=args["token_ids"],
+                num_cached_tokens=0,
+                cache_outcome=outcome,
+            )
 
-        return stream()
+        async def stream():
+            yield out(False, [1])
+            await self.release.wait()
+            yield out(True, [1, 2])
+
+        return _Stream(stream(), self)
+
+
+class _Stream:
+    """A streaming call's response: iterated, or cancelled (the ingress aborts it)."""
+
+    def __init__(self, agen, handle: _Handle) -> None:
+        self.agen, self.handle = agen, handle
+
+    def __aiter__(self):
+        return self.agen
+
+    def cancel(self) -> None:
+        self.handle.cancelled += 1
 
 
 class _Index:
@@ -122,3 +148,33 @@ def test_a_running_request_id_is_refused(tokenizer):
         assert llm.num_unfinished_requests() == 0
 
     asyncio.run(run())
+
+
+def test_metrics_count_aborts_and_missed_token_causes(tokenizer):
+    """The app's metrics hear what one engine's events tell them: a request its client left
+    counts ``finish_reason="abort"`` per sample, and a finished request's cache outcome counts
+    ``radixkv_missed_prompt_tokens_total{cause}``."""
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+    from radixkv.server.metrics import ServerMetrics
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = _Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+    metrics = ServerMetrics()
+    llm.subscribe(metrics.on_event)
+
+    async def run():
+        left = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(n=2), request_id="a")
+        await left.__anext__()
+        await left.aclose()  # the client went away after one output
+        handle.release.set()
+        done = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(), request_id="b")
+        assert [o.finished async for o in done] == [False, True]
+
+    asyncio.run(run())
+    text = metrics.render().decode()
+    assert 'radixkv_requests_finished_total{finish_reason="abort"} 2.0' in text, text
+    assert 'radixkv_requests_finished_total{finish_reason="length"} 1.0' in text, text
+    assert 'radixkv_missed_prompt_tokens_total{cause="cold"} 3.0' in text, text
+    assert "radixkv_prompt_tokens_total 3.0" in text, text

@@ -536,6 +536,10 @@ class RemoteLLM:
                 if out.finished and on_finish is not None:
                     on_finish(NO_PINS, out)
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # the consumer left: the replica aborts it
+            if last is None or not last.finished:
+                self._emit_finished(last, Namespace.of(namespace), args["request_id"], args["params"].n)
+            raise
         finally:
             self._open -= 1
             self._running.discard(args["request_id"])
@@ -604,29 +608,39 @@ class RemoteLLM:
                 if not ended:  # the consumer left, or the seam's stop check ended it: abort it there
                     gen.cancel()
 
-    def _emit_finished(self, out: Any, namespace: Optional[Namespace]) -> None:
+    def _emit_finished(
+        self, out: Any, namespace: Optional[Namespace], aborted: Optional[str] = None, n: int = 1
+    ) -> None:
+        """What one engine's events tell the app's metrics of a request that ended: its
+        ``RequestAdmitted`` with the cache outcome (when the replica recorded one), then its
+        ``RequestFinished``, rebuilt from ``out`` (its final output). With ``aborted`` (the request
+        id) the consumer left: ``out`` is the last output it got (None: none) and each of the
+        ``n`` samples not finished then ends ``"abort"``, as one engine reports an abort."""
         if not self._subs:
             return
-        from radixkv.engine.events import RequestFinished
+        from radixkv.engine.events import RequestAdmitted, RequestFinished
 
-        ev = RequestFinished(
-            out.request_id,
-            0,
-            tuple(str(o.finish_reason) for o in out.outputs),
-            len(out.prompt_token_ids or ()),
-            sum(len(o.token_ids) for o in out.outputs),
-            int(out.num_cached_tokens or 0),
-            namespace,
-        )
-        for fn, kinds in self._subs:
-            if kinds is None or isinstance(ev, kinds):
-                try:
-                    fn(ev)
-                except Exception:  # noqa: BLE001
-                    logger.exception("subscriber failed")
+        outs = list(out.outputs) if out is not None else []
+        if aborted is not None:
+            reasons = tuple(str(o.finish_reason or "abort") for o in outs) + ("abort",) * (n - len(outs))
+            rid, outcome = aborted, None
+        else:
+            reasons, rid, outcome = tuple(str(o.finish_reason) for o in outs), out.request_id, out.cache_outcome
+        prompt = len(out.prompt_token_ids or ()) if out is not None else 0
+        cached = int(out.num_cached_tokens or 0) if out is not None else 0
+        evs = [] if outcome is None else [RequestAdmitted(rid, 0, 0, prompt, cached, cached, False, namespace, outcome)]
+        evs.append(RequestFinished(rid, 0, reasons, prompt, sum(len(o.token_ids) for o in outs), cached, namespace))
+        for ev in evs:
+            for fn, kinds in self._subs:
+                if kinds is None or isinstance(ev, kinds):
+                    try:
+                        fn(ev)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("subscriber failed")
 
     def subscribe(self, fn: Callable, kinds: Optional[tuple] = None) -> Callable[[], None]:
-        """Request-finished events, rebuilt from each request's final output."""
+        """``RequestAdmitted`` (with the cache outcome) and ``RequestFinished`` events, rebuilt
+        at the ingress from each request's final output (or, for an abort, its last output)."""
         entry = (fn, tuple(kinds) if kinds is not None else None)
         self._subs.append(entry)
         return lambda: entry in self._subs and self._subs.remove(entry)

@@ -319,8 +319,9 @@ class EngineBackend(Protocol):
 
     def subscribe(self, fn: Callable[[Any], None], kinds: Optional[tuple[type, ...]] = None) -> Callable[[], None]:
         """Call ``fn(event)`` for the engine's events of ``kinds`` (all when None); returns the
-        unsubscribe function. Across replicas only ``RequestFinished``, rebuilt from each final
-        output at the ingress."""
+        unsubscribe function. Across replicas only ``RequestFinished`` and (with its cache outcome)
+        ``RequestAdmitted``, rebuilt at the ingress from each final output, or from the last
+        output of a request its client left (``"abort"``)."""
 
     async def release_pin(self, pin: Any) -> None:
         """Let go of a pin a finish hook took (a deleted stored Response); None and pins of a
