@@ -178,3 +178,24 @@ def test_metrics_count_aborts_and_missed_token_causes(tokenizer):
     assert 'radixkv_requests_finished_total{finish_reason="length"} 1.0' in text, text
     assert 'radixkv_missed_prompt_tokens_total{cause="cold"} 3.0' in text, text
     assert "radixkv_prompt_tokens_total 3.0" in text, text
+
+
+def test_a_restarted_index_learns_its_replicas_from_their_pushes():
+    """The index actor restarts empty (``max_restarts=-1``): a replica it does not know
+    registers again with its next push (which carries its info) and is asked for a snapshot,
+    so routing sees both replicas again; a replica the index saw die stays removed."""
+    from radixkv.namespace import Namespace
+
+    index = ray_mod.CacheIndex.__ray_metadata__.modified_class()  # the actor's class, in process
+    info = dict(epoch=7, actor_name="a0", pid=1)
+    stats = {"capacity": 64}
+    assert index.push("r0", None, stats) is False and index.replica_ids() == []  # no info: ignored
+    assert index.push("r0", None, stats, info) is True  # registered: send a snapshot
+    assert index.push("r1", None, stats, dict(info, actor_name="a1")) is True
+    assert index.replica_ids() == ["r0", "r1"] and index.state()["replicas"]["r1"]["actor_name"] == "a1"
+    assert index.push("r0", None, stats, info) is False  # known now: no snapshot wanted
+    ns = ray_mod.wire_namespace(Namespace.of(None))
+    picks = {index.route(f"k{i}", dict(token_ids=[i] * 40, namespace=ns), ["r0", "r1"]) for i in range(8)}
+    assert picks == {"r0", "r1"}  # routed by the policy again, not all to the first candidate
+    assert index.remove("r1") is True
+    assert index.push("r1", None, stats, info) is False and index.replica_ids() == ["r0"]  # died: stays out

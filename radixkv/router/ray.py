@@ -128,10 +128,18 @@ class CacheIndex:
             self.removed.append(replica)
         return known
 
-    def push(self, replica: str, batch: Optional[dict], stats: Optional[dict] = None) -> bool:
-        """A replica's batch of cache events (and its stats); True: send a snapshot."""
+    def push(
+        self, replica: str, batch: Optional[dict], stats: Optional[dict] = None, info: Optional[dict] = None
+    ) -> bool:
+        """A replica's batch of cache events (and its stats); True: send a snapshot. ``info``
+        (:meth:`register`'s) registers a replica this index does not know (it restarted empty)."""
         if replica not in self.replicas:
-            return False  # removed (died): later pushes of a zombie are ignored
+            if info is None or replica in self.removed:
+                return False  # removed (died): later pushes of a zombie are ignored
+            self.register(replica, info)  # NOTE: its view starts from the snapshot asked for
+            if stats is not None:
+                self.stats[replica] = stats
+            return True
         if stats is not None:
             self.stats[replica] = stats
         want = False
@@ -382,6 +390,7 @@ class EngineReplica:
         self._index = get_index()
         info = dict(epoch=self.publisher.epoch, actor_name=ray.get_runtime_context().get_actor_name(), pid=os.getpid())
         ray.get(self._index.register.remote(self.replica_id, info))
+        self._info = info  # every push carries it: an index that restarted learns this replica
         self._stop = threading.Event()
         self._interval = push_interval
         self._pusher = threading.Thread(target=self._push_loop, name="radixkv-event-pusher", daemon=True)
@@ -401,7 +410,7 @@ class EngineReplica:
                     last_stats = time.monotonic()
                 if batch is None and stats is None:
                     continue
-                if ray.get(self._index.push.remote(self.replica_id, batch, stats), timeout=30):
+                if ray.get(self._index.push.remote(self.replica_id, batch, stats, self._info), timeout=30):
                     snap = loop.run_until_complete(self.llm.call_in_engine_thread(self.publisher.snapshot))
                     ray.get(self._index.snapshot.remote(self.replica_id, snap), timeout=30)
             except Exception:  # noqa: BLE001 - keep publishing; the index resyncs on a gap
