@@ -199,3 +199,23 @@ def test_a_restarted_index_learns_its_replicas_from_their_pushes():
     assert picks == {"r0", "r1"}  # routed by the policy again, not all to the first candidate
     assert index.remove("r1") is True
     assert index.push("r1", None, stats, info) is False and index.replica_ids() == ["r0"]  # died: stays out
+
+
+def test_an_unavailable_index_is_a_503_not_a_500(tokenizer):
+    """While the index actor restarts, ``/health`` and ``/cache_stats`` answer 503
+    (``engine_dead``, naming the index), not an internal error."""
+    from ray.exceptions import ActorUnavailableError
+
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts
+
+    def unavailable():
+        raise ActorUnavailableError("The actor is temporarily unavailable", b"\0" * 16)
+
+    index = _Index([], {})
+    index.replica_ids = index.state = _Call(unavailable)
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    app = create_app(ray_mod.RemoteLLM(None, tokenizer, facts, index, replicas=2), served_model_name="m")
+    code, body = _health(app)
+    assert code == 503 and body["error"]["code"] == "engine_dead", body
+    assert "cache index is unavailable" in body["error"]["message"], body

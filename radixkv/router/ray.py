@@ -663,7 +663,7 @@ class RemoteLLM:
         if check:
             per = [r["stats"] for r in await self._on_every_replica("check_integrity")]
         else:
-            per = list((await self.index.state.remote())["replica_stats"].values())
+            per = list((await self._ask_index("state"))["replica_stats"].values())
         return sum_stats(per)
 
     async def _on_every_replica(self, method: str, tries: int = 3) -> list[dict]:
@@ -682,7 +682,7 @@ class RemoteLLM:
 
         # NOTE: who answered is checked because Serve's FIFO matching (FIFOMixin) may hand the
         # replica chosen for one request to an older pending one.
-        want = set(await self.index.replica_ids.remote())
+        want = set(await self._ask_index("replica_ids"))
         got: dict[str, dict] = {}
         for _ in range(tries):
             for r in sorted(want - set(got)):
@@ -694,7 +694,7 @@ class RemoteLLM:
                 got.setdefault(res["replica"], res)
             if want <= set(got):
                 break
-            want &= set(await self.index.replica_ids.remote())  # the dead are removed
+            want &= set(await self._ask_index("replica_ids"))  # the dead are removed
         missing = sorted(want - set(got))
         if missing:
             raise EngineDeadError(f"{method}: replicas {missing} did not answer")
@@ -702,7 +702,19 @@ class RemoteLLM:
 
     async def replica_health(self) -> dict[str, int]:
         """``{"live": replicas registered with the index and not seen dead, "replicas": deployed}``."""
-        return dict(live=len(await self.index.replica_ids.remote()), replicas=self.replicas)
+        return dict(live=len(await self._ask_index("replica_ids")), replicas=self.replicas)
+
+    async def _ask_index(self, method: str) -> Any:
+        """The index actor's ``method()``; an :class:`EngineDeadError` (503) while the actor is
+        down or restarting (Ray restarts it; requests are routed without it meanwhile)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        from radixkv.async_llm import EngineDeadError
+
+        try:
+            return await getattr(self.index, method).remote()
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise EngineDeadError(f"the router's cache index is unavailable (restarting): {exc}") from None
 
     async def release_pin(self, pin: Any) -> None:
         """No pins across replicas (:data:`~radixkv.server.backend.NO_PINS`): a no-op."""
