@@ -219,3 +219,39 @@ def test_an_unavailable_index_is_a_503_not_a_500(tokenizer):
     code, body = _health(app)
     assert code == 503 and body["error"]["code"] == "engine_dead", body
     assert "cache index is unavailable" in body["error"]["message"], body
+
+
+def test_a_request_that_cannot_go_on_names_no_internals(tokenizer):
+    """A replica died under unseeded sampling with n=2 after output was delivered: the request
+    ends with an ``EngineDeadError`` saying why, and never Ray's error text (the actor's pid,
+    node IP, names), which goes to the log."""
+    from ray.exceptions import ActorDiedError
+
+    from radixkv.async_llm import EngineDeadError
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    class Dying(_Handle):
+        def remote(self, args: dict):
+            async def stream():
+                yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])] * 2)
+                err = ActorDiedError()
+                err.error_msg = "The actor died. pid: 4242 ip: 10.1.2.3 name: SERVE_REPLICA::x"
+                raise err
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    llm = ray_mod.RemoteLLM(handle=Dying(), tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+
+    async def run():
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+        gen = llm.generate(prompt_token_ids=[5, 6], sampling_params=params, request_id="s")
+        assert (await gen.__anext__()).finished is False
+        with pytest.raises(EngineDeadError) as e:
+            await gen.__anext__()
+        return str(e.value)
+
+    msg = asyncio.run(run())
+    assert msg.startswith("the replica serving s died after 2 output tokens: unseeded sampling with n=2"), msg
+    assert "10.1.2.3" not in msg and "4242" not in msg and "SERVE_REPLICA" not in msg, msg

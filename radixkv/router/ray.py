@@ -599,9 +599,9 @@ class RemoteLLM:
                 n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
                 if plan is None or attempt == MAX_RESUMES:
                     why = why if plan is None else f"{MAX_RESUMES} resumes failed"
-                    raise EngineDeadError(
-                        f"the replica serving {rid} died after {n_out} output tokens: {why} ({exc})"
-                    ) from exc
+                    # NOTE: Ray's error (actor id, pid, node IP) goes to the log, never to the client
+                    logger.warning("the replica serving %s died: %s", rid, exc)
+                    raise EngineDeadError(f"the replica serving {rid} died after {n_out} output tokens: {why}") from exc
                 logger.warning("the replica serving %s died after %d output tokens: %s", rid, n_out, why)
                 call = dict(args, request_id=f"{rid}-resume{attempt + 1}")
                 if plan == "restart":
