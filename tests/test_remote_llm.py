@@ -255,3 +255,41 @@ def test_a_request_that_cannot_go_on_names_no_internals(tokenizer):
     msg = asyncio.run(run())
     assert msg.startswith("the replica serving s died after 2 output tokens: unseeded sampling with n=2"), msg
     assert "10.1.2.3" not in msg and "4242" not in msg and "SERVE_REPLICA" not in msg, msg
+
+
+def test_a_non_streamed_request_restarts_where_a_stream_could_not_go_on(tokenizer):
+    """Unseeded sampling with n=2 whose replica died after some output: streamed, it ends with
+    an error (above); held (a non-streamed answer, :meth:`EngineClient.collect`), its client has
+    none of that output, so it restarts on another replica and finishes."""
+    from ray.exceptions import ActorDiedError
+
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    class DiesOnce(_Handle):
+        def remote(self, args: dict):
+            self.calls.append(args["request_id"])
+            first = len(self.calls) == 1
+
+            async def stream():
+                yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])] * 2)
+                if first:
+                    raise ActorDiedError()
+                yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=[3, 4])] * 2)
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = DiesOnce()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=None, replicas=2)
+
+    async def run():
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=2)
+        gen = llm.generate(prompt_token_ids=[5, 6], sampling_params=params, request_id="h")
+        assert (await gen.__anext__()).finished is False
+        llm.hold_partials("h")
+        return [o async for o in gen]
+
+    rest = asyncio.run(run())
+    assert handle.calls == ["h", "h-resume1"]
+    assert [o.finished for o in rest] == [False, True] and list(rest[-1].outputs[0].token_ids) == [3, 4]

@@ -494,6 +494,7 @@ class RemoteLLM:
         self._subs: list[tuple[Callable, Optional[tuple]]] = []
         self._open = 0
         self._running: set[str] = set()  # request ids of the open streams (one ingress replica)
+        self._held: set[str] = set()  # of those, the ones whose client gets only the final output
 
     def model_facts(self) -> Any:
         """The replicas' :class:`~radixkv.server.backend.ModelFacts` (read from one at start)."""
@@ -552,6 +553,7 @@ class RemoteLLM:
         finally:
             self._open -= 1
             self._running.discard(args["request_id"])
+            self._held.discard(args["request_id"])
             if last is not None and last.finished:
                 self._emit_finished(last, Namespace.of(namespace))
                 if len(last.outputs) == 1 and self.index is not None:
@@ -596,6 +598,8 @@ class RemoteLLM:
                 if isinstance(exc, RayTaskError) and not isinstance(cause, died):
                     raise cause from None  # the engine's own error (e.g. a RequestError)
                 plan, why = resume_plan(params, delivered)
+                if plan is None and rid in self._held:  # the client has nothing a new sample contradicts
+                    plan, why, delivered = "restart", f"restarted ({why}; its client has none of it)", None
                 n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
                 if plan is None or attempt == MAX_RESUMES:
                     why = why if plan is None else f"{MAX_RESUMES} resumes failed"
@@ -715,6 +719,12 @@ class RemoteLLM:
             return await getattr(self.index, method).remote()
         except (ActorUnavailableError, RayActorError) as exc:
             raise EngineDeadError(f"the router's cache index is unavailable (restarting): {exc}") from None
+
+    def hold_partials(self, request_id: str) -> None:
+        """``request_id``'s client gets only its final output: a resume that would be an error
+        restarts it instead (:meth:`_resuming`)."""
+        if request_id in self._running:
+            self._held.add(request_id)
 
     async def release_pin(self, pin: Any) -> None:
         """No pins across replicas (:data:`~radixkv.server.backend.NO_PINS`): a no-op."""

@@ -314,6 +314,12 @@ class EngineBackend(Protocol):
         registered with the router and not seen dead (``L``), of the ``N`` deployed. ``/health``
         answers 503 when ``L`` is 0 and ``"degraded"`` while ``L < N``."""
 
+    def hold_partials(self, request_id: str) -> None:
+        """The consumer of ``request_id``'s stream keeps every output before the final one to
+        itself (a non-streamed answer): across replicas, a request whose replica died and that
+        would end because a new sample contradicts what its client has (docs/routing.md) is
+        restarted instead. One engine: a no-op."""
+
     def num_unfinished_requests(self) -> int:
         """Requests submitted through this backend whose streams are still open."""
 
@@ -364,6 +370,9 @@ class LocalBackend:
     async def replica_health(self) -> Optional[dict[str, int]]:
         """One engine: None (:attr:`is_running` says it all)."""
         return None
+
+    def hold_partials(self, request_id: str) -> None:
+        """One engine: nothing to do (a request never moves)."""
 
     def model_facts(self) -> ModelFacts:
         if self._facts is None:
