@@ -598,9 +598,9 @@ class RemoteLLM:
                 if isinstance(exc, RayTaskError) and not isinstance(cause, died):
                     raise cause from None  # the engine's own error (e.g. a RequestError)
                 plan, why = resume_plan(params, delivered)
+                n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
                 if plan is None and rid in self._held:  # the client has nothing a new sample contradicts
                     plan, why, delivered = "restart", f"restarted ({why}; its client has none of it)", None
-                n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
                 if plan is None or attempt == MAX_RESUMES:
                     why = why if plan is None else f"{MAX_RESUMES} resumes failed"
                     # NOTE: Ray's error (actor id, pid, node IP) goes to the log, never to the client
