@@ -128,10 +128,18 @@ class CacheIndex:
             self.removed.append(replica)
         return known
 
-    def push(self, replica: str, batch: Optional[dict], stats: Optional[dict] = None) -> bool:
-        """A replica's batch of cache events (and its stats); True: send a snapshot."""
+    def push(
+        self, replica: str, batch: Optional[dict], stats: Optional[dict] = None, info: Optional[dict] = None
+    ) -> bool:
+        """A replica's batch of cache events (and its stats); True: send a snapshot. ``info``
+        (:meth:`register`'s) registers a replica this index does not know (it restarted empty)."""
         if replica not in self.replicas:
-            return False  # removed (died): later pushes of a zombie are ignored
+            if info is None or replica in self.removed:
+                return False  # removed (died): later pushes of a zombie are ignored
+            self.register(replica, info)  # NOTE: its view starts from the snapshot asked for
+            if stats is not None:
+                self.stats[replica] = stats
+            return True
         if stats is not None:
             self.stats[replica] = stats
         want = False
@@ -382,6 +390,7 @@ class EngineReplica:
         self._index = get_index()
         info = dict(epoch=self.publisher.epoch, actor_name=ray.get_runtime_context().get_actor_name(), pid=os.getpid())
         ray.get(self._index.register.remote(self.replica_id, info))
+        self._info = info  # every push carries it: an index that restarted learns this replica
         self._stop = threading.Event()
         self._interval = push_interval
         self._pusher = threading.Thread(target=self._push_loop, name="radixkv-event-pusher", daemon=True)
@@ -401,7 +410,7 @@ class EngineReplica:
                     last_stats = time.monotonic()
                 if batch is None and stats is None:
                     continue
-                if ray.get(self._index.push.remote(self.replica_id, batch, stats), timeout=30):
+                if ray.get(self._index.push.remote(self.replica_id, batch, stats, self._info), timeout=30):
                     snap = loop.run_until_complete(self.llm.call_in_engine_thread(self.publisher.snapshot))
                     ray.get(self._index.snapshot.remote(self.replica_id, snap), timeout=30)
             except Exception:  # noqa: BLE001 - keep publishing; the index resyncs on a gap
@@ -470,10 +479,12 @@ class RemoteLLM:
         facts: a replica's :class:`~radixkv.server.backend.ModelFacts` (every replica serves
             the same model and config).
         index: the :class:`CacheIndex` actor.
+        replicas: the replicas deployed (``/health`` is degraded while fewer are live).
     """
 
-    def __init__(self, handle: Any, tokenizer: Any, facts: Any, index: Any) -> None:
+    def __init__(self, handle: Any, tokenizer: Any, facts: Any, index: Any, replicas: int = 1) -> None:
         self.handle = handle
+        self.replicas = int(replicas)
         self.tokenizer = tokenizer
         self.facts = facts
         self.max_context_len = int(facts.max_context_len)
@@ -482,6 +493,8 @@ class RemoteLLM:
         self.dead_error = None
         self._subs: list[tuple[Callable, Optional[tuple]]] = []
         self._open = 0
+        self._running: set[str] = set()  # request ids of the open streams (one ingress replica)
+        self._held: set[str] = set()  # of those, the ones whose client gets only the final output
 
     def model_facts(self) -> Any:
         """The replicas' :class:`~radixkv.server.backend.ModelFacts` (read from one at start)."""
@@ -501,9 +514,11 @@ class RemoteLLM:
         runs here, on the ingress, before the final output is delivered, with
         :data:`~radixkv.server.backend.NO_PINS` (the replicas' KV cannot be pinned from the
         ingress; a stored Response keeps its context tokens and its follow-up is routed to the
-        replica that caches them)."""
+        replica that caches them). A ``request_id`` already running here is refused (a
+        ``RequestError`` naming it, as one engine refuses it), whichever replica runs it."""
         import uuid
 
+        from radixkv.errors import RequestError
         from radixkv.sampling_params import SamplingParams
         from radixkv.server.backend import NO_PINS
 
@@ -520,6 +535,9 @@ class RemoteLLM:
             params=sampling_params if sampling_params is not None else SamplingParams(),
             namespace=wire_namespace(namespace),
         )
+        if args["request_id"] in self._running:
+            raise RequestError(f"request_id {args['request_id']!r} is already running", "request_id")
+        self._running.add(args["request_id"])
         self._open += 1
         last = None  # the last output yielded to the consumer
         try:
@@ -528,8 +546,14 @@ class RemoteLLM:
                 if out.finished and on_finish is not None:
                     on_finish(NO_PINS, out)
                 yield out
+        except (GeneratorExit, asyncio.CancelledError):  # the consumer left: the replica aborts it
+            if last is None or not last.finished:
+                self._emit_finished(last, Namespace.of(namespace), args["request_id"], args["params"].n)
+            raise
         finally:
             self._open -= 1
+            self._running.discard(args["request_id"])
+            self._held.discard(args["request_id"])
             if last is not None and last.finished:
                 self._emit_finished(last, Namespace.of(namespace))
                 if len(last.outputs) == 1 and self.index is not None:
@@ -575,11 +599,13 @@ class RemoteLLM:
                     raise cause from None  # the engine's own error (e.g. a RequestError)
                 plan, why = resume_plan(params, delivered)
                 n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
+                if plan is None and rid in self._held:  # the client has nothing a new sample contradicts
+                    plan, why, delivered = "restart", f"restarted ({why}; its client has none of it)", None
                 if plan is None or attempt == MAX_RESUMES:
                     why = why if plan is None else f"{MAX_RESUMES} resumes failed"
-                    raise EngineDeadError(
-                        f"the replica serving {rid} died after {n_out} output tokens: {why} ({exc})"
-                    ) from exc
+                    # NOTE: Ray's error (actor id, pid, node IP) goes to the log, never to the client
+                    logger.warning("the replica serving %s died: %s", rid, exc)
+                    raise EngineDeadError(f"the replica serving {rid} died after {n_out} output tokens: {why}") from exc
                 logger.warning("the replica serving %s died after %d output tokens: %s", rid, n_out, why)
                 call = dict(args, request_id=f"{rid}-resume{attempt + 1}")
                 if plan == "restart":
@@ -595,29 +621,39 @@ class RemoteLLM:
                 if not ended:  # the consumer left, or the seam's stop check ended it: abort it there
                     gen.cancel()
 
-    def _emit_finished(self, out: Any, namespace: Optional[Namespace]) -> None:
+    def _emit_finished(
+        self, out: Any, namespace: Optional[Namespace], aborted: Optional[str] = None, n: int = 1
+    ) -> None:
+        """What one engine's events tell the app's metrics of a request that ended: its
+        ``RequestAdmitted`` with the cache outcome (when the replica recorded one), then its
+        ``RequestFinished``, rebuilt from ``out`` (its final output). With ``aborted`` (the request
+        id) the consumer left: ``out`` is the last output it got (None: none) and each of the
+        ``n`` samples not finished then ends ``"abort"``, as one engine reports an abort."""
         if not self._subs:
             return
-        from radixkv.engine.events import RequestFinished
+        from radixkv.engine.events import RequestAdmitted, RequestFinished
 
-        ev = RequestFinished(
-            out.request_id,
-            0,
-            tuple(str(o.finish_reason) for o in out.outputs),
-            len(out.prompt_token_ids or ()),
-            sum(len(o.token_ids) for o in out.outputs),
-            int(out.num_cached_tokens or 0),
-            namespace,
-        )
-        for fn, kinds in self._subs:
-            if kinds is None or isinstance(ev, kinds):
-                try:
-                    fn(ev)
-                except Exception:  # noqa: BLE001
-                    logger.exception("subscriber failed")
+        outs = list(out.outputs) if out is not None else []
+        if aborted is not None:
+            reasons = tuple(str(o.finish_reason or "abort") for o in outs) + ("abort",) * (n - len(outs))
+            rid, outcome = aborted, None
+        else:
+            reasons, rid, outcome = tuple(str(o.finish_reason) for o in outs), out.request_id, out.cache_outcome
+        prompt = len(out.prompt_token_ids or ()) if out is not None else 0
+        cached = int(out.num_cached_tokens or 0) if out is not None else 0
+        evs = [] if outcome is None else [RequestAdmitted(rid, 0, 0, prompt, cached, cached, False, namespace, outcome)]
+        evs.append(RequestFinished(rid, 0, reasons, prompt, sum(len(o.token_ids) for o in outs), cached, namespace))
+        for ev in evs:
+            for fn, kinds in self._subs:
+                if kinds is None or isinstance(ev, kinds):
+                    try:
+                        fn(ev)
+                    except Exception:  # noqa: BLE001
+                        logger.exception("subscriber failed")
 
     def subscribe(self, fn: Callable, kinds: Optional[tuple] = None) -> Callable[[], None]:
-        """Request-finished events, rebuilt from each request's final output."""
+        """``RequestAdmitted`` (with the cache outcome) and ``RequestFinished`` events, rebuilt
+        at the ingress from each request's final output (or, for an abort, its last output)."""
         entry = (fn, tuple(kinds) if kinds is not None else None)
         self._subs.append(entry)
         return lambda: entry in self._subs and self._subs.remove(entry)
@@ -631,7 +667,7 @@ class RemoteLLM:
         if check:
             per = [r["stats"] for r in await self._on_every_replica("check_integrity")]
         else:
-            per = list((await self.index.state.remote())["replica_stats"].values())
+            per = list((await self._ask_index("state"))["replica_stats"].values())
         return sum_stats(per)
 
     async def _on_every_replica(self, method: str, tries: int = 3) -> list[dict]:
@@ -650,7 +686,7 @@ class RemoteLLM:
 
         # NOTE: who answered is checked because Serve's FIFO matching (FIFOMixin) may hand the
         # replica chosen for one request to an older pending one.
-        want = set(await self.index.replica_ids.remote())
+        want = set(await self._ask_index("replica_ids"))
         got: dict[str, dict] = {}
         for _ in range(tries):
             for r in sorted(want - set(got)):
@@ -662,11 +698,33 @@ class RemoteLLM:
                 got.setdefault(res["replica"], res)
             if want <= set(got):
                 break
-            want &= set(await self.index.replica_ids.remote())  # the dead are removed
+            want &= set(await self._ask_index("replica_ids"))  # the dead are removed
         missing = sorted(want - set(got))
         if missing:
             raise EngineDeadError(f"{method}: replicas {missing} did not answer")
         return [got[r] for r in sorted(got)]
+
+    async def replica_health(self) -> dict[str, int]:
+        """``{"live": replicas registered with the index and not seen dead, "replicas": deployed}``."""
+        return dict(live=len(await self._ask_index("replica_ids")), replicas=self.replicas)
+
+    async def _ask_index(self, method: str) -> Any:
+        """The index actor's ``method()``; an :class:`EngineDeadError` (503) while the actor is
+        down or restarting (Ray restarts it; requests are routed without it meanwhile)."""
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        from radixkv.async_llm import EngineDeadError
+
+        try:
+            return await getattr(self.index, method).remote()
+        except (ActorUnavailableError, RayActorError) as exc:
+            raise EngineDeadError(f"the router's cache index is unavailable (restarting): {exc}") from None
+
+    def hold_partials(self, request_id: str) -> None:
+        """``request_id``'s client gets only its final output: a resume that would be an error
+        restarts it instead (:meth:`_resuming`)."""
+        if request_id in self._running:
+            self._held.add(request_id)
 
     async def release_pin(self, pin: Any) -> None:
         """No pins across replicas (:data:`~radixkv.server.backend.NO_PINS`): a no-op."""
@@ -693,10 +751,16 @@ class RemoteLLM:
 class Ingress:
     """The OpenAI app (:func:`radixkv.server.app.create_app`) over :class:`RemoteLLM`, behind the
     same API keys as one engine's (``api_keys``: :meth:`APIKeys.to_wire
-    <radixkv.server.auth.APIKeys.to_wire>`, the keys' digests and tenants, never the keys)."""
+    <radixkv.server.auth.APIKeys.to_wire>`, the keys' digests and tenants, never the keys);
+    ``replicas``: the engine deployment's replica count (``/health``)."""
 
     async def __init__(
-        self, engine_handle: Any, served_model_name: str, model: str = "smollm2-135m", api_keys: Optional[list] = None
+        self,
+        engine_handle: Any,
+        served_model_name: str,
+        model: str = "smollm2-135m",
+        api_keys: Optional[list] = None,
+        replicas: int = 1,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -708,7 +772,7 @@ class Ingress:
         self.api_keys = api_keys
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
-        self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index())
+        self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index(), replicas)
 
     def __serve_build_asgi_app__(self):
         from radixkv.server.app import create_app
@@ -769,7 +833,7 @@ def build_app(
         ray_actor_options={"num_cpus": ingress_cpus},
     )
     wire = api_keys.to_wire() if api_keys is not None else None
-    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire)
+    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire, replicas)
 
 
 def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -> None:

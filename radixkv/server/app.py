@@ -12,7 +12,7 @@ Routes:
 | GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin) |
 | GET | ``/v1/models`` | the served model |
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
-| GET | ``/health`` | 200 ``{"status": "ok" or "degraded", "degraded_tiers": [...]}`` while the engine runs (a failing KV tier, e.g. Redis down, is a miss: still 200, named there), 503 otherwise |
+| GET | ``/health`` | 200 ``{"status": "ok" or "degraded", "degraded_tiers": [...]}`` while the engine runs (a failing KV tier, e.g. Redis down, is a miss: still 200, named there), 503 otherwise; across replicas also ``"replicas": {"live": L, "replicas": N}``, ``"degraded"`` while ``L < N``, 503 while ``L`` is 0 |
 | GET | ``/metrics`` | Prometheus text (see :mod:`radixkv.server.metrics`) |
 | GET | ``/cache_stats`` | ``Engine.cache_stats()`` as JSON (capacity, free, evictable, protected, hit_rate, running, waiting, ...; summed over replicas); ``?check=1`` first runs ``Engine.check_integrity()`` (every slot owned once; 500 when not) on the engine, on every replica |
 | GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's; ``?tiers=true``: also the KV tiers the engine owns, host and disk, not a shared remote tier) |
@@ -282,9 +282,15 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
     async def health() -> Response:
         if not backend.is_running:
             raise EngineDeadError(f"the engine thread has stopped: {backend.dead_error!r}")
+        reps = await backend.replica_health()
+        if reps is not None and reps["live"] == 0:
+            raise EngineDeadError(f"no replica is serving (0 of {reps['replicas']} live; Ray Serve restarts them)")
         tiers = (await client.cache_stats()).tiers  # a failing KV tier is a miss: still healthy
         degraded = sorted(m for m, t in tiers.items() if t.get("degraded"))
-        return JSONResponse({"status": "degraded" if degraded else "ok", "degraded_tiers": degraded})
+        body: dict = {"status": "degraded" if degraded else "ok", "degraded_tiers": degraded}
+        if reps is not None:  # a dead replica's requests go elsewhere: still healthy
+            body.update(replicas=reps, status="degraded" if degraded or reps["live"] < reps["replicas"] else "ok")
+        return JSONResponse(body)
 
     @app.get("/cache_stats")
     async def cache_stats(request: Request) -> dict:

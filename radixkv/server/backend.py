@@ -309,13 +309,25 @@ class EngineBackend(Protocol):
                 queued for them; never a shared remote tier), ``/flush_cache?tiers=true``.
         """
 
+    async def replica_health(self) -> Optional[dict[str, int]]:
+        """None for one engine; across replicas ``{"live": L, "replicas": N}``: the replicas
+        registered with the router and not seen dead (``L``), of the ``N`` deployed. ``/health``
+        answers 503 when ``L`` is 0 and ``"degraded"`` while ``L < N``."""
+
+    def hold_partials(self, request_id: str) -> None:
+        """The consumer of ``request_id``'s stream keeps every output before the final one to
+        itself (a non-streamed answer): across replicas, a request whose replica died and that
+        would end because a new sample contradicts what its client has (docs/routing.md) is
+        restarted instead. One engine: a no-op."""
+
     def num_unfinished_requests(self) -> int:
         """Requests submitted through this backend whose streams are still open."""
 
     def subscribe(self, fn: Callable[[Any], None], kinds: Optional[tuple[type, ...]] = None) -> Callable[[], None]:
         """Call ``fn(event)`` for the engine's events of ``kinds`` (all when None); returns the
-        unsubscribe function. Across replicas only ``RequestFinished``, rebuilt from each final
-        output at the ingress."""
+        unsubscribe function. Across replicas only ``RequestFinished`` and (with its cache outcome)
+        ``RequestAdmitted``, rebuilt at the ingress from each final output, or from the last
+        output of a request its client left (``"abort"``)."""
 
     async def release_pin(self, pin: Any) -> None:
         """Let go of a pin a finish hook took (a deleted stored Response); None and pins of a
@@ -354,6 +366,13 @@ class LocalBackend:
     @property
     def dead_error(self) -> Optional[BaseException]:
         return self.llm.dead_error
+
+    async def replica_health(self) -> Optional[dict[str, int]]:
+        """One engine: None (:attr:`is_running` says it all)."""
+        return None
+
+    def hold_partials(self, request_id: str) -> None:
+        """One engine: nothing to do (a request never moves)."""
 
     def model_facts(self) -> ModelFacts:
         if self._facts is None:

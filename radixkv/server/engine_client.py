@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from starlette.requests import Request
@@ -71,11 +71,13 @@ class Run:
         rest: later ``(prompt index, output)`` pairs until every request finished; closing it
             aborts the unfinished ones (a disconnect frees their KV slots).
         usage: builds OpenAI usage from the latest outputs.
+        request_ids: each prompt's engine request id.
     """
 
     firsts: list[RequestOutput]
     rest: AsyncIterator[tuple[int, RequestOutput]]
     usage: Callable[[list], Usage]
+    request_ids: list[str] = field(default_factory=list)
 
 
 class EngineClient:
@@ -191,7 +193,7 @@ class EngineClient:
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
             )
 
-        return Run(firsts, rest(), usage)
+        return Run(firsts, rest(), usage, rids)
 
     async def collect(self, raw: Request, run: Run) -> list:
         """Run to completion for a non-streamed answer; a client that disconnects aborts it.
@@ -199,6 +201,8 @@ class EngineClient:
         Raises:
             ClientDisconnected: the client went away first.
         """
+        for rid in run.request_ids:  # nothing before the final output reaches the client
+            self.backend.hold_partials(rid)
         latest = list(run.firsts)
         try:
             async for i, out in run.rest:

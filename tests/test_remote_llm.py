@@ -1,0 +1,295 @@
+"""The ingress of ``radixkv serve --replicas N`` (radixkv.router.ray.RemoteLLM, and the app over
+it) without a Ray cluster: the router's index and the engine deployment's handle are stand-ins.
+``/health``: with every replica dead (Serve restarting them) it answers 503, with some dead
+``"degraded"``, and names how many are live. A request id already running is refused as one
+engine refuses it, though another replica would run it."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+ray_mod = pytest.importorskip("radixkv.router.ray")
+
+
+class _Call:
+    def __init__(self, value):
+        self.value = value
+
+    def remote(self, *args):
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(self.value() if callable(self.value) else self.value)
+        return fut
+
+
+class _Handle:
+    """The engine deployment's handle: every request streams one unfinished output (one token
+    per sample), then waits for ``release`` and finishes (``"length"``, a cold prompt)."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.calls: list[str] = []
+        self.cancelled = 0
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, args: dict):
+        self.calls.append(args["request_id"])
+
+        def out(finished: bool, tokens: list[int]):
+            samples = [SimpleNamespace(token_ids=tokens, finish_reason="length" if finished else None)]
+            outcome = SimpleNamespace(missed={"cold": len(args["token_ids"])})  # what the metrics read
+            return SimpleNamespace(
+                request_id=args["request_id"],
+                finished=finished,
+                outputs=samples * args["params"].n,
+                prompt_token_ids=args["token_ids"],
+                num_cached_tokens=0,
+                cache_outcome=outcome,
+            )
+
+        async def stream():
+            yield out(False, [1])
+            await self.release.wait()
+            yield out(True, [1, 2])
+
+        return _Stream(stream(), self)
+
+
+class _Stream:
+    """A streaming call's response: iterated, or cancelled (the ingress aborts it)."""
+
+    def __init__(self, agen, handle: _Handle) -> None:
+        self.agen, self.handle = agen, handle
+
+    def __aiter__(self):
+        return self.agen
+
+    def cancel(self) -> None:
+        self.handle.cancelled += 1
+
+
+class _Index:
+    """The :class:`~radixkv.router.ray.CacheIndex` calls the ingress makes, over a mutable list
+    of live replicas (each pushed the same stats)."""
+
+    def __init__(self, live: list[str], stats: dict) -> None:
+        self.live = live
+        self.replica_ids = _Call(lambda: list(self.live))
+        self.state = _Call(lambda: dict(replica_stats={r: stats for r in self.live}))
+        self.replied = _Call(None)
+
+
+def _health(app) -> tuple[int, dict]:
+    async def get():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.get("/health")
+            return r.status_code, r.json()
+
+    return asyncio.run(get())
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from radixkv.models.loader import load_tokenizer
+
+    return load_tokenizer()
+
+
+def test_health_reports_dead_replicas(tokenizer):
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts, sum_stats
+
+    stats = sum_stats([]).as_dict()  # a replica's stats as it pushes them (their values do not matter here)
+    index = _Index(["r0", "r1"], stats)
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    llm = ray_mod.RemoteLLM(handle=None, tokenizer=tokenizer, facts=facts, index=index, replicas=2)
+    app = create_app(llm, served_model_name="m")
+
+    assert _health(app) == (200, {"status": "ok", "degraded_tiers": [], "replicas": {"live": 2, "replicas": 2}})
+    index.live[:] = ["r1"]  # r0 died: requests go to r1, the deployment is degraded
+    assert _health(app) == (200, {"status": "degraded", "degraded_tiers": [], "replicas": {"live": 1, "replicas": 2}})
+    index.live[:] = []  # both died: nothing can serve until Serve restarts them
+    code, body = _health(app)
+    assert code == 503 and body["error"]["code"] == "engine_dead", body
+    assert "0 of 2 live" in body["error"]["message"], body
+    index.live[:] = ["r2", "r3"]  # restarted
+    assert _health(app)[0] == 200
+
+
+def test_a_running_request_id_is_refused(tokenizer):
+    from radixkv.errors import RequestError
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = _Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+
+    async def run():
+        first = llm.generate(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="dup")
+        assert (await first.__anext__()).finished is False
+        second = llm.generate(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="dup")
+        with pytest.raises(RequestError, match="'dup' is already running") as e:
+            await second.__anext__()
+        assert e.value.param == "request_id" and handle.calls == ["dup"]  # never sent to a replica
+        handle.release.set()
+        assert [o.finished async for o in first] == [True]
+        again = llm.generate(prompt_token_ids=[5, 6], sampling_params=SamplingParams(max_tokens=2), request_id="dup")
+        assert [o.finished async for o in again] == [False, True]  # it ended: the id is free again
+        assert llm.num_unfinished_requests() == 0
+
+    asyncio.run(run())
+
+
+def test_metrics_count_aborts_and_missed_token_causes(tokenizer):
+    """The app's metrics hear what one engine's events tell them: a request its client left
+    counts ``finish_reason="abort"`` per sample, and a finished request's cache outcome counts
+    ``radixkv_missed_prompt_tokens_total{cause}``."""
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+    from radixkv.server.metrics import ServerMetrics
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = _Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+    metrics = ServerMetrics()
+    llm.subscribe(metrics.on_event)
+
+    async def run():
+        left = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(n=2), request_id="a")
+        await left.__anext__()
+        await left.aclose()  # the client went away after one output
+        handle.release.set()
+        done = llm.generate(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(), request_id="b")
+        assert [o.finished async for o in done] == [False, True]
+
+    asyncio.run(run())
+    text = metrics.render().decode()
+    assert 'radixkv_requests_finished_total{finish_reason="abort"} 2.0' in text, text
+    assert 'radixkv_requests_finished_total{finish_reason="length"} 1.0' in text, text
+    assert 'radixkv_missed_prompt_tokens_total{cause="cold"} 3.0' in text, text
+    assert "radixkv_prompt_tokens_total 3.0" in text, text
+
+
+def test_a_restarted_index_learns_its_replicas_from_their_pushes():
+    """The index actor restarts empty (``max_restarts=-1``): a replica it does not know
+    registers again with its next push (which carries its info) and is asked for a snapshot,
+    so routing sees both replicas again; a replica the index saw die stays removed."""
+    from radixkv.namespace import Namespace
+
+    index = ray_mod.CacheIndex.__ray_metadata__.modified_class()  # the actor's class, in process
+    info = dict(epoch=7, actor_name="a0", pid=1)
+    stats = {"capacity": 64}
+    assert index.push("r0", None, stats) is False and index.replica_ids() == []  # no info: ignored
+    assert index.push("r0", None, stats, info) is True  # registered: send a snapshot
+    assert index.push("r1", None, stats, dict(info, actor_name="a1")) is True
+    assert index.replica_ids() == ["r0", "r1"] and index.state()["replicas"]["r1"]["actor_name"] == "a1"
+    assert index.push("r0", None, stats, info) is False  # known now: no snapshot wanted
+    ns = ray_mod.wire_namespace(Namespace.of(None))
+    picks = {index.route(f"k{i}", dict(token_ids=[i] * 40, namespace=ns), ["r0", "r1"]) for i in range(8)}
+    assert picks == {"r0", "r1"}  # routed by the policy again, not all to the first candidate
+    assert index.remove("r1") is True
+    assert index.push("r1", None, stats, info) is False and index.replica_ids() == ["r0"]  # died: stays out
+
+
+def test_an_unavailable_index_is_a_503_not_a_500(tokenizer):
+    """While the index actor restarts, ``/health`` and ``/cache_stats`` answer 503
+    (``engine_dead``, naming the index), not an internal error."""
+    from ray.exceptions import ActorUnavailableError
+
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts
+
+    def unavailable():
+        raise ActorUnavailableError("The actor is temporarily unavailable", b"\0" * 16)
+
+    index = _Index([], {})
+    index.replica_ids = index.state = _Call(unavailable)
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    app = create_app(ray_mod.RemoteLLM(None, tokenizer, facts, index, replicas=2), served_model_name="m")
+    code, body = _health(app)
+    assert code == 503 and body["error"]["code"] == "engine_dead", body
+    assert "cache index is unavailable" in body["error"]["message"], body
+
+
+def test_a_request_that_cannot_go_on_names_no_internals(tokenizer):
+    """A replica died under unseeded sampling with n=2 after output was delivered: the request
+    ends with an ``EngineDeadError`` saying why, and never Ray's error text (the actor's pid,
+    node IP, names), which goes to the log."""
+    from ray.exceptions import ActorDiedError
+
+    from radixkv.async_llm import EngineDeadError
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    class Dying(_Handle):
+        def remote(self, args: dict):
+            async def stream():
+                yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])] * 2)
+                err = ActorDiedError()
+                err.error_msg = "The actor died. pid: 4242 ip: 10.1.2.3 name: SERVE_REPLICA::x"
+                raise err
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    llm = ray_mod.RemoteLLM(handle=Dying(), tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+
+    async def run():
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=8)
+        gen = llm.generate(prompt_token_ids=[5, 6], sampling_params=params, request_id="s")
+        assert (await gen.__anext__()).finished is False
+        with pytest.raises(EngineDeadError) as e:
+            await gen.__anext__()
+        return str(e.value)
+
+    msg = asyncio.run(run())
+    assert msg.startswith("the replica serving s died after 2 output tokens: unseeded sampling with n=2"), msg
+    assert "10.1.2.3" not in msg and "4242" not in msg and "SERVE_REPLICA" not in msg, msg
+
+
+def test_a_non_streamed_request_restarts_where_a_stream_could_not_go_on(tokenizer):
+    """Unseeded sampling with n=2 whose replica died after some output: streamed, it ends with
+    an error (above); held (a non-streamed answer, :meth:`EngineClient.collect`), its client has
+    none of that output, so it restarts on another replica and finishes."""
+    from ray.exceptions import ActorDiedError
+
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    class DiesOnce(_Handle):
+        def remote(self, args: dict):
+            self.calls.append(args["request_id"])
+            first = len(self.calls) == 1
+
+            async def stream():
+                yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])] * 2)
+                if first:
+                    raise ActorDiedError()
+                yield SimpleNamespace(finished=True, outputs=[SimpleNamespace(token_ids=[3, 4])] * 2)
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = DiesOnce()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=None, replicas=2)
+
+    async def run():
+        params = SamplingParams(n=2, temperature=1.0, max_tokens=2)
+        gen = llm.generate(prompt_token_ids=[5, 6], sampling_params=params, request_id="h")
+        assert (await gen.__anext__()).finished is False
+        llm.hold_partials("h")
+        return [o async for o in gen]
+
+    rest = asyncio.run(run())
+    assert handle.calls == ["h", "h-resume1"]
+    assert [o.finished for o in rest] == [False, True] and list(rest[-1].outputs[0].token_ids) == [3, 4]
