@@ -225,12 +225,13 @@ def test_plan_parts_runs_a_part_after_the_part_whose_slots_it_reads():
         5: list(range(200, 211)) + list(range(600, 620)),  # rides on row 4's position 10
     }
 
-    def slot_at(row, pos):
-        return r2t[row][pos]
+    table = -torch.arange(6 * 64).reshape(6, 64) - 1  # slots no row holds: -1, -2, ...
+    for row, slots in r2t.items():
+        table[row, : len(slots)] = torch.tensor(slots)
 
     def plan(rows, prefix, extend):
         lrows = [sum(extend[: i + 1]) - 1 for i in range(len(rows))]
-        return row_split.plan_parts(list(range(sum(extend))), rows, prefix, extend, lrows, 4, slot_at=slot_at)
+        return row_split.plan_parts(list(range(sum(extend))), rows, prefix, extend, lrows, 4, table=table)
 
     parts = plan([1, 2], [0, 33], [50, 1])
     assert [p.rows for p in parts] == [[1], [2]] and [p.out for p in parts] == [[0], [1]]  # the source first
@@ -240,7 +241,7 @@ def test_plan_parts_runs_a_part_after_the_part_whose_slots_it_reads():
     assert [p.rows for p in row_split.plan_parts(list(range(51)), [1, 2], [0, 33], [50, 1], [49, 50], 4)] == [
         [2],
         [1],
-    ]  # without slot_at: no slots are shared
+    ]  # without a table: no slots are shared
 
 
 def test_a_one_token_rider_in_the_same_forward_gets_its_alone_answer():

@@ -276,9 +276,8 @@ class ModelRunner:
                 return None
         except (TypeError, ValueError, RuntimeError):
             return None
-        table = self.req_to_token_pool.req_to_token.numpy()  # a view: the CPU block table (row_exact)
         parts = row_split.plan_parts(
-            tokens, rows, prefix, extend, lrows, cpu_decode.MAX_ROWS, slot_at=lambda row, pos: int(table[row, pos])
+            tokens, rows, prefix, extend, lrows, cpu_decode.MAX_ROWS, table=self.req_to_token_pool.req_to_token
         )
         if parts is None:
             return None

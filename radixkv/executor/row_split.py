@@ -35,9 +35,6 @@ from radixkv.attention.metadata import ForwardBatch
 
 __all__ = ["Part", "SplitBatch", "plan_parts", "verify_rows"]
 
-SlotAt = Callable[[int, int], int]
-"""``slot_at(row, pos)``: the KV slot of position ``pos`` in block-table row ``row``."""
-
 
 def verify_rows(row: int, prefix_len: int, num_rows: int) -> tuple[list[int], list[int], list[int]]:
     """``(req_rows, prefix_lens, extend_lens)`` of the ``num_rows`` (``k + 1``) verify rows of one
@@ -89,31 +86,33 @@ def _chunks(entries: list[int], rows: list[int], max_rows: int) -> list[list[int
     return chunks
 
 
-def _reads(readers: list[int], writers: list[int], rows: list[int], prefix: list[int], slot_at: SlotAt) -> bool:
+def _reads(readers: list[int], writers: list[int], rows: list[int], prefix: list[int], table: torch.Tensor) -> bool:
     """Whether an entry of ``readers`` attends over a slot an entry of ``writers`` writes in this
-    forward. NOTE: slots are shared as prefixes (a rider's block-table row holds its source's slots
-    from position 0 on), so a reader reads a writer's new K/V exactly when it holds the writer's
-    slot at the writer's first new position."""
-    for j in writers:
-        pos = prefix[j]
-        mine = None
-        for i in readers:
-            if prefix[i] > pos and rows[i] != rows[j]:
-                mine = slot_at(rows[j], pos) if mine is None else mine
-                if slot_at(rows[i], pos) == mine:
-                    return True
-    return False
+    forward (``table``: the block table, int ``[rows, max_context_len]``). NOTE: slots are shared
+    as prefixes (a rider's block-table row holds its source's slots from position 0 on), so a
+    reader reads a writer's new K/V exactly when it holds the writer's slot at the writer's first
+    new position. One gather over all (reader, writer) pairs: a step may split 64 decode rows
+    from 64 more."""
+    if not readers or not writers:
+        return False
+    rr = torch.tensor([rows[i] for i in readers])
+    pr = torch.tensor([prefix[i] for i in readers])
+    rw = torch.tensor([rows[j] for j in writers])
+    pw = torch.tensor([prefix[j] for j in writers])
+    held = table[rr[:, None], pw[None, :]]  # each reader's slot at each writer's first new position
+    hit = (pr[:, None] > pw[None, :]) & (rr[:, None] != rw[None, :]) & (held == table[rw, pw][None, :])
+    return bool(hit.any())
 
 
 def _ordered(
-    groups: list[list[int]], rows: list[int], prefix: list[int], slot_at: SlotAt | None
+    groups: list[list[int]], rows: list[int], prefix: list[int], table: torch.Tensor | None
 ) -> list[list[int]] | None:
     """``groups`` (decode chunks, then the rest) in an order where no part reads a later part's new
     K/V: as given, else the rest first; None when neither order is one."""
-    if slot_at is None or len(groups) < 2:
+    if table is None or len(groups) < 2:
         return groups
     for order in (groups, groups[-1:] + groups[:-1]):
-        if not any(_reads(a, b, rows, prefix, slot_at) for g, a in enumerate(order) for b in order[g + 1 :]):
+        if not any(_reads(a, b, rows, prefix, table) for g, a in enumerate(order) for b in order[g + 1 :]):
             return order
     return None
 
@@ -125,14 +124,14 @@ def plan_parts(
     extend: list[int],
     logits_rows: list[int],
     max_rows: int,
-    slot_at: SlotAt | None = None,
+    table: torch.Tensor | None = None,
 ) -> list[Part] | None:
     """The parts of a batch (module docstring): the decode entries (``extend == 1``) in chunks of at
     most ``max_rows`` tokens, in order, then the other entries as one part; the other entries
     first when a decode entry reads slots they write in this forward (in-batch prefix sharing: a
     request whose only new token is its last rides on another's prefill). ``logits_rows`` are rows
-    of the whole batch's ``T = len(tokens)`` tokens, in ``[0, T)``. ``slot_at(row, pos)`` is the
-    block table's slot (None: entries share no slots).
+    of the whole batch's ``T = len(tokens)`` tokens, in ``[0, T)``. ``table`` is the
+    block table (``req_to_token``, int ``[rows, max_context_len]``; None: entries share no slots).
 
     Returns None when there is nothing to split: no decode entry, only decode entries that fit in
     one chunk, a block-table row used by a decode entry and by a longer one (one request's tokens
@@ -146,7 +145,7 @@ def plan_parts(
     start = [0] * len(extend)
     for i in range(1, len(extend)):
         start[i] = start[i - 1] + extend[i - 1]
-    groups = _ordered(_chunks(decode, rows, max_rows) + ([rest] if rest else []), rows, prefix, slot_at)
+    groups = _ordered(_chunks(decode, rows, max_rows) + ([rest] if rest else []), rows, prefix, table)
     if groups is None:
         return None
     where: dict[int, tuple[int, int]] = {}  # token of the whole batch -> (part, token of the part)

@@ -78,8 +78,7 @@ def grammar_draft_split(
 
 def _forced(matcher: Any, encode: Optional[Callable[[str], List[int]]]) -> List[int]:
     """The tokens of the text ``matcher`` forces next (see :func:`grammar_draft`)."""
-    if encode is not None:
-        text = matcher.find_jump_forward_string()
-        if text:
-            return list(encode(text))
-    return list(matcher.find_jump_forward_tokens())
+    if encode is None:
+        return list(matcher.find_jump_forward_tokens())
+    text = matcher.find_jump_forward_string()  # NOTE: "" inside free text: no second search then
+    return list(encode(text)) if text else []
