@@ -215,9 +215,61 @@ def test_function_call_and_its_output_through_previous_response_id(server, clien
     )
     assert result.output[0].type == "message" and result.output_text
     assert result.usage.input_tokens_details.cached_tokens == context - 1
+    listed = client.responses.input_items.list(result.id, order="asc").data
+    assert [it.type for it in listed] == ["message", "function_call", "function_call_output"]
+    assert (listed[1].id, listed[1].call_id, listed[1].arguments) == (item.id, item.call_id, item.arguments)
+    assert listed[2].call_id == item.call_id and listed[2].output == "Sunny, 21 degrees."
     store = server.server.config.app.state.responses.store
     for rid in list(store._items):
         client.responses.delete(rid)
+    assert_pool_whole(llm)
+
+
+def test_input_items_list_the_chain_newest_first_with_cursor_pages(server, client, llm):
+    first = client.responses.create(model=MODEL, input="Name a colour.", max_output_tokens=4, temperature=0)
+    mine = {
+        "type": "message",
+        "role": "user",
+        "content": [{"type": "input_text", "text": "And a fruit?"}],
+        "id": "msg_mine",
+    }
+    second = client.responses.create(
+        model=MODEL, input=[mine], previous_response_id=first.id, max_output_tokens=4, temperature=0
+    )
+    page = client.responses.input_items.list(second.id)  # default: newest first
+    items = page.data
+    assert [(it.type, getattr(it, "role", None)) for it in items] == [
+        ("message", "user"),
+        ("message", "assistant"),
+        ("message", "user"),
+    ]
+    assert items[0].id == "msg_mine" and items[0].content[0].text == "And a fruit?"
+    assert items[1].id == first.output[0].id and items[1].content[0].text == first.output_text
+    assert items[2].content[0].type == "input_text" and items[2].content[0].text == "Name a colour."
+    assert items[2].id.startswith("msg_") and items[2].status == "completed"
+    assert [it.id for it in client.responses.input_items.list(first.id).data] == [items[2].id]
+    asc = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [it.id for it in asc.data] == [items[2].id, items[1].id] and asc.has_more
+    assert [it.id for it in asc.get_next_page().data] == ["msg_mine"]
+    assert [
+        it.id for it in client.responses.input_items.list(second.id, order="asc", limit=2, after=items[1].id).data
+    ] == ["msg_mine"]
+    url = f"{server.base_url}/v1/responses/{second.id}/input_items"
+    for query, param in (
+        ({"limit": "0"}, "limit"),
+        ({"order": "up"}, "order"),
+        ({"after": "msg_x"}, "after"),
+        ({"include": "message.input_image.image_url"}, "include"),
+        ({"before": "x"}, "before"),
+    ):
+        r = httpx.get(url, params=query)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+    for rid in (first.id, second.id):
+        client.responses.delete(rid)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list(first.id)
     assert_pool_whole(llm)
 
 

@@ -234,7 +234,8 @@ def _respond(result: Any) -> Response:
 
 
 def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, responses: Responses) -> None:
-    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses[/{id}]``, ``/v1/models[/{id}]``."""
+    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses[/{id}[/input_items]]``,
+    ``/v1/models[/{id}]``."""
     completions_handler, chat_handler = Completions(client, models), Chat(client, models)
 
     @app.post("/v1/completions", openapi_extra=_body("CompletionRequest"))
@@ -253,6 +254,10 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> dict:
         return responses.retrieve(response_id, _tenant_name(request))
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, request: Request) -> dict:
+        return responses.list_input_items(response_id, _tenant_name(request), request.query_params)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict:

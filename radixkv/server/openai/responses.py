@@ -14,7 +14,8 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   named) cut by ``max_output_tokens`` is still a ``function_call`` item, status ``incomplete``,
   with the argument text generated so far.
 * ``store`` (default true, as OpenAI's) keeps the Response in the :class:`ResponseStore`:
-  ``GET /v1/responses/{id}`` returns it, ``DELETE`` removes it (and its pin).
+  ``GET /v1/responses/{id}`` returns it, ``GET /v1/responses/{id}/input_items`` lists the items
+  it was generated from (:mod:`.response_items`), ``DELETE`` removes it (and its pin).
 * ``previous_response_id``: the stored conversation (its input and output; not its
   ``instructions``, as in OpenAI) continues with the new ``input``. When the instructions and
   tools are the same, the prompt is the stored context token for token (the previous prompt +
@@ -49,7 +50,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Mapping, Optional
 
 from starlette.requests import Request
 
@@ -61,6 +62,7 @@ from radixkv.server.backend import Pins
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params, tool_plan
 from radixkv.server.openai.protocol import APIError, server_error_event
+from radixkv.server.openai.response_items import input_items, page
 from radixkv.server.openai.responses_protocol import ResponsesRequest, chat_param, input_messages, remap_error
 from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
 from radixkv.server.sse import chain, framed
@@ -88,6 +90,8 @@ class StoredResponse:
         pin: the KV manager's pin on the cached prefix of ``tokens`` (None: unpinned).
         namespace: the prefix-cache namespace it ran in (None: the shared default): its pin is
             taken in it; its ``tenant`` owns the response.
+        input_items: the items it was generated from, oldest first
+            (:func:`~radixkv.server.openai.response_items.input_items`).
     """
 
     body: dict
@@ -98,6 +102,7 @@ class StoredResponse:
     stop_text: str = ""
     pin: Any = None
     namespace: Optional[Namespace] = None
+    input_items: list[dict] = field(default_factory=list)
 
     @property
     def tenant(self) -> Optional[str]:
@@ -433,6 +438,7 @@ class Responses:
                     code="previous_response_not_found",
                 )
         ids, new_history, chat_req, plan = self._prompt(req, prev)
+        in_items = input_items(req.input, (prev.input_items, prev.body.get("output", [])) if prev is not None else None)
         try:
             params = sampling_params(chat_req, [len(ids)], self.client.max_context_len, None, "input", plan)
         except APIError as exc:
@@ -451,7 +457,7 @@ class Responses:
             tokens = list(ids) + list(c.token_ids)
             pin = pins.pin_prefix(tokens, namespace)
             item = holder["item"] = StoredResponse(
-                {}, [], req.instructions, list(plan.tools), tokens, reply_stop_text(tok, c), pin, namespace
+                {}, [], req.instructions, list(plan.tools), tokens, reply_stop_text(tok, c), pin, namespace, in_items
             )
             store.put(rid, item, pins)
 
@@ -510,10 +516,18 @@ class Responses:
     def retrieve(self, rid: str, tenant: Optional[str] = None) -> dict:
         """The stored Response ``rid`` of ``tenant`` (None: no API keys). Raises :class:`APIError`
         404 when unknown or another tenant's (the same answer)."""
+        return self._stored(rid, tenant).body
+
+    def _stored(self, rid: str, tenant: Optional[str]) -> StoredResponse:
         item = self.store.get(rid, tenant)
         if item is None or not item.body:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
-        return item.body
+        return item
+
+    def list_input_items(self, rid: str, tenant: Optional[str], query: Mapping[str, str]) -> dict:
+        """A page of the stored Response ``rid``'s input items (:func:`.response_items.page`).
+        Raises :class:`APIError` 404 as :meth:`retrieve`, 400 for a bad query parameter."""
+        return page(self._stored(rid, tenant).input_items, query)
 
     async def _forget(self, rid: str) -> None:
         item = self.store.pop(rid)
