@@ -202,6 +202,9 @@ def test_unreachable_at_start_is_degraded_not_an_error(redis_server):
         ("redis://localhost:6379/0?ssl_cert_reqs=none", "not allowed"),
         ("rediss://localhost:6379/0?timeout=3", "not allowed"),
         ("redis://localhost/0#x", "fragment"),
+        ("redis://local host:6379/0", "host 'local host'"),
+        ("redis://cache..internal/0", "host 'cache..internal'"),
+        ("redis://ca$he/0", "host 'ca$he'"),
         ("", "not a URL"),
     ],
 )
@@ -226,6 +229,11 @@ def test_url_forms_and_password_never_shown():
     assert "s3cret" not in repr(u) and u.redacted() == "redis://alice:***@cache.internal:7000/3"
     assert parse_redis_url("redis://localhost").port == 6379 and parse_redis_url("redis://localhost").db == 0
     assert parse_redis_url("redis://[::1]:6380/1").redacted() == "redis://[::1]:6380/1"
+    assert [parse_redis_url(f"redis://{h}/0").host for h in ("10.0.0.7", "redis_1", "cache.internal.")] == [
+        "10.0.0.7",
+        "redis_1",
+        "cache.internal.",
+    ]
     t = parse_redis_url("rediss://:pw@h:6380/0?ssl_cert_reqs=none")
     assert (t.scheme, t.password, t.query) == ("rediss", "pw", (("ssl_cert_reqs", "none"),))
     with pytest.raises(ValueError) as e:

@@ -3,12 +3,15 @@ import): ``redis://[user:password@]host[:port][/db]`` or ``rediss://`` (TLS)."""
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["RedisURL", "parse_redis_url"]
 
+_HOST = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
 _QUERY = {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
 
 
@@ -49,6 +52,15 @@ def _bad(url: str, why: str) -> ValueError:
     )
 
 
+def _valid_host(host: str) -> bool:
+    """A DNS name (letters, digits, ``-``, ``_``, dots) or an IPv4 / IPv6 address."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return _HOST.fullmatch(host) is not None
+
+
 def parse_redis_url(url: str) -> RedisURL:
     """Check ``remote_cache_url``: ``redis://[user:password@]host[:port][/db]`` or ``rediss://``
     (TLS; query options ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
@@ -68,6 +80,8 @@ def parse_redis_url(url: str) -> RedisURL:
         raise _bad(url, f"scheme {parts.scheme!r} is not redis or rediss")
     if not parts.hostname:
         raise _bad(url, "no host")
+    if not _valid_host(parts.hostname):
+        raise _bad(url, f"host {parts.hostname!r} is not a host name or an IP address")
     path = parts.path.strip("/")
     if path and not path.isdigit():
         raise _bad(url, f"database {path!r} is not a number")
