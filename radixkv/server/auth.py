@@ -5,6 +5,7 @@
 
     {"<key>": {"tenant": "<name>", "admin": false, "kv_quota_tokens": 20000}, ...}
 
+A key is printable ASCII without whitespace (what an ``Authorization`` header carries).
 ``tenant`` is required (a non-empty printable str, at most 128 characters; several keys may name
 one tenant), ``admin`` defaults to false, ``kv_quota_tokens`` (an int >= 0; the same for every
 key of a tenant) is the tenant's soft KV quota (:mod:`radixkv.cache.tenants`; absent: none).
@@ -24,7 +25,9 @@ configured key, all of them each time); only their digests are kept (what the Ra
 A request's namespace is the server's to set (:func:`request_namespace`): ``Namespace(tenant of
 its key, its cache_salt, its extra_key)``. A client can split its own tenant's cache with salts,
 never reach another tenant's; without keys every request has the tenant None (one tenant) and
-``cache_salt`` still splits.
+``cache_salt`` still splits. Request ids a client chooses (``/generate``'s ``rid``) are its
+tenant's too (:func:`engine_request_id`): another tenant's running id neither refuses nor
+reveals one's own.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ __all__ = [
     "AuthMiddleware",
     "KeysFileError",
     "Tenant",
+    "engine_request_id",
     "keys_from_args",
     "request_namespace",
     "request_tenant",
@@ -219,8 +223,12 @@ class APIKeys:
 
 
 def _check_key(key: Any, where: str) -> None:
-    if not isinstance(key, str) or not key or any(c.isspace() or not c.isprintable() for c in key):
-        raise KeysFileError(f"{where}: a key must be a non-empty string without whitespace or control characters")
+    # NOTE: printable ASCII only: a header's bytes reach the server as latin-1 (and the openai
+    # SDK sends ASCII only), so a key with another character could never authenticate
+    if not isinstance(key, str) or not key or any(not "!" <= c <= "~" for c in key):
+        raise KeysFileError(
+            f"{where}: a key must be a non-empty string of printable ASCII characters, without whitespace"
+        )
 
 
 def keys_from_args(api_key: Optional[str], api_keys_file: Optional[str], env: Mapping[str, str] = os.environ):
@@ -320,3 +328,13 @@ def request_namespace(request: Any, cache_salt: Optional[str] = None, extra_key:
     except ValueError as exc:
         raise APIError(str(exc), "cache_salt") from None
     return Namespace.of(Namespace(tenant.name if tenant is not None else None, salt, extra_key))
+
+
+def engine_request_id(request: Any, rid: str) -> str:
+    """The engine request id of a client-chosen request id (``/generate``'s ``rid``): ``rid``
+    itself without keys; with keys ``t<len>:<tenant>:<rid>`` (the length makes it injective, as a
+    tenant name may hold ``:``), so the ids of running requests, unique in the engine, are unique
+    per tenant: one tenant's running ``rid`` neither refuses another tenant's request with the
+    same ``rid`` nor tells that tenant it runs (nor, across replicas, mixes their routing)."""
+    tenant = request_tenant(request)
+    return rid if tenant is None else f"t{len(tenant.name)}:{tenant.name}:{rid}"
