@@ -212,3 +212,33 @@ def test_a_key_must_be_printable_ascii(tmp_path):
             keys_from_args(bad, None, env={})
     keys = APIKeys.from_mapping({"sk-~!#$%&'()*+,-./:;<=>?@[]^_`{|}": {"tenant": "\u00e9quipe \u2603"}})
     assert keys.lookup("sk-~!#$%&'()*+,-./:;<=>?@[]^_`{|}").name == "\u00e9quipe \u2603"  # tenants may be unicode
+
+
+# ---------------------------------------------------------------------------- stored Responses
+def test_one_tenants_stored_responses_never_push_out_anothers():
+    from radixkv.namespace import Namespace
+    from radixkv.server.openai.responses import ResponseStore, StoredResponse
+
+    class Pins:
+        released: list = []
+
+        def release_pin(self, pin) -> None:
+            self.released.append(pin)
+
+    store, pins = ResponseStore(max_stored=3, max_pinned=2), Pins()
+
+    def put(rid: str, tenant: str | None) -> None:
+        ns = Namespace(tenant=tenant) if tenant is not None else None
+        store.put(rid, StoredResponse({}, [], None, [], [1, 2], pin=f"pin-{rid}", namespace=ns), pins)
+
+    put("b1", "bob")
+    put("b2", "bob")
+    put("n1", None)
+    for i in range(10):  # alice floods the store: she loses her own oldest responses and pins
+        put(f"a{i}", "alice")
+    assert [rid for rid in store._items if rid[0] == "a"] == ["a7", "a8", "a9"]
+    assert pins.released == ["pin-a0", "pin-a1", "pin-a2", "pin-a3", "pin-a4", "pin-a5", "pin-a6", "pin-a7"]
+    for rid, tenant in (("b1", "bob"), ("b2", "bob"), ("n1", None)):
+        assert store.get(rid, tenant).pin == f"pin-{rid}"  # bob's (and the keyless) kept, still pinned
+    put("b3", "bob")  # bob's own bound: his least recently used loses its pin, nothing of alice's
+    assert pins.released[8:] == ["pin-b1"] and store.get("a9", "alice").pin == "pin-a9"
