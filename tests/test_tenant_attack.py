@@ -242,3 +242,17 @@ def test_one_tenants_stored_responses_never_push_out_anothers():
         assert store.get(rid, tenant).pin == f"pin-{rid}"  # bob's (and the keyless) kept, still pinned
     put("b3", "bob")  # bob's own bound: his least recently used loses its pin, nothing of alice's
     assert pins.released[8:] == ["pin-b1"] and store.get("a9", "alice").pin == "pin-a9"
+
+
+def test_a_tenant_name_with_surrounding_whitespace_is_refused(tmp_path):
+    """``"alice "`` for one of alice's keys would silently be another tenant (another cache, quota
+    and metrics label): refused at start, naming the entry."""
+    from radixkv.server.auth import APIKeys, KeysFileError
+
+    f = tmp_path / "keys.json"
+    for bad in ("alice ", " alice", " ", "\u3000alice"):
+        f.write_text(json.dumps({"k0": {"tenant": "alice"}, "k1": {"tenant": bad}}), encoding="utf-8")
+        with pytest.raises(KeysFileError) as e:
+            APIKeys.from_file(str(f))
+        assert "entry 2: 'tenant'" in str(e.value) and "whitespace" in str(e.value), str(e.value)
+    assert APIKeys.from_mapping({"k1": {"tenant": "a b"}}).lookup("k1").name == "a b"  # inside: allowed

@@ -6,11 +6,11 @@
     {"<key>": {"tenant": "<name>", "admin": false, "kv_quota_tokens": 20000}, ...}
 
 A key is printable ASCII without whitespace (what an ``Authorization`` header carries).
-``tenant`` is required (a non-empty printable str, at most 128 characters; several keys may name
-one tenant), ``admin`` defaults to false, ``kv_quota_tokens`` (an int >= 0; the same for every
-key of a tenant) is the tenant's soft KV quota (:mod:`radixkv.cache.tenants`; absent: none).
-Anything else is a :class:`KeysFileError` at start naming the file, the entry's position and
-the problem (never the key).
+``tenant`` is required (a non-empty printable str, at most 128 characters, no whitespace at
+either end; several keys may name one tenant), ``admin`` defaults to false, ``kv_quota_tokens``
+(an int >= 0; the same for every key of a tenant) is the tenant's soft KV quota
+(:mod:`radixkv.cache.tenants`; absent: none). Anything else is a :class:`KeysFileError` at start
+naming the file, the entry's position and the problem (never the key).
 
 With keys configured (:class:`AuthMiddleware`), every route but ``/health`` needs
 ``Authorization: Bearer <key>``: 401 in OpenAI's error format (``invalid_api_key``) otherwise.
@@ -102,8 +102,12 @@ def _check_entry(where: str, entry: Any) -> Tenant:
     if extra:
         raise KeysFileError(f"{where}: unknown field(s) {extra} (allowed: {sorted(_ENTRY_FIELDS)})")
     name = entry.get("tenant")
-    if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
-        raise KeysFileError(f"{where}: 'tenant' must be a non-empty printable string of at most 128 characters")
+    # NOTE: "alice " would silently be another tenant than "alice" (its own cache, quota, label)
+    if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable() or name != name.strip():
+        raise KeysFileError(
+            f"{where}: 'tenant' must be a non-empty printable string of at most 128 characters, without "
+            "whitespace at either end"
+        )
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise KeysFileError(f"{where}: 'admin' must be true or false, got {admin!r}")
