@@ -255,3 +255,39 @@ def test_a_tenant_name_with_surrounding_whitespace_is_refused(tmp_path):
             APIKeys.from_file(str(f))
         assert "entry 2: 'tenant'" in str(e.value) and "whitespace" in str(e.value), str(e.value)
     assert APIKeys.from_mapping({"k1": {"tenant": "a b"}}).lookup("k1").name == "a b"  # inside: allowed
+
+
+def test_a_websocket_needs_a_key_too():
+    """The app has no websocket route today; one added later (a realtime API) must not be the way
+    around the keys: the middleware refuses a websocket without a valid key (a close, 1008, before
+    the app sees it) and passes one with a key on, with its tenant."""
+    import asyncio
+
+    from radixkv.server.auth import APIKeys, AuthMiddleware, request_tenant
+
+    seen: list = []
+
+    async def app(scope, receive, send):
+        seen.append(request_tenant(scope))
+
+    keys = APIKeys.from_mapping({"sk-a": {"tenant": "alice"}})
+    errors: list = []
+    mw = AuthMiddleware(app, keys, on_error=errors.append)
+
+    def connect(headers: list) -> list:
+        sent: list = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "websocket.connect"}
+
+        scope = {"type": "websocket", "path": "/v1/realtime", "headers": headers}
+        asyncio.run(mw(scope, receive, send))
+        return sent
+
+    assert connect([]) == [{"type": "websocket.close", "code": 1008, "reason": "invalid_api_key"}]
+    assert connect([(b"authorization", b"Bearer sk-b")])[0]["code"] == 1008
+    assert seen == [] and errors == [401, 401]
+    assert connect([(b"authorization", b"Bearer sk-a")]) == [] and [t.name for t in seen] == ["alice"]

@@ -266,7 +266,8 @@ def _bearer(scope: dict) -> Optional[str]:
 
 class AuthMiddleware:
     """Pure ASGI middleware (module docstring): 401 / 403 in OpenAI's error format, else the
-    request goes on with its :class:`Tenant` in ``scope["state"]`` (:func:`request_tenant`).
+    request goes on with its :class:`Tenant` in ``scope["state"]`` (:func:`request_tenant`). A
+    websocket is checked alike and refused with a close (code 1008, the reason the error's code).
 
     Args:
         app: the ASGI app.
@@ -280,7 +281,8 @@ class AuthMiddleware:
         self.on_error = on_error
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> Any:
-        if scope.get("type") != "http" or scope.get("path") in PUBLIC_PATHS:
+        # NOTE: websockets too: a websocket route added later must not be the way around the keys
+        if scope.get("type") not in ("http", "websocket") or scope.get("path") in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         key = _bearer(scope)
         tenant = self.keys.lookup(key)
@@ -288,7 +290,7 @@ class AuthMiddleware:
             why = (
                 "invalid API key" if key is not None else "missing API key: send the header Authorization: Bearer <key>"
             )
-            return await self._refuse(send, APIError(why, None, status_code=401, code="invalid_api_key"))
+            return await self._refuse(scope, send, APIError(why, None, status_code=401, code="invalid_api_key"))
         if scope.get("path") in ADMIN_PATHS and not tenant.admin:
             err = APIError(
                 f"{scope.get('path')} describes every tenant's cache: it needs an admin key",
@@ -296,14 +298,16 @@ class AuthMiddleware:
                 status_code=403,
                 code="permission_denied",
             )
-            return await self._refuse(send, err)
+            return await self._refuse(scope, send, err)
         state = scope.get("state")
         scope["state"] = dict(state or {}, **{_STATE_KEY: tenant})
         return await self.app(scope, receive, send)
 
-    async def _refuse(self, send: Callable, err: APIError) -> None:
+    async def _refuse(self, scope: dict, send: Callable, err: APIError) -> None:
         if self.on_error is not None:
             self.on_error(err.status_code)
+        if scope.get("type") == "websocket":  # closed before it is accepted: the server answers 403
+            return await send({"type": "websocket.close", "code": 1008, "reason": err.code})
         body = json.dumps(err.to_dict()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if err.status_code == 401:
