@@ -5,11 +5,12 @@
 
     {"<key>": {"tenant": "<name>", "admin": false, "kv_quota_tokens": 20000}, ...}
 
-``tenant`` is required (a non-empty printable str, at most 128 characters; several keys may name
-one tenant), ``admin`` defaults to false, ``kv_quota_tokens`` (an int >= 0; the same for every
-key of a tenant) is the tenant's soft KV quota (:mod:`radixkv.cache.tenants`; absent: none).
-Anything else is a :class:`KeysFileError` at start naming the file, the entry's position and
-the problem (never the key).
+A key is printable ASCII without whitespace (what an ``Authorization`` header carries).
+``tenant`` is required (a non-empty printable str, at most 128 characters, no whitespace at
+either end; several keys may name one tenant), ``admin`` defaults to false, ``kv_quota_tokens``
+(an int >= 0; the same for every key of a tenant) is the tenant's soft KV quota
+(:mod:`radixkv.cache.tenants`; absent: none). Anything else is a :class:`KeysFileError` at start
+naming the file, the entry's position and the problem (never the key).
 
 With keys configured (:class:`AuthMiddleware`), every route but ``/health`` needs
 ``Authorization: Bearer <key>``: 401 in OpenAI's error format (``invalid_api_key``) otherwise.
@@ -24,7 +25,9 @@ configured key, all of them each time); only their digests are kept (what the Ra
 A request's namespace is the server's to set (:func:`request_namespace`): ``Namespace(tenant of
 its key, its cache_salt, its extra_key)``. A client can split its own tenant's cache with salts,
 never reach another tenant's; without keys every request has the tenant None (one tenant) and
-``cache_salt`` still splits.
+``cache_salt`` still splits. Request ids a client chooses (``/generate``'s ``rid``) are its
+tenant's too (:func:`engine_request_id`): another tenant's running id neither refuses nor
+reveals one's own.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ __all__ = [
     "AuthMiddleware",
     "KeysFileError",
     "Tenant",
+    "engine_request_id",
     "keys_from_args",
     "request_namespace",
     "request_tenant",
@@ -98,8 +102,12 @@ def _check_entry(where: str, entry: Any) -> Tenant:
     if extra:
         raise KeysFileError(f"{where}: unknown field(s) {extra} (allowed: {sorted(_ENTRY_FIELDS)})")
     name = entry.get("tenant")
-    if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable():
-        raise KeysFileError(f"{where}: 'tenant' must be a non-empty printable string of at most 128 characters")
+    # NOTE: "alice " would silently be another tenant than "alice" (its own cache, quota, label)
+    if not isinstance(name, str) or not name or len(name) > 128 or not name.isprintable() or name != name.strip():
+        raise KeysFileError(
+            f"{where}: 'tenant' must be a non-empty printable string of at most 128 characters, without "
+            "whitespace at either end"
+        )
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise KeysFileError(f"{where}: 'admin' must be true or false, got {admin!r}")
@@ -219,8 +227,12 @@ class APIKeys:
 
 
 def _check_key(key: Any, where: str) -> None:
-    if not isinstance(key, str) or not key or any(c.isspace() or not c.isprintable() for c in key):
-        raise KeysFileError(f"{where}: a key must be a non-empty string without whitespace or control characters")
+    # NOTE: printable ASCII only: a header's bytes reach the server as latin-1 (and the openai
+    # SDK sends ASCII only), so a key with another character could never authenticate
+    if not isinstance(key, str) or not key or any(not "!" <= c <= "~" for c in key):
+        raise KeysFileError(
+            f"{where}: a key must be a non-empty string of printable ASCII characters, without whitespace"
+        )
 
 
 def keys_from_args(api_key: Optional[str], api_keys_file: Optional[str], env: Mapping[str, str] = os.environ):
@@ -254,7 +266,8 @@ def _bearer(scope: dict) -> Optional[str]:
 
 class AuthMiddleware:
     """Pure ASGI middleware (module docstring): 401 / 403 in OpenAI's error format, else the
-    request goes on with its :class:`Tenant` in ``scope["state"]`` (:func:`request_tenant`).
+    request goes on with its :class:`Tenant` in ``scope["state"]`` (:func:`request_tenant`). A
+    websocket is checked alike and refused with a close (code 1008, the reason the error's code).
 
     Args:
         app: the ASGI app.
@@ -268,7 +281,8 @@ class AuthMiddleware:
         self.on_error = on_error
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> Any:
-        if scope.get("type") != "http" or scope.get("path") in PUBLIC_PATHS:
+        # NOTE: websockets too: a websocket route added later must not be the way around the keys
+        if scope.get("type") not in ("http", "websocket") or scope.get("path") in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         key = _bearer(scope)
         tenant = self.keys.lookup(key)
@@ -276,7 +290,7 @@ class AuthMiddleware:
             why = (
                 "invalid API key" if key is not None else "missing API key: send the header Authorization: Bearer <key>"
             )
-            return await self._refuse(send, APIError(why, None, status_code=401, code="invalid_api_key"))
+            return await self._refuse(scope, send, APIError(why, None, status_code=401, code="invalid_api_key"))
         if scope.get("path") in ADMIN_PATHS and not tenant.admin:
             err = APIError(
                 f"{scope.get('path')} describes every tenant's cache: it needs an admin key",
@@ -284,14 +298,16 @@ class AuthMiddleware:
                 status_code=403,
                 code="permission_denied",
             )
-            return await self._refuse(send, err)
+            return await self._refuse(scope, send, err)
         state = scope.get("state")
         scope["state"] = dict(state or {}, **{_STATE_KEY: tenant})
         return await self.app(scope, receive, send)
 
-    async def _refuse(self, send: Callable, err: APIError) -> None:
+    async def _refuse(self, scope: dict, send: Callable, err: APIError) -> None:
         if self.on_error is not None:
             self.on_error(err.status_code)
+        if scope.get("type") == "websocket":  # closed before it is accepted: the server answers 403
+            return await send({"type": "websocket.close", "code": 1008, "reason": err.code})
         body = json.dumps(err.to_dict()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if err.status_code == 401:
@@ -320,3 +336,13 @@ def request_namespace(request: Any, cache_salt: Optional[str] = None, extra_key:
     except ValueError as exc:
         raise APIError(str(exc), "cache_salt") from None
     return Namespace.of(Namespace(tenant.name if tenant is not None else None, salt, extra_key))
+
+
+def engine_request_id(request: Any, rid: str) -> str:
+    """The engine request id of a client-chosen request id (``/generate``'s ``rid``): ``rid``
+    itself without keys; with keys ``t<len>:<tenant>:<rid>`` (the length makes it injective, as a
+    tenant name may hold ``:``), so the ids of running requests, unique in the engine, are unique
+    per tenant: one tenant's running ``rid`` neither refuses another tenant's request with the
+    same ``rid`` nor tells that tenant it runs (nor, across replicas, mixes their routing)."""
+    tenant = request_tenant(request)
+    return rid if tenant is None else f"t{len(tenant.name)}:{tenant.name}:{rid}"

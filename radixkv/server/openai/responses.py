@@ -36,10 +36,11 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   :data:`~radixkv.server.backend.NO_PINS`): the follow-up, the same tokens, is routed to the
   replica that caches them.
 
-Bounds: at most ``max_pinned`` stored responses hold a pin (LRU: the least recently used
-loses its pin, its text stays retrievable); the KV manager's own bounds (``max_pinned_tokens``,
+Bounds, per tenant (one tenant's responses never push out another's; without API keys there is
+one): at most ``max_pinned`` stored responses hold a pin (LRU: the least recently used loses its
+pin, its text stays retrievable); the KV manager's own bounds (``max_pinned_tokens``,
 ``pin_idle_timeout``) apply to these pins as to sessions'. At most ``max_stored`` responses are
-kept at all (the oldest go first).
+kept at all (the least recently used go first).
 """
 
 from __future__ import annotations
@@ -120,8 +121,10 @@ class ResponseStore:
     store's lock orders them against the event loop's reads.
 
     Args:
-        max_stored: responses kept at most (the oldest are deleted, their pins released).
-        max_pinned: stored responses holding a pin at most (the least recently used lose theirs).
+        max_stored: responses kept at most per tenant (its least recently used are deleted, their
+            pins released).
+        max_pinned: stored responses of a tenant holding a pin at most (its least recently used
+            lose theirs).
     """
 
     def __init__(self, max_stored: int = 10000, max_pinned: int = 64) -> None:
@@ -148,10 +151,12 @@ class ResponseStore:
         with self._lock:
             self._items[rid] = item
             self._items.move_to_end(rid)
-            while len(self._items) > self.max_stored:
-                _, old = self._items.popitem(last=False)
-                self._unpin(pins, old)
-            pinned = [s for s in self._items.values() if s.pin is not None]
+            # NOTE: the bounds are per tenant, so one tenant's flood never deletes or unpins
+            # another tenant's responses (without API keys there is one tenant, None)
+            mine = [k for k, s in self._items.items() if s.tenant == item.tenant]  # least recently used first
+            for k in mine[: max(0, len(mine) - self.max_stored)]:
+                self._unpin(pins, self._items.pop(k))
+            pinned = [s for s in map(self._items.get, mine) if s is not None and s.pin is not None]
             for s in pinned[: max(0, len(pinned) - self.max_pinned)]:
                 self._unpin(pins, s)
 

@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from radixkv.outputs import CompletionOutput, RequestOutput
-from radixkv.server.auth import request_tenant
+from radixkv.server.auth import engine_request_id, request_tenant
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.openai.protocol import APIError, server_error_event
 from radixkv.server.sglang.protocol import (
@@ -96,9 +96,7 @@ class Generate:
         opts = [o for _, o in converted]
         rids = req.request_ids(count, batch)
         listed = batch or n > 1
-        run = await self.client.start(
-            "generate", prompts, params, prompt_param, ENGINE_RENAMES, request_ids=rids, namespace=namespace
-        )
+        run = await self._start(raw, prompts, params, prompt_param, rids, namespace)
 
         def item(p: int, out: RequestOutput, c: CompletionOutput, text: str | None = None) -> dict:
             rid = rids[p] if n == 1 else f"{rids[p]}-{c.index}"
@@ -134,6 +132,27 @@ class Generate:
                     yield sse(body)
 
         return framed(events(), run.rest, server_error_event)
+
+    async def _start(self, raw: Request, prompts: list, params: list, prompt_param: str, rids: list, namespace: Any):
+        """``client.start`` under the engine ids of the client's ``rids`` (its tenant's own:
+        :func:`~radixkv.server.auth.engine_request_id`); a duplicate of a running one is a 400
+        naming ``rid`` and the client's id.
+
+        Raises:
+            APIError: the engine refused a request (400).
+        """
+        ids = [engine_request_id(raw, r) for r in rids]
+        try:
+            return await self.client.start(
+                "generate", prompts, params, prompt_param, ENGINE_RENAMES, request_ids=ids, namespace=namespace
+            )
+        except APIError as exc:
+            if exc.param != "rid":
+                raise
+            for engine_id, rid in zip(ids, rids):
+                if repr(engine_id) in exc.message:
+                    raise APIError(f"rid {rid!r} is already running", "rid") from None
+            raise
 
     # ------------------------------------------------------------------ logprobs
 

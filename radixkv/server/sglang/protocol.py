@@ -40,6 +40,7 @@ ENGINE_RENAMES = {
     "logprobs": "top_logprobs_num",
     "prompt_logprobs": "top_logprobs_num",
     "logprob_start_len": "logprob_start_len",
+    "request_id": "rid",
     **{
         f: f"sampling_params.{f}"
         for f in (
