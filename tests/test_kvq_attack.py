@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from model_helpers import tiny_loaded_model
 
-from radixkv import LLM
+from radixkv import LLM, SamplingParams
 from radixkv.config import EngineConfig
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,3 +54,29 @@ def test_the_pool_must_fit_in_the_memory_available(tiny, kv, monkeypatch):
     with pytest.raises(ValueError, match=r"the default KV pool: .* give kv_cache_memory_bytes or max_total_tokens"):
         LLM(loaded_model=tiny, device="cpu", kv_cache_dtype=kv)
     EngineConfig(device="cpu", kv_cache_dtype=kv, max_total_tokens=10**9).resolve()  # no model facts: no pool yet
+
+
+def test_a_given_runners_pool_must_match_the_config(tiny):
+    """``LLM(model_runner=...)``: a pool with fewer slots than ``max_total_tokens`` crashed the
+    engine mid-generation (``index_copy_(): index 64 is out of bounds``), another page size or an
+    explicit other ``kv_cache_dtype`` was silently ignored; now each is a ValueError naming the
+    field, and ``kv_cache_dtype="auto"`` takes the pool's."""
+    from radixkv.executor.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny, device="cpu", num_slots=64, kv_cache_dtype="bf16")
+    with pytest.raises(ValueError, match=r"max_total_tokens 1024 .*\(64 slots\)"):
+        LLM(model_runner=runner, tokenizer=tiny.tokenizer, max_total_tokens=1024)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype 'fp8_e4m3' .* bfloat16"):
+        LLM(model_runner=runner, tokenizer=tiny.tokenizer, max_total_tokens=64, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match=r"page_size 16 .* page_size 1"):
+        LLM(model_runner=runner, tokenizer=tiny.tokenizer, max_total_tokens=64, page_size=16)
+    for kv in ("auto", "bf16"):
+        llm = LLM(model_runner=runner, tokenizer=tiny.tokenizer, max_total_tokens=64, kv_cache_dtype=kv)
+        assert (llm.engine.config.kv_cache_dtype, llm.cache_stats()["kv_cache_dtype"]) == ("bfloat16", "bfloat16")
+        prompts = [{"prompt_token_ids": list(range(5 + i, 25 + i))} for i in range(8)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [10] * 8
+        llm.call_in_engine_thread(lambda e: e.kv.check_integrity([]))
+        llm.reset_prefix_cache()
+        assert llm.cache_stats()["free"] == 64
+        llm.close()

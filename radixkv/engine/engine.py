@@ -96,6 +96,36 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     )
 
 
+def _match_runner_pool(cfg: EngineConfig, runner: Any, kv_given: Any) -> None:
+    """Check a given runner's KV pool against ``cfg`` (a runner without a
+    :class:`~radixkv.memory.kv_pool.KVPool`, as tests' stand-ins, is taken as it is): it holds
+    ``max_total_tokens`` slots, in pages of ``page_size``; ``kv_cache_dtype`` as given
+    (``kv_given``) ``"auto"`` takes the pool's, another must be the pool's.
+
+    Raises:
+        ValueError: naming ``max_total_tokens``, ``page_size`` or ``kv_cache_dtype`` and the pool's value.
+    """
+    pool = getattr(runner, "kv_pool", None)
+    if not isinstance(pool, KVPool):
+        return
+    if pool.num_slots < cfg.max_total_tokens:
+        raise ValueError(
+            f"max_total_tokens {cfg.max_total_tokens} is more than the model_runner's KV pool holds "
+            f"({pool.num_slots} slots)"
+        )
+    if pool.page_size != cfg.page_size:
+        raise ValueError(
+            f"page_size {cfg.page_size} differs from the model_runner's KV pool's page_size {pool.page_size}"
+        )
+    if isinstance(kv_given, str) and kv_given.strip().lower() == "auto":
+        cfg.kv_cache_dtype = pool.kv_cache_dtype
+    elif cfg.kv_cache_dtype != pool.kv_cache_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {cfg.kv_cache_dtype!r} differs from the model_runner's KV pool's {pool.kv_cache_dtype} "
+            f"(give 'auto' or {pool.kv_cache_dtype!r})"
+        )
+
+
 def _encoder(tokenizer: Any) -> Optional[Callable[[str], List[int]]]:
     """Text -> token ids without special tokens, for the drafts of forced grammar text (None
     without a transformers-style ``encode``: the drafter then takes xgrammar's split)."""
@@ -217,6 +247,7 @@ class Engine:
             if cfg.max_total_tokens is None:
                 raise ValueError("max_total_tokens is required when a model_runner is given")
             cfg.max_context_len = int(model_runner.max_context_len)  # the given runner's table decides
+            _match_runner_pool(cfg, model_runner, (config or EngineConfig()).kv_cache_dtype)
             cfg.resolve()
         self.runner = model_runner
         self.tokenizer = tokenizer
