@@ -191,7 +191,10 @@ class Engine:
         config: an :class:`~radixkv.config.EngineConfig` (default: the default model on "auto").
         model_runner: use this runner instead of loading ``config.model`` (tests pass a fake one);
             it must provide ``req_to_token_pool``, ``build_batch``, ``forward``,
-            ``max_context_len`` and ``vocab_size``, with ``config.max_total_tokens`` slots.
+            ``max_context_len`` and ``vocab_size``, with ``config.max_total_tokens`` slots (a
+            :class:`~radixkv.memory.kv_pool.KVPool` ``kv_pool`` is checked: at least that many
+            slots, ``config.page_size``, and ``config.kv_cache_dtype``, whose ``"auto"`` takes
+            the pool's; else a ValueError naming the field).
         tokenizer: tokenizer for text prompts, chat templates and detokenization (default: the
             loaded model's).
         eos_token_ids: tokens that end a sample unless ``ignore_eos`` (default: from the model
