@@ -2,6 +2,8 @@
 
 * a pool larger than the device's memory is a ValueError naming the field and the limit, before
   any tensor is allocated (it was a TypeError from torch, a RuntimeError, or the OOM killer);
+* a given ``model_runner``'s pool must hold ``max_total_tokens`` in ``page_size`` pages of the
+  configured ``kv_cache_dtype`` (a smaller pool crashed the engine mid-generation).
 """
 
 from __future__ import annotations
