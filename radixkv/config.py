@@ -9,6 +9,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
+from radixkv.memory.fit import check_pool_fits
 from radixkv.memory.kv_dtype import canonical_kv_dtype
 from radixkv.spec.config import SpeculativeConfig, parse_speculative_config
 
@@ -253,14 +254,20 @@ class EngineConfig:
             ValueError: naming the field and its limit.
         """
         self._resolve_device()
+        given = f"max_total_tokens {self.max_total_tokens}"
         if kv_bytes_per_token is not None and self.max_total_tokens is None:
             self.max_total_tokens = self._tokens_of_memory(
                 int(kv_bytes_per_token), int(float32_kv_bytes_per_token or kv_bytes_per_token)
             )
+            given = "the default KV pool"
+        if self.kv_cache_memory_bytes is not None:
+            given = f"kv_cache_memory_bytes {self.kv_cache_memory_bytes}"
         if self.max_total_tokens is not None:
             self.max_total_tokens -= self.max_total_tokens % self.page_size
             if self.max_pinned_tokens is None:
                 self.max_pinned_tokens = self.max_total_tokens // 2
+            if kv_bytes_per_token is not None:  # the engine's call, just before the pool is made
+                check_pool_fits(self.max_total_tokens, int(kv_bytes_per_token), self.device, given)
         if max_position_embeddings is not None:
             if self.max_context_len is None:
                 cap = self.max_total_tokens if self.max_total_tokens is not None else max_position_embeddings

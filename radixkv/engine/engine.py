@@ -96,6 +96,36 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     )
 
 
+def _match_runner_pool(cfg: EngineConfig, runner: Any, kv_given: Any) -> None:
+    """Check a given runner's KV pool against ``cfg`` (a runner without a
+    :class:`~radixkv.memory.kv_pool.KVPool`, as tests' stand-ins, is taken as it is): it holds
+    ``max_total_tokens`` slots, in pages of ``page_size``; ``kv_cache_dtype`` as given
+    (``kv_given``) ``"auto"`` takes the pool's, another must be the pool's.
+
+    Raises:
+        ValueError: naming ``max_total_tokens``, ``page_size`` or ``kv_cache_dtype`` and the pool's value.
+    """
+    pool = getattr(runner, "kv_pool", None)
+    if not isinstance(pool, KVPool):
+        return
+    if pool.num_slots < cfg.max_total_tokens:
+        raise ValueError(
+            f"max_total_tokens {cfg.max_total_tokens} is more than the model_runner's KV pool holds "
+            f"({pool.num_slots} slots)"
+        )
+    if pool.page_size != cfg.page_size:
+        raise ValueError(
+            f"page_size {cfg.page_size} differs from the model_runner's KV pool's page_size {pool.page_size}"
+        )
+    if isinstance(kv_given, str) and kv_given.strip().lower() == "auto":
+        cfg.kv_cache_dtype = pool.kv_cache_dtype
+    elif cfg.kv_cache_dtype != pool.kv_cache_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {cfg.kv_cache_dtype!r} differs from the model_runner's KV pool's {pool.kv_cache_dtype} "
+            f"(give 'auto' or {pool.kv_cache_dtype!r})"
+        )
+
+
 def _encoder(tokenizer: Any) -> Optional[Callable[[str], List[int]]]:
     """Text -> token ids without special tokens, for the drafts of forced grammar text (None
     without a transformers-style ``encode``: the drafter then takes xgrammar's split)."""
@@ -161,7 +191,10 @@ class Engine:
         config: an :class:`~radixkv.config.EngineConfig` (default: the default model on "auto").
         model_runner: use this runner instead of loading ``config.model`` (tests pass a fake one);
             it must provide ``req_to_token_pool``, ``build_batch``, ``forward``,
-            ``max_context_len`` and ``vocab_size``, with ``config.max_total_tokens`` slots.
+            ``max_context_len`` and ``vocab_size``, with ``config.max_total_tokens`` slots (a
+            :class:`~radixkv.memory.kv_pool.KVPool` ``kv_pool`` is checked: at least that many
+            slots, ``config.page_size``, and ``config.kv_cache_dtype``, whose ``"auto"`` takes
+            the pool's; else a ValueError naming the field).
         tokenizer: tokenizer for text prompts, chat templates and detokenization (default: the
             loaded model's).
         eos_token_ids: tokens that end a sample unless ``ignore_eos`` (default: from the model
@@ -217,6 +250,7 @@ class Engine:
             if cfg.max_total_tokens is None:
                 raise ValueError("max_total_tokens is required when a model_runner is given")
             cfg.max_context_len = int(model_runner.max_context_len)  # the given runner's table decides
+            _match_runner_pool(cfg, model_runner, (config or EngineConfig()).kv_cache_dtype)
             cfg.resolve()
         self.runner = model_runner
         self.tokenizer = tokenizer
