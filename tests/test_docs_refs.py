@@ -110,3 +110,23 @@ def test_the_checkers_catch_what_they_should():
         "bench/tiers_io.py",
         "tests/test_x.py",
     ]
+
+
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_python_blocks_compile_and_import_what_exists(doc):
+    """Every ```python block is valid Python, and every ``from radixkv... import`` in it imports."""
+    bad = []
+    for i, block in enumerate(PYTHON_BLOCK.findall(doc.read_text())):
+        try:
+            compile(block, f"{doc.name} block {i}", "exec")
+        except SyntaxError as e:
+            bad.append(f"block {i}: {e}")
+        for line in re.findall(r"^from radixkv\S* import .+$", block, re.M):
+            try:
+                exec(line, {})
+            except ImportError as e:
+                bad.append(f"block {i}: {line}: {e}")
+    assert bad == [], f"{doc.name}: " + "; ".join(bad)
