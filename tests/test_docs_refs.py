@@ -130,3 +130,13 @@ def test_python_blocks_compile_and_import_what_exists(doc):
             except ImportError as e:
                 bad.append(f"block {i}: {line}: {e}")
     assert bad == [], f"{doc.name}: " + "; ".join(bad)
+
+
+def test_module_map_names_every_benchmark_script():
+    row = next(
+        ln for ln in (ROOT / "docs" / "architecture.md").read_text().splitlines() if ln.startswith("| `bench/` |")
+    )
+    scripts = sorted(
+        p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py"
+    )
+    assert [s for s in scripts if f"`{s}`" not in row] == []
