@@ -38,7 +38,8 @@ class ModelRunner:
         page_size: tokens per KV page.
         max_running_requests: rows of the block table (requests in flight at once).
         max_context_len: longest sequence (prompt + output) a request may reach; default
-            ``min(max_position_embeddings, num_slots)``.
+            ``min(max_position_embeddings, num_slots)``. The block table's rows are that rounded up
+            to whole pages (a sequence ending in a partial page holds the whole page).
         device, dtype: where and in what precision the model and the KV pool live; default the
             model's. The model is moved/cast when they differ.
         attention_backend: ``"auto"``, ``"torch"``, ``"cpu"``, ``"flashinfer"`` or an
@@ -94,7 +95,10 @@ class ModelRunner:
         self.kv_pool = kv_pool = self._make_kv_pool(self.model, kv_pool, num_slots, page_size, kv_cache_dtype)
         self.page_size = kv_pool.page_size
         self.max_context_len = self._context_len(max_context_len, kv_pool.num_slots)
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.max_context_len, self.device)
+        # NOTE: rows are whole pages wide: a sequence reaching into the context's last, partial page
+        # holds that whole page (the allocator hands out whole pages), so its slots need columns
+        width = -(-self.max_context_len // self.page_size) * self.page_size
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, width, self.device)
         self.attn_backend = self._make_backend(attention_backend, kv_pool, self.model.num_heads)
         self.vocab_size = int(self.hf_config.vocab_size)
         # the fused native decode step (one call a forward) when the backend and the model allow it
