@@ -109,7 +109,7 @@ def test_requests_wait_for_their_blocks_without_stalling_others():
     r2 = e.add_request(other, greedy())
     first = e.step()  # p waits for its load; the other request is admitted and computes
     assert e.scheduler.running and e.scheduler.running[0].request_id == r2
-    assert [r.request_id for r in e.scheduler.waiting] == [r1] and e.scheduler.waiting[0].tier.job is not None
+    assert [r.request_id for r in e.scheduler.waiting] == [r1] and e.kv.tier_waiting(e.scheduler.waiting[0])
     assert [o.request_id for o in first] == [r2]  # its first token, in the step the other waited
     done = run_all(e)
     assert done[r1].cached_tokens_by_tier["disk"] == 89 and done[r1].outputs[0].token_ids == reference(p, 6)
@@ -188,7 +188,7 @@ def test_abort_while_waiting_for_blocks_releases_the_lock():
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     rid = e.add_request(p, greedy())
     e.step()
-    assert e.scheduler.waiting[0].tier.job is not None  # its load is on its way (or done, not installed)
+    assert e.kv.tier_waiting(e.scheduler.waiting[0])
     assert e.kv.tiers.held_tokens == 0 and e.cache_stats().protected == 0  # the pool holds nothing for it
     e.abort_request(rid)
     run_all(e)
@@ -293,7 +293,7 @@ def test_a_load_without_room_waits_for_it_and_is_installed_later():
     r = e.add_request(p, greedy())
     outs += e.step()  # its lookup starts
     waited = 0
-    while e.scheduler.waiting and e.scheduler.waiting[0].tier.job is not None:  # loading, or loaded: no room
+    while e.scheduler.waiting and e.kv.tier_waiting(e.scheduler.waiting[0]):
         assert waited < 100  # it waits while the busy one runs (then its memory is evictable)
         outs += e.step()
         e.check_integrity()
@@ -302,39 +302,6 @@ def test_a_load_without_room_waits_for_it_and_is_installed_later():
     done.update(run_all(e))
     assert waited > 1 and done[r].cached_tokens_by_tier["disk"] == 99
     assert done[r].outputs[0].token_ids == reference(p, 6) and done[r_busy].outputs[0].token_ids == reference(busy, 30)
-    pool_holds_its_tokens(e)
-
-
-def test_a_load_is_installed_only_when_its_whole_request_fits():
-    # A waiting request's install is an admission reservation, not a prefetch into the pool: held
-    # slots it cannot use yet would keep another request from running beside the busy one.
-    shared: OrderedDict = OrderedDict()
-    head = prompt(30, 64)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [head])
-    e = kv_engine(capacity=200, stores=[MemoryStore("disk", data=shared)], schedule_policy="fcfs")
-    busy = prompt(31, 70)
-    r_busy = e.add_request(busy, greedy(30))  # up to 100 of the 200 slots while it runs
-    outs = e.step()
-    w = head + prompt(32, 80)  # its first 64 tokens on disk, then 80 new: 144 slots, more than is left
-    r_w = e.add_request(w, greedy())
-    r_s = e.add_request(prompt(33, 40), greedy())
-    outs += e.step()  # w's lookup starts; s is admitted beside busy
-    running = {r.request_id for r in e.scheduler.running}
-    assert running == {r_busy, r_s}, running
-    (waiter,) = e.scheduler.waiting
-    e.kv.tiers.drain()  # w's blocks are loaded, in host memory
-    r_late = e.add_request(prompt(34, 20), greedy())  # it would fit now, but w is ahead of it
-    order = []
-    while e.scheduler.waiting:
-        assert e.kv.tiers.held_tokens == 0 or e.kv.headroom() >= len(w) - waiter.tier.start
-        outs += e.step()
-        e.check_integrity()
-        order += [r.request_id for r in e.scheduler.running if r.request_id not in order]
-    assert order.index(r_w) < order.index(r_late)  # a loaded request waiting for room is not passed
-    done = {o.request_id: o for o in outs if o.finished}
-    done.update(run_all(e))
-    assert done[r_w].cached_tokens_by_tier["disk"] == 64 and done[r_w].outputs[0].token_ids == reference(w, 6)
-    assert done[r_busy].outputs[0].token_ids == reference(busy, 30)
     pool_holds_its_tokens(e)
 
 

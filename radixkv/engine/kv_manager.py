@@ -456,7 +456,7 @@ class KVManager:
         can borrow from the forward being planned)."""
         if req.pin is not None:
             return len(req.pin)
-        return max(self.match(req).length, self.sharing.prefix_len(req), self._staged_len(req))
+        return max(self.match(req).length, self.sharing.prefix_len(req))
 
     def lock_prefix(self, req: Request) -> Prefix:
         """The prefix ``req`` would be admitted on, locked so that no eviction frees it; undo with
@@ -551,33 +551,16 @@ class KVManager:
 
     # ------------------------------------------------------------------ KV tiers
     def tier_waiting(self, req: Request) -> bool:
-        """True while ``req``'s blocks are being looked up or loaded (the scheduler skips it
-        meanwhile); a finished load waits for :meth:`tier_admit`."""
+        """True while ``req``'s blocks are being looked up, loaded or wait to be installed (the
+        scheduler skips it meanwhile)."""
         t = req.tier
-        return t is not None and t.job is not None and not t.job.done
+        return t is not None and t.job is not None
 
-    def tier_admit(self, req: Request, idle: bool) -> bool:
-        """Install ``req``'s finished load, if it has one, just before it is admitted
-        (:meth:`_tier_install`; ``idle``: nothing runs). False when it cannot be admitted now: no
-        room for the whole request yet, or its pool prefix was lost and it is looked up again."""
-        t = req.tier
-        if t is None or t.job is None or not t.job.done:
-            return True
-        self._tier_install(req, idle)
-        return req.tier is not None and req.tier.job is None
-
-    def _staged_len(self, req: Request) -> int:
-        """The prefix ``req`` would have once its finished load is installed (0: none)."""
-        t = req.tier
-        if t is None or t.job is None or not t.job.done or t.job.rows is None:
-            return 0
-        end = min(t.limit, t.job.first * BLOCK_TOKENS + t.job.rows.shape[0])
-        return end // self.page_size * self.page_size
-
-    def tier_step(self, waiting: Iterable[Request]) -> None:
-        """The KV tiers' part of a step: announce the writes the I/O thread finished and start a
-        lookup for each waiting request not looked up yet, or whose cached prefix shrank since
-        its lookup. A finished load is installed at admission (:meth:`tier_admit`)."""
+    def tier_step(self, waiting: Iterable[Request], idle: bool = False) -> None:
+        """The KV tiers' part of a step: announce the writes the I/O thread finished, install
+        the finished loads of waiting requests (:meth:`_tier_install`; ``idle``: nothing runs,
+        so a load that finds no room now never will: given up), and start a lookup for each
+        waiting request not looked up yet, or whose cached prefix shrank since its lookup."""
         tiers = self.tiers
         if tiers is None:
             return
@@ -599,7 +582,10 @@ class KVManager:
             if r.row is not None or r.pin is not None:
                 continue
             t = r.tier
-            if t is None or (t.job is None and t.node is None and self._cached_len(r) < t.start):
+            if t is not None and t.job is not None:
+                if t.job.done:
+                    self._tier_install(r, idle)
+            elif t is None or (t.node is None and self._cached_len(r) < t.start):
                 self._tier_lookup(r)
 
     def _reusable(self, req: Request) -> int:
@@ -631,12 +617,10 @@ class KVManager:
     def _tier_install(self, req: Request, idle: bool) -> None:
         """Copy ``req``'s finished load into new slots after the prefix the pool holds now and
         insert it into the cache as if computed; that path stays locked for it until it is
-        admitted. Installed only when the pool could then take the whole request
-        (:meth:`_tier_rest`): held slots a request cannot use yet would keep others from running.
-        No room now (or, with other waiting requests' loads installed, they would all hold more
-        than 3/4 of the pool): tried again at a later step, or given up when ``idle`` with no
-        other load installed (then nothing would ever free memory for it). The pool lost blocks
-        before the loaded run: looked up again."""
+        admitted. No room now (or, with other waiting requests' loads installed, they would all
+        hold more than 3/4 of the pool): tried again at a later step, or given up when ``idle``
+        with no other load installed (then nothing would ever free memory for it). The pool lost
+        blocks before the loaded run: looked up again."""
         hold = req.tier
         job, base = hold.job, hold.job.first * BLOCK_TOKENS
         end = min(hold.limit, base + (job.rows.shape[0] if job.rows is not None else 0))
@@ -651,7 +635,7 @@ class KVManager:
             return
         self.cache.inc_lock_ref(m.node)
         crowded = self.tiers.held_tokens and self.tiers.held_tokens + need > self.capacity * 3 // 4
-        if crowded or self.headroom() < need + self._tier_rest(req, end) or not self.ensure_free(need):
+        if crowded or not self.ensure_free(need):
             self.cache.dec_lock_ref(m.node)
             if idle and not self.tiers.held_tokens:  # nothing will free memory for it: compute
                 hold.job = None
@@ -681,12 +665,6 @@ class KVManager:
             lo, hi = max(k, base + BLOCK_TOKENS * b), min(end, stop)
             if hi > lo:
                 hold.spans.append((lo, hi, medium))
-
-    def _tier_rest(self, req: Request, end: int) -> int:
-        """Slots ``req`` needs beyond an install up to ``end`` to be admitted whole, plus what the
-        waiting requests holding installs still need for theirs."""
-        rest = self.pages(len(req.all_token_ids)) - end
-        return rest + sum(self.pages(len(r.all_token_ids)) - r.tier.start for r in self._tier_held.values())
 
     def _tier_unhold(self, req: Request, cancel: bool = True) -> None:
         """Drop the lock on what was installed for ``req`` (that stays cached, evictable;

@@ -27,11 +27,9 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    cached or being computed in this plan (re-ranked after each admission, so the sharers of a
    row follow it), as SGLang's longest-prefix-match; "fcfs" keeps queue order. A request whose
    whole sequence a row computes (an identical prompt) takes no budget: it samples from that
-   row's logits. With KV tiers (docs/tiers.md), before admissions the KV manager starts lookups
-   (``KVManager.tier_step``); a request whose blocks are still on their way is skipped (it waits
-   in the queue; the step runs the others); one whose blocks are loaded ranks by the prefix they
-   give it and is admitted on them (``KVManager.tier_admit`` installs them first) once the pool
-   can take the whole request: until then it is a request that does not fit.
+   row's logits. With KV tiers (docs/tiers.md), before admissions the KV manager installs the
+   tier loads that finished and starts lookups (``KVManager.tier_step``); a request whose blocks
+   are still on their way is skipped (it waits in the queue; the step runs the others).
 
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
@@ -224,7 +222,7 @@ class Scheduler:
         from the plan); returns the chunk length (0 for a rider, which computes nothing) or None
         when it does not fit."""
         kv = self.kv
-        if not kv.has_free_row() or not kv.tier_admit(req, idle=not self.running):
+        if not kv.has_free_row():
             return None
         prefix = kv.lock_prefix(req)  # before any eviction below
         if self.outcomes is not None:  # why the match stopped (first admission of sample 0)
@@ -332,7 +330,7 @@ class Scheduler:
             kv.publish(r, r.kv_len + extend)
             budget -= extend
             partial = partial or not done
-        kv.tier_step(self.waiting)  # tier lookups start; finished loads are installed at admission
+        kv.tier_step(self.waiting, idle=not self.running)  # finished tier loads enter the cache
         if not batch.retracted:
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()
