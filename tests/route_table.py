@@ -143,6 +143,21 @@ def check_responses_retrieve(t: Target) -> None:
     assert _error(t.http.get(f"/v1/responses/{made['id']}"), 404)["code"] == "not_found"
 
 
+def check_responses_input_items(t: Target) -> None:
+    first = _respond(t)
+    follow = _respond(t, input="Again.", previous_response_id=first["id"])
+    page = t.http.get(f"/v1/responses/{follow['id']}/input_items", params={"order": "asc"}).json()
+    texts = [(it["role"], it["content"][0]["text"]) for it in page["data"]]
+    assert texts == [("user", "Say hi."), ("assistant", first["output"][0]["content"][0]["text"]), ("user", "Again.")]
+    assert page["data"][1]["id"] == first["output"][0]["id"] and not page["has_more"]
+    assert (
+        _error(t.http.get(f"/v1/responses/{follow['id']}/input_items", params={"limit": 101}), 400)["param"] == "limit"
+    )
+    for rid in (first["id"], follow["id"]):
+        assert t.http.delete(f"/v1/responses/{rid}").status_code == 200
+    assert _error(t.http.get(f"/v1/responses/{first['id']}/input_items"), 404)["code"] == "not_found"
+
+
 def check_responses_delete(t: Target) -> None:
     made = _respond(t, input="Name a planet.")  # a prompt no other check continues
     context = made["usage"]["input_tokens"] + made["usage"]["output_tokens"]
@@ -305,6 +320,7 @@ ROUTES: list[tuple[str, tuple[tuple[str, str], ...], Callable[[Target], None]]] 
     ("responses", (("POST", "/v1/responses"),), check_responses_create),
     ("responses_get", (("GET", "/v1/responses/{response_id}"),), check_responses_retrieve),
     ("responses_delete", (("DELETE", "/v1/responses/{response_id}"),), check_responses_delete),
+    ("responses_input_items", (("GET", "/v1/responses/{response_id}/input_items"),), check_responses_input_items),
     ("models", (("GET", "/v1/models"),), check_models),
     ("model", (("GET", "/v1/models/{model_id:path}"),), check_model),
     ("health", (("GET", "/health"),), check_health),

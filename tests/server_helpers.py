@@ -1,13 +1,19 @@
 """Helpers of the server test modules: uvicorn serving an app on a free loopback port in a thread
-of the test process (so the engine can be inspected directly), and the pool checks every module
-runs after its requests."""
+of the test process (so the engine can be inspected directly), ``radixkv serve`` as a process
+(:func:`serve_process`), and the pool checks every module runs after its requests."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
+from typing import Iterator
 
 from radixkv.async_llm import AsyncLLM
 
@@ -34,6 +40,51 @@ class Server:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(30)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (free when asked)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_process(args: list, log: Path, timeout: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``python -m radixkv serve *args --port P`` (this checkout's code, no model hub, no
+    ``RADIXKV_API_KEY`` from the environment) logging to ``log``; yields (base URL, process)
+    once ``/health`` answers 200, and stops it (SIGTERM, then SIGKILL) on exit."""
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "radixkv", "serve", *map(str, args), "--port", str(port)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
+    env.pop("RADIXKV_API_KEY", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "radixkv serve did not come up: " + log.read_text()[-3000:]
+            time.sleep(0.5)  # NOTE: a child process's start-up has no event to wait on but its port
+        yield base, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
 
 
 def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:

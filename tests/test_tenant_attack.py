@@ -21,19 +21,13 @@ configuration may hold.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import serve_process
 
 pytestmark = pytest.mark.timeout(900)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"
 KEYS = {
     "sk-ops-51a0": {"tenant": "ops", "admin": True},
@@ -51,46 +45,15 @@ SECRET = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``python -m radixkv serve --api-keys-file`` with KV tiers and radix drafts; its base URL."""
     d = tmp_path_factory.mktemp("tenant_attack")
     (d / "keys.json").write_text(json.dumps(KEYS))
-    port = _free_port()
-    log = d / "serve.log"
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--api-keys-file", str(d / "keys.json"), "--port", str(port),
-           "--max-total-tokens", "4096", "--host-cache-bytes", "64MiB", "--disk-cache-dir", str(d / "disk"),
-           "--speculative-config", '{"method": "radix", "num_speculative_tokens": 4}']  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    env.pop("RADIXKV_API_KEY", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "radixkv serve did not come up: " + log.read_text()[-3000:]
-            time.sleep(0.5)
+    args = ["--api-keys-file", d / "keys.json", "--max-total-tokens", "4096", "--host-cache-bytes", "64MiB",
+            "--disk-cache-dir", d / "disk", "--speculative-config", '{"method": "radix", "num_speculative_tokens": 4}']  # fmt: skip
+    with serve_process(args, d / "serve.log") as (base, _):
         yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
 
 
 def http(base: str, tenant: str) -> httpx.Client:

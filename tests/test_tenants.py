@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from server_helpers import serve_process
 
 openai = pytest.importorskip("openai")
 
@@ -48,45 +47,16 @@ SYSTEM = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """``python -m radixkv serve --api-keys-file`` on a free port; its base URL, log and trace."""
     d = tmp_path_factory.mktemp("tenants")
     (d / "keys.json").write_text(json.dumps(KEYS))
-    port = _free_port()
     trace, log = d / "trace.jsonl", d / "serve.log"
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--api-keys-file", str(d / "keys.json"), "--port", str(port),
-           "--max-total-tokens", str(CAPACITY), "--log-requests", str(trace), "--log-level", "info"]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    env.pop("RADIXKV_API_KEY", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "radixkv serve did not come up: " + log.read_text()[-3000:]
-            time.sleep(0.5)
+    args = ["--api-keys-file", d / "keys.json", "--max-total-tokens", CAPACITY, "--log-requests", trace,
+            "--log-level", "info"]  # fmt: skip
+    with serve_process(args, log) as (base, proc):
         yield dict(base=base, log=log, trace=trace, proc=proc)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
 
 
 def client(served, tenant: str | None = None, key: str | None = None):
