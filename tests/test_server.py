@@ -10,10 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import openai
@@ -23,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from route_table import ROUTES, Target, uncovered  # noqa: E402
-from server_helpers import assert_pool_whole, wait_idle  # noqa: E402
+from server_helpers import assert_pool_whole, serve_process, wait_idle  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
@@ -724,36 +720,13 @@ def test_every_route_answers_on_the_single_engine(server, llm, check):
 
 def test_serve_cli_starts_and_answers(tmp_path):
     """`python -m radixkv serve` in a subprocess: /health, /v1/models, one completion."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "radixkv", "serve", "--port", str(port), "--device", "cpu",
-           "--max-total-tokens", "2048", "--page-size", "4", "--served-model-name", "tiny", "--log-level", "warning"]  # fmt: skip
-    log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.5)
+    args = ["--device", "cpu", "--max-total-tokens", "2048", "--page-size", "4", "--served-model-name", "tiny",
+            "--log-level", "warning"]  # fmt: skip
+    with serve_process(args, tmp_path / "serve.log") as (base, proc):
         c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
         assert [m.id for m in c.models.list().data] == ["tiny"]
         r = c.completions.create(model="tiny", prompt="Hello", max_tokens=2, temperature=0)
         assert r.usage.completion_tokens == 2 or r.choices[0].finish_reason == "stop"
         stats = httpx.get(base + "/cache_stats", timeout=30).json()
         assert stats["capacity"] == 2048 and stats["page_size"] == 4
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
     assert proc.returncode is not None
