@@ -99,7 +99,7 @@ def _check_sizes(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
     if need > lim.capacity:
         raise RequestError(
             f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
-            f"more than the pool's max_total_tokens {lim.capacity}",
+            f"more than the KV pool's {lim.capacity} slots (max_total_tokens, or what kv_cache_memory_bytes holds)",
             "max_tokens",
         )
 
