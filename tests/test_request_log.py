@@ -42,6 +42,9 @@ def test_logged_trace_explains_what_the_server_counted(default_model, tmp_path):
             messages = [{"role": "system", "content": SYSTEM.format(day=day)}, {"role": "user", "content": q}]
             r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=2)
             sent.append((messages, r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        forged = {"model": "smollm2-135m", "messages": messages, "max_tokens": 2, "tenant": "alice"}
+        bad = httpx.post(server.base_url + "/v1/chat/completions", json=forged, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tenant", bad.text  # never ran: not logged
         c = client.completions.create(model="smollm2-135m", prompt="Bikes are", max_tokens=2)
         metrics = httpx.get(server.base_url + "/metrics", timeout=60).text
     finally:
