@@ -1,6 +1,7 @@
 """``radixkv serve --log-requests``: a real server on 127.0.0.1 called with the ``openai`` SDK logs
 every completions / chat body in the trace format, and ``radixkv explain`` of that trace gives
-exactly the missed tokens per cause the server counted in ``/metrics``.
+exactly the missed tokens per cause the server counted in ``/metrics``; requests the server refused
+are not in it.
 
 The engine runs over a runner without a model (tests/obs_helpers.py) with the default model's
 tokenizer: which prompt tokens are cached does not depend on the outputs here (single-turn
@@ -45,6 +46,8 @@ def test_logged_trace_explains_what_the_server_counted(default_model, tmp_path):
         forged = {"model": "smollm2-135m", "messages": messages, "max_tokens": 2, "tenant": "alice"}
         bad = httpx.post(server.base_url + "/v1/chat/completions", json=forged, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tenant", bad.text  # never ran: not logged
+        with pytest.raises(openai.BadRequestError):  # refused by the engine's limits: never ran, not logged
+            client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=10**6)
         c = client.completions.create(model="smollm2-135m", prompt="Bikes are", max_tokens=2)
         metrics = httpx.get(server.base_url + "/metrics", timeout=60).text
     finally:
@@ -65,3 +68,65 @@ def test_logged_trace_explains_what_the_server_counted(default_model, tmp_path):
         if s.name.endswith("_total")
     }
     assert counted == rep["missed_by_cause"] and counted.get("diverged", 0) > 0
+
+
+def test_lines_keep_the_read_order_and_only_accepted_requests_are_logged():
+    """The middleware over a fake app: a body waits for the ones read before it; an error answer
+    drops its body; a request that ends without an answer (its client left) is logged."""
+    import asyncio
+    import json
+
+    from radixkv.server.request_log import RequestLogMiddleware
+
+    class Lines:
+        def __init__(self):
+            self.bodies = []
+
+        def write(self, body):
+            self.bodies.append(body)
+
+    gates, read = {}, {}
+
+    async def app(scope, receive, send):
+        body = json.loads((await receive())["body"])
+        read[body["id"]].set()
+        await gates[body["id"]].wait()
+        if body.get("leave"):
+            return  # no answer: as when the client went away mid-request
+        await send({"type": "http.response.start", "status": body["status"], "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def main():
+        lines = Lines()
+        mw = RequestLogMiddleware(app, lines)
+        bodies = [
+            {"id": 0, "status": 200},
+            {"id": 1, "status": 400},
+            {"id": 2, "leave": True},
+            {"id": 3, "status": 200},
+        ]
+        for b in bodies:
+            gates[b["id"]], read[b["id"]] = asyncio.Event(), asyncio.Event()
+
+        async def call(b):
+            async def receive():
+                return {"type": "http.request", "body": json.dumps(b).encode(), "more_body": False}
+
+            async def send(message):
+                pass
+
+            await mw({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
+
+        tasks = []
+        for b in bodies:  # read in this order
+            tasks.append(asyncio.create_task(call(b)))
+            await read[b["id"]].wait()
+        for i in (3, 1, 2):  # answered out of order: nothing may be written before 0 is
+            gates[i].set()
+            await tasks[i]
+            assert lines.bodies == []
+        gates[0].set()
+        await tasks[0]
+        return [b["id"] for b in lines.bodies]
+
+    assert asyncio.run(main()) == [0, 2, 3]
