@@ -16,19 +16,11 @@ import time
 sys.path.insert(0, "tests")
 
 import torch  # noqa: E402
+from test_combined_features import NAMESPACES, SCHEMA  # noqa: E402  (one copy of the shared inputs)
 
 from radixkv.config import EngineConfig  # noqa: E402
 from radixkv.engine import Engine  # noqa: E402
-from radixkv.namespace import Namespace  # noqa: E402
 from radixkv.sampling_params import SamplingParams  # noqa: E402
-
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-    "additionalProperties": False,
-}
-NAMESPACES = [None, "a", Namespace(tenant="t1"), Namespace(tenant="t2", salt="s")]
 
 
 def build_prompts(tok, n_conv, turns, max_len):
