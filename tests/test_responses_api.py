@@ -430,3 +430,32 @@ def test_a_stream_the_client_leaves_keeps_nothing(server, llm):
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert_pool_whole(llm)  # aborted: its slots were freed, nothing pinned
     assert len(store) == 0
+
+
+def test_the_store_keeps_exact_lru_bounds_through_gets_and_deletes():
+    """The stored-Response bounds count exactly: a deleted pinned response frees its place among
+    the pinned, and a lookup refreshes a response in both LRU orders."""
+    from radixkv.server.openai.responses import ResponseStore, StoredResponse
+
+    class Pins:
+        def __init__(self) -> None:
+            self.released: list = []
+
+        def release_pin(self, pin) -> None:
+            self.released.append(pin)
+
+    store, pins = ResponseStore(max_stored=3, max_pinned=2), Pins()
+
+    def put(rid: str) -> None:
+        store.put(rid, StoredResponse({}, [], None, [], [1], pin=f"pin-{rid}"), pins)
+
+    put("r1")
+    put("r2")
+    assert store.take_pin(store.pop("r1")) == "pin-r1" and len(store) == 1
+    put("r3")  # r2 and r3 pinned: within the bound, nothing released
+    assert pins.released == [] and store.get("r2").pin == "pin-r2"  # r2 is now the most recent
+    put("r4")  # three pinned: the least recently used (r3, not r2) loses its pin
+    assert pins.released == ["pin-r3"] and len(store) == 3
+    put("r5")  # four stored: r3 (least recently used) is deleted; three pinned: r2 loses its pin
+    assert store.get("r3") is None and sorted(store._items) == ["r2", "r4", "r5"]
+    assert pins.released == ["pin-r3", "pin-r2"] and store.get("r4").pin == "pin-r4"

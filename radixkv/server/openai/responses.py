@@ -130,7 +130,13 @@ class ResponseStore:
     def __init__(self, max_stored: int = 10000, max_pinned: int = 64) -> None:
         self.max_stored = max_stored
         self.max_pinned = max_pinned
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._items: dict[str, StoredResponse] = {}
+        # NOTE: the bounds are per tenant, so one tenant's flood never deletes or unpins another
+        # tenant's responses (without API keys there is one tenant, None). Each tenant has its own
+        # LRU order of all its responses and of those holding a pin, so a put costs O(1), not a
+        # scan of every stored response on the engine thread.
+        self._lru: dict[Optional[str], OrderedDict[str, StoredResponse]] = {}
+        self._pinned: dict[Optional[str], OrderedDict[str, StoredResponse]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -143,22 +149,31 @@ class ResponseStore:
             item = self._items.get(rid)
             if item is None or (tenant is not _ANY and item.tenant != tenant):
                 return None
-            self._items.move_to_end(rid)
+            self._lru[item.tenant].move_to_end(rid)
+            pinned = self._pinned.get(item.tenant)
+            if pinned is not None and rid in pinned:
+                pinned.move_to_end(rid)
             return item
 
     def put(self, rid: str, item: StoredResponse, pins: Pins) -> None:
-        """Store ``item`` (in a finish hook: it may release other responses' pins)."""
+        """Store ``item`` (in a finish hook: it may release other responses' pins): the tenant's
+        least recently used beyond ``max_stored`` are deleted, and beyond ``max_pinned`` pinned
+        ones lose their pins."""
         with self._lock:
+            self._drop(rid)
             self._items[rid] = item
-            self._items.move_to_end(rid)
-            # NOTE: the bounds are per tenant, so one tenant's flood never deletes or unpins
-            # another tenant's responses (without API keys there is one tenant, None)
-            mine = [k for k, s in self._items.items() if s.tenant == item.tenant]  # least recently used first
-            for k in mine[: max(0, len(mine) - self.max_stored)]:
-                self._unpin(pins, self._items.pop(k))
-            pinned = [s for s in map(self._items.get, mine) if s is not None and s.pin is not None]
-            for s in pinned[: max(0, len(pinned) - self.max_pinned)]:
-                self._unpin(pins, s)
+            lru = self._lru.setdefault(item.tenant, OrderedDict())
+            lru[rid] = item
+            pinned = self._pinned.setdefault(item.tenant, OrderedDict())
+            if item.pin is not None:
+                pinned[rid] = item
+            while len(lru) > self.max_stored:
+                k, old = lru.popitem(last=False)
+                del self._items[k]
+                pinned.pop(k, None)
+                self._unpin(pins, old)
+            while len(pinned) > self.max_pinned:
+                self._unpin(pins, pinned.popitem(last=False)[1])
 
     def pop(self, rid: str, tenant: Any = _ANY) -> Optional[StoredResponse]:
         """Remove ``rid`` from the store (with ``tenant``: only when that tenant owns it); its pin,
@@ -167,7 +182,19 @@ class ResponseStore:
             item = self._items.get(rid)
             if item is None or (tenant is not _ANY and item.tenant != tenant):
                 return None
-            return self._items.pop(rid)
+            return self._drop(rid)
+
+    def _drop(self, rid: str) -> Optional[StoredResponse]:
+        """Remove ``rid`` from the lookup and its tenant's orders (the lock held)."""
+        item = self._items.pop(rid, None)
+        if item is not None:
+            for orders in (self._lru, self._pinned):
+                order = orders.get(item.tenant)
+                if order is not None:
+                    order.pop(rid, None)
+                    if not order:
+                        del orders[item.tenant]
+        return item
 
     def take_pin(self, item: StoredResponse) -> Any:
         """``item``'s pin, which it holds no more (None: it had none)."""
