@@ -1,0 +1,107 @@
+"""Sessions, ``fork`` and ``select`` attacked as a hostile caller would (on the fake runner of
+test_scheduler.py, whose outputs must equal a pure-Python reference and which trips on a stale
+or doubly owned slot): a session closed while its turn (or its ``select``) runs, from another
+task or thread. After each case no pin is left behind: ``free + evictable == capacity``,
+``protected == 0`` once every session is closed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_scheduler import FakeRunner, assert_no_leak, greedy, reference
+from test_sessions import idle_invariant, make_llm
+
+from radixkv import AsyncLLM
+from radixkv.engine import StepFinished
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def fake_async_llm(capacity=512, page_size=1):
+    return AsyncLLM(
+        device="cpu",
+        model_runner=FakeRunner(capacity, page_size, 16),
+        tokenizer=None,
+        eos_token_ids=[],
+        max_total_tokens=capacity,
+        page_size=page_size,
+    )
+
+
+async def async_no_leak(alm):
+    while await alm.call_in_engine_thread(lambda e: e.has_unfinished_requests()):
+        await alm.call_in_engine_thread(lambda e: None)
+    await alm.call_in_engine_thread(lambda e: e.run_posted())
+    await alm.call_in_engine_thread(assert_no_leak)
+
+
+def test_async_close_while_a_turn_runs_leaves_nothing_pinned():
+    """``await s.close()`` while ``s.generate`` runs in another task: the turn still returns its
+    reply, and neither the old context's pin nor the new one's stays behind (the new context
+    used to be pinned after the close, by a session that no ``close`` or finalizer releases:
+    pinned until ``pin_idle_timeout``)."""
+    alm = fake_async_llm()
+
+    async def main():
+        ctx = list(range(1, 30))
+        s = alm.session(ctx)
+        first = await s.generate(sampling_params=greedy(2))
+        turn = asyncio.ensure_future(s.generate(prompt_token_ids=[4], sampling_params=greedy(20)))
+        await asyncio.sleep(0)  # the turn is submitted
+        await s.close()
+        out = await turn
+        full = ctx + first.outputs[0].token_ids + [4]
+        assert out.outputs[0].token_ids == reference(full, 20)
+        assert s.closed and s.pinned_tokens == 0
+        await async_no_leak(alm)
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
+
+
+def test_async_close_while_select_appends_leaves_nothing_pinned():
+    """The same for ``select(append=True)``: the chosen choice must not be pinned for a closed session."""
+    alm = fake_async_llm()
+
+    async def main():
+        s = alm.session(list(range(1, 30)))
+        await s.generate(sampling_params=greedy(2))
+        sel = asyncio.ensure_future(s.select([[1, 2], [3], [4, 5, 6]]))
+        await asyncio.sleep(0)
+        await s.close()
+        result = await sel
+        assert result.index in (0, 1, 2) and s.closed and s.pinned_tokens == 0
+        await async_no_leak(alm)
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
+
+
+@pytest.mark.parametrize("when", [2, 5])
+def test_close_from_another_caller_mid_turn_on_llm(when):
+    """On ``LLM``, a session closed by code running inside the turn (an event subscriber on the
+    driving thread, as a watchdog or a tool callback would): the turn completes, nothing stays
+    pinned. ``when``: the step at which it closes (the turn's last step is 5)."""
+    llm = make_llm()
+    s = llm.session(list(range(1, 30)))
+    s.generate(sampling_params=greedy(2))
+    steps = []
+
+    def on_step(ev):
+        steps.append(ev.step)
+        if len(steps) == when:
+            s.close()
+
+    off = llm.engine.events.subscribe(on_step, (StepFinished,))
+    ctx = s.tokens
+    out = s.generate(prompt_token_ids=[7], sampling_params=greedy(5))
+    off()
+    assert out.outputs[0].token_ids == reference(ctx + [7], 5)
+    assert s.closed and s.pinned_tokens == 0
+    idle_invariant(llm)
+    assert_no_leak(llm.engine)
