@@ -105,3 +105,43 @@ def test_close_from_another_caller_mid_turn_on_llm(when):
     assert s.closed and s.pinned_tokens == 0
     idle_invariant(llm)
     assert_no_leak(llm.engine)
+
+
+def test_wrong_types_are_refused_naming_the_argument():
+    """``select``'s ``append`` must be a bool (``append="no"`` used to append: any truthy value
+    did); a numpy array as a fork batch's ``prompt_token_ids`` is a RequestError naming it (it
+    was numpy's own "truth value of an array is ambiguous"); a choice that takes the prompt past
+    ``max_context_len`` names ``choices`` (it named ``prompt``, which alone fits). Nothing is
+    submitted and the session is unchanged."""
+    np = pytest.importorskip("numpy")
+    from radixkv.errors import RequestError
+
+    llm = make_llm(capacity=256)
+    s = llm.session(list(range(1, 30)))
+    s.generate(sampling_params=greedy(2))
+    ctx, before = s.tokens, llm.cache_stats()["prompt_tokens"]
+    kids = s.fork(2)
+    cases = [
+        (lambda: s.select([[1], [2]], append="no"), "append", "append must be a bool, got 'no'"),
+        (lambda: s.select([[1], [2]], append=1), "append", "append must be a bool, got 1"),
+        (
+            lambda: kids.generate(prompt_token_ids=np.array([1, 2])),
+            "prompt_token_ids",
+            "prompt_token_ids must be one value or a list of 2 (one per fork)",
+        ),
+        (
+            lambda: s.select([[1], [2] * 600]),
+            "choices",
+            "choice 1 makes a prompt of 631 tokens (the prompt's 31 and its 600); max_context_len is 512 "
+            "(the prompt plus at least one generated token must fit)",
+        ),
+    ]
+    for call, param, message in cases:
+        with pytest.raises(RequestError) as e:
+            call()
+        assert (e.value.param, str(e.value)) == (param, message)
+    assert s.tokens == ctx and [k.tokens for k in kids] == [ctx, ctx]
+    assert llm.cache_stats()["prompt_tokens"] == before  # nothing was submitted
+    kids.close()
+    s.close()
+    assert_no_leak(llm.engine)

@@ -205,6 +205,8 @@ class Context:
 
     def _select_program(self, choices: Any, text: Any, message: Any, method: str, append: bool) -> Program:
         self._check_open()
+        if not isinstance(append, bool):
+            raise RequestError(f"append must be a bool, got {append!r}", "append")
         prompt, new = self._select_prompt(text, message)
         owner = self._owner
         return (yield from _scored(owner, prompt, choices, method, self.namespace, self if append else None, new))
@@ -393,6 +395,14 @@ def _scored(
     submitted together; with ``session``, the chosen one joins its context and its pin moves."""
     method = check_method(method)
     ids = choice_ids(owner.tokenizer, int(owner.engine.vocab_size), choices)
+    limit = int(owner.engine.max_context_len)
+    for i, c in enumerate(ids):  # (a prompt too long for any choice is the engine's to refuse: "prompt")
+        if len(prompt) + 1 < limit <= len(prompt) + len(c):
+            raise RequestError(
+                f"choice {i} makes a prompt of {len(prompt) + len(c)} tokens (the prompt's {len(prompt)} and its "
+                f"{len(c)}); max_context_len is {limit} (the prompt plus at least one generated token must fit)",
+                "choices",
+            )
     params = select_params(len(prompt))
     if session is not None:
         session._busy = True
@@ -428,7 +438,9 @@ def _one_text(v: Any) -> bool:
 
 
 def _one_ids(v: Any) -> bool:
-    return v is None or (bool(v) and isinstance(v[0], int))
+    return v is None or (
+        isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and len(v) > 0 and isinstance(v[0], int)
+    )
 
 
 def _one_params(v: Any) -> bool:
