@@ -7,6 +7,8 @@ task or thread. After each case no pin is left behind: ``free + evictable == cap
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 from test_scheduler import FakeRunner, assert_no_leak, greedy, reference
@@ -83,24 +85,30 @@ def test_async_close_while_select_appends_leaves_nothing_pinned():
 
 
 @pytest.mark.parametrize("when", [2, 5])
-def test_close_from_another_caller_mid_turn_on_llm(when):
-    """On ``LLM``, a session closed by code running inside the turn (an event subscriber on the
-    driving thread, as a watchdog or a tool callback would): the turn completes, nothing stays
-    pinned. ``when``: the step at which it closes (the turn's last step is 5)."""
+def test_close_from_another_thread_mid_turn_on_llm(when):
+    """On ``LLM``, another thread closes a session while its turn runs (its close waits for the
+    LLM's lock): the turn completes, nothing stays pinned. ``when``: the step at which the other
+    thread has closed it (the turn's last step is 5)."""
     llm = make_llm()
     s = llm.session(list(range(1, 30)))
     s.generate(sampling_params=greedy(2))
-    steps = []
+    steps, closer = [], threading.Thread(target=s.close)
 
     def on_step(ev):
         steps.append(ev.step)
         if len(steps) == when:
-            s.close()
+            closer.start()
+            deadline = time.monotonic() + 30
+            while not s.closed:  # the closer marked it closed; its release waits for the lock
+                assert time.monotonic() < deadline, "the closing thread did not run"
+                time.sleep(0.001)
 
     off = llm.engine.events.subscribe(on_step, (StepFinished,))
     ctx = s.tokens
     out = s.generate(prompt_token_ids=[7], sampling_params=greedy(5))
     off()
+    closer.join(30)
+    assert not closer.is_alive() and len(steps) == 5
     assert out.outputs[0].token_ids == reference(ctx + [7], 5)
     assert s.closed and s.pinned_tokens == 0
     idle_invariant(llm)
