@@ -1,8 +1,9 @@
 """Sessions, ``fork`` and ``select`` attacked as a hostile caller would (on the fake runner of
 test_scheduler.py, whose outputs must equal a pure-Python reference and which trips on a stale
 or doubly owned slot): a session closed while its turn (or its ``select``) runs, from another
-task or thread. After each case no pin is left behind: ``free + evictable == capacity``,
-``protected == 0`` once every session is closed."""
+task or thread; wrong argument types; and rounds of random concurrent turns, forks, selects,
+flushes, cancels and closes. After each case no pin is left behind: ``free + evictable ==
+capacity``, ``protected == 0`` once every session is closed."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from test_sessions import idle_invariant, make_llm
 
 from radixkv import AsyncLLM
 from radixkv.engine import StepFinished
+from radixkv.errors import RequestError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,8 +124,6 @@ def test_wrong_types_are_refused_naming_the_argument():
     ``max_context_len`` names ``choices`` (it named ``prompt``, which alone fits). Nothing is
     submitted and the session is unchanged."""
     np = pytest.importorskip("numpy")
-    from radixkv.errors import RequestError
-
     llm = make_llm(capacity=256)
     s = llm.session(list(range(1, 30)))
     s.generate(sampling_params=greedy(2))
@@ -153,3 +153,114 @@ def test_wrong_types_are_refused_naming_the_argument():
     kids.close()
     s.close()
     assert_no_leak(llm.engine)
+
+
+class Chaos:
+    """One random operation at a time on a random open session of ``alm`` (fake runner): a turn,
+    a fork and its children's batch turn, ``select`` (appending or not), ``LLM.select``, a
+    flush, a close; each awaited call cancelled at a random point with probability 1/4. Every
+    reply that comes back equals the reference; a cancelled turn leaves its context as it was."""
+
+    def __init__(self, alm, rng):
+        self.alm, self.rng = alm, rng
+        self.sessions = [
+            alm.session([rng.randrange(1, 64) for _ in range(rng.randrange(5, 40))], namespace=ns)
+            for ns in (None, "a", None, "a")
+        ]
+        self.refused: list[str] = []
+
+    async def cancel_maybe(self, coro):
+        """``coro``'s result, or None when it was cancelled at a random point."""
+        t = asyncio.ensure_future(coro)
+        if self.rng.random() < 0.25:
+            for _ in range(self.rng.randrange(0, 6)):
+                await asyncio.sleep(0)
+            t.cancel()
+        try:
+            return await t
+        except asyncio.CancelledError:
+            return None
+
+    async def turn(self, s):
+        rng = self.rng
+        ctx, mt = s.tokens, rng.randrange(1, 10)
+        new = [rng.randrange(1, 64) for _ in range(rng.randrange(0 if ctx else 1, 4))]
+        out = await self.cancel_maybe(s.generate(prompt_token_ids=new, sampling_params=greedy(mt)))
+        if out is None:
+            assert s.tokens in (ctx, ctx + new + reference(ctx + new, mt))
+            return
+        assert out.outputs[0].token_ids == reference(ctx + new, mt)
+        if not s.closed:
+            assert s.tokens == ctx + new + out.outputs[0].token_ids
+
+    async def fork(self, s):
+        rng = self.rng
+        kids = await self.cancel_maybe(s.fork(rng.randrange(1, 6)))
+        if kids is None:
+            return
+        ctx, news = s.tokens, [[rng.randrange(1, 64)] for _ in kids]
+        outs = await self.cancel_maybe(
+            kids.generate(prompt_token_ids=news, sampling_params=greedy(rng.randrange(1, 6)))
+        )
+        for o, n in zip(outs or [], news):
+            assert o.outputs[0].token_ids == reference(ctx + n, len(o.outputs[0].token_ids))
+        if rng.random() < 0.5:
+            await kids.close()
+        else:
+            self.sessions.extend(kids)
+
+    async def op(self, s):
+        k = self.rng.random()
+        try:
+            if k < 0.3:
+                await self.turn(s)
+            elif k < 0.5:
+                await self.fork(s)
+            elif k < 0.6 and s.tokens:
+                await self.cancel_maybe(s.select([[1], [2, 3]], append=self.rng.random() < 0.5))
+            elif k < 0.7:
+                await self.alm.call_in_engine_thread(lambda e: e.reset_prefix_cache())
+            elif k < 0.85:
+                await s.close()
+            else:
+                await self.cancel_maybe(self.alm.select([1, 2, 3], [[4], [5]]))
+        except RequestError as e:  # a busy session (two operations on it at once)
+            assert e.param == "session", str(e)
+            self.refused.append(e.param)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_concurrent_turns_forks_selects_cancels_and_closes(seed):
+    """Rounds of concurrent random operations (:class:`Chaos`) on a small pool (160 slots, 8
+    running, 8-token chunks; page_size 1 and 4): the KV manager's integrity after every round,
+    and once every session is closed nothing is pinned or protected."""
+    import random
+
+    ps = 1 + 3 * (seed % 2)
+    alm = AsyncLLM(
+        device="cpu",
+        model_runner=FakeRunner(160, ps, 8),
+        tokenizer=None,
+        eos_token_ids=[],
+        max_total_tokens=160,
+        page_size=ps,
+        chunked_prefill_size=8,
+        max_running_requests=8,
+    )
+
+    async def main():
+        chaos = Chaos(alm, random.Random(seed))
+        for _ in range(10):
+            live = [s for s in chaos.sessions if not s.closed]
+            if not live:
+                break
+            await asyncio.gather(*[chaos.op(chaos.rng.choice(live)) for _ in range(chaos.rng.randrange(1, 6))])
+            await alm.call_in_engine_thread(lambda e: e.check_integrity())
+        for s in chaos.sessions:
+            await s.close()
+        await async_no_leak(alm)
+
+    try:
+        asyncio.run(main())
+    finally:
+        alm.shutdown()
