@@ -121,7 +121,8 @@ def test_wrong_types_are_refused_naming_the_argument():
     """``select``'s ``append`` must be a bool (``append="no"`` used to append: any truthy value
     did); a numpy array as a fork batch's ``prompt_token_ids`` is a RequestError naming it (it
     was numpy's own "truth value of an array is ambiguous"); a choice that takes the prompt past
-    ``max_context_len`` names ``choices`` (it named ``prompt``, which alone fits). Nothing is
+    ``max_context_len`` names ``choices`` (it named ``prompt``, which alone fits), and one that takes
+    it past the KV pool too (it named ``max_tokens``, which select sets itself). Nothing is
     submitted and the session is unchanged."""
     np = pytest.importorskip("numpy")
     llm = make_llm(capacity=256)
@@ -148,6 +149,12 @@ def test_wrong_types_are_refused_naming_the_argument():
         with pytest.raises(RequestError) as e:
             call()
         assert (e.value.param, str(e.value)) == (param, message)
+    with pytest.raises(RequestError) as e:  # within max_context_len, past the pool: select's max_tokens is its own
+        s.select([[1], [2] * 230])
+    assert e.value.param == "choices" and str(e.value) == (
+        "the prompt + a choice does not fit the KV pool: prompt (261 tokens) + max_tokens (1) needs 262 KV "
+        "slots, more than the KV pool's 256 slots (max_total_tokens, or what kv_cache_memory_bytes holds)"
+    )
     assert s.tokens == ctx and [k.tokens for k in kids] == [ctx, ctx]
     assert llm.cache_stats()["prompt_tokens"] == before  # nothing was submitted
     kids.close()

@@ -407,7 +407,13 @@ def _scored(
     if session is not None:
         session._busy = True
     try:
-        outs = yield Submit([(prompt + c, params, namespace) for c in ids])
+        try:
+            outs = yield Submit([(prompt + c, params, namespace) for c in ids])
+        except RequestError as exc:
+            if exc.param != "max_tokens":
+                raise
+            # select's own max_tokens is 1: what does not fit the KV pool is the prompt + a choice
+            raise RequestError(f"the prompt + a choice does not fit the KV pool: {exc}", "choices") from exc
         result = score_choices(list(choices), len(prompt), ids, outs, method)
         if session is not None:
             session._append_choice(prompt, ids[result.index], result.choice, new)
