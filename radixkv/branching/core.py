@@ -205,6 +205,8 @@ class Context:
 
     def _select_program(self, choices: Any, text: Any, message: Any, method: str, append: bool) -> Program:
         self._check_open()
+        if not isinstance(append, bool):
+            raise RequestError(f"append must be a bool, got {append!r}", "append")
         prompt, new = self._select_prompt(text, message)
         owner = self._owner
         return (yield from _scored(owner, prompt, choices, method, self.namespace, self if append else None, new))
@@ -213,9 +215,17 @@ class Context:
         if self._closed:
             return
         self._closed = True
+        if self._pin is None and not self._busy:
+            return  # nothing pinned, and no turn in flight that could pin
+        yield EngineCall(self._unpin, release=True)
+
+    def _unpin(self, engine: Any) -> None:
+        """Let go of the pin the session holds (on the engine's driver thread, where a running
+        turn's finish hook and ``select``'s re-pin swap it, so a close while they run releases
+        the pin they leave, and they pin nothing for a closed session)."""
         pin, self._pin = self._pin, None
         if pin is not None:
-            yield EngineCall(lambda e: e.release_pin(pin), release=True)
+            engine.release_pin(pin)
 
     # -------------------------------------------------------------- prompts of a turn
     def _tok(self) -> Any:
@@ -297,11 +307,14 @@ class Context:
     def _repin(self) -> Any:
         """The engine call that pins the current context and then lets go of the old pin (so
         the shared part never becomes evictable in between); it sets ``_pin`` itself on the
-        engine thread, so a caller cancelled meanwhile still leaves the session holding it."""
-        tokens, old = list(self._tokens), self._pin
+        engine thread, so a caller cancelled meanwhile still leaves the session holding it. A
+        session closed meanwhile pins nothing (its close releases the pin it holds)."""
+        tokens = list(self._tokens)
 
         def repin(engine: Any) -> None:
-            self._pin = engine.pin_prefix(tokens, self.namespace)
+            if self._closed:
+                return
+            old, self._pin = self._pin, engine.pin_prefix(tokens, self.namespace)
             if old is not None:
                 engine.release_pin(old)
 
@@ -310,15 +323,15 @@ class Context:
 
 class _Batch:
     """One batch of turns: each turn's finish hook (run on the engine's driver thread, before any
-    further step) pins the turn's new context and lets go of the session's old pin; ``settle``
-    (the caller, after the batch, also when it failed or was cancelled) advances every session
-    whose turn finished and gives it the new pin. A hook runs either before ``settle`` or not at
-    all, so a turn abandoned mid-way leaves its session as it was."""
+    further step) pins the turn's new context and swaps it for the session's old pin (there, so a
+    ``close`` racing the turn releases whichever pin the session holds; a session closed before
+    its turn finished pins nothing new); ``settle`` (the caller, after the batch, also when it
+    failed or was cancelled) advances every session whose turn finished. A hook runs either
+    before ``settle`` or not at all, so a turn abandoned mid-way leaves its session as it was."""
 
     def __init__(self, sessions: List[Context], prompts: List[tuple]) -> None:
         self.sessions, self.prompts = sessions, prompts
         self.done: dict = {}
-        self.pins: dict = {}
         self.lock = threading.Lock()
         self.settled = False
 
@@ -329,11 +342,13 @@ class _Batch:
             with self.lock:
                 if self.settled:  # the caller gave up first: the session stays as it was
                     return
-                reply = reply_tokens(s._owner.tokenizer, out.outputs[0])
-                self.pins[i] = engine.pin_prefix(list(prompt) + reply, s.namespace)
-                if s._pin is not None:
-                    engine.release_pin(s._pin)
                 self.done[i] = out
+                if s._closed:  # its close lets go of the pin it holds
+                    return
+                reply = reply_tokens(s._owner.tokenizer, out.outputs[0])
+                old, s._pin = s._pin, engine.pin_prefix(list(prompt) + reply, s.namespace)
+                if old is not None:
+                    engine.release_pin(old)
 
         return on_finish
 
@@ -343,7 +358,6 @@ class _Batch:
         for i, (s, (prompt, new)) in enumerate(zip(self.sessions, self.prompts)):
             if i in self.done:
                 s._advance(prompt, self.done[i], new)
-                s._pin = self.pins.get(i)
             s._busy = False
 
 
@@ -381,11 +395,25 @@ def _scored(
     submitted together; with ``session``, the chosen one joins its context and its pin moves."""
     method = check_method(method)
     ids = choice_ids(owner.tokenizer, int(owner.engine.vocab_size), choices)
+    limit = int(owner.engine.max_context_len)
+    for i, c in enumerate(ids):  # (a prompt too long for any choice is the engine's to refuse: "prompt")
+        if len(prompt) + 1 < limit <= len(prompt) + len(c):
+            raise RequestError(
+                f"choice {i} makes a prompt of {len(prompt) + len(c)} tokens (the prompt's {len(prompt)} and its "
+                f"{len(c)}); max_context_len is {limit} (the prompt plus at least one generated token must fit)",
+                "choices",
+            )
     params = select_params(len(prompt))
     if session is not None:
         session._busy = True
     try:
-        outs = yield Submit([(prompt + c, params, namespace) for c in ids])
+        try:
+            outs = yield Submit([(prompt + c, params, namespace) for c in ids])
+        except RequestError as exc:
+            if exc.param != "max_tokens":
+                raise
+            # select's own max_tokens is 1: what does not fit the KV pool is the prompt + a choice
+            raise RequestError(f"the prompt + a choice does not fit the KV pool: {exc}", "choices") from exc
         result = score_choices(list(choices), len(prompt), ids, outs, method)
         if session is not None:
             session._append_choice(prompt, ids[result.index], result.choice, new)
@@ -416,7 +444,9 @@ def _one_text(v: Any) -> bool:
 
 
 def _one_ids(v: Any) -> bool:
-    return v is None or (bool(v) and isinstance(v[0], int))
+    return v is None or (
+        isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and len(v) > 0 and isinstance(v[0], int)
+    )
 
 
 def _one_params(v: Any) -> bool:
