@@ -71,6 +71,7 @@ class LLM:
         self.namespace = Namespace.of(namespace)
         self.engine = build_engine("LLM", model, kwargs)
         self._lock = threading.RLock()  # one caller drives the engine at a time
+        self._stepping = False  # a _run_locked is stepping the engine (on the thread holding _lock)
 
     def _ns(self, namespace: Any) -> Any:
         """A call's namespace: its own, else this LLM's."""
@@ -204,6 +205,21 @@ class LLM:
         ``on_finish``: one hook (or None) per prompt (:meth:`generate_batch`)."""
         params = params_per_prompt(sampling_params, len(ids))
         spaces = list(namespace) if isinstance(namespace, list) else [self._ns(namespace)] * len(ids)
+        if self._stepping:
+            # NOTE: the RLock lets the stepping thread in again: an event subscriber or a finish
+            # hook calling back would step the engine inside its own step
+            raise RuntimeError(
+                "LLM.generate (or a session, fork or select call) was made from inside this LLM's own step "
+                "(an event subscriber or a finish hook); call it after the step returns"
+            )
+        self._stepping = True
+        try:
+            return self._drive(ids, texts, params, spaces, use_tqdm, on_finish)
+        finally:
+            self._stepping = False
+
+    def _drive(self, ids, texts, params, spaces, use_tqdm, on_finish) -> List[RequestOutput]:
+        """The body of :meth:`_run_locked`: submit, step until done, abort what is left on error."""
         engine = self.engine
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}

@@ -271,3 +271,25 @@ def test_random_concurrent_turns_forks_selects_cancels_and_closes(seed):
         asyncio.run(main())
     finally:
         alm.shutdown()
+
+
+def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():
+    """An event subscriber calling back into ``LLM.generate`` (the RLock lets the stepping thread
+    in again) gets a RuntimeError saying why; before, it stepped the engine inside its own step
+    and the outer call died with a KeyError."""
+    llm = make_llm()
+    errors: list = []
+
+    def call_back(_event) -> None:
+        try:
+            llm.generate([[5, 6, 7]], greedy(3))
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    off = llm.engine.events.subscribe(call_back, (StepFinished,))
+    out = llm.generate([[1, 2, 3, 4]], greedy(4))[0]
+    off()
+    assert out.outputs[0].token_ids == reference([1, 2, 3, 4], 4)
+    assert errors and all("inside this LLM's own step" in e for e in errors)
+    assert llm.generate([[5, 6, 7]], greedy(3))[0].outputs[0].token_ids == reference([5, 6, 7], 3)
+    idle_invariant(llm)
