@@ -2,7 +2,8 @@
 it) without a Ray cluster: the router's index and the engine deployment's handle are stand-ins.
 ``/health``: with every replica dead (Serve restarting them) it answers 503, with some dead
 ``"degraded"``, and names how many are live. A request id already running is refused as one
-engine refuses it, though another replica would run it."""
+engine refuses it, though another replica would run it. A request that failed on its replica is
+the 500 ``request_failed`` one engine answers, and no replica error reaches a client as Ray's text."""
 
 from __future__ import annotations
 
@@ -293,3 +294,69 @@ def test_a_non_streamed_request_restarts_where_a_stream_could_not_go_on(tokenize
     rest = asyncio.run(run())
     assert handle.calls == ["h", "h-resume1"]
     assert [o.finished for o in rest] == [False, True] and list(rest[-1].outputs[0].token_ids) == [3, 4]
+
+
+def _failing_app(tokenizer, error: BaseException):
+    """The app over a replica whose stream yields one output, then raises ``error`` as the
+    ingress receives it from Ray."""
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts
+
+    class Failing(_Handle):
+        def remote(self, args: dict):
+            async def stream():
+                yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])])
+                raise error
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    llm = ray_mod.RemoteLLM(handle=Failing(), tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+    return create_app(llm, served_model_name="m")
+
+
+def _complete(app) -> tuple[int, dict]:
+    async def post():  # as uvicorn answers: Starlette re-raises an unhandled error after its 500
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            r = await http.post("/v1/completions", json={"model": "m", "prompt": [5, 6], "max_tokens": 4})
+            return r.status_code, r.json()
+
+    return asyncio.run(post())
+
+
+def test_a_request_that_failed_on_its_replica_is_a_500_request_failed(tokenizer):
+    """One request's sampling raised on its replica (``RequestFailed``): Ray pickles the error
+    to the ingress, which answers as one engine does, 500 ``request_failed`` naming the request
+    and the engine's error. Before the fix ``RequestFailed`` could not be unpickled (its
+    constructor takes the output, pickle passed the message): the client got Ray's
+    ``UnserializableException`` as a 500 ``internal_error`` quoting the replica's traceback,
+    pid and IP."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from radixkv.errors import RequestFailed
+    from radixkv.outputs import RequestOutput
+
+    out = RequestOutput("cmpl-1-0", None, [5, 6], [], True, 0, None, error="IndexError('injected')")
+    sent = pickle.loads(pickle.dumps(RequestFailed(out)))  # what crosses Ray
+    assert type(sent) is RequestFailed and sent.request_id == "cmpl-1-0" and sent.output.error == out.error
+    assert str(sent) == "request cmpl-1-0 failed in the engine: IndexError('injected')"
+    wrapped = RayTaskError("generate", "Traceback ... pid=4242 ip=10.1.2.3", sent).as_instanceof_cause()
+    code, body = _complete(_failing_app(tokenizer, wrapped))
+    assert code == 500 and body["error"]["code"] == "request_failed", body
+    assert body["error"]["message"] == "request cmpl-1-0 failed in the engine: IndexError('injected')", body
+
+
+def test_an_error_the_ingress_cannot_read_names_no_internals(tokenizer):
+    """A replica's error that Ray cannot rebuild at the ingress (``UnserializableException``,
+    whose text is the replica's traceback with its pid, IP and actor id) is a 500 that names
+    the request and none of that, which goes to the log."""
+    from ray.exceptions import UnserializableException
+
+    trace = "ray::EngineReplica.generate() (pid=4242, ip=10.1.2.3, actor_id=abc)\nTraceback: ..."
+    code, body = _complete(_failing_app(tokenizer, UnserializableException(trace)))
+    assert code == 500 and body["error"]["code"] == "internal_error", body
+    msg = body["error"]["message"]
+    assert "failed on its replica" in msg and "4242" not in msg and "10.1.2.3" not in msg, msg

@@ -566,7 +566,13 @@ class RemoteLLM:
         """The request's outputs; when its replica dies, the request goes on elsewhere
         (:mod:`radixkv.router.resume`: restarted, continued or replayed), at most
         :data:`MAX_RESUMES` times; an :class:`EngineDeadError` where that cannot be exact."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+        from ray.exceptions import (
+            ActorDiedError,
+            ActorUnavailableError,
+            RayActorError,
+            RayTaskError,
+            UnserializableException,
+        )
 
         from radixkv.async_llm import EngineDeadError
         from radixkv.router.resume import Replayer, ResumeError, Stitcher, continuation, resume_plan
@@ -592,6 +598,10 @@ class RemoteLLM:
                 return
             except ResumeError as exc:
                 raise EngineDeadError(f"{rid} could not be resumed exactly after its replica died: {exc}") from None
+            except UnserializableException as exc:  # the replica's own error, which cannot be rebuilt here
+                ended = True
+                logger.error("the replica serving %s raised an error the ingress cannot read: %s", rid, exc)
+                raise RuntimeError(f"{rid} failed on its replica (its error is in the ingress's log)") from None
             except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
                 ended = True
                 cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
