@@ -85,6 +85,80 @@ def test_both_backends_implement_the_whole_engine_interface():
             assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), (cls, m)
 
 
+# ---------------------------------------------------------------------------- the CLI (no Ray started)
+@pytest.fixture
+def no_ray(monkeypatch):
+    """``radixkv.router.ray.run`` without Ray: starting it fails the test, shutting it down does
+    nothing (the module's cluster may be up)."""
+    from radixkv.router import ray as rr
+
+    def started(*a, **k):
+        raise AssertionError("Ray was started for a configuration every replica refuses")
+
+    monkeypatch.setattr(rr, "start_ray", started)
+    monkeypatch.setattr(rr.ray, "shutdown", lambda *a, **k: None)
+    monkeypatch.setattr(rr.ray, "is_initialized", lambda: False)
+    return rr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-total-tokens", "0"], "max_total_tokens must be an integer >= page_size (1), got 0"),
+        (["--page-size", "0"], "page_size must be an integer >= 1, got 0"),
+        (["--max-running-requests", "0"], "max_running_requests must be an integer >= 1, got 0"),
+    ],
+)
+def test_serve_replicas_refuses_a_bad_engine_setting_before_starting_ray(no_ray, capsys, flags, message):
+    """A setting every replica's engine refuses stops ``radixkv serve --replicas 2`` at once with
+    exit 2 and the engine's message, as ``radixkv serve`` does. Before the fix Ray and Serve
+    started, each replica failed 6 times, and after ~35 s the CLI died with a traceback ending in
+    "RuntimeError: Deploying application radixkv failed: Failed to update the deployments
+    ['EngineReplica']" that never named the setting."""
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "2", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"radixkv serve: {message}"
+
+
+def test_serve_replicas_names_why_its_replicas_did_not_start(no_ray, monkeypatch, capsys):
+    """A replica that fails in its constructor (here a model file that does not exist, found only
+    where the replica loads it): Serve gives up on the deployment and the CLI exits 1 naming the
+    replica's exception, Serve's status message's last line (not Ray's traceback, nor a bare
+    "Failed to update the deployments")."""
+    from types import SimpleNamespace
+
+    rr = no_ray
+    trace = (
+        "The deployment failed to start 6 times in a row. See controller logs for details. Error:\n"
+        "ray::ServeReplica:radixkv:EngineReplica.initialize_and_get_metadata() (pid=10885, ip=192.0.2.2)\n"
+        '  File "radixkv/models/loader.py", line 194, in resolve_hf_dir\n'
+        "FileNotFoundError: model '/nonexistent/m.gguf' not found\n"
+    )
+    deployments = {
+        "EngineReplica": SimpleNamespace(status="DeploymentStatus.DEPLOY_FAILED", message=trace),
+        "Ingress": SimpleNamespace(status="DeploymentStatus.UPDATING", message=""),
+    }
+    status = SimpleNamespace(applications={"radixkv": SimpleNamespace(deployments=deployments)})
+    monkeypatch.setattr(rr.serve, "status", lambda: status)
+
+    def serve_forever(*a, **k):
+        try:
+            raise RuntimeError("Deploying application radixkv failed: Failed to update the deployments")
+        except RuntimeError as exc:
+            raise rr.DeployFailed(rr._deploy_error(exc)) from None
+
+    monkeypatch.setattr(rr, "_serve_forever", serve_forever)
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "2", "--model", "/nonexistent/m.gguf"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "radixkv serve: the replicas did not start: EngineReplica: "
+        "FileNotFoundError: model '/nonexistent/m.gguf' not found"
+    )
+
+
 # ---------------------------------------------------------------------------- SIGTERM (its own Ray)
 SERVE_TINY = """
 import functools, sys

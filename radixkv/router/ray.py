@@ -36,6 +36,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -880,18 +881,19 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_k
     # deployment and Ray's agents running)
     signal.signal(signal.SIGTERM, _raise_stop)
     serve.start(http_options={"host": args.host, "port": args.port})
-    ekw = dict(engine_kwargs)
-    ekw["device"] = "cpu" if ekw.get("device") == "auto" else ekw["device"]
     app = build_app(
         replicas=args.replicas,
-        engine_kwargs=ekw,
+        engine_kwargs=replica_engine_kwargs(engine_kwargs),
         served_model_name=served_model_name,
         model=args.model,
         policy=args.router_policy,
         replica_cpus=args.replica_cpus,
         api_keys=api_keys,
     )
-    serve.run(app, name="radixkv", route_prefix="/", blocking=False)
+    try:
+        serve.run(app, name="radixkv", route_prefix="/", blocking=False)
+    except RuntimeError as exc:  # Serve gave up on a deployment: say why its replicas failed
+        raise DeployFailed(_deploy_error(exc)) from None
     print(
         f"radixkv: serving {served_model_name!r} on {args.replicas} replicas ({args.router_policy} routing) at "
         f"http://{args.host}:{args.port}/v1",
@@ -901,17 +903,62 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_k
         time.sleep(3600)
 
 
+def replica_engine_kwargs(engine_kwargs: dict) -> dict:
+    """The ``EngineConfig`` fields every replica gets: ``engine_kwargs`` with ``device`` ``auto``
+    as ``cpu`` (a replica is given Ray CPUs, no GPU)."""
+    ekw = dict(engine_kwargs)
+    ekw["device"] = "cpu" if ekw.get("device", "auto") == "auto" else ekw["device"]
+    return ekw
+
+
+def replica_config_error(engine_kwargs: dict) -> Optional[str]:
+    """Why every replica would refuse ``engine_kwargs`` (the ``ValueError`` of its
+    ``EngineConfig``, naming the field), found before Ray starts; None when they are valid."""
+    from radixkv.config import EngineConfig
+
+    try:
+        EngineConfig(**replica_engine_kwargs(engine_kwargs)).resolve()  # the checks that need no model
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+class DeployFailed(RuntimeError):
+    """Serve could not start the application (a replica's or the ingress's constructor raised)."""
+
+
+def _deploy_error(exc: BaseException) -> str:
+    """What Serve says of a failed deployment: each failed deployment's last error line."""
+    why = []
+    try:
+        app = serve.status().applications.get("radixkv")
+        for name, dep in (app.deployments if app is not None else {}).items():
+            lines = [ln.strip() for ln in str(dep.message or "").splitlines() if ln.strip()]
+            if lines and ("FAIL" in str(dep.status) or "UNHEALTHY" in str(dep.status)):
+                why.append(f"{name}: {lines[-1]}")  # the constructor's exception (the traceback is Ray's log)
+    except Exception:  # noqa: BLE001 - Serve's status unavailable: its own message
+        logger.debug("serve.status failed", exc_info=True)
+    return "; ".join(why) or str(exc)
+
+
 def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = None) -> int:
     """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
     Ctrl-C (SIGINT) or SIGTERM (what ``kill``, systemd and docker send); either one shuts the whole
     deployment down: Serve's actors, then the local Ray instance with every process it started
     (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down).
     ``api_keys``: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys)."""
+    bad = replica_config_error(engine_kwargs)
+    if bad is not None:  # every replica would refuse it: say so before starting Ray
+        print(f"radixkv serve: {bad}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
         _serve_forever(args, engine_kwargs, served_model_name, api_keys)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_Stop)
         pass
+    except DeployFailed as exc:
+        print(f"radixkv serve: the replicas did not start: {exc}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the shutdown short
         if ray.is_initialized():
