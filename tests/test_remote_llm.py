@@ -360,3 +360,40 @@ def test_an_error_the_ingress_cannot_read_names_no_internals(tokenizer):
     assert code == 500 and body["error"]["code"] == "internal_error", body
     msg = body["error"]["message"]
     assert "failed on its replica" in msg and "4242" not in msg and "10.1.2.3" not in msg, msg
+
+
+def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monkeypatch):
+    """``radixkv serve --replicas 2 --served-model-name foo`` answers ``model: "foo"`` and the
+    ``--model`` name, as ``radixkv serve`` does (``model_aliases``); any other name is a 400
+    ``model_not_found``. Before the fix the ingress accepted only ``foo``: a client sending the
+    ``--model`` name got 400 ``model_not_found`` from the replicas and 200 from one engine."""
+    from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from radixkv.server.backend import ModelFacts
+
+    facts = ModelFacts("smollm2-135m", None, "llama", None, len(tokenizer), 2048)
+
+    class Replies(_Handle):  # every request: one finished output of two tokens
+        def remote(self, args: dict):
+            sample = CompletionOutput(0, tokenizer.decode([7, 8]), [7, 8], "length")
+            out = RequestOutput(args["request_id"], None, args["token_ids"], [sample], True, 0, RequestMetrics(0.0))
+
+            async def stream():
+                yield out
+
+            return _Stream(stream(), self)
+
+    handle = Replies()
+    handle.info = _Call({"facts": facts.as_dict()})
+    monkeypatch.setattr(ray_mod, "get_index", lambda *a, **k: _Index(["r0"], {}))
+    ingress = object.__new__(ray_mod.Ingress)
+    asyncio.run(ingress.__init__(handle, "foo", "smollm2-135m"))
+    app = ingress.__serve_build_asgi_app__()
+
+    async def post(model):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.post("/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2})
+            return r.status_code, r.json()
+
+    assert [asyncio.run(post(m))[0] for m in ("foo", "smollm2-135m")] == [200, 200]
+    code, body = asyncio.run(post("gpt-4"))
+    assert code == 400 and body["error"]["code"] == "model_not_found", body

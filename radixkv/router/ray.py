@@ -780,6 +780,7 @@ class Ingress:
 
         self.engine = engine_handle
         self.served_model_name = served_model_name
+        self.model = model  # accepted as ``model`` too, as one engine accepts its --model
         self.api_keys = api_keys
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
@@ -790,7 +791,9 @@ class Ingress:
         from radixkv.server.auth import APIKeys
 
         keys = APIKeys.from_wire(self.api_keys) if self.api_keys is not None else None
-        return create_app(self.llm, served_model_name=self.served_model_name, api_keys=keys)
+        return create_app(
+            self.llm, served_model_name=self.served_model_name, model_aliases=(self.model,), api_keys=keys
+        )
 
 
 def build_app(
