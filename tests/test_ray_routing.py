@@ -93,7 +93,7 @@ def no_ray(monkeypatch):
     from radixkv.router import ray as rr
 
     def started(*a, **k):
-        raise AssertionError("Ray was started for a configuration every replica refuses")
+        raise AssertionError("Ray was started")
 
     monkeypatch.setattr(rr, "start_ray", started)
     monkeypatch.setattr(rr.ray, "shutdown", lambda *a, **k: None)
@@ -119,6 +119,27 @@ def test_serve_replicas_refuses_a_bad_engine_setting_before_starting_ray(no_ray,
 
     assert main(["serve", "--replicas", "2", *flags]) == 2
     assert capsys.readouterr().err.strip() == f"radixkv serve: {message}"
+
+
+def test_serve_replicas_refuses_more_cpus_than_its_local_ray_has(no_ray, monkeypatch, capsys):
+    """``--replicas 4 --replica-cpus 1`` on a 2-CPU machine: its local Ray instance (the machine's
+    CPUs) cannot schedule 4.25 CPUs of replicas and ingress, so the CLI exits 2 saying what fits.
+    Before the fix Serve waited for the unschedulable replicas forever and the CLI printed nothing
+    (its warnings go to the controller's log). 3 x 0.5 + 0.25 fits; with ``--ray-address`` the
+    cluster's CPUs are not known here and nothing is refused."""
+    rr = no_ray
+    monkeypatch.setattr(rr.os, "cpu_count", lambda: 2)
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "4", "--replica-cpus", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "radixkv serve: --replicas 4 x --replica-cpus 1 and the ingress's 0.25 need 4.25 Ray CPUs; the local Ray "
+        "instance has 2 (this machine's): lower --replica-cpus (at most 0.4375 for 4 replicas) or --replicas, "
+        "or join a cluster with --ray-address"
+    )
+    assert rr.local_cpus_error(3, 0.5) is None and rr.local_cpus_error(2, 0.875) is None
+    with pytest.raises(AssertionError, match="Ray was started"):  # the cluster's CPUs: Serve's business
+        main(["serve", "--replicas", "4", "--replica-cpus", "1", "--ray-address", "10.0.0.1:6379"])
 
 
 def test_serve_replicas_names_why_its_replicas_did_not_start(no_ray, monkeypatch, capsys):

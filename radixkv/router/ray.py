@@ -68,6 +68,8 @@ __all__ = [
 INDEX_NAME = "radixkv-cache-index"
 NAMESPACE = "radixkv"
 ROUTER_PATH = "radixkv.router.ray:CacheAwareRequestRouter"
+INGRESS_CPUS = 0.25
+"""Ray logical CPUs of the ingress (``build_app``'s default, what ``serve --replicas`` uses)."""
 AFFINE_ATTEMPTS = 3
 """Routing attempts of one request that offer Serve only the policy's replica."""
 MAX_RESUMES = 3
@@ -804,7 +806,7 @@ def build_app(
     policy: str = "cache_events",
     policy_kwargs: Optional[dict] = None,
     replica_cpus: float = 0.5,
-    ingress_cpus: float = 0.25,
+    ingress_cpus: float = INGRESS_CPUS,
     random_model: Optional[dict] = None,
     max_ongoing_requests: int = 256,
     api_keys: Any = None,
@@ -926,6 +928,22 @@ def replica_config_error(engine_kwargs: dict) -> Optional[str]:
     return None
 
 
+def local_cpus_error(replicas: int, replica_cpus: float, cpus: Optional[int] = None) -> Optional[str]:
+    """Why a local Ray instance of ``cpus`` logical CPUs (default: the machine's, what
+    :func:`start_ray` gives it) cannot schedule ``replicas`` x ``replica_cpus`` and the ingress
+    (Serve would wait for them forever, saying nothing); None when it can."""
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    need = replicas * replica_cpus + INGRESS_CPUS
+    if need <= cpus + 1e-9:
+        return None
+    fit = (cpus - INGRESS_CPUS) / replicas
+    return (
+        f"--replicas {replicas} x --replica-cpus {replica_cpus:g} and the ingress's {INGRESS_CPUS:g} need "
+        f"{need:g} Ray CPUs; the local Ray instance has {cpus} (this machine's): lower --replica-cpus "
+        f"(at most {fit:g} for {replicas} replicas) or --replicas, or join a cluster with --ray-address"
+    )
+
+
 class DeployFailed(RuntimeError):
     """Serve could not start the application (a replica's or the ingress's constructor raised)."""
 
@@ -951,6 +969,8 @@ def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = 
     (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down).
     ``api_keys``: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys)."""
     bad = replica_config_error(engine_kwargs)
+    if bad is None and not getattr(args, "ray_address", None):
+        bad = local_cpus_error(args.replicas, args.replica_cpus)
     if bad is not None:  # every replica would refuse it: say so before starting Ray
         print(f"radixkv serve: {bad}", file=sys.stderr)
         return 2
