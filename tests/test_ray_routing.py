@@ -415,6 +415,25 @@ def test_every_route_answers_on_the_replicas(cluster, check):
         check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"]))
 
 
+def _router_loads(index, deadline_s: float = 30.0) -> dict:
+    """The index's recorded load per replica once every request it routed was reported complete
+    (Serve's completion callbacks arrive asynchronously: polled up to ``deadline_s``)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        loads = {r: tuple(v) for r, v in ray.get(index.state.remote())["loads"].items()}
+        if all(v == (0, 0) for v in loads.values()) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.1)
+
+
+def test_the_router_holds_no_load_once_idle(cluster):
+    """After the route table (streams read to the end, a stream its client left, engine refusals,
+    streamed and not), the router counts no outstanding request and no queued prefill token on
+    any replica: a request that ended any way is taken off its replica's load."""
+    loads = _router_loads(cluster["index"])
+    assert len(loads) == 2 and all(v == (0, 0) for v in loads.values()), loads
+
+
 def test_the_sglang_frontend_connects_to_the_replicas(cluster):
     """The first requests SGLang's frontend sent when it connected (``RuntimeEndpoint`` reads
     ``/get_model_info``, then the program flushes and reads ``/server_info``; recorded in
@@ -580,3 +599,20 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cl
     nxt = client.completions.create(model="smollm2-135m", prompt=conv + [5, 6], max_tokens=2, temperature=0)
     log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
     assert log[prompt_key(conv + [5, 6])]["replica"] != victim and nxt.choices[0].finish_reason == "length"
+
+    # nothing is left running or holding slots on the replicas serving now (the resumed and
+    # replayed requests, the one that ended with an error), every slot is owned once, and the
+    # router's count of outstanding requests is back to zero everywhere (Serve's completion
+    # callbacks reach the index asynchronously: polled)
+    loads = _router_loads(index)
+    assert all(v == (0, 0) for v in loads.values()), loads
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=60) as http:
+        while True:  # an abort reaches the engine thread just after its replica's call returned
+            r = http.get("/cache_stats", params={"check": "1"})
+            assert r.status_code == 200, r.text
+            s = r.json()
+            if s["running"] == s["waiting"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert s["running"] == s["waiting"] == 0 and s["free"] + s["evictable"] + s["pinned"] == s["capacity"], s
