@@ -397,3 +397,70 @@ def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monke
     assert [asyncio.run(post(m))[0] for m in ("foo", "smollm2-135m")] == [200, 200]
     code, body = asyncio.run(post("gpt-4"))
     assert code == 400 and body["error"]["code"] == "model_not_found", body
+
+
+def test_a_replica_whose_engine_stopped_leaves_the_index_and_its_requests_go_on(tokenizer):
+    """A replica whose engine stopped (``EngineDeadError``; its actor lives on until Serve's
+    health checks replace it) is a dead replica: it asks the index to route nothing more to it
+    before its error leaves it, and the ingress sends its greedy request on elsewhere as a
+    continuation, the client seeing one uninterrupted stream. Before the fix the request ended
+    with a 503 ``engine_dead`` and the index kept routing there (a conversation's next turns
+    followed their cache to it) until Serve replaced it."""
+    from ray.exceptions import RayTaskError
+
+    from radixkv.async_llm import EngineDeadError
+    from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    removed: list[str] = []
+
+    def output(rid, prompt, tokens, finished):
+        sample = CompletionOutput(0, tokenizer.decode(tokens), tokens, "length" if finished else None)
+        return RequestOutput(rid, None, prompt, [sample], finished, 0, RequestMetrics(0.0))
+
+    class DeadEngine:  # the replica's AsyncLLM after its engine thread stopped mid-request
+        def generate(self, prompt, params, request_id, **k):
+            async def stream():
+                yield output(request_id, [5, 6], [7], False)
+                raise EngineDeadError("the engine thread has stopped: RuntimeError('CUDA error')")
+
+            return stream()
+
+    replica = object.__new__(ray_mod.EngineReplica)
+    replica.llm, replica.replica_id = DeadEngine(), "r0"
+    replica._index = SimpleNamespace(remove=_Call(lambda: removed.append("r0")))
+
+    class Handle(_Handle):  # r0 (the replica above, its error as Ray delivers it), then r1
+        def remote(self, args: dict):
+            self.calls.append(args["request_id"])
+            if len(self.calls) > 1:
+                return _Stream(_outputs(args), self)
+
+            async def stream():
+                try:
+                    async for out in replica.generate(args):
+                        yield out
+                except EngineDeadError as exc:
+                    raise RayTaskError("generate", "Traceback ...", exc).as_instanceof_cause() from None
+
+            return _Stream(stream(), self)
+
+    def _outputs(args):  # the continuation: prompt + [7], 3 tokens more
+        async def stream():
+            assert args["token_ids"] == [5, 6, 7] and args["params"].max_tokens == 3
+            yield output(args["request_id"], [5, 6, 7], [8, 9, 10], True)
+
+        return stream()
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=None, replicas=2)
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=4)
+        return [o async for o in llm.generate(prompt_token_ids=[5, 6], sampling_params=params, request_id="g")]
+
+    outs = asyncio.run(run())
+    assert removed == ["r0"] and handle.calls == ["g", "g-resume1"]
+    assert outs[-1].finished and list(outs[-1].outputs[0].token_ids) == [7, 8, 9, 10]

@@ -437,6 +437,8 @@ class EngineReplica:
     async def generate(self, args: dict) -> AsyncIterator[Any]:
         """Stream the request's ``RequestOutput`` snapshots (``args``: ``request_id``, ``prompt``,
         ``token_ids``, ``params`` (SamplingParams), ``namespace``: :func:`wire_namespace`'s bytes)."""
+        from radixkv.async_llm import EngineDeadError
+
         gen = self.llm.generate(
             args.get("prompt"),
             args["params"],
@@ -447,8 +449,21 @@ class EngineReplica:
         try:
             async for out in gen:
                 yield out
+        except EngineDeadError:
+            # NOTE: this replica serves nothing more: the index stops routing to it before the
+            # ingress hears of it (and sends the request on elsewhere); Serve replaces it once its
+            # health checks fail
+            await self._leave_index()
+            raise
         finally:
             await gen.aclose()  # a cancelled stream aborts the request in the engine
+
+    async def _leave_index(self) -> None:
+        """Ask the index to route nothing more here (the engine has stopped)."""
+        try:
+            await asyncio.wait_for(self._index.remove.remote(self.replica_id), 10)
+        except Exception:  # noqa: BLE001 - the index restarting: Serve's health check removes it
+            logger.exception("could not leave the cache index")
 
     async def cache_stats(self) -> dict:
         return self.llm.cache_stats().as_dict()
@@ -608,8 +623,9 @@ class RemoteLLM:
             except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
                 ended = True
                 cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-                if isinstance(exc, RayTaskError) and not isinstance(cause, died):
+                if isinstance(exc, RayTaskError) and not isinstance(cause, (*died, EngineDeadError)):
                     raise cause from None  # the engine's own error (e.g. a RequestError)
+                # NOTE: an EngineDeadError is a replica whose engine stopped: as good as dead
                 plan, why = resume_plan(params, delivered)
                 n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
                 if plan is None and rid in self._held:  # the client has nothing a new sample contradicts
