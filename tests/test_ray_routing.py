@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -432,6 +433,50 @@ def test_the_router_holds_no_load_once_idle(cluster):
     any replica: a request that ended any way is taken off its replica's load."""
     loads = _router_loads(cluster["index"])
     assert len(loads) == 2 and all(v == (0, 0) for v in loads.values()), loads
+
+
+def _views_mirror_replicas(index, deadline_s: float = 30.0) -> dict:
+    """Per live replica ``(router's view, the replica's cache)`` once the view caught up with the
+    replica's last cache event (events are pushed as they happen: polled up to ``deadline_s``);
+    each asked through the deployment, as the ingress asks every replica (who answered checked)."""
+    handle = serve.get_deployment_handle("EngineReplica", app_name="radixkv")
+    out, deadline = {}, time.monotonic() + deadline_s
+    for r in ray.get(index.replica_ids.remote()):
+        while True:
+            got = handle.cache_blocks.remote({"replica": r}).result()
+            view = ray.get(index.view.remote(r))
+            if got["replica"] == r and view["seq"] == got["seq"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        out[r] = (view, got)
+    return out
+
+
+def test_the_router_mirrors_each_replica_through_evictions(cluster):
+    """More distinct 3,000-token prompts than both pools hold (every replica evicts): once idle,
+    the router's view of each replica holds exactly the blocks its cache holds (events pushed
+    as they happen, resyncs by snapshot). Then, with no finished request counted as held
+    (``pending_ttl`` 0), a prompt routed again is expected cached as whole blocks of what its
+    replica really serves from the cache, evicted or not."""
+    client, index = cluster["client"], cluster["index"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300, 40000) for _ in range(3000)] for _ in range(14)]
+    ray.get(index.set_policy.remote("cache_events", {"pending_ttl": 0.0}))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda p: client.completions.create(model="smollm2-135m", prompt=p, max_tokens=2), prompts))
+        for r, (view, got) in _views_mirror_replicas(index).items():
+            assert view["seq"] == got["seq"] and view["synced"], (r, view["seq"], got["seq"])
+            assert set(view["blocks"]) == set(got["blocks"]) and got["blocks"], r
+        with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=60) as http:
+            assert http.get("/cache_stats").json()["evicted_tokens"] > 0
+        for p in prompts[:3]:  # the earliest: evicted wholly or in part
+            cached = client.completions.create(model="smollm2-135m", prompt=p, max_tokens=2)
+            cached = cached.usage.prompt_tokens_details.cached_tokens
+            expect = {d["prompt"]: d for d in ray.get(index.decisions.remote())}[prompt_key(p)]["cached"]
+            assert expect == cached // 16 * 16, (expect, cached)
+    finally:
+        ray.get(index.set_policy.remote("cache_events"))
 
 
 def test_the_sglang_frontend_connects_to_the_replicas(cluster):

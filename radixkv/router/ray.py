@@ -215,6 +215,12 @@ class CacheIndex:
         """The replicas registered and not removed."""
         return list(self.replicas)
 
+    def view(self, replica: str) -> Optional[dict]:
+        """The policy's view of ``replica``'s cache (``cache_events``): ``{"seq": the last event
+        applied, "synced", "blocks": the digests it holds}``; None for another policy or replica."""
+        v = getattr(self.policy, "views", {}).get(replica)
+        return None if v is None else dict(seq=v.seq, synced=v.synced, blocks=sorted(v.blocks))
+
     def decisions(self) -> list[dict]:
         """The last routing decisions: ``request_id``, ``replica``, ``cached`` (expected cached
         tokens) and ``reason``."""
@@ -474,6 +480,15 @@ class EngineReplica:
         (``args``: ``{"replica": the id the caller meant}``, which the router routes by)."""
         stats = await self.backend.cache_stats(check=True)
         return dict(replica=self.replica_id, stats=stats.as_dict())
+
+    async def cache_blocks(self, args: dict) -> dict:
+        """What the router's view of this replica mirrors: ``{"replica": this replica's id, "seq":
+        its last cache event, "blocks": the digests of its fully cached blocks}`` (``args``:
+        ``{"replica": the id the caller meant}``, which the router routes by)."""
+        from radixkv.engine.publish import cache_snapshot
+
+        snap = await self.llm.call_in_engine_thread(lambda e: cache_snapshot(e, self.publisher.epoch))
+        return dict(replica=self.replica_id, seq=snap["seq"], blocks=snap["blocks"])
 
     def check_health(self) -> None:
         if not self.llm.is_running:
