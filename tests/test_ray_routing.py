@@ -435,6 +435,22 @@ def test_the_router_holds_no_load_once_idle(cluster):
     assert len(loads) == 2 and all(v == (0, 0) for v in loads.values()), loads
 
 
+def test_a_new_deployment_gets_the_policy_it_asks_for(cluster):
+    """``build_app(policy=...)`` on a cluster where the (detached) index actor already exists,
+    as a second ``radixkv serve --replicas --ray-address`` finds the one an earlier deployment
+    left: the index routes by the policy asked for. Before the fix ``get_if_exists`` handed back
+    the old actor and its old policy (``--router-policy`` silently ignored)."""
+    from radixkv.router import ray as rr
+
+    index = cluster["index"]
+    assert ray.get(index.state.remote())["policy"] == "cache_events"
+    try:
+        rr.build_app(replicas=2, engine_kwargs=ENGINE, random_model=TINY, policy="round_robin")
+        assert ray.get(index.state.remote())["policy"] == "round_robin"
+    finally:
+        ray.get(index.set_policy.remote("cache_events"))
+
+
 def _views_mirror_replicas(index, deadline_s: float = 30.0) -> dict:
     """Per live replica ``(router's view, the replica's cache)`` once the view caught up with the
     replica's last cache event (events are pushed as they happen: polled up to ``deadline_s``);
@@ -469,7 +485,7 @@ def test_the_router_mirrors_each_replica_through_evictions(cluster):
             assert view["seq"] == got["seq"] and view["synced"], (r, view["seq"], got["seq"])
             assert set(view["blocks"]) == set(got["blocks"]) and got["blocks"], r
         with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=60) as http:
-            assert http.get("/cache_stats").json()["evicted_tokens"] > 0
+            assert http.get("/cache_stats", params={"check": "1"}).json()["evicted_tokens"] > 0  # fresh
         for p in prompts[:3]:  # the earliest: evicted wholly or in part
             cached = client.completions.create(model="smollm2-135m", prompt=p, max_tokens=2)
             cached = cached.usage.prompt_tokens_details.cached_tokens

@@ -60,6 +60,7 @@ __all__ = [
     "Ingress",
     "RemoteLLM",
     "build_app",
+    "drop_index",
     "get_index",
     "prompt_key",
     "run",
@@ -255,6 +256,23 @@ def prompt_key(token_ids: Sequence[int]) -> str:
     from array import array
 
     return hashlib.blake2b(array("q", list(token_ids)).tobytes(), digest_size=8).hexdigest()
+
+
+def drop_index() -> bool:
+    """Kill the index actor, if there is one (a deployment that ended, or was killed, left it on
+    a cluster joined with ``--ray-address``: detached, it outlives its driver); True if there was."""
+    try:
+        ray.kill(get_index())  # no restart
+    except ValueError:  # none
+        return False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the name is free once the actor is gone
+        try:
+            get_index()
+        except ValueError:
+            break
+        time.sleep(0.05)
+    return True
 
 
 def get_index(create: bool = False, policy: str = "cache_events", policy_kwargs: Optional[dict] = None):
@@ -860,7 +878,10 @@ def build_app(
         ekw.setdefault("tenant_kv_quota_tokens", api_keys.quotas())
     ekw.setdefault("model", model)
     ekw.setdefault("device", "cpu")
-    get_index(create=True, policy=policy, policy_kwargs=policy_kwargs)
+    index = get_index(create=True, policy=policy, policy_kwargs=policy_kwargs)
+    # NOTE: an index that already existed (detached: a cluster outlives a deployment) keeps the
+    # policy it was created with unless told
+    ray.get(index.set_policy.remote(policy, policy_kwargs))
     engine_dep = serve.deployment(
         EngineReplica,
         name="EngineReplica",
@@ -917,6 +938,10 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_k
     # deployment and Ray's agents running)
     signal.signal(signal.SIGTERM, _raise_stop)
     serve.start(http_options={"host": args.host, "port": args.port})
+    # an index without its app is a killed deployment's (its replicas and views are gone); a
+    # running app's is kept (its replicas use it while Serve replaces them)
+    if "radixkv" not in serve.status().applications and drop_index():
+        logger.warning("replaced the cache index a previous deployment left on the cluster")
     app = build_app(
         replicas=args.replicas,
         engine_kwargs=replica_engine_kwargs(engine_kwargs),
@@ -1017,5 +1042,6 @@ def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = 
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the shutdown short
         if ray.is_initialized():
             serve.shutdown()
+            drop_index()  # detached: on a cluster joined with --ray-address it would outlive us
         ray.shutdown()
     return 0
