@@ -41,6 +41,12 @@ class RequestFailed(RuntimeError):
         self.output = output
         self.request_id = output.request_id
 
+    def __reduce__(self):
+        # NOTE: pickle's default rebuilds an exception from ``self.args`` (the message), which
+        # this constructor cannot take; across Ray replicas the ingress then got Ray's
+        # UnserializableException (500 internal_error naming the replica's pid and IP)
+        return (type(self), (self.output,))
+
 
 class QueueFullError(RequestError):
     """The engine's waiting queue is full (``EngineConfig.max_queued_requests``): the request is

@@ -15,6 +15,7 @@ hold no KV pin there, and the stats are the replicas' sums.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -93,6 +94,50 @@ def check_completions(t: Target) -> None:
         events = sse_data(r)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == first["choices"][0]["text"]
+    _check_refusals(t, body)
+    _check_stream_left(t, body)
+
+
+def _check_refusals(t: Target, body: dict) -> None:
+    """What the engine refuses is a 400 in OpenAI's error format naming the field, streamed or
+    not (before any event), the same from the replicas as from one engine."""
+    vocab, ctx, n = len(t.tokenizer), t.max_context_len(), len(body["prompt"])
+    too_long = "context_length_exceeded"
+    cases = [
+        ({"prompt": [vocab]}, "prompt", "invalid_value", f"prompt_token_ids holds {vocab}, outside the vocabulary [0, {vocab})"),
+        ({"prompt": []}, "prompt", "invalid_value", "prompt must be a non-empty string, token list, or list of those"),
+        ({"max_tokens": ctx}, "max_tokens", too_long, f"max_tokens={ctx} plus the {n} prompt tokens exceeds this "
+         f"model's context of {ctx} tokens (at most {ctx - n} new tokens)"),
+        ({"prompt": [5] * ctx}, "prompt", too_long, f"prompt has {ctx} tokens; this model's context is {ctx} tokens "
+         f"(at most {ctx - 1} prompt tokens, leaving room for one generated token)"),
+    ]  # fmt: skip
+    for change, param, code, message in cases:
+        for stream in (False, True):
+            r = t.http.post("/v1/completions", json={**body, **change, "stream": stream})
+            err = _error(r, 400)
+            assert r.headers["content-type"] == "application/json", r.headers
+            assert err == {"message": message, "type": "invalid_request_error", "param": param, "code": code}, err
+
+
+def _check_stream_left(t: Target, body: dict) -> None:
+    """A client that leaves a stream after two events: its request is aborted where it runs (its
+    slots freed, nothing left running), counted as ``finish_reason="abort"``."""
+    before = _samples(t).get(("radixkv_requests_finished_total", (("finish_reason", "abort"),)), 0)
+    long = {**body, "prompt": t.ids()[:20], "max_tokens": 2000, "stream": True}
+    with t.http.stream("POST", "/v1/completions", json=long) as r:
+        assert r.status_code == 200
+        for n, _ in enumerate(line for line in r.iter_lines() if line.startswith("data:")):
+            if n == 1:
+                break
+    deadline = time.monotonic() + 30
+    while True:  # the abort crosses to the engine (and, across replicas, to its replica) soon after
+        s = t.stats()
+        if s["running"] == s["waiting"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert s["running"] == s["waiting"] == 0 and s["free"] + s["evictable"] + s["pinned"] == s["capacity"], s
+    after = _samples(t)[("radixkv_requests_finished_total", (("finish_reason", "abort"),))]
+    assert after == before + 1
 
 
 def check_chat(t: Target) -> None:
@@ -131,7 +176,16 @@ def check_responses_create(t: Target) -> None:
         "response.incomplete",
     )
     assert events[-1]["response"]["output"][0]["content"] == first["output"][0]["content"]
-    for rid in (first["id"], follow["id"], events[-1]["response"]["id"]):
+    # a streamed third turn continues the follow-up as the follow-up continued the first (across
+    # replicas: routed to the replica that caches the chain)
+    with t.http.stream("POST", "/v1/responses", json={"model": MODEL, "input": "Once more.", "stream": True,
+                                                     "previous_response_id": follow["id"],
+                                                     "max_output_tokens": 4, "temperature": 0}) as r:  # fmt: skip
+        streamed = [e for e in sse_data(r) if e != "[DONE]"][-1]["response"]
+    follow_context = follow["usage"]["input_tokens"] + follow["usage"]["output_tokens"]
+    assert streamed["usage"]["input_tokens_details"]["cached_tokens"] == follow_context - 1
+    assert streamed["status"] in ("completed", "incomplete") and streamed["previous_response_id"] == follow["id"]
+    for rid in (first["id"], follow["id"], events[-1]["response"]["id"], streamed["id"]):
         assert t.http.delete(f"/v1/responses/{rid}").status_code == 200
 
 
@@ -188,7 +242,11 @@ def check_model(t: Target) -> None:
 
 # ------------------------------------------------------------------------------ engine routes
 def check_health(t: Target) -> None:
-    assert t.http.get("/health").status_code == 200
+    r = t.http.get("/health")
+    want = {"status": "ok", "degraded_tiers": []}
+    if t.replicas > 1:
+        want["replicas"] = {"live": t.replicas, "replicas": t.replicas}
+    assert r.status_code == 200 and r.json() == want, r.text
 
 
 def check_cache_stats(t: Target) -> None:
@@ -235,7 +293,13 @@ def check_flush(t: Target) -> None:
         else:
             err = _error(r, 409)
             assert err["code"] == "flush_not_offered" and "across replicas" in err["message"]
+    r = t.http.post("/flush_cache", params={"tiers": "true"})  # also the KV tiers the engine owns
+    if t.replicas == 1:
+        assert r.status_code == 200 and r.json()["flushed"] is True
+    else:
+        assert _error(r, 409)["code"] == "flush_not_offered"
     assert _error(t.http.post("/flush_cache", params={"timeout": "soon"}), 400)["param"] == "timeout"
+    assert _error(t.http.post("/flush_cache", params={"tiers": "maybe"}), 400)["param"] == "tiers"
 
 
 # ------------------------------------------------------------------------------ SGLang

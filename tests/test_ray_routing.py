@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -83,6 +84,101 @@ def test_both_backends_implement_the_whole_engine_interface():
             want, got = getattr(EngineBackend, m), getattr(cls, m)
             assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), (cls, m)
             assert inspect.iscoroutinefunction(got) == inspect.iscoroutinefunction(want), (cls, m)
+
+
+# ---------------------------------------------------------------------------- the CLI (no Ray started)
+@pytest.fixture
+def no_ray(monkeypatch):
+    """``radixkv.router.ray.run`` without Ray: starting it fails the test, shutting it down does
+    nothing (the module's cluster may be up)."""
+    from radixkv.router import ray as rr
+
+    def started(*a, **k):
+        raise AssertionError("Ray was started")
+
+    monkeypatch.setattr(rr, "start_ray", started)
+    monkeypatch.setattr(rr.ray, "shutdown", lambda *a, **k: None)
+    monkeypatch.setattr(rr.ray, "is_initialized", lambda: False)
+    return rr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--max-total-tokens", "0"], "max_total_tokens must be an integer >= page_size (1), got 0"),
+        (["--page-size", "0"], "page_size must be an integer >= 1, got 0"),
+        (["--max-running-requests", "0"], "max_running_requests must be an integer >= 1, got 0"),
+    ],
+)
+def test_serve_replicas_refuses_a_bad_engine_setting_before_starting_ray(no_ray, capsys, flags, message):
+    """A setting every replica's engine refuses stops ``radixkv serve --replicas 2`` at once with
+    exit 2 and the engine's message, as ``radixkv serve`` does. Before the fix Ray and Serve
+    started, each replica failed 6 times, and after ~35 s the CLI died with a traceback ending in
+    "RuntimeError: Deploying application radixkv failed: Failed to update the deployments
+    ['EngineReplica']" that never named the setting."""
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "2", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"radixkv serve: {message}"
+
+
+def test_serve_replicas_refuses_more_cpus_than_its_local_ray_has(no_ray, monkeypatch, capsys):
+    """``--replicas 4 --replica-cpus 1`` on a 2-CPU machine: its local Ray instance (the machine's
+    CPUs) cannot schedule 4.25 CPUs of replicas and ingress, so the CLI exits 2 saying what fits.
+    Before the fix Serve waited for the unschedulable replicas forever and the CLI printed nothing
+    (its warnings go to the controller's log). 3 x 0.5 + 0.25 fits; with ``--ray-address`` the
+    cluster's CPUs are not known here and nothing is refused."""
+    rr = no_ray
+    monkeypatch.setattr(rr.os, "cpu_count", lambda: 2)
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "4", "--replica-cpus", "1"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "radixkv serve: --replicas 4 x --replica-cpus 1 and the ingress's 0.25 need 4.25 Ray CPUs; the local Ray "
+        "instance has 2 (this machine's): lower --replica-cpus (at most 0.4375 for 4 replicas) or --replicas, "
+        "or join a cluster with --ray-address"
+    )
+    assert rr.local_cpus_error(3, 0.5) is None and rr.local_cpus_error(2, 0.875) is None
+    with pytest.raises(AssertionError, match="Ray was started"):  # the cluster's CPUs: Serve's business
+        main(["serve", "--replicas", "4", "--replica-cpus", "1", "--ray-address", "10.0.0.1:6379"])
+
+
+def test_serve_replicas_names_why_its_replicas_did_not_start(no_ray, monkeypatch, capsys):
+    """A replica that fails in its constructor (here a model file that does not exist, found only
+    where the replica loads it): Serve gives up on the deployment and the CLI exits 1 naming the
+    replica's exception, Serve's status message's last line (not Ray's traceback, nor a bare
+    "Failed to update the deployments")."""
+    from types import SimpleNamespace
+
+    rr = no_ray
+    trace = (
+        "The deployment failed to start 6 times in a row. See controller logs for details. Error:\n"
+        "ray::ServeReplica:radixkv:EngineReplica.initialize_and_get_metadata() (pid=10885, ip=192.0.2.2)\n"
+        '  File "radixkv/models/loader.py", line 194, in resolve_hf_dir\n'
+        "FileNotFoundError: model '/nonexistent/m.gguf' not found\n"
+    )
+    deployments = {
+        "EngineReplica": SimpleNamespace(status="DeploymentStatus.DEPLOY_FAILED", message=trace),
+        "Ingress": SimpleNamespace(status="DeploymentStatus.UPDATING", message=""),
+    }
+    status = SimpleNamespace(applications={"radixkv": SimpleNamespace(deployments=deployments)})
+    monkeypatch.setattr(rr.serve, "status", lambda: status)
+
+    def serve_forever(*a, **k):
+        try:
+            raise RuntimeError("Deploying application radixkv failed: Failed to update the deployments")
+        except RuntimeError as exc:
+            raise rr.DeployFailed(rr._deploy_error(exc)) from None
+
+    monkeypatch.setattr(rr, "_serve_forever", serve_forever)
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "2", "--model", "/nonexistent/m.gguf"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "radixkv serve: the replicas did not start: EngineReplica: "
+        "FileNotFoundError: model '/nonexistent/m.gguf' not found"
+    )
 
 
 # ---------------------------------------------------------------------------- SIGTERM (its own Ray)
@@ -320,6 +416,85 @@ def test_every_route_answers_on_the_replicas(cluster, check):
         check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"]))
 
 
+def _router_loads(index, deadline_s: float = 30.0) -> dict:
+    """The index's recorded load per replica once every request it routed was reported complete
+    (Serve's completion callbacks arrive asynchronously: polled up to ``deadline_s``)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        loads = {r: tuple(v) for r, v in ray.get(index.state.remote())["loads"].items()}
+        if all(v == (0, 0) for v in loads.values()) or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.1)
+
+
+def test_the_router_holds_no_load_once_idle(cluster):
+    """After the route table (streams read to the end, a stream its client left, engine refusals,
+    streamed and not), the router counts no outstanding request and no queued prefill token on
+    any replica: a request that ended any way is taken off its replica's load."""
+    loads = _router_loads(cluster["index"])
+    assert len(loads) == 2 and all(v == (0, 0) for v in loads.values()), loads
+
+
+def test_a_new_deployment_gets_the_policy_it_asks_for(cluster):
+    """``build_app(policy=...)`` on a cluster where the (detached) index actor already exists,
+    as a second ``radixkv serve --replicas --ray-address`` finds the one an earlier deployment
+    left: the index routes by the policy asked for. Before the fix ``get_if_exists`` handed back
+    the old actor and its old policy (``--router-policy`` silently ignored)."""
+    from radixkv.router import ray as rr
+
+    index = cluster["index"]
+    assert ray.get(index.state.remote())["policy"] == "cache_events"
+    try:
+        rr.build_app(replicas=2, engine_kwargs=ENGINE, random_model=TINY, policy="round_robin")
+        assert ray.get(index.state.remote())["policy"] == "round_robin"
+    finally:
+        ray.get(index.set_policy.remote("cache_events"))
+
+
+def _views_mirror_replicas(index, deadline_s: float = 30.0) -> dict:
+    """Per live replica ``(router's view, the replica's cache)`` once the view caught up with the
+    replica's last cache event (events are pushed as they happen: polled up to ``deadline_s``);
+    each asked through the deployment, as the ingress asks every replica (who answered checked)."""
+    handle = serve.get_deployment_handle("EngineReplica", app_name="radixkv")
+    out, deadline = {}, time.monotonic() + deadline_s
+    for r in ray.get(index.replica_ids.remote()):
+        while True:
+            got = handle.cache_blocks.remote({"replica": r}).result()
+            view = ray.get(index.view.remote(r))
+            if got["replica"] == r and view["seq"] == got["seq"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        out[r] = (view, got)
+    return out
+
+
+def test_the_router_mirrors_each_replica_through_evictions(cluster):
+    """More distinct 3,000-token prompts than both pools hold (every replica evicts): once idle,
+    the router's view of each replica holds exactly the blocks its cache holds (events pushed
+    as they happen, resyncs by snapshot). Then, with no finished request counted as held
+    (``pending_ttl`` 0), a prompt routed again is expected cached as whole blocks of what its
+    replica really serves from the cache, evicted or not."""
+    client, index = cluster["client"], cluster["index"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(300, 40000) for _ in range(3000)] for _ in range(14)]
+    ray.get(index.set_policy.remote("cache_events", {"pending_ttl": 0.0}))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda p: client.completions.create(model="smollm2-135m", prompt=p, max_tokens=2), prompts))
+        for r, (view, got) in _views_mirror_replicas(index).items():
+            assert view["seq"] == got["seq"] and view["synced"], (r, view["seq"], got["seq"])
+            assert set(view["blocks"]) == set(got["blocks"]) and got["blocks"], r
+        with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=60) as http:
+            assert http.get("/cache_stats", params={"check": "1"}).json()["evicted_tokens"] > 0  # fresh
+        for p in prompts[:3]:  # the earliest: evicted wholly or in part
+            cached = client.completions.create(model="smollm2-135m", prompt=p, max_tokens=2)
+            cached = cached.usage.prompt_tokens_details.cached_tokens
+            expect = {d["prompt"]: d for d in ray.get(index.decisions.remote())}[prompt_key(p)]["cached"]
+            assert expect == cached // 16 * 16, (expect, cached)
+    finally:
+        ray.get(index.set_policy.remote("cache_events"))
+
+
 def test_the_sglang_frontend_connects_to_the_replicas(cluster):
     """The first requests SGLang's frontend sent when it connected (``RuntimeEndpoint`` reads
     ``/get_model_info``, then the program flushes and reads ``/server_info``; recorded in
@@ -485,3 +660,20 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cl
     nxt = client.completions.create(model="smollm2-135m", prompt=conv + [5, 6], max_tokens=2, temperature=0)
     log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
     assert log[prompt_key(conv + [5, 6])]["replica"] != victim and nxt.choices[0].finish_reason == "length"
+
+    # nothing is left running or holding slots on the replicas serving now (the resumed and
+    # replayed requests, the one that ended with an error), every slot is owned once, and the
+    # router's count of outstanding requests is back to zero everywhere (Serve's completion
+    # callbacks reach the index asynchronously: polled)
+    loads = _router_loads(index)
+    assert all(v == (0, 0) for v in loads.values()), loads
+    deadline = time.monotonic() + 30
+    with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=60) as http:
+        while True:  # an abort reaches the engine thread just after its replica's call returned
+            r = http.get("/cache_stats", params={"check": "1"})
+            assert r.status_code == 200, r.text
+            s = r.json()
+            if s["running"] == s["waiting"] == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert s["running"] == s["waiting"] == 0 and s["free"] + s["evictable"] + s["pinned"] == s["capacity"], s

@@ -2,7 +2,8 @@
 it) without a Ray cluster: the router's index and the engine deployment's handle are stand-ins.
 ``/health``: with every replica dead (Serve restarting them) it answers 503, with some dead
 ``"degraded"``, and names how many are live. A request id already running is refused as one
-engine refuses it, though another replica would run it."""
+engine refuses it, though another replica would run it. A request that failed on its replica is
+the 500 ``request_failed`` one engine answers, and no replica error reaches a client as Ray's text."""
 
 from __future__ import annotations
 
@@ -293,3 +294,173 @@ def test_a_non_streamed_request_restarts_where_a_stream_could_not_go_on(tokenize
     rest = asyncio.run(run())
     assert handle.calls == ["h", "h-resume1"]
     assert [o.finished for o in rest] == [False, True] and list(rest[-1].outputs[0].token_ids) == [3, 4]
+
+
+def _failing_app(tokenizer, error: BaseException):
+    """The app over a replica whose stream yields one output, then raises ``error`` as the
+    ingress receives it from Ray."""
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts
+
+    class Failing(_Handle):
+        def remote(self, args: dict):
+            async def stream():
+                yield SimpleNamespace(finished=False, outputs=[SimpleNamespace(token_ids=[1])])
+                raise error
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    llm = ray_mod.RemoteLLM(handle=Failing(), tokenizer=tokenizer, facts=facts, index=_Index(["r0"], {}), replicas=2)
+    return create_app(llm, served_model_name="m")
+
+
+def _complete(app) -> tuple[int, dict]:
+    async def post():  # as uvicorn answers: Starlette re-raises an unhandled error after its 500
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+            r = await http.post("/v1/completions", json={"model": "m", "prompt": [5, 6], "max_tokens": 4})
+            return r.status_code, r.json()
+
+    return asyncio.run(post())
+
+
+def test_a_request_that_failed_on_its_replica_is_a_500_request_failed(tokenizer):
+    """One request's sampling raised on its replica (``RequestFailed``): Ray pickles the error
+    to the ingress, which answers as one engine does, 500 ``request_failed`` naming the request
+    and the engine's error. Before the fix ``RequestFailed`` could not be unpickled (its
+    constructor takes the output, pickle passed the message): the client got Ray's
+    ``UnserializableException`` as a 500 ``internal_error`` quoting the replica's traceback,
+    pid and IP."""
+    import pickle
+
+    from ray.exceptions import RayTaskError
+
+    from radixkv.errors import RequestFailed
+    from radixkv.outputs import RequestOutput
+
+    out = RequestOutput("cmpl-1-0", None, [5, 6], [], True, 0, None, error="IndexError('injected')")
+    sent = pickle.loads(pickle.dumps(RequestFailed(out)))  # what crosses Ray
+    assert type(sent) is RequestFailed and sent.request_id == "cmpl-1-0" and sent.output.error == out.error
+    assert str(sent) == "request cmpl-1-0 failed in the engine: IndexError('injected')"
+    wrapped = RayTaskError("generate", "Traceback ... pid=4242 ip=10.1.2.3", sent).as_instanceof_cause()
+    code, body = _complete(_failing_app(tokenizer, wrapped))
+    assert code == 500 and body["error"]["code"] == "request_failed", body
+    assert body["error"]["message"] == "request cmpl-1-0 failed in the engine: IndexError('injected')", body
+
+
+def test_an_error_the_ingress_cannot_read_names_no_internals(tokenizer):
+    """A replica's error that Ray cannot rebuild at the ingress (``UnserializableException``,
+    whose text is the replica's traceback with its pid, IP and actor id) is a 500 that names
+    the request and none of that, which goes to the log."""
+    from ray.exceptions import UnserializableException
+
+    trace = "ray::EngineReplica.generate() (pid=4242, ip=10.1.2.3, actor_id=abc)\nTraceback: ..."
+    code, body = _complete(_failing_app(tokenizer, UnserializableException(trace)))
+    assert code == 500 and body["error"]["code"] == "internal_error", body
+    msg = body["error"]["message"]
+    assert "failed on its replica" in msg and "4242" not in msg and "10.1.2.3" not in msg, msg
+
+
+def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monkeypatch):
+    """``radixkv serve --replicas 2 --served-model-name foo`` answers ``model: "foo"`` and the
+    ``--model`` name, as ``radixkv serve`` does (``model_aliases``); any other name is a 400
+    ``model_not_found``. Before the fix the ingress accepted only ``foo``: a client sending the
+    ``--model`` name got 400 ``model_not_found`` from the replicas and 200 from one engine."""
+    from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from radixkv.server.backend import ModelFacts
+
+    facts = ModelFacts("smollm2-135m", None, "llama", None, len(tokenizer), 2048)
+
+    class Replies(_Handle):  # every request: one finished output of two tokens
+        def remote(self, args: dict):
+            sample = CompletionOutput(0, tokenizer.decode([7, 8]), [7, 8], "length")
+            out = RequestOutput(args["request_id"], None, args["token_ids"], [sample], True, 0, RequestMetrics(0.0))
+
+            async def stream():
+                yield out
+
+            return _Stream(stream(), self)
+
+    handle = Replies()
+    handle.info = _Call({"facts": facts.as_dict()})
+    monkeypatch.setattr(ray_mod, "get_index", lambda *a, **k: _Index(["r0"], {}))
+    ingress = object.__new__(ray_mod.Ingress)
+    asyncio.run(ingress.__init__(handle, "foo", "smollm2-135m"))
+    app = ingress.__serve_build_asgi_app__()
+
+    async def post(model):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.post("/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2})
+            return r.status_code, r.json()
+
+    assert [asyncio.run(post(m))[0] for m in ("foo", "smollm2-135m")] == [200, 200]
+    code, body = asyncio.run(post("gpt-4"))
+    assert code == 400 and body["error"]["code"] == "model_not_found", body
+
+
+def test_a_replica_whose_engine_stopped_leaves_the_index_and_its_requests_go_on(tokenizer):
+    """A replica whose engine stopped (``EngineDeadError``; its actor lives on until Serve's
+    health checks replace it) is a dead replica: it asks the index to route nothing more to it
+    before its error leaves it, and the ingress sends its greedy request on elsewhere as a
+    continuation, the client seeing one uninterrupted stream. Before the fix the request ended
+    with a 503 ``engine_dead`` and the index kept routing there (a conversation's next turns
+    followed their cache to it) until Serve replaced it."""
+    from ray.exceptions import RayTaskError
+
+    from radixkv.async_llm import EngineDeadError
+    from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.server.backend import ModelFacts
+
+    removed: list[str] = []
+
+    def output(rid, prompt, tokens, finished):
+        sample = CompletionOutput(0, tokenizer.decode(tokens), tokens, "length" if finished else None)
+        return RequestOutput(rid, None, prompt, [sample], finished, 0, RequestMetrics(0.0))
+
+    class DeadEngine:  # the replica's AsyncLLM after its engine thread stopped mid-request
+        def generate(self, prompt, params, request_id, **k):
+            async def stream():
+                yield output(request_id, [5, 6], [7], False)
+                raise EngineDeadError("the engine thread has stopped: RuntimeError('CUDA error')")
+
+            return stream()
+
+    replica = object.__new__(ray_mod.EngineReplica)
+    replica.llm, replica.replica_id = DeadEngine(), "r0"
+    replica._index = SimpleNamespace(remove=_Call(lambda: removed.append("r0")))
+
+    class Handle(_Handle):  # r0 (the replica above, its error as Ray delivers it), then r1
+        def remote(self, args: dict):
+            self.calls.append(args["request_id"])
+            if len(self.calls) > 1:
+                return _Stream(_outputs(args), self)
+
+            async def stream():
+                try:
+                    async for out in replica.generate(args):
+                        yield out
+                except EngineDeadError as exc:
+                    raise RayTaskError("generate", "Traceback ...", exc).as_instanceof_cause() from None
+
+            return _Stream(stream(), self)
+
+    def _outputs(args):  # the continuation: prompt + [7], 3 tokens more
+        async def stream():
+            assert args["token_ids"] == [5, 6, 7] and args["params"].max_tokens == 3
+            yield output(args["request_id"], [5, 6, 7], [8, 9, 10], True)
+
+        return stream()
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=None, replicas=2)
+
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=4)
+        return [o async for o in llm.generate(prompt_token_ids=[5, 6], sampling_params=params, request_id="g")]
+
+    outs = asyncio.run(run())
+    assert removed == ["r0"] and handle.calls == ["g", "g-resume1"]
+    assert outs[-1].finished and list(outs[-1].outputs[0].token_ids) == [7, 8, 9, 10]

@@ -1,6 +1,7 @@
 """Routing without Ray: the cache-event publisher (engine side), the router's event-fed view and
-its resync, the tree's block listing, each policy's rule, and the multi-replica simulator's
-self-check (bench/sim_routing.py). Engines here run the fake runner of test_scheduler.py."""
+its resync, the tree's block listing, each policy's rule, tenants never routed on each other's
+cache, and the multi-replica simulator's self-check (bench/sim_routing.py). Engines here run the
+fake runner of test_scheduler.py."""
 
 from __future__ import annotations
 
@@ -574,3 +575,51 @@ def test_resuming_unseeded_samples_after_output_is_refused_and_a_diverged_replay
     with pytest.raises(ResumeError, match="diverged"):
         for o in other:
             Replayer(delivered).take(o)
+
+
+@pytest.mark.parametrize("policy", ["cache_events", "approx_tree"])
+def test_a_tenant_is_never_routed_on_another_tenants_cache(policy):
+    """Replica r1's engine caches alice's prompt (its real cache events, namespace alice). Bob's
+    identical prompt holds nothing anywhere (the router's view and its in-flight blocks are per
+    namespace, as the engine's cache is), so it is routed as a miss, never "cache" on alice's
+    blocks, while alice's repeat is routed to r1 on all her whole blocks; the same through the
+    index actor's wire format (the namespace's bytes)."""
+    from radixkv.namespace import Namespace
+
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(70)]  # 4 whole blocks before its last token
+    alice, bob = Namespace("alice"), Namespace("bob")
+    eng = make_engine(capacity=512)
+    pub = CacheEventPublisher()
+    pub.attach(eng.events)
+    eng.add_request(prompt, greedy(4), namespace=alice)
+    run_all(eng)
+    p = make_policy(policy)
+    for r in ("r0", "r1"):
+        p.add_replica(r)
+    if policy == "cache_events":
+        assert not p.on_events("r1", pub.drain())
+        assert p.cached_tokens(RouteRequest("a", prompt, alice), "r1") == 64
+        assert p.cached_tokens(RouteRequest("b", prompt, bob), "r1") == 0
+    else:  # approx_tree learns only from what it routes: alice's first request goes to r1
+        p.record(RouteRequest("a0", prompt, alice), Decision("r1"))
+        p.finished("a0")
+    d = p.choose(RouteRequest("b1", prompt, bob))
+    assert d.cached_tokens == 0 and d.reason != "cache", d
+    p.finished("b1")
+    d = p.choose(RouteRequest("a1", prompt, alice))
+    assert d.replica == "r1" and d.reason == "cache", d
+    assert d.cached_tokens == (64 if policy == "cache_events" else 0)
+
+    if policy == "cache_events":  # the index actor, as Ray calls it: namespaces as bytes
+        rr = pytest.importorskip("radixkv.router.ray")
+        index = rr.CacheIndex.__ray_metadata__.modified_class(policy)
+        for r in ("r0", "r1"):
+            index.register(r, {})
+        index.policy.on_events("r1", {"epoch": "e", "events": [], "dropped": False})
+        index.policy.on_snapshot("r1", pub.snapshot(eng))
+        for key, ns in (("kb", bob), ("ka", alice)):
+            index.route(key, dict(request_id=key, token_ids=prompt, namespace=rr.wire_namespace(ns)), ["r0", "r1"])
+            index.completed(key)
+        got = {d["key"]: (d["replica"], d["cached"], d["reason"]) for d in index.decisions()}
+        assert got["kb"][1] == 0 and got["kb"][2] != "cache" and got["ka"] == ("r1", 64, "cache"), got

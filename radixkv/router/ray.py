@@ -36,6 +36,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
@@ -59,6 +60,7 @@ __all__ = [
     "Ingress",
     "RemoteLLM",
     "build_app",
+    "drop_index",
     "get_index",
     "prompt_key",
     "run",
@@ -67,6 +69,8 @@ __all__ = [
 INDEX_NAME = "radixkv-cache-index"
 NAMESPACE = "radixkv"
 ROUTER_PATH = "radixkv.router.ray:CacheAwareRequestRouter"
+INGRESS_CPUS = 0.25
+"""Ray logical CPUs of the ingress (``build_app``'s default, what ``serve --replicas`` uses)."""
 AFFINE_ATTEMPTS = 3
 """Routing attempts of one request that offer Serve only the policy's replica."""
 MAX_RESUMES = 3
@@ -212,6 +216,12 @@ class CacheIndex:
         """The replicas registered and not removed."""
         return list(self.replicas)
 
+    def view(self, replica: str) -> Optional[dict]:
+        """The policy's view of ``replica``'s cache (``cache_events``): ``{"seq": the last event
+        applied, "synced", "blocks": the digests it holds}``; None for another policy or replica."""
+        v = getattr(self.policy, "views", {}).get(replica)
+        return None if v is None else dict(seq=v.seq, synced=v.synced, blocks=sorted(v.blocks))
+
     def decisions(self) -> list[dict]:
         """The last routing decisions: ``request_id``, ``replica``, ``cached`` (expected cached
         tokens) and ``reason``."""
@@ -246,6 +256,23 @@ def prompt_key(token_ids: Sequence[int]) -> str:
     from array import array
 
     return hashlib.blake2b(array("q", list(token_ids)).tobytes(), digest_size=8).hexdigest()
+
+
+def drop_index() -> bool:
+    """Kill the index actor, if there is one (a deployment that ended, or was killed, left it on
+    a cluster joined with ``--ray-address``: detached, it outlives its driver); True if there was."""
+    try:
+        ray.kill(get_index())  # no restart
+    except ValueError:  # none
+        return False
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the name is free once the actor is gone
+        try:
+            get_index()
+        except ValueError:
+            break
+        time.sleep(0.05)
+    return True
 
 
 def get_index(create: bool = False, policy: str = "cache_events", policy_kwargs: Optional[dict] = None):
@@ -434,6 +461,8 @@ class EngineReplica:
     async def generate(self, args: dict) -> AsyncIterator[Any]:
         """Stream the request's ``RequestOutput`` snapshots (``args``: ``request_id``, ``prompt``,
         ``token_ids``, ``params`` (SamplingParams), ``namespace``: :func:`wire_namespace`'s bytes)."""
+        from radixkv.async_llm import EngineDeadError
+
         gen = self.llm.generate(
             args.get("prompt"),
             args["params"],
@@ -444,8 +473,21 @@ class EngineReplica:
         try:
             async for out in gen:
                 yield out
+        except EngineDeadError:
+            # NOTE: this replica serves nothing more: the index stops routing to it before the
+            # ingress hears of it (and sends the request on elsewhere); Serve replaces it once its
+            # health checks fail
+            await self._leave_index()
+            raise
         finally:
             await gen.aclose()  # a cancelled stream aborts the request in the engine
+
+    async def _leave_index(self) -> None:
+        """Ask the index to route nothing more here (the engine has stopped)."""
+        try:
+            await asyncio.wait_for(self._index.remove.remote(self.replica_id), 10)
+        except Exception:  # noqa: BLE001 - the index restarting: Serve's health check removes it
+            logger.exception("could not leave the cache index")
 
     async def cache_stats(self) -> dict:
         return self.llm.cache_stats().as_dict()
@@ -456,6 +498,15 @@ class EngineReplica:
         (``args``: ``{"replica": the id the caller meant}``, which the router routes by)."""
         stats = await self.backend.cache_stats(check=True)
         return dict(replica=self.replica_id, stats=stats.as_dict())
+
+    async def cache_blocks(self, args: dict) -> dict:
+        """What the router's view of this replica mirrors: ``{"replica": this replica's id, "seq":
+        its last cache event, "blocks": the digests of its fully cached blocks}`` (``args``:
+        ``{"replica": the id the caller meant}``, which the router routes by)."""
+        from radixkv.engine.publish import cache_snapshot
+
+        snap = await self.llm.call_in_engine_thread(lambda e: cache_snapshot(e, self.publisher.epoch))
+        return dict(replica=self.replica_id, seq=snap["seq"], blocks=snap["blocks"])
 
     def check_health(self) -> None:
         if not self.llm.is_running:
@@ -566,7 +617,13 @@ class RemoteLLM:
         """The request's outputs; when its replica dies, the request goes on elsewhere
         (:mod:`radixkv.router.resume`: restarted, continued or replayed), at most
         :data:`MAX_RESUMES` times; an :class:`EngineDeadError` where that cannot be exact."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
+        from ray.exceptions import (
+            ActorDiedError,
+            ActorUnavailableError,
+            RayActorError,
+            RayTaskError,
+            UnserializableException,
+        )
 
         from radixkv.async_llm import EngineDeadError
         from radixkv.router.resume import Replayer, ResumeError, Stitcher, continuation, resume_plan
@@ -592,11 +649,16 @@ class RemoteLLM:
                 return
             except ResumeError as exc:
                 raise EngineDeadError(f"{rid} could not be resumed exactly after its replica died: {exc}") from None
+            except UnserializableException as exc:  # the replica's own error, which cannot be rebuilt here
+                ended = True
+                logger.error("the replica serving %s raised an error the ingress cannot read: %s", rid, exc)
+                raise RuntimeError(f"{rid} failed on its replica (its error is in the ingress's log)") from None
             except (ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError) as exc:
                 ended = True
                 cause = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-                if isinstance(exc, RayTaskError) and not isinstance(cause, died):
+                if isinstance(exc, RayTaskError) and not isinstance(cause, (*died, EngineDeadError)):
                     raise cause from None  # the engine's own error (e.g. a RequestError)
+                # NOTE: an EngineDeadError is a replica whose engine stopped: as good as dead
                 plan, why = resume_plan(params, delivered)
                 n_out = 0 if delivered is None else sum(len(o.token_ids) for o in delivered.outputs)
                 if plan is None and rid in self._held:  # the client has nothing a new sample contradicts
@@ -769,6 +831,7 @@ class Ingress:
 
         self.engine = engine_handle
         self.served_model_name = served_model_name
+        self.model = model  # accepted as ``model`` too, as one engine accepts its --model
         self.api_keys = api_keys
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
@@ -779,7 +842,9 @@ class Ingress:
         from radixkv.server.auth import APIKeys
 
         keys = APIKeys.from_wire(self.api_keys) if self.api_keys is not None else None
-        return create_app(self.llm, served_model_name=self.served_model_name, api_keys=keys)
+        return create_app(
+            self.llm, served_model_name=self.served_model_name, model_aliases=(self.model,), api_keys=keys
+        )
 
 
 def build_app(
@@ -790,7 +855,7 @@ def build_app(
     policy: str = "cache_events",
     policy_kwargs: Optional[dict] = None,
     replica_cpus: float = 0.5,
-    ingress_cpus: float = 0.25,
+    ingress_cpus: float = INGRESS_CPUS,
     random_model: Optional[dict] = None,
     max_ongoing_requests: int = 256,
     api_keys: Any = None,
@@ -813,7 +878,10 @@ def build_app(
         ekw.setdefault("tenant_kv_quota_tokens", api_keys.quotas())
     ekw.setdefault("model", model)
     ekw.setdefault("device", "cpu")
-    get_index(create=True, policy=policy, policy_kwargs=policy_kwargs)
+    index = get_index(create=True, policy=policy, policy_kwargs=policy_kwargs)
+    # NOTE: an index that already existed (detached: a cluster outlives a deployment) keeps the
+    # policy it was created with unless told
+    ray.get(index.set_policy.remote(policy, policy_kwargs))
     engine_dep = serve.deployment(
         EngineReplica,
         name="EngineReplica",
@@ -870,18 +938,23 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_k
     # deployment and Ray's agents running)
     signal.signal(signal.SIGTERM, _raise_stop)
     serve.start(http_options={"host": args.host, "port": args.port})
-    ekw = dict(engine_kwargs)
-    ekw["device"] = "cpu" if ekw.get("device") == "auto" else ekw["device"]
+    # an index without its app is a killed deployment's (its replicas and views are gone); a
+    # running app's is kept (its replicas use it while Serve replaces them)
+    if "radixkv" not in serve.status().applications and drop_index():
+        logger.warning("replaced the cache index a previous deployment left on the cluster")
     app = build_app(
         replicas=args.replicas,
-        engine_kwargs=ekw,
+        engine_kwargs=replica_engine_kwargs(engine_kwargs),
         served_model_name=served_model_name,
         model=args.model,
         policy=args.router_policy,
         replica_cpus=args.replica_cpus,
         api_keys=api_keys,
     )
-    serve.run(app, name="radixkv", route_prefix="/", blocking=False)
+    try:
+        serve.run(app, name="radixkv", route_prefix="/", blocking=False)
+    except RuntimeError as exc:  # Serve gave up on a deployment: say why its replicas failed
+        raise DeployFailed(_deploy_error(exc)) from None
     print(
         f"radixkv: serving {served_model_name!r} on {args.replicas} replicas ({args.router_policy} routing) at "
         f"http://{args.host}:{args.port}/v1",
@@ -891,20 +964,84 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_k
         time.sleep(3600)
 
 
+def replica_engine_kwargs(engine_kwargs: dict) -> dict:
+    """The ``EngineConfig`` fields every replica gets: ``engine_kwargs`` with ``device`` ``auto``
+    as ``cpu`` (a replica is given Ray CPUs, no GPU)."""
+    ekw = dict(engine_kwargs)
+    ekw["device"] = "cpu" if ekw.get("device", "auto") == "auto" else ekw["device"]
+    return ekw
+
+
+def replica_config_error(engine_kwargs: dict) -> Optional[str]:
+    """Why every replica would refuse ``engine_kwargs`` (the ``ValueError`` of its
+    ``EngineConfig``, naming the field), found before Ray starts; None when they are valid."""
+    from radixkv.config import EngineConfig
+
+    try:
+        EngineConfig(**replica_engine_kwargs(engine_kwargs)).resolve()  # the checks that need no model
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def local_cpus_error(replicas: int, replica_cpus: float, cpus: Optional[int] = None) -> Optional[str]:
+    """Why a local Ray instance of ``cpus`` logical CPUs (default: the machine's, what
+    :func:`start_ray` gives it) cannot schedule ``replicas`` x ``replica_cpus`` and the ingress
+    (Serve would wait for them forever, saying nothing); None when it can."""
+    cpus = (os.cpu_count() or 1) if cpus is None else cpus
+    need = replicas * replica_cpus + INGRESS_CPUS
+    if need <= cpus + 1e-9:
+        return None
+    fit = (cpus - INGRESS_CPUS) / replicas
+    return (
+        f"--replicas {replicas} x --replica-cpus {replica_cpus:g} and the ingress's {INGRESS_CPUS:g} need "
+        f"{need:g} Ray CPUs; the local Ray instance has {cpus} (this machine's): lower --replica-cpus "
+        f"(at most {fit:g} for {replicas} replicas) or --replicas, or join a cluster with --ray-address"
+    )
+
+
+class DeployFailed(RuntimeError):
+    """Serve could not start the application (a replica's or the ingress's constructor raised)."""
+
+
+def _deploy_error(exc: BaseException) -> str:
+    """What Serve says of a failed deployment: each failed deployment's last error line."""
+    why = []
+    try:
+        app = serve.status().applications.get("radixkv")
+        for name, dep in (app.deployments if app is not None else {}).items():
+            lines = [ln.strip() for ln in str(dep.message or "").splitlines() if ln.strip()]
+            if lines and ("FAIL" in str(dep.status) or "UNHEALTHY" in str(dep.status)):
+                why.append(f"{name}: {lines[-1]}")  # the constructor's exception (the traceback is Ray's log)
+    except Exception:  # noqa: BLE001 - Serve's status unavailable: its own message
+        logger.debug("serve.status failed", exc_info=True)
+    return "; ".join(why) or str(exc)
+
+
 def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = None) -> int:
     """``radixkv serve --replicas N`` (``args``: its parsed flags): start Ray, deploy, serve until
     Ctrl-C (SIGINT) or SIGTERM (what ``kill``, systemd and docker send); either one shuts the whole
     deployment down: Serve's actors, then the local Ray instance with every process it started
     (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down).
     ``api_keys``: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys)."""
+    bad = replica_config_error(engine_kwargs)
+    if bad is None and not getattr(args, "ray_address", None):
+        bad = local_cpus_error(args.replicas, args.replica_cpus)
+    if bad is not None:  # every replica would refuse it: say so before starting Ray
+        print(f"radixkv serve: {bad}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
         _serve_forever(args, engine_kwargs, served_model_name, api_keys)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_Stop)
         pass
+    except DeployFailed as exc:
+        print(f"radixkv serve: the replicas did not start: {exc}", file=sys.stderr)
+        return 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM does not cut the shutdown short
         if ray.is_initialized():
             serve.shutdown()
+            drop_index()  # detached: on a cluster joined with --ray-address it would outlive us
         ray.shutdown()
     return 0
