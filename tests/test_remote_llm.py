@@ -464,3 +464,64 @@ def test_a_replica_whose_engine_stopped_leaves_the_index_and_its_requests_go_on(
     outs = asyncio.run(run())
     assert removed == ["r0"] and handle.calls == ["g", "g-resume1"]
     assert outs[-1].finished and list(outs[-1].outputs[0].token_ids) == [7, 8, 9, 10]
+
+
+def test_session_routing_keys_on_prompt_cache_key_per_tenant(tokenizer):
+    """``--router-policy session`` on replicas hashes the client's conversation key: OpenAI's
+    ``prompt_cache_key`` (else ``user``) reaches the router as the request's ``session``, kept
+    apart per tenant; before, the ingress never passed one, so every request was hashed on its
+    own random id and one conversation's turns scattered over the replicas."""
+    from radixkv.namespace import Namespace
+    from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts
+
+    class Handle(_Handle):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sessions: list = []
+
+        def remote(self, args: dict):
+            self.sessions.append(args["session"])
+
+            async def stream():
+                sample = CompletionOutput(0, tokenizer.decode([28]), [28], "length")
+                yield RequestOutput(args["request_id"], None, args["token_ids"], [sample], True, 0, RequestMetrics(0.0))
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = Handle()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=None, replicas=2)
+    app = create_app(llm, served_model_name="m")
+    chat = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            for extra in ({"prompt_cache_key": "conv-7"}, {"user": "u1"}, {"prompt_cache_key": "k", "user": "u1"}, {}):
+                assert (await http.post("/v1/chat/completions", json=dict(chat, **extra))).status_code == 200
+            body = dict(model="m", prompt="hi", max_tokens=2, user="u2")
+            assert (await http.post("/v1/completions", json=body)).status_code == 200
+            body = dict(model="m", input="hi", max_output_tokens=2, prompt_cache_key="conv-8", store=False)
+            assert (await http.post("/v1/responses", json=body)).status_code == 200
+
+    asyncio.run(post())
+    assert handle.sessions == [repr((None, k)) for k in ("conv-7", "u1", "k")] + [None] + [
+        repr((None, "u2")),
+        repr((None, "conv-8")),
+    ]
+
+    index = ray_mod.CacheIndex.__ray_metadata__.modified_class("session")
+    for r in ("r0", "r1", "r2", "r3"):
+        index.push(r, None, {"capacity": 64}, dict(epoch=1, actor_name=r, pid=1))
+    ns = ray_mod.wire_namespace(Namespace.of(None))
+    cands = ["r0", "r1", "r2", "r3"]
+
+    def route(i: int, session) -> str:
+        return index.route(f"q{i}", dict(token_ids=[i] * 20, namespace=ns, session=session), cands)
+
+    for key in ("conv-1", "conv-2", "conv-3"):  # every turn of a conversation on one replica
+        assert len({route(i, repr((None, key))) for i in range(12)}) == 1
+    assert len({route(i, None) for i in range(12)}) > 1  # no key: spread by request id
+    homes = {t: {route(i, repr((t, "same-key"))) for i in range(3)} for t in ("alice", "bob", "carol", "dan", "eve")}
+    assert len({next(iter(h)) for h in homes.values()}) > 1 and all(len(h) == 1 for h in homes.values())

@@ -560,13 +560,16 @@ class RemoteLLM:
         prompt_token_ids: Optional[Sequence[int]] = None,
         namespace: Any = None,
         on_finish: Optional[Callable[[Any, Any], None]] = None,
+        routing_key: Optional[str] = None,
     ) -> AsyncIterator[Any]:
         """As :meth:`radixkv.async_llm.AsyncLLM.generate`. ``on_finish(pins, final output)``
         runs here, on the ingress, before the final output is delivered, with
         :data:`~radixkv.server.backend.NO_PINS` (the replicas' KV cannot be pinned from the
         ingress; a stored Response keeps its context tokens and its follow-up is routed to the
         replica that caches them). A ``request_id`` already running here is refused (a
-        ``RequestError`` naming it, as one engine refuses it), whichever replica runs it."""
+        ``RequestError`` naming it, as one engine refuses it), whichever replica runs it.
+        ``routing_key`` (a client's ``prompt_cache_key`` / ``user``) is the conversation key of
+        the ``session`` policy, kept apart per tenant (another tenant's key never moves yours)."""
         import uuid
 
         from radixkv.errors import RequestError
@@ -585,6 +588,9 @@ class RemoteLLM:
             token_ids=ids,
             params=sampling_params if sampling_params is not None else SamplingParams(),
             namespace=wire_namespace(namespace),
+            session=None
+            if routing_key is None
+            else repr((getattr(Namespace.of(namespace), "tenant", None), routing_key)),
         )
         if args["request_id"] in self._running:
             raise RequestError(f"request_id {args['request_id']!r} is already running", "request_id")

@@ -273,12 +273,15 @@ class EngineBackend(Protocol):
         prompt_token_ids: Optional[Sequence[int]] = None,
         namespace: Hashable = None,
         on_finish: Optional[FinishHook] = None,
+        routing_key: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         """One request's cumulative ``RequestOutput`` snapshots (the last has ``finished``), as
         :meth:`AsyncLLM.generate <radixkv.async_llm.AsyncLLM.generate>`: submitted at the first
         ``__anext__``, which raises the engine's refusal (a ``RequestError``, ``QueueFullError``);
         closing the iterator (``aclose``, or leaving it unfinished) aborts the request and frees
-        its KV. ``on_finish`` gets this backend's :class:`Pins`.
+        its KV. ``on_finish`` gets this backend's :class:`Pins`. ``routing_key``: the
+        conversation key of ``--router-policy session`` across replicas (OpenAI's
+        ``prompt_cache_key``, else ``user``); one engine has nowhere else to send a request.
 
         Raises:
             RequestError: bad prompt or parameters (naming the field), a duplicate ``request_id``.
@@ -388,6 +391,7 @@ class LocalBackend:
         prompt_token_ids: Optional[Sequence[int]] = None,
         namespace: Hashable = None,
         on_finish: Optional[FinishHook] = None,
+        routing_key: Optional[str] = None,
     ) -> AsyncIterator[RequestOutput]:
         hook = None
         if on_finish is not None:

@@ -129,6 +129,7 @@ class EngineClient:
         request_ids: Sequence[str] | None = None,
         namespace: Namespace | None = None,
         on_finish: Sequence[FinishHook | None] | None = None,
+        routing_key: str | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
         API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
@@ -146,6 +147,8 @@ class EngineClient:
             on_finish: per prompt, a hook run where the engine lives when its request finishes,
                 given the backend's :class:`~radixkv.server.backend.Pins`
                 (:meth:`EngineBackend.generate <radixkv.server.backend.EngineBackend.generate>`).
+            routing_key: the conversation key the ``session`` routing policy hashes across
+                replicas (:meth:`~radixkv.server.openai.protocol._SamplingFields.routing_key`).
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
@@ -158,7 +161,9 @@ class EngineClient:
         start = time.perf_counter()
         hooks = list(on_finish) if on_finish is not None else [None] * len(prompts)
         gens = [
-            self.backend.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
+            self.backend.generate(
+                text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook, routing_key=routing_key
+            )
             for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
         self.metrics.requests.labels(endpoint=endpoint).inc()

@@ -77,7 +77,9 @@ class Chat:
         params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages", plan)
         renames = constraint_renames(constraint_of(req, plan)[0])
         ns = request_namespace(raw, req.cache_salt)
-        run = await self.client.start("chat", [(None, ids)], params, "messages", renames, namespace=ns)
+        run = await self.client.start(
+            "chat", [(None, ids)], params, "messages", renames, namespace=ns, routing_key=req.routing_key()
+        )
         rid, model = new_id("chatcmpl"), self.models.served
         top = req.num_top_logprobs()
 

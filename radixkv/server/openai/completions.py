@@ -79,7 +79,9 @@ class Completions:
         )
         renames = constraint_renames(constraint_of(req)[0])
         ns = request_namespace(raw, req.cache_salt)
-        run = await self.client.start("completions", prompts, params, "prompt", renames, namespace=ns)
+        run = await self.client.start(
+            "completions", prompts, params, "prompt", renames, namespace=ns, routing_key=req.routing_key()
+        )
         rid, n, model = new_id("cmpl"), params.n, self.models.served
         echoes = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
 

@@ -43,8 +43,9 @@ NO_EFFECT_FIELDS = {
     ),
     "completions": ("user",),
 }
-"""OpenAI fields accepted and without effect on generation here (``prompt_cache_key`` is never
-a cache namespace: a request's namespace is its API key's tenant and its ``cache_salt``,
+"""OpenAI fields accepted and without effect on generation here (``prompt_cache_key``, else
+``user``, only picks the replica under ``--router-policy session``; it is never a cache
+namespace: a request's namespace is its API key's tenant and its ``cache_salt``,
 :func:`radixkv.server.auth.request_namespace`; ``prediction`` only speeds OpenAI up and never
 changes its output)."""
 
@@ -162,6 +163,12 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             # NOTE: as OpenAI answers: options of a stream that is not one would change nothing
             raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+
+    def routing_key(self) -> Optional[str]:
+        """The conversation key ``--router-policy session`` hashes across replicas: OpenAI's
+        ``prompt_cache_key`` (its documented routing hint), else the deprecated ``user`` it
+        replaces; None: the request's own id."""
+        return getattr(self, "prompt_cache_key", None) or self.user
 
     @property
     def stop_list(self) -> list[str]:

@@ -494,7 +494,14 @@ class Responses:
             store.put(rid, item, pins)
 
         run = await self.client.start(
-            "responses", [(None, ids)], params, "input", renames, namespace=namespace, on_finish=[on_finish]
+            "responses",
+            [(None, ids)],
+            params,
+            "input",
+            renames,
+            namespace=namespace,
+            on_finish=[on_finish],
+            routing_key=req.prompt_cache_key or req.user,
         )
 
         def finish(out: Any, call_ids: list[str] | None) -> dict:
