@@ -22,6 +22,31 @@ pytestmark = pytest.mark.timeout(600)
 
 MODEL = "smollm2-135m"
 SPEC = {"method": "radix", "num_speculative_tokens": 5}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
+ASK = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +136,80 @@ def test_streamed_echo_logprobs_with_n_samples_and_several_prompts_join_to_the_a
         assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
         assert j["logprobs"] == lp
     assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- tool calls
+
+
+def joined_chat_choice(chunks: list[dict]) -> dict:
+    """The one choice of a streamed chat answer: content, calls [(name, arguments)], finish."""
+    content, calls, finish = "", [], []
+    for ch in chunks:
+        for c in ch["choices"]:
+            content += c["delta"].get("content") or ""
+            for tc in c["delta"].get("tool_calls") or ():
+                if tc.get("id"):
+                    assert tc["index"] == len(calls) and tc["type"] == "function"
+                    calls.append([tc["function"]["name"], ""])
+                calls[tc["index"]][1] += tc["function"].get("arguments") or ""
+            if c["finish_reason"]:
+                finish.append(c["finish_reason"])
+    return {"content": content or None, "calls": [tuple(c) for c in calls], "finish": finish}
+
+
+def calls_of(message: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or ()]
+
+
+def test_a_call_cut_by_a_stop_string_or_max_tokens_is_a_call_streamed_or_not(server, llm):
+    """A ``<tool_call>`` block the end of the output cuts off is reported as the call so far,
+    whatever cut it and whatever the ``tool_choice``, the same streamed and not: a stream has sent
+    the call's name and arguments by then. It used to be so only for a forced call cut by
+    ``max_tokens``: a named call cut by a stop string came back as ``<tool_call>`` markup in
+    ``content`` (finish ``stop``) while its stream had sent a call (finish ``tool_calls``); an
+    ``auto`` call cut by ``max_tokens`` came back as markup while its stream sent a call and then
+    the markup again as content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    base = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0)
+    full = post(server, "/v1/chat/completions", {**base, "tool_choice": named, "max_tokens": 64})["choices"][0]
+    assert full["finish_reason"] == "tool_calls"
+    ((name, args),) = calls_of(full["message"])
+    assert name == "get_weather" and json.loads(args)["city"] == "Paris"
+    cases = [  # (request, the arguments so far, finish reason)
+        ({"tool_choice": named, "stop": ["Paris"], "parallel_tool_calls": False}, args[: args.index("Paris")], "stop"),
+    ]
+    # auto (a JSON format beside the tools): the model calls get_weather with the same arguments
+    auto = {"response_format": {"type": "json_object"}}
+    full_auto = post(server, "/v1/chat/completions", {**base, **auto, "max_tokens": 64})["choices"][0]
+    assert full_auto["finish_reason"] == "tool_calls" and calls_of(full_auto["message"]) == [(name, args)]
+    toks = llm.tokenizer.encode(args, add_special_tokens=False)
+    head = llm.tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": ', add_special_tokens=False)
+    k = len(head) + 2  # two tokens into the arguments (the model writes them as the tokenizer splits them)
+    cases.append(({**auto, "max_tokens": k}, llm.tokenizer.decode(toks[:2]), "length"))
+    for extra, so_far, reason in cases:
+        body = {**base, **extra}
+        choice = post(server, "/v1/chat/completions", body)["choices"][0]
+        assert choice["finish_reason"] == reason, extra
+        assert choice["message"]["content"] is None, extra
+        assert calls_of(choice["message"]) == [("get_weather", so_far)], extra
+        assert 0 < len(so_far) < len(args) and args.startswith(so_far)
+        joined = joined_chat_choice(stream(server, "/v1/chat/completions", body))
+        assert joined == {"content": None, "calls": [("get_weather", so_far)], "finish": [reason]}, extra
+    assert_pool_whole(llm)
+
+
+def test_an_auto_output_ending_in_part_of_the_opening_tag_is_text():
+    """Under ``auto`` the text before a call is free: ``<tool`` at the end of a cut output is text
+    (streamed: held back, then sent as content); under a forced choice it is the call begun."""
+    from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
+
+    text = "<tool_ca"
+    assert parse_tool_calls(text, ["get_weather"], partial_tag=False) == (text, [])
+    s = ToolCallStream()
+    events = s.update(text, False) + s.update(text, True, ["get_weather"], partial_tag=False)
+    assert events == [("content", "<tool_ca")] and not s.cut_off
+    content, (call,) = parse_tool_calls(text, ["get_weather"])
+    assert content is None and (call.name, call.arguments, call.complete) == ("get_weather", "", False)
+    s = ToolCallStream()
+    events = s.update(text, False) + s.update(text, True, ["get_weather"])
+    assert [e[0] for e in events] == ["call"] and events[0][3] == "get_weather" and s.cut_off
