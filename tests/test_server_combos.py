@@ -213,3 +213,31 @@ def test_an_auto_output_ending_in_part_of_the_opening_tag_is_text():
     s = ToolCallStream()
     events = s.update(text, False) + s.update(text, True, ["get_weather"])
     assert [e[0] for e in events] == ["call"] and events[0][3] == "get_weather" and s.cut_off
+
+
+# ---------------------------------------------------------------------------------- fields a stream cannot honour
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi there"}),
+    ],
+)
+def test_prompt_logprobs_with_stream_is_a_400_naming_it(server, path, body):
+    """No chunk carries ``prompt_logprobs``: streamed, the field was dropped without a word (vLLM
+    answers 400 too); unstreamed it is answered."""
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, **body}
+    r = httpx.post(server.base_url + path, json={**body, "stream": True}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (
+        "prompt_logprobs",
+        "unsupported_parameter",
+        "invalid_request_error",
+    )
+    assert "stream" in err["message"]
+    whole = post(server, path, body)
+    plp = whole["prompt_logprobs"] if path == "/v1/chat/completions" else whole["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == whole["usage"]["prompt_tokens"]
