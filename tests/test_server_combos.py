@@ -241,3 +241,96 @@ def test_prompt_logprobs_with_stream_is_a_400_naming_it(server, path, body):
     whole = post(server, path, body)
     plp = whole["prompt_logprobs"] if path == "/v1/chat/completions" else whole["choices"][0]["prompt_logprobs"]
     assert plp[0] is None and len(plp) == whole["usage"]["prompt_tokens"]
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+
+
+SCHEMA = {
+    "type": "object",
+    "$defs": {
+        "pt": {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        }
+    },
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "a": {"$ref": "#/$defs/pt"},
+        "b": {"type": "array", "items": {"$ref": "#/$defs/pt"}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["color", "a", "b"],
+    "additionalProperties": False,
+}
+REWRITE = [{"role": "user", "content": 'Rewrite {"id": 7, "name": "Ada", "age": 36} with age 37, twice.'}]
+REPEAT = [{"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."}]
+SPEC_CASES = {
+    "greedy, stop strings, logprobs": (
+        "/v1/chat/completions",
+        dict(messages=REPEAT, temperature=0, stop=["dog. The", "\n\n"], logprobs=True, top_logprobs=2),
+    ),
+    "seeded n=3, top-k/p, penalties, stop": (
+        "/v1/chat/completions",
+        dict(
+            messages=REPEAT, temperature=0.8, seed=11, n=3, top_k=40, top_p=0.9, presence_penalty=0.5,
+            frequency_penalty=0.3, repetition_penalty=1.1, stop=["lazy cat"], logprobs=True,
+        ),
+    ),
+    "named call, parallel_tool_calls false": (
+        "/v1/chat/completions",
+        dict(messages=ASK, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+             parallel_tool_calls=False, temperature=0.7, seed=2),
+    ),
+    "json_schema strict, $defs, enum, nested array": (
+        "/v1/chat/completions",
+        dict(messages=REWRITE, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": SCHEMA}}),
+    ),
+    "logit_bias, min_tokens, stop": (
+        "/v1/chat/completions",
+        dict(messages=REWRITE, temperature=0, logit_bias={"28": -100, "30": 5}, min_tokens=12, stop=[","]),
+    ),
+    "completions: two prompts, n=2, echo, logprobs, stop": (
+        "/v1/completions",
+        dict(prompt=["The quick brown fox jumps over the lazy dog. The quick brown fox", "1, 2, 3, 4, 5, 6, 7,"], n=2,
+             temperature=0.9, seed=4, echo=True, logprobs=2, stop=["lazy cat"]),
+    ),
+}  # fmt: skip
+
+
+def comparable(body: dict) -> list:
+    """The choices without their logprob values (compared to 1e-4 apart) and the usage."""
+    out = []
+    for c in body["choices"]:
+        c = json.loads(json.dumps(c))
+        for call in (c.get("message") or {}).get("tool_calls") or ():
+            call.pop("id")
+        lp = c.get("logprobs") or {}
+        values = []
+        for e in lp.get("content") or ():
+            values.append(e.pop("logprob"))
+            values += [t.pop("logprob") for t in e["top_logprobs"]]
+        if "token_logprobs" in lp:
+            values += [v for v in lp.pop("token_logprobs") if v is not None]
+            values += [v for d in lp.pop("top_logprobs") if d for v in d.values()]
+        out.append((c, values))
+    return [out, body["usage"]]
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_CASES))
+def test_a_speculative_server_answers_what_the_plain_one_answers(server, spec_server, spec_llm, name):
+    """``--speculative-config`` changes no answer: each combination, greedy and seeded, gets the
+    same choices (text, tool calls, finish reasons, logprob tokens; values to 1e-4), the same usage
+    (cached tokens included: both servers saw the same requests)."""
+    path, body = SPEC_CASES[name]
+    body = {"model": MODEL, "max_tokens": 48, **body}
+    before = spec_llm.cache_stats()["spec_accepted_tokens"]
+    plain, spec = post(server, path, body), post(spec_server, path, body)
+    assert spec_llm.cache_stats()["spec_accepted_tokens"] > before  # the answer came partly from drafts
+    (want, usage), (got, spec_usage) = comparable(plain), comparable(spec)
+    assert [c for c, _ in got] == [c for c, _ in want] and spec_usage == usage
+    for (_, v), (_, w) in zip(got, want):
+        assert v == pytest.approx(w, abs=1e-4)
+    assert_pool_whole(spec_llm)
