@@ -334,3 +334,42 @@ def test_a_speculative_server_answers_what_the_plain_one_answers(server, spec_se
     for (_, v), (_, w) in zip(got, want):
         assert v == pytest.approx(w, abs=1e-4)
     assert_pool_whole(spec_llm)
+
+
+# ---------------------------------------------------------------------------------- schemas the grammar cannot hold
+
+
+def test_a_schema_keyword_the_grammar_drops_is_a_400_naming_the_field_that_carried_it(server, llm):
+    """``uniqueItems`` (and the other keywords xgrammar compiles into nothing,
+    radixkv/sampling/schema_check.py) used to be accepted and then not obeyed: a strict
+    ``response_format`` schema of distinct items in 0..2 got ``[1, 2, 2]`` from the model. Now each
+    field that carries a schema answers 400 naming itself, the keyword and its path."""
+    tags = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2}, "uniqueItems": True}
+    schema = {"type": "object", "properties": {"tags": tags}, "required": ["tags"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "tag", "parameters": schema}}
+    chat = {"model": MODEL, "messages": ASK, "max_tokens": 8}
+    cases = [
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "strict": True, "schema": schema}}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [tool], "tool_choice": "required"}, "tools"),
+        ("/v1/chat/completions", {"tools": [tool]}, "tools"),
+        ("/v1/completions", {"prompt": "Tags:", "guided_json": schema}, "guided_json"),
+        ("/v1/completions", {"prompt": "Tags:", "structured_outputs": {"json": schema}}, "structured_outputs"),
+        ("/v1/responses", {"input": "Tags?", "text": {"format": {"type": "json_schema", "name": "t", "schema": schema}}}, "text"),
+    ]  # fmt: skip
+    for path, extra, param in cases:
+        body = {**chat, **extra} if path == "/v1/chat/completions" else {"model": MODEL, **extra}
+        r = httpx.post(server.base_url + path, json=body, timeout=120)
+        assert r.status_code == 400, (path, extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", (param, err)
+        assert "#/properties/tags/uniqueItems: uniqueItems is not enforced" in err["message"], err
+    r = httpx.post(
+        server.base_url + "/generate",
+        json={"text": "Tags:", "sampling_params": {"max_new_tokens": 4, "json_schema": json.dumps(schema)}},
+        timeout=120,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.json_schema", r.text
+    ok = {**schema, "properties": {"tags": {**tags, "uniqueItems": False}}}
+    body = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": ok}}}
+    assert post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"].startswith('{"tags": [')
+    assert_pool_whole(llm)
