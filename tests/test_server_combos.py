@@ -373,3 +373,19 @@ def test_a_schema_keyword_the_grammar_drops_is_a_400_naming_the_field_that_carri
     body = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": ok}}}
     assert post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"].startswith('{"tags": [')
     assert_pool_whole(llm)
+
+
+def test_echo_with_more_logprobs_than_prompt_logprobs_keeps_prompt_logprobs_at_its_k(server, llm):
+    """``echo`` + ``logprobs: 3`` asks the engine for 3 alternatives per prompt token; the
+    choice's ``prompt_logprobs`` (asked with 1) used to carry all of them (4 entries a token, not
+    the prompt token and 1 alternative as vLLM gives). It equals the answer without ``echo``."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    alone = post(server, "/v1/completions", {**body, "prompt_logprobs": 1})["choices"][0]["prompt_logprobs"]
+    both = post(server, "/v1/completions", {**body, "prompt_logprobs": 1, "echo": True, "logprobs": 3})["choices"][0]
+    ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=False)
+    assert alone[0] is None and len(alone) == len(ids)
+    for i, entry in enumerate(alone[1:], 1):
+        ranks = sorted(e["rank"] for t, e in entry.items() if int(t) != ids[i])
+        assert str(ids[i]) in entry and ranks in ([1], []) and len(entry) == 1 + len(ranks)
+    assert both["prompt_logprobs"] == alone
+    assert all(len(d) in (3, 4) for d in both["logprobs"]["top_logprobs"][1 : len(ids)])  # echo's: logprobs=3

@@ -95,7 +95,9 @@ class Completions:
             for p, o in enumerate(outs):
                 plp = None
                 if req.prompt_logprobs is not None:
-                    plp = prompt_logprobs_json(getattr(o, "prompt_logprobs", None), self.token_text)
+                    plp = prompt_logprobs_json(
+                        getattr(o, "prompt_logprobs", None), self.token_text, req.prompt_logprobs, o.prompt_token_ids
+                    )
                 for c in o.outputs:
                     choices.append(
                         CompletionChoice(
