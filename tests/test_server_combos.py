@@ -323,9 +323,11 @@ def comparable(body: dict) -> list:
 def test_a_speculative_server_answers_what_the_plain_one_answers(server, spec_server, spec_llm, name):
     """``--speculative-config`` changes no answer: each combination, greedy and seeded, gets the
     same choices (text, tool calls, finish reasons, logprob tokens; values to 1e-4), the same usage
-    (cached tokens included: both servers saw the same requests)."""
+    (cached tokens included: both caches flushed first)."""
     path, body = SPEC_CASES[name]
     body = {"model": MODEL, "max_tokens": 48, **body}
+    for s in (server, spec_server):  # the same cache on both: the other tests ran on the plain one only
+        assert httpx.post(s.base_url + "/flush_cache", timeout=60).status_code == 200
     before = spec_llm.cache_stats()["spec_accepted_tokens"]
     plain, spec = post(server, path, body), post(spec_server, path, body)
     assert spec_llm.cache_stats()["spec_accepted_tokens"] > before  # the answer came partly from drafts
