@@ -466,6 +466,20 @@ def test_n_samples_have_their_own_matchers_and_tool_calls_validate(llm):
         ({"regex": "(ab"}, "regex", "parenthesis is not closed"),
         ({"grammar": "root ::= undefined_rule"}, "grammar", 'Rule "undefined_rule" is not defined'),
         ({"structural_tag": {"type": "structural_tag", "format": {"type": "bogus"}}}, "structural_tag", "bogus"),
+        (
+            {"json_schema": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}},
+            "json_schema",
+            "#/properties/tags/uniqueItems: uniqueItems is not enforced",
+        ),
+        (
+            {
+                "structural_tag": tool_call_structural_tag(
+                    [{"name": "f", "parameters": {"type": "number", "multipleOf": 0.5}}]
+                )
+            },
+            "structural_tag",
+            "structural_tag.format.tags[0].content: #/multipleOf: multipleOf is not enforced",
+        ),
     ],
 )
 def test_invalid_constraints_are_refused_before_the_engine(llm, kwargs, field, message):
@@ -477,6 +491,67 @@ def test_invalid_constraints_are_refused_before_the_engine(llm, kwargs, field, m
     with pytest.raises(RequestError) as e:  # the LLM API refuses the whole batch
         llm.generate(prompt_token_ids=[[1, 2], [3, 4]], sampling_params=[SamplingParams(), SamplingParams(**kwargs)])
     assert e.value.param == field and not eng.has_unfinished_requests()
+
+
+_OBJ = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+DROPPED = [  # (schema, a JSON text it forbids that xgrammar's grammar of it accepts, the keyword)
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "uniqueItems"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 7}, "minContains": 1}, "[1]", "contains"),
+    ({"type": "integer", "not": {"const": 1}}, "1", "not"),
+    ({**_OBJ, "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}, '{"a": 1}', "if"),
+    ({**_OBJ, "dependentRequired": {"a": ["b"]}}, '{"a": 1}', "dependentRequired"),
+    (
+        {**_OBJ, "$schema": "http://json-schema.org/draft-07/schema#", "dependencies": {"a": ["b"]}},
+        '{"a": 1}',
+        "dependencies",
+    ),
+    ({**_OBJ, "dependentSchemas": {"a": {"required": ["b"]}}}, '{"a": 1}', "dependentSchemas"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "multipleOf"),
+    ({"multipleOf": 3}, "4", "multipleOf"),
+    ({"allOf": [{"type": "integer"}, {"maximum": 3}]}, '"s"', "allOf"),
+    ({"type": "integer", "allOf": [{"maximum": 3}]}, "5", "allOf"),
+]
+KEPT = [  # (schema, a JSON text it forbids, which xgrammar's grammar refuses)
+    ({"type": "integer", "multipleOf": 3}, "4"),
+    ({"allOf": [{"$ref": "#/$defs/p"}], "description": "d", "$defs": {"p": {"type": "integer", "maximum": 3}}}, "5"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 1}, "[1, 2]"),
+]
+
+
+def _xgrammar_accepts(schema: dict, text: str) -> bool:
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    return _is_grammar_accept_string(grammar, text)
+
+
+@pytest.mark.parametrize("schema, text, keyword", DROPPED, ids=[k for _, _, k in DROPPED])
+def test_a_schema_keyword_xgrammar_drops_is_refused_with_its_path(schema, text, keyword):
+    """xgrammar compiles these keywords into nothing: its grammar accepts a text the schema
+    forbids (if a later xgrammar enforces one, this fails and the keyword can leave
+    radixkv/sampling/schema_check.py's list). Such a schema, anywhere in a bigger one, is refused
+    naming the keyword and where it is, not accepted and then not obeyed."""
+    from radixkv.sampling.schema_check import unenforced_keyword
+
+    assert not jsonschema.validators.validator_for(schema)(schema).is_valid(json.loads(text))
+    assert _xgrammar_accepts(schema, text)
+    outer = {"type": "object", "properties": {"x": {"type": "array", "items": schema}}, "$defs": {"d": schema}}
+    assert unenforced_keyword(outer).startswith(f"#/properties/x/items/{keyword}: {keyword} is not enforced")
+    from radixkv.sampling.grammar import GrammarBackend
+
+    constraint = SamplingParams(json_schema={"$defs": {"d": schema}, "$ref": "#/$defs/d"}).structured_output
+    with pytest.raises(RequestError) as e:
+        GrammarBackend(None, 64, []).validate(constraint)
+    assert e.value.param == "json_schema" and f"#/$defs/d/{keyword}: {keyword} is not enforced" in str(e.value)
+
+
+@pytest.mark.parametrize("schema, text", KEPT)
+def test_schema_keywords_xgrammar_enforces_are_accepted(schema, text):
+    from radixkv.sampling.schema_check import unenforced_keyword
+
+    assert not jsonschema.validators.validator_for(schema)(schema).is_valid(json.loads(text))
+    assert not _xgrammar_accepts(schema, text) and unenforced_keyword(schema) is None
 
 
 def test_constraints_need_a_tokenizer_and_bias_ids_the_vocabulary():

@@ -41,6 +41,7 @@ import torch
 
 from radixkv.errors import RequestError
 from radixkv.kernels import cpu as cpu_kernels
+from radixkv.sampling.schema_check import structural_tag_schemas, unenforced_keyword
 
 __all__ = [
     "GrammarBackend",
@@ -87,9 +88,27 @@ def choice_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(lit(c) for c in choices)
 
 
+def _check_schemas(kind: str, text: str) -> None:
+    """Raise ``ValueError`` for a JSON schema in a ``json_schema`` or ``structural_tag``
+    constraint with a keyword the grammar would not enforce (:mod:`radixkv.sampling.schema_check`)."""
+    import json
+
+    if kind == "json_schema":
+        schemas = [(json.loads(text), "")]
+    elif kind == "structural_tag":
+        schemas = [(s, f"{where}: ") for s, where in structural_tag_schemas(json.loads(text))]
+    else:
+        return
+    for schema, where in schemas:
+        problem = unenforced_keyword(schema)
+        if problem is not None:
+            raise ValueError(where + problem)
+
+
 def _parse(kind: str, text: str) -> Any:
     """The ``xgrammar.Grammar`` of one constraint (see ``SamplingParams.structured_output``)."""
     xgr = _xgr()
+    _check_schemas(kind, text)
     if kind == "json_schema":
         return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     if kind == "json_object":

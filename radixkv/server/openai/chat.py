@@ -44,9 +44,10 @@ from radixkv.server.sse import Deltas, chain, framed, sse
 __all__ = ["Chat"]
 
 
-def finish_reason(engine_reason: Optional[str], num_calls: int) -> Optional[str]:
-    """OpenAI's finish reason: ``tool_calls`` when the output ended naturally with calls."""
-    return "tool_calls" if engine_reason == "stop" and num_calls else engine_reason
+def finish_reason(engine_reason: Optional[str], num_calls: int, cut_off: bool = False) -> Optional[str]:
+    """OpenAI's finish reason: ``tool_calls`` when the output ended naturally with calls (not
+    when a stop string or stop token cut its last call off: that is ``stop``)."""
+    return "tool_calls" if engine_reason == "stop" and num_calls and not cut_off else engine_reason
 
 
 class Chat:
@@ -57,12 +58,14 @@ class Chat:
         self.models = models
         self.token_text = TokenText(client.tokenizer)
 
-    def _message(self, text: str, plan: ToolPlan, reason: Optional[str]) -> tuple[ChatMessageOut, int]:
+    def _message(self, text: str, plan: ToolPlan, reason: Optional[str]) -> tuple[ChatMessageOut, Optional[str]]:
+        """The message of an output and its OpenAI finish reason."""
         if not plan.parse:
-            return ChatMessageOut(content=text), 0
-        content, calls = parse_tool_calls(text, plan.cut(reason))
+            return ChatMessageOut(content=text), reason
+        content, calls = parse_tool_calls(text, plan.cut, plan.forced)
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
-        return ChatMessageOut(content=content, tool_calls=out or None), len(calls)
+        cut_off = bool(calls) and not calls[-1].complete
+        return ChatMessageOut(content=content, tool_calls=out or None), finish_reason(reason, len(calls), cut_off)
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> dict | AsyncIterator[str]:
         """A response dict, or an SSE chunk stream when ``stream``."""
@@ -87,11 +90,10 @@ class Chat:
             (out,) = await self.client.collect(raw, run)
             choices = []
             for c in out.outputs:
-                message, num_calls = self._message(c.text, plan, c.finish_reason)
+                message, reason = self._message(c.text, plan, c.finish_reason)
                 lps = None
                 if top is not None and c.logprobs is not None:
                     lps = chat_logprobs(c.token_ids, c.logprobs, top, self.token_text)
-                reason = finish_reason(c.finish_reason, num_calls)
                 choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=reason))
             body = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=run.usage([out]))
             if req.prompt_logprobs is not None:
@@ -122,7 +124,7 @@ class Chat:
                         tokens_sent[c.index] = len(c.token_ids)
                     if plan.parse:
                         safe = c.text if done else c.text[: max(0, len(c.text) - deltas.hold)]
-                        sent = _tool_deltas(parsers[c.index].update(safe, done, plan.cut(c.finish_reason)))
+                        sent = _tool_deltas(parsers[c.index].update(safe, done, plan.cut, plan.forced))
                     else:
                         text = deltas.take(c.index, c.text, done)
                         sent = [DeltaMessage(content=text)] if text else []
@@ -131,8 +133,8 @@ class Chat:
                     for j, delta in enumerate(sent):
                         yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lps if j == 0 else None)])
                     if done and deltas.finish(c.index):
-                        calls = parsers[c.index].num_calls if plan.parse else 0
-                        reason = finish_reason(c.finish_reason, calls)
+                        p = parsers.get(c.index)
+                        reason = finish_reason(c.finish_reason, p.num_calls if p else 0, bool(p and p.cut_off))
                         yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
             if req.include_usage:
                 yield chunk([], run.usage([latest]))

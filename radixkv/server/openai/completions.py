@@ -56,14 +56,15 @@ class Completions:
     def _echo(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.client.tokenizer.decode(ids)
 
-    def _logprobs(self, req: CompletionRequest, out, c, echo: str, start: int = 0):
+    def _logprobs(self, req: CompletionRequest, out, c, echo: str, start: int = 0, first: bool = True):
         """Completions logprobs of ``c``'s tokens from ``start`` (with ``echo``, the prompt's
-        tokens first when ``start`` is 0)."""
+        tokens first in the choice's ``first`` logprobs: a streamed choice's first chunk, which
+        may come before its first token)."""
         k = req.num_top_logprobs()
         if k is None or c.logprobs is None:
             return None
         ids, entries, offset = list(c.token_ids[start:]), list(c.logprobs[start:]), len(echo)
-        if req.echo and start == 0 and getattr(out, "prompt_logprobs", None) is not None:
+        if req.echo and first and getattr(out, "prompt_logprobs", None) is not None:
             ids = list(out.prompt_token_ids) + ids
             entries = list(out.prompt_logprobs) + entries
             offset = 0
@@ -96,7 +97,9 @@ class Completions:
             for p, o in enumerate(outs):
                 plp = None
                 if req.prompt_logprobs is not None:
-                    plp = prompt_logprobs_json(getattr(o, "prompt_logprobs", None), self.token_text)
+                    plp = prompt_logprobs_json(
+                        getattr(o, "prompt_logprobs", None), self.token_text, req.prompt_logprobs, o.prompt_token_ids
+                    )
                 for c in o.outputs:
                     choices.append(
                         CompletionChoice(
@@ -128,7 +131,7 @@ class Completions:
                     lps = None
                     start = tokens_sent.get(k, 0)
                     if len(c.token_ids) > start or first:
-                        lps = self._logprobs(req, out, c, echoes[p] if first else "", start)
+                        lps = self._logprobs(req, out, c, echoes[p] if first else "", start, first)
                         if lps is not None and not first:
                             lps.text_offset = [x + offsets.get(k, 0) for x in lps.text_offset]
                         if lps is not None:

@@ -125,18 +125,28 @@ def completion_logprobs(
 
 
 def prompt_logprobs_json(
-    prompt_logprobs: Optional[Sequence[Optional[Mapping[int, Any]]]], text: TokenText
+    prompt_logprobs: Optional[Sequence[Optional[Mapping[int, Any]]]],
+    text: TokenText,
+    k: Optional[int] = None,
+    token_ids: Optional[Sequence[int]] = None,
 ) -> Optional[list[Optional[dict[str, Any]]]]:
     """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or
-    ``{token id: {"logprob", "rank", "decoded_token"}}``."""
+    ``{token id: {"logprob", "rank", "decoded_token"}}``: the prompt token and the ``k`` most
+    likely (all the engine's entries when ``k`` is None; the engine may hold more, e.g. for
+    completions' ``echo`` with a larger ``logprobs``). ``token_ids``: the prompt's tokens."""
     if prompt_logprobs is None:
         return None
+
+    def keep(i: int, t: int, lp: Any) -> bool:
+        return k is None or (token_ids is not None and t == token_ids[i]) or (lp.rank is not None and lp.rank <= k)
+
     return [
         None
         if entry is None
         else {
             str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": text(t, lp.decoded_token)[0]}
             for t, lp in entry.items()
+            if keep(i, t, lp)
         }
-        for entry in prompt_logprobs
+        for i, entry in enumerate(prompt_logprobs)
     ]

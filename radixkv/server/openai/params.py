@@ -64,8 +64,8 @@ class ToolPlan:
             allowed_tools ``required`` force them (:func:`forced_calls`); ``auto`` leaves the text
             free but makes every ``<tool_call>`` block a valid call (:func:`auto_calls`).
         choice: ``none`` / ``auto`` / ``required`` / ``named``.
-        names: the functions a forced call may name (``required``: all of them or the
-            allowed_tools subset; named: that one); empty otherwise.
+        names: the functions a call may name (``auto`` and ``required``: all of them or the
+            allowed_tools subset; named: that one); empty for ``none``.
     """
 
     tools: list[dict] = field(default_factory=list)
@@ -80,12 +80,16 @@ class ToolPlan:
         with ``auto`` and a text constraint the output is calls or text under it)."""
         return self.choice in ("required", "named")
 
-    def cut(self, finish_reason: Optional[str]) -> Optional[list[str]]:
+    @property
+    def cut(self) -> Optional[list[str]]:
         """The ``cut`` argument of :func:`~radixkv.server.parsers.tool_calls.parse_tool_calls`
-        for an output that finished with ``finish_reason``: a forced call cut by ``max_tokens``
-        (``length``) is reported as a call (its name, the argument text so far), as OpenAI and
-        vLLM report it; None otherwise."""
-        return self.names if self.forced and finish_reason == "length" else None
+        (and :class:`~radixkv.server.parsers.tool_calls.ToolCallStream`): whenever calls are
+        parsed, a ``<tool_call>`` block that the end of the output cut off (``max_tokens``, a
+        stop string, a stop token) is a call, incomplete (its name, the argument text so far),
+        as OpenAI and vLLM report it, whatever the finish reason: the grammar (forced, or
+        ``auto``'s triggered tags) makes every block a call, and a stream has already sent its
+        name and arguments. None when calls are not parsed."""
+        return self.names if self.parse else None
 
 
 def forced_calls(functions: list[dict], parallel: bool) -> dict:
@@ -158,7 +162,7 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(tools, parse=False, choice="none")
     try:
         if choice is None or choice == "auto":
-            return ToolPlan(tools, True, auto_calls(functions, parallel), "auto")
+            return ToolPlan(tools, True, auto_calls(functions, parallel), "auto", names)
         if choice == "required":
             return ToolPlan(tools, True, forced_calls(functions, parallel), "required", names)
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
@@ -172,7 +176,7 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
             if not subset:
                 raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
             if allowed["mode"] == "auto":
-                return ToolPlan(tools, True, auto_calls([by_name[n] for n in subset], parallel), "auto")
+                return ToolPlan(tools, True, auto_calls([by_name[n] for n in subset], parallel), "auto", subset)
             return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required", subset)
         if isinstance(choice, dict):
             name = _named(choice, names)

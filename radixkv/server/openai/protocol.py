@@ -163,6 +163,9 @@ class _SamplingFields(_Strict):
         if self.stream_options is not None and not self.stream:
             # NOTE: as OpenAI answers: options of a stream that is not one would change nothing
             raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            # NOTE: as vLLM answers: no chunk carries them (they were dropped without a word)
+            raise unsupported("prompt_logprobs", "prompt logprobs are not available when stream is true")
 
     def routing_key(self) -> Optional[str]:
         """The conversation key ``--router-policy session`` hashes across replicas: OpenAI's

@@ -14,10 +14,12 @@ named by :func:`radixkv.server.openai.params.forced_calls`)::
   object ``arguments`` (``parameters`` is accepted too) stays in the content, as does a block cut
   off by the end of the output. Whitespace right before a call and right after one is dropped;
   an output without calls keeps its text unchanged. With ``cut`` (a forced call that ran out of
-  ``max_tokens``) the block cut off by the end is a call all the same, marked incomplete: its
-  name (the one allowed function its name so far fits, when it was not finished) and the JSON
-  text of its arguments generated so far, as OpenAI and vLLM report a forced call whatever the
-  finish reason.
+  ``max_tokens``, a stop string or a stop token, under a grammar that makes every block a call)
+  the block cut off by the end is a call all the same, marked incomplete: its name (the one
+  allowed function its name so far fits, when it was not finished) and the JSON text of its
+  arguments generated so far, as OpenAI and vLLM report a cut call whatever the finish reason;
+  with ``partial_tag`` (a forced call, where nothing but a call may be written) also an opening
+  tag the end cut off.
 * :class:`ToolCallStream` turns the growing text of a streamed output into OpenAI-shaped deltas:
   content (holding back anything that could be the start of ``<tool_call>``), then per call one
   delta with ``id`` and ``name`` and deltas of argument text. Joined, they equal what
@@ -188,10 +190,13 @@ def _after_call(parts: list[str], text: str) -> str:
     return "\n" + text if text and any(parts) else text
 
 
-def _scan(text: str, final: bool, cut: Optional[Sequence[str]] = None) -> tuple[str, list[Any]]:
+def _scan(
+    text: str, final: bool, cut: Optional[Sequence[str]] = None, partial_tag: bool = True
+) -> tuple[str, list[Any]]:
     """(content that is certain, calls) of ``text``; when not ``final`` the last call may be a
     :class:`_Partial` and trailing text that could still change is held back. ``cut`` (the
-    allowed function names) with ``final``: a block cut off by the end is an incomplete call."""
+    allowed function names) with ``final``: a block cut off by the end is an incomplete call (with
+    ``partial_tag``, also a part of the opening tag that is all the rest of the output)."""
     parts: list[str] = []
     calls: list[Any] = []
     pos = 0
@@ -201,7 +206,7 @@ def _scan(text: str, final: bool, cut: Optional[Sequence[str]] = None) -> tuple[
         j = _close_of(text, start, final) if k >= 0 else -1
         if final and cut is not None and j < 0:  # a forced call the end cut off (maybe in its tag)
             rest = text[pos:].lstrip()
-            if k >= 0 or (rest and TOOL_CALL_OPEN.startswith(rest)):
+            if k >= 0 or (partial_tag and rest and TOOL_CALL_OPEN.startswith(rest)):
                 before = text[pos:k] if k >= 0 else text[pos : len(text) - len(rest)]
                 parts.append(_after_call(parts, before.strip()) if calls else before.rstrip())
                 calls.append(_cut_call(text[start:] if k >= 0 else "", cut))
@@ -228,15 +233,19 @@ def _scan(text: str, final: bool, cut: Optional[Sequence[str]] = None) -> tuple[
     return "".join(parts), calls
 
 
-def parse_tool_calls(text: str, cut: Optional[Sequence[str]] = None) -> tuple[Optional[str], list[ToolCall]]:
+def parse_tool_calls(
+    text: str, cut: Optional[Sequence[str]] = None, partial_tag: bool = True
+) -> tuple[Optional[str], list[ToolCall]]:
     """(content, calls) of a finished output. ``content`` is None when only calls remain;
     without calls it is ``text`` unchanged.
 
     Args:
-        cut: the output is a forced call that ran out of tokens: the block the end cut off is
-            an incomplete call (``complete`` False) to one of these function names.
+        cut: every block of the output is a call (a grammar made it one): the block the end cut
+            off is an incomplete call (``complete`` False) to one of these function names.
+        partial_tag: with ``cut``, an output ending in part of the opening tag (after its text or
+            calls) was cut in a call too (a forced call); False: that part is text (``auto``).
     """
-    content, calls = _scan(text, True, cut)
+    content, calls = _scan(text, True, cut, partial_tag)
     if not calls:
         return text, []
     return (content or None), calls
@@ -253,18 +262,23 @@ class ToolCallStream:
     def __init__(self) -> None:
         self.content = ""  # content sent so far
         self.calls: list[tuple[str, int]] = []  # (id, argument chars sent) per started call
+        self.cut_off = False  # the finished output's last call was cut off (incomplete)
 
     @property
     def num_calls(self) -> int:
         """Calls started so far."""
         return len(self.calls)
 
-    def update(self, text: str, final: bool, cut: Optional[Sequence[str]] = None) -> list[tuple]:
-        """Deltas for cumulative ``text`` (``final``: the output has finished; ``cut``: as
-        :func:`parse_tool_calls`' when it is a forced call that ran out of tokens)."""
-        content, calls = _scan(text, final, cut)
+    def update(
+        self, text: str, final: bool, cut: Optional[Sequence[str]] = None, partial_tag: bool = True
+    ) -> list[tuple]:
+        """Deltas for cumulative ``text`` (``final``: the output has finished; ``cut`` and
+        ``partial_tag``: as :func:`parse_tool_calls`')."""
+        content, calls = _scan(text, final, cut, partial_tag)
         if final and not calls:
             content = text
+        if final:
+            self.cut_off = bool(calls) and isinstance(calls[-1], ToolCall) and not calls[-1].complete
         events: list[tuple] = []
         if len(content) > len(self.content) and content.startswith(self.content):
             events.append(("content", content[len(self.content) :]))

@@ -1,0 +1,393 @@
+"""Request fields combined, against the real engine (default model, CPU) with the ``openai``
+SDK and plain HTTP: streamed answers joined equal the non-streamed ones field for field (text,
+logprobs, tool calls, finish reasons, usage), and a server with speculative decoding
+(``--speculative-config``) answers what the plain one answers, greedy and seeded.
+
+Two servers share the session's loaded model: ``server`` (conftest's, over ``llm``) and
+``spec_server`` (radix speculation, 5 tokens)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from server_helpers import Server, assert_pool_whole, new_async_llm  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "smollm2-135m"
+SPEC = {"method": "radix", "num_speculative_tokens": 5}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+        "strict": True,
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]},
+    },
+}
+ASK = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris and the time in Tokyo?"},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    a = new_async_llm(default_model, max_total_tokens=4096)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec_llm(default_model):
+    a = new_async_llm(default_model, max_total_tokens=4096, speculative_config=SPEC)
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec_server(spec_llm):
+    from radixkv.server.app import create_app
+
+    s = Server(create_app(spec_llm, served_model_name=MODEL))
+    yield s
+    s.stop()
+
+
+def post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.base_url + path, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(server, path: str, body: dict) -> list[dict]:
+    """The chunks of a streamed request (``data: [DONE]`` checked and dropped)."""
+    events = []
+    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert not [c for c in chunks if "error" in c]
+    return chunks
+
+
+# ---------------------------------------------------------------------------------- completions
+
+
+def joined_completion_choices(chunks: list[dict]) -> dict[int, dict]:
+    """Per choice index: the joined text, logprobs (each list concatenated) and finish reason."""
+    out: dict[int, dict] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            j = out.setdefault(c["index"], {"text": "", "logprobs": None, "finish_reason": None})
+            j["text"] += c["text"]
+            if c["logprobs"] is not None:
+                lp = j["logprobs"] = j["logprobs"] or {k: [] for k in c["logprobs"]}
+                for k, v in c["logprobs"].items():
+                    lp[k] += v
+            j["finish_reason"] = c["finish_reason"] or j["finish_reason"]
+    return out
+
+
+def test_streamed_echo_logprobs_with_n_samples_and_several_prompts_join_to_the_answer(server, llm):
+    """``echo`` + ``logprobs`` + ``n = 2`` + two prompts + a stop string, streamed: each choice's
+    chunks join to its non-streamed text and logprobs, the prompt's tokens once at the front (a
+    sample's first chunk can come before its first token: its prompt logprobs were sent a second
+    time with its first token's), and the usage chunk equals the non-streamed usage."""
+    body = dict(
+        model=MODEL, prompt=["The capital of France is", "Once upon a time"], max_tokens=10, temperature=0.9,
+        seed=1, n=2, echo=True, logprobs=2, stop=[","],
+    )  # fmt: skip
+    whole = post(server, "/v1/completions", body)
+    chunks = stream(server, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    # echo + logprobs computes the whole prompt again (cached_tokens 0), so both runs have the same bits
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    joined = joined_completion_choices(chunks[:-1])
+    assert sorted(joined) == [0, 1, 2, 3]
+    tok = llm.tokenizer
+    for c in whole["choices"]:
+        j, prompt = joined[c["index"]], body["prompt"][c["index"] // 2]
+        assert j["text"] == c["text"] and c["text"].startswith(prompt)
+        assert j["finish_reason"] == c["finish_reason"]
+        lp = c["logprobs"]
+        n_prompt = len(tok.encode(prompt, add_special_tokens=False))
+        assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+        assert "".join(lp["tokens"][:n_prompt]) == prompt
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        assert j["logprobs"] == lp
+    assert_pool_whole(llm)
+
+
+# ---------------------------------------------------------------------------------- tool calls
+
+
+def joined_chat_choice(chunks: list[dict]) -> dict:
+    """The one choice of a streamed chat answer: content, calls [(name, arguments)], finish."""
+    content, calls, finish = "", [], []
+    for ch in chunks:
+        for c in ch["choices"]:
+            content += c["delta"].get("content") or ""
+            for tc in c["delta"].get("tool_calls") or ():
+                if tc.get("id"):
+                    assert tc["index"] == len(calls) and tc["type"] == "function"
+                    calls.append([tc["function"]["name"], ""])
+                calls[tc["index"]][1] += tc["function"].get("arguments") or ""
+            if c["finish_reason"]:
+                finish.append(c["finish_reason"])
+    return {"content": content or None, "calls": [tuple(c) for c in calls], "finish": finish}
+
+
+def calls_of(message: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"] or ()]
+
+
+def test_a_call_cut_by_a_stop_string_or_max_tokens_is_a_call_streamed_or_not(server, llm):
+    """A ``<tool_call>`` block the end of the output cuts off is reported as the call so far,
+    whatever cut it and whatever the ``tool_choice``, the same streamed and not: a stream has sent
+    the call's name and arguments by then. It used to be so only for a forced call cut by
+    ``max_tokens``: a named call cut by a stop string came back as ``<tool_call>`` markup in
+    ``content`` (finish ``stop``) while its stream had sent a call (finish ``tool_calls``); an
+    ``auto`` call cut by ``max_tokens`` came back as markup while its stream sent a call and then
+    the markup again as content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    base = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0)
+    full = post(server, "/v1/chat/completions", {**base, "tool_choice": named, "max_tokens": 64})["choices"][0]
+    assert full["finish_reason"] == "tool_calls"
+    ((name, args),) = calls_of(full["message"])
+    assert name == "get_weather" and json.loads(args)["city"] == "Paris"
+    cases = [  # (request, the arguments so far, finish reason)
+        ({"tool_choice": named, "stop": ["Paris"], "parallel_tool_calls": False}, args[: args.index("Paris")], "stop"),
+    ]
+    # auto (a JSON format beside the tools): the model calls get_weather with the same arguments
+    auto = {"response_format": {"type": "json_object"}}
+    full_auto = post(server, "/v1/chat/completions", {**base, **auto, "max_tokens": 64})["choices"][0]
+    assert full_auto["finish_reason"] == "tool_calls" and calls_of(full_auto["message"]) == [(name, args)]
+    toks = llm.tokenizer.encode(args, add_special_tokens=False)
+    head = llm.tokenizer.encode('<tool_call>\n{"name": "get_weather", "arguments": ', add_special_tokens=False)
+    k = len(head) + 2  # two tokens into the arguments (the model writes them as the tokenizer splits them)
+    cases.append(({**auto, "max_tokens": k}, llm.tokenizer.decode(toks[:2]), "length"))
+    for extra, so_far, reason in cases:
+        body = {**base, **extra}
+        choice = post(server, "/v1/chat/completions", body)["choices"][0]
+        assert choice["finish_reason"] == reason, extra
+        assert choice["message"]["content"] is None, extra
+        assert calls_of(choice["message"]) == [("get_weather", so_far)], extra
+        assert 0 < len(so_far) < len(args) and args.startswith(so_far)
+        joined = joined_chat_choice(stream(server, "/v1/chat/completions", body))
+        assert joined == {"content": None, "calls": [("get_weather", so_far)], "finish": [reason]}, extra
+    assert_pool_whole(llm)
+
+
+def test_an_auto_output_ending_in_part_of_the_opening_tag_is_text():
+    """Under ``auto`` the text before a call is free: ``<tool`` at the end of a cut output is text
+    (streamed: held back, then sent as content); under a forced choice it is the call begun."""
+    from radixkv.server.parsers.tool_calls import ToolCallStream, parse_tool_calls
+
+    text = "<tool_ca"
+    assert parse_tool_calls(text, ["get_weather"], partial_tag=False) == (text, [])
+    s = ToolCallStream()
+    events = s.update(text, False) + s.update(text, True, ["get_weather"], partial_tag=False)
+    assert events == [("content", "<tool_ca")] and not s.cut_off
+    content, (call,) = parse_tool_calls(text, ["get_weather"])
+    assert content is None and (call.name, call.arguments, call.complete) == ("get_weather", "", False)
+    s = ToolCallStream()
+    events = s.update(text, False) + s.update(text, True, ["get_weather"])
+    assert [e[0] for e in events] == ["call"] and events[0][3] == "get_weather" and s.cut_off
+
+
+# ---------------------------------------------------------------------------------- fields a stream cannot honour
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "hi there"}),
+    ],
+)
+def test_prompt_logprobs_with_stream_is_a_400_naming_it(server, path, body):
+    """No chunk carries ``prompt_logprobs``: streamed, the field was dropped without a word (vLLM
+    answers 400 too); unstreamed it is answered."""
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 1, **body}
+    r = httpx.post(server.base_url + path, json={**body, "stream": True}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"], err["type"]) == (
+        "prompt_logprobs",
+        "unsupported_parameter",
+        "invalid_request_error",
+    )
+    assert "stream" in err["message"]
+    whole = post(server, path, body)
+    plp = whole["prompt_logprobs"] if path == "/v1/chat/completions" else whole["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == whole["usage"]["prompt_tokens"]
+
+
+# ---------------------------------------------------------------------------------- speculative decoding
+
+
+SCHEMA = {
+    "type": "object",
+    "$defs": {
+        "pt": {
+            "type": "object",
+            "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+            "required": ["x", "y"],
+            "additionalProperties": False,
+        }
+    },
+    "properties": {
+        "color": {"enum": ["red", "green", "blue"]},
+        "a": {"$ref": "#/$defs/pt"},
+        "b": {"type": "array", "items": {"$ref": "#/$defs/pt"}, "minItems": 1, "maxItems": 2},
+    },
+    "required": ["color", "a", "b"],
+    "additionalProperties": False,
+}
+REWRITE = [{"role": "user", "content": 'Rewrite {"id": 7, "name": "Ada", "age": 36} with age 37, twice.'}]
+REPEAT = [{"role": "user", "content": "Repeat exactly, three times: the quick brown fox jumps over the lazy dog."}]
+SPEC_CASES = {
+    "greedy, stop strings, logprobs": (
+        "/v1/chat/completions",
+        dict(messages=REPEAT, temperature=0, stop=["dog. The", "\n\n"], logprobs=True, top_logprobs=2),
+    ),
+    "seeded n=3, top-k/p, penalties, stop": (
+        "/v1/chat/completions",
+        dict(
+            messages=REPEAT, temperature=0.8, seed=11, n=3, top_k=40, top_p=0.9, presence_penalty=0.5,
+            frequency_penalty=0.3, repetition_penalty=1.1, stop=["lazy cat"], logprobs=True,
+        ),
+    ),
+    "named call, parallel_tool_calls false": (
+        "/v1/chat/completions",
+        dict(messages=ASK, tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}},
+             parallel_tool_calls=False, temperature=0.7, seed=2),
+    ),
+    "json_schema strict, $defs, enum, nested array": (
+        "/v1/chat/completions",
+        dict(messages=REWRITE, temperature=0,
+             response_format={"type": "json_schema", "json_schema": {"name": "p", "strict": True, "schema": SCHEMA}}),
+    ),
+    "logit_bias, min_tokens, stop": (
+        "/v1/chat/completions",
+        dict(messages=REWRITE, temperature=0, logit_bias={"28": -100, "30": 5}, min_tokens=12, stop=[","]),
+    ),
+    "completions: two prompts, n=2, echo, logprobs, stop": (
+        "/v1/completions",
+        dict(prompt=["The quick brown fox jumps over the lazy dog. The quick brown fox", "1, 2, 3, 4, 5, 6, 7,"], n=2,
+             temperature=0.9, seed=4, echo=True, logprobs=2, stop=["lazy cat"]),
+    ),
+}  # fmt: skip
+
+
+def comparable(body: dict) -> list:
+    """The choices without their logprob values (compared to 1e-4 apart) and the usage."""
+    out = []
+    for c in body["choices"]:
+        c = json.loads(json.dumps(c))
+        for call in (c.get("message") or {}).get("tool_calls") or ():
+            call.pop("id")
+        lp = c.get("logprobs") or {}
+        values = []
+        for e in lp.get("content") or ():
+            values.append(e.pop("logprob"))
+            values += [t.pop("logprob") for t in e["top_logprobs"]]
+        if "token_logprobs" in lp:
+            values += [v for v in lp.pop("token_logprobs") if v is not None]
+            values += [v for d in lp.pop("top_logprobs") if d for v in d.values()]
+        out.append((c, values))
+    return [out, body["usage"]]
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_CASES))
+def test_a_speculative_server_answers_what_the_plain_one_answers(server, spec_server, spec_llm, name):
+    """``--speculative-config`` changes no answer: each combination, greedy and seeded, gets the
+    same choices (text, tool calls, finish reasons, logprob tokens; values to 1e-4), the same usage
+    (cached tokens included: both caches flushed first)."""
+    path, body = SPEC_CASES[name]
+    body = {"model": MODEL, "max_tokens": 48, **body}
+    for s in (server, spec_server):  # the same cache on both: the other tests ran on the plain one only
+        assert httpx.post(s.base_url + "/flush_cache", timeout=60).status_code == 200
+    before = spec_llm.cache_stats()["spec_accepted_tokens"]
+    plain, spec = post(server, path, body), post(spec_server, path, body)
+    assert spec_llm.cache_stats()["spec_accepted_tokens"] > before  # the answer came partly from drafts
+    (want, usage), (got, spec_usage) = comparable(plain), comparable(spec)
+    assert [c for c, _ in got] == [c for c, _ in want] and spec_usage == usage
+    for (_, v), (_, w) in zip(got, want):
+        assert v == pytest.approx(w, abs=1e-4)
+    assert_pool_whole(spec_llm)
+
+
+# ---------------------------------------------------------------------------------- schemas the grammar cannot hold
+
+
+def test_a_schema_keyword_the_grammar_drops_is_a_400_naming_the_field_that_carried_it(server, llm):
+    """``uniqueItems`` (and the other keywords xgrammar compiles into nothing,
+    radixkv/sampling/schema_check.py) used to be accepted and then not obeyed: a strict
+    ``response_format`` schema of distinct items in 0..2 got ``[1, 2, 2]`` from the model. Now each
+    field that carries a schema answers 400 naming itself, the keyword and its path."""
+    tags = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2}, "uniqueItems": True}
+    schema = {"type": "object", "properties": {"tags": tags}, "required": ["tags"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "tag", "parameters": schema}}
+    chat = {"model": MODEL, "messages": ASK, "max_tokens": 8}
+    cases = [
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "strict": True, "schema": schema}}}, "response_format"),
+        ("/v1/chat/completions", {"tools": [tool], "tool_choice": "required"}, "tools"),
+        ("/v1/chat/completions", {"tools": [tool]}, "tools"),
+        ("/v1/completions", {"prompt": "Tags:", "guided_json": schema}, "guided_json"),
+        ("/v1/completions", {"prompt": "Tags:", "structured_outputs": {"json": schema}}, "structured_outputs"),
+        ("/v1/responses", {"input": "Tags?", "text": {"format": {"type": "json_schema", "name": "t", "schema": schema}}}, "text"),
+    ]  # fmt: skip
+    for path, extra, param in cases:
+        body = {**chat, **extra} if path == "/v1/chat/completions" else {"model": MODEL, **extra}
+        r = httpx.post(server.base_url + path, json=body, timeout=120)
+        assert r.status_code == 400, (path, extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and err["type"] == "invalid_request_error", (param, err)
+        assert "#/properties/tags/uniqueItems: uniqueItems is not enforced" in err["message"], err
+    r = httpx.post(
+        server.base_url + "/generate",
+        json={"text": "Tags:", "sampling_params": {"max_new_tokens": 4, "json_schema": json.dumps(schema)}},
+        timeout=120,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_params.json_schema", r.text
+    ok = {**schema, "properties": {"tags": {**tags, "uniqueItems": False}}}
+    body = {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": ok}}}
+    assert post(server, "/v1/chat/completions", body)["choices"][0]["message"]["content"].startswith('{"tags": [')
+    assert_pool_whole(llm)
+
+
+def test_echo_with_more_logprobs_than_prompt_logprobs_keeps_prompt_logprobs_at_its_k(server, llm):
+    """``echo`` + ``logprobs: 3`` asks the engine for 3 alternatives per prompt token; the
+    choice's ``prompt_logprobs`` (asked with 1) used to carry all of them (4 entries a token, not
+    the prompt token and 1 alternative as vLLM gives). It equals the answer without ``echo``."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+    alone = post(server, "/v1/completions", {**body, "prompt_logprobs": 1})["choices"][0]["prompt_logprobs"]
+    both = post(server, "/v1/completions", {**body, "prompt_logprobs": 1, "echo": True, "logprobs": 3})["choices"][0]
+    ids = llm.tokenizer.encode(body["prompt"], add_special_tokens=False)
+    assert alone[0] is None and len(alone) == len(ids)
+    for i, entry in enumerate(alone[1:], 1):
+        ranks = sorted(e["rank"] for t, e in entry.items() if int(t) != ids[i])
+        assert str(ids[i]) in entry and ranks in ([1], []) and len(entry) == 1 + len(ranks)
+    assert both["prompt_logprobs"] == alone
+    assert all(len(d) in (3, 4) for d in both["logprobs"]["top_logprobs"][1 : len(ids)])  # echo's: logprobs=3
