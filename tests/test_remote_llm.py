@@ -525,3 +525,43 @@ def test_session_routing_keys_on_prompt_cache_key_per_tenant(tokenizer):
     assert len({route(i, None) for i in range(12)}) > 1  # no key: spread by request id
     homes = {t: {route(i, repr((t, "same-key"))) for i in range(3)} for t in ("alice", "bob", "carol", "dan", "eve")}
     assert len({next(iter(h)) for h in homes.values()}) > 1 and all(len(h) == 1 for h in homes.values())
+
+
+def test_a_full_replica_queue_is_a_429_as_on_one_engine(tokenizer):
+    """Serve queues what the replicas cannot take yet at the ingress's handle, where the engines'
+    ``max_queued_requests`` never sees it: that bound is the handle's (Serve's
+    ``max_queued_requests``), and Serve's refusal is the 429 ``queue_full`` one engine answers,
+    not an unbounded queue (or Serve's 503)."""
+    from ray.serve.exceptions import BackPressureError
+
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts
+
+    opts = ray_mod.engine_deployment_options(2, 0.5, 256, dict(max_queued_requests=1024))
+    assert opts["max_queued_requests"] == 1024 and opts["max_ongoing_requests"] == 256
+    assert ray_mod.engine_deployment_options(2, 0.5, 256, {})["max_queued_requests"] == -1  # no bound set: none
+
+    class Full(_Handle):
+        def remote(self, args: dict):
+            self.calls.append(args["request_id"])
+
+            async def stream():
+                raise BackPressureError(num_queued_requests=1024, max_queued_requests=1024)
+                yield  # an async generator
+
+            return _Stream(stream(), self)
+
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    handle = Full()
+    llm = ray_mod.RemoteLLM(handle=handle, tokenizer=tokenizer, facts=facts, index=None, replicas=2)
+    app = create_app(llm, served_model_name="m")
+
+    async def post():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            body = dict(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            return await http.post("/v1/chat/completions", json=body)
+
+    r = asyncio.run(post())
+    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
+    assert "1024 requests wait for a replica" in r.json()["error"]["message"] and len(handle.calls) == 1
+    assert llm.num_unfinished_requests() == 0

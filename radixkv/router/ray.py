@@ -630,8 +630,10 @@ class RemoteLLM:
             RayTaskError,
             UnserializableException,
         )
+        from ray.serve.exceptions import BackPressureError
 
         from radixkv.async_llm import EngineDeadError
+        from radixkv.errors import QueueFullError
         from radixkv.router.resume import Replayer, ResumeError, Stitcher, continuation, resume_plan
 
         died = (ActorDiedError, ActorUnavailableError, RayActorError)
@@ -655,6 +657,12 @@ class RemoteLLM:
                 return
             except ResumeError as exc:
                 raise EngineDeadError(f"{rid} could not be resumed exactly after its replica died: {exc}") from None
+            except BackPressureError as exc:  # Serve's queue for the replicas is full: as one engine's
+                ended = True
+                limit = exc.args[1] if len(exc.args) > 1 else "max_queued_requests"  # (queued, max, ...)
+                raise QueueFullError(
+                    f"the waiting queue is full ({limit} requests wait for a replica); retry later"
+                ) from None
             except UnserializableException as exc:  # the replica's own error, which cannot be rebuilt here
                 ended = True
                 logger.error("the replica serving %s raised an error the ingress cannot read: %s", rid, exc)
@@ -889,15 +897,7 @@ def build_app(
     # policy it was created with unless told
     ray.get(index.set_policy.remote(policy, policy_kwargs))
     engine_dep = serve.deployment(
-        EngineReplica,
-        name="EngineReplica",
-        num_replicas=replicas,
-        max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_cpus},
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH),
-        health_check_period_s=2,
-        health_check_timeout_s=10,
-        graceful_shutdown_timeout_s=5,
+        EngineReplica, **engine_deployment_options(replicas, replica_cpus, max_ongoing_requests, ekw)
     )
     ingress_dep = serve.deployment(
         serve.ingress()(Ingress),
@@ -908,6 +908,27 @@ def build_app(
     )
     wire = api_keys.to_wire() if api_keys is not None else None
     return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire, replicas)
+
+
+def engine_deployment_options(replicas: int, replica_cpus: float, max_ongoing_requests: int, ekw: dict) -> dict:
+    """The :class:`EngineReplica` deployment's Serve options. Serve hands a replica at most
+    ``max_ongoing_requests`` at once and queues the rest at the ingress's handle, where the
+    engines' own ``max_queued_requests`` bound never sees them; so that bound (``radixkv serve``'s
+    ``--max-queued-requests``, 1024) is Serve's ``max_queued_requests`` on the handle: beyond it a
+    request is refused at once (:class:`~radixkv.errors.QueueFullError`, HTTP 429), as one engine
+    refuses it, instead of waiting in an unbounded queue."""
+    queued = ekw.get("max_queued_requests")
+    return dict(
+        name="EngineReplica",
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing_requests,
+        max_queued_requests=-1 if queued is None else queued,
+        ray_actor_options={"num_cpus": replica_cpus},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_PATH),
+        health_check_period_s=2,
+        health_check_timeout_s=10,
+        graceful_shutdown_timeout_s=5,
+    )
 
 
 def start_ray(num_cpus: Optional[float] = None, address: Optional[str] = None) -> None:
