@@ -31,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # an engine limit (e.g. --max-total-tokens too small for a prompt)
             print(f"radixkv replay: {e}", file=sys.stderr)
             return 2
+    why = server_cli.replica_flags_error(args)
+    if why is not None:
+        print(f"radixkv serve: {why}", file=sys.stderr)
+        return 2
     if getattr(args, "replicas", 1) > 1:  # N engines on Ray Serve (the ray extra)
         if args.log_requests:
             print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)

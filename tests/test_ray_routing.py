@@ -143,6 +143,18 @@ def test_serve_replicas_refuses_more_cpus_than_its_local_ray_has(no_ray, monkeyp
         main(["serve", "--replicas", "4", "--replica-cpus", "1", "--ray-address", "10.0.0.1:6379"])
 
 
+@pytest.mark.parametrize("flags", [["--router-policy", "session"], ["--replica-cpus", "1"], ["--ray-address", "auto"]])
+def test_a_replicas_flag_without_replicas_is_refused(no_ray, capsys, flags):
+    """A flag that only means something across replicas, given to one engine, is exit 2 naming it
+    (before, ``radixkv serve --router-policy session`` served one engine and ignored it)."""
+    from radixkv.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"radixkv serve: {flags[0]} applies only with --replicas N > 1 (one engine has nothing to route or place)"
+    )
+
+
 def test_serve_replicas_names_why_its_replicas_did_not_start(no_ray, monkeypatch, capsys):
     """A replica that fails in its constructor (here a model file that does not exist, found only
     where the replica loads it): Serve gives up on the deployment and the CLI exits 1 naming the

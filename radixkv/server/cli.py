@@ -98,12 +98,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="engine replicas; > 1 serves them on Ray Serve (default: 1)",
     )
     r.add_argument(
-        "--router-policy", default="cache_events",
+        "--router-policy", default=None,
         choices=["cache_events", "approx_tree", "session", "least_load", "round_robin"],
-        help="routing policy across replicas (default: %(default)s)",
+        help="routing policy across replicas (default: cache_events)",
     )  # fmt: skip
     r.add_argument(
-        "--replica-cpus", type=_at_least(float, 0), default=0.5, help="Ray logical CPUs per replica (default: 0.5)"
+        "--replica-cpus", type=_at_least(float, 0), default=None, help="Ray logical CPUs per replica (default: 0.5)"
     )
     r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     h = parser.add_argument_group("HTTP")
@@ -250,6 +250,24 @@ def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = 
 def served_model_name(args: argparse.Namespace) -> str:
     """The model name the server answers to (``--served-model-name``, else the model's)."""
     return args.served_model_name or (DEFAULT_SERVED_MODEL_NAME if args.model == "smollm2-135m" else args.model)
+
+
+REPLICA_FLAGS = dict(router_policy=("--router-policy", "cache_events"), replica_cpus=("--replica-cpus", 0.5))
+REPLICA_FLAGS["ray_address"] = ("--ray-address", None)
+"""The flags that only mean something with ``--replicas N > 1``: ``dest -> (flag, default)``."""
+
+
+def replica_flags_error(args: Any) -> Optional[str]:
+    """Why ``args`` cannot be served as given: a replicas-only flag set with ``--replicas 1``
+    (it would do nothing). Otherwise None, with the unset replicas flags given their defaults."""
+    if getattr(args, "replicas", 1) <= 1:
+        for dest, (flag, _) in REPLICA_FLAGS.items():
+            if getattr(args, dest, None) is not None:
+                return f"{flag} applies only with --replicas N > 1 (one engine has nothing to route or place)"
+    for dest, (_, default) in REPLICA_FLAGS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
