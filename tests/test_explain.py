@@ -259,3 +259,54 @@ def test_the_fix_predicted_line_over_the_trace(tok, questions):
     assert fix["cumulative"][-1] == best and fix["index"] == rep["series"]["index"]
     assert fix["cumulative"][-1] > rep["series"]["cumulative"][-1] + 0.5
     assert all("series" not in v for v in what_if.values())  # taken out into series.fix
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def server_prompt_ids(tok, body):
+    """The prompt token ids ``/v1/chat/completions`` computes for ``body`` (its own code path)."""
+    from radixkv.chat_template import encode_chat
+    from radixkv.server.openai.params import tool_plan
+    from radixkv.server.openai.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model="smollm2-135m", **body)
+    return encode_chat(tok, [m.to_template() for m in req.messages], tools=tool_plan(req).tools or None)
+
+
+def test_a_tool_agent_trace_is_tokenized_as_the_server_renders_it(tok):
+    """A logged agent loop with ``tools``, an assistant ``tool_calls`` turn, a ``tool`` result and
+    a refusal part: every request's prompt is the server's, token for token (the tools were
+    dropped: 31 tokens instead of the server's 160-odd, and a refusal part skipped the body), and
+    the tool-call turn is inferred as the first request's reply, so the second request is cached
+    through it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    first = [{"role": "system", "content": "You are a weather bot."}, {"role": "user", "content": "Paris?"}]
+    second = first + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    bodies = [
+        {"messages": first, "tools": [WEATHER], "max_tokens": 32},
+        {"messages": second, "tools": [WEATHER], "tool_choice": "none", "n": 2},
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, first[1]]},
+        {
+            "messages": [{"role": "user", "content": "Wetter in Köln? 天気 🌦"}],
+            "response_format": {"type": "json_object"},
+        },
+    ]
+    reqs = tokenize_trace(bodies, tok)
+    assert [r.tokens for r in reqs] == [server_prompt_ids(tok, b) for b in bodies]
+    assert "get_weather" in reqs[0].text and "<tool_call>" in reqs[1].text and "No." in reqs[2].text
+    n0 = len(reqs[0].tokens)
+    assert reqs[0].reply == reqs[1].tokens[n0 : reqs[1].tokens.index(tok.eos_token_id, n0) + 1]
+    rep = explain_trace(reqs[:2], tok, spans=False, sweep=())
+    cached = {m["index"]: m["cached_tokens"] for m in rep["top_misses"]}
+    assert cached == {0: 0, 1: n0 + len(reqs[0].reply) - 1}
