@@ -310,3 +310,29 @@ def test_a_tool_agent_trace_is_tokenized_as_the_server_renders_it(tok):
     rep = explain_trace(reqs[:2], tok, spans=False, sweep=())
     cached = {m["index"]: m["cached_tokens"] for m in rep["top_misses"]}
     assert cached == {0: 0, 1: n0 + len(reqs[0].reply) - 1}
+
+
+@pytest.mark.parametrize(
+    "prompt, why",
+    [
+        ([-5, 3], "prompt token 0 must be an integer token id in [0, 49152), got -5"),
+        ([7, True], "prompt token 1 must be an integer token id in [0, 49152), got True"),
+        ([49152], "prompt token 0 must be an integer token id in [0, 49152), got 49152"),
+        ([[1, 2], [3, 2**40]], "prompt token 1 must be an integer token id in [0, 49152), got 1099511627776"),
+        ([1.5, 2], "prompt must be a string, a token list, or a list of those, got 1.5"),
+        ("", "the prompt has no tokens"),
+    ],
+)
+def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, tok, tmp_path, capsys):
+    """A completions body whose token ids the server would refuse (negative, a bool, past the
+    vocabulary, not an int) is an invalid body, skipped with its reason; a negative id crashed
+    ``radixkv explain`` with an OverflowError traceback from the tokenizer's decode, a bool was
+    taken as token 1."""
+    from radixkv.cli import main
+
+    good = {"prompt": [5, 6, 7, 8]}
+    trace = write_trace(tmp_path / "t.jsonl", [good, {"prompt": prompt}, good])
+    assert main(["explain", str(trace), "--json", "--no-what-if"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["requests"] == 2
+    assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err

@@ -9,8 +9,9 @@ Tokenization (:func:`tokenize_trace`) follows the server: a chat body's messages
 refusal content parts joined, assistant ``tool_calls``, ``tool`` results) and its ``tools`` are
 rendered with the model's chat template (:func:`radixkv.chat_template.render_chat`) and its
 generation prompt, exactly as ``/v1/chat/completions`` renders them (tools in the prompt whatever
-the ``tool_choice``); a completions prompt string is encoded without special tokens. A body with a list of
-prompts becomes one request per prompt.
+the ``tool_choice``); a completions prompt string is encoded without special tokens, a token-id
+prompt taken as it is (integers in [0, the tokenizer's vocabulary)). A body with a list of prompts
+becomes one request per prompt.
 
 Replies: a trace holds requests only. When a later chat body repeats an earlier one's messages
 followed by an ``assistant`` message (a multi-turn client re-sending the history), that
@@ -137,6 +138,15 @@ def _chat_tools(tools: Any) -> Optional[list]:
     return [t for t in tools if not isinstance(t, dict) or t.get("function") is not None] or None
 
 
+def _token_ids(item: Any, vocab: Optional[int]) -> list:
+    """A token-id prompt, checked as the server checks it: integers (not bools) in [0, vocab)."""
+    for i, t in enumerate(item):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ValueError(f"prompt token {i} must be an integer token id in {limit}, got {t!r:.40}")
+    return list(item)
+
+
 def tokenize_trace(
     bodies: Iterable[dict], tokenizer: Any, infer_replies: bool = True, invalid: Optional[list] = None
 ) -> list[TraceRequest]:
@@ -154,6 +164,7 @@ def tokenize_trace(
     out: list[TraceRequest] = []
     by_history: dict[str, int] = {}  # messages of a chat request -> its index
     eos = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     for no, body in enumerate(bodies, 1):
         mark = len(out)
         ns = _namespace(body)
@@ -180,10 +191,12 @@ def tokenize_trace(
                     raise ValueError("prompt must be a non-empty string, token list, or list of those")
                 for item in items:
                     if isinstance(item, str):
-                        ids = list(tokenizer.encode(item, add_special_tokens=False))
+                        ids = encode_text(tokenizer, item, "prompt")
                         out.append(TraceRequest(len(out), no, "completions", ids, text=item))
+                    elif isinstance(item, list):
+                        out.append(TraceRequest(len(out), no, "completions", _token_ids(item, vocab)))
                     else:
-                        out.append(TraceRequest(len(out), no, "completions", [int(t) for t in item]))
+                        raise ValueError(f"prompt must be a string, a token list, or a list of those, got {item!r:.40}")
             else:
                 raise ValueError("a body needs 'messages' (chat) or 'prompt' (completions)")
             if any(not r.tokens for r in out[mark:]):
