@@ -130,6 +130,10 @@ def test_cli_plan(capsys, tmp_path):
         ("--gpu-memory=-5", "gpu_memory_gb"),
         ("--context=0", "context"),
         ("--weights-gb=-1", "weights_gb"),
+        # finite, but not once in bytes: an OverflowError traceback
+        ("--weights-gb=1e300", "weights_gb must be a finite number >= 0 (GB), got 1e+300"),
+        ("--gpu-memory=1e300", "gpu_memory_gb must be a finite number > 0 (GB), got 1e+300"),
+        ("--weight-dtype=int4", "weight dtype must be one of"),  # it said "kv dtype"
     ):
         assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", bad]) == 2, bad
         assert field in capsys.readouterr().err

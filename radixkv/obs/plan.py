@@ -66,11 +66,12 @@ DTYPE_BYTES = {
 }
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes of one element of ``dtype`` (a key of :data:`DTYPE_BYTES`); ValueError otherwise."""
+def dtype_bytes(dtype: str, what: str = "kv dtype") -> int:
+    """Bytes of one element of ``dtype`` (a key of :data:`DTYPE_BYTES`); ValueError naming
+    ``what`` otherwise."""
     key = str(dtype).lower().replace("torch.", "")
     if key not in DTYPE_BYTES:
-        raise ValueError(f"kv dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        raise ValueError(f"{what} must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     return DTYPE_BYTES[key]
 
 
@@ -165,7 +166,7 @@ class KVSpec:
 
     def weights_bytes(self, weight_dtype: str = "bfloat16") -> Optional[int]:
         """Bytes of the weights in ``weight_dtype`` (None when the parameter count is unknown)."""
-        return None if self.num_parameters is None else self.num_parameters * dtype_bytes(weight_dtype)
+        return None if self.num_parameters is None else self.num_parameters * dtype_bytes(weight_dtype, "weight dtype")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -276,10 +277,11 @@ def plan_memory(
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
-    if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb) and gpu_memory_gb > 0):
-        raise ValueError(f"gpu_memory_gb must be a finite number > 0, got {gpu_memory_gb!r}")
-    if weights_gb is not None and not (math.isfinite(weights_gb) and weights_gb >= 0):
-        raise ValueError(f"weights_gb must be a finite number >= 0, got {weights_gb!r}")
+    if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb * GB) and gpu_memory_gb > 0):
+        raise ValueError(f"gpu_memory_gb must be a finite number > 0 (GB), got {gpu_memory_gb!r}")
+    if weights_gb is not None and not (math.isfinite(weights_gb * GB) and weights_gb >= 0):
+        raise ValueError(f"weights_gb must be a finite number >= 0 (GB), got {weights_gb!r}")
+    dtype_bytes(weight_dtype, "weight dtype")
     bpt = spec.bytes_per_token(kv_dtype)
     out: dict = dict(
         model=spec.as_dict(),
