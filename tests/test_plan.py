@@ -141,3 +141,43 @@ def test_cli_plan(capsys, tmp_path):
     assert main(["plan", "--model", "llama-3-70b", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "the weights do not fit" in out and "-> 0 tokens" in out
+
+
+def test_memory_for_a_target_serves_every_request(capsys, tmp_path):
+    """Ten repeats of a 50-token prompt and one 2,000-token prompt: a pool below 2,000 tokens
+    refuses the long request, and the ten short ones alone hit 88.2%. The memory found for a
+    target must hold every request (it answered 50 tokens "reaching 88.2%" for a 15% target, a
+    pool the engine refuses the long prompt in); the curve's points below it say how many
+    requests they leave out."""
+    from radixkv.cli import main
+    from radixkv.obs.trace import write_trace
+    from radixkv.sim import SimRequest, capacity_needed, simulate
+
+    long, short = list(range(100, 2100)), list(range(5000, 5050))
+    reqs = [SimRequest(long)] + [SimRequest(short)] * 10
+    assert capacity_needed(reqs) == 2000 and capacity_needed(reqs, 16) == 2000
+    assert capacity_needed([SimRequest(short, reply=[1] * 8)], 16) == 64  # 50 + 7 computed, whole pages
+    s = load_spec("smollm2-135m")
+    t = memory_for_hit_rate(reqs, s, 0.15, "bf16")
+    assert t["reachable"] and t["tokens"] >= 2000 and t["hit_rate"] == pytest.approx(9 * 49 / 2500)
+    r = simulate(reqs, "radix", 1, t["tokens"], outcomes=False)
+    assert r.skipped == 0 and r.cached_tokens == 9 * 49
+    assert simulate(reqs, "radix", 1, 1999, outcomes=False).skipped == 1
+    t16 = memory_for_hit_rate(reqs, s, 0.15, "bf16", "radix", 16)
+    assert t16["tokens"] >= 2000 and t16["tokens"] % 16 == 0
+    trace = write_trace(tmp_path / "t.jsonl", [{"prompt": r.tokens} for r in reqs])
+    args = ["plan", "--trace", str(trace), "--target-hit-rate", "0.15", "--policies", "radix-p1"]
+    assert main(args + ["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    rows = rep["curve"]["curves"]["radix-p1"]
+    assert [r["skipped"] for r in rows] == [(r["tokens"] < 2000) + 10 * (r["tokens"] < 50) for r in rows]
+    assert rep["target"][0]["tokens"] >= 2000
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "88.2% (1 too large)" in out and "(k too large: k requests do not fit a pool that small" in out
+    from radixkv.obs.explain import explain_trace
+    from radixkv.obs.report import explain_text_report
+
+    rep = explain_trace(reqs, spans=False, sweep=(0.5, 1.0))
+    assert [(p["capacity"], p["skipped"]) for p in rep["capacity_curve"]] == [(1025, 1), (2050, 0)]
+    assert "50% 88.2% (1 too large)  100% 17.6%" in explain_text_report(rep)

@@ -238,12 +238,13 @@ def _fix_series(spans: list) -> Optional[dict]:
 
 
 def _capacity_curve(sims: list, sim_kw: dict, working_set: int, sweep: Sequence[float]) -> list:
-    """The hit rate at each fraction of the working set (tokens), replayed."""
+    """The hit rate at each fraction of the working set (tokens), replayed; ``skipped``: the
+    requests too large for that pool (the engine refuses them; the hit rate counts the others)."""
     page_size = sim_kw["page_size"]
     curve = []
     for f in sweep:
         r = simulate(sims, capacity=max(page_size, int(working_set * f)), outcomes=False, keep_requests=False, **sim_kw)
-        curve.append(dict(fraction=f, capacity=r.capacity, hit_rate=r.hit_rate))
+        curve.append(dict(fraction=f, capacity=r.capacity, hit_rate=r.hit_rate, skipped=r.skipped))
     return curve
 
 

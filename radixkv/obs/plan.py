@@ -338,8 +338,9 @@ def hit_rate_curve(
 
     Returns:
         ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
-        "kv_gb", "hit_rate"[, "hit_rate_tiers"]}, ...]}[, "tiers": {medium: {"bytes",
-        "tokens"}}]}`` with labels like ``radix-p16``, ``hash-b16``.
+        "kv_gb", "hit_rate", "skipped"[, "hit_rate_tiers"]}, ...]}[, "tiers": {medium: {"bytes",
+        "tokens"}}]}`` with labels like ``radix-p16``, ``hash-b16``; ``skipped``: the requests
+        too large for that pool (the engine refuses them; the hit rate counts the others).
     """
     from radixkv.sim import simulate
 
@@ -357,7 +358,7 @@ def hit_rate_curve(
         for cap in caps:
             cap = max(ps, cap - cap % ps)
             r = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False)
-            rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate))
+            rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate, skipped=r.skipped))
             if tier_tokens and policy != "none":
                 t = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tier_tokens)
                 rows[-1]["hit_rate_tiers"] = t.hit_rate
@@ -375,13 +376,15 @@ def memory_for_hit_rate(
     """The least KV memory whose replay of ``requests`` reaches hit rate ``target`` (a
     bisection over capacities, to ``tolerance`` relative; the hit rate of LRU caches grows
     with capacity in practice, not by a theorem, so the answer is the smallest capacity found
-    that reaches it).
+    that reaches it). Only a memory that holds every request is an answer: below the largest
+    request (:func:`radixkv.sim.capacity_needed`) the engine refuses it, and the hit rate of the
+    requests left says nothing about the trace.
 
     Returns:
         ``{"target", "reachable", "tokens", "kv_gb", "hit_rate", "infinite_hit_rate"}``;
         ``reachable`` is False when even infinite memory stays below ``target``.
     """
-    from radixkv.sim import capacity_bound, simulate
+    from radixkv.sim import capacity_bound, capacity_needed, simulate
 
     if not 0 <= target <= 1:
         raise ValueError(f"target hit rate must be in [0, 1], got {target}")
@@ -391,12 +394,14 @@ def memory_for_hit_rate(
     out = dict(target=target, policy=_label(policy, page_size), infinite_hit_rate=best.hit_rate)
     if best.hit_rate < target:
         return dict(out, reachable=False, tokens=None, kv_gb=None, hit_rate=None)
-    lo = page_size
+    lo = capacity_needed(requests, page_size) - page_size  # too small for the largest request
     hi_rate = best.hit_rate
     while hi - lo > max(page_size, int(hi * tolerance)):
         mid = (lo + hi) // 2
-        mid -= mid % page_size
-        r = simulate(requests, policy, page_size, max(page_size, mid), outcomes=False, keep_requests=False)
+        mid = max(lo + page_size, mid - mid % page_size)
+        if mid >= hi:
+            break
+        r = simulate(requests, policy, page_size, mid, outcomes=False, keep_requests=False)
         if r.hit_rate >= target:
             hi, hi_rate = mid, r.hit_rate
         else:

@@ -27,6 +27,11 @@ _CAUSE_COLORS = {
 }
 
 
+TOO_LARGE = (
+    "(k too large: k requests do not fit a pool that small, which the engine refuses; the hit rate counts the others)"
+)
+
+
 def to_json(report: dict) -> str:
     """The report as indented JSON."""
     return json.dumps(report, indent=1, ensure_ascii=False, default=str)
@@ -110,7 +115,16 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
             out.append("     served by " + ", ".join(f"{t} [{a}, {b})" for a, b, t in m["tier_spans"]))
     if rep.get("capacity_curve"):
         out += ["", "hit rate vs capacity (share of the working set):"]
-        out.append("  " + "  ".join(f"{100 * p['fraction']:g}% {_pct(p['hit_rate'])}" for p in rep["capacity_curve"]))
+        out.append(
+            "  "
+            + "  ".join(
+                f"{100 * p['fraction']:g}% {_pct(p['hit_rate'])}"
+                + (f" ({p['skipped']:,} too large)" if p.get("skipped") else "")
+                for p in rep["capacity_curve"]
+            )
+        )
+        if any(p.get("skipped") for p in rep["capacity_curve"]):
+            out.append(f"  {TOO_LARGE}")
     return "\n".join(out)
 
 
@@ -163,9 +177,12 @@ def plan_text_report(rep: dict) -> str:
             pts = "  ".join(
                 f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}"
                 + (f"->{_pct(r['hit_rate_tiers'])}" if "hit_rate_tiers" in r else "")
+                + (f" ({r['skipped']:,} too large)" if r.get("skipped") else "")
                 for r in shown
             )
             out.append(f"  {label:<10} infinite {_pct(cv['infinite'][label])}; {pts}")
+        if any(r.get("skipped") for rows in cv["curves"].values() for r in rows):
+            out.append(f"  {TOO_LARGE}")
     if "target" in rep:
         for t in rep["target"]:
             if t["reachable"]:

@@ -65,6 +65,7 @@ __all__ = [
     "simulate",
     "capacity_bound",
     "capacity_for_memory",
+    "capacity_needed",
 ]
 
 POLICIES: dict[str, Callable[[int, str], Any]] = {
@@ -188,6 +189,15 @@ def capacity_bound(requests: Sequence[SimRequest], page_size: int = 1) -> int:
     """Slots that are never short for ``requests`` (each request adds at most its own tokens,
     plus page rounding): what ``capacity=None`` ("infinite") means."""
     return sum(len(r.tokens) + len(r.reply) for r in requests) + 2 * page_size * max(1, len(requests))
+
+
+def capacity_needed(requests: Sequence[SimRequest], page_size: int = 1) -> int:
+    """The least capacity (slots, whole pages) that serves every one of ``requests``: the largest
+    prompt + reply, as :meth:`CacheSimulator.serve` sizes it. Below it the largest requests are
+    skipped (the engine refuses a request that does not fit its pool), so a hit rate measured
+    there counts the other requests only."""
+    most = max((len(r.tokens) + max(len(r.reply) - 1, 0) for r in requests), default=1)
+    return -(-most // page_size) * page_size
 
 
 class CacheSimulator:
