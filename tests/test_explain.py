@@ -336,3 +336,28 @@ def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, 
     cap = capsys.readouterr()
     assert json.loads(cap.out)["requests"] == 2
     assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--output", "{missing}/rows.json"], "cannot write '{missing}/rows.json'"),
+        (["--log-requests", "{missing}/trace.jsonl"], "cannot write '{missing}/trace.jsonl'"),
+        (["--skip", "-5"], "--skip must be >= 0"),
+        (["--conversations", "100000"], "only "),
+    ],
+)
+def test_cli_replay_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
+    """``radixkv replay`` with an output or trace file in a folder that does not exist ran the whole
+    replay and then died with a FileNotFoundError traceback (the trace's: after loading the model);
+    a negative ``--skip`` or more conversations than ShareGPT has raised a RuntimeError traceback
+    ("only 0 ShareGPT conversations have ..."). Each is exit 2 and one line naming it, before the
+    model loads."""
+    from radixkv.cli import main
+
+    fill = dict(missing=str(tmp_path / "no" / "such"))
+    small = ["replay", "--conversations", "1", "--turns", "1", "--max-tokens", "1", "--modes", "off", "--no-progress"]
+    assert main(small + [a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert why.format(**fill) in err and "loaded" not in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
