@@ -240,6 +240,8 @@ class LLM:
         prompt_token_ids: Optional[Sequence[int]] = None,
         namespace: Any = None,
         context: int = 16,
+        tools: Optional[Sequence[Dict[str, Any]]] = None,
+        add_generation_prompt: bool = True,
     ) -> Explanation:
         """What the prefix cache would give this prompt if it were sent now, and why: a dry run
         (nothing computed, nothing locked, the LRU order untouched; a read-only ``peek``).
@@ -251,6 +253,8 @@ class LLM:
             prompt_token_ids: token ids instead of ``prompt``.
             namespace: the prefix-cache namespace.
             context: tokens of decoded text shown on each side of the stop position.
+            tools, add_generation_prompt: a conversation's, as :meth:`chat` takes them (the
+                tools are part of the rendered prompt); refused with any other prompt.
 
         Returns:
             An :class:`~radixkv.engine.outcome.Explanation`: the
@@ -267,10 +271,14 @@ class LLM:
             raise RequestError("explain: give exactly one of prompt or prompt_token_ids", "prompt")
         if isinstance(context, bool) or not isinstance(context, int) or context < 0:
             raise RequestError(f"context must be an int >= 0 (tokens), got {context!r}", "context")
+        is_chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+        if not is_chat and (tools or not add_generation_prompt):
+            raise RequestError("explain: tools and add_generation_prompt apply to a conversation only", "tools")
         if prompt_token_ids is not None:
             ids = to_token_ids(prompt_token_ids, "prompt_token_ids")
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
-            ids = encode_text(self.tokenizer, self.render_chat(list(conversations(prompt)[0])), "messages", _RENDERED)
+            text = self.render_chat(list(conversations(prompt)[0]), add_generation_prompt, tools)
+            ids = encode_text(self.tokenizer, text, "messages", _RENDERED)
         else:
             ids, _ = to_token_prompt(self.tokenizer, prompt)
         if not ids:

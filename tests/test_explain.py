@@ -361,3 +361,26 @@ def test_cli_replay_bad_input_is_refused_before_the_work(argv, why, tmp_path, ca
     err = capsys.readouterr().err
     assert why.format(**fill) in err and "loaded" not in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_llm_explain_takes_the_tools_a_chat_was_sent_with(tok):
+    """``LLM.explain`` of a conversation that was chatted with ``tools`` renders them as ``chat``
+    does: the whole prompt but its last token is cached (cause ``full``). It had no ``tools``, so
+    the dry run explained a different prompt (the conversation without its tool block, which
+    diverged from the cached one after the system message's first tokens)."""
+    from obs_helpers import NullRunner
+
+    from radixkv.errors import RequestError
+    from radixkv.llm import LLM
+
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    chat = [{"role": "system", "content": "You are a weather bot."}, {"role": "user", "content": "Paris?"}]
+    out = llm.chat(chat, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False, tools=[WEATHER])[0]
+    n = len(out.prompt_token_ids)
+    ex = llm.explain(chat, tools=[WEATHER])
+    assert (ex.outcome.cause, ex.outcome.num_prompt_tokens, ex.outcome.num_cached_tokens) == ("full", n, n - 1)
+    plain = llm.explain(chat)
+    assert plain.outcome.cause == "diverged" and plain.outcome.num_prompt_tokens < n
+    with pytest.raises(RequestError, match="apply to a conversation only"):
+        llm.explain("Paris?", tools=[WEATHER])
+    llm.close()
