@@ -178,6 +178,12 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
         (["explain", "sharegpt:multi_turn:x"], "CONVERSATIONS must be an integer >= 1, got 'x'"),
         (["explain", "synthetic:uuid:0"], "N must be an integer >= 1, got '0'"),
         (["explain", "synthetic:uuid", "--top", "-1"], "--top >= 0"),
+        # a byte size where tokens are asked for: argparse said "invalid _capacity value: '1.5GiB'"
+        (["explain", "synthetic:uuid", "--capacity", "1.5GiB"], "capacity must be an integer >= 1 (tokens) or 'inf'"),
+        (
+            ["explain", "synthetic:uuid", "--capacity", "0"],
+            "capacity must be an integer >= 1 (tokens) or 'inf', got '0'",
+        ),
     ],
 )
 def test_cli_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
@@ -186,7 +192,11 @@ def test_cli_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
     from radixkv.cli import main
 
     fill = dict(missing=str(tmp_path / "no" / "such"), tmp=str(tmp_path))
-    assert main([a.format(**fill) for a in argv]) == 2
+    try:
+        code = main([a.format(**fill) for a in argv])
+    except SystemExit as exc:  # argparse's own refusal (a bad option value)
+        code = exc.code
+    assert code == 2
     assert why.format(**fill) in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 

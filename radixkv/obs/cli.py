@@ -65,9 +65,12 @@ def check_writable(*paths: Optional[str]) -> None:
 def _capacity(s: str) -> Any:
     if s.lower() in ("inf", "infinite", "none"):
         return None
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError("capacity must be >= 1 token or 'inf'")
+        raise argparse.ArgumentTypeError(f"capacity must be an integer >= 1 (tokens) or 'inf', got {s!r}")
     return v
 
 
