@@ -175,6 +175,7 @@ def test_memory_for_a_target_serves_every_request(capsys, tmp_path):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "88.2% (1 too large)" in out and "(k too large: k requests do not fit a pool that small" in out
+    assert " - (all 11 too large)" in out and " 0.0% (11" not in out  # no hit rate of nothing
     from radixkv.obs.explain import explain_trace
     from radixkv.obs.report import explain_text_report
 
