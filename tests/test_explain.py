@@ -178,6 +178,12 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
         (["explain", "sharegpt:multi_turn:x"], "CONVERSATIONS must be an integer >= 1, got 'x'"),
         (["explain", "synthetic:uuid:0"], "N must be an integer >= 1, got '0'"),
         (["explain", "synthetic:uuid", "--top", "-1"], "--top >= 0"),
+        # a spec's extra or misspelt parts were ignored (synthetic:uuid:5:fixd replayed the unfixed trace)
+        (["explain", "synthetic:uuid:5:fixd"], "synthetic:KIND[:N[:fixed]], got 'synthetic:uuid:5:fixd'"),
+        (["explain", "sharegpt:multi_turn:2:3:4"], "sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got"),
+        # more than ShareGPT has: a RuntimeError traceback, or (multi_turn) silently fewer conversations
+        (["explain", "synthetic:uuid:100000"], "only 14527 ShareGPT conversations"),
+        (["explain", "sharegpt:multi_turn:99999"], "only 3646 ShareGPT conversations have 4 human/gpt pairs"),
         # a byte size where tokens are asked for: argparse said "invalid _capacity value: '1.5GiB'"
         (["explain", "synthetic:uuid", "--capacity", "1.5GiB"], "capacity must be an integer >= 1 (tokens) or 'inf'"),
         (

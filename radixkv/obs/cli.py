@@ -31,13 +31,17 @@ def load_bodies(trace: str) -> list[dict]:
 
     if trace.startswith("synthetic:"):
         parts = trace.split(":")[1:]
+        if len(parts) > 3 or (len(parts) == 3 and parts[2] != "fixed"):
+            raise ValueError(f"built-in synthetic traces: synthetic:KIND[:N[:fixed]], got {trace!r}")
         kind = parts[0]
         n = _count(trace, "N", parts[1]) if len(parts) > 1 and parts[1] else 40
-        fixed = len(parts) > 2 and parts[2] == "fixed"
-        return synthetic.agent_trace(kind, n, fixed=fixed)
+        try:
+            return synthetic.agent_trace(kind, n, fixed=len(parts) == 3)
+        except RuntimeError as exc:  # fewer ShareGPT questions than N
+            raise ValueError(f"trace {trace!r}: {exc}") from None
     if trace.startswith("sharegpt:"):
         parts = trace.split(":")[1:]
-        if parts[0] != "multi_turn":
+        if parts[0] != "multi_turn" or len(parts) > 3:
             raise ValueError(f"built-in ShareGPT traces: sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got {trace!r}")
         convs = _count(trace, "CONVERSATIONS", parts[1]) if len(parts) > 1 else 24
         turns = _count(trace, "TURNS", parts[2]) if len(parts) > 2 else 4
