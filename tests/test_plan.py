@@ -182,3 +182,33 @@ def test_memory_for_a_target_serves_every_request(capsys, tmp_path):
     rep = explain_trace(reqs, spans=False, sweep=(0.5, 1.0))
     assert [(p["capacity"], p["skipped"]) for p in rep["capacity_curve"]] == [(1025, 1), (2050, 0)]
     assert "50% 88.2% (1 too large)  100% 17.6%" in explain_text_report(rep)
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        ({"num_hidden_layers": -2}, "config field num_hidden_layers must be an integer >= 1, got -2"),  # -512 B/token
+        ({"num_attention_heads": 0}, "config field num_attention_heads must be an integer >= 1, got 0"),  # ZeroDivision
+        ({"num_hidden_layers": 2.5}, "config field num_hidden_layers must be an integer >= 1, got 2.5"),  # taken as 2
+        ({"num_hidden_layers": True}, "config field num_hidden_layers must be an integer >= 1, got True"),  # 1 layer
+        ({"num_hidden_layers": "2"}, "config field num_hidden_layers must be an integer >= 1, got '2'"),
+        ({"sliding_window": -5}, "config field sliding_window must be an integer >= 1, got -5"),  # -2.56 KB of KV
+        ({"head_dim": 0}, "config field head_dim must be an integer >= 1, got 0"),  # silently hidden / heads
+        (None, "a config must be a JSON object, got list"),  # an AttributeError traceback
+    ],
+)
+def test_cli_plan_refuses_a_config_json_it_cannot_size(config, why, tmp_path, capsys):
+    """``radixkv plan --model config.json`` with a field the formulas read out of range or of the
+    wrong type: exit 2 naming the field (it printed negative bytes per token, crashed with a
+    ZeroDivisionError / AttributeError traceback, or truncated a float)."""
+    from radixkv.cli import main
+
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps([1, 2] if config is None else {**base, **config, "vocab_size": 100}))
+    assert main(["plan", "--model", str(path), "--context", "1000", "--gpu-memory", "8"]) == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err
+    path.write_text(json.dumps(base))  # the same config, sound: 2 layers x 2 x 4 heads x 16 x 2 bytes
+    assert main(["plan", "--model", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 512

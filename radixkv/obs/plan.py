@@ -105,12 +105,17 @@ class KVSpec:
         """From a transformers config object or a ``config.json`` dict.
 
         Raises:
-            ValueError: a field the formula needs is missing.
+            ValueError: a field the formula needs is missing, or one of :data:`CONFIG_INTS` is not
+                an integer of at least its least value.
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         text = get("text_config")
         if text is not None and get("num_hidden_layers") is None:  # multimodal wrappers
             return cls.from_config(text if isinstance(text, dict) else text.to_dict(), name, source)
+        for key, least in CONFIG_INTS.items():
+            v = get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+                raise ValueError(f"config field {key} must be an integer >= {least}, got {v!r}")
         layers = get("num_hidden_layers")
         heads = get("num_attention_heads")
         if layers is None or (heads is None and get("kv_lora_rank") is None):
@@ -205,6 +210,22 @@ def engine_bytes_per_token(spec: KVSpec, kv_dtype: str = "bfloat16") -> Optional
     return KVPool.token_bytes(spec.num_layers, f["num_key_value_heads"], f["head_dim"], dtype)
 
 
+CONFIG_INTS = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "vocab_size": 1,
+    "kv_lora_rank": 0,
+    "qk_rope_head_dim": 0,
+    "sliding_window": 1,
+    "num_parameters": 0,
+}
+"""The config fields the formulas read, and their least value (when present and not null)."""
+
+
 def _estimate_parameters(cfg: dict) -> Optional[int]:
     """Llama-family parameter count from a config (embeddings, attention, SwiGLU MLP, norms);
     None for mixtures of experts and MLA, which need their model card."""
@@ -241,7 +262,13 @@ def load_spec(model: str) -> KVSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        cfg = json.loads(path.read_text())
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a JSON config: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: a config must be a JSON object, got {type(cfg).__name__}")
+        KVSpec.from_config(cfg, str(model), str(path))  # its fields checked before any arithmetic on them
         cfg.setdefault("num_parameters", _estimate_parameters(cfg))
         return KVSpec.from_config(cfg, str(model), str(path))
     raise ValueError(
