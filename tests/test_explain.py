@@ -160,6 +160,9 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
     assert main(["explain", str(bad)]) == 2 and "bad.jsonl:2" in capsys.readouterr().err
+    # a line that is not UTF-8: named (it said only "'utf-8' codec can't decode byte 0xff in position 0")
+    bad.write_bytes(b'{"prompt": "hi"}\n\xff\xfe{"prompt": "x"}\n')
+    assert main(["explain", str(bad)]) == 2 and "bad.jsonl:2: not UTF-8 text" in capsys.readouterr().err
     # a server's --log-requests trace also holds the bodies it answered with a 400: skipped, said
     served = [{"messages": [{"role": "user", "content": q}]} for q in questions[:3]]
     logged = write_trace(tmp_path / "log.jsonl", served[:2] + [{"prompt": [], "max_tokens": 2}] + served[2:])

@@ -71,11 +71,15 @@ def read_trace(path: str | Path) -> list[dict]:
     """The bodies of a JSONL trace file.
 
     Raises:
-        ValueError: a line that is not a JSON object (naming the line).
+        ValueError: a line that is not UTF-8 text or not a JSON object (naming the line).
     """
     bodies = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{no}: not UTF-8 text: {exc}") from None
             if not line.strip():
                 continue
             try:
