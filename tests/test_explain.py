@@ -403,3 +403,26 @@ def test_llm_explain_takes_the_tools_a_chat_was_sent_with(tok):
     with pytest.raises(RequestError, match="apply to a conversation only"):
         llm.explain("Paris?", tools=[WEATHER])
     llm.close()
+
+
+def test_cli_explain_replays_the_servers_radix_eviction_policy(tmp_path, capsys):
+    """A server run with ``--radix-eviction-policy lfu`` keeps the prompt used three times and
+    evicts (the tail of) the one used once; ``radixkv explain`` had no such flag and replayed LRU,
+    which evicts the frequent prompt's tail: its last repeat got 20 cached tokens in the report
+    and 39 on the server. The replay
+    under each policy equals the engine's (tests/test_sim_eviction.py, test_sim.py)."""
+    from radixkv.cli import main
+    from radixkv.sim import SimRequest, simulate
+
+    a, b, c = ([base + i for i in range(40)] for base in (100, 200, 300))
+    trace = write_trace(tmp_path / "t.jsonl", [{"prompt": p} for p in (a, a, a, b, c, a)])
+    common = ["explain", str(trace), "--capacity", "100", "--json", "--no-what-if"]
+    reqs = [SimRequest(p) for p in (a, a, a, b, c, a)]
+    for evict, policy, last in (("lru", "radix", 20), ("lfu", "radix-lfu", 39)):
+        assert main(common + ["--radix-eviction-policy", evict]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        sim = simulate(reqs, policy, 1, 100)
+        assert rep["config"]["policy"] == policy and rep["cached_tokens"] == sim.cached_tokens == 2 * 39 + last
+        assert sim.requests[-1].num_cached_tokens == last
+    assert main(["explain", str(trace), "--policy", "hash", "--radix-eviction-policy", "lfu"]) == 2
+    assert "--radix-eviction-policy needs --policy radix" in capsys.readouterr().err

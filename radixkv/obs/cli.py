@@ -87,6 +87,10 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m", help="tokenizer and chat template of this model (default %(default)s)"
     )
     p.add_argument("--policy", choices=["radix", "hash", "none"], default="radix", help="prefix cache (default radix)")
+    p.add_argument(
+        "--radix-eviction-policy", choices=["lru", "lfu", "gdf", "reuse-odds"], default="lru",
+        help="the radix tree's eviction policy, as radixkv serve's flag (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
     p.add_argument("--capacity", type=_capacity, default=32768, help="KV capacity in tokens, or 'inf' (default 32768)")
     p.add_argument("--top", type=int, default=5, help="prompts that miss most to show (default 5)")
@@ -111,6 +115,11 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.page_size < 1 or args.top < 0:
         print("radixkv explain: --page-size must be >= 1 and --top >= 0", file=sys.stderr)
         return 2
+    evict = getattr(args, "radix_eviction_policy", "lru")
+    if evict != "lru" and args.policy != "radix":
+        print("radixkv explain: --radix-eviction-policy needs --policy radix", file=sys.stderr)
+        return 2
+    policy = args.policy if evict == "lru" else f"radix-{evict}"  # radixkv.sim's name of it
     try:
         check_writable(args.output, args.html)
         bodies = load_bodies(args.trace)
@@ -128,7 +137,7 @@ def run_explain(args: argparse.Namespace) -> int:
         rep = explain_trace(
             reqs,
             tok,
-            policy=args.policy,
+            policy=policy,
             page_size=args.page_size,
             capacity=args.capacity,
             top=max(args.top, 10),
