@@ -289,8 +289,8 @@ class CacheSimulator:
         final = n + max(len(reply) - 1, 0)  # positions whose K/V gets computed
         if kv.pages(final) > self.capacity:
             return RequestResult(i, n, 0, None, served=False)
-        if final > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
-            self._ctx = max(final, 2 * self._ctx)
+        if kv.pages(final) > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
+            self._ctx = max(kv.pages(final), 2 * self._ctx)  # whole pages: a page may pass the prompt's end
             kv.replace_block_table(ReqToTokenPool(1, self._ctx))
         r = Request(str(i), 0, tokens, self._params, Namespace.of(req.namespace))
         prefix = kv.lock_prefix(r)
