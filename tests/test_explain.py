@@ -426,3 +426,16 @@ def test_cli_explain_replays_the_servers_radix_eviction_policy(tmp_path, capsys)
         assert sim.requests[-1].num_cached_tokens == last
     assert main(["explain", str(trace), "--policy", "hash", "--radix-eviction-policy", "lfu"]) == 2
     assert "--radix-eviction-policy needs --policy radix" in capsys.readouterr().err
+
+
+def test_a_capacity_past_the_trace_replays_as_infinite_without_allocating_it():
+    """``--capacity 100000000000``: the replay allocated a slot array of that size (numpy's
+    MemoryError traceback: 373 GiB); a capacity at least the trace's bound never runs short, so
+    it replays as infinite, and the report keeps the capacity asked for."""
+    from radixkv.sim import SimRequest, capacity_bound
+
+    reqs = [SimRequest([1000 + j for j in range(30)])] * 2 + [SimRequest([9, 8, 7, 6, 5])]
+    huge = explain_trace(reqs, spans=False, capacity=10**11, sweep=())
+    exact = explain_trace(reqs, spans=False, capacity=capacity_bound(reqs), sweep=())
+    assert huge["config"]["capacity"] == 10**11 and huge["cached_tokens"] == exact["cached_tokens"] == 29
+    assert huge["missed_by_cause"] == exact["missed_by_cause"] == {"full": 3, "cold": 29 + 4}
