@@ -99,10 +99,33 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
             f"--{tier}-cache-tokens", type=int, default=None, metavar="TOKENS",
             help=f"a {tier} KV tier of TOKENS below the pool: which missed tokens it would serve (docs/tiers.md)",
         )  # fmt: skip
+    _write_policy_argument(p, "--*-cache-tokens")
     p.add_argument("--no-what-if", action="store_true", help="skip replaying the volatile spans' rewrites")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
+
+
+def _write_policy_argument(p: argparse.ArgumentParser, tiers: str) -> None:
+    p.add_argument(
+        "--kv-tier-write-policy", default=None, metavar="POLICY",
+        help=f"the {tiers} tiers' write policy, as radixkv serve takes it: write_through or write_back, or "
+        "per tier as host=write_back,disk=write_through (default: write_back for host, write_through for the others)",
+    )  # fmt: skip
+
+
+def _write_policy(args: argparse.Namespace, tiers: dict) -> Any:
+    """``--kv-tier-write-policy`` parsed and checked (ValueError: malformed, or without a tier)."""
+    from radixkv.config import parse_write_policy, resolve_write_policy
+
+    text = getattr(args, "kv_tier_write_policy", None)
+    if text is None:
+        return None
+    if not tiers:
+        raise ValueError("--kv-tier-write-policy needs a KV tier (--host-, --disk- or --remote-cache-...)")
+    policy = parse_write_policy(text)
+    resolve_write_policy(policy)
+    return policy
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -122,6 +145,9 @@ def run_explain(args: argparse.Namespace) -> int:
     policy = args.policy if evict == "lru" else f"radix-{evict}"  # radixkv.sim's name of it
     try:
         check_writable(args.output, args.html)
+        tiers = {m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
+                 if getattr(args, f"{m}_cache_tokens", None)}  # fmt: skip
+        write_policy = _write_policy(args, tiers)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
         invalid: list = []
@@ -143,9 +169,9 @@ def run_explain(args: argparse.Namespace) -> int:
             top=max(args.top, 10),
             what_if=not args.no_what_if,
             source=args.trace,
-            tiers={m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
-                   if getattr(args, f"{m}_cache_tokens", None)} or None,
-        )  # fmt: skip
+            tiers=tiers or None,
+            tier_write_policy=write_policy,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv explain: {exc}", file=sys.stderr)
         return 2
@@ -198,6 +224,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
             f"--{tier}-cache-bytes", type=_tier_bytes, default=None, metavar="BYTES",
             help=f"with --trace: also the hit rate with a KV tier in {where} of BYTES (e.g. 8GiB; docs/tiers.md)",
         )  # fmt: skip
+    _write_policy_argument(p, "--*-cache-bytes")
     p.add_argument(
         "--list", action="store_true", help="print the table of architectures (KV bytes per token, 1M tokens)"
     )
@@ -289,7 +316,8 @@ def run_plan(args: argparse.Namespace) -> int:
             rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
             tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
             tiers = {m: b for m, b in tiers.items() if b}
-            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None)
+            policy = _write_policy(args, tiers)
+            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
             if args.target_hit_rate is not None:
                 rep["target"] = [
                     memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols

@@ -109,6 +109,7 @@ def explain_trace(
     context: int = 24,
     source: str = "",
     tiers: Optional[dict] = None,
+    tier_write_policy: Any = None,
 ) -> dict:
     """Analyse a trace (module docstring).
 
@@ -128,6 +129,8 @@ def explain_trace(
             replay counts what they hold as served (``tiers`` in the report: tokens served by
             each; ``hit_rate`` and ``cached_tokens`` include them, ``missed_tokens`` and its
             causes stay the pool's, and each top miss lists its ``tier_spans``).
+        tier_write_policy: their write policy, as ``EngineConfig.kv_tier_write_policy`` (None:
+            the engine's defaults).
 
     Returns:
         The report, a JSON-ready dict (see docs/explain.md for its fields).
@@ -140,7 +143,8 @@ def explain_trace(
     sims = [r.sim_request() if isinstance(r, TraceRequest) else r for r in requests]
     tokens = [list(s.tokens) for s in sims]
     sim_kw = dict(policy=policy, page_size=page_size, hash_algo=hash_algo)
-    main = simulate(sims, capacity=_sim_capacity(sims, capacity, page_size), tiers=tiers, **sim_kw)
+    cap = _sim_capacity(sims, capacity, page_size)
+    main = simulate(sims, capacity=cap, tiers=tiers, tier_write_policy=tier_write_policy, **sim_kw)
     inf = simulate(sims, capacity=None, outcomes=False, keep_requests=False, **sim_kw)
     served = [r for r in main.requests if r.served]
     report = _summary(main, inf, served, source, hash_algo)

@@ -353,6 +353,7 @@ def hit_rate_curve(
     policies: Sequence[tuple[str, int]] = (("radix", 1), ("radix", 16), ("hash", 16)),
     points: int = 12,
     tiers: Optional[dict] = None,
+    write_policy: Any = None,
 ) -> dict:
     """Hit rate vs KV memory of ``requests`` (:class:`~radixkv.sim.SimRequest`) for each
     ``(policy, page_size)``: capacities from 1% of the working set (the tokens an infinite
@@ -361,7 +362,8 @@ def hit_rate_curve(
     Args:
         tiers: KV tiers below the pool, ``{medium: capacity in bytes}`` (``host``, ``disk``,
             ``remote``; docs/tiers.md): each row also gets the hit rate with them
-            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`).
+            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`); ``write_policy`` theirs, as
+            ``EngineConfig.kv_tier_write_policy`` (None: the engine's defaults).
 
     Returns:
         ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
@@ -387,7 +389,10 @@ def hit_rate_curve(
             r = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False)
             rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate, skipped=r.skipped))
             if tier_tokens and policy != "none":
-                t = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tier_tokens)
+                t = simulate(
+                    requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tier_tokens,
+                    tier_write_policy=write_policy,
+                )  # fmt: skip
                 rows[-1]["hit_rate_tiers"] = t.hit_rate
         curves[label] = rows
     out = dict(working_set_tokens=ws, kv_bytes_per_token=bpt, infinite=infinite, curves=curves)

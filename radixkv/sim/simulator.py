@@ -39,12 +39,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
 from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
-from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes
+from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes, resolve_write_policy
 from radixkv.engine.events import EventBus
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
@@ -216,6 +216,8 @@ class CacheSimulator:
             the engine's CPU default; it decides when evictions happen under memory pressure).
         tiers: KV tiers below the pool, ``{medium: capacity in tokens}`` (:mod:`radixkv.sim.tiers`),
             or None.
+        tier_write_policy: the tiers' write policy as ``EngineConfig.kv_tier_write_policy`` takes
+            it (None: the engine's defaults).
 
     Attributes:
         kv: the :class:`~radixkv.engine.kv_manager.KVManager`.
@@ -236,6 +238,7 @@ class CacheSimulator:
         max_evicted_blocks: int = 1 << 16,
         chunked_prefill_size: int = 2048,
         tiers: Optional[dict] = None,
+        tier_write_policy: Union[None, str, dict] = None,
     ) -> None:
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
@@ -253,7 +256,7 @@ class CacheSimulator:
         self.capacity = capacity
         self.events = EventBus()
         self._ctx = 4096
-        self.tiers = TierModel(tiers) if tiers else None
+        self.tiers = TierModel(tiers, resolve_write_policy(tier_write_policy)) if tiers else None
         # NOTE: the tier model is the KV manager's tiers: it hears the engine's own tier writes
         self.kv = KVManager(
             cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events, tiers=self.tiers
@@ -395,11 +398,13 @@ def simulate(
     keep_requests: bool = True,
     chunked_prefill_size: int = 2048,
     tiers: Optional[dict] = None,
+    tier_write_policy: Union[None, str, dict] = None,
     kv_cache_memory_bytes: int | str | None = None,
     kv_bytes_per_token: Optional[int] = None,
 ) -> SimResult:
     """One replay of ``requests`` (a sequence) at ``capacity`` slots; None: enough that nothing
-    is ever evicted (:func:`capacity_bound`); ``tiers``: KV tier capacities in tokens per tier.
+    is ever evicted (:func:`capacity_bound`); ``tiers``: KV tier capacities in tokens per tier,
+    ``tier_write_policy`` their write policy (as :class:`CacheSimulator`).
     See :class:`CacheSimulator`. Or sized in bytes: ``kv_cache_memory_bytes`` with
     ``kv_bytes_per_token`` (:func:`capacity_for_memory`), instead of ``capacity``.
 
@@ -423,5 +428,6 @@ def simulate(
         outcomes,
         chunked_prefill_size=chunked_prefill_size,
         tiers=tiers,
+        tier_write_policy=tier_write_policy,
     )
     return sim.run(requests, keep_requests)
