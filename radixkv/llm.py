@@ -242,6 +242,7 @@ class LLM:
         context: int = 16,
         tools: Optional[Sequence[Dict[str, Any]]] = None,
         add_generation_prompt: bool = True,
+        cache_salt: Optional[str] = None,
     ) -> Explanation:
         """What the prefix cache would give this prompt if it were sent now, and why: a dry run
         (nothing computed, nothing locked, the LRU order untouched; a read-only ``peek``).
@@ -255,6 +256,8 @@ class LLM:
             context: tokens of decoded text shown on each side of the stop position.
             tools, add_generation_prompt: a conversation's, as :meth:`chat` takes them (the
                 tools are part of the rendered prompt); refused with any other prompt.
+            cache_salt: the request's salt (``SamplingParams.cache_salt``, or a dict prompt's
+                ``"cache_salt"``; both: equal), joined to the namespace as :meth:`generate` does.
 
         Returns:
             An :class:`~radixkv.engine.outcome.Explanation`: the
@@ -265,7 +268,7 @@ class LLM:
         Raises:
             RequestError: (a ValueError naming the field) neither or both of ``prompt`` /
                 ``prompt_token_ids``, a malformed or empty prompt, token ids outside
-                ``[0, vocab_size)``, a negative ``context``.
+                ``[0, vocab_size)``, a negative ``context``, a bad or conflicting ``cache_salt``.
         """
         if (prompt is None) == (prompt_token_ids is None):
             raise RequestError("explain: give exactly one of prompt or prompt_token_ids", "prompt")
@@ -287,8 +290,10 @@ class LLM:
         if any(not 0 <= t < vocab for t in ids):
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt_token_ids")
+        dict_salt = prompt_salts(prompt)[0] if isinstance(prompt, Mapping) else None
+        namespace = with_salt(with_salt(self._ns(namespace), cache_salt), dict_salt)
         with self._lock:
-            outcome = self.engine.explain(ids, self._ns(namespace))
+            outcome = self.engine.explain(ids, namespace)
         return explain_text(outcome, ids, self.tokenizer, context)
 
     # ------------------------------------------------------------------ branching

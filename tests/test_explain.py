@@ -439,3 +439,25 @@ def test_a_capacity_past_the_trace_replays_as_infinite_without_allocating_it():
     exact = explain_trace(reqs, spans=False, capacity=capacity_bound(reqs), sweep=())
     assert huge["config"]["capacity"] == 10**11 and huge["cached_tokens"] == exact["cached_tokens"] == 29
     assert huge["missed_by_cause"] == exact["missed_by_cause"] == {"full": 3, "cold": 29 + 4}
+
+
+def test_llm_explain_takes_the_cache_salt_a_request_was_sent_with(tok):
+    """A chat sent with ``SamplingParams(cache_salt=...)`` is cached in that salt's namespace:
+    ``LLM.explain(..., cache_salt=...)`` (or a dict prompt's ``"cache_salt"``) explains it there.
+    The dict's salt was dropped without a word and there was no ``cache_salt`` argument, so the
+    dry run said ``namespace`` (0 cached) for a prompt the engine would serve from the cache."""
+    from obs_helpers import NullRunner
+
+    from radixkv.errors import RequestError
+    from radixkv.llm import LLM
+
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    text = "Bikes are the best way to get around a city of hills and rivers."
+    out = llm.generate(text, SamplingParams(max_tokens=1, cache_salt="s1"), use_tqdm=False)[0]
+    n = len(out.prompt_token_ids)
+    assert llm.explain(text).outcome.cause == "namespace"
+    for ex in (llm.explain(text, cache_salt="s1"), llm.explain({"prompt": text, "cache_salt": "s1"})):
+        assert (ex.outcome.cause, ex.outcome.num_cached_tokens) == ("full", n - 1)
+    with pytest.raises(RequestError, match="cache_salt differs"):
+        llm.explain({"prompt": text, "cache_salt": "s1"}, cache_salt="s2")
+    llm.close()
