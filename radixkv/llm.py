@@ -256,6 +256,9 @@ class LLM:
         prompt_token_ids: Optional[Sequence[int]] = None,
         namespace: Any = None,
         context: int = 16,
+        tools: Optional[Sequence[Dict[str, Any]]] = None,
+        add_generation_prompt: bool = True,
+        cache_salt: Optional[str] = None,
     ) -> Explanation:
         """What the prefix cache would give this prompt if it were sent now, and why: a dry run
         (nothing computed, nothing locked, the LRU order untouched; a read-only ``peek``).
@@ -267,6 +270,10 @@ class LLM:
             prompt_token_ids: token ids instead of ``prompt``.
             namespace: the prefix-cache namespace.
             context: tokens of decoded text shown on each side of the stop position.
+            tools, add_generation_prompt: a conversation's, as :meth:`chat` takes them (the
+                tools are part of the rendered prompt); refused with any other prompt.
+            cache_salt: the request's salt (``SamplingParams.cache_salt``, or a dict prompt's
+                ``"cache_salt"``; both: equal), joined to the namespace as :meth:`generate` does.
 
         Returns:
             An :class:`~radixkv.engine.outcome.Explanation`: the
@@ -277,16 +284,20 @@ class LLM:
         Raises:
             RequestError: (a ValueError naming the field) neither or both of ``prompt`` /
                 ``prompt_token_ids``, a malformed or empty prompt, token ids outside
-                ``[0, vocab_size)``, a negative ``context``.
+                ``[0, vocab_size)``, a negative ``context``, a bad or conflicting ``cache_salt``.
         """
         if (prompt is None) == (prompt_token_ids is None):
             raise RequestError("explain: give exactly one of prompt or prompt_token_ids", "prompt")
         if isinstance(context, bool) or not isinstance(context, int) or context < 0:
             raise RequestError(f"context must be an int >= 0 (tokens), got {context!r}", "context")
+        is_chat = isinstance(prompt, (list, tuple)) and bool(prompt) and isinstance(prompt[0], Mapping)
+        if not is_chat and (tools or not add_generation_prompt):
+            raise RequestError("explain: tools and add_generation_prompt apply to a conversation only", "tools")
         if prompt_token_ids is not None:
             ids = to_token_ids(prompt_token_ids, "prompt_token_ids")
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], Mapping):
-            ids = encode_text(self.tokenizer, self.render_chat(list(conversations(prompt)[0])), "messages", _RENDERED)
+            text = self.render_chat(list(conversations(prompt)[0]), add_generation_prompt, tools)
+            ids = encode_text(self.tokenizer, text, "messages", _RENDERED)
         else:
             ids, _ = to_token_prompt(self.tokenizer, prompt)
         if not ids:
@@ -295,8 +306,10 @@ class LLM:
         if any(not 0 <= t < vocab for t in ids):
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"prompt token ids must be in [0, {vocab}), got {bad}", "prompt_token_ids")
+        dict_salt = prompt_salts(prompt)[0] if isinstance(prompt, Mapping) else None
+        namespace = with_salt(with_salt(self._ns(namespace), cache_salt), dict_salt)
         with self._lock:
-            outcome = self.engine.explain(ids, self._ns(namespace))
+            outcome = self.engine.explain(ids, namespace)
         return explain_text(outcome, ids, self.tokenizer, context)
 
     # ------------------------------------------------------------------ branching

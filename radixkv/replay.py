@@ -293,7 +293,24 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     for name in ("conversations", "turns", "max_tokens", "page_size", "concurrency"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
+    if getattr(args, "skip", 0) < 0:
+        return "--skip must be >= 0"
+    from radixkv.obs.cli import check_writable
+
+    try:  # before the model loads and the replay runs, not after
+        check_writable(getattr(args, "output", None), getattr(args, "log_requests", None))
+    except ValueError as exc:
+        return str(exc)
     return None
+
+
+def _conversations(args: argparse.Namespace) -> Optional[List[List[str]]]:
+    """The replay's conversations (None, said on stderr: too few ShareGPT conversations qualify)."""
+    try:
+        return load_conversations(args.conversations, args.turns, args.max_user_chars, args.skip)
+    except RuntimeError as exc:
+        print(f"radixkv replay: {exc}", file=sys.stderr)
+        return None
 
 
 def run(args: argparse.Namespace, loaded_model=None) -> int:
@@ -321,7 +338,9 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         print(f"radixkv replay: {exc}", file=sys.stderr)
         return 2
     t_setup = time.perf_counter()
-    convs = load_conversations(args.conversations, args.turns, args.max_user_chars, args.skip)
+    convs = _conversations(args)
+    if convs is None:
+        return 2
     rows: List[dict] = []
     replies: Dict[str, list] = {}
     t_load = time.perf_counter()

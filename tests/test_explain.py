@@ -160,6 +160,9 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')
     assert main(["explain", str(bad)]) == 2 and "bad.jsonl:2" in capsys.readouterr().err
+    # a line that is not UTF-8: named (it said only "'utf-8' codec can't decode byte 0xff in position 0")
+    bad.write_bytes(b'{"prompt": "hi"}\n\xff\xfe{"prompt": "x"}\n')
+    assert main(["explain", str(bad)]) == 2 and "bad.jsonl:2: not UTF-8 text" in capsys.readouterr().err
     # a server's --log-requests trace also holds the bodies it answered with a 400: skipped, said
     served = [{"messages": [{"role": "user", "content": q}]} for q in questions[:3]]
     logged = write_trace(tmp_path / "log.jsonl", served[:2] + [{"prompt": [], "max_tokens": 2}] + served[2:])
@@ -178,6 +181,18 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
         (["explain", "sharegpt:multi_turn:x"], "CONVERSATIONS must be an integer >= 1, got 'x'"),
         (["explain", "synthetic:uuid:0"], "N must be an integer >= 1, got '0'"),
         (["explain", "synthetic:uuid", "--top", "-1"], "--top >= 0"),
+        # a spec's extra or misspelt parts were ignored (synthetic:uuid:5:fixd replayed the unfixed trace)
+        (["explain", "synthetic:uuid:5:fixd"], "synthetic:KIND[:N[:fixed]], got 'synthetic:uuid:5:fixd'"),
+        (["explain", "sharegpt:multi_turn:2:3:4"], "sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got"),
+        # more than ShareGPT has: a RuntimeError traceback, or (multi_turn) silently fewer conversations
+        (["explain", "synthetic:uuid:100000"], "only 14527 ShareGPT conversations"),
+        (["explain", "sharegpt:multi_turn:99999"], "only 3646 ShareGPT conversations have 4 human/gpt pairs"),
+        # a byte size where tokens are asked for: argparse said "invalid _capacity value: '1.5GiB'"
+        (["explain", "synthetic:uuid", "--capacity", "1.5GiB"], "capacity must be an integer >= 1 (tokens) or 'inf'"),
+        (
+            ["explain", "synthetic:uuid", "--capacity", "0"],
+            "capacity must be an integer >= 1 (tokens) or 'inf', got '0'",
+        ),
     ],
 )
 def test_cli_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
@@ -186,7 +201,11 @@ def test_cli_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
     from radixkv.cli import main
 
     fill = dict(missing=str(tmp_path / "no" / "such"), tmp=str(tmp_path))
-    assert main([a.format(**fill) for a in argv]) == 2
+    try:
+        code = main([a.format(**fill) for a in argv])
+    except SystemExit as exc:  # argparse's own refusal (a bad option value)
+        code = exc.code
+    assert code == 2
     assert why.format(**fill) in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
@@ -259,3 +278,186 @@ def test_the_fix_predicted_line_over_the_trace(tok, questions):
     assert fix["cumulative"][-1] == best and fix["index"] == rep["series"]["index"]
     assert fix["cumulative"][-1] > rep["series"]["cumulative"][-1] + 0.5
     assert all("series" not in v for v in what_if.values())  # taken out into series.fix
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def server_prompt_ids(tok, body):
+    """The prompt token ids ``/v1/chat/completions`` computes for ``body`` (its own code path)."""
+    from radixkv.chat_template import encode_chat
+    from radixkv.server.openai.params import tool_plan
+    from radixkv.server.openai.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model="smollm2-135m", **body)
+    return encode_chat(tok, [m.to_template() for m in req.messages], tools=tool_plan(req).tools or None)
+
+
+def test_a_tool_agent_trace_is_tokenized_as_the_server_renders_it(tok):
+    """A logged agent loop with ``tools``, an assistant ``tool_calls`` turn, a ``tool`` result and
+    a refusal part: every request's prompt is the server's, token for token (the tools were
+    dropped: 31 tokens instead of the server's 160-odd, and a refusal part skipped the body), and
+    the tool-call turn is inferred as the first request's reply, so the second request is cached
+    through it."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    first = [{"role": "system", "content": "You are a weather bot."}, {"role": "user", "content": "Paris?"}]
+    second = first + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    bodies = [
+        {"messages": first, "tools": [WEATHER], "max_tokens": 32},
+        {"messages": second, "tools": [WEATHER], "tool_choice": "none", "n": 2},
+        {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, first[1]]},
+        {
+            "messages": [{"role": "user", "content": "Wetter in Köln? 天気 🌦"}],
+            "response_format": {"type": "json_object"},
+        },
+    ]
+    reqs = tokenize_trace(bodies, tok)
+    assert [r.tokens for r in reqs] == [server_prompt_ids(tok, b) for b in bodies]
+    assert "get_weather" in reqs[0].text and "<tool_call>" in reqs[1].text and "No." in reqs[2].text
+    n0 = len(reqs[0].tokens)
+    assert reqs[0].reply == reqs[1].tokens[n0 : reqs[1].tokens.index(tok.eos_token_id, n0) + 1]
+    rep = explain_trace(reqs[:2], tok, spans=False, sweep=())
+    cached = {m["index"]: m["cached_tokens"] for m in rep["top_misses"]}
+    assert cached == {0: 0, 1: n0 + len(reqs[0].reply) - 1}
+
+
+@pytest.mark.parametrize(
+    "prompt, why",
+    [
+        ([-5, 3], "prompt token 0 must be an integer token id in [0, 49152), got -5"),
+        ([7, True], "prompt token 1 must be an integer token id in [0, 49152), got True"),
+        ([49152], "prompt token 0 must be an integer token id in [0, 49152), got 49152"),
+        ([[1, 2], [3, 2**40]], "prompt token 1 must be an integer token id in [0, 49152), got 1099511627776"),
+        ([1.5, 2], "prompt must be a string, a token list, or a list of those, got 1.5"),
+        ("", "the prompt has no tokens"),
+    ],
+)
+def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, tok, tmp_path, capsys):
+    """A completions body whose token ids the server would refuse (negative, a bool, past the
+    vocabulary, not an int) is an invalid body, skipped with its reason; a negative id crashed
+    ``radixkv explain`` with an OverflowError traceback from the tokenizer's decode, a bool was
+    taken as token 1."""
+    from radixkv.cli import main
+
+    good = {"prompt": [5, 6, 7, 8]}
+    trace = write_trace(tmp_path / "t.jsonl", [good, {"prompt": prompt}, good])
+    assert main(["explain", str(trace), "--json", "--no-what-if"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["requests"] == 2
+    assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["--output", "{missing}/rows.json"], "cannot write '{missing}/rows.json'"),
+        (["--log-requests", "{missing}/trace.jsonl"], "cannot write '{missing}/trace.jsonl'"),
+        (["--skip", "-5"], "--skip must be >= 0"),
+        (["--conversations", "100000"], "only "),
+    ],
+)
+def test_cli_replay_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):
+    """``radixkv replay`` with an output or trace file in a folder that does not exist ran the whole
+    replay and then died with a FileNotFoundError traceback (the trace's: after loading the model);
+    a negative ``--skip`` or more conversations than ShareGPT has raised a RuntimeError traceback
+    ("only 0 ShareGPT conversations have ..."). Each is exit 2 and one line naming it, before the
+    model loads."""
+    from radixkv.cli import main
+
+    fill = dict(missing=str(tmp_path / "no" / "such"))
+    small = ["replay", "--conversations", "1", "--turns", "1", "--max-tokens", "1", "--modes", "off", "--no-progress"]
+    assert main(small + [a.format(**fill) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert why.format(**fill) in err and "loaded" not in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_llm_explain_takes_the_tools_a_chat_was_sent_with(tok):
+    """``LLM.explain`` of a conversation that was chatted with ``tools`` renders them as ``chat``
+    does: the whole prompt but its last token is cached (cause ``full``). It had no ``tools``, so
+    the dry run explained a different prompt (the conversation without its tool block, which
+    diverged from the cached one after the system message's first tokens)."""
+    from obs_helpers import NullRunner
+
+    from radixkv.errors import RequestError
+    from radixkv.llm import LLM
+
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    chat = [{"role": "system", "content": "You are a weather bot."}, {"role": "user", "content": "Paris?"}]
+    out = llm.chat(chat, SamplingParams(max_tokens=1, temperature=0), use_tqdm=False, tools=[WEATHER])[0]
+    n = len(out.prompt_token_ids)
+    ex = llm.explain(chat, tools=[WEATHER])
+    assert (ex.outcome.cause, ex.outcome.num_prompt_tokens, ex.outcome.num_cached_tokens) == ("full", n, n - 1)
+    plain = llm.explain(chat)
+    assert plain.outcome.cause == "diverged" and plain.outcome.num_prompt_tokens < n
+    with pytest.raises(RequestError, match="apply to a conversation only"):
+        llm.explain("Paris?", tools=[WEATHER])
+    llm.close()
+
+
+def test_cli_explain_replays_the_servers_radix_eviction_policy(tmp_path, capsys):
+    """A server run with ``--radix-eviction-policy lfu`` keeps the prompt used three times and
+    evicts (the tail of) the one used once; ``radixkv explain`` had no such flag and replayed LRU,
+    which evicts the frequent prompt's tail: its last repeat got 20 cached tokens in the report
+    and 39 on the server. The replay
+    under each policy equals the engine's (tests/test_sim_eviction.py, test_sim.py)."""
+    from radixkv.cli import main
+    from radixkv.sim import SimRequest, simulate
+
+    a, b, c = ([base + i for i in range(40)] for base in (100, 200, 300))
+    trace = write_trace(tmp_path / "t.jsonl", [{"prompt": p} for p in (a, a, a, b, c, a)])
+    common = ["explain", str(trace), "--capacity", "100", "--json", "--no-what-if"]
+    reqs = [SimRequest(p) for p in (a, a, a, b, c, a)]
+    for evict, policy, last in (("lru", "radix", 20), ("lfu", "radix-lfu", 39)):
+        assert main(common + ["--radix-eviction-policy", evict]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        sim = simulate(reqs, policy, 1, 100)
+        assert rep["config"]["policy"] == policy and rep["cached_tokens"] == sim.cached_tokens == 2 * 39 + last
+        assert sim.requests[-1].num_cached_tokens == last
+    assert main(["explain", str(trace), "--policy", "hash", "--radix-eviction-policy", "lfu"]) == 2
+    assert "--radix-eviction-policy needs --policy radix" in capsys.readouterr().err
+
+
+def test_a_capacity_past_the_trace_replays_as_infinite_without_allocating_it():
+    """``--capacity 100000000000``: the replay allocated a slot array of that size (numpy's
+    MemoryError traceback: 373 GiB); a capacity at least the trace's bound never runs short, so
+    it replays as infinite, and the report keeps the capacity asked for."""
+    from radixkv.sim import SimRequest, capacity_bound
+
+    reqs = [SimRequest([1000 + j for j in range(30)])] * 2 + [SimRequest([9, 8, 7, 6, 5])]
+    huge = explain_trace(reqs, spans=False, capacity=10**11, sweep=())
+    exact = explain_trace(reqs, spans=False, capacity=capacity_bound(reqs), sweep=())
+    assert huge["config"]["capacity"] == 10**11 and huge["cached_tokens"] == exact["cached_tokens"] == 29
+    assert huge["missed_by_cause"] == exact["missed_by_cause"] == {"full": 3, "cold": 29 + 4}
+
+
+def test_llm_explain_takes_the_cache_salt_a_request_was_sent_with(tok):
+    """A chat sent with ``SamplingParams(cache_salt=...)`` is cached in that salt's namespace:
+    ``LLM.explain(..., cache_salt=...)`` (or a dict prompt's ``"cache_salt"``) explains it there.
+    The dict's salt was dropped without a word and there was no ``cache_salt`` argument, so the
+    dry run said ``namespace`` (0 cached) for a prompt the engine would serve from the cache."""
+    from obs_helpers import NullRunner
+
+    from radixkv.errors import RequestError
+    from radixkv.llm import LLM
+
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    text = "Bikes are the best way to get around a city of hills and rivers."
+    out = llm.generate(text, SamplingParams(max_tokens=1, cache_salt="s1"), use_tqdm=False)[0]
+    n = len(out.prompt_token_ids)
+    assert llm.explain(text).outcome.cause == "namespace"
+    for ex in (llm.explain(text, cache_salt="s1"), llm.explain({"prompt": text, "cache_salt": "s1"})):
+        assert (ex.outcome.cause, ex.outcome.num_cached_tokens) == ("full", n - 1)
+    with pytest.raises(RequestError, match="cache_salt differs"):
+        llm.explain({"prompt": text, "cache_salt": "s1"}, cache_salt="s2")
+    llm.close()

@@ -130,6 +130,10 @@ def test_cli_plan(capsys, tmp_path):
         ("--gpu-memory=-5", "gpu_memory_gb"),
         ("--context=0", "context"),
         ("--weights-gb=-1", "weights_gb"),
+        # finite, but not once in bytes: an OverflowError traceback
+        ("--weights-gb=1e300", "weights_gb must be a finite number >= 0 (GB), got 1e+300"),
+        ("--gpu-memory=1e300", "gpu_memory_gb must be a finite number > 0 (GB), got 1e+300"),
+        ("--weight-dtype=int4", "weight dtype must be one of"),  # it said "kv dtype"
     ):
         assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", bad]) == 2, bad
         assert field in capsys.readouterr().err
@@ -137,3 +141,74 @@ def test_cli_plan(capsys, tmp_path):
     assert main(["plan", "--model", "llama-3-70b", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out
     assert "the weights do not fit" in out and "-> 0 tokens" in out
+
+
+def test_memory_for_a_target_serves_every_request(capsys, tmp_path):
+    """Ten repeats of a 50-token prompt and one 2,000-token prompt: a pool below 2,000 tokens
+    refuses the long request, and the ten short ones alone hit 88.2%. The memory found for a
+    target must hold every request (it answered 50 tokens "reaching 88.2%" for a 15% target, a
+    pool the engine refuses the long prompt in); the curve's points below it say how many
+    requests they leave out."""
+    from radixkv.cli import main
+    from radixkv.obs.trace import write_trace
+    from radixkv.sim import SimRequest, capacity_needed, simulate
+
+    long, short = list(range(100, 2100)), list(range(5000, 5050))
+    reqs = [SimRequest(long)] + [SimRequest(short)] * 10
+    assert capacity_needed(reqs) == 2000 and capacity_needed(reqs, 16) == 2000
+    assert capacity_needed([SimRequest(short, reply=[1] * 8)], 16) == 64  # 50 + 7 computed, whole pages
+    s = load_spec("smollm2-135m")
+    t = memory_for_hit_rate(reqs, s, 0.15, "bf16")
+    assert t["reachable"] and t["tokens"] >= 2000 and t["hit_rate"] == pytest.approx(9 * 49 / 2500)
+    r = simulate(reqs, "radix", 1, t["tokens"], outcomes=False)
+    assert r.skipped == 0 and r.cached_tokens == 9 * 49
+    assert simulate(reqs, "radix", 1, 1999, outcomes=False).skipped == 1
+    t16 = memory_for_hit_rate(reqs, s, 0.15, "bf16", "radix", 16)
+    assert t16["tokens"] >= 2000 and t16["tokens"] % 16 == 0
+    trace = write_trace(tmp_path / "t.jsonl", [{"prompt": r.tokens} for r in reqs])
+    args = ["plan", "--trace", str(trace), "--target-hit-rate", "0.15", "--policies", "radix-p1"]
+    assert main(args + ["--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    rows = rep["curve"]["curves"]["radix-p1"]
+    assert [r["skipped"] for r in rows] == [(r["tokens"] < 2000) + 10 * (r["tokens"] < 50) for r in rows]
+    assert rep["target"][0]["tokens"] >= 2000
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "88.2% (1 too large)" in out and "(k too large: k requests do not fit a pool that small" in out
+    assert " - (all 11 too large)" in out and " 0.0% (11" not in out  # no hit rate of nothing
+    from radixkv.obs.explain import explain_trace
+    from radixkv.obs.report import explain_text_report
+
+    rep = explain_trace(reqs, spans=False, sweep=(0.5, 1.0))
+    assert [(p["capacity"], p["skipped"]) for p in rep["capacity_curve"]] == [(1025, 1), (2050, 0)]
+    assert "50% 88.2% (1 too large)  100% 17.6%" in explain_text_report(rep)
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        ({"num_hidden_layers": -2}, "config field num_hidden_layers must be an integer >= 1, got -2"),  # -512 B/token
+        ({"num_attention_heads": 0}, "config field num_attention_heads must be an integer >= 1, got 0"),  # ZeroDivision
+        ({"num_hidden_layers": 2.5}, "config field num_hidden_layers must be an integer >= 1, got 2.5"),  # taken as 2
+        ({"num_hidden_layers": True}, "config field num_hidden_layers must be an integer >= 1, got True"),  # 1 layer
+        ({"num_hidden_layers": "2"}, "config field num_hidden_layers must be an integer >= 1, got '2'"),
+        ({"sliding_window": -5}, "config field sliding_window must be an integer >= 1, got -5"),  # -2.56 KB of KV
+        ({"head_dim": 0}, "config field head_dim must be an integer >= 1, got 0"),  # silently hidden / heads
+        (None, "a config must be a JSON object, got list"),  # an AttributeError traceback
+    ],
+)
+def test_cli_plan_refuses_a_config_json_it_cannot_size(config, why, tmp_path, capsys):
+    """``radixkv plan --model config.json`` with a field the formulas read out of range or of the
+    wrong type: exit 2 naming the field (it printed negative bytes per token, crashed with a
+    ZeroDivisionError / AttributeError traceback, or truncated a float)."""
+    from radixkv.cli import main
+
+    base = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "intermediate_size": 128}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps([1, 2] if config is None else {**base, **config, "vocab_size": 100}))
+    assert main(["plan", "--model", str(path), "--context", "1000", "--gpu-memory", "8"]) == 2
+    err = capsys.readouterr().err
+    assert why in err and "Traceback" not in err
+    path.write_text(json.dumps(base))  # the same config, sound: 2 layers x 2 x 4 heads x 16 x 2 bytes
+    assert main(["plan", "--model", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 512

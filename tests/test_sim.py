@@ -103,3 +103,13 @@ def test_two_processes_build_the_sharegpt_token_cache_once(tmp_path):
     with np.load(path) as z:
         assert int(z["lens"].sum()) == sum(len(m) for c in convs for m in c)
     assert frame["eos"] and frame["user"]
+
+
+def test_pages_larger_than_the_first_block_table():
+    """Pages of 8,192 tokens: a 100-token prompt takes one whole page of slots, which the
+    simulator's block table (4,096 positions at first) must hold; it raised "ReqToTokenPool.write:
+    positions [0, 8192) exceed max_context_len 4096" (``radixkv explain --page-size 8192``)."""
+    long = list(range(1, 9001))
+    res = simulate([SimRequest(long[:100])] * 2 + [SimRequest(long)] * 2, "radix", 8192, 32768)
+    assert [r.num_cached_tokens for r in res.requests] == [0, 0, 0, 8192]
+    assert res.skipped == 0 and res.cache_tokens_end == 8192

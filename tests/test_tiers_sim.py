@@ -117,3 +117,42 @@ def test_explain_trace_counts_what_the_tiers_serve():
     assert rep["missed_tokens"] == plain["missed_tokens"] and rep["causes_sum_to_missed"]
     assert any(m["tier_spans"] for m in rep["top_misses"]) or served
     assert f"the KV tiers below the pool served {served:,}: disk {served:,}" in explain_text_report(rep)
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through"])
+def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_path, capsys):
+    """A disk tier written back (only what the pool evicts) holds less than one written through:
+    the simulator replays either policy as the engine runs it, request by request, and
+    ``radixkv explain`` / ``radixkv plan`` take ``--kv-tier-write-policy`` as ``radixkv serve``
+    does (they had no such flag and always replayed the engine's default, write-through for disk:
+    a server run with a written-back disk tier served fewer tokens than explain said)."""
+    from radixkv.cli import main
+    from radixkv.obs.trace import write_trace
+
+    reqs = _conversations(seed=4, n=4)
+    sim = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20}, tier_write_policy=policy)
+    e = kv_engine(capacity=200, stores=[MemoryStore("disk")], chunk=2048, kv_tier_write_policy=policy)
+    e.kv.tiers.costs.prefill_token_s = 1.0  # loading always pays: the simulator counts every held block
+    got = []
+    for r in reqs:
+        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
+        out = run_all(e)[rid]
+        got.append((out.num_cached_tokens, out.cached_tokens_by_tier["disk"]))
+        e.kv.tiers.drain()
+    assert got == [(x.num_cached_tokens, x.tier_tokens.get("disk", 0)) for x in sim.requests]
+    other = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20})  # the default: through
+    assert (sim.cached_tokens == other.cached_tokens) == (policy == "write_through")
+    # the CLI: token-id prompts (completions bodies), no replies: the same replay without them; a
+    # disk tier of 256 tokens serves 236 tokens written back, 40 written through (it keeps the latest)
+    trace = write_trace(tmp_path / "t.jsonl", [{"prompt": list(r.tokens)} for r in reqs])
+    bare = [SimRequest(r.tokens) for r in reqs]
+    want = simulate(bare, "radix", 1, 200, tiers={"disk": 256}, tier_write_policy={"disk": policy})
+    assert want.cached_tokens_by_tier == {"disk": {"write_back": 236, "write_through": 40}[policy]}
+    args = ["explain", str(trace), "--capacity", "200", "--disk-cache-tokens", "256", "--json", "--no-what-if"]
+    assert main(args + ["--kv-tier-write-policy", f"disk={policy}"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["tiers"]["served_tokens"] == want.cached_tokens_by_tier and rep["cached_tokens"] == want.cached_tokens
+    assert main(args + ["--kv-tier-write-policy", "disk=write_sideways"]) == 2
+    assert "kv_tier_write_policy: disk must be one of" in capsys.readouterr().err
+    assert main(["explain", str(trace), "--kv-tier-write-policy", policy]) == 2
+    assert "--kv-tier-write-policy needs a KV tier" in capsys.readouterr().err

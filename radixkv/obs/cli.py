@@ -31,13 +31,17 @@ def load_bodies(trace: str) -> list[dict]:
 
     if trace.startswith("synthetic:"):
         parts = trace.split(":")[1:]
+        if len(parts) > 3 or (len(parts) == 3 and parts[2] != "fixed"):
+            raise ValueError(f"built-in synthetic traces: synthetic:KIND[:N[:fixed]], got {trace!r}")
         kind = parts[0]
         n = _count(trace, "N", parts[1]) if len(parts) > 1 and parts[1] else 40
-        fixed = len(parts) > 2 and parts[2] == "fixed"
-        return synthetic.agent_trace(kind, n, fixed=fixed)
+        try:
+            return synthetic.agent_trace(kind, n, fixed=len(parts) == 3)
+        except RuntimeError as exc:  # fewer ShareGPT questions than N
+            raise ValueError(f"trace {trace!r}: {exc}") from None
     if trace.startswith("sharegpt:"):
         parts = trace.split(":")[1:]
-        if parts[0] != "multi_turn":
+        if parts[0] != "multi_turn" or len(parts) > 3:
             raise ValueError(f"built-in ShareGPT traces: sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got {trace!r}")
         convs = _count(trace, "CONVERSATIONS", parts[1]) if len(parts) > 1 else 24
         turns = _count(trace, "TURNS", parts[2]) if len(parts) > 2 else 4
@@ -65,9 +69,12 @@ def check_writable(*paths: Optional[str]) -> None:
 def _capacity(s: str) -> Any:
     if s.lower() in ("inf", "infinite", "none"):
         return None
-    v = int(s)
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
     if v < 1:
-        raise argparse.ArgumentTypeError("capacity must be >= 1 token or 'inf'")
+        raise argparse.ArgumentTypeError(f"capacity must be an integer >= 1 (tokens) or 'inf', got {s!r}")
     return v
 
 
@@ -80,6 +87,10 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m", help="tokenizer and chat template of this model (default %(default)s)"
     )
     p.add_argument("--policy", choices=["radix", "hash", "none"], default="radix", help="prefix cache (default radix)")
+    p.add_argument(
+        "--radix-eviction-policy", choices=["lru", "lfu", "gdf", "reuse-odds"], default="lru",
+        help="the radix tree's eviction policy, as radixkv serve's flag (default: %(default)s)",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=1, help="KV page size in tokens (default 1)")
     p.add_argument("--capacity", type=_capacity, default=32768, help="KV capacity in tokens, or 'inf' (default 32768)")
     p.add_argument("--top", type=int, default=5, help="prompts that miss most to show (default 5)")
@@ -88,10 +99,33 @@ def add_explain_arguments(p: argparse.ArgumentParser) -> None:
             f"--{tier}-cache-tokens", type=int, default=None, metavar="TOKENS",
             help=f"a {tier} KV tier of TOKENS below the pool: which missed tokens it would serve (docs/tiers.md)",
         )  # fmt: skip
+    _write_policy_argument(p, "--*-cache-tokens")
     p.add_argument("--no-what-if", action="store_true", help="skip replaying the volatile spans' rewrites")
     p.add_argument("--json", action="store_true", help="print the report as JSON instead of the summary")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
     p.add_argument("--output", default=None, metavar="FILE", help="also write the JSON report to FILE")
+
+
+def _write_policy_argument(p: argparse.ArgumentParser, tiers: str) -> None:
+    p.add_argument(
+        "--kv-tier-write-policy", default=None, metavar="POLICY",
+        help=f"the {tiers} tiers' write policy, as radixkv serve takes it: write_through or write_back, or "
+        "per tier as host=write_back,disk=write_through (default: write_back for host, write_through for the others)",
+    )  # fmt: skip
+
+
+def _write_policy(args: argparse.Namespace, tiers: dict) -> Any:
+    """``--kv-tier-write-policy`` parsed and checked (ValueError: malformed, or without a tier)."""
+    from radixkv.config import parse_write_policy, resolve_write_policy
+
+    text = getattr(args, "kv_tier_write_policy", None)
+    if text is None:
+        return None
+    if not tiers:
+        raise ValueError("--kv-tier-write-policy needs a KV tier (--host-, --disk- or --remote-cache-...)")
+    policy = parse_write_policy(text)
+    resolve_write_policy(policy)
+    return policy
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -104,8 +138,16 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.page_size < 1 or args.top < 0:
         print("radixkv explain: --page-size must be >= 1 and --top >= 0", file=sys.stderr)
         return 2
+    evict = getattr(args, "radix_eviction_policy", "lru")
+    if evict != "lru" and args.policy != "radix":
+        print("radixkv explain: --radix-eviction-policy needs --policy radix", file=sys.stderr)
+        return 2
+    policy = args.policy if evict == "lru" else f"radix-{evict}"  # radixkv.sim's name of it
     try:
         check_writable(args.output, args.html)
+        tiers = {m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
+                 if getattr(args, f"{m}_cache_tokens", None)}  # fmt: skip
+        write_policy = _write_policy(args, tiers)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
         invalid: list = []
@@ -121,15 +163,15 @@ def run_explain(args: argparse.Namespace) -> int:
         rep = explain_trace(
             reqs,
             tok,
-            policy=args.policy,
+            policy=policy,
             page_size=args.page_size,
             capacity=args.capacity,
             top=max(args.top, 10),
             what_if=not args.no_what_if,
             source=args.trace,
-            tiers={m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
-                   if getattr(args, f"{m}_cache_tokens", None)} or None,
-        )  # fmt: skip
+            tiers=tiers or None,
+            tier_write_policy=write_policy,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv explain: {exc}", file=sys.stderr)
         return 2
@@ -182,6 +224,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
             f"--{tier}-cache-bytes", type=_tier_bytes, default=None, metavar="BYTES",
             help=f"with --trace: also the hit rate with a KV tier in {where} of BYTES (e.g. 8GiB; docs/tiers.md)",
         )  # fmt: skip
+    _write_policy_argument(p, "--*-cache-bytes")
     p.add_argument(
         "--list", action="store_true", help="print the table of architectures (KV bytes per token, 1M tokens)"
     )
@@ -273,7 +316,8 @@ def run_plan(args: argparse.Namespace) -> int:
             rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
             tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
             tiers = {m: b for m, b in tiers.items() if b}
-            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None)
+            policy = _write_policy(args, tiers)
+            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
             if args.target_hit_rate is not None:
                 rep["target"] = [
                     memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols

@@ -25,7 +25,7 @@ from radixkv.cache.outcome import CAUSES
 from radixkv.engine.outcome import explain_text
 from radixkv.obs.spans import classify_values, expand_to_lines, find_spans, locate, rewrite, shape_of
 from radixkv.obs.trace import TraceRequest
-from radixkv.sim import SimRequest, simulate
+from radixkv.sim import SimRequest, capacity_bound, simulate
 
 __all__ = ["explain_trace", "FRACTIONS", "DEFAULT_CAPACITY"]
 
@@ -109,6 +109,7 @@ def explain_trace(
     context: int = 24,
     source: str = "",
     tiers: Optional[dict] = None,
+    tier_write_policy: Any = None,
 ) -> dict:
     """Analyse a trace (module docstring).
 
@@ -128,6 +129,8 @@ def explain_trace(
             replay counts what they hold as served (``tiers`` in the report: tokens served by
             each; ``hit_rate`` and ``cached_tokens`` include them, ``missed_tokens`` and its
             causes stay the pool's, and each top miss lists its ``tier_spans``).
+        tier_write_policy: their write policy, as ``EngineConfig.kv_tier_write_policy`` (None:
+            the engine's defaults).
 
     Returns:
         The report, a JSON-ready dict (see docs/explain.md for its fields).
@@ -140,10 +143,13 @@ def explain_trace(
     sims = [r.sim_request() if isinstance(r, TraceRequest) else r for r in requests]
     tokens = [list(s.tokens) for s in sims]
     sim_kw = dict(policy=policy, page_size=page_size, hash_algo=hash_algo)
-    main = simulate(sims, capacity=capacity, tiers=tiers, **sim_kw)
+    cap = _sim_capacity(sims, capacity, page_size)
+    main = simulate(sims, capacity=cap, tiers=tiers, tier_write_policy=tier_write_policy, **sim_kw)
     inf = simulate(sims, capacity=None, outcomes=False, keep_requests=False, **sim_kw)
     served = [r for r in main.requests if r.served]
     report = _summary(main, inf, served, source, hash_algo)
+    if capacity is not None:
+        report["config"]["capacity"] = capacity  # as asked (the replay's may be the trace's bound)
     if tiers:
         report["tiers"] = dict(capacity_tokens=dict(tiers), served_tokens=dict(main.cached_tokens_by_tier))
     report["top_misses"] = _top_misses(served, requests, tokens, tokenizer, top, context)
@@ -160,6 +166,12 @@ def explain_trace(
     report["series"]["fix"] = _fix_series(report["spans"])
     report["capacity_curve"] = _capacity_curve(sims, sim_kw, max(page_size, inf.cache_tokens_end), sweep)
     return report
+
+
+def _sim_capacity(sims: Sequence[SimRequest], capacity: Optional[int], page_size: int) -> Optional[int]:
+    """The capacity to replay ``sims`` at: None (the trace's bound, never short: the same replay)
+    for one at least that bound, so a huge ``--capacity`` does not allocate slots never used."""
+    return None if capacity is None or capacity >= capacity_bound(sims, page_size) else capacity
 
 
 def _summary(main: Any, inf: Any, served: list, source: str, hash_algo: str) -> dict:
@@ -238,12 +250,13 @@ def _fix_series(spans: list) -> Optional[dict]:
 
 
 def _capacity_curve(sims: list, sim_kw: dict, working_set: int, sweep: Sequence[float]) -> list:
-    """The hit rate at each fraction of the working set (tokens), replayed."""
+    """The hit rate at each fraction of the working set (tokens), replayed; ``skipped``: the
+    requests too large for that pool (the engine refuses them; the hit rate counts the others)."""
     page_size = sim_kw["page_size"]
     curve = []
     for f in sweep:
         r = simulate(sims, capacity=max(page_size, int(working_set * f)), outcomes=False, keep_requests=False, **sim_kw)
-        curve.append(dict(fraction=f, capacity=r.capacity, hit_rate=r.hit_rate))
+        curve.append(dict(fraction=f, capacity=r.capacity, hit_rate=r.hit_rate, skipped=r.skipped))
     return curve
 
 
@@ -294,12 +307,9 @@ def _span_report(k, sp, requests, tokens, sims, rows, tokenizer, what_if, sim_kw
             lines = expand_to_lines(regions, tokens, is_newline)
         for how in ("removed", "moved", "static"):
             new = rewrite(sp, tokens, how, regions if how == "static" else lines)
-            res = simulate(
-                [SimRequest(t, s.reply, s.namespace) for t, s in zip(new, sims)],
-                outcomes=False,
-                keep_requests=k == 0,
-                **sim_kw,
-            )
+            new_sims = [SimRequest(t, s.reply, s.namespace) for t, s in zip(new, sims)]
+            cap = _sim_capacity(new_sims, sim_kw["capacity"], sim_kw["page_size"])
+            res = simulate(new_sims, outcomes=False, keep_requests=k == 0, **dict(sim_kw, capacity=cap))
             out["what_if"][how] = dict(
                 hit_rate=res.hit_rate, cached_tokens=res.cached_tokens, prompt_tokens=res.prompt_tokens
             )

@@ -66,11 +66,12 @@ DTYPE_BYTES = {
 }
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes of one element of ``dtype`` (a key of :data:`DTYPE_BYTES`); ValueError otherwise."""
+def dtype_bytes(dtype: str, what: str = "kv dtype") -> int:
+    """Bytes of one element of ``dtype`` (a key of :data:`DTYPE_BYTES`); ValueError naming
+    ``what`` otherwise."""
     key = str(dtype).lower().replace("torch.", "")
     if key not in DTYPE_BYTES:
-        raise ValueError(f"kv dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+        raise ValueError(f"{what} must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     return DTYPE_BYTES[key]
 
 
@@ -104,12 +105,17 @@ class KVSpec:
         """From a transformers config object or a ``config.json`` dict.
 
         Raises:
-            ValueError: a field the formula needs is missing.
+            ValueError: a field the formula needs is missing, or one of :data:`CONFIG_INTS` is not
+                an integer of at least its least value.
         """
         get = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         text = get("text_config")
         if text is not None and get("num_hidden_layers") is None:  # multimodal wrappers
             return cls.from_config(text if isinstance(text, dict) else text.to_dict(), name, source)
+        for key, least in CONFIG_INTS.items():
+            v = get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+                raise ValueError(f"config field {key} must be an integer >= {least}, got {v!r}")
         layers = get("num_hidden_layers")
         heads = get("num_attention_heads")
         if layers is None or (heads is None and get("kv_lora_rank") is None):
@@ -165,7 +171,7 @@ class KVSpec:
 
     def weights_bytes(self, weight_dtype: str = "bfloat16") -> Optional[int]:
         """Bytes of the weights in ``weight_dtype`` (None when the parameter count is unknown)."""
-        return None if self.num_parameters is None else self.num_parameters * dtype_bytes(weight_dtype)
+        return None if self.num_parameters is None else self.num_parameters * dtype_bytes(weight_dtype, "weight dtype")
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -204,6 +210,22 @@ def engine_bytes_per_token(spec: KVSpec, kv_dtype: str = "bfloat16") -> Optional
     return KVPool.token_bytes(spec.num_layers, f["num_key_value_heads"], f["head_dim"], dtype)
 
 
+CONFIG_INTS = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "head_dim": 1,
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "vocab_size": 1,
+    "kv_lora_rank": 0,
+    "qk_rope_head_dim": 0,
+    "sliding_window": 1,
+    "num_parameters": 0,
+}
+"""The config fields the formulas read, and their least value (when present and not null)."""
+
+
 def _estimate_parameters(cfg: dict) -> Optional[int]:
     """Llama-family parameter count from a config (embeddings, attention, SwiGLU MLP, norms);
     None for mixtures of experts and MLA, which need their model card."""
@@ -240,7 +262,13 @@ def load_spec(model: str) -> KVSpec:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        cfg = json.loads(path.read_text())
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not a JSON config: {exc}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path}: a config must be a JSON object, got {type(cfg).__name__}")
+        KVSpec.from_config(cfg, str(model), str(path))  # its fields checked before any arithmetic on them
         cfg.setdefault("num_parameters", _estimate_parameters(cfg))
         return KVSpec.from_config(cfg, str(model), str(path))
     raise ValueError(
@@ -276,10 +304,11 @@ def plan_memory(
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
-    if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb) and gpu_memory_gb > 0):
-        raise ValueError(f"gpu_memory_gb must be a finite number > 0, got {gpu_memory_gb!r}")
-    if weights_gb is not None and not (math.isfinite(weights_gb) and weights_gb >= 0):
-        raise ValueError(f"weights_gb must be a finite number >= 0, got {weights_gb!r}")
+    if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb * GB) and gpu_memory_gb > 0):
+        raise ValueError(f"gpu_memory_gb must be a finite number > 0 (GB), got {gpu_memory_gb!r}")
+    if weights_gb is not None and not (math.isfinite(weights_gb * GB) and weights_gb >= 0):
+        raise ValueError(f"weights_gb must be a finite number >= 0 (GB), got {weights_gb!r}")
+    dtype_bytes(weight_dtype, "weight dtype")
     bpt = spec.bytes_per_token(kv_dtype)
     out: dict = dict(
         model=spec.as_dict(),
@@ -324,6 +353,7 @@ def hit_rate_curve(
     policies: Sequence[tuple[str, int]] = (("radix", 1), ("radix", 16), ("hash", 16)),
     points: int = 12,
     tiers: Optional[dict] = None,
+    write_policy: Any = None,
 ) -> dict:
     """Hit rate vs KV memory of ``requests`` (:class:`~radixkv.sim.SimRequest`) for each
     ``(policy, page_size)``: capacities from 1% of the working set (the tokens an infinite
@@ -332,12 +362,14 @@ def hit_rate_curve(
     Args:
         tiers: KV tiers below the pool, ``{medium: capacity in bytes}`` (``host``, ``disk``,
             ``remote``; docs/tiers.md): each row also gets the hit rate with them
-            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`).
+            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`); ``write_policy`` theirs, as
+            ``EngineConfig.kv_tier_write_policy`` (None: the engine's defaults).
 
     Returns:
         ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
-        "kv_gb", "hit_rate"[, "hit_rate_tiers"]}, ...]}[, "tiers": {medium: {"bytes",
-        "tokens"}}]}`` with labels like ``radix-p16``, ``hash-b16``.
+        "kv_gb", "hit_rate", "skipped"[, "hit_rate_tiers"]}, ...]}[, "tiers": {medium: {"bytes",
+        "tokens"}}]}`` with labels like ``radix-p16``, ``hash-b16``; ``skipped``: the requests
+        too large for that pool (the engine refuses them; the hit rate counts the others).
     """
     from radixkv.sim import simulate
 
@@ -355,9 +387,12 @@ def hit_rate_curve(
         for cap in caps:
             cap = max(ps, cap - cap % ps)
             r = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False)
-            rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate))
+            rows.append(dict(tokens=cap, kv_gb=cap * bpt / GB, hit_rate=r.hit_rate, skipped=r.skipped))
             if tier_tokens and policy != "none":
-                t = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tier_tokens)
+                t = simulate(
+                    requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tier_tokens,
+                    tier_write_policy=write_policy,
+                )  # fmt: skip
                 rows[-1]["hit_rate_tiers"] = t.hit_rate
         curves[label] = rows
     out = dict(working_set_tokens=ws, kv_bytes_per_token=bpt, infinite=infinite, curves=curves)
@@ -373,13 +408,15 @@ def memory_for_hit_rate(
     """The least KV memory whose replay of ``requests`` reaches hit rate ``target`` (a
     bisection over capacities, to ``tolerance`` relative; the hit rate of LRU caches grows
     with capacity in practice, not by a theorem, so the answer is the smallest capacity found
-    that reaches it).
+    that reaches it). Only a memory that holds every request is an answer: below the largest
+    request (:func:`radixkv.sim.capacity_needed`) the engine refuses it, and the hit rate of the
+    requests left says nothing about the trace.
 
     Returns:
         ``{"target", "reachable", "tokens", "kv_gb", "hit_rate", "infinite_hit_rate"}``;
         ``reachable`` is False when even infinite memory stays below ``target``.
     """
-    from radixkv.sim import capacity_bound, simulate
+    from radixkv.sim import capacity_bound, capacity_needed, simulate
 
     if not 0 <= target <= 1:
         raise ValueError(f"target hit rate must be in [0, 1], got {target}")
@@ -389,12 +426,14 @@ def memory_for_hit_rate(
     out = dict(target=target, policy=_label(policy, page_size), infinite_hit_rate=best.hit_rate)
     if best.hit_rate < target:
         return dict(out, reachable=False, tokens=None, kv_gb=None, hit_rate=None)
-    lo = page_size
+    lo = capacity_needed(requests, page_size) - page_size  # too small for the largest request
     hi_rate = best.hit_rate
     while hi - lo > max(page_size, int(hi * tolerance)):
         mid = (lo + hi) // 2
-        mid -= mid % page_size
-        r = simulate(requests, policy, page_size, max(page_size, mid), outcomes=False, keep_requests=False)
+        mid = max(lo + page_size, mid - mid % page_size)
+        if mid >= hi:
+            break
+        r = simulate(requests, policy, page_size, mid, outcomes=False, keep_requests=False)
         if r.hit_rate >= target:
             hi, hi_rate = mid, r.hit_rate
         else:

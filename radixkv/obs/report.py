@@ -27,6 +27,21 @@ _CAUSE_COLORS = {
 }
 
 
+TOO_LARGE = (
+    "(k too large: k requests do not fit a pool that small, which the engine refuses; the hit rate counts the others)"
+)
+
+
+def _rate(point: dict, requests: Optional[int]) -> str:
+    """A hit-rate-vs-capacity point: its hit rate (``->`` the rate with tiers), and the requests
+    too large for that pool (all of them: no hit rate, ``-``)."""
+    skipped = point.get("skipped", 0)
+    if skipped and skipped == requests:
+        return f"- (all {skipped:,} too large)"
+    out = _pct(point["hit_rate"]) + (f"->{_pct(point['hit_rate_tiers'])}" if "hit_rate_tiers" in point else "")
+    return out + (f" ({skipped:,} too large)" if skipped else "")
+
+
 def to_json(report: dict) -> str:
     """The report as indented JSON."""
     return json.dumps(report, indent=1, ensure_ascii=False, default=str)
@@ -110,7 +125,11 @@ def explain_text_report(rep: dict, top: int = 5) -> str:
             out.append("     served by " + ", ".join(f"{t} [{a}, {b})" for a, b, t in m["tier_spans"]))
     if rep.get("capacity_curve"):
         out += ["", "hit rate vs capacity (share of the working set):"]
-        out.append("  " + "  ".join(f"{100 * p['fraction']:g}% {_pct(p['hit_rate'])}" for p in rep["capacity_curve"]))
+        out.append(
+            "  " + "  ".join(f"{100 * p['fraction']:g}% {_rate(p, rep['requests'])}" for p in rep["capacity_curve"])
+        )
+        if any(p.get("skipped") for p in rep["capacity_curve"]):
+            out.append(f"  {TOO_LARGE}")
     return "\n".join(out)
 
 
@@ -160,12 +179,11 @@ def plan_text_report(rep: dict) -> str:
         for label, rows in cv["curves"].items():
             step = max(1, (len(rows) + 5) // 6)
             shown = rows[::-1][::step][::-1]  # about six points, the largest one always
-            pts = "  ".join(
-                f"{format_bytes(r['kv_gb'] * GB)} {_pct(r['hit_rate'])}"
-                + (f"->{_pct(r['hit_rate_tiers'])}" if "hit_rate_tiers" in r else "")
-                for r in shown
-            )
+            total = rep.get("trace", {}).get("requests")
+            pts = "  ".join(f"{format_bytes(r['kv_gb'] * GB)} {_rate(r, total)}" for r in shown)
             out.append(f"  {label:<10} infinite {_pct(cv['infinite'][label])}; {pts}")
+        if any(r.get("skipped") for rows in cv["curves"].values() for r in rows):
+            out.append(f"  {TOO_LARGE}")
     if "target" in rep:
         for t in rep["target"]:
             if t["reachable"]:

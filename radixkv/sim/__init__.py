@@ -15,6 +15,7 @@ from radixkv.sim.simulator import (
     SimResult,
     capacity_bound,
     capacity_for_memory,
+    capacity_needed,
     make_cache,
     simulate,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "SimResult",
     "capacity_bound",
     "capacity_for_memory",
+    "capacity_needed",
     "make_cache",
     "optimal",
     "simulate",

@@ -39,12 +39,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
 from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
-from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes
+from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes, resolve_write_policy
 from radixkv.engine.events import EventBus
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
@@ -65,6 +65,7 @@ __all__ = [
     "simulate",
     "capacity_bound",
     "capacity_for_memory",
+    "capacity_needed",
 ]
 
 POLICIES: dict[str, Callable[[int, str], Any]] = {
@@ -190,6 +191,15 @@ def capacity_bound(requests: Sequence[SimRequest], page_size: int = 1) -> int:
     return sum(len(r.tokens) + len(r.reply) for r in requests) + 2 * page_size * max(1, len(requests))
 
 
+def capacity_needed(requests: Sequence[SimRequest], page_size: int = 1) -> int:
+    """The least capacity (slots, whole pages) that serves every one of ``requests``: the largest
+    prompt + reply, as :meth:`CacheSimulator.serve` sizes it. Below it the largest requests are
+    skipped (the engine refuses a request that does not fit its pool), so a hit rate measured
+    there counts the other requests only."""
+    most = max((len(r.tokens) + max(len(r.reply) - 1, 0) for r in requests), default=1)
+    return -(-most // page_size) * page_size
+
+
 class CacheSimulator:
     """Replays requests through a prefix cache + slot allocator at a fixed capacity (module doc).
 
@@ -206,6 +216,8 @@ class CacheSimulator:
             the engine's CPU default; it decides when evictions happen under memory pressure).
         tiers: KV tiers below the pool, ``{medium: capacity in tokens}`` (:mod:`radixkv.sim.tiers`),
             or None.
+        tier_write_policy: the tiers' write policy as ``EngineConfig.kv_tier_write_policy`` takes
+            it (None: the engine's defaults).
 
     Attributes:
         kv: the :class:`~radixkv.engine.kv_manager.KVManager`.
@@ -226,6 +238,7 @@ class CacheSimulator:
         max_evicted_blocks: int = 1 << 16,
         chunked_prefill_size: int = 2048,
         tiers: Optional[dict] = None,
+        tier_write_policy: Union[None, str, dict] = None,
     ) -> None:
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be >= 1, got {chunked_prefill_size}")
@@ -243,7 +256,7 @@ class CacheSimulator:
         self.capacity = capacity
         self.events = EventBus()
         self._ctx = 4096
-        self.tiers = TierModel(tiers) if tiers else None
+        self.tiers = TierModel(tiers, resolve_write_policy(tier_write_policy)) if tiers else None
         # NOTE: the tier model is the KV manager's tiers: it hears the engine's own tier writes
         self.kv = KVManager(
             cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events, tiers=self.tiers
@@ -279,8 +292,8 @@ class CacheSimulator:
         final = n + max(len(reply) - 1, 0)  # positions whose K/V gets computed
         if kv.pages(final) > self.capacity:
             return RequestResult(i, n, 0, None, served=False)
-        if final > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
-            self._ctx = max(final, 2 * self._ctx)
+        if kv.pages(final) > self._ctx:  # a longer block table (idle between requests, so it can be replaced)
+            self._ctx = max(kv.pages(final), 2 * self._ctx)  # whole pages: a page may pass the prompt's end
             kv.replace_block_table(ReqToTokenPool(1, self._ctx))
         r = Request(str(i), 0, tokens, self._params, Namespace.of(req.namespace))
         prefix = kv.lock_prefix(r)
@@ -385,11 +398,13 @@ def simulate(
     keep_requests: bool = True,
     chunked_prefill_size: int = 2048,
     tiers: Optional[dict] = None,
+    tier_write_policy: Union[None, str, dict] = None,
     kv_cache_memory_bytes: int | str | None = None,
     kv_bytes_per_token: Optional[int] = None,
 ) -> SimResult:
     """One replay of ``requests`` (a sequence) at ``capacity`` slots; None: enough that nothing
-    is ever evicted (:func:`capacity_bound`); ``tiers``: KV tier capacities in tokens per tier.
+    is ever evicted (:func:`capacity_bound`); ``tiers``: KV tier capacities in tokens per tier,
+    ``tier_write_policy`` their write policy (as :class:`CacheSimulator`).
     See :class:`CacheSimulator`. Or sized in bytes: ``kv_cache_memory_bytes`` with
     ``kv_bytes_per_token`` (:func:`capacity_for_memory`), instead of ``capacity``.
 
@@ -413,5 +428,6 @@ def simulate(
         outcomes,
         chunked_prefill_size=chunked_prefill_size,
         tiers=tiers,
+        tier_write_policy=tier_write_policy,
     )
     return sim.run(requests, keep_requests)
