@@ -6,19 +6,65 @@ aborts, refused requests, flushes), and the Prometheus exposition parsed by prom
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
 from model_helpers import tiny_loaded_model
+from prometheus_client.parser import text_string_to_metric_families
+from server_helpers import Server
 
-from radixkv import LLM, SamplingParams
+from radixkv import LLM, AsyncLLM, SamplingParams
+from radixkv.server.app import create_app
 
 pytestmark = pytest.mark.timeout(600)
 
 RADIX = {"method": "radix", "num_speculative_tokens": 5}
+MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_loaded_model()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny):
+    """An AsyncLLM on the tiny random Llama with radix drafts (page 1, a 4,096-token pool)."""
+    a = AsyncLLM(
+        loaded_model=tiny, device="cpu", attention_backend="cpu", max_total_tokens=4096, speculative_config=RADIX
+    )
+    yield a
+    a.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_llm):
+    s = Server(create_app(tiny_llm, served_model_name=MODEL))
+    yield s
+    s.stop()
+
+
+def scrape(server) -> dict:
+    """GET /metrics parsed with prometheus_client's parser: {(sample name, labels): value}."""
+    text = httpx.get(server.base_url + "/metrics", timeout=60).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
+def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
+    """Until the engine has nothing unfinished (its slots released), polled up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while in_engine(llm, lambda e: e.has_unfinished_requests()):
+        assert time.monotonic() < deadline, "the engine did not go idle"
+
+
+def in_engine(llm: AsyncLLM, fn):
+    """``fn(engine)`` on the engine thread, after every call posted before it (aborts included)."""
+    return llm.submit(fn).result(60)
 
 
 def test_a_streamed_snapshot_keeps_its_own_metrics(tiny):
@@ -40,3 +86,22 @@ def test_a_streamed_snapshot_keeps_its_own_metrics(tiny):
         assert (o.metrics.spec_accepted_tokens, o.metrics.finished_time) == (accepted, finished_time)
         assert (finished_time is None) == (not o.finished)
     assert len({id(o.metrics) for o, _, _ in seen}) == len(seen)
+
+
+def test_a_refused_prompt_aborts_the_other_prompts_of_its_request(tiny_server, tiny_llm):
+    """A completions request whose second prompt the engine refuses is a 400, and its first prompt
+    is aborted before the answer is sent (``aclose()`` of its generator, still running its first
+    ``__anext__``, raised and was swallowed: the prompt ran on, its tokens counted in /metrics as
+    a completed request's when it finished first)."""
+    before = scrape(tiny_server)
+    body = {"model": MODEL, "prompt": [[1, 2, 3], [10**6]], "max_tokens": 2000, "ignore_eos": True}
+    r = httpx.post(tiny_server.base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    in_engine(tiny_llm, lambda e: None)  # after the calls posted before the answer
+    assert tiny_llm.num_unfinished_requests() == 0  # the abort was one of them
+    wait_idle(tiny_llm)
+    after = scrape(tiny_server)
+    for name in ("radixkv_prompt_tokens_total", "radixkv_generation_tokens_total", "radixkv_cached_tokens_total"):
+        assert after[(name, ())] == before.get((name, ()), 0), name
+    aborted = ("radixkv_requests_finished_total", (("finish_reason", "abort"),))
+    assert after[aborted] == before.get(aborted, 0) + 1

@@ -109,13 +109,19 @@ class EngineClient:
         return self.backend.model_facts()
 
     async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str, renames: dict | None) -> list:
+        """Each request's first output; when one is refused (or this is cancelled), every other
+        request is aborted before this raises: its ``__anext__`` still running is cancelled first
+        (``aclose()`` of a generator that is running raises, and the request ran on)."""
+        firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
         try:
-            return list(await asyncio.gather(*(g.__anext__() for g in gens)))
-        except ValueError as exc:
+            return list(await asyncio.gather(*firsts))
+        except BaseException as exc:
+            for f in firsts:
+                f.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
             await close_all(gens)
-            raise request_error_to_api(exc, prompt_param, renames) from exc
-        except BaseException:
-            await close_all(gens)
+            if isinstance(exc, ValueError):
+                raise request_error_to_api(exc, prompt_param, renames) from exc
             raise
 
     async def start(
