@@ -105,3 +105,24 @@ def test_a_refused_prompt_aborts_the_other_prompts_of_its_request(tiny_server, t
         assert after[(name, ())] == before.get((name, ()), 0), name
     aborted = ("radixkv_requests_finished_total", (("finish_reason", "abort"),))
     assert after[aborted] == before.get(aborted, 0) + 1
+
+
+BAD_FOR_THE_ENGINE = [  # 400s the engine refuses (the server's own checks pass)
+    ("/v1/completions", "completions", {"model": MODEL, "prompt": [10**6]}, "prompt"),
+    ("/v1/chat/completions", "chat", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 1000}, "n"),
+    ("/v1/completions", "completions", {"model": MODEL, "prompt": "hi", "regex": "(("}, "regex"),
+    ("/generate", "generate", {"input_ids": [1, 2], "sampling_params": {"regex": "(("}}, "sampling_params.regex"),
+]
+
+
+@pytest.mark.parametrize("path,endpoint,body,param", BAD_FOR_THE_ENGINE, ids=lambda v: str(v)[:24])
+def test_a_request_the_engine_refuses_is_not_counted_as_accepted(tiny_server, tiny_llm, path, endpoint, body, param):
+    """radixkv_requests_total counts accepted requests: one the engine refuses (400) counts only
+    in radixkv_request_errors_total, as one the server refuses itself (it counted in both)."""
+    before = scrape(tiny_server)
+    r = httpx.post(tiny_server.base_url + path, json=body, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    wait_idle(tiny_llm)
+    after = scrape(tiny_server)
+    moved = {k: after[k] - before.get(k, 0) for k in after if k[0].endswith("_total") and after[k] != before.get(k, 0)}
+    assert moved == {("radixkv_request_errors_total", (("status", "400"),)): 1.0}

@@ -137,7 +137,8 @@ class EngineClient:
         on_finish: Sequence[FinishHook | None] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
-        API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
+        API request as accepted under ``endpoint`` in ``radixkv_requests_total`` unless the engine
+        refused it.
 
         Args:
             endpoint: the ``endpoint`` label of ``radixkv_requests_total``.
@@ -167,8 +168,14 @@ class EngineClient:
             self.backend.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
             for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
+        try:
+            firsts = await self._first_outputs(gens, prompt_param, renames)
+        except APIError:  # refused (400, 429): not accepted, as a request the server refuses itself
+            raise
+        except BaseException:  # accepted; the client went away (or the engine died) first
+            self.metrics.requests.labels(endpoint=endpoint).inc()
+            raise
         self.metrics.requests.labels(endpoint=endpoint).inc()
-        firsts = await self._first_outputs(gens, prompt_param, renames)
         ttft = time.perf_counter() - start
         for _ in firsts:
             self.metrics.ttft.observe(ttft)
