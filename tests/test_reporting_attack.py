@@ -126,3 +126,30 @@ def test_a_request_the_engine_refuses_is_not_counted_as_accepted(tiny_server, ti
     after = scrape(tiny_server)
     moved = {k: after[k] - before.get(k, 0) for k in after if k[0].endswith("_total") and after[k] != before.get(k, 0)}
     assert moved == {("radixkv_request_errors_total", (("status", "400"),)): 1.0}
+
+
+def test_a_failed_request_is_not_counted_as_completed(tiny_server, tiny_llm, monkeypatch):
+    """A request whose sampling raises gets a 500 and no usage: /metrics counts its choice under
+    finish_reason "error" and none of its tokens (it counted them as a completed request's)."""
+    from radixkv.sampling import processors
+
+    real = processors.apply_logit_bias
+
+    def faulty(x, rows, bias_ids, bias_vals):
+        if any(7 in t.tolist() for t in bias_ids):
+            raise IndexError("injected logit_bias fault")
+        return real(x, rows, bias_ids, bias_vals)
+
+    monkeypatch.setattr(processors, "apply_logit_bias", faulty)
+    before = scrape(tiny_server)
+    body = {"model": MODEL, "prompt": list(range(600, 640)), "max_tokens": 8, "logit_bias": {"7": 0.5}}
+    r = httpx.post(tiny_server.base_url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
+    wait_idle(tiny_llm)
+    after = scrape(tiny_server)
+    moved = {k: after[k] - before.get(k, 0) for k in after if k[0].endswith("_total") and after[k] != before.get(k, 0)}
+    assert moved == {
+        ("radixkv_requests_total", (("endpoint", "completions"),)): 1.0,
+        ("radixkv_request_errors_total", (("status", "500"),)): 1.0,
+        ("radixkv_requests_finished_total", (("finish_reason", "error"),)): 1.0,
+    }
