@@ -153,3 +153,39 @@ def test_a_failed_request_is_not_counted_as_completed(tiny_server, tiny_llm, mon
         ("radixkv_request_errors_total", (("status", "500"),)): 1.0,
         ("radixkv_requests_finished_total", (("finish_reason", "error"),)): 1.0,
     }
+
+
+def test_replicas_stats_keep_the_latency_buckets_and_the_shared_tier_size(tiny):
+    """Summed over replicas (``--replicas N``), a tier's load-latency histogram keeps its bucket
+    bounds (they were added too: with 2 replicas /metrics' ``le`` labels were twice the real
+    bounds) and the remote tier all replicas share counts its capacity once (it was N times)."""
+    from radixkv.engine.tier_io import LATENCY_BUCKETS
+    from radixkv.server.backend import sum_stats
+    from radixkv.server.metrics import ServerMetrics
+
+    llm = LLM(
+        loaded_model=tiny, device="cpu", attention_backend="cpu", page_size=16, max_total_tokens=64,
+        host_cache_bytes=1 << 22,
+    )  # fmt: skip
+    prompts = [list(range(1000 + 100 * i, 1048 + 100 * i)) for i in range(3)]
+    for _ in range(2):  # the second round loads what the small pool evicted to the host tier
+        llm.generate(
+            prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+        )
+    one = llm.cache_stats().as_dict()
+    host = one["tiers"]["host"]
+    assert host["loaded"] > 0 and sum(host["load_latency"]["counts"]) > 0
+    one["tiers"]["remote"] = {"hits": 2, "used_bytes": 0, "capacity_bytes": 1 << 30, "degraded": False}
+    both = sum_stats([one, one])
+    lat = both.tiers["host"]["load_latency"]
+    assert lat["buckets"] == list(LATENCY_BUCKETS)
+    assert lat["counts"] == [2 * c for c in host["load_latency"]["counts"]]
+    assert both.tiers["remote"]["capacity_bytes"] == 1 << 30 and both.tiers["remote"]["hits"] == 4
+    assert both.tiers["host"]["capacity_bytes"] == 2 * host["capacity_bytes"]  # each replica's own
+    m = ServerMetrics()
+    m.update_engine(both)
+    fam = next(
+        f for f in text_string_to_metric_families(m.render().decode()) if f.name.endswith("load_latency_seconds")
+    )
+    bounds = [s.labels["le"] for s in fam.samples if s.name.endswith("_bucket") and s.labels["tier"] == "host"]
+    assert [float(b) for b in bounds] == [*LATENCY_BUCKETS, float("inf")]
