@@ -189,3 +189,39 @@ def test_replicas_stats_keep_the_latency_buckets_and_the_shared_tier_size(tiny):
     )
     bounds = [s.labels["le"] for s in fam.samples if s.name.endswith("_bucket") and s.labels["tier"] == "host"]
     assert [float(b) for b in bounds] == [*LATENCY_BUCKETS, float("inf")]
+
+
+def test_each_prompt_of_a_request_observes_its_own_time_to_first_token(monkeypatch):
+    """A request of several prompts observes each prompt's own TTFT (and its latency when its
+    first output is its last): each observed the time until every prompt had one."""
+    import asyncio
+
+    from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from radixkv.server import engine_client
+    from radixkv.server.metrics import ServerMetrics
+
+    class Clock:  # engine_client's ``time``: perf_counter moves only when a prompt gets its output
+        now = 100.0
+
+        @classmethod
+        def perf_counter(cls):
+            return cls.now
+
+    class Backend:
+        def generate(self, text, params, rid, prompt_token_ids, namespace=None, on_finish=None):
+            async def gen():
+                Clock.now += 1.0 if rid.endswith("-0") else 5.0  # prompt 0 after 1 s, prompt 1 after 5 more
+                c = CompletionOutput(0, "x", [5], "length")
+                yield RequestOutput(rid, text, prompt_token_ids, [c], True, 0, RequestMetrics(arrival_time=0.0))
+
+            return gen()
+
+    monkeypatch.setattr(engine_client, "time", Clock)
+    metrics = ServerMetrics()
+    client = engine_client.EngineClient(Backend(), metrics)
+    prompts = [(None, [1, 2]), (None, [3, 4])]
+    run = asyncio.run(client.start("completions", prompts, SamplingParams(max_tokens=1), "prompt"))
+    assert [o.finished for o in run.firsts] == [True, True]
+    got = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    for name in ("radixkv_time_to_first_token_seconds", "radixkv_e2e_request_latency_seconds"):
+        assert (got[name + "_count"], got[name + "_sum"]) == (2.0, 1.0 + 6.0), name

@@ -109,10 +109,16 @@ class EngineClient:
         return self.backend.model_facts()
 
     async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str, renames: dict | None) -> list:
-        """Each request's first output; when one is refused (or this is cancelled), every other
-        request is aborted before this raises: its ``__anext__`` still running is cancelled first
-        (``aclose()`` of a generator that is running raises, and the request ran on)."""
-        firsts = [asyncio.ensure_future(g.__anext__()) for g in gens]
+        """Each request's ``(first output, time.perf_counter() when it came)``; when one is refused
+        (or this is cancelled), every other request is aborted before this raises: its
+        ``__anext__`` still running is cancelled first (``aclose()`` of a generator that is
+        running raises, and the request ran on)."""
+
+        async def first(g: AsyncIterator) -> tuple:
+            out = await g.__anext__()
+            return out, time.perf_counter()
+
+        firsts = [asyncio.ensure_future(first(g)) for g in gens]
         try:
             return list(await asyncio.gather(*firsts))
         except BaseException as exc:
@@ -169,19 +175,19 @@ class EngineClient:
             for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
         try:
-            firsts = await self._first_outputs(gens, prompt_param, renames)
+            timed = await self._first_outputs(gens, prompt_param, renames)
         except APIError:  # refused (400, 429): not accepted, as a request the server refuses itself
             raise
         except BaseException:  # accepted; the client went away (or the engine died) first
             self.metrics.requests.labels(endpoint=endpoint).inc()
             raise
         self.metrics.requests.labels(endpoint=endpoint).inc()
-        ttft = time.perf_counter() - start
-        for _ in firsts:
-            self.metrics.ttft.observe(ttft)
+        for out, t in timed:  # each prompt's own time to its first output
+            self.metrics.ttft.observe(t - start)
+            if out.finished:
+                self.metrics.e2e.observe(t - start)
+        firsts = [out for out, _ in timed]
         finals: dict[int, Any] = {i: o for i, o in enumerate(firsts) if o.finished}
-        for _ in finals:
-            self.metrics.e2e.observe(ttft)
 
         async def rest() -> AsyncIterator[tuple[int, Any]]:
             pending = [g for i, g in enumerate(gens) if i not in finals]
