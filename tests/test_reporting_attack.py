@@ -6,6 +6,8 @@ aborts, refused requests, flushes), and the Prometheus exposition parsed by prom
 
 from __future__ import annotations
 
+import json
+import random
 import time
 
 import httpx
@@ -225,3 +227,187 @@ def test_each_prompt_of_a_request_observes_its_own_time_to_first_token(monkeypat
     got = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
     for name in ("radixkv_time_to_first_token_seconds", "radixkv_e2e_request_latency_seconds"):
         assert (got[name + "_count"], got[name + "_sum"]) == (2.0, 1.0 + 6.0), name
+
+
+# ---------------------------------------------------------------------- what held: the invariants
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("page_size,spec", [(1, None), (16, RADIX)])
+def test_cached_tokens_equal_an_oracle_of_what_the_tree_holds(tiny, page_size, spec):
+    """Requests one at a time (n 1 or 2, sampled): each one's num_cached_tokens is the longest
+    common prefix with any sequence computed before (prompt + output but its last token), capped
+    at its prompt - 1 and floored to the page; its tiers' split sums to it."""
+    llm = LLM(loaded_model=tiny, device="cpu", attention_backend="cpu", page_size=page_size, speculative_config=spec)
+    rng = random.Random(page_size)
+    seqs: list = []
+    for i in range(20):
+        if seqs and rng.random() < 0.7:
+            src = rng.choice(seqs)
+            prompt = src[: rng.randrange(1, len(src) + 1)] + [rng.randrange(100, 5000) for _ in range(rng.randrange(4))]
+        else:
+            prompt = [rng.randrange(100, 5000) for _ in range(rng.randrange(2, 60))]
+        prompt = prompt if len(prompt) >= 2 else prompt + [7, 8]
+        expected = min(max([_lcp(prompt, s) for s in seqs] + [0]), len(prompt) - 1) // page_size * page_size
+        params = SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randrange(1, 12), n=rng.choice([1, 2]))
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+        assert out.num_cached_tokens == expected, i
+        assert out.cached_tokens_by_tier == {"device": expected, "host": 0, "disk": 0, "remote": 0}
+        seqs += [(prompt + c.token_ids)[:-1] for c in out.outputs]
+
+
+CONFIGS = {
+    "chunked page 16": dict(page_size=16, chunked_prefill_size=32),
+    "small pool + tiers": dict(page_size=16, max_total_tokens=512, chunked_prefill_size=64, host_cache_bytes=1 << 22),
+    "drafts, preempted": dict(page_size=1, max_total_tokens=640, chunked_prefill_size=48, speculative_config=RADIX),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_engine_totals_are_the_sums_of_what_requests_report(tiny, tmp_path, name):
+    """Batches sharing prefixes (n 1-2, repeats): the engine's totals equal the sums over the
+    outputs (prompt, cached, by tier, generated, drafts), prefill tokens are the prompt tokens not
+    cached (without retractions), each outcome's causes sum to its missed tokens, and the pool is
+    idle after."""
+    cfg = dict(CONFIGS[name])
+    if "host_cache_bytes" in cfg:
+        cfg["disk_cache_dir"] = str(tmp_path)
+    llm = LLM(loaded_model=tiny, device="cpu", attention_backend="cpu", **cfg)
+    rng = random.Random(len(name))
+    base = [rng.randrange(100, 5000) for _ in range(120)]
+    outs, rounds = [], []
+    for k in range(4):  # the last round repeats the first (evicted from a small pool since)
+        prompts = [
+            base[: rng.randrange(10, 120)] + [rng.randrange(100, 5000) for _ in range(rng.randrange(1, 30))]
+            for _ in range(8)
+        ]
+        prompts = rounds[0] if k == 3 else prompts + rng.sample(prompts, 2)
+        rounds.append(prompts)
+        params = [
+            SamplingParams(
+                temperature=0.7, seed=i, max_tokens=rng.randrange(20, 90), n=rng.choice([1, 1, 2]), ignore_eos=True
+            )
+            for i in range(len(prompts))
+        ]
+        s0 = llm.cache_stats()
+        batch = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        s1 = llm.cache_stats()
+        if s1["num_retractions"] == s0["num_retractions"] and all(p.n == 1 for p in params):
+            assert s1["prefill_tokens"] - s0["prefill_tokens"] == sum(
+                len(o.prompt_token_ids) - o.num_cached_tokens for o in batch
+            )
+        outs += batch
+    s = llm.cache_stats()
+    assert s["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in outs)
+    assert s["cached_tokens"] == sum(o.num_cached_tokens for o in outs)
+    assert s["generated_tokens"] == sum(len(c.token_ids) for o in outs for c in o.outputs)
+    for m in ("device", "host", "disk", "remote"):
+        assert s["cached_tokens_by_tier"][m] == sum(o.cached_tokens_by_tier[m] for o in outs), m
+    assert s["spec_draft_tokens"] == sum(o.metrics.spec_draft_tokens for o in outs)
+    assert s["spec_accepted_tokens"] == sum(o.metrics.spec_accepted_tokens for o in outs)
+    for o in outs:
+        assert sum(o.cached_tokens_by_tier.values()) == o.num_cached_tokens <= len(o.prompt_token_ids)
+        assert sum(o.cache_outcome.missed.values()) == len(o.prompt_token_ids) - o.num_cached_tokens
+    for m, t in s["tiers"].items():
+        assert t["served_tokens"] == s["cached_tokens_by_tier"][m]
+    assert (s["running"], s["waiting"], s["in_use"], s["pinned"], s["protected"]) == (0, 0, 0, 0, 0)
+    assert s["free"] + s["evictable"] == s["capacity"]
+    if name == "drafts, preempted":
+        assert s["num_retractions"] > 0 and s["spec_accepted_tokens"] > 0
+    if name == "small pool + tiers":
+        assert s["cached_tokens_by_tier"]["host"] + s["cached_tokens_by_tier"]["disk"] > 0, s["cached_tokens_by_tier"]
+
+
+def _post(server, path: str, body: dict) -> dict:
+    r = httpx.post(server.base_url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _stream_usage(server, path: str, body: dict, stop_after: int | None = None):
+    """The usage of a streamed request (None when it was left after ``stop_after`` chunks)."""
+    chunks = []
+    with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+                if stop_after is not None and len(chunks) >= stop_after:
+                    return None  # leaving closes the connection mid-stream: an abort
+    assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
+    return chunks[-1]["usage"]
+
+
+def _check_exposition(text: str) -> None:
+    """Every sample non-negative; each histogram's buckets cumulative, ``+Inf`` equal to its count."""
+    for fam in text_string_to_metric_families(text):
+        assert all(s.value >= 0 for s in fam.samples), fam.name
+        if fam.type != "histogram":
+            continue
+        series: dict = {}
+        for s in fam.samples:
+            key = tuple(sorted((k, v) for k, v in s.labels.items() if k != "le"))
+            series.setdefault(key, []).append(s)
+        for samples in series.values():
+            buckets = [(float(s.labels["le"]), s.value) for s in samples if s.name.endswith("_bucket")]
+            count = next(s.value for s in samples if s.name.endswith("_count"))
+            assert buckets == sorted(buckets) and buckets[-1] == (float("inf"), count), fam.name
+
+
+def test_usage_and_metrics_agree_through_the_server(tiny_server, tiny_llm, tiny):
+    """n > 1 chat (non-streamed and streamed with usage), two identical prompts in one request (the
+    second computes nothing), aborted streams: /metrics moves by exactly the usage the clients
+    got, the missed causes sum to the uncached prompt tokens, the gauges are back to idle and the
+    exposition is valid."""
+    assert httpx.post(tiny_server.base_url + "/flush_cache", timeout=60).json()["flushed"] is True
+    before = scrape(tiny_server)
+    rng = random.Random(11)
+    words = " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "omega"]) for _ in range(40))
+    messages = [{"role": "system", "content": words}, {"role": "user", "content": "Name three colors."}]
+    rendered = tiny.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_len = len(tiny.tokenizer.encode(rendered, add_special_tokens=False))
+    chat = {"model": MODEL, "messages": messages, "max_tokens": 20, "n": 3, "temperature": 0.9, "seed": 1}
+    usages = [_post(tiny_server, "/v1/chat/completions", chat)["usage"] for _ in range(2)]
+    usages.append(
+        _stream_usage(tiny_server, "/v1/chat/completions", {**chat, "stream_options": {"include_usage": True}})
+    )
+    assert [u["prompt_tokens"] for u in usages] == [prompt_len] * 3
+    assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, prompt_len - 1, prompt_len - 1]
+    assert usages[2] == usages[1] and usages[1]["completion_tokens"] == 60
+    ids = [rng.randrange(100, 5000) for _ in range(48)]
+    twice = _post(
+        tiny_server, "/v1/completions", {"model": MODEL, "prompt": [ids, ids], "max_tokens": 5, "temperature": 0}
+    )
+    usages.append(twice["usage"])
+    assert twice["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # 0 + the whole prompt (a rider)
+    assert twice["choices"][0]["text"] == twice["choices"][1]["text"]
+    long = {"model": MODEL, "prompt": ids + [1], "max_tokens": 500, "ignore_eos": True, "n": 2}
+    assert _stream_usage(tiny_server, "/v1/completions", long, stop_after=3) is None
+    wait_idle(tiny_llm)
+    text = httpx.get(tiny_server.base_url + "/metrics", timeout=60).text
+    _check_exposition(text)
+    after = scrape(tiny_server)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+
+    assert moved("radixkv_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert moved("radixkv_cached_tokens_total") == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    assert moved("radixkv_generation_tokens_total") == sum(u["completion_tokens"] for u in usages)
+    missed = sum(moved(k[0], k[1]) for k in after if k[0] == "radixkv_missed_prompt_tokens_total")
+    assert missed == moved("radixkv_prompt_tokens_total") - moved("radixkv_cached_tokens_total")
+    assert moved("radixkv_requests_finished_total", (("finish_reason", "abort"),)) == 2  # per choice
+    assert moved("radixkv_requests_finished_total", (("finish_reason", "length"),)) == 3 * 3 + 2
+    assert moved("radixkv_time_to_first_token_seconds_count") == 3 + 2 + 1
+    assert moved("radixkv_e2e_request_latency_seconds_count") == 3 + 2
+    idle = {k[0]: v for k, v in after.items() if not k[1]}
+    assert idle["radixkv_num_requests_running"] == idle["radixkv_num_requests_waiting"] == 0
+    assert idle["radixkv_kv_protected_tokens"] == 0
+    assert idle["radixkv_kv_free_tokens"] + idle["radixkv_kv_evictable_tokens"] == idle["radixkv_kv_capacity_tokens"]
