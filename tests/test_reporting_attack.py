@@ -229,6 +229,28 @@ def test_each_prompt_of_a_request_observes_its_own_time_to_first_token(monkeypat
         assert (got[name + "_count"], got[name + "_sum"]) == (2.0, 1.0 + 6.0), name
 
 
+def test_a_generation_of_zero_new_tokens_counts_none(tiny_server, tiny_llm):
+    """SGLang's ``max_new_tokens: 0`` (its frontend's ``select`` sends it for every choice): the
+    engine samples one token and drops it; /metrics counts the prompt and no generated token, as
+    ``meta_info.completion_tokens`` says (it counted 1 per prompt)."""
+    before = scrape(tiny_server)
+    prompts = [list(range(700, 740)), list(range(800, 830))]
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    r = httpx.post(tiny_server.base_url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200 and [x["meta_info"]["completion_tokens"] for x in r.json()] == [0, 0]
+    body = {"input_ids": prompts[0] + [5], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    assert (
+        httpx.post(tiny_server.base_url + "/generate", json=body, timeout=120).json()["meta_info"]["completion_tokens"]
+        == 3
+    )
+    wait_idle(tiny_llm)
+    after = scrape(tiny_server)
+    gen, prompt = ("radixkv_generation_tokens_total", ()), ("radixkv_prompt_tokens_total", ())
+    assert after[gen] - before.get(gen, 0) == 3
+    assert after[prompt] - before.get(prompt, 0) == 40 + 30 + 41
+    assert not tiny_server.server.config.app.state.metrics._hidden  # nothing left behind
+
+
 # ---------------------------------------------------------------------- what held: the invariants
 
 

@@ -141,6 +141,7 @@ class EngineClient:
         request_ids: Sequence[str] | None = None,
         namespace: Namespace | None = None,
         on_finish: Sequence[FinishHook | None] | None = None,
+        hidden_outputs: Sequence[bool] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
         API request as accepted under ``endpoint`` in ``radixkv_requests_total`` unless the engine
@@ -159,6 +160,9 @@ class EngineClient:
             on_finish: per prompt, a hook run where the engine lives when its request finishes,
                 given the backend's :class:`~radixkv.server.backend.Pins`
                 (:meth:`EngineBackend.generate <radixkv.server.backend.EngineBackend.generate>`).
+            hidden_outputs: per prompt, True when its client is shown none of the tokens sampled
+                (SGLang's ``max_new_tokens`` 0: one is sampled and dropped); they are not counted
+                in ``radixkv_generation_tokens_total``.
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
@@ -174,9 +178,12 @@ class EngineClient:
             self.backend.generate(text, p, rid, prompt_token_ids=ids, namespace=namespace, on_finish=hook)
             for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
+        hidden = [rid for rid, h in zip(rids, hidden_outputs or ()) if h]
+        self.metrics.hide_outputs(hidden)
         try:
             timed = await self._first_outputs(gens, prompt_param, renames)
         except APIError:  # refused (400, 429): not accepted, as a request the server refuses itself
+            self.metrics.hide_outputs(hidden, False)
             raise
         except BaseException:  # accepted; the client went away (or the engine died) first
             self.metrics.requests.labels(endpoint=endpoint).inc()

@@ -250,6 +250,18 @@ class ServerMetrics:
         r.register(self._engine)
         # missed tokens by cause of the admitted, unfinished requests (engine thread only)
         self._outcomes: dict[str, dict] = {}
+        # requests whose sampled tokens their clients never see (:meth:`hide_outputs`)
+        self._hidden: set[str] = set()
+
+    def hide_outputs(self, request_ids, hide: bool = True) -> None:
+        """Count none of these requests' sampled tokens in ``radixkv_generation_tokens_total``
+        (their clients are shown none: SGLang's ``max_new_tokens`` 0); ``hide=False`` forgets
+        them (a request refused before it ran). Call before submitting them."""
+        for rid in request_ids:
+            if hide:
+                self._hidden.add(rid)
+            else:
+                self._hidden.discard(rid)
 
     def update_engine(self, snapshot: EngineStats) -> None:
         """Store an engine snapshot (``Engine.cache_stats()``) for the next :meth:`render`."""
@@ -266,12 +278,14 @@ class ServerMetrics:
         if not isinstance(event, RequestFinished):
             return
         missed = self._outcomes.pop(event.request_id, None)
+        hidden = event.request_id in self._hidden
+        self._hidden.discard(event.request_id)
         for reason in event.finish_reasons:
             self.finished.labels(finish_reason=reason).inc()
         if not _UNCOMPLETED.intersection(event.finish_reasons):  # token counts: completed requests only
             self.prompt_tokens.inc(event.num_prompt_tokens)
             self.cached_tokens.inc(event.num_cached_tokens)
-            self.generation_tokens.inc(event.num_output_tokens)
+            self.generation_tokens.inc(0 if hidden else event.num_output_tokens)
             for cause, n in (missed or {}).items():
                 self.missed_tokens.labels(cause=cause).inc(n)
             tenant = event.namespace.tenant if event.namespace is not None else None
