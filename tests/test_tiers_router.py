@@ -78,3 +78,21 @@ def test_a_replicas_own_host_tier_counts_only_for_it():
     assert p._tiered(d, {"a": 0, "b": 0}, ["a", "b"]) == {"a": 0, "b": 10}
     assert p.choose(RouteRequest("z", toks), ["a", "b"]).replica == "b"
     assert isinstance(p.views["b"].tiered["host"], OrderedDict)
+
+
+def test_a_restarted_replica_is_not_credited_with_its_former_host_tier():
+    """A new epoch (the replica's engine restarted, its view kept under the same name): its host
+    RAM tier is empty, so the view forgets its host blocks (they were still priced as held);
+    its disk directory and the shared remote tier keep theirs. The same through a snapshot."""
+    d = block_digests(list(range(500, 660)), None, 0, 10)
+    v = CacheView()
+    for seq, medium in enumerate(("host", "disk", "remote"), 1):
+        assert v.apply(_batch("e1", seq, d, medium)) is False
+    assert set(v.tiered) == {"host", "disk", "remote"}
+    assert v.apply(_batch("e2", 1, d[:2])) is False  # the restarted engine's first event
+    assert set(v.tiered) == {"disk", "remote"} and list(v.tiered["disk"]) == d and v.blocks == set(d[:2])
+    assert v.apply(_batch("e2", 2, d[:3], "host")) is False
+    v.load_snapshot({"epoch": "e2", "seq": 2, "blocks": []})  # the same engine: its host tier stays
+    assert list(v.tiered["host"]) == d[:3]
+    v.load_snapshot({"epoch": "e3", "seq": 0, "blocks": []})
+    assert "host" not in v.tiered and list(v.tiered["remote"]) == d

@@ -136,7 +136,7 @@ class RequestFinished(Event):
 
     Attributes:
         request_id: its id; ``step``: the engine step it ended in.
-        finish_reasons: each sample's reason (``"stop"``, ``"length"``, ``"abort"``).
+        finish_reasons: each sample's reason (``"stop"``, ``"length"``, ``"abort"``, ``"error"``).
         num_prompt_tokens, num_output_tokens (all samples), num_cached_tokens.
         namespace: its prefix-cache namespace (its ``tenant`` keys the server's per-tenant
             metrics).

@@ -3,6 +3,7 @@ the cumulative :class:`~radixkv.outputs.RequestOutput` the engine returns."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional
 
 from radixkv.engine.detokenizer import IncrementalDetokenizer
@@ -155,7 +156,7 @@ class RequestGroup:
             outs,
             self.finished,
             self.num_cached_tokens,
-            self.metrics,
+            replace(self.metrics),  # a copy: later steps update the group's own
             None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             cache_outcome=self.cache_outcome,
             error=self.error,

@@ -47,7 +47,7 @@ class CacheView:
         blocks: the set of block digests held (in the replica's pool).
         tiered: digests of blocks stored in the replica's KV tiers (insertion order), by medium:
             ``{"host": OrderedDict, ...}``; a consumer merges the shared ``"remote"`` ones of every
-            replica.
+            replica. A new epoch (the replica restarted) forgets its ``"host"`` ones.
         synced: False after a gap, an unknown eviction or a new epoch that did not start at
             ``seq`` 1, until a snapshot is loaded (the blocks then are a stale guess).
         resyncs: snapshots loaded so far.
@@ -81,6 +81,7 @@ class CacheView:
         epoch = batch.get("epoch")
         if epoch != self.epoch:
             self.epoch, self.seq, self.blocks, self.synced = epoch, 0, set(), True
+            self._new_process()
         if batch.get("dropped"):
             self.synced = False
         if not self.synced:
@@ -116,8 +117,15 @@ class CacheView:
         while len(held) > self.max_tiered:
             held.popitem(last=False)
 
+    def _new_process(self) -> None:
+        """Another engine instance (a new epoch): its host RAM tier starts empty (its disk
+        directory and the remote tier keep what was stored)."""
+        self.tiered.pop("host", None)
+
     def load_snapshot(self, snap: dict) -> None:
         """Replace the view by a snapshot (then later batches continue from ``snap["seq"]``)."""
+        if snap.get("epoch") != self.epoch:
+            self._new_process()
         self.epoch = snap.get("epoch")
         self.seq = int(snap["seq"])
         blocks = snap.get("blocks")

@@ -144,6 +144,24 @@ def _sum_nested(dicts: Sequence[dict]) -> dict:
     return out
 
 
+def _sum_tiers(per_engine: Sequence[dict]) -> dict:
+    """Several engines' ``EngineStats.tiers`` as one (:func:`_sum_nested`), except what is not a
+    count: a ``load_latency`` histogram's bucket bounds (the same on every engine: the first's,
+    its counts summed), and the sizes of the one ``remote`` tier every replica shares
+    (``used_bytes``, ``capacity_bytes``: the largest any replica reports, not one per replica)."""
+    out = _sum_nested(per_engine)
+    for medium, t in out.items():
+        firsts = [p[medium] for p in per_engine if isinstance(p.get(medium), dict)]
+        lat = t.get("load_latency")
+        if isinstance(lat, dict) and "buckets" in lat:
+            lat["buckets"] = next(list(f["load_latency"]["buckets"]) for f in firsts if "load_latency" in f)
+        if medium == "remote":
+            for key in ("used_bytes", "capacity_bytes"):
+                if key in t:
+                    t[key] = max(int(f.get(key) or 0) for f in firsts)
+    return out
+
+
 # facts of each engine's configuration (the same on every replica): the first replica's, not a sum
 _PER_ENGINE_FACTS = {"page_size": 1, "prefix_cache": "radix", "kv_cache_dtype": "float32", "kv_bytes_per_token": 0}
 
@@ -155,14 +173,16 @@ def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
     ``kv_bytes_per_token`` the first's (every replica has the same), ``tenants`` merged
     (:func:`~radixkv.engine.stats.merge_tenants`); ``cached_tokens_by_tier`` and the per-tier
     ``tiers`` counters summed per key (a ``degraded`` tier: on any replica; the cost model's
-    seconds per token: the slowest replica's)."""
+    seconds per token: the slowest replica's; :func:`_sum_tiers` says what is not summed)."""
     agg: dict[str, Any] = {}
     for k in EngineStats.__dataclass_fields__:
         if k in _PER_ENGINE_FACTS:
             agg[k] = per_engine[0][k] if per_engine else _PER_ENGINE_FACTS[k]
         elif k == "tenants":
             agg[k] = merge_tenants(p.get(k) for p in per_engine)
-        elif k in ("cached_tokens_by_tier", "tiers"):
+        elif k == "tiers":
+            agg[k] = _sum_tiers([p.get(k) or {} for p in per_engine])
+        elif k == "cached_tokens_by_tier":
             agg[k] = _sum_nested([p.get(k) or {} for p in per_engine])
         elif k != "hit_rate":
             agg[k] = sum(int(p.get(k, 0)) for p in per_engine)

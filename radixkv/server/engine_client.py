@@ -109,13 +109,25 @@ class EngineClient:
         return self.backend.model_facts()
 
     async def _first_outputs(self, gens: list[AsyncIterator], prompt_param: str, renames: dict | None) -> list:
+        """Each request's ``(first output, time.perf_counter() when it came)``; when one is refused
+        (or this is cancelled), every other request is aborted before this raises: its
+        ``__anext__`` still running is cancelled first (``aclose()`` of a generator that is
+        running raises, and the request ran on)."""
+
+        async def first(g: AsyncIterator) -> tuple:
+            out = await g.__anext__()
+            return out, time.perf_counter()
+
+        firsts = [asyncio.ensure_future(first(g)) for g in gens]
         try:
-            return list(await asyncio.gather(*(g.__anext__() for g in gens)))
-        except ValueError as exc:
+            return list(await asyncio.gather(*firsts))
+        except BaseException as exc:
+            for f in firsts:
+                f.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)
             await close_all(gens)
-            raise request_error_to_api(exc, prompt_param, renames) from exc
-        except BaseException:
-            await close_all(gens)
+            if isinstance(exc, ValueError):
+                raise request_error_to_api(exc, prompt_param, renames) from exc
             raise
 
     async def start(
@@ -130,9 +142,11 @@ class EngineClient:
         namespace: Namespace | None = None,
         on_finish: Sequence[FinishHook | None] | None = None,
         routing_key: str | None = None,
+        hidden_outputs: Sequence[bool] | None = None,
     ) -> Run:
         """Submit one engine request per prompt and wait for each one's first output; counts the
-        API request as accepted under ``endpoint`` in ``radixkv_requests_total``.
+        API request as accepted under ``endpoint`` in ``radixkv_requests_total`` unless the engine
+        refused it.
 
         Args:
             endpoint: the ``endpoint`` label of ``radixkv_requests_total``.
@@ -149,6 +163,9 @@ class EngineClient:
                 (:meth:`EngineBackend.generate <radixkv.server.backend.EngineBackend.generate>`).
             routing_key: the conversation key the ``session`` routing policy hashes across
                 replicas (:meth:`~radixkv.server.openai.protocol._SamplingFields.routing_key`).
+            hidden_outputs: per prompt, True when its client is shown none of the tokens sampled
+                (SGLang's ``max_new_tokens`` 0: one is sampled and dropped); they are not counted
+                in ``radixkv_generation_tokens_total``.
 
         Raises:
             APIError: the engine refused a request (400, ``param`` from the refusal).
@@ -166,14 +183,23 @@ class EngineClient:
             )
             for (text, ids), p, rid, hook in zip(prompts, per_prompt, rids, hooks)
         ]
+        hidden = [rid for rid, h in zip(rids, hidden_outputs or ()) if h]
+        self.metrics.hide_outputs(hidden)
+        try:
+            timed = await self._first_outputs(gens, prompt_param, renames)
+        except APIError:  # refused (400, 429): not accepted, as a request the server refuses itself
+            self.metrics.hide_outputs(hidden, False)
+            raise
+        except BaseException:  # accepted; the client went away (or the engine died) first
+            self.metrics.requests.labels(endpoint=endpoint).inc()
+            raise
         self.metrics.requests.labels(endpoint=endpoint).inc()
-        firsts = await self._first_outputs(gens, prompt_param, renames)
-        ttft = time.perf_counter() - start
-        for _ in firsts:
-            self.metrics.ttft.observe(ttft)
+        for out, t in timed:  # each prompt's own time to its first output
+            self.metrics.ttft.observe(t - start)
+            if out.finished:
+                self.metrics.e2e.observe(t - start)
+        firsts = [out for out, _ in timed]
         finals: dict[int, Any] = {i: o for i, o in enumerate(firsts) if o.finished}
-        for _ in finals:
-            self.metrics.e2e.observe(ttft)
 
         async def rest() -> AsyncIterator[tuple[int, Any]]:
             pending = [g for i, g in enumerate(gens) if i not in finals]

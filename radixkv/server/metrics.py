@@ -7,9 +7,10 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_time_to_first_token_seconds`` and ``radixkv_e2e_request_latency_seconds``; the
   engine's :class:`~radixkv.engine.events.RequestFinished` events (:meth:`ServerMetrics.on_event`)
   count ``radixkv_requests_finished_total{finish_reason}`` (per choice; ``abort`` for a client
-  that went away), ``radixkv_prompt_tokens_total``, ``radixkv_cached_tokens_total`` (prompt tokens
-  served from the prefix cache) and ``radixkv_generation_tokens_total`` of the requests that
-  completed (not aborted): the numbers their clients see in ``usage``; the
+  that went away, ``error`` for a request that failed), ``radixkv_prompt_tokens_total``,
+  ``radixkv_cached_tokens_total`` (prompt tokens served from the prefix cache) and
+  ``radixkv_generation_tokens_total`` of the requests that completed (neither aborted nor
+  failed): the numbers their clients see in ``usage``; the
   :class:`~radixkv.engine.events.RequestAdmitted` events (with their cache outcome) count
   ``radixkv_missed_prompt_tokens_total{cause}``: prompt tokens not served from the prefix
   cache, by cause (:data:`radixkv.cache.outcome.CAUSES`), of the same completed requests (so
@@ -56,6 +57,10 @@ from radixkv.engine.events import Event, RequestAdmitted, RequestFinished
 from radixkv.engine.stats import EngineStats
 
 __all__ = ["ServerMetrics", "CONTENT_TYPE_LATEST"]
+
+_UNCOMPLETED = frozenset(("abort", "error"))
+"""Finish reasons of a request that did not complete (its client saw no ``usage``): aborted, or
+failed (a 500 ``request_failed``)."""
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -245,6 +250,18 @@ class ServerMetrics:
         r.register(self._engine)
         # missed tokens by cause of the admitted, unfinished requests (engine thread only)
         self._outcomes: dict[str, dict] = {}
+        # requests whose sampled tokens their clients never see (:meth:`hide_outputs`)
+        self._hidden: set[str] = set()
+
+    def hide_outputs(self, request_ids, hide: bool = True) -> None:
+        """Count none of these requests' sampled tokens in ``radixkv_generation_tokens_total``
+        (their clients are shown none: SGLang's ``max_new_tokens`` 0); ``hide=False`` forgets
+        them (a request refused before it ran). Call before submitting them."""
+        for rid in request_ids:
+            if hide:
+                self._hidden.add(rid)
+            else:
+                self._hidden.discard(rid)
 
     def update_engine(self, snapshot: EngineStats) -> None:
         """Store an engine snapshot (``Engine.cache_stats()``) for the next :meth:`render`."""
@@ -261,12 +278,14 @@ class ServerMetrics:
         if not isinstance(event, RequestFinished):
             return
         missed = self._outcomes.pop(event.request_id, None)
+        hidden = event.request_id in self._hidden
+        self._hidden.discard(event.request_id)
         for reason in event.finish_reasons:
             self.finished.labels(finish_reason=reason).inc()
-        if "abort" not in event.finish_reasons:  # token counts are those of completed requests
+        if not _UNCOMPLETED.intersection(event.finish_reasons):  # token counts: completed requests only
             self.prompt_tokens.inc(event.num_prompt_tokens)
             self.cached_tokens.inc(event.num_cached_tokens)
-            self.generation_tokens.inc(event.num_output_tokens)
+            self.generation_tokens.inc(0 if hidden else event.num_output_tokens)
             for cause, n in (missed or {}).items():
                 self.missed_tokens.labels(cause=cause).inc(n)
             tenant = event.namespace.tenant if event.namespace is not None else None

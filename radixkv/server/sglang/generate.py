@@ -96,7 +96,7 @@ class Generate:
         opts = [o for _, o in converted]
         rids = req.request_ids(count, batch)
         listed = batch or n > 1
-        run = await self._start(raw, prompts, params, prompt_param, rids, namespace)
+        run = await self._start(raw, prompts, params, prompt_param, rids, namespace, [o.zero_tokens for o in opts])
 
         def item(p: int, out: RequestOutput, c: CompletionOutput, text: str | None = None) -> dict:
             rid = rids[p] if n == 1 else f"{rids[p]}-{c.index}"
@@ -133,7 +133,9 @@ class Generate:
 
         return framed(events(), run.rest, server_error_event)
 
-    async def _start(self, raw: Request, prompts: list, params: list, prompt_param: str, rids: list, namespace: Any):
+    async def _start(
+        self, raw: Request, prompts: list, params: list, prompt_param: str, rids: list, namespace: Any, hidden: list
+    ):
         """``client.start`` under the engine ids of the client's ``rids`` (its tenant's own:
         :func:`~radixkv.server.auth.engine_request_id`); a duplicate of a running one is a 400
         naming ``rid`` and the client's id.
@@ -144,8 +146,9 @@ class Generate:
         ids = [engine_request_id(raw, r) for r in rids]
         try:
             return await self.client.start(
-                "generate", prompts, params, prompt_param, ENGINE_RENAMES, request_ids=ids, namespace=namespace
-            )
+                "generate", prompts, params, prompt_param, ENGINE_RENAMES, request_ids=ids, namespace=namespace,
+                hidden_outputs=hidden,
+            )  # fmt: skip
         except APIError as exc:
             if exc.param != "rid":
                 raise
