@@ -210,7 +210,7 @@ def test_each_prompt_of_a_request_observes_its_own_time_to_first_token(monkeypat
             return cls.now
 
     class Backend:
-        def generate(self, text, params, rid, prompt_token_ids, namespace=None, on_finish=None):
+        def generate(self, text, params, rid, prompt_token_ids, namespace=None, on_finish=None, routing_key=None):
             async def gen():
                 Clock.now += 1.0 if rid.endswith("-0") else 5.0  # prompt 0 after 1 s, prompt 1 after 5 more
                 c = CompletionOutput(0, "x", [5], "length")
