@@ -157,6 +157,35 @@ def test_a_failed_request_is_not_counted_as_completed(tiny_server, tiny_llm, mon
     }
 
 
+def test_an_error_inside_a_started_stream_counts_as_a_500(tiny_server, tiny_llm, monkeypatch):
+    """A request that fails after its stream's headers went out (HTTP 200, the error as an in-band
+    event) counts in ``radixkv_request_errors_total{status="500"}`` as the internal error it
+    reports; before, only errors answered with an error status counted."""
+    from radixkv.sampling import processors
+
+    real, calls = processors.apply_logit_bias, []
+
+    def faulty(x, rows, bias_ids, bias_vals):
+        if any(7 in t.tolist() for t in bias_ids):
+            calls.append(1)
+            if len(calls) >= 3:  # from its third token on: the first chunks are sent
+                raise IndexError("injected logit_bias fault")
+        return real(x, rows, bias_ids, bias_vals)
+
+    monkeypatch.setattr(processors, "apply_logit_bias", faulty)
+    before = scrape(tiny_server)
+    body = {"model": MODEL, "prompt": list(range(700, 740)), "max_tokens": 8, "logit_bias": {"7": 0.5}, "stream": True}
+    r = httpx.post(tiny_server.base_url + "/v1/completions", json=body, timeout=120)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert r.status_code == 200 and events[-1]["error"]["code"] == "internal_error", r.text
+    assert any(e.get("choices") for e in events[:-1])  # tokens were streamed before the error
+    wait_idle(tiny_llm)
+    after = scrape(tiny_server)
+    moved = {k: after[k] - before.get(k, 0) for k in after if k[0].endswith("_total") and after[k] != before.get(k, 0)}
+    assert moved[("radixkv_request_errors_total", (("status", "500"),))] == 1.0, moved
+    assert moved[("radixkv_requests_finished_total", (("finish_reason", "error"),))] == 1.0, moved
+
+
 def test_replicas_stats_keep_the_latency_buckets_and_the_shared_tier_size(tiny):
     """Summed over replicas (``--replicas N``), a tier's load-latency histogram keeps its bucket
     bounds (they were added too: with 2 replicas /metrics' ``le`` labels were twice the real

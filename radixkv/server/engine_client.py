@@ -72,12 +72,15 @@ class Run:
             aborts the unfinished ones (a disconnect frees their KV slots).
         usage: builds OpenAI usage from the latest outputs.
         request_ids: each prompt's engine request id.
+        stream_failed: told of an error reported inside a stream whose headers were sent (it
+            counts in ``radixkv_request_errors_total`` as the 500 it stands for).
     """
 
     firsts: list[RequestOutput]
     rest: AsyncIterator[tuple[int, RequestOutput]]
     usage: Callable[[list], Usage]
     request_ids: list[str] = field(default_factory=list)
+    stream_failed: Callable[[Exception], None] = lambda exc: None
 
 
 class EngineClient:
@@ -224,7 +227,7 @@ class EngineClient:
                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
             )
 
-        return Run(firsts, rest(), usage, rids)
+        return Run(firsts, rest(), usage, rids, lambda exc: self.metrics.request_errors.labels(status="500").inc())
 
     async def collect(self, raw: Request, run: Run) -> list:
         """Run to completion for a non-streamed answer; a client that disconnects aborts it.

@@ -90,14 +90,22 @@ async def merge(gens: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def framed(events: AsyncIterator[str], rest: Any, error_event: Callable[[Exception], dict]) -> AsyncIterator[str]:
+async def framed(
+    events: AsyncIterator[str],
+    rest: Any,
+    error_event: Callable[[Exception], dict],
+    on_error: Callable[[Exception], None] | None = None,
+) -> AsyncIterator[str]:
     """An SSE response body: ``events``, then ``data: [DONE]``. An error after the headers were
-    sent is reported in-band as ``error_event(exc)``; the engine streams in ``rest`` are closed in
-    every case (closing aborts unfinished requests, so a disconnect frees their KV slots)."""
+    sent is reported in-band as ``error_event(exc)`` (and told to ``on_error``: the metrics); the
+    engine streams in ``rest`` are closed in every case (closing aborts unfinished requests, so a
+    disconnect frees their KV slots)."""
     try:
         async for e in events:
             yield e
     except Exception as exc:  # noqa: BLE001 - headers are sent; report in-band
+        if on_error is not None:
+            on_error(exc)
         yield sse(error_event(exc))
     finally:
         await rest.aclose()

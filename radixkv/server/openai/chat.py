@@ -139,7 +139,7 @@ class Chat:
             if req.include_usage:
                 yield chunk([], run.usage([latest]))
 
-        return framed(events(), run.rest, server_error_event)
+        return framed(events(), run.rest, server_error_event, run.stream_failed)
 
 
 def _drop_none(obj):

@@ -150,7 +150,7 @@ class Completions:
             if req.include_usage:
                 yield chunk([], run.usage(latest))
 
-        return framed(events(), run.rest, server_error_event)
+        return framed(events(), run.rest, server_error_event, run.stream_failed)
 
 
 def _sglext(outs: list) -> dict:

@@ -523,7 +523,8 @@ class Responses:
                 await self._forget(rid)
                 raise
             return finish(out, None)
-        return framed(self._events(req, rid, created, msg_id, plan, run, finish), run.rest, server_error_event)
+        events = self._events(req, rid, created, msg_id, plan, run, finish)
+        return framed(events, run.rest, server_error_event, run.stream_failed)
 
     # ---------------------------------------------------------------- stream
     async def _events(self, req, rid, created, msg_id, plan, run, finish) -> AsyncIterator[str]:

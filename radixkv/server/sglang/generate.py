@@ -131,7 +131,7 @@ class Generate:
                     emitted[key] = -1 if done else ntok
                     yield sse(body)
 
-        return framed(events(), run.rest, server_error_event)
+        return framed(events(), run.rest, server_error_event, run.stream_failed)
 
     async def _start(
         self, raw: Request, prompts: list, params: list, prompt_param: str, rids: list, namespace: Any, hidden: list
