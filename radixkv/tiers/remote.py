@@ -2,8 +2,8 @@
 write (the ``redis`` PyPI client, imported here only). docs/tiers.md ("Redis") has the policy.
 
 Keys are ``<prefix>:<fingerprint hex>:<namespace digest hex>:<block digest hex>`` (prefix
-``rkv``), values the codec's records. Reads are one round trip (``MGET``, or pipelined ``GETEX``
-refreshing the TTL of what is read), writes one pipelined ``SET ... EX ttl``. Every failure of
+``rkv``), values the codec's records. Reads are one round trip (pipelined ``GET``, or ``GETEX``
+refreshing the TTL of what is read; a key holding another type is a corrupt record), writes one pipelined ``SET ... EX ttl``. Every failure of
 the server (down, refusing, out of memory) is a miss or a dropped write, counted, logged with
 backoff; no call is tried again until the backoff passes, then the next call reconnects.
 """
@@ -63,6 +63,13 @@ def _oom_error() -> type[BaseException]:
 
 
 _FAIL = object()
+_WRONG = object()  # a key holding another type than a string (WRONGTYPE): a corrupt record
+
+
+def _wrong_type(v: Any) -> bool:
+    from redis.exceptions import ResponseError
+
+    return isinstance(v, ResponseError) and str(v).startswith("WRONGTYPE")
 
 
 class RedisStore:
@@ -208,16 +215,18 @@ class RedisStore:
         ttl = self.ttl_s
 
         def fetch(r: Any) -> list:
-            if not ttl:
-                return r.mget(names)
             p = r.pipeline(transaction=False)
             for n in names:
-                if self._getex:
+                if not ttl:
+                    p.get(n)
+                elif self._getex:
                     p.getex(n, ex=ttl)
                 else:
                     p.get(n).expire(n, ttl)
             res = p.execute(raise_on_error=False)
-            return res if self._getex else res[::2]
+            # NOTE: a key holding another type (a list, a hash) is that key's damage, not the
+            # server's failure: a corrupt record, not a reason to back off from every key
+            return [_WRONG if _wrong_type(v) else v for v in (res if ttl == 0 or self._getex else res[::2])]
 
         vals = self._call(fetch) if names else []
         out: list[Block | None] = [None] * len(names)
@@ -225,6 +234,10 @@ class RedisStore:
             bad = []
             for i, (key, toks, v) in enumerate(zip(keys, tokens, vals)):
                 if v is None or isinstance(v, Exception):
+                    continue
+                if v is _WRONG:
+                    bad.append(names[i])
+                    logger.warning("remote tier: dropped corrupt record %s (not a string value)", names[i])
                     continue
                 self._stats.add(blocks_read=1, bytes_read=len(v))
                 out[i] = decode(key, v, toks)
