@@ -323,6 +323,38 @@ def test_disk_truncated_corrupted_and_foreign_files_are_counted_misses(tmp_path)
     assert sorted(p.name[:96] for p in tmp_path.rglob("*.kvb")) == [keys[3].hex()]
 
 
+@pytest.mark.timeout(60)
+def test_disk_entries_that_are_not_files_are_counted_misses_never_read(tmp_path):
+    """What replaces a record while the engine runs need not be a file: a FIFO (opening it for
+    reading blocked the tiers' thread for ever, and every request waiting on a load with it), a
+    symlink to /dev/zero (read until memory ran out), a symlink to another file (its target's
+    mtime was set by each touch), a directory (an I/O error at every lookup, never dropped).
+    Each is a corrupt record: a counted miss, removed, written again by the next put."""
+    keys, toks, blocks = _blocks(5)
+    rec = encoded_size(blocks[0])
+    d = DiskStore(tmp_path / "tier", 10 * rec)
+    d.put(keys, blocks)
+    outside = tmp_path / "outside"
+    outside.write_bytes(_file(tmp_path / "tier", keys[4]).read_bytes())
+    os.utime(outside, ns=(10**18, 10**18))
+    paths = [_file(tmp_path / "tier", k) for k in keys[:4]]
+    for p in paths:
+        p.unlink()
+    os.mkfifo(paths[0])
+    paths[1].symlink_to("/dev/zero")
+    paths[2].symlink_to(outside)
+    paths[3].mkdir()
+    d.touch(keys[2:3])
+    assert outside.stat().st_mtime_ns == 10**18
+    assert d.get(keys, toks) == [None, None, None, None, blocks[4]]
+    s = d.stats()
+    assert (s["corrupt"], s["hits"], s["misses"], s["errors"], s["degraded"]) == (4, 1, 4, 0, False)
+    assert [os.path.lexists(p) for p in paths] == [False] * 4 and outside.read_bytes()
+    assert d.contains(keys) == [False] * 4 + [True] and d.used_bytes == rec
+    d.put(keys, blocks)
+    assert d.get(keys, toks) == blocks and d.stats()["blocks_written"] == 9
+
+
 def test_disk_unwritable_directory_is_a_clear_error(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -144,6 +144,12 @@ class DiskStore:
         except FileNotFoundError:
             self._forget(name)
             return None
+        except files.NotARecord as e:
+            self._stats.add(corrupt=1)
+            logger.warning("disk tier: dropped corrupt record %s (%s, not a file)", path, e.kind)
+            files.drop_entry(path)
+            self._forget(name)
+            return None
         except OSError as e:
             self._stats.add(errors=1)
             self._read_log.failure(e)
@@ -174,10 +180,10 @@ class DiskStore:
         now = self._now_ns()
         with self._lock:
             try:
-                os.utime(path, ns=(now, now))
+                os.utime(path, ns=(now, now), follow_symlinks=False)  # NOTE: never a symlink's target
                 if size is None:
                     known = self._index.get(name)
-                    size = known[0] if known else os.stat(path).st_size
+                    size = known[0] if known else os.lstat(path).st_size
             except FileNotFoundError:
                 old = self._index.pop(name, None)
                 self._used -= old[0] if old else 0
@@ -252,7 +258,7 @@ class DiskStore:
                 name, (old_size, mtime) = next(iter(self._index.items()))
                 path = files.layout_path(self.path, name)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     self._forget_locked(name)
                     continue

@@ -14,6 +14,7 @@ order survives restarts and is shared by every process using the directory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -25,6 +26,8 @@ from typing import Iterator
 __all__ = [
     "BLOCKS",
     "MANIFEST",
+    "NotARecord",
+    "drop_entry",
     "layout_path",
     "prepare",
     "read_record",
@@ -249,22 +252,73 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
         raise
 
 
+class NotARecord(Exception):
+    """What is at a record's path is not a regular file (a symlink, a directory, a FIFO, a
+    device): never read, a corrupt record; ``kind`` names it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
 def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:
-    """The bytes of the file at ``path`` (None, unread, when it is larger than ``limit`` bytes),
-    its inode number and its size.
+    """The bytes of the regular file at ``path`` (None, unread, when it is larger than ``limit``
+    bytes), its inode number and its size. Its size at the open is what is read: a file growing
+    meanwhile is read to that size (the codec's lengths check the rest).
 
     Raises:
-        FileNotFoundError: no such file; OSError: it could not be read.
+        FileNotFoundError: no such file; NotARecord: not a regular file (opened without following
+            a symlink and without blocking on a FIFO, then closed unread: a FIFO would block the
+            tiers' thread for ever, ``/dev/zero`` would be read until memory runs out);
+            OSError: it could not be read.
     """
-    with open(path, "rb", buffering=0) as f:
-        st = os.fstat(f.fileno())
-        return (f.readall() if st.st_size <= limit else None), st.st_ino, st.st_size
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotARecord("a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARecord(next((k for f, k in _KINDS if f(st.st_mode)), "not a regular file"))
+        if st.st_size > limit:
+            return None, st.st_ino, st.st_size
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), st.st_ino, st.st_size
+    finally:
+        os.close(fd)
+
+
+def drop_entry(path: str) -> None:
+    """Remove what is at a record's path that is not a record (unlink; rmdir for an empty
+    directory, a non-empty one is left: the tier removes nothing it cannot know it wrote)."""
+    if not _unlink(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def unlink_if_same(path: str, ino: int) -> bool:
     """Unlink ``path`` if it is still the file with inode ``ino`` (not a newer replacement)."""
     try:
-        if os.stat(path).st_ino != ino:
+        if os.lstat(path).st_ino != ino:
             return False
     except OSError:
         return False
