@@ -355,6 +355,37 @@ def test_disk_entries_that_are_not_files_are_counted_misses_never_read(tmp_path)
     assert d.get(keys, toks) == blocks and d.stats()["blocks_written"] == 9
 
 
+def test_disk_dir_removed_or_made_a_file_mid_run(tmp_path):
+    """The directory removed while the engine runs: the next write makes it again with its
+    manifest, so a restart keeps what was written since (it made ``blocks`` alone, and the next
+    start took it for a corrupt index and removed every record). Replaced by a file: no call
+    raises, writes fail and pause (``degraded``, where a write was taken for stored already and
+    the tier never said so), and resume once the directory can be made again."""
+    keys, toks, blocks = _blocks(4)
+    now = [0.0]
+    root = tmp_path / "tier"
+    d = DiskStore(root, 1 << 20, clock=lambda: now[0], refresh_s=1e9, backoff_base_s=5.0)
+    d.put(keys[:1], blocks[:1])
+    shutil.rmtree(root)
+    d.put(keys[1:2], blocks[1:2])
+    assert d.get(keys, toks) == [None, blocks[1], None, None]
+    restarted = DiskStore(root, 1 << 20)
+    assert restarted.stats()["corrupt_index"] == 0 and restarted.get(keys, toks) == [None, blocks[1], None, None]
+    shutil.rmtree(root)
+    root.write_bytes(b"not a directory")
+    d.put(keys, blocks)
+    assert d.get(keys, toks) == [None] * 4
+    s = d.stats()
+    assert (s["degraded"], s["blocks_written"], s["skipped"], s["blocks"]) == (True, 2, 3, 0)
+    root.unlink()
+    d.put(keys, blocks)  # still backing off
+    assert d.stats()["skipped"] == 7 and not root.exists()
+    now[0] += 5.0
+    d.put(keys, blocks)
+    assert d.get(keys, toks) == blocks and not d.degraded
+    assert DiskStore(root, 1 << 20).get(keys, toks) == blocks
+
+
 def test_disk_unwritable_directory_is_a_clear_error(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -184,7 +184,7 @@ class DiskStore:
                 if size is None:
                     known = self._index.get(name)
                     size = known[0] if known else os.lstat(path).st_size
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # ENOTDIR: the directory became a file
                 old = self._index.pop(name, None)
                 self._used -= old[0] if old else 0
                 return False

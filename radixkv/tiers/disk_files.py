@@ -234,7 +234,7 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
     try:
         fd = os.open(tmp, flags, 0o644)
     except FileNotFoundError:
-        os.makedirs(folder, exist_ok=True)
+        _restore(os.path.dirname(os.path.dirname(folder)), folder)
         fd = os.open(tmp, flags, 0o644)
     try:
         try:
@@ -268,6 +268,17 @@ _KINDS = (
     (stat.S_ISBLK, "a device"),
 )
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _restore(root: str, folder: str) -> None:
+    """Make ``folder`` (a fan-out folder of ``root``) again after someone removed it, or the
+    whole directory: the manifest first when it is gone too (a ``blocks`` without one is a
+    corrupt index to the next process that starts on the directory: it would remove every
+    record written since)."""
+    os.makedirs(root, exist_ok=True)
+    if not os.path.lexists(os.path.join(root, MANIFEST)):
+        _write_manifest(root)
+    os.makedirs(folder, exist_ok=True)
 
 
 def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:
