@@ -366,9 +366,9 @@ def test_async_llm_shutdown_drains_the_writes():
     gate = __import__("threading").Event()
     orig = disk.put
 
-    def slow_put(keys, blocks):  # the writes are still queued when shutdown starts
+    def slow_put(keys, blocks, replace=False):  # the writes are still queued when shutdown starts
         gate.wait(30)
-        orig(keys, blocks)
+        orig(keys, blocks, replace)
 
     disk.put = slow_put
 
@@ -380,7 +380,7 @@ def test_async_llm_shutdown_drains_the_writes():
     assert len(disk.data) == 0
     gate.set()
     llm.shutdown()
-    assert len(disk.data) == 4 and disk.closed
+    assert len(disk.data) == 5 and disk.closed  # 4 blocks and the 6-token tail
 
 
 def test_exit_after_a_shutdown_that_timed_out_still_drains_the_writes():
