@@ -203,3 +203,41 @@ def test_a_bf16_engine_never_reads_what_a_float32_engine_wrote(tmp_path):
     again32 = _greedy(_tiny_llm(lm, "float32", str(tmp_path)), ids)
     assert again32.cached_tokens_by_tier["disk"] == want
     assert again32.outputs[0].token_ids == out32.outputs[0].token_ids
+
+
+def test_speculative_decoding_with_tiers_fp8_pages_of_16_keeps_greedy_outputs(tmp_path):
+    """Speculative decoding ("radix" drafts: the second round drafts the first round's replies,
+    verified rows) over an fp8 pool of 16-token pages whose prompts come back from the host and
+    disk tiers: every token is what the plain engine (no tiers, no speculation) gives, drafts are
+    accepted, and every prompt of the second round reuses its 6 whole pages, most of them from
+    the tiers (the pool holds about two prompts)."""
+    lm = tiny_model()
+    rng = random.Random(3)
+    heads = [[rng.randrange(100, 40000) for _ in range(50)] for _ in range(8)]
+    prompts = [h + h[:30] + h[:20] for h in heads]
+    params = SamplingParams(temperature=0, max_tokens=24)
+
+    def rounds(llm):
+        out = [llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for _ in range(2)]
+        llm.engine.check_integrity()
+        return out
+
+    kw = dict(loaded_model=lm, device="cpu", page_size=16, kv_cache_dtype="fp8_e4m3")
+    plain = rounds(LLM(max_total_tokens=8192, **kw))
+    llm = LLM(
+        max_total_tokens=256,
+        speculative_config={"method": "radix", "num_speculative_tokens": 4},
+        host_cache_bytes=1 << 16,
+        disk_cache_dir=str(tmp_path),
+        **kw,
+    )
+    tiered = rounds(llm)
+    for a, b in zip(plain, tiered):
+        assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
+    assert [o.num_cached_tokens for o in tiered[1]] == [96] * 8
+    from_tiers = sum(o.cached_tokens_by_tier["host"] + o.cached_tokens_by_tier["disk"] for o in tiered[1])
+    assert from_tiers >= 96 * 6
+    stats = llm.cache_stats()
+    assert stats.spec_accepted_tokens > 0
+    assert sum(stats.tiers[m]["corrupt"] + stats.tiers[m]["load_rejected"] for m in ("host", "disk")) == 0
+    llm.close()
