@@ -434,6 +434,28 @@ def test_disk_corrupt_index_means_an_empty_tier(tmp_path):
     assert d2.stats()["corrupt_index"] == 0 and d2.stats()["blocks"] == 3 and d2.get(keys, toks) == blocks
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_disk_a_manifest_that_is_no_file_is_a_corrupt_index(tmp_path, kind):
+    """The manifest replaced by a FIFO (opening it hung the engine's start for ever), an empty
+    directory (the rewrite failed: a ValueError where a corrupt index starts empty) or a symlink
+    to /dev/zero: a corrupt index, the tier starts empty with a manifest of its own."""
+    keys, toks, blocks = _blocks(2)
+    DiskStore(tmp_path).put(keys, blocks)
+    manifest = tmp_path / files.MANIFEST
+    manifest.unlink()
+    {
+        "fifo": lambda: os.mkfifo(manifest),
+        "directory": manifest.mkdir,
+        "symlink": lambda: manifest.symlink_to("/dev/zero"),
+    }[kind]()
+    d = DiskStore(tmp_path)
+    assert d.stats()["corrupt_index"] == 1 and d.used_bytes == 0 and d.contains(keys) == [False] * 2
+    assert not manifest.is_symlink() and json.loads(manifest.read_text())["version"] == 1
+    d.put(keys, blocks)
+    assert DiskStore(tmp_path).get(keys, toks) == blocks
+
+
 def test_disk_never_removes_another_programs_files(tmp_path):
     """A directory with a ``blocks`` but no manifest whose content no tier writes (another
     program's, or a mistyped ``--disk-cache-dir``) is refused, and nothing in it is removed; one

@@ -45,6 +45,8 @@ _NAME_LEN = 96
 _HEX = frozenset("0123456789abcdef")
 STALE_TMP_S = 3600.0
 """A temporary file older than this (seconds, by its mtime) is a crashed writer's: removed by scans."""
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+"""Opening what should be a file: never through a symlink, never blocking on a FIFO."""
 
 
 def layout_path(root: str, name: str) -> str:
@@ -86,11 +88,18 @@ def _write_manifest(root: str) -> None:
 
 
 def _manifest_ok(root: str) -> bool:
+    """Whether the manifest is a regular file of this format (read without following a symlink
+    or blocking on a FIFO: a FIFO there hung the engine's start)."""
     try:
-        with open(os.path.join(root, MANIFEST), "rb") as f:
-            return json.loads(f.read(4096)) == _FORMAT
+        fd = os.open(os.path.join(root, MANIFEST), _READ_FLAGS)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and json.loads(os.read(fd, 4096)) == _FORMAT
     except (OSError, ValueError):
         return False
+    finally:
+        os.close(fd)
 
 
 def prepare(root: str) -> bool:
@@ -130,6 +139,7 @@ def prepare(root: str) -> bool:
     try:
         if corrupt:
             remove_records(root, everything=True)
+            drop_entry(os.path.join(root, MANIFEST))  # NOTE: an empty directory there too
         if corrupt or not has_manifest:
             _write_manifest(root)
         if os.path.lexists(blocks) and not os.path.isdir(blocks):
@@ -267,7 +277,6 @@ _KINDS = (
     (stat.S_ISCHR, "a device"),
     (stat.S_ISBLK, "a device"),
 )
-_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _restore(root: str, folder: str) -> None:
