@@ -241,3 +241,28 @@ def test_speculative_decoding_with_tiers_fp8_pages_of_16_keeps_greedy_outputs(tm
     assert stats.spec_accepted_tokens > 0
     assert sum(stats.tiers[m]["corrupt"] + stats.tiers[m]["load_rejected"] for m in ("host", "disk")) == 0
     llm.close()
+
+
+def test_the_same_weights_under_another_config_never_read_each_others_blocks(tmp_path):
+    """One checkpoint, two config.json: RoPE's theta changed (as a rope_scaling added for long
+    contexts), or the norms' epsilon. Their K/V differ for the same tokens, so neither engine
+    reads the other's blocks (the fingerprint named the weights and dtypes only: the second
+    engine loaded the first one's 89 tokens from disk and its greedy tokens changed from the 3rd
+    on). Where the model was loaded from (``_name_or_path``) does not matter: a copy shares."""
+    ids = _ids(7, 90)
+    base = tiny_model()
+    a = _tiny_llm(base, "float32", str(tmp_path))
+    _greedy(a, ids)
+    a.close()
+    for config in ({"rope_theta": 500000.0}, {"rms_norm_eps": 1e-3}):
+        other = tiny_model(**config)
+        alone = _greedy(_tiny_llm(other, "float32"), ids)
+        llm = _tiny_llm(other, "float32", str(tmp_path))
+        got = _greedy(llm, ids)
+        assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert llm.cache_stats().tiers["disk"]["found"] == 0
+        llm.close()
+    copy = tiny_model()
+    copy.model.config._name_or_path = "/elsewhere/the-same-model"
+    again = _greedy(_tiny_llm(copy, "float32", str(tmp_path)), ids)
+    assert again.cached_tokens_by_tier["disk"] == len(ids) - 1
