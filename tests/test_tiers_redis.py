@@ -315,6 +315,36 @@ def test_memory_policy_allkeys_lru_evicts_and_noeviction_fails_softly(redis_serv
         rclient.flushdb()
 
 
+def test_a_read_only_replica_pauses_writes_only(redis_server, rclient):
+    """The tier's server turned into a read-only replica (a failover demoted it, or the URL names
+    a replica): its writes are refused (READONLY) and pause on their own backoff while the blocks
+    it holds are still read (a refused write paused every read too, and every read was refused
+    anyway: GETEX sets the TTL, a write to a replica; the tier served nothing it held)."""
+    from redis_fixture import _free_port
+
+    rclient.flushdb()
+    keys, toks, blocks = _blocks(4, seed=740)
+    clock = FakeClock()
+    s = RedisStore(redis_server.url, clock=clock, backoff_base_s=2.0, backoff_max_s=8.0)
+    s.put(keys[:2], blocks[:2])
+    try:
+        rclient.replicaof("127.0.0.1", _free_port())  # a master that never answers: stale reads go on
+        s.put(keys[2:], blocks[2:])
+        st = s.stats()
+        assert (st["errors"], st["degraded"], st["blocks_written"]) == (1, True, 2)
+        assert s.get(keys, toks) == blocks[:2] + [None, None]  # GETEX refused there: GET
+        s.touch(keys)  # write-through marks its head used: EXPIRE refused there, nothing to mark
+        s.put(keys[2:], blocks[2:])
+        assert s.stats()["skipped"] == 2 and s.stats()["errors"] == 1
+        assert s.get(keys, toks) == blocks[:2] + [None, None]
+    finally:
+        rclient.replicaof("NO", "ONE")
+    clock.t += 2.0
+    s.put(keys[2:], blocks[2:])
+    assert not s.degraded and s.get(keys, toks) == blocks
+    rclient.flushdb()
+
+
 def test_touch_refreshes_the_ttl_of_held_keys_only(redis_server, rclient):
     """``touch`` (write-through marks the head the pool held): the TTL of each held key back to
     the store's, a missing key left missing, nothing counted as read."""
