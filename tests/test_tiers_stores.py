@@ -394,6 +394,21 @@ def test_disk_dir_removed_or_made_a_file_mid_run(tmp_path):
     assert DiskStore(root, 1 << 20).get(keys, toks) == blocks
 
 
+def test_disk_a_file_where_a_fan_out_folder_goes_is_replaced(tmp_path):
+    """A file (or a symlink) at ``blocks/<xx>``: the write of a block of that folder replaces it
+    with the folder (each such write failed, and every failure paused all the tier's writes)."""
+    keys, toks, blocks = _blocks(3)
+    now = [0.0]
+    d = DiskStore(tmp_path, 1 << 20, clock=lambda: now[0])
+    fans = [_file(tmp_path, k).parent for k in keys[:2]]
+    fans[0].write_bytes(b"x")
+    fans[1].symlink_to(tmp_path / "nowhere")
+    d.put(keys, blocks)
+    s = d.stats()
+    assert (s["blocks_written"], s["errors"], s["skipped"], s["degraded"]) == (3, 0, 0, False)
+    assert all(f.is_dir() and not f.is_symlink() for f in fans) and d.get(keys, toks) == blocks
+
+
 def test_disk_unwritable_directory_is_a_clear_error(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")

@@ -243,7 +243,7 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         _restore(os.path.dirname(os.path.dirname(folder)), folder)
         fd = os.open(tmp, flags, 0o644)
     try:
@@ -280,13 +280,21 @@ _KINDS = (
 
 
 def _restore(root: str, folder: str) -> None:
-    """Make ``folder`` (a fan-out folder of ``root``) again after someone removed it, or the
-    whole directory: the manifest first when it is gone too (a ``blocks`` without one is a
+    """Make ``folder`` (a fan-out folder of ``root``) again after someone removed it (or put a
+    file there), or the whole directory: the manifest first when it is gone too (a ``blocks`` without one is a
     corrupt index to the next process that starts on the directory: it would remove every
     record written since)."""
-    os.makedirs(root, exist_ok=True)
+    os.makedirs(root, exist_ok=True)  # NOTE: a root that became a file raises: the write fails
     if not os.path.lexists(os.path.join(root, MANIFEST)):
         _write_manifest(root)
+    try:
+        not_a_folder = not stat.S_ISDIR(os.lstat(folder).st_mode)
+    except OSError:
+        not_a_folder = False
+    if not_a_folder and os.path.isdir(os.path.dirname(folder)):
+        # a file or a symlink where the fan-out folder goes, under the tier's own blocks/: damage,
+        # replaced (every write there failed, and each failure paused all the tier's writes)
+        _unlink(folder)
     os.makedirs(folder, exist_ok=True)
 
 
