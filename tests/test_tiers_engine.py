@@ -366,9 +366,9 @@ def test_async_llm_shutdown_drains_the_writes():
     gate = __import__("threading").Event()
     orig = disk.put
 
-    def slow_put(keys, blocks):  # the writes are still queued when shutdown starts
+    def slow_put(keys, blocks, replace=False):  # the writes are still queued when shutdown starts
         gate.wait(30)
-        orig(keys, blocks)
+        orig(keys, blocks, replace)
 
     disk.put = slow_put
 
@@ -380,7 +380,50 @@ def test_async_llm_shutdown_drains_the_writes():
     assert len(disk.data) == 0
     gate.set()
     llm.shutdown()
-    assert len(disk.data) == 4 and disk.closed
+    assert len(disk.data) == 5 and disk.closed  # 4 blocks and the 6-token tail
+
+
+def test_exit_after_a_shutdown_that_timed_out_still_drains_the_writes():
+    """``AsyncLLM.shutdown(timeout)`` returns while its engine thread still drains the tiers
+    (a slow disk); the interpreter's exit then closes the tiers again (atexit): that close waits
+    for the same drain (it returned at once, the process exited and the daemon I/O thread died
+    with the writes still queued: a restart found none of them)."""
+    import threading
+
+    from radixkv.async_llm import AsyncLLM
+    from radixkv.engine.tiers import _drain_at_exit
+
+    disk = MemoryStore("disk")
+    e = kv_engine(stores=[disk])
+    tm = e.kv.tiers
+    llm = AsyncLLM.from_engine(e)
+    gate = threading.Event()
+    orig = disk.put
+
+    def slow_put(keys, blocks, replace=False):
+        gate.wait(30)
+        orig(keys, blocks, replace)
+
+    disk.put = slow_put
+
+    async def go():
+        async for _ in llm.generate(prompt_token_ids=prompt(25, 70), sampling_params=greedy()):
+            pass
+
+    __import__("asyncio").run(go())
+    llm.shutdown(timeout=0.01)
+    assert tm.io.drain(0) is False and len(disk.data) == 0  # still queued
+    got = []
+    at_exit = threading.Thread(
+        target=lambda: got.append((_drain_at_exit(__import__("weakref").ref(tm)), len(disk.data)))
+    )
+    at_exit.start()
+    at_exit.join(0.5)
+    gate.set()
+    at_exit.join(30)
+    assert got == [(None, 5)]  # 4 blocks and the 6-token tail
+    llm.shutdown()
+    assert disk.closed
 
 
 def test_block_hashing_cache_works_with_tiers_written_through():

@@ -203,3 +203,66 @@ def test_a_bf16_engine_never_reads_what_a_float32_engine_wrote(tmp_path):
     again32 = _greedy(_tiny_llm(lm, "float32", str(tmp_path)), ids)
     assert again32.cached_tokens_by_tier["disk"] == want
     assert again32.outputs[0].token_ids == out32.outputs[0].token_ids
+
+
+def test_speculative_decoding_with_tiers_fp8_pages_of_16_keeps_greedy_outputs(tmp_path):
+    """Speculative decoding ("radix" drafts: the second round drafts the first round's replies,
+    verified rows) over an fp8 pool of 16-token pages whose prompts come back from the host and
+    disk tiers: every token is what the plain engine (no tiers, no speculation) gives, drafts are
+    accepted, and every prompt of the second round reuses its 6 whole pages, most of them from
+    the tiers (the pool holds about two prompts)."""
+    lm = tiny_model()
+    rng = random.Random(3)
+    heads = [[rng.randrange(100, 40000) for _ in range(50)] for _ in range(8)]
+    prompts = [h + h[:30] + h[:20] for h in heads]
+    params = SamplingParams(temperature=0, max_tokens=24)
+
+    def rounds(llm):
+        out = [llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for _ in range(2)]
+        llm.engine.check_integrity()
+        return out
+
+    kw = dict(loaded_model=lm, device="cpu", page_size=16, kv_cache_dtype="fp8_e4m3")
+    plain = rounds(LLM(max_total_tokens=8192, **kw))
+    llm = LLM(
+        max_total_tokens=256,
+        speculative_config={"method": "radix", "num_speculative_tokens": 4},
+        host_cache_bytes=1 << 16,
+        disk_cache_dir=str(tmp_path),
+        **kw,
+    )
+    tiered = rounds(llm)
+    for a, b in zip(plain, tiered):
+        assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]
+    assert [o.num_cached_tokens for o in tiered[1]] == [96] * 8
+    from_tiers = sum(o.cached_tokens_by_tier["host"] + o.cached_tokens_by_tier["disk"] for o in tiered[1])
+    assert from_tiers >= 96 * 6
+    stats = llm.cache_stats()
+    assert stats.spec_accepted_tokens > 0
+    assert sum(stats.tiers[m]["corrupt"] + stats.tiers[m]["load_rejected"] for m in ("host", "disk")) == 0
+    llm.close()
+
+
+def test_the_same_weights_under_another_config_never_read_each_others_blocks(tmp_path):
+    """One checkpoint, two config.json: RoPE's theta changed (as a rope_scaling added for long
+    contexts), or the norms' epsilon. Their K/V differ for the same tokens, so neither engine
+    reads the other's blocks (the fingerprint named the weights and dtypes only: the second
+    engine loaded the first one's 89 tokens from disk and its greedy tokens changed from the 3rd
+    on). Where the model was loaded from (``_name_or_path``) does not matter: a copy shares."""
+    ids = _ids(7, 90)
+    base = tiny_model()
+    a = _tiny_llm(base, "float32", str(tmp_path))
+    _greedy(a, ids)
+    a.close()
+    for config in ({"rope_theta": 500000.0}, {"rms_norm_eps": 1e-3}):
+        other = tiny_model(**config)
+        alone = _greedy(_tiny_llm(other, "float32"), ids)
+        llm = _tiny_llm(other, "float32", str(tmp_path))
+        got = _greedy(llm, ids)
+        assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
+        assert llm.cache_stats().tiers["disk"]["found"] == 0
+        llm.close()
+    copy = tiny_model()
+    copy.model.config._name_or_path = "/elsewhere/the-same-model"
+    again = _greedy(_tiny_llm(copy, "float32", str(tmp_path)), ids)
+    assert again.cached_tokens_by_tier["disk"] == len(ids) - 1

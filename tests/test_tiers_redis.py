@@ -147,6 +147,27 @@ def test_corrupt_records_are_counted_misses_and_deleted(redis_server, rclient):
     assert [rclient.exists(_name(k)) for k in keys] == [0, 0, 0, 1]
 
 
+@pytest.mark.parametrize("ttl_s", [None, 0])
+def test_a_key_of_another_type_is_a_corrupt_record_not_a_server_failure(redis_server, rclient, ttl_s):
+    """A key of a block's name holding a list or a hash (another program, an operator's typo):
+    that block is a counted miss and the key is unlinked; the other blocks of the same call are
+    served and the tier neither errs nor backs off (it was: WRONGTYPE failed the whole call, the
+    tier went degraded and paused every read for its backoff, again at each lookup of that key)."""
+    keys, toks, blocks = _blocks(3, seed=330 + (ttl_s or 0))
+    s = RedisStore(redis_server.url, ttl_s=ttl_s, clock=FakeClock())
+    s.put(keys, blocks)
+    rclient.delete(_name(keys[1]), _name(keys[2]))
+    rclient.rpush(_name(keys[1]), b"not a record")
+    rclient.hset(_name(keys[2]), "f", b"v")
+    assert s.get(keys, toks) == [blocks[0], None, None]
+    st = s.stats()
+    assert (st["corrupt"], st["errors"], st["hits"], st["misses"], st["degraded"]) == (2, 0, 1, 2, False)
+    assert [rclient.exists(_name(k)) for k in keys] == [1, 0, 0]
+    assert s.contains(keys) == [True, False, False]  # so the engine writes them again
+    s.put(keys[1:], blocks[1:])
+    assert s.get(keys, toks) == blocks and s.stats()["errors"] == 0
+
+
 def test_server_killed_then_restarted_misses_then_recovers(redis_server):
     keys, toks, blocks = _blocks(2, seed=400)
     clock = FakeClock()
@@ -292,6 +313,36 @@ def test_memory_policy_allkeys_lru_evicts_and_noeviction_fails_softly(redis_serv
         rclient.config_set("maxmemory", "0")
         rclient.config_set("maxmemory-policy", "noeviction")
         rclient.flushdb()
+
+
+def test_a_read_only_replica_pauses_writes_only(redis_server, rclient):
+    """The tier's server turned into a read-only replica (a failover demoted it, or the URL names
+    a replica): its writes are refused (READONLY) and pause on their own backoff while the blocks
+    it holds are still read (a refused write paused every read too, and every read was refused
+    anyway: GETEX sets the TTL, a write to a replica; the tier served nothing it held)."""
+    from redis_fixture import _free_port
+
+    rclient.flushdb()
+    keys, toks, blocks = _blocks(4, seed=740)
+    clock = FakeClock()
+    s = RedisStore(redis_server.url, clock=clock, backoff_base_s=2.0, backoff_max_s=8.0)
+    s.put(keys[:2], blocks[:2])
+    try:
+        rclient.replicaof("127.0.0.1", _free_port())  # a master that never answers: stale reads go on
+        s.put(keys[2:], blocks[2:])
+        st = s.stats()
+        assert (st["errors"], st["degraded"], st["blocks_written"]) == (1, True, 2)
+        assert s.get(keys, toks) == blocks[:2] + [None, None]  # GETEX refused there: GET
+        s.touch(keys)  # write-through marks its head used: EXPIRE refused there, nothing to mark
+        s.put(keys[2:], blocks[2:])
+        assert s.stats()["skipped"] == 2 and s.stats()["errors"] == 1
+        assert s.get(keys, toks) == blocks[:2] + [None, None]
+    finally:
+        rclient.replicaof("NO", "ONE")
+    clock.t += 2.0
+    s.put(keys[2:], blocks[2:])
+    assert not s.degraded and s.get(keys, toks) == blocks
+    rclient.flushdb()
 
 
 def test_touch_refreshes_the_ttl_of_held_keys_only(redis_server, rclient):

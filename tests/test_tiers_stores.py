@@ -323,6 +323,92 @@ def test_disk_truncated_corrupted_and_foreign_files_are_counted_misses(tmp_path)
     assert sorted(p.name[:96] for p in tmp_path.rglob("*.kvb")) == [keys[3].hex()]
 
 
+@pytest.mark.timeout(60)
+def test_disk_entries_that_are_not_files_are_counted_misses_never_read(tmp_path):
+    """What replaces a record while the engine runs need not be a file: a FIFO (opening it for
+    reading blocked the tiers' thread for ever, and every request waiting on a load with it), a
+    symlink to /dev/zero (read until memory ran out), a symlink to another file (its target's
+    mtime was set by each touch), a directory (an I/O error at every lookup, never dropped).
+    Each is a corrupt record: a counted miss, removed, written again by the next put."""
+    keys, toks, blocks = _blocks(5)
+    rec = encoded_size(blocks[0])
+    d = DiskStore(tmp_path / "tier", 10 * rec)
+    d.put(keys, blocks)
+    outside = tmp_path / "outside"
+    outside.write_bytes(_file(tmp_path / "tier", keys[4]).read_bytes())
+    os.utime(outside, ns=(10**18, 10**18))
+    paths = [_file(tmp_path / "tier", k) for k in keys[:4]]
+    for p in paths:
+        p.unlink()
+    os.mkfifo(paths[0])
+    paths[1].symlink_to("/dev/zero")
+    paths[2].symlink_to(outside)
+    paths[3].mkdir()
+    d.touch(keys[2:3])
+    assert outside.stat().st_mtime_ns == 10**18
+    assert d.get(keys, toks) == [None, None, None, None, blocks[4]]
+    s = d.stats()
+    assert (s["corrupt"], s["hits"], s["misses"], s["errors"], s["degraded"]) == (4, 1, 4, 0, False)
+    assert [os.path.lexists(p) for p in paths] == [False] * 4 and outside.read_bytes()
+    assert d.contains(keys) == [False] * 4 + [True] and d.used_bytes == rec
+    d.put(keys, blocks)
+    assert d.get(keys, toks) == blocks and d.stats()["blocks_written"] == 9
+    # a dangling symlink, unknown to a new store's index: contains says no, so only a put meets
+    # it (it took it for the record, stored already: that block was a miss for good)
+    paths[0].unlink()
+    paths[0].symlink_to(tmp_path / "nowhere")
+    d2 = DiskStore(tmp_path / "tier", 10 * rec)
+    assert d2.contains(keys[:1]) == [False]
+    d2.put(keys[:1], blocks[:1])
+    assert not paths[0].is_symlink() and d2.get(keys[:1], toks[:1]) == blocks[:1] and d2.stats()["corrupt"] == 1
+
+
+def test_disk_dir_removed_or_made_a_file_mid_run(tmp_path):
+    """The directory removed while the engine runs: the next write makes it again with its
+    manifest, so a restart keeps what was written since (it made ``blocks`` alone, and the next
+    start took it for a corrupt index and removed every record). Replaced by a file: no call
+    raises, writes fail and pause (``degraded``, where a write was taken for stored already and
+    the tier never said so), and resume once the directory can be made again."""
+    keys, toks, blocks = _blocks(4)
+    now = [0.0]
+    root = tmp_path / "tier"
+    d = DiskStore(root, 1 << 20, clock=lambda: now[0], refresh_s=1e9, backoff_base_s=5.0)
+    d.put(keys[:1], blocks[:1])
+    shutil.rmtree(root)
+    d.put(keys[1:2], blocks[1:2])
+    assert d.get(keys, toks) == [None, blocks[1], None, None]
+    restarted = DiskStore(root, 1 << 20)
+    assert restarted.stats()["corrupt_index"] == 0 and restarted.get(keys, toks) == [None, blocks[1], None, None]
+    shutil.rmtree(root)
+    root.write_bytes(b"not a directory")
+    d.put(keys, blocks)
+    assert d.get(keys, toks) == [None] * 4
+    s = d.stats()
+    assert (s["degraded"], s["blocks_written"], s["skipped"], s["blocks"]) == (True, 2, 3, 0)
+    root.unlink()
+    d.put(keys, blocks)  # still backing off
+    assert d.stats()["skipped"] == 7 and not root.exists()
+    now[0] += 5.0
+    d.put(keys, blocks)
+    assert d.get(keys, toks) == blocks and not d.degraded
+    assert DiskStore(root, 1 << 20).get(keys, toks) == blocks
+
+
+def test_disk_a_file_where_a_fan_out_folder_goes_is_replaced(tmp_path):
+    """A file (or a symlink) at ``blocks/<xx>``: the write of a block of that folder replaces it
+    with the folder (each such write failed, and every failure paused all the tier's writes)."""
+    keys, toks, blocks = _blocks(3)
+    now = [0.0]
+    d = DiskStore(tmp_path, 1 << 20, clock=lambda: now[0])
+    fans = [_file(tmp_path, k).parent for k in keys[:2]]
+    fans[0].write_bytes(b"x")
+    fans[1].symlink_to(tmp_path / "nowhere")
+    d.put(keys, blocks)
+    s = d.stats()
+    assert (s["blocks_written"], s["errors"], s["skipped"], s["degraded"]) == (3, 0, 0, False)
+    assert all(f.is_dir() and not f.is_symlink() for f in fans) and d.get(keys, toks) == blocks
+
+
 def test_disk_unwritable_directory_is_a_clear_error(tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -369,6 +455,28 @@ def test_disk_corrupt_index_means_an_empty_tier(tmp_path):
     (tmp_path / files.BLOCKS / "zz").write_text("not a folder")
     d2 = DiskStore(tmp_path)
     assert d2.stats()["corrupt_index"] == 0 and d2.stats()["blocks"] == 3 and d2.get(keys, toks) == blocks
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_disk_a_manifest_that_is_no_file_is_a_corrupt_index(tmp_path, kind):
+    """The manifest replaced by a FIFO (opening it hung the engine's start for ever), an empty
+    directory (the rewrite failed: a ValueError where a corrupt index starts empty) or a symlink
+    to /dev/zero: a corrupt index, the tier starts empty with a manifest of its own."""
+    keys, toks, blocks = _blocks(2)
+    DiskStore(tmp_path).put(keys, blocks)
+    manifest = tmp_path / files.MANIFEST
+    manifest.unlink()
+    {
+        "fifo": lambda: os.mkfifo(manifest),
+        "directory": manifest.mkdir,
+        "symlink": lambda: manifest.symlink_to("/dev/zero"),
+    }[kind]()
+    d = DiskStore(tmp_path)
+    assert d.stats()["corrupt_index"] == 1 and d.used_bytes == 0 and d.contains(keys) == [False] * 2
+    assert not manifest.is_symlink() and json.loads(manifest.read_text())["version"] == 1
+    d.put(keys, blocks)
+    assert DiskStore(tmp_path).get(keys, toks) == blocks
 
 
 def test_disk_never_removes_another_programs_files(tmp_path):

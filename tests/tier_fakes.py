@@ -122,15 +122,16 @@ TINY = dict(
 )
 
 
-def tiny_model(seed: int = 0):
-    """A random-weight Llama-shaped ``LoadedModel`` (``TINY``) with the default model's tokenizer."""
+def tiny_model(seed: int = 0, **config):
+    """A random-weight Llama-shaped ``LoadedModel`` (``TINY``, with ``config`` over it; the
+    weights depend on the seed and the shapes only) with the default model's tokenizer."""
     from transformers import AutoTokenizer, LlamaConfig
 
     from radixkv.models.loader import LoadedModel, build_model, resolve_hf_dir
 
     hf_dir = resolve_hf_dir("smollm2-135m")
     tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    cfg = LlamaConfig(**TINY)
+    cfg = LlamaConfig(**{**TINY, **config})
     return LoadedModel(build_model(cfg, seed=seed), cfg, tok, "random-llama", hf_dir)
 
 

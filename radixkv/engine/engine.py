@@ -161,9 +161,9 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
         why = "prefix_cache='none' keeps nothing" if pool is not None else "the model runner has no kv_pool"
         raise ValueError(f"KV tiers (host_cache_bytes, disk_cache_dir, remote_cache_url) need a prefix cache: {why}")
     if model is not None:
-        from radixkv.models.fingerprint import weights_digest  # lazy: the model stack
+        from radixkv.models.fingerprint import config_digest, weights_digest  # lazy: the model stack
 
-        weights = weights_digest(model)
+        weights = weights_digest(model) + config_digest(model)
     else:  # a runner without a model (tests): its name stands for its weights
         weights = str(getattr(runner, "fingerprint", cfg.model)).encode()
     kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)

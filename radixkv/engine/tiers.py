@@ -381,9 +381,12 @@ class TierManager:
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Drain the queued writes, stop the I/O thread and close the stores; idempotent.
-        Returns whether every queued write was done."""
+        Returns whether every queued write was done. A call while another thread closes waits
+        for the same drain (``timeout``): the interpreter's exit after an ``AsyncLLM.shutdown``
+        that timed out while its engine thread drained returned at once, and the daemon I/O thread
+        died with the writes still queued."""
         if self._closed:
-            return True
+            return self.io.close(timeout)
         self._closed = True
         done = self.io.close(timeout)
         for s in self.stores:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -144,6 +145,12 @@ class DiskStore:
         except FileNotFoundError:
             self._forget(name)
             return None
+        except files.NotARecord as e:
+            self._stats.add(corrupt=1)
+            logger.warning("disk tier: dropped corrupt record %s (%s, not a file)", path, e.kind)
+            files.drop_entry(path)
+            self._forget(name)
+            return None
         except OSError as e:
             self._stats.add(errors=1)
             self._read_log.failure(e)
@@ -174,11 +181,19 @@ class DiskStore:
         now = self._now_ns()
         with self._lock:
             try:
-                os.utime(path, ns=(now, now))
                 if size is None:
+                    st = os.lstat(path)
+                    if not stat.S_ISREG(st.st_mode):  # a symlink (dangling too), a FIFO, ...: no record
+                        self._stats.add(corrupt=1)
+                        logger.warning("disk tier: dropped corrupt record %s (not a file)", path)
+                        files.drop_entry(path)
+                        if os.path.lexists(path):
+                            return True  # a non-empty directory: left, a miss (a write there would fail)
+                        raise FileNotFoundError(path)
                     known = self._index.get(name)
-                    size = known[0] if known else os.stat(path).st_size
-            except FileNotFoundError:
+                    size = known[0] if known else st.st_size
+                os.utime(path, ns=(now, now), follow_symlinks=False)  # NOTE: never a symlink's target
+            except (FileNotFoundError, NotADirectoryError):  # ENOTDIR: the directory became a file
                 old = self._index.pop(name, None)
                 self._used -= old[0] if old else 0
                 return False
@@ -252,7 +267,7 @@ class DiskStore:
                 name, (old_size, mtime) = next(iter(self._index.items()))
                 path = files.layout_path(self.path, name)
                 try:
-                    st = os.stat(path)
+                    st = os.lstat(path)
                 except FileNotFoundError:
                     self._forget_locked(name)
                     continue

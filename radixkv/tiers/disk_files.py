@@ -14,6 +14,7 @@ order survives restarts and is shared by every process using the directory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -25,6 +26,8 @@ from typing import Iterator
 __all__ = [
     "BLOCKS",
     "MANIFEST",
+    "NotARecord",
+    "drop_entry",
     "layout_path",
     "prepare",
     "read_record",
@@ -42,6 +45,8 @@ _NAME_LEN = 96
 _HEX = frozenset("0123456789abcdef")
 STALE_TMP_S = 3600.0
 """A temporary file older than this (seconds, by its mtime) is a crashed writer's: removed by scans."""
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+"""Opening what should be a file: never through a symlink, never blocking on a FIFO."""
 
 
 def layout_path(root: str, name: str) -> str:
@@ -83,11 +88,18 @@ def _write_manifest(root: str) -> None:
 
 
 def _manifest_ok(root: str) -> bool:
+    """Whether the manifest is a regular file of this format (read without following a symlink
+    or blocking on a FIFO: a FIFO there hung the engine's start)."""
     try:
-        with open(os.path.join(root, MANIFEST), "rb") as f:
-            return json.loads(f.read(4096)) == _FORMAT
+        fd = os.open(os.path.join(root, MANIFEST), _READ_FLAGS)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and json.loads(os.read(fd, 4096)) == _FORMAT
     except (OSError, ValueError):
         return False
+    finally:
+        os.close(fd)
 
 
 def prepare(root: str) -> bool:
@@ -127,6 +139,7 @@ def prepare(root: str) -> bool:
     try:
         if corrupt:
             remove_records(root, everything=True)
+            drop_entry(os.path.join(root, MANIFEST))  # NOTE: an empty directory there too
         if corrupt or not has_manifest:
             _write_manifest(root)
         if os.path.lexists(blocks) and not os.path.isdir(blocks):
@@ -230,8 +243,8 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:
-        os.makedirs(folder, exist_ok=True)
+    except (FileNotFoundError, NotADirectoryError):
+        _restore(os.path.dirname(os.path.dirname(folder)), folder)
         fd = os.open(tmp, flags, 0o644)
     try:
         try:
@@ -249,22 +262,91 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
         raise
 
 
+class NotARecord(Exception):
+    """What is at a record's path is not a regular file (a symlink, a directory, a FIFO, a
+    device): never read, a corrupt record; ``kind`` names it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
+
+def _restore(root: str, folder: str) -> None:
+    """Make ``folder`` (a fan-out folder of ``root``) again after someone removed it (or put a
+    file there), or the whole directory: the manifest first when it is gone too (a ``blocks`` without one is a
+    corrupt index to the next process that starts on the directory: it would remove every
+    record written since)."""
+    os.makedirs(root, exist_ok=True)  # NOTE: a root that became a file raises: the write fails
+    if not os.path.lexists(os.path.join(root, MANIFEST)):
+        _write_manifest(root)
+    try:
+        not_a_folder = not stat.S_ISDIR(os.lstat(folder).st_mode)
+    except OSError:
+        not_a_folder = False
+    if not_a_folder and os.path.isdir(os.path.dirname(folder)):
+        # a file or a symlink where the fan-out folder goes, under the tier's own blocks/: damage,
+        # replaced (every write there failed, and each failure paused all the tier's writes)
+        _unlink(folder)
+    os.makedirs(folder, exist_ok=True)
+
+
 def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:
-    """The bytes of the file at ``path`` (None, unread, when it is larger than ``limit`` bytes),
-    its inode number and its size.
+    """The bytes of the regular file at ``path`` (None, unread, when it is larger than ``limit``
+    bytes), its inode number and its size. Its size at the open is what is read: a file growing
+    meanwhile is read to that size (the codec's lengths check the rest).
 
     Raises:
-        FileNotFoundError: no such file; OSError: it could not be read.
+        FileNotFoundError: no such file; NotARecord: not a regular file (opened without following
+            a symlink and without blocking on a FIFO, then closed unread: a FIFO would block the
+            tiers' thread for ever, ``/dev/zero`` would be read until memory runs out);
+            OSError: it could not be read.
     """
-    with open(path, "rb", buffering=0) as f:
-        st = os.fstat(f.fileno())
-        return (f.readall() if st.st_size <= limit else None), st.st_ino, st.st_size
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotARecord("a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotARecord(next((k for f, k in _KINDS if f(st.st_mode)), "not a regular file"))
+        if st.st_size > limit:
+            return None, st.st_ino, st.st_size
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), st.st_ino, st.st_size
+    finally:
+        os.close(fd)
+
+
+def drop_entry(path: str) -> None:
+    """Remove what is at a record's path that is not a record (unlink; rmdir for an empty
+    directory, a non-empty one is left: the tier removes nothing it cannot know it wrote)."""
+    if not _unlink(path):
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def unlink_if_same(path: str, ino: int) -> bool:
     """Unlink ``path`` if it is still the file with inode ``ino`` (not a newer replacement)."""
     try:
-        if os.stat(path).st_ino != ino:
+        if os.lstat(path).st_ino != ino:
             return False
     except OSError:
         return False

@@ -2,8 +2,8 @@
 write (the ``redis`` PyPI client, imported here only). docs/tiers.md ("Redis") has the policy.
 
 Keys are ``<prefix>:<fingerprint hex>:<namespace digest hex>:<block digest hex>`` (prefix
-``rkv``), values the codec's records. Reads are one round trip (``MGET``, or pipelined ``GETEX``
-refreshing the TTL of what is read), writes one pipelined ``SET ... EX ttl``. Every failure of
+``rkv``), values the codec's records. Reads are one round trip (pipelined ``GET``, or ``GETEX``
+refreshing the TTL of what is read; a key holding another type is a corrupt record), writes one pipelined ``SET ... EX ttl``. Every failure of
 the server (down, refusing, out of memory) is a miss or a dropped write, counted, logged with
 backoff; no call is tried again until the backoff passes, then the next call reconnects.
 """
@@ -56,13 +56,28 @@ def _errors() -> tuple[type[BaseException], ...]:
     return (redis.RedisError, OSError)
 
 
-def _oom_error() -> type[BaseException]:
-    from redis.exceptions import OutOfMemoryError
+def _refusal() -> type[BaseException]:
+    """What the server answers a command it refuses (out of memory, a read-only replica, an ACL
+    without the command): an error of that command, not of the server or the connection."""
+    from redis.exceptions import ResponseError
 
-    return OutOfMemoryError
+    return ResponseError
 
 
 _FAIL = object()
+_WRONG = object()  # a key holding another type than a string (WRONGTYPE): a corrupt record
+
+
+def _read_only(v: Any) -> bool:
+    from redis.exceptions import ReadOnlyError
+
+    return isinstance(v, ReadOnlyError)
+
+
+def _wrong_type(v: Any) -> bool:
+    from redis.exceptions import ResponseError
+
+    return isinstance(v, ResponseError) and str(v).startswith("WRONGTYPE")
 
 
 class RedisStore:
@@ -117,7 +132,7 @@ class RedisStore:
         self._write_log = ThrottledLog(logger, f"remote tier {self.url.redacted()}: write")
         self._stats = StoreStats()
         self._closed = False
-        self._errors, self._oom = _errors(), _oom_error()
+        self._errors, self._refused = _errors(), _refusal()
         self._redis = _client(self.url, timeout_s)
         info = self.server_info()
         if info:
@@ -137,7 +152,7 @@ class RedisStore:
     @property
     def degraded(self) -> bool:
         """The last call to the server failed (none succeeded since), or the last write was
-        refused for memory (no write succeeded since)."""
+        refused (out of memory, a read-only replica; no write succeeded since)."""
         return self._backoff.failing or self._write_backoff.failing
 
     def _name(self, key: BlockKey) -> str:
@@ -152,7 +167,7 @@ class RedisStore:
 
     def _call(self, fn: Callable[[Any], Any], write: bool = False) -> Any:
         """``fn(client)``, or ``_FAIL`` when closed, backing off, or it failed (counted, logged).
-        A ``write`` refused for memory pauses writes only (their own backoff)."""
+        A ``write`` the server refuses (out of memory, read-only) pauses writes only (their own backoff)."""
         with self._lock:
             if self._closed or not self._backoff.ready():
                 return _FAIL
@@ -161,7 +176,9 @@ class RedisStore:
             failure = next((r for r in result if isinstance(r, Exception)), None) if isinstance(result, list) else None
         except self._errors as e:
             result, failure = _FAIL, e
-        full = write and isinstance(failure, self._oom)
+        # NOTE: a write the server refuses (out of memory, a read-only replica after a failover)
+        # pauses writes only: reads still work there
+        full = write and isinstance(failure, self._refused)
         writes_ok = False
         with self._lock:
             if failure is not None and not full:
@@ -176,7 +193,7 @@ class RedisStore:
             self._stats.add(errors=1)
             log = self._write_log if full else self._log
             log.failure(
-                failure, f"writes paused {delay:g} s (server out of memory)" if full else f"no call for {delay:g} s"
+                failure, f"writes paused {delay:g} s (the server refused them)" if full else f"no call for {delay:g} s"
             )
         if failure is None or full:
             if recovered:
@@ -208,16 +225,26 @@ class RedisStore:
         ttl = self.ttl_s
 
         def fetch(r: Any) -> list:
-            if not ttl:
-                return r.mget(names)
             p = r.pipeline(transaction=False)
             for n in names:
-                if self._getex:
+                if not ttl:
+                    p.get(n)
+                elif self._getex:
                     p.getex(n, ex=ttl)
                 else:
                     p.get(n).expire(n, ttl)
             res = p.execute(raise_on_error=False)
-            return res if self._getex else res[::2]
+            vals = res if ttl == 0 or self._getex else res[::2]
+            stale = [i for i, v in enumerate(vals) if _read_only(v)]
+            if stale:  # a read-only replica refuses GETEX (it sets the TTL): read without it
+                q = r.pipeline(transaction=False)
+                for i in stale:
+                    q.get(names[i])
+                for i, v in zip(stale, q.execute(raise_on_error=False)):
+                    vals[i] = v
+            # NOTE: a key holding another type (a list, a hash) is that key's damage, not the
+            # server's failure: a corrupt record, not a reason to back off from every key
+            return [_WRONG if _wrong_type(v) else v for v in vals]
 
         vals = self._call(fetch) if names else []
         out: list[Block | None] = [None] * len(names)
@@ -225,6 +252,10 @@ class RedisStore:
             bad = []
             for i, (key, toks, v) in enumerate(zip(keys, tokens, vals)):
                 if v is None or isinstance(v, Exception):
+                    continue
+                if v is _WRONG:
+                    bad.append(names[i])
+                    logger.warning("remote tier: dropped corrupt record %s (not a string value)", names[i])
                     continue
                 self._stats.add(blocks_read=1, bytes_read=len(v))
                 out[i] = decode(key, v, toks)
@@ -279,7 +310,8 @@ class RedisStore:
             p.touch(*names)
             for n in names if ttl else ():
                 p.expire(n, ttl)
-            return p.execute(raise_on_error=False)
+            # NOTE: a read-only replica refuses EXPIRE: nothing to mark there, no failure
+            return [v for v in p.execute(raise_on_error=False) if not _read_only(v)]
 
         self._call(mark)
 
