@@ -394,6 +394,36 @@ def test_disk_dir_removed_or_made_a_file_mid_run(tmp_path):
     assert DiskStore(root, 1 << 20).get(keys, toks) == blocks
 
 
+def test_a_degraded_disk_tier_that_recovers_says_so_without_a_write(tmp_path):
+    """``probe`` (the engine calls it when a degraded tier's stats are read): while the backoff
+    runs, nothing; then one small write in the directory that ends ``degraded`` when the disk is
+    back (an idle engine kept reporting the tier degraded until a block happened to be written),
+    and leaves nothing a scan or a start would take for a record or a stray file."""
+    keys, toks, blocks = _blocks(2)
+    now = [0.0]
+    root = tmp_path / "tier"
+    d = DiskStore(root, 1 << 20, clock=lambda: now[0], refresh_s=1e9, backoff_base_s=5.0)
+    shutil.rmtree(root)
+    root.write_bytes(b"not a directory")
+    d.put(keys[:1], blocks[:1])
+    assert d.degraded and d.stats()["errors"] == 1
+    now[0] += 5.0
+    d.probe()  # the disk is still broken: another failure, a longer backoff
+    assert d.degraded and d.stats()["errors"] == 2
+    root.unlink()
+    now[0] += 5.0
+    d.probe()  # backing off still (10 s after the second failure): nothing tried
+    assert d.degraded and d.stats()["errors"] == 2
+    now[0] += 5.0
+    d.probe()
+    assert not d.degraded and d.stats()["errors"] == 2 and d.stats()["blocks_written"] == 0
+    d.probe()  # not degraded: nothing
+    restarted = DiskStore(root, 1 << 20)
+    assert restarted.stats()["corrupt_index"] == 0 and restarted.stats()["blocks"] == 0
+    d.put(keys, blocks)
+    assert DiskStore(root, 1 << 20).get(keys, toks) == blocks
+
+
 def test_disk_a_file_where_a_fan_out_folder_goes_is_replaced(tmp_path):
     """A file (or a symlink) at ``blocks/<xx>``: the write of a block of that folder replaces it
     with the folder (each such write failed, and every failure paused all the tier's writes)."""

@@ -253,6 +253,25 @@ class DiskStore:
         self._remember(name, len(data), now)
         self._stats.add(blocks_written=1, bytes_written=len(data))
 
+    def probe(self) -> None:
+        """While degraded, once the backoff allows, write and remove a small file in the
+        directory (a success ends ``degraded``), so a disk that recovers says so without a block
+        having to be written; otherwise nothing. The engine calls it off its thread when a
+        degraded tier's stats are read (as the remote tier's ``PING``)."""
+        if not self.degraded or not self._backoff.ready() or self._closed:
+            return
+        # NOTE: a temporary file's name in a fan-out folder, which a scan skips and a start
+        # tolerates; write_record remakes the folders (and the manifest) when they are gone
+        path = os.path.join(self.path, files.BLOCKS, "00", f".probe.{os.getpid()}.tmp")
+        try:
+            files.write_record(path, b"radixkv", self._now_ns(), self._fsync)
+            os.unlink(path)
+        except OSError as e:
+            self._write_failed(e)
+            return
+        if self._backoff.succeeded():
+            self._write_log.recovered()
+
     def _write_failed(self, e: OSError) -> None:
         full = e.errno in _FULL
         self._stats.add(errors=1, full=int(full))
