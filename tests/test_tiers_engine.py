@@ -330,8 +330,9 @@ def test_fingerprint_names_weights_dtypes_quantization_and_layout():
         model_fingerprint(w, torch.float32, "fp8_e4m3", None, b"layout"),
         model_fingerprint(w, torch.float32, "float32", "int8", b"layout"),
         model_fingerprint(w, torch.float32, "float32", None, b"other layout"),
+        model_fingerprint(w, torch.float32, "float32", None, b"layout", b"cuda:sm90/flashinfer/(False, False)"),
     ]
-    assert len({base, *others}) == 6
+    assert len({base, *others}) == 7
 
 
 def test_another_fingerprint_never_reads_a_block():

@@ -67,6 +67,27 @@ def test_tiny_model_outputs_identical_with_tiers(tmp_path, page_size):
     tiered_llm.close()
 
 
+def test_engines_computing_other_bits_never_share_blocks(tmp_path):
+    """Two engines on one disk directory whose forwards compute other K/V bits for the same tokens
+    (here the torch attention backend and the native cpu one: layer l's attention output feeds
+    layer l+1's K/V) never load each other's blocks; before, the fingerprint named only the
+    weights and dtypes, so the second loaded the first's blocks and its outputs were no longer
+    the ones it computes itself. An engine like the first reads them."""
+    lm = tiny_model()
+    prompt = list(range(300, 364))
+    params = SamplingParams(temperature=0, max_tokens=4)
+
+    def run(backend: str):
+        llm = LLM(loaded_model=lm, device="cpu", attention_backend=backend, disk_cache_dir=str(tmp_path))
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+        llm.close()  # the writes drain
+        return out
+
+    assert run("torch").cached_tokens_by_tier["disk"] == 0  # the first: nothing stored yet
+    assert run("cpu").cached_tokens_by_tier["disk"] == 0  # other bits: the torch engine's blocks are not its own
+    assert run("torch").cached_tokens_by_tier["disk"] == 63  # the same producer: all but the last prompt token
+
+
 def test_default_model_outputs_identical_with_tiers(default_model, tmp_path):
     convs = _convs(2, 3, 3, words=30)
     params = SamplingParams(temperature=0, max_tokens=16)

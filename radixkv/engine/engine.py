@@ -43,7 +43,7 @@ from radixkv.engine.output import RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats, tenant_row
-from radixkv.engine.tiers import TierManager, build_stores, check_settings, model_fingerprint
+from radixkv.engine.tiers import TierManager, build_stores, check_settings, kv_producer, model_fingerprint
 from radixkv.engine.validation import Limits, validate_request
 from radixkv.engine.verify import Verify, verify_rounds
 from radixkv.errors import QueueFullError, RequestError
@@ -167,7 +167,7 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
     else:  # a runner without a model (tests): its name stands for its weights
         weights = str(getattr(runner, "fingerprint", cfg.model)).encode()
     kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)
-    fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta)
+    fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta, kv_producer(runner))
     stores = list(build_stores(cfg, fp) if stores is None else stores)
     if not stores:
         return None

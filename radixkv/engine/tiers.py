@@ -59,16 +59,35 @@ SHARED_MEDIA = ("disk", "remote")
 
 
 def model_fingerprint(
-    weights: bytes, compute_dtype: Any, kv_dtype: Any, quantization: Any, layout_meta: bytes
+    weights: bytes, compute_dtype: Any, kv_dtype: Any, quantization: Any, layout_meta: bytes, producer: bytes = b""
 ) -> bytes:
     """16 bytes naming what a block's K/V depends on besides its tokens: the weights
     (:func:`radixkv.models.fingerprint.weights_digest`), the compute dtype, the K/V dtype, the
-    quantization and the pool's per-token layout (:class:`~radixkv.memory.kv_io.KVLayout`:
-    dtypes and shapes per slot; not the page size)."""
+    quantization, the pool's per-token layout (:class:`~radixkv.memory.kv_io.KVLayout`: dtypes
+    and shapes per slot; not the page size) and what computes the K/V (:func:`kv_producer`)."""
     h = hashlib.blake2b(b"radixkv-kv-fingerprint-1", digest_size=16)
-    for part in (weights, str(compute_dtype).encode(), str(kv_dtype).encode(), str(quantization).encode(), layout_meta):
+    parts = (weights, str(compute_dtype).encode(), str(kv_dtype).encode(), str(quantization).encode(), layout_meta)
+    for part in (*parts, producer):
         h.update(len(part).to_bytes(8, "big") + part)
     return h.digest()
+
+
+def kv_producer(runner: Any) -> bytes:
+    """What computes a block's K/V bits besides the weights and dtypes: the device type (with a
+    GPU's compute capability), the attention backend (layer l's attention output feeds layer l+1's
+    K/V), and whether the native CPU kernels run the forward (their bits are the same on every ISA
+    and row count, but not torch's). Two engines that differ here compute other bits for the same
+    tokens, so they never load each other's blocks (a loaded block must be the bits this engine
+    would compute: greedy outputs identical with and without tiers)."""
+    dev = getattr(runner, "device", None)
+    kind = str(getattr(dev, "type", dev))
+    if kind == "cuda":
+        import torch
+
+        kind += ":sm%d%d" % torch.cuda.get_device_capability(dev)
+    backend = getattr(getattr(runner, "attn_backend", None), "name", None)
+    native = (getattr(runner, "row_exact", None), getattr(runner, "decode_step", None) is not None)
+    return f"{kind}/{backend}/{native}".encode()
 
 
 def check_settings(cfg: Any) -> None:
