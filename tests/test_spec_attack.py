@@ -5,9 +5,23 @@ hash of the last three) and the tiny random Llama."""
 
 from __future__ import annotations
 
-import pytest
-from test_spec_decode import NGRAM, fake_engine, greedy, local_reference
+import asyncio
 
+import pytest
+from model_helpers import tiny_loaded_model
+from test_spec_decode import (
+    NGRAM,
+    RADIX,
+    _cached_paths,
+    _prompts,
+    drive,
+    fake_engine,
+    greedy,
+    local_reference,
+    tiny_engine,
+)
+
+from radixkv import AsyncLLM
 from radixkv.engine import StepFinished
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,3 +77,81 @@ def test_a_draft_never_costs_a_soft_pin_or_a_running_chunked_prefill():
     # b's chunks are those without speculation (one token of b is cached: 29 = 8 + 8 + 8 + 5)
     _, chunks_off, _, _ = _pin_and_chunks(None)
     assert chunks == chunks_off == [8, 8, 8, 5]
+
+
+def test_a_request_failing_inside_a_verify_round_ends_alone_and_frees_its_drafts():
+    """Its output processing raises on a token sampled in verify round >= 1: only it ends
+    ("error"), its tentative slots are freed that step, the cache holds only verified tokens (each
+    slot the K/V of its path's token), and the request beside it is exact."""
+    eng = fake_engine(NGRAM, capacity=256, page_size=4)
+    bad, good = _cycle(12), _cycle(14)[2:]
+    a = eng.add_request(bad, greedy(30))
+    b = eng.add_request(good, greedy(30))
+    g, update, raised = eng._groups[a], eng._groups[a].update, []
+
+    def update_raising(r, *args):
+        if len(r.output_token_ids) == 9:
+            raised.append(len(eng.kv.drafts))  # requests holding tentative slots: inside a verify
+            raise RuntimeError("detokenizer broke")
+        return update(r, *args)
+
+    g.update = update_raising
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            done[out.request_id] = out
+        eng.check_integrity()
+        for toks, slots in _cached_paths(eng.cache):
+            assert [eng.runner.kv[s] for s in slots] == [(t, i) for i, t in enumerate(toks)]
+            full = [p + local_reference(p, 30) for p in (bad, good)]
+            assert any(f[: len(toks)] == toks for f in full), toks
+    assert raised and raised[0] > 0
+    assert done[a].outputs[0].finish_reason == "error" and "detokenizer broke" in done[a].error
+    assert done[a].outputs[0].token_ids == local_reference(bad, 8)
+    assert done[b].outputs[0].token_ids == local_reference(good, 30)
+    s = eng.cache_stats()
+    assert s["free"] + s["evictable"] == s["capacity"] and s["protected"] == 0
+    assert eng.num_failed_requests == 1
+
+
+# ---------------------------------------------------------------------- the tiny model
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded_model(seed=0)
+
+
+def test_async_cancel_mid_draft_stream_and_flush_between_requests(tiny):
+    """An AsyncLLM stream drafted from the tree (every chunk several tokens) is cancelled after its
+    second chunk, racing the engine thread's next verify; then a flush of the prefix cache and a
+    run of the same prompt: the engine ends with every slot free or cached, no tentative slot, and
+    the outputs exact."""
+    prompt = _prompts()[0]
+    params = greedy(48, ignore_eos=True)
+    (ref,) = drive(tiny_engine(tiny, None, page_size=16), [(prompt, params)])
+    eng = tiny_engine(tiny, dict(RADIX, adaptive=False), page_size=16)
+
+    async def run():
+        llm = AsyncLLM(engine=eng)
+        try:
+            first = await llm.generate_batch([(prompt, params, None)])
+            seen = []
+            agen = llm.generate({"prompt_token_ids": prompt}, params)
+            async for out in agen:
+                seen.append(list(out.outputs[0].token_ids))
+                if len(seen) == 2:
+                    break
+            await agen.aclose()
+            flushed = await llm.reset_prefix_cache()
+            again = await llm.generate_batch([(prompt, params, None)])
+            return first[0], seen, flushed, again[0]
+        finally:
+            llm.shutdown()
+
+    first, seen, flushed, again = asyncio.run(run())
+    assert first.outputs[0].token_ids == ref.outputs[0].token_ids == again.outputs[0].token_ids
+    assert seen[1] == ref.outputs[0].token_ids[: len(seen[1])] and len(seen[1]) > 2
+    assert flushed is True
+    eng.check_integrity()
+    s = eng.cache_stats()
+    assert s["free"] + s["evictable"] == s["capacity"] and s["protected"] == 0 and s["running"] == 0
+    assert len(eng.kv.drafts) == 0
