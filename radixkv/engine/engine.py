@@ -949,7 +949,8 @@ class Engine:
         return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *self._tenant_counts.get(t, (0, 0))) for t in names}
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
-        """Empty the prefix cache; False (and nothing done) while requests are queued or running.
+        """Empty the prefix cache (and speculative decoding's index of finished sequences); False
+        (and nothing done) while requests are queued or running.
 
         Args:
             tiers: also empty the KV tiers this engine owns (host, disk; not the shared remote
@@ -959,6 +960,8 @@ class Engine:
             return False
         if not self.scheduler.reset_cache():
             return False
+        if self.spec is not None:  # its index of finished sequences is a cache of their text
+            self.spec.reset()
         if tiers and self.kv.tiers is not None:
             self.kv.tiers.delete_all()
         return True

@@ -232,6 +232,12 @@ class Drafter:
         if accepted >= free:  # the forced tokens were compared too
             st.forced.update(drafted - free, accepted - free, rejected)
 
+    def reset(self) -> None:
+        """The prefix cache was flushed: the suffix index forgets the finished sequences too, so
+        no draft (and no timing) after a flush comes from text that ran before it."""
+        if self.suffix is not None:
+            self.suffix.clear()
+
     def on_finished(self, req: Any) -> None:
         """``req`` finished: its sequence (verified tokens only) joins the suffix index."""
         if self.suffix is not None:
