@@ -180,9 +180,44 @@ def test_a_flush_forgets_the_finished_text_the_drafter_kept(tiny):
     )
 
 
-def _run(eng):
-    """Step until idle; every final output."""
+def _run(eng, check=False):
+    """Step until idle (``check``: the integrity check after every step); every final output."""
     outs = []
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.finished]
+        if check:
+            eng.check_integrity()
     return outs
+
+
+def test_a_request_whose_drafting_raises_ends_alone(monkeypatch):
+    """Its drafting raises (as its grammar matcher may while a draft is walked through it): the
+    exception went out of ``Engine.step`` and stopped every request (AsyncLLM's engine thread
+    died: the server answered EngineDeadError to all); now only that request ends, with
+    finish_reason "error", as when its row's sampling raises, and the others are exact."""
+    from radixkv.spec.drafter import Drafter
+
+    marked = 6
+    real = Drafter._draft
+
+    def draft(self, r, *args):
+        if r.prompt_token_ids[0] == marked and len(r.output_token_ids) >= 3:
+            raise RuntimeError("injected matcher fault while drafting")
+        return real(self, r, *args)
+
+    monkeypatch.setattr(Drafter, "_draft", draft)
+    eng = fake_engine(NGRAM, capacity=256, page_size=4)
+    good = [p for p in (_cycle(14), _cycle(15)[1:]) if p[0] != marked]
+    bad = [marked] + _cycle(12)
+    ids = [eng.add_request(p, greedy(24)) for p in (good[0], bad, good[-1])]
+    done = {o.request_id: o for o in _run(eng, check=True)}
+    assert done[ids[1]].outputs[0].finish_reason == "error" and "injected" in done[ids[1]].error
+    got = done[ids[1]].outputs[0].token_ids
+    assert 3 <= len(got) < 24 and got == local_reference(bad, len(got))
+    assert [done[i].outputs[0].token_ids for i in (ids[0], ids[2])] == [
+        local_reference(good[0], 24),
+        local_reference(good[-1], 24),
+    ]
+    assert eng.num_failed_requests == 1 and eng.cache_stats()["spec_accepted_tokens"] > 0
+    s = eng.cache_stats()
+    assert s["free"] + s["evictable"] == s["capacity"] and s["protected"] == 0

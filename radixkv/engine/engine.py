@@ -540,7 +540,7 @@ class Engine:
         group = self._groups.get(request_id)
         if group is None:
             return
-        logger.error("request %s failed in sampling; only it stops: %r", request_id, exc, exc_info=exc)
+        logger.error("request %s failed in sampling or drafting; only it stops: %r", request_id, exc, exc_info=exc)
         group.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.num_failed_requests += 1
         self._end_group(group, outputs, reason="error")
@@ -604,6 +604,8 @@ class Engine:
             self.spec.propose(
                 [r for r in self.scheduler.running if r.status == RequestStatus.DECODE], self.max_context_len
             )
+            for rid, exc in self.spec.take_failed().items():  # its drafting raised: only it ends
+                self._fail(rid, exc, outputs)
         batch = self.scheduler.schedule()
         if batch is None:
             if self._compiling:

@@ -89,6 +89,7 @@ class Drafter:
         suffix: the cross-request :class:`~radixkv.spec.suffix.SuffixIndex` (None for
             ``"ngram"`` or ``suffix_index_tokens=0``).
         num_draft_tokens, num_accepted_tokens: totals over every verify so far.
+        failed: request id -> what its drafting raised in this step (:meth:`take_failed`).
     """
 
     def __init__(self, config: SpeculativeConfig, cache: Any = None, encode: Any = None) -> None:
@@ -101,6 +102,7 @@ class Drafter:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.suffix_index_tokens)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.failed: Dict[str, BaseException] = {}  # request id -> what its drafting raised
 
     def state(self, req: Any) -> SpecState:
         """``req``'s :class:`SpecState` (made at its first use)."""
@@ -146,9 +148,20 @@ class Drafter:
             if budget <= 0:
                 break
             siblings = [p for p in peers.get((r.namespace, st.prompt_key), ()) if p is not st]
-            draft = self._draft(r, st, (k, kf, min(cap, budget)), siblings)
+            try:
+                draft = self._draft(r, st, (k, kf, min(cap, budget)), siblings)
+            except Exception as exc:  # noqa: BLE001 - its grammar matcher (or a source) raised: it fails alone
+                self.failed.setdefault(r.request_id, exc)
+                continue
             r.draft_tokens = draft
             budget -= len(draft)
+
+    def take_failed(self) -> Dict[str, BaseException]:
+        """Request id -> what its drafting raised in the last :meth:`propose` (its grammar
+        matcher, or a source); the engine ends those requests with finish_reason ``"error"``,
+        as when their row's sampling raises, so one request's fault never stops the step."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _forced_len(self, r: Any, st: SpecState, cap: int, cost: float) -> int:
         """Forced tokens worth drafting for ``r`` now (0 without an active grammar or with
