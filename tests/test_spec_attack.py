@@ -190,7 +190,8 @@ def _run(eng, check=False):
     return outs
 
 
-def test_a_request_whose_drafting_raises_ends_alone(monkeypatch):
+@pytest.mark.parametrize("where", ["_draft", "_forced_len"])
+def test_a_request_whose_drafting_raises_ends_alone(monkeypatch, where):
     """Its drafting raises (as its grammar matcher may while a draft is walked through it): the
     exception went out of ``Engine.step`` and stopped every request (AsyncLLM's engine thread
     died: the server answered EngineDeadError to all); now only that request ends, with
@@ -198,14 +199,14 @@ def test_a_request_whose_drafting_raises_ends_alone(monkeypatch):
     from radixkv.spec.drafter import Drafter
 
     marked = 6
-    real = Drafter._draft
+    real = getattr(Drafter, where)
 
     def draft(self, r, *args):
         if r.prompt_token_ids[0] == marked and len(r.output_token_ids) >= 3:
             raise RuntimeError("injected matcher fault while drafting")
         return real(self, r, *args)
 
-    monkeypatch.setattr(Drafter, "_draft", draft)
+    monkeypatch.setattr(Drafter, where, draft)
     eng = fake_engine(NGRAM, capacity=256, page_size=4)
     good = [p for p in (_cycle(14), _cycle(15)[1:]) if p[0] != marked]
     bad = [marked] + _cycle(12)

@@ -135,7 +135,11 @@ class Drafter:
             if cap <= 0:
                 continue
             k = st.acceptance.draft_len(cap, cost) if cfg.adaptive else cap
-            kf = self._forced_len(r, st, cap, cost)
+            try:
+                kf = self._forced_len(r, st, cap, cost)  # asks its grammar matcher
+            except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                self.failed.setdefault(r.request_id, exc)
+                continue
             if k > 0 or kf > 0:
                 st.own.sync(r.prompt_token_ids, r.output_token_ids)
                 wants.append((st.acceptance.rate, (k, kf, cap), r, st))
