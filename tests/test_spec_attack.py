@@ -14,11 +14,13 @@ from test_spec_decode import (
     RADIX,
     _cached_paths,
     _prompts,
+    both_ways,
     drive,
     fake_engine,
     greedy,
     local_reference,
     tiny_engine,
+    tokens,
 )
 
 from radixkv import AsyncLLM
@@ -222,3 +224,46 @@ def test_a_request_whose_drafting_raises_ends_alone(monkeypatch, where):
     assert eng.num_failed_requests == 1 and eng.cache_stats()["spec_accepted_tokens"] > 0
     s = eng.cache_stats()
     assert s["free"] + s["evictable"] == s["capacity"] and s["protected"] == 0
+
+
+BOUNDS = {
+    # every key at an end of its range: 1-token lookups, 16-token drafts, no step budget to speak of
+    "k16_lookup1": dict(
+        method="radix",
+        num_speculative_tokens=16,
+        prompt_lookup_min=1,
+        prompt_lookup_max=1,
+        adaptive=False,
+        max_draft_tokens_per_step=1 << 20,
+        suffix_index_tokens=1,
+    ),
+    # one draft token a step for all requests, longest lookups, the cheapest draft row
+    "k1_budget1": dict(
+        method="radix",
+        num_speculative_tokens=1,
+        prompt_lookup_min=64,
+        prompt_lookup_max=256,
+        draft_row_cost=1e-9,
+        max_draft_tokens_per_step=1,
+    ),
+    "ngram_cost1": dict(method="ngram", num_speculative_tokens=16, draft_row_cost=1.0, suffix_index_tokens=0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_config_at_its_bounds_keeps_outputs_exact(tiny, name):
+    """Each key of speculative_config at an end of its range, drafts crossing 16-token pages in a
+    pool that retracts: greedy outputs identical to no speculation, every slot free or cached."""
+    base, spec, eng = both_ways(
+        tiny,
+        greedy(40, ignore_eos=True),
+        prompts=_prompts() * 2,
+        rounds=2,
+        spec=BOUNDS[name],
+        page_size=16,
+        max_total_tokens=320,
+    )
+    assert tokens(spec) == tokens(base)
+    s = eng.cache_stats()
+    assert s["free"] + s["evictable"] == s["capacity"] and s["protected"] == 0
+    assert s["spec_draft_tokens"] > 0 or name == "ngram_cost1"  # a row costing a whole step never pays
