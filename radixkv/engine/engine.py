@@ -540,7 +540,7 @@ class Engine:
         group = self._groups.get(request_id)
         if group is None:
             return
-        logger.error("request %s failed in sampling; only it stops: %r", request_id, exc, exc_info=exc)
+        logger.error("request %s failed in sampling or drafting; only it stops: %r", request_id, exc, exc_info=exc)
         group.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         self.num_failed_requests += 1
         self._end_group(group, outputs, reason="error")
@@ -604,6 +604,8 @@ class Engine:
             self.spec.propose(
                 [r for r in self.scheduler.running if r.status == RequestStatus.DECODE], self.max_context_len
             )
+            for rid, exc in self.spec.take_failed().items():  # its drafting raised: only it ends
+                self._fail(rid, exc, outputs)
         batch = self.scheduler.schedule()
         if batch is None:
             if self._compiling:
@@ -949,7 +951,8 @@ class Engine:
         return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *self._tenant_counts.get(t, (0, 0))) for t in names}
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
-        """Empty the prefix cache; False (and nothing done) while requests are queued or running.
+        """Empty the prefix cache (and speculative decoding's index of finished sequences); False
+        (and nothing done) while requests are queued or running.
 
         Args:
             tiers: also empty the KV tiers this engine owns (host, disk; not the shared remote
@@ -959,6 +962,8 @@ class Engine:
             return False
         if not self.scheduler.reset_cache():
             return False
+        if self.spec is not None:  # its index of finished sequences is a cache of their text
+            self.spec.reset()
         if tiers and self.kv.tiers is not None:
             self.kv.tiers.delete_all()
         return True

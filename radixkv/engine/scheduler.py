@@ -7,10 +7,11 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    its last page is full). When the pool is short, unlocked cached prefixes are evicted; if that
    is not enough, the newest admitted request is retracted (its computed K/V handed to the
    prefix cache, everything else freed, the request requeued at the front) until it fits.
-   Soft pins (sessions) are dropped before anything is retracted. Then a request with draft
-   tokens (speculative decoding) gets tentative slots for them from what is left (cached
-   prefixes may be evicted for them; a pin or a running request never gives way to a draft).
-2. Prefill: the partly computed (chunked) request continues, then waiting requests are admitted
+   Soft pins (sessions) are dropped before anything is retracted.
+2. Prefill: the partly computed (chunked) request continues (its slots come before any draft's),
+   then a request with draft tokens (speculative decoding) gets tentative slots for them from
+   what is left (cached prefixes may be evicted for them; a pin or a running request never gives
+   way to a draft: a request short of memory drafts fewer tokens), then waiting requests are admitted
    under the prefill token budget ``chunked_prefill_size``, the row budget and the memory
    budget. Admission locks the request's prefix first and only then evicts for headroom, so
    eviction never frees what the request just matched. A prompt longer than the remaining budget
@@ -286,6 +287,25 @@ class Scheduler:
         self.kv.publish(r, r.kv_len + extend)
         return extend
 
+    def _plan_chunks(self, budget: int) -> tuple[List[tuple], bool]:
+        """Slots for the next prefill chunk of each running prefilling request, within
+        ``budget`` tokens (evicting, then dropping soft pins: a running request's need). Returns
+        ``([(request, chunk length)], partial)``: ``partial`` when one is left partly prefilled
+        (then no new request is admitted beside it)."""
+        kv, chunks, partial = self.kv, [], False
+        for r in self.running:
+            if r.status != RequestStatus.PREFILL:
+                continue
+            extend = min(r.seq_len - r.kv_len, budget)
+            if extend <= 0 or not kv.yield_pins(kv.pages(r.kv_len + extend) - len(r.slots)):
+                partial = True
+                continue
+            kv.grow(r, r.kv_len + extend)
+            chunks.append((r, extend))
+            budget -= extend
+            partial = partial or r.kv_len + extend < r.seq_len
+        return chunks, partial
+
     def schedule(self) -> Optional[ScheduledBatch]:
         """Plan the next forward pass; None when nothing can run. See the module docstring."""
         kv = self.kv
@@ -307,29 +327,20 @@ class Scheduler:
         decodes = [r for r in self.running if r.status == RequestStatus.DECODE]
         for r in decodes:
             kv.grow(r, r.kv_len + 1)
-        for r in decodes:  # then drafts' tentative slots: never at a decode's or a retraction's cost
+        # 2. prefill: the chunked request first (its memory before any draft's), then admissions.
+        budget = self.chunked_prefill_size
+        chunks, partial = self._plan_chunks(budget)
+        for r in decodes:  # drafts' tentative slots: never at a decode's, a chunk's or a pin's cost
             drafts, r.draft_tokens = r.draft_tokens, []
             if drafts:
                 drafts = drafts[: kv.reserve_drafts(r, len(drafts))]
             batch.add(r, 1 + len(drafts), True, drafts)
-        # 2. prefill: the chunked request first, then admissions.
-        budget = self.chunked_prefill_size
         reserve = ps * len(self.running)
-        partial = False
         kv.begin_batch()
-        for r in self.running:
-            if r.status != RequestStatus.PREFILL:
-                continue
-            extend = min(r.seq_len - r.kv_len, budget)
-            if extend <= 0 or not kv.yield_pins(kv.pages(r.kv_len + extend) - len(r.slots)):
-                partial = True
-                continue
-            kv.grow(r, r.kv_len + extend)
-            done = r.kv_len + extend == r.seq_len
-            batch.add(r, extend, done)
+        for r, extend in chunks:
+            batch.add(r, extend, r.kv_len + extend == r.seq_len)
             kv.publish(r, r.kv_len + extend)
             budget -= extend
-            partial = partial or not done
         kv.tier_step(self.waiting, idle=not self.running)  # finished tier loads enter the cache
         if not batch.retracted:
             self._admit_waiting(batch, budget, reserve, partial)

@@ -89,6 +89,7 @@ class Drafter:
         suffix: the cross-request :class:`~radixkv.spec.suffix.SuffixIndex` (None for
             ``"ngram"`` or ``suffix_index_tokens=0``).
         num_draft_tokens, num_accepted_tokens: totals over every verify so far.
+        failed: request id -> what its drafting raised in this step (:meth:`take_failed`).
     """
 
     def __init__(self, config: SpeculativeConfig, cache: Any = None, encode: Any = None) -> None:
@@ -101,6 +102,7 @@ class Drafter:
             self.suffix = SuffixIndex(config.prompt_lookup_min, config.suffix_index_tokens)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        self.failed: Dict[str, BaseException] = {}  # request id -> what its drafting raised
 
     def state(self, req: Any) -> SpecState:
         """``req``'s :class:`SpecState` (made at its first use)."""
@@ -133,7 +135,11 @@ class Drafter:
             if cap <= 0:
                 continue
             k = st.acceptance.draft_len(cap, cost) if cfg.adaptive else cap
-            kf = self._forced_len(r, st, cap, cost)
+            try:
+                kf = self._forced_len(r, st, cap, cost)  # asks its grammar matcher
+            except Exception as exc:  # noqa: BLE001 - it fails alone (take_failed)
+                self.failed.setdefault(r.request_id, exc)
+                continue
             if k > 0 or kf > 0:
                 st.own.sync(r.prompt_token_ids, r.output_token_ids)
                 wants.append((st.acceptance.rate, (k, kf, cap), r, st))
@@ -146,9 +152,20 @@ class Drafter:
             if budget <= 0:
                 break
             siblings = [p for p in peers.get((r.namespace, st.prompt_key), ()) if p is not st]
-            draft = self._draft(r, st, (k, kf, min(cap, budget)), siblings)
+            try:
+                draft = self._draft(r, st, (k, kf, min(cap, budget)), siblings)
+            except Exception as exc:  # noqa: BLE001 - its grammar matcher (or a source) raised: it fails alone
+                self.failed.setdefault(r.request_id, exc)
+                continue
             r.draft_tokens = draft
             budget -= len(draft)
+
+    def take_failed(self) -> Dict[str, BaseException]:
+        """Request id -> what its drafting raised in the last :meth:`propose` (its grammar
+        matcher, or a source); the engine ends those requests with finish_reason ``"error"``,
+        as when their row's sampling raises, so one request's fault never stops the step."""
+        failed, self.failed = self.failed, {}
+        return failed
 
     def _forced_len(self, r: Any, st: SpecState, cap: int, cost: float) -> int:
         """Forced tokens worth drafting for ``r`` now (0 without an active grammar or with
@@ -231,6 +248,12 @@ class Drafter:
         st.acceptance.update(free, min(accepted, free), rejected and accepted < free)
         if accepted >= free:  # the forced tokens were compared too
             st.forced.update(drafted - free, accepted - free, rejected)
+
+    def reset(self) -> None:
+        """The prefix cache was flushed: the suffix index forgets the finished sequences too, so
+        no draft (and no timing) after a flush comes from text that ran before it."""
+        if self.suffix is not None:
+            self.suffix.clear()
 
     def on_finished(self, req: Any) -> None:
         """``req`` finished: its sequence (verified tokens only) joins the suffix index."""

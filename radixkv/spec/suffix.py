@@ -78,6 +78,13 @@ class SuffixIndex:
                 if len(lst) > MAX_CANDIDATES:
                     del lst[0]
 
+    def clear(self) -> None:
+        """Forget every kept sequence (the prefix cache was flushed: nothing of what ran before
+        may be drafted after it)."""
+        self._seqs.clear()
+        self._keys.clear()
+        self.size = 0
+
     def _drop_oldest(self) -> None:
         _, seq = self._seqs.popitem(last=False)
         self.size -= len(seq.tokens)
