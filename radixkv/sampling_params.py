@@ -59,9 +59,14 @@ class SamplingParams:
             seed gives the same tokens.
         stop: a stop string or a list of them (non-empty strings); generation stops when the
             detokenized text contains one, and the text is truncated before it (the stop string
-            is not included).
+            is not included unless ``include_stop_str_in_output``); ``stop_reason`` is the string.
         stop_token_ids: a list of extra token ids that end generation (the token is kept in
-            ``token_ids``); ids outside the vocabulary are refused when the request is submitted.
+            ``token_ids``, its text left out of ``text`` unless ``include_stop_str_in_output``;
+            ``stop_reason`` is the id); ids outside the vocabulary are refused when the request
+            is submitted.
+        include_stop_str_in_output: (bool) keep the matched stop string in ``text`` (cut after it
+            instead of before it), and the text of a stop token (``stop_token_ids``, EOS), which
+            is otherwise left out of ``text`` (it stays in ``token_ids``), as vLLM does.
         ignore_eos: (bool) keep generating after the model's end-of-sequence token.
         skip_special_tokens: (bool) drop special tokens when detokenizing.
         presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit
@@ -114,6 +119,7 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: Union[None, str, Sequence[str]] = None
     stop_token_ids: Optional[Sequence[int]] = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0
@@ -184,7 +190,7 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 raise RequestError(f"stop_token_ids must be token ids >= 0, got {t}", "stop_token_ids")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
         check_cache_salt(self.cache_salt)

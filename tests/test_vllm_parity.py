@@ -1,0 +1,104 @@
+"""vLLM parity of the offline API: code ported from vLLM gets what vLLM documents.
+
+Stop conditions (vLLM v1's detokenizer and ``check_stop``): a sample that ends on a stop token
+(``stop_token_ids``, EOS, a grammar's end) keeps the token in ``token_ids`` but not its text in
+``text`` unless ``include_stop_str_in_output``; ``stop_reason`` is the matched stop string or
+``stop_token_ids`` entry, None for EOS; ``include_stop_str_in_output`` keeps a matched stop string.
+Greedy token ids are checked against transformers' ``generate``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixkv import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def offline(default_model):
+    return LLM(device="cpu", loaded_model=default_model, max_total_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(offline, hf_default):
+    """transformers' greedy continuation of ``PROMPT`` (12 tokens, EOS not special-cased)."""
+    ids = offline.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        out = hf_default.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=[], pad_token_id=0
+        )
+    return ids, out[0, len(ids) :].tolist()
+
+
+def _one(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_token_id_text_excluded_unless_include_stop_str(offline, greedy_ref):
+    _, ref = greedy_ref
+    tok = offline.tokenizer
+    stop = ref[2]  # "\n" after " Paris."
+    c = _one(offline, PROMPT, max_tokens=12, stop_token_ids=[stop])
+    assert c.token_ids == ref[:3]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.text == tok.decode(ref[:2]) == " Paris."
+    kept = _one(offline, PROMPT, max_tokens=12, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert kept.token_ids == ref[:3] and kept.text == tok.decode(ref[:3]) == " Paris.\n"
+
+
+def test_eos_stop_reason_is_none_and_its_text_is_excluded(offline):
+    chat = [{"role": "user", "content": "Say hi."}]
+    eos = offline.tokenizer.eos_token_id
+    c = offline.chat(chat, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False), use_tqdm=False)
+    c = c[0].outputs[0]
+    assert c.token_ids[-1] == eos and (c.finish_reason, c.stop_reason) == ("stop", None)
+    assert c.text == offline.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)
+    assert not c.text.endswith("<|im_end|>")
+    # EOS listed in stop_token_ids too: the user's stop token, reported as such
+    c2 = offline.chat(chat, SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[eos]), use_tqdm=False)
+    assert (c2[0].outputs[0].finish_reason, c2[0].outputs[0].stop_reason) == ("stop", eos)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(offline, greedy_ref):
+    _, ref = greedy_ref
+    full = offline.tokenizer.decode(ref)
+    assert full.startswith(" Paris.\n\nThe")
+    c = _one(offline, PROMPT, max_tokens=12, stop=["The"])
+    assert (c.text, c.finish_reason, c.stop_reason) == (" Paris.\n\n", "stop", "The")
+    k = _one(offline, PROMPT, max_tokens=12, stop=["The"], include_stop_str_in_output=True)
+    assert (k.text, k.finish_reason, k.stop_reason) == (" Paris.\n\nThe", "stop", "The")
+    assert k.token_ids == c.token_ids == ref[: len(c.token_ids)]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_resumed_request_ending_on_a_stop_token_gives_the_uninterrupted_text(include):
+    """The router's Stitcher (a request resumed on another replica) leaves the stop token's text
+    out (or keeps it) exactly as the engine does for an uninterrupted run."""
+    from test_routing import _char_engine, _resumed, _same_output, _stream
+
+    prompt = [5, 9, 2, 33, 17, 8, 41, 3]
+    free = list(_stream(_char_engine(), prompt, SamplingParams(temperature=0.0, max_tokens=40)))[-1]
+    stop = free.outputs[0].token_ids[14]
+    assert stop not in free.outputs[0].token_ids[:14]
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop], include_stop_str_in_output=include)
+    ref = list(_stream(_char_engine(), prompt, params))
+    final = ref[-1].outputs[0]
+    assert (final.token_ids, final.finish_reason, final.stop_reason) == (free.outputs[0].token_ids[:15], "stop", stop)
+    assert final.text == free.outputs[0].text[: 15 if include else 14]
+    delivered = next(o for o in ref if len(o.outputs[0].token_ids) >= 10)
+    plan, outs = _resumed(prompt, params, delivered, _char_tokenizer())
+    assert plan == "continue"
+    _same_output(outs[-1], ref[-1])
+
+
+def _char_tokenizer():
+    from test_scheduler import CharTokenizer
+
+    return CharTokenizer()
