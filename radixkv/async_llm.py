@@ -136,6 +136,11 @@ class AsyncLLM:
         """The engine's (transformers) tokenizer; read-only use is thread-safe."""
         return self.engine.tokenizer
 
+    async def get_tokenizer(self) -> Any:
+        """The engine's tokenizer, awaited as vLLM's ``AsyncLLM.get_tokenizer()`` is (the same
+        object as :attr:`tokenizer`)."""
+        return self.engine.tokenizer
+
     @property
     def max_context_len(self) -> int:
         """Longest sequence (prompt + output tokens) the engine accepts."""

@@ -82,6 +82,11 @@ class LLM:
         """The model's transformers tokenizer."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer (vLLM's ``LLM.get_tokenizer()``; the same object as
+        :attr:`tokenizer`)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Any = None,

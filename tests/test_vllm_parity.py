@@ -102,3 +102,18 @@ def _char_tokenizer():
     from test_scheduler import CharTokenizer
 
     return CharTokenizer()
+
+
+def test_get_tokenizer_as_vllm_code_calls_it(offline, default_model):
+    import asyncio
+
+    from radixkv import AsyncLLM
+
+    tok = offline.get_tokenizer()
+    assert tok is offline.tokenizer
+    assert tok.encode(PROMPT) == [504, 3575, 282, 4649, 314]
+    alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=1024)
+    try:
+        assert asyncio.run(alm.get_tokenizer()) is alm.tokenizer
+    finally:
+        alm.shutdown()
