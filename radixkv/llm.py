@@ -129,9 +129,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: Optional[Sequence[Dict[str, Any]]] = None,
+        *,
+        chat_template: Optional[str] = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
     ) -> List[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
         each rendered with the model's chat template (plus the assistant generation prompt).
+
+        ``chat_template`` (a Jinja template instead of the model's), ``continue_final_message``
+        (continue the last, assistant, message instead of starting a new one; needs
+        ``add_generation_prompt=False``) and ``chat_template_kwargs`` (extra template variables)
+        are vLLM's ``LLM.chat`` arguments (:func:`radixkv.chat_template.render_chat`).
 
         ``tools``: OpenAI function tools (``{"type": "function", "function": {"name",
         "description", "parameters"}}``) rendered into every conversation, by the model's
@@ -143,7 +152,12 @@ class LLM:
         ``SamplingParams.structural_tag``, and parse the text with
         :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
         convs = conversations(messages)
-        texts = [self.render_chat(c, add_generation_prompt, tools) for c in convs]
+        options = dict(
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        texts = [self.render_chat(c, add_generation_prompt, tools, **options) for c in convs]
         ids = [encode_text(self.tokenizer, t, "messages", _RENDERED) for t in texts]
         return self._run(ids, texts, sampling_params, use_tqdm)
 
@@ -152,9 +166,11 @@ class LLM:
         conversation: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: Optional[Sequence[Dict[str, Any]]] = None,
+        **options: Any,
     ) -> str:
-        """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`)."""
-        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools)
+        """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`;
+        ``options``: its ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``)."""
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools, **options)
 
     def _run(
         self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool, namespace=None

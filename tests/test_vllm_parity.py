@@ -117,3 +117,44 @@ def test_get_tokenizer_as_vllm_code_calls_it(offline, default_model):
         assert asyncio.run(alm.get_tokenizer()) is alm.tokenizer
     finally:
         alm.shutdown()
+
+
+def test_chat_continue_final_message_chat_template_and_kwargs(offline, hf_default):
+    """vLLM's ``LLM.chat`` arguments: the prompt is transformers' ``apply_chat_template`` with
+    the same options, and the greedy continuation is transformers' ``generate``."""
+    tok = offline.tokenizer
+    conv = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    ref_ids = tok.apply_chat_template(conv, continue_final_message=True, tokenize=True, return_dict=False)
+    assert tok.decode(ref_ids).endswith("<|im_start|>assistant\nMy favourite color is")
+    with torch.no_grad():
+        ref = hf_default.generate(torch.tensor([ref_ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    out = offline.chat(
+        conv,
+        SamplingParams(temperature=0, max_tokens=6),
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    assert out.prompt_token_ids == list(ref_ids)
+    assert out.outputs[0].token_ids == ref[0, len(ref_ids) :].tolist()
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt") as e:
+        offline.chat(conv, continue_final_message=True, use_tqdm=False)
+    assert e.value.param == "continue_final_message"
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{{ suffix }}"
+    out = offline.chat(
+        conv[:1],
+        SamplingParams(temperature=0, max_tokens=1),
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs={"suffix": "Answer:"},
+    )[0]
+    assert out.prompt == "[user] Name a color.\nAnswer:"
+    assert out.prompt_token_ids == tok.encode("[user] Name a color.\nAnswer:")
+    for kw, param in (
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+        ({"chat_template": ""}, "chat_template"),
+    ):
+        with pytest.raises(ValueError) as e:
+            offline.chat(conv[:1], use_tqdm=False, **kw)
+        assert e.value.param == param
