@@ -47,9 +47,11 @@ class SamplingParams:
         n: number of samples drawn for the prompt (>= 1; the engine refuses more than its
             ``EngineConfig.max_n``, 128 by default). The prompt is prefilled once and the ``n``
             samples share its KV (see docs/engine.md, "n > 1").
-        max_tokens: maximum number of generated tokens per sample (>= 1, default 16). The
-            prompt plus ``max_tokens`` must fit the engine's context (``max_context_len``), checked
-            when the request is submitted. ``max_new_tokens`` (SGLang's name) is accepted as an
+        max_tokens: maximum number of generated tokens per sample (>= 1, default 16), or None:
+            as many as the prompt leaves of the context (vLLM's None), i.e. up to
+            ``max_context_len`` (and the KV pool's size) minus the prompt, set when the request is
+            submitted. The prompt plus ``max_tokens`` must fit the engine's context
+            (``max_context_len``), checked when the request is submitted. ``max_new_tokens`` (SGLang's name) is accepted as an
             alias in the constructor; giving both is an error.
         temperature: softmax temperature (>= 0); 0 means greedy (argmax).
         top_p: nucleus sampling mass, in (0, 1].
@@ -111,7 +113,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = _DEFAULT_MAX_TOKENS
+    max_tokens: Optional[int] = _DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -168,8 +170,11 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise RequestError(
+                f"max_tokens must be None (up to the context length) or an integer >= 1, got {self.max_tokens!r}",
+                "max_tokens",
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -224,7 +229,8 @@ class SamplingParams:
                     )
                 bias[tok] = float(v)
             self.logit_bias = bias
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        top = self.max_tokens if self.max_tokens is not None else math.inf
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= top:
             raise RequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
                 "min_tokens",

@@ -158,3 +158,24 @@ def test_chat_continue_final_message_chat_template_and_kwargs(offline, hf_defaul
         with pytest.raises(ValueError) as e:
             offline.chat(conv[:1], use_tqdm=False, **kw)
         assert e.value.param == param
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(default_model, hf_default):
+    """vLLM's ``max_tokens=None``: up to the context length (here also the KV pool's size); the
+    tokens are transformers' greedy ones, and the caller's SamplingParams is not changed."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    assert params.max_tokens is None and SamplingParams(max_tokens=None, min_tokens=50).min_tokens == 50
+    ids = [504, 3575, 282, 4649, 314]
+    with torch.no_grad():
+        ref = hf_default.generate(torch.tensor([ids]), max_new_tokens=27, do_sample=False, eos_token_id=[])
+    short = LLM(device="cpu", loaded_model=default_model, max_total_tokens=1024, max_context_len=32)
+    c = short.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert (len(c.token_ids), c.finish_reason) == (27, "length")
+    assert c.token_ids == ref[0, len(ids) :].tolist()
+    assert params.max_tokens is None
+    small_pool = LLM(device="cpu", loaded_model=default_model, max_total_tokens=24, max_context_len=64)
+    c = small_pool.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert (len(c.token_ids), c.finish_reason) == (19, "length")
+    with pytest.raises(ValueError) as e:
+        short.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None, min_tokens=28), use_tqdm=False)
+    assert e.value.param == "min_tokens"

@@ -87,10 +87,11 @@ def continuation(
     """The continuation request of a ``"continue"`` plan: ``(prompt token ids, params)``."""
     out = delivered.outputs[0]
     k = len(out.token_ids)
-    if out.finished() or k >= params.max_tokens:
+    if out.finished() or (params.max_tokens is not None and k >= params.max_tokens):
         raise ValueError("the request already finished")
     cont = params.clone(
-        max_tokens=params.max_tokens - k,
+        # None: up to the context on the new replica too (the prompt there holds the k tokens)
+        max_tokens=None if params.max_tokens is None else params.max_tokens - k,
         min_tokens=max(0, params.min_tokens - k),
         prompt_logprobs=None,
         logit_bias=_penalty_bias(params, out.token_ids) or None,
