@@ -92,7 +92,7 @@ class LLM:
         prompts: Any = None,
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         prompt_token_ids: Union[None, Sequence[int], Sequence[Sequence[int]]] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
     ) -> List[RequestOutput]:
         """Generate for a batch of prompts; all are submitted at once and run to completion.
 
@@ -104,7 +104,9 @@ class LLM:
                 LLM's namespace; with ``SamplingParams.cache_salt`` too, they must be equal).
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
             prompt_token_ids: one token-id list or a list of them, instead of ``prompts``.
-            use_tqdm: show a progress bar over finished requests.
+            use_tqdm: show a progress bar over finished requests; or, as in vLLM, a callable
+                that makes the bar (``functools.partial(tqdm, leave=False)``), called with
+                ``total=`` and ``desc=`` (it needs ``update(n)`` and ``close()``).
 
         Returns:
             One finished :class:`RequestOutput` per prompt, in input order. A request whose
@@ -126,7 +128,7 @@ class LLM:
         self,
         messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         add_generation_prompt: bool = True,
         tools: Optional[Sequence[Dict[str, Any]]] = None,
         *,
@@ -245,7 +247,7 @@ class LLM:
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}
         hooks: Dict[str, FinishHook] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        bar = _progress_bar(use_tqdm, len(ids))
         try:
             for i, (p_ids, p) in enumerate(zip(ids, params)):
                 rids.append(
@@ -405,6 +407,22 @@ class LLM:
         another thread runs (read without waiting for it; the same method as
         :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
         return self.engine.num_unfinished_requests()
+
+
+def _progress_bar(use_tqdm: Any, total: int) -> Any:
+    """The progress bar of a ``generate`` / ``chat`` call: tqdm's (``use_tqdm`` a bool) or the
+    caller's factory's (vLLM's callable ``use_tqdm``).
+
+    Raises:
+        RequestError: (param ``use_tqdm``) anything else.
+    """
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generate")
+    if not isinstance(use_tqdm, bool):
+        raise RequestError(
+            f"use_tqdm must be a bool or a callable making a tqdm-like bar, got {use_tqdm!r:.80}", "use_tqdm"
+        )
+    return tqdm(total=total, desc="generate", disable=not use_tqdm)
 
 
 def _finish_hook(hook: Optional[FinishHook], engine: Any, out: RequestOutput) -> None:

@@ -179,3 +179,30 @@ def test_max_tokens_none_runs_to_the_end_of_the_context(default_model, hf_defaul
     with pytest.raises(ValueError) as e:
         short.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None, min_tokens=28), use_tqdm=False)
     assert e.value.param == "min_tokens"
+
+
+def test_use_tqdm_takes_a_bar_factory_as_vllm_does(offline):
+    """``use_tqdm`` may be a callable that makes the bar (vLLM); it was silently replaced by
+    radixkv's own bar. Anything but a bool or a callable is refused, naming ``use_tqdm``."""
+    made = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n, self.closed, self.kw = total, 0, False, kw
+            made.append(self)
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    outs = offline.generate([PROMPT, "Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=Bar)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    assert [(b.total, b.n, b.closed) for b in made] == [(2, 2, True)]
+    offline.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=Bar)
+    assert [(b.total, b.n, b.closed) for b in made[1:]] == [(1, 1, True)]
+    with pytest.raises(ValueError) as e:
+        offline.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm="yes")
+    assert e.value.param == "use_tqdm"
+    assert offline.num_unfinished_requests() == 0
