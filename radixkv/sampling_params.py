@@ -5,6 +5,7 @@ docs/sampling.md has the semantics of the penalties, logprobs and structured-out
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -320,6 +321,40 @@ class SamplingParams:
             values["logprob_start_len"] = None
         values.update(changes)
         return SamplingParams(**values)
+
+
+_VLLM_HINTS = {
+    "best_of": "not supported: ask for n samples and pick one",
+    "guided_decoding": "give the constraint directly: json_schema=, regex=, choice=, grammar=, json_object=, "
+    "structural_tag=",
+    "structured_outputs": "give the constraint directly: json_schema=, regex=, choice=, grammar=, json_object=, "
+    "structural_tag=",
+    "output_kind": "not supported: AsyncLLM.generate streams cumulative outputs, LLM.generate returns final ones",
+    "logits_processors": "not supported: use logit_bias, min_tokens, the penalties or a structured-output field",
+}
+
+
+def _refuse_unknown(init):
+    """``SamplingParams.__init__`` refusing an unknown keyword with a RequestError (a ValueError)
+    naming it, instead of the dataclass's TypeError, with a hint for vLLM's fields radixkv lacks."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            hints = "; ".join(f"{k}: {_VLLM_HINTS[k]}" for k in unknown if k in _VLLM_HINTS)
+            raise RequestError(
+                f"SamplingParams does not take {', '.join(unknown)}"
+                + (f" ({hints})" if hints else " (not supported by radixkv)")
+                + f"; its fields: {', '.join(f for f in SamplingParams.__dataclass_fields__ if f != 'max_new_tokens')}",
+                unknown[0],
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_unknown(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 def _string_list(value: Any, name: str) -> List[str]:
