@@ -81,6 +81,9 @@ class SamplingParams:
             divided by it when positive, multiplied by it when negative.
         logit_bias: token id -> bias in [-100, 100], added to that token's logit (OpenAI's
             ``logit_bias``; keys may be ints or decimal strings, stored as ints).
+        allowed_token_ids: None, or a non-empty list of token ids: only these may be generated
+            (vLLM's; every other token's logit is ``-inf``); ids outside the vocabulary are
+            refused when the request is submitted.
         min_tokens: EOS and ``stop_token_ids`` are masked, and stop strings are not checked,
             until the sample has this many tokens (0..max_tokens).
         logprobs: None (off) or 0..20: return, per generated token, its log-probability and
@@ -129,6 +132,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[Dict[int, float]] = None
+    allowed_token_ids: Optional[Sequence[int]] = None
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
@@ -156,13 +160,22 @@ class SamplingParams:
             self.max_tokens = 16
         self.stop = _string_list(self.stop, "stop")
         self.stop_token_ids = _int_list(self.stop_token_ids, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+                raise RequestError(
+                    f"allowed_token_ids must be None or a non-empty list of token ids >= 0, got {self.allowed_token_ids}",
+                    "allowed_token_ids",
+                )
         self._validate()
         self._validate_processors()
         self._structured = self._validate_structured()
         self._uses_penalties = (
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
         )
-        self._uses_processors = self._uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        self._uses_processors = (
+            self._uses_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+        )
         # False: the sampler alone serves the request (no processor, grammar or logprobs)
         self._needs_pipeline = self._uses_processors or self._structured is not None or self.logprobs is not None
 
@@ -330,7 +343,8 @@ _VLLM_HINTS = {
     "structured_outputs": "give the constraint directly: json_schema=, regex=, choice=, grammar=, json_object=, "
     "structural_tag=",
     "output_kind": "not supported: AsyncLLM.generate streams cumulative outputs, LLM.generate returns final ones",
-    "logits_processors": "not supported: use logit_bias, min_tokens, the penalties or a structured-output field",
+    "logits_processors": "not supported: use logit_bias, allowed_token_ids, min_tokens, the penalties or a "
+    "structured-output field",
 }
 
 

@@ -206,3 +206,28 @@ def test_use_tqdm_takes_a_bar_factory_as_vllm_does(offline):
         offline.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm="yes")
     assert e.value.param == "use_tqdm"
     assert offline.num_unfinished_requests() == 0
+
+
+def test_allowed_token_ids_restricts_greedy_to_transformers_argmax_over_them(offline, hf_default):
+    """vLLM's ``allowed_token_ids``: every step's token is the argmax of transformers' logits over
+    the allowed ids only; logprobs stay the raw model's (vLLM's default ``raw_logprobs``)."""
+    ids = offline.tokenizer.encode(PROMPT)
+    allowed = [260, 28, 30, 2, 198]  # " the", ",", ".", EOS, "\n"
+    ref, seq = [], list(ids)
+    with torch.no_grad():
+        for _ in range(5):
+            logits = hf_default(torch.tensor([seq])).logits[0, -1]
+            t = allowed[int(torch.argmax(logits[allowed]))]
+            ref.append(t)
+            seq.append(t)
+    params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=allowed, ignore_eos=True, logprobs=1)
+    c = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == ref
+    assert c.logprobs[0][7042].rank == 1  # " Paris", the model's choice, refused here
+    for bad, where in (([], "allowed_token_ids"), ([-1], "allowed_token_ids"), ((1, "2"), "allowed_token_ids")):
+        with pytest.raises(ValueError) as e:
+            SamplingParams(allowed_token_ids=bad)
+        assert e.value.param == where
+    with pytest.raises(ValueError, match=r"allowed_token_ids holds 49152, outside the vocabulary \[0, 49152\)"):
+        offline.generate(PROMPT, SamplingParams(allowed_token_ids=[5, 49152]), use_tqdm=False)
+    assert offline.num_unfinished_requests() == 0

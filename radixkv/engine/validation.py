@@ -118,12 +118,17 @@ def _up_to_context(params: SamplingParams, n_prompt: int, lim: Limits) -> Sampli
 
 
 def _check_token_fields(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
-    """``stop_token_ids`` and ``logit_bias`` ids in the vocabulary, ``logprob_start_len`` inside
+    """``stop_token_ids``, ``allowed_token_ids`` and ``logit_bias`` ids in the vocabulary, ``logprob_start_len`` inside
     the prompt."""
     bad = [t for t in params.stop_token_ids if t >= lim.vocab_size]
     if bad:
         raise RequestError(
             f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {lim.vocab_size})", "stop_token_ids"
+        )
+    bad = [t for t in params.allowed_token_ids or () if t >= lim.vocab_size]
+    if bad:
+        raise RequestError(
+            f"allowed_token_ids holds {bad[0]}, outside the vocabulary [0, {lim.vocab_size})", "allowed_token_ids"
         )
     if params.logit_bias:
         bad = [t for t in params.logit_bias if t >= lim.vocab_size]
