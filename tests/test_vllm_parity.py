@@ -231,3 +231,34 @@ def test_allowed_token_ids_restricts_greedy_to_transformers_argmax_over_them(off
     with pytest.raises(ValueError, match=r"allowed_token_ids holds 49152, outside the vocabulary \[0, 49152\)"):
         offline.generate(PROMPT, SamplingParams(allowed_token_ids=[5, 49152]), use_tqdm=False)
     assert offline.num_unfinished_requests() == 0
+
+
+def test_async_abort_takes_a_list_of_request_ids(default_model):
+    """vLLM's ``AsyncLLM.abort`` takes one id or several; a list raised ``TypeError: unhashable
+    type: 'list'`` from the engine thread."""
+    import asyncio
+
+    from radixkv import AsyncLLM
+
+    async def run(alm):
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        streams = [alm.generate(PROMPT, params, request_id=f"r{i}") for i in range(3)]
+        iters = [s.__aiter__() for s in streams]
+        firsts = [await it.__anext__() for it in iters]
+        assert [f.finished for f in firsts] == [False] * 3
+        await alm.abort(["r0", "r2"])
+        rest0 = [o async for o in iters[0]]
+        rest2 = [o async for o in iters[2]]
+        assert not any(o.finished for o in rest0 + rest2)
+        await alm.abort("r1")
+        assert not any(o.finished for o in [o async for o in iters[1]])
+        with pytest.raises(ValueError) as e:
+            await alm.abort(7)
+        assert e.value.param == "request_id"
+        return await alm.call_in_engine_thread(lambda e: (e.num_unfinished_requests(), e.cache_stats()["in_use"]))
+
+    alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=2048)
+    try:
+        assert asyncio.run(run(alm)) == (0, 0)
+    finally:
+        alm.shutdown()
