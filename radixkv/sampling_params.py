@@ -72,6 +72,8 @@ class SamplingParams:
             is otherwise left out of ``text`` (it stays in ``token_ids``), as vLLM does.
         ignore_eos: (bool) keep generating after the model's end-of-sequence token.
         skip_special_tokens: (bool) drop special tokens when detokenizing.
+        detokenize: (bool, default True) False: no text at all (vLLM's): ``text`` stays ``""``
+            and logprobs' ``decoded_token`` None, token ids only; stop strings need it True.
         presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit
             of every token the sample has generated so far.
         frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit
@@ -128,6 +130,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -209,9 +212,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 raise RequestError(f"stop_token_ids must be token ids >= 0, got {t}", "stop_token_ids")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
+        if self.stop and not self.detokenize:
+            raise RequestError("stop strings need detokenize=True (they are matched in the text)", "stop")
         check_cache_salt(self.cache_salt)
 
     def _validate_processors(self) -> None:

@@ -154,7 +154,6 @@ def test_a_row_with_every_token_masked_takes_no_draw():
         ("structured_outputs", "json_schema="),
         ("output_kind", "cumulative"),
         ("logits_processors", "logit_bias"),
-        ("detokenize", "not supported by radixkv"),
         ("bad_words", "not supported by radixkv"),
         ("truncate_prompt_tokens", "not supported by radixkv"),
         ("spaces_between_special_tokens", "not supported by radixkv"),

@@ -262,3 +262,24 @@ def test_async_abort_takes_a_list_of_request_ids(default_model):
         assert asyncio.run(run(alm)) == (0, 0)
     finally:
         alm.shutdown()
+
+
+def test_detokenize_false_returns_token_ids_only(offline, greedy_ref):
+    """vLLM's ``detokenize=False``: the same tokens, no text, no ``decoded_token`` (also in prompt
+    logprobs); stop tokens still stop, stop strings are refused (they need the text)."""
+    ids, ref = greedy_ref
+    params = SamplingParams(temperature=0, max_tokens=12, detokenize=False, logprobs=1, prompt_logprobs=1)
+    o = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    c = o.outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == (ref, "", "length")
+    assert all(lp.decoded_token is None for pos in c.logprobs for lp in pos.values())
+    assert all(lp.decoded_token is None for pos in o.prompt_logprobs[1:] for lp in pos.values())
+    assert c.logprobs[0][ref[0]].rank == 1
+    s = _one(offline, PROMPT, max_tokens=12, detokenize=False, stop_token_ids=[ref[2]])
+    assert (s.token_ids, s.text, s.finish_reason, s.stop_reason) == (ref[:3], "", "stop", ref[2])
+    with pytest.raises(ValueError, match="detokenize=True") as e:
+        SamplingParams(detokenize=False, stop=["The"])
+    assert e.value.param == "stop"
+    with pytest.raises(ValueError) as e:
+        SamplingParams(detokenize=0)
+    assert e.value.param == "detokenize"

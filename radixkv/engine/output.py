@@ -15,6 +15,8 @@ from radixkv.sampling_params import SamplingParams
 
 __all__ = ["RequestGroup"]
 
+_NO_TEXT = TokenDecoder(None)  # decoded_token of a request with detokenize=False: None
+
 
 class RequestGroup:
     """The ``n`` samples of one user request and what is reported for them.
@@ -115,11 +117,12 @@ class RequestGroup:
         det = self._detoks[r.index]
         if det is None:
             det = self._detoks[r.index] = IncrementalDetokenizer(
-                tokenizer, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
+                tokenizer if p.detokenize else None, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
             )
         tok = r.output_token_ids[-1]
         if logprobs is not None and out.logprobs is not None:
-            out.logprobs.append(to_position_logprobs(logprobs, decode or TokenDecoder(tokenizer)))
+            decode = (decode or TokenDecoder(tokenizer)) if p.detokenize else _NO_TEXT
+            out.logprobs.append(to_position_logprobs(logprobs, decode))
             out.cumulative_logprob += logprobs.logprob
         st = r.sampling_state
         terminated = st is not None and st.grammar is not None and st.grammar.terminated

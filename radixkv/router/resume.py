@@ -120,9 +120,9 @@ class Stitcher:
         self.k0 = len(self.ids)
         self.logprobs = None if self.base.logprobs is None else list(self.base.logprobs)
         self.cum = self.base.cumulative_logprob
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if params.detokenize else None
         self.det = IncrementalDetokenizer(
-            tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
         self.det.update(self.ids, check_stop=False)
         self.primed = self.det.text
