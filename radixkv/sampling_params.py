@@ -86,8 +86,8 @@ class SamplingParams:
         allowed_token_ids: None, or a non-empty list of token ids: only these may be generated
             (vLLM's; every other token's logit is ``-inf``); ids outside the vocabulary are
             refused when the request is submitted.
-        min_tokens: EOS and ``stop_token_ids`` are masked, and stop strings are not checked,
-            until the sample has this many tokens (0..max_tokens).
+        min_tokens: EOS and ``stop_token_ids`` are masked until the sample has this many tokens
+            (0..max_tokens), and a stop string counts only when it ends in a token after them.
         logprobs: None (off) or 0..20: return, per generated token, its log-probability and
             rank plus this many most likely alternatives (of the raw model distribution).
         prompt_logprobs: None (off) or 0..20: the same for every prompt position from

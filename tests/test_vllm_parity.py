@@ -283,3 +283,19 @@ def test_detokenize_false_returns_token_ids_only(offline, greedy_ref):
     with pytest.raises(ValueError) as e:
         SamplingParams(detokenize=0)
     assert e.value.param == "detokenize"
+
+
+def test_min_tokens_a_stop_string_counts_only_after_the_first_min_tokens(offline, greedy_ref):
+    """vLLM v1: text of the first ``min_tokens`` tokens never ends the sample on a stop string
+    (the string must end in a later token). Greedy: ' Paris', '.', '\\n', '\\n', 'The', ..."""
+    _, ref = greedy_ref
+    assert ref[2] == ref[3] == 198
+    c = _one(offline, PROMPT, max_tokens=12, stop=["\n"], min_tokens=3)
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (ref[:4], " Paris.\n", "stop", "\n")
+    c = _one(offline, PROMPT, max_tokens=12, stop=["\n"], min_tokens=2)
+    assert (c.token_ids, c.text, c.stop_reason) == (ref[:3], " Paris.", "\n")
+    # the '.' of token 2 lies wholly in the min_tokens text: a longer stop string beside it must not
+    # make the look-back find it once checking starts (the 12 tokens have no other '.')
+    c = _one(offline, PROMPT, max_tokens=12, stop=[".", "XYZW"], min_tokens=3)
+    assert (c.token_ids, c.finish_reason, c.text) == (ref, "length", offline.tokenizer.decode(ref))
+    assert c.text.count(".") == 1

@@ -50,8 +50,8 @@ class IncrementalDetokenizer:
         Args:
             token_ids: all output token ids.
             final: flush text held back for an incomplete character.
-            check_stop: look for stop strings in the new text (False while ``min_tokens`` is
-                not reached: a stop string that completes then is not a stop).
+            check_stop: look for stop strings ending in the new text (False for the first
+                ``min_tokens`` tokens: a stop string that completes in them is not a stop).
 
         Returns:
             True when a stop string was found (``text`` is then truncated before it, or after
@@ -67,8 +67,9 @@ class IncrementalDetokenizer:
         self.text += delta
         self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
         if self.stop and check_stop:
-            start = max(0, len(self.text) - len(delta) - self._max_stop + 1)
-            hits = [(self.text.find(s, start), s) for s in self.stop]
+            # a stop string that ends in the new text (it may begin in the text before it)
+            base = len(self.text) - len(delta)
+            hits = [(self.text.find(s, max(0, base - len(s) + 1)), s) for s in self.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)

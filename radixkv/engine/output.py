@@ -134,7 +134,7 @@ class RequestGroup:
             reason, stop_reason = "stop", tok if tok in p.stop_token_ids else None
             if det.stopped_by is None:
                 det.update(ids if p.include_stop_str_in_output else ids[:-1], final=True, check_stop=False)
-        elif det.update(ids, check_stop=len(ids) >= p.min_tokens):
+        elif det.update(ids, check_stop=len(ids) > p.min_tokens):  # vLLM v1: after the first min_tokens
             reason, stop_reason = "stop", det.stopped_by
         elif len(ids) >= p.max_tokens or r.seq_len >= max_context_len:
             reason = "length"

@@ -153,7 +153,7 @@ class Stitcher:
             if token_stop and start + j == len(c.token_ids) - 1:
                 break
             if self.tokenizer is not None and self.det.update(
-                self.ids, check_stop=len(self.ids) >= self.params.min_tokens
+                self.ids, check_stop=len(self.ids) > self.params.min_tokens
             ):
                 reason, stop_reason = "stop", self.det.stopped_by
                 break
