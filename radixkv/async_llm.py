@@ -136,6 +136,11 @@ class AsyncLLM:
         """The engine's (transformers) tokenizer; read-only use is thread-safe."""
         return self.engine.tokenizer
 
+    async def get_tokenizer(self) -> Any:
+        """The engine's tokenizer, awaited as vLLM's ``AsyncLLM.get_tokenizer()`` is (the same
+        object as :attr:`tokenizer`)."""
+        return self.engine.tokenizer
+
     @property
     def max_context_len(self) -> int:
         """Longest sequence (prompt + output tokens) the engine accepts."""
@@ -338,13 +343,25 @@ class AsyncLLM:
                     if out is None:
                         self._abort_nowait(rid, stream)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort an unfinished request by id (no-op if it already finished or is unknown).
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort unfinished requests by id: one id or a list of them, as vLLM's ``abort`` takes
+        (no-op for an id that already finished or is unknown).
 
         The engine releases the request's KV slots; its ``generate`` iterator then ends without
         a further output. Callers usually abort by cancelling or closing that iterator instead.
+
+        Raises:
+            RequestError: (param ``request_id``) an id that is not a str.
         """
-        await asyncio.wrap_future(self.submit(lambda e: self._abort_in_thread(request_id, None)))
+        ids = [request_id] if isinstance(request_id, str) else request_id
+        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(isinstance(r, str) for r in ids):
+            raise RequestError(f"request_id must be a str or a list of them, got {request_id!r:.80}", "request_id")
+
+        def abort_all(engine: Any) -> None:
+            for rid in ids:
+                self._abort_in_thread(rid, None)
+
+        await asyncio.wrap_future(self.submit(abort_all))
 
     def cache_stats(self) -> EngineStats:
         """``Engine.cache_stats()`` as of the engine thread's latest step or posted call (a

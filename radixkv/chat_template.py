@@ -212,6 +212,10 @@ def render_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    *,
+    continue_final_message: bool = False,
+    chat_template: Optional[str] = None,
+    chat_template_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> str:
     """The chat-template text of one conversation (transformers' ``apply_chat_template``).
 
@@ -223,12 +227,18 @@ def render_chat(
         add_generation_prompt: end with the assistant's turn header.
         tools: OpenAI function tools (None or empty: no tools), rendered by the template when it
             takes them, else in the built-in format (module docstring).
+        continue_final_message: end inside the last message (no end-of-turn after it), so the
+            model continues it (vLLM's and transformers'; not with ``add_generation_prompt``).
+        chat_template: a Jinja template used instead of the tokenizer's.
+        chat_template_kwargs: extra variables for the template (e.g. a template's own switches).
 
     Raises:
         RequestError: (param ``messages``, or ``tools``) a message without ``role`` /
             ``content``, a non-text content part, a malformed tool or call, or the template
-            refused the conversation.
+            refused the conversation; (param the argument) a bad ``continue_final_message``,
+            ``chat_template`` or ``chat_template_kwargs``.
     """
+    kwargs = _template_options(add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs)
     tools = list(tools or [])
     for t in tools:
         _function_of(t)
@@ -237,7 +247,6 @@ def render_chat(
     )
     native = uses_tools and template_takes_tools(tokenizer)
     conv = _normalize(messages, tools, native)
-    kwargs: dict[str, Any] = {}
     if native and tools:
         kwargs["tools"] = [{"type": "function", "function": _function_of(t)} for t in tools]
     try:
@@ -246,6 +255,56 @@ def render_chat(
         )
     except Exception as exc:  # noqa: BLE001 - template errors are the caller's conversation
         raise RequestError(f"messages could not be rendered with the chat template: {exc}", "messages") from exc
+
+
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    ("conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize")
+    + ("chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
+)
+
+
+def _template_options(
+    add_generation_prompt: Any, continue_final_message: Any, chat_template: Any, chat_template_kwargs: Any
+) -> dict[str, Any]:
+    """``apply_chat_template``'s keywords for :func:`render_chat`'s options, checked.
+
+    Raises:
+        RequestError: (param the argument) a non-bool flag, both flags set (as vLLM refuses),
+            an empty or non-str ``chat_template``, ``chat_template_kwargs`` not a dict of
+            str keys or naming one of ``apply_chat_template``'s own arguments.
+    """
+    for name, v in (
+        ("add_generation_prompt", add_generation_prompt),
+        ("continue_final_message", continue_final_message),
+    ):
+        if not isinstance(v, bool):
+            raise RequestError(f"{name} must be a bool, got {v!r}", name)
+    if add_generation_prompt and continue_final_message:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be True "
+            "(pass add_generation_prompt=False to continue the final message)",
+            "continue_final_message",
+        )
+    kwargs: dict[str, Any] = {"continue_final_message": True} if continue_final_message else {}
+    if chat_template is not None:
+        if not isinstance(chat_template, str) or not chat_template.strip():
+            raise RequestError(f"chat_template must be a non-empty Jinja template string, got {chat_template!r:.80}",
+                               "chat_template")  # fmt: skip
+        kwargs["chat_template"] = chat_template
+    if chat_template_kwargs is not None:
+        if not isinstance(chat_template_kwargs, Mapping) or not all(isinstance(k, str) for k in chat_template_kwargs):
+            raise RequestError(
+                f"chat_template_kwargs must be a dict with str keys, got {chat_template_kwargs!r:.80}",
+                "chat_template_kwargs",
+            )
+        bad = sorted(set(chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise RequestError(
+                f"chat_template_kwargs may not set {bad}: give them as LLM.chat's own arguments",
+                "chat_template_kwargs",
+            )
+        kwargs.update(chat_template_kwargs)
+    return kwargs
 
 
 def encode_chat(

@@ -82,12 +82,17 @@ class LLM:
         """The model's transformers tokenizer."""
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """The model's transformers tokenizer (vLLM's ``LLM.get_tokenizer()``; the same object as
+        :attr:`tokenizer`)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Any = None,
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         prompt_token_ids: Union[None, Sequence[int], Sequence[Sequence[int]]] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
     ) -> List[RequestOutput]:
         """Generate for a batch of prompts; all are submitted at once and run to completion.
 
@@ -99,7 +104,9 @@ class LLM:
                 LLM's namespace; with ``SamplingParams.cache_salt`` too, they must be equal).
             sampling_params: one for all prompts or one per prompt (default ``SamplingParams()``).
             prompt_token_ids: one token-id list or a list of them, instead of ``prompts``.
-            use_tqdm: show a progress bar over finished requests.
+            use_tqdm: show a progress bar over finished requests; or, as in vLLM, a callable
+                that makes the bar (``functools.partial(tqdm, leave=False)``), called with
+                ``total=`` and ``desc=`` (it needs ``update(n)`` and ``close()``).
 
         Returns:
             One finished :class:`RequestOutput` per prompt, in input order. A request whose
@@ -121,12 +128,21 @@ class LLM:
         self,
         messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-        use_tqdm: bool = True,
+        use_tqdm: Union[bool, Callable[..., Any]] = True,
         add_generation_prompt: bool = True,
         tools: Optional[Sequence[Dict[str, Any]]] = None,
+        *,
+        chat_template: Optional[str] = None,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Optional[Dict[str, Any]] = None,
     ) -> List[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
         each rendered with the model's chat template (plus the assistant generation prompt).
+
+        ``chat_template`` (a Jinja template instead of the model's), ``continue_final_message``
+        (continue the last, assistant, message instead of starting a new one; needs
+        ``add_generation_prompt=False``) and ``chat_template_kwargs`` (extra template variables)
+        are vLLM's ``LLM.chat`` arguments (:func:`radixkv.chat_template.render_chat`).
 
         ``tools``: OpenAI function tools (``{"type": "function", "function": {"name",
         "description", "parameters"}}``) rendered into every conversation, by the model's
@@ -138,7 +154,12 @@ class LLM:
         ``SamplingParams.structural_tag``, and parse the text with
         :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
         convs = conversations(messages)
-        texts = [self.render_chat(c, add_generation_prompt, tools) for c in convs]
+        options = dict(
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        texts = [self.render_chat(c, add_generation_prompt, tools, **options) for c in convs]
         ids = [encode_text(self.tokenizer, t, "messages", _RENDERED) for t in texts]
         return self._run(ids, texts, sampling_params, use_tqdm)
 
@@ -147,9 +168,11 @@ class LLM:
         conversation: Sequence[Message],
         add_generation_prompt: bool = True,
         tools: Optional[Sequence[Dict[str, Any]]] = None,
+        **options: Any,
     ) -> str:
-        """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`)."""
-        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools)
+        """The chat-template text of one conversation (:func:`radixkv.chat_template.render_chat`;
+        ``options``: its ``continue_final_message``, ``chat_template``, ``chat_template_kwargs``)."""
+        return render_chat(self.tokenizer, conversation, add_generation_prompt, tools, **options)
 
     def _run(
         self, ids: List[List[int]], texts: Optional[List[str]], sampling_params, use_tqdm: bool, namespace=None
@@ -224,7 +247,7 @@ class LLM:
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}
         hooks: Dict[str, FinishHook] = {}
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        bar = _progress_bar(use_tqdm, len(ids))
         try:
             for i, (p_ids, p) in enumerate(zip(ids, params)):
                 rids.append(
@@ -384,6 +407,22 @@ class LLM:
         another thread runs (read without waiting for it; the same method as
         :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
         return self.engine.num_unfinished_requests()
+
+
+def _progress_bar(use_tqdm: Any, total: int) -> Any:
+    """The progress bar of a ``generate`` / ``chat`` call: tqdm's (``use_tqdm`` a bool) or the
+    caller's factory's (vLLM's callable ``use_tqdm``).
+
+    Raises:
+        RequestError: (param ``use_tqdm``) anything else.
+    """
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="generate")
+    if not isinstance(use_tqdm, bool):
+        raise RequestError(
+            f"use_tqdm must be a bool or a callable making a tqdm-like bar, got {use_tqdm!r:.80}", "use_tqdm"
+        )
+    return tqdm(total=total, desc="generate", disable=not use_tqdm)
 
 
 def _finish_hook(hook: Optional[FinishHook], engine: Any, out: RequestOutput) -> None:

@@ -44,12 +44,15 @@ class CompletionOutput:
 
     Attributes:
         index: sample index in ``[0, n)``.
-        text: detokenized output text (truncated before a matched stop string).
+        text: detokenized output text (truncated before a matched stop string; without the text
+            of the stop token it ended on, EOS or a ``stop_token_ids`` entry; both kept with
+            ``SamplingParams.include_stop_str_in_output``, as in vLLM).
         token_ids: generated token ids (the matched stop token id, if any, included).
         finish_reason: ``None`` while running, else ``"stop"`` (EOS, a stop token or a stop
             string), ``"length"`` (max_tokens or the context length reached), ``"abort"`` or
             ``"error"`` (its sampling raised; ``RequestOutput.error`` says what).
-        stop_reason: the stop string or stop token id that ended it, if any.
+        stop_reason: the stop string or ``stop_token_ids`` entry that ended it; None when it
+            ended otherwise, EOS included (vLLM's).
         logprobs: with ``SamplingParams.logprobs`` set, one :data:`PositionLogprobs` per token
             of ``token_ids`` (the sampled token plus ``logprobs`` alternatives); else None.
         cumulative_logprob: with ``logprobs`` set, the sum of the sampled tokens' logprobs;

@@ -5,6 +5,7 @@ docs/sampling.md has the semantics of the penalties, logprobs and structured-out
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import operator
@@ -47,9 +48,11 @@ class SamplingParams:
         n: number of samples drawn for the prompt (>= 1; the engine refuses more than its
             ``EngineConfig.max_n``, 128 by default). The prompt is prefilled once and the ``n``
             samples share its KV (see docs/engine.md, "n > 1").
-        max_tokens: maximum number of generated tokens per sample (>= 1, default 16). The
-            prompt plus ``max_tokens`` must fit the engine's context (``max_context_len``), checked
-            when the request is submitted. ``max_new_tokens`` (SGLang's name) is accepted as an
+        max_tokens: maximum number of generated tokens per sample (>= 1, default 16), or None:
+            as many as the prompt leaves of the context (vLLM's None), i.e. up to
+            ``max_context_len`` (and the KV pool's size) minus the prompt, set when the request is
+            submitted. The prompt plus ``max_tokens`` must fit the engine's context
+            (``max_context_len``), checked when the request is submitted. ``max_new_tokens`` (SGLang's name) is accepted as an
             alias in the constructor; giving both is an error.
         temperature: softmax temperature (>= 0); 0 means greedy (argmax).
         top_p: nucleus sampling mass, in (0, 1].
@@ -59,11 +62,18 @@ class SamplingParams:
             seed gives the same tokens.
         stop: a stop string or a list of them (non-empty strings); generation stops when the
             detokenized text contains one, and the text is truncated before it (the stop string
-            is not included).
+            is not included unless ``include_stop_str_in_output``); ``stop_reason`` is the string.
         stop_token_ids: a list of extra token ids that end generation (the token is kept in
-            ``token_ids``); ids outside the vocabulary are refused when the request is submitted.
+            ``token_ids``, its text left out of ``text`` unless ``include_stop_str_in_output``;
+            ``stop_reason`` is the id); ids outside the vocabulary are refused when the request
+            is submitted.
+        include_stop_str_in_output: (bool) keep the matched stop string in ``text`` (cut after it
+            instead of before it), and the text of a stop token (``stop_token_ids``, EOS), which
+            is otherwise left out of ``text`` (it stays in ``token_ids``), as vLLM does.
         ignore_eos: (bool) keep generating after the model's end-of-sequence token.
         skip_special_tokens: (bool) drop special tokens when detokenizing.
+        detokenize: (bool, default True) False: no text at all (vLLM's): ``text`` stays ``""``
+            and logprobs' ``decoded_token`` None, token ids only; stop strings need it True.
         presence_penalty: OpenAI's presence penalty in [-2, 2]: subtracted once from the logit
             of every token the sample has generated so far.
         frequency_penalty: OpenAI's frequency penalty in [-2, 2]: subtracted from a token's logit
@@ -73,8 +83,11 @@ class SamplingParams:
             divided by it when positive, multiplied by it when negative.
         logit_bias: token id -> bias in [-100, 100], added to that token's logit (OpenAI's
             ``logit_bias``; keys may be ints or decimal strings, stored as ints).
-        min_tokens: EOS and ``stop_token_ids`` are masked, and stop strings are not checked,
-            until the sample has this many tokens (0..max_tokens).
+        allowed_token_ids: None, or a non-empty list of token ids: only these may be generated
+            (vLLM's; every other token's logit is ``-inf``); ids outside the vocabulary are
+            refused when the request is submitted.
+        min_tokens: EOS and ``stop_token_ids`` are masked until the sample has this many tokens
+            (0..max_tokens), and a stop string counts only when it ends in a token after them.
         logprobs: None (off) or 0..20: return, per generated token, its log-probability and
             rank plus this many most likely alternatives (of the raw model distribution).
         prompt_logprobs: None (off) or 0..20: the same for every prompt position from
@@ -106,7 +119,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = _DEFAULT_MAX_TOKENS
+    max_tokens: Optional[int] = _DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -114,12 +127,15 @@ class SamplingParams:
     seed: Optional[int] = None
     stop: Union[None, str, Sequence[str]] = None
     stop_token_ids: Optional[Sequence[int]] = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Optional[Dict[int, float]] = None
+    allowed_token_ids: Optional[Sequence[int]] = None
     min_tokens: int = 0
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
@@ -147,13 +163,22 @@ class SamplingParams:
             self.max_tokens = 16
         self.stop = _string_list(self.stop, "stop")
         self.stop_token_ids = _int_list(self.stop_token_ids, "stop_token_ids")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _int_list(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+                raise RequestError(
+                    f"allowed_token_ids must be None or a non-empty list of token ids >= 0, got {self.allowed_token_ids}",
+                    "allowed_token_ids",
+                )
         self._validate()
         self._validate_processors()
         self._structured = self._validate_structured()
         self._uses_penalties = (
             self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
         )
-        self._uses_processors = self._uses_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        self._uses_processors = (
+            self._uses_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+        )
         # False: the sampler alone serves the request (no processor, grammar or logprobs)
         self._needs_pipeline = self._uses_processors or self._structured is not None or self.logprobs is not None
 
@@ -162,8 +187,11 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise RequestError(
+                f"max_tokens must be None (up to the context length) or an integer >= 1, got {self.max_tokens!r}",
+                "max_tokens",
+            )
         if not _is_number(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not _is_number(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -184,9 +212,11 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if t < 0:
                 raise RequestError(f"stop_token_ids must be token ids >= 0, got {t}", "stop_token_ids")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
+        if self.stop and not self.detokenize:
+            raise RequestError("stop strings need detokenize=True (they are matched in the text)", "stop")
         check_cache_salt(self.cache_salt)
 
     def _validate_processors(self) -> None:
@@ -218,7 +248,8 @@ class SamplingParams:
                     )
                 bias[tok] = float(v)
             self.logit_bias = bias
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        top = self.max_tokens if self.max_tokens is not None else math.inf
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= top:
             raise RequestError(
                 f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
                 "min_tokens",
@@ -308,6 +339,41 @@ class SamplingParams:
             values["logprob_start_len"] = None
         values.update(changes)
         return SamplingParams(**values)
+
+
+_VLLM_HINTS = {
+    "best_of": "not supported: ask for n samples and pick one",
+    "guided_decoding": "give the constraint directly: json_schema=, regex=, choice=, grammar=, json_object=, "
+    "structural_tag=",
+    "structured_outputs": "give the constraint directly: json_schema=, regex=, choice=, grammar=, json_object=, "
+    "structural_tag=",
+    "output_kind": "not supported: AsyncLLM.generate streams cumulative outputs, LLM.generate returns final ones",
+    "logits_processors": "not supported: use logit_bias, allowed_token_ids, min_tokens, the penalties or a "
+    "structured-output field",
+}
+
+
+def _refuse_unknown(init):
+    """``SamplingParams.__init__`` refusing an unknown keyword with a RequestError (a ValueError)
+    naming it, instead of the dataclass's TypeError, with a hint for vLLM's fields radixkv lacks."""
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = sorted(set(kwargs) - set(SamplingParams.__dataclass_fields__))
+        if unknown:
+            hints = "; ".join(f"{k}: {_VLLM_HINTS[k]}" for k in unknown if k in _VLLM_HINTS)
+            raise RequestError(
+                f"SamplingParams does not take {', '.join(unknown)}"
+                + (f" ({hints})" if hints else " (not supported by radixkv)")
+                + f"; its fields: {', '.join(f for f in SamplingParams.__dataclass_fields__ if f != 'max_new_tokens')}",
+                unknown[0],
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _refuse_unknown(SamplingParams.__init__)  # type: ignore[method-assign]
 
 
 def _string_list(value: Any, name: str) -> List[str]:

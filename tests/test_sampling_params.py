@@ -144,3 +144,27 @@ def test_a_row_with_every_token_masked_takes_no_draw():
     assert all(d[0] == 0 for d in draws)
     assert torch.equal(gens[0].get_state(), before)
     assert all(d[1] != 7 for d in draws)
+
+
+@pytest.mark.parametrize(
+    "name, hint",
+    [
+        ("best_of", "n samples"),
+        ("guided_decoding", "json_schema="),
+        ("structured_outputs", "json_schema="),
+        ("output_kind", "cumulative"),
+        ("logits_processors", "logit_bias"),
+        ("bad_words", "not supported by radixkv"),
+        ("truncate_prompt_tokens", "not supported by radixkv"),
+        ("spaces_between_special_tokens", "not supported by radixkv"),
+        ("temprature", "not supported by radixkv"),
+    ],
+)
+def test_a_field_radixkv_lacks_is_a_value_error_naming_it(name, hint):
+    """vLLM code passing a field radixkv does not implement gets a RequestError (a ValueError, as
+    every other bad argument) naming it, not the dataclass's TypeError."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(temperature=0, **{name: 1})
+    assert e.value.param == name
+    assert f"does not take {name} " in str(e.value) and hint in str(e.value)
+    assert "include_stop_str_in_output" in str(e.value)  # the fields it does take

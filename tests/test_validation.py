@@ -76,7 +76,7 @@ def assert_idle(engine) -> None:
         ({"stop_token_ids": [-1]}, "stop_token_ids", (">= 0",)),
         ({"max_tokens": 5, "max_new_tokens": 7}, "max_new_tokens", ("only one of max_tokens", "max_new_tokens")),
         ({"max_tokens": 16, "max_new_tokens": 7}, "max_new_tokens", ("only one of",)),  # 16 given, not the default
-        ({"max_tokens": None}, "max_tokens", (">= 1",)),
+        ({"max_tokens": 0}, "max_tokens", (">= 1",)),  # None: up to the context (vLLM)
         ({"max_tokens": True}, "max_tokens", (">= 1",)),
         ({"max_tokens": 2.0}, "max_tokens", (">= 1",)),
         ({"n": True}, "n", (">= 1",)),

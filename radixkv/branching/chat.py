@@ -74,8 +74,9 @@ def reply_stop_text(tok: Any, completion: Any) -> str:
     """The text of the stop token a reply (a ``CompletionOutput``) ended on ("" when it stopped
     otherwise): what :func:`continue_chat` takes as ``stop_text``."""
     c = completion
-    stop = c.stop_reason if c.finish_reason == "stop" and isinstance(c.stop_reason, int) else None
-    return "" if stop is None or tok is None else tok.decode([stop], skip_special_tokens=False)
+    # a stop token (stop_token_ids, or EOS whose stop_reason is None) is the last of token_ids
+    token_stop = c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and c.token_ids
+    return "" if not token_stop or tok is None else tok.decode([c.token_ids[-1]], skip_special_tokens=False)
 
 
 def _missing_close(tok: Any, hist: List[dict], gen: str, tools: Any = None) -> str:

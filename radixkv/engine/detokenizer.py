@@ -18,18 +18,23 @@ class IncrementalDetokenizer:
 
     Args:
         tokenizer: a transformers tokenizer (``decode``), or None (text stays empty).
-        stop: stop strings; the text is cut before the first one that appears.
+        stop: stop strings; the text is cut before the first one that appears (after it with
+            ``include_stop``).
         skip_special_tokens: passed to ``decode``.
+        include_stop: keep the matched stop string (``SamplingParams.include_stop_str_in_output``).
 
     Attributes:
         text: the output text so far.
         stopped_by: the stop string found, or None.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True, include_stop: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.skip = skip_special_tokens
+        self.include_stop = include_stop
         self.text = ""
         self.stopped_by: Optional[str] = None
         self._prefix_offset = 0
@@ -45,11 +50,12 @@ class IncrementalDetokenizer:
         Args:
             token_ids: all output token ids.
             final: flush text held back for an incomplete character.
-            check_stop: look for stop strings in the new text (False while ``min_tokens`` is
-                not reached: a stop string that completes then is not a stop).
+            check_stop: look for stop strings ending in the new text (False for the first
+                ``min_tokens`` tokens: a stop string that completes in them is not a stop).
 
         Returns:
-            True when a stop string was found (``text`` is then truncated before it).
+            True when a stop string was found (``text`` is then truncated before it, or after
+            it with ``include_stop``).
         """
         if self.tokenizer is None or self.stopped_by is not None:
             return self.stopped_by is not None
@@ -61,12 +67,13 @@ class IncrementalDetokenizer:
         self.text += delta
         self._prefix_offset, self._read_offset = self._read_offset, len(token_ids)
         if self.stop and check_stop:
-            start = max(0, len(self.text) - len(delta) - self._max_stop + 1)
-            hits = [(self.text.find(s, start), s) for s in self.stop]
+            # a stop string that ends in the new text (it may begin in the text before it)
+            base = len(self.text) - len(delta)
+            hits = [(self.text.find(s, max(0, base - len(s) + 1)), s) for s in self.stop]
             hits = [(i, s) for i, s in hits if i >= 0]
             if hits:
                 i, s = min(hits)
-                self.text = self.text[:i]
+                self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
                 self.stopped_by = s
                 return True
         return False

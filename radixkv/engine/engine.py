@@ -303,6 +303,7 @@ class Engine:
         self.grammars = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
         self._decode = TokenDecoder(tokenizer)
+        self._no_text = TokenDecoder(None)  # detokenize=False: no decoded_token
         spec = cfg.speculative_config
         self.spec: Optional[Drafter] = Drafter(spec, cache, _encoder(tokenizer)) if spec is not None else None
         if spec is not None and getattr(self.runner, "row_exact", True) is False:
@@ -703,8 +704,9 @@ class Engine:
                 if err is not None:
                     raise err
                 g = self._groups[r.request_id]
+                decode = self._decode if g.params.detokenize else self._no_text
                 for pos, e in enumerate(lps, start=seg.first + 1):
-                    g.prompt_logprobs[pos] = to_position_logprobs(e, self._decode)
+                    g.prompt_logprobs[pos] = to_position_logprobs(e, decode)
                 r.prompt_lp_pos = seg.first + seg.n
                 if r.prompt_lp_pos >= len(r.prompt_token_ids) - 1:
                     r.prompt_lp_pos = None  # all computed: the cache may serve its prompt again

@@ -15,6 +15,8 @@ from radixkv.sampling_params import SamplingParams
 
 __all__ = ["RequestGroup"]
 
+_NO_TEXT = TokenDecoder(None)  # decoded_token of a request with detokenize=False: None
+
 
 class RequestGroup:
     """The ``n`` samples of one user request and what is reported for them.
@@ -95,7 +97,9 @@ class RequestGroup:
     ) -> bool:
         """Take sample ``r``'s newest token: detokenize it, record its logprobs, and check the
         stop conditions (a stop token or EOS unless ``ignore_eos``, its grammar terminated, a
-        stop string once ``min_tokens`` are generated, ``max_tokens``, the context length).
+        stop string once ``min_tokens`` are generated, ``max_tokens``, the context length). A stop
+        token's text is left out of ``text`` unless ``include_stop_str_in_output``; ``stop_reason``
+        is the ``stop_token_ids`` entry or stop string matched, None for EOS (vLLM's).
 
         Args:
             r: the sample.
@@ -112,22 +116,30 @@ class RequestGroup:
         out = self.outputs[r.index]
         det = self._detoks[r.index]
         if det is None:
-            det = self._detoks[r.index] = IncrementalDetokenizer(tokenizer, p.stop, p.skip_special_tokens)
+            det = self._detoks[r.index] = IncrementalDetokenizer(
+                tokenizer if p.detokenize else None, p.stop, p.skip_special_tokens, p.include_stop_str_in_output
+            )
         tok = r.output_token_ids[-1]
         if logprobs is not None and out.logprobs is not None:
-            out.logprobs.append(to_position_logprobs(logprobs, decode or TokenDecoder(tokenizer)))
+            decode = (decode or TokenDecoder(tokenizer)) if p.detokenize else _NO_TEXT
+            out.logprobs.append(to_position_logprobs(logprobs, decode))
             out.cumulative_logprob += logprobs.logprob
         st = r.sampling_state
         terminated = st is not None and st.grammar is not None and st.grammar.terminated
+        ids = r.output_token_ids
         reason, stop_reason = None, None
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids) or terminated:
-            reason, stop_reason = "stop", tok
-        elif det.update(r.output_token_ids, check_stop=len(r.output_token_ids) >= p.min_tokens):
+            # vLLM's: the stop token stays in token_ids, its text is left out unless
+            # include_stop_str_in_output; stop_reason names a stop_token_ids entry (None for EOS)
+            reason, stop_reason = "stop", tok if tok in p.stop_token_ids else None
+            if det.stopped_by is None:
+                det.update(ids if p.include_stop_str_in_output else ids[:-1], final=True, check_stop=False)
+        elif det.update(ids, check_stop=len(ids) > p.min_tokens):  # vLLM v1: after the first min_tokens
             reason, stop_reason = "stop", det.stopped_by
-        elif len(r.output_token_ids) >= p.max_tokens or r.seq_len >= max_context_len:
+        elif len(ids) >= p.max_tokens or r.seq_len >= max_context_len:
             reason = "length"
-        if reason is not None and det.stopped_by is None:
-            det.update(r.output_token_ids, final=True)
+            if det.stopped_by is None:
+                det.update(ids, final=True)
         out.token_ids = list(r.output_token_ids)
         out.text = det.text
         if reason is not None:

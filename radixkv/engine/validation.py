@@ -104,13 +104,31 @@ def _check_sizes(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
         )
 
 
+def _up_to_context(params: SamplingParams, n_prompt: int, lim: Limits) -> SamplingParams:
+    """``params`` with ``max_tokens=None`` resolved (vLLM's "up to the context length"): what the
+    context and the KV pool (whole pages) leave after the prompt (a copy; the caller's is kept)."""
+    room = min(lim.max_context_len, lim.capacity // lim.page_size * lim.page_size) - n_prompt
+    if room < 1:
+        raise RequestError(
+            f"max_tokens=None: the {n_prompt} prompt tokens leave no room for output in the KV pool's "
+            f"{lim.capacity} slots",
+            "max_tokens",
+        )
+    return params.clone(max_tokens=room)
+
+
 def _check_token_fields(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
-    """``stop_token_ids`` and ``logit_bias`` ids in the vocabulary, ``logprob_start_len`` inside
+    """``stop_token_ids``, ``allowed_token_ids`` and ``logit_bias`` ids in the vocabulary, ``logprob_start_len`` inside
     the prompt."""
     bad = [t for t in params.stop_token_ids if t >= lim.vocab_size]
     if bad:
         raise RequestError(
             f"stop_token_ids holds {bad[0]}, outside the vocabulary [0, {lim.vocab_size})", "stop_token_ids"
+        )
+    bad = [t for t in params.allowed_token_ids or () if t >= lim.vocab_size]
+    if bad:
+        raise RequestError(
+            f"allowed_token_ids holds {bad[0]}, outside the vocabulary [0, {lim.vocab_size})", "allowed_token_ids"
         )
     if params.logit_bias:
         bad = [t for t in params.logit_bias if t >= lim.vocab_size]
@@ -129,12 +147,14 @@ def validate_request(prompt_token_ids: Any, sampling_params: Any, lim: Limits) -
     """Check a request against ``lim``, in this order: ``sampling_params`` is a
     :class:`~radixkv.sampling_params.SamplingParams` (None: the defaults); the prompt is a
     non-empty sequence (or 1-D tensor) of integer ids in the vocabulary, shorter than
-    ``max_context_len``; ``len(prompt) + max_tokens`` fits the context and (in whole pages) the
+    ``max_context_len``; ``max_tokens=None`` becomes what the context and the pool leave after
+    the prompt; ``len(prompt) + max_tokens`` fits the context and (in whole pages) the
     pool; ``n <= max_n``; ``stop_token_ids`` and ``logit_bias`` ids in the vocabulary;
     ``logprob_start_len`` below the prompt length.
 
     Returns:
-        ``(ids, params)``: the prompt as a ``list[int]`` and the sampling parameters.
+        ``(ids, params)``: the prompt as a ``list[int]`` and the sampling parameters (a copy
+        with ``max_tokens`` set when it was None).
 
     Raises:
         RequestError: the first check that fails, naming its field (``prompt``,
@@ -143,6 +163,8 @@ def validate_request(prompt_token_ids: Any, sampling_params: Any, lim: Limits) -
     """
     params = _sampling_params(sampling_params)
     ids = _prompt_ids(prompt_token_ids, lim)
+    if params.max_tokens is None:
+        params = _up_to_context(params, len(ids), lim)
     _check_sizes(params, len(ids), lim)
     _check_token_fields(params, len(ids), lim)
     return ids, params

@@ -87,10 +87,11 @@ def continuation(
     """The continuation request of a ``"continue"`` plan: ``(prompt token ids, params)``."""
     out = delivered.outputs[0]
     k = len(out.token_ids)
-    if out.finished() or k >= params.max_tokens:
+    if out.finished() or (params.max_tokens is not None and k >= params.max_tokens):
         raise ValueError("the request already finished")
     cont = params.clone(
-        max_tokens=params.max_tokens - k,
+        # None: up to the context on the new replica too (the prompt there holds the k tokens)
+        max_tokens=None if params.max_tokens is None else params.max_tokens - k,
         min_tokens=max(0, params.min_tokens - k),
         prompt_logprobs=None,
         logit_bias=_penalty_bias(params, out.token_ids) or None,
@@ -119,8 +120,10 @@ class Stitcher:
         self.k0 = len(self.ids)
         self.logprobs = None if self.base.logprobs is None else list(self.base.logprobs)
         self.cum = self.base.cumulative_logprob
-        self.tokenizer = tokenizer
-        self.det = IncrementalDetokenizer(tokenizer, params.stop, params.skip_special_tokens)
+        self.tokenizer = tokenizer if params.detokenize else None
+        self.det = IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
         self.det.update(self.ids, check_stop=False)
         self.primed = self.det.text
         self.done = False
@@ -139,14 +142,18 @@ class Stitcher:
         start = len(self.ids) - self.k0
         new = c.token_ids[start:]
         reason, stop_reason = None, None
+        # it ended on a stop token (stop_token_ids, EOS): its text is not part of the output's
+        token_stop = c.finish_reason == "stop" and not isinstance(c.stop_reason, str)
         for j, tok in enumerate(new):
             self.ids.append(tok)
             if self.logprobs is not None and c.logprobs is not None:
                 lp = c.logprobs[start + j]
                 self.logprobs.append(lp)
                 self.cum = (self.cum or 0.0) + lp[tok].logprob
+            if token_stop and start + j == len(c.token_ids) - 1:
+                break
             if self.tokenizer is not None and self.det.update(
-                self.ids, check_stop=len(self.ids) >= self.params.min_tokens
+                self.ids, check_stop=len(self.ids) > self.params.min_tokens
             ):
                 reason, stop_reason = "stop", self.det.stopped_by
                 break
@@ -155,7 +162,8 @@ class Stitcher:
         if reason is None and c.finish_reason is not None and len(self.ids) - self.k0 == len(c.token_ids):
             reason, stop_reason = c.finish_reason, c.stop_reason
         if reason is not None and self.det.stopped_by is None and self.tokenizer is not None:
-            self.det.update(self.ids, final=True)
+            keep = not token_stop or self.params.include_stop_str_in_output
+            self.det.update(self.ids if keep else self.ids[:-1], final=True, check_stop=not token_stop)
         self.done = reason is not None
         stitched = CompletionOutput(
             0,

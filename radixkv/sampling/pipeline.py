@@ -56,9 +56,10 @@ class SampleState:
             and ``stop_token_ids``), or None when ``min_tokens`` is 0.
         prompt_mask: ``[V]`` bool tensor of the prompt's tokens (repetition penalty), built on
             first use.
+        refused: ``[V]`` bool tensor of the tokens ``allowed_token_ids`` leaves out, or None.
     """
 
-    __slots__ = ("grammar", "bias_ids", "bias_values", "stop_ids", "prompt_mask")
+    __slots__ = ("grammar", "bias_ids", "bias_values", "stop_ids", "prompt_mask", "refused")
 
     def __init__(self) -> None:
         self.grammar: Optional[GrammarState] = None
@@ -66,6 +67,7 @@ class SampleState:
         self.bias_values: Optional[torch.Tensor] = None
         self.stop_ids: Optional[torch.Tensor] = None
         self.prompt_mask: Optional[torch.Tensor] = None
+        self.refused: Optional[torch.Tensor] = None
 
 
 class PromptSegment(NamedTuple):
@@ -118,6 +120,8 @@ class SamplingPipeline:
         if params.logit_bias:
             st.bias_ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64)
             st.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        if params.allowed_token_ids is not None:
+            st.refused = ~processors.token_mask(params.allowed_token_ids, self.vocab_size)
         if params.min_tokens > 0:
             ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
             ids = sorted(t for t in ids if t < self.vocab_size)
@@ -269,6 +273,8 @@ class SamplingPipeline:
         for i, (p, st) in enumerate(zip(params, states)):
             if not p._uses_processors or st is None:
                 continue
+            if st.refused is not None:  # allowed_token_ids: first, as in vLLM
+                x[i].masked_fill_(st.refused.to(x.device), float("-inf"))
             if st.bias_ids is not None:
                 bias_rows.append(i)
                 bias_ids.append(st.bias_ids)

@@ -264,19 +264,15 @@ class Generate:
 
     def _text(self, c: CompletionOutput, opts: OutputOptions) -> str:
         """The sample's text as SGLang returns it: a matched stop string is appended back with
-        ``no_stop_trim``; a matched stop token is trimmed unless ``no_stop_trim`` (radixkv's
-        engine keeps a stop token's text, as vLLM does; a skipped special token has none)."""
-        if c.finish_reason != "stop" or c.stop_reason is None:
+        ``no_stop_trim``; a matched stop token's text (EOS, ``stop_token_ids``: left out by
+        radixkv's engine, as vLLM does) is put back with ``no_stop_trim``."""
+        if c.finish_reason != "stop" or not opts.no_stop_trim:
             return c.text
         if isinstance(c.stop_reason, str):
-            return c.text + c.stop_reason if opts.no_stop_trim else c.text
-        if opts.no_stop_trim or not c.token_ids:
+            return c.text + c.stop_reason
+        if not c.token_ids:
             return c.text
-        tok = self.client.tokenizer
-        last = int(c.token_ids[-1])
-        if opts.skip_special_tokens and last in set(getattr(tok, "all_special_ids", ()) or ()):
-            return c.text  # a skipped special token (EOS) left no text to trim
-        return tok.decode(c.token_ids[:-1], skip_special_tokens=opts.skip_special_tokens)
+        return self.client.tokenizer.decode(c.token_ids, skip_special_tokens=opts.skip_special_tokens)
 
 
 def finish_reason(c: CompletionOutput, ntok: int) -> dict | None:
@@ -284,7 +280,9 @@ def finish_reason(c: CompletionOutput, ntok: int) -> dict | None:
     if c.finish_reason is None:
         return None
     if c.finish_reason == "stop":
-        return {"type": "stop", "matched": c.stop_reason}
+        # SGLang names the matched token also for EOS (radixkv's stop_reason is None there, as vLLM's)
+        matched = c.stop_reason if c.stop_reason is not None or not c.token_ids else int(c.token_ids[-1])
+        return {"type": "stop", "matched": matched}
     if c.finish_reason == "length":
         return {"type": "length", "length": ntok}
     return {"type": "abort", "message": "the request was aborted", "status_code": None, "err_type": None}

@@ -1,0 +1,301 @@
+"""vLLM parity of the offline API: code ported from vLLM gets what vLLM documents.
+
+Stop conditions (vLLM v1's detokenizer and ``check_stop``): a sample that ends on a stop token
+(``stop_token_ids``, EOS, a grammar's end) keeps the token in ``token_ids`` but not its text in
+``text`` unless ``include_stop_str_in_output``; ``stop_reason`` is the matched stop string or
+``stop_token_ids`` entry, None for EOS; ``include_stop_str_in_output`` keeps a matched stop string.
+Greedy token ids are checked against transformers' ``generate``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixkv import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def offline(default_model):
+    return LLM(device="cpu", loaded_model=default_model, max_total_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(offline, hf_default):
+    """transformers' greedy continuation of ``PROMPT`` (12 tokens, EOS not special-cased)."""
+    ids = offline.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        out = hf_default.generate(
+            torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=[], pad_token_id=0
+        )
+    return ids, out[0, len(ids) :].tolist()
+
+
+def _one(llm, prompt, **kw):
+    return llm.generate(prompt, SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+
+
+def test_stop_token_id_text_excluded_unless_include_stop_str(offline, greedy_ref):
+    _, ref = greedy_ref
+    tok = offline.tokenizer
+    stop = ref[2]  # "\n" after " Paris."
+    c = _one(offline, PROMPT, max_tokens=12, stop_token_ids=[stop])
+    assert c.token_ids == ref[:3]
+    assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+    assert c.text == tok.decode(ref[:2]) == " Paris."
+    kept = _one(offline, PROMPT, max_tokens=12, stop_token_ids=[stop], include_stop_str_in_output=True)
+    assert kept.token_ids == ref[:3] and kept.text == tok.decode(ref[:3]) == " Paris.\n"
+
+
+def test_eos_stop_reason_is_none_and_its_text_is_excluded(offline):
+    chat = [{"role": "user", "content": "Say hi."}]
+    eos = offline.tokenizer.eos_token_id
+    c = offline.chat(chat, SamplingParams(temperature=0, max_tokens=64, skip_special_tokens=False), use_tqdm=False)
+    c = c[0].outputs[0]
+    assert c.token_ids[-1] == eos and (c.finish_reason, c.stop_reason) == ("stop", None)
+    assert c.text == offline.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=False)
+    assert not c.text.endswith("<|im_end|>")
+    # EOS listed in stop_token_ids too: the user's stop token, reported as such
+    c2 = offline.chat(chat, SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[eos]), use_tqdm=False)
+    assert (c2[0].outputs[0].finish_reason, c2[0].outputs[0].stop_reason) == ("stop", eos)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(offline, greedy_ref):
+    _, ref = greedy_ref
+    full = offline.tokenizer.decode(ref)
+    assert full.startswith(" Paris.\n\nThe")
+    c = _one(offline, PROMPT, max_tokens=12, stop=["The"])
+    assert (c.text, c.finish_reason, c.stop_reason) == (" Paris.\n\n", "stop", "The")
+    k = _one(offline, PROMPT, max_tokens=12, stop=["The"], include_stop_str_in_output=True)
+    assert (k.text, k.finish_reason, k.stop_reason) == (" Paris.\n\nThe", "stop", "The")
+    assert k.token_ids == c.token_ids == ref[: len(c.token_ids)]
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_resumed_request_ending_on_a_stop_token_gives_the_uninterrupted_text(include):
+    """The router's Stitcher (a request resumed on another replica) leaves the stop token's text
+    out (or keeps it) exactly as the engine does for an uninterrupted run."""
+    from test_routing import _char_engine, _resumed, _same_output, _stream
+
+    prompt = [5, 9, 2, 33, 17, 8, 41, 3]
+    free = list(_stream(_char_engine(), prompt, SamplingParams(temperature=0.0, max_tokens=40)))[-1]
+    stop = free.outputs[0].token_ids[14]
+    assert stop not in free.outputs[0].token_ids[:14]
+    params = SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop], include_stop_str_in_output=include)
+    ref = list(_stream(_char_engine(), prompt, params))
+    final = ref[-1].outputs[0]
+    assert (final.token_ids, final.finish_reason, final.stop_reason) == (free.outputs[0].token_ids[:15], "stop", stop)
+    assert final.text == free.outputs[0].text[: 15 if include else 14]
+    delivered = next(o for o in ref if len(o.outputs[0].token_ids) >= 10)
+    plan, outs = _resumed(prompt, params, delivered, _char_tokenizer())
+    assert plan == "continue"
+    _same_output(outs[-1], ref[-1])
+
+
+def _char_tokenizer():
+    from test_scheduler import CharTokenizer
+
+    return CharTokenizer()
+
+
+def test_get_tokenizer_as_vllm_code_calls_it(offline, default_model):
+    import asyncio
+
+    from radixkv import AsyncLLM
+
+    tok = offline.get_tokenizer()
+    assert tok is offline.tokenizer
+    assert tok.encode(PROMPT) == [504, 3575, 282, 4649, 314]
+    alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=1024)
+    try:
+        assert asyncio.run(alm.get_tokenizer()) is alm.tokenizer
+    finally:
+        alm.shutdown()
+
+
+def test_chat_continue_final_message_chat_template_and_kwargs(offline, hf_default):
+    """vLLM's ``LLM.chat`` arguments: the prompt is transformers' ``apply_chat_template`` with
+    the same options, and the greedy continuation is transformers' ``generate``."""
+    tok = offline.tokenizer
+    conv = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    ref_ids = tok.apply_chat_template(conv, continue_final_message=True, tokenize=True, return_dict=False)
+    assert tok.decode(ref_ids).endswith("<|im_start|>assistant\nMy favourite color is")
+    with torch.no_grad():
+        ref = hf_default.generate(torch.tensor([ref_ids]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    out = offline.chat(
+        conv,
+        SamplingParams(temperature=0, max_tokens=6),
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    assert out.prompt_token_ids == list(ref_ids)
+    assert out.outputs[0].token_ids == ref[0, len(ref_ids) :].tolist()
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt") as e:
+        offline.chat(conv, continue_final_message=True, use_tqdm=False)
+    assert e.value.param == "continue_final_message"
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{{ suffix }}"
+    out = offline.chat(
+        conv[:1],
+        SamplingParams(temperature=0, max_tokens=1),
+        use_tqdm=False,
+        chat_template=template,
+        chat_template_kwargs={"suffix": "Answer:"},
+    )[0]
+    assert out.prompt == "[user] Name a color.\nAnswer:"
+    assert out.prompt_token_ids == tok.encode("[user] Name a color.\nAnswer:")
+    for kw, param in (
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs"),
+        ({"chat_template": ""}, "chat_template"),
+    ):
+        with pytest.raises(ValueError) as e:
+            offline.chat(conv[:1], use_tqdm=False, **kw)
+        assert e.value.param == param
+
+
+def test_max_tokens_none_runs_to_the_end_of_the_context(default_model, hf_default):
+    """vLLM's ``max_tokens=None``: up to the context length (here also the KV pool's size); the
+    tokens are transformers' greedy ones, and the caller's SamplingParams is not changed."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    assert params.max_tokens is None and SamplingParams(max_tokens=None, min_tokens=50).min_tokens == 50
+    ids = [504, 3575, 282, 4649, 314]
+    with torch.no_grad():
+        ref = hf_default.generate(torch.tensor([ids]), max_new_tokens=27, do_sample=False, eos_token_id=[])
+    short = LLM(device="cpu", loaded_model=default_model, max_total_tokens=1024, max_context_len=32)
+    c = short.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert (len(c.token_ids), c.finish_reason) == (27, "length")
+    assert c.token_ids == ref[0, len(ids) :].tolist()
+    assert params.max_tokens is None
+    small_pool = LLM(device="cpu", loaded_model=default_model, max_total_tokens=24, max_context_len=64)
+    c = small_pool.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert (len(c.token_ids), c.finish_reason) == (19, "length")
+    with pytest.raises(ValueError) as e:
+        short.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None, min_tokens=28), use_tqdm=False)
+    assert e.value.param == "min_tokens"
+
+
+def test_use_tqdm_takes_a_bar_factory_as_vllm_does(offline):
+    """``use_tqdm`` may be a callable that makes the bar (vLLM); it was silently replaced by
+    radixkv's own bar. Anything but a bool or a callable is refused, naming ``use_tqdm``."""
+    made = []
+
+    class Bar:
+        def __init__(self, total, **kw):
+            self.total, self.n, self.closed, self.kw = total, 0, False, kw
+            made.append(self)
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    outs = offline.generate([PROMPT, "Hello"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=Bar)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+    assert [(b.total, b.n, b.closed) for b in made] == [(2, 2, True)]
+    offline.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=Bar)
+    assert [(b.total, b.n, b.closed) for b in made[1:]] == [(1, 1, True)]
+    with pytest.raises(ValueError) as e:
+        offline.generate(PROMPT, SamplingParams(max_tokens=1), use_tqdm="yes")
+    assert e.value.param == "use_tqdm"
+    assert offline.num_unfinished_requests() == 0
+
+
+def test_allowed_token_ids_restricts_greedy_to_transformers_argmax_over_them(offline, hf_default):
+    """vLLM's ``allowed_token_ids``: every step's token is the argmax of transformers' logits over
+    the allowed ids only; logprobs stay the raw model's (vLLM's default ``raw_logprobs``)."""
+    ids = offline.tokenizer.encode(PROMPT)
+    allowed = [260, 28, 30, 2, 198]  # " the", ",", ".", EOS, "\n"
+    ref, seq = [], list(ids)
+    with torch.no_grad():
+        for _ in range(5):
+            logits = hf_default(torch.tensor([seq])).logits[0, -1]
+            t = allowed[int(torch.argmax(logits[allowed]))]
+            ref.append(t)
+            seq.append(t)
+    params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=allowed, ignore_eos=True, logprobs=1)
+    c = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == ref
+    assert c.logprobs[0][7042].rank == 1  # " Paris", the model's choice, refused here
+    for bad, where in (([], "allowed_token_ids"), ([-1], "allowed_token_ids"), ((1, "2"), "allowed_token_ids")):
+        with pytest.raises(ValueError) as e:
+            SamplingParams(allowed_token_ids=bad)
+        assert e.value.param == where
+    with pytest.raises(ValueError, match=r"allowed_token_ids holds 49152, outside the vocabulary \[0, 49152\)"):
+        offline.generate(PROMPT, SamplingParams(allowed_token_ids=[5, 49152]), use_tqdm=False)
+    assert offline.num_unfinished_requests() == 0
+
+
+def test_async_abort_takes_a_list_of_request_ids(default_model):
+    """vLLM's ``AsyncLLM.abort`` takes one id or several; a list raised ``TypeError: unhashable
+    type: 'list'`` from the engine thread."""
+    import asyncio
+
+    from radixkv import AsyncLLM
+
+    async def run(alm):
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        streams = [alm.generate(PROMPT, params, request_id=f"r{i}") for i in range(3)]
+        iters = [s.__aiter__() for s in streams]
+        firsts = [await it.__anext__() for it in iters]
+        assert [f.finished for f in firsts] == [False] * 3
+        await alm.abort(["r0", "r2"])
+        rest0 = [o async for o in iters[0]]
+        rest2 = [o async for o in iters[2]]
+        assert not any(o.finished for o in rest0 + rest2)
+        await alm.abort("r1")
+        assert not any(o.finished for o in [o async for o in iters[1]])
+        with pytest.raises(ValueError) as e:
+            await alm.abort(7)
+        assert e.value.param == "request_id"
+        return await alm.call_in_engine_thread(lambda e: (e.num_unfinished_requests(), e.cache_stats()["in_use"]))
+
+    alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=2048)
+    try:
+        assert asyncio.run(run(alm)) == (0, 0)
+    finally:
+        alm.shutdown()
+
+
+def test_detokenize_false_returns_token_ids_only(offline, greedy_ref):
+    """vLLM's ``detokenize=False``: the same tokens, no text, no ``decoded_token`` (also in prompt
+    logprobs); stop tokens still stop, stop strings are refused (they need the text)."""
+    ids, ref = greedy_ref
+    params = SamplingParams(temperature=0, max_tokens=12, detokenize=False, logprobs=1, prompt_logprobs=1)
+    o = offline.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+    c = o.outputs[0]
+    assert (c.token_ids, c.text, c.finish_reason) == (ref, "", "length")
+    assert all(lp.decoded_token is None for pos in c.logprobs for lp in pos.values())
+    assert all(lp.decoded_token is None for pos in o.prompt_logprobs[1:] for lp in pos.values())
+    assert c.logprobs[0][ref[0]].rank == 1
+    s = _one(offline, PROMPT, max_tokens=12, detokenize=False, stop_token_ids=[ref[2]])
+    assert (s.token_ids, s.text, s.finish_reason, s.stop_reason) == (ref[:3], "", "stop", ref[2])
+    with pytest.raises(ValueError, match="detokenize=True") as e:
+        SamplingParams(detokenize=False, stop=["The"])
+    assert e.value.param == "stop"
+    with pytest.raises(ValueError) as e:
+        SamplingParams(detokenize=0)
+    assert e.value.param == "detokenize"
+
+
+def test_min_tokens_a_stop_string_counts_only_after_the_first_min_tokens(offline, greedy_ref):
+    """vLLM v1: text of the first ``min_tokens`` tokens never ends the sample on a stop string
+    (the string must end in a later token). Greedy: ' Paris', '.', '\\n', '\\n', 'The', ..."""
+    _, ref = greedy_ref
+    assert ref[2] == ref[3] == 198
+    c = _one(offline, PROMPT, max_tokens=12, stop=["\n"], min_tokens=3)
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == (ref[:4], " Paris.\n", "stop", "\n")
+    c = _one(offline, PROMPT, max_tokens=12, stop=["\n"], min_tokens=2)
+    assert (c.token_ids, c.text, c.stop_reason) == (ref[:3], " Paris.", "\n")
+    # the '.' of token 2 lies wholly in the min_tokens text: a longer stop string beside it must not
+    # make the look-back find it once checking starts (the 12 tokens have no other '.')
+    c = _one(offline, PROMPT, max_tokens=12, stop=[".", "XYZW"], min_tokens=3)
+    assert (c.token_ids, c.finish_reason, c.text) == (ref, "length", offline.tokenizer.decode(ref))
+    assert c.text.count(".") == 1
