@@ -190,6 +190,10 @@ def test_bad_values_are_refused_before_anything_is_written():
         (dict(tokens=[-1]), "outside the vocabulary"),
         (dict(rows=[4]), "outside the block table"),
         (dict(prefix_lens=[63], extend_lens=[2]), "max_context_len"),
+        # prefix_len + extend_len overflows int64: was taken as in range, the step then read the
+        # block table and the RoPE tables at position -1 and wrote K/V through that slot
+        (dict(prefix_lens=[2**63 - 1]), "max_context_len"),
+        (dict(prefix_lens=[2**63 - 2], extend_lens=[2], tokens=[5, 6]), "max_context_len"),
         (dict(tokens=[5, 6]), "sum\\(extend_lens\\)"),
         (dict(logits_rows=[1]), "logits row"),
         (dict(extend_lens=[0]), "extend_len >= 1"),
