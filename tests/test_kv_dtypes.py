@@ -85,6 +85,19 @@ def test_fp8_rounding_near_every_boundary_matches_torch(name, restore_isa):
 
 
 @pytest.mark.parametrize("name", DTYPES)
+def test_no_rows_quantize_to_empty_tensors(name):
+    """No tokens (or no heads): empty q and scales in the dtype's shapes. An fp8 call used to fail
+    with 'bad kv_dtype, shape or scale buffer' (the empty scale tensor's address is 0)."""
+    for shape in ((0, 3, 16), (2, 0, 16)):
+        q, scale = ck.kv_quantize(torch.empty(shape), name)
+        assert q.shape == shape and q.dtype == STORAGE[name]
+        if name in FP8:
+            assert scale.shape == shape[:2] and scale.dtype == torch.bfloat16
+        else:
+            assert scale is None
+
+
+@pytest.mark.parametrize("name", DTYPES)
 def test_random_rows_round_as_the_reference(name, restore_isa):
     """Millions of values: rows at magnitudes from 1e-30 to 1e30 (subnormal float32 too), rows
     with a few large outliers, all-zero rows: the same q and scale bits as the reference, and

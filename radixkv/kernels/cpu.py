@@ -230,6 +230,8 @@ def kv_quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
     x = x.detach().contiguous()
     q = torch.empty(t, h, d, dtype=KV_DTYPES[kv_dtype])
     scale = torch.empty(t, h, dtype=torch.bfloat16) if kv_dtype in FP8_MAX else None
+    if not q.numel():  # no rows: an empty tensor's address is 0, which the kernel reads as "no scales"
+        return q, scale
     _ck.kv_quantize(x.data_ptr(), t * h, d, _KV_CODES[kv_dtype], q.data_ptr(), 0 if scale is None else scale.data_ptr())
     return q, scale
 
