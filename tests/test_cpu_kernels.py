@@ -369,6 +369,32 @@ def test_other_argument_errors():
         ck.rope_(torch.randn(2, 16), 0, 8, torch.randn(2, 8), torch.randn(2, 8))
 
 
+def test_arguments_that_are_not_tensors_are_named_in_a_value_error():
+    """None (or a list) where a tensor belongs: a ValueError naming the argument, not an
+    AttributeError from inside the wrapper."""
+    pw = ck.PackedWeight(torch.randn(4, 8))
+    q, kc, meta, kvi = _attn_case()
+    out = torch.empty_like(q)
+    fp8 = kc.to(torch.float8_e4m3fn)
+    cases = [
+        (lambda: ck.packed_linear(None, pw), "packed_linear: x"),
+        (lambda: ck.packed_linear(torch.randn(2, 8), None), "packed_linear: packed must be a PackedWeight"),
+        (lambda: ck.PackedWeight([[1.0] * 8]), "PackedWeight: weight"),
+        (lambda: ck.kv_quantize(None, "bfloat16"), "kv_quantize: x"),
+        (lambda: ck.paged_attention(None, out, meta, kvi, 4, kc, kc, 0.5), "paged_attention: q"),
+        (lambda: ck.paged_attention(q, out, meta.tolist(), kvi, 4, kc, kc, 0.5), "paged_attention: req_meta"),
+        (lambda: ck.paged_attention(q, out, meta, kvi, 4, None, kc, 0.5), "paged_attention: k_cache"),
+        (lambda: ck.paged_attention(q, out, meta, kvi, 4, fp8, fp8, 0.5, [1.0], [1.0]), "paged_attention: k_scale"),
+        (lambda: ck.add_rms_norm(None, torch.randn(2, 8), None, 1e-6), "add_rms_norm: weight"),
+        (lambda: ck.rope_(None, 1, 8, torch.randn(2, 8), torch.randn(2, 8)), "rope_: x"),
+        (lambda: ck.silu_mul(None), "silu_mul: gate_up"),
+        (lambda: ck.apply_token_bitmask_(torch.randn(2, 32), torch.zeros(2, 1, dtype=torch.int32), [0]), "rows"),
+    ]
+    for call, name in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 def test_reset_packed_weights_after_edits_through_data():
     from transformers import LlamaConfig
 

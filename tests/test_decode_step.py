@@ -163,6 +163,34 @@ def test_plan_follows_weight_changes_and_replacements():
     torch.testing.assert_close(fifth, ref5, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(2, 1, 264), (66, 1, 8)])
+def test_a_model_outside_the_fused_steps_limits_runs_on_the_module_path(heads, kv_heads, head_dim):
+    """head_dim above 256 or more than 64 query heads per KV head (step.c's step_dims_ok): the cpu
+    backend runs the model on its module path, with the torch backend's logits. Every forward
+    used to fail with 'step_plan: bad dimensions or layer table' (the model was taken as fused)."""
+    cfg = LlamaConfig(
+        vocab_size=50,
+        hidden_size=max(64, heads * 8),
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = build_model(cfg, seed=0).eval()
+    assert "head_dim" in cpu_decode.model_supported(model)
+    logits = {}
+    for backend in ("cpu", "torch"):
+        reqs = PagedRequests(_runner(model, cfg, backend, max_context_len=64))
+        (prefill,) = reqs.forward([("a", list(range(1, 11)))])
+        (decode,) = reqs.forward([("a", [3])])
+        logits[backend] = torch.cat([prefill, decode])
+    torch.testing.assert_close(logits["cpu"], logits["torch"], atol=1e-5, rtol=0)
+
+
 def test_bad_values_are_refused_before_anything_is_written():
     cfg, model = _tiny(layers=1)
     runner = _runner(model, cfg, "cpu", page_size=4, max_context_len=64)
@@ -190,6 +218,10 @@ def test_bad_values_are_refused_before_anything_is_written():
         (dict(tokens=[-1]), "outside the vocabulary"),
         (dict(rows=[4]), "outside the block table"),
         (dict(prefix_lens=[63], extend_lens=[2]), "max_context_len"),
+        # prefix_len + extend_len overflows int64: was taken as in range, the step then read the
+        # block table and the RoPE tables at position -1 and wrote K/V through that slot
+        (dict(prefix_lens=[2**63 - 1]), "max_context_len"),
+        (dict(prefix_lens=[2**63 - 2], extend_lens=[2], tokens=[5, 6]), "max_context_len"),
         (dict(tokens=[5, 6]), "sum\\(extend_lens\\)"),
         (dict(logits_rows=[1]), "logits row"),
         (dict(extend_lens=[0]), "extend_len >= 1"),

@@ -84,6 +84,36 @@ def test_fp8_rounding_near_every_boundary_matches_torch(name, restore_isa):
     _check_quantize(x, name)
 
 
+@pytest.mark.parametrize("name", FP8)
+def test_an_fp8_row_with_a_nan_is_all_nan_wherever_the_nan_is(name, restore_isa):
+    """A NaN anywhere in a row makes its amax and so its scale NaN, as in the reference (torch's
+    amax): every code of the row is NaN. The kernel's amax used to drop the NaN unless it sat in
+    the last 8 values, so a row kept a finite scale and one NaN code, or not, by the NaN's place."""
+    x = torch.linspace(-3, 3, 64).repeat(64, 1)
+    x[torch.arange(64), torch.arange(64)] = torch.tensor([float("nan"), -float("nan")]).repeat(32)
+    x = x.view(64, 1, 64)
+    want_q, want_s = ref_quantize(x, name)
+    assert torch.isnan(want_s.float()).all()
+    for isa in ISAS:
+        ck.set_isa(isa)
+        q, s = ck.kv_quantize(x, name)
+        assert torch.isnan(s.float()).all(), (isa, torch.isnan(s.float()).flatten().tolist())
+        assert _same_bits(q, want_q), isa
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_no_rows_quantize_to_empty_tensors(name):
+    """No tokens (or no heads): empty q and scales in the dtype's shapes. An fp8 call used to fail
+    with 'bad kv_dtype, shape or scale buffer' (the empty scale tensor's address is 0)."""
+    for shape in ((0, 3, 16), (2, 0, 16)):
+        q, scale = ck.kv_quantize(torch.empty(shape), name)
+        assert q.shape == shape and q.dtype == STORAGE[name]
+        if name in FP8:
+            assert scale.shape == shape[:2] and scale.dtype == torch.bfloat16
+        else:
+            assert scale is None
+
+
 @pytest.mark.parametrize("name", DTYPES)
 def test_random_rows_round_as_the_reference(name, restore_isa):
     """Millions of values: rows at magnitudes from 1e-30 to 1e30 (subnormal float32 too), rows

@@ -75,15 +75,20 @@ store_bytes8(uint8_t *dst, __m256i r)
     _mm_storel_epi64((__m128i *)dst, _mm_packus_epi16(w, w));
 }
 
-/* max |x| over x[0 .. d) (d a multiple of 8; max is exact, so any order gives these bits). */
+/* max |x| over x[0 .. d) (d a multiple of 8; max is exact, so any order gives these bits), NaN
+ * when x holds a NaN (as torch's amax: maxps alone drops a NaN or keeps it by its position, so the
+ * row's scale depended on where the NaN was). */
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline float
 amax_row(const float *x, int d)
 {
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    __m256 m = _mm256_setzero_ps();
-    for (int e = 0; e < d; e += 8)
-        m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + e), abs_mask));
-    return hmax256(m);
+    __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int e = 0; e < d; e += 8) {
+        const __m256 v = _mm256_loadu_ps(x + e);
+        m = _mm256_max_ps(m, _mm256_and_ps(v, abs_mask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    return _mm256_movemask_ps(nan) ? NAN : hmax256(m);
 }
 
 /* The fp8 scale of a row whose max |x| is amax: bf16_ceil(amax / fp8_max), 1 where that ratio is 0

@@ -361,7 +361,8 @@ step_check_batch(const step_plan *p, const int64_t *tok, Py_ssize_t T, const int
     for (Py_ssize_t r = 0; r < B && !bad; r++) {
         if (rows[r] < 0 || rows[r] >= p->r2t_rows)
             bad = "a row is outside the block table";
-        else if (pre[r] < 0 || ext[r] < 1 || pre[r] + ext[r] > p->r2t_cols)
+        /* compared without adding: prefix_len + extend_len could overflow int64 and pass */
+        else if (pre[r] < 0 || ext[r] < 1 || ext[r] > p->r2t_cols || pre[r] > p->r2t_cols - ext[r])
             bad = "every request needs prefix_len >= 0, extend_len >= 1 and prefix_len + extend_len <= max_context_len";
         else if (pre[r] + ext[r] > p->rope_len)
             bad = "a position is beyond the RoPE table";

@@ -34,7 +34,16 @@ import torch
 from radixkv.kernels import cpu
 from radixkv.models.layers import CausalLM, Linear, weights_epoch
 
-__all__ = ["MAX_ROWS", "MAX_EXTEND", "DecodeBatch", "DecodeStep", "ints", "model_supported"]
+__all__ = [
+    "MAX_ROWS",
+    "MAX_EXTEND",
+    "MAX_HEAD_DIM",
+    "MAX_GROUP",
+    "DecodeBatch",
+    "DecodeStep",
+    "ints",
+    "model_supported",
+]
 
 MAX_ROWS = 64
 """Most new tokens in a batch the fused step serves (the native kernels' decode-sized batches)."""
@@ -42,6 +51,13 @@ MAX_ROWS = 64
 MAX_EXTEND = 16
 """Most new tokens of one request in a batch the fused step serves (the attention backend's
 ``native_max_q``: longer extends are prefills, which torch's blocked kernels do better)."""
+
+MAX_HEAD_DIM = 256
+"""Largest head_dim the fused step takes (csrc/cpu_kernels/step.c's ``step_dims_ok``)."""
+
+MAX_GROUP = 64
+"""Most query heads per KV head the fused step takes (``step_dims_ok``; its attention keeps a
+group's partial sums on the stack)."""
 
 _data_ptr = torch.Tensor.data_ptr
 _version = attrgetter("_version")
@@ -60,12 +76,19 @@ def ints(v) -> list[int]:
 def model_supported(model: CausalLM) -> str | None:
     """Why the fused step cannot run ``model`` (``None``: it can): the kernels must be there, the
     model float32 on the CPU, not quantized, with :class:`~radixkv.models.layers.Linear`
-    projections."""
+    projections, head_dim a multiple of 8 up to :data:`MAX_HEAD_DIM` and at most
+    :data:`MAX_GROUP` query heads per KV head."""
     if not cpu.AVAILABLE:
         return "radixkv.kernels._ckernels is not built or the CPU lacks AVX2/FMA/F16C"
     if not model.num_layers or model.logits_proj is not None or model.quantization is not None:
         return "the model is quantized or has no layers"
     layer = model.model.layers[0]
+    attn = layer.self_attn
+    if attn.head_dim % 8 or attn.head_dim > MAX_HEAD_DIM or attn.num_heads // attn.num_kv_heads > MAX_GROUP:
+        return (
+            f"head_dim {attn.head_dim} (a multiple of 8 up to {MAX_HEAD_DIM}) or "
+            f"{attn.num_heads // attn.num_kv_heads} query heads per KV head (at most {MAX_GROUP})"
+        )
     for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
         if not isinstance(lin, Linear):
             return "a projection is not a radixkv Linear"

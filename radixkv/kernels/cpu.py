@@ -131,6 +131,7 @@ def step_plan(
         raise RuntimeError("step_plan: radixkv.kernels._ckernels is not available")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"step_plan: kv_cache_dtype must be one of {list(KV_DTYPES)}, got {kv_dtype!r}")
+    _need_tensor("step_plan: req_to_token", req_to_token)
     if req_to_token.dtype != torch.int32 or req_to_token.device.type != "cpu" or not req_to_token.is_contiguous():
         raise ValueError("step_plan: req_to_token must be a contiguous int32 CPU tensor")
     rows, cols = req_to_token.shape
@@ -230,11 +231,21 @@ def kv_quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Ten
     x = x.detach().contiguous()
     q = torch.empty(t, h, d, dtype=KV_DTYPES[kv_dtype])
     scale = torch.empty(t, h, dtype=torch.bfloat16) if kv_dtype in FP8_MAX else None
+    if not q.numel():  # no rows: an empty tensor's address is 0, which the kernel reads as "no scales"
+        return q, scale
     _ck.kv_quantize(x.data_ptr(), t * h, d, _KV_CODES[kv_dtype], q.data_ptr(), 0 if scale is None else scale.data_ptr())
     return q, scale
 
 
+def _need_tensor(name: str, t) -> None:
+    """ValueError naming ``name`` unless ``t`` is a tensor (None, a list, a number are refused here
+    rather than failing later with an AttributeError)."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+
+
 def _check_cpu_f32(name: str, t: torch.Tensor, dim: int) -> None:
+    _need_tensor(name, t)
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim:
         raise ValueError(f"{name}: expected a {dim}-d float32 CPU tensor, got {t.dim()}-d {t.dtype} on {t.device}")
 
@@ -348,6 +359,8 @@ def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     if not AVAILABLE:
         raise RuntimeError("packed_linear: radixkv.kernels._ckernels is not available (no AVX2/FMA/F16C or not built)")
     _check_cpu_f32("packed_linear: x", x, 2)
+    if not isinstance(packed, PackedWeight):
+        raise ValueError(f"packed_linear: packed must be a PackedWeight, got {type(packed).__name__}")
     if torch.is_grad_enabled() and x.requires_grad:
         raise ValueError("packed_linear: x requires grad; the native GEMM records no gradient (use F.linear)")
     m, k = x.shape
@@ -441,6 +454,7 @@ def paged_attention(
     if hkv < 1 or d % 8 or hq % hkv:
         raise ValueError(f"paged_attention: head_dim ({d}) must be a multiple of 8 and Hq ({hq}) of Hkv ({hkv})")
     for name, t in (("req_meta", req_meta), ("kv_indices", kv_indices)):
+        _need_tensor(f"paged_attention: {name}", t)
         if t.dtype != torch.int32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"paged_attention: {name} must be a contiguous int32 CPU tensor")
     if req_meta.dim() != 2 or req_meta.shape[0] != 4:
@@ -478,6 +492,7 @@ def _check_kv_tensors(
     dtype of :data:`KV_DTYPES`) after checking them and their scales (``[num_slots, Hkv]``
     bfloat16 contiguous for fp8, else ``None``); ValueError naming what is wrong."""
     for name, t in (("k_cache", k), ("v_cache", v)):
+        _need_tensor(f"{fn}: {name}", t)
         if t.device.type != "cpu" or t.dim() != 3 or not t.is_contiguous() or t.dtype not in _KV_BY_TORCH:
             raise ValueError(
                 f"{fn}: {name} must be a contiguous 3-d CPU tensor of {[str(x) for x in KV_DTYPES.values()]}, "
@@ -493,6 +508,7 @@ def _check_kv_tensors(
     for sname, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is None:
             raise ValueError(f"{fn}: an {name} pool needs {sname}")
+        _need_tensor(f"{fn}: {sname}", s)
         if s.dtype != torch.bfloat16 or s.device.type != "cpu" or not s.is_contiguous() or s.shape != k.shape[:2]:
             raise ValueError(
                 f"{fn}: {sname} must be a contiguous bfloat16 CPU tensor of shape {tuple(k.shape[:2])}, "
@@ -503,6 +519,7 @@ def _check_kv_tensors(
 
 def _check_rows(name: str, t: torch.Tensor, cols: int | None = None) -> None:
     """``t`` is a contiguous 2-d float32 CPU tensor (with ``cols`` columns when given)."""
+    _need_tensor(name, t)
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != 2 or not t.is_contiguous():
         raise ValueError(
             f"{name}: expected a contiguous 2-d float32 CPU tensor, got {tuple(t.shape)} {t.dtype} on {t.device}"
@@ -532,6 +549,7 @@ def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: tor
         _check_rows("add_rms_norm: delta", delta, k)
         if delta.shape[0] != m:
             raise ValueError(f"add_rms_norm: delta has {delta.shape[0]} rows, residual {m}")
+    _need_tensor("add_rms_norm: weight", weight)
     if (
         weight.dtype != torch.float32
         or weight.shape != (k,)
@@ -565,6 +583,7 @@ def rope_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin
     """
     if not AVAILABLE:
         raise RuntimeError("rope_: radixkv.kernels._ckernels is not available")
+    _need_tensor("rope_: x", x)
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.stride(1) != 1:
         raise ValueError("rope_: x must be a 2-d float32 CPU tensor with unit column stride")
     t = x.shape[0]
@@ -604,6 +623,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torc
     otherwise."""
     if not AVAILABLE:
         raise RuntimeError("apply_token_bitmask_: radixkv.kernels._ckernels is not available")
+    for name, t in (("logits", logits), ("bitmask", bitmask), ("rows", rows)):
+        _need_tensor(f"apply_token_bitmask_: {name}", t)
     if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("apply_token_bitmask_: logits must be a 2-d float32 CPU tensor with unit column stride")
     if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.dim() != 2 or bitmask.stride(1) != 1:
