@@ -87,6 +87,20 @@ def serve_process(args: list, log: Path, timeout: float = 300.0) -> Iterator[tup
             proc.wait(30)
 
 
+def scrape(server) -> dict:
+    """GET /metrics of ``server`` (its ``base_url``) parsed with prometheus_client's parser:
+    ``{(sample name, sorted label pairs): value}``."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.base_url + "/metrics", timeout=60).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+
+
 def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
     """Until no request is unfinished (an abort is applied at the engine's next step)."""
     deadline = time.time() + timeout

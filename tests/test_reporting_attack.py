@@ -7,6 +7,7 @@ aborts, refused requests, flushes), and the Prometheus exposition parsed by prom
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from model_helpers import tiny_loaded_model
 from prometheus_client.parser import text_string_to_metric_families
-from server_helpers import Server
+from server_helpers import Server, scrape
 
 from radixkv import LLM, AsyncLLM, SamplingParams
 from radixkv.server.app import create_app
@@ -45,16 +46,6 @@ def tiny_server(tiny_llm):
     s = Server(create_app(tiny_llm, served_model_name=MODEL))
     yield s
     s.stop()
-
-
-def scrape(server) -> dict:
-    """GET /metrics parsed with prometheus_client's parser: {(sample name, labels): value}."""
-    text = httpx.get(server.base_url + "/metrics", timeout=60).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
 def wait_idle(llm: AsyncLLM, timeout: float = 60.0) -> None:
@@ -284,12 +275,7 @@ def test_a_generation_of_zero_new_tokens_counts_none(tiny_server, tiny_llm):
 
 
 def _lcp(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([list(a), list(b)]))
 
 
 @pytest.mark.parametrize("page_size,spec", [(1, None), (16, RADIX)])

@@ -14,12 +14,11 @@ import os
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from route_table import ROUTES, Target, uncovered  # noqa: E402
-from server_helpers import assert_pool_whole, serve_process, wait_idle  # noqa: E402
+from server_helpers import assert_pool_whole, scrape, serve_process, wait_idle  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
@@ -68,16 +67,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def flush(server) -> httpx.Response:
     return httpx.post(server.base_url + "/flush_cache", timeout=60)
-
-
-def scrape(server) -> dict:
-    """GET /metrics parsed with prometheus_client's parser: {(sample name, labels): value}."""
-    text = httpx.get(server.base_url + "/metrics", timeout=60).text
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-    }
 
 
 # ---------------------------------------------------------------------------------- basics
