@@ -39,7 +39,7 @@ from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
-from radixkv.engine.output import RequestGroup
+from radixkv.engine.output import NO_TEXT, RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats, tenant_row
@@ -303,7 +303,6 @@ class Engine:
         self.grammars = GrammarBackend(tokenizer, self.vocab_size, self.eos_token_ids)
         self._compiling: List[Request] = []  # samples 0 whose grammar is still compiling
         self._decode = TokenDecoder(tokenizer)
-        self._no_text = TokenDecoder(None)  # detokenize=False: no decoded_token
         spec = cfg.speculative_config
         self.spec: Optional[Drafter] = Drafter(spec, cache, _encoder(tokenizer)) if spec is not None else None
         if spec is not None and getattr(self.runner, "row_exact", True) is False:
@@ -704,7 +703,7 @@ class Engine:
                 if err is not None:
                     raise err
                 g = self._groups[r.request_id]
-                decode = self._decode if g.params.detokenize else self._no_text
+                decode = self._decode if g.params.detokenize else NO_TEXT
                 for pos, e in enumerate(lps, start=seg.first + 1):
                     g.prompt_logprobs[pos] = to_position_logprobs(e, decode)
                 r.prompt_lp_pos = seg.first + seg.n

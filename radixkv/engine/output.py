@@ -13,9 +13,10 @@ from radixkv.outputs import CACHE_MEDIA, CompletionOutput, PositionLogprobs, Req
 from radixkv.sampling.logprobs import TokenDecoder, TokenLogprobs, to_position_logprobs
 from radixkv.sampling_params import SamplingParams
 
-__all__ = ["RequestGroup"]
+__all__ = ["NO_TEXT", "RequestGroup"]
 
-_NO_TEXT = TokenDecoder(None)  # decoded_token of a request with detokenize=False: None
+NO_TEXT = TokenDecoder(None)
+"""The decoder of a request with ``detokenize=False``: every ``decoded_token`` None."""
 
 
 class RequestGroup:
@@ -121,7 +122,7 @@ class RequestGroup:
             )
         tok = r.output_token_ids[-1]
         if logprobs is not None and out.logprobs is not None:
-            decode = (decode or TokenDecoder(tokenizer)) if p.detokenize else _NO_TEXT
+            decode = (decode or TokenDecoder(tokenizer)) if p.detokenize else NO_TEXT
             out.logprobs.append(to_position_logprobs(logprobs, decode))
             out.cumulative_logprob += logprobs.logprob
         st = r.sampling_state
