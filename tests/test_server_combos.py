@@ -391,3 +391,28 @@ def test_echo_with_more_logprobs_than_prompt_logprobs_keeps_prompt_logprobs_at_i
         assert str(ids[i]) in entry and ranks in ([1], []) and len(entry) == 1 + len(ranks)
     assert both["prompt_logprobs"] == alone
     assert all(len(d) in (3, 4) for d in both["logprobs"]["top_logprobs"][1 : len(ids)])  # echo's: logprobs=3
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(server, llm):
+    """``echo`` + ``max_tokens: 0`` + ``logprobs`` (what scoring clients such as lm-eval's
+    loglikelihood send, as vLLM answers it) was a 400; it answers the prompt alone: its text, its
+    tokens' logprobs (those of the same request with ``max_tokens: 1``), no completion token,
+    finish ``"length"``; streamed joined equals it. Without ``echo``, 0 stays a 400."""
+    prompts = ["The capital of France is Paris", "Water boils at 100 degrees"]
+    body = {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 1, "temperature": 0}
+    zero = post(server, "/v1/completions", {**body, "max_tokens": 0})
+    one = post(server, "/v1/completions", {**body, "max_tokens": 1})
+    for p, z, o in zip(prompts, zero["choices"], one["choices"]):
+        n = len(llm.tokenizer.encode(p, add_special_tokens=False))
+        assert z["text"] == p and z["finish_reason"] == "length"
+        assert len(z["logprobs"]["tokens"]) == n and z["logprobs"]["token_logprobs"][0] is None
+        for key in ("tokens", "token_logprobs", "text_offset"):
+            assert z["logprobs"][key] == o["logprobs"][key][:n]
+    assert zero["usage"]["completion_tokens"] == 0 and zero["usage"]["total_tokens"] == zero["usage"]["prompt_tokens"]
+    joined = joined_completion_choices(stream(server, "/v1/completions", {**body, "max_tokens": 0}))
+    assert [joined[i] for i in range(len(prompts))] == [
+        {k: c[k] for k in ("text", "logprobs", "finish_reason")} for c in zero["choices"]
+    ]
+    bad = httpx.post(server.base_url + "/v1/completions", json={**body, "echo": False, "max_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+    assert_pool_whole(llm)

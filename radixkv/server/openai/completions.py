@@ -75,16 +75,28 @@ class Completions:
         req.check_values()
         self.models.check(req.model)
         prompts = self._prompts(req)
+        # NOTE: echo with max_tokens 0 scores the prompt (vLLM's and legacy OpenAI's, e.g. lm-eval's
+        # loglikelihood): one token is sampled and dropped, as SGLang's max_new_tokens 0
+        zero = bool(req.echo) and req.max_tokens == 0
         params = sampling_params(
-            req, [len(ids) for _, ids in prompts], self.client.max_context_len, DEFAULT_MAX_TOKENS, "prompt"
+            req.model_copy(update={"max_tokens": 1}) if zero else req,
+            [len(ids) for _, ids in prompts],
+            self.client.max_context_len,
+            DEFAULT_MAX_TOKENS,
+            "prompt",
         )
         renames = constraint_renames(constraint_of(req)[0])
         ns = request_namespace(raw, req.cache_salt)
         run = await self.client.start(
-            "completions", prompts, params, "prompt", renames, namespace=ns, routing_key=req.routing_key()
-        )
+            "completions", prompts, params, "prompt", renames, namespace=ns, routing_key=req.routing_key(),
+            hidden_outputs=[zero] * len(prompts),
+        )  # fmt: skip
         rid, n, model = new_id("cmpl"), params.n, self.models.served
         echoes = [self._echo(text, ids) if req.echo else "" for text, ids in prompts]
+
+        def usage(outs: list):
+            u = run.usage(outs)
+            return u.model_copy(update={"completion_tokens": 0, "total_tokens": u.prompt_tokens}) if zero else u
 
         def chunk(choices: list[CompletionChoice], u=None, extra: dict | None = None) -> str:
             return sse(
@@ -93,24 +105,8 @@ class Completions:
 
         if not req.stream:
             outs = await self.client.collect(raw, run)
-            choices = []
-            for p, o in enumerate(outs):
-                plp = None
-                if req.prompt_logprobs is not None:
-                    plp = prompt_logprobs_json(
-                        getattr(o, "prompt_logprobs", None), self.token_text, req.prompt_logprobs, o.prompt_token_ids
-                    )
-                for c in o.outputs:
-                    choices.append(
-                        CompletionChoice(
-                            index=p * n + c.index,
-                            text=echoes[p] + c.text,
-                            logprobs=self._logprobs(req, o, c, echoes[p]),
-                            finish_reason=c.finish_reason,
-                            prompt_logprobs=plp,
-                        )
-                    )
-            body = CompletionResponse(id=rid, model=model, choices=choices, usage=run.usage(outs)).model_dump()
+            choices = self._choices(req, outs, echoes, n, zero)
+            body = CompletionResponse(id=rid, model=model, choices=choices, usage=usage(outs)).model_dump()
             if req.return_cached_tokens_details:
                 body["sglext"] = _sglext(outs)
             return body
@@ -125,11 +121,11 @@ class Completions:
                 for c in out.outputs:
                     k = p * n + c.index
                     first = k not in tokens_sent
-                    text = deltas.take(k, c.text, c.finish_reason is not None)
+                    text = "" if zero else deltas.take(k, c.text, c.finish_reason is not None)
                     if first:
                         text = echoes[p] + text
                     lps = None
-                    start = tokens_sent.get(k, 0)
+                    start = len(c.token_ids) if zero else tokens_sent.get(k, 0)
                     if len(c.token_ids) > start or first:
                         lps = self._logprobs(req, out, c, echoes[p] if first else "", start, first)
                         if lps is not None and not first:
@@ -139,7 +135,8 @@ class Completions:
                                 (lps.text_offset[-1] + len(lps.tokens[-1])) if lps.tokens else offsets.get(k, 0)
                             )
                         tokens_sent[k] = len(c.token_ids)
-                    reason = c.finish_reason if c.finish_reason is not None and deltas.finish(k) else None
+                    reason = c.finish_reason if c.finish_reason is not None and (zero or deltas.finish(k)) else None
+                    reason = "length" if zero and reason else reason
                     if text or reason or (lps is not None and lps.tokens):
                         extra = None
                         if reason and req.return_cached_tokens_details and c.index == 0:
@@ -148,9 +145,31 @@ class Completions:
                             [CompletionChoice(index=k, text=text, logprobs=lps, finish_reason=reason)], None, extra
                         )
             if req.include_usage:
-                yield chunk([], run.usage(latest))
+                yield chunk([], usage(latest))
 
         return framed(events(), run.rest, server_error_event, run.stream_failed)
+
+    def _choices(self, req: CompletionRequest, outs: list, echoes: list[str], n: int, zero: bool) -> list:
+        """The choices of a non-streamed answer (``zero``: echo with ``max_tokens`` 0, the
+        prompt alone: its text, its logprobs, finish ``"length"``)."""
+        choices = []
+        for p, o in enumerate(outs):
+            plp = None
+            if req.prompt_logprobs is not None:
+                plp = prompt_logprobs_json(
+                    getattr(o, "prompt_logprobs", None), self.token_text, req.prompt_logprobs, o.prompt_token_ids
+                )
+            for c in o.outputs:
+                choices.append(
+                    CompletionChoice(
+                        index=p * n + c.index,
+                        text=echoes[p] + ("" if zero else c.text),
+                        logprobs=self._logprobs(req, o, c, echoes[p], len(c.token_ids) if zero else 0),
+                        finish_reason="length" if zero else c.finish_reason,
+                        prompt_logprobs=plp,
+                    )
+                )
+        return choices
 
 
 def _sglext(outs: list) -> dict:

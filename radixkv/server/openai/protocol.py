@@ -192,7 +192,9 @@ class CompletionRequest(_SamplingFields):
     or a list of token-id lists; each prompt gets ``n`` choices (index ``prompt_idx * n + i``).
     ``max_tokens`` defaults to 16, as in OpenAI's API. ``logprobs`` (0-5) reports that many
     alternatives per token; ``echo`` puts the prompt before each choice's text (and, with
-    ``logprobs``, the prompt tokens' logprobs before the generated ones)."""
+    ``logprobs``, the prompt tokens' logprobs before the generated ones); ``echo`` with
+    ``max_tokens`` 0 answers the prompt alone (scoring it, as vLLM: ``completion_tokens`` 0,
+    finish ``"length"``)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]], None] = None
     echo: Optional[bool] = False
@@ -212,6 +214,8 @@ class CompletionRequest(_SamplingFields):
             raise unsupported("best_of", f"only best_of == n is supported, got best_of={self.best_of}, n={self.n}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 5):
             raise APIError(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens must be >= 1 (0 is only allowed with echo, to score the prompt)", "max_tokens")
 
     def num_top_logprobs(self) -> Optional[int]:
         return self.logprobs
