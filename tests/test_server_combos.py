@@ -416,3 +416,26 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server, llm):
     bad = httpx.post(server.base_url + "/v1/completions", json={**body, "echo": False, "max_tokens": 0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
     assert_pool_whole(llm)
+
+
+def test_vllm_include_stop_str_and_allowed_token_ids_are_obeyed_in_bodies(server, llm):
+    """vLLM's body extensions ``include_stop_str_in_output`` and ``allowed_token_ids`` were a 400
+    ``unknown_parameter`` (the engine had them, the server did not pass them): now the stop string
+    stays in the text, streamed and not, and only the allowed ids are sampled."""
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+    plain = post(server, "/v1/completions", body)["choices"][0]["text"]
+    stop = plain.strip().split()[1]  # a word inside the greedy answer
+    cut = plain[: plain.index(stop)]
+    kept = post(server, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})
+    assert kept["choices"][0]["text"] == cut + stop and kept["choices"][0]["finish_reason"] == "stop"
+    dropped = post(server, "/v1/completions", {**body, "stop": [stop]})["choices"][0]["text"]
+    assert dropped == cut
+    chunks = stream(server, "/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})
+    assert joined_completion_choices(chunks)[0]["text"] == cut + stop
+    allowed = llm.tokenizer.encode(" Paris London Rome", add_special_tokens=False)
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": ASK, "max_tokens": 6, "temperature": 0,
+                                              "allowed_token_ids": allowed, "logprobs": True})  # fmt: skip
+    words = {llm.tokenizer.decode([i]) for i in allowed}  # " Paris", " London", " Rome"
+    got = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
+    assert len(got) == 6 and set(got) <= words and r["choices"][0]["message"]["content"] == "".join(got)
+    assert_pool_whole(llm)

@@ -313,6 +313,8 @@ def sampling_params(
         "repetition_penalty": req.repetition_penalty,
         "min_tokens": req.min_tokens,
         "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "allowed_token_ids": req.allowed_token_ids,
         "prompt_logprobs": req.prompt_logprobs,
         "logprob_start_len": req.logprob_start_len,
         "logprobs": req.num_top_logprobs(),

@@ -11,7 +11,8 @@ change the output (:meth:`_SamplingFields.check_values`).
 
 Extensions accepted in the body (``extra_body`` in the openai client), with vLLM's and
 SGLang's names: ``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ``skip_special_tokens``, ``prompt_logprobs``, ``logprob_start_len`` (SGLang),
+``stop_token_ids``, ``skip_special_tokens``, ``include_stop_str_in_output``, ``allowed_token_ids``,
+``prompt_logprobs``, ``logprob_start_len`` (SGLang),
 and the structured-output constraints ``regex``, ``ebnf`` (SGLang), ``guided_json``,
 ``guided_regex``, ``guided_choice``, ``guided_grammar`` (vLLM) and ``structured_outputs`` (vLLM's
 newer object form).
@@ -143,6 +144,8 @@ class _SamplingFields(_Strict):
     ignore_eos: Optional[bool] = False
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+    allowed_token_ids: Optional[list[int]] = None
     prompt_logprobs: Optional[int] = None
     logprob_start_len: Optional[int] = None
     regex: Optional[str] = None
