@@ -130,3 +130,25 @@ def test_lines_keep_the_read_order_and_only_accepted_requests_are_logged():
         return [b["id"] for b in lines.bodies]
 
     assert asyncio.run(main()) == [0, 2, 3]
+
+
+def test_a_new_request_log_is_the_servers_users_alone(tmp_path):
+    """The request log holds every tenant's prompts: a file it creates is 0600 whatever the umask
+    (before: 0644 under the usual 022, readable by every local user); an existing file keeps its
+    mode (the operator's) and is appended to."""
+    from radixkv.obs.trace import TraceWriter
+
+    old = os.umask(0o022)
+    try:
+        with TraceWriter(tmp_path / "logs" / "requests.jsonl") as w:
+            w.write({"prompt": "alice's secret", "tenant": "alice"})
+        kept = tmp_path / "kept.jsonl"
+        kept.write_text('{"prompt":"x"}\n')
+        kept.chmod(0o640)
+        with TraceWriter(kept) as w:
+            w.write({"prompt": "y"})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "logs" / "requests.jsonl").stat().st_mode & 0o777 == 0o600
+    assert kept.stat().st_mode & 0o777 == 0o640
+    assert [b["prompt"] for b in read_trace(kept)] == ["x", "y"]
