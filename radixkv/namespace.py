@@ -48,7 +48,8 @@ from radixkv.errors import RequestError
 __all__ = ["Namespace", "namespace_key", "check_cache_salt", "with_salt", "MAX_CACHE_SALT_CHARS"]
 
 MAX_CACHE_SALT_CHARS = 128
-"""The longest ``cache_salt`` accepted (characters): radixkv's rule for every API that takes one."""
+"""The longest ``cache_salt`` accepted (characters): radixkv's rule for every API that takes one
+(and the longest ``extra_key`` ``/generate`` takes)."""
 
 _VERSION = 1
 _LOCAL = 0xFF

@@ -151,6 +151,13 @@ def test_cache_salt_and_extra_key_are_separate_namespaces(http, llm):
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "cache_salt": ""}
     r = http.post("/generate", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+    # extra_key is bounded as cache_salt is (each namespace a cache holds keeps its key: 60
+    # requests with 4 MB keys held 450 MiB more of the server's memory until evicted)
+    assert cached(extra_key="k" * 128) == 0
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "extra_key": "k" * 129}
+    err = error_of(http.post("/generate", json=body))
+    assert (err["param"], err["code"]) == ("extra_key", "invalid_value")
+    assert err["message"] == "extra_key must be a string of at most 128 characters, got 129"
 
 
 def test_stream_is_sglang_sse_with_cumulative_text(http, llm):

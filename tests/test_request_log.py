@@ -130,3 +130,82 @@ def test_lines_keep_the_read_order_and_only_accepted_requests_are_logged():
         return [b["id"] for b in lines.bodies]
 
     assert asyncio.run(main()) == [0, 2, 3]
+
+
+def test_a_new_request_log_is_the_servers_users_alone(tmp_path):
+    """The request log holds every tenant's prompts: a file it creates is 0600 whatever the umask
+    (before: 0644 under the usual 022, readable by every local user); an existing file keeps its
+    mode (the operator's) and is appended to."""
+    from radixkv.obs.trace import TraceWriter
+
+    old = os.umask(0o022)
+    try:
+        with TraceWriter(tmp_path / "logs" / "requests.jsonl") as w:
+            w.write({"prompt": "alice's secret", "tenant": "alice"})
+        kept = tmp_path / "kept.jsonl"
+        kept.write_text('{"prompt":"x"}\n')
+        kept.chmod(0o640)
+        with TraceWriter(kept) as w:
+            w.write({"prompt": "y"})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "logs" / "requests.jsonl").stat().st_mode & 0o777 == 0o600
+    assert kept.stat().st_mode & 0o777 == 0o640
+    assert [b["prompt"] for b in read_trace(kept)] == ["x", "y"]
+
+
+def test_a_refused_body_is_not_kept_while_an_earlier_request_runs():
+    """A body waits for the requests read before it, but one the app refused (never logged) is
+    let go at once: before, it stayed in memory until every earlier request finished, so a client
+    holding one long request open could pile refused bodies up without bound (through radixkv serve,
+    twenty 21 MB bodies answered 400 beside one 600-token completion grew the server by 700 MiB,
+    given back only when the completion ended)."""
+    import asyncio
+    import json
+
+    from radixkv.server.request_log import RequestLogMiddleware
+
+    class Lines:
+        def __init__(self):
+            self.bodies = []
+
+        def write(self, body):
+            self.bodies.append(body)
+
+    gate = asyncio.Event
+
+    async def main():
+        lines, head_read, head_go = Lines(), gate(), gate()
+
+        async def app(scope, receive, send):
+            body = json.loads((await receive())["body"])
+            if body["id"] == 0:
+                head_read.set()
+                await head_go.wait()
+            await send({"type": "http.response.start", "status": body["status"], "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+        mw = RequestLogMiddleware(app, lines)
+
+        async def call(b):
+            async def receive():
+                return {"type": "http.request", "body": json.dumps(b).encode(), "more_body": False}
+
+            async def send(message):
+                pass
+
+            await mw({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send)
+
+        head = asyncio.create_task(call({"id": 0, "status": 200}))
+        await head_read.wait()
+        for i in range(1, 4):
+            await call({"id": i, "status": 400, "junk": "y" * 1000})
+        await call({"id": 4, "status": 200})
+        kept = [e.body["id"] if e.body is not None else None for e in mw._pending]
+        head_go.set()
+        await head
+        return kept, [b["id"] for b in lines.bodies]
+
+    kept, logged = asyncio.run(main())
+    assert kept == [0, None, None, None, 4]  # the refused bodies are gone; the order still holds
+    assert logged == [0, 4]

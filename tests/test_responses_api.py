@@ -324,7 +324,17 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
                     {"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "invalid_value"),
         ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "f", "zz": 1}},
          "tool_choice", "unknown_parameter"),
+        # OpenAI's bounds on metadata (a stored response keeps it: unbounded, a tenant's 20 stored
+        # responses with a 20 MB value each held 410 MiB more of the server's memory)
+        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
+        ({"metadata": {"k" * 65: "v"}}, "metadata", "invalid_value"),
+        ({"metadata": {"k": "v" * 513}}, "metadata", "invalid_value"),
     ]  # fmt: skip
+    most = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}  # at every bound: accepted, echoed
+    r = httpx.post(
+        server.base_url + "/v1/responses", json={**base, "metadata": most, "max_output_tokens": 1}, timeout=60
+    )
+    assert r.status_code == 200 and r.json()["metadata"] == most, r.text
     echoed = [  # what the openai SDK's input types define (a client echoing an earlier response): accepted
         {"role": "user", "content": [{"type": "input_text", "text": "Hi", "prompt_cache_breakpoint": {"mode": "explicit"}}]},
         {"role": "assistant", "phase": "commentary", "content": "Hello"},

@@ -791,3 +791,30 @@ StoresMachine.TestCase.settings = settings(
     max_examples=25, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 test_stores_against_lru_oracle = StoresMachine.TestCase
+
+
+def test_disk_records_are_the_servers_users_alone(tmp_path):
+    """A record holds a tenant's prompt token ids in the clear (and K/V that gives them back):
+    the directories the tier makes are 0700 and every file in them 0600, whatever the umask
+    (before: 0755 and 0644 under the usual 022, so every local user of the machine read every
+    tenant's prompts from ``--disk-cache-dir``; only the manifest was 0600), also when it makes
+    them again after someone removed them. A directory the operator made keeps its mode."""
+    keys, toks, blocks = _blocks(3)
+    root = tmp_path / "tier"
+    old = os.umask(0o022)
+    try:
+        d = DiskStore(root, 1 << 20)
+        d.put(keys[:2], blocks[:2])
+        shutil.rmtree(root / "blocks")
+        d.put(keys[2:], blocks[2:])
+        assert d.get(keys, toks) == [None, None, blocks[2]]
+        made = tmp_path / "made"
+        made.mkdir(mode=0o750)
+        DiskStore(made, 1 << 20).put(keys[:1], blocks[:1])
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in [root, *root.rglob("*")]}
+    assert len([p for p in modes if p.endswith(".kvb")]) == 1 and len(modes) == 5, modes
+    assert {p: m for p, m in modes.items() if m != (0o700 if (tmp_path / p).is_dir() else 0o600)} == {}
+    assert made.stat().st_mode & 0o777 == 0o750
+    assert {p.stat().st_mode & 0o777 for p in made.rglob("*")} == {0o700, 0o600}

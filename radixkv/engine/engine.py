@@ -393,7 +393,7 @@ class Engine:
         """
         ids, params = validate_request(prompt_token_ids, sampling_params, self._limits())
         namespace = with_salt(namespace, params.cache_salt)
-        compiled = self._start_grammar(params)
+        compiled = self._start_grammar(params, namespace)
         with self._work:
             self._check_queue_bound()
             rid = str(request_id) if request_id is not None else str(next(self._ids))
@@ -416,9 +416,10 @@ class Engine:
             page_size=self.config.page_size,
         )
 
-    def _start_grammar(self, params: SamplingParams) -> Any:
+    def _start_grammar(self, params: SamplingParams, namespace: Optional[Namespace] = None) -> Any:
         """Validate ``params``' structured-output constraint and start compiling it on the grammar
-        thread: the compile's ``Future``, or None without a constraint.
+        thread: the compile's ``Future``, or None without a constraint. The grammar caches are
+        per ``namespace`` (the request's), as the prefix cache.
 
         Raises:
             RequestError: no tokenizer, or a constraint xgrammar refuses (the field as ``param``).
@@ -428,8 +429,8 @@ class Engine:
         kind = params.structured_output[0]
         if self.tokenizer is None:
             raise RequestError(f"{kind}: structured outputs need the model's tokenizer", kind)
-        self.grammars.validate(params.structured_output)
-        compiled = self.grammars.compile(params.structured_output)
+        self.grammars.validate(params.structured_output, namespace)
+        compiled = self.grammars.compile(params.structured_output, namespace)
         compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
         return compiled
 

@@ -49,6 +49,7 @@ from radixkv.engine.tier_io import (
 from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
+from radixkv.tiers.disk_files import DIR_MODE
 
 __all__ = ["TierHold", "TierManager", "model_fingerprint", "build_stores", "check_settings"]
 
@@ -104,7 +105,7 @@ def check_settings(cfg: Any) -> None:
     if cfg.disk_cache_dir is not None:
         path = os.path.abspath(os.path.expanduser(cfg.disk_cache_dir))
         try:
-            os.makedirs(path, exist_ok=True)
+            os.makedirs(path, mode=DIR_MODE, exist_ok=True)
         except OSError as e:
             raise ValueError(f"disk_cache_dir {cfg.disk_cache_dir!r} is not a writable directory: {e}") from None
         if not os.access(path, os.W_OK | os.X_OK):

@@ -23,6 +23,7 @@ the later prompt, up to and including the model's end-of-turn token, are the ear
 from __future__ import annotations
 
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -241,13 +242,15 @@ class TraceWriter:
     flushed at once (a crash loses nothing written before it).
 
     Args:
-        path: the file (appended to; created with its directory when missing).
+        path: the file (appended to; created with its directory when missing, mode 0600: it
+            holds every tenant's prompts; an existing file keeps its mode).
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", encoding="utf-8")
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self._f = os.fdopen(fd, "a", encoding="utf-8")
         self._lock = threading.Lock()
         self.count = 0
 

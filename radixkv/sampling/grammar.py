@@ -11,8 +11,11 @@ Life of a constraint (docs/sampling.md):
    :class:`~radixkv.errors.RequestError` naming the field with xgrammar's message, so nothing
    enters the engine. Parsed grammars are kept by canonical text.
 3. :meth:`GrammarBackend.compile` compiles it for the model's vocabulary on a background thread
-   and returns a ``Future``; compiled grammars are cached by canonical text (compiled once, also
-   when requests with the same constraint arrive while it compiles). The engine holds the
+   and returns a ``Future``; compiled grammars are cached by the request's prefix-cache namespace
+   and canonical text (compiled once per namespace, also when requests with the same constraint
+   arrive while it compiles): as the prefix cache, the cache never serves one tenant (or salt)
+   what another's request compiled, so a compile skipped never tells that someone else sent the
+   same schema (docs/security.md). The engine holds the
    request back from the scheduler until its future is done, so a grammar that is still
    compiling delays nothing else.
 4. Each sample gets its own :class:`GrammarState` (an ``xgrammar.GrammarMatcher``): every step
@@ -41,6 +44,7 @@ import torch
 
 from radixkv.errors import RequestError
 from radixkv.kernels import cpu as cpu_kernels
+from radixkv.namespace import namespace_key
 from radixkv.sampling.schema_check import structural_tag_schemas, unenforced_keyword
 
 __all__ = [
@@ -56,6 +60,11 @@ __all__ = [
 ]
 
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] [^ ]+?:\d+: ")  # "[16:53:01] /project/cpp/x.cc:5082: "
+
+
+def _key(structured: Tuple[str, str], namespace: Any) -> Tuple[bytes, str, str]:
+    """The cache key of a constraint in a namespace (:class:`GrammarBackend`'s caches)."""
+    return (namespace_key(namespace), structured[0], structured[1])
 
 
 def _xgr():
@@ -186,32 +195,33 @@ class GrammarBackend:
         self.cache_size = int(cache_size)
         self.max_threads = max_threads or max(1, (os.cpu_count() or 2) // 2)
         self._lock = threading.Lock()
-        self._parsed: "OrderedDict[Tuple[str, str], Any]" = OrderedDict()
-        self._compiled: "OrderedDict[Tuple[str, str], Future]" = OrderedDict()
+        # NOTE: keyed by (namespace_key, kind, text): a cache shared by tenants is a side channel
+        # (a compile skipped answers ~250 ms sooner, telling one tenant another sent that schema)
+        self._parsed: "OrderedDict[Tuple[bytes, str, str], Any]" = OrderedDict()
+        self._compiled: "OrderedDict[Tuple[bytes, str, str], Future]" = OrderedDict()
         self._executor: Optional[ThreadPoolExecutor] = None
         self._compiler: Any = None  # xgrammar.GrammarCompiler, built on the compile thread
         self.num_compiles = 0  # grammars actually compiled (cache misses)
 
     # ------------------------------------------------------------------ validation
-    def validate(self, structured: Tuple[str, str]) -> None:
+    def validate(self, structured: Tuple[str, str], namespace: Any = None) -> None:
         """Parse a constraint (``SamplingParams.structured_output``); raise
         :class:`~radixkv.errors.RequestError` (``param`` = the field) with xgrammar's message when
-        it is invalid. Cached by canonical text."""
-        self._grammar(structured)
+        it is invalid. Cached by ``namespace`` (the request's) and canonical text."""
+        self._grammar(_key(structured, namespace))
 
-    def _grammar(self, structured: Tuple[str, str]) -> Any:
-        key = (structured[0], structured[1])
+    def _grammar(self, key: Tuple[bytes, str, str]) -> Any:
         with self._lock:
             g = self._parsed.get(key)
             if g is not None:
                 self._parsed.move_to_end(key)
                 return g
         try:
-            g = _parse(*key)
+            g = _parse(key[1], key[2])
         except ImportError as e:
-            raise RequestError(f"{key[0]}: structured outputs need xgrammar>=0.2.9,<0.3 ({e})", key[0]) from None
+            raise RequestError(f"{key[1]}: structured outputs need xgrammar>=0.2.9,<0.3 ({e})", key[1]) from None
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors
-            raise RequestError(f"invalid {key[0]}: {_message(e)}", key[0]) from None
+            raise RequestError(f"invalid {key[1]}: {_message(e)}", key[1]) from None
         with self._lock:
             self._parsed[key] = g
             while len(self._parsed) > self.cache_size:
@@ -219,10 +229,12 @@ class GrammarBackend:
         return g
 
     # ------------------------------------------------------------------ compilation
-    def compile(self, structured: Tuple[str, str]) -> Future:
+    def compile(self, structured: Tuple[str, str], namespace: Any = None) -> Future:
         """A ``Future`` of the compiled grammar (``xgrammar.CompiledGrammar``) of a validated
-        constraint: the cached one, or a compile queued on the background thread."""
-        key = (structured[0], structured[1])
+        constraint: the one cached for ``namespace`` (the request's prefix-cache namespace: None,
+        a ``Namespace`` or any hashable ``Namespace.of`` accepts), or a compile queued on the
+        background thread."""
+        key = _key(structured, namespace)
         with self._lock:
             fut = self._compiled.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):

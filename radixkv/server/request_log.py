@@ -6,8 +6,8 @@ A pure ASGI middleware: it passes the request through untouched, copying the bod
 app reads them. Only requests the app accepted are logged: a body waits until its answer starts
 (or the request ends without one: a client that left while its request ran) and is dropped when
 the answer is an error (4xx / 5xx: a request that never ran would make ``radixkv explain`` count
-cache hits the server never had). Lines keep the order the bodies were read in: a body waits for
-the ones read before it. Bodies that are not a JSON object are not logged, nor, without API keys,
+cache hits the server never had), as soon as that answer starts. Lines keep the order the bodies
+were read in: an accepted body waits for the ones read before it. Bodies that are not a JSON object are not logged, nor, without API keys,
 a body with a ``"tenant"`` field (the app answers both with a 400 anyway; a trace line's tenant
 is only ever the server's).
 
@@ -86,6 +86,8 @@ class RequestLogMiddleware:
     def _decide(self, entry: _Entry, ok: bool) -> None:
         """Record ``entry``'s outcome and write every body at the head whose outcome is known."""
         entry.ok = ok
+        if not ok:  # never logged: let it go now, not when the requests read before it end
+            entry.body = None
         while self._pending and self._pending[0].ok is not None:
             done = self._pending.popleft()
             if done.ok and done.body is not None:

@@ -8,7 +8,8 @@ Layout of ``disk_cache_dir``::
                                   digest's first byte in hex (BlockKey.hex()[64:66])
     blocks/<xx>/.<key hex>.<pid>.<random>.tmp   a record being written (then os.replace'd)
 
-A record's mtime is its last use (set on write and on each read), so the least recently used
+The tier makes its directories 0700 and its files 0600 (:data:`DIR_MODE`, :data:`FILE_MODE`; a
+directory the operator made keeps its mode). A record's mtime is its last use (set on write and on each read), so the least recently used
 order survives restarts and is shared by every process using the directory.
 """
 
@@ -25,6 +26,8 @@ from typing import Iterator
 
 __all__ = [
     "BLOCKS",
+    "DIR_MODE",
+    "FILE_MODE",
     "MANIFEST",
     "NotARecord",
     "drop_entry",
@@ -47,6 +50,11 @@ STALE_TMP_S = 3600.0
 """A temporary file older than this (seconds, by its mtime) is a crashed writer's: removed by scans."""
 _READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 """Opening what should be a file: never through a symlink, never blocking on a FIFO."""
+DIR_MODE = 0o700
+"""The mode of the directories the tier makes (the root, ``blocks``, the fan-out folders)."""
+FILE_MODE = 0o600
+"""The mode of the records (the manifest's too): a record holds a tenant's prompt token ids in the
+clear, and K/V that gives them back, so only the server's user reads them (docs/tiers.md)."""
 
 
 def layout_path(root: str, name: str) -> str:
@@ -114,7 +122,7 @@ def prepare(root: str) -> bool:
             of it is removed).
     """
     try:
-        os.makedirs(root, exist_ok=True)
+        os.makedirs(root, mode=DIR_MODE, exist_ok=True)
     except OSError as e:
         raise _unwritable(root, e.strerror or str(e)) from None
     if not os.path.isdir(root):
@@ -145,7 +153,7 @@ def prepare(root: str) -> bool:
         if os.path.lexists(blocks) and not os.path.isdir(blocks):
             corrupt = True
             os.unlink(blocks)
-        os.makedirs(blocks, exist_ok=True)
+        os.makedirs(blocks, mode=DIR_MODE, exist_ok=True)
     except OSError as e:
         raise _unwritable(root, e.strerror or str(e)) from None
     return corrupt
@@ -242,10 +250,10 @@ def write_record(path: str, data: bytes, mtime_ns: int, fsync: bool = False) -> 
     tmp = os.path.join(folder, f".{os.path.basename(path)[:_NAME_LEN]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, FILE_MODE)
     except (FileNotFoundError, NotADirectoryError):
         _restore(os.path.dirname(os.path.dirname(folder)), folder)
-        fd = os.open(tmp, flags, 0o644)
+        fd = os.open(tmp, flags, FILE_MODE)
     try:
         try:
             view = memoryview(data)
@@ -284,7 +292,7 @@ def _restore(root: str, folder: str) -> None:
     file there), or the whole directory: the manifest first when it is gone too (a ``blocks`` without one is a
     corrupt index to the next process that starts on the directory: it would remove every
     record written since)."""
-    os.makedirs(root, exist_ok=True)  # NOTE: a root that became a file raises: the write fails
+    os.makedirs(root, mode=DIR_MODE, exist_ok=True)  # NOTE: a root that became a file raises: the write fails
     if not os.path.lexists(os.path.join(root, MANIFEST)):
         _write_manifest(root)
     try:
@@ -295,7 +303,8 @@ def _restore(root: str, folder: str) -> None:
         # a file or a symlink where the fan-out folder goes, under the tier's own blocks/: damage,
         # replaced (every write there failed, and each failure paused all the tier's writes)
         _unlink(folder)
-    os.makedirs(folder, exist_ok=True)
+    os.makedirs(os.path.dirname(folder), mode=DIR_MODE, exist_ok=True)  # blocks/ (makedirs gives parents 0777)
+    os.makedirs(folder, mode=DIR_MODE, exist_ok=True)
 
 
 def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:

@@ -10,7 +10,8 @@ OpenAI does not define is a 400 ``unknown_parameter``. Every OpenAI field is in 
   ``instructions``, ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``,
   ``text.format`` (``text``, ``json_object``, ``json_schema``), ``max_output_tokens``,
   ``temperature``, ``top_p``, ``stream``, ``store``, ``previous_response_id``, ``metadata``
-  (echoed); and vLLM's extension ``cache_salt`` (the prefix-cache salt, as on chat);
+  (echoed; OpenAI's bounds: 16 pairs, keys of 64 and values of 512 characters at most); and
+  vLLM's extension ``cache_salt`` (the prefix-cache salt, as on chat);
 * accepted without effect on generation: ``user``, ``safety_identifier``, ``prompt_cache_key``,
   ``prompt_cache_retention``, ``service_tier``, ``stream_options.include_obfuscation``,
   ``include: []``, ``truncation: "disabled"``, ``text.verbosity: "medium"``,
@@ -255,6 +256,7 @@ class ResponsesRequest(_Strict):
             raise unsupported("top_logprobs", "logprobs are not reported by /v1/responses")
         if set(self.stream_options or {}) - {"include_obfuscation"}:
             raise APIError(f"stream_options: unknown fields {sorted(self.stream_options)}", "stream_options")
+        self._check_metadata()
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", "max_output_tokens")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
@@ -264,6 +266,18 @@ class ResponsesRequest(_Strict):
             raise APIError(f"text: unknown fields {sorted(set(text) - {'format', 'verbosity'})}", "text")
         if text.get("verbosity") not in (None, "medium"):
             raise unsupported("text", "only the model's own verbosity ('medium') is supported")
+
+    def _check_metadata(self) -> None:
+        """OpenAI's bounds on ``metadata`` (at most 16 pairs, keys of at most 64 characters, values
+        of at most 512): a stored response keeps it, so past them it is a 400 naming ``metadata``."""
+        meta = self.metadata or {}
+        if len(meta) > 16:
+            raise APIError(f"metadata may hold at most 16 key-value pairs, got {len(meta)}", "metadata")
+        for k, v in meta.items():
+            if len(k) > 64:
+                raise APIError(f"metadata keys must be at most 64 characters, got one of {len(k)}", "metadata")
+            if len(v) > 512:
+                raise APIError(f"metadata values must be at most 512 characters, got one of {len(v)}", "metadata")
 
     def chat_tools(self) -> Optional[list[dict]]:
         """``tools`` in chat's form (function tools only)."""

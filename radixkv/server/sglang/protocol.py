@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 from pydantic import BaseModel, ConfigDict
 
 from radixkv.errors import RequestError
-from radixkv.namespace import Namespace, check_cache_salt
+from radixkv.namespace import MAX_CACHE_SALT_CHARS, Namespace, check_cache_salt
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError
@@ -335,12 +335,19 @@ class GenerateRequest(BaseModel):
 
         Raises:
             APIError: 400 naming ``cache_salt`` unless it is None or a non-empty string of at
-                most 128 characters (radixkv's rule; SGLang took "" as no salt).
+                most 128 characters (radixkv's rule; SGLang took "" as no salt); 400 naming
+                ``extra_key`` when it is longer than 128 characters (the same bound: every
+                namespace a cache holds keeps its key in memory).
         """
         try:
             salt = check_cache_salt(self.cache_salt)
         except ValueError as exc:
             raise APIError(str(exc), "cache_salt") from None
+        if self.extra_key is not None and len(self.extra_key) > MAX_CACHE_SALT_CHARS:
+            raise APIError(
+                f"extra_key must be a string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.extra_key)}",
+                "extra_key",
+            )
         return Namespace.of(Namespace(tenant, salt, self.extra_key or None))
 
 
