@@ -439,3 +439,42 @@ def test_vllm_include_stop_str_and_allowed_token_ids_are_obeyed_in_bodies(server
     got = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
     assert len(got) == 6 and set(got) <= words and r["choices"][0]["message"]["content"] == "".join(got)
     assert_pool_whole(llm)
+
+
+def test_tokenizing_a_prompt_never_holds_up_the_other_requests(server, llm, monkeypatch):
+    """Prompts were tokenized on the server's event loop: a 5 MB prompt (refused after 7 s of
+    tokenizing) stalled every tenant's requests, ``/v1/models`` included, that long. Each route
+    that tokenizes now does it in a worker thread: while one prompt's tokenizing is held, the
+    server answers another request, and the held one then gets its answer."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    mark = "Zebra crossing seventeen"
+    tok, real = llm.tokenizer, llm.tokenizer.encode
+    entered, release = threading.Event(), threading.Event()
+
+    def held(text, *a, **k):
+        if isinstance(text, str) and mark in text:
+            entered.set()
+            assert release.wait(120)
+        return real(text, *a, **k)
+
+    monkeypatch.setattr(tok, "encode", held)
+    bodies = {
+        "/v1/completions": {"model": MODEL, "prompt": mark, "max_tokens": 2},
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": mark}], "max_tokens": 2},
+        "/v1/responses": {"model": MODEL, "input": mark, "max_output_tokens": 2, "store": False},
+        "/generate": {"text": mark, "sampling_params": {"max_new_tokens": 2}},
+        "/tokenize": {"model": MODEL, "prompt": mark},
+    }
+    with ThreadPoolExecutor(1) as pool:
+        for path, body in bodies.items():
+            entered.clear()
+            release.clear()
+            pending = pool.submit(httpx.post, server.base_url + path, json=body, timeout=300)
+            assert entered.wait(120), path
+            assert httpx.get(server.base_url + "/v1/models", timeout=30).status_code == 200, path
+            assert not pending.done(), path
+            release.set()
+            assert pending.result().status_code == 200, (path, pending.result().text)
+    assert_pool_whole(llm)

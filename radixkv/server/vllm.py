@@ -18,7 +18,8 @@ naming it; ``reset_external`` is accepted (radixkv has no external, connector-ma
 
 from __future__ import annotations
 
-from typing import Optional
+import asyncio
+from typing import Any, Optional
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict
@@ -111,7 +112,11 @@ async def tokenize(request: Request) -> dict:
     """Token ids of a prompt or a conversation."""
     req = await parse_body(request, TokenizeRequest)
     _check_model(request, req.model)
-    client = _client(request)
+    return await asyncio.to_thread(_tokenize, _client(request), req)  # tokenizing a long prompt: off the loop
+
+
+def _tokenize(client: Any, req: TokenizeRequest) -> dict:
+    """:func:`tokenize`'s answer (in a worker thread)."""
     tok = client.tokenizer
     for name in ("chat_template", "chat_template_kwargs", "mm_processor_kwargs"):
         if getattr(req, name) is not None:

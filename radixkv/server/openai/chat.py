@@ -6,6 +6,7 @@ generated so far), structured output, logprobs."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
@@ -74,7 +75,7 @@ class Chat:
         plan = tool_plan(req)
         messages = [m.to_template() for m in req.messages or []]
         try:
-            ids = encode_chat(self.client.tokenizer, messages, tools=plan.tools or None)
+            ids = await asyncio.to_thread(encode_chat, self.client.tokenizer, messages, tools=plan.tools or None)
         except RequestError as exc:
             raise request_error_to_api(exc, "messages") from exc
         params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages", plan)

@@ -3,6 +3,7 @@ with ``logprobs`` (0-5 alternatives per token), ``echo`` and structured-output c
 
 from __future__ import annotations
 
+import asyncio
 from typing import AsyncIterator
 
 from starlette.requests import Request
@@ -74,7 +75,9 @@ class Completions:
         """A response dict, or an SSE chunk stream when ``stream``."""
         req.check_values()
         self.models.check(req.model)
-        prompts = self._prompts(req)
+        prompts = await asyncio.to_thread(
+            self._prompts, req
+        )  # NOTE: off the event loop: tokenizing a long prompt takes seconds, and the tokenizer lets go of the GIL
         # NOTE: echo with max_tokens 0 scores the prompt (vLLM's and legacy OpenAI's, e.g. lm-eval's
         # loglikelihood): one token is sampled and dropped, as SGLang's max_new_tokens 0
         zero = bool(req.echo) and req.max_tokens == 0

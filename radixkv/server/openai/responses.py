@@ -45,6 +45,7 @@ kept at all (the least recently used go first).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -469,7 +470,7 @@ class Responses:
                     # one answer for all three); OpenAI itself answers 400 here
                     code="previous_response_not_found",
                 )
-        ids, new_history, chat_req, plan = self._prompt(req, prev)
+        ids, new_history, chat_req, plan = await asyncio.to_thread(self._prompt, req, prev)  # tokenizes: off the loop
         in_items = input_items(req.input, (prev.input_items, prev.body.get("output", [])) if prev is not None else None)
         try:
             params = sampling_params(chat_req, [len(ids)], self.client.max_context_len, None, "input", plan)

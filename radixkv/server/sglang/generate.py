@@ -33,6 +33,7 @@ when the answer is a list, then ``data: [DONE]``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -82,7 +83,7 @@ class Generate:
         req.check_fields()
         tenant = request_tenant(raw)
         namespace = req.namespace(tenant.name if tenant is not None else None)
-        prompts, batch, prompt_param = req.prompts(self.client.tokenizer)
+        prompts, batch, prompt_param = await asyncio.to_thread(req.prompts, self.client.tokenizer)  # off the loop
         count = len(prompts)
         sps = req.sampling_list(count)
         ctx = self.client.max_context_len
