@@ -1,0 +1,70 @@
+"""The engine core under combined pressure (issue: break the core): a tiny pool against n > 1
+pins, chunked prefill, speculative drafts, KV tiers, session pins, aborts and flushes at once.
+
+The model is tests/tier_fakes.KVRunner (a real KV pool whose every position's K/V encodes its
+token, position and prefix hash; a forward checks each position it reads), so a slot read for
+the wrong token or prefix fails the run, and greedy outputs must equal its reference exactly.
+
+* Livelocks between hard pins (the samples ``1 .. n-1`` of an ``n > 1`` request waiting on their
+  shared prompt) and the one request that could run: a partly prefilled request whose next chunk
+  only fits without those pins, and an idle engine whose next waiting request only fits without
+  them. Both used to step forever with nothing to run (``step()`` returned nothing,
+  ``has_unfinished_requests()`` stayed True).
+"""
+
+from __future__ import annotations
+
+import pytest
+from tier_fakes import kv_engine, reference, run_all
+
+from radixkv.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def greedy(max_tokens, n=1):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, n=n, ignore_eos=True)
+
+
+def assert_idle_and_empty(eng):
+    """Nothing locked, pinned or held once idle; every slot free after a flush."""
+    s = eng.cache_stats()
+    assert (s.protected, s.pinned) == (0, 0)
+    assert s.free + s.evictable == s.capacity
+    assert eng.reset_prefix_cache()
+    assert eng.cache_stats().free == s.capacity
+
+
+A = list(range(1, 41))
+B = [(i * 7) % 60 + 1 for i in range(2, 42)]
+
+
+def test_a_chunked_prefill_short_of_memory_for_waiting_samples_pins_finishes():
+    """A (n=2, 40 tokens) and C (40 tokens) in one step, C's first chunk beside A's prompt; A's
+    sample 0 ends at its first token, sample 1 waits on the pinned prompt (39 slots). C, alone
+    running, needs more than the pool has beside that pin: the pin gives way and every sample
+    ends with the reference's tokens."""
+    eng = kv_engine(64, 1, chunk=48)
+    a = eng.add_request(A, greedy(1, n=2))
+    c = eng.add_request(B, greedy(1))
+    done = run_all(eng, max_steps=50)
+    assert [o.token_ids for o in done[a].outputs] == [reference(A, 1)] * 2
+    assert done[c].outputs[0].token_ids == reference(B, 1)
+    assert_idle_and_empty(eng)
+
+
+def test_an_idle_engine_whose_next_request_needs_the_waiting_samples_pins_admits_it():
+    """Two n=2 requests fork (their samples 1 wait on 39 + 39 pinned slots of 128), then a
+    prompt continuing A's by 50 tokens, first in lpm order (its cached prefix is the longest),
+    that does not fit beside both pins while nothing runs: it is admitted all the same."""
+    eng = kv_engine(128, 1, chunk=128)
+    a = eng.add_request(A, greedy(1, n=2))
+    b = eng.add_request(B, greedy(1, n=2))
+    eng.step()
+    assert eng.cache_stats().pinned == 78
+    x = eng.add_request(A + [5] * 50, greedy(1))
+    done = run_all(eng, max_steps=50)
+    assert [o.token_ids for o in done[a].outputs] == [reference(A, 1)] * 2
+    assert [o.token_ids for o in done[b].outputs] == [reference(B, 1)] * 2
+    assert done[x].outputs[0].token_ids == reference(A + [5] * 50, 1)
+    assert_idle_and_empty(eng)
