@@ -68,3 +68,27 @@ def test_an_idle_engine_whose_next_request_needs_the_waiting_samples_pins_admits
     assert [o.token_ids for o in done[b].outputs] == [reference(B, 1)] * 2
     assert done[x].outputs[0].token_ids == reference(A + [5] * 50, 1)
     assert_idle_and_empty(eng)
+
+
+def test_waiting_samples_hard_pin_does_not_count_against_the_session_pin_bound():
+    """``max_pinned_tokens`` bounds what sessions pin: a session's 20 pinned tokens (bound 50)
+    stay pinned while an ``n = 2`` request's sample 1 waits on its 59 pinned prompt tokens (at
+    page_size 16 its pin lasts while it decodes). It used to be dropped (its context evictable,
+    ``dropped_pins`` 1) as soon as the hard pin made the total pass the bound."""
+    eng = kv_engine(256, 16, chunk=128, max_pinned_tokens=50)
+    ctx = [(i * 5) % 60 + 1 for i in range(33)]
+    eng.add_request(ctx, greedy(1))
+    run_all(eng)
+    pin = eng.pin_prefix(ctx)
+    assert (pin.live, len(pin)) == (True, 32)
+    a = eng.add_request(A + B[:20], greedy(4, n=2))
+    pinned, done = [], {}
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        eng.check_integrity()
+        pinned.append(eng.cache_stats().pinned)
+    assert max(pinned) == 32 + 48  # the session's 32 and sample 1's pin of 48 at once
+    assert pin.live and eng.kv.dropped_pins == 0
+    assert [o.token_ids for o in done[a].outputs] == [reference(A + B[:20], 4)] * 2
+    eng.release_pin(pin)
+    assert_idle_and_empty(eng)
