@@ -39,12 +39,13 @@ A = list(range(1, 41))
 B = [(i * 7) % 60 + 1 for i in range(2, 42)]
 
 
-def test_a_chunked_prefill_short_of_memory_for_waiting_samples_pins_finishes():
+@pytest.mark.parametrize("cache", ["radix", "none"])
+def test_a_chunked_prefill_short_of_memory_for_waiting_samples_pins_finishes(cache):
     """A (n=2, 40 tokens) and C (40 tokens) in one step, C's first chunk beside A's prompt; A's
-    sample 0 ends at its first token, sample 1 waits on the pinned prompt (39 slots). C, alone
-    running, needs more than the pool has beside that pin: the pin gives way and every sample
-    ends with the reference's tokens."""
-    eng = kv_engine(64, 1, chunk=48)
+    sample 0 ends at its first token, sample 1 waits on the pinned prompt (39 slots: locked in
+    the cache, or the pin's own without one). C, alone running, needs more than the pool has
+    beside that pin: the pin gives way and every sample ends with the reference's tokens."""
+    eng = kv_engine(64, 1, chunk=48, cache=cache)
     a = eng.add_request(A, greedy(1, n=2))
     c = eng.add_request(B, greedy(1))
     done = run_all(eng, max_steps=50)
