@@ -10,14 +10,22 @@ the wrong token or prefix fails the run, and greedy outputs must equal its refer
   only fits without those pins, and an idle engine whose next waiting request only fits without
   them. Both used to step forever with nothing to run (``step()`` returned nothing,
   ``has_unfinished_requests()`` stayed True).
+* ``max_pinned_tokens`` bounds the sessions' pins only, not the waiting samples' hard pin.
+* A seeded drive with every feature at once on a pool that evicts and retracts all the time
+  (page sizes 1, 4, 16; radix, hash and no cache; radix / n-gram drafts; host / remote tier;
+  session pins, aborts, flushes, forced evictions): the invariants after every step, the
+  reference's tokens at the end.
 """
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from tier_fakes import kv_engine, reference, run_all
+from tier_fakes import VOCAB, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
 
 from radixkv.sampling_params import SamplingParams
+from radixkv.tiers import HostStore
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,3 +101,100 @@ def test_waiting_samples_hard_pin_does_not_count_against_the_session_pin_bound()
     assert [o.token_ids for o in done[a].outputs] == [reference(A + B[:20], 4)] * 2
     eng.release_pin(pin)
     assert_idle_and_empty(eng)
+
+
+# ------------------------------------------------------------------ the combined drive
+SPECS = {
+    "radix": {"method": "radix", "num_speculative_tokens": 5},
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+}
+
+
+def _arrivals(eng, rng, stems, sent, cap):
+    """One to three requests: a stem's prefix or an earlier sequence's (continued by up to 9
+    random tokens), ``n`` up to 4, sometimes sent twice at once (a rider / in-batch sharer).
+    Yields ``(request id, (reference tokens, prompt, namespace))``."""
+    for _ in range(rng.randint(1, 3)):
+        if sent and rng.random() < 0.5:
+            base, ns = rng.choice(sent)
+            base = base[: rng.randrange(1, len(base) + 1)]
+        else:
+            base, ns = rng.choice(stems)[: rng.randrange(1, 57)], rng.choice([None, "b"])
+        p = (base + [rng.randrange(1, VOCAB) for _ in range(rng.randrange(0, 10))])[: cap - 32]
+        mt, n = rng.randrange(1, 30), rng.choice([1, 1, 2, 3, 4])
+        for _ in range(2 if rng.random() < 0.3 else 1):
+            yield eng.add_request(p, greedy(mt, n=n), namespace=ns), (reference(p, mt), p, ns)
+
+
+def _meddle(eng, rng, sent, pins, expected, aborted):
+    """Random session pins taken and released, aborts (through the inbox or at once), flushes
+    (refused while anything is unfinished) and evictions of everything evictable."""
+    if sent and rng.random() < 0.1:
+        base, ns = rng.choice(sent)
+        pin = eng.pin_prefix(base[: rng.randrange(1, len(base) + 1)], ns)
+        if pin is not None:
+            pins.append(pin)
+    if pins and rng.random() < 0.08:
+        eng.release_pin(pins.pop(rng.randrange(len(pins))))
+    if expected and rng.random() < 0.07:
+        rid = rng.choice(sorted(expected))
+        (eng.abort_request if rng.random() < 0.5 else eng.abort_now)(rid)
+        aborted.add(rid)
+    if rng.random() < 0.05:
+        assert eng.reset_prefix_cache(tiers=rng.random() < 0.5) == (not eng.has_unfinished_requests())
+    if rng.random() < 0.03:
+        eng.kv.ensure_free(eng.kv.capacity)
+
+
+def _check_idle(eng):
+    s = eng.cache_stats()
+    assert s.protected == s.pinned and s.free + s.evictable + s.pinned == s.capacity
+    assert eng.kv.tiers is None or eng.kv.tiers.held_tokens == 0
+
+
+@pytest.mark.parametrize(
+    "seed, page_size, capacity, cache, spec, tier",
+    [
+        (0, 1, 80, "radix", "radix", "host"),
+        (1, 16, 96, "radix", "ngram", "remote"),
+        (2, 4, 80, "hash", "radix", "host"),
+        (3, 4, 96, "none", "ngram", None),
+    ],
+)
+def test_everything_under_pressure_keeps_slots_and_outputs_exact(seed, page_size, capacity, cache, spec, tier):
+    """Waves of requests (shared stems, earlier sequences continued, n up to 4, identical twins)
+    on a pool small enough to evict and retract all the time, with speculative drafts, a KV tier,
+    chunks of 16, session pins taken and released, aborts, flushes and forced evictions: after
+    every step every slot is owned once and every cached slot holds its path's K/V; whenever
+    idle nothing is locked but the pins; every sample equals the reference (an aborted one a
+    prefix of it); no livelock; every slot free at the end."""
+    rng = random.Random(seed)
+    stores = {"host": [HostStore(40 * 1300)], "remote": [MemoryStore("remote")], None: []}[tier]
+    eng = kv_engine(capacity, page_size, stores, chunk=16, max_running=4, cache=cache, speculative_config=SPECS[spec])
+    stems = [[rng.randrange(1, VOCAB) for _ in range(n)] for n in (40, 56, 23)]
+    sent, pins, expected, aborted, done = [], [], {}, set(), {}
+    for wave in range(2):
+        for _step in range(2000):
+            if len(expected) < 20 * (wave + 1) and rng.random() < 0.35:
+                expected.update(_arrivals(eng, rng, stems, sent, capacity))
+            elif len(expected) >= 20 * (wave + 1) and not eng.has_unfinished_requests():
+                break
+            _meddle(eng, rng, sent, pins, [r for r in expected if r not in done], aborted)
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+            eng.check_integrity()
+            pool_holds_its_tokens(eng)
+            if not eng.has_unfinished_requests():
+                _check_idle(eng)
+        assert not eng.has_unfinished_requests(), "livelock"
+        for rid, (ref, p, ns) in expected.items():
+            for c in done[rid].outputs:
+                assert c.token_ids == (ref[: len(c.token_ids)] if c.finish_reason == "abort" else ref), rid
+                assert c.finish_reason != "abort" or rid in aborted
+            sent.append((p + done[rid].outputs[0].token_ids, ns))
+    s = eng.cache_stats()
+    assert s.num_retractions > 0 and (spec is None or s.spec_accepted_tokens > 0)
+    assert cache == "none" or s.evicted_tokens > 0
+    for pin in pins:
+        eng.release_pin(pin)
+    assert_idle_and_empty(eng)
+    eng.close()
