@@ -10,10 +10,10 @@ prefix cache) is given back by the ``unhold`` callback of its owner, the
 it, or the table dropped it). So the KV manager stays the only code that moves slots.
 
 Soft pins are bounded: past ``max_tokens`` distinct tokens pinned by soft pins (hard pins do
-not count), or ``idle_timeout`` seconds without use (on ``clock``), the least recently used soft pin is dropped (:meth:`PinTable.expire`);
-the KV manager also drops them, least recently used first, when a running request is short of
-memory (:meth:`PinTable.soft_lru`). A pin's tokens count once however many pins share them
-(forked sessions): :meth:`PinTable.pinned_size`.
+not count), or ``idle_timeout`` seconds without use (on ``clock``), the least recently used
+soft pin is dropped (:meth:`PinTable.expire`); the KV manager also drops them, least recently
+used first, when a running request is short of memory (:meth:`PinTable.soft_lru`). A pin's
+tokens count once however many pins share them (forked sessions): :meth:`PinTable.pinned_size`.
 """
 
 from __future__ import annotations
