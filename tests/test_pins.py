@@ -104,8 +104,11 @@ def test_token_bound_drops_least_recently_used_soft_pins_until_within():
     assert (died, table.pinned_size(), b.live, c.live) == ([a], 6, True, True)
     clock.t = 3.0
     h = table.add([10, 11, 12, 13, 14, 15, 16], None, 1, soft=False)  # hard: 13 distinct
-    assert table.expire() == 2  # every soft pin goes; the hard one alone exceeds the bound and stays
-    assert (died, list(table), table.pinned_size(), table.dropped) == ([a, b, c], [h], 7, 3)
+    assert table.expire() == 0  # the bound is the soft pins': 6 distinct, within it
+    assert (table.pinned_size(), table.soft_pinned_size(), b.live, c.live) == (13, 6, True, True)
+    d = table.add([7, 16], None, 1, soft=True)  # slot 7 (c's) and 16 (h's): 7 soft-pinned
+    assert table.expire() == 1  # b, the least recently used, goes
+    assert (died, list(table), table.pinned_size(), table.dropped) == ([a, b], [c, h, d], 9, 2)
 
 
 def test_drop_soft_keeps_hard_pins():

@@ -766,7 +766,7 @@ class KVManager:
 
     def expire_pins(self) -> int:
         """Drop the soft pins idle for ``pin_idle_timeout`` seconds, then the least recently used
-        ones while more than ``max_pinned_tokens`` distinct tokens are pinned; returns how many
+        ones while more than ``max_pinned_tokens`` distinct tokens are soft-pinned; returns how many
         were dropped. Their tokens stay cached, evictable."""
         return self.pins.expire()
 

@@ -9,11 +9,11 @@ prefix cache) is given back by the ``unhold`` callback of its owner, the
 :class:`~radixkv.engine.kv_manager.KVManager`, the moment the pin dies (its last holder released
 it, or the table dropped it). So the KV manager stays the only code that moves slots.
 
-Soft pins are bounded: past ``max_tokens`` distinct pinned tokens, or ``idle_timeout`` seconds
-without use (on ``clock``), the least recently used soft pin is dropped (:meth:`PinTable.expire`);
-the KV manager also drops them, least recently used first, when a running request is short of
-memory (:meth:`PinTable.soft_lru`). A pin's tokens count once however many pins share them
-(forked sessions): :meth:`PinTable.pinned_size`.
+Soft pins are bounded: past ``max_tokens`` distinct tokens pinned by soft pins (hard pins do
+not count), or ``idle_timeout`` seconds without use (on ``clock``), the least recently used
+soft pin is dropped (:meth:`PinTable.expire`); the KV manager also drops them, least recently
+used first, when a running request is short of memory (:meth:`PinTable.soft_lru`). A pin's
+tokens count once however many pins share them (forked sessions): :meth:`PinTable.pinned_size`.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ class PinTable:
         self.dropped = 0
         self._pins: dict[int, Pin] = {}  # id(pin) -> pin, every live pin
         self._counts: dict[int, int] = {}  # slot -> live pins holding it (distinct pinned tokens)
+        self._soft: dict[int, int] = {}  # slot -> live soft pins holding it (what max_tokens bounds)
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -99,6 +100,11 @@ class PinTable:
         """Distinct tokens held by live pins (pins sharing a prefix count it once)."""
         return len(self._counts)
 
+    def soft_pinned_size(self) -> int:
+        """Distinct tokens held by live soft pins (what ``max_tokens`` bounds: the hard pins of
+        ``n > 1`` samples never make a session's pin go)."""
+        return len(self._soft)
+
     def has_hard(self) -> bool:
         """True while a hard pin (``n > 1`` samples) is live."""
         return any(not p.soft for p in self._pins.values())
@@ -109,9 +115,9 @@ class PinTable:
         ``node``, or handed it the slots) with ``refs`` holders, used now."""
         pin = Pin(slots, node, refs, soft=soft, last_used=self.clock())
         self._pins[id(pin)] = pin
-        counts = self._counts
-        for s in slots:
-            counts[s] = counts.get(s, 0) + 1
+        _count(self._counts, slots, 1)
+        if soft:
+            _count(self._soft, slots, 1)
         return pin
 
     def retain(self, pin: Pin) -> bool:
@@ -139,13 +145,9 @@ class PinTable:
         """Kill ``pin`` whatever its references: unregister it, uncount its tokens, ``unhold``."""
         del self._pins[id(pin)]
         pin.live = False
-        counts = self._counts
-        for s in pin.slots:
-            c = counts[s] - 1
-            if c:
-                counts[s] = c
-            else:
-                del counts[s]
+        _count(self._counts, pin.slots, -1)
+        if pin.soft:
+            _count(self._soft, pin.slots, -1)
         self._unhold(pin)
 
     # ------------------------------------------------------------------ soft pins
@@ -160,7 +162,7 @@ class PinTable:
 
     def expire(self) -> int:
         """Drop the soft pins idle for ``idle_timeout`` seconds or more, then the least recently
-        used ones while more than ``max_tokens`` distinct tokens are pinned; returns how many
+        used ones while more than ``max_tokens`` distinct tokens are soft-pinned; returns how many
         were dropped."""
         if not self._pins:
             return 0
@@ -170,9 +172,9 @@ class PinTable:
             for p in [p for p in self._pins.values() if p.soft and now - p.last_used >= self.idle_timeout]:
                 self.drop(p)
                 dropped += 1
-        if self.max_tokens is not None and len(self._counts) > self.max_tokens:
+        if self.max_tokens is not None and len(self._soft) > self.max_tokens:
             lru = self.soft_lru()
-            while lru and len(self._counts) > self.max_tokens:
+            while lru and len(self._soft) > self.max_tokens:
                 self.drop(lru.pop(0))
                 dropped += 1
         return dropped
@@ -189,10 +191,22 @@ class PinTable:
         """Raise AssertionError when a registered pin is dead or has no holder, or the distinct
         pinned-token counts disagree with the live pins."""
         counts: dict[int, int] = {}
+        soft: dict[int, int] = {}
         for pin in self._pins.values():
             if pin.refs < 1 or not pin.live:
                 raise AssertionError(f"a registered pin has {pin.refs} references (live={pin.live})")
-            for s in pin.slots:
-                counts[s] = counts.get(s, 0) + 1
-        if counts != self._counts:
+            _count(counts, pin.slots, 1)
+            if pin.soft:
+                _count(soft, pin.slots, 1)
+        if counts != self._counts or soft != self._soft:
             raise AssertionError("the pinned-token counts disagree with the live pins")
+
+
+def _count(counts: dict, slots: List[int], d: int) -> None:
+    """Add ``d`` (1 or -1) to the count of each of ``slots`` in ``counts`` (a count of 0 leaves)."""
+    for s in slots:
+        c = counts.get(s, 0) + d
+        if c:
+            counts[s] = c
+        else:
+            del counts[s]

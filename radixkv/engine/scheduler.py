@@ -234,8 +234,8 @@ class Scheduler:
             return None
         need = kv.pages(prefix.length + extend) - prefix.length
         if not kv.reserve(need, reserve) and not (
-            not self.running and kv.yield_pins(need + reserve) and kv.reserve(need, reserve)
-        ):  # soft pins give way when nothing runs that could free memory later
+            not self.running and self._make_room(need + reserve, keep=req) and kv.reserve(need, reserve)
+        ):  # pins give way when nothing runs that could free memory later
             kv.unlock_prefix(prefix)
             return None
         kv.admit(req, prefix, prefix.length + extend)
@@ -287,6 +287,17 @@ class Scheduler:
         self.kv.publish(r, r.kv_len + extend)
         return extend
 
+    def _make_room(self, need: int, keep: Request) -> bool:
+        """Make ``need`` slots free for ``keep`` when nothing else runs that could free memory
+        later: soft pins and tier installs give way (:meth:`KVManager.yield_pins`), then the
+        waiting requests' own pins (the samples ``1 .. n-1`` of ``n > 1`` requests; they
+        re-match or recompute their prefix when admitted), else nothing would ever run."""
+        kv = self.kv
+        if kv.yield_pins(need):
+            return True
+        kv.detach_pins(r for r in self.waiting if r is not keep)
+        return kv.ensure_free(need)
+
     def _plan_chunks(self, budget: int) -> tuple[List[tuple], bool]:
         """Slots for the next prefill chunk of each running prefilling request, within
         ``budget`` tokens (evicting, then dropping soft pins: a running request's need). Returns
@@ -297,7 +308,9 @@ class Scheduler:
             if r.status != RequestStatus.PREFILL:
                 continue
             extend = min(r.seq_len - r.kv_len, budget)
-            if extend <= 0 or not kv.yield_pins(kv.pages(r.kv_len + extend) - len(r.slots)):
+            alone = len(self.running) == 1  # nothing else running will free memory for it
+            need = kv.pages(r.kv_len + extend) - len(r.slots)
+            if extend <= 0 or not (kv.yield_pins(need) or (alone and self._make_room(need, keep=r))):
                 partial = True
                 continue
             kv.grow(r, r.kv_len + extend)
