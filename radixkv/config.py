@@ -181,7 +181,8 @@ class EngineConfig:
 
     max_pinned_tokens: Optional[int] = None
     """Bound on the distinct KV tokens that sessions (and stored responses) keep pinned; past it
-    the least recently used session is unpinned (its tokens stay cached, evictable). Default: half
+    the least recently used session of the tenant pinning the most is unpinned (its tokens stay
+    cached, evictable). Default: half
     of max_total_tokens. 0 disables session pins."""
 
     pin_idle_timeout: Optional[float] = 600.0

@@ -12,6 +12,7 @@ from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.pins import PinTable
 from radixkv.engine.request import Request
 from radixkv.memory.kv_pool import ReqToTokenPool
+from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
 
 
@@ -111,6 +112,50 @@ def test_token_bound_drops_least_recently_used_soft_pins_until_within():
     assert (died, list(table), table.pinned_size(), table.dropped) == ([a, b], [c, h, d], 9, 2)
 
 
+def test_the_owner_holding_the_most_loses_its_least_recently_used_pin_first():
+    """The soft pins' bounds were one least-recently-used order for every tenant, so one
+    tenant's newer pins (a flood of stored Responses) dropped another's older pin. The victim is
+    now the least recently used pin of the owner holding the most tokens; one owner: plain LRU."""
+    table, clock, died = make(max_tokens=8)
+    alice = table.add([0, 1], None, 1, soft=True, owner="alice")  # the oldest
+    mallory = []
+    for i in range(3):
+        clock.t = 1.0 + i
+        mallory.append(table.add([10 + 2 * i, 11 + 2 * i], None, 1, soft=True, owner="mallory"))
+    assert table.victim() is mallory[0]
+    clock.t = 9.0
+    table.add([30, 31, 32, 33], None, 1, soft=True, owner="mallory")  # 12 tokens > 8
+    assert table.expire() == 2
+    assert died == mallory[:2] and alice.live and table.dropped == 2
+    clock.t = 10.0
+    table.touch(mallory[2])
+    assert table.victim().slots == [30, 31, 32, 33]  # mallory still holds the most: 6 of 8
+    table.drop(table.victim())
+    assert table.victim() is alice and table.victim() is not mallory[2]  # 2 tokens each: the older first
+    one, _, _ = make()
+    a = one.add([0], None, 1, soft=True)
+    one.add([1, 2, 3], None, 1, soft=True)
+    assert one.victim() is a  # one owner: least recently used
+    table.check_integrity()
+
+
+def test_a_tenants_pins_give_way_to_memory_before_another_tenants():
+    """Through the KV manager: pins are owned by the request namespace's tenant; a running
+    request short of memory drops the pins of the tenant holding the most first."""
+    alice, mallory = Namespace(tenant="alice"), Namespace(tenant="mallory")
+    kv = KVManager(RadixCache(1), SlotAllocator(16, 1), ReqToTokenPool(2, 16, "cpu"))
+    kv.release(_served(kv, [1, 2, 3], alice))
+    a = kv.pin_prefix([1, 2, 3], alice)
+    pins = []
+    for t in ([5, 6, 7, 8], [9, 10, 11, 12]):
+        kv.release(_served(kv, t, mallory))
+        pins.append(kv.pin_prefix(t, mallory))
+    assert (kv.free_size(), kv.pinned_size()) == (5, 11)
+    assert kv.yield_pins(9)  # 4 more slots: one of mallory's pins must go, not alice's older one
+    assert (a.live, pins[0].live, pins[1].live, kv.dropped_pins) == (True, False, True, 1)
+    kv.check_integrity([])
+
+
 def test_drop_soft_keeps_hard_pins():
     table, clock, died = make()
     s1 = table.add([0], None, 3, soft=True)
@@ -134,9 +179,9 @@ def test_check_integrity_sees_a_miscount():
         table.check_integrity()
 
 
-def _served(kv, tokens):
+def _served(kv, tokens, namespace=None):
     """``tokens`` computed by one request and handed to the cache (or freed without one)."""
-    r = Request("r", 0, list(tokens), SamplingParams())
+    r = Request("r", 0, list(tokens), SamplingParams(), namespace)
     prefix = kv.lock_prefix(r)
     assert kv.reserve(len(tokens) - prefix.length, 0)
     kv.admit(r, prefix, len(tokens))

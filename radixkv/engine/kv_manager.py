@@ -30,7 +30,8 @@ Two helpers keep their own bookkeeping beside it and move no slot themselves:
   :meth:`~KVManager.pin_prefix`). With a prefix cache the pin holds a lock on the cached prefix
   (its tokens are *protected*); without one (``prefix_cache="none"``) it owns the slots. The
   table counts references and distinct pinned tokens and bounds the soft pins
-  (``max_pinned_tokens``, ``pin_idle_timeout``, least recently used first; also dropped before
+  (``max_pinned_tokens``, ``pin_idle_timeout``; :meth:`PinTable.victim` first: the least recently
+  used pin of the tenant pinning the most; also dropped before
   anything is retracted when a running request is short of memory); when a pin dies the table
   calls back here, and the KV manager unlocks (or frees) what it held.
 
@@ -748,7 +749,7 @@ class KVManager:
         if m.length == 0:
             return None
         self.cache.inc_lock_ref(m.node)
-        pin = self.pins.add(m.slots.tolist(), m.node, 1, soft=True)
+        pin = self.pins.add(m.slots.tolist(), m.node, 1, soft=True, owner=getattr(namespace, "tenant", None))
         self.pins.expire()
         return pin
 
@@ -765,22 +766,20 @@ class KVManager:
         self.pins.release(pin)
 
     def expire_pins(self) -> int:
-        """Drop the soft pins idle for ``pin_idle_timeout`` seconds, then the least recently used
-        ones while more than ``max_pinned_tokens`` distinct tokens are soft-pinned; returns how many
+        """Drop the soft pins idle for ``pin_idle_timeout`` seconds, then :meth:`PinTable.victim`
+        while more than ``max_pinned_tokens`` distinct tokens are soft-pinned; returns how many
         were dropped. Their tokens stay cached, evictable."""
         return self.pins.expire()
 
     def yield_pins(self, need: int) -> bool:
         """Make ``need`` slots free for a running request (or the one being admitted while
-        nothing runs), dropping soft pins (least recently used first), then the locks on what the
+        nothing runs), dropping soft pins (:meth:`PinTable.victim` first), then the locks on what the
         KV tiers installed for waiting requests (most recent first; they stay cached, evictable),
         when evicting what is unlocked is not enough; False if even that is not."""
-        lru = None
         while not self.ensure_free(need):
-            if lru is None:
-                lru = self.pins.soft_lru()
-            if lru:
-                self.pins.drop(lru.pop(0))
+            victim = self.pins.victim()
+            if victim is not None:
+                self.pins.drop(victim)
             elif self._tier_held:
                 self._tier_unhold(next(reversed(self._tier_held.values())), cancel=False)
             else:

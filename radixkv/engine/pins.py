@@ -11,9 +11,14 @@ it, or the table dropped it). So the KV manager stays the only code that moves s
 
 Soft pins are bounded: past ``max_tokens`` distinct tokens pinned by soft pins (hard pins do
 not count), or ``idle_timeout`` seconds without use (on ``clock``), the least recently used
-soft pin is dropped (:meth:`PinTable.expire`); the KV manager also drops them, least recently
-used first, when a running request is short of memory (:meth:`PinTable.soft_lru`). A pin's
-tokens count once however many pins share them (forked sessions): :meth:`PinTable.pinned_size`.
+soft pin is dropped (:meth:`PinTable.expire`); the KV manager also drops them when a running
+request is short of memory. A pin's tokens count once however many pins share them (forked
+sessions): :meth:`PinTable.pinned_size`.
+
+Which soft pin goes first (:meth:`PinTable.victim`): the least recently used one of the owner
+(the tenant, docs/security.md) holding the most soft-pinned tokens, so one tenant's pins (a flood
+of sessions or stored Responses) crowd out its own before any other tenant's; with one owner (no
+API keys) that is plain least recently used first.
 """
 
 from __future__ import annotations
@@ -36,17 +41,22 @@ class Pin:
             memory for running requests); False for the pin of ``n > 1`` samples.
         last_used: the table's clock (seconds) when a holder last used it.
         live: False once released or dropped (a holder's handle then pins nothing).
+        owner: who the pin is held for (the request's tenant; None without API keys): the
+            bounds drop the pins of the owner holding the most first (:meth:`PinTable.victim`).
     """
 
-    __slots__ = ("slots", "node", "refs", "soft", "last_used", "live")
+    __slots__ = ("slots", "node", "refs", "soft", "last_used", "live", "owner")
 
-    def __init__(self, slots: List[int], node: Any, refs: int, soft: bool = False, last_used: float = 0.0) -> None:
+    def __init__(
+        self, slots: List[int], node: Any, refs: int, soft: bool = False, last_used: float = 0.0, owner: Any = None
+    ) -> None:
         self.slots = slots
         self.node = node
         self.refs = refs
         self.soft = soft
         self.last_used = last_used
         self.live = True
+        self.owner = owner
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -110,10 +120,10 @@ class PinTable:
         return any(not p.soft for p in self._pins.values())
 
     # ------------------------------------------------------------------ holders
-    def add(self, slots: List[int], node: Any, refs: int, *, soft: bool) -> Pin:
+    def add(self, slots: List[int], node: Any, refs: int, *, soft: bool, owner: Any = None) -> Pin:
         """Register a new live pin on ``slots`` (its holder already took the cache lock on
-        ``node``, or handed it the slots) with ``refs`` holders, used now."""
-        pin = Pin(slots, node, refs, soft=soft, last_used=self.clock())
+        ``node``, or handed it the slots) with ``refs`` holders, used now, held for ``owner``."""
+        pin = Pin(slots, node, refs, soft=soft, last_used=self.clock(), owner=owner)
         self._pins[id(pin)] = pin
         _count(self._counts, slots, 1)
         if soft:
@@ -160,10 +170,25 @@ class PinTable:
         """The live soft pins, least recently used first (ties in the order they were added)."""
         return sorted((p for p in self._pins.values() if p.soft), key=lambda p: p.last_used)
 
+    def victim(self) -> Optional[Pin]:
+        """The soft pin a bound drops next (module docstring): the least recently used pin of
+        the owner whose soft pins hold the most tokens (each pin's length; ties: the owner with
+        the older least recently used pin); None when no soft pin is live."""
+        held: dict = {}
+        oldest: dict = {}
+        for p in self._pins.values():  # in the order added: the first of an owner at the oldest time wins ties
+            if p.soft:
+                held[p.owner] = held.get(p.owner, 0) + len(p.slots)
+                if p.owner not in oldest or p.last_used < oldest[p.owner].last_used:
+                    oldest[p.owner] = p
+        if not held:
+            return None
+        owner = max(held, key=lambda o: (held[o], -oldest[o].last_used))
+        return oldest[owner]
+
     def expire(self) -> int:
-        """Drop the soft pins idle for ``idle_timeout`` seconds or more, then the least recently
-        used ones while more than ``max_tokens`` distinct tokens are soft-pinned; returns how many
-        were dropped."""
+        """Drop the soft pins idle for ``idle_timeout`` seconds or more, then :meth:`victim` while
+        more than ``max_tokens`` distinct tokens are soft-pinned; returns how many were dropped."""
         if not self._pins:
             return 0
         dropped = 0
@@ -172,11 +197,9 @@ class PinTable:
             for p in [p for p in self._pins.values() if p.soft and now - p.last_used >= self.idle_timeout]:
                 self.drop(p)
                 dropped += 1
-        if self.max_tokens is not None and len(self._soft) > self.max_tokens:
-            lru = self.soft_lru()
-            while lru and len(self._soft) > self.max_tokens:
-                self.drop(lru.pop(0))
-                dropped += 1
+        while self.max_tokens is not None and len(self._soft) > self.max_tokens:
+            self.drop(self.victim())  # soft tokens are counted, so a soft pin is live
+            dropped += 1
         return dropped
 
     def drop_soft(self) -> int:
