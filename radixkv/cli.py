@@ -25,10 +25,14 @@ def main(argv: list[str] | None = None) -> int:
         return obs_cli.run_explain(args)
     if args.command == "plan":
         return obs_cli.run_plan(args)
+    why = server_cli.tier_flags_error(args)
+    if why is not None:
+        print(f"radixkv {args.command}: {why}", file=sys.stderr)
+        return 2
     if args.command == "replay":
         try:
             return replay.run(args)
-        except ValueError as e:  # an engine limit (e.g. --max-total-tokens too small for a prompt)
+        except (ValueError, FileNotFoundError) as e:  # an engine limit, or no such --model
             print(f"radixkv replay: {e}", file=sys.stderr)
             return 2
     why = server_cli.replica_flags_error(args)
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_replicas(args, ekw, server_cli.served_model_name(args), api_keys=keys)
     try:
         return server_cli.run(args)
-    except ValueError as e:  # a refused setting at start (e.g. an unwritable --disk-cache-dir)
+    except (ValueError, FileNotFoundError) as e:  # a refused setting at start, or no such --model
         print(f"radixkv serve: {e}", file=sys.stderr)
         return 2
 

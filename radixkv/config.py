@@ -301,7 +301,10 @@ class EngineConfig:
     def _resolve_device(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(self.device)
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from None
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} but CUDA is not available")
         if isinstance(self.dtype, str):

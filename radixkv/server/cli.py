@@ -30,6 +30,7 @@ __all__ = [
     "run",
     "engine_kwargs_from_args",
     "api_keys_of",
+    "tier_flags_error",
 ]
 
 
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default="smollm2-135m", help="model name, GGUF file or HF directory (default: %(default)s)"
     )
     g.add_argument(
-        "--served-model-name", default=None,
+        "--served-model-name", default=None, type=_non_empty,
         help=f"name clients send as `model` (default: {DEFAULT_SERVED_MODEL_NAME!r} for the default model, else --model)",
     )  # fmt: skip
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
@@ -108,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--ray-address", default=None, help="join this Ray cluster instead of starting a local one")
     h = parser.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    h.add_argument("--port", type=int, default=30000, help="port (default: %(default)s)")
+    h.add_argument("--port", type=_port, default=30000, help="port, 1 to 65535 (default: %(default)s)")
     h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     h.add_argument(
         "--log-requests", default=None, metavar="FILE",
@@ -170,6 +171,23 @@ def _at_least(kind: type, low: float) -> Any:
     return parse
 
 
+def _port(text: str) -> int:
+    """``--port``: a TCP port, 1 to 65535 (the socket layer would wrap a larger one silently)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 65535, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer from 1 to 65535, got {text}")
+    return v
+
+
+def _non_empty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a non-empty name")
+    return text
+
+
 def _bytes(text: str) -> int:
     """``--*-cache-bytes``: :func:`radixkv.config.parse_bytes`."""
     try:
@@ -195,6 +213,31 @@ def tier_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "kv_tier_write_policy", None) is not None:
         kw["kv_tier_write_policy"] = _write_policy(args.kv_tier_write_policy)
     return kw
+
+
+def tier_flags_error(args: argparse.Namespace) -> Optional[str]:
+    """Why the tier flags cannot be used as given (None: they can): ``--disk-cache-bytes`` without
+    ``--disk-cache-dir``, or ``--kv-tier-write-policy`` without any tier (each would do nothing)."""
+    if getattr(args, "disk_cache_bytes", None) is not None and getattr(args, "disk_cache_dir", None) is None:
+        return "--disk-cache-bytes applies only with --disk-cache-dir (there is no disk tier to size)"
+    tiers = args.host_cache_bytes or args.disk_cache_dir is not None or args.remote_cache_url is not None
+    if getattr(args, "kv_tier_write_policy", None) is not None and not tiers:
+        return "--kv-tier-write-policy needs a KV tier (--host-cache-bytes, --disk-cache-dir or --remote-cache-url)"
+    return None
+
+
+def check_log_file(path: Optional[str]) -> None:
+    """Raise ValueError naming ``--log-requests`` when ``path`` cannot be appended to (checked at
+    start, before the model loads, by opening it as the request log does: its folder created, a
+    new file 0600)."""
+    if path is None:
+        return
+    from radixkv.obs.trace import TraceWriter
+
+    try:
+        TraceWriter(path).close()
+    except OSError as exc:
+        raise ValueError(f"--log-requests {path}: cannot append to it: {exc.strerror or exc}") from None
 
 
 def api_keys_of(args: argparse.Namespace) -> Any:
@@ -279,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     except KeysFileError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
+    check_log_file(args.log_requests)
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM

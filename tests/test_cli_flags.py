@@ -1,0 +1,70 @@
+"""`radixkv serve` / `replay` / `plan` refuse a bad or useless flag value before anything starts:
+exit 2 with one line naming the flag, never a traceback, never a flag accepted and ignored.
+In-process through ``radixkv.cli.main``; every call names a model that does not exist, so a flag
+that is not refused fails the test at the model load instead of starting a server."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixkv.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def refused(argv: list, capsys) -> str:
+    """The one stderr line ``main(argv)`` exits 2 with (failing if it returns anything else)."""
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, (code, err[-2000:])
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("port", ["0", "-1", "65536", "70000"])
+def test_serve_refuses_a_port_outside_1_to_65535(port, capsys):
+    # 70000 used to be bound as 70000 % 65536 = 4464 while the server announced :70000
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--port", port, "--model", "/nonexistent/model"])
+    assert exc.value.code == 2
+    assert f"argument --port: must be an integer from 1 to 65535, got {port}" in capsys.readouterr().err
+
+
+def test_serve_refuses_an_empty_served_model_name(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--served-model-name", " ", "--model", "/nonexistent/model"])
+    assert exc.value.code == 2 and "argument --served-model-name: must be a non-empty name" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["serve", "replay"])
+def test_an_unknown_device_is_named(command, capsys):
+    line = refused([command, "--device", "tpu", "--model", "/nonexistent/model"], capsys)
+    assert line == f"radixkv {command}: device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"
+
+
+@pytest.mark.parametrize("command", ["serve", "replay"])
+def test_an_unknown_model_is_named(command, tmp_path, capsys):
+    line = refused([command, "--model", str(tmp_path / "nope"), "--device", "cpu"], capsys)
+    assert line.startswith(f"radixkv {command}: model ") and "not found" in line
+
+
+@pytest.mark.parametrize("command", ["serve", "replay"])
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--disk-cache-bytes", "1GiB"], "--disk-cache-bytes applies only with --disk-cache-dir"),
+        (["--kv-tier-write-policy", "write_back"], "--kv-tier-write-policy needs a KV tier"),
+        (["--kv-tier-write-policy", "write_back", "--host-cache-bytes", "0"], "--kv-tier-write-policy needs a KV tier"),
+    ],
+)
+def test_tier_flags_without_their_tier_are_refused(command, flags, why, capsys):
+    assert refused([command, *flags, "--model", "/nonexistent/model"], capsys).startswith(f"radixkv {command}: {why}")
+
+
+def test_serve_refuses_a_request_log_it_cannot_write_before_loading(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    line = refused(
+        ["serve", "--model", str(tmp_path / "never-loaded"), "--log-requests", str(blocker / "t.jsonl")], capsys
+    )
+    assert line.startswith(f"radixkv serve: --log-requests {blocker / 't.jsonl'}: cannot append to it: ")
