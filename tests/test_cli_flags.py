@@ -5,6 +5,8 @@ that is not refused fails the test at the model load instead of starting a serve
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from radixkv.cli import main
@@ -68,3 +70,31 @@ def test_serve_refuses_a_request_log_it_cannot_write_before_loading(tmp_path, ca
         ["serve", "--model", str(tmp_path / "never-loaded"), "--log-requests", str(blocker / "t.jsonl")], capsys
     )
     assert line.startswith(f"radixkv serve: --log-requests {blocker / 't.jsonl'}: cannot append to it: ")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--list", "--json"], "--list prints the architecture table only (with --kv-dtype); not with --json"),
+        (
+            ["--list", "--model", "llama-3-8b"],
+            "--list prints the architecture table only (with --kv-dtype); not with --model",
+        ),
+        (["--weights-gb", "10"], "--weights-gb needs --gpu-memory"),
+        (["--memory-fraction", "0.5"], "--memory-fraction needs --gpu-memory"),
+        (["--weight-dtype", "float32"], "--weight-dtype needs --gpu-memory"),
+        (["--policies", "radix-p1"], "--policies needs --trace"),
+        (["--tokenizer", "smollm2-135m"], "--tokenizer needs --trace"),
+        (["--kv-tier-write-policy", "write_back"], "--kv-tier-write-policy needs --trace"),
+        (["--target-hit-rate", "0.5"], "--target-hit-rate needs --trace"),
+    ],
+)
+def test_plan_refuses_a_flag_that_would_do_nothing(argv, line, capsys):
+    assert refused(["plan", *argv], capsys) == f"radixkv plan: {line}"
+
+
+def test_plan_defaults_still_apply_when_left_out(capsys):
+    assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", "--kv-dtype", "fp8", "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)["fit"]
+    assert (fit["memory_fraction"], fit["weight_dtype"], fit["tokens"]) == (0.9, "bfloat16", 853_568)
+    assert main(["plan", "--list", "--kv-dtype", "fp8"]) == 0 and "DeepSeek-V3" in capsys.readouterr().out

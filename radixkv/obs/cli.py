@@ -191,9 +191,9 @@ def run_explain(args: argparse.Namespace) -> int:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``radixkv plan``."""
     p.add_argument(
-        "--model", default="smollm2-135m",
+        "--model", default=None,
         help="an architecture of the table (llama-2-7b, llama-3-8b, llama-3-70b, mistral-7b, qwen2.5-7b, "
-        "deepseek-v3, smollm2-135m), a config.json or its directory (default %(default)s)",
+        "deepseek-v3, smollm2-135m), a config.json or its directory (default smollm2-135m)",
     )  # fmt: skip
     p.add_argument(
         "--kv-dtype",
@@ -203,22 +203,27 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="float32, bfloat16/bf16, float16/fp16, fp8 (= fp8_e4m3) or fp8_e5m2 (default %(default)s)",
     )
     p.add_argument(
-        "--weight-dtype", default="bfloat16", help="dtype of the weights, for their size (default %(default)s)"
+        "--weight-dtype",
+        default=None,
+        help="with --gpu-memory: dtype of the weights, for their size (default bfloat16)",
     )
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="GPU memory in GB: how many tokens fit")
-    p.add_argument("--memory-fraction", type=float, default=0.9, help="share of the GPU memory usable (default 0.9)")
     p.add_argument(
-        "--weights-gb", type=float, default=None, help="size of the weights in GB (default: from the parameters)"
+        "--memory-fraction", type=float, default=None, help="with --gpu-memory: share of it usable (default 0.9)"
     )
+    p.add_argument(
+        "--weights-gb", type=float, default=None,
+        help="with --gpu-memory: size of the weights in GB (default: from the parameters)",
+    )  # fmt: skip
     p.add_argument(
         "--context", type=int, default=None, metavar="TOKENS", help="KV memory of one sequence of this length"
     )
     p.add_argument("--trace", default=None, help="a TRACE (as for explain): hit rate vs KV memory for it")
     p.add_argument("--target-hit-rate", type=float, default=None, help="KV memory needed to reach this hit rate (0-1)")
     p.add_argument(
-        "--policies", default="radix-p1,radix-p16,hash-b16", help="simulated policies for --trace (default %(default)s)"
+        "--policies", default=None, help="simulated policies for --trace (default radix-p1,radix-p16,hash-b16)"
     )
-    p.add_argument("--tokenizer", default="smollm2-135m", help="tokenizer for --trace (default %(default)s)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer for --trace (default smollm2-135m)")
     for tier, where in (("host", "host RAM"), ("disk", "local disk"), ("remote", "a shared Redis")):
         p.add_argument(
             f"--{tier}-cache-bytes", type=_tier_bytes, default=None, metavar="BYTES",
@@ -226,8 +231,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         )  # fmt: skip
     _write_policy_argument(p, "--*-cache-bytes")
     p.add_argument(
-        "--list", action="store_true", help="print the table of architectures (KV bytes per token, 1M tokens)"
-    )
+        "--list", action="store_true",
+        help="print the table of architectures (KV bytes per token, 1M tokens) in --kv-dtype and fp8, and nothing else",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML report")
 
@@ -275,11 +281,65 @@ def list_architectures(kv_dtypes=("bfloat16", "fp8")) -> str:
     return "\n".join(lines)
 
 
+PLAN_DEFAULTS = dict(
+    model="smollm2-135m",
+    weight_dtype="bfloat16",
+    memory_fraction=0.9,
+    policies="radix-p1,radix-p16,hash-b16",
+    tokenizer="smollm2-135m",
+)
+"""The defaults of the ``radixkv plan`` flags whose parser default is None (so that giving one
+where it does nothing is told apart from leaving it out)."""
+
+PLAN_NEEDS = dict(
+    memory_fraction="gpu_memory",
+    weights_gb="gpu_memory",
+    weight_dtype="gpu_memory",
+    target_hit_rate="trace",
+    policies="trace",
+    tokenizer="trace",
+    host_cache_bytes="trace",
+    disk_cache_bytes="trace",
+    remote_cache_bytes="trace",
+    kv_tier_write_policy="trace",
+)
+"""``radixkv plan`` flags that only mean something beside another: ``dest -> dest it needs``."""
+
+
+def _flag(dest: str) -> str:
+    return "--kv-dtype" if dest == "kv_dtype" else "--" + dest.replace("_", "-")
+
+
+def plan_flags_error(args: argparse.Namespace) -> Optional[str]:
+    """Why the ``radixkv plan`` flags cannot be used as given (a flag that would do nothing), or
+    None; then the flags left out get :data:`PLAN_DEFAULTS`."""
+
+    def given(dest: str) -> bool:
+        v = getattr(args, dest, None)
+        return v is not None and v is not False  # 0 is given (and then refused by its own check)
+
+    if args.list:
+        others = [_flag(d) for d in ("model", "gpu_memory", "context", "json", "html", *PLAN_NEEDS) if given(d)]
+        if others:
+            return f"--list prints the architecture table only (with --kv-dtype); not with {', '.join(others)}"
+    for dest, needs in PLAN_NEEDS.items():
+        if given(dest) and not given(needs):
+            return f"{_flag(dest)} needs {_flag(needs)}"
+    for dest, default in PLAN_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
+    return None
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``radixkv plan``; returns the exit code (2 for bad input)."""
     from radixkv.obs.plan import hit_rate_curve, load_spec, memory_for_hit_rate, plan_memory
     from radixkv.obs.report import plan_html, plan_text_report, to_json
 
+    why = plan_flags_error(args)
+    if why is not None:
+        print(f"radixkv plan: {why}", file=sys.stderr)
+        return 2
     try:
         if args.list:
             print(list_architectures((args.kv_dtype, "fp8") if args.kv_dtype not in ("fp8",) else ("bfloat16", "fp8")))
@@ -294,11 +354,6 @@ def run_plan(args: argparse.Namespace) -> int:
         rep = plan_memory(
             spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context
         )
-        if args.target_hit_rate is not None and args.trace is None:
-            raise ValueError("--target-hit-rate needs --trace")
-        for m in ("host", "disk", "remote"):
-            if getattr(args, f"{m}_cache_bytes", None) is not None and args.trace is None:
-                raise ValueError(f"--{m}-cache-bytes needs --trace")
         if args.trace:
             from radixkv.models.loader import load_tokenizer
             from radixkv.obs.trace import tokenize_trace
