@@ -461,3 +461,16 @@ def test_llm_explain_takes_the_cache_salt_a_request_was_sent_with(tok):
     with pytest.raises(RequestError, match="cache_salt differs"):
         llm.explain({"prompt": text, "cache_salt": "s1"}, cache_salt="s2")
     llm.close()
+
+
+def test_no_capacity_curve_without_a_prefix_cache():
+    """``--policy none`` keeps nothing (working set 0): its hit-rate-vs-capacity line said every
+    request was too large for a pool of 100% of the working set; there is no curve to draw."""
+    from radixkv.sim import SimRequest
+
+    reqs = [SimRequest([1000 + j for j in range(30)])] * 3
+    rep = explain_trace(reqs, policy="none", spans=False, sweep=(0.5, 1.0))
+    assert rep["missed_by_cause"] == {"full": 3, "disabled": 87} and rep["capacity_curve"] == []
+    assert "hit rate vs capacity" not in explain_text_report(rep) and "too large" not in explain_text_report(rep)
+    radix = explain_trace(reqs, spans=False, sweep=(1.0,))["capacity_curve"]
+    assert [(p["capacity"], p["skipped"], p["hit_rate"]) for p in radix] == [(30, 0, 58 / 90)]

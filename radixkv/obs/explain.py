@@ -164,6 +164,7 @@ def explain_trace(
                 )
             )
     report["series"]["fix"] = _fix_series(report["spans"])
+    sweep = sweep if policy != "none" else ()  # no cache: nothing to size (working set 0)
     report["capacity_curve"] = _capacity_curve(sims, sim_kw, max(page_size, inf.cache_tokens_end), sweep)
     return report
 
