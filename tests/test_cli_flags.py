@@ -98,3 +98,27 @@ def test_plan_defaults_still_apply_when_left_out(capsys):
     fit = json.loads(capsys.readouterr().out)["fit"]
     assert (fit["memory_fraction"], fit["weight_dtype"], fit["tokens"]) == (0.9, "bfloat16", 853_568)
     assert main(["plan", "--list", "--kv-dtype", "fp8"]) == 0 and "DeepSeek-V3" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cache", ["radix", "hash"])
+def test_serve_refuses_disable_prefix_caching_beside_a_prefix_cache(cache, capsys):
+    # --prefix-cache hash --disable-prefix-caching used to run without a cache, the hash silently dropped
+    line = refused(
+        ["serve", "--prefix-cache", cache, "--disable-prefix-caching", "--model", "/nonexistent/model"], capsys
+    )
+    assert line == f"radixkv serve: --disable-prefix-caching contradicts --prefix-cache {cache}: give one of them"
+
+
+def test_serve_prefix_cache_flags_reach_the_engine():
+    import argparse
+
+    from radixkv.server.cli import add_arguments, engine_kwargs_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    for argv, cache in [([], "radix"), (["--prefix-cache", "hash"], "hash"), (["--disable-prefix-caching"], "none")]:
+        assert engine_kwargs_from_args(ap.parse_args(argv))["prefix_cache"] == cache, argv
+    assert (
+        engine_kwargs_from_args(ap.parse_args(["--prefix-cache", "none", "--disable-prefix-caching"]))["prefix_cache"]
+        == "none"
+    )

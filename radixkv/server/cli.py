@@ -79,8 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
     g.add_argument(
-        "--prefix-cache", choices=["radix", "hash", "none"], default="radix",
-        help="prefix cache: radix tree, hashed blocks, or none (default: %(default)s)",
+        "--prefix-cache", choices=["radix", "hash", "none"], default=None,
+        help="prefix cache: radix tree, hashed blocks, or none (default: radix)",
     )  # fmt: skip
     g.add_argument("--disable-prefix-caching", action="store_true", help="same as --prefix-cache none")
     g.add_argument(
@@ -110,7 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h = parser.add_argument_group("HTTP")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     h.add_argument("--port", type=_port, default=30000, help="port, 1 to 65535 (default: %(default)s)")
-    h.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    h.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn and radixkv log level (default: %(default)s)",
+    )  # fmt: skip
     h.add_argument(
         "--log-requests", default=None, metavar="FILE",
         help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
@@ -263,7 +266,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = 
         page_size=args.page_size,
         attention_backend=args.attention_backend,
         schedule_policy=args.schedule_policy,
-        prefix_cache="none" if args.disable_prefix_caching else args.prefix_cache,
+        prefix_cache="none" if args.disable_prefix_caching else (args.prefix_cache or "radix"),
         eviction_policy=args.radix_eviction_policy,
         kv_cache_dtype=args.kv_cache_dtype,
     )
@@ -298,11 +301,15 @@ REPLICA_FLAGS["ray_address"] = ("--ray-address", None)
 
 def replica_flags_error(args: Any) -> Optional[str]:
     """Why ``args`` cannot be served as given: a replicas-only flag set with ``--replicas 1``
-    (it would do nothing). Otherwise None, with the unset replicas flags given their defaults."""
+    (it would do nothing), or ``--disable-prefix-caching`` beside ``--prefix-cache radix|hash``
+    (one of them would be ignored). Otherwise None, with the unset replicas flags given their
+    defaults."""
     if getattr(args, "replicas", 1) <= 1:
         for dest, (flag, _) in REPLICA_FLAGS.items():
             if getattr(args, dest, None) is not None:
                 return f"{flag} applies only with --replicas N > 1 (one engine has nothing to route or place)"
+    if getattr(args, "disable_prefix_caching", False) and getattr(args, "prefix_cache", None) not in (None, "none"):
+        return f"--disable-prefix-caching contradicts --prefix-cache {args.prefix_cache}: give one of them"
     for dest, (_, default) in REPLICA_FLAGS.items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, default)
