@@ -10,6 +10,8 @@ Over README.md and every docs/*.md:
 * **Module map.** docs/architecture.md's module table names every module of ``radixkv/`` (a row
   may name several: ``a.py``, ``x/{a,b}.py``, ``x/*``, ``(+ b.py)`` beside ``x/a.py``) and no
   module that does not exist.
+* **Command flags.** Every ``--flag`` given to ``radixkv serve|replay|plan|explain`` or to
+  ``python bench/x.py`` in a doc is one that command defines (a renamed or removed flag fails).
 """
 
 from __future__ import annotations
@@ -140,3 +142,59 @@ def test_module_map_names_every_benchmark_script():
         p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh") and p.name != "__init__.py"
     )
     assert [s for s in scripts if f"`{s}`" not in row] == []
+
+
+COMMAND = re.compile(r"radixkv (serve|replay|plan|explain)\b([^`\n|]*)")
+BENCH_COMMAND = re.compile(r"python (bench/[\w/]+\.py)\b([^`\n|#]*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+def cli_flags() -> dict[str, set[str]]:
+    """Every option string of each ``radixkv`` subcommand, from the parsers the console script builds."""
+    import argparse
+
+    from radixkv import replay
+    from radixkv.obs import cli as obs_cli
+    from radixkv.server import cli as server_cli
+
+    out = {}
+    for name, add in [
+        ("serve", server_cli.add_arguments),
+        ("replay", replay.add_arguments),
+        ("explain", obs_cli.add_explain_arguments),
+        ("plan", obs_cli.add_plan_arguments),
+    ]:
+        p = argparse.ArgumentParser()
+        add(p)
+        out[name] = set(p._option_string_actions)
+    return out
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_flag_a_doc_gives_a_command_exists(doc):
+    """``radixkv serve|replay|plan|explain --flag`` and ``python bench/x.py --flag`` in a doc (a
+    command line continued with a backslash included) name a flag the command defines."""
+    text = doc.read_text().replace("\\\n", " ")
+    flags = cli_flags()
+    bad = [
+        f"radixkv {m.group(1)} {f}"
+        for m in COMMAND.finditer(text)
+        for f in FLAG.findall(m.group(2))
+        if f not in flags[m.group(1)]
+    ]
+    for m in BENCH_COMMAND.finditer(text):
+        source = (ROOT / m.group(1)).read_text()
+        bad += [
+            f"{m.group(1)} {f}" for f in FLAG.findall(m.group(2)) if f'"{f}"' not in source and f"'{f}'" not in source
+        ]
+    assert bad == [], f"{doc.name} gives flags its commands do not define: {bad}"
+
+
+def test_the_flag_checker_reads_commands_as_a_user_types_them():
+    text = "run `radixkv plan --list --kv-dtype fp8` or\npython bench/sim_cache.py --workloads gsp \\\n  --fractions 0.1 # --x"
+    text = text.replace("\\\n", " ")
+    assert [(m.group(1), FLAG.findall(m.group(2))) for m in COMMAND.finditer(text)] == [
+        ("plan", ["--list", "--kv-dtype"])
+    ]
+    assert [FLAG.findall(m.group(2)) for m in BENCH_COMMAND.finditer(text)] == [["--workloads", "--fractions"]]
+    assert "--kv-dtype" in cli_flags()["plan"] and "--bogus" not in cli_flags()["serve"]
