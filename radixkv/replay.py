@@ -295,6 +295,10 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
             return f"--{name.replace('_', '-')} must be >= 1"
     if getattr(args, "skip", 0) < 0:
         return "--skip must be >= 0"
+    tiers = [f"--{n.replace('_', '-')}" for n in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url")]
+    tiers = [f for f in tiers if getattr(args, f[2:].replace("-", "_"), None)]
+    if tiers and "off" in modes and len(modes) == 1:
+        return f"{', '.join(tiers)}: KV tiers serve the cached modes (radix, hash); --modes off has none"
     from radixkv.obs.cli import check_writable
 
     try:  # before the model loads and the replay runs, not after

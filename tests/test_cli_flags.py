@@ -122,3 +122,12 @@ def test_serve_prefix_cache_flags_reach_the_engine():
         engine_kwargs_from_args(ap.parse_args(["--prefix-cache", "none", "--disable-prefix-caching"]))["prefix_cache"]
         == "none"
     )
+
+
+def test_replay_refuses_kv_tiers_when_no_mode_caches(tmp_path, capsys):
+    # --modes off --disk-cache-dir D replayed without the tier (the off mode never gets one)
+    argv = ["replay", "--modes", "off", "--disk-cache-dir", str(tmp_path), "--model", "/nonexistent/model"]
+    line = refused(argv, capsys)
+    assert (
+        line == "radixkv replay: --disk-cache-dir: KV tiers serve the cached modes (radix, hash); --modes off has none"
+    )
