@@ -337,6 +337,22 @@ def test_flush_waits_with_timeout_and_reset_prefix_cache_is_409_while_busy(http,
     assert http.post("/reset_prefix_cache", params={"reset_external": "true"}).json()["flushed"] is True
 
 
+def test_admin_routes_refuse_unknown_and_malformed_query_parameters(http, llm):
+    """``/flush_cache?tier=true`` (a typo of ``tiers``) flushed the pool only and said nothing, and
+    ``/cache_stats?check=yes`` ran no check: every query parameter is one the route takes, with a
+    boolean read the same way on every route, else a 400 naming it."""
+    for path, params, method in [
+        ("/flush_cache", {"tier": "true"}, http.post),
+        ("/cache_stats", {"chek": "1"}, http.get),
+        ("/reset_prefix_cache", {"reset_all": "true"}, http.post),
+    ]:
+        err = error_of(method(path, params=params))
+        assert (err["param"], err["code"]) == (next(iter(params)), "unknown_parameter"), path
+    assert error_of(http.get("/cache_stats", params={"check": "maybe"}))["param"] == "check"
+    assert http.get("/cache_stats", params={"check": "yes"}).status_code == 200
+    assert http.post("/flush_cache", params={"tiers": "no", "timeout": "1"}).json()["flushed"] is True
+
+
 # ---------------------------------------------------------------------------------- vLLM extras
 
 

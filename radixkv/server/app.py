@@ -53,7 +53,7 @@ from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
 from radixkv.server.auth import APIKeys, AuthMiddleware, request_namespace, request_tenant
 from radixkv.server.backend import EngineBackend, as_backend
-from radixkv.server.body import first_error, is_type_tag, parse_json
+from radixkv.server.body import check_query, first_error, is_type_tag, parse_json, query_bool
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
@@ -299,7 +299,8 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
 
     @app.get("/cache_stats")
     async def cache_stats(request: Request) -> dict:
-        check = request.query_params.get("check") in ("1", "true")  # every slot owned once (else a 500)
+        check_query(request, ("check",))
+        check = query_bool(request, "check")  # every slot owned once (else a 500)
         return (await client.cache_stats(check)).as_dict()
 
     @app.get("/metrics")
@@ -309,6 +310,7 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request) -> dict:
+        check_query(request, ("timeout", "tiers"))
         raw = request.query_params.get("timeout", "0")
         try:
             timeout = float(raw)
@@ -316,7 +318,4 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
             timeout = -1.0
         if not timeout >= 0:
             raise APIError(f"timeout must be a number of seconds >= 0, got {raw!r}", "timeout")
-        tiers = request.query_params.get("tiers", "false")
-        if tiers not in ("true", "false", "1", "0"):
-            raise APIError(f"tiers must be true or false, got {tiers!r}", "tiers")
-        return await client.flush_or_409(timeout, tiers=tiers in ("true", "1"))
+        return await client.flush_or_409(timeout, tiers=query_bool(request, "tiers"))

@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from radixkv.server.openai.protocol import APIError
 
-__all__ = ["first_error", "is_type_tag", "parse_body", "parse_json", "validation_error"]
+__all__ = ["check_query", "first_error", "is_type_tag", "parse_body", "parse_json", "query_bool", "validation_error"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -83,3 +83,29 @@ def parse_json(
 async def parse_body(request: Request, model: type[M]) -> M:
     """The request's body validated strictly as ``model`` (:func:`parse_json`)."""
     return parse_json(await request.body(), model)
+
+
+def query_bool(request: Request, name: str, default: bool = False) -> bool:
+    """A boolean query parameter (``true``/``false``/``1``/``0``, ``yes``/``no``, ``on``/``off``,
+    any case); a 400 naming it otherwise."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise APIError(f"query parameter {name} must be true or false, got {raw!r}", name)
+
+
+def check_query(request: Request, allowed: tuple) -> None:
+    """A 400 ``unknown_parameter`` naming the first query parameter not in ``allowed`` (a typo such
+    as ``?tier=true`` never passes silently)."""
+    for name in request.query_params:
+        if name not in allowed:
+            raise APIError(
+                f"unknown query parameter {name!r}; this route takes {list(allowed) or 'none'}",
+                name,
+                code="unknown_parameter",
+            )

@@ -28,7 +28,7 @@ from starlette.requests import Request
 import radixkv
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
-from radixkv.server.body import parse_body
+from radixkv.server.body import check_query, parse_body, query_bool
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.protocol import APIError, ChatMessage
 
@@ -74,22 +74,10 @@ def _check_model(request: Request, model: str | None) -> None:
         request.app.state.models.check(model)
 
 
-def query_bool(request: Request, name: str, default: bool = False) -> bool:
-    """A boolean query parameter (``true``/``false``/``1``/``0``); 400 naming it otherwise."""
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    value = raw.strip().lower()
-    if value in ("true", "1", "yes", "on"):
-        return True
-    if value in ("false", "0", "no", "off"):
-        return False
-    raise APIError(f"query parameter {name} must be true or false, got {raw!r}", name)
-
-
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request) -> dict:
     """Flush the prefix cache (the same as ``/flush_cache``)."""
+    check_query(request, ("reset_running_requests", "reset_external"))
     if query_bool(request, "reset_running_requests"):
         raise APIError(
             "reset_running_requests=true is not supported: radixkv flushes only while no request runs "
