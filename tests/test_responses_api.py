@@ -264,6 +264,18 @@ def test_input_items_list_the_chain_newest_first_with_cursor_pages(server, clien
     ):
         r = httpx.get(url, params=query)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (query, r.text)
+    # retrieving: stream=true used to answer the plain JSON the SDK's stream reader cannot read
+    for query, param, code in (
+        ({"stream": "true"}, "stream", "unsupported_parameter"),
+        ({"starting_after": "3"}, "starting_after", "unsupported_parameter"),
+        ({"include": "reasoning.encrypted_content"}, "include", "unsupported_parameter"),
+        ({"stream": "maybe"}, "stream", "invalid_value"),
+        ({"strem": "true"}, "strem", "unknown_parameter"),
+    ):
+        r = httpx.get(f"{server.base_url}/v1/responses/{second.id}", params=query)
+        assert r.status_code == 400 and (r.json()["error"]["param"], r.json()["error"]["code"]) == (param, code), query
+    r = httpx.get(f"{server.base_url}/v1/responses/{second.id}", params={"stream": "false"})
+    assert r.status_code == 200 and r.json()["id"] == second.id == client.responses.retrieve(second.id).id
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_unknown")
     for rid in (first.id, second.id):

@@ -253,6 +253,16 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str, request: Request) -> dict:
+        check_query(request, ("stream", "starting_after", "include", "include_obfuscation"))
+        query_bool(request, "include_obfuscation")  # no effect: nothing is streamed, nothing obfuscated
+        for name in ("stream", "starting_after", "include"):
+            if name in request.query_params and (name != "stream" or query_bool(request, name)):
+                raise APIError(
+                    f"{name} is not supported when retrieving a stored response (it is complete: "
+                    "retrieve it without stream, starting_after or include)",
+                    name,
+                    code="unsupported_parameter",
+                )
         return responses.retrieve(response_id, _tenant_name(request))
 
     @app.get("/v1/responses/{response_id}/input_items")
