@@ -131,3 +131,8 @@ def test_replay_refuses_kv_tiers_when_no_mode_caches(tmp_path, capsys):
     assert (
         line == "radixkv replay: --disk-cache-dir: KV tiers serve the cached modes (radix, hash); --modes off has none"
     )
+
+
+def test_serve_refuses_a_host_that_does_not_resolve_before_loading(capsys):
+    line = refused(["serve", "--host", "no-such-host.invalid", "--model", "/nonexistent/model"], capsys)
+    assert line.startswith("radixkv serve: --host no-such-host.invalid: cannot resolve it: ")

@@ -229,6 +229,17 @@ def tier_flags_error(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def check_host(host: str, port: int) -> None:
+    """Raise ValueError naming ``--host`` when it does not resolve (checked before the model loads;
+    uvicorn would only fail after). Binding is left to uvicorn."""
+    import socket
+
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: cannot resolve it: {exc.strerror}") from None
+
+
 def check_log_file(path: Optional[str]) -> None:
     """Raise ValueError naming ``--log-requests`` when ``path`` cannot be appended to (checked at
     start, before the model loads, by opening it as the request log does: its folder created, a
@@ -329,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
     except KeysFileError as exc:
         print(f"radixkv serve: {exc}", file=sys.stderr)
         return 2
+    check_host(args.host, args.port)
     check_log_file(args.log_requests)
     import uvicorn
 
