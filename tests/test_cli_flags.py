@@ -136,3 +136,11 @@ def test_replay_refuses_kv_tiers_when_no_mode_caches(tmp_path, capsys):
 def test_serve_refuses_a_host_that_does_not_resolve_before_loading(capsys):
     line = refused(["serve", "--host", "no-such-host.invalid", "--model", "/nonexistent/model"], capsys)
     assert line.startswith("radixkv serve: --host no-such-host.invalid: cannot resolve it: ")
+
+
+@pytest.mark.parametrize("flag, value, low", [("--page-size", "0", 1), ("--top", "-1", 0)])
+def test_explain_names_the_one_flag_out_of_range(flag, value, low, capsys):
+    # both used to get "--page-size must be >= 1 and --top >= 0"
+    assert refused(["explain", "synthetic:control:2", flag, value], capsys) == (
+        f"radixkv explain: {flag} must be >= {low}, got {value}"
+    )

@@ -180,7 +180,7 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
         (["plan", "--model", "llama-3-8b", "--trace", "synthetic:uuid", "--html", "{missing}/r.html"], "cannot write"),
         (["explain", "sharegpt:multi_turn:x"], "CONVERSATIONS must be an integer >= 1, got 'x'"),
         (["explain", "synthetic:uuid:0"], "N must be an integer >= 1, got '0'"),
-        (["explain", "synthetic:uuid", "--top", "-1"], "--top >= 0"),
+        (["explain", "synthetic:uuid", "--top", "-1"], "--top must be >= 0, got -1"),
         # a spec's extra or misspelt parts were ignored (synthetic:uuid:5:fixd replayed the unfixed trace)
         (["explain", "synthetic:uuid:5:fixd"], "synthetic:KIND[:N[:fixed]], got 'synthetic:uuid:5:fixd'"),
         (["explain", "sharegpt:multi_turn:2:3:4"], "sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got"),

@@ -135,9 +135,10 @@ def run_explain(args: argparse.Namespace) -> int:
     from radixkv.obs.report import explain_html, explain_text_report, to_json
     from radixkv.obs.trace import tokenize_trace
 
-    if args.page_size < 1 or args.top < 0:
-        print("radixkv explain: --page-size must be >= 1 and --top >= 0", file=sys.stderr)
-        return 2
+    for flag, value, low in (("--page-size", args.page_size, 1), ("--top", args.top, 0)):
+        if value < low:
+            print(f"radixkv explain: {flag} must be >= {low}, got {value}", file=sys.stderr)
+            return 2
     evict = getattr(args, "radix_eviction_policy", "lru")
     if evict != "lru" and args.policy != "radix":
         print("radixkv explain: --radix-eviction-policy needs --policy radix", file=sys.stderr)
