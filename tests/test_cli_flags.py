@@ -144,3 +144,12 @@ def test_explain_names_the_one_flag_out_of_range(flag, value, low, capsys):
     assert refused(["explain", "synthetic:control:2", flag, value], capsys) == (
         f"radixkv explain: {flag} must be >= {low}, got {value}"
     )
+
+
+def test_explain_refuses_kv_tiers_without_a_prefix_cache(capsys):
+    # --policy none --disk-cache-tokens N reported "the KV tiers below the pool served 0" where the
+    # engine refuses tiers without a prefix cache
+    line = refused(["explain", "synthetic:control:2", "--policy", "none", "--disk-cache-tokens", "1000"], capsys)
+    assert line == (
+        "radixkv explain: KV tiers (--host-, --disk-, --remote-cache-tokens) need a prefix cache: not --policy none"
+    )

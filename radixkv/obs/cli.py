@@ -148,6 +148,10 @@ def run_explain(args: argparse.Namespace) -> int:
         check_writable(args.output, args.html)
         tiers = {m: getattr(args, f"{m}_cache_tokens") for m in ("host", "disk", "remote")
                  if getattr(args, f"{m}_cache_tokens", None)}  # fmt: skip
+        if tiers and args.policy == "none":  # the engine refuses tiers without a prefix cache too
+            raise ValueError(
+                "KV tiers (--host-, --disk-, --remote-cache-tokens) need a prefix cache: not --policy none"
+            )
         write_policy = _write_policy(args, tiers)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
