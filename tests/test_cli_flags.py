@@ -153,3 +153,14 @@ def test_explain_refuses_kv_tiers_without_a_prefix_cache(capsys):
     assert line == (
         "radixkv explain: KV tiers (--host-, --disk-, --remote-cache-tokens) need a prefix cache: not --policy none"
     )
+
+
+def test_serve_checks_the_request_log_as_the_log_creates_it(tmp_path, capsys):
+    """The check at start creates the file as the request log does: private (0600), since it
+    holds every tenant's prompts (the check's own open left it 0644 for the log to reuse)."""
+    log = tmp_path / "new" / "t.jsonl"
+    # the model is missing: the run stops after the log check, which created the log
+    assert refused(["serve", "--model", str(tmp_path / "nope"), "--log-requests", str(log)], capsys).startswith(
+        "radixkv serve: model "
+    )
+    assert log.exists() and (log.stat().st_mode & 0o777) == 0o600
