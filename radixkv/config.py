@@ -324,6 +324,11 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.eviction_policy != "lru" and self.prefix_cache != "radix":
+            raise ValueError(
+                f"eviction_policy {self.eviction_policy!r} applies to prefix_cache='radix' only, got "
+                f"prefix_cache={self.prefix_cache!r} (the hash cache evicts LRU; none keeps nothing)"
+            )
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         cuda = dev.type == "cuda"

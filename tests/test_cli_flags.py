@@ -164,3 +164,8 @@ def test_serve_checks_the_request_log_as_the_log_creates_it(tmp_path, capsys):
         "radixkv serve: model "
     )
     assert log.exists() and (log.stat().st_mode & 0o777) == 0o600
+
+
+def test_serve_refuses_a_radix_eviction_policy_without_the_radix_tree(capsys):
+    argv = ["serve", "--prefix-cache", "hash", "--radix-eviction-policy", "gdf", "--model", "/nonexistent/model"]
+    assert refused(argv, capsys).startswith("radixkv serve: eviction_policy 'gdf' applies to prefix_cache='radix' only")

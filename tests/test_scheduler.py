@@ -283,6 +283,19 @@ def test_unknown_eviction_policy_is_refused():
         EngineConfig(device="cpu", eviction_policy="mru").resolve()
 
 
+@pytest.mark.parametrize("cache", ["hash", "none"])
+def test_an_eviction_policy_without_the_radix_tree_is_refused(cache):
+    # prefix_cache="hash" with eviction_policy="lfu" (serve --prefix-cache hash --radix-eviction-policy lfu)
+    # ran the hash cache's LRU and said nothing
+    with pytest.raises(ValueError) as e:
+        EngineConfig(device="cpu", prefix_cache=cache, eviction_policy="lfu").resolve()
+    assert str(e.value) == (
+        f"eviction_policy 'lfu' applies to prefix_cache='radix' only, got prefix_cache={cache!r} "
+        "(the hash cache evicts LRU; none keeps nothing)"
+    )
+    assert EngineConfig(device="cpu", prefix_cache=cache).resolve().eviction_policy == "lru"
+
+
 def test_eviction_never_frees_the_fresh_match():
     # The pool holds one cached 60-token sequence; the new request matches 40 of them and needs
     # room only eviction can make: pages of the 20 unmatched tokens go (page-granular, exactly what
