@@ -207,6 +207,35 @@ def test_one_tenants_stored_responses_never_push_out_anothers():
     assert pins.released[8:] == ["pin-b1"] and store.get("a9", "alice").pin == "pin-a9"
 
 
+def test_stored_responses_are_bounded_in_bytes_per_tenant():
+    """The store bounded each tenant's responses by count only (10,000), so one tenant's few big
+    ones (a 20 MB ``user`` echoed in each stored body) held the server's memory; each tenant's
+    responses are now also bounded in bytes (its least recently used go, its newest always stays),
+    and another tenant's are untouched."""
+    from radixkv.namespace import Namespace
+    from radixkv.server.openai.responses import ResponseStore, StoredResponse, stored_size
+
+    class Pins:
+        def release_pin(self, pin) -> None:
+            pass
+
+    store = ResponseStore(max_stored_bytes=1000)
+
+    def put(rid: str, tenant: str, text: str) -> StoredResponse:
+        item = StoredResponse({"user": text}, [], None, [], [1, 2, 3], namespace=Namespace(tenant=tenant))
+        store.put(rid, item, Pins())
+        return item
+
+    bob = put("b1", "bob", "x" * 300)
+    assert bob.nbytes == stored_size(bob) == len('[{"user": "' + "x" * 300 + '"}, [], [], [], null]') + 3 * 36
+    for i in range(5):
+        put(f"a{i}", "alice", "y" * 300)  # about 420 bytes each: two fit in 1000
+    assert sorted(store._items) == ["a3", "a4", "b1"]
+    put("a5", "alice", "z" * 5000)  # alone over the bound: kept, the older ones go
+    assert sorted(store._items) == ["a5", "b1"] and store.get("b1", "bob") is bob
+    assert store.pop("a5", "alice") is not None and store._bytes == {"bob": bob.nbytes}
+
+
 def test_a_tenant_name_with_surrounding_whitespace_is_refused(tmp_path):
     """``"alice "`` for one of alice's keys would silently be another tenant (another cache, quota
     and metrics label): refused at start, naming the entry."""

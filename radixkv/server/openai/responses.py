@@ -39,8 +39,9 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
 Bounds, per tenant (one tenant's responses never push out another's; without API keys there is
 one): at most ``max_pinned`` stored responses hold a pin (LRU: the least recently used loses its
 pin, its text stays retrievable); the KV manager's own bounds (``max_pinned_tokens``,
-``pin_idle_timeout``) apply to these pins as to sessions'. At most ``max_stored`` responses are
-kept at all (the least recently used go first).
+``pin_idle_timeout``) apply to these pins as to sessions'. At most ``max_stored`` responses, and
+at most ``max_stored_bytes`` of them (their JSON size, plus the context token ids), are kept at all
+(the least recently used go first; the newest is always kept).
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class StoredResponse:
             taken in it; its ``tenant`` owns the response.
         input_items: the items it was generated from, oldest first
             (:func:`~radixkv.server.openai.response_items.input_items`).
+        nbytes: the memory it is counted for in the store's byte bound (set when stored:
+            :func:`stored_size`).
     """
 
     body: dict
@@ -105,6 +108,7 @@ class StoredResponse:
     pin: Any = None
     namespace: Optional[Namespace] = None
     input_items: list[dict] = field(default_factory=list)
+    nbytes: int = 0
 
     @property
     def tenant(self) -> Optional[str]:
@@ -126,11 +130,15 @@ class ResponseStore:
             pins released).
         max_pinned: stored responses of a tenant holding a pin at most (its least recently used
             lose theirs).
+        max_stored_bytes: bytes of stored responses kept at most per tenant (:func:`stored_size`;
+            its least recently used are deleted, the newest always kept).
     """
 
-    def __init__(self, max_stored: int = 10000, max_pinned: int = 64) -> None:
+    def __init__(self, max_stored: int = 10000, max_pinned: int = 64, max_stored_bytes: int = 256 << 20) -> None:
         self.max_stored = max_stored
         self.max_pinned = max_pinned
+        self.max_stored_bytes = max_stored_bytes
+        self._bytes: dict[Optional[str], int] = {}  # per tenant: the nbytes of its stored responses
         self._items: dict[str, StoredResponse] = {}
         # NOTE: the bounds are per tenant, so one tenant's flood never deletes or unpins another
         # tenant's responses (without API keys there is one tenant, None). Each tenant has its own
@@ -160,6 +168,7 @@ class ResponseStore:
         """Store ``item`` (in a finish hook: it may release other responses' pins): the tenant's
         least recently used beyond ``max_stored`` are deleted, and beyond ``max_pinned`` pinned
         ones lose their pins."""
+        item.nbytes = item.nbytes or stored_size(item)
         with self._lock:
             self._drop(rid)
             self._items[rid] = item
@@ -168,10 +177,12 @@ class ResponseStore:
             pinned = self._pinned.setdefault(item.tenant, OrderedDict())
             if item.pin is not None:
                 pinned[rid] = item
-            while len(lru) > self.max_stored:
+            self._bytes[item.tenant] = self._bytes.get(item.tenant, 0) + item.nbytes
+            while len(lru) > self.max_stored or (len(lru) > 1 and self._bytes[item.tenant] > self.max_stored_bytes):
                 k, old = lru.popitem(last=False)
                 del self._items[k]
                 pinned.pop(k, None)
+                self._bytes[item.tenant] -= old.nbytes
                 self._unpin(pins, old)
             while len(pinned) > self.max_pinned:
                 self._unpin(pins, pinned.popitem(last=False)[1])
@@ -189,6 +200,9 @@ class ResponseStore:
         """Remove ``rid`` from the lookup and its tenant's orders (the lock held)."""
         item = self._items.pop(rid, None)
         if item is not None:
+            self._bytes[item.tenant] -= item.nbytes
+            if not self._bytes[item.tenant]:
+                del self._bytes[item.tenant]
             for orders in (self._lru, self._pinned):
                 order = orders.get(item.tenant)
                 if order is not None:
@@ -220,6 +234,14 @@ class ResponseStore:
         item = self._items.get(rid)
         pin = item.pin if item is not None else None
         return len(pin) if pin is not None and pin.live else 0
+
+
+def stored_size(item: StoredResponse) -> int:
+    """The bytes ``item`` is counted for in the store's byte bound: the JSON of its body,
+    conversation, input items, tools and instructions, plus 36 bytes a context token id (a Python
+    int and its list slot). An estimate of what it holds in memory, not an exact figure."""
+    parts = [item.body, item.messages, item.input_items, item.tools, item.instructions]
+    return len(json.dumps(parts, default=str)) + 36 * len(item.tokens)
 
 
 class _EventWriter:
