@@ -19,6 +19,10 @@ TIER_MEDIA = ("host", "disk", "remote")  # the KV tiers below the pool, in looku
 TIER_WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_WRITE_POLICY = {"host": "write_back", "disk": "write_through", "remote": "write_through"}
 DEFAULT_DISK_CACHE_BYTES = 8 << 30
+HASH_ALGOS = ("sha256", "builtin")  # radixkv.cache.hash_cache
+QUANTIZATIONS = (None, "int8")  # radixkv.models.quantize.QUANTIZATION_METHODS
+SEED_RANGE = (-(2**63), 2**63 - 1)  # as a request's (radixkv.sampling_params.SEED_RANGE)
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> int:
@@ -80,6 +84,31 @@ _DTYPES = {
 }
 
 
+def _parse_device(device: object) -> torch.device:
+    """``device`` ("cpu", "cuda", "cuda:N" or a ``torch.device`` of those) as a ``torch.device``.
+
+    Raises:
+        ValueError: naming ``device``: another type or string, a CUDA device without CUDA, or an
+            index past the GPUs there are.
+    """
+    dev = None
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 @dataclass
 class EngineConfig:
     """Configuration of an :class:`~radixkv.engine.Engine` (and of ``LLM``, which takes the same names).
@@ -92,10 +121,12 @@ class EngineConfig:
     """Model name or path (see :func:`radixkv.models.loader.load_model`)."""
 
     device: str = "auto"
-    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N" (or such a ``torch.device``);
+    anything else, CUDA where there is none, or N past the GPUs there are is a ValueError."""
 
     dtype: Union[str, torch.dtype] = "auto"
-    """"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16" or a torch dtype."""
+    """"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16" (aliases "fp32",
+    "bf16", "fp16", "half") or one of those torch dtypes; anything else is a ValueError."""
 
     page_size: int = 1
     """Tokens per KV page (>= 1). Prefix matches are floored to whole pages when > 1."""
@@ -166,7 +197,8 @@ class EngineConfig:
     """"lpm" (longest cached prefix first, as SGLang) or "fcfs"."""
 
     seed: int = 0
-    """Seed of the engine's generator, used by requests without their own seed."""
+    """Seed of the engine's generator, used by requests without their own seed: an integer in
+    [-2**63, 2**63 - 1], as a request's ``SamplingParams.seed``."""
 
     hash_algo: str = "sha256"
     """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
@@ -298,11 +330,9 @@ class EngineConfig:
         return tokens
 
     def _resolve_device(self) -> None:
-        if self.device == "auto":
+        if isinstance(self.device, str) and self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but CUDA is not available")
+        dev = _parse_device(self.device)
         if isinstance(self.dtype, str):
             if self.dtype == "auto":
                 self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -310,6 +340,11 @@ class EngineConfig:
                 self.dtype = _DTYPES[self.dtype]
             else:
                 raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in set(_DTYPES.values()):
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)} (or their torch dtypes), got {self.dtype!r}"
+            )
+        self._check_plain_fields()
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype, auto=self.dtype)
         self._resolve_memory()
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -335,7 +370,9 @@ class EngineConfig:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"max_queued_requests must be None or an integer >= 0, got {v!r}")
         if self.max_total_tokens is not None and (
-            not isinstance(self.max_total_tokens, int) or self.max_total_tokens < self.page_size
+            not isinstance(self.max_total_tokens, int)
+            or isinstance(self.max_total_tokens, bool)
+            or self.max_total_tokens < self.page_size
         ):
             raise ValueError(
                 f"max_total_tokens must be an integer >= page_size ({self.page_size}), got {self.max_total_tokens!r}"
@@ -360,6 +397,25 @@ class EngineConfig:
         ):
             raise ValueError(f"tenant_kv_quota_tokens must map tenant names to ints >= 0, got {q!r}")
         self._resolve_tiers()
+
+    def _check_plain_fields(self) -> None:
+        """The fields nothing else checks: ``seed``, the bool switches, ``hash_algo``,
+        ``quantization`` (its device and dtype too, before the model loads)."""
+        s = self.seed
+        if not isinstance(s, int) or isinstance(s, bool) or not SEED_RANGE[0] <= s <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {s!r}")
+        for name in ("enable_prefix_caching", "cache_outcome"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is not None and (torch.device(self.device).type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                f"quantization={self.quantization!r} needs device='cpu' and dtype float32, "
+                f"got device={self.device!r}, dtype={self.dtype}"
+            )
 
     def _resolve_tiers(self) -> None:
         """Check the KV tier fields (types and the write policy; the stores check the directory

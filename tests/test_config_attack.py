@@ -1,0 +1,69 @@
+"""Bad engine settings given to ``LLM`` / ``AsyncLLM`` / ``EngineConfig``: each is a ValueError
+naming the field and its limit, raised before the model loads or anything large is allocated
+(never a torch ``RuntimeError`` from deep inside, a silent acceptance, or a setting ignored)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from radixkv import LLM, AsyncLLM  # noqa: E402
+from radixkv.config import EngineConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("seed", "abc", "seed must be an integer in [-2**63, 2**63 - 1]"),
+        ("seed", 1.5, "seed must be an integer"),
+        ("seed", None, "seed must be an integer"),
+        ("seed", True, "seed must be an integer"),
+        ("seed", math.nan, "seed must be an integer"),
+        ("seed", 2**70, "seed must be an integer in [-2**63, 2**63 - 1], got 1180591620717411303424"),
+        ("device", "tpu", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        ("device", "meta", "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'meta'"),
+        ("device", torch.device("meta"), "device must be"),
+        ("device", None, "device must be"),
+        ("device", 3, "device must be"),
+        ("device", "CPU", "device must be"),
+        ("dtype", torch.int8, "dtype must be 'auto' or one of"),
+        ("dtype", torch.float64, "dtype must be 'auto' or one of"),
+        ("dtype", None, "dtype must be 'auto' or one of"),
+        ("enable_prefix_caching", "false", "enable_prefix_caching must be a bool, got 'false'"),
+        ("enable_prefix_caching", None, "enable_prefix_caching must be a bool"),
+        ("cache_outcome", "no", "cache_outcome must be a bool, got 'no'"),
+        ("hash_algo", "md5", "hash_algo must be one of ('sha256', 'builtin'), got 'md5'"),
+        ("quantization", "int4", "quantization must be one of (None, 'int8'), got 'int4'"),
+        ("quantization", "", "quantization must be one of (None, 'int8')"),
+        ("max_total_tokens", True, "max_total_tokens must be an integer >= page_size (1), got True"),
+    ],
+)
+def test_a_bad_setting_is_a_value_error_naming_it(field, value, words):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(**{field: value}).resolve()
+    assert words in str(e.value)
+
+
+def test_quantization_needs_the_cpu_in_float32_before_the_model_loads():
+    with pytest.raises(ValueError, match=r"quantization='int8' needs device='cpu' and dtype float32"):
+        EngineConfig(device="cpu", dtype="bf16", quantization="int8").resolve()
+
+
+@pytest.mark.parametrize("front", [LLM, AsyncLLM])
+def test_both_fronts_refuse_a_bad_setting_before_loading(front, monkeypatch):
+    import radixkv.engine.engine as engine_mod
+
+    def no_load(cfg):  # a setting refused must not cost a model load first
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(engine_mod, "_load", no_load)
+    for kw in ({"seed": "1"}, {"device": "tpu"}, {"hash_algo": "md5"}, {"quantization": "int4"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            front(**kw)
