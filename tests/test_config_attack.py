@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from model_helpers import tiny_loaded_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -16,6 +17,11 @@ from radixkv import LLM, AsyncLLM  # noqa: E402
 from radixkv.config import EngineConfig  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_loaded_model()
 
 
 @pytest.mark.parametrize(
@@ -67,3 +73,13 @@ def test_both_fronts_refuse_a_bad_setting_before_loading(front, monkeypatch):
     for kw in ({"seed": "1"}, {"device": "tpu"}, {"hash_algo": "md5"}, {"quantization": "int4"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             front(**kw)
+
+
+def test_a_block_table_past_the_memory_is_refused_before_allocating(tiny):
+    """max_running_requests sizes the block table (rows x max_context_len int32): 10**12 rows was a
+    torch RuntimeError from the allocator (a TypeError on some builds) out of ReqToTokenPool."""
+    with pytest.raises(ValueError) as e:
+        LLM(loaded_model=tiny, max_total_tokens=256, max_running_requests=10**12)
+    msg = str(e.value)
+    assert msg.startswith("max_running_requests 1000000000000: its block table of 1000000000000 rows x 256 tokens")
+    assert "bytes of memory available on cpu" in msg

@@ -48,6 +48,7 @@ from radixkv.engine.validation import Limits, validate_request
 from radixkv.engine.verify import Verify, verify_rounds
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.fit import check_table_fits
 from radixkv.memory.kv_io import layout_of
 from radixkv.memory.kv_pool import KVPool
 from radixkv.namespace import Namespace, with_salt
@@ -83,6 +84,7 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
         float32_kv_bytes_per_token=KVPool.token_bytes(*shape, "float32"),
         max_position_embeddings=int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 62)),
     )
+    check_table_fits(cfg.max_running_requests, cfg.max_context_len, cfg.page_size, cfg.device)
     return ModelRunner(
         loaded,
         num_slots=cfg.max_total_tokens,
