@@ -83,3 +83,11 @@ def test_a_block_table_past_the_memory_is_refused_before_allocating(tiny):
     msg = str(e.value)
     assert msg.startswith("max_running_requests 1000000000000: its block table of 1000000000000 rows x 256 tokens")
     assert "bytes of memory available on cpu" in msg
+
+
+@pytest.mark.parametrize("eos", ["abc", 7, [-1], [49152], [True], [1.0]])
+def test_eos_token_ids_must_be_ids_of_the_vocabulary(tiny, eos):
+    """``eos_token_ids=[-1]`` was taken: the sampler's min_tokens mask then hid the vocabulary's
+    last token; "abc" was ``int('a')``'s ValueError, naming nothing."""
+    with pytest.raises(ValueError, match=r"eos_token_ids must be a list of integer token ids in \[0, 49152\)"):
+        LLM(loaded_model=tiny, max_total_tokens=256, eos_token_ids=eos)

@@ -27,6 +27,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import numbers
 import threading
 import time
 from itertools import repeat
@@ -146,6 +147,21 @@ def _default_eos(hf_config: Any, tokenizer: Any) -> List[int]:
     return sorted(eos)
 
 
+def _check_eos(ids: Any, vocab_size: int) -> frozenset:
+    """``eos_token_ids`` as a frozenset of ids.
+
+    Raises:
+        ValueError: naming ``eos_token_ids``: not a list of integer ids in [0, vocab_size).
+    """
+    iterable = not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__")
+    items = list(ids) if iterable else []
+    if not iterable or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size for t in items
+    ):
+        raise ValueError(f"eos_token_ids must be a list of integer token ids in [0, {vocab_size}), got {ids!r}")
+    return frozenset(int(t) for t in items)
+
+
 def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Sequence[Any]]) -> Optional[TierManager]:
     """The KV tiers of ``cfg`` (or the ``stores`` given), over ``runner``'s KV pool; None without
     any.
@@ -260,7 +276,7 @@ class Engine:
         self.vocab_size = int(model_runner.vocab_size)
         if eos_token_ids is None:
             eos_token_ids = _default_eos(hf_config, tokenizer)
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.eos_token_ids = _check_eos(eos_token_ids, self.vocab_size)
 
         self.events = EventBus()
         cache = _make_cache(cfg)
