@@ -13,8 +13,9 @@ from model_helpers import tiny_loaded_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from radixkv import LLM, AsyncLLM  # noqa: E402
+from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
 from radixkv.config import EngineConfig  # noqa: E402
+from radixkv.models.quantize import quantize_model  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -91,3 +92,18 @@ def test_eos_token_ids_must_be_ids_of_the_vocabulary(tiny, eos):
     last token; "abc" was ``int('a')``'s ValueError, naming nothing."""
     with pytest.raises(ValueError, match=r"eos_token_ids must be a list of integer token ids in \[0, 49152\)"):
         LLM(loaded_model=tiny, max_total_tokens=256, eos_token_ids=eos)
+
+
+def test_quantization_is_never_silently_dropped_for_a_loaded_model(tiny):
+    """``LLM(loaded_model=float weights, quantization="int8")`` ran the float weights as if no
+    quantization had been asked; a quantized loaded model with quantization left out now
+    reports it (the KV tiers' fingerprint names it)."""
+    with pytest.raises(ValueError, match=r"quantization='int8' but the loaded_model's weights are not quantized"):
+        LLM(loaded_model=tiny, max_total_tokens=256, quantization="int8")
+    q = tiny_loaded_model()
+    quantize_model(q.model, "int8")
+    llm = LLM(loaded_model=q, max_total_tokens=256)
+    assert llm.engine.config.quantization == "int8"
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 2
+    assert LLM(loaded_model=q, max_total_tokens=256, quantization="int8").engine.config.quantization == "int8"

@@ -99,6 +99,25 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     )
 
 
+def _match_quantization(cfg: EngineConfig, model: Any) -> None:
+    """A given ``loaded_model``'s quantization against ``cfg``'s: None takes the model's (so the
+    KV tiers' fingerprint names it); another value must be the model's, since the engine does
+    not quantize weights another engine may share.
+
+    Raises:
+        ValueError: naming ``quantization``, the value given and the model's.
+    """
+    have = getattr(model, "quantization", None)
+    if cfg.quantization is None:
+        cfg.quantization = have
+    elif cfg.quantization != have:
+        raise ValueError(
+            f"quantization={cfg.quantization!r} but the loaded_model's weights are "
+            f"{'not quantized' if have is None else repr(have)}; load it with "
+            f"load_model(..., quantization={cfg.quantization!r}), or leave quantization out"
+        )
+
+
 def _match_runner_pool(cfg: EngineConfig, runner: Any, kv_given: Any) -> None:
     """Check a given runner's KV pool against ``cfg`` (a runner without a
     :class:`~radixkv.memory.kv_pool.KVPool`, as tests' stand-ins, is taken as it is): it holds
@@ -261,6 +280,7 @@ class Engine:
         model = getattr(model_runner, "model", None)
         if model_runner is None:
             loaded = loaded_model if loaded_model is not None else _load(cfg)
+            _match_quantization(cfg, loaded.model)
             hf_config, model = loaded.hf_config, loaded.model
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
             model_runner = _default_runner(cfg, loaded)
