@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -399,8 +400,10 @@ class EngineConfig:
         self._resolve_tiers()
 
     def _check_plain_fields(self) -> None:
-        """The fields nothing else checks: ``seed``, the bool switches, ``hash_algo``,
+        """The fields nothing else checks: ``model``'s type, ``seed``, the bool switches, ``hash_algo``,
         ``quantization`` (its device and dtype too, before the model loads)."""
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model).strip():
+            raise ValueError(f"model must be a model name or path (a non-empty str), got {self.model!r}")
         s = self.seed
         if not isinstance(s, int) or isinstance(s, bool) or not SEED_RANGE[0] <= s <= SEED_RANGE[1]:
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {s!r}")

@@ -107,3 +107,103 @@ def test_quantization_is_never_silently_dropped_for_a_loaded_model(tiny):
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 2
     assert LLM(loaded_model=q, max_total_tokens=256, quantization="int8").engine.config.quantization == "int8"
+
+
+# ------------------------------------------------------------------ model loading
+
+
+@pytest.fixture(scope="module")
+def default_dir():
+    from radixkv.models.loader import resolve_hf_dir
+
+    return resolve_hf_dir("smollm2-135m")
+
+
+def _copy_model(default_dir, dest, drop=(), config=None):
+    """A copy of the default model's directory (weights linked, not copied) without ``drop``,
+    its config.json updated with ``config``."""
+    import json
+
+    dest.mkdir()
+    for f in default_dir.iterdir():
+        if f.name not in drop and f.name != "config.json":
+            (dest / f.name).symlink_to(f)
+    if "config.json" not in drop:
+        cfg = json.loads((default_dir / "config.json").read_text())
+        cfg.update(config or {})
+        (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
+
+
+@pytest.mark.parametrize(
+    "field, value, words",
+    [
+        ("hidden_size", 0, "hidden_size must be an integer >= 1, got 0"),
+        ("num_hidden_layers", 0, "num_hidden_layers must be an integer >= 1, got 0"),
+        ("vocab_size", 0, "vocab_size must be an integer >= 1, got 0"),
+        ("num_key_value_heads", 0, "num_key_value_heads must be an integer >= 1, got 0"),
+        ("num_key_value_heads", 2, "num_key_value_heads 2 does not divide num_attention_heads 9"),
+        ("max_position_embeddings", 1, "max_position_embeddings must be an integer >= 2, got 1"),
+        ("max_position_embeddings", 0, "max_position_embeddings must be an integer >= 2, got 0"),
+    ],
+)
+def test_a_config_json_out_of_range_is_a_value_error_naming_the_field(default_dir, tmp_path, field, value, words):
+    """num_hidden_layers 0 was an IndexError from torch's ModuleList; max_position_embeddings 0
+    blamed max_context_len ("ModelRunner: max_context_len must be >= 1"), and 1 loaded an
+    engine that refused every prompt; a zero size failed later on a weight's shape."""
+    from radixkv.models import load_model
+
+    d = _copy_model(default_dir, tmp_path / "m", config={field: value})
+    with pytest.raises(ValueError) as e:
+        load_model(str(d))
+    assert str(e.value) == f"{d / 'config.json'}: {words}"
+
+
+def test_unreadable_model_files_are_errors_naming_the_file(default_dir, tmp_path, monkeypatch):
+    """A directory without config.json was transformers' "Unrecognized model ... Should have a
+    `model_type` key"; a truncated safetensors file a SafetensorError (no ValueError, no file
+    named); config.json that transformers refuses an OSError or huggingface_hub's
+    StrictDataclassError; no tokenizer a ValueError naming no directory."""
+    from radixkv.models import load_model
+
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    d = _copy_model(default_dir, tmp_path / "nocfg", drop=("config.json",))
+    with pytest.raises(FileNotFoundError, match=rf"^model '{d}': no config.json in {d}$"):
+        load_model(str(d))
+    d = _copy_model(default_dir, tmp_path / "cut", drop=("model.safetensors",))
+    (d / "model.safetensors").write_bytes((default_dir / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=rf"^weights file {d}/model.safetensors cannot be read \(truncated"):
+        load_model(str(d))
+    d = _copy_model(default_dir, tmp_path / "heads", config={"num_attention_heads": 7})
+    with pytest.raises(ValueError, match=rf"(?s)^{d}/config.json: .*not a multiple of the number of attention heads"):
+        load_model(str(d))
+    d = _copy_model(default_dir, tmp_path / "json", drop=("config.json",))
+    (d / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=rf"^{d}/config.json: .*not a valid JSON file"):
+        load_model(str(d))
+    d = _copy_model(default_dir, tmp_path / "notok", drop=("tokenizer.json", "tokenizer_config.json"))
+    with pytest.raises(ValueError, match=rf"^model '{d}': no tokenizer can be loaded from {d}: "):
+        load_model(str(d))
+
+
+def test_a_file_that_is_not_a_readable_gguf_is_a_value_error_naming_it(tmp_path, monkeypatch):
+    """An empty .gguf was "cannot mmap an empty file", a truncated one numpy's "cannot reshape
+    array of size 3214336 into shape (49152,612)": neither named the file."""
+    from radixkv.models import load_model
+    from radixkv.models.loader import default_gguf_path
+
+    monkeypatch.setenv("RADIXKV_CACHE_DIR", str(tmp_path / "cache"))
+    with open(default_gguf_path(), "rb") as f:
+        head = f.read(5 << 20)
+    for name, data in (("empty", b""), ("junk", b"hello" * 100), ("truncated", head)):
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(ValueError, match=rf"^model '{path}' is not a GGUF file transformers can read"):
+            load_model(str(path))
+    assert not [p for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")]  # nothing half-written
+
+
+@pytest.mark.parametrize("model", [123, None, "", b"smollm2-135m"])
+def test_model_must_be_a_name_or_path(model):
+    with pytest.raises(ValueError, match="model must be a model name or path"):
+        LLM(model)
