@@ -207,3 +207,27 @@ def test_a_file_that_is_not_a_readable_gguf_is_a_value_error_naming_it(tmp_path,
 def test_model_must_be_a_name_or_path(model):
     with pytest.raises(ValueError, match="model must be a model name or path"):
         LLM(model)
+
+
+# ------------------------------------------------------------------ lifecycle
+
+
+def test_an_llm_with_kv_tiers_dropped_without_close_is_freed_and_its_writes_finished(tiny):
+    """``del llm`` of an LLM with KV tiers kept its engine (KV pool, model runner) alive for the
+    rest of the process: the tiers' I/O thread held the engine's wake-up method, ran forever and
+    the interpreter-exit drain was the only one; a loop making LLMs leaked a pool each."""
+    import gc
+    import weakref
+
+    from tier_fakes import MemoryStore
+
+    store = MemoryStore("disk")
+    llm = LLM(loaded_model=tiny, max_total_tokens=256, tier_stores=[store])
+    prompt = list(range(1, 50))
+    llm.generate([prompt], SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    engine, io_thread = weakref.ref(llm.engine), llm.engine.kv.tiers.io._thread
+    del llm
+    gc.collect()
+    assert engine() is None
+    assert not io_thread.is_alive() and store.closed
+    assert sorted(len(b.tokens) for b in store.data.values()) == [2, 16, 16, 16]  # 3 blocks, the tail of 50

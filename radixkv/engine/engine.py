@@ -30,6 +30,7 @@ import logging
 import numbers
 import threading
 import time
+import weakref
 from itertools import repeat
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
@@ -164,6 +165,18 @@ def _default_eos(hf_config: Any, tokenizer: Any) -> List[int]:
         elif isinstance(src, (list, tuple)):
             eos.update(int(t) for t in src)
     return sorted(eos)
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """``method()`` through a weak reference to its object (a no-op once it is collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        fn = ref()
+        if fn is not None:
+            fn()
+
+    return call
 
 
 def _check_eos(ids: Any, vocab_size: int) -> frozenset:
@@ -312,7 +325,7 @@ class Engine:
             tiers=_make_tiers(cfg, model_runner, model, tier_stores),
         )
         if self.kv.tiers is not None:
-            self.kv.tiers.io.on_load_done = self._wake
+            self.kv.tiers.io.on_load_done = _weak_call(self._wake)  # the I/O thread must not keep the engine
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
         )

@@ -23,7 +23,6 @@ exits) and at interpreter exit.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import os
@@ -166,10 +165,18 @@ class TierHold:
         return out
 
 
-def _drain_at_exit(ref: "weakref.ref[TierManager]") -> None:
-    tm = ref()
-    if tm is not None:
-        tm.close(timeout=60.0)
+def _close_stores(io: TierIO, stores: Sequence[Any], timeout: Optional[float]) -> bool:
+    """Drain ``io``'s queued writes, stop its thread and close ``stores`` (idempotent): what
+    :meth:`TierManager.close` does, and what runs when a TierManager is garbage collected or the
+    interpreter exits without it closed (``weakref.finalize``: it holds no TierManager, so an
+    engine dropped without ``close()`` is freed, its queued writes finished first)."""
+    done = io.close(timeout)
+    for s in stores:
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001 - closing: report, go on with the others
+            logger.exception("closing the %s KV tier failed", s.medium)
+    return done
 
 
 class TierManager:
@@ -216,7 +223,8 @@ class TierManager:
         self.io = TierIO(self.layout.meta, self.layout.token_bytes, self.costs, self.counters, pin, max_pending_bytes)
         self.held_tokens = 0
         self._closed = False
-        atexit.register(_drain_at_exit, weakref.ref(self))
+        # the close when this manager is collected, or at the interpreter's exit (whichever first)
+        self._finalizer = weakref.finalize(self, _close_stores, self.io, tuple(self.stores), 60.0)
 
     @property
     def media(self) -> tuple:
@@ -407,13 +415,7 @@ class TierManager:
         if self._closed:
             return self.io.close(timeout)
         self._closed = True
-        done = self.io.close(timeout)
-        for s in self.stores:
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001 - closing: report, go on with the others
-                logger.exception("closing the %s KV tier failed", s.medium)
-        return done
+        return _close_stores(self.io, self.stores, timeout)
 
 
 def _peek_tail(stores: Sequence[Any], key: BlockKey, want: Sequence[int]) -> tuple:
