@@ -231,3 +231,19 @@ def test_an_llm_with_kv_tiers_dropped_without_close_is_freed_and_its_writes_fini
     assert engine() is None
     assert not io_thread.is_alive() and store.closed
     assert sorted(len(b.tokens) for b in store.data.values()) == [2, 16, 16, 16]  # 3 blocks, the tail of 50
+
+
+def test_engines_sharing_a_loaded_model_in_other_dtypes_leave_each_other_alone():
+    """``loaded_model`` shares weights between engines; an engine asking for another dtype cast
+    them in place (``nn.Module.to``): the first engine then ran bfloat16-rounded weights with
+    its float32 pool and answered other tokens ([8094, 47591, ...] became [2090, 7991, ...])."""
+    shared = tiny_loaded_model()
+    sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    a = LLM(loaded_model=shared, max_total_tokens=256, attention_backend="torch")
+    before = a.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids
+    b = LLM(loaded_model=shared, max_total_tokens=256, dtype="bfloat16", attention_backend="torch")
+    assert next(shared.model.parameters()).dtype == torch.float32
+    assert next(b.engine.runner.model.parameters()).dtype == torch.bfloat16
+    assert a.engine.runner.model is shared.model  # the same dtype and device: shared, not copied
+    assert a.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids == before
+    assert len(b.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids) == 6

@@ -100,6 +100,22 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
     )
 
 
+def _unshared(loaded: Any, cfg: EngineConfig) -> Any:
+    """A ``loaded_model`` the caller gave, as this engine will run it: itself when its weights are
+    on ``cfg``'s device in ``cfg``'s dtype (shared with other engines, as meant), else a copy
+    holding a converted copy of the model: ``nn.Module.to`` converts in place, which changed the
+    weights under every other engine sharing them."""
+    param = next(loaded.model.parameters())
+    want = torch.device(cfg.device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    if param.device == want and param.dtype == cfg.dtype:
+        return loaded
+    own = copy.copy(loaded)
+    own.model = copy.deepcopy(loaded.model)
+    return own
+
+
 def _match_quantization(cfg: EngineConfig, model: Any) -> None:
     """A given ``loaded_model``'s quantization against ``cfg``'s: None takes the model's (so the
     KV tiers' fingerprint names it); another value must be the model's, since the engine does
@@ -292,7 +308,7 @@ class Engine:
         hf_config = None
         model = getattr(model_runner, "model", None)
         if model_runner is None:
-            loaded = loaded_model if loaded_model is not None else _load(cfg)
+            loaded = _unshared(loaded_model, cfg) if loaded_model is not None else _load(cfg)
             _match_quantization(cfg, loaded.model)
             hf_config, model = loaded.hf_config, loaded.model
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
