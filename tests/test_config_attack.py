@@ -247,3 +247,24 @@ def test_engines_sharing_a_loaded_model_in_other_dtypes_leave_each_other_alone()
     assert a.engine.runner.model is shared.model  # the same dtype and device: shared, not copied
     assert a.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids == before
     assert len(b.generate([[1, 2, 3]], sp, use_tqdm=False)[0].outputs[0].token_ids) == 6
+
+
+def test_engine_keywords_that_are_objects_are_checked_and_a_tokenizer_path_is_loaded(tiny, default_dir):
+    """vLLM's ``LLM(tokenizer="path")`` takes a name or path: here the str itself became the
+    tokenizer and the first text prompt failed in ``str.encode`` (a TypeError); a str
+    ``loaded_model``, a ``model_runner`` or stores that are not, and a ``clock`` that is not
+    callable were AttributeErrors from inside the engine (the clock's only when a pin aged)."""
+    llm = LLM(loaded_model=tiny, max_total_tokens=256, tokenizer=str(default_dir))
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    assert llm.generate("Hello", greedy, use_tqdm=False)[0].prompt_token_ids == tiny.tokenizer.encode("Hello")
+    for kw, words in (
+        ({"loaded_model": "smollm2-135m"}, "loaded_model: str 'smollm2-135m' has no model, hf_config, tokenizer"),
+        ({"model_runner": 3}, "model_runner: int 3 has no forward, build_batch"),
+        ({"tier_stores": "disk"}, "tier_stores must be a list of KV tier stores"),
+        ({"tier_stores": [3]}, "tier_stores: int 3 has no medium"),
+        ({"tokenizer": 3}, "tokenizer: int 3 has no decode"),
+        ({"clock": 3}, "clock must be a function returning seconds, got 3"),
+    ):
+        with pytest.raises(ValueError) as e:
+            LLM(**{"loaded_model": tiny, "max_total_tokens": 256, **kw})
+        assert str(e.value).startswith(words)

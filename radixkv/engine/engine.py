@@ -28,6 +28,7 @@ import functools
 import itertools
 import logging
 import numbers
+import os
 import threading
 import time
 import weakref
@@ -98,6 +99,41 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
         attention_backend=cfg.attention_backend,
         kv_cache_dtype=cfg.kv_cache_dtype,
     )
+
+
+_SHAPES = {
+    "model_runner": ("forward", "build_batch", "req_to_token_pool", "max_context_len", "vocab_size"),
+    "loaded_model": ("model", "hf_config", "tokenizer"),
+    "tokenizer": ("decode",),  # encode too for text prompts; a decode-only one serves token prompts
+    "tier_stores": ("medium", "contains", "get", "put", "close"),
+}
+
+
+def _check_keywords(model_runner: Any, tokenizer: Any, loaded_model: Any, clock: Any, tier_stores: Any) -> Any:
+    """Check the Engine keywords that are objects (each None or of the shape the engine uses)
+    before anything loads; returns the tokenizer, loaded when given as a name or path (as vLLM's
+    ``tokenizer=``: :func:`radixkv.models.loader.load_tokenizer`).
+
+    Raises:
+        ValueError: naming the keyword and the attributes it lacks (``clock``: not callable;
+            ``tier_stores``: not a list of stores).
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from radixkv.models.loader import load_tokenizer  # lazy: transformers
+
+        tokenizer = load_tokenizer(tokenizer)
+    if isinstance(tier_stores, (str, bytes)) or (tier_stores is not None and not hasattr(tier_stores, "__iter__")):
+        raise ValueError(f"tier_stores must be a list of KV tier stores (radixkv.tiers), got {tier_stores!r}")
+    given = {"model_runner": [model_runner], "loaded_model": [loaded_model], "tokenizer": [tokenizer]}
+    given["tier_stores"] = list(tier_stores or [])
+    for name, objs in given.items():
+        for obj in objs:
+            missing = [a for a in _SHAPES[name] if obj is not None and not hasattr(obj, a)]
+            if missing:
+                raise ValueError(f"{name}: {type(obj).__name__} {obj!r:.60} has no {', '.join(missing)}")
+    if clock is not None and not callable(clock):
+        raise ValueError(f"clock must be a function returning seconds, got {clock!r}")
+    return tokenizer
 
 
 def _unshared(loaded: Any, cfg: EngineConfig) -> Any:
@@ -262,7 +298,9 @@ class Engine:
             slots, ``config.page_size``, and ``config.kv_cache_dtype``, whose ``"auto"`` takes
             the pool's; else a ValueError naming the field).
         tokenizer: tokenizer for text prompts, chat templates and detokenization (default: the
-            loaded model's).
+            loaded model's), or a model name or path to load one from (vLLM's ``tokenizer=``).
+            These object keywords are checked for the attributes the engine uses (a ValueError
+            naming the keyword), ``clock`` for being callable.
         eos_token_ids: tokens that end a sample unless ``ignore_eos`` (default: from the model
             config and the tokenizer).
         loaded_model: a :class:`~radixkv.models.loader.LoadedModel` to use instead of loading
@@ -305,6 +343,7 @@ class Engine:
         self.config = cfg = copy.copy(config or EngineConfig()).resolve()
         if tier_stores is None:
             check_settings(cfg)  # a bad tier setting fails before the model loads
+        tokenizer = _check_keywords(model_runner, tokenizer, loaded_model, clock, tier_stores)
         hf_config = None
         model = getattr(model_runner, "model", None)
         if model_runner is None:
