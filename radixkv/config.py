@@ -164,7 +164,8 @@ class EngineConfig:
     """Which leaf of the radix tree is evicted first (prefix_cache="radix"; always page by page
     from the leaf's tail): "lru", "lfu", "gdf" (GreedyDual-Frequency) or "reuse-odds"
     (:mod:`radixkv.cache.evict_policy`; measured in docs/benchmarks.md). SGLang's
-    ``--radix-eviction-policy``."""
+    ``--radix-eviction-policy``. Another than "lru" with another prefix cache is a ValueError
+    (that cache would ignore it)."""
 
     attention_backend: str = "auto"
     """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA (a
@@ -202,7 +203,8 @@ class EngineConfig:
     [-2**63, 2**63 - 1], as a request's ``SamplingParams.seed``."""
 
     hash_algo: str = "sha256"
-    """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
+    """Block hash of prefix_cache="hash" ("sha256" or "builtin"; "builtin" with another prefix
+    cache is a ValueError: it would be ignored)."""
 
     cache_outcome: bool = True
     """Record why each request's prefix match stopped (``RequestOutput.cache_outcome``, the
@@ -356,6 +358,15 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
+        if self.eviction_policy != "lru" and self.prefix_cache != "radix":  # the others would ignore it
+            raise ValueError(
+                f"eviction_policy={self.eviction_policy!r} applies to prefix_cache='radix' only, got "
+                f"prefix_cache={self.prefix_cache!r} (its blocks are evicted least recently used first)"
+            )
+        if self.hash_algo != "sha256" and self.prefix_cache != "hash":
+            raise ValueError(
+                f"hash_algo={self.hash_algo!r} applies to prefix_cache='hash' only, got prefix_cache={self.prefix_cache!r}"
+            )
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
         cuda = dev.type == "cuda"

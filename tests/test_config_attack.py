@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -268,3 +269,22 @@ def test_engine_keywords_that_are_objects_are_checked_and_a_tokenizer_path_is_lo
         with pytest.raises(ValueError) as e:
             LLM(**{"loaded_model": tiny, "max_total_tokens": 256, **kw})
         assert str(e.value).startswith(words)
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (
+            {"prefix_cache": "hash", "eviction_policy": "lfu"},
+            "eviction_policy='lfu' applies to prefix_cache='radix' only",
+        ),
+        ({"enable_prefix_caching": False, "eviction_policy": "gdf"}, "got prefix_cache='none'"),
+        ({"hash_algo": "builtin"}, "hash_algo='builtin' applies to prefix_cache='hash' only, got prefix_cache='radix'"),
+    ],
+)
+def test_a_cache_setting_the_chosen_cache_would_ignore_is_refused(kw, words):
+    """``radixkv serve --prefix-cache hash --radix-eviction-policy lfu`` ran the hash cache's
+    LRU, and ``hash_algo="builtin"`` with the radix tree hashed nothing: both silently."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        EngineConfig(**kw).resolve()
+    assert EngineConfig(prefix_cache="hash", hash_algo="builtin").resolve().hash_algo == "builtin"
