@@ -288,3 +288,27 @@ def test_a_cache_setting_the_chosen_cache_would_ignore_is_refused(kw, words):
     with pytest.raises(ValueError, match=re.escape(words)):
         EngineConfig(**kw).resolve()
     assert EngineConfig(prefix_cache="hash", hash_algo="builtin").resolve().hash_algo == "builtin"
+
+
+def test_a_model_with_scaled_rope_loads_and_matches_transformers(default_dir, tmp_path):
+    """A config.json with ``rope_scaling`` (Llama 3.x's llama3, yarn, linear) failed in
+    load_model with NotImplementedError "Cannot copy out of meta tensor; no data!": the model is
+    built on the meta device and transformers' RoPE functions move their tensors to the CPU."""
+    from model_helpers import PagedRequests
+    from transformers import AutoModelForCausalLM
+
+    from radixkv.executor.model_runner import ModelRunner
+    from radixkv.models import load_model
+
+    d = _copy_model(default_dir, tmp_path / "m", config={"rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    loaded = load_model(str(d))
+    hf = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, local_files_only=True).eval()
+    assert loaded.hf_config.rope_parameters["rope_type"] == "linear"
+    ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog, then runs far away.")
+    runner = ModelRunner(loaded, num_slots=256, max_running_requests=2, max_context_len=128, attention_backend="torch")
+    ours = PagedRequests(runner).forward([("a", ids)], all_logits=True)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
+    plain = PagedRequests(ModelRunner(load_model(str(default_dir)), num_slots=256, attention_backend="torch"))
+    assert (plain.forward([("a", ids)], all_logits=True)[0] - ours).abs().max() > 0.1  # the scaling is in effect
