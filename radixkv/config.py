@@ -225,7 +225,8 @@ class EngineConfig:
 
     host_cache_bytes: Optional[int] = None
     """KV tier in host RAM below the pool (docs/tiers.md): its budget in bytes of stored blocks
-    (pinned host memory when the pool is on a GPU). None or 0: no host tier."""
+    (pinned host memory when the pool is on a GPU). None or 0: no host tier. More than the host
+    memory available when the engine starts is a ValueError."""
 
     disk_cache_dir: Optional[str] = None
     """KV tier on local disk: a directory (created if missing; an unwritable one is a

@@ -312,3 +312,15 @@ def test_a_model_with_scaled_rope_loads_and_matches_transformers(default_dir, tm
     torch.testing.assert_close(ours, ref, atol=2e-4, rtol=0)
     plain = PagedRequests(ModelRunner(load_model(str(default_dir)), num_slots=256, attention_backend="torch"))
     assert (plain.forward([("a", ids)], all_logits=True)[0] - ours).abs().max() > 0.1  # the scaling is in effect
+
+
+def test_a_host_tier_budget_past_the_host_memory_is_refused_before_loading(monkeypatch):
+    """``host_cache_bytes=10**18`` was taken: the host tier (lazily filled) would have grown
+    until the kernel's OOM killer ended the process."""
+    import radixkv.engine.tiers as tiers
+
+    monkeypatch.setattr(tiers, "free_memory_bytes", lambda device: 1 << 30)
+    with pytest.raises(ValueError, match=r"^host_cache_bytes 1073741825 is more than the 1073741824 bytes of host"):
+        LLM(host_cache_bytes=(1 << 30) + 1)
+    with pytest.raises(ValueError, match=r"^host_cache_bytes 1000000000000000000 is more than"):
+        AsyncLLM(host_cache_bytes=10**18)

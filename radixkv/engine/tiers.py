@@ -45,6 +45,7 @@ from radixkv.engine.tier_io import (
     merge_spans,
     shared_len,
 )
+from radixkv.memory.fit import free_memory_bytes
 from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
@@ -90,12 +91,20 @@ def kv_producer(runner: Any) -> bytes:
 
 
 def check_settings(cfg: Any) -> None:
-    """Refuse a malformed ``remote_cache_url`` or an unwritable ``disk_cache_dir`` at once (the
-    engine calls it before it loads the model; the stores check again when built).
+    """Refuse a ``host_cache_bytes`` past the host memory available (``MemAvailable``), a
+    malformed ``remote_cache_url`` or an unwritable ``disk_cache_dir`` at once (the engine calls
+    it before it loads the model; the stores check the last two again when built).
 
     Raises:
         ValueError: naming the field and what is wrong.
     """
+    free = free_memory_bytes("cpu")
+    host = getattr(cfg, "host_cache_bytes", None)
+    if host and free is not None and host > free:
+        raise ValueError(
+            f"host_cache_bytes {host} is more than the {free} bytes of host memory available "
+            "(the host tier would fill it until the process is killed); give less"
+        )
     if cfg.remote_cache_url is not None:
         from radixkv.tiers import parse_redis_url
 
