@@ -324,3 +324,30 @@ def test_a_host_tier_budget_past_the_host_memory_is_refused_before_loading(monke
         LLM(host_cache_bytes=(1 << 30) + 1)
     with pytest.raises(ValueError, match=r"^host_cache_bytes 1000000000000000000 is more than"):
         AsyncLLM(host_cache_bytes=10**18)
+
+
+def test_a_close_that_times_out_leaves_the_stores_open_for_the_writes_still_queued(tiny, tmp_path):
+    """``LLM.close(timeout)`` returning False (a slow disk) closed the stores at once: the I/O
+    thread then wrote the queued blocks into a closed DiskStore, which drops them, and a later
+    ``close()`` reported True with none of them on disk (a restart found nothing)."""
+    import threading
+
+    llm = LLM(loaded_model=tiny, max_total_tokens=256, disk_cache_dir=str(tmp_path))
+    store = llm.engine.kv.tiers.stores[0]
+    gate, put = threading.Event(), store.put
+
+    def slow_put(*a, **kw):
+        gate.wait(30)
+        return put(*a, **kw)
+
+    store.put = slow_put
+    prompt = list(range(1, 50))
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate([prompt], greedy, use_tqdm=False)
+    assert llm.close(timeout=0.01) is False
+    gate.set()
+    assert llm.close() is True
+    again = LLM(loaded_model=tiny, max_total_tokens=256, disk_cache_dir=str(tmp_path))
+    again.generate([prompt], greedy, use_tqdm=False)
+    assert again.cache_stats()["cached_tokens_by_tier"]["disk"] == 48  # every block below the last prompt token
+    again.close()

@@ -175,11 +175,14 @@ class TierHold:
 
 
 def _close_stores(io: TierIO, stores: Sequence[Any], timeout: Optional[float]) -> bool:
-    """Drain ``io``'s queued writes, stop its thread and close ``stores`` (idempotent): what
+    """Drain ``io``'s queued writes, stop its thread and close ``stores`` (idempotent; not the
+    stores while writes are still queued after ``timeout``: False then): what
     :meth:`TierManager.close` does, and what runs when a TierManager is garbage collected or the
     interpreter exits without it closed (``weakref.finalize``: it holds no TierManager, so an
     engine dropped without ``close()`` is freed, its queued writes finished first)."""
     done = io.close(timeout)
+    if not done:  # writes still queued: the stores stay open for them (a later close closes them)
+        return False
     for s in stores:
         try:
             s.close()
@@ -420,9 +423,9 @@ class TierManager:
         Returns whether every queued write was done. A call while another thread closes waits
         for the same drain (``timeout``): the interpreter's exit after an ``AsyncLLM.shutdown``
         that timed out while its engine thread drained returned at once, and the daemon I/O thread
-        died with the writes still queued."""
-        if self._closed:
-            return self.io.close(timeout)
+        died with the writes still queued. A close that times out leaves the stores open for the
+        writes still queued (closed, they dropped them); a later close, or the finalizer at
+        collection or exit, closes them."""
         self._closed = True
         return _close_stores(self.io, self.stores, timeout)
 
