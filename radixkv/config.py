@@ -331,6 +331,11 @@ class EngineConfig:
                 f"tokens takes {self.page_size * bytes_per_token} bytes in {self.kv_cache_dtype} "
                 f"({bytes_per_token} bytes per token)"
             )
+        if tokens < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes {self.kv_cache_memory_bytes} holds {tokens} token of {bytes_per_token} bytes "
+                f"in {self.kv_cache_dtype}; a request needs 2 (a prompt token and a generated one)"
+            )
         return tokens
 
     def _resolve_device(self) -> None:
@@ -389,6 +394,11 @@ class EngineConfig:
         ):
             raise ValueError(
                 f"max_total_tokens must be an integer >= page_size ({self.page_size}), got {self.max_total_tokens!r}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(
+                f"max_total_tokens must be >= 2 (the slots of a prompt token and a generated one), "
+                f"got {self.max_total_tokens}"
             )
         if self.max_context_len is not None and (not isinstance(self.max_context_len, int) or self.max_context_len < 2):
             raise ValueError(f"max_context_len must be an integer >= 2, got {self.max_context_len!r}")

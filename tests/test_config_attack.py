@@ -351,3 +351,17 @@ def test_a_close_that_times_out_leaves_the_stores_open_for_the_writes_still_queu
     again.generate([prompt], greedy, use_tqdm=False)
     assert again.cache_stats()["cached_tokens_by_tier"]["disk"] == 48  # every block below the last prompt token
     again.close()
+
+
+def test_a_pool_too_small_for_any_request_is_refused_at_start(tiny):
+    """``max_total_tokens=1`` (or a ``kv_cache_memory_bytes`` of one token) built an engine whose
+    context was 1 token, so every request was refused ("prompt has 1 tokens; max_context_len is
+    1"): the engine could never serve anything, and said so only per request."""
+    with pytest.raises(ValueError, match=r"^max_total_tokens must be >= 2 \(the slots of a prompt token and a gen"):
+        EngineConfig(max_total_tokens=1).resolve()
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes 1000 holds 1 token of 512 bytes in float32; a req"):
+        LLM(loaded_model=tiny, kv_cache_memory_bytes=1000)
+    llm = LLM(loaded_model=tiny, max_total_tokens=2)
+    assert llm.engine.max_context_len == 2
+    out = llm.generate([[1]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1
