@@ -365,3 +365,28 @@ def test_a_pool_too_small_for_any_request_is_refused_at_start(tiny):
     assert llm.engine.max_context_len == 2
     out = llm.generate([[1]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1
+
+
+def test_an_async_llm_dropped_without_shutdown_is_freed(tiny):
+    """Its engine thread ran a bound method of it, so an AsyncLLM never shut down was never
+    collected: ``del alm`` kept the engine, its KV pool and the thread for the rest of the
+    process (vLLM's AsyncLLM shuts down when collected)."""
+    import asyncio
+    import gc
+    import weakref
+
+    alm = AsyncLLM(loaded_model=tiny, max_total_tokens=256)
+
+    async def one(llm):
+        async for out in llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=3)):
+            last = out
+        return last.outputs[0].token_ids
+
+    assert len(asyncio.run(one(alm))) == 3
+    engine, thread = weakref.ref(alm.engine), alm._thread
+    del alm
+    gc.collect()
+    thread.join(30)
+    assert not thread.is_alive()
+    gc.collect()
+    assert engine() is None
