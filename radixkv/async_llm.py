@@ -93,7 +93,9 @@ class AsyncLLM:
             :class:`~radixkv.llm.LLM`'s (``generate``, ``generate_batch``, sessions, ``select``).
 
     Thread model: one daemon thread named ``radixkv-engine``; all public methods are safe to call
-    from any thread and any event loop (one AsyncLLM can serve several loops at once).
+    from any thread and any event loop (one AsyncLLM can serve several loops at once). Dropped
+    without :meth:`shutdown` (and no stream of it left), it is collected: its thread then closes
+    the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool.
 
     Raises:
         ValueError: an unknown keyword, keywords together with ``engine``, or an invalid engine
@@ -121,7 +123,12 @@ class AsyncLLM:
         self._stats: EngineStats = engine.cache_stats()  # published by the engine thread
         self._refresh_posted = False  # a stats refresh is posted and has not run yet (KV tiers)
         self._lock = threading.Lock()  # orders "check alive + post" against "stop + fail the rest"
-        self._thread = threading.Thread(target=self._run, name="radixkv-engine", daemon=True)
+        # NOTE: the thread holds this AsyncLLM weakly, so one dropped without shutdown() is
+        # collected; its finalizer wakes the thread, which then releases the engine (its pool)
+        self._thread = threading.Thread(
+            target=_engine_thread, args=(weakref.ref(self), engine), name="radixkv-engine", daemon=True
+        )
+        weakref.finalize(self, engine.post, _nothing).atexit = False
         self._thread.start()
 
     @classmethod
@@ -555,34 +562,30 @@ class AsyncLLM:
             if fut is not None:
                 fut.set_result(result)
 
-    def _run(self) -> None:
-        """The engine thread: posted calls, then one step, until stopped or the engine fails."""
+    def _turn(self) -> bool:
+        """One turn of the engine thread (:func:`_engine_thread`, after its wait for work):
+        posted calls, then one step. False once it stopped (shut down, or the engine failed)."""
         engine = self.engine
         try:
-            while True:
-                if not engine.has_unfinished_requests():
-                    engine.wait_for_work()  # block only when there is nothing to step
-                engine.run_posted()
-                if self._stop:
-                    raise _Stopped
-                while self._abandoned:  # consumers that left without closing their stream
-                    rid, stream = self._abandoned.popleft()
-                    self._abort_in_thread(rid, stream)
-                if engine.has_unfinished_requests():
-                    self._step_once()
+            engine.run_posted()
+            if self._stop:
+                raise _Stopped
+            while self._abandoned:  # consumers that left without closing their stream
+                rid, stream = self._abandoned.popleft()
+                self._abort_in_thread(rid, stream)
+            if engine.has_unfinished_requests():
+                self._step_once()
+            return True
         except _Stopped:
             self._fail_all(EngineDeadError("AsyncLLM is shut down"), abort=True)
         except BaseException as exc:  # noqa: BLE001 - the engine is unusable after this
             logger.exception("engine step failed; AsyncLLM stops")
             self._dead = exc
             self._fail_all(EngineDeadError(f"engine failed: {exc!r}"), abort=False)
-        finally:
-            if self._dead is None:
-                self._dead = EngineDeadError("AsyncLLM is shut down")
-            try:
-                engine.close()  # the KV tiers' queued writes, so a restart finds them
-            except Exception:  # noqa: BLE001 - shutting down
-                logger.exception("closing the engine's KV tiers failed")
+        if self._dead is None:
+            self._dead = EngineDeadError("AsyncLLM is shut down")
+        _close_engine(engine)
+        return False
 
     def _fail_all(self, exc: BaseException, abort: bool) -> None:
         with self._lock:  # nothing can be posted after this point
@@ -656,6 +659,34 @@ class _Iteration:
 
     def __anext__(self) -> Any:
         return self._stream._body.__anext__()
+
+
+def _nothing(engine: Any) -> None:
+    """A posted no-op: wakes the engine thread (its AsyncLLM was collected)."""
+
+
+def _close_engine(engine: Any) -> None:
+    try:
+        engine.close()  # the KV tiers' queued writes, so a restart finds them
+    except Exception:  # noqa: BLE001 - shutting down
+        logger.exception("closing the engine's KV tiers failed")
+
+
+def _engine_thread(ref: "weakref.ref[AsyncLLM]", engine: Any) -> None:
+    """The engine thread: a turn (:meth:`AsyncLLM._turn`) whenever there is work, until stopped.
+    It holds its AsyncLLM only during a turn: one dropped without ``shutdown()`` (no stream of it
+    left either) is collected, and the thread then closes the engine and ends, so the engine and
+    its KV pool are freed (vLLM's AsyncLLM shuts down when collected too)."""
+    while True:
+        if not engine.has_unfinished_requests():
+            engine.wait_for_work()  # block only when there is nothing to step
+        llm = ref()
+        if llm is None:
+            _close_engine(engine)
+            return
+        if not llm._turn():
+            return
+        del llm
 
 
 class _Stopped(Exception):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -19,6 +20,10 @@ TIER_MEDIA = ("host", "disk", "remote")  # the KV tiers below the pool, in looku
 TIER_WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_WRITE_POLICY = {"host": "write_back", "disk": "write_through", "remote": "write_through"}
 DEFAULT_DISK_CACHE_BYTES = 8 << 30
+HASH_ALGOS = ("sha256", "builtin")  # radixkv.cache.hash_cache
+QUANTIZATIONS = (None, "int8")  # radixkv.models.quantize.QUANTIZATION_METHODS
+SEED_RANGE = (-(2**63), 2**63 - 1)  # as a request's (radixkv.sampling_params.SEED_RANGE)
+DEVICE_TYPES = ("cpu", "cuda")
 
 
 def default_context_len(max_position_embeddings: int, max_total_tokens: int) -> int:
@@ -80,6 +85,31 @@ _DTYPES = {
 }
 
 
+def _parse_device(device: object) -> torch.device:
+    """``device`` ("cpu", "cuda", "cuda:N" or a ``torch.device`` of those) as a ``torch.device``.
+
+    Raises:
+        ValueError: naming ``device``: another type or string, a CUDA device without CUDA, or an
+            index past the GPUs there are.
+    """
+    dev = None
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, ValueError):
+            dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 @dataclass
 class EngineConfig:
     """Configuration of an :class:`~radixkv.engine.Engine` (and of ``LLM``, which takes the same names).
@@ -92,10 +122,12 @@ class EngineConfig:
     """Model name or path (see :func:`radixkv.models.loader.load_model`)."""
 
     device: str = "auto"
-    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N"."""
+    """"auto" (cuda if available, else cpu), "cpu", "cuda" or "cuda:N" (or such a ``torch.device``);
+    anything else, CUDA where there is none, or N past the GPUs there are is a ValueError."""
 
     dtype: Union[str, torch.dtype] = "auto"
-    """"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16" or a torch dtype."""
+    """"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16" (aliases "fp32",
+    "bf16", "fp16", "half") or one of those torch dtypes; anything else is a ValueError."""
 
     page_size: int = 1
     """Tokens per KV page (>= 1). Prefix matches are floored to whole pages when > 1."""
@@ -132,7 +164,8 @@ class EngineConfig:
     """Which leaf of the radix tree is evicted first (prefix_cache="radix"; always page by page
     from the leaf's tail): "lru", "lfu", "gdf" (GreedyDual-Frequency) or "reuse-odds"
     (:mod:`radixkv.cache.evict_policy`; measured in docs/benchmarks.md). SGLang's
-    ``--radix-eviction-policy``."""
+    ``--radix-eviction-policy``. Another than "lru" with another prefix cache is a ValueError
+    (that cache would ignore it)."""
 
     attention_backend: str = "auto"
     """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA (a
@@ -166,10 +199,12 @@ class EngineConfig:
     """"lpm" (longest cached prefix first, as SGLang) or "fcfs"."""
 
     seed: int = 0
-    """Seed of the engine's generator, used by requests without their own seed."""
+    """Seed of the engine's generator, used by requests without their own seed: an integer in
+    [-2**63, 2**63 - 1], as a request's ``SamplingParams.seed``."""
 
     hash_algo: str = "sha256"
-    """Block hash of prefix_cache="hash" ("sha256" or "builtin")."""
+    """Block hash of prefix_cache="hash" ("sha256" or "builtin"; "builtin" with another prefix
+    cache is a ValueError: it would be ignored)."""
 
     cache_outcome: bool = True
     """Record why each request's prefix match stopped (``RequestOutput.cache_outcome``, the
@@ -191,7 +226,8 @@ class EngineConfig:
 
     host_cache_bytes: Optional[int] = None
     """KV tier in host RAM below the pool (docs/tiers.md): its budget in bytes of stored blocks
-    (pinned host memory when the pool is on a GPU). None or 0: no host tier."""
+    (pinned host memory when the pool is on a GPU). None or 0: no host tier. More than the host
+    memory available when the engine starts is a ValueError."""
 
     disk_cache_dir: Optional[str] = None
     """KV tier on local disk: a directory (created if missing; an unwritable one is a
@@ -296,17 +332,17 @@ class EngineConfig:
                 f"tokens takes {self.page_size * bytes_per_token} bytes in {self.kv_cache_dtype} "
                 f"({bytes_per_token} bytes per token)"
             )
+        if tokens < 2:
+            raise ValueError(
+                f"kv_cache_memory_bytes {self.kv_cache_memory_bytes} holds {tokens} token of {bytes_per_token} bytes "
+                f"in {self.kv_cache_dtype}; a request needs 2 (a prompt token and a generated one)"
+            )
         return tokens
 
     def _resolve_device(self) -> None:
-        if self.device == "auto":
+        if isinstance(self.device, str) and self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from None
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={self.device!r} but CUDA is not available")
+        dev = _parse_device(self.device)
         if isinstance(self.dtype, str):
             if self.dtype == "auto":
                 self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -314,6 +350,11 @@ class EngineConfig:
                 self.dtype = _DTYPES[self.dtype]
             else:
                 raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in set(_DTYPES.values()):
+            raise ValueError(
+                f"dtype must be 'auto' or one of {sorted(_DTYPES)} (or their torch dtypes), got {self.dtype!r}"
+            )
+        self._check_plain_fields()
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype, auto=self.dtype)
         self._resolve_memory()
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -324,10 +365,14 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
-        if self.eviction_policy != "lru" and self.prefix_cache != "radix":
+        if self.eviction_policy != "lru" and self.prefix_cache != "radix":  # the others would ignore it
             raise ValueError(
-                f"eviction_policy {self.eviction_policy!r} applies to prefix_cache='radix' only, got "
+                f"eviction_policy={self.eviction_policy!r} applies to prefix_cache='radix' only, got "
                 f"prefix_cache={self.prefix_cache!r} (the hash cache evicts LRU; none keeps nothing)"
+            )
+        if self.hash_algo != "sha256" and self.prefix_cache != "hash":
+            raise ValueError(
+                f"hash_algo={self.hash_algo!r} applies to prefix_cache='hash' only, got prefix_cache={self.prefix_cache!r}"
             )
         if self.schedule_policy not in ("lpm", "fcfs"):
             raise ValueError(f"schedule_policy must be 'lpm' or 'fcfs', got {self.schedule_policy!r}")
@@ -344,10 +389,17 @@ class EngineConfig:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"max_queued_requests must be None or an integer >= 0, got {v!r}")
         if self.max_total_tokens is not None and (
-            not isinstance(self.max_total_tokens, int) or self.max_total_tokens < self.page_size
+            not isinstance(self.max_total_tokens, int)
+            or isinstance(self.max_total_tokens, bool)
+            or self.max_total_tokens < self.page_size
         ):
             raise ValueError(
                 f"max_total_tokens must be an integer >= page_size ({self.page_size}), got {self.max_total_tokens!r}"
+            )
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(
+                f"max_total_tokens must be >= 2 (the slots of a prompt token and a generated one), "
+                f"got {self.max_total_tokens}"
             )
         if self.max_context_len is not None and (not isinstance(self.max_context_len, int) or self.max_context_len < 2):
             raise ValueError(f"max_context_len must be an integer >= 2, got {self.max_context_len!r}")
@@ -369,6 +421,27 @@ class EngineConfig:
         ):
             raise ValueError(f"tenant_kv_quota_tokens must map tenant names to ints >= 0, got {q!r}")
         self._resolve_tiers()
+
+    def _check_plain_fields(self) -> None:
+        """The fields nothing else checks: ``model``'s type, ``seed``, the bool switches, ``hash_algo``,
+        ``quantization`` (its device and dtype too, before the model loads)."""
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model).strip():
+            raise ValueError(f"model must be a model name or path (a non-empty str), got {self.model!r}")
+        s = self.seed
+        if not isinstance(s, int) or isinstance(s, bool) or not SEED_RANGE[0] <= s <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1], got {s!r}")
+        for name in ("enable_prefix_caching", "cache_outcome"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization is not None and (torch.device(self.device).type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(
+                f"quantization={self.quantization!r} needs device='cpu' and dtype float32, "
+                f"got device={self.device!r}, dtype={self.dtype}"
+            )
 
     def _resolve_tiers(self) -> None:
         """Check the KV tier fields (types and the write policy; the stores check the directory

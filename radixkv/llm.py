@@ -47,7 +47,9 @@ class LLM:
             the KV tiers host_cache_bytes, disk_cache_dir, disk_cache_bytes, remote_cache_url,
             kv_tier_write_policy (docs/tiers.md);
             and the :class:`~radixkv.engine.Engine` keywords ``loaded_model`` (a
-            :class:`~radixkv.models.loader.LoadedModel` to share weights between engines),
+            :class:`~radixkv.models.loader.LoadedModel` to share weights between engines; weights
+            on another device or in another dtype than the engine's are converted in a copy,
+            never in place under the other engines),
             ``model_runner``, ``tokenizer``, ``eos_token_ids``, ``clock`` (the pins' time
             source), ``tier_stores`` (KV tier stores instead of those the fields name). The same
             keywords as :class:`~radixkv.async_llm.AsyncLLM`

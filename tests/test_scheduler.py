@@ -290,7 +290,7 @@ def test_an_eviction_policy_without_the_radix_tree_is_refused(cache):
     with pytest.raises(ValueError) as e:
         EngineConfig(device="cpu", prefix_cache=cache, eviction_policy="lfu").resolve()
     assert str(e.value) == (
-        f"eviction_policy 'lfu' applies to prefix_cache='radix' only, got prefix_cache={cache!r} "
+        f"eviction_policy='lfu' applies to prefix_cache='radix' only, got prefix_cache={cache!r} "
         "(the hash cache evicts LRU; none keeps nothing)"
     )
     assert EngineConfig(device="cpu", prefix_cache=cache).resolve().eviction_policy == "lru"

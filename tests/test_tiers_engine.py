@@ -386,13 +386,13 @@ def test_async_llm_shutdown_drains_the_writes():
 
 def test_exit_after_a_shutdown_that_timed_out_still_drains_the_writes():
     """``AsyncLLM.shutdown(timeout)`` returns while its engine thread still drains the tiers
-    (a slow disk); the interpreter's exit then closes the tiers again (atexit): that close waits
+    (a slow disk); the interpreter's exit then closes the tiers again (the TierManager's
+    ``weakref.finalize``, which runs at exit as atexit does): that close waits
     for the same drain (it returned at once, the process exited and the daemon I/O thread died
     with the writes still queued: a restart found none of them)."""
     import threading
 
     from radixkv.async_llm import AsyncLLM
-    from radixkv.engine.tiers import _drain_at_exit
 
     disk = MemoryStore("disk")
     e = kv_engine(stores=[disk])
@@ -415,14 +415,13 @@ def test_exit_after_a_shutdown_that_timed_out_still_drains_the_writes():
     llm.shutdown(timeout=0.01)
     assert tm.io.drain(0) is False and len(disk.data) == 0  # still queued
     got = []
-    at_exit = threading.Thread(
-        target=lambda: got.append((_drain_at_exit(__import__("weakref").ref(tm)), len(disk.data)))
-    )
+    assert tm._finalizer.atexit  # what the interpreter's exit runs
+    at_exit = threading.Thread(target=lambda: got.append((tm._finalizer(), len(disk.data))))
     at_exit.start()
     at_exit.join(0.5)
     gate.set()
     at_exit.join(30)
-    assert got == [(None, 5)]  # 4 blocks and the 6-token tail
+    assert got == [(True, 5)]  # 4 blocks and the 6-token tail
     llm.shutdown()
     assert disk.closed
 

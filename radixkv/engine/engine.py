@@ -27,8 +27,11 @@ import dataclasses
 import functools
 import itertools
 import logging
+import numbers
+import os
 import threading
 import time
+import weakref
 from itertools import repeat
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 
@@ -48,6 +51,7 @@ from radixkv.engine.validation import Limits, validate_request
 from radixkv.engine.verify import Verify, verify_rounds
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
+from radixkv.memory.fit import check_table_fits
 from radixkv.memory.kv_io import layout_of
 from radixkv.memory.kv_pool import KVPool
 from radixkv.namespace import Namespace, with_salt
@@ -83,6 +87,7 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
         float32_kv_bytes_per_token=KVPool.token_bytes(*shape, "float32"),
         max_position_embeddings=int(getattr(loaded.hf_config, "max_position_embeddings", 1 << 62)),
     )
+    check_table_fits(cfg.max_running_requests, cfg.max_context_len, cfg.page_size, cfg.device)
     return ModelRunner(
         loaded,
         num_slots=cfg.max_total_tokens,
@@ -94,6 +99,76 @@ def _default_runner(cfg: EngineConfig, loaded: Any) -> Any:
         attention_backend=cfg.attention_backend,
         kv_cache_dtype=cfg.kv_cache_dtype,
     )
+
+
+_SHAPES = {
+    "model_runner": ("forward", "build_batch", "req_to_token_pool", "max_context_len", "vocab_size"),
+    "loaded_model": ("model", "hf_config", "tokenizer"),
+    "tokenizer": ("decode",),  # encode too for text prompts; a decode-only one serves token prompts
+    "tier_stores": ("medium", "contains", "get", "put", "close"),
+}
+
+
+def _check_keywords(model_runner: Any, tokenizer: Any, loaded_model: Any, clock: Any, tier_stores: Any) -> Any:
+    """Check the Engine keywords that are objects (each None or of the shape the engine uses)
+    before anything loads; returns the tokenizer, loaded when given as a name or path (as vLLM's
+    ``tokenizer=``: :func:`radixkv.models.loader.load_tokenizer`).
+
+    Raises:
+        ValueError: naming the keyword and the attributes it lacks (``clock``: not callable;
+            ``tier_stores``: not a list of stores).
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from radixkv.models.loader import load_tokenizer  # lazy: transformers
+
+        tokenizer = load_tokenizer(tokenizer)
+    if isinstance(tier_stores, (str, bytes)) or (tier_stores is not None and not hasattr(tier_stores, "__iter__")):
+        raise ValueError(f"tier_stores must be a list of KV tier stores (radixkv.tiers), got {tier_stores!r}")
+    given = {"model_runner": [model_runner], "loaded_model": [loaded_model], "tokenizer": [tokenizer]}
+    given["tier_stores"] = list(tier_stores or [])
+    for name, objs in given.items():
+        for obj in objs:
+            missing = [a for a in _SHAPES[name] if obj is not None and not hasattr(obj, a)]
+            if missing:
+                raise ValueError(f"{name}: {type(obj).__name__} {obj!r:.60} has no {', '.join(missing)}")
+    if clock is not None and not callable(clock):
+        raise ValueError(f"clock must be a function returning seconds, got {clock!r}")
+    return tokenizer
+
+
+def _unshared(loaded: Any, cfg: EngineConfig) -> Any:
+    """A ``loaded_model`` the caller gave, as this engine will run it: itself when its weights are
+    on ``cfg``'s device in ``cfg``'s dtype (shared with other engines, as meant), else a copy
+    holding a converted copy of the model: ``nn.Module.to`` converts in place, which changed the
+    weights under every other engine sharing them."""
+    param = next(loaded.model.parameters())
+    want = torch.device(cfg.device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    if param.device == want and param.dtype == cfg.dtype:
+        return loaded
+    own = copy.copy(loaded)
+    own.model = copy.deepcopy(loaded.model)
+    return own
+
+
+def _match_quantization(cfg: EngineConfig, model: Any) -> None:
+    """A given ``loaded_model``'s quantization against ``cfg``'s: None takes the model's (so the
+    KV tiers' fingerprint names it); another value must be the model's, since the engine does
+    not quantize weights another engine may share.
+
+    Raises:
+        ValueError: naming ``quantization``, the value given and the model's.
+    """
+    have = getattr(model, "quantization", None)
+    if cfg.quantization is None:
+        cfg.quantization = have
+    elif cfg.quantization != have:
+        raise ValueError(
+            f"quantization={cfg.quantization!r} but the loaded_model's weights are "
+            f"{'not quantized' if have is None else repr(have)}; load it with "
+            f"load_model(..., quantization={cfg.quantization!r}), or leave quantization out"
+        )
 
 
 def _match_runner_pool(cfg: EngineConfig, runner: Any, kv_given: Any) -> None:
@@ -142,6 +217,33 @@ def _default_eos(hf_config: Any, tokenizer: Any) -> List[int]:
         elif isinstance(src, (list, tuple)):
             eos.update(int(t) for t in src)
     return sorted(eos)
+
+
+def _weak_call(method: Callable[[], None]) -> Callable[[], None]:
+    """``method()`` through a weak reference to its object (a no-op once it is collected)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        fn = ref()
+        if fn is not None:
+            fn()
+
+    return call
+
+
+def _check_eos(ids: Any, vocab_size: int) -> frozenset:
+    """``eos_token_ids`` as a frozenset of ids.
+
+    Raises:
+        ValueError: naming ``eos_token_ids``: not a list of integer ids in [0, vocab_size).
+    """
+    iterable = not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__")
+    items = list(ids) if iterable else []
+    if not iterable or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) and 0 <= t < vocab_size for t in items
+    ):
+        raise ValueError(f"eos_token_ids must be a list of integer token ids in [0, {vocab_size}), got {ids!r}")
+    return frozenset(int(t) for t in items)
 
 
 def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Sequence[Any]]) -> Optional[TierManager]:
@@ -196,7 +298,9 @@ class Engine:
             slots, ``config.page_size``, and ``config.kv_cache_dtype``, whose ``"auto"`` takes
             the pool's; else a ValueError naming the field).
         tokenizer: tokenizer for text prompts, chat templates and detokenization (default: the
-            loaded model's).
+            loaded model's), or a model name or path to load one from (vLLM's ``tokenizer=``).
+            These object keywords are checked for the attributes the engine uses (a ValueError
+            naming the keyword), ``clock`` for being callable.
         eos_token_ids: tokens that end a sample unless ``ignore_eos`` (default: from the model
             config and the tokenizer).
         loaded_model: a :class:`~radixkv.models.loader.LoadedModel` to use instead of loading
@@ -239,10 +343,12 @@ class Engine:
         self.config = cfg = copy.copy(config or EngineConfig()).resolve()
         if tier_stores is None:
             check_settings(cfg)  # a bad tier setting fails before the model loads
+        tokenizer = _check_keywords(model_runner, tokenizer, loaded_model, clock, tier_stores)
         hf_config = None
         model = getattr(model_runner, "model", None)
         if model_runner is None:
-            loaded = loaded_model if loaded_model is not None else _load(cfg)
+            loaded = _unshared(loaded_model, cfg) if loaded_model is not None else _load(cfg)
+            _match_quantization(cfg, loaded.model)
             hf_config, model = loaded.hf_config, loaded.model
             tokenizer = tokenizer if tokenizer is not None else loaded.tokenizer
             model_runner = _default_runner(cfg, loaded)
@@ -258,7 +364,7 @@ class Engine:
         self.vocab_size = int(model_runner.vocab_size)
         if eos_token_ids is None:
             eos_token_ids = _default_eos(hf_config, tokenizer)
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.eos_token_ids = _check_eos(eos_token_ids, self.vocab_size)
 
         self.events = EventBus()
         cache = _make_cache(cfg)
@@ -274,7 +380,7 @@ class Engine:
             tiers=_make_tiers(cfg, model_runner, model, tier_stores),
         )
         if self.kv.tiers is not None:
-            self.kv.tiers.io.on_load_done = self._wake
+            self.kv.tiers.io.on_load_done = _weak_call(self._wake)  # the I/O thread must not keep the engine
         self.scheduler = Scheduler(
             self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
         )

@@ -358,7 +358,13 @@ class TierIO:
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Drain the writes (loads still queued are dropped), then stop the thread; idempotent.
-        Returns whether everything queued was written."""
+        Returns whether everything queued was written. Called on the I/O thread itself (a
+        garbage collection there finalizing its TierManager) it only stops it, after the queue."""
+        if threading.current_thread() is self._thread:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            return False
         with self._cv:
             for job in self._loads:
                 job.cancelled = True

@@ -23,7 +23,6 @@ exits) and at interpreter exit.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import logging
 import os
@@ -46,6 +45,7 @@ from radixkv.engine.tier_io import (
     merge_spans,
     shared_len,
 )
+from radixkv.memory.fit import free_memory_bytes
 from radixkv.memory.kv_io import gather_rows, layout_of
 from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
@@ -92,12 +92,20 @@ def kv_producer(runner: Any) -> bytes:
 
 
 def check_settings(cfg: Any) -> None:
-    """Refuse a malformed ``remote_cache_url`` or an unwritable ``disk_cache_dir`` at once (the
-    engine calls it before it loads the model; the stores check again when built).
+    """Refuse a ``host_cache_bytes`` past the host memory available (``MemAvailable``), a
+    malformed ``remote_cache_url`` or an unwritable ``disk_cache_dir`` at once (the engine calls
+    it before it loads the model; the stores check the last two again when built).
 
     Raises:
         ValueError: naming the field and what is wrong.
     """
+    free = free_memory_bytes("cpu")
+    host = getattr(cfg, "host_cache_bytes", None)
+    if host and free is not None and host > free:
+        raise ValueError(
+            f"host_cache_bytes {host} is more than the {free} bytes of host memory available "
+            "(the host tier would fill it until the process is killed); give less"
+        )
     if cfg.remote_cache_url is not None:
         from radixkv.tiers import parse_redis_url
 
@@ -167,10 +175,21 @@ class TierHold:
         return out
 
 
-def _drain_at_exit(ref: "weakref.ref[TierManager]") -> None:
-    tm = ref()
-    if tm is not None:
-        tm.close(timeout=60.0)
+def _close_stores(io: TierIO, stores: Sequence[Any], timeout: Optional[float]) -> bool:
+    """Drain ``io``'s queued writes, stop its thread and close ``stores`` (idempotent; not the
+    stores while writes are still queued after ``timeout``: False then): what
+    :meth:`TierManager.close` does, and what runs when a TierManager is garbage collected or the
+    interpreter exits without it closed (``weakref.finalize``: it holds no TierManager, so an
+    engine dropped without ``close()`` is freed, its queued writes finished first)."""
+    done = io.close(timeout)
+    if not done:  # writes still queued: the stores stay open for them (a later close closes them)
+        return False
+    for s in stores:
+        try:
+            s.close()
+        except Exception:  # noqa: BLE001 - closing: report, go on with the others
+            logger.exception("closing the %s KV tier failed", s.medium)
+    return done
 
 
 class TierManager:
@@ -217,7 +236,8 @@ class TierManager:
         self.io = TierIO(self.layout.meta, self.layout.token_bytes, self.costs, self.counters, pin, max_pending_bytes)
         self.held_tokens = 0
         self._closed = False
-        atexit.register(_drain_at_exit, weakref.ref(self))
+        # the close when this manager is collected, or at the interpreter's exit (whichever first)
+        self._finalizer = weakref.finalize(self, _close_stores, self.io, tuple(self.stores), 60.0)
 
     @property
     def media(self) -> tuple:
@@ -404,17 +424,11 @@ class TierManager:
         Returns whether every queued write was done. A call while another thread closes waits
         for the same drain (``timeout``): the interpreter's exit after an ``AsyncLLM.shutdown``
         that timed out while its engine thread drained returned at once, and the daemon I/O thread
-        died with the writes still queued."""
-        if self._closed:
-            return self.io.close(timeout)
+        died with the writes still queued. A close that times out leaves the stores open for the
+        writes still queued (closed, they dropped them); a later close, or the finalizer at
+        collection or exit, closes them."""
         self._closed = True
-        done = self.io.close(timeout)
-        for s in self.stores:
-            try:
-                s.close()
-            except Exception:  # noqa: BLE001 - closing: report, go on with the others
-                logger.exception("closing the %s KV tier failed", s.medium)
-        return done
+        return _close_stores(self.io, self.stores, timeout)
 
 
 def _peek_tail(stores: Sequence[Any], key: BlockKey, want: Sequence[int]) -> tuple:

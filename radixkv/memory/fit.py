@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["free_memory_bytes", "check_pool_fits"]
+__all__ = ["free_memory_bytes", "check_pool_fits", "check_table_fits"]
 
 
 def _mem_available() -> Optional[int]:
@@ -61,4 +61,25 @@ def check_pool_fits(num_slots: int, bytes_per_token: int, device: Union[str, tor
         raise ValueError(
             f"{given}: a KV pool of {num_slots} tokens x {bytes_per_token} bytes = {need} bytes, more than the "
             f"{free} bytes of memory available on {torch.device(device)}; {hint}"
+        )
+
+
+def check_table_fits(
+    max_running_requests: int, max_context_len: int, page_size: int, device: Union[str, torch.device]
+) -> None:
+    """Refuse a block table (``ReqToTokenPool``: ``max_running_requests`` int32 rows of
+    ``max_context_len`` rounded up to whole pages) that the memory available on ``device`` cannot
+    hold, before it is allocated (a torch allocator error from deep inside otherwise).
+
+    Raises:
+        ValueError: naming ``max_running_requests``, the table's bytes and the bytes available.
+    """
+    width = -(-int(max_context_len) // int(page_size)) * int(page_size)
+    need = int(max_running_requests) * width * 4
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(
+            f"max_running_requests {max_running_requests}: its block table of {max_running_requests} rows x "
+            f"{width} tokens (max_context_len) x 4 bytes = {need} bytes, more than the {free} bytes of memory "
+            f"available on {torch.device(device)}; give fewer"
         )

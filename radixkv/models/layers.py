@@ -133,7 +133,11 @@ class RotaryEmbedding(_Tracked, nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             scaling = 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
+            # NOTE: on the CPU even while the model is built on the meta device (load_model):
+            # transformers' functions move their arange to the device named, a meta tensor's
+            # copy raised NotImplementedError ("Cannot copy out of meta tensor")
+            with torch.device("cpu"):
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, "cpu")
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.attention_scaling = float(scaling)
 

