@@ -168,4 +168,4 @@ def test_serve_checks_the_request_log_as_the_log_creates_it(tmp_path, capsys):
 
 def test_serve_refuses_a_radix_eviction_policy_without_the_radix_tree(capsys):
     argv = ["serve", "--prefix-cache", "hash", "--radix-eviction-policy", "gdf", "--model", "/nonexistent/model"]
-    assert refused(argv, capsys).startswith("radixkv serve: eviction_policy 'gdf' applies to prefix_cache='radix' only")
+    assert refused(argv, capsys).startswith("radixkv serve: eviction_policy='gdf' applies to prefix_cache='radix' only")
