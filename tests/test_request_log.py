@@ -30,6 +30,29 @@ pytestmark = pytest.mark.timeout(300)
 SYSTEM = "You are a support agent of a bike shop. Today is {day}. Answer in one sentence, politely and precisely."
 
 
+class _Lines:
+    """The request log's file, in memory: the bodies written, in order."""
+
+    def __init__(self):
+        self.bodies = []
+
+    def write(self, body):
+        self.bodies.append(body)
+
+
+async def _post_through(mw, body: dict, path: str) -> None:
+    """``body`` POSTed to ``path`` through the middleware ``mw`` (its answer dropped)."""
+    import json
+
+    async def receive():
+        return {"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}
+
+    async def send(message):
+        pass
+
+    await mw({"type": "http", "method": "POST", "path": path}, receive, send)
+
+
 def test_logged_trace_explains_what_the_server_counted(default_model, tmp_path):
     tok = default_model.tokenizer
     log = tmp_path / "requests.jsonl"
@@ -78,13 +101,6 @@ def test_lines_keep_the_read_order_and_only_accepted_requests_are_logged():
 
     from radixkv.server.request_log import RequestLogMiddleware
 
-    class Lines:
-        def __init__(self):
-            self.bodies = []
-
-        def write(self, body):
-            self.bodies.append(body)
-
     gates, read = {}, {}
 
     async def app(scope, receive, send):
@@ -97,7 +113,7 @@ def test_lines_keep_the_read_order_and_only_accepted_requests_are_logged():
         await send({"type": "http.response.body", "body": b""})
 
     async def main():
-        lines = Lines()
+        lines = _Lines()
         mw = RequestLogMiddleware(app, lines)
         bodies = [
             {"id": 0, "status": 200},
@@ -109,13 +125,7 @@ def test_lines_keep_the_read_order_and_only_accepted_requests_are_logged():
             gates[b["id"]], read[b["id"]] = asyncio.Event(), asyncio.Event()
 
         async def call(b):
-            async def receive():
-                return {"type": "http.request", "body": json.dumps(b).encode(), "more_body": False}
-
-            async def send(message):
-                pass
-
-            await mw({"type": "http", "method": "POST", "path": "/v1/chat/completions"}, receive, send)
+            await _post_through(mw, b, "/v1/chat/completions")
 
         tasks = []
         for b in bodies:  # read in this order
@@ -165,17 +175,10 @@ def test_a_refused_body_is_not_kept_while_an_earlier_request_runs():
 
     from radixkv.server.request_log import RequestLogMiddleware
 
-    class Lines:
-        def __init__(self):
-            self.bodies = []
-
-        def write(self, body):
-            self.bodies.append(body)
-
     gate = asyncio.Event
 
     async def main():
-        lines, head_read, head_go = Lines(), gate(), gate()
+        lines, head_read, head_go = _Lines(), gate(), gate()
 
         async def app(scope, receive, send):
             body = json.loads((await receive())["body"])
@@ -188,13 +191,7 @@ def test_a_refused_body_is_not_kept_while_an_earlier_request_runs():
         mw = RequestLogMiddleware(app, lines)
 
         async def call(b):
-            async def receive():
-                return {"type": "http.request", "body": json.dumps(b).encode(), "more_body": False}
-
-            async def send(message):
-                pass
-
-            await mw({"type": "http", "method": "POST", "path": "/v1/completions"}, receive, send)
+            await _post_through(mw, b, "/v1/completions")
 
         head = asyncio.create_task(call({"id": 0, "status": 200}))
         await head_read.wait()
