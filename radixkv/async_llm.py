@@ -98,8 +98,9 @@ class AsyncLLM:
     the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool.
 
     Raises:
-        ValueError: an unknown keyword, keywords together with ``engine``, or an invalid engine
-            option (naming the field).
+        ValueError: an unknown keyword, keywords together with ``engine``, an ``engine`` that is
+            not an :class:`~radixkv.engine.engine.Engine`, or an invalid engine option (naming the
+            field).
     """
 
     def __init__(self, model: str = "smollm2-135m", *, engine: Any = None, namespace: Hashable = None, **kwargs: Any):
@@ -110,6 +111,11 @@ class AsyncLLM:
             engine = build_engine("AsyncLLM", model, kwargs)
         elif kwargs:
             raise ValueError(f"AsyncLLM: engine options {sorted(kwargs)} given together with an engine")
+        else:
+            from radixkv.engine.engine import Engine
+
+            if not isinstance(engine, Engine):
+                raise ValueError(f"AsyncLLM: engine must be a radixkv Engine, got {type(engine).__name__}")
         self.engine = engine
         # Engine-thread-only state: request_id -> stream of a request the engine still runs,
         # and the calls to make on the engine thread when one of them finishes (sessions' pins).

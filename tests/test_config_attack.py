@@ -390,3 +390,13 @@ def test_an_async_llm_dropped_without_shutdown_is_freed(tiny):
     assert not thread.is_alive()
     gc.collect()
     assert engine() is None
+
+
+@pytest.mark.parametrize("engine", [3, "engine", object()])
+def test_async_llm_refuses_an_engine_that_is_not_one(engine):
+    """``AsyncLLM(engine=3)`` was an AttributeError from deep inside (``int`` has no
+    ``cache_stats``); it is a ValueError naming ``engine``."""
+    from radixkv.async_llm import AsyncLLM
+
+    with pytest.raises(ValueError, match=r"^AsyncLLM: engine must be a radixkv Engine, got "):
+        AsyncLLM(engine=engine)
