@@ -418,6 +418,20 @@ def test_echo_with_max_tokens_0_scores_the_prompt(server, llm):
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("min_tokens", [1, 2])
+def test_echo_with_max_tokens_0_and_min_tokens_is_a_400_naming_min_tokens(server, min_tokens):
+    """Scoring (``echo`` + ``max_tokens: 0``) runs as ``max_tokens: 1`` inside: ``min_tokens: 1``
+    was answered (its minimum silently ignored, no token generated) and ``min_tokens: 2`` was a 400
+    saying ``max_tokens=1``, a value the client never sent. Both are a 400 naming ``min_tokens``
+    and the ``max_tokens`` 0 the client sent."""
+    body = {"model": MODEL, "prompt": "The cat sat", "echo": True, "max_tokens": 0, "min_tokens": min_tokens}
+    r = httpx.post(server.base_url + "/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "min_tokens" and "max_tokens=0" in err["message"]
+    assert post(server, "/v1/completions", {**body, "min_tokens": 0})["choices"][0]["text"] == "The cat sat"
+
+
 def test_vllm_include_stop_str_and_allowed_token_ids_are_obeyed_in_bodies(server, llm):
     """vLLM's body extensions ``include_stop_str_in_output`` and ``allowed_token_ids`` were a 400
     ``unknown_parameter`` (the engine had them, the server did not pass them): now the stop string

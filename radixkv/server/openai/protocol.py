@@ -219,6 +219,8 @@ class CompletionRequest(_SamplingFields):
             raise APIError(f"logprobs must be in [0, 5], got {self.logprobs}", "logprobs")
         if self.max_tokens == 0 and not self.echo:
             raise APIError("max_tokens must be >= 1 (0 is only allowed with echo, to score the prompt)", "max_tokens")
+        if self.max_tokens == 0 and self.min_tokens:  # scoring runs as max_tokens 1 inside: say what was sent
+            raise APIError(f"min_tokens must be in [0, max_tokens=0], got {self.min_tokens}", "min_tokens")
 
     def num_top_logprobs(self) -> Optional[int]:
         return self.logprobs
