@@ -457,38 +457,52 @@ def test_vllm_include_stop_str_and_allowed_token_ids_are_obeyed_in_bodies(server
 
 def test_tokenizing_a_prompt_never_holds_up_the_other_requests(server, llm, monkeypatch):
     """Prompts were tokenized on the server's event loop: a 5 MB prompt (refused after 7 s of
-    tokenizing) stalled every tenant's requests, ``/v1/models`` included, that long. Each route
-    that tokenizes now does it in a worker thread: while one prompt's tokenizing is held, the
-    server answers another request, and the held one then gets its answer."""
+    tokenizing) stalled every tenant's requests, ``/v1/models`` included, that long; then in the
+    loop's default executor, where eight such prompts took every thread and a small chat queued
+    7 s behind them. A body over 32 KiB is now tokenized in a pool of its own, a small one at once:
+    while big prompts' tokenizing is held, on every route, the server answers other requests and
+    a small chat, and the held ones then get their answers."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     mark = "Zebra crossing seventeen"
-    tok, real = llm.tokenizer, llm.tokenizer.encode
-    entered, release = threading.Event(), threading.Event()
+    big = mark + " ok" * 12000  # a body over 32 KiB; past the context: a 400 once tokenized
+    real = llm.tokenizer.encode
+    entered, release = threading.Semaphore(0), threading.Event()
 
     def held(text, *a, **k):
         if isinstance(text, str) and mark in text:
-            entered.set()
+            entered.release()
             assert release.wait(120)
         return real(text, *a, **k)
 
-    monkeypatch.setattr(tok, "encode", held)
+    def answered(r) -> bool:  # the held request's own answer
+        return r.status_code == 200 or r.json()["error"]["code"] == "context_length_exceeded"
+
+    monkeypatch.setattr(llm.tokenizer, "encode", held)
     bodies = {
-        "/v1/completions": {"model": MODEL, "prompt": mark, "max_tokens": 2},
-        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": mark}], "max_tokens": 2},
-        "/v1/responses": {"model": MODEL, "input": mark, "max_output_tokens": 2, "store": False},
-        "/generate": {"text": mark, "sampling_params": {"max_new_tokens": 2}},
-        "/tokenize": {"model": MODEL, "prompt": mark},
+        "/v1/completions": {"model": MODEL, "prompt": big, "max_tokens": 2},
+        "/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": big}], "max_tokens": 2},
+        "/v1/responses": {"model": MODEL, "input": big, "max_output_tokens": 2, "store": False},
+        "/generate": {"text": big, "sampling_params": {"max_new_tokens": 2}},
+        "/tokenize": {"model": MODEL, "prompt": big},
     }
-    with ThreadPoolExecutor(1) as pool:
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    with ThreadPoolExecutor(8) as pool:
         for path, body in bodies.items():
-            entered.clear()
             release.clear()
             pending = pool.submit(httpx.post, server.base_url + path, json=body, timeout=300)
-            assert entered.wait(120), path
+            assert entered.acquire(timeout=120), path
             assert httpx.get(server.base_url + "/v1/models", timeout=30).status_code == 200, path
             assert not pending.done(), path
             release.set()
-            assert pending.result().status_code == 200, (path, pending.result().text)
+            assert answered(pending.result()), (path, pending.result().text)
+        release.clear()
+        floods = [pool.submit(httpx.post, server.base_url + "/v1/completions", json=bodies["/v1/completions"],
+                              timeout=300) for _ in range(7)]  # fmt: skip
+        assert entered.acquire(timeout=120) and entered.acquire(timeout=120)  # two held, five queued
+        assert httpx.post(server.base_url + "/v1/chat/completions", json=small, timeout=60).status_code == 200
+        assert not any(f.done() for f in floods)
+        release.set()
+        assert all(answered(f.result()) for f in floods)
     assert_pool_whole(llm)

@@ -10,7 +10,9 @@ integer, ``1`` no boolean; an integer is a valid float); a field the model does 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -21,6 +23,12 @@ from radixkv.server.openai.protocol import APIError
 __all__ = ["check_query", "first_error", "is_type_tag", "parse_body", "parse_json", "query_bool", "validation_error"]
 
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R")
+
+INLINE_TOKENIZE_BYTES = 32 << 10
+"""Bodies up to this size are tokenized on the event loop (milliseconds); larger ones in
+:data:`_TOKENIZE_POOL` (:func:`tokenize_off_loop`)."""
+_TOKENIZE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixkv-tokenize")
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "tuple"})
 
@@ -109,3 +117,14 @@ def check_query(request: Request, allowed: tuple) -> None:
                 name,
                 code="unknown_parameter",
             )
+
+
+async def tokenize_off_loop(request: Request, fn: Callable[..., R], *args: Any, **kwargs: Any) -> R:
+    """``fn(*args, **kwargs)`` (a request's tokenizing) where it holds nothing else up: on the
+    event loop for a body of at most :data:`INLINE_TOKENIZE_BYTES` (a few milliseconds), else in
+    a pool of its own (two threads; the tokenizer lets go of the GIL). A prompt of megabytes takes
+    seconds to tokenize: on the loop it stalled every other request; in the loop's default
+    executor a few of them took every thread, and small requests queued behind them."""
+    if len(await request.body()) <= INLINE_TOKENIZE_BYTES:
+        return fn(*args, **kwargs)
+    return await asyncio.get_running_loop().run_in_executor(_TOKENIZE_POOL, lambda: fn(*args, **kwargs))

@@ -18,7 +18,6 @@ naming it; ``reset_external`` is accepted (radixkv has no external, connector-ma
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Optional
 
 from fastapi import APIRouter
@@ -28,7 +27,7 @@ from starlette.requests import Request
 import radixkv
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
-from radixkv.server.body import check_query, parse_body, query_bool
+from radixkv.server.body import check_query, parse_body, query_bool, tokenize_off_loop
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.protocol import APIError, ChatMessage
 
@@ -100,7 +99,7 @@ async def tokenize(request: Request) -> dict:
     """Token ids of a prompt or a conversation."""
     req = await parse_body(request, TokenizeRequest)
     _check_model(request, req.model)
-    return await asyncio.to_thread(_tokenize, _client(request), req)  # tokenizing a long prompt: off the loop
+    return await tokenize_off_loop(request, _tokenize, _client(request), req)
 
 
 def _tokenize(client: Any, req: TokenizeRequest) -> dict:

@@ -6,7 +6,6 @@ generated so far), structured output, logprobs."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
@@ -14,6 +13,7 @@ from starlette.requests import Request
 from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
 from radixkv.server.auth import request_namespace
+from radixkv.server.body import tokenize_off_loop
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.logprobs import TokenText, chat_logprobs, prompt_logprobs_json
 from radixkv.server.openai.params import (
@@ -75,7 +75,7 @@ class Chat:
         plan = tool_plan(req)
         messages = [m.to_template() for m in req.messages or []]
         try:
-            ids = await asyncio.to_thread(encode_chat, self.client.tokenizer, messages, tools=plan.tools or None)
+            ids = await tokenize_off_loop(raw, encode_chat, self.client.tokenizer, messages, tools=plan.tools or None)
         except RequestError as exc:
             raise request_error_to_api(exc, "messages") from exc
         params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages", plan)

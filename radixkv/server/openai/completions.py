@@ -3,12 +3,12 @@ with ``logprobs`` (0-5 alternatives per token), ``echo`` and structured-output c
 
 from __future__ import annotations
 
-import asyncio
 from typing import AsyncIterator
 
 from starlette.requests import Request
 
 from radixkv.server.auth import request_namespace
+from radixkv.server.body import tokenize_off_loop
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.openai.logprobs import TokenText, completion_logprobs, prompt_logprobs_json
 from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params
@@ -75,9 +75,7 @@ class Completions:
         """A response dict, or an SSE chunk stream when ``stream``."""
         req.check_values()
         self.models.check(req.model)
-        prompts = await asyncio.to_thread(
-            self._prompts, req
-        )  # NOTE: off the event loop: tokenizing a long prompt takes seconds, and the tokenizer lets go of the GIL
+        prompts = await tokenize_off_loop(raw, self._prompts, req)
         # NOTE: echo with max_tokens 0 scores the prompt (vLLM's and legacy OpenAI's, e.g. lm-eval's
         # loglikelihood): one token is sampled and dropped, as SGLang's max_new_tokens 0
         zero = bool(req.echo) and req.max_tokens == 0

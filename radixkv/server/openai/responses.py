@@ -46,7 +46,6 @@ at most ``max_stored_bytes`` of them (their JSON size, plus the context token id
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
@@ -62,6 +61,7 @@ from radixkv.chat_template import encode_chat
 from radixkv.errors import RequestError
 from radixkv.namespace import Namespace
 from radixkv.server.backend import Pins
+from radixkv.server.body import tokenize_off_loop
 from radixkv.server.engine_client import EngineClient, request_error_to_api
 from radixkv.server.openai.params import ModelNames, constraint_of, constraint_renames, sampling_params, tool_plan
 from radixkv.server.openai.protocol import APIError, server_error_event
@@ -492,7 +492,7 @@ class Responses:
                     # one answer for all three); OpenAI itself answers 400 here
                     code="previous_response_not_found",
                 )
-        ids, new_history, chat_req, plan = await asyncio.to_thread(self._prompt, req, prev)  # tokenizes: off the loop
+        ids, new_history, chat_req, plan = await tokenize_off_loop(raw, self._prompt, req, prev)
         in_items = input_items(req.input, (prev.input_items, prev.body.get("output", [])) if prev is not None else None)
         try:
             params = sampling_params(chat_req, [len(ids)], self.client.max_context_len, None, "input", plan)

@@ -33,7 +33,6 @@ when the answer is a list, then ``data: [DONE]``.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -42,6 +41,7 @@ from starlette.requests import Request
 
 from radixkv.outputs import CompletionOutput, RequestOutput
 from radixkv.server.auth import engine_request_id, request_tenant
+from radixkv.server.body import tokenize_off_loop
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.openai.protocol import APIError, server_error_event
 from radixkv.server.sglang.protocol import (
@@ -83,7 +83,7 @@ class Generate:
         req.check_fields()
         tenant = request_tenant(raw)
         namespace = req.namespace(tenant.name if tenant is not None else None)
-        prompts, batch, prompt_param = await asyncio.to_thread(req.prompts, self.client.tokenizer)  # off the loop
+        prompts, batch, prompt_param = await tokenize_off_loop(raw, req.prompts, self.client.tokenizer)
         count = len(prompts)
         sps = req.sampling_list(count)
         ctx = self.client.max_context_len
