@@ -357,27 +357,37 @@ def test_another_fingerprint_never_reads_a_block():
     assert generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])[0].num_cached_tokens == 79
 
 
-def test_async_llm_shutdown_drains_the_writes():
+def _gated_async_llm(seed: int):
+    """An AsyncLLM over an engine with a disk tier whose writes wait for ``gate`` (still queued
+    when the test shuts it down), after one 70-token request ran: ``(llm, engine, disk, gate)``."""
+    import asyncio
+    import threading
+
     from radixkv.async_llm import AsyncLLM
 
     disk = MemoryStore("disk")
     e = kv_engine(stores=[disk])
     e.kv.tiers.io.max_pending_bytes = 1 << 30
     llm = AsyncLLM.from_engine(e)
-    gate = __import__("threading").Event()
+    gate = threading.Event()
     orig = disk.put
 
-    def slow_put(keys, blocks, replace=False):  # the writes are still queued when shutdown starts
+    def slow_put(keys, blocks, replace=False):
         gate.wait(30)
         orig(keys, blocks, replace)
 
     disk.put = slow_put
 
     async def go():
-        async for _ in llm.generate(prompt_token_ids=prompt(23, 70), sampling_params=greedy()):
+        async for _ in llm.generate(prompt_token_ids=prompt(seed, 70), sampling_params=greedy()):
             pass
 
-    __import__("asyncio").run(go())
+    asyncio.run(go())
+    return llm, e, disk, gate
+
+
+def test_async_llm_shutdown_drains_the_writes():
+    llm, _, disk, gate = _gated_async_llm(23)
     assert len(disk.data) == 0
     gate.set()
     llm.shutdown()
@@ -392,26 +402,8 @@ def test_exit_after_a_shutdown_that_timed_out_still_drains_the_writes():
     with the writes still queued: a restart found none of them)."""
     import threading
 
-    from radixkv.async_llm import AsyncLLM
-
-    disk = MemoryStore("disk")
-    e = kv_engine(stores=[disk])
+    llm, e, disk, gate = _gated_async_llm(25)
     tm = e.kv.tiers
-    llm = AsyncLLM.from_engine(e)
-    gate = threading.Event()
-    orig = disk.put
-
-    def slow_put(keys, blocks, replace=False):
-        gate.wait(30)
-        orig(keys, blocks, replace)
-
-    disk.put = slow_put
-
-    async def go():
-        async for _ in llm.generate(prompt_token_ids=prompt(25, 70), sampling_params=greedy()):
-            pass
-
-    __import__("asyncio").run(go())
     llm.shutdown(timeout=0.01)
     assert tm.io.drain(0) is False and len(disk.data) == 0  # still queued
     got = []
