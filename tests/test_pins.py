@@ -62,13 +62,18 @@ def test_least_recently_used_order_follows_touch_and_retain():
         pins.append(table.add([10 * i], None, 1, soft=True))
     table.add([99], None, 1, soft=False)  # hard pins are never in the soft order
     a, b, c = pins
-    assert table.soft_lru() == [a, b, c]
+    assert table.victim() is a  # one owner: the least recently used soft pin
     clock.t = 3.0
     table.touch(a)
-    assert table.soft_lru() == [b, c, a]
+    assert table.victim() is b
     clock.t = 4.0
     table.retain(b)
-    assert table.soft_lru() == [c, a, b]
+    assert table.victim() is c
+    table.drop(c)
+    assert table.victim() is a
+    table.drop(a)
+    table.drop(b)
+    assert table.victim() is None  # the hard pin is never a victim
 
 
 def test_idle_timeout_drops_exactly_the_soft_pins_idle_that_long():

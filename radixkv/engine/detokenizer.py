@@ -39,7 +39,6 @@ class IncrementalDetokenizer:
         self.stopped_by: Optional[str] = None
         self._prefix_offset = 0
         self._read_offset = 0
-        self._max_stop = max((len(s) for s in self.stop), default=0)
 
     def _decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""

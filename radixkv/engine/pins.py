@@ -166,10 +166,6 @@ class PinTable:
         self._remove(pin)
         self.dropped += 1
 
-    def soft_lru(self) -> List[Pin]:
-        """The live soft pins, least recently used first (ties in the order they were added)."""
-        return sorted((p for p in self._pins.values() if p.soft), key=lambda p: p.last_used)
-
     def victim(self) -> Optional[Pin]:
         """The soft pin a bound drops next (module docstring): the least recently used pin of
         the owner whose soft pins hold the most tokens (each pin's length; ties: the owner with
