@@ -6,6 +6,10 @@ integer, ``1`` no boolean; an integer is a valid float); a field the model does 
 ``unknown_parameter`` naming it. Every refusal is an :class:`~radixkv.server.openai.protocol.APIError`
 (HTTP 400, OpenAI's error body) whose ``param`` is the dotted path of the field at fault, e.g.
 ``sampling_params.temperature`` (list positions left out).
+
+Also what every route does with a request before the engine sees it: its query parameters
+(:func:`check_query`, :func:`query_bool`) and where its prompt is tokenized
+(:func:`tokenize_off_loop`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ from starlette.requests import Request
 
 from radixkv.server.openai.protocol import APIError
 
-__all__ = ["check_query", "first_error", "is_type_tag", "parse_body", "parse_json", "query_bool", "validation_error"]
+__all__ = [
+    "check_query",
+    "first_error",
+    "is_type_tag",
+    "parse_body",
+    "parse_json",
+    "query_bool",
+    "tokenize_off_loop",
+    "validation_error",
+]
 
 M = TypeVar("M", bound=BaseModel)
 R = TypeVar("R")
