@@ -225,6 +225,12 @@ def test_retraction_while_drafts_hold_slots_a_tier_load_is_in_flight_and_a_sessi
     tokens, the loaded one served from the tier."""
     store = GatedStore()
     eng = kv_engine(96, 1, [store], chunk=64, speculative_config=SPECS["radix"])
+    # NOTE: the tier's cost rule decides from measured seconds whether a cached run is loaded or
+    # recomputed, and a load lands in whichever step follows it: either would make this test's
+    # pool differ run to run. Loading always pays here, and each step waits for the tier's I/O.
+    costs = eng.kv.tiers.costs
+    costs.note_load = costs.note_prefill = lambda *_: None
+    costs.prefill_token_s = 1.0
     a, b, p = [1, 2, 3, 4], [4, 5, 6, 7], [(i * 11) % 60 + 1 for i in range(40)]
     for q in (a, b, p):
         eng.add_request(q, greedy(50 if len(q) == 4 else 1))
@@ -238,6 +244,7 @@ def test_retraction_while_drafts_hold_slots_a_tier_load_is_in_flight_and_a_sessi
     ids = {eng.add_request(q, greedy(50)): reference(q, 50) for q in (a, b)}
     for _ in range(3):
         eng.step()
+        assert eng.kv.tiers.drain(timeout=60)  # a's and b's prefixes come back in this step
     store.gate.clear()
     loaded = eng.add_request(p + [7], greedy(3))
     ids[loaded] = reference(p + [7], 3)
@@ -248,6 +255,7 @@ def test_retraction_while_drafts_hold_slots_a_tier_load_is_in_flight_and_a_sessi
         if eng.scheduler.num_retractions > s0.num_retractions or not eng.scheduler.running:
             store.gate.set()  # retracted with the load still in flight (or nothing else to do)
         done.update((o.request_id, o) for o in eng.step() if o.finished)
+        assert not store.gate.is_set() or eng.kv.tiers.drain(timeout=60)
         eng.check_integrity()
         pool_holds_its_tokens(eng)
         if waiting:
@@ -256,8 +264,6 @@ def test_retraction_while_drafts_hold_slots_a_tier_load_is_in_flight_and_a_sessi
     assert not pin.live and retracted > s0.num_retractions and drafts > s0.spec_draft_tokens
     assert {rid: done[rid].outputs[0].token_ids for rid in ids} == ids
     by_tier, cached = done[loaded].cached_tokens_by_tier, done[loaded].num_cached_tokens
-    # its two whole blocks at least (the tail after them is fetched only when the tier's measured
-    # cost, which the gate made dear, says it beats recomputing: docs/tiers.md "Cost rule")
-    assert cached in (32, 40) and by_tier["remote"] >= 16 and by_tier["device"] + by_tier["remote"] == cached
+    assert (cached, by_tier["device"], by_tier["remote"]) == (40, 1, 39)  # the pool kept p's first token
     assert_idle_and_empty(eng)
     eng.close()
