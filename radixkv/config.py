@@ -77,6 +77,7 @@ def kv_tokens_for_bytes(memory_bytes: int, bytes_per_token: int, page_size: int 
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
+    "float": torch.float32,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
     "float16": torch.float16,
@@ -127,7 +128,8 @@ class EngineConfig:
 
     dtype: Union[str, torch.dtype] = "auto"
     """"auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16" (aliases "fp32",
-    "bf16", "fp16", "half") or one of those torch dtypes; anything else is a ValueError."""
+    "float", "bf16", "fp16", "half"; any case) or one of those torch dtypes; anything else is a
+    ValueError."""
 
     page_size: int = 1
     """Tokens per KV page (>= 1). Prefix matches are floored to whole pages when > 1."""
@@ -152,7 +154,7 @@ class EngineConfig:
 
     max_context_len: Optional[int] = None
     """Longest sequence (prompt + output). Default: the model's max_position_embeddings, capped
-    at max_total_tokens."""
+    at max_total_tokens; more than either is a ValueError when the engine starts."""
 
     prefix_cache: str = "radix"
     """"radix" (token-level radix tree), "hash" (vLLM-style chained block hashes) or "none"."""
@@ -314,6 +316,12 @@ class EngineConfig:
                     f"max_context_len {self.max_context_len} exceeds the model's "
                     f"max_position_embeddings {max_position_embeddings}"
                 )
+            if self.max_total_tokens is not None and self.max_context_len > self.max_total_tokens:
+                # NOTE: as vLLM at start: a sequence that long could never be admitted
+                raise ValueError(
+                    f"max_context_len {self.max_context_len} exceeds the KV pool's {self.max_total_tokens} "
+                    f"tokens ({given}): lower max_context_len or give the pool more memory"
+                )
         return self
 
     def _tokens_of_memory(self, bytes_per_token: int, float32_bytes_per_token: int) -> int:
@@ -344,10 +352,11 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         dev = _parse_device(self.device)
         if isinstance(self.dtype, str):
-            if self.dtype == "auto":
+            key = self.dtype.strip().lower()  # as vLLM and kv_cache_dtype: "BF16" is bf16
+            if key == "auto":
                 self.dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-            elif self.dtype in _DTYPES:
-                self.dtype = _DTYPES[self.dtype]
+            elif key in _DTYPES:
+                self.dtype = _DTYPES[key]
             else:
                 raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.dtype not in set(_DTYPES.values()):

@@ -400,3 +400,25 @@ def test_async_llm_refuses_an_engine_that_is_not_one(engine):
 
     with pytest.raises(ValueError, match=r"^AsyncLLM: engine must be a radixkv Engine, got "):
         AsyncLLM(engine=engine)
+
+
+def test_a_context_longer_than_the_pool_is_refused_at_start(tiny):
+    """An explicit ``max_context_len`` past the pool was accepted: a prompt longer than the pool
+    but within the context could never be admitted (vLLM refuses such a ``max_model_len`` when the
+    engine starts). The default stays capped at the pool."""
+    with pytest.raises(
+        ValueError, match=r"^max_context_len 65 exceeds the KV pool's 64 tokens \(max_total_tokens 64\)"
+    ):
+        LLM(loaded_model=tiny, max_total_tokens=64, max_context_len=65)
+    assert LLM(loaded_model=tiny, max_total_tokens=64, max_context_len=64).engine.max_context_len == 64
+    assert LLM(loaded_model=tiny, max_total_tokens=64).engine.max_context_len == 64
+
+
+@pytest.mark.parametrize(
+    "spelling, want", [("BF16", torch.bfloat16), (" Float ", torch.float32), ("HALF", torch.float16)]
+)
+def test_dtype_spellings_are_taken_in_any_case(spelling, want):
+    """``dtype="BF16"`` was a ValueError while ``kv_cache_dtype="BF16"`` was bf16 (vLLM takes
+    either case, and "float" for float32)."""
+    cfg = EngineConfig(dtype=spelling, device="cpu").resolve()
+    assert cfg.dtype == want
