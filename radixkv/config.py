@@ -154,7 +154,8 @@ class EngineConfig:
 
     max_context_len: Optional[int] = None
     """Longest sequence (prompt + output). Default: the model's max_position_embeddings, capped
-    at max_total_tokens; more than either is a ValueError when the engine starts."""
+    at max_total_tokens. More than max_position_embeddings is a ValueError; more than the pool is
+    allowed (a request that could never fit the pool is refused, naming ``max_total_tokens``)."""
 
     prefix_cache: str = "radix"
     """"radix" (token-level radix tree), "hash" (vLLM-style chained block hashes) or "none"."""
@@ -315,12 +316,6 @@ class EngineConfig:
                 raise ValueError(
                     f"max_context_len {self.max_context_len} exceeds the model's "
                     f"max_position_embeddings {max_position_embeddings}"
-                )
-            if self.max_total_tokens is not None and self.max_context_len > self.max_total_tokens:
-                # NOTE: as vLLM at start: a sequence that long could never be admitted
-                raise ValueError(
-                    f"max_context_len {self.max_context_len} exceeds the KV pool's {self.max_total_tokens} "
-                    f"tokens ({given}): lower max_context_len or give the pool more memory"
                 )
         return self
 

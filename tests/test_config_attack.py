@@ -402,18 +402,6 @@ def test_async_llm_refuses_an_engine_that_is_not_one(engine):
         AsyncLLM(engine=engine)
 
 
-def test_a_context_longer_than_the_pool_is_refused_at_start(tiny):
-    """An explicit ``max_context_len`` past the pool was accepted: a prompt longer than the pool
-    but within the context could never be admitted (vLLM refuses such a ``max_model_len`` when the
-    engine starts). The default stays capped at the pool."""
-    with pytest.raises(
-        ValueError, match=r"^max_context_len 65 exceeds the KV pool's 64 tokens \(max_total_tokens 64\)"
-    ):
-        LLM(loaded_model=tiny, max_total_tokens=64, max_context_len=65)
-    assert LLM(loaded_model=tiny, max_total_tokens=64, max_context_len=64).engine.max_context_len == 64
-    assert LLM(loaded_model=tiny, max_total_tokens=64).engine.max_context_len == 64
-
-
 @pytest.mark.parametrize(
     "spelling, want", [("BF16", torch.bfloat16), (" Float ", torch.float32), ("HALF", torch.float16)]
 )
