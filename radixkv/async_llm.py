@@ -342,7 +342,7 @@ class AsyncLLM:
                     item = await stream.queue.get()
                     if isinstance(item, BaseException):
                         raise item
-                    if item is _ABORTED:
+                    if item is _ABORTED or _aborted(item):
                         raise asyncio.CancelledError(f"request {rids[i]} was aborted")
                     if item.finished:
                         if item.error is not None:
@@ -360,8 +360,10 @@ class AsyncLLM:
         """Abort unfinished requests by id: one id or a list of them, as vLLM's ``abort`` takes
         (no-op for an id that already finished or is unknown).
 
-        The engine releases the request's KV slots; its ``generate`` iterator then ends without
-        a further output. Callers usually abort by cancelling or closing that iterator instead.
+        The engine releases the request's KV slots; its ``generate`` iterator then yields one
+        last output, ``finished``, with finish_reason ``"abort"`` on each sample still running
+        (its tokens so far), and ends, as vLLM's. A :meth:`generate_batch` waiting for it raises
+        ``asyncio.CancelledError``. Callers usually abort by cancelling or closing the iterator.
 
         Raises:
             RequestError: (param ``request_id``) an id that is not a str.
@@ -509,15 +511,19 @@ class AsyncLLM:
                 self.engine.post(lambda e: self._apply(lambda e: self._abort_in_thread(rid, stream), None))
 
     def _abort_in_thread(self, rid: str, stream: _Stream | None) -> None:
+        """Abort ``rid`` on the engine thread: for its consumer that gave up (``stream``; nobody
+        reads it any more) or by id (``stream`` None: :meth:`abort`; the stream stays open for the
+        request's final output, finish_reason "abort", which the next step delivers)."""
         # Only a request still in _streams is unfinished in the engine, so a request that
         # finished in the same step as its consumer gave up is never aborted twice.
         current = self._streams.get(rid)
         if current is None or (stream is not None and current is not stream):
             return
-        del self._streams[rid]
         self.engine.abort_now(rid)
         self._hooks.pop(rid, None)
-        current.put(_ABORTED)
+        if stream is not None:
+            del self._streams[rid]
+            current.put(_ABORTED)
         logger.debug("aborted %s", rid)
 
     def _reset_in_thread(self, engine: Any, tiers: bool = False) -> bool:
@@ -701,3 +707,8 @@ class _Stopped(Exception):
 
 def _is_final(item: Any) -> bool:
     return item is _ABORTED or isinstance(item, BaseException) or bool(getattr(item, "finished", False))
+
+
+def _aborted(out: RequestOutput) -> bool:
+    """Whether ``out`` is the final output of a request aborted by id (:meth:`AsyncLLM.abort`)."""
+    return out.finished and any(c.finish_reason == "abort" for c in out.outputs)

@@ -153,7 +153,11 @@ def test_abort_by_id_ends_the_stream(llm):
         return outs
 
     outs = asyncio.run(run())
-    assert 2 <= len(outs) < 400 and not outs[-1].finished
+    # as vLLM's: one last output, finished, finish_reason "abort", with the tokens it had
+    last = outs[-1].outputs[0]
+    assert 3 <= len(outs) < 400 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert last.finish_reason == "abort" and last.stop_reason is None
+    assert last.token_ids[: len(outs[-2].outputs[0].token_ids)] == outs[-2].outputs[0].token_ids
     assert_pool_whole(llm)
 
 

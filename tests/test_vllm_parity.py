@@ -247,11 +247,12 @@ def test_async_abort_takes_a_list_of_request_ids(default_model):
         firsts = [await it.__anext__() for it in iters]
         assert [f.finished for f in firsts] == [False] * 3
         await alm.abort(["r0", "r2"])
-        rest0 = [o async for o in iters[0]]
-        rest2 = [o async for o in iters[2]]
-        assert not any(o.finished for o in rest0 + rest2)
+        for rest in ([o async for o in iters[0]], [o async for o in iters[2]]):
+            assert [o.finished for o in rest][-1:] == [True] and not any(o.finished for o in rest[:-1])
+            assert rest[-1].outputs[0].finish_reason == "abort"
         await alm.abort("r1")
-        assert not any(o.finished for o in [o async for o in iters[1]])
+        rest1 = [o async for o in iters[1]]
+        assert rest1[-1].finished and rest1[-1].outputs[0].finish_reason == "abort"
         with pytest.raises(ValueError) as e:
             await alm.abort(7)
         assert e.value.param == "request_id"
