@@ -370,6 +370,9 @@ def check_detokenize(t: Target) -> None:
 def check_openapi(t: Target) -> None:
     doc = t.http.get("/openapi.json").json()
     assert "/v1/chat/completions" in doc["paths"] and "ChatCompletionRequest" in doc["components"]["schemas"]
+    # OpenAPI: "The id MUST be unique among all operations"; a route serving two methods gave both one id
+    ids = [op["operationId"] for item in doc["paths"].values() for op in item.values() if "operationId" in op]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
 
 
 def check_docs(t: Target) -> None:

@@ -318,7 +318,8 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
         metrics.update_engine(await client.cache_stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/flush_cache", operation_id="flush_cache_post")
+    @app.get("/flush_cache", operation_id="flush_cache_get")  # one id per method: OpenAPI's rule
     async def flush_cache(request: Request) -> dict:
         check_query(request, ("timeout", "tiers"))
         raw = request.query_params.get("timeout", "0")

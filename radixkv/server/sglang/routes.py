@@ -86,7 +86,8 @@ def server_info(client: EngineClient, served_model_name: str, stats: dict[str, A
     }
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.put("/generate", operation_id="generate_put")
+@router.post("/generate", operation_id="generate_post")  # one id per method: OpenAPI's rule
 async def generate(request: Request) -> Response:
     """SGLang's native generation (:mod:`radixkv.server.sglang.generate`)."""
     handler = Generate(_client(request))
