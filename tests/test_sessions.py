@@ -15,6 +15,7 @@ from test_scheduler import VOCAB, FakeRunner, assert_no_leak, greedy, reference
 
 from radixkv import LLM, AsyncLLM, SamplingParams
 from radixkv.errors import RequestError
+from radixkv.namespace import Namespace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -281,6 +282,31 @@ def test_validation_names_the_argument():
     with pytest.raises(ValueError, match="pin_idle_timeout"):
         make_llm(pin_idle_timeout=0)
     assert_no_leak(llm.engine)  # the forks made above had nothing pinned to hold
+
+
+def test_a_turn_with_a_cache_salt_pins_its_context_in_the_salted_namespace():
+    """A turn's ``SamplingParams.cache_salt`` joins its namespace (as in ``generate``); the turn's
+    context is pinned there (it was pinned in the unsalted namespace, where nothing of it is
+    cached: the session held no pin, its context was evictable)."""
+    llm = make_llm()
+    ctx = list(range(1, 30))
+    with llm.session(ctx) as s:
+        out = s.generate(prompt_token_ids=[3], sampling_params=greedy(4, cache_salt="k"))
+        assert out.outputs[0].token_ids == reference(ctx + [3], 4)
+        assert s.pinned_tokens == len(s.tokens) - 1 == idle_invariant(llm)["pinned"]
+        old = len(s.tokens)
+        out2 = s.generate(prompt_token_ids=[5], sampling_params=greedy(2, cache_salt="k"))
+        assert out2.num_cached_tokens == old - 1  # the old context but its last token
+        unsalted = s.generate(prompt_token_ids=[6], sampling_params=greedy(2))  # another namespace: a miss
+        assert unsalted.num_cached_tokens == 0 and s.pinned_tokens == len(s.tokens) - 1
+    with llm.session(ctx, namespace=Namespace(salt="a")) as s:
+        with pytest.raises(RequestError) as e:
+            s.generate(sampling_params=greedy(2, cache_salt="b"))
+        assert e.value.param == "cache_salt"
+        s.generate(sampling_params=greedy(2, cache_salt="a"))  # its own salt: the same namespace
+        assert s.pinned_tokens == len(s.tokens) - 1
+    idle_invariant(llm)
+    assert_no_leak(llm.engine)
 
 
 def test_without_a_prefix_cache_sessions_work_and_pin_nothing():

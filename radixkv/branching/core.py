@@ -30,7 +30,7 @@ from radixkv.branching.prompts import (
 )
 from radixkv.branching.scoring import SelectResult, check_method, score_choices, select_params
 from radixkv.errors import RequestError
-from radixkv.namespace import Namespace
+from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 from radixkv.text import encode_text
@@ -329,14 +329,14 @@ class _Batch:
     failed or was cancelled) advances every session whose turn finished. A hook runs either
     before ``settle`` or not at all, so a turn abandoned mid-way leaves its session as it was."""
 
-    def __init__(self, sessions: List[Context], prompts: List[tuple]) -> None:
-        self.sessions, self.prompts = sessions, prompts
+    def __init__(self, sessions: List[Context], prompts: List[tuple], spaces: List[Any]) -> None:
+        self.sessions, self.prompts, self.spaces = sessions, prompts, spaces
         self.done: dict = {}
         self.lock = threading.Lock()
         self.settled = False
 
     def hook(self, i: int) -> Any:
-        s, prompt = self.sessions[i], self.prompts[i][0]
+        s, prompt, space = self.sessions[i], self.prompts[i][0], self.spaces[i]
 
         def on_finish(engine: Any, out: RequestOutput) -> None:
             with self.lock:
@@ -346,7 +346,7 @@ class _Batch:
                 if s._closed:  # its close lets go of the pin it holds
                     return
                 reply = reply_tokens(s._owner.tokenizer, out.outputs[0])
-                old, s._pin = s._pin, engine.pin_prefix(list(prompt) + reply, s.namespace)
+                old, s._pin = s._pin, engine.pin_prefix(list(prompt) + reply, space)
                 if old is not None:
                     engine.release_pin(old)
 
@@ -364,25 +364,29 @@ class _Batch:
 def turns_program(sessions: List[Context], prompts: List[tuple], params: List[Any]) -> Program:
     """One turn of each session (``prompts[i]``: ``(prompt token ids, new chat messages or
     None)``) submitted as one batch, so their common context is computed at most once; returns
-    the outputs in order. Every turn that finished advances its session and moves its pin (also
+    the outputs in order. A turn runs (and its context is pinned) in its session's namespace with
+    its ``cache_salt`` joined, as ``Engine.add_request`` does. Every turn that finished advances its session and moves its pin (also
     when another of the batch failed); the others keep their context and pin.
 
     Raises:
-        RequestError: bad ``sampling_params``, a closed or busy session, a session twice.
+        RequestError: bad ``sampling_params``, a closed or busy session, a session twice, a
+            ``cache_salt`` other than the session namespace's own salt.
     """
     checked = [turn_params(p) for p in params]
     for s in sessions:
         s._check_open()
     if len({id(s) for s in sessions}) != len(sessions):
         raise RequestError("a session appears twice in one batch", "sessions")
-    batch = _Batch(sessions, prompts)
+    # a turn's cache_salt joins its namespace (as Engine.add_request does): its context is pinned there
+    spaces = [with_salt(s.namespace, sp.cache_salt) for s, sp in zip(sessions, checked)]
+    batch = _Batch(sessions, prompts, spaces)
     for s in sessions:
         s._busy = True
     try:
         pins = [s._pin for s in sessions if s._pin is not None]
         if pins:  # the sessions in use become the most recently used pins
             yield EngineCall(lambda e: [e.touch_pin(p) for p in pins])
-        requests = [(p, sp, s.namespace) for (p, _), sp, s in zip(prompts, checked, sessions)]
+        requests = [(p, sp, ns) for (p, _), sp, ns in zip(prompts, checked, spaces)]
         return (yield Submit(requests, [batch.hook(i) for i in range(len(sessions))]))
     finally:
         batch.settle()
