@@ -371,6 +371,25 @@ def test_a_reply_cut_by_a_stop_string_joins_the_context_as_returned(llms):
     assert assert_idle(llm)["pinned"] == 0
 
 
+def test_a_reply_without_text_joins_the_conversation_as_its_decoded_tokens(llms):
+    """A chat turn with ``detokenize=False`` (no ``text``) adds the reply to ``messages`` as its
+    tokens' text, as with ``detokenize=True`` (it added an empty assistant message, so
+    ``messages`` no longer matched the context)."""
+    llm = llms[1]
+    convs = []
+    for detok in (True, False):
+        with llm.session([{"role": "system", "content": "You count."}]) as s:
+            o = s.chat("Count from 1 to 3.", SamplingParams(temperature=0, max_tokens=6, detokenize=detok))
+            assert o.outputs[0].text == ("1. 1\n2" if detok else "")
+            convs.append(s.messages)
+            o2 = s.chat("Go on.", SamplingParams(temperature=0, max_tokens=2))
+            assert llm.tokenizer.decode(o2.prompt_token_ids, skip_special_tokens=False) == render_chat(
+                llm.tokenizer, s.messages[:-1], add_generation_prompt=True
+            )
+    assert convs[0] == convs[1] and convs[1][-1] == {"role": "assistant", "content": "1. 1\n2"}
+    assert assert_idle(llm)["pinned"] == 0
+
+
 # ---------------------------------------------------------------------------------- select / fork
 @pytest.fixture(scope="module")
 def hf_logprobs(hf_default):

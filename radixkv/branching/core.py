@@ -273,14 +273,21 @@ class Context:
             new = messages(message, "message")
         return continue_chat(tok, self._tokens, self._messages, new, self._stop_text), new
 
-    def _advance(self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]]) -> None:
-        """The turn finished: the context becomes its prompt + the reply's tokens."""
+    def _advance(
+        self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]], params: SamplingParams
+    ) -> None:
+        """The turn finished: the context becomes its prompt + the reply's tokens (in a chat, the
+        reply joins the conversation as its text; decoded here when the turn's ``detokenize`` was
+        False, which leaves it no text)."""
         c = out.outputs[0]
-        self._tokens = list(prompt) + reply_tokens(self._owner.tokenizer, c)
+        reply = reply_tokens(self._owner.tokenizer, c)
+        self._tokens = list(prompt) + reply
         if new_messages is None:
             self._messages = None  # raw text went in: the conversation can no longer be tracked
         elif self._messages is not None:
-            self._messages = self._messages + new_messages + [{"role": "assistant", "content": c.text}]
+            skip = params.skip_special_tokens
+            text = c.text if params.detokenize else self._tok().decode(reply, skip_special_tokens=skip)
+            self._messages = self._messages + new_messages + [{"role": "assistant", "content": text}]
         self._stop_text = reply_stop_text(self._owner.tokenizer, c)
 
     def _select_prompt(self, text: Any, message: Any) -> tuple[List[int], Optional[List[dict]]]:
@@ -329,8 +336,8 @@ class _Batch:
     failed or was cancelled) advances every session whose turn finished. A hook runs either
     before ``settle`` or not at all, so a turn abandoned mid-way leaves its session as it was."""
 
-    def __init__(self, sessions: List[Context], prompts: List[tuple], spaces: List[Any]) -> None:
-        self.sessions, self.prompts, self.spaces = sessions, prompts, spaces
+    def __init__(self, sessions: List[Context], prompts: List[tuple], spaces: List[Any], params: List[Any]) -> None:
+        self.sessions, self.prompts, self.spaces, self.params = sessions, prompts, spaces, params
         self.done: dict = {}
         self.lock = threading.Lock()
         self.settled = False
@@ -357,7 +364,7 @@ class _Batch:
             self.settled = True
         for i, (s, (prompt, new)) in enumerate(zip(self.sessions, self.prompts)):
             if i in self.done:
-                s._advance(prompt, self.done[i], new)
+                s._advance(prompt, self.done[i], new, self.params[i])
             s._busy = False
 
 
@@ -379,7 +386,7 @@ def turns_program(sessions: List[Context], prompts: List[tuple], params: List[An
         raise RequestError("a session appears twice in one batch", "sessions")
     # a turn's cache_salt joins its namespace (as Engine.add_request does): its context is pinned there
     spaces = [with_salt(s.namespace, sp.cache_salt) for s, sp in zip(sessions, checked)]
-    batch = _Batch(sessions, prompts, spaces)
+    batch = _Batch(sessions, prompts, spaces, checked)
     for s in sessions:
         s._busy = True
     try:
