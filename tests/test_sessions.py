@@ -307,6 +307,12 @@ def test_a_turn_with_a_cache_salt_pins_its_context_in_the_salted_namespace():
         assert s.pinned_tokens == len(s.tokens) - 1
     idle_invariant(llm)
     assert_no_leak(llm.engine)
+    tenant = make_llm(namespace="t")  # an explicit default namespace on an LLM that has its own
+    with tenant.session(ctx, namespace=Namespace()) as s:
+        for salt in (None, "k"):
+            s.generate(sampling_params=greedy(2, cache_salt=salt))
+            assert s.pinned_tokens == len(s.tokens) - 1
+    assert_no_leak(tenant.engine)
 
 
 def test_without_a_prefix_cache_sessions_work_and_pin_nothing():

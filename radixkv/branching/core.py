@@ -385,7 +385,10 @@ def turns_program(sessions: List[Context], prompts: List[tuple], params: List[An
     if len({id(s) for s in sessions}) != len(sessions):
         raise RequestError("a session appears twice in one batch", "sessions")
     # a turn's cache_salt joins its namespace (as Engine.add_request does): its context is pinned there
-    spaces = [with_salt(s.namespace, sp.cache_salt) for s, sp in zip(sessions, checked)]
+    spaces = [
+        s.namespace if sp.cache_salt is None else with_salt(s.namespace, sp.cache_salt)
+        for s, sp in zip(sessions, checked)
+    ]
     batch = _Batch(sessions, prompts, spaces, checked)
     for s in sessions:
         s._busy = True
