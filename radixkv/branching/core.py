@@ -24,6 +24,7 @@ from radixkv.branching.prompts import (
     initial_context,
     messages,
     per_child,
+    render_messages,
     select_prompt,
     token_ids,
     turn_params,
@@ -271,6 +272,7 @@ class Context:
             new = [{"role": "user", "content": message}]
         else:
             new = messages(message, "message")
+            render_messages(tok, new, False, "message")  # what the template refuses in them, named so
         return continue_chat(tok, self._tokens, self._messages, new, self._stop_text), new
 
     def _advance(
