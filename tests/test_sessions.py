@@ -514,6 +514,43 @@ def test_generate_batch_hooks_run_before_the_next_step():
         alm.shutdown()
 
 
+def test_generate_batch_refuses_malformed_requests_and_hooks_naming_them():
+    """``generate_batch`` on ``LLM`` and ``AsyncLLM``: a request that is not a ``(prompt token
+    ids, SamplingParams, namespace)`` triple, or ``on_finish`` of another length than the
+    requests, is a RequestError naming ``requests`` / ``on_finish``. AsyncLLM submitted only as
+    many requests as hooks and awaited the others forever; a request of two or four items was an
+    IndexError / ValueError (or its extra item ignored)."""
+    ok = ([5, 6, 7], greedy(2), None)
+    cases = [
+        ("abc", None, "requests"),
+        ([([5, 6], greedy(2))], None, "requests"),
+        ([([5, 6], greedy(2), None, "extra")], None, "requests"),
+        ([ok, ok], [None], "on_finish"),
+        ([ok], [None, None], "on_finish"),
+        ([ok], ["not callable"], "on_finish"),
+        ([([5, 6], {"max_tokens": 2}, None)], None, "sampling_params"),
+    ]
+    llm = make_llm()
+    alm = AsyncLLM(
+        device="cpu", model_runner=FakeRunner(256, 1, 16), tokenizer=None, eos_token_ids=[], max_total_tokens=256
+    )
+
+    async def on_alm(reqs, hooks):
+        return await asyncio.wait_for(alm.generate_batch(reqs, hooks), 30)
+
+    try:
+        for run in (llm.generate_batch, lambda reqs, hooks: asyncio.run(on_alm(reqs, hooks))):
+            for reqs, hooks, param in cases:
+                with pytest.raises(RequestError) as e:
+                    run(reqs, hooks)
+                assert e.value.param == param, (reqs, hooks, str(e.value))
+            outs = run([ok, ([9], None, None)], [None, None])  # None params: the defaults
+            assert outs[0].outputs[0].token_ids == reference([5, 6, 7], 2) and len(outs) == 2
+        idle_invariant(llm)
+    finally:
+        alm.shutdown()
+
+
 def test_async_fork_cancelled_midway_gives_its_references_back():
     """The caller of ``await s.fork(n)`` is cancelled while the engine thread takes the pin
     references: they are given back on the engine thread, none is lost."""
