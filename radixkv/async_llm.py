@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Callable, Hashable, Mapping, Sequence
 from radixkv.branching import AsyncSession, Prompt, SelectResult, drive_async, select_program
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import RequestError, RequestFailed
-from radixkv.inputs import check_sampling_params, to_token_ids, to_token_prompt
+from radixkv.inputs import batch_requests, check_sampling_params, to_token_ids, to_token_prompt
 from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
@@ -305,16 +305,18 @@ class AsyncLLM:
         abort; an exception it raises is logged). Cancelling aborts them all.
 
         Raises:
-            RequestError: any request refused (then none is submitted).
+            RequestError: any request refused (then none is submitted); a request that is not such
+                a triple (param ``requests``), ``on_finish`` not one hook or None per request
+                (``on_finish``).
             RequestFailed: a request's sampling raised in the engine (the others are aborted).
             EngineDeadError: the engine thread is not running.
         """
+        requests, hooks = batch_requests(requests, on_finish)
         self._check_alive()
         loop = asyncio.get_running_loop()
         base = uuid.uuid4().hex
         rids = [f"req-{base}-{i}" for i in range(len(requests))]
         streams = [_Stream(loop=loop) for _ in requests]
-        hooks = list(on_finish) if on_finish is not None else [None] * len(requests)
 
         def add(engine: Any) -> None:
             added: list[str] = []

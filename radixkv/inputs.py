@@ -14,7 +14,7 @@ are checked by :meth:`radixkv.engine.Engine.add_request`, their one owner.
 from __future__ import annotations
 
 import numbers
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 from radixkv.errors import RequestError
 from radixkv.namespace import check_cache_salt
@@ -22,6 +22,7 @@ from radixkv.sampling_params import SamplingParams
 from radixkv.text import encode_text
 
 __all__ = [
+    "batch_requests",
     "check_sampling_params",
     "conversations",
     "to_token_ids",
@@ -204,6 +205,41 @@ def check_sampling_params(sampling_params: Any) -> SamplingParams:
     raise RequestError(
         f"sampling_params must be a SamplingParams, got {_type(sampling_params)}{hint}", "sampling_params"
     )
+
+
+def batch_requests(requests: Any, on_finish: Any) -> Tuple[List[tuple], List[Optional[Callable[..., Any]]]]:
+    """``generate_batch``'s arguments checked (``LLM`` and ``AsyncLLM``): ``requests`` as a list of
+    ``(prompt token ids, SamplingParams, namespace)`` (params None: the defaults) and ``on_finish``
+    as one hook (a callable or None) per request.
+
+    Raises:
+        RequestError: (param ``requests``) not a list of such triples; (``sampling_params``) params
+            that are not a ``SamplingParams``; (``on_finish``) not None nor a list of one hook per
+            request (a shorter one left requests without a hook, or unsubmitted and awaited forever).
+    """
+    if isinstance(requests, (str, bytes, Mapping)) or not isinstance(requests, Sequence):
+        raise RequestError(
+            f"requests must be a list of (prompt token ids, SamplingParams, namespace), got {_type(requests)}",
+            "requests",
+        )
+    out = []
+    for i, r in enumerate(requests):
+        if not isinstance(r, (tuple, list)) or len(r) != 3:
+            raise RequestError(
+                f"requests[{i}] must be a (prompt token ids, SamplingParams, namespace) triple, got {r!r}", "requests"
+            )
+        out.append((r[0], check_sampling_params(r[1]), r[2]))
+    if on_finish is None:
+        return out, [None] * len(out)
+    if isinstance(on_finish, (str, bytes)) or not isinstance(on_finish, Sequence) or len(on_finish) != len(out):
+        raise RequestError(
+            f"on_finish must be None or a list of {len(out)} hooks (one per request, or None)", "on_finish"
+        )
+    hooks = list(on_finish)
+    for i, h in enumerate(hooks):
+        if h is not None and not callable(h):
+            raise RequestError(f"on_finish[{i}] must be callable or None, got {_type(h)}", "on_finish")
+    return out, hooks
 
 
 def conversations(messages: Any) -> List[Sequence[Mapping[str, Any]]]:

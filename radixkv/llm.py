@@ -15,6 +15,7 @@ from radixkv.engine.outcome import Explanation, explain_text
 from radixkv.engine_args import build_engine
 from radixkv.errors import RequestError
 from radixkv.inputs import (
+    batch_requests,
     conversations,
     params_per_prompt,
     prompt_salts,
@@ -201,12 +202,15 @@ class LLM:
             ``"error"`` and ``error`` set for a request whose sampling raised, as :meth:`generate`).
 
         Raises:
-            RequestError: any request refused (then none is submitted).
+            RequestError: any request refused (then none is submitted); a request that is not such
+                a triple (param ``requests``), ``on_finish`` not one hook or None per request
+                (``on_finish``).
         """
+        requests, hooks = batch_requests(requests, on_finish)
         ids = [list(r[0]) for r in requests]
         spaces = [self._ns(r[2]) for r in requests]
         with self._lock:
-            return self._run_locked(ids, None, [r[1] for r in requests], False, namespace=spaces, on_finish=on_finish)
+            return self._run_locked(ids, None, [r[1] for r in requests], False, namespace=spaces, on_finish=hooks)
 
     def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` as the engine's driver and return its result: in this thread, under

@@ -29,6 +29,7 @@ from radixkv import LLM, SamplingParams  # noqa: E402
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat, render_chat  # noqa: E402
 from radixkv.engine import RequestAdmitted, StepFinished  # noqa: E402
+from radixkv.errors import RequestError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -368,6 +369,54 @@ def test_a_reply_cut_by_a_stop_string_joins_the_context_as_returned(llms):
         assert nxt.prompt_token_ids[: len(ctx)] == ctx
         assert nxt.num_cached_tokens == n
         assert_idle(llm)
+    assert assert_idle(llm)["pinned"] == 0
+
+
+def test_a_reply_without_text_joins_the_conversation_as_its_decoded_tokens(llms):
+    """A chat turn with ``detokenize=False`` (no ``text``) adds the reply to ``messages`` as its
+    tokens' text, as with ``detokenize=True`` (it added an empty assistant message, so
+    ``messages`` no longer matched the context)."""
+    llm = llms[1]
+    convs = []
+    for detok in (True, False):
+        with llm.session([{"role": "system", "content": "You count."}]) as s:
+            o = s.chat("Count from 1 to 3.", SamplingParams(temperature=0, max_tokens=6, detokenize=detok))
+            assert o.outputs[0].text == ("1. 1\n2" if detok else "")
+            convs.append(s.messages)
+            o2 = s.chat("Go on.", SamplingParams(temperature=0, max_tokens=2))
+            assert llm.tokenizer.decode(o2.prompt_token_ids, skip_special_tokens=False) == render_chat(
+                llm.tokenizer, s.messages[:-1], add_generation_prompt=True
+            )
+    assert convs[0] == convs[1] and convs[1][-1] == {"role": "assistant", "content": "1. 1\n2"}
+    assert assert_idle(llm)["pinned"] == 0
+
+
+def test_a_message_the_chat_template_refuses_is_named_as_the_argument(llms):
+    """A role or content the chat template refuses is a RequestError naming the argument it came
+    in (``prompt`` of ``session`` / ``select``, ``message`` of ``chat``; it named ``messages``, with
+    the index in the whole conversation), and the session stays usable."""
+    llm = llms[1]
+    bogus, number = {"role": "bogus", "content": "x"}, {"role": "user", "content": 5}
+    for call, param, where in [
+        (lambda: llm.session([SYSTEM, bogus]), "prompt", "prompt[1]: role must be one of"),
+        (lambda: llm.select([number], ["a"]), "prompt", "prompt[0]: content must be a string"),
+    ]:
+        with pytest.raises(RequestError) as e:
+            call()
+        assert (e.value.param, str(e.value)[: len(where)]) == (param, where)
+    with llm.session([SYSTEM]) as s:
+        s.chat("Hi.", SamplingParams(temperature=0, max_tokens=2))
+        for message, where in [
+            (bogus, "message[0]: role must be one of"),
+            ([{"role": "user", "content": "a"}, number], "message[1]: content must be a string"),
+        ]:
+            with pytest.raises(RequestError) as e:
+                s.chat(message, SamplingParams(max_tokens=2))
+            assert (e.value.param, str(e.value)[: len(where)]) == ("message", where)
+        with pytest.raises(RequestError) as e:
+            s.select(["a"], message=bogus)
+        assert e.value.param == "message"
+        assert len(s.messages) == 3 and s.chat("Bye.", SamplingParams(max_tokens=2)).outputs[0].token_ids
     assert assert_idle(llm)["pinned"] == 0
 
 

@@ -245,6 +245,8 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
         ({"text": "hi", "sampling_params": {"stop_regex": ["a+"]}}, "sampling_params.stop_regex",
          "unsupported_parameter"),
         ({"text": "hi", "token_ids_logprob": [1]}, "token_ids_logprob", "unsupported_parameter"),
+        ({"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "invalid_value"),
+        ({"text": "hi", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num", "invalid_value"),
         ({"text": ["a", "b"], "rid": "one"}, "rid", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n", "invalid_value"),

@@ -15,6 +15,7 @@ from test_scheduler import VOCAB, FakeRunner, assert_no_leak, greedy, reference
 
 from radixkv import LLM, AsyncLLM, SamplingParams
 from radixkv.errors import RequestError
+from radixkv.namespace import Namespace
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -283,6 +284,37 @@ def test_validation_names_the_argument():
     assert_no_leak(llm.engine)  # the forks made above had nothing pinned to hold
 
 
+def test_a_turn_with_a_cache_salt_pins_its_context_in_the_salted_namespace():
+    """A turn's ``SamplingParams.cache_salt`` joins its namespace (as in ``generate``); the turn's
+    context is pinned there (it was pinned in the unsalted namespace, where nothing of it is
+    cached: the session held no pin, its context was evictable)."""
+    llm = make_llm()
+    ctx = list(range(1, 30))
+    with llm.session(ctx) as s:
+        out = s.generate(prompt_token_ids=[3], sampling_params=greedy(4, cache_salt="k"))
+        assert out.outputs[0].token_ids == reference(ctx + [3], 4)
+        assert s.pinned_tokens == len(s.tokens) - 1 == idle_invariant(llm)["pinned"]
+        old = len(s.tokens)
+        out2 = s.generate(prompt_token_ids=[5], sampling_params=greedy(2, cache_salt="k"))
+        assert out2.num_cached_tokens == old - 1  # the old context but its last token
+        unsalted = s.generate(prompt_token_ids=[6], sampling_params=greedy(2))  # another namespace: a miss
+        assert unsalted.num_cached_tokens == 0 and s.pinned_tokens == len(s.tokens) - 1
+    with llm.session(ctx, namespace=Namespace(salt="a")) as s:
+        with pytest.raises(RequestError) as e:
+            s.generate(sampling_params=greedy(2, cache_salt="b"))
+        assert e.value.param == "cache_salt"
+        s.generate(sampling_params=greedy(2, cache_salt="a"))  # its own salt: the same namespace
+        assert s.pinned_tokens == len(s.tokens) - 1
+    idle_invariant(llm)
+    assert_no_leak(llm.engine)
+    tenant = make_llm(namespace="t")  # an explicit default namespace on an LLM that has its own
+    with tenant.session(ctx, namespace=Namespace()) as s:
+        for salt in (None, "k"):
+            s.generate(sampling_params=greedy(2, cache_salt=salt))
+            assert s.pinned_tokens == len(s.tokens) - 1
+    assert_no_leak(tenant.engine)
+
+
 def test_without_a_prefix_cache_sessions_work_and_pin_nothing():
     llm = make_llm(cache="none")
     with llm.session(list(range(1, 20))) as s:
@@ -478,6 +510,43 @@ def test_generate_batch_hooks_run_before_the_next_step():
     )
     try:
         check(alm.engine, lambda reqs, hooks: asyncio.run(alm.generate_batch(reqs, hooks)))
+    finally:
+        alm.shutdown()
+
+
+def test_generate_batch_refuses_malformed_requests_and_hooks_naming_them():
+    """``generate_batch`` on ``LLM`` and ``AsyncLLM``: a request that is not a ``(prompt token
+    ids, SamplingParams, namespace)`` triple, or ``on_finish`` of another length than the
+    requests, is a RequestError naming ``requests`` / ``on_finish``. AsyncLLM submitted only as
+    many requests as hooks and awaited the others forever; a request of two or four items was an
+    IndexError / ValueError (or its extra item ignored)."""
+    ok = ([5, 6, 7], greedy(2), None)
+    cases = [
+        ("abc", None, "requests"),
+        ([([5, 6], greedy(2))], None, "requests"),
+        ([([5, 6], greedy(2), None, "extra")], None, "requests"),
+        ([ok, ok], [None], "on_finish"),
+        ([ok], [None, None], "on_finish"),
+        ([ok], ["not callable"], "on_finish"),
+        ([([5, 6], {"max_tokens": 2}, None)], None, "sampling_params"),
+    ]
+    llm = make_llm()
+    alm = AsyncLLM(
+        device="cpu", model_runner=FakeRunner(256, 1, 16), tokenizer=None, eos_token_ids=[], max_total_tokens=256
+    )
+
+    async def on_alm(reqs, hooks):
+        return await asyncio.wait_for(alm.generate_batch(reqs, hooks), 30)
+
+    try:
+        for run in (llm.generate_batch, lambda reqs, hooks: asyncio.run(on_alm(reqs, hooks))):
+            for reqs, hooks, param in cases:
+                with pytest.raises(RequestError) as e:
+                    run(reqs, hooks)
+                assert e.value.param == param, (reqs, hooks, str(e.value))
+            outs = run([ok, ([9], None, None)], [None, None])  # None params: the defaults
+            assert outs[0].outputs[0].token_ids == reference([5, 6, 7], 2) and len(outs) == 2
+        idle_invariant(llm)
     finally:
         alm.shutdown()
 

@@ -24,13 +24,14 @@ from radixkv.branching.prompts import (
     initial_context,
     messages,
     per_child,
+    render_messages,
     select_prompt,
     token_ids,
     turn_params,
 )
 from radixkv.branching.scoring import SelectResult, check_method, score_choices, select_params
 from radixkv.errors import RequestError
-from radixkv.namespace import Namespace
+from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput
 from radixkv.sampling_params import SamplingParams
 from radixkv.text import encode_text
@@ -271,16 +272,24 @@ class Context:
             new = [{"role": "user", "content": message}]
         else:
             new = messages(message, "message")
+            render_messages(tok, new, False, "message")  # what the template refuses in them, named so
         return continue_chat(tok, self._tokens, self._messages, new, self._stop_text), new
 
-    def _advance(self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]]) -> None:
-        """The turn finished: the context becomes its prompt + the reply's tokens."""
+    def _advance(
+        self, prompt: List[int], out: RequestOutput, new_messages: Optional[List[dict]], params: SamplingParams
+    ) -> None:
+        """The turn finished: the context becomes its prompt + the reply's tokens (in a chat, the
+        reply joins the conversation as its text; decoded here when the turn's ``detokenize`` was
+        False, which leaves it no text)."""
         c = out.outputs[0]
-        self._tokens = list(prompt) + reply_tokens(self._owner.tokenizer, c)
+        reply = reply_tokens(self._owner.tokenizer, c)
+        self._tokens = list(prompt) + reply
         if new_messages is None:
             self._messages = None  # raw text went in: the conversation can no longer be tracked
         elif self._messages is not None:
-            self._messages = self._messages + new_messages + [{"role": "assistant", "content": c.text}]
+            skip = params.skip_special_tokens
+            text = c.text if params.detokenize else self._tok().decode(reply, skip_special_tokens=skip)
+            self._messages = self._messages + new_messages + [{"role": "assistant", "content": text}]
         self._stop_text = reply_stop_text(self._owner.tokenizer, c)
 
     def _select_prompt(self, text: Any, message: Any) -> tuple[List[int], Optional[List[dict]]]:
@@ -329,14 +338,14 @@ class _Batch:
     failed or was cancelled) advances every session whose turn finished. A hook runs either
     before ``settle`` or not at all, so a turn abandoned mid-way leaves its session as it was."""
 
-    def __init__(self, sessions: List[Context], prompts: List[tuple]) -> None:
-        self.sessions, self.prompts = sessions, prompts
+    def __init__(self, sessions: List[Context], prompts: List[tuple], spaces: List[Any], params: List[Any]) -> None:
+        self.sessions, self.prompts, self.spaces, self.params = sessions, prompts, spaces, params
         self.done: dict = {}
         self.lock = threading.Lock()
         self.settled = False
 
     def hook(self, i: int) -> Any:
-        s, prompt = self.sessions[i], self.prompts[i][0]
+        s, prompt, space = self.sessions[i], self.prompts[i][0], self.spaces[i]
 
         def on_finish(engine: Any, out: RequestOutput) -> None:
             with self.lock:
@@ -346,7 +355,7 @@ class _Batch:
                 if s._closed:  # its close lets go of the pin it holds
                     return
                 reply = reply_tokens(s._owner.tokenizer, out.outputs[0])
-                old, s._pin = s._pin, engine.pin_prefix(list(prompt) + reply, s.namespace)
+                old, s._pin = s._pin, engine.pin_prefix(list(prompt) + reply, space)
                 if old is not None:
                     engine.release_pin(old)
 
@@ -357,32 +366,39 @@ class _Batch:
             self.settled = True
         for i, (s, (prompt, new)) in enumerate(zip(self.sessions, self.prompts)):
             if i in self.done:
-                s._advance(prompt, self.done[i], new)
+                s._advance(prompt, self.done[i], new, self.params[i])
             s._busy = False
 
 
 def turns_program(sessions: List[Context], prompts: List[tuple], params: List[Any]) -> Program:
     """One turn of each session (``prompts[i]``: ``(prompt token ids, new chat messages or
     None)``) submitted as one batch, so their common context is computed at most once; returns
-    the outputs in order. Every turn that finished advances its session and moves its pin (also
+    the outputs in order. A turn runs (and its context is pinned) in its session's namespace with
+    its ``cache_salt`` joined, as ``Engine.add_request`` does. Every turn that finished advances its session and moves its pin (also
     when another of the batch failed); the others keep their context and pin.
 
     Raises:
-        RequestError: bad ``sampling_params``, a closed or busy session, a session twice.
+        RequestError: bad ``sampling_params``, a closed or busy session, a session twice, a
+            ``cache_salt`` other than the session namespace's own salt.
     """
     checked = [turn_params(p) for p in params]
     for s in sessions:
         s._check_open()
     if len({id(s) for s in sessions}) != len(sessions):
         raise RequestError("a session appears twice in one batch", "sessions")
-    batch = _Batch(sessions, prompts)
+    # a turn's cache_salt joins its namespace (as Engine.add_request does): its context is pinned there
+    spaces = [
+        s.namespace if sp.cache_salt is None else with_salt(s.namespace, sp.cache_salt)
+        for s, sp in zip(sessions, checked)
+    ]
+    batch = _Batch(sessions, prompts, spaces, checked)
     for s in sessions:
         s._busy = True
     try:
         pins = [s._pin for s in sessions if s._pin is not None]
         if pins:  # the sessions in use become the most recently used pins
             yield EngineCall(lambda e: [e.touch_pin(p) for p in pins])
-        requests = [(p, sp, s.namespace) for (p, _), sp, s in zip(prompts, checked, sessions)]
+        requests = [(p, sp, ns) for (p, _), sp, ns in zip(prompts, checked, spaces)]
         return (yield Submit(requests, [batch.hook(i) for i in range(len(sessions))]))
     finally:
         batch.settle()

@@ -4,6 +4,7 @@ and choices. Every refusal is a :class:`~radixkv.errors.RequestError` naming the
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from radixkv.chat_template import render_chat
@@ -16,6 +17,7 @@ __all__ = [
     "is_messages",
     "token_ids",
     "messages",
+    "render_messages",
     "turn_params",
     "per_child",
     "fork_count",
@@ -68,6 +70,21 @@ def messages(x: Any, param: str = "messages") -> List[dict]:
             raise RequestError(f"{param}: every message needs a str 'role' and a 'content', got {m!r}", param)
         out.append(dict(m))
     return out
+
+
+def render_messages(tok: Any, msgs: List[dict], add_generation_prompt: bool, param: str) -> str:
+    """The chat template's text of ``msgs``, the argument ``param`` of a branching call.
+
+    Raises:
+        RequestError: (param ``param``) what the chat template refuses in them (a role it does
+            not know, content that is not text), ``messages[i]`` in its message as ``param[i]``.
+    """
+    try:
+        return render_chat(tok, msgs, add_generation_prompt=add_generation_prompt)
+    except RequestError as exc:
+        if exc.param != "messages" or param == "messages":
+            raise
+        raise RequestError(re.sub(r"\bmessages\[", f"{param}[", str(exc)), param) from exc
 
 
 def turn_params(p: Any, param: str = "sampling_params") -> SamplingParams:
@@ -138,7 +155,7 @@ def initial_context(owner: Any, prompt: Prompt) -> Tuple[List[int], Optional[Lis
         msgs = messages(prompt, "prompt")
         if owner.tokenizer is None:
             raise RequestError("chat messages need the model's tokenizer", "prompt")
-        text = render_chat(owner.tokenizer, msgs, add_generation_prompt=False) if msgs else ""
+        text = render_messages(owner.tokenizer, msgs, False, "prompt") if msgs else ""
         return _encode(owner, text, "prompt"), msgs
     return token_ids(prompt, int(owner.engine.vocab_size), "prompt"), None
 
@@ -158,7 +175,7 @@ def select_prompt(owner: Any, prompt: Prompt, param: str = "prompt") -> List[int
         msgs = messages(prompt, param)
         if not msgs:
             raise RequestError("prompt must not be an empty conversation", param)
-        return _encode(owner, render_chat(owner.tokenizer, msgs, add_generation_prompt=True), param)
+        return _encode(owner, render_messages(owner.tokenizer, msgs, True, param), param)
     ids = token_ids(prompt, int(owner.engine.vocab_size), param)
     if not ids:
         raise RequestError("prompt must not be empty", param)

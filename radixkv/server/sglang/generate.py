@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 
 from radixkv.outputs import CompletionOutput, RequestOutput
+from radixkv.sampling_params import MAX_LOGPROBS
 from radixkv.server.auth import engine_request_id, request_tenant
 from radixkv.server.body import tokenize_off_loop
 from radixkv.server.engine_client import EngineClient
@@ -181,8 +182,8 @@ class Generate:
                     "logprob_start_len",
                 )
             top = 0 if top is None else top
-            if top < 0:
-                raise APIError(f"top_logprobs_num must be >= 0, got {top}", "top_logprobs_num")
+            if not 0 <= top <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs_num must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs_num")
             out.append(LogprobOptions(start, top, bool(req.return_text_in_logprobs)))
         return out
 
