@@ -43,7 +43,7 @@ from radixkv.engine.stats import EngineStats
 from radixkv.errors import RequestError, RequestFailed
 from radixkv.inputs import batch_requests, check_sampling_params, to_token_ids, to_token_prompt
 from radixkv.namespace import Namespace, with_salt
-from radixkv.outputs import RequestOutput
+from radixkv.outputs import RequestOutput, ended_early
 from radixkv.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -195,7 +195,8 @@ class AsyncLLM:
                 None: this AsyncLLM's ``namespace``.
             on_finish: ``on_finish(engine, final output)`` runs on the engine thread when the
                 request finishes, before its final output is delivered (no step runs in between;
-                not on abort): e.g. pin what it left cached (stored Responses).
+                not on abort or error: ``radixkv.outputs.ended_early``): e.g. pin what it left
+                cached (stored Responses).
 
         Returns:
             A :class:`RequestStream`: an async iterator of ``RequestOutput`` snapshots,
@@ -344,7 +345,7 @@ class AsyncLLM:
                     item = await stream.queue.get()
                     if isinstance(item, BaseException):
                         raise item
-                    if item is _ABORTED or _aborted(item):
+                    if item is _ABORTED or (ended_early(item) and item.error is None):
                         raise asyncio.CancelledError(f"request {rids[i]} was aborted")
                     if item.finished:
                         if item.error is not None:
@@ -546,7 +547,7 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
                 hook = self._hooks.pop(out.request_id, None)
-                if hook is not None:
+                if hook is not None and not ended_early(out):
                     try:
                         hook(self.engine, out)
                     except Exception:  # noqa: BLE001 - a caller's hook must not stop the engine
@@ -709,8 +710,3 @@ class _Stopped(Exception):
 
 def _is_final(item: Any) -> bool:
     return item is _ABORTED or isinstance(item, BaseException) or bool(getattr(item, "finished", False))
-
-
-def _aborted(out: RequestOutput) -> bool:
-    """Whether ``out`` is the final output of a request aborted by id (:meth:`AsyncLLM.abort`)."""
-    return out.finished and any(c.finish_reason == "abort" for c in out.outputs)

@@ -24,7 +24,7 @@ from radixkv.inputs import (
     to_token_prompts,
 )
 from radixkv.namespace import Namespace, with_salt
-from radixkv.outputs import RequestOutput
+from radixkv.outputs import RequestOutput, ended_early
 from radixkv.sampling_params import SamplingParams
 from radixkv.text import encode_text
 
@@ -195,7 +195,8 @@ class LLM:
             requests: ``(prompt_token_ids, sampling_params, namespace)`` per request.
             on_finish: per request, None or ``fn(engine, final output)``, run in this thread
                 right when that request finishes, before any further step (e.g. pin what it left
-                cached); an exception it raises is logged, not raised (as on AsyncLLM).
+                cached), not when it was aborted or failed (``radixkv.outputs.ended_early``); an
+                exception it raises is logged, not raised (as on AsyncLLM).
 
         Returns:
             One finished :class:`RequestOutput` per request, in order (finish_reason
@@ -432,8 +433,9 @@ def _progress_bar(use_tqdm: Any, total: int) -> Any:
 
 
 def _finish_hook(hook: Optional[FinishHook], engine: Any, out: RequestOutput) -> None:
-    """A caller's finish hook (not on abort); its exception is logged (it must not stop the batch)."""
-    if hook is None or out.outputs[0].finish_reason == "abort":
+    """A caller's finish hook (not on abort or error: :func:`~radixkv.outputs.ended_early`); its
+    exception is logged (it must not stop the batch)."""
+    if hook is None or ended_early(out):
         return
     try:
         hook(engine, out)

@@ -139,3 +139,10 @@ class RequestOutput:
     cache_outcome: Optional["CacheOutcome"] = None
     error: Optional[str] = None
     cached_tokens_by_tier: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(CACHE_MEDIA, 0))
+
+
+def ended_early(out: RequestOutput) -> bool:
+    """Whether ``out`` is the final output of a request that did not run to its end: aborted (a
+    sample with finish_reason ``"abort"``) or failed (``error`` set). A caller's finish hook
+    (``generate_batch``'s ``on_finish``: a session's turn, a stored Response) does not run for it."""
+    return out.finished and (out.error is not None or any(c.finish_reason == "abort" for c in out.outputs))

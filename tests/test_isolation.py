@@ -18,8 +18,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from server_helpers import Server, assert_pool_whole, new_async_llm  # noqa: E402
 
-from radixkv import LLM, SamplingParams  # noqa: E402
+from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
 from radixkv.datasets import load_conversations  # noqa: E402
+from radixkv.errors import RequestFailed  # noqa: E402
 from radixkv.sampling import pipeline, processors  # noqa: E402
 from radixkv.sampling.grammar import GrammarState  # noqa: E402
 
@@ -218,4 +219,38 @@ def test_server_answers_the_failed_request_and_serves_the_others(default_model, 
         assert alm.engine.num_failed_requests == 2
     finally:
         srv.stop()
+        alm.shutdown()
+
+
+@pytest.mark.parametrize("front", ["LLM", "AsyncLLM"])
+def test_a_failed_session_turn_leaves_the_session_as_it_was(front, llm, default_model, prompts, monkeypatch):
+    """A turn whose sampling raised ran its finish hook all the same: the session advanced by the
+    partial reply (its context and pin moved) although the turn failed (``finish_reason``
+    "error"; ``RequestFailed`` on AsyncLLM). It now stays as it was, as after an abort."""
+    processor_fault(monkeypatch)
+    bad = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logit_bias={BAD_TOKEN: 0.5})
+    good = SamplingParams(temperature=0, max_tokens=4)
+    if front == "LLM":
+        s = llm.session(prompts[0])
+        before = (s.tokens, s.pinned_tokens)
+        out = s.generate(prompt_token_ids=prompts[1][:5], sampling_params=bad)
+        assert out.outputs[0].finish_reason == "error" and (s.tokens, s.pinned_tokens) == before
+        ok = s.generate(prompt_token_ids=prompts[1][:5], sampling_params=good)
+        assert s.tokens == before[0] + prompts[1][:5] + ok.outputs[0].token_ids
+        s.close()
+        assert_no_leak(llm)
+        return
+
+    async def run(alm):
+        async with alm.session(prompts[0]) as s:
+            before = (s.tokens, s.pinned_tokens)
+            with pytest.raises(RequestFailed):
+                await s.generate(prompt_token_ids=prompts[1][:5], sampling_params=bad)
+            assert (s.tokens, s.pinned_tokens) == before
+        return await alm.call_in_engine_thread(lambda e: (e.num_unfinished_requests(), e.cache_stats()["pinned"]))
+
+    alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=4096)
+    try:
+        assert asyncio.run(run(alm)) == (0, 0)
+    finally:
         alm.shutdown()
