@@ -365,7 +365,9 @@ class AsyncLLM:
 
         The engine releases the request's KV slots; its ``generate`` iterator then yields one
         last output, ``finished``, with finish_reason ``"abort"`` on each sample still running
-        (its tokens so far), and ends, as vLLM's. A :meth:`generate_batch` waiting for it raises
+        (its tokens so far), and ends, as vLLM's; that output is queued before this returns, so
+        the request no longer counts in :meth:`num_unfinished_requests` and its id can be reused
+        at once. A :meth:`generate_batch` waiting for it raises
         ``asyncio.CancelledError``. Callers usually abort by cancelling or closing the iterator.
 
         Raises:
@@ -515,18 +517,25 @@ class AsyncLLM:
 
     def _abort_in_thread(self, rid: str, stream: _Stream | None) -> None:
         """Abort ``rid`` on the engine thread: for its consumer that gave up (``stream``; nobody
-        reads it any more) or by id (``stream`` None: :meth:`abort`; the stream stays open for the
-        request's final output, finish_reason "abort", which the next step delivers)."""
+        reads it any more) or by id (``stream`` None: :meth:`abort`). By id, the request's final
+        output (finish_reason "abort") is delivered here, as vLLM's ``abort`` queues it before it
+        returns: once the abort is awaited the request is no longer unfinished and its id is free
+        (a step delivering it later would refuse a new request of that id, or end its stream)."""
         # Only a request still in _streams is unfinished in the engine, so a request that
         # finished in the same step as its consumer gave up is never aborted twice.
         current = self._streams.get(rid)
         if current is None or (stream is not None and current is not stream):
             return
-        self.engine.abort_now(rid)
+        final = self.engine.abort_now(rid, report=stream is not None)
+        if stream is None and final is None:
+            return  # it ended in the engine already (its final output is the next step's)
+        del self._streams[rid]
         self._hooks.pop(rid, None)
-        if stream is not None:
-            del self._streams[rid]
+        if final is None:
             current.put(_ABORTED)
+        else:
+            self._stats = self.engine.cache_stats()  # before its consumer sees the output
+            current.put(final)
         logger.debug("aborted %s", rid)
 
     def _reset_in_thread(self, engine: Any, tiers: bool = False) -> bool:

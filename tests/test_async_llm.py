@@ -161,6 +161,40 @@ def test_abort_by_id_ends_the_stream(llm):
     assert_pool_whole(llm)
 
 
+def test_abort_by_id_is_done_when_awaited_and_the_id_can_be_reused(llm):
+    # vLLM's AsyncLLM.abort takes the request out of its output processor and queues the final
+    # output before it returns: once awaited, nothing of it is unfinished and its id is free. The
+    # engine thread is held (a posted call waiting on ``gate``) right after the abort, so no step
+    # can deliver anything in between.
+    expected = asyncio.run(collect(llm, PROMPTS[1], greedy(5, ignore_eos=True)))[-1].outputs[0].token_ids
+    gate = threading.Event()
+
+    async def run():
+        old = llm.generate(PROMPTS[0], greedy(400, ignore_eos=True), "reuse-1")
+        first = await old.__anext__()
+        aborting = asyncio.ensure_future(llm.abort("reuse-1"))
+        await asyncio.sleep(0)  # the abort is posted
+        held = llm.submit(lambda e: gate.wait(60))
+        try:
+            await aborting
+            unfinished = llm.num_unfinished_requests()
+            new = asyncio.ensure_future(collect(llm, PROMPTS[1], greedy(5, ignore_eos=True), "reuse-1"))
+            await asyncio.sleep(0)  # its request is posted while the engine thread is held
+        finally:
+            gate.set()
+        await asyncio.wrap_future(held)
+        return first, unfinished, [o async for o in old], await new
+
+    first, unfinished, old, new = asyncio.run(run())
+    assert unfinished == 0  # nothing of it was left once the abort returned
+    assert len(old) == 1 and old[0].finished and old[0].outputs[0].finish_reason == "abort"
+    assert old[0].outputs[0].token_ids[: len(first.outputs[0].token_ids)] == first.outputs[0].token_ids
+    # the id was free for a new request at once: it ran in full, its one final output its own
+    assert new[-1].outputs[0].token_ids == expected and new[-1].outputs[0].finish_reason == "length"
+    assert [o.finished for o in new] == [False] * (len(new) - 1) + [True]
+    assert_pool_whole(llm)
+
+
 def test_bad_input_raises_value_error_and_engine_stays_usable(llm):
     ctx = llm.max_context_len
 

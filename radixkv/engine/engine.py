@@ -631,13 +631,17 @@ class Engine:
         with self._work:
             self._work.wait_for(lambda: bool(self._inbox) or io.has_done_loads(), timeout)
 
-    def abort_now(self, request_id: str) -> None:
+    def abort_now(self, request_id: str, report: bool = True) -> Optional[RequestOutput]:
         """Abort a request at once (driver thread: from a posted call or between steps); its
-        final output (finish_reason "abort") comes from the next :meth:`step`. Unknown or
-        finished ids are ignored."""
+        final output (finish_reason "abort") comes from the next :meth:`step`, or with
+        ``report`` False is returned instead (the caller delivers it; no step reports it).
+        Unknown or finished ids are ignored (None)."""
         group = self._groups.get(request_id)
-        if group is not None:
-            self._end_group(group, self._ready, reason="abort")
+        if group is None:
+            return None
+        outputs = self._ready if report else []
+        self._end_group(group, outputs, reason="abort")
+        return None if report else outputs[-1]
 
     def _fail(self, request_id: str, exc: BaseException, outputs: List[RequestOutput]) -> None:
         """Request ``request_id``'s sampling (or output processing) raised ``exc`` for its row:
