@@ -35,6 +35,7 @@ import logging
 import threading
 import uuid
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Hashable, Mapping, Sequence
 
@@ -359,9 +360,9 @@ class AsyncLLM:
                     if out is None:
                         self._abort_nowait(rid, stream)
 
-    async def abort(self, request_id: str | Sequence[str]) -> None:
-        """Abort unfinished requests by id: one id or a list of them, as vLLM's ``abort`` takes
-        (no-op for an id that already finished or is unknown).
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort unfinished requests by id: one id or an iterable of them (a list, a generator),
+        as vLLM's ``abort`` takes (no-op for an id that already finished or is unknown).
 
         The engine releases the request's KV slots; its ``generate`` iterator then yields one
         last output, ``finished``, with finish_reason ``"abort"`` on each sample still running
@@ -371,11 +372,18 @@ class AsyncLLM:
         ``asyncio.CancelledError``. Callers usually abort by cancelling or closing the iterator.
 
         Raises:
-            RequestError: (param ``request_id``) an id that is not a str.
+            RequestError: (param ``request_id``) an id that is not a str, or neither a str nor an
+                iterable.
         """
-        ids = [request_id] if isinstance(request_id, str) else request_id
-        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(isinstance(r, str) for r in ids):
-            raise RequestError(f"request_id must be a str or a list of them, got {request_id!r:.80}", "request_id")
+        bad = RequestError(f"request_id must be a str or an iterable of them, got {request_id!r:.80}", "request_id")
+        if isinstance(request_id, str):
+            ids = [request_id]
+        elif isinstance(request_id, (bytes, bytearray)) or not isinstance(request_id, Iterable):
+            raise bad
+        else:
+            ids = list(request_id)  # vLLM's as_list: a generator or dict.keys() too
+        if not all(isinstance(r, str) for r in ids):
+            raise bad
 
         def abort_all(engine: Any) -> None:
             for rid in ids:

@@ -234,8 +234,9 @@ def test_allowed_token_ids_restricts_greedy_to_transformers_argmax_over_them(off
 
 
 def test_async_abort_takes_a_list_of_request_ids(default_model):
-    """vLLM's ``AsyncLLM.abort`` takes one id or several; a list raised ``TypeError: unhashable
-    type: 'list'`` from the engine thread."""
+    """vLLM's ``AsyncLLM.abort`` takes one id or several (``str | Iterable[str]``); a list raised
+    ``TypeError: unhashable type: 'list'`` from the engine thread, and an iterable other than a
+    list, tuple or set (a generator, ``dict.keys()``) was refused as not a str."""
     import asyncio
 
     from radixkv import AsyncLLM
@@ -250,12 +251,14 @@ def test_async_abort_takes_a_list_of_request_ids(default_model):
         for rest in ([o async for o in iters[0]], [o async for o in iters[2]]):
             assert [o.finished for o in rest][-1:] == [True] and not any(o.finished for o in rest[:-1])
             assert rest[-1].outputs[0].finish_reason == "abort"
-        await alm.abort("r1")
+        await alm.abort(rid for rid in {"r1": iters[1]}.keys())
         rest1 = [o async for o in iters[1]]
         assert rest1[-1].finished and rest1[-1].outputs[0].finish_reason == "abort"
-        with pytest.raises(ValueError) as e:
-            await alm.abort(7)
-        assert e.value.param == "request_id"
+        for bad in (7, [7], b"r1", ["r1", None]):
+            with pytest.raises(ValueError) as e:
+                await alm.abort(bad)
+            assert e.value.param == "request_id"
+        await alm.abort("r1")  # finished: a no-op
         return await alm.call_in_engine_thread(lambda e: (e.num_unfinished_requests(), e.cache_stats()["in_use"]))
 
     alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=2048)
