@@ -58,10 +58,14 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Where the engine thread delivers one request's outputs: an asyncio queue on its loop."""
+    """Where the engine thread delivers one request's outputs: an asyncio queue on its loop.
+    ``aborted``: its request was aborted by id (:meth:`AsyncLLM.abort`; set before its final
+    output is put), unlike a request the engine itself ended with "abort" (a grammar that failed
+    to compile)."""
 
     loop: asyncio.AbstractEventLoop | None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    aborted: bool = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: schedule ``item`` onto the caller's loop (no-op if that loop is closed)."""
@@ -304,13 +308,17 @@ class AsyncLLM:
         same method as :meth:`radixkv.llm.LLM.generate_batch`, awaited; sessions and ``select``
         run on it). ``on_finish[i](engine, output)`` (or None) runs on the engine thread when
         request ``i`` finishes, before its output is delivered (no step runs in between; not on
-        abort; an exception it raises is logged). Cancelling aborts them all.
+        abort or error: ``radixkv.outputs.ended_early``; an exception it raises is logged).
+        Cancelling aborts them all. A request the engine itself ended (its grammar failed to
+        compile: finish_reason ``"abort"``) is returned, as on LLM.
 
         Raises:
             RequestError: any request refused (then none is submitted); a request that is not such
                 a triple (param ``requests``), ``on_finish`` not one hook or None per request
                 (``on_finish``).
             RequestFailed: a request's sampling raised in the engine (the others are aborted).
+            asyncio.CancelledError: a request of it was aborted by id (:meth:`abort`; the others
+                are aborted).
             EngineDeadError: the engine thread is not running.
         """
         requests, hooks = batch_requests(requests, on_finish)
@@ -346,7 +354,7 @@ class AsyncLLM:
                     item = await stream.queue.get()
                     if isinstance(item, BaseException):
                         raise item
-                    if item is _ABORTED or (ended_early(item) and item.error is None):
+                    if item is _ABORTED or stream.aborted:
                         raise asyncio.CancelledError(f"request {rids[i]} was aborted")
                     if item.finished:
                         if item.error is not None:
@@ -386,8 +394,10 @@ class AsyncLLM:
             raise bad
 
         def abort_all(engine: Any) -> None:
-            for rid in ids:
-                self._abort_in_thread(rid, None)
+            finals = [f for f in (self._abort_in_thread(rid, None) for rid in ids) if f is not None]
+            self._stats = engine.cache_stats()  # before any consumer sees a final output
+            for stream, out in finals:
+                stream.put(out)
 
         await asyncio.wrap_future(self.submit(abort_all))
 
@@ -523,28 +533,29 @@ class AsyncLLM:
             if self._dead is None and not self._closing:
                 self.engine.post(lambda e: self._apply(lambda e: self._abort_in_thread(rid, stream), None))
 
-    def _abort_in_thread(self, rid: str, stream: _Stream | None) -> None:
+    def _abort_in_thread(self, rid: str, stream: _Stream | None) -> tuple[_Stream, RequestOutput] | None:
         """Abort ``rid`` on the engine thread: for its consumer that gave up (``stream``; nobody
-        reads it any more) or by id (``stream`` None: :meth:`abort`). By id, the request's final
-        output (finish_reason "abort") is delivered here, as vLLM's ``abort`` queues it before it
-        returns: once the abort is awaited the request is no longer unfinished and its id is free
-        (a step delivering it later would refuse a new request of that id, or end its stream)."""
+        reads it any more) or by id (``stream`` None: :meth:`abort`). By id, the request leaves
+        at once and its final output (finish_reason "abort") is returned with its stream for the
+        caller to deliver, as vLLM's ``abort`` queues it before it returns: once the abort is
+        awaited the request is no longer unfinished and its id is free (a later step delivering it
+        would refuse a new request of that id, or end its stream)."""
         # Only a request still in _streams is unfinished in the engine, so a request that
         # finished in the same step as its consumer gave up is never aborted twice.
         current = self._streams.get(rid)
         if current is None or (stream is not None and current is not stream):
-            return
+            return None
         final = self.engine.abort_now(rid, report=stream is not None)
         if stream is None and final is None:
-            return  # it ended in the engine already (its final output is the next step's)
+            return None  # it ended in the engine already (its final output is the next step's)
         del self._streams[rid]
         self._hooks.pop(rid, None)
+        logger.debug("aborted %s", rid)
         if final is None:
             current.put(_ABORTED)
-        else:
-            self._stats = self.engine.cache_stats()  # before its consumer sees the output
-            current.put(final)
-        logger.debug("aborted %s", rid)
+            return None
+        current.aborted = True
+        return current, final
 
     def _reset_in_thread(self, engine: Any, tiers: bool = False) -> bool:
         if self._streams:

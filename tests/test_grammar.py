@@ -595,6 +595,45 @@ def test_async_llm_waits_for_compiles_without_spinning_and_refuses_bad_constrain
     assert_idle(llm)
 
 
+def test_a_grammar_that_fails_to_compile_ends_its_request_the_same_on_llm_and_async_llm(llm, monkeypatch):
+    """A constraint xgrammar accepted at validation but whose compile raised ends its request
+    with finish_reason "abort" (Engine._admit_compiled). ``generate_batch`` (sessions, select)
+    returns that output on LLM; AsyncLLM's raised ``asyncio.CancelledError`` instead, as if the
+    caller had aborted it, out of a task nobody cancelled (an AsyncSession turn with a
+    response_format ended so). Neither runs its finish hook, and the session stays as it was."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from radixkv.async_llm import AsyncLLM
+
+    def failing(structured, namespace=None):
+        fut: Future = Future()
+        fut.set_exception(RuntimeError("compile failed"))
+        return fut
+
+    monkeypatch.setattr(llm.engine.grammars, "compile", failing)
+    prompt = chat(llm, "Give me a JSON object.")
+    params = SamplingParams(temperature=0, max_tokens=8, json_object=True)
+    hooked: list = []
+    (want,) = llm.generate_batch([(prompt, params, None)], on_finish=[lambda e, o: hooked.append(o)])
+    assert want.finished and want.outputs[0].finish_reason == "abort" and want.outputs[0].token_ids == []
+
+    async def run(a):
+        (got,) = await a.generate_batch([(prompt, params, None)], on_finish=[lambda e, o: hooked.append(o)])
+        s = a.session("Hello")
+        before = (s.tokens, s.pinned_tokens)
+        turn = await s.generate(" world", params)
+        after = (s.tokens, s.pinned_tokens)
+        await s.close()
+        return got, turn, before, after
+
+    with AsyncLLM(engine=llm.engine) as a:
+        got, turn, before, after = asyncio.run(run(a))
+    assert (got.finished, got.outputs[0].finish_reason, got.outputs[0].token_ids) == (True, "abort", [])
+    assert turn.outputs[0].finish_reason == "abort" and after == before and hooked == []
+    assert_idle(llm)
+
+
 def test_min_tokens_holds_back_eos_and_stop_strings_on_the_model(llm):
     prompt = chat(llm, "Say hi.")
     (ref,) = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=48))
