@@ -47,6 +47,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from radixkv.namespace import Namespace
+from radixkv.outputs import ended_early
 from radixkv.router.policy import RouteRequest, make_policy
 
 logger = logging.getLogger(__name__)
@@ -563,7 +564,7 @@ class RemoteLLM:
         routing_key: Optional[str] = None,
     ) -> AsyncIterator[Any]:
         """As :meth:`radixkv.async_llm.AsyncLLM.generate`. ``on_finish(pins, final output)``
-        runs here, on the ingress, before the final output is delivered, with
+        (not for an aborted or failed request, as on one engine) runs here, on the ingress, before the final output is delivered, with
         :data:`~radixkv.server.backend.NO_PINS` (the replicas' KV cannot be pinned from the
         ingress; a stored Response keeps its context tokens and its follow-up is routed to the
         replica that caches them). A ``request_id`` already running here is refused (a
@@ -600,7 +601,7 @@ class RemoteLLM:
         try:
             async for out in self._resuming(args):
                 last = out
-                if out.finished and on_finish is not None:
+                if out.finished and on_finish is not None and not ended_early(out):  # as one engine
                     on_finish(NO_PINS, out)
                 yield out
         except (GeneratorExit, asyncio.CancelledError):  # the consumer left: the replica aborts it
