@@ -16,6 +16,7 @@ import pytest
 from model_helpers import tiny_loaded_model
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import Server, scrape
+from tier_fakes import loading_always_pays
 
 from radixkv import LLM, AsyncLLM, SamplingParams
 from radixkv.server.app import create_app
@@ -189,11 +190,14 @@ def test_replicas_stats_keep_the_latency_buckets_and_the_shared_tier_size(tiny):
         loaded_model=tiny, device="cpu", attention_backend="cpu", page_size=16, max_total_tokens=64,
         host_cache_bytes=1 << 22,
     )  # fmt: skip
+    loading_always_pays(llm.engine)  # the second round loads (not by timing)
     prompts = [list(range(1000 + 100 * i, 1048 + 100 * i)) for i in range(3)]
     for _ in range(2):  # the second round loads what the small pool evicted to the host tier
         llm.generate(
             prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
         )
+        # the evictions' write-backs reached the host tier (a lookup does not wait for a queued write)
+        assert llm.engine.kv.tiers.drain(60)
     one = llm.cache_stats().as_dict()
     host = one["tiers"]["host"]
     assert host["loaded"] > 0 and sum(host["load_latency"]["counts"]) > 0
@@ -318,6 +322,8 @@ def test_engine_totals_are_the_sums_of_what_requests_report(tiny, tmp_path, name
     if "host_cache_bytes" in cfg:
         cfg["disk_cache_dir"] = str(tmp_path)
     llm = LLM(loaded_model=tiny, device="cpu", attention_backend="cpu", **cfg)
+    if llm.engine.kv.tiers is not None:
+        loading_always_pays(llm.engine)  # what the tiers serve (asserted below) must not depend on timing
     rng = random.Random(len(name))
     base = [rng.randrange(100, 5000) for _ in range(120)]
     outs, rounds = [], []

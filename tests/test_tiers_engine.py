@@ -38,6 +38,15 @@ def generate(engine, prompts, params=None, namespace=None):
     return [done[i] for i in ids]
 
 
+def generate_closed(engine, prompts, params=None):
+    """:func:`generate`, then close ``engine``: all its writes are in its stores before the next
+    engine over them looks (an engine left to the garbage collector drained them at some later
+    moment, racing the next engine's lookups)."""
+    outs = generate(engine, prompts, params)
+    assert engine.close()
+    return outs
+
+
 def test_write_policy_resolution():
     assert resolve_write_policy(None) == {"host": "write_back", "disk": "write_through", "remote": "write_through"}
     assert resolve_write_policy("write_back") == dict.fromkeys(("host", "disk", "remote"), "write_back")
@@ -63,7 +72,7 @@ def test_write_policy_resolution():
 def test_write_through_then_a_new_engine_loads_the_exact_blocks(page_size):
     shared: OrderedDict = OrderedDict()
     p = prompt(1, 100)
-    first = generate(kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)]), [p])[0]
+    first = generate_closed(kv_engine(page_size=page_size, stores=[MemoryStore("disk", data=shared)]), [p])[0]
     assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == reference(p, 6)
     # the new engine over the same store: every token below the last (99), page-floored: 6 whole
     # blocks, then 3 tokens of the tail after them (the first engine's 105 computed tokens end
@@ -102,7 +111,7 @@ def test_write_back_on_eviction_and_load_back_through_the_cached_head():
 def test_requests_wait_for_their_blocks_without_stalling_others():
     shared: OrderedDict = OrderedDict()
     p = prompt(5, 90)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     other = prompt(6, 30)
     r1 = e.add_request(p, greedy())
@@ -139,7 +148,7 @@ def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():
 def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
     shared: OrderedDict = OrderedDict()
     p = prompt(9, 100)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     disk = MemoryStore("disk", data=shared)
     disk.corrupt(list(shared)[2])
     e = kv_engine(stores=[disk])
@@ -158,7 +167,7 @@ def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
 def test_a_tier_dearer_than_prefill_is_not_loaded():
     shared: OrderedDict = OrderedDict()
     p = prompt(10, 100)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     costs = e.kv.tiers.costs
     costs.prefill_token_s, costs.block_s["disk"] = 1e-6, 1.0  # one block: 1 s; recomputing it: 16 us
@@ -172,7 +181,7 @@ def test_a_tier_dearer_than_prefill_is_not_loaded():
 def test_prompt_logprobs_limit_what_is_loaded():
     shared: OrderedDict = OrderedDict()
     p = prompt(11, 100)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     out = generate(e, [p], greedy(prompt_logprobs=0, logprob_start_len=40))[0]
     # positions from 39 on need their logits: blocks 0-1 and the first 7 tokens of block 2 (the
@@ -184,7 +193,7 @@ def test_prompt_logprobs_limit_what_is_loaded():
 def test_abort_while_waiting_for_blocks_releases_the_lock():
     shared: OrderedDict = OrderedDict()
     p = prompt(12, 100)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     rid = e.add_request(p, greedy())
     e.step()
@@ -285,7 +294,7 @@ def test_explain_names_the_tier_holding_each_missed_span():
 def test_a_load_without_room_waits_for_it_and_is_installed_later():
     shared: OrderedDict = OrderedDict()
     p = prompt(20, 100)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(capacity=160, stores=[MemoryStore("disk", data=shared)])
     busy = prompt(21, 120)
     r_busy = e.add_request(busy, greedy(30))  # holds up to 150 of the 160 slots while it runs
@@ -338,7 +347,7 @@ def test_fingerprint_names_weights_dtypes_quantization_and_layout():
 def test_another_fingerprint_never_reads_a_block():
     shared: OrderedDict = OrderedDict()
     p = prompt(22, 80)
-    generate(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     from tier_fakes import KVRunner
 
     from radixkv.config import EngineConfig

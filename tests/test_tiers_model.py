@@ -13,7 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tier_fakes import tiny_model
+from tier_fakes import loading_always_pays, tiny_model
 
 from radixkv import LLM, SamplingParams
 
@@ -31,6 +31,9 @@ def _turns(llm, convs, params):
         for i in active:
             hist[i].append({"role": "user", "content": convs[i][t]})
         res = llm.chat([hist[i] for i in active], params, use_tqdm=False)
+        # the turn's writes reached the tiers before the next turn's lookups (which do not wait
+        # for a queued write: what they find would depend on timing)
+        assert llm.engine.kv.tiers is None or llm.engine.kv.tiers.drain(60)
         for i, o in zip(active, res):
             hist[i].append({"role": "assistant", "content": o.outputs[0].text})
             outs.append(o)
@@ -58,6 +61,7 @@ def test_tiny_model_outputs_identical_with_tiers(tmp_path, page_size):
         host_cache_bytes=1 << 20,
         disk_cache_dir=str(tmp_path),
     )
+    loading_always_pays(tiered_llm.engine)  # what the tiers serve must not depend on timing
     tiered = _turns(tiered_llm, convs, params)
     assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
     s = tiered_llm.cache_stats()
@@ -100,6 +104,7 @@ def test_default_model_outputs_identical_with_tiers(default_model, tmp_path):
         host_cache_bytes=64 << 20,
         disk_cache_dir=str(tmp_path),
     )
+    loading_always_pays(llm.engine)
     tiered = _turns(llm, convs, params)
     assert [o.outputs[0].token_ids for o in tiered] == [o.outputs[0].token_ids for o in plain]
     by = llm.cache_stats().cached_tokens_by_tier
@@ -239,7 +244,10 @@ def test_speculative_decoding_with_tiers_fp8_pages_of_16_keeps_greedy_outputs(tm
     params = SamplingParams(temperature=0, max_tokens=24)
 
     def rounds(llm):
-        out = [llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False) for _ in range(2)]
+        out = []
+        for _ in range(2):
+            out.append(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
+            assert llm.engine.kv.tiers is None or llm.engine.kv.tiers.drain(60)  # as in _turns
         llm.engine.check_integrity()
         return out
 
@@ -252,6 +260,7 @@ def test_speculative_decoding_with_tiers_fp8_pages_of_16_keeps_greedy_outputs(tm
         disk_cache_dir=str(tmp_path),
         **kw,
     )
+    loading_always_pays(llm.engine)
     tiered = rounds(llm)
     for a, b in zip(plain, tiered):
         assert [o.outputs[0].token_ids for o in b] == [o.outputs[0].token_ids for o in a]

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 from server_helpers import Server, assert_pool_whole, wait_idle
-from tier_fakes import tiny_model
+from tier_fakes import loading_always_pays, tiny_model
 
 from radixkv.async_llm import AsyncLLM
 from radixkv.server.app import create_app
@@ -34,6 +34,7 @@ def setup(tmp_path_factory):
         disk_cache_dir=str(d),
         remote_cache_url="redis://127.0.0.1:1/0",  # nobody listens: the remote tier is degraded
     )
+    llm.submit(loading_always_pays).result(60)  # the counts below must not depend on timing
     server = Server(create_app(llm, served_model_name=MODEL))
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         yield llm, http, d
@@ -167,6 +168,7 @@ def test_tenants_of_api_keys_are_isolated_in_the_tiers(tmp_path):
 
     def serve():
         llm = AsyncLLM(loaded_model=tiny_model(), device="cpu", max_total_tokens=4096, disk_cache_dir=str(tmp_path))
+        llm.submit(loading_always_pays).result(60)  # the tail is loaded too, not by timing
         return llm, Server(create_app(llm, served_model_name=MODEL, api_keys=keys))
 
     def cached(server, key, **extra):

@@ -244,8 +244,23 @@ class KVRunner:
         return out
 
 
-def kv_engine(capacity=256, page_size=1, stores=(), chunk=64, max_running=16, cache="radix", **cfg):
-    """An ``Engine`` over a :class:`KVRunner` of ``capacity`` slots with the KV tier ``stores``."""
+def loading_always_pays(engine) -> None:
+    """Fix ``engine``'s tier cost rule (docs/tiers.md, "Cost rule") to "loading a block always
+    beats recomputing it". The rule decides from measured seconds: a load timed while the I/O
+    thread waited for the GIL or the CPU (a loaded 2-core CI machine) looks dearer than a prefill
+    and the blocks after it are recomputed, so a test asserting what is served from a tier would
+    pass or fail by timing. A test of the rule itself sets ``costs`` by hand."""
+    costs = engine.kv.tiers.costs
+    costs.note_load = costs.note_prefill = lambda *_: None
+    costs.prefill_token_s = 1.0
+
+
+def kv_engine(
+    capacity=256, page_size=1, stores=(), chunk=64, max_running=16, cache="radix", measured_costs=False, **cfg
+):
+    """An ``Engine`` over a :class:`KVRunner` of ``capacity`` slots with the KV tier ``stores``;
+    unless ``measured_costs``, with :func:`loading_always_pays` (its tests' counts never depend
+    on timing)."""
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
 
@@ -260,7 +275,10 @@ def kv_engine(capacity=256, page_size=1, stores=(), chunk=64, max_running=16, ca
         **cfg,
     )
     runner = KVRunner(capacity, page_size, max_running)
-    return Engine(config, model_runner=runner, tokenizer=None, eos_token_ids=[], tier_stores=list(stores) or None)
+    engine = Engine(config, model_runner=runner, tokenizer=None, eos_token_ids=[], tier_stores=list(stores) or None)
+    if engine.kv.tiers is not None and not measured_costs:
+        loading_always_pays(engine)
+    return engine
 
 
 def run_all(engine, check_every_step=True, max_steps=None):
