@@ -525,3 +525,51 @@ def test_async_select_and_session(alm, llms):
     assert all(math.isfinite(x) and x < 0 for x in res.logprobs)
     assert_idle(llms[1])
     async_idle(alm)
+
+
+def _reply_tokens_by_every_prefix(tok, c):
+    """reply_tokens as it was: every prefix decoded, longest first (the reference)."""
+    from radixkv.text import encode_text
+
+    ids, n, head = list(c.token_ids), len(c.token_ids), ""
+    while n > 0:
+        head = tok.decode(ids[:n], skip_special_tokens=False)
+        if c.text.startswith(head):
+            break
+        n -= 1
+    rest = c.text[len(head) :] if n > 0 else c.text
+    return ids[:n] + (encode_text(tok, rest, "text") if rest else [])
+
+
+def test_a_long_reply_cut_by_a_stop_string_joins_the_context_in_few_decodes(default_model):
+    """A reply cut by a stop string whose text skipped a special token near its start (e.g.
+    ``ignore_eos`` with ``<|im_end|>`` generated early) decoded every prefix of the reply on the
+    engine thread: quadratic, seconds for thousands of tokens. The same tokens now come from a
+    binary search; multi-byte characters cut between tokens and the cut inside a token agree with
+    decoding every prefix."""
+    from types import SimpleNamespace
+
+    from radixkv.branching.chat import reply_tokens
+
+    tok = default_model.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    body = tok.encode("Café 東京 naïve 🙂 déjà vu, " * 120, add_special_tokens=False)
+    calls = [0]
+    real = tok.decode
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    for ids, cut in (([5, end] + body, 7), (body, 3), (body + [end] + body[:40], 11), (body[:9], 2)):
+        text = tok.decode(ids, skip_special_tokens=True)
+        c = SimpleNamespace(token_ids=ids, text=text[: len(text) - cut], finish_reason="stop", stop_reason="vu")
+        want = _reply_tokens_by_every_prefix(tok, c)
+        calls[0] = 0
+        tok.decode = counting
+        try:
+            got = reply_tokens(tok, c)
+        finally:
+            del tok.decode
+        assert got == want and tok.decode(got) == c.text
+        assert calls[0] <= 2 * len(ids).bit_length() + 8, (len(ids), calls[0])

@@ -60,14 +60,33 @@ def reply_tokens(tok: Any, completion: Any) -> List[int]:
     ids = list(c.token_ids)
     if tok is None or c.finish_reason != "stop" or not isinstance(c.stop_reason, str):
         return ids
-    n, head = len(ids), None
-    while n > 0:
-        head = tok.decode(ids[:n], skip_special_tokens=False)
-        if c.text.startswith(head):
-            break
-        n -= 1
-    rest = c.text[len(head) :] if n > 0 else c.text
+    n, head = _longest_head(tok, ids, c.text)
+    rest = c.text[len(head) :]
     return ids[:n] + (encode_text(tok, rest, "text") if rest else [])
+
+
+def _longest_head(tok: Any, ids: List[int], text: str) -> tuple:
+    """``(n, decode(ids[:n]))`` for the largest ``n`` whose decoded text starts ``text`` (0 and
+    "" when none does).
+
+    NOTE: a binary search, then a downward scan: a prefix's text with its trailing U+FFFD (a
+    character cut between tokens) dropped grows with ``n``, so whether it starts ``text`` holds up
+    to some ``n`` and not after. Scanning down from ``len(ids)`` decoded every prefix, quadratic
+    where a special token the reply's text skips sits early (thousands of tokens: seconds)."""
+
+    def starts(n: int, strip: bool) -> tuple:
+        head = tok.decode(ids[:n], skip_special_tokens=False)
+        return text.startswith(head.rstrip("\ufffd") if strip else head), head
+
+    lo, hi = 0, len(ids)  # starts(lo, strip) holds (the empty prefix); find the last n where it does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if starts(mid, True)[0] else (lo, mid - 1)
+    for n in range(lo, 0, -1):  # the exact test; a cut character (U+FFFD) steps back a token or two
+        ok, head = starts(n, False)
+        if ok:
+            return n, head
+    return 0, ""
 
 
 def reply_stop_text(tok: Any, completion: Any) -> str:
