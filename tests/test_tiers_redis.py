@@ -218,6 +218,7 @@ def test_unreachable_at_start_is_degraded_not_an_error(redis_server):
         ("redis://", "no host"),
         ("redis://:pw@:6379/0", "no host"),
         ("redis://localhost:99999/0", "Port out of range"),
+        ("redis://localhost:0/0", "port 0 is not 1 to 65535"),
         ("redis://localhost:port/0", "Port could not be cast"),
         ("redis://localhost:6379/zero", "database 'zero'"),
         ("redis://localhost:6379/0?ssl_cert_reqs=none", "not allowed"),

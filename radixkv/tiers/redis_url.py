@@ -78,6 +78,8 @@ def parse_redis_url(url: str) -> RedisURL:
         raise _bad(url, str(e)) from None
     if parts.scheme not in ("redis", "rediss"):
         raise _bad(url, f"scheme {parts.scheme!r} is not redis or rediss")
+    if port == 0:
+        raise _bad(url, "port 0 is not 1 to 65535")
     if not parts.hostname:
         raise _bad(url, "no host")
     if not _valid_host(parts.hostname):
