@@ -299,6 +299,12 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     tiers = [f for f in tiers if getattr(args, f[2:].replace("-", "_"), None)]
     if tiers and "off" in modes and len(modes) == 1:
         return f"{', '.join(tiers)}: KV tiers serve the cached modes (radix, hash); --modes off has none"
+    shared = [f for f in tiers if f != "--host-cache-bytes"]
+    if shared and len([m for m in modes if m != "off"]) > 1:
+        return (
+            f"{', '.join(shared)}: with more than one cached mode the later one reads the blocks the earlier "
+            "one wrote there (its hit rate would not be its own); replay one cached mode per run"
+        )
     from radixkv.obs.cli import check_writable
 
     try:  # before the model loads and the replay runs, not after

@@ -133,6 +133,19 @@ def test_replay_refuses_kv_tiers_when_no_mode_caches(tmp_path, capsys):
     )
 
 
+def test_replay_refuses_a_shared_tier_across_cached_modes(tmp_path, capsys):
+    # --modes radix,hash --disk-cache-dir D: hash replayed on the disk tier radix had just filled
+    # (99% hit rate against radix's 55% on 3 conversations), a row that was not hash's own
+    argv = ["replay", "--modes", "radix,hash,off", "--disk-cache-dir", str(tmp_path), "--model", "/nonexistent/model"]
+    line = refused(argv, capsys)
+    assert line == (
+        "radixkv replay: --disk-cache-dir: with more than one cached mode the later one reads the blocks the "
+        "earlier one wrote there (its hit rate would not be its own); replay one cached mode per run"
+    )
+    argv = ["replay", "--modes", "radix,hash", "--remote-cache-url", "redis://127.0.0.1:1/0", "--model", "/x/y"]
+    assert refused(argv, capsys).startswith("radixkv replay: --remote-cache-url: with more than one cached mode")
+
+
 def test_serve_refuses_a_host_that_does_not_resolve_before_loading(capsys):
     line = refused(["serve", "--host", "no-such-host.invalid", "--model", "/nonexistent/model"], capsys)
     assert line.startswith("radixkv serve: --host no-such-host.invalid: cannot resolve it: ")
