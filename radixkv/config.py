@@ -502,12 +502,29 @@ class ResolvedWritePolicy(dict):
 
 def parse_write_policy(text: str) -> Union[str, dict]:
     """The CLIs' ``--kv-tier-write-policy``: one policy for every tier, or ``tier=policy`` pairs
-    separated by commas (checked by :func:`resolve_write_policy`)."""
+    separated by commas, or a JSON object as the field takes it (checked by
+    :func:`resolve_write_policy`).
+
+    Raises:
+        ValueError: (naming ``kv_tier_write_policy``) malformed JSON, or a tier named twice.
+    """
+    if text.lstrip().startswith("{"):
+        import json
+
+        try:
+            out = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"kv_tier_write_policy: {text!r} is not a JSON object: {e}") from None
+        if not isinstance(out, dict):
+            raise ValueError(f"kv_tier_write_policy: {text!r} is not a JSON object")
+        return out
     if "=" not in text:
         return text
     out = {}
     for part in text.split(","):
         tier, _, policy = part.partition("=")
+        if tier.strip() in out:
+            raise ValueError(f"kv_tier_write_policy: tier {tier.strip()!r} named twice in {text!r}")
         out[tier.strip()] = policy.strip()
     return out
 

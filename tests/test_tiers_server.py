@@ -136,6 +136,28 @@ def test_serve_flags_reach_every_replica_as_engine_fields():
         ap.parse_args(["--host-cache-bytes", "lots"])
 
 
+def test_write_policy_flag_takes_the_json_form_and_refuses_a_tier_named_twice():
+    # docs/tiers.md gives {"host": "write_back"} for the flag too: it was read as one policy for
+    # every tier ("host must be one of ..., got '{...}'"); disk=write_back,disk=write_through kept the last
+    import argparse
+
+    from radixkv.server.cli import add_arguments, engine_kwargs_from_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    base = ["--host-cache-bytes", "1MB", "--disk-cache-dir", "/tmp/kv", "--kv-tier-write-policy"]
+    args = ap.parse_args(base + ['{"host": "write_through", "disk": "write_back"}'])
+    assert engine_kwargs_from_args(args)["kv_tier_write_policy"] == {"host": "write_through", "disk": "write_back"}
+    for bad, why in [
+        ("disk=write_back,disk=write_through", "kv_tier_write_policy: tier 'disk' named twice"),
+        ('{"host": ', """kv_tier_write_policy: '{"host": ' is not a JSON object"""),
+        ('{"host"}', """kv_tier_write_policy: '{"host"}' is not a JSON object"""),
+    ]:
+        with pytest.raises(ValueError) as e:
+            engine_kwargs_from_args(ap.parse_args(base + [bad]))
+        assert str(e.value).startswith(why), str(e.value)
+
+
 @pytest.mark.parametrize(
     "argv, why",
     [
