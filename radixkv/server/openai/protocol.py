@@ -205,8 +205,9 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = None
     logprobs: Optional[int] = None
     # SGLang's extension: report the prompt's cached tokens as ``sglext.cached_tokens_details``
-    # (``{"device": n, "host": 0}``; radixkv has one tier) on the response, or on each prompt's
-    # finishing chunk when streamed (what ``bench_serving --backend vllm --cache-report`` reads)
+    # (``{"device": d, "host": h}``; ``h``: every KV tier below the pool, docs/tiers.md) on the
+    # response, or on each prompt's finishing chunk when streamed (what ``bench_serving --backend
+    # vllm --cache-report`` reads)
     return_cached_tokens_details: Optional[bool] = False
 
     def check_values(self) -> None:
