@@ -92,6 +92,14 @@ def test_flush_cache_tiers_must_be_a_boolean(setup):
     _, http, _ = setup
     r = http.post("/flush_cache?tiers=maybe")
     assert r.status_code == 400 and r.json()["error"]["param"] == "tiers"
+    # ?tiers=true&tiers=false flushed the pool only (the last value won) and answered 200
+    r = http.post("/flush_cache?tiers=true&tiers=false")
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "query parameter tiers given more than once",
+        "type": "invalid_request_error",
+        "param": "tiers",
+        "code": "invalid_value",
+    }
 
 
 def test_serve_refuses_an_unwritable_disk_dir(tmp_path):

@@ -108,10 +108,13 @@ async def parse_body(request: Request, model: type[M]) -> M:
 
 def query_bool(request: Request, name: str, default: bool = False) -> bool:
     """A boolean query parameter (``true``/``false``/``1``/``0``, ``yes``/``no``, ``on``/``off``,
-    any case); a 400 naming it otherwise."""
+    any case); a 400 naming it otherwise, or given more than once (``?tiers=true&tiers=false``:
+    one of the two would be dropped)."""
     raw = request.query_params.get(name)
     if raw is None:
         return default
+    if len(request.query_params.getlist(name)) > 1:
+        raise APIError(f"query parameter {name} given more than once", name)
     value = raw.strip().lower()
     if value in ("true", "1", "yes", "on"):
         return True
