@@ -12,10 +12,11 @@ import random
 from collections import OrderedDict
 
 import pytest
-from tier_fakes import VOCAB, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
+from tier_fakes import VOCAB, KVRunner, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
 
 from radixkv.config import EngineConfig, resolve_write_policy
 from radixkv.engine.events import CacheInserted
+from radixkv.memory.kv_io import layout_of
 from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
 
@@ -263,6 +264,18 @@ def test_bad_tier_settings_fail_at_start(tmp_path):
     assert (parse_bytes("0"), parse_bytes(0), parse_bytes("1KiB")) == (0, 0, 1024)  # the CLIs' budgets
     with pytest.raises(ValueError, match=r"host_cache_bytes must be a number of bytes >= 1 \(or 0: none\)"):
         parse_bytes("-1", "host_cache_bytes")
+    # a budget below one block's K/V: every write was rejected, silently, the tier never held a block
+    # (radixkv serve --disk-cache-bytes 100KB on the default model: rejected 12, health ok)
+    block = 16 * layout_of(KVRunner(8, 1, 1).kv_pool).token_bytes
+    for field, kw in (("host_cache_bytes", {}), ("disk_cache_bytes", {"disk_cache_dir": str(tmp_path / "d")})):
+        with pytest.raises(ValueError) as e:
+            kv_engine(**{field: block - 1}, **kw)
+        assert str(e.value) == (
+            f"{field} {block - 1} holds no block: one block of this model is {block} bytes of K/V "
+            f"(16 tokens x {block // 16}); give at least that"
+        )
+        e = kv_engine(**{field: block}, **kw)
+        assert e.close()
     for off in ({"prefix_cache": "none"}, {"enable_prefix_caching": False}):  # refused before a model loads
         with pytest.raises(ValueError, match="need a prefix cache"):
             EngineConfig(model="no-such-model", host_cache_bytes=1 << 20, **off).resolve()
