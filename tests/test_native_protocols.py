@@ -337,6 +337,11 @@ def test_flush_waits_with_timeout_and_reset_prefix_cache_is_409_while_busy(http,
     )
     assert error_of(http.post("/flush_cache", params={"timeout": "soon"}))["param"] == "timeout"
     assert http.post("/reset_prefix_cache", params={"reset_external": "true"}).json()["flushed"] is True
+    # no KV tier here: ?tiers=true said "the prefix cache and the KV tiers it owns were flushed"
+    assert http.post("/flush_cache", params={"tiers": "true"}).json() == {
+        "flushed": True,
+        "message": "the prefix cache was flushed (no host or disk tier to flush)",
+    }
 
 
 def test_admin_routes_refuse_unknown_and_malformed_query_parameters(http, llm):

@@ -70,7 +70,10 @@ def test_cached_tokens_count_every_tier_and_flushes(setup):
     assert 'radixkv_kv_tier_load_latency_seconds_count{tier="disk"}' in text
     assert 'radixkv_kv_tier_degraded{tier="remote"} 1.0' in text
     wait_idle(llm)
-    assert http.post("/flush_cache?tiers=true").json()["flushed"] is True
+    assert http.post("/flush_cache?tiers=true").json() == {
+        "flushed": True,
+        "message": "the prefix cache and the KV tiers it owns were flushed",
+    }
     assert stats_tier(http, "disk")["used_bytes"] == 0
     third = _complete(http, ids)
     assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

@@ -288,8 +288,10 @@ class EngineClient:
         if refused:
             raise APIError(refused, None, status_code=409, code="flush_not_offered")
         if await self.flush(timeout, tiers):
-            what = "the prefix cache and the KV tiers it owns were" if tiers else "the prefix cache was"
-            return {"flushed": True, "message": f"{what} flushed"}
+            owned = tiers and any(m in ("host", "disk") for m in (await self.cache_stats()).tiers)
+            what = "the prefix cache and the KV tiers it owns were" if owned else "the prefix cache was"
+            none = " (no host or disk tier to flush)" if tiers and not owned else ""
+            return {"flushed": True, "message": f"{what} flushed{none}"}
         running = self.backend.num_unfinished_requests()
         raise APIError(
             f"the prefix cache was not flushed: {running} request(s) are unfinished; retry when idle",
