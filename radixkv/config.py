@@ -467,6 +467,13 @@ class EngineConfig:
             )
         named = self.kv_tier_write_policy if isinstance(self.kv_tier_write_policy, dict) else {}
         named = {} if isinstance(named, ResolvedWritePolicy) else named  # resolve() is idempotent
+        asked = self.kv_tier_write_policy == "write_back" or "write_back" in named.values()
+        if asked and self.kv_tiers and self.prefix_cache != "radix":
+            raise ValueError(
+                f"kv_tier_write_policy write_back needs prefix_cache='radix' (the {self.prefix_cache!r} cache "
+                "does not report the blocks it evicts, so its tiers are written through); got "
+                f"{self.kv_tier_write_policy!r}"
+            )
         for tier in [t for t in named if t in TIER_MEDIA and t not in self.kv_tiers]:
             field = {"host": "host_cache_bytes", "disk": "disk_cache_dir", "remote": "remote_cache_url"}[tier]
             raise ValueError(f"kv_tier_write_policy names the {tier} tier, which is not configured (set {field})")

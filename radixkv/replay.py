@@ -297,6 +297,8 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
         return "--skip must be >= 0"
     tiers = [f"--{n.replace('_', '-')}" for n in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url")]
     tiers = [f for f in tiers if getattr(args, f[2:].replace("-", "_"), None)]
+    if tiers and "hash" in modes and "write_back" in (getattr(args, "kv_tier_write_policy", None) or ""):
+        return "--kv-tier-write-policy write_back needs the radix cache; --modes hash writes every tier through"
     if tiers and "off" in modes and len(modes) == 1:
         return f"{', '.join(tiers)}: KV tiers serve the cached modes (radix, hash); --modes off has none"
     shared = [f for f in tiers if f != "--host-cache-bytes"]

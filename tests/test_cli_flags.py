@@ -63,6 +63,16 @@ def test_tier_flags_without_their_tier_are_refused(command, flags, why, capsys):
     assert refused([command, *flags, "--model", "/nonexistent/model"], capsys).startswith(f"radixkv {command}: {why}")
 
 
+def test_replay_refuses_write_back_for_the_hash_mode_before_running(capsys):
+    """With --modes radix,hash the hash engine refused write_back only after the radix replay ran."""
+    flags = ["--modes", "radix,hash", "--host-cache-bytes", "64MiB", "--kv-tier-write-policy", "host=write_back"]
+    line = refused(["replay", *flags, "--model", "/nonexistent/model"], capsys)
+    assert (
+        line
+        == "radixkv replay: --kv-tier-write-policy write_back needs the radix cache; --modes hash writes every tier through"
+    )
+
+
 def test_serve_refuses_a_request_log_it_cannot_write_before_loading(tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

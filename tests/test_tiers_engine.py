@@ -60,6 +60,14 @@ def test_write_policy_resolution():
     cfg = EngineConfig(kv_tier_write_policy={"host": "write_through"}, host_cache_bytes=1 << 20)
     cfg.resolve()
     assert cfg.kv_tier_write_policy["host"] == "write_through"
+    # the hash cache reports no evictions: an asked-for write_back was turned into write_through silently
+    for asked in ("write_back", {"host": "write_back"}):
+        with pytest.raises(
+            ValueError, match="^kv_tier_write_policy write_back needs prefix_cache='radix' \\(the 'hash'"
+        ):
+            EngineConfig(kv_tier_write_policy=asked, host_cache_bytes=1 << 20, prefix_cache="hash").resolve()
+    cfg = EngineConfig(host_cache_bytes=1 << 20, prefix_cache="hash")  # host's default write-back: through
+    assert cfg.resolve().kv_tier_write_policy["host"] == "write_back"
     for field, value in (("host_cache_bytes", -1), ("disk_cache_dir", ""), ("remote_cache_url", 5)):
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: value}).resolve()
