@@ -38,7 +38,6 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
-from radixkv.cache.digests import BLOCK_TOKENS
 from radixkv.config import EngineConfig
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
@@ -47,7 +46,14 @@ from radixkv.engine.output import NO_TEXT, RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
 from radixkv.engine.stats import EngineStats, tenant_row
-from radixkv.engine.tiers import TierManager, build_stores, check_settings, kv_producer, model_fingerprint
+from radixkv.engine.tiers import (
+    TierManager,
+    build_stores,
+    check_budgets,
+    check_settings,
+    kv_producer,
+    model_fingerprint,
+)
 from radixkv.engine.validation import Limits, validate_request
 from radixkv.engine.verify import Verify, verify_rounds
 from radixkv.errors import QueueFullError, RequestError
@@ -271,31 +277,12 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
         weights = str(getattr(runner, "fingerprint", cfg.model)).encode()
     kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)
     fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta, kv_producer(runner))
-    built = stores is None
+    if stores is None:
+        check_budgets(cfg, layout_of(pool).token_bytes)  # before a store is opened
     stores = list(build_stores(cfg, fp) if stores is None else stores)
     if not stores:
         return None
-    if built:
-        _check_tier_budgets(cfg, stores, BLOCK_TOKENS * layout_of(pool).token_bytes)
     return TierManager(stores, pool, fp, cfg.kv_tier_write_policy, write_back_ok=cfg.prefix_cache == "radix")
-
-
-def _check_tier_budgets(cfg: EngineConfig, stores: Sequence[Any], block_bytes: int) -> None:
-    """Refuse a host or disk budget below one block's K/V (every write would be rejected: a tier
-    that never holds anything, silently).
-
-    Raises:
-        ValueError: naming ``host_cache_bytes`` / ``disk_cache_bytes`` (the stores closed).
-    """
-    for field, budget in (("host_cache_bytes", cfg.host_cache_bytes), ("disk_cache_bytes", cfg.disk_cache_bytes)):
-        on = cfg.host_cache_bytes if field == "host_cache_bytes" else cfg.disk_cache_dir is not None
-        if on and budget < block_bytes:
-            for s in stores:
-                s.close()
-            raise ValueError(
-                f"{field} {budget} holds no block: one block of this model is {block_bytes} bytes of K/V "
-                f"({BLOCK_TOKENS} tokens x {block_bytes // BLOCK_TOKENS}); give at least that"
-            )
 
 
 def _make_cache(cfg: EngineConfig) -> Any:

@@ -51,7 +51,7 @@ from radixkv.namespace import Namespace, namespace_key
 from radixkv.tiers import BlockKey
 from radixkv.tiers.disk_files import DIR_MODE
 
-__all__ = ["TierHold", "TierManager", "model_fingerprint", "build_stores", "check_settings"]
+__all__ = ["TierHold", "TierManager", "model_fingerprint", "build_stores", "check_budgets", "check_settings"]
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,26 @@ def kv_producer(runner: Any) -> bytes:
     backend = getattr(getattr(runner, "attn_backend", None), "name", None)
     native = (getattr(runner, "row_exact", None), getattr(runner, "decode_step", None) is not None)
     return f"{kind}/{backend}/{native}".encode()
+
+
+def check_budgets(cfg: Any, token_bytes: int) -> None:
+    """Refuse a host or disk tier whose budget holds no block (``BLOCK_TOKENS`` tokens of
+    ``token_bytes`` bytes of K/V each, the pool's): every write would be rejected, a tier that
+    never holds anything, silently.
+
+    Raises:
+        ValueError: naming ``host_cache_bytes`` / ``disk_cache_bytes`` and one block's bytes.
+    """
+    block = BLOCK_TOKENS * token_bytes
+    budgets = [("host_cache_bytes", cfg.host_cache_bytes)] if cfg.host_cache_bytes else []
+    if cfg.disk_cache_dir is not None:
+        budgets.append(("disk_cache_bytes", cfg.disk_cache_bytes))
+    for name, budget in budgets:
+        if budget < block:
+            raise ValueError(
+                f"{name} {budget} holds no block: one block of this model is {block} bytes of K/V "
+                f"({BLOCK_TOKENS} tokens x {token_bytes}); give at least that"
+            )
 
 
 def check_settings(cfg: Any) -> None:
