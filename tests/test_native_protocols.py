@@ -250,6 +250,10 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
         ({"text": ["a", "b"], "rid": "one"}, "rid", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n", "invalid_value"),
+        ({"text": ["a", "b"], "sampling_params": [{}, {"temperature": -1}]}, "sampling_params[1].temperature",
+         "invalid_value"),
+        ({"text": ["a", "b"], "sampling_params": [{"stop_regex": "x"}, {}]}, "sampling_params[0].stop_regex",
+         "unsupported_parameter"),
         ({"input_ids": [10**7]}, "input_ids", "invalid_value"),
     ]  # fmt: skip
     for body, param, code in cases:

@@ -86,9 +86,7 @@ class Generate:
         namespace = req.namespace(tenant.name if tenant is not None else None)
         prompts, batch, prompt_param = await tokenize_off_loop(raw, req.prompts, self.client.tokenizer)
         count = len(prompts)
-        sps = req.sampling_list(count)
-        ctx = self.client.max_context_len
-        converted = [sp.to_engine(len(ids), ctx, prompt_param) for sp, (_, ids) in zip(sps, prompts)]
+        converted = self._converted(req, prompts, prompt_param)
         ns = {p.n for p, _ in converted}
         if len(ns) > 1:
             raise APIError("every prompt of a batch must ask for the same n", "sampling_params.n")
@@ -134,6 +132,28 @@ class Generate:
                     yield sse(body)
 
         return framed(events(), run.rest, server_error_event, run.stream_failed)
+
+    def _converted(self, req: GenerateRequest, prompts: list, prompt_param: str) -> list:
+        """Each prompt's ``(SamplingParams, OutputOptions)``. With ``sampling_params`` a list, an
+        entry's error names its index: ``sampling_params[1].temperature``.
+
+        Raises:
+            APIError: an entry out of range or a prompt beyond the context (400)."""
+        sps = req.sampling_list(len(prompts))
+        ctx = self.client.max_context_len
+        listed = isinstance(req.sampling_params, list)
+        out = []
+        for i, (sp, (_, ids)) in enumerate(zip(sps, prompts)):
+            try:
+                out.append(sp.to_engine(len(ids), ctx, prompt_param))
+            except APIError as exc:
+                field = "sampling_params."
+                if not listed or not (exc.param or "").startswith(field):
+                    raise
+                at = f"sampling_params[{i}]."
+                raise APIError(exc.message.replace(field, at), at + exc.param[len(field) :], exc.status_code,
+                               exc.type, exc.code) from None  # fmt: skip
+        return out
 
     async def _start(
         self, raw: Request, prompts: list, params: list, prompt_param: str, rids: list, namespace: Any, hidden: list
