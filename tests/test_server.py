@@ -688,6 +688,47 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
     assert_pool_whole(llm)
 
 
+_USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        ([{"role": "system", "content": "x", "refusal": "no"}, _USER], "messages[0].refusal"),
+        ([{**_USER, "tool_call_id": "c1"}], "messages[0].tool_call_id"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "image_url": {"url": "http://x/a.png"}}]}],
+         "messages[0].content[0].image_url"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "refusal": "no"}]}],
+         "messages[0].content[0].refusal"),
+        ([_USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no", "text": "yes"}]}, _USER],
+         "messages[1].content[0].text"),
+        ([{"role": "user", "content": [{"type": "refusal", "refusal": "hi"}]}], "only assistant messages"),
+        ([_USER, {"role": "assistant", "content": "ok", "refusal": "no"}, _USER], "not both"),
+    ],
+    ids=["system refusal", "user tool_call_id", "text part image_url", "text part refusal",
+         "refusal part text", "user refusal part", "assistant content and refusal"],
+)  # fmt: skip
+def test_message_fields_the_role_or_part_type_does_not_read_are_refused(server, messages, says):
+    # each was a 200 with the field dropped from the prompt (OpenAI's types do not define it there)
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "max_tokens": 1}, timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and says in err["message"], err
+
+
+def test_an_assistant_refusal_with_empty_content_is_the_message(server):
+    def prompt_tokens(assistant: dict) -> int:
+        body = {"model": MODEL, "messages": [_USER, {"role": "assistant", **assistant}, _USER], "max_tokens": 1}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    said = prompt_tokens({"content": "I cannot help with that."})
+    assert prompt_tokens({"content": None, "refusal": "I cannot help with that."}) == said
+    assert prompt_tokens({"content": "", "refusal": "I cannot help with that."}) == said  # it was dropped
+
+
 # ---------------------------------------------------------------------------------- every route
 
 

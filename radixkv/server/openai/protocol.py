@@ -239,6 +239,19 @@ class TextPart(_Strict):
     file: Optional[dict[str, Any]] = None
     prompt_cache_breakpoint: Optional[dict[str, Any]] = None  # no effect
 
+    def check(self, where: str, role: str) -> None:
+        """Raises :class:`APIError` (param ``messages``): a part without its own key, with a key
+        of another part type (it would be dropped), or a refusal part outside an assistant message."""
+        own = "text" if self.type == "text" else "refusal"
+        if getattr(self, own) is None:
+            raise APIError(f"{where}: a {self.type} part needs its {own!r} string", "messages")
+        reads = {"type", own} | ({"prompt_cache_breakpoint"} if self.type == "text" else set())
+        extra = sorted(k for k in self.model_fields_set - reads if getattr(self, k) is not None)
+        if extra:
+            raise APIError(f"{where}.{extra[0]}: a {self.type} part has no {extra[0]!r}", "messages")
+        if self.type == "refusal" and role != "assistant":
+            raise APIError(f"{where}: only assistant messages carry refusal parts", "messages")
+
 
 class FunctionCallIn(_Strict):
     name: str
@@ -252,6 +265,10 @@ class ToolCallIn(_Strict):
     type: Literal["function", "custom"] = "function"
     function: Optional[FunctionCallIn] = None
     custom: Optional[dict[str, Any]] = None
+
+
+_ROLE_OF_FIELD = {"refusal": "assistant", "tool_call_id": "tool"}
+"""Message fields only one role's OpenAI message type defines."""
 
 
 class ChatMessage(_Strict):
@@ -270,7 +287,9 @@ class ChatMessage(_Strict):
     response's ``message.model_dump()`` back includes them; they do not change the prompt."""
 
     def check(self, i: int) -> None:
-        """Raises :class:`APIError` (param ``messages``) for what this server cannot render."""
+        """Raises :class:`APIError` (param ``messages``) for what this server cannot render, and
+        for a field the message's role does not define or a part key its type does not read
+        (OpenAI's message and part types: nothing in a message is dropped without a word)."""
         where = f"messages[{i}]"
         if self.role == "function":
             raise unsupported("messages", f"{where}: role 'function' is deprecated and unsupported; use tools")
@@ -278,11 +297,15 @@ class ChatMessage(_Strict):
             raise unsupported("messages", f"{where}: audio is not supported")
         if self.function_call is not None:
             raise unsupported("messages", f"{where}: function_call is deprecated and unsupported; use tool_calls")
-        for part in self.content if isinstance(self.content, list) else ():
+        for name in ("refusal", "tool_call_id"):
+            if getattr(self, name) is not None and self.role != _ROLE_OF_FIELD[name]:
+                raise APIError(f"{where}.{name}: only {_ROLE_OF_FIELD[name]} messages carry {name}", "messages")
+        if self.refusal is not None and self.content:
+            raise APIError(f"{where}: an assistant message carries content or a refusal, not both", "messages")
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if part.type not in ("text", "refusal"):
                 raise unsupported("messages", f"{where}: {part.type} content parts are not supported (text only)")
-            if (part.text if part.type == "text" else part.refusal) is None:
-                raise APIError(f"{where}: a {part.type} part needs its {part.type!r} string", "messages")
+            part.check(f"{where}.content[{j}]", self.role)
         for call in self.tool_calls or ():
             if call.type != "function" or call.function is None:
                 raise unsupported("messages", f"{where}: only function tool calls are supported")
@@ -298,10 +321,10 @@ class ChatMessage(_Strict):
     def to_template(self) -> dict:
         """The message as :func:`radixkv.chat_template.render_chat` takes it."""
         out: dict[str, Any] = {"role": self.role}
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and self.content:
             out["content"] = [{"type": "text", "text": p.text if p.type == "text" else p.refusal} for p in self.content]
-        else:
-            out["content"] = self.content if self.content is not None else (self.refusal or "")
+        else:  # an empty content is no content: the refusal, if any, is the message
+            out["content"] = self.content or self.refusal or ""
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
