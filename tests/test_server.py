@@ -372,6 +372,11 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "tool_choice": {"type": "function"}}), "tool_choice"),
         ("tool schema xgrammar refuses", chat, j({"model": MODEL, "messages": msgs, "tool_choice": "required",
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), "tools"),
+        # a key of the other tool type beside a function's: it was dropped without a word
+        ("a function tool with custom", chat, j({"model": MODEL, "messages": msgs, "tools": [{**_TOOL,
+         "custom": {"name": "x"}}]}), "tools"),
+        ("a function tool call with custom", chat, j({"model": MODEL, "messages": msgs + [{**_CALLED, "tool_calls": [
+            {**_CALLED["tool_calls"][0], "custom": {"name": "x", "input": ""}}]}]}), "messages"),
         ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
             {"role": "tool", "content": "42"}]}), "messages"),
         # a tool result answers a call of the assistant message right before its run (as OpenAI checks)

@@ -306,9 +306,11 @@ class ChatMessage(_Strict):
             if part.type not in ("text", "refusal"):
                 raise unsupported("messages", f"{where}: {part.type} content parts are not supported (text only)")
             part.check(f"{where}.content[{j}]", self.role)
-        for call in self.tool_calls or ():
+        for j, call in enumerate(self.tool_calls or ()):
             if call.type != "function" or call.function is None:
                 raise unsupported("messages", f"{where}: only function tool calls are supported")
+            if call.custom is not None:
+                raise APIError(f"{where}.tool_calls[{j}].custom: a function tool call has no 'custom'", "messages")
         if self.tool_calls and self.role != "assistant":
             raise APIError(f"{where}: only assistant messages carry tool_calls", "messages")
         if self.annotations and self.role != "assistant":
@@ -471,9 +473,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("reasoning_effort", "this model does not reason; only 'none' is accepted")
         if self.verbosity not in (None, "medium"):
             raise unsupported("verbosity", "only the model's own verbosity ('medium') is supported")
-        for tool in self.tools or ():
+        for i, tool in enumerate(self.tools or ()):
             if tool.type != "function" or tool.function is None:
                 raise unsupported("tools", "only function tools are supported")
+            if tool.custom is not None:
+                raise APIError(f"tools[{i}].custom: a function tool has no 'custom'", "tools")
 
     def num_top_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
