@@ -167,8 +167,15 @@ class Generate:
         starts = req.per_prompt("logprob_start_len", count)
         tops = req.per_prompt("top_logprobs_num", count)
         out: list[LogprobOptions | None] = []
+        if req.return_text_in_logprobs and not any(wants):
+            raise APIError("return_text_in_logprobs needs return_logprob: true", "return_text_in_logprobs")
         for want, start, top, (_, ids) in zip(wants, starts, tops, prompts):
             if not want:
+                # NOTE: SGLang drops these without return_logprob; at their defaults they are what
+                # clients send anyway (bench_serving: logprob_start_len -1), set they ask for logprobs
+                for name, value, default in (("top_logprobs_num", top, 0), ("logprob_start_len", start, -1)):
+                    if value not in (None, default):
+                        raise APIError(f"{name}={value} needs return_logprob: true (for that prompt)", name)
                 out.append(None)
                 continue
             if not _engine_has("logprobs"):
