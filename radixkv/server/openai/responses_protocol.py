@@ -254,6 +254,9 @@ class ResponsesRequest(_Strict):
             raise unsupported("reasoning", "this model does not reason; only effort 'none' is accepted")
         if self.top_logprobs:
             raise unsupported("top_logprobs", "logprobs are not reported by /v1/responses")
+        if self.stream_options is not None and not self.stream:
+            # NOTE: as chat answers (OpenAI's rule there): options of a stream that is not one change nothing
+            raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         if set(self.stream_options or {}) - {"include_obfuscation"}:
             raise APIError(f"stream_options: unknown fields {sorted(self.stream_options)}", "stream_options")
         self._check_metadata()
