@@ -665,6 +665,10 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
         named = {"type": "function", "function": {"name": "f"}}
         for extra, param, code in [  # a key no field reads, or a part the chosen type ignores: refused
             ({"prediction": {"type": "content", "content": "x", "zz": 1}}, "prediction", "unknown_parameter"),
+            # the Responses API's prewarm (no generation) on chat was dropped: the answer was generated
+            ({"prompt_cache_options": {"mode": "implicit", "prewarm": True}}, "prompt_cache_options",
+             "unknown_parameter"),
+            ({"prompt_cache_options": {"mode": "always"}}, "prompt_cache_options", "invalid_value"),
             ({"tools": tools, "tool_choice": {**named, "zz": 1}}, "tool_choice", "unknown_parameter"),
             ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f", "zz": 1}}},
              "tool_choice", "unknown_parameter"),

@@ -408,6 +408,15 @@ class Prediction(_Strict):
     content: Union[str, list[dict[str, Any]]]
 
 
+class PromptCacheOptions(_Strict):
+    """``prompt_cache_options`` (OpenAI's cache breakpoints): accepted, no effect (every prefix
+    is cached here; module docstring); a key it does not define (``prewarm`` is the Responses
+    API's, which skips generation) is refused."""
+
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[str] = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of
     ``max_tokens``; when both are unset the answer may run to the end of the context."""
@@ -426,7 +435,7 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_options: Optional[PromptCacheOptions] = None
     safety_identifier: Optional[str] = None
     prediction: Optional[Prediction] = None
     # unsupported unless unset (or at their no-op value)
