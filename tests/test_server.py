@@ -357,6 +357,8 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "presence_penalty"),
         ("logit_bias key not a token id", chat, j({"model": MODEL, "messages": msgs, "logit_bias": {"a": 1}}),
          "logit_bias"),
+        ("logit_bias naming one token twice", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"28": -100,
+         "028": 100}}), "logit_bias"),
         ("logit_bias beyond 100", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
         ("top_logprobs > 20", chat, j({"model": MODEL, "messages": msgs, "logprobs": True, "top_logprobs": 21}),
          "top_logprobs"),
