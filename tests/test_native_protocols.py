@@ -253,6 +253,7 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
         ({"text": "hi", "return_text_in_logprobs": True}, "return_text_in_logprobs", "invalid_value"),
         ({"text": ["a", "b"], "return_logprob": [True, False], "top_logprobs_num": [1, 3]}, "top_logprobs_num",
          "invalid_value"),
+        ({"text": "hi", "sampling_params": {"stream_interval": 4}}, "sampling_params.stream_interval", "invalid_value"),
         ({"text": ["a", "b"], "rid": "one"}, "rid", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n", "invalid_value"),

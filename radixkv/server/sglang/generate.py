@@ -87,6 +87,9 @@ class Generate:
         prompts, batch, prompt_param = await tokenize_off_loop(raw, req.prompts, self.client.tokenizer)
         count = len(prompts)
         sps = req.sampling_list(count)
+        if not req.stream and any(sp.stream_interval not in (None, 1) for sp in sps):
+            # NOTE: as stream_options without stream on chat: the pacing of a stream that is not one
+            raise APIError("sampling_params.stream_interval needs stream: true", "sampling_params.stream_interval")
         ctx = self.client.max_context_len
         converted = [sp.to_engine(len(ids), ctx, prompt_param) for sp, (_, ids) in zip(sps, prompts)]
         ns = {p.n for p, _ in converted}
