@@ -357,6 +357,10 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "presence_penalty"),
         ("logit_bias key not a token id", chat, j({"model": MODEL, "messages": msgs, "logit_bias": {"a": 1}}),
          "logit_bias"),
+        ("metadata past OpenAI's 16 pairs", chat, j({"model": MODEL, "messages": msgs, "metadata": {
+            f"k{i}": "v" for i in range(17)}}), "metadata"),
+        ("metadata value past 512 characters", chat, j({"model": MODEL, "messages": msgs, "metadata": {
+            "k": "v" * 513}}), "metadata"),
         ("logit_bias naming one token twice", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"28": -100,
          "028": 100}}), "logit_bias"),
         ("logit_bias beyond 100", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),

@@ -96,6 +96,19 @@ def check_keys(obj: dict, allowed: Iterable[str], where: str, param: str) -> Non
         raise APIError(f"{where}.{extra[0]}: unknown parameter (see docs/server.md)", param, code="unknown_parameter")
 
 
+def check_metadata(meta: Optional[dict[str, str]]) -> None:
+    """OpenAI's bounds on ``metadata`` (at most 16 pairs, keys of at most 64 characters, values
+    of at most 512), as OpenAI checks them on chat and Responses; past them a 400 naming it."""
+    meta = meta or {}
+    if len(meta) > 16:
+        raise APIError(f"metadata may hold at most 16 key-value pairs, got {len(meta)}", "metadata")
+    for k, v in meta.items():
+        if len(k) > 64:
+            raise APIError(f"metadata keys must be at most 64 characters, got one of {len(k)}", "metadata")
+        if len(v) > 512:
+            raise APIError(f"metadata values must be at most 512 characters, got one of {len(v)}", "metadata")
+
+
 def server_error_event(exc: Exception) -> dict:
     """The in-band OpenAI error event for a failure after a stream's headers were sent."""
     return APIError(str(exc), type="server_error", code="internal_error").to_dict()
@@ -458,6 +471,7 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             self.max_tokens = self.max_completion_tokens
         super().check_values()
+        check_metadata(self.metadata)
         if not self.messages:
             raise APIError("messages must be a non-empty list", "messages")
         for i, m in enumerate(self.messages):
