@@ -408,6 +408,8 @@ def test_tokenize_detokenize_version(http, llm):
     assert error_of(http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}))["code"] == "model_not_found"
     assert error_of(http.post("/tokenize", json={"prompt": "x", "messages": msgs}))["param"] == "prompt"
     assert error_of(http.post("/tokenize", json={"prompt": "x", "extra": 1}))["code"] == "unknown_parameter"
+    tools = [{"type": "function", "function": {"name": "f"}}]  # the chat form's: a prompt's count dropped them
+    assert error_of(http.post("/tokenize", json={"prompt": "x", "tools": tools}))["param"] == "tools"
     assert error_of(http.post("/detokenize", json={"tokens": [-1]}))["param"] == "tokens"
     assert error_of(http.post("/detokenize", json={"tokens": ["a"]}))["param"] == "tokens"
 
