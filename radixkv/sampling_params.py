@@ -246,6 +246,8 @@ class SamplingParams:
                     raise RequestError(
                         f"logit_bias values must be numbers in [-100, 100], got {v!r} for {k!r}", "logit_bias"
                     )
+                if tok in bias:  # "28" and "028": one of the two biases would be dropped
+                    raise RequestError(f"logit_bias names token id {tok} twice (key {k!r})", "logit_bias")
                 bias[tok] = float(v)
             self.logit_bias = bias
         top = self.max_tokens if self.max_tokens is not None else math.inf

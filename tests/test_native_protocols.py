@@ -247,6 +247,13 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
         ({"text": "hi", "token_ids_logprob": [1]}, "token_ids_logprob", "unsupported_parameter"),
         ({"text": "hi", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", "invalid_value"),
         ({"text": "hi", "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num", "invalid_value"),
+        # logprob options without return_logprob asked for logprobs: they were dropped without a word
+        ({"text": "hi", "top_logprobs_num": 2}, "top_logprobs_num", "invalid_value"),
+        ({"text": "hi", "logprob_start_len": 0}, "logprob_start_len", "invalid_value"),
+        ({"text": "hi", "return_text_in_logprobs": True}, "return_text_in_logprobs", "invalid_value"),
+        ({"text": ["a", "b"], "return_logprob": [True, False], "top_logprobs_num": [1, 3]}, "top_logprobs_num",
+         "invalid_value"),
+        ({"text": "hi", "sampling_params": {"stream_interval": 4}}, "sampling_params.stream_interval", "invalid_value"),
         ({"text": ["a", "b"], "rid": "one"}, "rid", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params", "invalid_value"),
         ({"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params.n", "invalid_value"),
@@ -274,6 +281,9 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
     ]
     ok = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}})
     assert ok.status_code == 200  # still serving
+    inert = {"return_logprob": False, "logprob_start_len": -1, "top_logprobs_num": 0, "return_text_in_logprobs": False}
+    ok = http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}, **inert})
+    assert ok.status_code == 200 and "output_token_logprobs" not in ok.json()["meta_info"]  # bench_serving's
     # an assistant message as the openai SDK dumps a response's (annotations and all) is a message;
     # annotations on another role are named
     said = {"role": "assistant", "content": "hi", "refusal": None, "annotations": [], "audio": None}
@@ -402,6 +412,8 @@ def test_tokenize_detokenize_version(http, llm):
     assert error_of(http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}))["code"] == "model_not_found"
     assert error_of(http.post("/tokenize", json={"prompt": "x", "messages": msgs}))["param"] == "prompt"
     assert error_of(http.post("/tokenize", json={"prompt": "x", "extra": 1}))["code"] == "unknown_parameter"
+    tools = [{"type": "function", "function": {"name": "f"}}]  # the chat form's: a prompt's count dropped them
+    assert error_of(http.post("/tokenize", json={"prompt": "x", "tools": tools}))["param"] == "tools"
     assert error_of(http.post("/detokenize", json={"tokens": [-1]}))["param"] == "tokens"
     assert error_of(http.post("/detokenize", json={"tokens": ["a"]}))["param"] == "tokens"
 

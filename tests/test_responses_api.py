@@ -330,6 +330,8 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
         ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1", "q": 1}]}, "input",
          "unknown_parameter"),
         ({"reasoning": {"zz": 1}}, "reasoning", "unknown_parameter"),
+        # the options of a stream on a request that does not stream (a 200 that dropped them)
+        ({"stream_options": {"include_obfuscation": False}}, "stream_options", "invalid_value"),
         # a function_call_output answers a function_call made before it (as OpenAI checks)
         ({"input": [{"type": "function_call_output", "call_id": "c9", "output": "1"}]}, "input", "invalid_value"),
         ({"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},

@@ -357,6 +357,12 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "presence_penalty"),
         ("logit_bias key not a token id", chat, j({"model": MODEL, "messages": msgs, "logit_bias": {"a": 1}}),
          "logit_bias"),
+        ("metadata past OpenAI's 16 pairs", chat, j({"model": MODEL, "messages": msgs, "metadata": {
+            f"k{i}": "v" for i in range(17)}}), "metadata"),
+        ("metadata value past 512 characters", chat, j({"model": MODEL, "messages": msgs, "metadata": {
+            "k": "v" * 513}}), "metadata"),
+        ("logit_bias naming one token twice", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"28": -100,
+         "028": 100}}), "logit_bias"),
         ("logit_bias beyond 100", comp, j({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}), "logit_bias"),
         ("top_logprobs > 20", chat, j({"model": MODEL, "messages": msgs, "logprobs": True, "top_logprobs": 21}),
          "top_logprobs"),
@@ -372,6 +378,11 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
          "tool_choice": {"type": "function"}}), "tool_choice"),
         ("tool schema xgrammar refuses", chat, j({"model": MODEL, "messages": msgs, "tool_choice": "required",
          "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]}), "tools"),
+        # a key of the other tool type beside a function's: it was dropped without a word
+        ("a function tool with custom", chat, j({"model": MODEL, "messages": msgs, "tools": [{**_TOOL,
+         "custom": {"name": "x"}}]}), "tools"),
+        ("a function tool call with custom", chat, j({"model": MODEL, "messages": msgs + [{**_CALLED, "tool_calls": [
+            {**_CALLED["tool_calls"][0], "custom": {"name": "x", "input": ""}}]}]}), "messages"),
         ("tool message without tool_call_id", chat, j({"model": MODEL, "messages": msgs + [
             {"role": "tool", "content": "42"}]}), "messages"),
         # a tool result answers a call of the assistant message right before its run (as OpenAI checks)
@@ -660,6 +671,10 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
         named = {"type": "function", "function": {"name": "f"}}
         for extra, param, code in [  # a key no field reads, or a part the chosen type ignores: refused
             ({"prediction": {"type": "content", "content": "x", "zz": 1}}, "prediction", "unknown_parameter"),
+            # the Responses API's prewarm (no generation) on chat was dropped: the answer was generated
+            ({"prompt_cache_options": {"mode": "implicit", "prewarm": True}}, "prompt_cache_options",
+             "unknown_parameter"),
+            ({"prompt_cache_options": {"mode": "always"}}, "prompt_cache_options", "invalid_value"),
             ({"tools": tools, "tool_choice": {**named, "zz": 1}}, "tool_choice", "unknown_parameter"),
             ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f", "zz": 1}}},
              "tool_choice", "unknown_parameter"),
@@ -686,6 +701,47 @@ def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
         gone = http.get("/v1/models/gpt-4o")
         assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     assert_pool_whole(llm)
+
+
+_USER = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        ([{"role": "system", "content": "x", "refusal": "no"}, _USER], "messages[0].refusal"),
+        ([{**_USER, "tool_call_id": "c1"}], "messages[0].tool_call_id"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "image_url": {"url": "http://x/a.png"}}]}],
+         "messages[0].content[0].image_url"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi", "refusal": "no"}]}],
+         "messages[0].content[0].refusal"),
+        ([_USER, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no", "text": "yes"}]}, _USER],
+         "messages[1].content[0].text"),
+        ([{"role": "user", "content": [{"type": "refusal", "refusal": "hi"}]}], "only assistant messages"),
+        ([_USER, {"role": "assistant", "content": "ok", "refusal": "no"}, _USER], "not both"),
+    ],
+    ids=["system refusal", "user tool_call_id", "text part image_url", "text part refusal",
+         "refusal part text", "user refusal part", "assistant content and refusal"],
+)  # fmt: skip
+def test_message_fields_the_role_or_part_type_does_not_read_are_refused(server, messages, says):
+    # each was a 200 with the field dropped from the prompt (OpenAI's types do not define it there)
+    r = httpx.post(server.base_url + "/v1/chat/completions", json={"model": MODEL, "messages": messages,
+                                                                    "max_tokens": 1}, timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages" and says in err["message"], err
+
+
+def test_an_assistant_refusal_with_empty_content_is_the_message(server):
+    def prompt_tokens(assistant: dict) -> int:
+        body = {"model": MODEL, "messages": [_USER, {"role": "assistant", **assistant}, _USER], "max_tokens": 1}
+        r = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    said = prompt_tokens({"content": "I cannot help with that."})
+    assert prompt_tokens({"content": None, "refusal": "I cannot help with that."}) == said
+    assert prompt_tokens({"content": "", "refusal": "I cannot help with that."}) == said  # it was dropped
 
 
 # ---------------------------------------------------------------------------------- every route

@@ -111,7 +111,7 @@ def _tokenize(client: Any, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise APIError("exactly one of prompt and messages is required", "prompt")
     if req.prompt is not None:
-        for name in ("add_generation_prompt", "continue_final_message"):
+        for name in ("add_generation_prompt", "continue_final_message", "tools"):
             if name in req.model_fields_set:
                 raise APIError(f"{name} belongs to the chat form (messages)", name)
         add_special = True if req.add_special_tokens is None else req.add_special_tokens

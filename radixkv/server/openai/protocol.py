@@ -96,6 +96,19 @@ def check_keys(obj: dict, allowed: Iterable[str], where: str, param: str) -> Non
         raise APIError(f"{where}.{extra[0]}: unknown parameter (see docs/server.md)", param, code="unknown_parameter")
 
 
+def check_metadata(meta: Optional[dict[str, str]]) -> None:
+    """OpenAI's bounds on ``metadata`` (at most 16 pairs, keys of at most 64 characters, values
+    of at most 512), as OpenAI checks them on chat and Responses; past them a 400 naming it."""
+    meta = meta or {}
+    if len(meta) > 16:
+        raise APIError(f"metadata may hold at most 16 key-value pairs, got {len(meta)}", "metadata")
+    for k, v in meta.items():
+        if len(k) > 64:
+            raise APIError(f"metadata keys must be at most 64 characters, got one of {len(k)}", "metadata")
+        if len(v) > 512:
+            raise APIError(f"metadata values must be at most 512 characters, got one of {len(v)}", "metadata")
+
+
 def server_error_event(exc: Exception) -> dict:
     """The in-band OpenAI error event for a failure after a stream's headers were sent."""
     return APIError(str(exc), type="server_error", code="internal_error").to_dict()
@@ -239,6 +252,19 @@ class TextPart(_Strict):
     file: Optional[dict[str, Any]] = None
     prompt_cache_breakpoint: Optional[dict[str, Any]] = None  # no effect
 
+    def check(self, where: str, role: str) -> None:
+        """Raises :class:`APIError` (param ``messages``): a part without its own key, with a key
+        of another part type (it would be dropped), or a refusal part outside an assistant message."""
+        own = "text" if self.type == "text" else "refusal"
+        if getattr(self, own) is None:
+            raise APIError(f"{where}: a {self.type} part needs its {own!r} string", "messages")
+        reads = {"type", own} | ({"prompt_cache_breakpoint"} if self.type == "text" else set())
+        extra = sorted(k for k in self.model_fields_set - reads if getattr(self, k) is not None)
+        if extra:
+            raise APIError(f"{where}.{extra[0]}: a {self.type} part has no {extra[0]!r}", "messages")
+        if self.type == "refusal" and role != "assistant":
+            raise APIError(f"{where}: only assistant messages carry refusal parts", "messages")
+
 
 class FunctionCallIn(_Strict):
     name: str
@@ -252,6 +278,10 @@ class ToolCallIn(_Strict):
     type: Literal["function", "custom"] = "function"
     function: Optional[FunctionCallIn] = None
     custom: Optional[dict[str, Any]] = None
+
+
+_ROLE_OF_FIELD = {"refusal": "assistant", "tool_call_id": "tool"}
+"""Message fields only one role's OpenAI message type defines."""
 
 
 class ChatMessage(_Strict):
@@ -270,7 +300,9 @@ class ChatMessage(_Strict):
     response's ``message.model_dump()`` back includes them; they do not change the prompt."""
 
     def check(self, i: int) -> None:
-        """Raises :class:`APIError` (param ``messages``) for what this server cannot render."""
+        """Raises :class:`APIError` (param ``messages``) for what this server cannot render, and
+        for a field the message's role does not define or a part key its type does not read
+        (OpenAI's message and part types: nothing in a message is dropped without a word)."""
         where = f"messages[{i}]"
         if self.role == "function":
             raise unsupported("messages", f"{where}: role 'function' is deprecated and unsupported; use tools")
@@ -278,14 +310,20 @@ class ChatMessage(_Strict):
             raise unsupported("messages", f"{where}: audio is not supported")
         if self.function_call is not None:
             raise unsupported("messages", f"{where}: function_call is deprecated and unsupported; use tool_calls")
-        for part in self.content if isinstance(self.content, list) else ():
+        for name in ("refusal", "tool_call_id"):
+            if getattr(self, name) is not None and self.role != _ROLE_OF_FIELD[name]:
+                raise APIError(f"{where}.{name}: only {_ROLE_OF_FIELD[name]} messages carry {name}", "messages")
+        if self.refusal is not None and self.content:
+            raise APIError(f"{where}: an assistant message carries content or a refusal, not both", "messages")
+        for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if part.type not in ("text", "refusal"):
                 raise unsupported("messages", f"{where}: {part.type} content parts are not supported (text only)")
-            if (part.text if part.type == "text" else part.refusal) is None:
-                raise APIError(f"{where}: a {part.type} part needs its {part.type!r} string", "messages")
-        for call in self.tool_calls or ():
+            part.check(f"{where}.content[{j}]", self.role)
+        for j, call in enumerate(self.tool_calls or ()):
             if call.type != "function" or call.function is None:
                 raise unsupported("messages", f"{where}: only function tool calls are supported")
+            if call.custom is not None:
+                raise APIError(f"{where}.tool_calls[{j}].custom: a function tool call has no 'custom'", "messages")
         if self.tool_calls and self.role != "assistant":
             raise APIError(f"{where}: only assistant messages carry tool_calls", "messages")
         if self.annotations and self.role != "assistant":
@@ -298,10 +336,10 @@ class ChatMessage(_Strict):
     def to_template(self) -> dict:
         """The message as :func:`radixkv.chat_template.render_chat` takes it."""
         out: dict[str, Any] = {"role": self.role}
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and self.content:
             out["content"] = [{"type": "text", "text": p.text if p.type == "text" else p.refusal} for p in self.content]
-        else:
-            out["content"] = self.content if self.content is not None else (self.refusal or "")
+        else:  # an empty content is no content: the refusal, if any, is the message
+            out["content"] = self.content or self.refusal or ""
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
@@ -383,6 +421,15 @@ class Prediction(_Strict):
     content: Union[str, list[dict[str, Any]]]
 
 
+class PromptCacheOptions(_Strict):
+    """``prompt_cache_options`` (OpenAI's cache breakpoints): accepted, no effect (every prefix
+    is cached here; module docstring); a key it does not define (``prewarm`` is the Responses
+    API's, which skips generation) is refused."""
+
+    mode: Optional[Literal["implicit", "explicit"]] = None
+    ttl: Optional[str] = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``. ``max_completion_tokens`` is the newer name of
     ``max_tokens``; when both are unset the answer may run to the end of the context."""
@@ -401,7 +448,7 @@ class ChatCompletionRequest(_SamplingFields):
     service_tier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
-    prompt_cache_options: Optional[dict[str, Any]] = None
+    prompt_cache_options: Optional[PromptCacheOptions] = None
     safety_identifier: Optional[str] = None
     prediction: Optional[Prediction] = None
     # unsupported unless unset (or at their no-op value)
@@ -424,6 +471,7 @@ class ChatCompletionRequest(_SamplingFields):
                 )
             self.max_tokens = self.max_completion_tokens
         super().check_values()
+        check_metadata(self.metadata)
         if not self.messages:
             raise APIError("messages must be a non-empty list", "messages")
         for i, m in enumerate(self.messages):
@@ -448,9 +496,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise unsupported("reasoning_effort", "this model does not reason; only 'none' is accepted")
         if self.verbosity not in (None, "medium"):
             raise unsupported("verbosity", "only the model's own verbosity ('medium') is supported")
-        for tool in self.tools or ():
+        for i, tool in enumerate(self.tools or ()):
             if tool.type != "function" or tool.function is None:
                 raise unsupported("tools", "only function tools are supported")
+            if tool.custom is not None:
+                raise APIError(f"tools[{i}].custom: a function tool has no 'custom'", "tools")
 
     def num_top_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None

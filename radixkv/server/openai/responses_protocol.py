@@ -33,7 +33,14 @@ from typing import Any, Iterable, Optional, Union
 
 from pydantic import ValidationError
 
-from radixkv.server.openai.protocol import APIError, ChatCompletionRequest, _Strict, check_keys, unsupported
+from radixkv.server.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    _Strict,
+    check_keys,
+    check_metadata,
+    unsupported,
+)
 
 __all__ = ["ResponsesRequest", "input_messages", "chat_param"]
 
@@ -254,9 +261,12 @@ class ResponsesRequest(_Strict):
             raise unsupported("reasoning", "this model does not reason; only effort 'none' is accepted")
         if self.top_logprobs:
             raise unsupported("top_logprobs", "logprobs are not reported by /v1/responses")
+        if self.stream_options is not None and not self.stream:
+            # NOTE: as chat answers (OpenAI's rule there): options of a stream that is not one change nothing
+            raise APIError("The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
         if set(self.stream_options or {}) - {"include_obfuscation"}:
             raise APIError(f"stream_options: unknown fields {sorted(self.stream_options)}", "stream_options")
-        self._check_metadata()
+        check_metadata(self.metadata)  # a stored response keeps it
         if self.max_output_tokens is not None and self.max_output_tokens < 1:
             raise APIError(f"max_output_tokens must be >= 1, got {self.max_output_tokens}", "max_output_tokens")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
@@ -266,18 +276,6 @@ class ResponsesRequest(_Strict):
             raise APIError(f"text: unknown fields {sorted(set(text) - {'format', 'verbosity'})}", "text")
         if text.get("verbosity") not in (None, "medium"):
             raise unsupported("text", "only the model's own verbosity ('medium') is supported")
-
-    def _check_metadata(self) -> None:
-        """OpenAI's bounds on ``metadata`` (at most 16 pairs, keys of at most 64 characters, values
-        of at most 512): a stored response keeps it, so past them it is a 400 naming ``metadata``."""
-        meta = self.metadata or {}
-        if len(meta) > 16:
-            raise APIError(f"metadata may hold at most 16 key-value pairs, got {len(meta)}", "metadata")
-        for k, v in meta.items():
-            if len(k) > 64:
-                raise APIError(f"metadata keys must be at most 64 characters, got one of {len(k)}", "metadata")
-            if len(v) > 512:
-                raise APIError(f"metadata values must be at most 512 characters, got one of {len(v)}", "metadata")
 
     def chat_tools(self) -> Optional[list[dict]]:
         """``tools`` in chat's form (function tools only)."""

@@ -142,6 +142,11 @@ class Generate:
         sps = req.sampling_list(len(prompts))
         ctx = self.client.max_context_len
         listed = isinstance(req.sampling_params, list)
+        for i, sp in enumerate(sps):
+            if not req.stream and sp.stream_interval not in (None, 1):
+                # NOTE: as stream_options without stream on chat: the pacing of a stream that is not one
+                name = f"sampling_params[{i}].stream_interval" if listed else "sampling_params.stream_interval"
+                raise APIError(f"{name} needs stream: true", name)
         out = []
         for i, (sp, (_, ids)) in enumerate(zip(sps, prompts)):
             try:
@@ -187,8 +192,15 @@ class Generate:
         starts = req.per_prompt("logprob_start_len", count)
         tops = req.per_prompt("top_logprobs_num", count)
         out: list[LogprobOptions | None] = []
+        if req.return_text_in_logprobs and not any(wants):
+            raise APIError("return_text_in_logprobs needs return_logprob: true", "return_text_in_logprobs")
         for want, start, top, (_, ids) in zip(wants, starts, tops, prompts):
             if not want:
+                # NOTE: SGLang drops these without return_logprob; at their defaults they are what
+                # clients send anyway (bench_serving: logprob_start_len -1), set they ask for logprobs
+                for name, value, default in (("top_logprobs_num", top, 0), ("logprob_start_len", start, -1)):
+                    if value not in (None, default):
+                        raise APIError(f"{name}={value} needs return_logprob: true (for that prompt)", name)
                 out.append(None)
                 continue
             if not _engine_has("logprobs"):
