@@ -128,6 +128,21 @@ def _write_policy(args: argparse.Namespace, tiers: dict) -> Any:
     return policy
 
 
+def _check_tier_blocks(budgets: dict) -> None:
+    """Refuse a tier budget that holds no whole block (``BLOCK_TOKENS`` tokens; the simulator's
+    tiers, as the engine's, hold whole blocks): ``{flag: (value, bytes per token)}``, the value in
+    tokens (1 byte each) or bytes. ValueError naming the flag; 0 (no tier) is never passed here."""
+    from radixkv.cache.digests import BLOCK_TOKENS
+
+    for flag, (value, per_token) in budgets.items():
+        if value < BLOCK_TOKENS * per_token:
+            unit = "tokens" if per_token == 1 else f"bytes ({BLOCK_TOKENS} tokens x {per_token:,} bytes of KV)"
+            raise ValueError(
+                f"{flag} {value:,} holds no block: a KV tier holds whole blocks of {BLOCK_TOKENS * per_token:,} "
+                f"{unit}; give at least that (or 0: no tier)"
+            )
+
+
 def run_explain(args: argparse.Namespace) -> int:
     """Run ``radixkv explain``; returns the exit code (2 for bad input)."""
     from radixkv.models.loader import load_tokenizer
@@ -152,6 +167,7 @@ def run_explain(args: argparse.Namespace) -> int:
             raise ValueError(
                 "KV tiers (--host-, --disk-, --remote-cache-tokens) need a prefix cache: not --policy none"
             )
+        _check_tier_blocks({f"--{m}-cache-tokens": (t, 1) for m, t in tiers.items()})
         write_policy = _write_policy(args, tiers)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
@@ -363,6 +379,10 @@ def run_plan(args: argparse.Namespace) -> int:
             from radixkv.models.loader import load_tokenizer
             from radixkv.obs.trace import tokenize_trace
 
+            tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
+            tiers = {m: b for m, b in tiers.items() if b}
+            bpt = spec.bytes_per_token(args.kv_dtype)
+            _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
             invalid: list = []
             reqs = [
                 r.sim_request()
@@ -374,8 +394,6 @@ def run_plan(args: argparse.Namespace) -> int:
                 raise ValueError("the trace has no valid request")
             pols = _policies(args.policies)
             rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
-            tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
-            tiers = {m: b for m, b in tiers.items() if b}
             policy = _write_policy(args, tiers)
             rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
             if args.target_hit_rate is not None:
