@@ -358,6 +358,30 @@ def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, 
 
 
 @pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"cache_salt": ""}, "cache_salt must be a non-empty string of at most 128 characters, got 0"),
+        ({"cache_salt": "s" * 129}, "cache_salt must be a non-empty string of at most 128 characters, got 129"),
+        ({"cache_salt": 7}, "cache_salt must be a string, got int"),
+        ({"tenant": ["a"]}, "tenant must be a non-empty string, got list"),
+    ],
+)
+def test_a_malformed_cache_salt_or_tenant_is_an_invalid_body(extra, why, tok, tmp_path, capsys):
+    """A body whose ``cache_salt`` the server refuses (empty, over 128 characters, not a string)
+    is an invalid body, skipped with its reason; it was replayed without a salt, in the shared
+    namespace, so its prompt hit the cache the server would never let it see."""
+    from radixkv.cli import main
+
+    good = {"prompt": [5, 6, 7, 8, 9]}
+    trace = write_trace(tmp_path / "t.jsonl", [good, dict(good, **extra), good])
+    assert main(["explain", str(trace), "--json", "--no-what-if"]) == 0
+    cap = capsys.readouterr()
+    rep = json.loads(cap.out)
+    assert (rep["requests"], rep["cached_tokens"]) == (2, 4)
+    assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err
+
+
+@pytest.mark.parametrize(
     "argv, why",
     [
         (["--output", "{missing}/rows.json"], "cannot write '{missing}/rows.json'"),

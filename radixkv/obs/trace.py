@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Optional, Sequence
 
 from radixkv.chat_template import render_chat
-from radixkv.namespace import Namespace
+from radixkv.namespace import Namespace, check_cache_salt
 from radixkv.sim import SimRequest
 from radixkv.text import encode_text
 
@@ -172,8 +172,8 @@ def tokenize_trace(
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     for no, body in enumerate(bodies, 1):
         mark = len(out)
-        ns = _namespace(body)
         try:
+            ns = _namespace(body)
             if "messages" in body:
                 if not isinstance(body["messages"], list) or not body["messages"]:
                     raise ValueError("messages must be a non-empty list of messages")
@@ -217,11 +217,16 @@ def tokenize_trace(
 
 
 def _namespace(body: dict) -> Optional[Namespace]:
-    """A logged body's namespace: its ``"tenant"`` and ``"cache_salt"`` (strings; else none)."""
-    tenant, salt = body.get("tenant"), body.get("cache_salt")
-    return Namespace.of(
-        Namespace(tenant if isinstance(tenant, str) else None, salt if isinstance(salt, str) and salt else None)
-    )
+    """A logged body's namespace: its ``"tenant"`` and ``"cache_salt"`` (None: none).
+
+    Raises:
+        ValueError: a ``cache_salt`` the server refuses (:func:`~radixkv.namespace.check_cache_salt`)
+            or a ``tenant`` that is not a non-empty string (``--log-requests`` writes its name).
+    """
+    tenant, salt = body.get("tenant"), check_cache_salt(body.get("cache_salt"))
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise ValueError(f"tenant must be a non-empty string, got {type(tenant).__name__}")
+    return Namespace.of(Namespace(tenant, salt))
 
 
 def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: str, eos: set) -> None:
