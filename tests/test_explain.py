@@ -193,6 +193,12 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
             ["explain", "synthetic:uuid", "--capacity", "0"],
             "capacity must be an integer >= 1 (tokens) or 'inf', got '0'",
         ),
+        # a pool below one page (the engine refuses it): it was replayed at one page of 5,000
+        # tokens, every prompt fitting, under a header that said capacity 100
+        (
+            ["explain", "synthetic:uuid:3", "--capacity", "100", "--page-size", "5000"],
+            "radixkv explain: --capacity 100 holds no page of --page-size 5000 tokens",
+        ),
     ],
 )
 def test_cli_bad_input_is_refused_before_the_work(argv, why, tmp_path, capsys):

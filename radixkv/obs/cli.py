@@ -154,6 +154,10 @@ def run_explain(args: argparse.Namespace) -> int:
         if value < low:
             print(f"radixkv explain: {flag} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if args.capacity is not None and args.capacity < args.page_size:  # the engine refuses such a pool
+        print(f"radixkv explain: --capacity {args.capacity} holds no page of --page-size {args.page_size} tokens",
+              file=sys.stderr)  # fmt: skip
+        return 2
     evict = getattr(args, "radix_eviction_policy", "lru")
     if evict != "lru" and args.policy != "radix":
         print("radixkv explain: --radix-eviction-policy needs --policy radix", file=sys.stderr)
