@@ -493,6 +493,30 @@ def test_llm_explain_takes_the_cache_salt_a_request_was_sent_with(tok):
     llm.close()
 
 
+def test_llm_explain_refuses_a_prompt_the_engine_would_refuse(tok):
+    """A prompt past the context: ``LLM.explain`` raises the RequestError that ``generate`` raises
+    (naming ``prompt`` and ``max_context_len``); it explained it as ``cold``, 0 of 5,000 tokens
+    cached, for a request that can never be admitted."""
+    from obs_helpers import NullRunner
+
+    from radixkv.errors import RequestError
+    from radixkv.llm import LLM
+
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=2048)
+    assert llm.engine.max_context_len == 8192  # the runner's: the pool is the bound here
+    with pytest.raises(
+        RequestError, match=r"prompt \(2048 tokens\) \+ 1 generated token needs 2049 KV slots, more"
+    ) as e:
+        llm.explain({"prompt_token_ids": [5] * 2048})
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match="needs 2049 KV slots, more than the KV pool's 2048 slots"):
+        llm.generate({"prompt_token_ids": [5] * 2048}, SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(RequestError, match=r"prompt has 8192 tokens; max_context_len is 8192 \(the prompt plus"):
+        llm.explain(prompt_token_ids=[5] * 8192)
+    assert llm.explain(prompt_token_ids=[5] * 2047).outcome.num_missed_tokens == 2047
+    llm.close()
+
+
 def test_no_capacity_curve_without_a_prefix_cache():
     """``--policy none`` keeps nothing (working set 0): its hit-rate-vs-capacity line said every
     request was too large for a pool of 100% of the working set; there is no curve to draw."""
