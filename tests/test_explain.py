@@ -117,6 +117,38 @@ def test_the_real_model_caches_what_the_null_runner_engine_caches(default_model,
     assert expected[0] == 0 and min(expected[1:]) > 1000  # the long system prompt is shared
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_reply_cut_off_at_max_tokens_is_replayed_as_the_engine_cached_it(default_model, tok, page_size):
+    """Multi-turn chats whose replies stop at ``max_tokens`` (as ``radixkv replay --log-requests``
+    logs them): the replay of the trace gives each request exactly the engine's cached tokens. The
+    end-of-turn token the template puts after a cut-off reply was taken as generated, so every
+    later turn was predicted one token more than the engine caches (a whole page more at page 16
+    where the reply ends on a page boundary)."""
+    from radixkv.llm import LLM
+    from radixkv.sim import simulate
+
+    llm = LLM(loaded_model=default_model, device="cpu", max_total_tokens=4096, page_size=page_size)
+    questions = ["Name three rivers of Europe.", "What is a prime number?", "Why is the sky blue?"]
+    follow = ["And in Asia?", "Give an example.", "Say it shorter."]
+    bodies, got = [], []
+    hist = [[{"role": "user", "content": q}] for q in questions]
+    for turn in range(3):
+        for i, h in enumerate(hist):
+            if turn:
+                h.append({"role": "user", "content": f"{follow[i]} (turn {turn})"})
+            bodies.append({"model": "m", "messages": [dict(m) for m in h], "max_tokens": 7 + i})
+            out = llm.chat(h, SamplingParams(max_tokens=7 + i, temperature=0.0), use_tqdm=False)[0]
+            assert out.outputs[0].finish_reason == "length"
+            got.append(out.num_cached_tokens)
+            h.append({"role": "assistant", "content": out.outputs[0].text})
+    reqs = tokenize_trace(bodies, tok)
+    assert [len(r.reply) for r in reqs[:6]] == [7, 8, 9, 7, 8, 9]
+    sim = simulate([r.sim_request() for r in reqs], "radix", page_size, 4096)
+    assert [r.num_cached_tokens for r in sim.requests] == got
+    assert min(got[3:]) > 20
+    llm.close()
+
+
 def test_sharegpt_multi_turn_report_causes_sum_exactly(tok):
     bodies = sharegpt_multi_turn_trace(24, 4)
     reqs = tokenize_trace(bodies, tok)
