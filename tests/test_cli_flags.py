@@ -219,3 +219,12 @@ def test_plan_takes_a_tier_of_exactly_one_block(capsys):
     argv = ["plan", "--trace", "synthetic:control:2", "--policies", "radix-p16", "--host-cache-bytes", "368640"]
     assert main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["curve"]["tiers"] == {"host": {"bytes": 368640, "tokens": 16}}
+
+
+def test_plan_refuses_kv_tiers_without_a_prefix_cache(capsys):
+    # --policies none-p1 --host-cache-bytes 1GiB printed the curve without the tiers, exit 0: a
+    # flag that did nothing (the engine refuses tiers with prefix_cache='none', explain too)
+    argv = ["plan", "--trace", "synthetic:control:2", "--policies", "none-p1", "--host-cache-bytes", "1GiB"]
+    assert refused(argv, capsys) == (
+        "radixkv plan: KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
+    )

@@ -356,9 +356,40 @@ def plan_flags_error(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
+    """``radixkv plan --trace``'s part of the report: the flags checked first (ValueError naming
+    one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
+    from radixkv.models.loader import load_tokenizer
+    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate
+    from radixkv.obs.trace import tokenize_trace
+
+    pols = _policies(args.policies)
+    tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
+    tiers = {m: b for m, b in tiers.items() if b}
+    if tiers and all(p == "none" for p, _ in pols):  # the engine refuses tiers without a prefix cache
+        raise ValueError(
+            "KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
+        )
+    bpt = spec.bytes_per_token(args.kv_dtype)
+    _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
+    policy = _write_policy(args, tiers)
+    invalid: list = []
+    bodies = load_bodies(args.trace)
+    reqs = [r.sim_request() for r in tokenize_trace(bodies, load_tokenizer(args.tokenizer), invalid=invalid)]
+    if invalid:
+        print(f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace", file=sys.stderr)
+    if not reqs:
+        raise ValueError("the trace has no valid request")
+    out: dict = dict(trace=dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer))
+    out["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
+    if args.target_hit_rate is not None:
+        out["target"] = [memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols]
+    return out
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``radixkv plan``; returns the exit code (2 for bad input)."""
-    from radixkv.obs.plan import hit_rate_curve, load_spec, memory_for_hit_rate, plan_memory
+    from radixkv.obs.plan import load_spec, plan_memory
     from radixkv.obs.report import plan_html, plan_text_report, to_json
 
     why = plan_flags_error(args)
@@ -380,30 +411,7 @@ def run_plan(args: argparse.Namespace) -> int:
             spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context
         )
         if args.trace:
-            from radixkv.models.loader import load_tokenizer
-            from radixkv.obs.trace import tokenize_trace
-
-            tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
-            tiers = {m: b for m, b in tiers.items() if b}
-            bpt = spec.bytes_per_token(args.kv_dtype)
-            _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
-            invalid: list = []
-            reqs = [
-                r.sim_request()
-                for r in tokenize_trace(load_bodies(args.trace), load_tokenizer(args.tokenizer), invalid=invalid)
-            ]
-            if invalid:
-                print(f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace", file=sys.stderr)
-            if not reqs:
-                raise ValueError("the trace has no valid request")
-            pols = _policies(args.policies)
-            rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
-            policy = _write_policy(args, tiers)
-            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
-            if args.target_hit_rate is not None:
-                rep["target"] = [
-                    memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols
-                ]
+            rep.update(_plan_trace(args, spec))
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv plan: {exc}", file=sys.stderr)
         return 2
