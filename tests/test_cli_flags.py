@@ -192,3 +192,39 @@ def test_serve_checks_the_request_log_as_the_log_creates_it(tmp_path, capsys):
 def test_serve_refuses_a_radix_eviction_policy_without_the_radix_tree(capsys):
     argv = ["serve", "--prefix-cache", "hash", "--radix-eviction-policy", "gdf", "--model", "/nonexistent/model"]
     assert refused(argv, capsys).startswith("radixkv serve: eviction_policy='gdf' applies to prefix_cache='radix' only")
+
+
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ["explain", "synthetic:control:2", "--disk-cache-tokens", "15", "--no-what-if"],
+            "radixkv explain: --disk-cache-tokens 15 holds no block: a KV tier holds whole blocks of 16 tokens; "
+            "give at least that (or 0: no tier)",
+        ),
+        (
+            ["plan", "--trace", "synthetic:control:2", "--host-cache-bytes", "368639"],
+            "radixkv plan: --host-cache-bytes 368,639 holds no block: a KV tier holds whole blocks of 368,640 "
+            "bytes (16 tokens x 23,040 bytes of KV); give at least that (or 0: no tier)",
+        ),
+    ],
+)
+def test_explain_and_plan_refuse_a_tier_below_one_block(argv, line, capsys):
+    # a tier below one 16-token block holds nothing: explain and plan replayed it and printed the
+    # hit rate "with" it, equal to the one without, where radixkv serve refuses such a budget
+    assert refused(argv, capsys) == line
+
+
+def test_plan_takes_a_tier_of_exactly_one_block(capsys):
+    argv = ["plan", "--trace", "synthetic:control:2", "--policies", "radix-p16", "--host-cache-bytes", "368640"]
+    assert main(argv + ["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["curve"]["tiers"] == {"host": {"bytes": 368640, "tokens": 16}}
+
+
+def test_plan_refuses_kv_tiers_without_a_prefix_cache(capsys):
+    # --policies none-p1 --host-cache-bytes 1GiB printed the curve without the tiers, exit 0: a
+    # flag that did nothing (the engine refuses tiers with prefix_cache='none', explain too)
+    argv = ["plan", "--trace", "synthetic:control:2", "--policies", "none-p1", "--host-cache-bytes", "1GiB"]
+    assert refused(argv, capsys) == (
+        "radixkv plan: KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
+    )

@@ -117,6 +117,38 @@ def test_the_real_model_caches_what_the_null_runner_engine_caches(default_model,
     assert expected[0] == 0 and min(expected[1:]) > 1000  # the long system prompt is shared
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_a_reply_cut_off_at_max_tokens_is_replayed_as_the_engine_cached_it(default_model, tok, page_size):
+    """Multi-turn chats whose replies stop at ``max_tokens`` (as ``radixkv replay --log-requests``
+    logs them): the replay of the trace gives each request exactly the engine's cached tokens. The
+    end-of-turn token the template puts after a cut-off reply was taken as generated, so every
+    later turn was predicted one token more than the engine caches (a whole page more at page 16
+    where the reply ends on a page boundary)."""
+    from radixkv.llm import LLM
+    from radixkv.sim import simulate
+
+    llm = LLM(loaded_model=default_model, device="cpu", max_total_tokens=4096, page_size=page_size)
+    questions = ["Name three rivers of Europe.", "What is a prime number?", "Why is the sky blue?"]
+    follow = ["And in Asia?", "Give an example.", "Say it shorter."]
+    bodies, got = [], []
+    hist = [[{"role": "user", "content": q}] for q in questions]
+    for turn in range(3):
+        for i, h in enumerate(hist):
+            if turn:
+                h.append({"role": "user", "content": f"{follow[i]} (turn {turn})"})
+            bodies.append({"model": "m", "messages": [dict(m) for m in h], "max_tokens": 7 + i})
+            out = llm.chat(h, SamplingParams(max_tokens=7 + i, temperature=0.0), use_tqdm=False)[0]
+            assert out.outputs[0].finish_reason == "length"
+            got.append(out.num_cached_tokens)
+            h.append({"role": "assistant", "content": out.outputs[0].text})
+    reqs = tokenize_trace(bodies, tok)
+    assert [len(r.reply) for r in reqs[:6]] == [7, 8, 9, 7, 8, 9]
+    sim = simulate([r.sim_request() for r in reqs], "radix", page_size, 4096)
+    assert [r.num_cached_tokens for r in sim.requests] == got
+    assert min(got[3:]) > 20
+    llm.close()
+
+
 def test_sharegpt_multi_turn_report_causes_sum_exactly(tok):
     bodies = sharegpt_multi_turn_trace(24, 4)
     reqs = tokenize_trace(bodies, tok)
@@ -192,6 +224,12 @@ def test_cli_explain_json_and_html(tok, questions, tmp_path, capsys):
         (
             ["explain", "synthetic:uuid", "--capacity", "0"],
             "capacity must be an integer >= 1 (tokens) or 'inf', got '0'",
+        ),
+        # a pool below one page (the engine refuses it): it was replayed at one page of 5,000
+        # tokens, every prompt fitting, under a header that said capacity 100
+        (
+            ["explain", "synthetic:uuid:3", "--capacity", "100", "--page-size", "5000"],
+            "radixkv explain: --capacity 100 holds no page of --page-size 5000 tokens",
         ),
     ],
 )
@@ -358,6 +396,30 @@ def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, 
 
 
 @pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"cache_salt": ""}, "cache_salt must be a non-empty string of at most 128 characters, got 0"),
+        ({"cache_salt": "s" * 129}, "cache_salt must be a non-empty string of at most 128 characters, got 129"),
+        ({"cache_salt": 7}, "cache_salt must be a string, got int"),
+        ({"tenant": ["a"]}, "tenant must be a non-empty string, got list"),
+    ],
+)
+def test_a_malformed_cache_salt_or_tenant_is_an_invalid_body(extra, why, tok, tmp_path, capsys):
+    """A body whose ``cache_salt`` the server refuses (empty, over 128 characters, not a string)
+    is an invalid body, skipped with its reason; it was replayed without a salt, in the shared
+    namespace, so its prompt hit the cache the server would never let it see."""
+    from radixkv.cli import main
+
+    good = {"prompt": [5, 6, 7, 8, 9]}
+    trace = write_trace(tmp_path / "t.jsonl", [good, dict(good, **extra), good])
+    assert main(["explain", str(trace), "--json", "--no-what-if"]) == 0
+    cap = capsys.readouterr()
+    rep = json.loads(cap.out)
+    assert (rep["requests"], rep["cached_tokens"]) == (2, 4)
+    assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err
+
+
+@pytest.mark.parametrize(
     "argv, why",
     [
         (["--output", "{missing}/rows.json"], "cannot write '{missing}/rows.json'"),
@@ -460,6 +522,30 @@ def test_llm_explain_takes_the_cache_salt_a_request_was_sent_with(tok):
         assert (ex.outcome.cause, ex.outcome.num_cached_tokens) == ("full", n - 1)
     with pytest.raises(RequestError, match="cache_salt differs"):
         llm.explain({"prompt": text, "cache_salt": "s1"}, cache_salt="s2")
+    llm.close()
+
+
+def test_llm_explain_refuses_a_prompt_the_engine_would_refuse(tok):
+    """A prompt past the context: ``LLM.explain`` raises the RequestError that ``generate`` raises
+    (naming ``prompt`` and ``max_context_len``); it explained it as ``cold``, 0 of 5,000 tokens
+    cached, for a request that can never be admitted."""
+    from obs_helpers import NullRunner
+
+    from radixkv.errors import RequestError
+    from radixkv.llm import LLM
+
+    llm = LLM(model_runner=NullRunner(len(tok)), tokenizer=tok, eos_token_ids=[], device="cpu", max_total_tokens=2048)
+    assert llm.engine.max_context_len == 8192  # the runner's: the pool is the bound here
+    with pytest.raises(
+        RequestError, match=r"prompt \(2048 tokens\) \+ 1 generated token needs 2049 KV slots, more"
+    ) as e:
+        llm.explain({"prompt_token_ids": [5] * 2048})
+    assert e.value.param == "prompt"
+    with pytest.raises(RequestError, match="needs 2049 KV slots, more than the KV pool's 2048 slots"):
+        llm.generate({"prompt_token_ids": [5] * 2048}, SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(RequestError, match=r"prompt has 8192 tokens; max_context_len is 8192 \(the prompt plus"):
+        llm.explain(prompt_token_ids=[5] * 8192)
+    assert llm.explain(prompt_token_ids=[5] * 2047).outcome.num_missed_tokens == 2047
     llm.close()
 
 

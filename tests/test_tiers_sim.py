@@ -156,3 +156,26 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     assert "kv_tier_write_policy: disk must be one of" in capsys.readouterr().err
     assert main(["explain", str(trace), "--kv-tier-write-policy", policy]) == 2
     assert "--kv-tier-write-policy needs a KV tier" in capsys.readouterr().err
+
+
+def test_the_hash_caches_tiers_are_replayed_written_through_as_the_engine_runs_them():
+    """The engine writes every tier through under ``prefix_cache="hash"`` (it does not report the
+    blocks it evicts), so its default write-back host tier serves what it was written through; the
+    simulator kept host write-back there and never wrote it: ``radixkv plan --trace T
+    --host-cache-bytes 8GiB`` showed no gain from the host tier on its hash-b16 row (and
+    ``radixkv explain --policy hash --host-cache-tokens N`` served 0) where the engine serves it.
+    An explicit write-back with the hash cache is refused, as ``EngineConfig`` refuses it."""
+    reqs = _conversations(seed=5, n=4)
+    sim = simulate(reqs, "hash", 16, 208, outcomes=False, tiers={"host": 1 << 20}, keep_requests=True)
+    e = kv_engine(capacity=208, page_size=16, stores=[MemoryStore("host")], chunk=2048, cache="hash")
+    got = []
+    for r in reqs:
+        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
+        out = run_all(e)[rid]
+        got.append((out.num_cached_tokens, out.cached_tokens_by_tier["host"]))
+        e.kv.tiers.drain()
+    assert got == [(x.num_cached_tokens, x.tier_tokens.get("host", 0)) for x in sim.requests]
+    assert sim.cached_tokens_by_tier["host"] > 0
+    for policy in ("write_back", {"host": "write_back"}):
+        with pytest.raises(ValueError, match="write_back needs prefix_cache='radix'"):
+            simulate(reqs, "hash", 16, 208, tiers={"host": 1 << 20}, tier_write_policy=policy)

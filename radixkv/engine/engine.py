@@ -54,7 +54,7 @@ from radixkv.engine.tiers import (
     kv_producer,
     model_fingerprint,
 )
-from radixkv.engine.validation import Limits, validate_request
+from radixkv.engine.validation import Limits, check_prompt_fits, validate_request
 from radixkv.engine.verify import Verify, verify_rounds
 from radixkv.errors import QueueFullError, RequestError
 from radixkv.memory.allocator import SlotAllocator
@@ -1004,7 +1004,9 @@ class Engine:
         locked or refreshed; the running requests count as ``in_flight``; with KV tiers, which
         tier holds each missed whole block after the pool's match, and the tail after them
         (``tier_spans``: the stores are asked, nothing is loaded). ``namespace`` as for :meth:`add_request`
-        (``Namespace.of``)."""
+        (``Namespace.of``). A prompt ``add_request`` would refuse (its context, its vocabulary, a
+        pool too small for it and one generated token) raises its RequestError."""
+        prompt_token_ids = check_prompt_fits(prompt_token_ids, self._limits())
         tracker = self.outcomes
         if tracker is None:  # outcomes off: no record of evictions, the rest is the same
             tracker = OutcomeTracker(self.kv.cache, EventBus())

@@ -143,6 +143,25 @@ def _check_token_fields(params: SamplingParams, n_prompt: int, lim: Limits) -> N
         )
 
 
+def check_prompt_fits(prompt_token_ids: Any, lim: Limits) -> List[int]:
+    """The prompt as ``add_request`` takes it (:func:`_prompt_ids`), with room for one generated
+    token in the pool: what a dry run (``Engine.explain``) checks, so that it never explains a
+    prompt the engine would refuse.
+
+    Raises:
+        RequestError: as :func:`_prompt_ids`, or (param ``prompt``) a prompt the pool cannot hold.
+    """
+    ids = _prompt_ids(prompt_token_ids, lim)
+    need = (len(ids) + lim.page_size) // lim.page_size * lim.page_size
+    if need > lim.capacity:
+        raise RequestError(
+            f"prompt ({len(ids)} tokens) + 1 generated token needs {need} KV slots, more than the KV pool's "
+            f"{lim.capacity} slots (max_total_tokens, or what kv_cache_memory_bytes holds)",
+            "prompt",
+        )
+    return ids
+
+
 def validate_request(prompt_token_ids: Any, sampling_params: Any, lim: Limits) -> tuple[List[int], SamplingParams]:
     """Check a request against ``lim``, in this order: ``sampling_params`` is a
     :class:`~radixkv.sampling_params.SamplingParams` (None: the defaults); the prompt is a

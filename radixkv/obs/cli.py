@@ -128,6 +128,21 @@ def _write_policy(args: argparse.Namespace, tiers: dict) -> Any:
     return policy
 
 
+def _check_tier_blocks(budgets: dict) -> None:
+    """Refuse a tier budget that holds no whole block (``BLOCK_TOKENS`` tokens; the simulator's
+    tiers, as the engine's, hold whole blocks): ``{flag: (value, bytes per token)}``, the value in
+    tokens (1 byte each) or bytes. ValueError naming the flag; 0 (no tier) is never passed here."""
+    from radixkv.cache.digests import BLOCK_TOKENS
+
+    for flag, (value, per_token) in budgets.items():
+        if value < BLOCK_TOKENS * per_token:
+            unit = "tokens" if per_token == 1 else f"bytes ({BLOCK_TOKENS} tokens x {per_token:,} bytes of KV)"
+            raise ValueError(
+                f"{flag} {value:,} holds no block: a KV tier holds whole blocks of {BLOCK_TOKENS * per_token:,} "
+                f"{unit}; give at least that (or 0: no tier)"
+            )
+
+
 def run_explain(args: argparse.Namespace) -> int:
     """Run ``radixkv explain``; returns the exit code (2 for bad input)."""
     from radixkv.models.loader import load_tokenizer
@@ -139,6 +154,10 @@ def run_explain(args: argparse.Namespace) -> int:
         if value < low:
             print(f"radixkv explain: {flag} must be >= {low}, got {value}", file=sys.stderr)
             return 2
+    if args.capacity is not None and args.capacity < args.page_size:  # the engine refuses such a pool
+        print(f"radixkv explain: --capacity {args.capacity} holds no page of --page-size {args.page_size} tokens",
+              file=sys.stderr)  # fmt: skip
+        return 2
     evict = getattr(args, "radix_eviction_policy", "lru")
     if evict != "lru" and args.policy != "radix":
         print("radixkv explain: --radix-eviction-policy needs --policy radix", file=sys.stderr)
@@ -152,6 +171,7 @@ def run_explain(args: argparse.Namespace) -> int:
             raise ValueError(
                 "KV tiers (--host-, --disk-, --remote-cache-tokens) need a prefix cache: not --policy none"
             )
+        _check_tier_blocks({f"--{m}-cache-tokens": (t, 1) for m, t in tiers.items()})
         write_policy = _write_policy(args, tiers)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
@@ -336,9 +356,40 @@ def plan_flags_error(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
+def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
+    """``radixkv plan --trace``'s part of the report: the flags checked first (ValueError naming
+    one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
+    from radixkv.models.loader import load_tokenizer
+    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate
+    from radixkv.obs.trace import tokenize_trace
+
+    pols = _policies(args.policies)
+    tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
+    tiers = {m: b for m, b in tiers.items() if b}
+    if tiers and all(p == "none" for p, _ in pols):  # the engine refuses tiers without a prefix cache
+        raise ValueError(
+            "KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
+        )
+    bpt = spec.bytes_per_token(args.kv_dtype)
+    _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
+    policy = _write_policy(args, tiers)
+    invalid: list = []
+    bodies = load_bodies(args.trace)
+    reqs = [r.sim_request() for r in tokenize_trace(bodies, load_tokenizer(args.tokenizer), invalid=invalid)]
+    if invalid:
+        print(f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace", file=sys.stderr)
+    if not reqs:
+        raise ValueError("the trace has no valid request")
+    out: dict = dict(trace=dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer))
+    out["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
+    if args.target_hit_rate is not None:
+        out["target"] = [memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols]
+    return out
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``radixkv plan``; returns the exit code (2 for bad input)."""
-    from radixkv.obs.plan import hit_rate_curve, load_spec, memory_for_hit_rate, plan_memory
+    from radixkv.obs.plan import load_spec, plan_memory
     from radixkv.obs.report import plan_html, plan_text_report, to_json
 
     why = plan_flags_error(args)
@@ -360,28 +411,7 @@ def run_plan(args: argparse.Namespace) -> int:
             spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context
         )
         if args.trace:
-            from radixkv.models.loader import load_tokenizer
-            from radixkv.obs.trace import tokenize_trace
-
-            invalid: list = []
-            reqs = [
-                r.sim_request()
-                for r in tokenize_trace(load_bodies(args.trace), load_tokenizer(args.tokenizer), invalid=invalid)
-            ]
-            if invalid:
-                print(f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace", file=sys.stderr)
-            if not reqs:
-                raise ValueError("the trace has no valid request")
-            pols = _policies(args.policies)
-            rep["trace"] = dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer)
-            tiers = {m: getattr(args, f"{m}_cache_bytes", None) for m in ("host", "disk", "remote")}
-            tiers = {m: b for m, b in tiers.items() if b}
-            policy = _write_policy(args, tiers)
-            rep["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
-            if args.target_hit_rate is not None:
-                rep["target"] = [
-                    memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols
-                ]
+            rep.update(_plan_trace(args, spec))
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv plan: {exc}", file=sys.stderr)
         return 2

@@ -143,6 +143,8 @@ def explain_trace(
     sims = [r.sim_request() if isinstance(r, TraceRequest) else r for r in requests]
     tokens = [list(s.tokens) for s in sims]
     sim_kw = dict(policy=policy, page_size=page_size, hash_algo=hash_algo)
+    if capacity is not None and capacity < page_size:
+        raise ValueError(f"capacity {capacity} holds no page of page_size {page_size} tokens")
     cap = _sim_capacity(sims, capacity, page_size)
     main = simulate(sims, capacity=cap, tiers=tiers, tier_write_policy=tier_write_policy, **sim_kw)
     inf = simulate(sims, capacity=None, outcomes=False, keep_requests=False, **sim_kw)

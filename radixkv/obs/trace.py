@@ -17,7 +17,9 @@ Replies: a trace holds requests only. When a later chat body repeats an earlier 
 followed by an ``assistant`` message (a multi-turn client re-sending the history), that
 assistant message is taken as what the earlier request generated: its tokens as they appear in
 the later prompt, up to and including the model's end-of-turn token, are the earlier request's
-``reply`` (the engine caches them when it finishes). Other requests get no reply.
+``reply`` (the engine caches them when it finishes); a reply of exactly the earlier body's
+``max_completion_tokens`` / ``max_tokens`` was cut off there, and the end-of-turn token after it
+is the template's, not the model's: it is left out. Other requests get no reply.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any, Hashable, Iterable, Optional, Sequence
 
 from radixkv.chat_template import render_chat
-from radixkv.namespace import Namespace
+from radixkv.namespace import Namespace, check_cache_salt
 from radixkv.sim import SimRequest
 from radixkv.text import encode_text
 
@@ -52,6 +54,9 @@ class TraceRequest:
         namespace: its prefix-cache namespace, as the server set it: ``Namespace(tenant,
             cache_salt)`` from the body's ``"tenant"`` (what ``--log-requests`` adds with API
             keys) and ``"cache_salt"``; None when it has neither.
+        max_tokens: the body's ``max_completion_tokens`` or ``max_tokens`` (an int; else None):
+            a reply of exactly that many tokens was cut off, so the end-of-turn token after it
+            in the next turn was never generated (:func:`_set_reply`).
     """
 
     index: int
@@ -62,6 +67,7 @@ class TraceRequest:
     text: Optional[str] = None
     messages: Optional[list] = None
     namespace: Hashable = None
+    max_tokens: Optional[int] = None
 
     def sim_request(self) -> SimRequest:
         """This request for :mod:`radixkv.sim`."""
@@ -172,8 +178,8 @@ def tokenize_trace(
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     for no, body in enumerate(bodies, 1):
         mark = len(out)
-        ns = _namespace(body)
         try:
+            ns = _namespace(body)
             if "messages" in body:
                 if not isinstance(body["messages"], list) or not body["messages"]:
                     raise ValueError("messages must be a non-empty list of messages")
@@ -182,7 +188,7 @@ def tokenize_trace(
                 text = render_chat(tokenizer, conv, tools=tools)
                 ids = encode_text(tokenizer, text, "messages", "the rendered conversation")
                 msgs = [{"role": str(m["role"]), "content": message_text(m["content"])} for m in conv]
-                req = TraceRequest(len(out), no, "chat", ids, text=text, messages=msgs)
+                req = TraceRequest(len(out), no, "chat", ids, text=text, messages=msgs, max_tokens=_max_tokens(body))
                 if infer_replies and len(conv) >= 3 and conv[-2]["role"] == "assistant":
                     j = by_history.get(repr(ns) + _key(conv[:-2], tools))
                     if j is not None:
@@ -217,16 +223,22 @@ def tokenize_trace(
 
 
 def _namespace(body: dict) -> Optional[Namespace]:
-    """A logged body's namespace: its ``"tenant"`` and ``"cache_salt"`` (strings; else none)."""
-    tenant, salt = body.get("tenant"), body.get("cache_salt")
-    return Namespace.of(
-        Namespace(tenant if isinstance(tenant, str) else None, salt if isinstance(salt, str) and salt else None)
-    )
+    """A logged body's namespace: its ``"tenant"`` and ``"cache_salt"`` (None: none).
+
+    Raises:
+        ValueError: a ``cache_salt`` the server refuses (:func:`~radixkv.namespace.check_cache_salt`)
+            or a ``tenant`` that is not a non-empty string (``--log-requests`` writes its name).
+    """
+    tenant, salt = body.get("tenant"), check_cache_salt(body.get("cache_salt"))
+    if tenant is not None and (not isinstance(tenant, str) or not tenant):
+        raise ValueError(f"tenant must be a non-empty string, got {type(tenant).__name__}")
+    return Namespace.of(Namespace(tenant, salt))
 
 
 def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: str, eos: set) -> None:
     """``earlier``'s reply: the tokens after its prompt in ``later_ids``, through the first
-    end-of-turn token (or as many tokens as the assistant content encodes to, when none)."""
+    end-of-turn token (or as many tokens as the assistant content encodes to, when none); without
+    that token when the tokens before it are exactly ``earlier.max_tokens`` (cut off there)."""
     n = len(earlier.tokens)
     if later_ids[:n] != earlier.tokens:
         return
@@ -234,7 +246,18 @@ def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: 
     end = next((i + 1 for i, t in enumerate(rest) if t in eos), None)
     if end is None:
         end = min(len(rest), len(tokenizer.encode(content, add_special_tokens=False)) + 1)
+    if earlier.max_tokens is not None and end - 1 == earlier.max_tokens:
+        end -= 1  # cut off at max_tokens: the template closed the turn, the model never generated it
     earlier.reply = rest[:end]
+
+
+def _max_tokens(body: dict) -> Optional[int]:
+    """A chat body's generation limit (``max_completion_tokens``, else ``max_tokens``), or None."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return v
+    return None
 
 
 class TraceWriter:

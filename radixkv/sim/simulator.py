@@ -200,6 +200,21 @@ def capacity_needed(requests: Sequence[SimRequest], page_size: int = 1) -> int:
     return -(-most // page_size) * page_size
 
 
+def _tier_policy(cache: Any, policy: str, asked: Union[None, str, dict]) -> dict:
+    """The tiers' write policy as the engine runs it: a cache that does not report the blocks it
+    evicts (no ``evict_listener``: ``hash``) has every tier written through, and an explicit
+    ``write_back`` with it is a ValueError (as ``EngineConfig`` refuses it)."""
+    resolved = resolve_write_policy(asked)
+    if hasattr(cache, "evict_listener"):
+        return resolved
+    if asked == "write_back" or (isinstance(asked, dict) and "write_back" in asked.values()):
+        raise ValueError(
+            f"kv_tier_write_policy write_back needs prefix_cache='radix' (the {policy!r} cache does not report "
+            f"the blocks it evicts, so its tiers are written through); got {asked!r}"
+        )
+    return {m: "write_through" for m in resolved}
+
+
 class CacheSimulator:
     """Replays requests through a prefix cache + slot allocator at a fixed capacity (module doc).
 
@@ -256,7 +271,7 @@ class CacheSimulator:
         self.capacity = capacity
         self.events = EventBus()
         self._ctx = 4096
-        self.tiers = TierModel(tiers, resolve_write_policy(tier_write_policy)) if tiers else None
+        self.tiers = TierModel(tiers, _tier_policy(cache, policy, tier_write_policy)) if tiers else None
         # NOTE: the tier model is the KV manager's tiers: it hears the engine's own tier writes
         self.kv = KVManager(
             cache, SlotAllocator(capacity, page_size), ReqToTokenPool(1, self._ctx), self.events, tiers=self.tiers
