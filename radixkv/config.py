@@ -227,8 +227,9 @@ class EngineConfig:
     """Seconds after which a session pin unused that long is dropped (its tokens become evictable);
     None: never."""
 
-    host_cache_bytes: Optional[int] = None
+    host_cache_bytes: Optional[Union[int, str]] = None
     """KV tier in host RAM below the pool (docs/tiers.md): its budget in bytes of stored blocks
+    (an int or a string such as ``"4GiB"``, as ``kv_cache_memory_bytes``)
     (pinned host memory when the pool is on a GPU). None or 0: no host tier. More than the host
     memory available when the engine starts is a ValueError."""
 
@@ -237,8 +238,8 @@ class EngineConfig:
     ``ValueError`` naming this field at start). Blocks persist across restarts and may be shared
     by several processes. None: no disk tier."""
 
-    disk_cache_bytes: int = DEFAULT_DISK_CACHE_BYTES
-    """Budget of the disk tier in bytes (default 8 GiB); the tier evicts its least recently used
+    disk_cache_bytes: Union[int, str] = DEFAULT_DISK_CACHE_BYTES
+    """Budget of the disk tier in bytes (an int or a string such as ``"20GB"``; default 8 GiB); the tier evicts its least recently used
     blocks beyond it."""
 
     remote_cache_url: Optional[str] = None
@@ -452,8 +453,8 @@ class EngineConfig:
         and the URL when they are built) and resolve ``kv_tier_write_policy`` into a dict."""
         for name in ("host_cache_bytes", "disk_cache_bytes"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise ValueError(f"{name} must be an integer number of bytes >= 0, got {v!r}")
+            if v is not None:  # as kv_cache_memory_bytes: an int or '64MiB' (0: no tier)
+                setattr(self, name, parse_bytes(v, name))
         for name in ("disk_cache_dir", "remote_cache_url"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):
