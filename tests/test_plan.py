@@ -137,6 +137,14 @@ def test_cli_plan(capsys, tmp_path):
     ):
         assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", bad]) == 2, bad
         assert field in capsys.readouterr().err
+    # --kv-dtype takes what serve's --kv-cache-dtype takes: a torch name serve refuses was taken here,
+    # and fp8_e4m3 (= fp8) printed the fp8 columns twice
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--list", "--kv-dtype", "float8_e4m3fn"])
+    assert exc.value.code == 2 and "--kv-dtype/--kv-cache-dtype: must be one of" in capsys.readouterr().err
+    assert main(["plan", "--list", "--kv-dtype", "FP8_E4M3"]) == 0
+    head = capsys.readouterr().out.splitlines()[0].split()
+    assert head.count("fp8") == 3 and head.count("bfloat16") == 3 and "fp8_e4m3" not in head, head
     # a 70B model in bf16 (141 GB of weights) does not fit an 80 GB GPU: said, not "0 tokens" alone
     assert main(["plan", "--model", "llama-3-70b", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out

@@ -17,7 +17,20 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from radixkv.memory.kv_dtype import KV_DTYPE_ALIASES, KV_DTYPES, canonical_kv_dtype
+
 __all__ = ["add_explain_arguments", "run_explain", "add_plan_arguments", "run_plan", "load_bodies"]
+
+
+def _kv_dtype_flag(value: str) -> str:
+    """``--kv-dtype``: the spellings ``radixkv serve --kv-cache-dtype`` takes (but ``auto``: the
+    table's models have no loaded dtype), lower-cased."""
+    try:
+        canonical_kv_dtype(value)
+    except ValueError:
+        names = list(KV_DTYPES) + sorted(KV_DTYPE_ALIASES)
+        raise argparse.ArgumentTypeError(f"must be one of {names}, got {value!r}") from None
+    return value.strip().lower()
 
 
 def load_bodies(trace: str) -> list[dict]:
@@ -224,6 +237,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-dtype",
         "--kv-cache-dtype",
         dest="kv_dtype",
+        type=_kv_dtype_flag,
         default="bfloat16",
         help="float32, bfloat16/bf16, float16/fp16, fp8 (= fp8_e4m3) or fp8_e5m2 (default %(default)s)",
     )
@@ -398,7 +412,8 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.list:
-            print(list_architectures((args.kv_dtype, "fp8") if args.kv_dtype not in ("fp8",) else ("bfloat16", "fp8")))
+            fp8 = canonical_kv_dtype(args.kv_dtype) == "fp8_e4m3"  # fp8 and fp8_e4m3: one column, and bfloat16
+            print(list_architectures(("bfloat16", "fp8") if fp8 else (args.kv_dtype, "fp8")))
             return 0
         check_writable(args.html)
         model = args.model
