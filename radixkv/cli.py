@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             keys = server_cli.api_keys_of(args)
-        except KeysFileError as exc:
+            server_cli.check_host(args.host, args.port)  # as one engine: before Ray starts
+        except (KeysFileError, ValueError) as exc:
             print(f"radixkv serve: {exc}", file=sys.stderr)
             return 2
         ekw = server_cli.engine_kwargs_from_args(args, keys)

@@ -143,6 +143,34 @@ def test_serve_replicas_refuses_more_cpus_than_its_local_ray_has(no_ray, monkeyp
         main(["serve", "--replicas", "4", "--replica-cpus", "1", "--ray-address", "10.0.0.1:6379"])
 
 
+def test_serve_replicas_refuses_a_host_that_does_not_resolve_before_starting_ray(no_ray, capsys):
+    """``--host`` that does not resolve: exit 2 naming it before Ray starts, as ``radixkv serve``
+    refuses it before loading the model (tests/test_cli_flags.py). Before the fix Ray, Serve and
+    its controller started, then ``serve.start`` died with a 40-line traceback ending in Ray's
+    "RuntimeError: Failed to bind to address 'no-such-host.invalid:30000'" (exit 1)."""
+    from radixkv.cli import main
+
+    assert main(["serve", "--replicas", "2", "--host", "no-such-host.invalid"]) == 2
+    assert capsys.readouterr().err.startswith("radixkv serve: --host no-such-host.invalid: cannot resolve it: ")
+
+
+def test_serve_replicas_names_a_port_in_use_before_starting_ray(no_ray, capsys):
+    """A port another process listens on: exit 1 naming it before Ray starts (one engine's uvicorn
+    exits 1 on it too). Before the fix Ray, Serve and its controller started, then ``serve.start``
+    died with a 40-line traceback ending in Ray's "RuntimeError: Failed to bind to address
+    '127.0.0.1:PORT'" (the ingress's proxy could not listen)."""
+    from radixkv.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--replicas", "2", "--port", str(port)]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"radixkv serve: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+
+
 @pytest.mark.parametrize("flags", [["--router-policy", "session"], ["--replica-cpus", "1"], ["--ray-address", "auto"]])
 def test_a_replicas_flag_without_replicas_is_refused(no_ray, capsys, flags):
     """A flag that only means something across replicas, given to one engine, is exit 2 naming it

@@ -1058,6 +1058,13 @@ def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = 
     if bad is not None:  # every replica would refuse it: say so before starting Ray
         print(f"radixkv serve: {bad}", file=sys.stderr)
         return 2
+    if not getattr(args, "ray_address", None):  # a local instance: Serve's proxy listens on this machine
+        from radixkv.server.cli import listen_error
+
+        bad = listen_error(args.host, args.port)
+        if bad is not None:  # the proxy would fail once Ray started, in a traceback (exit 1, as uvicorn's)
+            print(f"radixkv serve: {bad}", file=sys.stderr)
+            return 1
     signal.signal(signal.SIGTERM, _raise_stop)
     try:
         _serve_forever(args, engine_kwargs, served_model_name, api_keys)

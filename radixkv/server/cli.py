@@ -240,6 +240,23 @@ def check_host(host: str, port: int) -> None:
         raise ValueError(f"--host {host}: cannot resolve it: {exc.strerror}") from None
 
 
+def listen_error(host: str, port: int) -> Optional[str]:
+    """Why nothing can listen on ``host:port`` now (another process listens there, an address
+    not of this machine), or None: bound and closed at once, with ``SO_REUSEADDR`` as uvicorn
+    and Ray Serve's proxy bind (a port in TIME_WAIT is free)."""
+    import socket
+
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, addr = found[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as exc:
+        return f"--port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
+
+
 def check_log_file(path: Optional[str]) -> None:
     """Raise ValueError naming ``--log-requests`` when ``path`` cannot be appended to (checked at
     start, before the model loads, by opening it as the request log does: its folder created, a
