@@ -79,6 +79,9 @@ def test_the_engine_reports_each_tenant():
     from radixkv.engine import Engine
 
     eng = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    # a tenant with a quota is listed before its first request (each replica of serve --replicas lists
+    # it, so the summed quota does not depend on where the router sent its traffic)
+    assert eng.cache_stats().tenants == {"a": dict(cached=0, quota=40, prompt_tokens=0, cached_tokens=0, hit_rate=0.0)}
     prompt = list(range(1, 30))
     for ns in (A, A, A2, B, None):
         eng.add_request(prompt, greedy(3), namespace=ns)

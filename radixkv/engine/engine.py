@@ -1067,10 +1067,11 @@ class Engine:
         return dict(kv_cache_dtype=str(self.config.kv_cache_dtype), kv_bytes_per_token=0, kv_cache_bytes=0)
 
     def _tenant_stats(self) -> Dict[str, Dict[str, Any]]:
-        """``EngineStats.tenants``: every named tenant that sent a request or holds cached tokens."""
+        """``EngineStats.tenants``: every named tenant that has a quota, sent a request or holds
+        cached tokens."""
         sizes = self.kv.cache.tenant_sizes()
         quotas = self.config.tenant_kv_quota_tokens or {}
-        names = sorted({t for t in sizes if t is not None} | set(self._tenant_counts))
+        names = sorted({t for t in sizes if t is not None} | set(self._tenant_counts) | set(quotas))
         return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *self._tenant_counts.get(t, (0, 0))) for t in names}
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:

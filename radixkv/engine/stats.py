@@ -50,8 +50,8 @@ class EngineStats(Mapping):
         tenants: per named tenant (``Namespace.tenant``; the server's API keys set it), a dict:
             ``cached`` (tokens its namespaces hold in the prefix cache now, pinned and locked
             included), ``quota`` (its ``kv_quota_tokens``, or None), ``prompt_tokens`` /
-            ``cached_tokens`` (summed as above, over its requests) and ``hit_rate``. Empty when
-            no request named a tenant.
+            ``cached_tokens`` (summed as above, over its requests) and ``hit_rate``. Every tenant
+            with a quota is listed from the start; others once a request names them.
         spec_draft_tokens: draft tokens verified so far (speculative decoding; 0 when off).
         spec_accepted_tokens: those of them accepted (each saved a forward of its own).
     """
