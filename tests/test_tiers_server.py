@@ -55,6 +55,9 @@ def test_cached_tokens_count_every_tier_and_flushes(setup):
     first = _complete(http, ids)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     wait_idle(llm)
+    # NOTE: the I/O thread takes a lookup before a queued write: the first request's blocks must be
+    # on disk before they are asked for again
+    assert llm.engine.kv.tiers.drain(timeout=60)
     assert http.post("/flush_cache").json()["flushed"] is True  # the pool only
     again = _complete(http, ids)
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
