@@ -21,6 +21,7 @@ configuration may hold.
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -119,14 +120,25 @@ def test_a_batch_of_rids_is_scoped_to_its_tenant(served):
 
 
 # ---------------------------------------------------------------------------- KV tiers
+def writes_landed(base: str, timeout: float = 60.0) -> None:
+    """Until the server's tiers hold every write queued so far (``write_pending`` 0 in each): the
+    I/O thread takes a lookup before a queued write, so a repeat sent sooner may miss its own blocks."""
+    deadline = time.monotonic() + timeout
+    while any(t["write_pending"] for t in admin(base, "GET", "/cache_stats")["tiers"].values()):
+        assert time.monotonic() < deadline, "KV tier writes still pending"
+        time.sleep(0.05)
+
+
 def test_the_kv_tiers_never_serve_another_tenants_prompt(served):
     n, c = cached(served, "carol", SECRET)
     assert c == 0
+    writes_landed(served)
     admin(served, "POST", "/flush_cache", params={"timeout": "30"})  # the pool only: the tiers keep it
     assert admin(served, "GET", "/cache_stats")["cached"] == 0
     # dave sends carol's prompt, token for token: nothing of carol's from host memory or disk
     assert cached(served, "dave", SECRET) == (n, 0)
     admin(served, "POST", "/flush_cache", params={"timeout": "30"})
+    writes_landed(served)
     # carol's repeat is served from the tier: all but its last token (whole blocks and the tail)
     n2, c2 = cached(served, "carol", SECRET)
     assert (n2, c2) == (n, n - 1)

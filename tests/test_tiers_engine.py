@@ -424,11 +424,15 @@ def _gated_async_llm(seed: int):
 
 
 def test_async_llm_shutdown_drains_the_writes():
-    llm, _, disk, gate = _gated_async_llm(23)
+    llm, e, disk, gate = _gated_async_llm(23)
     assert len(disk.data) == 0
+    # queued or being written: the 4 blocks, then the tail twice (6 tokens after the prompt, 11 at the end)
+    assert e.cache_stats().tiers["disk"]["write_pending"] == 6
     gate.set()
+    assert e.kv.tiers.drain(timeout=60)
+    assert e.cache_stats().tiers["disk"]["write_pending"] == 0
     llm.shutdown()
-    assert len(disk.data) == 5 and disk.closed  # 4 blocks and the 6-token tail
+    assert len(disk.data) == 5 and disk.closed  # 4 blocks and the tail
 
 
 def test_exit_after_a_shutdown_that_timed_out_still_drains_the_writes():

@@ -39,7 +39,7 @@ class EngineStats(Mapping):
             ``bytes_read``, ``bytes_written``, ``corrupt``, ``errors``, ``degraded``) and the
             engine's (:class:`~radixkv.engine.tier_io.TierCounters`: ``lookups``, ``found``,
             ``loaded``, ``load_rejected``, ``load_skipped``, ``tails_loaded``, ``tail_tokens``,
-            ``write_dropped``, ``served_tokens``, ``load_latency`` histogram), ``used_bytes``, ``capacity_bytes``,
+            ``write_dropped``, ``write_pending``, ``served_tokens``, ``load_latency`` histogram), ``used_bytes``, ``capacity_bytes``,
             ``load_s_per_token`` and ``prefill_s_per_token`` (the cost model's running averages),
             ``write_policy``.
         kv_cache_dtype: the K/V storage dtype's canonical name ("float32", "bfloat16",

@@ -157,7 +157,8 @@ class TierCounters:
     up (``lookups``), ``found``, ``loaded``, ``load_rejected`` (wrong tokens, layout or length
     after the store's checks; tails included) or ``load_skipped`` (found but dearer to load than
     to recompute), tails loaded (``tails_loaded``) and the tokens of them used (``tail_tokens``),
-    blocks whose write was dropped (``write_dropped``: the backlog was full), prompt tokens
+    blocks whose write was dropped (``write_dropped``: the backlog was full), blocks queued
+    or being written now (``write_pending``: a gauge; 0 once the writes have landed), prompt tokens
     served to requests (``served_tokens``), and the load-latency histogram
     (:data:`LATENCY_BUCKETS`, one observation per ``get`` call). Updated under the I/O lock."""
 
@@ -170,6 +171,7 @@ class TierCounters:
         "tails_loaded",
         "tail_tokens",
         "write_dropped",
+        "write_pending",
         "served_tokens",
         "buckets",
         "lat_sum",
@@ -178,6 +180,7 @@ class TierCounters:
     def __init__(self) -> None:
         self.lookups = self.found = self.loaded = self.load_rejected = self.load_skipped = 0
         self.write_dropped = self.served_tokens = self.tails_loaded = self.tail_tokens = 0
+        self.write_pending = 0
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)
         self.lat_sum = 0.0
 
@@ -323,9 +326,16 @@ class TierIO:
                     self.counters[s.medium].write_dropped += len(job.keys)
                 return False
             self.pending_bytes += job.nbytes
+            self._count_pending(job, 1)
             self._writes.append(job)
             self._cv.notify_all()
         return True
+
+    def _count_pending(self, job: WriteJob, sign: int) -> None:
+        """``write_pending`` of ``job``'s tiers, up (queued) or down (done); under the I/O lock."""
+        n = len(job.keys) + (job.tail_key is not None)
+        for s in job.stores:
+            self.counters[s.medium].write_pending += sign * n
 
     def submit_probe(self, store: Any) -> None:
         """Queue one ``store.probe()`` (a degraded store trying its backend again) unless one is
@@ -407,6 +417,7 @@ class TierIO:
                         self._done_loads.append(job)
                 else:
                     self.pending_bytes -= job.nbytes
+                    self._count_pending(job, -1)
                     self._done_writes.append(job)
                 self._cv.notify_all()
             if isinstance(job, LoadJob) and self.on_load_done is not None:

@@ -29,8 +29,9 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   ``radixkv_kv_tier_{hits,misses,blocks_read,blocks_written,bytes_read,bytes_written,corrupt,errors}_total``,
   the engine's ``radixkv_kv_tier_{lookups,blocks_found,blocks_loaded,load_rejected,load_skipped,write_dropped,served_tokens}_total``
   and ``radixkv_kv_tier_{tails_loaded,tail_tokens}_total`` (tails: a sequence's last partial block),
-  the gauges ``radixkv_kv_tier_{used,capacity}_bytes`` and ``radixkv_kv_tier_degraded`` (1 while
-  the tier fails: every lookup there is a miss), and the histogram
+  the gauges ``radixkv_kv_tier_{used,capacity}_bytes``, ``radixkv_kv_tier_degraded`` (1 while
+  the tier fails: every lookup there is a miss) and ``radixkv_kv_tier_write_pending`` (blocks
+  queued or being written), and the histogram
   ``radixkv_kv_tier_load_latency_seconds`` (one ``get`` call); speculative decoding's
   ``radixkv_spec_decode_num_draft_tokens_total`` / ``radixkv_spec_decode_num_accepted_tokens_total``
   (vLLM's names; 0 when it is off).
@@ -161,6 +162,7 @@ def _tier_metrics(s: EngineStats) -> Iterator[Metric]:
         ("used_bytes", "used_bytes", "Bytes a KV tier holds."),
         ("capacity_bytes", "capacity_bytes", "A KV tier's byte budget."),
         ("degraded", "degraded", "1 while a KV tier fails (its lookups are misses), else 0."),
+        ("write_pending", "write_pending", "Blocks queued for a KV tier or being written to it now."),
     ):
         fam = GaugeMetricFamily(f"radixkv_kv_tier_{name}", doc, labels=["tier"])
         for m, t in s.tiers.items():
