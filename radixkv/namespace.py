@@ -255,7 +255,7 @@ def check_cache_salt(value: Any, param: str = "cache_salt") -> Optional[str]:
         raise RequestError(f"{param} must be a string, got {type(value).__name__}", param)
     if not value or len(value) > MAX_CACHE_SALT_CHARS:
         raise RequestError(
-            f"{param} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}",
+            f"{param} must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)} characters",
             param,
         )
     return value

@@ -165,6 +165,10 @@ def test_openai_streamed_tool_call_deltas_reassemble_to_the_same_call(client, ll
         final = stream.get_final_completion()
     (got,) = final.choices[0].message.tool_calls
     assert (got.function.name, got.function.arguments) == (want.function.name, want.function.arguments)
+    # a forced call has no text: no delta carries content (OpenAI's first delta has `content: null`), and the
+    # accumulated message's content is None, as the non-streamed one's
+    assert deltas[0].role == "assistant" and all(d.content is None for d in deltas)
+    assert plain.choices[0].message.content is None and final.choices[0].message.content is None
     assert_idle(llm)
 
 

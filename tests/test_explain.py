@@ -398,8 +398,11 @@ def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, 
 @pytest.mark.parametrize(
     "extra, why",
     [
-        ({"cache_salt": ""}, "cache_salt must be a non-empty string of at most 128 characters, got 0"),
-        ({"cache_salt": "s" * 129}, "cache_salt must be a non-empty string of at most 128 characters, got 129"),
+        ({"cache_salt": ""}, "cache_salt must be a non-empty string of at most 128 characters, got 0 characters"),
+        (
+            {"cache_salt": "s" * 129},
+            "cache_salt must be a non-empty string of at most 128 characters, got 129 characters",
+        ),
         ({"cache_salt": 7}, "cache_salt must be a string, got int"),
         ({"tenant": ["a"]}, "tenant must be a non-empty string, got list"),
     ],

@@ -157,7 +157,7 @@ def test_cache_salt_and_extra_key_are_separate_namespaces(http, llm):
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "extra_key": "k" * 129}
     err = error_of(http.post("/generate", json=body))
     assert (err["param"], err["code"]) == ("extra_key", "invalid_value")
-    assert err["message"] == "extra_key must be a string of at most 128 characters, got 129"
+    assert err["message"] == "extra_key must be a string of at most 128 characters, got 129 characters"
 
 
 def test_stream_is_sglang_sse_with_cumulative_text(http, llm):

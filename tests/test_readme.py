@@ -161,3 +161,14 @@ def test_quick_commands_print_what_the_readme_shows():
         )
         assert r.returncode == 0, r.stderr[-4000:]
         assert r.stdout == out, f"{cmd}\n{r.stdout}"
+
+
+def test_the_main_jobs_table_is_what_replay_prints_for_its_result_file():
+    """The main job's table in the README is ``radixkv replay``'s own output for the result file it
+    cites (its header, its dashed rule, its rows, then the greedy-replies line), as a user sees it."""
+    from radixkv.replay import format_table
+
+    cited = re.search(r"--output (bench/results/replay_\S+\.json)", README).group(1)
+    shown = re.search(r"prints the table below.*?^```\n(.*?)^```", README, re.S | re.M).group(1)
+    rows = json.loads((ROOT / cited).read_text())
+    assert shown == format_table(rows) + "\ngreedy replies identical across modes: yes\n"

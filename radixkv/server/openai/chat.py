@@ -112,8 +112,11 @@ class Chat:
             parsers = {i: ToolCallStream() for i in range(params.n)} if plan.parse else {}
             tokens_sent = {i: 0 for i in range(params.n)}
             latest = run.firsts[0]
+            # A forced call has no text: its first delta carries no content (OpenAI's `content: null`), so an
+            # accumulated stream ends with `content` None, as the non-streamed message does.
+            first = None if plan.forced else ""
             for i in range(params.n):
-                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=first))])
             async for _, out in chain(run.firsts, run.rest):
                 latest = out
                 for c in out.outputs:

@@ -345,7 +345,7 @@ class GenerateRequest(BaseModel):
             raise APIError(str(exc), "cache_salt") from None
         if self.extra_key is not None and len(self.extra_key) > MAX_CACHE_SALT_CHARS:
             raise APIError(
-                f"extra_key must be a string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.extra_key)}",
+                f"extra_key must be a string of at most {MAX_CACHE_SALT_CHARS} characters, got {len(self.extra_key)} characters",
                 "extra_key",
             )
         return Namespace.of(Namespace(tenant, salt, self.extra_key or None))
