@@ -36,7 +36,11 @@ def test_unknown_keywords_are_named_by_both(front):
     with pytest.raises(ValueError) as e:
         front(device="cpu", bogus=1, page_sise=4)
     msg = str(e.value)
-    assert msg.startswith(f"{front.__name__}: unknown argument(s) ['bogus', 'page_sise']")
+    assert msg.startswith(
+        f"{front.__name__}: unknown argument(s) ['bogus', 'page_sise'] (did you mean: page_size for page_sise);"
+    )
+    with pytest.raises(ValueError, match=r"\['max_model_len'\] \(did you mean: max_context_len for max_model_len\);"):
+        front(device="cpu", max_model_len=512)  # vLLM's name
     assert "'loaded_model'" in msg and "'page_size'" in msg  # the valid ones are listed
 
 
