@@ -353,9 +353,11 @@ def _conversations(tok, n: int, turns: int, skip: int) -> list[list[list[int]]]:
     return out
 
 
-def _replay(client, tok, convs, reply="Understood; here is the next part."):
+def _replay(client, index, tok, convs, reply="Understood; here is the next part."):
     """Turn by turn, all conversations at once per turn; returns per request (conv, turn, prompt
-    ids, cached tokens, request id)."""
+    ids, cached tokens, request id). Each request is sent once the router has settled
+    (:func:`_settle`): what it routes by is what the earlier requests left, however late their
+    completion callbacks and cache events reach the index on a loaded machine."""
     reply_ids = tok.encode(reply + "<|im_end|>\n", add_special_tokens=False)
     prompts = [[] for _ in convs]
     rows = []
@@ -366,6 +368,7 @@ def _replay(client, tok, convs, reply="Understood; here is the next part."):
             prompts[c] = prompts[c] + adds[t]
 
         def one(c, t=t):
+            _settle(index)
             r = client.completions.create(model="smollm2-135m", prompt=prompts[c], max_tokens=4, temperature=0)
             return c, t, list(prompts[c]), r.usage.prompt_tokens_details.cached_tokens, r.id
 
@@ -392,7 +395,7 @@ def test_next_turns_follow_the_conversation_and_round_robin_does_worse(cluster):
     client, index = cluster["client"], cluster["index"]
     tok = _tokenizer()
     convs = _conversations(tok, 3, 3, skip=0)
-    rows = _replay(client, tok, convs)
+    rows = _replay(client, index, tok, convs)
     log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
     by_conv: dict[int, list] = {}
     for c, t, prompt, cached, rid in rows:
@@ -408,12 +411,15 @@ def test_next_turns_follow_the_conversation_and_round_robin_does_worse(cluster):
             assert log[prompt_key(prompt)]["cached"] == len(prev) // 16 * 16  # the router saw it exactly
     aware = sum(r[3] for r in rows if r[1] > 0)
     # the ingress told the index every reply (what each replica caches of it) as it ended; the
-    # ingress's call is fire-and-forget, so the last one may still be on its way
-    assert ray.get(index.state.remote())["replies"] >= len(rows) - 1
+    # ingress's call is fire-and-forget, so the last one may still be on its way: polled
+    deadline = time.monotonic() + 60
+    while ray.get(index.state.remote())["replies"] < len(rows) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.get(index.state.remote())["replies"] == len(rows)
 
     ray.get(index.set_policy.remote("round_robin"))
     try:
-        rr_rows = _replay(client, tok, _conversations(tok, 3, 3, skip=3))
+        rr_rows = _replay(client, index, tok, _conversations(tok, 3, 3, skip=3))
     finally:
         ray.get(index.set_policy.remote("cache_events"))
     rr_cached = sum(r[3] for r in rr_rows if r[1] > 0)
@@ -456,7 +462,7 @@ def test_every_route_answers_on_the_replicas(cluster, check):
         check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"]))
 
 
-def _router_loads(index, deadline_s: float = 30.0) -> dict:
+def _router_loads(index, deadline_s: float = 60.0) -> dict:
     """The index's recorded load per replica once every request it routed was reported complete
     (Serve's completion callbacks arrive asynchronously: polled up to ``deadline_s``)."""
     deadline = time.monotonic() + deadline_s
@@ -491,7 +497,7 @@ def test_a_new_deployment_gets_the_policy_it_asks_for(cluster):
         ray.get(index.set_policy.remote("cache_events"))
 
 
-def _views_mirror_replicas(index, deadline_s: float = 30.0) -> dict:
+def _views_mirror_replicas(index, deadline_s: float = 60.0) -> dict:
     """Per live replica ``(router's view, the replica's cache)`` once the view caught up with the
     replica's last cache event (events are pushed as they happen: polled up to ``deadline_s``);
     each asked through the deployment, as the ingress asks every replica (who answered checked)."""
@@ -506,6 +512,20 @@ def _views_mirror_replicas(index, deadline_s: float = 30.0) -> dict:
             time.sleep(0.05)
         out[r] = (view, got)
     return out
+
+
+def _settle(index, deadline_s: float = 60.0) -> None:
+    """Until the router counts no outstanding request on any replica (every completion callback
+    arrived) and, under ``cache_events``, its view of each replica applied that replica's last
+    cache event. A sequential client's next request otherwise races them: a late completion
+    leaves the last request's load on its replica (an outstanding request on a hot prefix costs
+    hundreds of tokens, so a conversation's next turn moves), a late event batch leaves blocks
+    the replica just evicted in the view (the router expects them cached)."""
+    loads = _router_loads(index, deadline_s)
+    assert all(v == (0, 0) for v in loads.values()), loads
+    if ray.get(index.state.remote())["policy"] == "cache_events":
+        for r, (view, got) in _views_mirror_replicas(index, deadline_s).items():
+            assert view["seq"] == got["seq"], (r, view["seq"], got["seq"])
 
 
 def test_the_router_mirrors_each_replica_through_evictions(cluster):
