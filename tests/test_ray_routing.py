@@ -689,7 +689,11 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cl
         f"{len(resumes)} resumed elsewhere, "
         f"outcomes {[r['kind'] for r in results]}, {time.perf_counter() - t0:.1f}s"
     )
-    assert resumes and all(d["replica"] != victim for d in resumes)
+    # where each resume went: its routing attempt's last decision (a resume routed before Serve
+    # dropped the dead replica from its candidates may first be chosen there; Serve's probe of
+    # the dead actor fails and the same attempt is routed again, among the live ones)
+    went = {d["key"]: d["replica"] for d in resumes}
+    assert went and victim not in went.values(), resumes
     for (fields, expect), r, hit in zip(KILL_CASES, results, in_flight):
         if hit and expect == "refused":
             assert r["kind"] == "error" and "cannot be resumed exactly" in r["error"], r
@@ -712,7 +716,7 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cl
             assert r["lp_tokens"] == ref.choices[0].logprobs.tokens
             assert r["lp_values"] == pytest.approx(ref.choices[0].logprobs.token_logprobs, abs=1e-4)
 
-    deadline = time.time() + 30
+    deadline = time.time() + 60
     while time.time() < deadline and victim not in ray.get(index.state.remote())["removed"]:
         time.sleep(0.2)
     state = ray.get(index.state.remote())
@@ -728,7 +732,7 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cl
     # callbacks reach the index asynchronously: polled)
     loads = _router_loads(index)
     assert all(v == (0, 0) for v in loads.values()), loads
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=60) as http:
         while True:  # an abort reaches the engine thread just after its replica's call returned
             r = http.get("/cache_stats", params={"check": "1"})
