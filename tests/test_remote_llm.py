@@ -3,7 +3,8 @@ it) without a Ray cluster: the router's index and the engine deployment's handle
 ``/health``: with every replica dead (Serve restarting them) it answers 503, with some dead
 ``"degraded"``, and names how many are live. A request id already running is refused as one
 engine refuses it, though another replica would run it. A request that failed on its replica is
-the 500 ``request_failed`` one engine answers, and no replica error reaches a client as Ray's text."""
+the 500 ``request_failed`` one engine answers, and no replica error reaches a client as Ray's text.
+The index (in process): a reply takes its request off its replica's load at once."""
 
 from __future__ import annotations
 
@@ -200,6 +201,49 @@ def test_a_restarted_index_learns_its_replicas_from_their_pushes():
     assert picks == {"r0", "r1"}  # routed by the policy again, not all to the first candidate
     assert index.remove("r1") is True
     assert index.push("r1", None, stats, info) is False and index.replica_ids() == ["r0"]  # died: stays out
+
+
+def test_a_reply_takes_its_request_off_its_replicas_load():
+    """The ingress's ``replied`` (sent before the client has its answer) ends the request's load
+    on its replica; Serve's completion callback (at the replica stream's end, after the ingress
+    answered) may reach the index after the client's next request. Three conversations sharing
+    a system block (a hot prefix, where each outstanding request costs 300 tokens), one request
+    at a time, with no completion callback before the next route: every next turn stays on the
+    replica that caches its conversation. Before the fix the last request still counted on its
+    replica and a conversation's next turn moved to the other one (its cache lost)."""
+    import random
+
+    from radixkv.namespace import Namespace
+
+    index = ray_mod.CacheIndex.__ray_metadata__.modified_class()  # the actor's class, in process
+    for r in ("r0", "r1"):
+        index.push(r, None, {"capacity": 4096}, dict(epoch=1, actor_name=r, pid=1))
+    ns = ray_mod.wire_namespace(Namespace.of(None))
+    rng = random.Random(0)
+    system = [rng.randrange(100, 40000) for _ in range(16)]
+    prompts = [list(system) for _ in range(3)]
+    homes: dict[int, set] = {}
+    late = []  # Serve's completion callbacks, arriving after the next request's route
+    for turn in range(3):
+        for c in range(3):
+            prompts[c] += [rng.randrange(100, 40000) for _ in range(rng.randrange(10, 60))]
+            rid, key = f"req-{c}-{turn}", f"key-{c}-{turn}"
+            homes.setdefault(c, set()).add(
+                index.route(key, dict(request_id=rid, token_ids=prompts[c], namespace=ns), ["r0", "r1"])
+            )
+            for k in late:
+                index.completed(k)
+            late = [key]
+            output = [rng.randrange(100, 40000) for _ in range(4)]
+            index.replied(rid, output)
+            assert index.state()["loads"] == {"r0": (0, 0), "r1": (0, 0)}, (c, turn)
+            prompts[c] += output[:-1] + [
+                rng.randrange(100, 40000) for _ in range(5)
+            ]  # the reply as the client keeps it
+    assert all(len(h) == 1 for h in homes.values()), homes
+    for k in late:
+        index.completed(k)  # the callback after the reply: nothing counted twice
+    assert index.state()["loads"] == {"r0": (0, 0), "r1": (0, 0)}
 
 
 def test_an_unavailable_index_is_a_503_not_a_500(tokenizer):

@@ -207,10 +207,20 @@ class CacheIndex:
     def replied(self, request_id: str, output_token_ids: Sequence[int]) -> None:
         """The ingress saw ``request_id`` end with ``output_token_ids`` (before or after Serve's
         completion callback): its replica will cache ``prompt + output[:-1]``
-        (:meth:`radixkv.router.policy.CacheEvents.replied`)."""
+        (:meth:`radixkv.router.policy.CacheEvents.replied`), and the request is off its
+        replica's load now.
+
+        NOTE: the ingress sends this before its client's response ends; Serve's completion
+        callback comes at the end of the replica's stream, which may reach this index after the
+        client's next request (a conversation's next turn then saw its replica still busy with the
+        last one and, on a hot prefix, moved away from its cache). The callback's
+        :meth:`completed` that follows finds nothing left to release."""
         key = self._keys.pop(request_id, None)
-        if key is not None and hasattr(self.policy, "replied"):
+        if key is None:
+            return
+        if hasattr(self.policy, "replied"):
             self.policy.replied(key, output_token_ids)
+        self.completed(key)
 
     # -- inspection
     def replica_ids(self) -> list[str]:
