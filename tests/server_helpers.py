@@ -52,39 +52,61 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_serving(cmd: list, env: dict, log: Path, timeout: float) -> tuple[str, subprocess.Popen]:
+    """``cmd`` plus ``--port P`` on a free port, until ``/health`` answers 200. The port is free
+    when asked and the server binds it only after loading the model: another process may take it
+    meanwhile, and the server exits saying "address already in use"; then again on another port
+    (3 tries)."""
+    import httpx
+
+    for attempt in range(3):
+        port = free_port()
+        with open(log, "w") as out:
+            proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None:
+                try:
+                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                        return base, proc
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, "radixkv serve did not come up: " + log.read_text()[-3000:]
+                time.sleep(0.5)  # NOTE: a child process's start-up has no event to wait on but its port
+        except BaseException:
+            _stop(proc)
+            raise
+        text = log.read_text()
+        if "address already in use" not in text.lower() or attempt == 2:
+            raise AssertionError(text[-3000:])
+    raise AssertionError("unreachable")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 60 s."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(30)
+
+
 @contextlib.contextmanager
 def serve_process(args: list, log: Path, timeout: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m radixkv serve *args --port P`` (this checkout's code, no model hub, no
     ``RADIXKV_API_KEY`` from the environment) logging to ``log``; yields (base URL, process)
-    once ``/health`` answers 200, and stops it (SIGTERM, then SIGKILL) on exit."""
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "radixkv", "serve", *map(str, args), "--port", str(port)]
+    once ``/health`` answers 200 (:func:`_start_serving`), and stops it (SIGTERM, then SIGKILL)
+    on exit."""
+    cmd = [sys.executable, "-m", "radixkv", "serve", *map(str, args)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("RADIXKV_API_KEY", None)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    base, proc = _start_serving(cmd, env, log, timeout)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "radixkv serve did not come up: " + log.read_text()[-3000:]
-            time.sleep(0.5)  # NOTE: a child process's start-up has no event to wait on but its port
         yield base, proc
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(30)
+        _stop(proc)
 
 
 def scrape(server) -> dict:
