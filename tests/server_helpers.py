@@ -52,7 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_serving(cmd: list, env: dict, log: Path, timeout: float) -> tuple[str, subprocess.Popen]:
+def start_serving(cmd: list, env: dict, log: Path, timeout: float) -> tuple[str, subprocess.Popen]:
     """``cmd`` plus ``--port P`` on a free port, until ``/health`` answers 200. The port is free
     when asked and the server binds it only after loading the model: another process may take it
     meanwhile, and the server exits saying "address already in use"; then again on another port
@@ -97,12 +97,12 @@ def _stop(proc: subprocess.Popen) -> None:
 def serve_process(args: list, log: Path, timeout: float = 300.0) -> Iterator[tuple[str, subprocess.Popen]]:
     """``python -m radixkv serve *args --port P`` (this checkout's code, no model hub, no
     ``RADIXKV_API_KEY`` from the environment) logging to ``log``; yields (base URL, process)
-    once ``/health`` answers 200 (:func:`_start_serving`), and stops it (SIGTERM, then SIGKILL)
+    once ``/health`` answers 200 (:func:`start_serving`), and stops it (SIGTERM, then SIGKILL)
     on exit."""
     cmd = [sys.executable, "-m", "radixkv", "serve", *map(str, args)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
     env.pop("RADIXKV_API_KEY", None)
-    base, proc = _start_serving(cmd, env, log, timeout)
+    base, proc = start_serving(cmd, env, log, timeout)
     try:
         yield base, proc
     finally:

@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from server_helpers import start_serving
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -56,26 +56,13 @@ class Served:
     """``python -m radixkv serve`` in a subprocess on a free loopback port (its log in a file)."""
 
     def __init__(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
-        self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="radixkv-serve-", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "radixkv", "serve", "--model", MODEL, "--device", "cpu"]
-        cmd += ["--max-total-tokens", str(POOL), "--max-context-len", str(CTX), "--port", str(self.port)]
+        cmd += ["--max-total-tokens", str(POOL), "--max-context-len", str(CTX)]
         cmd += ["--host", "127.0.0.1", "--log-level", "warning"]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 180
-        while True:  # until it answers /health (the model loads first)
-            assert self.proc.poll() is None, f"radixkv serve exited {self.proc.returncode}:\n{self.tail()}"
-            assert time.time() < deadline, f"radixkv serve did not start:\n{self.tail()}"
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        # until it answers /health (the model loads first), on another port if it lost its own
+        self.base_url, self.proc = start_serving(cmd, env, Path(self.log.name), timeout=180)
 
     def tail(self, n: int = 4000) -> str:
         self.log.flush()
