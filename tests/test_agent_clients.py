@@ -262,6 +262,47 @@ def test_openai_auto_tool_calls_are_parsed_from_the_output(client, llm):
     assert_idle(llm)
 
 
+def test_openai_stream_helper_accumulates_an_auto_call_without_text_to_the_same_message(client, llm):
+    """``auto`` output that is only a call: the non-streamed message has ``content`` None; the SDK's
+    stream accumulator (``chat.completions.stream`` ... ``get_final_completion()``) must build the
+    same message. The first delta used to carry ``content: ""`` whenever the choice was not forced,
+    so the accumulated message had ``content`` '' beside its call."""
+    only_call = r'<tool_call>\n\{"name": "add", "arguments": \{"a": 2, "b": 3\}\}\n</tool_call>'
+    kwargs = dict(model=MODEL, messages=ask("What is 2 plus 3?"), tools=TOOLS, tool_choice="auto", temperature=0,
+                  max_tokens=64, extra_body={"regex": only_call})  # fmt: skip
+    plain = client.chat.completions.create(**kwargs).choices[0]
+    assert plain.finish_reason == "tool_calls" and plain.message.content is None
+    (want,) = plain.message.tool_calls
+    assert check_call(want, ["add"]) == {"a": 2, "b": 3}
+    with client.chat.completions.stream(**kwargs) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls" and final.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == [
+        ("add", want.function.arguments)
+    ]
+    # neither text nor a call (the end of turn first): content '' streamed or not
+    eos = llm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    empty = dict(kwargs, max_tokens=4, logit_bias={str(eos): 100}, extra_body=None)
+    assert client.chat.completions.create(**empty).choices[0].message.content == ""
+    with client.chat.completions.stream(**empty) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert (final.message.content, final.message.tool_calls, final.finish_reason) == ("", None, "stop")
+    # text beside the tools, no call: the accumulated content is the text, as the non-streamed one's
+    text = dict(kwargs, messages=ask("Name three colors."), max_tokens=12, extra_body=None)
+    want = client.chat.completions.create(**text).choices[0]
+    assert want.message.tool_calls is None and want.message.content and want.finish_reason == "length"
+    with client.chat.completions.stream(**text) as stream:
+        for _ in stream:
+            pass
+        final = stream.current_completion_snapshot.choices[0]  # get_final_completion() raises at "length"
+    assert (final.message.content, final.message.tool_calls, final.finish_reason) == (
+        want.message.content,
+        None,
+        "length",
+    )
+    assert_idle(llm)
+
+
 def test_openai_tool_loop_extends_the_prompt_and_hits_the_cache(client, llm):
     messages = ask("What is the weather in Madrid?")
     turn1 = client.chat.completions.create(

@@ -112,9 +112,10 @@ class Chat:
             parsers = {i: ToolCallStream() for i in range(params.n)} if plan.parse else {}
             tokens_sent = {i: 0 for i in range(params.n)}
             latest = run.firsts[0]
-            # A forced call has no text: its first delta carries no content (OpenAI's `content: null`), so an
-            # accumulated stream ends with `content` None, as the non-streamed message does.
-            first = None if plan.forced else ""
+            # With tools parsed the first delta carries no content (OpenAI's `content: null` before a call): an
+            # output of calls alone accumulates to `content` None, as the non-streamed message has it; one with
+            # neither text nor calls gets its `content: ""` on the finish chunk.
+            first = None if plan.parse else ""
             for i in range(params.n):
                 yield chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=first))])
             async for _, out in chain(run.firsts, run.rest):
@@ -139,7 +140,9 @@ class Chat:
                     if done and deltas.finish(c.index):
                         p = parsers.get(c.index)
                         reason = finish_reason(c.finish_reason, p.num_calls if p else 0, bool(p and p.cut_off))
-                        yield chunk([ChatChunkChoice(index=c.index, delta=DeltaMessage(), finish_reason=reason)])
+                        empty = p is not None and not p.content and not p.num_calls
+                        last = DeltaMessage(content="" if empty else None)
+                        yield chunk([ChatChunkChoice(index=c.index, delta=last, finish_reason=reason)])
             if req.include_usage:
                 yield chunk([], run.usage([latest]))
 
