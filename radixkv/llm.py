@@ -314,7 +314,9 @@ class LLM:
         Raises:
             RequestError: (a ValueError naming the field) neither or both of ``prompt`` /
                 ``prompt_token_ids``, a malformed or empty prompt, token ids outside
-                ``[0, vocab_size)``, a negative ``context``, a bad or conflicting ``cache_salt``.
+                ``[0, vocab_size)``, a negative ``context``, a bad or conflicting ``cache_salt``,
+                a prompt ``generate`` would refuse (``max_context_len`` tokens or more, or too long
+                for the KV pool with one generated token; :meth:`Engine.explain`).
         """
         if (prompt is None) == (prompt_token_ids is None):
             raise RequestError("explain: give exactly one of prompt or prompt_token_ids", "prompt")

@@ -300,6 +300,26 @@ def test_bad_generate_requests_get_400_naming_the_field(http, llm):
     assert_pool_whole(llm)
 
 
+def test_one_logprob_option_for_a_batch_serves_the_prompts_that_ask_for_logprobs(http, llm):
+    """``top_logprobs_num`` / ``logprob_start_len`` given once for a batch whose ``return_logprob``
+    is a list apply to the prompts that ask (SGLang's per-prompt broadcast); they were refused as
+    if the prompts without logprobs had asked for them."""
+    sampling = {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True}
+    body = {"text": ["a", "b"], "return_logprob": [True, False], "sampling_params": sampling}
+    r = http.post("/generate", json=body | {"top_logprobs_num": 2, "logprob_start_len": 0})
+    assert r.status_code == 200, r.text
+    first, second = (item["meta_info"] for item in r.json())
+    assert len(first["output_top_logprobs"]) == first["completion_tokens"] == 2
+    assert all(len(top) == 2 for top in first["output_top_logprobs"])
+    assert len(first["input_token_logprobs"]) == first["prompt_tokens"]  # from position 0
+    assert "output_token_logprobs" not in second and "output_top_logprobs" not in second
+    # with no prompt asking, the one value asks for logprobs nobody gets: still a 400 naming it
+    body["return_logprob"] = [False, False]
+    err = error_of(http.post("/generate", json=body | {"top_logprobs_num": 2}))
+    assert (err["param"], err["code"]) == ("top_logprobs_num", "invalid_value"), err
+    assert_pool_whole(llm)
+
+
 # ---------------------------------------------------------------------------------- info, health, flush
 
 

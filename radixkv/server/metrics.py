@@ -41,7 +41,8 @@ one: ``radixkv_tenant_prompt_tokens_total{tenant}`` and ``radixkv_tenant_cached_
 (from ``RequestFinished`` events, completed requests, as the totals above), and from the engine
 snapshot ``radixkv_tenant_kv_cached_tokens{tenant}`` (tokens its namespaces hold in the prefix
 cache now), ``radixkv_tenant_kv_quota_tokens{tenant}`` (its soft quota, where it has one) and
-``radixkv_tenant_cache_hit_rate{tenant}`` (its cached / prompt tokens at admission).
+``radixkv_tenant_cache_hit_rate{tenant}`` (its cached / prompt tokens at admission); the three
+snapshot gauges list a tenant with a KV quota from the start (0 cached, hit rate 0).
 
 A private registry per app keeps several apps in one process (tests) from colliding.
 """

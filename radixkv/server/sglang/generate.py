@@ -197,9 +197,12 @@ class Generate:
         for want, start, top, (_, ids) in zip(wants, starts, tops, prompts):
             if not want:
                 # NOTE: SGLang drops these without return_logprob; at their defaults they are what
-                # clients send anyway (bench_serving: logprob_start_len -1), set they ask for logprobs
+                # clients send anyway (bench_serving: logprob_start_len -1), set they ask for logprobs.
+                # One value for the batch is used by the prompts that want logprobs: refused only
+                # when none does; a list's entry is that prompt's own
                 for name, value, default in (("top_logprobs_num", top, 0), ("logprob_start_len", start, -1)):
-                    if value not in (None, default):
+                    listed = isinstance(getattr(req, name), list)
+                    if value not in (None, default) and (listed or not any(wants)):
                         raise APIError(f"{name}={value} needs return_logprob: true (for that prompt)", name)
                 out.append(None)
                 continue
