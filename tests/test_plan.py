@@ -145,6 +145,13 @@ def test_cli_plan(capsys, tmp_path):
     assert main(["plan", "--list", "--kv-dtype", "FP8_E4M3"]) == 0
     head = capsys.readouterr().out.splitlines()[0].split()
     assert head.count("fp8") == 3 and head.count("bfloat16") == 3 and "fp8_e4m3" not in head, head
+    # write_back (the host tier's default, asked for by name) beside the default policies' hash row:
+    # the error names --policies (it said only that the hash cache refuses write_back)
+    trace = ["plan", "--trace", "synthetic:control:4", "--host-cache-bytes", "1GiB"]
+    assert main(trace + ["--kv-tier-write-policy", "host=write_back"]) == 2
+    assert "pass --policies radix-p1,radix-p16" in capsys.readouterr().err
+    assert main(trace + ["--kv-tier-write-policy", "write_back", "--policies", "radix-p1"]) == 0
+    capsys.readouterr()
     # a 70B model in bf16 (141 GB of weights) does not fit an 80 GB GPU: said, not "0 tokens" alone
     assert main(["plan", "--model", "llama-3-70b", "--gpu-memory", "80"]) == 0
     out = capsys.readouterr().out

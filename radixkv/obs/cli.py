@@ -387,6 +387,13 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     bpt = spec.bytes_per_token(args.kv_dtype)
     _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
     policy = _write_policy(args, tiers)
+    hashed = [f"{p}-b{ps}" for p, ps in pols if p == "hash"]
+    if tiers and hashed and "write_back" in (policy.values() if isinstance(policy, dict) else [policy]):
+        raise ValueError(  # the engine refuses it: the hash cache does not report what it evicts
+            f"--kv-tier-write-policy write_back needs radix policies (the hash cache's tiers are written "
+            f"through); --policies has {', '.join(hashed)} (its default adds hash-b16): pass --policies "
+            "radix-p1,radix-p16"
+        )
     invalid: list = []
     bodies = load_bodies(args.trace)
     reqs = [r.sim_request() for r in tokenize_trace(bodies, load_tokenizer(args.tokenizer), invalid=invalid)]
