@@ -568,7 +568,7 @@ def parse_bytes(text: Union[int, str], field: str = "bytes") -> int:
     Raises:
         ValueError: naming ``field``: not a byte count.
     """
-    if (isinstance(text, str) and text.strip() == "0") or text == 0:
+    if (isinstance(text, str) and text.strip() == "0") or (type(text) is int and text == 0):
         return 0
     try:
         return parse_memory_bytes(text, field)

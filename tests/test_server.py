@@ -742,6 +742,7 @@ def test_an_assistant_refusal_with_empty_content_is_the_message(server):
     said = prompt_tokens({"content": "I cannot help with that."})
     assert prompt_tokens({"content": None, "refusal": "I cannot help with that."}) == said
     assert prompt_tokens({"content": "", "refusal": "I cannot help with that."}) == said  # it was dropped
+    assert prompt_tokens({"content": "I cannot help with that.", "refusal": ""}) == said  # an empty one loses nothing
 
 
 # ---------------------------------------------------------------------------------- every route

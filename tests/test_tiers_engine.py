@@ -72,7 +72,8 @@ def test_write_policy_resolution():
     cfg = EngineConfig(host_cache_bytes="64MiB", disk_cache_dir="d", disk_cache_bytes="1.5GB").resolve()
     assert (cfg.host_cache_bytes, cfg.disk_cache_bytes, cfg.kv_tiers) == (64 << 20, 1_500_000_000, ("host", "disk"))
     assert EngineConfig(host_cache_bytes="0").resolve().kv_tiers == ()
-    for field, value in (("host_cache_bytes", -1), ("host_cache_bytes", "64 parsecs"), ("disk_cache_bytes", True)):
+    bad = (("host_cache_bytes", -1), ("host_cache_bytes", "64 parsecs"), ("disk_cache_bytes", True))
+    for field, value in bad + (("host_cache_bytes", False), ("disk_cache_bytes", 0.0)):
         with pytest.raises(ValueError, match=f"^{field} must be a number of bytes >= 1 \\(or 0: none\\)"):
             EngineConfig(**{field: value}).resolve()
     for field, value in (("host_cache_bytes", -1), ("disk_cache_dir", ""), ("remote_cache_url", 5)):

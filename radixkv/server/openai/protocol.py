@@ -313,7 +313,7 @@ class ChatMessage(_Strict):
         for name in ("refusal", "tool_call_id"):
             if getattr(self, name) is not None and self.role != _ROLE_OF_FIELD[name]:
                 raise APIError(f"{where}.{name}: only {_ROLE_OF_FIELD[name]} messages carry {name}", "messages")
-        if self.refusal is not None and self.content:
+        if self.refusal and self.content:  # an empty refusal beside the content loses nothing
             raise APIError(f"{where}: an assistant message carries content or a refusal, not both", "messages")
         for j, part in enumerate(self.content if isinstance(self.content, list) else ()):
             if part.type not in ("text", "refusal"):
