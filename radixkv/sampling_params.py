@@ -5,6 +5,7 @@ docs/sampling.md has the semantics of the penalties, logprobs and structured-out
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import math
@@ -110,6 +111,10 @@ class SamplingParams:
             same salt (and namespace); it joins the request's namespace
             (:func:`radixkv.namespace.with_salt`; another salt already there is an error).
 
+    A field may be set after construction (``sp.logprobs = 5``, as vLLM code does): the engine
+    validates the current values when the request is submitted (:meth:`checked`); setting a name
+    that is not a field is a RequestError, as the constructor's.
+
     At most one of the structured-output fields may be set; a constrained sample finishes with
     ``"stop"`` when its grammar is complete and the model emits EOS (EOS is masked before).
 
@@ -181,6 +186,34 @@ class SamplingParams:
         )
         # False: the sampler alone serves the request (no processor, grammar or logprobs)
         self._needs_pipeline = self._uses_processors or self._structured is not None or self.logprobs is not None
+        # the values validated (``checked``: a field set after construction is validated at submit time)
+        object.__setattr__(self, "_validated", copy.deepcopy(self._values()))
+
+    def _values(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "max_new_tokens"}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not name.startswith("_") and name not in self.__dataclass_fields__:
+            _refuse(name)  # e.g. ``sp.best_of = 2`` would be ignored
+        object.__setattr__(self, name, value)
+
+    def checked(self) -> "SamplingParams":
+        """These params as validated: itself, or, when a field was set after construction (as
+        vLLM code does, ``sp.logprobs = 5``), a validated copy of its current values (the flags
+        derived at construction, e.g. whether it needs logits processing, would miss the change).
+
+        Raises:
+            RequestError: the current values are invalid (naming the field).
+        """
+        values = self._values()
+        if values == self._validated and self.max_new_tokens is None:
+            return self
+        if self.prompt_logprobs is None and self._validated["prompt_logprobs"] is not None:
+            if values["logprob_start_len"] == self._validated["logprob_start_len"]:
+                values["logprob_start_len"] = None  # the default it got with prompt_logprobs
+        if self.max_new_tokens is not None and values["max_tokens"] == self._validated["max_tokens"]:
+            values["max_tokens"] = _DEFAULT_MAX_TOKENS  # the alias set alone
+        return SamplingParams(**values, max_new_tokens=self.max_new_tokens)
 
     def _validate(self) -> None:
         is_int = _is_int
@@ -336,7 +369,7 @@ class SamplingParams:
 
     def clone(self, **changes) -> "SamplingParams":
         """A validated copy with some fields changed."""
-        values = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "max_new_tokens"}
+        values = self._values()
         if changes.get("prompt_logprobs", 0) is None and "logprob_start_len" not in changes:
             values["logprob_start_len"] = None
         values.update(changes)
@@ -363,16 +396,22 @@ def _refuse_unknown(init):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         unknown = sorted(set(kwargs) - set(SamplingParams.__dataclass_fields__))
         if unknown:
-            hints = "; ".join(f"{k}: {_VLLM_HINTS[k]}" for k in unknown if k in _VLLM_HINTS)
-            raise RequestError(
-                f"SamplingParams does not take {', '.join(unknown)}"
-                + (f" ({hints})" if hints else " (not supported by radixkv)")
-                + f"; its fields: {', '.join(f for f in SamplingParams.__dataclass_fields__ if f != 'max_new_tokens')}",
-                unknown[0],
-            )
+            _refuse(*unknown)
         init(self, *args, **kwargs)
 
     return __init__
+
+
+def _refuse(*unknown: str) -> None:
+    """Raise the RequestError naming keywords (or attributes) that are not fields, with a hint
+    for vLLM's fields radixkv lacks."""
+    hints = "; ".join(f"{k}: {_VLLM_HINTS[k]}" for k in unknown if k in _VLLM_HINTS)
+    raise RequestError(
+        f"SamplingParams does not take {', '.join(unknown)}"
+        + (f" ({hints})" if hints else " (not supported by radixkv)")
+        + f"; its fields: {', '.join(f for f in SamplingParams.__dataclass_fields__ if f != 'max_new_tokens')}",
+        unknown[0],
+    )
 
 
 SamplingParams.__init__ = _refuse_unknown(SamplingParams.__init__)  # type: ignore[method-assign]

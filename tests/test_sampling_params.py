@@ -168,3 +168,33 @@ def test_a_field_radixkv_lacks_is_a_value_error_naming_it(name, hint):
     assert e.value.param == name
     assert f"does not take {name} " in str(e.value) and hint in str(e.value)
     assert "include_stop_str_in_output" in str(e.value)  # the fields it does take
+
+
+def test_a_field_set_after_construction_is_validated_when_checked_and_an_unknown_one_refused():
+    """vLLM code sets fields on a built SamplingParams (``sp.logit_bias = ...``): ``checked()``
+    (what the engine submits) validates the current values; the flags derived at construction
+    (processors, grammar) missed the change, so the field was silently ignored."""
+    sp = SamplingParams(temperature=0, max_tokens=6)
+    assert sp.checked() is sp
+    sp.logit_bias = {"7": -100}
+    sp.stop = "Paris"
+    sp.json_object = True
+    c = sp.checked()
+    assert c is not sp and c.logit_bias == {7: -100.0} and c.stop == ["Paris"]
+    assert c._uses_processors and c.structured_output == ("json_object", "")
+    assert sp.stop == "Paris"  # the caller's object is left as it is
+    for name, value in (("n", 0), ("max_tokens", 0), ("temperature", -5), ("min_tokens", 7)):
+        bad = SamplingParams(max_tokens=6)
+        setattr(bad, name, value)
+        with pytest.raises(ValueError) as e:
+            bad.checked()
+        assert e.value.param == name
+    sp = SamplingParams(prompt_logprobs=2)
+    sp.prompt_logprobs = None  # its default logprob_start_len (0) goes with it
+    assert sp.checked().logprob_start_len is None
+    sp = SamplingParams()
+    sp.max_new_tokens = 5  # the alias alone
+    assert sp.checked().max_tokens == 5
+    with pytest.raises(ValueError) as e:
+        sp.best_of = 2
+    assert e.value.param == "best_of" and "n samples" in str(e.value)

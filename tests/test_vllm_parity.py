@@ -303,3 +303,20 @@ def test_min_tokens_a_stop_string_counts_only_after_the_first_min_tokens(offline
     c = _one(offline, PROMPT, max_tokens=12, stop=[".", "XYZW"], min_tokens=3)
     assert (c.token_ids, c.finish_reason, c.text) == (ref, "length", offline.tokenizer.decode(ref))
     assert c.text.count(".") == 1
+
+
+def test_a_field_set_on_built_params_takes_effect_as_in_vllm(offline):
+    """``sp.logit_bias = {...}`` / ``sp.n = 0`` on a built SamplingParams: the ban applies (the
+    same tokens as built with it) and the bad n is a ValueError naming it. Before, the bias was
+    silently ignored (greedy " Paris" came out) and n=0 crashed the engine's step with an
+    IndexError."""
+    built = _one(offline, PROMPT, max_tokens=4, logit_bias={7042: -100})
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    sp.logit_bias = {7042: -100}
+    c = offline.generate(PROMPT, sp, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == built.token_ids and 7042 not in c.token_ids
+    sp.n = 0
+    with pytest.raises(ValueError) as e:
+        offline.generate(PROMPT, sp, use_tqdm=False)
+    assert e.value.param == "n"
+    assert offline.num_unfinished_requests() == 0

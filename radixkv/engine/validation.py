@@ -55,7 +55,7 @@ def _sampling_params(sampling_params: Any) -> SamplingParams:
         raise RequestError(
             f"sampling_params must be a SamplingParams, got {type(params).__name__}{hint}", "sampling_params"
         )
-    return params
+    return params.checked()  # a field set after construction is validated (and takes effect)
 
 
 def _prompt_ids(prompt_token_ids: Any, lim: Limits) -> List[int]:
