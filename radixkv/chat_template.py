@@ -56,21 +56,26 @@ _PROBE_NAME = "radixkv_probe_tool_5b1f9e"
 _takes_tools: dict[str, bool] = {}
 
 
-def template_takes_tools(tokenizer: Any) -> bool:
-    """True when the tokenizer's chat template renders a ``tools`` argument: a probe tool's
-    name shows up in the rendered text (cached per template text)."""
-    template = getattr(tokenizer, "chat_template", None)
+def template_takes_tools(tokenizer: Any, chat_template: Optional[str] = None) -> bool:
+    """True when the chat template (``chat_template``, else the tokenizer's) renders a ``tools``
+    argument: a probe tool's name shows up in the rendered text (cached per template text, the
+    last 64 templates)."""
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not isinstance(template, str):  # no template, or a dict of named templates
         template = repr(template)
     if template not in _takes_tools:
         probe = [{"type": "function", "function": {"name": _PROBE_NAME, "description": "probe", "parameters": {}}}]
+        extra = {} if chat_template is None else {"chat_template": chat_template}
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}], tools=probe, tokenize=False, add_generation_prompt=True
+                [{"role": "user", "content": "hi"}], tools=probe, tokenize=False, add_generation_prompt=True, **extra
             )
-            _takes_tools[template] = _PROBE_NAME in text
+            takes = _PROBE_NAME in text
         except Exception:  # noqa: BLE001 - a template that fails on tools does not take them
-            _takes_tools[template] = False
+            takes = False
+        while len(_takes_tools) >= 64:  # callers' own templates: bounded
+            del _takes_tools[next(iter(_takes_tools))]
+        _takes_tools[template] = takes
     return _takes_tools[template]
 
 
@@ -245,7 +250,7 @@ def render_chat(
     uses_tools = bool(tools) or any(
         isinstance(m, Mapping) and (m.get("tool_calls") or m.get("role") == "tool") for m in messages
     )
-    native = uses_tools and template_takes_tools(tokenizer)
+    native = uses_tools and template_takes_tools(tokenizer, kwargs.get("chat_template"))
     conv = _normalize(messages, tools, native)
     if native and tools:
         kwargs["tools"] = [{"type": "function", "function": _function_of(t)} for t in tools]

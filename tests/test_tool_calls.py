@@ -112,6 +112,24 @@ def test_a_template_that_takes_tools_renders_them_itself(tok):
     )
 
 
+def test_a_chat_template_argument_is_the_one_probed_for_tools(tok):
+    """vLLM's ``LLM.chat(chat_template=...)`` with tools: the given template is asked whether it
+    takes tools, not the model's. Before, a template rendering tools got ``tools`` None and the
+    built-in block as a system message (the template's own tool format silently not used); with a
+    model template taking tools, a given template without them got the tools and dropped them."""
+    takes = "{% if tools %}TOOLS:{% for x in tools %}{{ x.function.name }};{% endfor %}{% endif %}" + (
+        "{% for m in messages %}|{{ m.role }}: {{ m.content }}{% endfor %}"
+    )
+    user = [{"role": "user", "content": "hi"}]
+    assert render_chat(tok, user, tools=[WEATHER, NOARGS], chat_template=takes) == "TOOLS:get_weather;now;|user: hi"
+    assert template_takes_tools(tok, takes) is True and template_takes_tools(tok) is False
+    t = copy.copy(tok)
+    t.chat_template = takes
+    plain = "{% for m in messages %}|{{ m.role }}: {{ m.content }}{% endfor %}"
+    text = render_chat(t, user, tools=[WEATHER], chat_template=plain)
+    assert text == f"|system: {builtin_tools_block([WEATHER])}|user: hi"
+
+
 def test_render_errors_name_the_field(tok):
     with pytest.raises(RequestError) as e:
         render_chat(tok, [{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {}}])
