@@ -263,7 +263,7 @@ def render_chat(
 
 
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    ("conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize")
+    ("conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize")
     + ("chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
 )
 
@@ -305,7 +305,8 @@ def _template_options(
         bad = sorted(set(chat_template_kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if bad:
             raise RequestError(
-                f"chat_template_kwargs may not set {bad}: give them as LLM.chat's own arguments",
+                f"chat_template_kwargs may not set {bad}: messages, tools, add_generation_prompt, "
+                "continue_final_message and chat_template are chat's own arguments; the others are set by radixkv",
                 "chat_template_kwargs",
             )
         kwargs.update(chat_template_kwargs)

@@ -160,6 +160,20 @@ def test_chat_continue_final_message_chat_template_and_kwargs(offline, hf_defaul
         assert e.value.param == param
 
 
+def test_chat_template_kwargs_documents_reach_the_template_as_in_vllm(offline):
+    """vLLM passes ``chat_template_kwargs={"documents": [...]}`` to transformers'
+    ``apply_chat_template`` (a RAG template renders them). It was refused with 'give them as
+    LLM.chat's own arguments', and LLM.chat has no such argument."""
+    template = (
+        "{% for d in documents %}<doc {{ d.title }}>{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
+    docs = [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}]
+    conv = [{"role": "user", "content": "Q?"}]
+    kw = {"chat_template": template, "chat_template_kwargs": {"documents": docs}}
+    out = offline.chat(conv, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False, **kw)[0]
+    assert out.prompt == "<doc a><doc b>Q?"
+
+
 def test_max_tokens_none_runs_to_the_end_of_the_context(default_model, hf_default):
     """vLLM's ``max_tokens=None``: up to the context length (here also the KV pool's size); the
     tokens are transformers' greedy ones, and the caller's SamplingParams is not changed."""
