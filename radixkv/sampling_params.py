@@ -9,6 +9,7 @@ import copy
 import functools
 import json
 import math
+import numbers
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -36,6 +37,9 @@ _DEFAULT_MAX_TOKENS = _DefaultMaxTokens(16)
 STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 """The structured-output fields; at most one is set per request."""
 
+
+_INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "logprob_start_len")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 #: temperatures below this decode greedily (argmax), as in vLLM (its ``_SAMPLING_EPS``)
 GREEDY_TEMPERATURE = 1e-5
@@ -166,6 +170,7 @@ class SamplingParams:
             self.max_new_tokens = None
         elif self.max_tokens is _DEFAULT_MAX_TOKENS:
             self.max_tokens = 16
+        self._numbers_as_python()
         self.stop = _string_list(self.stop, "stop")
         self.stop_token_ids = _int_list(self.stop_token_ids, "stop_token_ids")
         if self.allowed_token_ids is not None:
@@ -214,6 +219,18 @@ class SamplingParams:
         if self.max_new_tokens is not None and values["max_tokens"] == self._validated["max_tokens"]:
             values["max_tokens"] = _DEFAULT_MAX_TOKENS  # the alias set alone
         return SamplingParams(**values, max_new_tokens=self.max_new_tokens)
+
+    def _numbers_as_python(self) -> None:
+        """numpy (or other) integer / real scalars as int / float, as vLLM takes them
+        (``max_tokens=np.int64(8)``); each field's range is checked after."""
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, numbers.Integral) and not isinstance(v, (bool, int)):
+                setattr(self, name, int(v))
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, numbers.Real) and not isinstance(v, (bool, int, float)):
+                setattr(self, name, float(v))
 
     def _validate(self) -> None:
         is_int = _is_int
@@ -445,7 +462,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _as_int(x: Any, strings: bool = True) -> int:

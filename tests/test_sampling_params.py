@@ -198,3 +198,22 @@ def test_a_field_set_after_construction_is_validated_when_checked_and_an_unknown
     with pytest.raises(ValueError) as e:
         sp.best_of = 2
     assert e.value.param == "best_of" and "n samples" in str(e.value)
+
+
+def test_numpy_scalars_are_taken_as_python_numbers_as_vllm_takes_them():
+    """``max_tokens=np.int64(8)`` (a length computed with numpy) is an integer: it was refused
+    with 'max_tokens must be ... an integer >= 1, got np.int64(8)' (token ids took numpy ints)."""
+    sp = SamplingParams(
+        n=np.int64(2),
+        max_tokens=np.int32(8),
+        temperature=np.float32(0.5),
+        top_k=np.int8(5),
+        seed=np.uint64(3),
+        logit_bias={np.int64(7): np.float32(-1.5)},
+    )
+    assert (sp.n, sp.max_tokens, sp.temperature, sp.top_k, sp.seed, sp.logit_bias) == (2, 8, 0.5, 5, 3, {7: -1.5})
+    assert [type(v) for v in (sp.n, sp.max_tokens, sp.temperature, sp.seed)] == [int, int, float, int]
+    for kwargs, field in ((dict(n=np.bool_(True)), "n"), (dict(temperature=np.float32("nan")), "temperature")):
+        with pytest.raises(ValueError) as e:
+            SamplingParams(**kwargs)
+        assert e.value.param == field
