@@ -211,7 +211,11 @@ class SamplingParams:
             RequestError: the current values are invalid (naming the field).
         """
         values = self._values()
-        if values == self._validated and self.max_new_tokens is None:
+        try:
+            same = values == self._validated  # a value set to an array compares elementwise
+        except (TypeError, ValueError):
+            same = False
+        if same and self.max_new_tokens is None:
             return self
         if self.prompt_logprobs is None and self._validated["prompt_logprobs"] is not None:
             if values["logprob_start_len"] == self._validated["logprob_start_len"]:

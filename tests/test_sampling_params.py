@@ -189,6 +189,10 @@ def test_a_field_set_after_construction_is_validated_when_checked_and_an_unknown
         with pytest.raises(ValueError) as e:
             bad.checked()
         assert e.value.param == name
+    sp = SamplingParams()
+    sp.stop_token_ids = np.array([1, 2])  # compared elementwise: the bool of it raised
+    with pytest.raises(ValueError, match="stop_token_ids must be a list"):
+        sp.checked()
     sp = SamplingParams(prompt_logprobs=2)
     sp.prompt_logprobs = None  # its default logprob_start_len (0) goes with it
     assert sp.checked().logprob_start_len is None
