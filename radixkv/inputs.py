@@ -22,6 +22,7 @@ from radixkv.sampling_params import SamplingParams
 from radixkv.text import encode_text
 
 __all__ = [
+    "refuse_vllm_options",
     "batch_requests",
     "check_sampling_params",
     "conversations",
@@ -34,6 +35,19 @@ __all__ = [
 
 _SHAPES = "a str, a list of token ids, or a dict {'prompt': str} / {'prompt_token_ids': [int, ...]}"
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
+
+
+def refuse_vllm_options(lora_request: Any = None, priority: Any = None) -> None:
+    """vLLM's ``lora_request`` and ``priority`` arguments of ``generate`` / ``chat``, taken at
+    their defaults (None; ``priority`` 0 too, ``AsyncLLM.generate``'s default) so that vLLM code
+    passing them runs; any other value is a RequestError naming it (no LoRA adapters here, and
+    the scheduler has no priorities: docs/engine.md)."""
+    if lora_request is not None:
+        raise RequestError("lora_request is not supported: radixkv serves no LoRA adapters", "lora_request")
+    if priority is not None and not (isinstance(priority, int) and not isinstance(priority, bool) and priority == 0):
+        raise RequestError(
+            f"priority is not supported: radixkv schedules by cached prefix and arrival, got {priority!r}", "priority"
+        )
 
 
 def _type(x: Any) -> str:

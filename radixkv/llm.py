@@ -19,6 +19,7 @@ from radixkv.inputs import (
     conversations,
     params_per_prompt,
     prompt_salts,
+    refuse_vllm_options,
     to_token_ids,
     to_token_prompt,
     to_token_prompts,
@@ -96,6 +97,9 @@ class LLM:
         sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
         prompt_token_ids: Union[None, Sequence[int], Sequence[Sequence[int]]] = None,
         use_tqdm: Union[bool, Callable[..., Any]] = True,
+        *,
+        lora_request: Any = None,
+        priority: Any = None,
     ) -> List[RequestOutput]:
         """Generate for a batch of prompts; all are submitted at once and run to completion.
 
@@ -110,6 +114,8 @@ class LLM:
             use_tqdm: show a progress bar over finished requests; or, as in vLLM, a callable
                 that makes the bar (``functools.partial(tqdm, leave=False)``), called with
                 ``total=`` and ``desc=`` (it needs ``update(n)`` and ``close()``).
+            lora_request, priority: vLLM's; taken at their defaults (None), else a RequestError
+                naming them (:func:`radixkv.inputs.refuse_vllm_options`).
 
         Returns:
             One finished :class:`RequestOutput` per prompt, in input order. A request whose
@@ -123,6 +129,7 @@ class LLM:
                 engine refuses (e.g. prompt + ``max_tokens`` beyond ``max_context_len``, ``n``
                 beyond ``max_n``); then nothing is submitted.
         """
+        refuse_vllm_options(lora_request, priority)
         ids, texts = to_token_prompts(self.tokenizer, prompts, prompt_token_ids)
         salts = prompt_salts(prompts) or [None] * len(ids)
         return self._run(ids, texts, sampling_params, use_tqdm, [with_salt(self.namespace, s) for s in salts])
@@ -138,6 +145,7 @@ class LLM:
         chat_template: Optional[str] = None,
         continue_final_message: bool = False,
         chat_template_kwargs: Optional[Dict[str, Any]] = None,
+        lora_request: Any = None,
     ) -> List[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}``) or a list of them,
         each rendered with the model's chat template (plus the assistant generation prompt).
@@ -145,7 +153,8 @@ class LLM:
         ``chat_template`` (a Jinja template instead of the model's), ``continue_final_message``
         (continue the last, assistant, message instead of starting a new one; needs
         ``add_generation_prompt=False``) and ``chat_template_kwargs`` (extra template variables)
-        are vLLM's ``LLM.chat`` arguments (:func:`radixkv.chat_template.render_chat`).
+        are vLLM's ``LLM.chat`` arguments (:func:`radixkv.chat_template.render_chat`); its
+        ``lora_request`` is taken at its default (None), else a RequestError naming it.
 
         ``tools``: OpenAI function tools (``{"type": "function", "function": {"name",
         "description", "parameters"}}``) rendered into every conversation, by the model's
@@ -156,6 +165,7 @@ class LLM:
         markers, as :func:`radixkv.server.openai.params.forced_calls` does) as
         ``SamplingParams.structural_tag``, and parse the text with
         :func:`radixkv.server.parsers.tool_calls.parse_tool_calls`."""
+        refuse_vllm_options(lora_request)
         convs = conversations(messages)
         options = dict(
             continue_final_message=continue_final_message,

@@ -16,6 +16,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from radixkv import LLM, SamplingParams  # noqa: E402
+from radixkv.errors import RequestError  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 PROMPT = "The capital of France is"
@@ -334,3 +335,27 @@ def test_a_field_set_on_built_params_takes_effect_as_in_vllm(offline):
         offline.generate(PROMPT, sp, use_tqdm=False)
     assert e.value.param == "n"
     assert offline.num_unfinished_requests() == 0
+
+
+def test_lora_request_and_priority_at_their_defaults_run_as_in_vllm(offline):
+    """vLLM code passes ``lora_request=None`` (and ``priority``) to generate / chat: taken at the
+    defaults (it was a TypeError), any other value a RequestError naming it."""
+    sp = SamplingParams(max_tokens=2, temperature=0)
+    plain = offline.generate("Hi", sp)[0].outputs[0].token_ids
+    assert offline.generate("Hi", sp, lora_request=None, priority=None)[0].outputs[0].token_ids == plain
+    assert offline.generate("Hi", sp, priority=0)[0].outputs[0].token_ids == plain
+    chat = [{"role": "user", "content": "Hi"}]
+    assert (
+        offline.chat(chat, sp, lora_request=None)[0].outputs[0].token_ids
+        == offline.chat(chat, sp)[0].outputs[0].token_ids
+    )
+    for kw, field in (
+        ({"lora_request": object()}, "lora_request"),
+        ({"priority": [1]}, "priority"),
+        ({"priority": True}, "priority"),
+    ):
+        with pytest.raises(RequestError, match=f"^{field} is not supported") as e:
+            offline.generate("Hi", sp, **kw)
+        assert e.value.param == field
+    with pytest.raises(RequestError, match="^lora_request is not supported"):
+        offline.chat(chat, sp, lora_request="adapter")
