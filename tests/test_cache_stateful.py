@@ -414,7 +414,7 @@ _settings = settings(
     max_examples=MAX_EXAMPLES,
     stateful_step_count=STEPS,
     deadline=None,
-    derandomize=not SOAK,
+    derandomize=settings.default.derandomize and not SOAK,  # the profile's (tests/conftest.py)
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -263,7 +263,7 @@ rows_st = st.integers(1, 5).flatmap(
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@settings(max_examples=150, deadline=None, derandomize=settings.default.derandomize, database=None)
 @given(x=rows_st, seed=st.integers(0, 2**16))
 def test_a_row_written_and_read_back_is_the_dtypes_rounding(kv, x, seed):
     """Bit for bit: ``KVPool.write`` then ``read`` / ``gather`` give the contract's values (the
@@ -325,7 +325,7 @@ TIES = {
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
-@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@settings(max_examples=100, deadline=None, derandomize=settings.default.derandomize, database=None)
 @given(data=st.data())
 def test_ties_and_scales_round_as_the_contract(kv, data):
     """The cases random floats almost never hit: exact ties (half to even), one ulp beside them,

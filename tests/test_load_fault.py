@@ -124,7 +124,7 @@ def fuzz_bodies(openapi: dict) -> list[bytes]:
             @settings(
                 max_examples=FUZZ_PER_KIND,
                 database=None,
-                derandomize=True,
+                derandomize=settings.default.derandomize,  # the profile's (tests/conftest.py)
                 deadline=None,
                 phases=[Phase.generate],
                 suppress_health_check=list(HealthCheck),

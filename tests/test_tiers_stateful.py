@@ -212,7 +212,7 @@ def test_tiers_stateful():
             max_examples=150,
             stateful_step_count=30,
             deadline=None,
-            derandomize=True,
+            derandomize=settings.default.derandomize,  # the profile's (tests/conftest.py)
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
         ),
     )
