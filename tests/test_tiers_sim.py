@@ -133,13 +133,9 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     sim = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20}, tier_write_policy=policy)
     e = kv_engine(capacity=200, stores=[MemoryStore("disk")], chunk=2048, kv_tier_write_policy=policy)
     e.kv.tiers.costs.prefill_token_s = 1.0  # loading always pays: the simulator counts every held block
-    got = []
-    for r in reqs:
-        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
-        out = run_all(e)[rid]
-        got.append((out.num_cached_tokens, out.cached_tokens_by_tier["disk"]))
-        e.kv.tiers.drain()
-    assert got == [(x.num_cached_tokens, x.tier_tokens.get("disk", 0)) for x in sim.requests]
+    assert _engine_tokens(e, reqs, "disk") == [
+        (x.num_cached_tokens, x.tier_tokens.get("disk", 0)) for x in sim.requests
+    ]
     other = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20})  # the default: through
     assert (sim.cached_tokens == other.cached_tokens) == (policy == "write_through")
     # the CLI: token-id prompts (completions bodies), no replies: the same replay without them; a
@@ -158,6 +154,18 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     assert "--kv-tier-write-policy needs a KV tier" in capsys.readouterr().err
 
 
+def _engine_tokens(e, reqs, medium: str) -> list:
+    """Each of ``reqs`` run on engine ``e`` in turn (greedy, its reply's length), the tier's
+    writes drained after each: ``(num_cached_tokens, cached from medium)`` per request."""
+    got = []
+    for r in reqs:
+        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
+        out = run_all(e)[rid]
+        got.append((out.num_cached_tokens, out.cached_tokens_by_tier[medium]))
+        e.kv.tiers.drain()
+    return got
+
+
 def test_the_hash_caches_tiers_are_replayed_written_through_as_the_engine_runs_them():
     """The engine writes every tier through under ``prefix_cache="hash"`` (it does not report the
     blocks it evicts), so its default write-back host tier serves what it was written through; the
@@ -168,13 +176,9 @@ def test_the_hash_caches_tiers_are_replayed_written_through_as_the_engine_runs_t
     reqs = _conversations(seed=5, n=4)
     sim = simulate(reqs, "hash", 16, 208, outcomes=False, tiers={"host": 1 << 20}, keep_requests=True)
     e = kv_engine(capacity=208, page_size=16, stores=[MemoryStore("host")], chunk=2048, cache="hash")
-    got = []
-    for r in reqs:
-        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
-        out = run_all(e)[rid]
-        got.append((out.num_cached_tokens, out.cached_tokens_by_tier["host"]))
-        e.kv.tiers.drain()
-    assert got == [(x.num_cached_tokens, x.tier_tokens.get("host", 0)) for x in sim.requests]
+    assert _engine_tokens(e, reqs, "host") == [
+        (x.num_cached_tokens, x.tier_tokens.get("host", 0)) for x in sim.requests
+    ]
     assert sim.cached_tokens_by_tier["host"] > 0
     for policy in ("write_back", {"host": "write_back"}):
         with pytest.raises(ValueError, match="write_back needs prefix_cache='radix'"):
