@@ -42,7 +42,7 @@ from typing import Any, AsyncIterator, Callable, Hashable, Mapping, Sequence
 from radixkv.branching import AsyncSession, Prompt, SelectResult, drive_async, select_program
 from radixkv.engine.stats import EngineStats
 from radixkv.errors import RequestError, RequestFailed
-from radixkv.inputs import batch_requests, check_sampling_params, to_token_ids, to_token_prompt
+from radixkv.inputs import batch_requests, check_sampling_params, refuse_vllm_options, to_token_ids, to_token_prompt
 from radixkv.namespace import Namespace, with_salt
 from radixkv.outputs import RequestOutput, ended_early
 from radixkv.sampling_params import SamplingParams
@@ -183,6 +183,8 @@ class AsyncLLM:
         prompt_token_ids: Sequence[int] | None = None,
         namespace: Hashable = None,
         on_finish: Callable[[Any, RequestOutput], None] | None = None,
+        lora_request: Any = None,
+        priority: Any = 0,
     ) -> "RequestStream":
         """Submit one request and stream its cumulative outputs (``async for out in
         llm.generate(...)``). The request is submitted at the first ``__anext__``.
@@ -202,6 +204,8 @@ class AsyncLLM:
                 request finishes, before its final output is delivered (no step runs in between;
                 not on abort or error: ``radixkv.outputs.ended_early``): e.g. pin what it left
                 cached (stored Responses).
+            lora_request, priority: vLLM's; taken at their defaults (None; 0 or None), else a
+                RequestError naming them (:func:`radixkv.inputs.refuse_vllm_options`).
 
         Returns:
             A :class:`RequestStream`: an async iterator of ``RequestOutput`` snapshots,
@@ -226,7 +230,17 @@ class AsyncLLM:
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         stream = _Stream(loop=None)
         state = [False]  # [finished or failed]: nothing left to abort
-        body = self._generate(prompt, sampling_params, rid, prompt_token_ids, namespace, stream, state, on_finish)
+        body = self._generate(
+            prompt,
+            sampling_params,
+            rid,
+            prompt_token_ids,
+            namespace,
+            stream,
+            state,
+            on_finish,
+            (lora_request, priority),
+        )
         return RequestStream(self, rid, stream, state, body)
 
     async def _generate(
@@ -239,9 +253,11 @@ class AsyncLLM:
         stream: "_Stream",
         state: list,
         on_finish: Callable[[Any, RequestOutput], None] | None = None,
+        vllm_options: tuple = (None, None),
     ) -> AsyncIterator[RequestOutput]:
         """The body of :meth:`generate` (an async generator; its ``finally`` aborts)."""
         self._check_alive()
+        refuse_vllm_options(*vllm_options)
         sampling_params = check_sampling_params(sampling_params)
         text: str | None
         if prompt_token_ids is not None:

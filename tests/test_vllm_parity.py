@@ -359,3 +359,30 @@ def test_lora_request_and_priority_at_their_defaults_run_as_in_vllm(offline):
         assert e.value.param == field
     with pytest.raises(RequestError, match="^lora_request is not supported"):
         offline.chat(chat, sp, lora_request="adapter")
+
+
+def test_async_generate_takes_lora_request_and_priority_at_their_defaults(default_model):
+    """vLLM's ``AsyncLLM.generate(..., lora_request=None, priority=0)``: taken (a TypeError before);
+    another value is a RequestError naming it, raised by the first ``__anext__`` as every refusal."""
+    import asyncio
+
+    from radixkv import AsyncLLM
+
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    async def run(alm):
+        outs = [o async for o in alm.generate("Hi", params, "a")]
+        same = [o async for o in alm.generate("Hi", params, "b", lora_request=None, priority=0)]
+        assert same[-1].outputs[0].token_ids == outs[-1].outputs[0].token_ids
+        for kw, field in (({"lora_request": "adapter"}, "lora_request"), ({"priority": 2}, "priority")):
+            stream = alm.generate("Hi", params, "c", **kw)  # nothing raised until iterated
+            with pytest.raises(RequestError, match=f"^{field} is not supported") as e:
+                await stream.__aiter__().__anext__()
+            assert e.value.param == field
+        return await alm.call_in_engine_thread(lambda e: e.num_unfinished_requests())
+
+    alm = AsyncLLM(device="cpu", loaded_model=default_model, max_total_tokens=2048)
+    try:
+        assert asyncio.run(run(alm)) == 0
+    finally:
+        alm.shutdown()
