@@ -94,14 +94,18 @@ def _check_sizes(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
         )
     if params.n > lim.max_n:
         raise RequestError(f"n={params.n} exceeds this engine's max_n {lim.max_n}", "n")
-    ps = lim.page_size
-    need = (n_prompt + params.max_tokens + ps - 1) // ps * ps
+    need = _pool_slots(n_prompt + params.max_tokens, lim)
     if need > lim.capacity:
         raise RequestError(
             f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) needs {need} KV slots, "
             f"more than the KV pool's {lim.capacity} slots (max_total_tokens, or what kv_cache_memory_bytes holds)",
             "max_tokens",
         )
+
+
+def _pool_slots(tokens: int, lim: Limits) -> int:
+    """KV slots ``tokens`` positions take in the pool: whole pages of ``lim.page_size``."""
+    return -(-tokens // lim.page_size) * lim.page_size
 
 
 def _up_to_context(params: SamplingParams, n_prompt: int, lim: Limits) -> SamplingParams:
@@ -152,7 +156,7 @@ def check_prompt_fits(prompt_token_ids: Any, lim: Limits) -> List[int]:
         RequestError: as :func:`_prompt_ids`, or (param ``prompt``) a prompt the pool cannot hold.
     """
     ids = _prompt_ids(prompt_token_ids, lim)
-    need = (len(ids) + lim.page_size) // lim.page_size * lim.page_size
+    need = _pool_slots(len(ids) + 1, lim)
     if need > lim.capacity:
         raise RequestError(
             f"prompt ({len(ids)} tokens) + 1 generated token needs {need} KV slots, more than the KV pool's "
