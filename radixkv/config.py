@@ -468,13 +468,8 @@ class EngineConfig:
             )
         named = self.kv_tier_write_policy if isinstance(self.kv_tier_write_policy, dict) else {}
         named = {} if isinstance(named, ResolvedWritePolicy) else named  # resolve() is idempotent
-        asked = self.kv_tier_write_policy == "write_back" or "write_back" in named.values()
-        if asked and self.kv_tiers and self.prefix_cache != "radix":
-            raise ValueError(
-                f"kv_tier_write_policy write_back needs prefix_cache='radix' (the {self.prefix_cache!r} cache "
-                "does not report the blocks it evicts, so its tiers are written through); got "
-                f"{self.kv_tier_write_policy!r}"
-            )
+        if asks_write_back(self.kv_tier_write_policy) and self.kv_tiers and self.prefix_cache != "radix":
+            raise write_back_refused(self.prefix_cache, self.kv_tier_write_policy)
         for tier in [t for t in named if t in TIER_MEDIA and t not in self.kv_tiers]:
             field = {"host": "host_cache_bytes", "disk": "disk_cache_dir", "remote": "remote_cache_url"}[tier]
             raise ValueError(f"kv_tier_write_policy names the {tier} tier, which is not configured (set {field})")
@@ -506,6 +501,25 @@ class EngineConfig:
 class ResolvedWritePolicy(dict):
     """``kv_tier_write_policy`` once resolved: ``{tier: policy}`` for every tier of ``TIER_MEDIA``
     (a dict; the type tells a resolved policy from one a user wrote)."""
+
+
+def asks_write_back(policy: object) -> bool:
+    """Whether a ``kv_tier_write_policy`` as given (a str, or a dict of tier -> policy) names
+    ``write_back``; False for a :class:`ResolvedWritePolicy`, whose defaults (host: write-back)
+    nobody asked for (``resolve()`` is idempotent)."""
+    if isinstance(policy, ResolvedWritePolicy):
+        return False
+    return policy == "write_back" or (isinstance(policy, dict) and "write_back" in policy.values())
+
+
+def write_back_refused(prefix_cache: str, asked: object) -> ValueError:
+    """The ValueError for an explicit ``write_back`` beside a prefix cache that does not report
+    the blocks it evicts (``hash``): its tiers are written through (the engine's and the
+    simulator's one message)."""
+    return ValueError(
+        f"kv_tier_write_policy write_back needs prefix_cache='radix' (the {prefix_cache!r} cache does not report "
+        f"the blocks it evicts, so its tiers are written through); got {asked!r}"
+    )
 
 
 def parse_write_policy(text: str) -> Union[str, dict]:

@@ -373,6 +373,7 @@ def plan_flags_error(args: argparse.Namespace) -> Optional[str]:
 def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     """``radixkv plan --trace``'s part of the report: the flags checked first (ValueError naming
     one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
+    from radixkv.config import asks_write_back
     from radixkv.models.loader import load_tokenizer
     from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate
     from radixkv.obs.trace import tokenize_trace
@@ -388,7 +389,7 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
     policy = _write_policy(args, tiers)
     hashed = [f"{p}-b{ps}" for p, ps in pols if p == "hash"]
-    if tiers and hashed and "write_back" in (policy.values() if isinstance(policy, dict) else [policy]):
+    if tiers and hashed and asks_write_back(policy):
         raise ValueError(  # the engine refuses it: the hash cache does not report what it evicts
             f"--kv-tier-write-policy write_back needs radix policies (the hash cache's tiers are written "
             f"through); --policies has {', '.join(hashed)} (its default adds hash-b16): pass --policies "

@@ -44,7 +44,13 @@ from typing import Any, Callable, Hashable, Iterable, Optional, Sequence, Union
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
 from radixkv.cache.evict_policy import ReuseOdds
 from radixkv.cache.outcome import CAUSES, CacheOutcome
-from radixkv.config import kv_tokens_for_bytes, parse_memory_bytes, resolve_write_policy
+from radixkv.config import (
+    asks_write_back,
+    kv_tokens_for_bytes,
+    parse_memory_bytes,
+    resolve_write_policy,
+    write_back_refused,
+)
 from radixkv.engine.events import EventBus
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
@@ -207,11 +213,8 @@ def _tier_policy(cache: Any, policy: str, asked: Union[None, str, dict]) -> dict
     resolved = resolve_write_policy(asked)
     if hasattr(cache, "evict_listener"):
         return resolved
-    if asked == "write_back" or (isinstance(asked, dict) and "write_back" in asked.values()):
-        raise ValueError(
-            f"kv_tier_write_policy write_back needs prefix_cache='radix' (the {policy!r} cache does not report "
-            f"the blocks it evicts, so its tiers are written through); got {asked!r}"
-        )
+    if asks_write_back(asked):
+        raise write_back_refused(policy, asked)
     return {m: "write_through" for m in resolved}
 
 
