@@ -142,20 +142,18 @@ class Generate:
         sps = req.sampling_list(len(prompts))
         ctx = self.client.max_context_len
         listed = isinstance(req.sampling_params, list)
-        for i, sp in enumerate(sps):
-            if not req.stream and sp.stream_interval not in (None, 1):
-                # NOTE: as stream_options without stream on chat: the pacing of a stream that is not one
-                name = f"sampling_params[{i}].stream_interval" if listed else "sampling_params.stream_interval"
-                raise APIError(f"{name} needs stream: true", name)
+        field = "sampling_params."
         out = []
         for i, (sp, (_, ids)) in enumerate(zip(sps, prompts)):
+            at = f"sampling_params[{i}]." if listed else field
+            if not req.stream and sp.stream_interval not in (None, 1):
+                # NOTE: as stream_options without stream on chat: the pacing of a stream that is not one
+                raise APIError(f"{at}stream_interval needs stream: true", at + "stream_interval")
             try:
                 out.append(sp.to_engine(len(ids), ctx, prompt_param))
             except APIError as exc:
-                field = "sampling_params."
                 if not listed or not (exc.param or "").startswith(field):
                     raise
-                at = f"sampling_params[{i}]."
                 raise APIError(exc.message.replace(field, at), at + exc.param[len(field) :], exc.status_code,
                                exc.type, exc.code) from None  # fmt: skip
         return out
