@@ -542,3 +542,34 @@ def test_write_through_marks_the_head_the_pool_hit_as_used(tmp_path):
     again = kv_engine(stores=[DiskStore(tmp_path, 9 * rec)])  # a restart: nothing in the pool
     out = generate(again, [head + tails[-1]], greedy(1))[0]
     assert out.cached_tokens_by_tier["disk"] == 79 and out.outputs[0].token_ids == reference(head + tails[-1], 1)
+
+
+def test_a_load_waits_for_the_queued_write_of_its_blocks():
+    """Blocks evicted to the host tier (written back) while the I/O thread is busy are still in
+    its write queue when their request comes back: its load runs after that write and serves
+    them, instead of the lookup missing them and the request recomputing its prompt."""
+    import threading
+
+    host = MemoryStore("host")  # write-back: blocks reach it when the pool evicts them
+    e = kv_engine(capacity=160, stores=[host])
+    gate, orig = threading.Event(), host.put
+
+    def gated_put(keys, blocks, replace=False):
+        assert gate.wait(60)
+        orig(keys, blocks, replace)
+
+    host.put = gated_put
+    x, a = prompt(40, 70), prompt(41, 70)
+    generate(e, [x], greedy(4))
+    generate(e, [a], greedy(4))
+    generate(e, [prompt(42, 70)], greedy(4))  # evicts x: its write holds the I/O thread at the gate
+    generate(e, [prompt(43, 70)], greedy(4))  # evicts a: its write waits in the queue
+    assert host.data == {} and e.cache_stats().tiers["host"]["write_pending"] > 0
+    held = e.explain(a).num_cached_tokens  # the head the pool still holds
+    rid = e.add_request(a, greedy(4))
+    gate.set()
+    out = run_all(e)[rid]
+    pool_holds_its_tokens(e)
+    by = out.cached_tokens_by_tier
+    assert (by["device"], by["host"], out.num_cached_tokens) == (held, 69 - held, 69)
+    assert out.outputs[0].token_ids == reference(a, 4)

@@ -11,8 +11,11 @@ and a block that fails any check ends the run) into one ``uint8`` tensor
 ``[16 * blocks, token_bytes]`` (pinned when the pool is on a GPU); when every block the tiers
 hold was loaded, the tail after them (the partial block a sequence ended with, docs/tiers.md
 "Tails") is read from the first tier whose record shares ``c > 0`` tokens with the request's next
-ones, and its first ``c`` rows follow. A write puts the blocks a store does not hold yet, and its
-tail over whatever tail the store holds there. A store's failure is a miss (counted), never an
+ones, and its first ``c`` rows follow. A load asking for a block (or tail) that a queued write is
+about to put waits for that write (the writes before it run first): a block evicted from the
+pool, or just computed, is served by the tier it is being written to, not recomputed. A write
+puts the blocks a store does not hold yet, and its tail over whatever tail the store holds
+there. A store's failure is a miss (counted), never an
 exception here.
 
 Nothing here touches the pool, the cache or a request: the KV manager installs a finished load
@@ -305,6 +308,8 @@ class TierIO:
         self._probes: deque = deque()  # stores to probe (their optional probe()), each at most once
         self._done_loads: List[LoadJob] = []
         self._done_writes: List[WriteJob] = []
+        self._queued: Dict[tuple, int] = {}  # (block key, medium) -> its queued writes, until written
+        self._queued_tails: Dict[tuple, list] = {}  # (tail key, medium) -> the queued tails' tokens
         self._busy = False
         self._closed = False
         self.on_load_done: Optional[Callable[[], None]] = None
@@ -327,6 +332,7 @@ class TierIO:
                 return False
             self.pending_bytes += job.nbytes
             self._count_pending(job, 1)
+            self._mark_queued(job, 1)
             self._writes.append(job)
             self._cv.notify_all()
         return True
@@ -336,6 +342,46 @@ class TierIO:
         n = len(job.keys) + (job.tail_key is not None)
         for s in job.stores:
             self.counters[s.medium].write_pending += sign * n
+
+    def _mark_queued(self, job: WriteJob, sign: int) -> None:
+        """Count ``job``'s blocks (and its tail, with its tokens) as queued for its media, or no
+        longer; under the I/O lock."""
+        for s in job.stores:
+            for k in job.keys:
+                n = self._queued.get((k, s.medium), 0) + sign
+                if n:
+                    self._queued[(k, s.medium)] = n
+                else:
+                    del self._queued[(k, s.medium)]
+            if job.tail_key is not None:
+                tails = self._queued_tails.setdefault((job.tail_key, s.medium), [])
+                tails.append(job.tail_tokens) if sign > 0 else tails.remove(job.tail_tokens)
+                if not tails:
+                    del self._queued_tails[(job.tail_key, s.medium)]
+
+    def queued(self, key: Any, medium: str, want: Sequence[int] = ()) -> bool:
+        """Whether a write of block ``key`` to ``medium`` is queued or being written (it is held
+        there once this turns False); with ``want`` (token ids), whether a write of a tail under
+        ``key`` sharing a first token with ``want`` is."""
+        with self._cv:
+            return self._queued_for(key, medium, want)
+
+    def _queued_for(self, key: Any, medium: str, want: Sequence[int]) -> bool:
+        if not want:
+            return (key, medium) in self._queued
+        return any(shared_len(t, want) for t in self._queued_tails.get((key, medium), ()))
+
+    def _waits_for_writes(self, job: LoadJob) -> bool:
+        """Whether a block ``job`` asks for, or a tail it could use, is still queued for a write
+        (under the I/O lock)."""
+        if not (self._queued or self._queued_tails):
+            return False
+        media = [s.medium for s in job.stores]
+        b = BLOCK_TOKENS
+        wants = [job.ahead[b * i : b * (i + 1)] for i in range(len(job.tail_keys))]
+        return any(self._queued_for(k, m, ()) for k in job.keys for m in media) or any(
+            self._queued_for(k, m, w) for k, w in zip(job.tail_keys, wants) if w for m in media
+        )
 
     def submit_probe(self, store: Any) -> None:
         """Queue one ``store.probe()`` (a degraded store trying its backend again) unless one is
@@ -393,8 +439,10 @@ class TierIO:
                 self._cv.wait_for(lambda: self._closed or self._loads or self._writes or self._probes)
                 if self._closed and not (self._loads or self._writes):
                     return
-                if self._loads or self._writes:
-                    job = self._loads.popleft() if self._loads else self._writes.popleft()
+                if self._loads and not (self._writes and self._waits_for_writes(self._loads[0])):
+                    job = self._loads.popleft()
+                elif self._writes:  # a load waiting for queued writes runs after them
+                    job = self._writes.popleft()
                 else:
                     job = self._probes[0]  # left queued while it runs: no second probe of it
                 self._busy = True
@@ -418,6 +466,7 @@ class TierIO:
                 else:
                     self.pending_bytes -= job.nbytes
                     self._count_pending(job, -1)
+                    self._mark_queued(job, -1)
                     self._done_writes.append(job)
                 self._cv.notify_all()
             if isinstance(job, LoadJob) and self.on_load_done is not None:

@@ -300,19 +300,20 @@ class TierManager:
         has all of it: :func:`~radixkv.engine.tier_io.lookup_stop`), then the tail after the
         last of them the tiers hold, for ``owner``: a :class:`LoadJob` submitted to the I/O
         thread, or None when no tier can serve a token there (the local tiers hold neither the
-        first block nor the tail before it; with a remote tier the I/O thread always asks)."""
+        first block nor the tail before it, and no write of them is queued; with a remote tier
+        the I/O thread always asks)."""
         first, stop = start // BLOCK_TOKENS, lookup_stop(len(tokens), limit)
         stores = self._stores_for(namespace, self.stores)
         if self._closed or limit <= start or not stores:
             return None
         keys, toks, _, tails, _ = self._keys(namespace, tokens, first, stop)
+        ahead = tuple(tokens[BLOCK_TOKENS * first : limit])
         if all(s.medium != "remote" for s in stores):
-            probe = keys[:1] + tails[:1]
-            if not any(_contains_one(s, k) for s in stores for k in probe):
+            probe = [(k, ()) for k in keys[:1]] + [(tails[0], ahead[:BLOCK_TOKENS])]
+            if not any(self.io.queued(k, s.medium, w) or _contains_one(s, k) for s in stores for k, w in probe):
                 for s in stores:
                     self.counters[s.medium].lookups += len(keys[:1])
                 return None
-        ahead = tuple(tokens[BLOCK_TOKENS * first : limit])
         job = LoadJob(keys, toks, first, stores, owner, tail_keys=tails, ahead=ahead)
         self.io.submit_load(job)
         return job
