@@ -408,8 +408,8 @@ def test_an_error_the_ingress_cannot_read_names_no_internals(tokenizer):
 
 def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monkeypatch):
     """``radixkv serve --replicas 2 --served-model-name foo`` answers ``model: "foo"`` and the
-    ``--model`` name, as ``radixkv serve`` does (``model_aliases``); any other name is a 400
-    ``model_not_found``. Before the fix the ingress accepted only ``foo``: a client sending the
+    ``--model`` name, as ``radixkv serve`` does (``model_aliases``); any other name is OpenAI's
+    404 ``model_not_found`` (it was a 400 on every generating route until the 404 fix). Before the fix the ingress accepted only ``foo``: a client sending the
     ``--model`` name got 400 ``model_not_found`` from the replicas and 200 from one engine."""
     from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from radixkv.server.backend import ModelFacts
@@ -440,7 +440,7 @@ def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monke
 
     assert [asyncio.run(post(m))[0] for m in ("foo", "smollm2-135m")] == [200, 200]
     code, body = asyncio.run(post("gpt-4"))
-    assert code == 400 and body["error"]["code"] == "model_not_found", body
+    assert code == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model", body
 
 
 def test_a_replica_whose_engine_stopped_leaves_the_index_and_its_requests_go_on(tokenizer):

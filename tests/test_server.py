@@ -333,7 +333,6 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("top_p > 1", comp, j({"model": MODEL, "prompt": "hi", "top_p": 1.5}), "top_p"),
         ("n < 1", chat, j({"model": MODEL, "messages": msgs, "n": 0}), "n"),
         ("token id outside the vocabulary", comp, j({"model": MODEL, "prompt": [10**6]}), "prompt"),
-        ("unknown model", chat, j({"model": "gpt-4o", "messages": msgs}), "model"),
         ("wrong type", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": "many"}), "max_tokens"),
         # strict types: no coercion
         ("string for an integer", chat, j({"model": MODEL, "messages": msgs, "max_tokens": "3"}), "max_tokens"),
@@ -439,6 +438,34 @@ def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(s
 
 
 # ---------------------------------------------------------------------------------- constraints, bias, penalties
+
+
+def test_an_unknown_model_is_openais_404_model_not_found_on_every_route(server, client, llm):
+    """OpenAI answers an unknown ``model`` with HTTP 404 (``invalid_request_error``, ``param``
+    ``model``, ``code`` ``model_not_found``: the SDK's ``NotFoundError``). Before the fix every
+    generating route answered 400 (the SDK raised ``BadRequestError``) while ``/v1/models/{id}``
+    answered 404."""
+    msgs = [{"role": "user", "content": "hi"}]
+    bodies = {
+        "/v1/chat/completions": {"messages": msgs, "max_tokens": 1},
+        "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 1, "store": False},
+        "/tokenize": {"prompt": "hi"},
+        "/detokenize": {"tokens": [42]},
+    }
+    want = {"type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for path, body in bodies.items():
+            r = http.post(path, json={"model": "gpt-4o", **body})
+            assert r.status_code == 404, (path, r.status_code, r.text)
+            err = r.json()["error"]
+            assert {k: err[k] for k in want} == want and "'gpt-4o'" in err["message"], (path, err)
+            assert http.post(path, json={"model": MODEL, **body}).status_code == 200, path
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=1)
+    assert info.value.status_code == 404 and info.value.body["code"] == "model_not_found"
+    wait_idle(llm)
+    assert_pool_whole(llm)
 
 
 def test_structured_output_spellings_constrain_the_output(server, llm):

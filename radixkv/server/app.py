@@ -280,7 +280,7 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        models.check(model_id, param="model", status_code=404)
+        models.check(model_id, param="model")
         return ModelCard(id=models.served, max_model_len=client.max_context_len).model_dump()
 
 

@@ -37,14 +37,15 @@ class ModelNames:
         self.served = served_model_name
         self.accepted = {served_model_name, *aliases}
 
-    def check(self, model: str, param: str = "model", status_code: int = 400) -> None:
-        """Raises :class:`APIError` (``model_not_found``; HTTP 400, or ``status_code``) for
-        another name."""
+    def check(self, model: str, param: str = "model") -> None:
+        """Raises :class:`APIError` for another name: HTTP 404, type ``invalid_request_error``,
+        code ``model_not_found``, as OpenAI answers an unknown model (the SDK's
+        ``NotFoundError``; vLLM answers 404 too)."""
         if model not in self.accepted:
             raise APIError(
                 f"model {model!r} does not exist; this server serves {self.served!r}",
                 param,
-                status_code=status_code,
+                status_code=404,
                 code="model_not_found",
             )
 
