@@ -675,6 +675,52 @@ def test_every_openai_field_is_defined_and_documented():
         assert not undocumented, (endpoint, undocumented)
 
 
+def _sdk_literal(module: str, cls: str, field: str) -> set[str]:
+    """The string values of an openai SDK request field's ``Literal`` (inside Optional / aliases)."""
+    import importlib
+    import typing
+
+    def strings(tp) -> set[str]:
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is typing.Literal:
+            return set(args)
+        return set().union(*(strings(a) for a in args)) if args else set()
+
+    return strings(typing.get_type_hints(getattr(importlib.import_module(module), cls))[field])
+
+
+def test_service_tier_and_prompt_cache_retention_take_only_the_sdks_values(server):
+    """``service_tier`` and ``prompt_cache_retention`` (no effect here) take the openai SDK's
+    values; another is a 400 naming the field and the values. Before the fix any string was a 200
+    (``"service_tier": "turbo"`` was dropped without a word, as a typo of a real tier would be)."""
+    chat_tiers = ["auto", "default", "flex", "scale", "priority", "fast"]
+    retention = ["in_memory", "24h"]
+    chat_mod, resp_mod = "openai.types.chat.completion_create_params", "openai.types.responses.response_create_params"
+    assert _sdk_literal(chat_mod, "CompletionCreateParamsBase", "service_tier") == set(chat_tiers)
+    assert _sdk_literal(resp_mod, "ResponseCreateParamsBase", "service_tier") == {*chat_tiers, "ultrafast"}
+    for mod, cls in ((chat_mod, "CompletionCreateParamsBase"), (resp_mod, "ResponseCreateParamsBase")):
+        assert _sdk_literal(mod, cls, "prompt_cache_retention") == set(retention)
+    bodies = {
+        "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, chat_tiers),
+        "/v1/responses": ({"input": "hi", "max_output_tokens": 1, "store": False}, [*chat_tiers, "ultrafast"]),
+    }
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for path, (body, tiers) in bodies.items():
+            for field, values in (("service_tier", tiers), ("prompt_cache_retention", retention)):
+                for v in [*values, None]:
+                    r = http.post(path, json={"model": MODEL, **body, field: v})
+                    assert r.status_code == 200, (path, field, v, r.text)
+                for bad in ("turbo", "Default", ""):
+                    r = http.post(path, json={"model": MODEL, **body, field: bad})
+                    assert r.status_code == 400, (path, field, bad, r.text)
+                    err = r.json()["error"]
+                    assert (err["param"], err["code"]) == (field, "invalid_value"), (path, err)
+                    assert err["message"].startswith(f"{field}: ") and all(f"'{v}'" in err["message"] for v in values)
+        # the Responses object says the one tier it ran on
+        r = http.post("/v1/responses", json={"model": MODEL, **bodies["/v1/responses"][0], "service_tier": "flex"})
+        assert r.json()["service_tier"] == "default"
+
+
 def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):
     bodies = {"/v1/chat/completions": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
               "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 1}}  # fmt: skip
