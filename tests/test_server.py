@@ -468,6 +468,48 @@ def test_an_unknown_model_is_openais_404_model_not_found_on_every_route(server, 
     assert_pool_whole(llm)
 
 
+def test_a_body_over_max_request_bytes_is_a_413_with_or_without_content_length(llm):
+    """``create_app(max_request_bytes=)`` (``radixkv serve --max-request-bytes``, 32 MiB by
+    default): a body over it is HTTP 413 in OpenAI's format naming the limit, refused from its
+    ``Content-Length`` before it is read, or, sent chunked, as soon as the bytes read pass it; a
+    body of exactly the limit runs. Before, any size was read whole into memory."""
+    from server_helpers import Server
+
+    from radixkv.server.app import create_app
+
+    limit = 4096
+
+    def body(size: int) -> bytes:  # a valid completions body of exactly ``size`` bytes
+        head = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+        return head[:-1] + b" " * (size - len(head)) + b"}"
+
+    def chunked(data: bytes):
+        for i in range(0, len(data), 1000):
+            yield data[i : i + 1000]
+
+    s = Server(create_app(llm, served_model_name=MODEL, max_request_bytes=limit))
+    try:
+        with httpx.Client(base_url=s.base_url, timeout=120) as http:
+            headers = {"Content-Type": "application/json"}
+            for size, status in ((limit, 200), (limit + 1, 413), (50 * limit, 413)):
+                for content in (body(size), chunked(body(size))):
+                    r = http.post("/v1/completions", content=content, headers=headers)
+                    assert r.status_code == status, (size, r.text)
+                    if status == 413:
+                        assert r.json() == {"error": {
+                            "message": f"the request body is larger than this server's limit of {limit} bytes "
+                            "(radixkv serve --max-request-bytes)",
+                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}  # fmt: skip
+            assert scrape(s)[("radixkv_request_errors_total", (("status", "413"),))] == 4
+            assert http.post("/v1/completions", content=body(100), headers=headers).status_code == 200
+    finally:
+        s.stop()
+    with pytest.raises(ValueError, match="max_request_bytes must be an integer >= 1, got 0"):
+        create_app(llm, max_request_bytes=0)
+    wait_idle(llm)
+    assert_pool_whole(llm)
+
+
 def test_structured_output_spellings_constrain_the_output(server, llm):
     """Every spelling of a constraint reaches the engine (the output obeys it); an invalid one is
     a 400 naming the field the client sent."""
