@@ -91,6 +91,19 @@ class LLM:
         :attr:`tokenizer`)."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params :meth:`generate` and :meth:`chat` use when given none, a new
+        object per call (vLLM's ``LLM.get_default_sampling_params()``: read, change a field,
+        pass it on).
+
+        vLLM builds them from the model's ``generation_config.json`` (its ``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``) by default;
+        radixkv reads no generation config (vLLM's ``generation_config="vllm"``), so this is
+        ``SamplingParams()`` whatever the model: ``max_tokens`` 16, ``temperature`` 1.0, no
+        top-p / top-k / min-p cut, no penalties (docs/engine.md).
+        """
+        return SamplingParams()
+
     def generate(
         self,
         prompts: Any = None,

@@ -228,3 +228,19 @@ def test_plan_refuses_kv_tiers_without_a_prefix_cache(capsys):
     assert refused(argv, capsys) == (
         "radixkv plan: KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
     )
+
+
+def test_serve_max_request_bytes_parses_sizes_and_refuses_less_than_a_byte(capsys):
+    import argparse
+
+    from radixkv.server.cli import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    got = [ap.parse_args(a).max_request_bytes for a in ([], ["--max-request-bytes", "1MiB"],
+                                                          ["--max-request-bytes", "5000"])]  # fmt: skip
+    assert got == [33554432, 1048576, 5000]
+    for bad in ("0", "lots"):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--max-request-bytes", bad, "--model", "/nonexistent/model"])
+        assert exc.value.code == 2 and "argument --max-request-bytes: --max-request-bytes" in capsys.readouterr().err

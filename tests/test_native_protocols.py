@@ -429,7 +429,7 @@ def test_tokenize_detokenize_version(http, llm):
     assert no_gen["tokens"] == encode_chat(tok, msgs, add_generation_prompt=False)
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": tok.decode(r["tokens"])}
     assert http.get("/version").json() == {"version": radixkv.__version__}
-    assert error_of(http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}))["code"] == "model_not_found"
+    assert error_of(http.post("/tokenize", json={"model": "gpt-4", "prompt": "x"}), 404)["code"] == "model_not_found"
     assert error_of(http.post("/tokenize", json={"prompt": "x", "messages": msgs}))["param"] == "prompt"
     assert error_of(http.post("/tokenize", json={"prompt": "x", "extra": 1}))["code"] == "unknown_parameter"
     tools = [{"type": "function", "function": {"name": "f"}}]  # the chat form's: a prompt's count dropped them

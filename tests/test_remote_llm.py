@@ -9,6 +9,7 @@ The index (in process): a reply takes its request off its replica's load at once
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
 import httpx
@@ -406,17 +407,15 @@ def test_an_error_the_ingress_cannot_read_names_no_internals(tokenizer):
     assert "failed on its replica" in msg and "4242" not in msg and "10.1.2.3" not in msg, msg
 
 
-def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monkeypatch):
-    """``radixkv serve --replicas 2 --served-model-name foo`` answers ``model: "foo"`` and the
-    ``--model`` name, as ``radixkv serve`` does (``model_aliases``); any other name is a 400
-    ``model_not_found``. Before the fix the ingress accepted only ``foo``: a client sending the
-    ``--model`` name got 400 ``model_not_found`` from the replicas and 200 from one engine."""
+def _replies_app(tokenizer, monkeypatch, **ingress_kw):
+    """The ingress app (served name ``foo``, ``--model`` ``smollm2-135m``) over a handle that
+    answers every request with one finished output of two tokens."""
     from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from radixkv.server.backend import ModelFacts
 
     facts = ModelFacts("smollm2-135m", None, "llama", None, len(tokenizer), 2048)
 
-    class Replies(_Handle):  # every request: one finished output of two tokens
+    class Replies(_Handle):
         def remote(self, args: dict):
             sample = CompletionOutput(0, tokenizer.decode([7, 8]), [7, 8], "length")
             out = RequestOutput(args["request_id"], None, args["token_ids"], [sample], True, 0, RequestMetrics(0.0))
@@ -430,17 +429,47 @@ def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monke
     handle.info = _Call({"facts": facts.as_dict()})
     monkeypatch.setattr(ray_mod, "get_index", lambda *a, **k: _Index(["r0"], {}))
     ingress = object.__new__(ray_mod.Ingress)
-    asyncio.run(ingress.__init__(handle, "foo", "smollm2-135m"))
-    app = ingress.__serve_build_asgi_app__()
+    asyncio.run(ingress.__init__(handle, "foo", "smollm2-135m", **ingress_kw))
+    return ingress.__serve_build_asgi_app__()
 
-    async def post(model):
+
+def _post(app, content: bytes) -> tuple[int, dict]:
+    async def run():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
-            r = await http.post("/v1/completions", json={"model": model, "prompt": [5, 6], "max_tokens": 2})
+            r = await http.post("/v1/completions", content=content, headers={"Content-Type": "application/json"})
             return r.status_code, r.json()
 
-    assert [asyncio.run(post(m))[0] for m in ("foo", "smollm2-135m")] == [200, 200]
-    code, body = asyncio.run(post("gpt-4"))
-    assert code == 400 and body["error"]["code"] == "model_not_found", body
+    return asyncio.run(run())
+
+
+def test_the_ingress_accepts_the_model_names_one_engine_accepts(tokenizer, monkeypatch):
+    """``radixkv serve --replicas 2 --served-model-name foo`` answers ``model: "foo"`` and the
+    ``--model`` name, as ``radixkv serve`` does (``model_aliases``); any other name is OpenAI's
+    404 ``model_not_found`` (a 400 until the 404 fix). Before the fix the ingress accepted only
+    ``foo``: a client sending the ``--model`` name got 400 ``model_not_found`` from the replicas
+    and 200 from one engine."""
+    app = _replies_app(tokenizer, monkeypatch)
+
+    def post(model):
+        return _post(app, json.dumps({"model": model, "prompt": [5, 6], "max_tokens": 2}).encode())
+
+    assert [post(m)[0] for m in ("foo", "smollm2-135m")] == [200, 200]
+    code, body = post("gpt-4")
+    assert code == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model", body
+
+
+def test_the_ingress_takes_max_request_bytes_as_one_engine_does(tokenizer, monkeypatch):
+    """``radixkv serve --replicas N --max-request-bytes B``: the ingress app refuses a body over
+    ``B`` with the 413 one engine gives (it took no limit before); unset, the 32 MiB default."""
+    body = json.dumps({"model": "foo", "prompt": [5, 6], "max_tokens": 2}).encode()
+    small = _replies_app(tokenizer, monkeypatch, max_request_bytes=len(body))
+    assert _post(small, body)[0] == 200
+    code, err = _post(small, body[:-1] + b" }")
+    assert (code, err["error"]["code"]) == (413, "request_too_large") and f"limit of {len(body)} bytes" in str(err)
+    default = _replies_app(tokenizer, monkeypatch)
+    from radixkv.server.body import BodyLimitMiddleware
+
+    assert [m.kwargs["max_bytes"] for m in default.user_middleware if m.cls is BodyLimitMiddleware] == [32 << 20]
 
 
 def test_a_replica_whose_engine_stopped_leaves_the_index_and_its_requests_go_on(tokenizer):

@@ -311,7 +311,6 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
         ({"truncation": "auto"}, "truncation", "unsupported_parameter"),
         ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
         ({"max_output_tokens": 100000}, "max_output_tokens", "context_length_exceeded"),
-        ({"model": "gpt-4o"}, "model", "model_not_found"),
         ({"tool_choice": "required"}, "tool_choice", "invalid_value"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text", None),
         ({"bogus": 1}, "bogus", "unknown_parameter"),

@@ -333,7 +333,6 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("top_p > 1", comp, j({"model": MODEL, "prompt": "hi", "top_p": 1.5}), "top_p"),
         ("n < 1", chat, j({"model": MODEL, "messages": msgs, "n": 0}), "n"),
         ("token id outside the vocabulary", comp, j({"model": MODEL, "prompt": [10**6]}), "prompt"),
-        ("unknown model", chat, j({"model": "gpt-4o", "messages": msgs}), "model"),
         ("wrong type", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": "many"}), "max_tokens"),
         # strict types: no coercion
         ("string for an integer", chat, j({"model": MODEL, "messages": msgs, "max_tokens": "3"}), "max_tokens"),
@@ -439,6 +438,76 @@ def test_each_bad_input_gets_400_in_openai_format_and_the_server_keeps_serving(s
 
 
 # ---------------------------------------------------------------------------------- constraints, bias, penalties
+
+
+def test_an_unknown_model_is_openais_404_model_not_found_on_every_route(server, client, llm):
+    """OpenAI answers an unknown ``model`` with HTTP 404 (``invalid_request_error``, ``param``
+    ``model``, ``code`` ``model_not_found``: the SDK's ``NotFoundError``). Before the fix every
+    generating route answered 400 (the SDK raised ``BadRequestError``) while ``/v1/models/{id}``
+    answered 404."""
+    msgs = [{"role": "user", "content": "hi"}]
+    bodies = {
+        "/v1/chat/completions": {"messages": msgs, "max_tokens": 1},
+        "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+        "/v1/responses": {"input": "hi", "max_output_tokens": 1, "store": False},
+        "/tokenize": {"prompt": "hi"},
+        "/detokenize": {"tokens": [42]},
+    }
+    want = {"type": "invalid_request_error", "param": "model", "code": "model_not_found"}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for path, body in bodies.items():
+            r = http.post(path, json={"model": "gpt-4o", **body})
+            assert r.status_code == 404, (path, r.status_code, r.text)
+            err = r.json()["error"]
+            assert {k: err[k] for k in want} == want and "'gpt-4o'" in err["message"], (path, err)
+            assert http.post(path, json={"model": MODEL, **body}).status_code == 200, path
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=1)
+    assert info.value.status_code == 404 and info.value.body["code"] == "model_not_found"
+    wait_idle(llm)
+    assert_pool_whole(llm)
+
+
+def test_a_body_over_max_request_bytes_is_a_413_with_or_without_content_length(llm):
+    """``create_app(max_request_bytes=)`` (``radixkv serve --max-request-bytes``, 32 MiB by
+    default): a body over it is HTTP 413 in OpenAI's format naming the limit, refused from its
+    ``Content-Length`` before it is read, or, sent chunked, as soon as the bytes read pass it; a
+    body of exactly the limit runs. Before, any size was read whole into memory."""
+    from server_helpers import Server
+
+    from radixkv.server.app import create_app
+
+    limit = 4096
+
+    def body(size: int) -> bytes:  # a valid completions body of exactly ``size`` bytes
+        head = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+        return head[:-1] + b" " * (size - len(head)) + b"}"
+
+    def chunked(data: bytes):
+        for i in range(0, len(data), 1000):
+            yield data[i : i + 1000]
+
+    s = Server(create_app(llm, served_model_name=MODEL, max_request_bytes=limit))
+    try:
+        with httpx.Client(base_url=s.base_url, timeout=120) as http:
+            headers = {"Content-Type": "application/json"}
+            for size, status in ((limit, 200), (limit + 1, 413), (50 * limit, 413)):
+                for content in (body(size), chunked(body(size))):
+                    r = http.post("/v1/completions", content=content, headers=headers)
+                    assert r.status_code == status, (size, r.text)
+                    if status == 413:
+                        assert r.json() == {"error": {
+                            "message": f"the request body is larger than this server's limit of {limit} bytes "
+                            "(radixkv serve --max-request-bytes)",
+                            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}  # fmt: skip
+            assert scrape(s)[("radixkv_request_errors_total", (("status", "413"),))] == 4
+            assert http.post("/v1/completions", content=body(100), headers=headers).status_code == 200
+    finally:
+        s.stop()
+    with pytest.raises(ValueError, match="max_request_bytes must be an integer >= 1, got 0"):
+        create_app(llm, max_request_bytes=0)
+    wait_idle(llm)
+    assert_pool_whole(llm)
 
 
 def test_structured_output_spellings_constrain_the_output(server, llm):
@@ -646,6 +715,52 @@ def test_every_openai_field_is_defined_and_documented():
         assert not missing, (endpoint, missing)
         undocumented = [f for f in _sdk_fields(endpoint) | ours if f"`{f}`" not in table]
         assert not undocumented, (endpoint, undocumented)
+
+
+def _sdk_literal(module: str, cls: str, field: str) -> set[str]:
+    """The string values of an openai SDK request field's ``Literal`` (inside Optional / aliases)."""
+    import importlib
+    import typing
+
+    def strings(tp) -> set[str]:
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is typing.Literal:
+            return set(args)
+        return set().union(*(strings(a) for a in args)) if args else set()
+
+    return strings(typing.get_type_hints(getattr(importlib.import_module(module), cls))[field])
+
+
+def test_service_tier_and_prompt_cache_retention_take_only_the_sdks_values(server):
+    """``service_tier`` and ``prompt_cache_retention`` (no effect here) take the openai SDK's
+    values; another is a 400 naming the field and the values. Before the fix any string was a 200
+    (``"service_tier": "turbo"`` was dropped without a word, as a typo of a real tier would be)."""
+    chat_tiers = ["auto", "default", "flex", "scale", "priority", "fast"]
+    retention = ["in_memory", "24h"]
+    chat_mod, resp_mod = "openai.types.chat.completion_create_params", "openai.types.responses.response_create_params"
+    assert _sdk_literal(chat_mod, "CompletionCreateParamsBase", "service_tier") == set(chat_tiers)
+    assert _sdk_literal(resp_mod, "ResponseCreateParamsBase", "service_tier") == {*chat_tiers, "ultrafast"}
+    for mod, cls in ((chat_mod, "CompletionCreateParamsBase"), (resp_mod, "ResponseCreateParamsBase")):
+        assert _sdk_literal(mod, cls, "prompt_cache_retention") == set(retention)
+    bodies = {
+        "/v1/chat/completions": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, chat_tiers),
+        "/v1/responses": ({"input": "hi", "max_output_tokens": 1, "store": False}, [*chat_tiers, "ultrafast"]),
+    }
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for path, (body, tiers) in bodies.items():
+            for field, values in (("service_tier", tiers), ("prompt_cache_retention", retention)):
+                for v in [*values, None]:
+                    r = http.post(path, json={"model": MODEL, **body, field: v})
+                    assert r.status_code == 200, (path, field, v, r.text)
+                for bad in ("turbo", "Default", ""):
+                    r = http.post(path, json={"model": MODEL, **body, field: bad})
+                    assert r.status_code == 400, (path, field, bad, r.text)
+                    err = r.json()["error"]
+                    assert (err["param"], err["code"]) == (field, "invalid_value"), (path, err)
+                    assert err["message"].startswith(f"{field}: ") and all(f"'{v}'" in err["message"] for v in values)
+        # the Responses object says the one tier it ran on
+        r = http.post("/v1/responses", json={"model": MODEL, **bodies["/v1/responses"][0], "service_tier": "flex"})
+        assert r.json()["service_tier"] == "default"
 
 
 def test_no_effect_fields_are_accepted_and_unsupported_ones_named(server, llm):

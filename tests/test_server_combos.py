@@ -198,6 +198,37 @@ def test_a_call_cut_by_a_stop_string_or_max_tokens_is_a_call_streamed_or_not(ser
     assert_pool_whole(llm)
 
 
+def _literal_regex(text: str) -> str:
+    """A regex matching exactly ``text`` (xgrammar's syntax: ``\\n`` for a newline)."""
+    return "".join("\\n" if ch == "\n" else "\\" + ch if ch in "\\^$.|?*+()[]{}" else ch for ch in text)
+
+
+def test_parallel_tool_calls_false_returns_only_the_first_of_two_calls_streamed_or_not(server, llm):
+    """``parallel_tool_calls: false`` means at most one call (OpenAI's guarantee). ``auto``'s
+    grammar stops after the first call, but a ``regex`` beside the tools (calls or text under it)
+    lets the model write a second ``<tool_call>`` block: here the regex takes the model's own
+    greedy two calls (those it writes with parallel calls allowed), ``min_tokens`` holding EOS
+    off where the one-call grammar would end. Both came back as calls, streamed and not; now the first alone, as vLLM
+    filters them. With parallel calls allowed (or unset), both."""
+    weather = '{"name": "get_weather", "arguments": {\n    "city": "Paris",\n    "unit": "c"\n}}'
+    first = f"<tool_call>\n{weather}\n</tool_call>"
+    text = first + '<tool_call>\n{"name": "get_time", "arguments": {\n    "tz": "UTC"\n}}\n</tool_call>'
+    base = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=0, max_tokens=96)
+    base |= {"regex": _literal_regex(text), "min_tokens": len(llm.tokenizer.encode(first)) + 4}
+    both = [("get_weather", '{\n    "city": "Paris",\n    "unit": "c"\n}'), ("get_time", '{\n    "tz": "UTC"\n}')]
+    written = set()  # the output's tokens, joined
+    for parallel, calls in ((True, both), (None, both), (False, both[:1])):
+        body = dict(base) if parallel is None else {**base, "parallel_tool_calls": parallel}
+        choice = post(server, "/v1/chat/completions", {**body, "logprobs": True})["choices"][0]
+        assert (choice["finish_reason"], choice["message"]["content"]) == ("tool_calls", None), parallel
+        assert calls_of(choice["message"]) == calls, parallel
+        written.add("".join(t["token"] for t in choice["logprobs"]["content"]))
+        joined = joined_chat_choice(stream(server, "/v1/chat/completions", body))
+        assert joined == {"content": None, "calls": calls, "finish": ["tool_calls"]}, parallel
+    assert written == {text + "<|im_end|>"}, written  # the model wrote both blocks every time, then EOS
+    assert_pool_whole(llm)
+
+
 def test_an_auto_output_ending_in_part_of_the_opening_tag_is_text():
     """Under ``auto`` the text before a call is free: ``<tool`` at the end of a cut output is text
     (streamed: held back, then sent as content); under a forced choice it is the call begun."""

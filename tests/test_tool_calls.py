@@ -167,6 +167,9 @@ def test_parse_tool_calls():
     ] * 2
     assert calls[0].arguments == '{"city": "Oslo \\"}\\" x", "days": 3}'  # the model's own text
     assert calls[0].id.startswith("call_") and calls[0].id != calls[1].id
+    # parallel_tool_calls false: the first call only, the content the same (the second block dropped)
+    content, (first,) = parse_tool_calls(TEXTS["content and two calls"], max_calls=1)
+    assert (content, first.name, first.arguments) == ("Let me look.\nDone.", "get_weather", calls[0].arguments)
     assert parse_tool_calls(TEXTS["only a call"])[0] is None
     content, calls = parse_tool_calls(TEXTS["call then a malformed block"])
     assert content == "x\ny <tool_call>[1]</tool_call>\nz" and len(calls) == 2
@@ -180,11 +183,11 @@ def test_parse_tool_calls():
     assert content == "x" and (c.name, json.loads(c.arguments)) == ("emit", {"html": "a</tool_call>b"})
 
 
-def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], list[tuple]]:
+def _stream(text: str, cuts: list[int], max_calls=None) -> tuple[str, list[tuple[str, str]], list[tuple]]:
     s, events = ToolCallStream(), []
     for k in sorted(set(cuts)):
-        events += s.update(text[:k], False)
-    events += s.update(text, True)
+        events += s.update(text[:k], False, max_calls=max_calls)
+    events += s.update(text, True, max_calls=max_calls)
     content = "".join(e[1] for e in events if e[0] == "content")
     calls: list[list[str]] = []
     for e in events:
@@ -201,8 +204,10 @@ def _stream(text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]], lis
 def test_streamed_deltas_join_to_the_parsed_output_in_every_split(name, data):
     text = TEXTS[name]
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
-    content, calls, _ = _stream(text, cuts)
-    want_content, want_calls = parse_tool_calls(text)
+    max_calls = data.draw(st.sampled_from([None, 1]))  # parallel_tool_calls: true / false
+    content, calls, _ = _stream(text, cuts, max_calls)
+    want_content, want_calls = parse_tool_calls(text, max_calls=max_calls)
+    assert max_calls is None or len(want_calls) <= 1
     want = [(c.name, c.arguments) for c in want_calls]
     if name == "cut off":  # a call cut off by the end: its header may have gone out; then its text follows
         assert content.endswith(CALL[:40]) or content == text

@@ -120,6 +120,22 @@ def test_get_tokenizer_as_vllm_code_calls_it(offline, default_model):
         alm.shutdown()
 
 
+def test_get_default_sampling_params_is_a_fresh_copy_of_what_generate_uses(offline, greedy_ref):
+    """vLLM's ``LLM.get_default_sampling_params()`` (code reads it, changes a field, passes it
+    on): radixkv reads no ``generation_config.json``, so it is ``SamplingParams()``, the params of
+    ``generate(sampling_params=None)``, a new object per call. It was an AttributeError."""
+    a, b = offline.get_default_sampling_params(), offline.get_default_sampling_params()
+    assert a is not b and a == SamplingParams() and type(a) is SamplingParams
+    got = (a.n, a.max_tokens, a.temperature, a.top_p, a.top_k, a.min_p, a.repetition_penalty, a.presence_penalty,
+           a.frequency_penalty, a.min_tokens, a.seed, a.stop, a.logprobs)  # fmt: skip
+    assert got == (1, 16, 1.0, 1.0, -1, 0.0, 1.0, 0.0, 0.0, 0, None, [], None)
+    a.temperature, a.max_tokens = 0.0, 12
+    assert (b.temperature, b.max_tokens) == (1.0, 16)  # a's changes are a's only
+    assert offline.get_default_sampling_params() == SamplingParams()
+    out = offline.generate(PROMPT, a, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy_ref[1]
+
+
 def test_chat_continue_final_message_chat_template_and_kwargs(offline, hf_default):
     """vLLM's ``LLM.chat`` arguments: the prompt is transformers' ``apply_chat_template`` with
     the same options, and the greedy continuation is transformers' ``generate``."""

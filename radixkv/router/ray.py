@@ -848,6 +848,7 @@ class Ingress:
         model: str = "smollm2-135m",
         api_keys: Optional[list] = None,
         replicas: int = 1,
+        max_request_bytes: Optional[int] = None,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -858,6 +859,7 @@ class Ingress:
         self.served_model_name = served_model_name
         self.model = model  # accepted as ``model`` too, as one engine accepts its --model
         self.api_keys = api_keys
+        self.max_request_bytes = max_request_bytes  # None: create_app's default
         info = await engine_handle.info.remote()
         tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir(model)), local_files_only=True)
         self.llm = RemoteLLM(engine_handle, tok, ModelFacts.from_dict(info["facts"]), get_index(), replicas)
@@ -867,8 +869,9 @@ class Ingress:
         from radixkv.server.auth import APIKeys
 
         keys = APIKeys.from_wire(self.api_keys) if self.api_keys is not None else None
+        limit = {} if self.max_request_bytes is None else {"max_request_bytes": self.max_request_bytes}
         return create_app(
-            self.llm, served_model_name=self.served_model_name, model_aliases=(self.model,), api_keys=keys
+            self.llm, served_model_name=self.served_model_name, model_aliases=(self.model,), api_keys=keys, **limit
         )
 
 
@@ -884,6 +887,7 @@ def build_app(
     random_model: Optional[dict] = None,
     max_ongoing_requests: int = 256,
     api_keys: Any = None,
+    max_request_bytes: Optional[int] = None,
 ):
     """The Serve application: ``replicas`` x :class:`EngineReplica` behind the cache-aware
     request router, :class:`Ingress` in front. Creates the index actor (needs ``ray.init``).
@@ -897,6 +901,8 @@ def build_app(
         api_keys: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys); their
             quotas become every replica's ``tenant_kv_quota_tokens`` unless ``engine_kwargs``
             sets it (each replica applies the quota to its own cache).
+        max_request_bytes: the ingress's request-body limit (``--max-request-bytes``; None: the
+            server's default, 32 MiB).
     """
     ekw = dict(engine_kwargs or {})
     if api_keys is not None and api_keys.quotas():
@@ -918,7 +924,8 @@ def build_app(
         ray_actor_options={"num_cpus": ingress_cpus},
     )
     wire = api_keys.to_wire() if api_keys is not None else None
-    return ingress_dep.bind(engine_dep.bind(ekw, random_model), served_model_name, model, wire, replicas)
+    engines = engine_dep.bind(ekw, random_model)
+    return ingress_dep.bind(engines, served_model_name, model, wire, replicas, max_request_bytes)
 
 
 def engine_deployment_options(replicas: int, replica_cpus: float, max_ongoing_requests: int, ekw: dict) -> dict:
@@ -988,6 +995,7 @@ def _serve_forever(args: Any, engine_kwargs: dict, served_model_name: str, api_k
         policy=args.router_policy,
         replica_cpus=args.replica_cpus,
         api_keys=api_keys,
+        max_request_bytes=getattr(args, "max_request_bytes", None),
     )
     try:
         serve.run(app, name="radixkv", route_prefix="/", blocking=False)

@@ -53,7 +53,16 @@ from radixkv.errors import RequestFailed
 from radixkv.obs.trace import TraceWriter
 from radixkv.server.auth import APIKeys, AuthMiddleware, request_namespace, request_tenant
 from radixkv.server.backend import EngineBackend, as_backend
-from radixkv.server.body import check_query, first_error, is_type_tag, parse_json, query_bool
+from radixkv.server.body import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    BodyLimitMiddleware,
+    check_max_request_bytes,
+    check_query,
+    first_error,
+    is_type_tag,
+    parse_json,
+    query_bool,
+)
 from radixkv.server.engine_client import ClientDisconnected, EngineClient
 from radixkv.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from radixkv.server.openai.chat import Chat
@@ -118,6 +127,7 @@ def create_app(
     shutdown_engine: bool = False,
     log_requests: str | None = None,
     api_keys: APIKeys | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """Build the app.
 
@@ -133,6 +143,8 @@ def create_app(
             ``radixkv explain`` reads; :mod:`radixkv.server.request_log`).
         api_keys: the keys and tenants (:class:`~radixkv.server.auth.APIKeys`); None: no
             authentication, one tenant (None).
+        max_request_bytes: the largest request body read; a larger one is a 413 in OpenAI's
+            format naming the limit (:class:`~radixkv.server.body.BodyLimitMiddleware`).
 
     Returns:
         A FastAPI app; ``app.state.llm`` (``llm`` as given), ``app.state.backend``,
@@ -142,7 +154,9 @@ def create_app(
 
     Raises:
         TypeError: ``llm`` is neither an AsyncLLM nor an EngineBackend.
+        ValueError: ``max_request_bytes`` is not an integer >= 1.
     """
+    check_max_request_bytes(max_request_bytes)
     backend = as_backend(llm)
     metrics = ServerMetrics()
     unsubscribe = backend.subscribe(metrics.on_event, (RequestFinished, RequestAdmitted))
@@ -161,10 +175,14 @@ def create_app(
     app.openapi = lambda: _openapi(app)
     if request_log is not None:
         app.add_middleware(RequestLogMiddleware, writer=request_log)
-    if api_keys is not None:  # added last, so it runs first: the request log sees the tenant
-        app.add_middleware(
-            AuthMiddleware, keys=api_keys, on_error=lambda s: metrics.request_errors.labels(str(s)).inc()
-        )
+
+    def count_error(status: int) -> None:
+        metrics.request_errors.labels(str(status)).inc()
+
+    if api_keys is not None:  # added after the log, so it runs first: the request log sees the tenant
+        app.add_middleware(AuthMiddleware, keys=api_keys, on_error=count_error)
+    # added last, so it runs first: a body over the limit is refused before anything reads it
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, on_error=count_error)
     app.state.api_keys = api_keys
     client = EngineClient(backend, metrics)
     models = ModelNames(served_model_name, model_aliases)
@@ -280,7 +298,7 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict:
-        models.check(model_id, param="model", status_code=404)
+        models.check(model_id, param="model")
         return ModelCard(id=models.served, max_model_len=client.max_context_len).model_dump()
 
 

@@ -7,7 +7,8 @@ integer, ``1`` no boolean; an integer is a valid float); a field the model does 
 (HTTP 400, OpenAI's error body) whose ``param`` is the dotted path of the field at fault, e.g.
 ``sampling_params.temperature`` (list positions left out).
 
-Also what every route does with a request before the engine sees it: its query parameters
+Also what every route does with a request before the engine sees it: its size
+(:class:`BodyLimitMiddleware`, ``radixkv serve --max-request-bytes``), its query parameters
 (:func:`check_query`, :func:`query_bool`) and where its prompt is tokenized
 (:func:`tokenize_off_loop`).
 """
@@ -25,6 +26,10 @@ from starlette.requests import Request
 from radixkv.server.openai.protocol import APIError
 
 __all__ = [
+    "BodyLimitMiddleware",
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "body_too_large",
+    "check_max_request_bytes",
     "check_query",
     "first_error",
     "is_type_tag",
@@ -42,6 +47,72 @@ INLINE_TOKENIZE_BYTES = 32 << 10
 """Bodies up to this size are tokenized on the event loop (milliseconds); larger ones in
 :data:`_TOKENIZE_POOL` (:func:`tokenize_off_loop`)."""
 _TOKENIZE_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="radixkv-tokenize")
+
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+"""The largest request body the server reads by default (32 MiB; ``--max-request-bytes``): far
+above any prompt the context takes (a 128K-token prompt as JSON token ids is about 1 MB)."""
+
+
+def check_max_request_bytes(max_bytes: Any) -> None:
+    """A ``ValueError`` naming ``max_request_bytes`` unless it is an integer >= 1."""
+    if type(max_bytes) is not int or max_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an integer >= 1, got {max_bytes!r}")
+
+
+def body_too_large(limit: int) -> APIError:
+    """HTTP 413 in OpenAI's error format naming the limit (``code`` ``request_too_large``)."""
+    return APIError(
+        f"the request body is larger than this server's limit of {limit} bytes (radixkv serve --max-request-bytes)",
+        None,
+        status_code=413,
+        code="request_too_large",
+    )
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware refusing a request body over ``max_bytes`` with :func:`body_too_large`:
+    at once for a ``Content-Length`` over it (nothing read), and for a body sent without one
+    (chunked) as soon as the bytes read pass it (the route reading it gets the 413, so no more
+    than ``max_bytes`` plus one chunk is ever held).
+
+    Args:
+        app: the ASGI app.
+        max_bytes: the limit (>= 1).
+        on_error: called with the status (413) of a request refused here (the error metric).
+    """
+
+    def __init__(self, app: Callable, max_bytes: int, on_error: Optional[Callable[[int], None]] = None) -> None:
+        check_max_request_bytes(max_bytes)
+        self.app = app
+        self.max_bytes = max_bytes
+        self.on_error = on_error
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> Any:
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length", b"").strip()
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            err = body_too_large(self.max_bytes)
+            if self.on_error is not None:
+                self.on_error(err.status_code)
+            body = json.dumps(err.to_dict()).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": err.status_code, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return None
+        seen = 0
+
+        async def limited_receive() -> dict:
+            nonlocal seen
+            message = await receive()
+            if message.get("type") == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise body_too_large(self.max_bytes)
+            return message
+
+        return await self.app(scope, limited_receive, send)
+
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none", "tuple"})
 

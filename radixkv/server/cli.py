@@ -19,8 +19,9 @@ import logging
 import sys
 from typing import Any, Optional
 
-from radixkv.config import parse_bytes
+from radixkv.config import parse_bytes, parse_memory_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
+from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES
 from radixkv.spec import config as spec_config
 
 __all__ = [
@@ -118,6 +119,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-requests", default=None, metavar="FILE",
         help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
     )  # fmt: skip
+    h.add_argument(
+        "--max-request-bytes", type=_request_bytes, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+        help="largest request body read (an int or 32MiB, 1MB, ...); a larger one is a 413 (default: 32MiB)",
+    )  # fmt: skip
     a = parser.add_argument_group("API keys and tenants (docs/security.md)")
     a.add_argument(
         "--api-key", default=None, metavar="KEY",
@@ -195,6 +200,14 @@ def _bytes(text: str) -> int:
     """``--*-cache-bytes``: :func:`radixkv.config.parse_bytes`."""
     try:
         return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _request_bytes(text: str) -> int:
+    """``--max-request-bytes``: :func:`radixkv.config.parse_memory_bytes` (at least 1 byte)."""
+    try:
+        return parse_memory_bytes(text, "--max-request-bytes")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -373,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
         shutdown_engine=True,
         log_requests=args.log_requests,
         api_keys=keys,
+        max_request_bytes=args.max_request_bytes,
     )
     auth = f", API keys of {len(keys.tenants())} tenant(s)" if keys is not None else ""
     print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1{auth}", flush=True)

@@ -63,7 +63,7 @@ class Chat:
         """The message of an output and its OpenAI finish reason."""
         if not plan.parse:
             return ChatMessageOut(content=text), reason
-        content, calls = parse_tool_calls(text, plan.cut, plan.forced)
+        content, calls = parse_tool_calls(text, plan.cut, plan.forced, plan.max_calls)
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
         cut_off = bool(calls) and not calls[-1].complete
         return ChatMessageOut(content=content, tool_calls=out or None), finish_reason(reason, len(calls), cut_off)
@@ -129,7 +129,7 @@ class Chat:
                         tokens_sent[c.index] = len(c.token_ids)
                     if plan.parse:
                         safe = c.text if done else c.text[: max(0, len(c.text) - deltas.hold)]
-                        sent = _tool_deltas(parsers[c.index].update(safe, done, plan.cut, plan.forced))
+                        sent = _tool_deltas(parsers[c.index].update(safe, done, plan.cut, plan.forced, plan.max_calls))
                     else:
                         text = deltas.take(c.index, c.text, done)
                         sent = [DeltaMessage(content=text)] if text else []

@@ -37,14 +37,15 @@ class ModelNames:
         self.served = served_model_name
         self.accepted = {served_model_name, *aliases}
 
-    def check(self, model: str, param: str = "model", status_code: int = 400) -> None:
-        """Raises :class:`APIError` (``model_not_found``; HTTP 400, or ``status_code``) for
-        another name."""
+    def check(self, model: str, param: str = "model") -> None:
+        """Raises :class:`APIError` for another name: HTTP 404, type ``invalid_request_error``,
+        code ``model_not_found``, as OpenAI answers an unknown model (the SDK's
+        ``NotFoundError``; vLLM answers 404 too)."""
         if model not in self.accepted:
             raise APIError(
                 f"model {model!r} does not exist; this server serves {self.served!r}",
                 param,
-                status_code=status_code,
+                status_code=404,
                 code="model_not_found",
             )
 
@@ -66,6 +67,8 @@ class ToolPlan:
         choice: ``none`` / ``auto`` / ``required`` / ``named``.
         names: the functions a call may name (``auto`` and ``required``: all of them or the
             allowed_tools subset; named: that one); empty for ``none``.
+        parallel: ``parallel_tool_calls`` (default True); False: at most one call is returned
+            (:attr:`max_calls`), whatever the output holds.
     """
 
     tools: list[dict] = field(default_factory=list)
@@ -73,6 +76,15 @@ class ToolPlan:
     structural_tag: Optional[dict] = None
     choice: str = "none"
     names: list[str] = field(default_factory=list)
+    parallel: bool = True
+
+    @property
+    def max_calls(self) -> Optional[int]:
+        """The ``max_calls`` of the tool-call parser: 1 under ``parallel_tool_calls: false``
+        (OpenAI returns at most one call then; the grammar stops after the first call, but a text
+        constraint beside ``auto`` tools, e.g. a ``regex``, can still write a second block: it is
+        dropped, as vLLM drops it), else None."""
+        return None if self.parallel else 1
 
     @property
     def forced(self) -> bool:
@@ -162,9 +174,9 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
         return ToolPlan(tools, parse=False, choice="none")
     try:
         if choice is None or choice == "auto":
-            return ToolPlan(tools, True, auto_calls(functions, parallel), "auto", names)
+            return ToolPlan(tools, True, auto_calls(functions, parallel), "auto", names, parallel)
         if choice == "required":
-            return ToolPlan(tools, True, forced_calls(functions, parallel), "required", names)
+            return ToolPlan(tools, True, forced_calls(functions, parallel), "required", names, parallel)
         if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
             allowed = choice.get("allowed_tools")
             if not isinstance(allowed, dict) or allowed.get("mode") not in ("auto", "required"):
@@ -175,12 +187,13 @@ def tool_plan(req: ChatCompletionRequest) -> ToolPlan:
             subset = [_named(t, names, f"{at}.{i}") for i, t in enumerate(allowed.get("tools") or [])]
             if not subset:
                 raise APIError("tool_choice.allowed_tools.tools is empty", "tool_choice")
+            fns = [by_name[n] for n in subset]
             if allowed["mode"] == "auto":
-                return ToolPlan(tools, True, auto_calls([by_name[n] for n in subset], parallel), "auto", subset)
-            return ToolPlan(tools, True, forced_calls([by_name[n] for n in subset], parallel), "required", subset)
+                return ToolPlan(tools, True, auto_calls(fns, parallel), "auto", subset, parallel)
+            return ToolPlan(tools, True, forced_calls(fns, parallel), "required", subset, parallel)
         if isinstance(choice, dict):
             name = _named(choice, names)
-            return ToolPlan(tools, True, forced_calls([by_name[name]], False), "named", [name])
+            return ToolPlan(tools, True, forced_calls([by_name[name]], False), "named", [name], parallel)
     except RequestError as exc:
         raise request_error_to_api(exc) from exc
     raise APIError(f"tool_choice must be 'none', 'auto', 'required' or an object, got {choice!r}", "tool_choice")

@@ -30,6 +30,18 @@ from typing import Any, Iterable, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+ChatServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast"]
+"""``service_tier`` of chat, the openai SDK's values (``chat.completion_create_params``); another
+is a 400 naming the field and these values. Accepted, no effect: one tier here."""
+
+ResponsesServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
+"""``service_tier`` of ``/v1/responses`` (the SDK's ``responses.ServiceTier``); no effect, the
+response says ``"default"``."""
+
+PromptCacheRetention = Literal["in_memory", "24h"]
+"""``prompt_cache_retention`` (chat and Responses, the SDK's values); no effect: a cached prefix
+stays until evicted, whatever the value."""
+
 NO_EFFECT_FIELDS = {
     "chat": (
         "user",
@@ -445,9 +457,9 @@ class ChatCompletionRequest(_SamplingFields):
     # accepted, no effect (NO_EFFECT_FIELDS)
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
-    service_tier: Optional[str] = None
+    service_tier: Optional[ChatServiceTier] = None
     prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
+    prompt_cache_retention: Optional[PromptCacheRetention] = None
     prompt_cache_options: Optional[PromptCacheOptions] = None
     safety_identifier: Optional[str] = None
     prediction: Optional[Prediction] = None

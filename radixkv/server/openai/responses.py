@@ -342,7 +342,7 @@ class _EventWriter:
         if parser is None:
             return self.content(c.text[len(self.text) :])
         out = []
-        for e in parser.update(c.text, c.finish_reason is not None, plan.cut, plan.forced):
+        for e in parser.update(c.text, c.finish_reason is not None, plan.cut, plan.forced, plan.max_calls):
             if e[0] == "content":
                 out += self.content(e[1])
             elif e[0] == "call":
@@ -410,7 +410,7 @@ class Responses:
     @staticmethod
     def _items(text: str, plan: Any, reason: Optional[str], msg_id: str, call_ids: list[str] | None) -> list[dict]:
         status = "incomplete" if reason == "length" else "completed"
-        content, calls = parse_tool_calls(text, plan.cut, plan.forced) if plan.parse else (text, [])
+        content, calls = parse_tool_calls(text, plan.cut, plan.forced, plan.max_calls) if plan.parse else (text, [])
         items: list[dict] = []
         if content or not calls:
             part = {"type": "output_text", "text": content or "", "annotations": [], "logprobs": []}

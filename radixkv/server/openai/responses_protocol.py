@@ -13,7 +13,8 @@ OpenAI does not define is a 400 ``unknown_parameter``. Every OpenAI field is in 
   (echoed; OpenAI's bounds: 16 pairs, keys of 64 and values of 512 characters at most); and
   vLLM's extension ``cache_salt`` (the prefix-cache salt, as on chat);
 * accepted without effect on generation: ``user``, ``safety_identifier``, ``prompt_cache_key``,
-  ``prompt_cache_retention``, ``service_tier``, ``stream_options.include_obfuscation``,
+  ``prompt_cache_retention``, ``service_tier`` (each the SDK's values only: a 400 naming the
+  field and them otherwise), ``stream_options.include_obfuscation``,
   ``include: []``, ``truncation: "disabled"``, ``text.verbosity: "medium"``,
   ``reasoning`` without an effort (or effort ``none``), ``top_logprobs: 0``, ``background: false``;
 * anything else set (built-in tools such as web search, reasoning effort, images, files, audio,
@@ -36,6 +37,8 @@ from pydantic import ValidationError
 from radixkv.server.openai.protocol import (
     APIError,
     ChatCompletionRequest,
+    PromptCacheRetention,
+    ResponsesServiceTier,
     _Strict,
     check_keys,
     check_metadata,
@@ -219,8 +222,8 @@ class ResponsesRequest(_Strict):
     user: Optional[str] = None
     safety_identifier: Optional[str] = None
     prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    service_tier: Optional[str] = None
+    prompt_cache_retention: Optional[PromptCacheRetention] = None
+    service_tier: Optional[ResponsesServiceTier] = None
     # vLLM's extension: the prefix-cache salt
     cache_salt: Optional[str] = None
     # unsupported unless unset

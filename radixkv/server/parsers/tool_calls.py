@@ -19,7 +19,9 @@ named by :func:`radixkv.server.openai.params.forced_calls`)::
   allowed function its name so far fits, when it was not finished) and the JSON text of its
   arguments generated so far, as OpenAI and vLLM report a cut call whatever the finish reason;
   with ``partial_tag`` (a forced call, where nothing but a call may be written) also an opening
-  tag the end cut off.
+  tag the end cut off. With ``max_calls`` (``parallel_tool_calls: false``: 1) only the first
+  calls are kept; a further block is dropped, neither a call nor content (OpenAI returns at most
+  one call then; vLLM keeps the first).
 * :class:`ToolCallStream` turns the growing text of a streamed output into OpenAI-shaped deltas:
   content (holding back anything that could be the start of ``<tool_call>``), then per call one
   delta with ``id`` and ``name`` and deltas of argument text. Joined, they equal what
@@ -234,7 +236,7 @@ def _scan(
 
 
 def parse_tool_calls(
-    text: str, cut: Optional[Sequence[str]] = None, partial_tag: bool = True
+    text: str, cut: Optional[Sequence[str]] = None, partial_tag: bool = True, max_calls: Optional[int] = None
 ) -> tuple[Optional[str], list[ToolCall]]:
     """(content, calls) of a finished output. ``content`` is None when only calls remain;
     without calls it is ``text`` unchanged.
@@ -244,8 +246,10 @@ def parse_tool_calls(
             off is an incomplete call (``complete`` False) to one of these function names.
         partial_tag: with ``cut``, an output ending in part of the opening tag (after its text or
             calls) was cut in a call too (a forced call); False: that part is text (``auto``).
+        max_calls: keep only the first this many calls (None: all); the rest are dropped.
     """
     content, calls = _scan(text, True, cut, partial_tag)
+    calls = calls[:max_calls]
     if not calls:
         return text, []
     return (content or None), calls
@@ -270,11 +274,17 @@ class ToolCallStream:
         return len(self.calls)
 
     def update(
-        self, text: str, final: bool, cut: Optional[Sequence[str]] = None, partial_tag: bool = True
+        self,
+        text: str,
+        final: bool,
+        cut: Optional[Sequence[str]] = None,
+        partial_tag: bool = True,
+        max_calls: Optional[int] = None,
     ) -> list[tuple]:
-        """Deltas for cumulative ``text`` (``final``: the output has finished; ``cut`` and
-        ``partial_tag``: as :func:`parse_tool_calls`')."""
+        """Deltas for cumulative ``text`` (``final``: the output has finished; ``cut``,
+        ``partial_tag`` and ``max_calls``: as :func:`parse_tool_calls`')."""
         content, calls = _scan(text, final, cut, partial_tag)
+        calls = calls[:max_calls]
         if final and not calls:
             content = text
         if final:
