@@ -290,7 +290,7 @@ class Context:
             skip = params.skip_special_tokens
             text = c.text if params.detokenize else self._tok().decode(reply, skip_special_tokens=skip)
             self._messages = self._messages + new_messages + [{"role": "assistant", "content": text}]
-        self._stop_text = reply_stop_text(self._owner.tokenizer, c)
+        self._stop_text = reply_stop_text(self._owner.tokenizer, c, params)
 
     def _select_prompt(self, text: Any, message: Any) -> tuple[List[int], Optional[List[dict]]]:
         """The prompt the choices continue: the context + ``text`` (a text session) or + the
