@@ -460,8 +460,9 @@ def _one_text(v: Any) -> bool:
 
 
 def _one_ids(v: Any) -> bool:
+    # an empty sequence is one value (no new tokens, as Session.generate takes it): no list of n is empty
     return v is None or (
-        isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and len(v) > 0 and isinstance(v[0], int)
+        isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and (len(v) == 0 or isinstance(v[0], int))
     )
 
 
