@@ -372,6 +372,39 @@ def test_a_reply_cut_by_a_stop_string_joins_the_context_as_returned(llms):
     assert assert_idle(llm)["pinned"] == 0
 
 
+def test_a_chat_reply_stopped_by_a_token_that_is_not_the_end_of_turn_is_closed_by_the_template(llms, default_model):
+    """A chat reply that stopped on a token that is not the template's end-of-turn (one of its
+    ``stop_token_ids``, whose text the reply leaves out as vLLM's; or another EOS, as Qwen2.5's
+    ``<|endoftext|>`` beside ``<|im_end|>``) is closed by the template's own end-of-turn: the next
+    prompt is still a fresh render of the conversation. With ``include_stop_str_in_output`` the
+    token's text is the reply's and stays. (The token stayed before the end-of-turn: the model was
+    shown "Paris.<|im_end|>" where ``messages`` said "Paris".) The tokens before it keep their K/V."""
+    tok = llms[1].tokenizer
+    dot = tok.encode(".", add_special_tokens=False)
+    two_eos = LLM(device="cpu", loaded_model=default_model, max_total_tokens=1024, eos_token_ids=[2, 0])
+    question = [{"role": "user", "content": "What is the capital of France? Answer in a sentence."}]
+    cases = [  # (engine, params, the reply's text, its last token)
+        (llms[1], dict(stop_token_ids=dot), "The capital of France is Paris", dot[0]),
+        (llms[1], dict(stop_token_ids=dot, include_stop_str_in_output=True), "The capital of France is Paris.", dot[0]),
+        (two_eos, dict(min_tokens=3, logit_bias={0: 100.0}), "The capital of", 0),  # <|endoftext|>, an EOS
+    ]
+    for llm, kw, text, last in cases:
+        assert llm.reset_prefix_cache()
+        with llm.session(question) as s:
+            o1 = s.chat(None, SamplingParams(temperature=0, max_tokens=30, **kw))
+            c1 = o1.outputs[0]
+            assert (c1.text, c1.finish_reason, c1.token_ids[-1]) == (text, "stop", last)
+            o2 = s.chat("And of Italy?", SamplingParams(temperature=0, max_tokens=2))
+            assert s.messages[1] == {"role": "assistant", "content": text}
+            assert tok.decode(o2.prompt_token_ids, skip_special_tokens=False) == render_chat(
+                tok, s.messages[:-1], add_generation_prompt=True
+            )
+            kept = len(c1.token_ids) - (not text.endswith("."))  # the stop token goes unless it is text
+            assert o2.prompt_token_ids[: len(o1.prompt_token_ids) + kept] == o1.prompt_token_ids + c1.token_ids[:kept]
+            assert o2.num_cached_tokens == len(o1.prompt_token_ids) + len(c1.token_ids) - 1
+        assert assert_idle(llm)["pinned"] == 0
+
+
 def test_a_reply_without_text_joins_the_conversation_as_its_decoded_tokens(llms):
     """A chat turn with ``detokenize=False`` (no ``text``) adds the reply to ``messages`` as its
     tokens' text, as with ``detokenize=True`` (it added an empty assistant message, so

@@ -162,6 +162,23 @@ def test_wrong_types_are_refused_naming_the_argument():
     assert_no_leak(llm.engine)
 
 
+def test_a_fork_batch_takes_empty_prompt_token_ids_as_session_generate_does():
+    """``forks.generate(prompt_token_ids=[])`` continues every child with no new tokens, as
+    ``Session.generate(prompt_token_ids=[])`` does (it was a RequestError: "must be one value or a
+    list of 2", an empty list read as a list of per-child values)."""
+    llm = make_llm()
+    ctx = list(range(1, 30))
+    s = llm.session(ctx)
+    kids = s.fork(2)
+    outs = kids.generate(prompt_token_ids=[], sampling_params=greedy(3))
+    assert [o.outputs[0].token_ids for o in outs] == [reference(ctx, 3)] * 2
+    assert [k.tokens for k in kids] == [ctx + reference(ctx, 3)] * 2
+    assert s.generate(prompt_token_ids=[], sampling_params=greedy(3)).outputs[0].token_ids == reference(ctx, 3)
+    kids.close()
+    s.close()
+    assert_no_leak(llm.engine)
+
+
 class Chaos:
     """One random operation at a time on a random open session of ``alm`` (fake runner): a turn,
     a fork and its children's batch turn, ``select`` (appending or not), ``LLM.select``, a

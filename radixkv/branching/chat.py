@@ -28,9 +28,13 @@ def continue_chat(
     last turn + the model's reply, whose conversation is ``history``) + the text the chat template
     puts after ``history`` for the ``new`` messages and the assistant's generation prompt (with
     the end-of-turn text after the model's last reply that it did not generate itself;
-    ``stop_text`` is the end-of-turn token's text the model stopped on, None when the last
-    message is not the model's reply). Sessions and stored Responses (``previous_response_id``)
-    continue this way, so a follow-up computes only its new tokens.
+    ``stop_text`` is the text of the stop token the model stopped on, the last of ``tokens``
+    (:func:`reply_stop_text`), None when the last message is not the model's reply). A stop token
+    that is not the template's end-of-turn (another EOS, such as ``<|endoftext|>`` beside
+    ``<|im_end|>``, or one of ``stop_token_ids`` the reply's text left out) is no text of the
+    conversation: it is dropped and the template's end-of-turn closes the reply, so the prompt
+    decodes to the conversation's render. Sessions and stored Responses
+    (``previous_response_id``) continue this way, so a follow-up computes only its new tokens.
 
     Raises:
         RequestError: the template renders ``history`` differently once ``new`` is added (param
@@ -45,9 +49,15 @@ def continue_chat(
             "messages",
         )
     text = full[len(old) :]
+    tokens = list(tokens)
     if history and history[-1]["role"] == "assistant" and stop_text is not None:
-        text = _missing_close(tok, history, stop_text, tools) + text
-    return list(tokens) + encode_text(tok, text, "message", "the rendered turn")
+        closing = _reply_closing(tok, history, tools)
+        if closing.startswith(stop_text):
+            closing = closing[len(stop_text) :]  # the model's end-of-turn token is in the context already
+        else:
+            tokens = tokens[:-1]  # a stop token the conversation does not have (its K/V was never computed)
+        text = closing + text
+    return tokens + encode_text(tok, text, "message", "the rendered turn")
 
 
 def reply_tokens(tok: Any, completion: Any) -> List[int]:
@@ -89,20 +99,27 @@ def _longest_head(tok: Any, ids: List[int], text: str) -> tuple:
     return 0, ""
 
 
-def reply_stop_text(tok: Any, completion: Any) -> str:
-    """The text of the stop token a reply (a ``CompletionOutput``) ended on ("" when it stopped
-    otherwise): what :func:`continue_chat` takes as ``stop_text``."""
+def reply_stop_text(tok: Any, completion: Any, params: Any = None) -> str:
+    """The text of the stop token a reply (a ``CompletionOutput``) ended on: what
+    :func:`continue_chat` takes as ``stop_text``. "" when it stopped otherwise, or when that
+    token's text is part of the reply's text (its ``params``: ``include_stop_str_in_output``, or
+    no ``detokenize``, whose reply joins the conversation as its decoded tokens; a special token
+    ``skip_special_tokens`` drops is not)."""
     c = completion
     # a stop token (stop_token_ids, or EOS whose stop_reason is None) is the last of token_ids
     token_stop = c.finish_reason == "stop" and not isinstance(c.stop_reason, str) and c.token_ids
-    return "" if not token_stop or tok is None else tok.decode([c.token_ids[-1]], skip_special_tokens=False)
+    if not token_stop or tok is None:
+        return ""
+    last = [c.token_ids[-1]]
+    if params is not None and (params.include_stop_str_in_output or not params.detokenize):
+        if tok.decode(last, skip_special_tokens=params.skip_special_tokens):
+            return ""  # the reply's own text
+    return tok.decode(last, skip_special_tokens=False)
 
 
-def _missing_close(tok: Any, hist: List[dict], gen: str, tools: Any = None) -> str:
-    """The text the template puts after the model's last reply that the model did not generate
-    itself (its end-of-turn token ``gen``, when it stopped on one, is already in the context)."""
+def _reply_closing(tok: Any, hist: List[dict], tools: Any = None) -> str:
+    """The text the template puts after the model's last reply (its end-of-turn)."""
     probe = hist[:-1] + [{"role": "assistant", "content": _SENTINEL}]
     rendered = render_chat(tok, probe, add_generation_prompt=False, tools=tools)
     i = rendered.rfind(_SENTINEL)
-    closing = rendered[i + len(_SENTINEL) :] if i >= 0 else ""
-    return closing[len(gen) :] if gen and closing.startswith(gen) else closing
+    return rendered[i + len(_SENTINEL) :] if i >= 0 else ""

@@ -290,7 +290,7 @@ class Context:
             skip = params.skip_special_tokens
             text = c.text if params.detokenize else self._tok().decode(reply, skip_special_tokens=skip)
             self._messages = self._messages + new_messages + [{"role": "assistant", "content": text}]
-        self._stop_text = reply_stop_text(self._owner.tokenizer, c)
+        self._stop_text = reply_stop_text(self._owner.tokenizer, c, params)
 
     def _select_prompt(self, text: Any, message: Any) -> tuple[List[int], Optional[List[dict]]]:
         """The prompt the choices continue: the context + ``text`` (a text session) or + the
@@ -460,8 +460,9 @@ def _one_text(v: Any) -> bool:
 
 
 def _one_ids(v: Any) -> bool:
+    # an empty sequence is one value (no new tokens, as Session.generate takes it): no list of n is empty
     return v is None or (
-        isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and len(v) > 0 and isinstance(v[0], int)
+        isinstance(v, Sequence) and not isinstance(v, (str, bytes)) and (len(v) == 0 or isinstance(v[0], int))
     )
 
 
