@@ -606,3 +606,29 @@ def test_a_long_reply_cut_by_a_stop_string_joins_the_context_in_few_decodes(defa
             del tok.decode
         assert got == want and tok.decode(got) == c.text
         assert calls[0] <= 2 * len(ids).bit_length() + 8, (len(ids), calls[0])
+
+
+def test_forks_chat_reads_a_list_of_message_dicts_as_one_turn(llms):
+    """``forks.chat`` reads arguments as ``LLM.chat`` does: a list of message dicts is one turn
+    (several messages) for every child, whatever the number of children; one per child is a list
+    of texts, dicts or lists of dicts. Before, two dicts sent to two children were split between
+    them (each got one message) and three children refused them."""
+    llm = llms[1]
+    base = [{"role": "system", "content": "Answer in one word."}]
+    turn = [{"role": "user", "content": "Hello."}, {"role": "user", "content": "Name a color."}]
+    params = SamplingParams(temperature=0, max_tokens=3)
+
+    def alone(messages):
+        return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+
+    for n in (2, 3):
+        with llm.session(base) as s, s.fork(n) as kids:
+            outs = kids.chat(turn, params)
+            assert [o.outputs[0].token_ids for o in outs] == [alone(base + turn)] * n
+            assert all(k.messages[1:3] == turn for k in kids)
+    fruit = {"role": "user", "content": "Name a fruit."}
+    with llm.session(base) as s, s.fork(2) as kids:
+        outs = kids.chat([turn[1:], fruit["content"]], params)
+        assert kids[0].messages[1] == turn[1] and kids[1].messages[1] == fruit
+        assert [o.outputs[0].token_ids for o in outs] == [alone(base + turn[1:]), alone(base + [fruit])]
+    assert_idle(llm)

@@ -471,6 +471,10 @@ def _one_params(v: Any) -> bool:
 
 
 def _one_message(v: Any) -> bool:
+    """One turn for every child: a text, a message dict, or a list of message dicts (one turn of
+    several messages, as ``LLM.chat`` reads a list of dicts as one conversation)."""
+    if isinstance(v, (list, tuple)):
+        return bool(v) and all(isinstance(m, Mapping) for m in v)
     return v is None or isinstance(v, (str, Mapping))
 
 
@@ -498,7 +502,9 @@ class ForkList(list):
 
     def chat(self, message: Any = None, sampling_params: Any = None) -> Any:
         """Each child's ``chat`` in one batch (``message`` / ``sampling_params`` one for all or
-        a list of one per child)."""
+        a list of one per child). One message for all is a text, a dict or a list of dicts (one
+        turn of several messages, as ``LLM.chat`` reads it); one per child is a list of texts,
+        dicts, lists of dicts or None, with at least one item not a dict."""
         return self._run(self._chat_program(message, sampling_params))
 
     def close(self) -> Any:
