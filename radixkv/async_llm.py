@@ -44,8 +44,8 @@ from radixkv.engine.stats import EngineStats
 from radixkv.errors import RequestError, RequestFailed
 from radixkv.inputs import batch_requests, check_sampling_params, refuse_vllm_options, to_token_ids, to_token_prompt
 from radixkv.namespace import Namespace, with_salt
-from radixkv.outputs import RequestOutput, ended_early
-from radixkv.sampling_params import SamplingParams
+from radixkv.outputs import RequestOutput, delta_output, ended_early
+from radixkv.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -211,7 +211,11 @@ class AsyncLLM:
             A :class:`RequestStream`: an async iterator of ``RequestOutput`` snapshots,
             cumulative (``outputs[i].text`` / ``token_ids`` hold everything generated so far);
             the last one has ``finished == True``. When the consumer falls behind, intermediate
-            snapshots are skipped (each one contains the previous), never the final one.
+            snapshots are skipped (each one contains the previous), never the final one. With
+            ``sampling_params.output_kind`` ``RequestOutputKind.DELTA`` each output holds only
+            what is new since the one before (:func:`radixkv.outputs.delta_output`: the samples
+            with new tokens or text, or that finished; joined, the deltas are the cumulative
+            output); with ``FINAL_ONLY`` the final output alone is yielded.
 
         Raises:
             RequestError: (a ValueError naming the field; from the first ``__anext__``, before
@@ -281,7 +285,7 @@ class AsyncLLM:
             if on_finish is not None:
                 self._hooks[rid] = on_finish
 
-        finished = False
+        finished, kind, sent = False, sampling_params.output_kind, {}
         try:
             await asyncio.wrap_future(self.submit(add))
             while True:
@@ -297,6 +301,10 @@ class AsyncLLM:
                 finished = bool(item.finished)
                 if finished and item.error is not None:
                     raise RequestFailed(item)  # its slots are released; the engine goes on
+                if kind == RequestOutputKind.DELTA:
+                    item = delta_output(item, sent)
+                if item is None or (kind == RequestOutputKind.FINAL_ONLY and not finished):
+                    continue
                 yield item
                 if finished:
                     return

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from radixkv.cache.outcome import CacheOutcome
@@ -146,3 +146,25 @@ def ended_early(out: RequestOutput) -> bool:
     sample with finish_reason ``"abort"``) or failed (``error`` set). A caller's finish hook
     (``generate_batch``'s ``on_finish``: a session's turn, a stored Response) does not run for it."""
     return out.finished and (out.error is not None or any(c.finish_reason == "abort" for c in out.outputs))
+
+
+def delta_output(out: RequestOutput, sent: Dict[int, Tuple[int, int, bool]]) -> Optional[RequestOutput]:
+    """``out`` (a cumulative snapshot) as a delta (vLLM's ``RequestOutputKind.DELTA``): each
+    sample's ``token_ids``, ``text`` and ``logprobs`` past what ``sent`` says was yielded for it
+    (``sent[index] = (tokens, characters, finished)``, updated here), only the samples with
+    something new or that finished since; ``prompt_logprobs`` in the first delta alone;
+    ``cumulative_logprob`` stays the sum so far, as vLLM's. None: nothing new (no delta to
+    yield). A sample's text only grows between snapshots (a stop string is held back until it
+    is ruled out, never taken back), so slicing it by length is exact."""
+    first = not sent
+    outputs = []
+    for c in out.outputs:
+        tokens, chars, done = sent.get(c.index, (0, 0, False))
+        if len(c.token_ids) == tokens and len(c.text) == chars and c.finished() == done:
+            continue
+        lp = None if c.logprobs is None else c.logprobs[tokens:]
+        outputs.append(replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:], logprobs=lp))
+        sent[c.index] = (len(c.token_ids), len(c.text), c.finished())
+    if not outputs and not (first or out.finished):
+        return None
+    return replace(out, outputs=outputs, prompt_logprobs=out.prompt_logprobs if first else None)

@@ -6,6 +6,7 @@ docs/sampling.md has the semantics of the penalties, logprobs and structured-out
 from __future__ import annotations
 
 import copy
+import enum
 import functools
 import json
 import math
@@ -40,6 +41,18 @@ STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice",
 
 _INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "logprob_start_len")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What ``AsyncLLM.generate`` yields for a request (vLLM's ``RequestOutputKind``):
+    ``CUMULATIVE`` (each output holds everything generated so far), ``DELTA`` (only what is new
+    since the last one yielded) or ``FINAL_ONLY`` (the final output alone). ``LLM.generate``
+    returns final outputs whatever the kind, as vLLM's does."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
 
 #: temperatures below this decode greedily (argmax), as in vLLM (its ``_SAMPLING_EPS``)
 GREEDY_TEMPERATURE = 1e-5
@@ -110,6 +123,9 @@ class SamplingParams:
         choice: constrain the output to exactly one of these strings.
         structural_tag: an xgrammar structural tag (dict or JSON text, ``{"type":
             "structural_tag", "format": {...}}``), e.g. tool calls (docs/sampling.md).
+        output_kind: a :class:`RequestOutputKind` (or its int value): what
+            ``AsyncLLM.generate`` streams, cumulative outputs (the default), deltas or the final
+            output only.
         cache_salt: None, or a prefix-cache salt (a non-empty str of at most 128 characters,
             vLLM's ``cache_salt``): the request shares cached prefixes only with requests of the
             same salt (and namespace); it joins the request's namespace
@@ -155,6 +171,7 @@ class SamplingParams:
     grammar: Optional[str] = None
     choice: Optional[List[str]] = None
     structural_tag: Union[None, str, Dict[str, Any]] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     cache_salt: Optional[str] = field(default=None, repr=False)
     max_new_tokens: Optional[int] = field(default=None, repr=False)
 
@@ -238,6 +255,13 @@ class SamplingParams:
 
     def _validate(self) -> None:
         is_int = _is_int
+
+        if not (is_int(self.output_kind) and 0 <= self.output_kind <= 2):
+            raise RequestError(
+                f"output_kind must be a RequestOutputKind (CUMULATIVE 0, DELTA 1, FINAL_ONLY 2), got {self.output_kind!r}",
+                "output_kind",
+            )
+        self.output_kind = RequestOutputKind(self.output_kind)
 
         if not is_int(self.n) or self.n < 1:
             raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
@@ -403,7 +427,6 @@ _VLLM_HINTS = {
     "structural_tag=",
     "structured_outputs": "give the constraint directly: json_schema=, regex=, choice=, grammar=, json_object=, "
     "structural_tag=",
-    "output_kind": "not supported: AsyncLLM.generate streams cumulative outputs, LLM.generate returns final ones",
     "logits_processors": "not supported: use logit_bias, allowed_token_ids, min_tokens, the penalties or a "
     "structured-output field",
 }

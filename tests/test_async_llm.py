@@ -20,7 +20,7 @@ from server_helpers import assert_pool_whole  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
 from radixkv.engine import StepFinished  # noqa: E402
-from radixkv.sampling_params import SamplingParams  # noqa: E402
+from radixkv.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -104,6 +104,31 @@ def test_token_id_prompt_and_n_samples(llm):
     assert all(len(c.token_ids) == 6 and c.finish_reason == "length" for c in final.outputs)
     again = asyncio.run(collect(llm, ids, params))[-1]  # same seed, same samples
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in final.outputs]
+    assert_pool_whole(llm)
+
+
+def test_output_kind_delta_and_final_only(llm):
+    """vLLM's ``output_kind``: DELTA yields only what is new (joined, the deltas are the
+    cumulative output: token ids, text with a stop string cut, logprobs; prompt logprobs once),
+    FINAL_ONLY the final output alone; the samples are those of a cumulative run."""
+    kw = dict(max_tokens=10, temperature=0.8, seed=3, n=2, logprobs=2, prompt_logprobs=1, stop=[" the"])
+    cumulative = asyncio.run(collect(llm, PROMPTS[3], SamplingParams(**kw)))[-1]
+    deltas = asyncio.run(collect(llm, PROMPTS[3], SamplingParams(output_kind=RequestOutputKind.DELTA, **kw)))
+    assert len(deltas) > 2 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert deltas[0].prompt_logprobs == cumulative.prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    for want in cumulative.outputs:
+        parts = [c for d in deltas for c in d.outputs if c.index == want.index]
+        assert all(c.token_ids for c in parts[:-1])  # a sample appears when it has something new
+        assert [t for c in parts for t in c.token_ids] == want.token_ids
+        assert "".join(c.text for c in parts) == want.text
+        assert [lp for c in parts for lp in c.logprobs] == want.logprobs
+        assert parts[-1].finish_reason == want.finish_reason and parts[-1].stop_reason == want.stop_reason
+        assert parts[-1].cumulative_logprob == want.cumulative_logprob
+    final_only = asyncio.run(collect(llm, PROMPTS[3], SamplingParams(output_kind=2, **kw)))
+    assert len(final_only) == 1 and final_only[0].outputs == cumulative.outputs
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind=3)
     assert_pool_whole(llm)
 
 

@@ -152,7 +152,6 @@ def test_a_row_with_every_token_masked_takes_no_draw():
         ("best_of", "n samples"),
         ("guided_decoding", "json_schema="),
         ("structured_outputs", "json_schema="),
-        ("output_kind", "cumulative"),
         ("logits_processors", "logit_bias"),
         ("bad_words", "not supported by radixkv"),
         ("truncate_prompt_tokens", "not supported by radixkv"),
