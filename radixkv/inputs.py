@@ -37,17 +37,32 @@ _SHAPES = "a str, a list of token ids, or a dict {'prompt': str} / {'prompt_toke
 _PROMPT_KEYS = {"prompt", "prompt_token_ids"}
 
 
-def refuse_vllm_options(lora_request: Any = None, priority: Any = None) -> None:
+def _is_zero(x: Any) -> bool:
+    """An integer 0 (numpy's too), not False."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x == 0
+
+
+def refuse_vllm_options(lora_request: Any = None, priority: Any = None, num_prompts: Optional[int] = None) -> None:
     """vLLM's ``lora_request`` and ``priority`` arguments of ``generate`` / ``chat``, taken at
     their defaults (None; ``priority`` 0 too, ``AsyncLLM.generate``'s default) so that vLLM code
     passing them runs; any other value is a RequestError naming it (no LoRA adapters here, and
-    the scheduler has no priorities: docs/engine.md)."""
+    the scheduler has no priorities: docs/engine.md). With ``num_prompts`` (``LLM.generate``,
+    whose vLLM ``priority`` is a list with one entry per prompt) a list or tuple of that many
+    zeros is the default too."""
     if lora_request is not None:
         raise RequestError("lora_request is not supported: radixkv serves no LoRA adapters", "lora_request")
-    if priority is not None and not (isinstance(priority, int) and not isinstance(priority, bool) and priority == 0):
-        raise RequestError(
-            f"priority is not supported: radixkv schedules by cached prefix and arrival, got {priority!r}", "priority"
-        )
+    per_prompt = num_prompts is not None and isinstance(priority, (list, tuple))
+    if priority is None or _is_zero(priority) or (per_prompt and all(_is_zero(p) for p in priority)):
+        if per_prompt and len(priority) != num_prompts:
+            n = len(priority)
+            raise RequestError(
+                f"priority has {n} {'entry' if n == 1 else 'entries'} for {num_prompts} prompts (give one per prompt)",
+                "priority",
+            )
+        return
+    raise RequestError(
+        f"priority is not supported: radixkv schedules by cached prefix and arrival, got {priority!r}", "priority"
+    )
 
 
 def _type(x: Any) -> str:

@@ -127,8 +127,9 @@ class LLM:
             use_tqdm: show a progress bar over finished requests; or, as in vLLM, a callable
                 that makes the bar (``functools.partial(tqdm, leave=False)``), called with
                 ``total=`` and ``desc=`` (it needs ``update(n)`` and ``close()``).
-            lora_request, priority: vLLM's; taken at their defaults (None), else a RequestError
-                naming them (:func:`radixkv.inputs.refuse_vllm_options`).
+            lora_request, priority: vLLM's; taken at their defaults (None; ``priority`` 0, or as
+                vLLM gives it a list of one 0 per prompt), else a RequestError naming them
+                (:func:`radixkv.inputs.refuse_vllm_options`).
 
         Returns:
             One finished :class:`RequestOutput` per prompt, in input order. A request whose
@@ -142,8 +143,8 @@ class LLM:
                 engine refuses (e.g. prompt + ``max_tokens`` beyond ``max_context_len``, ``n``
                 beyond ``max_n``); then nothing is submitted.
         """
-        refuse_vllm_options(lora_request, priority)
         ids, texts = to_token_prompts(self.tokenizer, prompts, prompt_token_ids)
+        refuse_vllm_options(lora_request, priority, len(ids))
         salts = prompt_salts(prompts) or [None] * len(ids)
         return self._run(ids, texts, sampling_params, use_tqdm, [with_salt(self.namespace, s) for s in salts])
 

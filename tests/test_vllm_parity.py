@@ -356,10 +356,16 @@ def test_a_field_set_on_built_params_takes_effect_as_in_vllm(offline):
 def test_lora_request_and_priority_at_their_defaults_run_as_in_vllm(offline):
     """vLLM code passes ``lora_request=None`` (and ``priority``) to generate / chat: taken at the
     defaults (it was a TypeError), any other value a RequestError naming it."""
+    import numpy as np
+
     sp = SamplingParams(max_tokens=2, temperature=0)
     plain = offline.generate("Hi", sp)[0].outputs[0].token_ids
     assert offline.generate("Hi", sp, lora_request=None, priority=None)[0].outputs[0].token_ids == plain
     assert offline.generate("Hi", sp, priority=0)[0].outputs[0].token_ids == plain
+    # vLLM's LLM.generate takes priority as a list, one per prompt (priority[i]): all 0 is its default
+    both = offline.generate(["Hi", "Hi"], sp, priority=[0, 0])
+    assert [o.outputs[0].token_ids for o in both] == [plain, plain]
+    assert offline.generate(["Hi"], sp, priority=(np.int64(0),))[0].outputs[0].token_ids == plain  # numpy's 0 too
     chat = [{"role": "user", "content": "Hi"}]
     assert (
         offline.chat(chat, sp, lora_request=None)[0].outputs[0].token_ids
@@ -368,6 +374,8 @@ def test_lora_request_and_priority_at_their_defaults_run_as_in_vllm(offline):
     for kw, field in (
         ({"lora_request": object()}, "lora_request"),
         ({"priority": [1]}, "priority"),
+        ({"priority": [0, 1]}, "priority"),
+        ({"priority": [False]}, "priority"),
         ({"priority": True}, "priority"),
     ):
         with pytest.raises(RequestError, match=f"^{field} is not supported") as e:
@@ -375,6 +383,10 @@ def test_lora_request_and_priority_at_their_defaults_run_as_in_vllm(offline):
         assert e.value.param == field
     with pytest.raises(RequestError, match="^lora_request is not supported"):
         offline.chat(chat, sp, lora_request="adapter")
+    with pytest.raises(RequestError, match="^priority has 1 entry for 2 prompts") as e:
+        offline.generate(["Hi", "Hi"], sp, priority=[0])
+    assert e.value.param == "priority"
+    assert offline.num_unfinished_requests() == 0
 
 
 def test_async_generate_takes_lora_request_and_priority_at_their_defaults(default_model):
