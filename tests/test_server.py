@@ -498,7 +498,7 @@ def test_a_body_over_max_request_bytes_is_a_413_with_or_without_content_length(l
                     if status == 413:
                         assert r.json() == {"error": {
                             "message": f"the request body is larger than this server's limit of {limit} bytes "
-                            "(radixkv serve --max-request-bytes)",
+                            "(radixkv serve --max-request-bytes, create_app(max_request_bytes=...))",
                             "type": "invalid_request_error", "param": None, "code": "request_too_large"}}  # fmt: skip
             assert scrape(s)[("radixkv_request_errors_total", (("status", "413"),))] == 4
             assert http.post("/v1/completions", content=body(100), headers=headers).status_code == 200

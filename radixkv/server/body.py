@@ -62,7 +62,7 @@ def check_max_request_bytes(max_bytes: Any) -> None:
 def body_too_large(limit: int) -> APIError:
     """HTTP 413 in OpenAI's error format naming the limit (``code`` ``request_too_large``)."""
     return APIError(
-        f"the request body is larger than this server's limit of {limit} bytes (radixkv serve --max-request-bytes)",
+        f"the request body is larger than this server's limit of {limit} bytes (radixkv serve --max-request-bytes, create_app(max_request_bytes=...))",
         None,
         status_code=413,
         code="request_too_large",
