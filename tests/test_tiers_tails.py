@@ -202,3 +202,22 @@ def test_explain_includes_the_tail_span(tmp_path):
     assert e.explain(p2).tier_spans == ((0, 45, "disk"),)
     assert e.explain(p1[:35]).tier_spans == ((0, 34, "disk"),)  # the tail, up to the last token
     assert e.cache_stats().tiers["disk"]["loaded"] == 0  # a dry run
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_explain_tier_spans_end_where_the_load_ends_on_a_page(tmp_path, page_size):
+    """A prompt that leaves a stored tail mid-page (position 38 of the tail 32..44) loads only up
+    to its last page boundary (36 at page_size 4: installs are page-floored), and explain's
+    tier_spans say exactly what it then takes from the tier. They used to end where the prompt
+    left the tail ((0, 38) named, 36 loaded: explain over-reported what the tier would serve)."""
+    p1 = prompt(7, 40)
+    first = kv_engine(page_size=page_size, stores=[DiskStore(str(tmp_path))])
+    reply = generate(first, p1).outputs[0].token_ids  # blocks 0..31 and a tail from 32 on
+    assert first.close()
+    seq = p1 + reply
+    p3 = seq[:38] + [seq[38] % (VOCAB - 1) + 1] + prompt(8, 4)  # leaves the tail at 38
+    e = kv_engine(page_size=page_size, stores=[DiskStore(str(tmp_path))])
+    want = 38 // page_size * page_size
+    assert e.explain(p3).tier_spans == ((0, want, "disk"),)
+    out = generate(e, p3)
+    assert out.num_cached_tokens == want and out.cached_tokens_by_tier["disk"] == want

@@ -1016,7 +1016,7 @@ class Engine:
         if tiers is None or not outcome.num_missed_tokens:
             return outcome
         limit = (len(prompt_token_ids) - 1) // self.kv.page_size * self.kv.page_size
-        spans = tiers.where(ns, list(prompt_token_ids), outcome.num_cached_tokens, limit)
+        spans = tiers.where(ns, list(prompt_token_ids), outcome.num_cached_tokens, limit, self.kv.page_size)
         return dataclasses.replace(outcome, tier_spans=tuple(spans))
 
     def cache_stats(self) -> EngineStats:

@@ -369,12 +369,14 @@ class TierManager:
         self.io.submit_write(job)
 
     # ------------------------------------------------------------------ inspection
-    def where(self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int) -> List[tuple]:
+    def where(
+        self, namespace: Optional[Namespace], tokens: Sequence[int], start: int, limit: int, page_size: int = 1
+    ) -> List[tuple]:
         """``(lo, hi, medium)`` spans of the positions after ``start`` that the tiers hold now
         (the first tier holding each block; up to the first block none holds, ``limit`` at most;
         then the part of the tail after those blocks that the first tier holding one shares with
-        ``tokens``). Asks the stores on this thread (``explain``: a dry run, nothing loaded; a
-        tail is read to compare its tokens)."""
+        ``tokens``), ending on a ``page_size`` boundary as a load is installed. Asks the stores on
+        this thread (``explain``: a dry run, nothing loaded; a tail is read to compare its tokens)."""
         first, stop = start // BLOCK_TOKENS, lookup_stop(len(tokens), limit)
         stores = self._stores_for(namespace, self.stores)
         if limit <= start or not stores:
@@ -397,7 +399,8 @@ class TierManager:
         c, m = _peek_tail(stores, tails[run], tokens[at:limit])
         if c:
             found.append((at, at + c, m))
-        return merge_spans(start, found)
+        end = (found[-1][1] if found else 0) // page_size * page_size  # what an install keeps
+        return merge_spans(start, [(lo, min(hi, end), m) for lo, hi, m in found])
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
         """Per tier: the store's ``stats()`` (hits, misses, blocks / bytes read and written,
