@@ -573,3 +573,14 @@ def test_a_load_waits_for_the_queued_write_of_its_blocks():
     by = out.cached_tokens_by_tier
     assert (by["device"], by["host"], out.num_cached_tokens) == (held, 69 - held, 69)
     assert out.outputs[0].token_ids == reference(a, 4)
+
+
+def test_write_back_beside_the_hash_cache_is_refused_with_stores_given_too():
+    """``tier_stores=`` given to the Engine (no tier fields in the config) get the config's
+    check: an explicit write-back beside the hash cache, which does not report what it evicts,
+    is a ValueError, not a policy silently written through."""
+    with pytest.raises(ValueError, match="write_back needs prefix_cache='radix'"):
+        kv_engine(stores=[MemoryStore("host")], cache="hash", kv_tier_write_policy="write_back")
+    with pytest.raises(ValueError, match="write_back needs prefix_cache='radix'"):
+        kv_engine(stores=[MemoryStore("disk")], cache="hash", kv_tier_write_policy={"disk": "write_back"})
+    assert kv_engine(stores=[MemoryStore("host")], cache="hash").kv.tiers is not None  # the default: through

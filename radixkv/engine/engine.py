@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
-from radixkv.config import EngineConfig
+from radixkv.config import EngineConfig, asks_write_back, write_back_refused
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
@@ -348,8 +348,11 @@ class Engine:
         clock: Optional[Callable[[], float]] = None,
         tier_stores: Optional[Sequence[Any]] = None,
     ) -> None:
+        config = config or EngineConfig()
+        if tier_stores and config.prefix_cache != "radix" and asks_write_back(config.kv_tier_write_policy):
+            raise write_back_refused(config.prefix_cache, config.kv_tier_write_policy)  # as the config's tiers
         # a copy: the caller's config is never changed (it may be reused for another engine)
-        self.config = cfg = copy.copy(config or EngineConfig()).resolve()
+        self.config = cfg = copy.copy(config).resolve()
         if tier_stores is None:
             check_settings(cfg)  # a bad tier setting fails before the model loads
         tokenizer = _check_keywords(model_runner, tokenizer, loaded_model, clock, tier_stores)
