@@ -445,6 +445,55 @@ def test_streaming_chunks_carry_several_tokens(tiny):
     assert min(steps) >= 0 and max(steps) > 1 and len(chunks) < 40
 
 
+def _snapshots(eng, prompt, params):
+    """Every output ``eng.step()`` gives for one request, in order."""
+    rid = eng.add_request(prompt, params)
+    snaps = []
+    while eng.has_unfinished_requests():
+        snaps += [o for o in eng.step() if o.request_id == rid]
+    return snaps
+
+
+def test_streamed_text_never_takes_back_a_stop_strings_start(tiny):
+    """A snapshot's text held the start of a stop string that the next step completed, and then
+    lost it again (the text is cut before the stop): a stream shrank, and ``output_kind=DELTA``
+    joined gave text that the final output does not have (``...Margaret O`` for the final
+    ``...Margaret `` with stop ``Okafor``). A stop string may begin in one step's accepted drafts
+    and end in the next's. Every snapshot's text is now a prefix of the final text (vLLM holds
+    back the stop string's length less one character)."""
+    from radixkv.outputs import delta_output
+
+    prompt = _prompts()[0]
+    (ref,) = drive(tiny_engine(tiny, None), [(prompt, greedy(40, ignore_eos=True))])
+    ids = ref.outputs[0].token_ids
+    tok = tiny.tokenizer
+    # stop strings that begin 2 characters before a token's end and end 3 characters after it
+    ends = [len(tok.decode(ids[:j])) for j in (8, 15, 22, 29)]
+    stops = [ref.outputs[0].text[e - 2 : e + 3] for e in ends]
+    for spec in (None, RADIX):
+        eng = tiny_engine(tiny, spec)
+        _snapshots(eng, prompt, greedy(40, ignore_eos=True))  # the tree drafts the regenerations
+        for stop in stops:
+            snaps = _snapshots(eng, prompt, greedy(40, ignore_eos=True, stop=[stop]))
+            final = snaps[-1].outputs[0]
+            assert final.finish_reason == "stop" and final.stop_reason == stop
+            assert [o.outputs[0].text for o in snaps if not final.text.startswith(o.outputs[0].text)] == []
+            sent: dict = {}
+            deltas = [d for d in (delta_output(o, sent) for o in snaps) if d is not None]
+            assert "".join(c.text for d in deltas for c in d.outputs) == final.text
+        # aborted, a sample shows all its text: nothing is held back for a stop string any more
+        full = {
+            len(o.outputs[0].token_ids): o.outputs[0].text for o in _snapshots(eng, prompt, greedy(40, ignore_eos=True))
+        }
+        rid = eng.add_request(prompt, greedy(40, ignore_eos=True, stop=["\x00" * 6]))
+        held = [o for _ in range(4) for o in eng.step()][-1].outputs[0]
+        assert len(held.text) == len(full[len(held.token_ids)]) - 5
+        eng.abort_request(rid)
+        (aborted,) = [o for o in eng.step() if o.request_id == rid]
+        assert aborted.outputs[0].finish_reason == "abort"
+        assert aborted.outputs[0].text == full[len(aborted.outputs[0].token_ids)]
+
+
 def test_structured_output_forced_spans_and_refused_drafts(tiny):
     schema = {
         "type": "object",

@@ -40,6 +40,17 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
+    @property
+    def settled_text(self) -> str:
+        """``text`` less what a stop string completed later could still cut off: while no stop
+        string was found, the last ``len(longest stop) - 1`` characters are held back (vLLM's
+        stop buffer; none with ``include_stop``, whose cut never shortens the text). What a
+        stream shows, so streamed text only grows (the final output shows ``text``)."""
+        if not self.stop or self.include_stop or self.stopped_by is not None:
+            return self.text
+        hold = max(len(s) for s in self.stop) - 1
+        return self.text[: max(0, len(self.text) - hold)]
+
     def _decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
 

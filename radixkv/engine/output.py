@@ -82,10 +82,13 @@ class RequestGroup:
 
     def abort(self, reason: str = "abort") -> None:
         """Mark every unfinished sample with finish_reason ``reason`` (``"abort"``, or ``"error"``
-        when its processing raised)."""
-        for o in self.outputs:
+        when its processing raised); its text is all it has (nothing held back for a stop string
+        any more)."""
+        for o, det in zip(self.outputs, self._detoks):
             if o.finish_reason is None:
                 o.finish_reason = reason
+                if det is not None:
+                    o.text = det.text
 
     def update(
         self,
@@ -142,7 +145,8 @@ class RequestGroup:
             if det.stopped_by is None:
                 det.update(ids, final=True)
         out.token_ids = list(r.output_token_ids)
-        out.text = det.text
+        # NOTE: an unfinished sample shows only the text no stop string can cut off any more
+        out.text = det.text if reason is not None else det.settled_text
         if reason is not None:
             out.finish_reason, out.stop_reason = reason, stop_reason
             return True
