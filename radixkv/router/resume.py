@@ -125,14 +125,15 @@ class Stitcher:
             self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
         )
         self.det.update(self.ids, check_stop=False)
-        self.primed = self.det.text
         self.done = False
 
     def _text(self, cont: CompletionOutput) -> str:
         if self.tokenizer is None:
             return self.base.text + cont.text
-        t = self.det.text
-        return self.base.text + t[len(self.primed) :] if t.startswith(self.primed) else t
+        # NOTE: the delivered text is the engine's settled text (a stop string's possible start
+        # held back), a prefix of what the detokenizer primed with the delivered tokens has: the
+        # text goes on from the detokenizer's, held back the same way until the output is done
+        return self.det.text if self.done else self.det.settled_text
 
     def take(self, out: RequestOutput) -> Optional[RequestOutput]:
         """The stitched snapshot for the continuation's snapshot ``out`` (None: nothing new)."""
