@@ -1,29 +1,31 @@
-"""Server-sent-event helpers: the ``data: ...`` framing, streamed-text deltas with stop-string
-hold-back, and merging several output streams (one per prompt) into one."""
+"""Server-sent-event helpers: the ``data: ...`` framing, streamed-text deltas, and merging several
+output streams (one per prompt) into one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable
 
 __all__ = ["Deltas", "chain", "close_all", "framed", "merge", "sse"]
 
 
 class Deltas:
-    """Per-choice streamed-text bookkeeping (what was sent; stop-string hold-back)."""
+    """Per-choice streamed-text bookkeeping: the characters sent and the choices finished.
 
-    def __init__(self, stop: Sequence[str] | None):
-        self.hold = max((len(s) for s in stop or ()), default=1) - 1
+    A running sample's text only grows: the engine holds back what a stop string completed later
+    could cut off (:attr:`radixkv.engine.detokenizer.IncrementalDetokenizer.settled_text`), so
+    the part not sent yet is always safe to send."""
+
+    def __init__(self) -> None:
         self.sent: dict[int, int] = {}
         self.done: set[int] = set()
 
-    def take(self, index: int, text: str, finished: bool) -> str:
-        """The not-yet-sent part of cumulative ``text`` that is safe to send now."""
+    def take(self, index: int, text: str) -> str:
+        """The not-yet-sent part of choice ``index``'s cumulative ``text``."""
         start = self.sent.get(index, 0)
-        end = len(text) if finished else max(start, len(text) - self.hold)
-        self.sent[index] = end
-        return text[start:end]
+        self.sent[index] = len(text)
+        return text[start:]
 
     def finish(self, index: int) -> bool:
         """True the first time ``index`` finishes (its finish chunk is sent once)."""

@@ -108,7 +108,7 @@ class Chat:
             return sse(body)
 
         async def events() -> AsyncIterator[str]:
-            deltas = Deltas(params.stop)
+            deltas = Deltas()
             parsers = {i: ToolCallStream() for i in range(params.n)} if plan.parse else {}
             tokens_sent = {i: 0 for i in range(params.n)}
             latest = run.firsts[0]
@@ -128,10 +128,11 @@ class Chat:
                         lps = chat_logprobs(c.token_ids[k:], c.logprobs[k:], top, self.token_text)
                         tokens_sent[c.index] = len(c.token_ids)
                     if plan.parse:
-                        safe = c.text if done else c.text[: max(0, len(c.text) - deltas.hold)]
-                        sent = _tool_deltas(parsers[c.index].update(safe, done, plan.cut, plan.forced, plan.max_calls))
+                        sent = _tool_deltas(
+                            parsers[c.index].update(c.text, done, plan.cut, plan.forced, plan.max_calls)
+                        )
                     else:
-                        text = deltas.take(c.index, c.text, done)
+                        text = deltas.take(c.index, c.text)
                         sent = [DeltaMessage(content=text)] if text else []
                     if lps is not None and not sent:
                         sent = [DeltaMessage()]

@@ -113,7 +113,7 @@ class Completions:
             return body
 
         async def events() -> AsyncIterator[str]:
-            deltas = Deltas(params.stop)
+            deltas = Deltas()
             latest = list(run.firsts)
             tokens_sent: dict[int, int] = {}
             offsets: dict[int, int] = {}
@@ -122,7 +122,7 @@ class Completions:
                 for c in out.outputs:
                     k = p * n + c.index
                     first = k not in tokens_sent
-                    text = "" if zero else deltas.take(k, c.text, c.finish_reason is not None)
+                    text = "" if zero else deltas.take(k, c.text)
                     if first:
                         text = echoes[p] + text
                     lps = None

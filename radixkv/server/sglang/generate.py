@@ -52,7 +52,7 @@ from radixkv.server.sglang.protocol import (
     _engine_has,
     unsupported,
 )
-from radixkv.server.sse import Deltas, chain, framed, sse
+from radixkv.server.sse import chain, framed, sse
 
 __all__ = ["Generate", "LogprobOptions"]
 
@@ -111,7 +111,6 @@ class Generate:
             return items if listed else items[0]
 
         async def events() -> AsyncIterator[str]:
-            deltas = [Deltas(params[p].stop) for p in range(count)]
             emitted: dict[tuple[int, int], int] = {}
             async for p, out in chain(run.firsts, run.rest):
                 for c in out.outputs:
@@ -123,9 +122,6 @@ class Generate:
                     if not done and (opts[p].zero_tokens or ntok - emitted.get(key, 0) < opts[p].stream_interval):
                         continue
                     body = item(p, out, c)
-                    d = deltas[p]
-                    d.take(c.index, body["text"], done)
-                    body["text"] = body["text"][: d.sent[c.index]]
                     if listed:
                         body["index"] = p * n + c.index
                     emitted[key] = -1 if done else ntok
