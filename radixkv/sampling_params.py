@@ -39,7 +39,10 @@ STRUCTURED_FIELDS = ("json_schema", "json_object", "regex", "grammar", "choice",
 """The structured-output fields; at most one is set per request."""
 
 
-_INT_FIELDS = ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "logprob_start_len")
+_INT_FIELDS = (
+    ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "logprob_start_len")
+    + ("output_kind",)  # a RequestOutputKind is an int already: kept
+)
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixkv.sampling.sampler import draw, filter_logits, make_generator, sample
-from radixkv.sampling_params import SamplingParams
+from radixkv.sampling_params import RequestOutputKind, SamplingParams
 
 
 def test_defaults_and_alias():
@@ -216,6 +216,7 @@ def test_numpy_scalars_are_taken_as_python_numbers_as_vllm_takes_them():
     )
     assert (sp.n, sp.max_tokens, sp.temperature, sp.top_k, sp.seed, sp.logit_bias) == (2, 8, 0.5, 5, 3, {7: -1.5})
     assert [type(v) for v in (sp.n, sp.max_tokens, sp.temperature, sp.seed)] == [int, int, float, int]
+    assert SamplingParams(output_kind=np.int64(1)).output_kind is RequestOutputKind.DELTA
     for kwargs, field in ((dict(n=np.bool_(True)), "n"), (dict(temperature=np.float32("nan")), "temperature")):
         with pytest.raises(ValueError) as e:
             SamplingParams(**kwargs)

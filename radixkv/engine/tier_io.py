@@ -355,7 +355,10 @@ class TierIO:
                     del self._queued[(k, s.medium)]
             if job.tail_key is not None:
                 tails = self._queued_tails.setdefault((job.tail_key, s.medium), [])
-                tails.append(job.tail_tokens) if sign > 0 else tails.remove(job.tail_tokens)
+                if sign > 0:
+                    tails.append(job.tail_tokens)
+                else:
+                    tails.remove(job.tail_tokens)
                 if not tails:
                     del self._queued_tails[(job.tail_key, s.medium)]
 
