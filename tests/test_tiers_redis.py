@@ -200,6 +200,26 @@ def test_server_killed_then_restarted_misses_then_recovers(redis_server):
     assert s.get(keys, toks) == blocks
 
 
+def test_url_timeouts_reach_the_client():
+    """``?socket_timeout=`` / ``?socket_connect_timeout=`` replace ``timeout_s`` (2 s before, whatever
+    the URL said: a URL option was refused). A listener that never answers: the start is a miss."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)  # accepts the connection, never answers a command
+        port = sock.getsockname()[1]
+        s = RedisStore(f"redis://127.0.0.1:{port}/0?socket_timeout=0.2", timeout_s=30.0)
+        assert s.degraded and s.stats()["errors"] == 1
+        kw = s._redis.connection_pool.connection_kwargs
+        assert (kw["socket_timeout"], kw["socket_connect_timeout"]) == (0.2, 0.2)
+        s.close()
+    s = RedisStore(f"redis://127.0.0.1:{port}/0?socket_connect_timeout=0.5", timeout_s=7.0)
+    kw = s._redis.connection_pool.connection_kwargs
+    assert (kw["socket_timeout"], kw["socket_connect_timeout"]) == (7.0, 0.5)
+    s.close()
+
+
 def test_unreachable_at_start_is_degraded_not_an_error(redis_server):
     import socket
 
@@ -227,6 +247,10 @@ def test_unreachable_at_start_is_degraded_not_an_error(redis_server):
         ("redis://localhost:6379/0?ssl_cert_reqs=none", "not allowed"),
         ("rediss://localhost:6379/0?timeout=3", "not allowed"),
         ("redis://localhost/0#x", "fragment"),
+        ("redis://localhost/0?socket_timeout=0", "socket_timeout='0' is not a number of seconds"),
+        ("redis://localhost/0?socket_timeout=nan", "socket_timeout='nan'"),
+        ("redis://localhost/0?socket_connect_timeout=-1", "socket_connect_timeout='-1'"),
+        ("redis://localhost/0?socket_timeout=1&socket_timeout=2", "socket_timeout given twice"),
         ("redis://local host:6379/0", "host 'local host'"),
         ("redis://cache..internal/0", "host 'cache..internal'"),
         ("redis://ca$he/0", "host 'ca$he'"),
@@ -261,6 +285,8 @@ def test_url_forms_and_password_never_shown():
     ]
     t = parse_redis_url("rediss://:pw@h:6380/0?ssl_cert_reqs=none")
     assert (t.scheme, t.password, t.query) == ("rediss", "pw", (("ssl_cert_reqs", "none"),))
+    o = parse_redis_url("rediss://h/0?socket_timeout=0.25&ssl_cert_reqs=none&socket_connect_timeout=3")
+    assert (o.socket_timeout, o.socket_connect_timeout, o.query) == (0.25, 3.0, (("ssl_cert_reqs", "none"),))
     with pytest.raises(ValueError) as e:
         parse_redis_url("redis://u:s3cret@host:1/x")
     assert "s3cret" not in str(e.value) and "***" in str(e.value)

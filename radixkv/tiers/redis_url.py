@@ -13,6 +13,7 @@ __all__ = ["RedisURL", "parse_redis_url"]
 
 _HOST = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*\.?")
 _QUERY = {"ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_check_hostname"}
+_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")  # redis-py's URL names, seconds
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,11 @@ class RedisURL:
     username: Optional[str]
     password: Optional[str]
     query: tuple[tuple[str, str], ...] = ()
+    """The TLS options (``rediss://`` only)."""
+    socket_timeout: Optional[float] = None
+    """Seconds a call may wait for the server (``?socket_timeout=``); None: the store's default."""
+    socket_connect_timeout: Optional[float] = None
+    """Seconds a connection may take (``?socket_connect_timeout=``); None: ``socket_timeout``."""
 
     def __repr__(self) -> str:
         return f"RedisURL({self.redacted()!r})"
@@ -64,7 +70,8 @@ def _valid_host(host: str) -> bool:
 def parse_redis_url(url: str) -> RedisURL:
     """Check ``remote_cache_url``: ``redis://[user:password@]host[:port][/db]`` or ``rediss://``
     (TLS; query options ``ssl_cert_reqs``, ``ssl_ca_certs``, ``ssl_certfile``, ``ssl_keyfile``,
-    ``ssl_check_hostname``). Port 6379 and db 0 by default.
+    ``ssl_check_hostname``). Port 6379 and db 0 by default. Either scheme takes
+    ``socket_timeout`` and ``socket_connect_timeout`` (seconds, > 0 and <= 3600), as redis-py's URLs.
 
     Raises:
         ValueError: naming ``remote_cache_url`` and what is wrong (the password never shown).
@@ -90,10 +97,14 @@ def parse_redis_url(url: str) -> RedisURL:
     if parts.fragment:
         raise _bad(url, "a fragment is not allowed")
     query = tuple(urllib.parse.parse_qsl(parts.query, keep_blank_values=True, strict_parsing=False))
+    timeouts = _timeouts(url, query)
+    query = tuple((k, v) for k, v in query if k not in _TIMEOUTS)
     unknown = sorted({k for k, _ in query} - _QUERY)
     if unknown or (query and parts.scheme != "rediss"):
         raise _bad(
-            url, f"query options {unknown or [k for k, _ in query]} not allowed (rediss:// takes {sorted(_QUERY)})"
+            url,
+            f"query options {unknown or [k for k, _ in query]} not allowed (rediss:// takes {sorted(_QUERY)}; "
+            f"either scheme {list(_TIMEOUTS)})",
         )
     return RedisURL(
         scheme=parts.scheme,
@@ -103,4 +114,23 @@ def parse_redis_url(url: str) -> RedisURL:
         username=urllib.parse.unquote(parts.username) if parts.username else None,
         password=urllib.parse.unquote(parts.password) if parts.password else None,
         query=query,
+        **timeouts,
     )
+
+
+def _timeouts(url: str, query: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """The ``socket_timeout`` / ``socket_connect_timeout`` options of ``query``, in seconds."""
+    out: dict[str, float] = {}
+    for k, v in query:
+        if k not in _TIMEOUTS:
+            continue
+        if k in out:
+            raise _bad(url, f"{k} given twice")
+        try:
+            t = float(v)
+        except ValueError:
+            t = float("nan")
+        if not 0 < t <= 3600:  # NOTE: also refuses nan and inf
+            raise _bad(url, f"{k}={v!r} is not a number of seconds > 0 and <= 3600")
+        out[k] = t
+    return out

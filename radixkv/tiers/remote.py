@@ -38,8 +38,8 @@ def _client(u: RedisURL, timeout_s: float) -> Any:
         db=u.db,
         username=u.username,
         password=u.password,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
+        socket_timeout=u.socket_timeout or timeout_s,
+        socket_connect_timeout=u.socket_connect_timeout or u.socket_timeout or timeout_s,
         retry=Retry(NoBackoff(), 0),  # NOTE: the store's own backoff decides when to try again
         health_check_interval=0,
     )
@@ -92,7 +92,8 @@ class RedisStore:
         fingerprint: this engine's model fingerprint (16 bytes): :meth:`delete_all` deletes its
             keys (besides those of every fingerprint this store has seen).
         prefix: the keys' first part (letters, digits, ``_``, ``-``, ``.``).
-        timeout_s: connect and socket timeout of each call, seconds.
+        timeout_s: connect and socket timeout of each call, seconds, where ``url`` names none
+            (``?socket_timeout=``, ``?socket_connect_timeout=``).
         backoff_base_s, backoff_max_s: the backoff after a failure (doubling up to the max).
         clock: the monotonic time source of the backoff (tests pass their own).
 
