@@ -375,7 +375,7 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
     from radixkv.config import asks_write_back
     from radixkv.models.loader import load_tokenizer
-    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate
+    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate, pool_bytes_per_token
     from radixkv.obs.trace import tokenize_trace
 
     pols = _policies(args.policies)
@@ -385,7 +385,7 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
         raise ValueError(
             "KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
         )
-    bpt = spec.bytes_per_token(args.kv_dtype)
+    bpt = pool_bytes_per_token(spec, args.kv_dtype)  # a tier holds the pool's bytes per token
     _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
     policy = _write_policy(args, tiers)
     hashed = [f"{p}-b{ps}" for p, ps in pols if p == "hash"]
