@@ -104,19 +104,24 @@ def test_plan_counts_every_byte_of_the_real_pool(default_model, kv_dtype, capsys
 
     n = 10_000_003
     flags = ["--gpu-memory", str(n / GB), "--weights-gb", "0", "--memory-fraction", "1", "--json"]
-    assert main(["plan", "--model", "smollm2-135m", "--kv-dtype", kv_dtype, *flags]) == 0
-    rep = json.loads(capsys.readouterr().out)
     for page_size in (1, 16):
+        assert main(["plan", "--kv-dtype", kv_dtype, "--page-size", str(page_size), *flags]) == 0
+        rep = json.loads(capsys.readouterr().out)
         cfg = EngineConfig(
             model="smollm2-135m", device="cpu", page_size=page_size, kv_cache_memory_bytes=n, kv_cache_dtype=kv_dtype
         )
         pool = Engine(cfg, loaded_model=default_model).runner.kv_pool
         tensors = pool.k_buffer + pool.v_buffer + (pool.k_scale or []) + (pool.v_scale or [])
         nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
-        assert pool.num_slots == rep["fit"]["tokens"] - rep["fit"]["tokens"] % page_size
+        assert pool.num_slots == rep["fit"]["tokens"]
         assert nbytes == pool.num_slots * rep["engine_kv_bytes_per_token"] <= n
         assert len(tensors) == 30 * (4 if kv_dtype.startswith("fp8") else 2)
-    assert rep["fit"]["tokens"] == {"float32": 217, "bfloat16": 434, "float16": 434}.get(kv_dtype, 841)
+    # page 16 (the last one planned): 208 of 217, 432 of 434, 832 of 841
+    assert rep["fit"]["tokens"] == {"float32": 208, "bfloat16": 432, "float16": 432}.get(kv_dtype, 832)
+    assert main(["plan", "--page-size", "16"]) == 2 and "--page-size needs --gpu-memory" in capsys.readouterr().err
+    assert (
+        main(["plan", "--page-size", "0", *flags]) == 2 and "page_size must be an int >= 1" in capsys.readouterr().err
+    )
 
 
 def test_hit_rate_vs_memory_and_memory_for_a_target(default_model):

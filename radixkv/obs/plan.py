@@ -298,6 +298,7 @@ def plan_memory(
     memory_fraction: float = 0.9,
     weights_gb: Optional[float] = None,
     context: Optional[int] = None,
+    page_size: int = 1,
 ) -> dict:
     """The static answers of ``radixkv plan`` as a JSON-ready dict.
 
@@ -308,6 +309,8 @@ def plan_memory(
         memory_fraction: share of it the server may use (vLLM's ``gpu_memory_utilization``).
         weights_gb: the weights' size in GB (default: parameters x ``weight_dtype`` bytes).
         context: a sequence length to size (None: skip).
+        page_size: the engine's KV page size (``--page-size``): the tokens that fit are whole
+            pages, as the engine's pool (:func:`radixkv.config.kv_tokens_for_bytes`).
 
     Raises:
         ValueError: bad dtype, a fraction outside (0, 1], a size that is not a finite number
@@ -315,6 +318,10 @@ def plan_memory(
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    from radixkv.config import kv_tokens_for_bytes  # lazy: torch
+
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1 (tokens), got {page_size!r}")
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
     if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb * GB) and gpu_memory_gb > 0):
@@ -345,8 +352,9 @@ def plan_memory(
             weight_dtype=weight_dtype,
             weights_gb=wb / GB,
             kv_budget_gb=budget / GB,
-            tokens=max(0, budget) // (pool_bpt or bpt),  # radixkv's pool: every byte it allocates
+            tokens=kv_tokens_for_bytes(max(0, budget), pool_bpt or bpt, page_size),  # every byte the pool allocates
             formula_tokens=max(0, budget) // bpt,
+            page_size=page_size,
             weights_fit=budget > 0,
         )
         if context is not None and budget > 0:  # radixkv's pool keeps every token of a sequence
