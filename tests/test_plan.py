@@ -141,6 +141,11 @@ def test_hit_rate_vs_memory_and_memory_for_a_target(default_model):
     assert simulate(reqs, "radix", 1, t["tokens"], outcomes=False).hit_rate >= 0.8
     assert simulate(reqs, "radix", 1, int(t["tokens"] * 0.5), outcomes=False).hit_rate < 0.8
     assert not memory_for_hit_rate(reqs, s, 0.999, "bf16")["reachable"]
+    # fp8: memory is the pool's (scales included: 66,560 bytes a token, not the formula's 65,536)
+    rows = hit_rate_curve(reqs, s, "fp8", (("radix", 1),), points=3)["curves"]["radix-p1"]
+    assert all(r["kv_gb"] == pytest.approx(r["tokens"] * 66560 / GB) for r in rows)
+    t = memory_for_hit_rate(reqs, s, 0.8, "fp8")
+    assert t["kv_gb"] == pytest.approx(t["tokens"] * 66560 / GB)
 
 
 def test_cli_plan(capsys, tmp_path):
