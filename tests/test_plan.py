@@ -76,7 +76,9 @@ def test_tokens_that_fit_after_the_weights():
     s = load_spec("llama-3-8b")
     rep = plan_memory(s, "fp8", "bf16", gpu_memory_gb=80, memory_fraction=0.9, context=131072)
     budget = int(80 * GB * 0.9) - 2 * 8_030_261_248
-    assert rep["fit"]["tokens"] == budget // 65536 and rep["fit"]["sequences_of_context"] == budget // (131072 * 65536)
+    # radixkv's fp8 pool: 65,536 bytes of fp8 and 1,024 of bfloat16 scales (2 x 32 layers x 8 heads x 2) a token
+    assert rep["fit"]["tokens"] == budget // 66560 and rep["fit"]["sequences_of_context"] == budget // (131072 * 66560)
+    assert rep["fit"]["formula_tokens"] == budget // 65536
     assert rep["context"]["kv_bytes"] == 131072 * 65536
     rep = plan_memory(s, "bf16", gpu_memory_gb=16, weights_gb=16)  # nothing left
     assert rep["fit"]["tokens"] == 0
@@ -89,6 +91,37 @@ def test_tokens_that_fit_after_the_weights():
                       ({"gpu_memory_gb": float("nan")}, "gpu_memory_gb"), ({"weights_gb": float("nan")}, "weights_gb")):  # fmt: skip
         with pytest.raises(ValueError, match=f"{field} must be a finite number"):
             plan_memory(s, "bf16", **{"gpu_memory_gb": 80, **kw})
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+def test_plan_counts_every_byte_of_the_real_pool(default_model, kv_dtype, capsys):
+    """What plan says fits in N bytes is what an engine given --kv-cache-memory-bytes N
+    allocates, its tensors' bytes counted (fp8's scale tensors included): plan counted no fp8
+    scales and promised 868 SmolLM2 tokens in 10 MB where the engine's pool holds 841."""
+    from radixkv.cli import main
+    from radixkv.config import EngineConfig
+    from radixkv.engine import Engine
+
+    n = 10_000_003
+    flags = ["--gpu-memory", str(n / GB), "--weights-gb", "0", "--memory-fraction", "1", "--json"]
+    for page_size in (1, 16):
+        assert main(["plan", "--kv-dtype", kv_dtype, "--page-size", str(page_size), *flags]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        cfg = EngineConfig(
+            model="smollm2-135m", device="cpu", page_size=page_size, kv_cache_memory_bytes=n, kv_cache_dtype=kv_dtype
+        )
+        pool = Engine(cfg, loaded_model=default_model).runner.kv_pool
+        tensors = pool.k_buffer + pool.v_buffer + (pool.k_scale or []) + (pool.v_scale or [])
+        nbytes = sum(t.untyped_storage().nbytes() for t in tensors)
+        assert pool.num_slots == rep["fit"]["tokens"]
+        assert nbytes == pool.num_slots * rep["engine_kv_bytes_per_token"] <= n
+        assert len(tensors) == 30 * (4 if kv_dtype.startswith("fp8") else 2)
+    # page 16 (the last one planned): 208 of 217, 432 of 434, 832 of 841
+    assert rep["fit"]["tokens"] == {"float32": 208, "bfloat16": 432, "float16": 432}.get(kv_dtype, 832)
+    assert main(["plan", "--page-size", "16"]) == 2 and "--page-size needs --gpu-memory" in capsys.readouterr().err
+    assert (
+        main(["plan", "--page-size", "0", *flags]) == 2 and "page_size must be an int >= 1" in capsys.readouterr().err
+    )
 
 
 def test_hit_rate_vs_memory_and_memory_for_a_target(default_model):
@@ -108,6 +141,11 @@ def test_hit_rate_vs_memory_and_memory_for_a_target(default_model):
     assert simulate(reqs, "radix", 1, t["tokens"], outcomes=False).hit_rate >= 0.8
     assert simulate(reqs, "radix", 1, int(t["tokens"] * 0.5), outcomes=False).hit_rate < 0.8
     assert not memory_for_hit_rate(reqs, s, 0.999, "bf16")["reachable"]
+    # fp8: memory is the pool's (scales included: 66,560 bytes a token, not the formula's 65,536)
+    rows = hit_rate_curve(reqs, s, "fp8", (("radix", 1),), points=3)["curves"]["radix-p1"]
+    assert all(r["kv_gb"] == pytest.approx(r["tokens"] * 66560 / GB) for r in rows)
+    t = memory_for_hit_rate(reqs, s, 0.8, "fp8")
+    assert t["kv_gb"] == pytest.approx(t["tokens"] * 66560 / GB)
 
 
 def test_cli_plan(capsys, tmp_path):

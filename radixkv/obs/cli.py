@@ -255,6 +255,10 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="with --gpu-memory: size of the weights in GB (default: from the parameters)",
     )  # fmt: skip
     p.add_argument(
+        "--page-size", type=int, default=None,
+        help="with --gpu-memory: the KV page size radixkv serve will run with; tokens fit in whole pages (default 1)",
+    )  # fmt: skip
+    p.add_argument(
         "--context", type=int, default=None, metavar="TOKENS", help="KV memory of one sequence of this length"
     )
     p.add_argument("--trace", default=None, help="a TRACE (as for explain): hit rate vs KV memory for it")
@@ -324,6 +328,7 @@ PLAN_DEFAULTS = dict(
     model="smollm2-135m",
     weight_dtype="bfloat16",
     memory_fraction=0.9,
+    page_size=1,
     policies="radix-p1,radix-p16,hash-b16",
     tokenizer="smollm2-135m",
 )
@@ -334,6 +339,7 @@ PLAN_NEEDS = dict(
     memory_fraction="gpu_memory",
     weights_gb="gpu_memory",
     weight_dtype="gpu_memory",
+    page_size="gpu_memory",
     target_hit_rate="trace",
     policies="trace",
     tokenizer="trace",
@@ -375,7 +381,7 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
     from radixkv.config import asks_write_back
     from radixkv.models.loader import load_tokenizer
-    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate
+    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate, pool_bytes_per_token
     from radixkv.obs.trace import tokenize_trace
 
     pols = _policies(args.policies)
@@ -385,7 +391,7 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
         raise ValueError(
             "KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
         )
-    bpt = spec.bytes_per_token(args.kv_dtype)
+    bpt = pool_bytes_per_token(spec, args.kv_dtype)  # a tier holds the pool's bytes per token
     _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
     policy = _write_policy(args, tiers)
     hashed = [f"{p}-b{ps}" for p, ps in pols if p == "hash"]
@@ -431,8 +437,9 @@ def run_plan(args: argparse.Namespace) -> int:
             model = str(resolve_hf_dir(model))
         spec = load_spec(model)
         rep = plan_memory(
-            spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context
-        )
+            spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context,
+            args.page_size,
+        )  # fmt: skip
         if args.trace:
             rep.update(_plan_trace(args, spec))
     except (ValueError, FileNotFoundError) as exc:

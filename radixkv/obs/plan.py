@@ -17,7 +17,9 @@ entry of :data:`radixkv.obs.architectures.ARCHITECTURES`):
 Beside these formulas, for a model radixkv itself loads (Llama / Qwen2 / Mistral, not MLA),
 :func:`engine_bytes_per_token` gives what radixkv's own KV pool takes per token in that dtype
 (``KVPool.token_bytes``: fp8 with its bfloat16 scale per token and KV head, and no sliding-window
-saving, as the engine keeps every token): the bytes per token of a running radixkv engine.
+saving, as the engine keeps every token): the bytes per token of a running radixkv engine, and
+the bytes per token with which every answer below turns memory into tokens
+(:func:`pool_bytes_per_token`; the formula's for a model radixkv does not load).
 
 Answers: tokens that fit in a GPU's memory after the weights (``memory x fraction - weights``),
 KV memory of one sequence of a given length, and, given a trace, the hit rate vs KV memory
@@ -40,6 +42,7 @@ __all__ = [
     "KVSpec",
     "dtype_bytes",
     "engine_bytes_per_token",
+    "pool_bytes_per_token",
     "load_spec",
     "plan_memory",
     "hit_rate_curve",
@@ -210,6 +213,16 @@ def engine_bytes_per_token(spec: KVSpec, kv_dtype: str = "bfloat16") -> Optional
     return KVPool.token_bytes(spec.num_layers, f["num_key_value_heads"], f["head_dim"], dtype)
 
 
+def pool_bytes_per_token(spec: KVSpec, kv_dtype: str = "bfloat16") -> int:
+    """The bytes per token that turn a memory into tokens and back in plan's answers (what fits
+    after the weights, the hit rate vs KV memory, the memory for a target): radixkv's own KV
+    pool's (:func:`engine_bytes_per_token`, fp8 scales included, every token kept) for a model
+    radixkv loads, so that ``--kv-cache-memory-bytes`` of the memory planned holds the tokens
+    planned; the formula's (:meth:`KVSpec.bytes_per_token`) for another (MLA)."""
+    e = engine_bytes_per_token(spec, kv_dtype)
+    return spec.bytes_per_token(kv_dtype) if e is None else e
+
+
 CONFIG_INTS = {
     "num_hidden_layers": 1,
     "num_attention_heads": 1,
@@ -285,6 +298,7 @@ def plan_memory(
     memory_fraction: float = 0.9,
     weights_gb: Optional[float] = None,
     context: Optional[int] = None,
+    page_size: int = 1,
 ) -> dict:
     """The static answers of ``radixkv plan`` as a JSON-ready dict.
 
@@ -295,6 +309,8 @@ def plan_memory(
         memory_fraction: share of it the server may use (vLLM's ``gpu_memory_utilization``).
         weights_gb: the weights' size in GB (default: parameters x ``weight_dtype`` bytes).
         context: a sequence length to size (None: skip).
+        page_size: the engine's KV page size (``--page-size``): the tokens that fit are whole
+            pages, as the engine's pool (:func:`radixkv.config.kv_tokens_for_bytes`).
 
     Raises:
         ValueError: bad dtype, a fraction outside (0, 1], a size that is not a finite number
@@ -302,6 +318,10 @@ def plan_memory(
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    from radixkv.config import kv_tokens_for_bytes  # lazy: torch
+
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1 (tokens), got {page_size!r}")
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
         raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
     if gpu_memory_gb is not None and not (math.isfinite(gpu_memory_gb * GB) and gpu_memory_gb > 0):
@@ -325,17 +345,20 @@ def plan_memory(
         if wb is None:
             raise ValueError(f"the parameter count of {spec.name} is unknown: give weights_gb (--weights-gb)")
         budget = int(gpu_memory_gb * GB * memory_fraction) - wb
+        pool_bpt = out["engine_kv_bytes_per_token"]
         fit: dict = dict(
             gpu_memory_gb=gpu_memory_gb,
             memory_fraction=memory_fraction,
             weight_dtype=weight_dtype,
             weights_gb=wb / GB,
             kv_budget_gb=budget / GB,
-            tokens=max(0, budget) // bpt,
+            tokens=kv_tokens_for_bytes(max(0, budget), pool_bpt or bpt, page_size),  # every byte the pool allocates
+            formula_tokens=max(0, budget) // bpt,
+            page_size=page_size,
             weights_fit=budget > 0,
         )
-        if context is not None and budget > 0:
-            seq = spec.sequence_bytes(context, kv_dtype)
+        if context is not None and budget > 0:  # radixkv's pool keeps every token of a sequence
+            seq = context * pool_bpt if pool_bpt else spec.sequence_bytes(context, kv_dtype)
             fit["sequences_of_context"] = budget // seq if seq else None
         out["fit"] = fit
     return out
@@ -373,7 +396,7 @@ def hit_rate_curve(
     """
     from radixkv.sim import simulate
 
-    bpt = spec.bytes_per_token(kv_dtype)
+    bpt = pool_bytes_per_token(spec, kv_dtype)
     inf = simulate(requests, "radix", 1, None, outcomes=False, keep_requests=False)
     ws = max(16, inf.cache_tokens_end)
     caps = sorted({max(16, int(ws * 10 ** (-2 + 2 * i / max(1, points - 1)))) for i in range(points)})
@@ -420,7 +443,7 @@ def memory_for_hit_rate(
 
     if not 0 <= target <= 1:
         raise ValueError(f"target hit rate must be in [0, 1], got {target}")
-    bpt = spec.bytes_per_token(kv_dtype)
+    bpt = pool_bytes_per_token(spec, kv_dtype)
     hi = capacity_bound(requests, page_size)
     best = simulate(requests, policy, page_size, hi, outcomes=False, keep_requests=False)
     out = dict(target=target, policy=_label(policy, page_size), infinite_hit_rate=best.hit_rate)

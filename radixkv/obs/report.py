@@ -159,6 +159,10 @@ def plan_text_report(rep: dict) -> str:
             f"{f['gpu_memory_gb']:g} GB GPU x {f['memory_fraction']:g}: weights {f['weights_gb']:,.2f} GB "
             f"({f['weight_dtype']}), KV budget {f['kv_budget_gb']:,.2f} GB -> {f['tokens']:,} tokens"
         )
+        if f.get("page_size", 1) > 1:
+            out[-1] += f" (whole pages of {f['page_size']})"
+        if f.get("formula_tokens", f["tokens"]) != f["tokens"]:
+            out[-1] += f" in radixkv's pool ({f['formula_tokens']:,} at {rep['kv_bytes_per_token']:,} bytes per token)"
         if not f.get("weights_fit", True):
             out.append(
                 f"  the weights do not fit: {f['weights_gb']:,.2f} GB > {f['gpu_memory_gb'] * f['memory_fraction']:,.2f} GB "
