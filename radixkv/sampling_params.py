@@ -23,6 +23,14 @@ MAX_LOGPROBS = 20
 """The most top alternatives ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default
 ``max_logprobs``; OpenAI's chat ``top_logprobs`` limit)."""
 
+MAX_STOP_STRINGS = 256
+"""The most stop strings a request may give. Each generated token is checked against every one
+on the engine thread, so an unbounded list (a million strings fit in a 32 MiB body) slowed every
+request's steps; OpenAI's own limit is 4."""
+
+MAX_STOP_CHARS = 1024
+"""The longest stop string, in characters (a stream holds back up to this many characters)."""
+
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """The seeds a request may give (a signed 64-bit integer, the range ``torch.Generator`` takes
 with room for the ``seed + i`` of sample ``i`` when ``n > 1``)."""
@@ -81,7 +89,8 @@ class SamplingParams:
         min_p: drop tokens whose probability is below ``min_p`` times the top probability, in [0, 1].
         seed: seed of the request's own ``torch.Generator`` (a signed 64-bit integer); the same
             seed gives the same tokens.
-        stop: a stop string or a list of them (non-empty strings); generation stops when the
+        stop: a stop string or a list of them (at most :data:`MAX_STOP_STRINGS` non-empty strings
+            of at most :data:`MAX_STOP_CHARS` characters); generation stops when the
             detokenized text contains one, and the text is truncated before it (the stop string
             is not included unless ``include_stop_str_in_output``); ``stop_reason`` is the string.
         stop_token_ids: a list of extra token ids that end generation (the token is kept in
@@ -286,9 +295,13 @@ class SamplingParams:
         lo, hi = SEED_RANGE
         if self.seed is not None and (not is_int(self.seed) or not lo <= self.seed <= hi):
             raise RequestError(f"seed must be None or an integer in [-2**63, 2**63 - 1], got {self.seed!r}", "seed")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"stop holds at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}", "stop")
         for s in self.stop:
             if not s:
                 raise RequestError(f"stop must hold non-empty strings, got {s!r}", "stop")
+            if len(s) > MAX_STOP_CHARS:
+                raise RequestError(f"stop strings are at most {MAX_STOP_CHARS} characters, got {len(s)}", "stop")
             check_text(s, "stop")
         for t in self.stop_token_ids:
             if t < 0:

@@ -332,6 +332,8 @@ def _bad_inputs(ctx: int) -> list[tuple[str, str, bytes, str | None]]:
         ("top_p = 0", chat, j({"model": MODEL, "messages": msgs, "top_p": 0}), "top_p"),
         ("top_p > 1", comp, j({"model": MODEL, "prompt": "hi", "top_p": 1.5}), "top_p"),
         ("n < 1", chat, j({"model": MODEL, "messages": msgs, "n": 0}), "n"),
+        ("257 stop strings", comp, j({"model": MODEL, "prompt": "hi", "stop": [f"s{i}" for i in range(257)]}), "stop"),
+        ("a stop string over 1,024 characters", chat, j({"model": MODEL, "messages": msgs, "stop": "x" * 1025}), "stop"),
         ("token id outside the vocabulary", comp, j({"model": MODEL, "prompt": [10**6]}), "prompt"),
         ("wrong type", comp, j({"model": MODEL, "prompt": "hi", "max_tokens": "many"}), "max_tokens"),
         # strict types: no coercion

@@ -69,6 +69,8 @@ def assert_idle(engine) -> None:
         ({"stop": 123}, "stop", ("a string or a list of strings", "123")),
         ({"stop": [1]}, "stop", ("a string or a list of strings",)),
         ({"stop": ["ok", ""]}, "stop", ("non-empty",)),
+        ({"stop": [f"s{i}" for i in range(257)]}, "stop", ("at most 256 strings", "257")),
+        ({"stop": ["x" * 1025]}, "stop", ("at most 1024 characters", "1025")),
         ({"stop_token_ids": "x"}, "stop_token_ids", ("list of integer token ids",)),
         ({"stop_token_ids": "12"}, "stop_token_ids", ("list of integer token ids",)),  # not [1, 2]
         ({"stop_token_ids": [1.0]}, "stop_token_ids", ("list of integer token ids",)),
@@ -116,6 +118,8 @@ def test_aliases_and_defaults():
     assert SamplingParams().max_tokens == 16 and type(SamplingParams().max_tokens) is int
     assert SamplingParams(max_tokens=16).max_tokens == 16
     assert SamplingParams(stop="x", stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    at_limit = [f"{i:04d}" + "y" * 1020 for i in range(256)]  # 256 strings of 1,024 characters
+    assert SamplingParams(stop=at_limit).stop == at_limit
     assert SamplingParams(max_tokens=3).clone(seed=1).max_tokens == 3  # a clone is no alias conflict
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
 

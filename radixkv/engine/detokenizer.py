@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.skip = skip_special_tokens
         self.include_stop = include_stop
         self.text = ""
@@ -48,8 +49,7 @@ class IncrementalDetokenizer:
         stream shows, so streamed text only grows (the final output shows ``text``)."""
         if not self.stop or self.include_stop or self.stopped_by is not None:
             return self.text
-        hold = max(len(s) for s in self.stop) - 1
-        return self.text[: max(0, len(self.text) - hold)]
+        return self.text[: max(0, len(self.text) - self._hold)]
 
     def _decode(self, ids: List[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip) if ids else ""
