@@ -62,6 +62,8 @@ class RequestGroup:
         self.samples: List[Optional[Request]] = [None] * params.n
         self.outputs = [CompletionOutput(index=i) for i in range(params.n)]
         self._detoks: List[Optional[IncrementalDetokenizer]] = [None] * params.n
+        # NOTE: a set, looked up once per generated token (a list of a million ids was a scan each)
+        self._stop_ids = frozenset(params.stop_token_ids)
         self.num_cached_tokens = 0
         self.cached_tokens_by_tier = dict.fromkeys(CACHE_MEDIA, 0)
         self.cache_outcome = None
@@ -132,10 +134,10 @@ class RequestGroup:
         terminated = st is not None and st.grammar is not None and st.grammar.terminated
         ids = r.output_token_ids
         reason, stop_reason = None, None
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in eos_token_ids) or terminated:
+        if tok in self._stop_ids or (not p.ignore_eos and tok in eos_token_ids) or terminated:
             # vLLM's: the stop token stays in token_ids, its text is left out unless
             # include_stop_str_in_output; stop_reason names a stop_token_ids entry (None for EOS)
-            reason, stop_reason = "stop", tok if tok in p.stop_token_ids else None
+            reason, stop_reason = "stop", tok if tok in self._stop_ids else None
             if det.stopped_by is None:
                 det.update(ids if p.include_stop_str_in_output else ids[:-1], final=True, check_stop=False)
         elif det.update(ids, check_stop=len(ids) > p.min_tokens):  # vLLM v1: after the first min_tokens
