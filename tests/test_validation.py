@@ -366,3 +366,41 @@ def test_queue_is_bounded_by_max_queued_requests(tokenizer):
 
         asyncio.run(run())
         asyncio.run(a.call_in_engine_thread(assert_idle))
+
+
+def test_a_batch_larger_than_the_queue_is_a_400_not_a_429(tokenizer):
+    """A completions prompt list or a /generate text list of more prompts than
+    ``max_queued_requests`` can never be queued, even by an idle server: a 400 naming the prompt
+    field and the limit (before the fix a 429 ``queue_full`` whose retry never succeeds, its
+    message counting the batch's own prompts as waiting); a batch at the limit runs."""
+    from radixkv.server.app import create_app
+
+    with AsyncLLM(
+        model_runner=NullRunner(len(tokenizer), 1, 8, max_context_len=CTX),
+        tokenizer=tokenizer,
+        eos_token_ids=[],
+        device="cpu",
+        max_total_tokens=4096,
+        max_queued_requests=3,
+    ) as a:
+        app = create_app(a, served_model_name="m")
+
+        async def run():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                for path, body, param in [
+                    ("/v1/completions", {"model": "m", "prompt": ["a", "b", "c", "d"], "max_tokens": 1}, "prompt"),
+                    ("/v1/completions", {"model": "m", "prompt": [[5], [6], [7], [8]], "max_tokens": 1}, "prompt"),
+                    ("/generate", {"text": ["a", "b", "c", "d"], "sampling_params": {"max_new_tokens": 1}}, "text"),
+                ]:
+                    r = await http.post(path, json=body)
+                    assert r.status_code == 400, (path, r.text)
+                    e = r.json()["error"]
+                    assert (e["param"], e["type"]) == (param, "invalid_request_error"), e
+                    assert "a batch of 4 prompts" in e["message"] and "max_queued_requests 3" in e["message"], e
+                three = {"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 1, "n": 2}
+                r = await http.post("/v1/completions", json=three)
+                assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+
+        asyncio.run(run())
+        asyncio.run(a.call_in_engine_thread(assert_idle))

@@ -176,6 +176,7 @@ class EngineClient:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts) or (request_ids is not None and len(request_ids) != len(prompts)):
             raise ValueError("start: one SamplingParams and one request id per prompt")
+        self._check_batch(len(prompts), prompt_param)
         base = new_id("cmpl")
         rids = list(request_ids) if request_ids is not None else [f"{base}-{i}" for i in range(len(prompts))]
         start = time.perf_counter()
@@ -228,6 +229,18 @@ class EngineClient:
             )
 
         return Run(firsts, rest(), usage, rids, lambda exc: self.metrics.request_errors.labels(status="500").inc())
+
+    def _check_batch(self, n: int, prompt_param: str) -> None:
+        """A 400 naming ``prompt_param`` for a batch of more prompts than the engine queues at
+        once (``max_queued_requests``): each prompt waits as one request, so such a batch is
+        refused whole even by an idle server, and a 429 would ask for a retry that never works."""
+        limit = self.backend.model_facts().config.get("max_queued_requests")
+        if isinstance(limit, int) and n > max(limit, 1):  # NOTE: 0 refuses every request with a 429
+            raise APIError(
+                f"a batch of {n} prompts is more than the server queues at once (max_queued_requests {limit}); "
+                f"send at most {limit} per request",
+                prompt_param,
+            )
 
     async def collect(self, raw: Request, run: Run) -> list:
         """Run to completion for a non-streamed answer; a client that disconnects aborts it.
