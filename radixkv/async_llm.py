@@ -652,6 +652,10 @@ class AsyncLLM:
         if self._dead is None:
             self._dead = EngineDeadError("AsyncLLM is shut down")
         _close_engine(engine)
+        try:  # the stats a reader sees from now on: the aborted requests released, the tiers closed
+            self._stats = engine.cache_stats()
+        except Exception:  # noqa: BLE001 - a failed engine may not report; the last snapshot stays
+            logger.exception("reading the stats of the stopped engine failed")
         return False
 
     def _fail_all(self, exc: BaseException, abort: bool) -> None:

@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from obs_helpers import NullRunner  # noqa: E402
 
 from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
+from radixkv.async_llm import EngineDeadError  # noqa: E402
 from radixkv.engine import EngineStats, RequestFinished  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -230,3 +231,30 @@ def test_one_llm_shared_by_threads_is_serialized():
     llm.engine.check_integrity()
     st = llm.cache_stats()
     assert st["free"] + st["evictable"] == st["capacity"] and st["protected"] == st["pinned"] == 0, st
+
+
+def test_stats_after_shutdown_show_the_aborted_request_released():
+    """``cache_stats()`` after ``shutdown()`` is the engine's state once the request in flight
+    was aborted and released (it kept the last step's snapshot: a request still running, its
+    slots in use)."""
+    runner = GatedRunner()
+    a = AsyncLLM(model_runner=runner, tokenizer=None, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    runner.hold_after(1)  # the prefill runs; the next forward waits at the gate
+
+    async def shut_down_in_flight() -> None:
+        stream = a.generate([1, 2, 3], LONG, "in-flight")
+        assert not (await stream.__anext__()).finished
+        assert a.cache_stats()["running"] == 1
+        a.shutdown(timeout=0)  # posts the stop; the thread ends after its current step
+        runner.release()
+        await asyncio.get_running_loop().run_in_executor(None, a.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(shut_down_in_flight())
+    assert not a.is_running
+    st = a.cache_stats()
+    assert (st["running"], st["waiting"], st["in_use"], st["protected"]) == (0, 0, 0, 0), st
+    assert st == a.engine.cache_stats()
+    assert st["free"] + st["evictable"] == st["capacity"] == 4096
