@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import threading
 
 import pytest
@@ -20,7 +21,7 @@ from obs_helpers import NullRunner  # noqa: E402
 
 from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
 from radixkv.async_llm import EngineDeadError  # noqa: E402
-from radixkv.engine import EngineStats, RequestFinished  # noqa: E402
+from radixkv.engine import CacheEvicted, CacheInserted, EngineStats, RequestFinished  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -258,3 +259,45 @@ def test_stats_after_shutdown_show_the_aborted_request_released():
     assert (st["running"], st["waiting"], st["in_use"], st["protected"]) == (0, 0, 0, 0), st
     assert st == a.engine.cache_stats()
     assert st["free"] + st["evictable"] == st["capacity"] == 4096
+
+
+@pytest.mark.parametrize("kind", [CacheEvicted, CacheInserted], ids=lambda k: k.__name__)
+def test_ctrl_c_in_the_middle_of_a_step_leaves_the_engine_whole(kind):
+    """A SIGINT (Ctrl-C) arriving while ``LLM.generate`` is inside a step (here: while the radix
+    tree evicts or inserts, where an event subscriber raises it) is held until the step returns;
+    then KeyboardInterrupt ends the call, its requests aborted, and the engine is whole and gives
+    the same tokens. Raised mid-step, it left the tree and the slot allocator half-updated
+    (an evictable leaf missing from the LRU, slots neither free nor cached)."""
+    assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    llm = LLM(
+        model_runner=NullRunner(VOCAB, 1, 8, max_context_len=512),
+        tokenizer=None,
+        eos_token_ids=[],
+        device="cpu",
+        max_total_tokens=200,
+    )
+    p = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    prompts = [[i + 1] * 40 for i in range(6)]
+    for ids in prompts:  # the pool holds 200 tokens: later prompts evict earlier ones
+        assert llm.generate(prompt_token_ids=ids, sampling_params=p, use_tqdm=False)[0].outputs[0].token_ids == [0] * 6
+    seen = []
+
+    def interrupt(ev) -> None:
+        seen.append(ev)
+        if len(seen) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    unsubscribe = llm.engine.events.subscribe(interrupt, (kind,))
+    with pytest.raises(KeyboardInterrupt):
+        for ids in prompts[::-1]:
+            llm.generate(prompt_token_ids=ids, sampling_params=p, use_tqdm=False)
+    unsubscribe()
+    assert len(seen) >= 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    llm.engine.check_integrity()
+    assert llm.num_unfinished_requests() == 0
+    st = llm.cache_stats()
+    assert st["free"] + st["evictable"] == st["capacity"] == 200 and st["protected"] == 0, st
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [[0] * 6] * 6
+    llm.engine.check_integrity()
