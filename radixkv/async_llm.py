@@ -279,6 +279,8 @@ class AsyncLLM:
 
         def add(engine: Any) -> None:
             if rid in self._streams:
+                self._drain_abandoned()  # a consumer of this id that left before this call frees it
+            if rid in self._streams:
                 raise RequestError(f"request_id {rid!r} is already running", "request_id")
             engine.add_request(ids, sampling_params, request_id=rid, prompt=text, namespace=namespace)
             self._streams[rid] = stream
@@ -569,17 +571,25 @@ class AsyncLLM:
         current = self._streams.get(rid)
         if current is None or (stream is not None and current is not stream):
             return None
-        final = self.engine.abort_now(rid, report=stream is not None)
+        # NOTE: never reported by a later step: by then a new request may have taken the id
+        # (its consumer left first), and that step would deliver this final output to its stream
+        final = self.engine.abort_now(rid, report=False)
         if stream is None and final is None:
             return None  # it ended in the engine already (its final output is the next step's)
         del self._streams[rid]
         self._hooks.pop(rid, None)
         logger.debug("aborted %s", rid)
-        if final is None:
+        if stream is not None:  # its consumer left: nobody reads the final output
             current.put(_ABORTED)
             return None
         current.aborted = True
         return current, final
+
+    def _drain_abandoned(self) -> None:
+        """Abort the requests whose consumers left without closing their stream (engine thread)."""
+        while self._abandoned:
+            rid, stream = self._abandoned.popleft()
+            self._abort_in_thread(rid, stream)
 
     def _reset_in_thread(self, engine: Any, tiers: bool = False) -> bool:
         if self._streams:
@@ -637,9 +647,7 @@ class AsyncLLM:
             engine.run_posted()
             if self._stop:
                 raise _Stopped
-            while self._abandoned:  # consumers that left without closing their stream
-                rid, stream = self._abandoned.popleft()
-                self._abort_in_thread(rid, stream)
+            self._drain_abandoned()
             if engine.has_unfinished_requests():
                 self._step_once()
             return True

@@ -301,3 +301,44 @@ def test_ctrl_c_in_the_middle_of_a_step_leaves_the_engine_whole(kind):
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [[0] * 6] * 6
     llm.engine.check_integrity()
+
+
+async def _leave_by_aclose(stream) -> None:
+    assert not (await stream.__anext__()).finished
+    await stream.aclose()
+
+
+async def _leave_by_break(stream) -> None:
+    async for out in stream:
+        assert not out.finished
+        break
+
+
+@pytest.mark.parametrize("leave", [_leave_by_aclose, _leave_by_break], ids=["aclose", "break"])
+def test_a_request_id_is_free_again_once_its_consumer_left(alm, leave):
+    """A consumer that closes its stream (or breaks out of it) and at once submits a new request
+    of the same id gets the new request's outputs. The old request's final "abort" output was
+    delivered to the new stream (its prompt, its tokens), which ended there while the new request
+    ran on unread (aclose); after a break the new request was refused as a duplicate id."""
+    new_params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
+
+    async def run() -> list:
+        alm.runner.hold_after(1)  # the first request cannot finish before its consumer leaves
+        await leave(alm.generate([1, 2, 3], LONG, "reused"))  # after its first output
+        new = asyncio.create_task(collect(alm.generate([4, 5, 6, 7], new_params, "reused")))
+        await asyncio.sleep(0)  # not a wait: lets the task post its request (it then awaits the engine)
+        alm.runner.release()
+        return await new
+
+    async def collect(stream) -> list:
+        return [out async for out in stream]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        alm.runner.release()
+    last = outs[-1]
+    assert last.finished and last.prompt_token_ids == [4, 5, 6, 7]
+    assert last.outputs[0].finish_reason == "length" and last.outputs[0].token_ids == [0, 0]
+    assert all(o.prompt_token_ids == [4, 5, 6, 7] for o in outs)
+    assert_whole(alm)
