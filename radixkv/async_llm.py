@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import logging
@@ -100,7 +101,9 @@ class AsyncLLM:
     Thread model: one daemon thread named ``radixkv-engine``; all public methods are safe to call
     from any thread and any event loop (one AsyncLLM can serve several loops at once). Dropped
     without :meth:`shutdown` (and no stream of it left), it is collected: its thread then closes
-    the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool.
+    the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool. One still
+    running at interpreter exit is shut down then (its requests aborted, its tiers' writes done),
+    before the interpreter finalizes.
 
     Raises:
         ValueError: an unknown keyword, keywords together with ``engine``, an ``engine`` that is
@@ -140,6 +143,7 @@ class AsyncLLM:
             target=_engine_thread, args=(weakref.ref(self), engine), name="radixkv-engine", daemon=True
         )
         weakref.finalize(self, engine.post, _nothing).atexit = False
+        _stop_at_exit(self)
         self._thread.start()
 
     @classmethod
@@ -738,6 +742,30 @@ class _Iteration:
 
     def __anext__(self) -> Any:
         return self._stream._body.__anext__()
+
+
+_RUNNING: "weakref.WeakSet[AsyncLLM]" = weakref.WeakSet()  # AsyncLLMs for the exit hook to stop
+_EXIT_HOOK: list = []  # [True] once _shutdown_at_exit is registered
+_EXIT_TIMEOUT_S = 30.0  # how long the exit hook waits for each engine thread's current step
+
+
+def _stop_at_exit(llm: AsyncLLM) -> None:
+    """Shut ``llm`` down at interpreter exit, if still running (:func:`_shutdown_at_exit`)."""
+    # NOTE: registered once, at the first AsyncLLM: after weakref.finalize's own exit hook (that
+    # AsyncLLM made a finalizer already), so it runs first, before the KV tiers' finalizers
+    if not _EXIT_HOOK:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOK.append(True)
+    _RUNNING.add(llm)
+
+
+def _shutdown_at_exit() -> None:
+    """At interpreter exit, stop every engine thread still running (its requests aborted, its
+    KV tiers' writes done) before the interpreter finalizes: a daemon thread caught inside a
+    torch call then is killed there, and the process aborts ("terminate called without an
+    active exception", exit code 134)."""
+    for llm in list(_RUNNING):
+        llm.shutdown(_EXIT_TIMEOUT_S)
 
 
 def _nothing(engine: Any) -> None:

@@ -342,3 +342,48 @@ def test_a_request_id_is_free_again_once_its_consumer_left(alm, leave):
     assert last.outputs[0].finish_reason == "length" and last.outputs[0].token_ids == [0, 0]
     assert all(o.prompt_token_ids == [4, 5, 6, 7] for o in outs)
     assert_whole(alm)
+
+
+EXIT_SCRIPT = """
+import asyncio, atexit, sys, threading
+sys.path.insert(0, "tests")
+from obs_helpers import NullRunner
+from radixkv import AsyncLLM, SamplingParams
+
+def report():  # registered first, so it runs last at exit
+    alive = [t for t in threading.enumerate() if t.name == "radixkv-engine" and t.is_alive()]
+    print("engine threads alive at exit:", len(alive), flush=True)
+
+atexit.register(report)
+a = AsyncLLM(model_runner=NullRunner(1000, 1, 8, max_context_len=8192), tokenizer=None, eos_token_ids=[],
+             device="cpu", max_total_tokens=16384)
+
+async def start():
+    stream = a.generate([1, 2, 3], SamplingParams(max_tokens=8000, ignore_eos=True), "in-flight")
+    assert not (await stream.__anext__()).finished
+    return stream
+
+loop = asyncio.new_event_loop()
+stream = loop.run_until_complete(start())  # still running when the script ends
+print("running:", a.num_unfinished_requests(), flush=True)
+"""
+
+
+def test_interpreter_exit_stops_a_running_engine_thread_first():
+    """A script that ends with an AsyncLLM request in flight (no shutdown) exits with code 0 and
+    nothing on stderr: the engine thread is stopped at exit, before the interpreter finalizes.
+    It was a daemon thread still stepping then, and one caught inside a torch call at
+    finalization aborted the process now and then ("terminate called without an active
+    exception", exit code 134)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["running: 1", "engine threads alive at exit: 0"], proc.stdout
+    assert proc.stderr == ""
