@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
 import logging
@@ -100,7 +101,9 @@ class AsyncLLM:
     Thread model: one daemon thread named ``radixkv-engine``; all public methods are safe to call
     from any thread and any event loop (one AsyncLLM can serve several loops at once). Dropped
     without :meth:`shutdown` (and no stream of it left), it is collected: its thread then closes
-    the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool.
+    the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool. One still
+    running at interpreter exit is shut down then (its requests aborted, its tiers' writes done),
+    before the interpreter finalizes.
 
     Raises:
         ValueError: an unknown keyword, keywords together with ``engine``, an ``engine`` that is
@@ -140,6 +143,7 @@ class AsyncLLM:
             target=_engine_thread, args=(weakref.ref(self), engine), name="radixkv-engine", daemon=True
         )
         weakref.finalize(self, engine.post, _nothing).atexit = False
+        _stop_at_exit(self)
         self._thread.start()
 
     @classmethod
@@ -278,6 +282,8 @@ class AsyncLLM:
         stream.loop = asyncio.get_running_loop()
 
         def add(engine: Any) -> None:
+            if rid in self._streams:
+                self._drain_abandoned()  # a consumer of this id that left before this call frees it
             if rid in self._streams:
                 raise RequestError(f"request_id {rid!r} is already running", "request_id")
             engine.add_request(ids, sampling_params, request_id=rid, prompt=text, namespace=namespace)
@@ -569,17 +575,25 @@ class AsyncLLM:
         current = self._streams.get(rid)
         if current is None or (stream is not None and current is not stream):
             return None
-        final = self.engine.abort_now(rid, report=stream is not None)
+        # NOTE: never reported by a later step: by then a new request may have taken the id
+        # (its consumer left first), and that step would deliver this final output to its stream
+        final = self.engine.abort_now(rid, report=False)
         if stream is None and final is None:
             return None  # it ended in the engine already (its final output is the next step's)
         del self._streams[rid]
         self._hooks.pop(rid, None)
         logger.debug("aborted %s", rid)
-        if final is None:
+        if stream is not None:  # its consumer left: nobody reads the final output
             current.put(_ABORTED)
             return None
         current.aborted = True
         return current, final
+
+    def _drain_abandoned(self) -> None:
+        """Abort the requests whose consumers left without closing their stream (engine thread)."""
+        while self._abandoned:
+            rid, stream = self._abandoned.popleft()
+            self._abort_in_thread(rid, stream)
 
     def _reset_in_thread(self, engine: Any, tiers: bool = False) -> bool:
         if self._streams:
@@ -637,9 +651,7 @@ class AsyncLLM:
             engine.run_posted()
             if self._stop:
                 raise _Stopped
-            while self._abandoned:  # consumers that left without closing their stream
-                rid, stream = self._abandoned.popleft()
-                self._abort_in_thread(rid, stream)
+            self._drain_abandoned()
             if engine.has_unfinished_requests():
                 self._step_once()
             return True
@@ -652,6 +664,10 @@ class AsyncLLM:
         if self._dead is None:
             self._dead = EngineDeadError("AsyncLLM is shut down")
         _close_engine(engine)
+        try:  # the stats a reader sees from now on: the aborted requests released, the tiers closed
+            self._stats = engine.cache_stats()
+        except Exception:  # noqa: BLE001 - a failed engine may not report; the last snapshot stays
+            logger.exception("reading the stats of the stopped engine failed")
         return False
 
     def _fail_all(self, exc: BaseException, abort: bool) -> None:
@@ -726,6 +742,30 @@ class _Iteration:
 
     def __anext__(self) -> Any:
         return self._stream._body.__anext__()
+
+
+_RUNNING: "weakref.WeakSet[AsyncLLM]" = weakref.WeakSet()  # AsyncLLMs for the exit hook to stop
+_EXIT_HOOK: list = []  # [True] once _shutdown_at_exit is registered
+_EXIT_TIMEOUT_S = 30.0  # how long the exit hook waits for each engine thread's current step
+
+
+def _stop_at_exit(llm: AsyncLLM) -> None:
+    """Shut ``llm`` down at interpreter exit, if still running (:func:`_shutdown_at_exit`)."""
+    # NOTE: registered once, at the first AsyncLLM: after weakref.finalize's own exit hook (that
+    # AsyncLLM made a finalizer already), so it runs first, before the KV tiers' finalizers
+    if not _EXIT_HOOK:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOK.append(True)
+    _RUNNING.add(llm)
+
+
+def _shutdown_at_exit() -> None:
+    """At interpreter exit, stop every engine thread still running (its requests aborted, its
+    KV tiers' writes done) before the interpreter finalizes: a daemon thread caught inside a
+    torch call then is killed there, and the process aborts ("terminate called without an
+    active exception", exit code 134)."""
+    for llm in list(_RUNNING):
+        llm.shutdown(_EXIT_TIMEOUT_S)
 
 
 def _nothing(engine: Any) -> None:

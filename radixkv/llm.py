@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
@@ -66,6 +68,11 @@ class LLM:
 
     Threads: one ``LLM`` may be shared by several threads; its calls are serialized (a second
     thread's ``generate`` waits for the first's to return), since it drives its engine itself.
+
+    Ctrl-C: while a call drives the engine on the main thread, a SIGINT is held until the step
+    in progress returns (:func:`_sigint_between_steps`); the call then raises KeyboardInterrupt
+    with its requests aborted, and the engine stays usable. Under a SIGINT handler of the
+    program's own, the handler is left alone.
 
     Raises:
         ValueError: unknown keyword or invalid value (naming the field).
@@ -241,7 +248,7 @@ class LLM:
         """Run ``fn(engine)`` as the engine's driver and return its result: in this thread, under
         the LLM's lock (between two other calls, never during a step); the same method as
         :meth:`radixkv.async_llm.AsyncLLM.call_in_engine_thread` (there awaited)."""
-        with self._lock:
+        with self._lock, _sigint_between_steps():
             return fn(self.engine)
 
     def _run_locked(
@@ -268,12 +275,14 @@ class LLM:
             )
         self._stepping = True
         try:
-            return self._drive(ids, texts, params, spaces, use_tqdm, on_finish)
+            with _sigint_between_steps() as interrupted:
+                return self._drive(ids, texts, params, spaces, use_tqdm, on_finish, interrupted)
         finally:
             self._stepping = False
 
-    def _drive(self, ids, texts, params, spaces, use_tqdm, on_finish) -> List[RequestOutput]:
-        """The body of :meth:`_run_locked`: submit, step until done, abort what is left on error."""
+    def _drive(self, ids, texts, params, spaces, use_tqdm, on_finish, interrupted) -> List[RequestOutput]:
+        """The body of :meth:`_run_locked`: submit, step until done, abort what is left on error
+        (``interrupted()``, between two steps, raises a held Ctrl-C)."""
         engine = self.engine
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}
@@ -293,6 +302,7 @@ class LLM:
                         results[out.request_id] = out
                         _finish_hook(hooks.pop(out.request_id, None), engine, out)
                         bar.update(1)
+                interrupted()
         except BaseException:
             for rid in rids:
                 if rid not in results:
@@ -410,7 +420,7 @@ class LLM:
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Empty the prefix cache (False while requests run); ``tiers``: also the KV tiers this
         engine owns (host, disk; not a shared remote tier)."""
-        with self._lock:
+        with self._lock, _sigint_between_steps():
             return self.engine.reset_prefix_cache(tiers=tiers)
 
     def close(self, timeout: Optional[float] = None) -> bool:
@@ -431,7 +441,7 @@ class LLM:
         """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict); messages
         posted to the engine since its last step (e.g. a dropped session's pin release) are
         applied first."""
-        with self._lock:
+        with self._lock, _sigint_between_steps():
             self.engine.run_posted()
             return self.engine.cache_stats()
 
@@ -440,6 +450,34 @@ class LLM:
         another thread runs (read without waiting for it; the same method as
         :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
         return self.engine.num_unfinished_requests()
+
+
+@contextlib.contextmanager
+def _sigint_between_steps() -> Iterator[Callable[[], None]]:
+    """Hold a SIGINT (Ctrl-C) while the LLM changes its engine's state: a KeyboardInterrupt raised
+    in the middle of a step (or a pin, a flush) leaves the radix tree and the slot allocator
+    half-updated (a leaf missing from the LRU, slots neither free nor cached, a later double
+    free). Yields ``interrupted()``, which raises the held KeyboardInterrupt (called between two
+    steps); one still held when the block ends is raised then. Only on the main thread (the one
+    signals reach) under Python's default SIGINT handler; otherwise nothing changes."""
+    held: List[int] = []
+
+    def interrupted() -> None:
+        if held:
+            held.clear()
+            raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield interrupted
+        return
+    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupted()
 
 
 def _progress_bar(use_tqdm: Any, total: int) -> Any:

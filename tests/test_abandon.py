@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import signal
 import threading
 
 import pytest
@@ -19,7 +20,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from obs_helpers import NullRunner  # noqa: E402
 
 from radixkv import LLM, AsyncLLM, SamplingParams  # noqa: E402
-from radixkv.engine import EngineStats, RequestFinished  # noqa: E402
+from radixkv.async_llm import EngineDeadError  # noqa: E402
+from radixkv.engine import CacheEvicted, CacheInserted, EngineStats, RequestFinished  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -230,3 +232,158 @@ def test_one_llm_shared_by_threads_is_serialized():
     llm.engine.check_integrity()
     st = llm.cache_stats()
     assert st["free"] + st["evictable"] == st["capacity"] and st["protected"] == st["pinned"] == 0, st
+
+
+def test_stats_after_shutdown_show_the_aborted_request_released():
+    """``cache_stats()`` after ``shutdown()`` is the engine's state once the request in flight
+    was aborted and released (it kept the last step's snapshot: a request still running, its
+    slots in use)."""
+    runner = GatedRunner()
+    a = AsyncLLM(model_runner=runner, tokenizer=None, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    runner.hold_after(1)  # the prefill runs; the next forward waits at the gate
+
+    async def shut_down_in_flight() -> None:
+        stream = a.generate([1, 2, 3], LONG, "in-flight")
+        assert not (await stream.__anext__()).finished
+        assert a.cache_stats()["running"] == 1
+        a.shutdown(timeout=0)  # posts the stop; the thread ends after its current step
+        runner.release()
+        await asyncio.get_running_loop().run_in_executor(None, a.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+
+    asyncio.run(shut_down_in_flight())
+    assert not a.is_running
+    st = a.cache_stats()
+    assert (st["running"], st["waiting"], st["in_use"], st["protected"]) == (0, 0, 0, 0), st
+    assert st == a.engine.cache_stats()
+    assert st["free"] + st["evictable"] == st["capacity"] == 4096
+
+
+@pytest.mark.parametrize("kind", [CacheEvicted, CacheInserted], ids=lambda k: k.__name__)
+def test_ctrl_c_in_the_middle_of_a_step_leaves_the_engine_whole(kind):
+    """A SIGINT (Ctrl-C) arriving while ``LLM.generate`` is inside a step (here: while the radix
+    tree evicts or inserts, where an event subscriber raises it) is held until the step returns;
+    then KeyboardInterrupt ends the call, its requests aborted, and the engine is whole and gives
+    the same tokens. Raised mid-step, it left the tree and the slot allocator half-updated
+    (an evictable leaf missing from the LRU, slots neither free nor cached)."""
+    assert threading.current_thread() is threading.main_thread()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    llm = LLM(
+        model_runner=NullRunner(VOCAB, 1, 8, max_context_len=512),
+        tokenizer=None,
+        eos_token_ids=[],
+        device="cpu",
+        max_total_tokens=200,
+    )
+    p = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    prompts = [[i + 1] * 40 for i in range(6)]
+    for ids in prompts:  # the pool holds 200 tokens: later prompts evict earlier ones
+        assert llm.generate(prompt_token_ids=ids, sampling_params=p, use_tqdm=False)[0].outputs[0].token_ids == [0] * 6
+    seen = []
+
+    def interrupt(ev) -> None:
+        seen.append(ev)
+        if len(seen) == 1:
+            signal.raise_signal(signal.SIGINT)
+
+    unsubscribe = llm.engine.events.subscribe(interrupt, (kind,))
+    with pytest.raises(KeyboardInterrupt):
+        for ids in prompts[::-1]:
+            llm.generate(prompt_token_ids=ids, sampling_params=p, use_tqdm=False)
+    unsubscribe()
+    assert len(seen) >= 1 and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    llm.engine.check_integrity()
+    assert llm.num_unfinished_requests() == 0
+    st = llm.cache_stats()
+    assert st["free"] + st["evictable"] == st["capacity"] == 200 and st["protected"] == 0, st
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [[0] * 6] * 6
+    llm.engine.check_integrity()
+
+
+async def _leave_by_aclose(stream) -> None:
+    assert not (await stream.__anext__()).finished
+    await stream.aclose()
+
+
+async def _leave_by_break(stream) -> None:
+    async for out in stream:
+        assert not out.finished
+        break
+
+
+@pytest.mark.parametrize("leave", [_leave_by_aclose, _leave_by_break], ids=["aclose", "break"])
+def test_a_request_id_is_free_again_once_its_consumer_left(alm, leave):
+    """A consumer that closes its stream (or breaks out of it) and at once submits a new request
+    of the same id gets the new request's outputs. The old request's final "abort" output was
+    delivered to the new stream (its prompt, its tokens), which ended there while the new request
+    ran on unread (aclose); after a break the new request was refused as a duplicate id."""
+    new_params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0)
+
+    async def run() -> list:
+        alm.runner.hold_after(1)  # the first request cannot finish before its consumer leaves
+        await leave(alm.generate([1, 2, 3], LONG, "reused"))  # after its first output
+        new = asyncio.create_task(collect(alm.generate([4, 5, 6, 7], new_params, "reused")))
+        await asyncio.sleep(0)  # not a wait: lets the task post its request (it then awaits the engine)
+        alm.runner.release()
+        return await new
+
+    async def collect(stream) -> list:
+        return [out async for out in stream]
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        alm.runner.release()
+    last = outs[-1]
+    assert last.finished and last.prompt_token_ids == [4, 5, 6, 7]
+    assert last.outputs[0].finish_reason == "length" and last.outputs[0].token_ids == [0, 0]
+    assert all(o.prompt_token_ids == [4, 5, 6, 7] for o in outs)
+    assert_whole(alm)
+
+
+EXIT_SCRIPT = """
+import asyncio, atexit, sys, threading
+sys.path.insert(0, "tests")
+from obs_helpers import NullRunner
+from radixkv import AsyncLLM, SamplingParams
+
+def report():  # registered first, so it runs last at exit
+    alive = [t for t in threading.enumerate() if t.name == "radixkv-engine" and t.is_alive()]
+    print("engine threads alive at exit:", len(alive), flush=True)
+
+atexit.register(report)
+a = AsyncLLM(model_runner=NullRunner(1000, 1, 8, max_context_len=8192), tokenizer=None, eos_token_ids=[],
+             device="cpu", max_total_tokens=16384)
+
+async def start():
+    stream = a.generate([1, 2, 3], SamplingParams(max_tokens=8000, ignore_eos=True), "in-flight")
+    assert not (await stream.__anext__()).finished
+    return stream
+
+loop = asyncio.new_event_loop()
+stream = loop.run_until_complete(start())  # still running when the script ends
+print("running:", a.num_unfinished_requests(), flush=True)
+"""
+
+
+def test_interpreter_exit_stops_a_running_engine_thread_first():
+    """A script that ends with an AsyncLLM request in flight (no shutdown) exits with code 0 and
+    nothing on stderr: the engine thread is stopped at exit, before the interpreter finalizes.
+    It was a daemon thread still stepping then, and one caught inside a torch call at
+    finalization aborted the process now and then ("terminate called without an active
+    exception", exit code 134)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["running: 1", "engine threads alive at exit: 0"], proc.stdout
+    assert proc.stderr == ""
