@@ -482,3 +482,87 @@ def test_the_store_keeps_exact_lru_bounds_through_gets_and_deletes():
     put("r5")  # four stored: r3 (least recently used) is deleted; three pinned: r2 loses its pin
     assert store.get("r3") is None and sorted(store._items) == ["r2", "r4", "r5"]
     assert pins.released == ["pin-r3", "pin-r2"] and store.get("r4").pin == "pin-r4"
+
+
+async def _stream_held_after_created(app, body: dict, chunks: list, created: asyncio.Event, release: asyncio.Event):
+    """``POST /v1/responses`` (a stream) straight through ``app``'s ASGI interface into ``chunks``
+    (the body chunks), whose ``send`` holds the stream at its first body chunk
+    (``response.created``) until ``release``: the handler reads none of the engine's outputs
+    meanwhile."""
+    raw = json.dumps(body).encode()
+    sent = [False]
+
+    async def receive():
+        if not sent[0]:
+            sent[0] = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await release.wait()  # no disconnect while held
+        await asyncio.Event().wait()
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            chunks.append(message["body"].decode())
+            if not created.is_set():
+                created.set()
+                await release.wait()
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/responses", "raw_path": b"/v1/responses", "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    await app(scope, receive, send)
+
+
+def test_previous_response_id_of_a_response_still_streaming_is_not_found(server, client, llm):
+    """A stored response is complete once its stream's handler wrote its body. Between the engine
+    finishing it (its finish hook stores the context tokens and the pin) and that, a follow-up
+    naming it ran on an empty stored conversation: a 47-token prompt where the completed one gives
+    49 (the context continued as if it were the system message alone), and a stored history and
+    input items without the earlier turn. It is 404 ``previous_response_not_found`` then, as a GET
+    of that id answers."""
+    _flush(server)
+    app = server.server.config.app
+    store = app.state.responses.store
+    body = {"model": MODEL, "input": "Name one fruit.", "instructions": INSTRUCTIONS, "temperature": 0,
+            "max_output_tokens": 4, "stream": True}  # fmt: skip
+
+    chunks: list = []
+
+    def data(chunk: str) -> dict:
+        return json.loads(next(line[5:] for line in chunk.split("\n") if line.startswith("data:")))
+
+    async def run() -> tuple:
+        created, release = asyncio.Event(), asyncio.Event()
+        task = asyncio.ensure_future(_stream_held_after_created(app, body, chunks, created, release))
+        await asyncio.wait_for(created.wait(), 300)
+        rid = data(chunks[0])["response"]["id"]
+        deadline = asyncio.get_running_loop().time() + 300
+        while store.get(rid) is None:  # the engine finished it: its finish hook stored it
+            assert asyncio.get_running_loop().time() < deadline, "the held response never finished"
+            await asyncio.sleep(0.01)
+        try:
+            follow = await asyncio.to_thread(
+                lambda: client.responses.create(model=MODEL, input="And one vegetable?", instructions=INSTRUCTIONS,
+                                                temperature=0, max_output_tokens=2, previous_response_id=rid)
+            )  # fmt: skip
+        except openai.NotFoundError as exc:
+            follow = exc
+        release.set()
+        await asyncio.wait_for(task, 300)
+        return follow, rid
+
+    follow, rid = asyncio.run(run())
+    assert isinstance(follow, openai.NotFoundError), follow.usage
+    assert follow.body["code"] == "previous_response_not_found"
+    lines = "".join(chunks).split("\n")
+    final = [json.loads(line[5:]) for line in lines if line.startswith("data:") and line[5:].strip() != "[DONE]"][-1]
+    assert final["type"] in ("response.completed", "response.incomplete")
+    done = client.responses.retrieve(rid)  # complete now: retrievable, and a follow-up gets its context
+    context = done.usage.input_tokens + done.usage.output_tokens
+    assert done.usage.output_tokens == final["response"]["usage"]["output_tokens"]
+    later = client.responses.create(model=MODEL, input="And one vegetable?", instructions=INSTRUCTIONS,
+                                    temperature=0, max_output_tokens=2, previous_response_id=rid)  # fmt: skip
+    assert later.usage.input_tokens_details.cached_tokens == context - 1, (later.usage, context)
+    asyncio.run(_delete(server, later.id))
+    asyncio.run(_delete(server, rid))
+    assert_pool_whole(llm)

@@ -483,7 +483,8 @@ class Responses:
         prev = None
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id, namespace.tenant if namespace is not None else None)
-            if prev is None:
+            if prev is None or not prev.body:  # no body yet: its handler has not written it (its
+                # conversation neither), though the engine finished it; not found, as a GET answers
                 raise APIError(
                     f"previous response {req.previous_response_id!r} was not found (not stored, deleted, or "
                     "past the store's bound)",
