@@ -519,7 +519,8 @@ def test_previous_response_id_of_a_response_still_streaming_is_not_found(server,
     naming it ran on an empty stored conversation: a 47-token prompt where the completed one gives
     49 (the context continued as if it were the system message alone), and a stored history and
     input items without the earlier turn. It is 404 ``previous_response_not_found`` then, as a GET
-    of that id answers."""
+    of that id answers, and a DELETE (it answered 200 "deleted" and dropped the item the stream
+    then completed)."""
     _flush(server)
     app = server.server.config.app
     store = app.state.responses.store
@@ -547,6 +548,9 @@ def test_previous_response_id_of_a_response_still_streaming_is_not_found(server,
             )  # fmt: skip
         except openai.NotFoundError as exc:
             follow = exc
+        gone = await asyncio.to_thread(lambda: httpx.delete(f"{server.base_url}/v1/responses/{rid}", timeout=60))
+        assert gone.status_code == 404, gone.text  # as a GET answers: it deleted it before
+        assert store.get(rid) is not None
         release.set()
         await asyncio.wait_for(task, 300)
         return follow, rid

@@ -601,6 +601,7 @@ class Responses:
     async def delete(self, rid: str, tenant: Optional[str] = None) -> dict:
         """Delete the stored Response ``rid`` of ``tenant`` and release its pin (none across
         replicas). 404 when unknown or another tenant's (the same answer)."""
+        self._stored(rid, tenant)  # NOTE: one still being written is not found, as a GET answers
         item = self.store.pop(rid, tenant)
         if item is None:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
