@@ -45,7 +45,7 @@ import torch
 from radixkv.errors import RequestError
 from radixkv.kernels import cpu as cpu_kernels
 from radixkv.namespace import namespace_key
-from radixkv.sampling.schema_check import structural_tag_schemas, unenforced_keyword
+from radixkv.sampling.schema_check import regex_lookaround, structural_tag_schemas, unenforced_keyword
 
 __all__ = [
     "GrammarBackend",
@@ -123,6 +123,8 @@ def _parse(kind: str, text: str) -> Any:
     if kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if kind == "regex":
+        if regex_lookaround(text):
+            raise ValueError("lookahead / lookbehind ((?= (?! (?<= (?<!) is not supported: the grammar would drop it")
         return xgr.Grammar.from_regex(text)
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(text)

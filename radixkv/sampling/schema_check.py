@@ -17,7 +17,24 @@ Not enforced (anywhere in the schema, ``$defs`` and tools' ``parameters`` includ
   no ``"number"``): xgrammar enforces it on integers only;
 * ``allOf`` unless it has one subschema and its schema nothing but annotations (and ``$defs``)
   beside it (the ``{"allOf": [{"$ref": ...}], "description": ...}`` form pydantic writes):
-  xgrammar merges nothing.
+  xgrammar merges nothing;
+* ``multipleOf`` beside ``minimum`` / ``maximum`` / ``exclusive*`` (pydantic's
+  ``conint(multiple_of=2, ge=0)``): xgrammar drops the ``multipleOf``;
+* ``minLength`` / ``maxLength`` beside ``pattern`` (pydantic's ``constr(pattern=..., min_length=...)``)
+  or ``format``, and ``pattern`` beside ``format``: xgrammar drops them;
+* a ``pattern`` with a lookahead / lookbehind (``(?=``, ``(?!``): xgrammar drops the assertion
+  (the ``regex`` field's too, refused in :mod:`radixkv.sampling.grammar`);
+* any keyword but annotations beside ``$ref``, ``anyOf`` or ``oneOf`` (``discriminator`` is an
+  annotation), and beside ``enum`` / ``const`` anything but ``type`` (whose values must all be of
+  that type): xgrammar keeps only the reference / the branches / the values;
+* a value keyword (``minimum``, ``minLength``, ``pattern``, ``format``, ``minItems``,
+  ``maxProperties``, ...) in a schema without ``type`` (``propertyNames`` excepted);
+* ``required`` naming a property not in ``properties``: xgrammar requires only listed ones;
+* a ``$ref`` that is not local (``#`` or ``#/...``; ``#anchor``, URLs), ``$dynamicRef``,
+  ``$recursiveRef``: xgrammar allows any value there;
+* ``oneOf`` whose branches are not plainly disjoint (different types, different ``const`` /
+  ``enum`` values, or different ones of a property both require, through local ``$ref``):
+  xgrammar enforces such a ``oneOf`` as ``anyOf``, so an output could match two branches.
 """
 
 from __future__ import annotations
@@ -32,13 +49,19 @@ _ANNOTATIONS = frozenset(
 )
 _ALWAYS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies", "contains")
 _ALWAYS += ("minContains", "maxContains")
+_ALWAYS += ("$dynamicRef", "$recursiveRef")
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_TYPED = _RANGE + ("multipleOf", "minLength", "maxLength", "pattern", "format", "minItems", "maxItems")
+_TYPED += ("minProperties", "maxProperties")
+_PY_TYPES = {"string": str, "integer": (int, float), "number": (int, float), "boolean": bool}
+_PY_TYPES.update({"null": type(None), "array": list, "object": dict})
 _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _ONE = ("additionalProperties", "items", "additionalItems", "propertyNames", "unevaluatedProperties")
 _ONE += ("unevaluatedItems", "contains", "not", "if", "then", "else")
 _LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 
 
-def _why(node: dict) -> Optional[tuple[str, str]]:
+def _why(node: dict, root: Any) -> Optional[tuple[str, str]]:
     """(keyword, why) of the first keyword of ``node`` itself the grammar would drop."""
     if node.get("uniqueItems") is True:
         return "uniqueItems", "the grammar cannot keep the items distinct"
@@ -50,11 +73,164 @@ def _why(node: dict) -> Optional[tuple[str, str]]:
         types = [types] if isinstance(types, str) else list(types or [])
         if "integer" not in types or "number" in types:
             return "multipleOf", 'the grammar enforces it only with "type": "integer"'
+        if any(k in node for k in _RANGE):
+            return "multipleOf", "the grammar drops it beside minimum / maximum"
     if "allOf" in node:
         others = set(node) - {"allOf"} - _ANNOTATIONS
         if not isinstance(node["allOf"], list) or len(node["allOf"]) != 1 or others:
             return "allOf", "the grammar merges no subschemas; one alone, beside annotations only, is supported"
+    return _why_siblings(node) or _why_string(node) or _why_object(node) or _why_one_of(node, root)
+
+
+def _why_siblings(node: dict) -> Optional[tuple[str, str]]:
+    """Keywords the grammar drops beside ``$ref``, ``anyOf`` / ``oneOf``, ``enum`` / ``const``,
+    or without a ``type``."""
+    ref = node.get("$ref")
+    if isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):
+        return "$ref", "only local references (#, #/...) are resolved; the grammar allows any value for it"
+    for key in ("$ref", "anyOf", "oneOf"):
+        if key in node:
+            for other in node:
+                if other not in _ANNOTATIONS and other not in (key, "discriminator"):
+                    return other, f"the grammar keeps only {key} beside it"
+    for key in ("enum", "const"):
+        if key in node:
+            for other in node:
+                if other not in _ANNOTATIONS and other not in (key, "type", "enum", "const"):
+                    return other, f"the grammar keeps only {key} beside it"
+            values = node[key] if key == "enum" and isinstance(node[key], list) else [node.get(key)]
+            if "type" in node and not all(_has_type(v, node["type"]) for v in values):
+                return key, "the grammar allows its values even where they are not of the type"
+    if "type" not in node and not any(k in node for k in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
+        for key in _TYPED:
+            if key in node:
+                return key, 'the grammar enforces it only beside a "type"'
     return None
+
+
+def _has_type(value: Any, types: Any) -> bool:
+    types = [types] if isinstance(types, str) else list(types) if isinstance(types, list) else []
+    for t in types:
+        python = _PY_TYPES.get(t)
+        if python is None:
+            continue
+        if isinstance(value, bool) != (t == "boolean"):
+            continue
+        if isinstance(value, python) and (t != "integer" or float(value).is_integer()):
+            return True
+    return False
+
+
+def _why_string(node: dict) -> Optional[tuple[str, str]]:
+    """Length bounds beside ``pattern`` / ``format``, a ``pattern`` with a lookaround."""
+    for key in ("format", "pattern"):
+        if key in node:
+            for other in ("pattern", "minLength", "maxLength"):
+                if other != key and other in node:
+                    return other, f"the grammar drops it beside {key}"
+    if isinstance(node.get("pattern"), str) and regex_lookaround(node["pattern"]):
+        return "pattern", "the grammar drops lookahead assertions ((?= / (?!)"
+    return None
+
+
+def _why_object(node: dict) -> Optional[tuple[str, str]]:
+    """``required`` naming a property not in ``properties`` (the grammar lets the output omit it)."""
+    required = node.get("required")
+    if isinstance(required, list):
+        props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [r for r in required if r not in props]
+        if missing:
+            return "required", f"{missing[0]!r} is not in properties, and the grammar only requires those"
+    return None
+
+
+def _why_one_of(node: dict, root: Any) -> Optional[tuple[str, str]]:
+    """``oneOf`` whose branches are not plainly disjoint (the grammar enforces it as anyOf: an
+    output may match two branches)."""
+    branches = node.get("oneOf")
+    if not isinstance(branches, list):
+        return None
+    resolved = [_resolve(b, root) for b in branches]
+    for i, a in enumerate(resolved):
+        for b in resolved[i + 1 :]:
+            if not _disjoint(a, b, root):
+                return "oneOf", (
+                    "its branches are not plainly disjoint (different types, or different const / enum "
+                    "values of a required property), and the grammar enforces it as anyOf; use anyOf"
+                )
+    return None
+
+
+def _resolve(node: Any, root: Any, depth: int = 0) -> Any:
+    """``node`` with a local ``$ref`` followed (a few times at most)."""
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and depth < 8:
+        ref = node["$ref"]
+        if not ref.startswith("#"):
+            return node
+        target = root
+        for part in [p for p in ref[1:].split("/") if p]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                return node
+            target = target[part]
+        node, depth = target, depth + 1
+    return node
+
+
+def _values(node: Any) -> Optional[list]:
+    if isinstance(node, dict) and "const" in node:
+        return [node["const"]]
+    if isinstance(node, dict) and isinstance(node.get("enum"), list):
+        return node["enum"]
+    return None
+
+
+def _disjoint(a: Any, b: Any, root: Any) -> bool:
+    """True when no JSON value is valid under both (plainly: types, const / enum values, or the
+    const / enum values of a property both require)."""
+    if not isinstance(a, dict) or not isinstance(b, dict):
+        return False
+    ta, tb = _type_set(a), _type_set(b)
+    if ta is not None and tb is not None and not (ta & tb):
+        return True
+    va, vb = _values(a), _values(b)
+    if va is not None and vb is not None:
+        return not any(x == y and type(x) is type(y) for x in va for y in vb)
+    pa, pb = a.get("properties"), b.get("properties")
+    if isinstance(pa, dict) and isinstance(pb, dict):
+        both = set(a.get("required") or []) & set(b.get("required") or []) & set(pa) & set(pb)
+        for name in both:
+            if _disjoint(_resolve(pa[name], root), _resolve(pb[name], root), root):
+                return True
+    return False
+
+
+def _type_set(node: dict) -> Optional[set]:
+    t = node.get("type")
+    types = {t} if isinstance(t, str) else set(t) if isinstance(t, list) else None
+    if types is not None and "number" in types:
+        types.add("integer")
+    if types is not None and "integer" in types:
+        types.add("number")
+    return types
+
+
+def regex_lookaround(pattern: str) -> bool:
+    """True when ``pattern`` has a lookahead or lookbehind group outside a character class."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = ch != "]"
+        elif ch == "[":
+            in_class = True
+        elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
+            return True
+        i += 1
+    return False
 
 
 def _children(node: dict, path: str) -> Iterator[tuple[Any, str]]:
@@ -65,7 +241,10 @@ def _children(node: dict, path: str) -> Iterator[tuple[Any, str]]:
                 yield child, f"{path}/{key}/{name}"
     for key in _ONE:
         if isinstance(node.get(key), dict):
-            yield node[key], f"{path}/{key}"
+            child = node[key]
+            if key == "propertyNames" and "type" not in child:
+                child = {**child, "type": "string"}  # property names are strings: no type needed
+            yield child, f"{path}/{key}"
     for key in _LISTS:
         if isinstance(node.get(key), list):
             for i, child in enumerate(node[key]):
@@ -80,7 +259,7 @@ def unenforced_keyword(schema: Any, path: str = "#") -> Optional[str]:
         node, where = stack.pop()
         if not isinstance(node, dict):
             continue
-        found = _why(node)
+        found = _why(node, schema)
         if found is not None:
             key, why = found
             return f"{where}/{key}: {key} is not enforced ({why}); the output would not be held to it"
