@@ -475,11 +475,19 @@ def test_n_samples_have_their_own_matchers_and_tool_calls_validate(llm):
         (
             {
                 "structural_tag": tool_call_structural_tag(
-                    [{"name": "f", "parameters": {"type": "number", "multipleOf": 0.5}}]
+                    [
+                        {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "number", "multipleOf": 0.5}},
+                            },
+                        }
+                    ]
                 )
             },
             "structural_tag",
-            "structural_tag.format.tags[0].content: #/multipleOf: multipleOf is not enforced",
+            "structural_tag.format.tags[0].content: #/properties/x/multipleOf: multipleOf is not enforced",
         ),
     ],
 )

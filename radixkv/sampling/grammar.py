@@ -355,8 +355,9 @@ def tool_call_structural_tag(
         The structural tag as a JSON-ready dict.
 
     Raises:
-        RequestError: no tools, a tool without a name, or ``name`` not among them (``param``
-            "tools" / "tool_choice").
+        RequestError: no tools, a tool without a name or whose ``parameters`` are not a schema
+            of ``"type": "object"`` (the arguments are a JSON object), or ``name`` not among them
+            (``param`` "tools" / "tool_choice").
     """
     funcs = []
     for t in tools:
@@ -376,6 +377,10 @@ def tool_call_structural_tag(
     for f in funcs:
         params = f.get("parameters")
         schema = params if isinstance(params, dict) and params else {"type": "object"}
+        if schema.get("type") != "object":  # arguments are a JSON object: the parser reads no other
+            raise RequestError(
+                f'tool {f["name"]!r}: parameters must be a JSON schema of type "object", got {params!r}', "tools"
+            )
         prefix = begin + '{"name": ' + json.dumps(f["name"], ensure_ascii=False) + ', "arguments": '
         tags.append(
             {
