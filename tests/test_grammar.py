@@ -540,6 +540,14 @@ DROPPED = [  # (schema, a JSON text it forbids that xgrammar's grammar of it acc
     ({"maxProperties": 0}, '{"a": 1}', "maxProperties"),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "5", "oneOf"),
     ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b"]}]}, '"b"', "oneOf"),
+    (  # a recursive schema's branches share themselves: the disjointness check is bounded
+        {
+            "oneOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"}],
+            "$defs": {"n": {"type": ["object", "null"], "properties": {"c": {"$ref": "#/$defs/n"}}}},
+        },
+        "null",
+        "oneOf",
+    ),
 ]
 KEPT = [  # (schema, a JSON text it forbids, which xgrammar's grammar refuses)
     ({"type": "integer", "multipleOf": 3}, "4"),
@@ -591,6 +599,16 @@ def test_a_schema_keyword_xgrammar_drops_is_refused_with_its_path(schema, text, 
     with pytest.raises(RequestError) as e:
         GrammarBackend(None, 64, []).validate(constraint)
     assert e.value.param == "json_schema" and f"#/$defs/d/{keyword}: {keyword} is not enforced" in str(e.value)
+
+
+def test_a_recursive_one_of_is_checked_in_bounded_time():
+    """The branches of a recursive schema's oneOf share themselves: the disjointness check
+    recursed until RecursionError (a 400 reading "maximum recursion depth exceeded")."""
+    from radixkv.sampling.schema_check import unenforced_keyword
+
+    node = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+    schema = {"oneOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"}], "$defs": {"n": node}}
+    assert unenforced_keyword(schema).startswith("#/oneOf: oneOf is not enforced")
 
 
 @pytest.mark.parametrize("schema, text", KEPT)

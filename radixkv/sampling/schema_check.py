@@ -185,10 +185,11 @@ def _values(node: Any) -> Optional[list]:
     return None
 
 
-def _disjoint(a: Any, b: Any, root: Any) -> bool:
+def _disjoint(a: Any, b: Any, root: Any, depth: int = 0) -> bool:
     """True when no JSON value is valid under both (plainly: types, const / enum values, or the
-    const / enum values of a property both require)."""
-    if not isinstance(a, dict) or not isinstance(b, dict):
+    const / enum values of a property both require, looked for 8 levels deep at most: a
+    recursive schema's branches may share themselves)."""
+    if not isinstance(a, dict) or not isinstance(b, dict) or depth > 8:
         return False
     ta, tb = _type_set(a), _type_set(b)
     if ta is not None and tb is not None and not (ta & tb):
@@ -200,7 +201,7 @@ def _disjoint(a: Any, b: Any, root: Any) -> bool:
     if isinstance(pa, dict) and isinstance(pb, dict):
         both = set(a.get("required") or []) & set(b.get("required") or []) & set(pa) & set(pb)
         for name in both:
-            if _disjoint(_resolve(pa[name], root), _resolve(pb[name], root), root):
+            if _disjoint(_resolve(pa[name], root), _resolve(pb[name], root), root, depth + 1):
                 return True
     return False
 
