@@ -611,6 +611,38 @@ def test_a_recursive_one_of_is_checked_in_bounded_time():
     assert unenforced_keyword(schema).startswith("#/oneOf: oneOf is not enforced")
 
 
+@pytest.mark.parametrize(
+    "pattern, text",
+    [
+        ('^a"b$', '"a"b"'),
+        ("^a\\nb$", '"a\nb"'),
+        ("^\\x22$", '"""'),
+        ("^C:\\\\$", '"C:\\"'),
+        ("^[\\n]$", '"\n"'),
+        ("^[\\x00-\\x1f]$", '"\x01"'),
+    ],
+)
+def test_a_pattern_naming_a_character_json_escapes_is_refused(pattern, text):
+    """xgrammar writes a ", a backslash or a control character that a pattern names raw inside
+    the JSON string: the grammar of {"type": "string", "pattern": '^a"b$'} accepts '"a"b"', so
+    the output was not JSON at all. Refused naming pattern (patternProperties' keys too); a
+    range of printable characters or a negated class holding them is safe (xgrammar leaves them
+    out)."""
+    from radixkv.sampling.schema_check import unenforced_keyword
+
+    with pytest.raises(ValueError):
+        json.loads(text)
+    schema = {"type": "string", "pattern": pattern}
+    assert _xgrammar_accepts(schema, text)
+    assert unenforced_keyword(schema).startswith("#/pattern: pattern is not enforced (it matches a")
+    props = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    assert unenforced_keyword(props).startswith("#/patternProperties: patternProperties is not enforced")
+    for safe in ("^[ -~]+$", '^[^"]$', "^\\d{3}-[0-9]{4}$", "^\\S+\\.com$"):
+        safe_schema = {"type": "string", "pattern": safe}
+        assert unenforced_keyword(safe_schema) is None
+        assert not _xgrammar_accepts(safe_schema, '"' + '"' + '"') and not _xgrammar_accepts(safe_schema, '"\\"')
+
+
 @pytest.mark.parametrize("schema, text", KEPT)
 def test_schema_keywords_xgrammar_enforces_are_accepted(schema, text):
     from radixkv.sampling.schema_check import unenforced_keyword

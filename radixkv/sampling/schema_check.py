@@ -24,6 +24,9 @@ Not enforced (anywhere in the schema, ``$defs`` and tools' ``parameters`` includ
   or ``format``, and ``pattern`` beside ``format``: xgrammar drops them;
 * a ``pattern`` with a lookahead / lookbehind (``(?=``, ``(?!``): xgrammar drops the assertion
   (the ``regex`` field's too, refused in :mod:`radixkv.sampling.grammar`);
+* a ``pattern`` (or ``patternProperties`` key) naming a ``"``, a backslash or a control
+  character (``^a"b$``, ``^C:\\\\``, ``\\n``, ``[\\x00-\\x1f]``): xgrammar writes it unescaped, so the
+  output is not JSON (ranges of printable characters and negated classes are safe);
 * any keyword but annotations beside ``$ref``, ``anyOf`` or ``oneOf`` (``discriminator`` is an
   annotation), and beside ``enum`` / ``const`` anything but ``type`` (whose values must all be of
   that type): xgrammar keeps only the reference / the branches / the values;
@@ -130,7 +133,76 @@ def _why_string(node: dict) -> Optional[tuple[str, str]]:
                     return other, f"the grammar drops it beside {key}"
     if isinstance(node.get("pattern"), str) and regex_lookaround(node["pattern"]):
         return "pattern", "the grammar drops lookahead assertions ((?= / (?!)"
+    if isinstance(node.get("pattern"), str) and _json_unsafe(node["pattern"]):
+        return "pattern", _UNSAFE
+    props = node.get("patternProperties")
+    if isinstance(props, dict) and any(_json_unsafe(k) for k in props):
+        return "patternProperties", _UNSAFE
     return None
+
+
+_UNSAFE = (
+    'it matches a ", \\ or control character by name, which the grammar writes unescaped (the '
+    "output would not be JSON); a range or a negated class that holds it is safe"
+)
+_ESCAPES = {"n": 10, "r": 13, "t": 9, "f": 12, "v": 11, "0": 0, "a": 7, "e": 27}
+
+
+def _char(p: str, i: int) -> tuple[Optional[int], int]:
+    """(code point of the one character the regex atom at ``p[i]`` names, or None for a class /
+    syntax; the index after it)."""
+    if p[i] != "\\":
+        return (None if p[i] in "()|*+?{}^$." else ord(p[i])), i + 1
+    if i + 1 >= len(p):
+        return None, i + 1
+    e = p[i + 1]
+    if e in _ESCAPES:
+        return _ESCAPES[e], i + 2
+    if e in "xu":
+        width = 2 if e == "x" else 4
+        if p[i + 2 : i + 3] == "{":
+            end = p.find("}", i)
+            digits, after = p[i + 3 : end], end + 1
+        else:
+            digits, after = p[i + 2 : i + 2 + width], i + 2 + width
+        try:
+            return int(digits, 16), after
+        except ValueError:
+            return None, after
+    if e == "c":
+        return 1, i + 3
+    if e.isalnum():  # \d \w \s \b ..., back references
+        return None, i + 2
+    return ord(e), i + 2
+
+
+def _json_unsafe(pattern: str) -> bool:
+    """True when ``pattern`` names a ``"``, a backslash or a control character (outside a negated
+    class, other than inside a range of printable characters): xgrammar's JSON-string grammar
+    writes such a character raw, breaking the JSON."""
+    bad = lambda c: c is not None and (c < 0x20 or c in (0x22, 0x5C))  # noqa: E731
+    i, n = 0, len(pattern)
+    while i < n:
+        if pattern[i] != "[":
+            c, i = _char(pattern, i)
+            if bad(c):
+                return True
+            continue
+        j = i + 1
+        negated = pattern[j : j + 1] == "^"
+        j += negated
+        first = True
+        while j < n and (pattern[j] != "]" or first):
+            first = False
+            c, j = _char(pattern, j)
+            if j + 1 < n and pattern[j] == "-" and pattern[j + 1] != "]":
+                _, j = _char(pattern, j + 1)
+                if not negated and c is not None and c < 0x20:
+                    return True
+            elif not negated and bad(c):
+                return True
+        i = j + 1
+    return False
 
 
 def _why_object(node: dict) -> Optional[tuple[str, str]]:
