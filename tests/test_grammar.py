@@ -538,6 +538,16 @@ DROPPED = [  # (schema, a JSON text it forbids that xgrammar's grammar of it acc
     ({"minimum": 3}, "1", "minimum"),
     ({"minLength": 3}, '"a"', "minLength"),
     ({"maxProperties": 0}, '{"a": 1}', "maxProperties"),
+    (
+        {"type": "object", "properties": {"x1": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}},
+        '{"x1": "s"}',
+        "patternProperties",
+    ),
+    (
+        {"type": "object", "properties": {"ABC": {"type": "integer"}}, "propertyNames": {"pattern": "^[a-z]+$"}},
+        '{"ABC": 1}',
+        "propertyNames",
+    ),
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "5", "oneOf"),
     ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b"]}]}, '"b"', "oneOf"),
     (  # a recursive schema's branches share themselves: the disjointness check is bounded
@@ -554,6 +564,11 @@ KEPT = [  # (schema, a JSON text it forbids, which xgrammar's grammar refuses)
     ({"allOf": [{"$ref": "#/$defs/p"}], "description": "d", "$defs": {"p": {"type": "integer", "maximum": 3}}}, "5"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 1}, "[1, 2]"),
     ({"type": "string", "enum": ["a", "b"], "title": "T"}, '"c"'),
+    ({"type": "object", "properties": {"ab": {"type": "integer"}}, "propertyNames": {"maxLength": 2}}, '{"ab": "s"}'),
+    (
+        {"type": "object", "properties": {"y": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}},
+        '{"y": 1}',
+    ),
     (
         {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"pattern": "^[a-z]+$"}},
         '{"A": 1}',

@@ -33,6 +33,9 @@ Not enforced (anywhere in the schema, ``$defs`` and tools' ``parameters`` includ
 * a value keyword (``minimum``, ``minLength``, ``pattern``, ``format``, ``minItems``,
   ``maxProperties``, ...) in a schema without ``type`` (``propertyNames`` excepted);
 * ``required`` naming a property not in ``properties``: xgrammar requires only listed ones;
+  ``propertyNames`` that a property in ``properties`` may break, and a ``patternProperties``
+  pattern matching a property in ``properties``: xgrammar holds listed properties to their own
+  schema only;
 * a ``$ref`` that is not local (``#`` or ``#/...``; ``#anchor``, URLs), ``$dynamicRef``,
   ``$recursiveRef``: xgrammar allows any value there;
 * ``oneOf`` whose branches are not plainly disjoint (different types, different ``const`` /
@@ -42,6 +45,7 @@ Not enforced (anywhere in the schema, ``$defs`` and tools' ``parameters`` includ
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator, Optional
 
 __all__ = ["unenforced_keyword", "structural_tag_schemas"]
@@ -213,7 +217,54 @@ def _why_object(node: dict) -> Optional[tuple[str, str]]:
         missing = [r for r in required if r not in props]
         if missing:
             return "required", f"{missing[0]!r} is not in properties, and the grammar only requires those"
+    props = node.get("properties")
+    if not isinstance(props, dict):
+        return None
+    names = node.get("propertyNames")
+    for name in props if isinstance(names, dict) else ():
+        if not _name_ok(name, names):
+            return (
+                "propertyNames",
+                f"property {name!r} may break it, and the grammar holds listed properties to nothing",
+            )
+    patterns = node.get("patternProperties")
+    for pattern in patterns if isinstance(patterns, dict) else ():
+        for name in props:
+            if _search(pattern, name):
+                return "patternProperties", (
+                    f"{pattern!r} matches property {name!r}, which the grammar holds to its own schema only"
+                )
     return None
+
+
+def _search(pattern: str, name: str) -> bool:
+    """True when the regex ``pattern`` matches ``name`` (or Python cannot tell: it does not parse)."""
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        return True
+
+
+def _name_ok(name: str, schema: dict) -> bool:
+    """True when ``name`` is surely valid under a ``propertyNames`` schema (pattern, min/maxLength,
+    const, enum; any other keyword: not sure)."""
+    for key, value in schema.items():
+        if key in _ANNOTATIONS or (key == "type" and value == "string"):
+            continue
+        if key == "pattern" and isinstance(value, str):
+            try:
+                ok = re.search(value, name) is not None
+            except re.error:
+                ok = False
+        elif key in ("minLength", "maxLength") and isinstance(value, int):
+            ok = len(name) >= value if key == "minLength" else len(name) <= value
+        elif key in ("const", "enum"):
+            ok = name == value if key == "const" else isinstance(value, list) and name in value
+        else:
+            ok = False
+        if not ok:
+            return False
+    return True
 
 
 def _why_one_of(node: dict, root: Any) -> Optional[tuple[str, str]]:
