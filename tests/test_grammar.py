@@ -535,6 +535,8 @@ DROPPED = [  # (schema, a JSON text it forbids that xgrammar's grammar of it acc
     ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, '"bb"', "maxLength"),
     ({"type": "string", "enum": ["a", 1]}, "1", "enum"),
     ({"type": "integer", "const": 5, "minimum": 6}, "5", "minimum"),
+    ({"enum": [12345678901234567890]}, "1.2345678901234567e+19", "enum"),  # written as a float: not it
+    ({"const": {"a": [12345678901234567890]}}, '{"a":[1.2345678901234567e+19]}', "const"),
     ({"minimum": 3}, "1", "minimum"),
     ({"minLength": 3}, '"a"', "minLength"),
     ({"maxProperties": 0}, '{"a": 1}', "maxProperties"),

@@ -33,6 +33,7 @@ Not enforced (anywhere in the schema, ``$defs`` and tools' ``parameters`` includ
 * a value keyword (``minimum``, ``minLength``, ``pattern``, ``format``, ``minItems``,
   ``maxProperties``, ...) in a schema without ``type`` (``propertyNames`` excepted);
 * ``required`` naming a property not in ``properties``: xgrammar requires only listed ones;
+  an ``enum`` / ``const`` holding an integer beyond 64 bits: xgrammar writes it as a float;
   ``propertyNames`` that a property in ``properties`` may break, and a ``patternProperties``
   pattern matching a property in ``properties``: xgrammar holds listed properties to their own
   schema only;
@@ -106,6 +107,8 @@ def _why_siblings(node: dict) -> Optional[tuple[str, str]]:
                 if other not in _ANNOTATIONS and other not in (key, "type", "enum", "const"):
                     return other, f"the grammar keeps only {key} beside it"
             values = node[key] if key == "enum" and isinstance(node[key], list) else [node.get(key)]
+            if any(_huge_int(v) for v in values):
+                return key, "xgrammar writes an integer beyond 64 bits as a float, another value"
             if "type" in node and not all(_has_type(v, node["type"]) for v in values):
                 return key, "the grammar allows its values even where they are not of the type"
     if "type" not in node and not any(k in node for k in ("enum", "const", "$ref", "anyOf", "oneOf", "allOf")):
@@ -113,6 +116,17 @@ def _why_siblings(node: dict) -> Optional[tuple[str, str]]:
             if key in node:
                 return key, 'the grammar enforces it only beside a "type"'
     return None
+
+
+def _huge_int(value: Any) -> bool:
+    """True when ``value`` holds an integer outside the signed 64-bit range."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
+            return True
+        stack.extend(v.values() if isinstance(v, dict) else v if isinstance(v, list) else ())
+    return False
 
 
 def _has_type(value: Any, types: Any) -> bool:
