@@ -31,6 +31,11 @@ request's steps; OpenAI's own limit is 4."""
 MAX_STOP_CHARS = 1024
 """The longest stop string, in characters (a stream holds back up to this many characters)."""
 
+MAX_SCHEMA_DEPTH = 128
+"""The deepest nesting (JSON objects and arrays) of a ``json_schema`` or ``structural_tag``: a
+deeper one raised RecursionError (not a ValueError) and a few hundred levels held the caller's
+thread in xgrammar's parse for seconds; the server's body parser refuses deeper bodies anyway."""
+
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """The seeds a request may give (a signed 64-bit integer, the range ``torch.Generator`` takes
 with room for the ``seed + i`` of sample ``i`` when ``n > 1``)."""
@@ -390,6 +395,10 @@ class SamplingParams:
                     value = json.loads(value)
                 except ValueError as e:
                     raise RequestError(f"{name} is not valid JSON: {e}", name) from None
+                except RecursionError:
+                    raise RequestError(f"{name} nests deeper than at most {MAX_SCHEMA_DEPTH} levels", name) from None
+            if _depth(value) > MAX_SCHEMA_DEPTH:
+                raise RequestError(f"{name} nests deeper than at most {MAX_SCHEMA_DEPTH} levels", name)
             if name == "json_schema" and not isinstance(value, (dict, bool)):
                 raise RequestError(f"json_schema must be a JSON object (or boolean), got {type(value).__name__}", name)
             if name == "structural_tag" and not isinstance(value, dict):
@@ -460,6 +469,24 @@ def _refuse_unknown(init):
         init(self, *args, **kwargs)
 
     return __init__
+
+
+def _depth(value: Any) -> int:
+    """How deep JSON objects / arrays nest in ``value`` (iterative: no recursion limit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, level = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        deepest = max(deepest, level)
+        if deepest > MAX_SCHEMA_DEPTH:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _refuse(*unknown: str) -> None:

@@ -464,6 +464,7 @@ def test_n_samples_have_their_own_matchers_and_tool_calls_validate(llm):
             "minimum greater than maximum",
         ),
         ({"regex": "(ab"}, "regex", "parenthesis is not closed"),
+        ({"regex": "(?!a)[a-z]"}, "regex", "lookahead / lookbehind ((?= (?! (?<= (?<!) is not supported"),
         ({"grammar": "root ::= undefined_rule"}, "grammar", 'Rule "undefined_rule" is not defined'),
         ({"structural_tag": {"type": "structural_tag", "format": {"type": "bogus"}}}, "structural_tag", "bogus"),
         (
@@ -474,11 +475,19 @@ def test_n_samples_have_their_own_matchers_and_tool_calls_validate(llm):
         (
             {
                 "structural_tag": tool_call_structural_tag(
-                    [{"name": "f", "parameters": {"type": "number", "multipleOf": 0.5}}]
+                    [
+                        {
+                            "name": "f",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "number", "multipleOf": 0.5}},
+                            },
+                        }
+                    ]
                 )
             },
             "structural_tag",
-            "structural_tag.format.tags[0].content: #/multipleOf: multipleOf is not enforced",
+            "structural_tag.format.tags[0].content: #/properties/x/multipleOf: multipleOf is not enforced",
         ),
     ],
 )
@@ -510,11 +519,74 @@ DROPPED = [  # (schema, a JSON text it forbids that xgrammar's grammar of it acc
     ({"multipleOf": 3}, "4", "multipleOf"),
     ({"allOf": [{"type": "integer"}, {"maximum": 3}]}, '"s"', "allOf"),
     ({"type": "integer", "allOf": [{"maximum": 3}]}, "5", "allOf"),
+    # keywords xgrammar drops beside others, or without a type (found by a helper with pydantic
+    # and hand-written schemas: each compiled and the grammar let the forbidden text through)
+    ({"type": "integer", "multipleOf": 3, "minimum": 0}, "4", "multipleOf"),  # conint(multiple_of, ge)
+    ({"type": "string", "pattern": "^a+$", "minLength": 3}, '"a"', "minLength"),  # constr(pattern, min_length)
+    ({"type": "string", "format": "email", "pattern": "^x"}, '"a@b.com"', "pattern"),
+    ({"type": "string", "format": "uuid", "maxLength": 5}, '"123e4567-e89b-12d3-a456-426614174000"', "maxLength"),
+    ({"type": "string", "pattern": "^(?!a).$"}, '"a"', "pattern"),  # lookahead
+    ({"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["a"]}, '{"b": 1}', "required"),
+    ({"type": "object", "additionalProperties": {"type": "integer"}, "required": ["a"]}, "{}", "required"),
+    ({"$defs": {"p": {"type": "integer"}}, "$ref": "#/$defs/p", "maximum": 3}, "5", "maximum"),
+    ({"$defs": {"p": {"$anchor": "P", "type": "integer"}}, "$ref": "#P"}, '"a"', "$ref"),
+    ({"type": "string", "anyOf": [{"type": "integer"}, {"type": "string"}]}, "1", "type"),
+    ({"anyOf": [{"type": "integer"}, {"type": "number"}], "minimum": 3}, "1", "minimum"),
+    ({"type": "string", "enum": ["a", "bb"], "maxLength": 1}, '"bb"', "maxLength"),
+    ({"type": "string", "enum": ["a", 1]}, "1", "enum"),
+    ({"type": "integer", "const": 5, "minimum": 6}, "5", "minimum"),
+    ({"enum": [12345678901234567890]}, "1.2345678901234567e+19", "enum"),  # written as a float: not it
+    ({"const": {"a": [12345678901234567890]}}, '{"a":[1.2345678901234567e+19]}', "const"),
+    ({"minimum": 3}, "1", "minimum"),
+    ({"minLength": 3}, '"a"', "minLength"),
+    ({"maxProperties": 0}, '{"a": 1}', "maxProperties"),
+    (
+        {"type": "object", "properties": {"x1": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}},
+        '{"x1": "s"}',
+        "patternProperties",
+    ),
+    (
+        {"type": "object", "properties": {"ABC": {"type": "integer"}}, "propertyNames": {"pattern": "^[a-z]+$"}},
+        '{"ABC": 1}',
+        "propertyNames",
+    ),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "5", "oneOf"),
+    ({"oneOf": [{"enum": ["a", "b"]}, {"enum": ["b"]}]}, '"b"', "oneOf"),
+    (  # a recursive schema's branches share themselves: the disjointness check is bounded
+        {
+            "oneOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"}],
+            "$defs": {"n": {"type": ["object", "null"], "properties": {"c": {"$ref": "#/$defs/n"}}}},
+        },
+        "null",
+        "oneOf",
+    ),
 ]
 KEPT = [  # (schema, a JSON text it forbids, which xgrammar's grammar refuses)
     ({"type": "integer", "multipleOf": 3}, "4"),
     ({"allOf": [{"$ref": "#/$defs/p"}], "description": "d", "$defs": {"p": {"type": "integer", "maximum": 3}}}, "5"),
     ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 1}, "[1, 2]"),
+    ({"type": "string", "enum": ["a", "b"], "title": "T"}, '"c"'),
+    ({"type": "object", "properties": {"ab": {"type": "integer"}}, "propertyNames": {"maxLength": 2}}, '{"ab": "s"}'),
+    (
+        {"type": "object", "properties": {"y": {"type": "string"}}, "patternProperties": {"^x": {"type": "integer"}}},
+        '{"y": 1}',
+    ),
+    (
+        {"type": "object", "additionalProperties": {"type": "integer"}, "propertyNames": {"pattern": "^[a-z]+$"}},
+        '{"A": 1}',
+    ),
+    ({"anyOf": [{"$ref": "#/$defs/p"}, {"type": "null"}], "default": None, "$defs": {"p": {"type": "integer"}}}, '"a"'),
+    (  # pydantic's discriminated union: oneOf of objects with distinct const tags
+        {
+            "oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+            "discriminator": {"propertyName": "kind"},
+            "$defs": {
+                "cat": {**_OBJ, "properties": {"kind": {"const": "cat", "type": "string"}}, "required": ["kind"]},
+                "dog": {**_OBJ, "properties": {"kind": {"const": "dog", "type": "string"}}, "required": ["kind"]},
+            },
+        },
+        '{"kind": "cow"}',
+    ),
 ]
 
 
@@ -544,6 +616,48 @@ def test_a_schema_keyword_xgrammar_drops_is_refused_with_its_path(schema, text, 
     with pytest.raises(RequestError) as e:
         GrammarBackend(None, 64, []).validate(constraint)
     assert e.value.param == "json_schema" and f"#/$defs/d/{keyword}: {keyword} is not enforced" in str(e.value)
+
+
+def test_a_recursive_one_of_is_checked_in_bounded_time():
+    """The branches of a recursive schema's oneOf share themselves: the disjointness check
+    recursed until RecursionError (a 400 reading "maximum recursion depth exceeded")."""
+    from radixkv.sampling.schema_check import unenforced_keyword
+
+    node = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}
+    schema = {"oneOf": [{"$ref": "#/$defs/n"}, {"$ref": "#/$defs/n"}], "$defs": {"n": node}}
+    assert unenforced_keyword(schema).startswith("#/oneOf: oneOf is not enforced")
+
+
+@pytest.mark.parametrize(
+    "pattern, text",
+    [
+        ('^a"b$', '"a"b"'),
+        ("^a\\nb$", '"a\nb"'),
+        ("^\\x22$", '"""'),
+        ("^C:\\\\$", '"C:\\"'),
+        ("^[\\n]$", '"\n"'),
+        ("^[\\x00-\\x1f]$", '"\x01"'),
+    ],
+)
+def test_a_pattern_naming_a_character_json_escapes_is_refused(pattern, text):
+    """xgrammar writes a ", a backslash or a control character that a pattern names raw inside
+    the JSON string: the grammar of {"type": "string", "pattern": '^a"b$'} accepts '"a"b"', so
+    the output was not JSON at all. Refused naming pattern (patternProperties' keys too); a
+    range of printable characters or a negated class holding them is safe (xgrammar leaves them
+    out)."""
+    from radixkv.sampling.schema_check import unenforced_keyword
+
+    with pytest.raises(ValueError):
+        json.loads(text)
+    schema = {"type": "string", "pattern": pattern}
+    assert _xgrammar_accepts(schema, text)
+    assert unenforced_keyword(schema).startswith("#/pattern: pattern is not enforced (it matches a")
+    props = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}}
+    assert unenforced_keyword(props).startswith("#/patternProperties: patternProperties is not enforced")
+    for safe in ("^[ -~]+$", '^[^"]$', "^\\d{3}-[0-9]{4}$", "^\\S+\\.com$"):
+        safe_schema = {"type": "string", "pattern": safe}
+        assert unenforced_keyword(safe_schema) is None
+        assert not _xgrammar_accepts(safe_schema, '"' + '"' + '"') and not _xgrammar_accepts(safe_schema, '"\\"')
 
 
 @pytest.mark.parametrize("schema, text", KEPT)

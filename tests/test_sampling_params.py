@@ -221,3 +221,32 @@ def test_numpy_scalars_are_taken_as_python_numbers_as_vllm_takes_them():
         with pytest.raises(ValueError) as e:
             SamplingParams(**kwargs)
         assert e.value.param == field
+
+
+@pytest.mark.parametrize("as_text", [False, True])
+def test_a_schema_nested_past_the_limit_is_a_value_error_naming_the_field(as_text):
+    """A JSON schema nested 2,000 levels deep (a dict or its JSON text) raised RecursionError from
+    ``SamplingParams(json_schema=...)`` (not a ValueError naming the field), and one a few hundred
+    levels deep held the caller's thread in xgrammar's parse for seconds; the limit is
+    MAX_SCHEMA_DEPTH levels of JSON nesting, the server's body parser refusing deeper bodies too."""
+    from radixkv.errors import RequestError
+    from radixkv.sampling_params import MAX_SCHEMA_DEPTH
+
+    def nested(levels, text=as_text):  # `levels` JSON objects: arrays of arrays of ... of an integer
+        if text:
+            return '{"type": "array", "items": ' * (levels - 1) + '{"type": "integer"}' + "}" * (levels - 1)
+        schema = {"type": "integer"}
+        for _ in range(levels - 1):
+            schema = {"type": "array", "items": schema}
+        return schema
+
+    ok = SamplingParams(json_schema=nested(MAX_SCHEMA_DEPTH))
+    assert ok.structured_output[0] == "json_schema"
+    for levels in (MAX_SCHEMA_DEPTH + 2, 2_000, 20_000):
+        with pytest.raises(RequestError) as e:
+            SamplingParams(json_schema=nested(levels))
+        assert e.value.param == "json_schema" and f"at most {MAX_SCHEMA_DEPTH}" in str(e.value)
+    tag = {"type": "structural_tag", "format": {"type": "json_schema", "json_schema": nested(2_000, False)}}
+    with pytest.raises(RequestError) as e:
+        SamplingParams(structural_tag=tag)
+    assert e.value.param == "structural_tag" and f"at most {MAX_SCHEMA_DEPTH}" in str(e.value)

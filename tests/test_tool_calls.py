@@ -282,3 +282,18 @@ def test_auto_calls_leave_text_free_and_make_every_call_valid(tok, compiler):
         assert not _accepts(compiler, tok, tag, "x " + weather.replace("3", '"3"'))
         assert not _accepts(compiler, tok, tag, "I like <tool_call> tags")  # the tag opens a call
         assert _accepts(compiler, tok, tag, weather + "\nAnd then " + weather) == parallel
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": ["object", "null"]}, {"enum": [1, 2]}])
+def test_a_function_whose_parameters_are_not_an_object_schema_is_refused_naming_tools(parameters):
+    """Arguments are a JSON object (the parser reads nothing else): parameters {"type": "string"}
+    compiled, and with tool_choice "required" the model wrote a call with "arguments": "f", which
+    the parser could not read, so the response had no tool_calls and the raw <tool_call> markup
+    as content. Such a function is refused (as OpenAI does), a 400 with param tools."""
+    fn = {"name": "f", "parameters": parameters}
+    for build in (lambda: forced_calls([fn], parallel=True), lambda: auto_calls([fn], parallel=True)):
+        with pytest.raises(RequestError) as e:
+            build()
+        assert e.value.param == "tools" and "'f'" in str(e.value) and 'type "object"' in str(e.value)
+    for ok in ({}, {"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}}):
+        assert forced_calls([{"name": "f", "parameters": ok}], parallel=True)["type"] == "structural_tag"

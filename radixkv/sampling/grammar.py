@@ -45,7 +45,7 @@ import torch
 from radixkv.errors import RequestError
 from radixkv.kernels import cpu as cpu_kernels
 from radixkv.namespace import namespace_key
-from radixkv.sampling.schema_check import structural_tag_schemas, unenforced_keyword
+from radixkv.sampling.schema_check import regex_lookaround, structural_tag_schemas, unenforced_keyword
 
 __all__ = [
     "GrammarBackend",
@@ -123,6 +123,8 @@ def _parse(kind: str, text: str) -> Any:
     if kind == "json_object":
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if kind == "regex":
+        if regex_lookaround(text):
+            raise ValueError("lookahead / lookbehind ((?= (?! (?<= (?<!) is not supported: the grammar would drop it")
         return xgr.Grammar.from_regex(text)
     if kind == "grammar":
         return xgr.Grammar.from_ebnf(text)
@@ -353,8 +355,9 @@ def tool_call_structural_tag(
         The structural tag as a JSON-ready dict.
 
     Raises:
-        RequestError: no tools, a tool without a name, or ``name`` not among them (``param``
-            "tools" / "tool_choice").
+        RequestError: no tools, a tool without a name or whose ``parameters`` are not a schema
+            of ``"type": "object"`` (the arguments are a JSON object), or ``name`` not among them
+            (``param`` "tools" / "tool_choice").
     """
     funcs = []
     for t in tools:
@@ -374,6 +377,10 @@ def tool_call_structural_tag(
     for f in funcs:
         params = f.get("parameters")
         schema = params if isinstance(params, dict) and params else {"type": "object"}
+        if schema.get("type") != "object":  # arguments are a JSON object: the parser reads no other
+            raise RequestError(
+                f'tool {f["name"]!r}: parameters must be a JSON schema of type "object", got {params!r}', "tools"
+            )
         prefix = begin + '{"name": ' + json.dumps(f["name"], ensure_ascii=False) + ', "arguments": '
         tags.append(
             {
