@@ -128,6 +128,40 @@ def test_health_reports_dead_replicas(tokenizer):
     assert _health(app)[0] == 200
 
 
+def test_stats_with_no_replica_reporting_are_a_503_not_an_empty_pool(tokenizer):
+    """While no replica has its stats at the index (every replica dead, or the index restarted
+    and none has pushed yet), ``/cache_stats`` is the 503 ``engine_dead`` ``/health`` answers
+    then, and ``/metrics`` keeps the replicas' last figures. Before the fix both answered a KV
+    pool of 0 tokens (``capacity`` 0, ``radixkv_kv_capacity_tokens`` 0), which one engine never
+    reports: a killed ``ray::CacheIndex`` gave ``{"capacity": 0, "free": 0, ...}`` for a second."""
+    from radixkv.server.app import create_app
+    from radixkv.server.backend import ModelFacts, sum_stats
+
+    one = sum_stats([]).as_dict() | {"capacity": 4096, "free": 4096}
+    index = _Index(["r0", "r1"], one)
+    facts = ModelFacts("m", None, "llama", None, len(tokenizer), 2048)
+    app = create_app(ray_mod.RemoteLLM(None, tokenizer, facts, index, replicas=2), served_model_name="m")
+
+    async def get(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            r = await http.get(path)
+            return r.status_code, r.text
+
+    def capacity():
+        code, text = asyncio.run(get("/metrics"))
+        line = next(x for x in text.splitlines() if x.startswith("radixkv_kv_capacity_tokens "))
+        return code, float(line.split()[1])
+
+    assert capacity() == (200, 8192.0)
+    index.live[:] = []
+    code, text = asyncio.run(get("/cache_stats"))
+    assert code == 503 and json.loads(text)["error"]["code"] == "engine_dead", text
+    assert "no replica has reported its stats" in json.loads(text)["error"]["message"], text
+    assert capacity() == (200, 8192.0)  # the last figures the replicas gave
+    index.live[:] = ["r2"]
+    assert json.loads(asyncio.run(get("/cache_stats"))[1])["capacity"] == 4096 and capacity() == (200, 4096.0)
+
+
 def test_a_running_request_id_is_refused(tokenizer):
     from radixkv.errors import RequestError
     from radixkv.sampling_params import SamplingParams

@@ -428,6 +428,8 @@ class EngineReplica:
         self._index = get_index()
         info = dict(epoch=self.publisher.epoch, actor_name=ray.get_runtime_context().get_actor_name(), pid=os.getpid())
         ray.get(self._index.register.remote(self.replica_id, info))
+        # its stats at once (not a push interval later): a replica counted live always has stats to sum
+        ray.get(self._index.push.remote(self.replica_id, None, self._stats(), info))
         self._info = info  # every push carries it: an index that restarted learns this replica
         self._stop = threading.Event()
         self._interval = push_interval
@@ -443,8 +445,7 @@ class EngineReplica:
                 batch = self.publisher.drain()
                 stats = None
                 if time.monotonic() - last_stats >= self._interval:
-                    stats = self.llm.cache_stats().as_dict()  # AsyncLLM: plain snapshot methods
-                    stats["unfinished"] = self.llm.num_unfinished_requests()
+                    stats = self._stats()
                     last_stats = time.monotonic()
                 if batch is None and stats is None:
                     continue
@@ -457,6 +458,12 @@ class EngineReplica:
                 logger.exception("pushing cache events failed")
                 time.sleep(0.5)
         loop.close()
+
+    def _stats(self) -> dict:
+        """The stats pushed to the index: ``cache_stats()`` and ``unfinished``."""
+        stats = self.llm.cache_stats().as_dict()  # AsyncLLM: plain snapshot methods
+        stats["unfinished"] = self.llm.num_unfinished_requests()
+        return stats
 
     def info(self) -> dict:
         """``replica_id``, ``max_context_len``, ``epoch``, ``actor_name`` and ``facts`` (the
@@ -748,13 +755,21 @@ class RemoteLLM:
     async def cache_stats(self, check: bool = False) -> Any:
         """The replicas' ``cache_stats`` summed (ratios recomputed): as each last reported it to
         the index actor (once a second), or with ``check`` as each returned it right after its
-        integrity check (run on every replica; an ``AssertionError`` when one fails)."""
+        integrity check (run on every replica; an ``AssertionError`` when one fails). An
+        :class:`EngineDeadError` (503) while the index holds no replica's stats (every replica
+        dead, or the index restarted and none has pushed yet): the sum of none is no KV pool."""
+        from radixkv.async_llm import EngineDeadError
         from radixkv.server.backend import sum_stats
 
         if check:
             per = [r["stats"] for r in await self._on_every_replica("check_integrity")]
         else:
             per = list((await self._ask_index("state"))["replica_stats"].values())
+        if not per:
+            raise EngineDeadError(
+                f"no replica has reported its stats (0 of {self.replicas} live, or the router's cache index "
+                "restarted; Ray Serve restarts them)"
+            )
         return sum_stats(per)
 
     async def _on_every_replica(self, method: str, tries: int = 3) -> list[dict]:

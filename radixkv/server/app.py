@@ -333,7 +333,10 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        metrics.update_engine(await client.cache_stats())
+        try:
+            metrics.update_engine(await client.cache_stats())
+        except EngineDeadError:  # no replica reports now (Ray Serve restarts them): the last figures
+            pass
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/flush_cache", operation_id="flush_cache_post")
