@@ -1085,6 +1085,9 @@ def run(args: Any, engine_kwargs: dict, served_model_name: str, api_keys: Any = 
     deployment down: Serve's actors, then the local Ray instance with every process it started
     (``ray.shutdown``; a cluster joined with ``--ray-address`` keeps running, Serve on it shut down).
     ``api_keys``: the ingress's :class:`~radixkv.server.auth.APIKeys` (None: no keys)."""
+    # NOTE: this process's own log (the replicas and Serve write theirs to Ray's session logs)
+    level = str(getattr(args, "log_level", "info")).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     bad = replica_config_error(engine_kwargs)
     if bad is None and not getattr(args, "ray_address", None):
         bad = local_cpus_error(args.replicas, args.replica_cpus)
