@@ -317,7 +317,10 @@ def _add_engine_routes(app: FastAPI, client: EngineClient, metrics: ServerMetric
             raise EngineDeadError(f"the engine thread has stopped: {backend.dead_error!r}")
         reps = await backend.replica_health()
         if reps is not None and reps["live"] == 0:
-            raise EngineDeadError(f"no replica is serving (0 of {reps['replicas']} live; Ray Serve restarts them)")
+            raise EngineDeadError(
+                f"no replica is registered with the router's cache index (0 of {reps['replicas']}): replicas "
+                "restarting (Ray Serve restarts them), or the index just restarted and they have not pushed yet"
+            )
         tiers = (await client.cache_stats()).tiers  # a failing KV tier is a miss: still healthy
         degraded = sorted(m for m, t in tiers.items() if t.get("degraded"))
         body: dict = {"status": "degraded" if degraded else "ok", "degraded_tiers": degraded}
