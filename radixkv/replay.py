@@ -325,6 +325,33 @@ def _conversations(args: argparse.Namespace) -> Optional[List[List[str]]]:
         return None
 
 
+def _tier_kwargs(args: argparse.Namespace) -> dict:
+    """The KV tier keywords of the cached modes' engines (``radixkv serve``'s flags)."""
+    from radixkv.server.cli import tier_kwargs_from_args
+
+    return tier_kwargs_from_args(args)
+
+
+def _engine_config(args: argparse.Namespace, modes: List[str], kv: dict, tiers: dict):
+    """The replay's resolved ``EngineConfig`` (no tiers), after checking the cached modes' KV tier
+    settings as their engines will (a malformed URL, a zero disk budget, a bad write policy).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    from radixkv.config import EngineConfig
+
+    cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
+    cached = [MODES[m] for m in modes if m != "off"]
+    if tiers and cached:
+        from radixkv.engine.tiers import check_settings
+
+        check_settings(
+            EngineConfig(model=args.model, device=cfg.device, prefix_cache=cached[0], **kv, **tiers).resolve()
+        )
+    return cfg
+
+
 def run(args: argparse.Namespace, loaded_model=None) -> int:
     """Run the replay described by ``args``; prints the table, returns 0 (1 if outputs differ
     between modes, 2 for bad arguments). ``loaded_model`` reuses already loaded weights."""
@@ -336,16 +363,15 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     if err is not None:
         print(f"radixkv replay: {err}", file=sys.stderr)
         return 2
-    from radixkv.config import EngineConfig
-
     kv = dict(
         max_total_tokens=args.max_total_tokens,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
     )
     spec = getattr(args, "speculative_config", None)
-    try:  # bad K/V options fail before the dataset and the model load
-        cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
+    tiers = _tier_kwargs(args)
+    try:  # bad K/V and tier options fail before the dataset and the model load
+        cfg = _engine_config(args, modes, kv, tiers)
     except ValueError as exc:
         print(f"radixkv replay: {exc}", file=sys.stderr)
         return 2
@@ -376,9 +402,6 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
 
         open(args.log_requests, "w").close()  # a fresh trace
         log = TraceWriter(args.log_requests)
-    from radixkv.server.cli import tier_kwargs_from_args
-
-    tiers = tier_kwargs_from_args(args)
     for k, mode in enumerate(modes):
         llm = LLM(
             args.model,
