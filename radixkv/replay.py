@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -307,6 +308,9 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
             f"{', '.join(shared)}: with more than one cached mode the later one reads the blocks the earlier "
             "one wrote there (its hit rate would not be its own); replay one cached mode per run"
         )
+    out, log = getattr(args, "output", None), getattr(args, "log_requests", None)
+    if out and log and os.path.realpath(out) == os.path.realpath(log):
+        return f"--output and --log-requests name the same file {out!r} (the rows would overwrite the trace)"
     from radixkv.obs.cli import check_writable
 
     try:  # before the model loads and the replay runs, not after

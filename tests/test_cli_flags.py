@@ -263,3 +263,13 @@ def test_replay_refuses_bad_tier_settings_before_loading(flags, why, tmp_path, c
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
     line = refused(["replay", *flags, "--model", "/nonexistent/model"], capsys)
     assert line.startswith(f"radixkv replay: {why}"), line
+
+
+def test_replay_refuses_one_file_for_output_and_the_request_log(tmp_path, capsys):
+    # the trace was written, announced ("wrote 4 requests to F"), then overwritten by the rows
+    f = str(tmp_path / "x.json")
+    line = refused(["replay", "--output", f, "--log-requests", f, "--model", "/nonexistent/model"], capsys)
+    assert (
+        line
+        == f"radixkv replay: --output and --log-requests name the same file {f!r} (the rows would overwrite the trace)"
+    )
