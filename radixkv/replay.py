@@ -297,7 +297,8 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     if getattr(args, "skip", 0) < 0:
         return "--skip must be >= 0"
     tiers = [f"--{n.replace('_', '-')}" for n in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url")]
-    tiers = [f for f in tiers if getattr(args, f[2:].replace("-", "_"), None)]
+    given = {f: getattr(args, f[2:].replace("-", "_"), None) for f in tiers}  # '' is given; host 0 is none
+    tiers = [f for f, v in given.items() if (v if f == "--host-cache-bytes" else v is not None)]
     if tiers and "hash" in modes and "write_back" in (getattr(args, "kv_tier_write_policy", None) or ""):
         return "--kv-tier-write-policy write_back needs the radix cache; --modes hash writes every tier through"
     if tiers and "off" in modes and len(modes) == 1:

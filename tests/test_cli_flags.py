@@ -141,6 +141,9 @@ def test_replay_refuses_kv_tiers_when_no_mode_caches(tmp_path, capsys):
     assert (
         line == "radixkv replay: --disk-cache-dir: KV tiers serve the cached modes (radix, hash); --modes off has none"
     )
+    # an empty --disk-cache-dir was skipped by the check and then ignored (no engine gets tiers)
+    argv = ["replay", "--modes", "off", "--disk-cache-dir", "", "--model", "/nonexistent/model"]
+    assert refused(argv, capsys).startswith("radixkv replay: --disk-cache-dir: KV tiers serve the cached modes")
 
 
 def test_replay_refuses_a_shared_tier_across_cached_modes(tmp_path, capsys):
