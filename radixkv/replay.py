@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -296,7 +297,8 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     if getattr(args, "skip", 0) < 0:
         return "--skip must be >= 0"
     tiers = [f"--{n.replace('_', '-')}" for n in ("host_cache_bytes", "disk_cache_dir", "remote_cache_url")]
-    tiers = [f for f in tiers if getattr(args, f[2:].replace("-", "_"), None)]
+    given = {f: getattr(args, f[2:].replace("-", "_"), None) for f in tiers}  # '' is given; host 0 is none
+    tiers = [f for f, v in given.items() if (v if f == "--host-cache-bytes" else v is not None)]
     if tiers and "hash" in modes and "write_back" in (getattr(args, "kv_tier_write_policy", None) or ""):
         return "--kv-tier-write-policy write_back needs the radix cache; --modes hash writes every tier through"
     if tiers and "off" in modes and len(modes) == 1:
@@ -307,6 +309,9 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
             f"{', '.join(shared)}: with more than one cached mode the later one reads the blocks the earlier "
             "one wrote there (its hit rate would not be its own); replay one cached mode per run"
         )
+    out, log = getattr(args, "output", None), getattr(args, "log_requests", None)
+    if out and log and os.path.realpath(out) == os.path.realpath(log):
+        return f"--output and --log-requests name the same file {out!r} (the rows would overwrite the trace)"
     from radixkv.obs.cli import check_writable
 
     try:  # before the model loads and the replay runs, not after
@@ -325,6 +330,33 @@ def _conversations(args: argparse.Namespace) -> Optional[List[List[str]]]:
         return None
 
 
+def _tier_kwargs(args: argparse.Namespace) -> dict:
+    """The KV tier keywords of the cached modes' engines (``radixkv serve``'s flags)."""
+    from radixkv.server.cli import tier_kwargs_from_args
+
+    return tier_kwargs_from_args(args)
+
+
+def _engine_config(args: argparse.Namespace, modes: List[str], kv: dict, tiers: dict):
+    """The replay's resolved ``EngineConfig`` (no tiers), after checking the cached modes' KV tier
+    settings as their engines will (a malformed URL, a zero disk budget, a bad write policy).
+
+    Raises:
+        ValueError: naming the field.
+    """
+    from radixkv.config import EngineConfig
+
+    cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
+    cached = [MODES[m] for m in modes if m != "off"]
+    if tiers and cached:
+        from radixkv.engine.tiers import check_settings
+
+        check_settings(
+            EngineConfig(model=args.model, device=cfg.device, prefix_cache=cached[0], **kv, **tiers).resolve()
+        )
+    return cfg
+
+
 def run(args: argparse.Namespace, loaded_model=None) -> int:
     """Run the replay described by ``args``; prints the table, returns 0 (1 if outputs differ
     between modes, 2 for bad arguments). ``loaded_model`` reuses already loaded weights."""
@@ -336,16 +368,15 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     if err is not None:
         print(f"radixkv replay: {err}", file=sys.stderr)
         return 2
-    from radixkv.config import EngineConfig
-
     kv = dict(
         max_total_tokens=args.max_total_tokens,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
     )
     spec = getattr(args, "speculative_config", None)
-    try:  # bad K/V options fail before the dataset and the model load
-        cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size, **kv).resolve()
+    tiers = _tier_kwargs(args)
+    try:  # bad K/V and tier options fail before the dataset and the model load
+        cfg = _engine_config(args, modes, kv, tiers)
     except ValueError as exc:
         print(f"radixkv replay: {exc}", file=sys.stderr)
         return 2
@@ -376,9 +407,6 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
 
         open(args.log_requests, "w").close()  # a fresh trace
         log = TraceWriter(args.log_requests)
-    from radixkv.server.cli import tier_kwargs_from_args
-
-    tiers = tier_kwargs_from_args(args)
     for k, mode in enumerate(modes):
         llm = LLM(
             args.model,

@@ -141,6 +141,9 @@ def test_replay_refuses_kv_tiers_when_no_mode_caches(tmp_path, capsys):
     assert (
         line == "radixkv replay: --disk-cache-dir: KV tiers serve the cached modes (radix, hash); --modes off has none"
     )
+    # an empty --disk-cache-dir was skipped by the check and then ignored (no engine gets tiers)
+    argv = ["replay", "--modes", "off", "--disk-cache-dir", "", "--model", "/nonexistent/model"]
+    assert refused(argv, capsys).startswith("radixkv replay: --disk-cache-dir: KV tiers serve the cached modes")
 
 
 def test_replay_refuses_a_shared_tier_across_cached_modes(tmp_path, capsys):
@@ -244,3 +247,32 @@ def test_serve_max_request_bytes_parses_sizes_and_refuses_less_than_a_byte(capsy
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--max-request-bytes", bad, "--model", "/nonexistent/model"])
         assert exc.value.code == 2 and "argument --max-request-bytes: --max-request-bytes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--remote-cache-url", "http://x"], "remote_cache_url 'http://x': scheme 'http' is not redis or rediss"),
+        (["--disk-cache-dir", "{tmp}", "--disk-cache-bytes", "0"], "disk_cache_bytes must be > 0 when disk_cache_dir"),
+        (["--host-cache-bytes", "1MB", "--kv-tier-write-policy", "bogus"], "kv_tier_write_policy: host must be one of"),
+        (
+            ["--disk-cache-dir", "{tmp}", "--kv-tier-write-policy", "host=write_back"],
+            "kv_tier_write_policy names the host",
+        ),
+    ],
+)
+def test_replay_refuses_bad_tier_settings_before_loading(flags, why, tmp_path, capsys):
+    # these were refused only by the radix mode's engine, after the model load and the warm-up replay
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    line = refused(["replay", *flags, "--model", "/nonexistent/model"], capsys)
+    assert line.startswith(f"radixkv replay: {why}"), line
+
+
+def test_replay_refuses_one_file_for_output_and_the_request_log(tmp_path, capsys):
+    # the trace was written, announced ("wrote 4 requests to F"), then overwritten by the rows
+    f = str(tmp_path / "x.json")
+    line = refused(["replay", "--output", f, "--log-requests", f, "--model", "/nonexistent/model"], capsys)
+    assert (
+        line
+        == f"radixkv replay: --output and --log-requests name the same file {f!r} (the rows would overwrite the trace)"
+    )
