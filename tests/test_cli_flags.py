@@ -106,7 +106,7 @@ def test_plan_refuses_a_flag_that_would_do_nothing(argv, line, capsys):
 def test_plan_defaults_still_apply_when_left_out(capsys):
     assert main(["plan", "--model", "llama-3-8b", "--gpu-memory", "80", "--kv-dtype", "fp8", "--json"]) == 0
     fit = json.loads(capsys.readouterr().out)["fit"]
-    assert (fit["memory_fraction"], fit["weight_dtype"], fit["tokens"]) == (0.9, "bfloat16", 853_568)
+    assert (fit["memory_fraction"], fit["weight_dtype"], fit["tokens"]) == (0.9, "bfloat16", 840_436)
     assert main(["plan", "--list", "--kv-dtype", "fp8"]) == 0 and "DeepSeek-V3" in capsys.readouterr().out
 
 
