@@ -7,7 +7,8 @@ starts with everything turn ``t`` computed. ``--conversations`` conversations ru
 current turn of every active conversation is submitted together, and the next turn goes out when
 all replies are back; with ``--concurrency C``, at most C requests are in flight instead, a
 conversation's next turn queued behind the others' once its reply is back (closed loop). Greedy decoding, so every mode sees the same prompts and must give the same
-replies (checked and printed).
+replies (checked and printed; a difference is exit status 1 with float32 K/V, and reported
+only with a smaller K/V dtype, whose rounding can flip a reply: docs/model.md).
 
 Reported per mode: requests, prompt tokens, cached tokens (prompt tokens served from the prefix
 cache), hit rate, prefill tokens computed, TTFT p50/p90 (submission to first token, queueing
@@ -280,6 +281,19 @@ def _print_spec_rows(rows: List[dict], spec) -> None:
         print(f"[{r['mode']}] speculative {spec.method}: {d} draft tokens, {a} accepted ({a / max(d, 1):.0%})")
 
 
+def identical_verdict(replies: Dict[str, list], modes: List[str], rows: List[dict]) -> tuple:
+    """(the line to print, or "" with one mode; whether the run passes) for the modes' greedy
+    replies: a difference fails with a float32 pool, and is only reported with a smaller K/V
+    dtype, whose rounding magnifies the last-bit differences of a prompt prefilled in other
+    pieces (a cached prefix), so a greedy reply may flip (docs/model.md)."""
+    same = all(replies[m] == replies[modes[0]] for m in modes)
+    lossy = rows[0]["kv_cache_dtype"] if rows and rows[0]["kv_cache_dtype"] != "float32" else None
+    if len(modes) < 2:
+        return "", True
+    note = f" (possible with {lossy} K/V, not a failure: docs/model.md)" if lossy and not same else ""
+    return f"greedy replies identical across modes: {'yes' if same else 'NO'}{note}", same or lossy is not None
+
+
 def _print_tier_rows(rows: List[dict]) -> None:
     """A line per mode whose KV tiers served tokens: its cached tokens by tier."""
     for r in rows:
@@ -445,11 +459,11 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     print(format_table(rows))
     _print_tier_rows(rows)
     _print_spec_rows(rows, spec)
-    same = all(replies[m] == replies[modes[0]] for m in modes)
-    if len(modes) > 1:
-        print(f"greedy replies identical across modes: {'yes' if same else 'NO'}")
+    line, ok = identical_verdict(replies, modes, rows)
+    if line:
+        print(line)
     print(f"total time {time.perf_counter() - t_setup:.1f} s (dataset, model loads and replays)")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)
-    return 0 if same else 1
+    return 0 if ok else 1

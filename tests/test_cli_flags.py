@@ -276,3 +276,19 @@ def test_replay_refuses_one_file_for_output_and_the_request_log(tmp_path, capsys
         line
         == f"radixkv replay: --output and --log-requests name the same file {f!r} (the rows would overwrite the trace)"
     )
+
+
+def test_replay_fails_on_different_replies_only_with_a_float32_pool():
+    """The replay's exactness check: modes' greedy replies that differ fail the run (exit 1) with
+    float32 K/V; with a bfloat16 / fp8 pool the difference is reported, not a failure (before, a
+    bf16 replay exited 1 for what docs/model.md says rounding may do)."""
+    from radixkv.replay import identical_verdict
+
+    same, diff = {"radix": [["a"]], "off": [["a"]]}, {"radix": [["a"]], "off": [["b"]]}
+    f32, bf16 = [{"kv_cache_dtype": "float32"}] * 2, [{"kv_cache_dtype": "bfloat16"}] * 2
+    assert identical_verdict(same, ["radix", "off"], f32) == ("greedy replies identical across modes: yes", True)
+    assert identical_verdict(diff, ["radix", "off"], f32) == ("greedy replies identical across modes: NO", False)
+    line, ok = identical_verdict(diff, ["radix", "off"], bf16)
+    assert ok and line.startswith("greedy replies identical across modes: NO (possible with bfloat16 K/V")
+    assert identical_verdict(same, ["radix", "off"], bf16) == ("greedy replies identical across modes: yes", True)
+    assert identical_verdict(diff, ["radix"], f32) == ("", True)
