@@ -123,7 +123,7 @@ def test_health_reports_dead_replicas(tokenizer):
     index.live[:] = []  # both died: nothing can serve until Serve restarts them
     code, body = _health(app)
     assert code == 503 and body["error"]["code"] == "engine_dead", body
-    assert "0 of 2 live" in body["error"]["message"], body
+    assert "no replica is registered" in body["error"]["message"] and "(0 of 2)" in body["error"]["message"], body
     index.live[:] = ["r2", "r3"]  # restarted
     assert _health(app)[0] == 200
 

@@ -221,6 +221,7 @@ def test_each_prompt_of_a_request_observes_its_own_time_to_first_token(monkeypat
     """A request of several prompts observes each prompt's own TTFT (and its latency when its
     first output is its last): each observed the time until every prompt had one."""
     import asyncio
+    from types import SimpleNamespace
 
     from radixkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from radixkv.server import engine_client
@@ -234,6 +235,9 @@ def test_each_prompt_of_a_request_observes_its_own_time_to_first_token(monkeypat
             return cls.now
 
     class Backend:
+        def model_facts(self):  # the engine's static facts: no max_queued_requests bound
+            return SimpleNamespace(config={})
+
         def generate(self, text, params, rid, prompt_token_ids, namespace=None, on_finish=None, routing_key=None):
             async def gen():
                 Clock.now += 1.0 if rid.endswith("-0") else 5.0  # prompt 0 after 1 s, prompt 1 after 5 more
