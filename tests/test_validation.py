@@ -314,6 +314,18 @@ def test_server_enforces_the_same_limits(tokenizer):
         asyncio.run(a.call_in_engine_thread(assert_idle))
 
 
+def _queue_bounded_llm(tokenizer, max_queued_requests: int) -> AsyncLLM:
+    """An AsyncLLM over the null runner whose queue holds ``max_queued_requests``."""
+    return AsyncLLM(
+        model_runner=NullRunner(len(tokenizer), 1, 8, max_context_len=CTX),
+        tokenizer=tokenizer,
+        eos_token_ids=[],
+        device="cpu",
+        max_total_tokens=4096,
+        max_queued_requests=max_queued_requests,
+    )
+
+
 def test_queue_is_bounded_by_max_queued_requests(tokenizer):
     """``EngineConfig.max_queued_requests`` bounds the requests waiting for admission: the engine
     refuses one more with a QueueFullError naming the field (nothing submitted), admits the
@@ -345,14 +357,7 @@ def test_queue_is_bounded_by_max_queued_requests(tokenizer):
     with pytest.raises(ValueError, match="max_queued_requests must be None or an integer >= 0"):
         EngineConfig(max_queued_requests=-1).resolve()
 
-    with AsyncLLM(
-        model_runner=NullRunner(len(tokenizer), 1, 8, max_context_len=CTX),
-        tokenizer=tokenizer,
-        eos_token_ids=[],
-        device="cpu",
-        max_total_tokens=4096,
-        max_queued_requests=0,  # nothing may wait: every request is refused, deterministically
-    ) as a:
+    with _queue_bounded_llm(tokenizer, 0) as a:  # nothing may wait: every request is refused, deterministically
         app = create_app(a, served_model_name="m")
 
         async def run():
@@ -375,14 +380,7 @@ def test_a_batch_larger_than_the_queue_is_a_400_not_a_429(tokenizer):
     message counting the batch's own prompts as waiting); a batch at the limit runs."""
     from radixkv.server.app import create_app
 
-    with AsyncLLM(
-        model_runner=NullRunner(len(tokenizer), 1, 8, max_context_len=CTX),
-        tokenizer=tokenizer,
-        eos_token_ids=[],
-        device="cpu",
-        max_total_tokens=4096,
-        max_queued_requests=3,
-    ) as a:
+    with _queue_bounded_llm(tokenizer, 3) as a:
         app = create_app(a, served_model_name="m")
 
         async def run():
