@@ -365,6 +365,13 @@ def test_a_pool_too_small_for_any_request_is_refused_at_start(tiny):
     assert llm.engine.max_context_len == 2
     out = llm.generate([[1]], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 1
+    # the context is the pool's size here: the refusal names the setting to raise (it named only
+    # max_context_len, which a replay or serve user never set)
+    pool = "max_context_len is 2, the KV pool's 2 slots (max_total_tokens, or what kv_cache_memory_bytes holds)"
+    with pytest.raises(ValueError, match=re.escape(f"prompt has 2 tokens; {pool}")):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape("exceeds max_context_len 2, the KV pool's 2 slots")):
+        llm.generate([[1]], SamplingParams(max_tokens=2), use_tqdm=False)
 
 
 def test_an_async_llm_dropped_without_shutdown_is_freed(tiny):

@@ -77,11 +77,19 @@ def _prompt_ids(prompt_token_ids: Any, lim: Limits) -> List[int]:
         raise RequestError(f"prompt_token_ids holds {bad[0]}, outside the vocabulary [0, {lim.vocab_size})", "prompt")
     if len(ids) >= lim.max_context_len:
         raise RequestError(
-            f"prompt has {len(ids)} tokens; max_context_len is {lim.max_context_len} "
+            f"prompt has {len(ids)} tokens; max_context_len is {lim.max_context_len}{_pool_cap(lim)} "
             f"(the prompt plus at least one generated token must fit)",
             "prompt",
         )
     return ids
+
+
+def _pool_cap(lim: Limits) -> str:
+    """Where ``max_context_len`` is the KV pool's size (the default context is capped at it),
+    the words saying so: the setting to raise is the pool's, not the context's."""
+    if lim.max_context_len != lim.capacity:
+        return ""
+    return f", the KV pool's {lim.capacity} slots (max_total_tokens, or what kv_cache_memory_bytes holds)"
 
 
 def _check_sizes(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
@@ -89,7 +97,7 @@ def _check_sizes(params: SamplingParams, n_prompt: int, lim: Limits) -> None:
     if n_prompt + params.max_tokens > lim.max_context_len:
         raise RequestError(
             f"max_tokens={params.max_tokens} plus the {n_prompt} prompt tokens exceeds max_context_len "
-            f"{lim.max_context_len} (at most {lim.max_context_len - n_prompt} new tokens for this prompt)",
+            f"{lim.max_context_len}{_pool_cap(lim)} (at most {lim.max_context_len - n_prompt} new tokens for this prompt)",
             "max_tokens",
         )
     if params.n > lim.max_n:
