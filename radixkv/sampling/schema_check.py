@@ -49,7 +49,7 @@ from __future__ import annotations
 import re
 from typing import Any, Iterator, Optional
 
-__all__ = ["unenforced_keyword", "structural_tag_schemas"]
+__all__ = ["unenforced_keyword", "structural_tag_schemas", "regex_lookaround"]
 
 _ANNOTATIONS = frozenset(
     ("title", "description", "default", "examples", "$comment", "deprecated", "readOnly", "writeOnly", "$id")
@@ -194,16 +194,20 @@ def _char(p: str, i: int) -> tuple[Optional[int], int]:
     return ord(e), i + 2
 
 
+def _needs_escape(c: Optional[int]) -> bool:
+    """True for a code point JSON writes escaped in a string: ``"``, a backslash, a control."""
+    return c is not None and (c < 0x20 or c in (0x22, 0x5C))
+
+
 def _json_unsafe(pattern: str) -> bool:
     """True when ``pattern`` names a ``"``, a backslash or a control character (outside a negated
     class, other than inside a range of printable characters): xgrammar's JSON-string grammar
     writes such a character raw, breaking the JSON."""
-    bad = lambda c: c is not None and (c < 0x20 or c in (0x22, 0x5C))  # noqa: E731
     i, n = 0, len(pattern)
     while i < n:
         if pattern[i] != "[":
             c, i = _char(pattern, i)
-            if bad(c):
+            if _needs_escape(c):
                 return True
             continue
         j = i + 1
@@ -217,7 +221,7 @@ def _json_unsafe(pattern: str) -> bool:
                 _, j = _char(pattern, j + 1)
                 if not negated and c is not None and c < 0x20:
                     return True
-            elif not negated and bad(c):
+            elif not negated and _needs_escape(c):
                 return True
         i = j + 1
     return False
