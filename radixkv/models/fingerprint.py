@@ -1,7 +1,8 @@
 """The identity of a model's weights, for keys of KV blocks that outlive a process (docs/tiers.md).
 
 :func:`weights_digest` hashes every tensor of the model's ``state_dict`` (names, dtypes, shapes
-and raw bytes, in name order): the same weights give the same 16 bytes in every process and on
+and raw bytes, in name order) and the int8 layers' packed weights and scales (FBGEMM keeps them
+outside the ``state_dict``): the same weights give the same 16 bytes in every process and on
 every restart, and any change of a weight, of the weights' dtype or of their quantization (int8
 weights are other tensors) gives other bytes. It reads what is loaded, not the files, so a model
 built in memory (random test models, weights changed after loading) is named by what it computes
@@ -91,7 +92,9 @@ def config_digest(model: Any) -> bytes:
 
 def weights_digest(model: torch.nn.Module) -> bytes:
     """16 bytes naming ``model``'s weights (module docstring): blake2b over each ``state_dict``
-    entry's name, dtype, shape and bytes, in name order. Memoized per model object."""
+    entry's name, dtype, shape and bytes, in name order, then the same of each module's
+    ``packed_tensors()`` (int8 layers: their packed weights and scales, not in the
+    ``state_dict``). Memoized per model object."""
     with _LOCK:
         got = _DIGESTS.get(model)
     if got is not None:
@@ -103,6 +106,12 @@ def weights_digest(model: torch.nn.Module) -> bytes:
             t = state[name]
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(_tensor_bytes(t))
+        for mod_name, mod in model.named_modules():  # int8 layers keep their weights packed
+            packed = mod.packed_tensors() if hasattr(mod, "packed_tensors") else {}
+            for key in sorted(packed):
+                t = packed[key]
+                h.update(f"{mod_name}.{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(_tensor_bytes(t))
     digest = h.digest()
     with _LOCK:
         _DIGESTS[model] = digest
