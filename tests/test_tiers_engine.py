@@ -19,6 +19,7 @@ from radixkv.engine.events import CacheInserted
 from radixkv.memory.kv_io import layout_of
 from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
+from radixkv.tiers.codec import HEADER_SIZE
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -282,15 +283,29 @@ def test_bad_tier_settings_fail_at_start(tmp_path):
         parse_bytes("-1", "host_cache_bytes")
     # a budget below one block's K/V: every write was rejected, silently, the tier never held a block
     # (radixkv serve --disk-cache-bytes 100KB on the default model: rejected 12, health ok)
-    block = 16 * layout_of(KVRunner(8, 1, 1).kv_pool).token_bytes
-    for field, kw in (("host_cache_bytes", {}), ("disk_cache_bytes", {"disk_cache_dir": str(tmp_path / "d")})):
-        with pytest.raises(ValueError) as e:
-            kv_engine(**{field: block - 1}, **kw)
-        assert str(e.value) == (
-            f"{field} {block - 1} holds no block: one block of this model is {block} bytes of K/V "
-            f"(16 tokens x {block // 16}); give at least that"
-        )
-        e = kv_engine(**{field: block}, **kw)
+    # ... and one of exactly a block's K/V too: a stored block is its record (the K/V, the token ids,
+    # the layout's meta; on disk the codec's header, padding and checksum), so every write was
+    # rejected there as well (host: 64 + len(meta) bytes over, disk: the codec's encoded size)
+    lay = layout_of(KVRunner(8, 1, 1).kv_pool)
+    block = 16 * lay.token_bytes
+    host_need = block + 64 + len(lay.meta)
+    disk_need = HEADER_SIZE + 64 + len(lay.meta) + (-(HEADER_SIZE + 64 + len(lay.meta)) % 64) + block + 16
+    disk = {"disk_cache_dir": str(tmp_path / "d")}
+    for field, need, kw in (("host_cache_bytes", host_need, {}), ("disk_cache_bytes", disk_need, disk)):
+        for budget in (block, need - 1):
+            with pytest.raises(ValueError) as e:
+                kv_engine(**{field: budget}, **kw)
+            assert str(e.value) == (
+                f"{field} {budget} holds no block: one block of this model is {need} bytes in that tier "
+                f"(16 tokens x {block // 16} bytes of K/V and {need - block} of its record); give at least that"
+            )
+        e = kv_engine(**{field: need}, kv_tier_write_policy="write_through", **kw)
+        generate(e, [prompt(19, 40)])
+        assert e.kv.tiers.drain(30)
+        st = e.cache_stats().tiers[field.split("_")[0]]
+        # the 2 whole blocks and the tails after the prompt and the reply stored, none rejected
+        assert (st["blocks_written"], st["rejected"], st["blocks"]) == (4, 0, 1)
+        assert st["used_bytes"] <= need
         assert e.close()
     for off in ({"prefix_cache": "none"}, {"enable_prefix_caching": False}):  # refused before a model loads
         with pytest.raises(ValueError, match="need a prefix cache"):

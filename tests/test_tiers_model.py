@@ -296,3 +296,61 @@ def test_the_same_weights_under_another_config_never_read_each_others_blocks(tmp
     copy.model.config._name_or_path = "/elsewhere/the-same-model"
     again = _greedy(_tiny_llm(copy, "float32", str(tmp_path)), ids)
     assert again.cached_tokens_by_tier["disk"] == len(ids) - 1
+
+
+def test_int8_models_of_other_projection_weights_never_read_each_others_blocks(tmp_path):
+    """Two checkpoints that differ only in a projection's weights (a fine-tune merged into the
+    attention, as LoRA does), both with int8 weights: their K/V differ, so neither engine reads
+    the other's blocks. The int8 layers keep their weights packed for FBGEMM, outside the
+    ``state_dict``, so the fingerprint named only the embeddings and norms: the second engine
+    loaded the first's 89 tokens from disk and its greedy tokens were the first model's."""
+    import torch
+
+    from radixkv.models.quantize import quantize_model
+
+    ids = _ids(8, 90)
+    base, tuned = tiny_model(), tiny_model()
+    with torch.no_grad():
+        tuned.model.model.layers[0].self_attn.qkv_proj.weight.mul_(1.5)
+    for lm in (base, tuned):
+        quantize_model(lm.model, "int8")
+    a = _tiny_llm(base, "float32", str(tmp_path))
+    _greedy(a, ids)
+    a.close()
+    alone = _greedy(_tiny_llm(tuned, "float32"), ids)
+    b = _tiny_llm(tuned, "float32", str(tmp_path))
+    got = _greedy(b, ids)
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert b.cache_stats().tiers["disk"]["found"] == 0
+    b.close()
+    again = _greedy(_tiny_llm(base, "float32", str(tmp_path)), ids)  # the same int8 weights share
+    assert again.cached_tokens_by_tier["disk"] == len(ids) - 1
+
+
+def test_weights_changed_in_place_after_an_engine_never_read_its_blocks(tmp_path):
+    """One ``LoadedModel`` whose weights change in place between two engines (a training step,
+    a merged adapter): the second engine computes other K/V, so it reads none of the first's
+    blocks. The weights' digest was memoized per model object at the first engine, so the second
+    engine had the first one's fingerprint, loaded its 89 tokens from disk and its greedy tokens
+    were the old weights'. Weights changed back read their blocks again."""
+    import torch
+
+    ids = _ids(9, 90)
+    lm = tiny_model()
+    a = _tiny_llm(lm, "float32", str(tmp_path))
+    _greedy(a, ids)
+    a.close()
+    w = lm.model.model.layers[0].self_attn.qkv_proj.weight
+    first = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(1.5)
+    alone = _greedy(_tiny_llm(lm, "float32"), ids)
+    b = _tiny_llm(lm, "float32", str(tmp_path))
+    got = _greedy(b, ids)
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert b.cache_stats().tiers["disk"]["found"] == 0
+    b.close()
+    with torch.no_grad():
+        w.copy_(first)  # the first weights, bit for bit
+    again = _greedy(_tiny_llm(lm, "float32", str(tmp_path)), ids)
+    assert again.cached_tokens_by_tier["disk"] == len(ids) - 1

@@ -10,8 +10,11 @@ import random
 import pytest
 from tier_fakes import VOCAB, MemoryStore, kv_engine, reference, run_all
 
+from radixkv import LLM
 from radixkv.cache.digests import block_digests
 from radixkv.engine.events import CacheEvicted, CacheInserted, EventBus
+from radixkv.memory.kv_io import layout_of
+from radixkv.obs.plan import hit_rate_curve
 from radixkv.sampling_params import SamplingParams
 from radixkv.sim import SimRequest, simulate
 from radixkv.sim.tiers import TierModel
@@ -98,7 +101,7 @@ def test_plan_trace_shows_the_hit_rate_with_tiers(tmp_path, capsys):
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
     cv = rep["curve"]
-    assert cv["tiers"]["disk"]["tokens"] == (1 << 30) // rep["kv_bytes_per_token"]
+    assert cv["tiers"]["disk"]["tokens"] == (1 << 30) // 370704 * 16  # whole bf16 records (below)
     rows = cv["curves"]["radix-p1"]
     assert all(r["hit_rate_tiers"] >= r["hit_rate"] for r in rows)
     assert any(r["hit_rate_tiers"] > r["hit_rate"] + 0.1 for r in rows)
@@ -183,3 +186,44 @@ def test_the_hash_caches_tiers_are_replayed_written_through_as_the_engine_runs_t
     for policy in ("write_back", {"host": "write_back"}):
         with pytest.raises(ValueError, match="write_back needs prefix_cache='radix'"):
             simulate(reqs, "hash", 16, 208, tiers={"host": 1 << 20}, tier_write_policy=policy)
+
+
+@pytest.mark.parametrize("kv", ["float32", "fp8_e4m3"])
+def test_plans_tier_blocks_are_the_blocks_the_engines_tiers_hold(kv, default_model, tmp_path):
+    """``radixkv plan``'s tiers hold the whole blocks the engine's do: a block is its record (K/V
+    with fp8's scales, token ids, the layout's meta; on disk the codec's header and checksum), not
+    16 tokens of K/V alone. The plan turned bytes into tokens by the K/V alone: 1 GiB of fp8 disk
+    tier was 5,648 blocks where the engine holds 5,532 (2% more), and a budget of one block's K/V
+    a tier of 16 tokens where the engine stored nothing."""
+    from radixkv.obs.plan import load_spec, tier_block_bytes
+    from radixkv.tiers import Block, block_nbytes, encoded_size
+
+    spec = load_spec("smollm2-135m")
+    rec = tier_block_bytes(spec, kv)
+    llm = LLM(loaded_model=default_model, device="cpu", max_total_tokens=256, kv_cache_dtype=kv)
+    lay = layout_of(llm.engine.runner.kv_pool)
+    sample = Block((0,) * 16, bytes(16 * lay.token_bytes), lay.meta)
+    assert rec == {"host": block_nbytes(sample), "disk": encoded_size(sample), "remote": encoded_size(sample)}
+    assert rec["disk"] > 16 * lay.token_bytes
+    # tiers of 2 records and a byte short of a third: the plan's 32 tokens, the engine's 2 blocks
+    budget = {m: 3 * rec[m] - 1 for m in ("host", "disk")}
+    tiers = hit_rate_curve([SimRequest(list(range(1, 40)))], spec, kv, [("radix", 1)], tiers=budget)["tiers"]
+    assert {m: t["tokens"] for m, t in tiers.items()} == {"host": 32, "disk": 32}
+    llm = LLM(
+        loaded_model=default_model,
+        device="cpu",
+        max_total_tokens=256,
+        kv_cache_dtype=kv,
+        host_cache_bytes=budget["host"],
+        disk_cache_dir=str(tmp_path),
+        disk_cache_bytes=budget["disk"],
+        kv_tier_write_policy="write_through",
+    )
+    params = SamplingParams(temperature=0, max_tokens=1)
+    llm.generate(prompt_token_ids=[list(range(1000, 1096))], sampling_params=params, use_tqdm=False)
+    assert llm.engine.kv.tiers.drain(60)
+    st = llm.cache_stats().tiers
+    for m in ("host", "disk"):  # 6 whole blocks written (no tail), the last 2 held
+        assert (st[m]["blocks_written"], st[m]["blocks"], st[m]["evicted"], st[m]["rejected"]) == (6, 2, 4, 0)
+        assert st[m]["used_bytes"] == 2 * rec[m]
+    llm.close()

@@ -278,7 +278,7 @@ def _make_tiers(cfg: EngineConfig, runner: Any, model: Any, stores: Optional[Seq
     kv_dtype = getattr(cfg, "kv_cache_dtype", None) or getattr(pool, "dtype", None)
     fp = model_fingerprint(weights, cfg.dtype, kv_dtype, cfg.quantization, layout_of(pool).meta, kv_producer(runner))
     if stores is None:
-        check_budgets(cfg, layout_of(pool).token_bytes)  # before a store is opened
+        check_budgets(cfg, layout_of(pool).token_bytes, layout_of(pool).meta)  # before a store is opened
     stores = list(build_stores(cfg, fp) if stores is None else stores)
     if not stores:
         return None

@@ -91,23 +91,29 @@ def kv_producer(runner: Any) -> bytes:
     return f"{kind}/{backend}/{native}".encode()
 
 
-def check_budgets(cfg: Any, token_bytes: int) -> None:
-    """Refuse a host or disk tier whose budget holds no block (``BLOCK_TOKENS`` tokens of
-    ``token_bytes`` bytes of K/V each, the pool's): every write would be rejected, a tier that
-    never holds anything, silently.
+def check_budgets(cfg: Any, token_bytes: int, meta: bytes = b"") -> None:
+    """Refuse a host or disk tier whose budget holds no block: a block is stored as its record,
+    ``BLOCK_TOKENS`` tokens of ``token_bytes`` bytes of K/V each (the pool's) with its token ids
+    and layout ``meta`` (the host tier's :func:`~radixkv.tiers.block_nbytes`; on disk the codec's
+    :func:`~radixkv.tiers.encoded_size`, header, padding and checksum included). A smaller budget
+    would reject every write: a tier that never holds anything, silently.
 
     Raises:
-        ValueError: naming ``host_cache_bytes`` / ``disk_cache_bytes`` and one block's bytes.
+        ValueError: naming ``host_cache_bytes`` / ``disk_cache_bytes`` and one block's bytes there.
     """
+    from radixkv.tiers import Block, block_nbytes, encoded_size
+
     block = BLOCK_TOKENS * token_bytes
-    budgets = [("host_cache_bytes", cfg.host_cache_bytes)] if cfg.host_cache_bytes else []
+    sample = Block((0,) * BLOCK_TOKENS, bytes(block), meta)
+    budgets = [("host_cache_bytes", cfg.host_cache_bytes, block_nbytes(sample))] if cfg.host_cache_bytes else []
     if cfg.disk_cache_dir is not None:
-        budgets.append(("disk_cache_bytes", cfg.disk_cache_bytes))
-    for name, budget in budgets:
-        if budget < block:
+        budgets.append(("disk_cache_bytes", cfg.disk_cache_bytes, encoded_size(sample)))
+    for name, budget, need in budgets:
+        if budget < need:
             raise ValueError(
-                f"{name} {budget} holds no block: one block of this model is {block} bytes of K/V "
-                f"({BLOCK_TOKENS} tokens x {token_bytes}); give at least that"
+                f"{name} {budget} holds no block: one block of this model is {need} bytes in that tier "
+                f"({BLOCK_TOKENS} tokens x {token_bytes} bytes of K/V and {need - block} of its record); "
+                "give at least that"
             )
 
 

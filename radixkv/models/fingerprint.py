@@ -1,12 +1,15 @@
 """The identity of a model's weights, for keys of KV blocks that outlive a process (docs/tiers.md).
 
 :func:`weights_digest` hashes every tensor of the model's ``state_dict`` (names, dtypes, shapes
-and raw bytes, in name order): the same weights give the same 16 bytes in every process and on
+and raw bytes, in name order) and the int8 layers' packed weights and scales (FBGEMM keeps them
+outside the ``state_dict``): the same weights give the same 16 bytes in every process and on
 every restart, and any change of a weight, of the weights' dtype or of their quantization (int8
 weights are other tensors) gives other bytes. It reads what is loaded, not the files, so a model
 built in memory (random test models, weights changed after loading) is named by what it computes
 with. About 0.4 s for the default model's 538 MB of float32 weights on one core; computed once per
-model object and process (a second engine over the same ``LoadedModel`` reuses it).
+model object and process while its tensors are unchanged (a second engine over the same
+``LoadedModel`` reuses it; weights changed in place since, other than through ``.data``, are
+hashed again).
 
 :func:`config_digest` names what else the model computes with: its buffers that are not in the
 ``state_dict`` (RoPE's ``inv_freq``, made from the config's ``rope_theta`` / ``rope_scaling``) and
@@ -28,7 +31,7 @@ import torch
 
 __all__ = ["config_digest", "weights_digest"]
 
-_DIGESTS: "weakref.WeakKeyDictionary[Any, bytes]" = weakref.WeakKeyDictionary()
+_DIGESTS: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -91,11 +94,15 @@ def config_digest(model: Any) -> bytes:
 
 def weights_digest(model: torch.nn.Module) -> bytes:
     """16 bytes naming ``model``'s weights (module docstring): blake2b over each ``state_dict``
-    entry's name, dtype, shape and bytes, in name order. Memoized per model object."""
+    entry's name, dtype, shape and bytes, in name order, then the same of each module's
+    ``packed_tensors()`` (int8 layers: their packed weights and scales, not in the
+    ``state_dict``). Memoized per model object while its tensors stay the same (:func:`_signature`):
+    weights changed in place since (a training step, an adapter merged) are hashed again."""
+    sig = _signature(model)
     with _LOCK:
         got = _DIGESTS.get(model)
-    if got is not None:
-        return got
+    if got is not None and got[0] == sig:
+        return got[1]
     h = hashlib.blake2b(b"radixkv-weights-1", digest_size=16)
     with torch.no_grad():
         state = model.state_dict()
@@ -103,7 +110,22 @@ def weights_digest(model: torch.nn.Module) -> bytes:
             t = state[name]
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(_tensor_bytes(t))
+        for mod_name, mod in model.named_modules():  # int8 layers keep their weights packed
+            packed = mod.packed_tensors() if hasattr(mod, "packed_tensors") else {}
+            for key in sorted(packed):
+                t = packed[key]
+                h.update(f"{mod_name}.{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+                h.update(_tensor_bytes(t))
     digest = h.digest()
     with _LOCK:
-        _DIGESTS[model] = digest
+        _DIGESTS[model] = (sig, digest)
     return digest
+
+
+def _signature(model: torch.nn.Module) -> tuple:
+    """What :func:`weights_digest`'s memo is valid for: each parameter's and buffer's identity
+    and version counter (torch bumps it at every in-place change: ``copy_``, ``mul_``,
+    ``load_state_dict``; not through ``.data``) and each int8 layer's packed weights object."""
+    tensors = [(id(t), t._version) for t in (*model.parameters(), *model.buffers())]
+    packed = [id(getattr(m, "_packed", None)) for m in model.modules() if hasattr(m, "packed_tensors")]
+    return tuple(tensors), tuple(packed)

@@ -66,6 +66,13 @@ class Int8DynamicLinear(nn.Module):
             y = y + self._bias
         return y.view(*shape[:-1], self.out_features)
 
+    def packed_tensors(self) -> dict:
+        """The int8 weights FBGEMM holds packed, outside the ``state_dict``: ``{"weight": int8
+        [out, in], "scale": float64 [out]}`` (what :func:`radixkv.models.fingerprint.weights_digest`
+        hashes, so int8 models of other weights never share KV blocks)."""
+        qw, _ = torch.ops.quantized.linear_unpack(self._packed)
+        return {"weight": qw.int_repr(), "scale": qw.q_per_channel_scales()}
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
 

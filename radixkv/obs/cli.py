@@ -143,21 +143,29 @@ def _write_policy(args: argparse.Namespace, tiers: dict) -> Any:
 
 def _check_tier_blocks(budgets: dict) -> None:
     """Refuse a tier budget that holds no whole block (``BLOCK_TOKENS`` tokens; the simulator's
-    tiers, as the engine's, hold whole blocks): ``{flag: (value, bytes per token)}``, the value in
-    tokens (1 byte each) or bytes. ValueError naming the flag; 0 (no tier) is never passed here."""
+    tiers, as the engine's, hold whole blocks): ``{flag: (value, one block, bytes per token)}``,
+    the value and the block in tokens (bytes per token 1) or in bytes (the block's record in that
+    tier, :func:`radixkv.obs.plan.tier_block_bytes`). ValueError naming the flag; 0 (no tier) is
+    never passed here."""
     from radixkv.cache.digests import BLOCK_TOKENS
 
-    for flag, (value, per_token) in budgets.items():
-        if value < BLOCK_TOKENS * per_token:
-            unit = "tokens" if per_token == 1 else f"bytes ({BLOCK_TOKENS} tokens x {per_token:,} bytes of KV)"
+    for flag, (value, block, per_token) in budgets.items():
+        if value < block:
+            kv = BLOCK_TOKENS * per_token
+            unit = (
+                "tokens"
+                if per_token == 1
+                else f"bytes ({BLOCK_TOKENS} tokens x {per_token:,} bytes of KV and {block - kv:,} of its record)"
+            )
             raise ValueError(
-                f"{flag} {value:,} holds no block: a KV tier holds whole blocks of {BLOCK_TOKENS * per_token:,} "
-                f"{unit}; give at least that (or 0: no tier)"
+                f"{flag} {value:,} holds no block: a KV tier holds whole blocks of {block:,} {unit}; "
+                "give at least that (or 0: no tier)"
             )
 
 
 def run_explain(args: argparse.Namespace) -> int:
     """Run ``radixkv explain``; returns the exit code (2 for bad input)."""
+    from radixkv.cache.digests import BLOCK_TOKENS
     from radixkv.models.loader import load_tokenizer
     from radixkv.obs.explain import explain_trace
     from radixkv.obs.report import explain_html, explain_text_report, to_json
@@ -184,7 +192,7 @@ def run_explain(args: argparse.Namespace) -> int:
             raise ValueError(
                 "KV tiers (--host-, --disk-, --remote-cache-tokens) need a prefix cache: not --policy none"
             )
-        _check_tier_blocks({f"--{m}-cache-tokens": (t, 1) for m, t in tiers.items()})
+        _check_tier_blocks({f"--{m}-cache-tokens": (t, BLOCK_TOKENS, 1) for m, t in tiers.items()})
         write_policy = _write_policy(args, tiers)
         bodies = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
@@ -381,7 +389,7 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
     from radixkv.config import asks_write_back
     from radixkv.models.loader import load_tokenizer
-    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate, pool_bytes_per_token
+    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate, pool_bytes_per_token, tier_block_bytes
     from radixkv.obs.trace import tokenize_trace
 
     pols = _policies(args.policies)
@@ -392,7 +400,8 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
             "KV tiers (--host-, --disk-, --remote-cache-bytes) need a prefix cache: --policies has only none"
         )
     bpt = pool_bytes_per_token(spec, args.kv_dtype)  # a tier holds the pool's bytes per token
-    _check_tier_blocks({f"--{m}-cache-bytes": (b, bpt) for m, b in tiers.items()})
+    block = tier_block_bytes(spec, args.kv_dtype)  # and a block's record around them
+    _check_tier_blocks({f"--{m}-cache-bytes": (b, block[m], bpt) for m, b in tiers.items()})
     policy = _write_policy(args, tiers)
     hashed = [f"{p}-b{ps}" for p, ps in pols if p == "hash"]
     if tiers and hashed and asks_write_back(policy):

@@ -43,6 +43,7 @@ __all__ = [
     "dtype_bytes",
     "engine_bytes_per_token",
     "pool_bytes_per_token",
+    "tier_block_bytes",
     "load_spec",
     "plan_memory",
     "hit_rate_curve",
@@ -223,6 +224,31 @@ def pool_bytes_per_token(spec: KVSpec, kv_dtype: str = "bfloat16") -> int:
     return spec.bytes_per_token(kv_dtype) if e is None else e
 
 
+def tier_block_bytes(spec: KVSpec, kv_dtype: str = "bfloat16") -> dict:
+    """``{medium: bytes}``: what one 16-token block takes in each KV tier (docs/tiers.md), the
+    engine's record of it: its K/V (:func:`pool_bytes_per_token` each token), token ids and
+    layout meta (the host tier's ``block_nbytes``; on disk and in Redis the codec's
+    ``encoded_size``, header, padding and checksum included). For a model radixkv does not load,
+    the K/V alone (its layout is unknown). A tier of ``b`` bytes holds ``b // bytes`` blocks."""
+    from radixkv.cache.digests import BLOCK_TOKENS
+    from radixkv.tiers import Block, block_nbytes, encoded_size
+
+    bpt = pool_bytes_per_token(spec, kv_dtype)
+    if engine_bytes_per_token(spec, kv_dtype) is None:
+        return {m: BLOCK_TOKENS * bpt for m in ("host", "disk", "remote")}
+    from radixkv.memory.kv_io import KVLayout
+    from radixkv.memory.kv_pool import KVPool
+
+    key = str(kv_dtype).lower().replace("torch.", "")
+    f = spec.facts
+    pool = KVPool(
+        spec.num_layers, f["num_key_value_heads"], f["head_dim"], 1, kv_cache_dtype=_TORCH_FP8_NAMES.get(key, key)
+    )
+    sample = Block((0,) * BLOCK_TOKENS, bytes(BLOCK_TOKENS * bpt), KVLayout(pool).meta)
+    rec = encoded_size(sample)
+    return {"host": block_nbytes(sample), "disk": rec, "remote": rec}
+
+
 CONFIG_INTS = {
     "num_hidden_layers": 1,
     "num_attention_heads": 1,
@@ -385,8 +411,9 @@ def hit_rate_curve(
     Args:
         tiers: KV tiers below the pool, ``{medium: capacity in bytes}`` (``host``, ``disk``,
             ``remote``; docs/tiers.md): each row also gets the hit rate with them
-            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`); ``write_policy`` theirs, as
-            ``EngineConfig.kv_tier_write_policy`` (None: the engine's defaults).
+            (``hit_rate_tiers``, :mod:`radixkv.sim.tiers`), each holding the whole blocks the
+            engine's tier of those bytes holds (:func:`tier_block_bytes`); ``write_policy``
+            theirs, as ``EngineConfig.kv_tier_write_policy`` (None: the engine's defaults).
 
     Returns:
         ``{"working_set_tokens", "infinite": {label: hit rate}, "curves": {label: [{"tokens",
@@ -402,7 +429,8 @@ def hit_rate_curve(
     caps = sorted({max(16, int(ws * 10 ** (-2 + 2 * i / max(1, points - 1)))) for i in range(points)})
     curves: dict = {}
     infinite: dict = {}
-    tier_tokens = {m: int(b) // bpt for m, b in (tiers or {}).items() if b}
+    per_block = tier_block_bytes(spec, kv_dtype) if tiers else {}
+    tier_tokens = {m: int(b) // per_block[m] * 16 for m, b in (tiers or {}).items() if b}  # whole blocks
     for policy, ps in policies:
         label = _label(policy, ps)
         infinite[label] = simulate(requests, policy, ps, None, outcomes=False, keep_requests=False).hit_rate
