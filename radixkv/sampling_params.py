@@ -12,6 +12,7 @@ import json
 import math
 import numbers
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -56,6 +57,9 @@ _INT_FIELDS = (
     ("n", "max_tokens", "top_k", "seed", "min_tokens", "logprobs", "prompt_logprobs", "logprob_start_len")
     + ("output_kind",)  # a RequestOutputKind is an int already: kept
 )
+_DECIMAL = re.compile(r"-?[0-9]+")
+"""A token id as a JSON object key (``logit_bias``): ASCII digits, an optional minus."""
+
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -537,9 +541,10 @@ def _is_number(x: Any) -> bool:
 
 def _as_int(x: Any, strings: bool = True) -> int:
     """An int from an integer (not a bool; numpy integers too) or, with ``strings``, a decimal
-    string (JSON object keys); else ValueError."""
+    string of ASCII digits (JSON object keys; not other Unicode digits nor whitespace, which
+    ``int`` takes); else ValueError."""
     if isinstance(x, str) and strings:
-        if x.strip().lstrip("-").isdigit():
+        if _DECIMAL.fullmatch(x):
             return int(x)
         raise ValueError(x)
     if isinstance(x, bool):

@@ -41,6 +41,17 @@ def test_invalid_values_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("key", ["\u0665", "\uff15", "\u0e55", " 5", "5\n"])
+def test_a_logit_bias_key_other_than_ascii_digits_is_refused_naming_it(key):
+    """A logit_bias key is a token id in decimal ASCII digits; str.isdigit / int() also read
+    Arabic-Indic, fullwidth or Thai digits and surrounding whitespace, so {"\u0665": 100} silently
+    biased token 5 (the reply was special tokens) instead of the 400 naming logit_bias."""
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids") as e:
+        SamplingParams(logit_bias={key: 100})
+    assert e.value.param == "logit_bias"
+    assert SamplingParams(logit_bias={"5": 100, "-0": 1}).logit_bias == {5: 100.0, 0: 1.0}
+
+
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.0, 3.0, 1.0], [5.0, 0.0, 4.9]])
     p = SamplingParams(temperature=0)

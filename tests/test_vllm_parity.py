@@ -336,6 +336,32 @@ def test_min_tokens_a_stop_string_counts_only_after_the_first_min_tokens(offline
     assert c.text.count(".") == 1
 
 
+def test_a_stop_string_held_back_with_an_incomplete_character_still_stops(offline):
+    """Token 10003 is the Cyrillic 'о' and the first byte of another character, so its text is
+    held back until a next token completes it. When the sample ended there (a stop token next,
+    or max_tokens), the held text was flushed without the stop-string check (stop token) or with
+    its finding dropped (length): stop=['о'] gave the text 'о\ufffd' with stop_reason 30, or the
+    text '' with finish_reason 'length' and no stop_reason."""
+    tok = offline.tokenizer
+    assert tok.decode([10003]) == "о\ufffd" and tok.decode([30]) == "."
+    prompt, only = "Привет, как дела? Хорош", dict(allowed_token_ids=[10003, 30], presence_penalty=2.0)
+    free = _one(offline, prompt, max_tokens=2, **only)
+    assert free.token_ids == [10003, 30] and free.text == "о\ufffd."
+    c = _one(offline, prompt, max_tokens=4, **only, stop_token_ids=[30], stop=["о"])
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == ([10003, 30], "", "stop", "о")
+    kept = _one(offline, prompt, max_tokens=4, **only, stop_token_ids=[30], stop=["о"],
+                include_stop_str_in_output=True)  # fmt: skip
+    assert (kept.text, kept.stop_reason) == ("о", "о")
+    c = _one(offline, prompt, max_tokens=1, **only, stop=["о"])
+    assert (c.token_ids, c.text, c.finish_reason, c.stop_reason) == ([10003], "", "stop", "о")
+    # no stop string in the held text: the stop token's reason, the flushed text as before
+    c = _one(offline, prompt, max_tokens=4, **only, stop_token_ids=[30], stop=["x"])
+    assert (c.token_ids, c.text, c.stop_reason) == ([10003, 30], "о\ufffd", 30)
+    # a stop string in the first min_tokens tokens does not count (vLLM v1), held back or not
+    c = _one(offline, prompt, max_tokens=1, **only, stop=["о"], min_tokens=1)
+    assert (c.text, c.finish_reason, c.stop_reason) == ("о\ufffd", "length", None)
+
+
 def test_a_field_set_on_built_params_takes_effect_as_in_vllm(offline):
     """``sp.logit_bias = {...}`` / ``sp.n = 0`` on a built SamplingParams: the ban applies (the
     same tokens as built with it) and the bad n is a ValueError naming it. Before, the bias was

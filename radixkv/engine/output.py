@@ -138,14 +138,17 @@ class RequestGroup:
             # vLLM's: the stop token stays in token_ids, its text is left out unless
             # include_stop_str_in_output; stop_reason names a stop_token_ids entry (None for EOS)
             reason, stop_reason = "stop", tok if tok in self._stop_ids else None
-            if det.stopped_by is None:
-                det.update(ids if p.include_stop_str_in_output else ids[:-1], final=True, check_stop=False)
+            # text held back for an incomplete character ends here: a stop string in it still cuts
+            if det.stopped_by is None and det.update(ids[:-1], final=True, check_stop=len(ids) - 1 > p.min_tokens):
+                stop_reason = det.stopped_by
+            elif det.stopped_by is None and p.include_stop_str_in_output:
+                det.update(ids, final=True, check_stop=False)
         elif det.update(ids, check_stop=len(ids) > p.min_tokens):  # vLLM v1: after the first min_tokens
             reason, stop_reason = "stop", det.stopped_by
         elif len(ids) >= p.max_tokens or r.seq_len >= max_context_len:
             reason = "length"
-            if det.stopped_by is None:
-                det.update(ids, final=True)
+            if det.stopped_by is None and det.update(ids, final=True, check_stop=len(ids) > p.min_tokens):
+                reason, stop_reason = "stop", det.stopped_by
         out.token_ids = list(r.output_token_ids)
         # NOTE: an unfinished sample shows only the text no stop string can cut off any more
         out.text = det.text if reason is not None else det.settled_text
