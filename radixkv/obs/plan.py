@@ -421,6 +421,7 @@ def hit_rate_curve(
         "tokens"}}]}`` with labels like ``radix-p16``, ``hash-b16``; ``skipped``: the requests
         too large for that pool (the engine refuses them; the hit rate counts the others).
     """
+    from radixkv.cache.digests import BLOCK_TOKENS
     from radixkv.sim import simulate
 
     bpt = pool_bytes_per_token(spec, kv_dtype)
@@ -430,7 +431,7 @@ def hit_rate_curve(
     curves: dict = {}
     infinite: dict = {}
     per_block = tier_block_bytes(spec, kv_dtype) if tiers else {}
-    tier_tokens = {m: int(b) // per_block[m] * 16 for m, b in (tiers or {}).items() if b}  # whole blocks
+    tier_tokens = {m: int(b) // per_block[m] * BLOCK_TOKENS for m, b in (tiers or {}).items() if b}  # whole blocks
     for policy, ps in policies:
         label = _label(policy, ps)
         infinite[label] = simulate(requests, policy, ps, None, outcomes=False, keep_requests=False).hit_rate
