@@ -45,10 +45,14 @@ from radixkv.server.sse import Deltas, chain, framed, sse
 __all__ = ["Chat"]
 
 
-def finish_reason(engine_reason: Optional[str], num_calls: int, cut_off: bool = False) -> Optional[str]:
+def finish_reason(
+    engine_reason: Optional[str], num_calls: int, cut_off: bool = False, named: bool = False
+) -> Optional[str]:
     """OpenAI's finish reason: ``tool_calls`` when the output ended naturally with calls (not
-    when a stop string or stop token cut its last call off: that is ``stop``)."""
-    return "tool_calls" if engine_reason == "stop" and num_calls and not cut_off else engine_reason
+    when a stop string or stop token cut its last call off: that is ``stop``), except for a
+    named ``tool_choice`` (``named``): OpenAI, and vLLM after it, answer ``stop`` for the one
+    function the request forced."""
+    return "tool_calls" if engine_reason == "stop" and num_calls and not cut_off and not named else engine_reason
 
 
 class Chat:
@@ -66,7 +70,10 @@ class Chat:
         content, calls = parse_tool_calls(text, plan.cut, plan.forced, plan.max_calls)
         out = [ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments)) for c in calls]
         cut_off = bool(calls) and not calls[-1].complete
-        return ChatMessageOut(content=content, tool_calls=out or None), finish_reason(reason, len(calls), cut_off)
+        named = plan.choice == "named"
+        return ChatMessageOut(content=content, tool_calls=out or None), finish_reason(
+            reason, len(calls), cut_off, named
+        )
 
     async def __call__(self, req: ChatCompletionRequest, raw: Request) -> dict | AsyncIterator[str]:
         """A response dict, or an SSE chunk stream when ``stream``."""
@@ -140,7 +147,9 @@ class Chat:
                         yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lps if j == 0 else None)])
                     if done and deltas.finish(c.index):
                         p = parsers.get(c.index)
-                        reason = finish_reason(c.finish_reason, p.num_calls if p else 0, bool(p and p.cut_off))
+                        reason = finish_reason(
+                            c.finish_reason, p.num_calls if p else 0, bool(p and p.cut_off), plan.choice == "named"
+                        )
                         empty = p is not None and not p.content and not p.num_calls
                         last = DeltaMessage(content="" if empty else None)
                         yield chunk([ChatChunkChoice(index=c.index, delta=last, finish_reason=reason)])
