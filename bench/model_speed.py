@@ -172,8 +172,9 @@ def main() -> None:
     pack_formats = tuple(args.pack_formats) if args.pack_formats else None
     loaded.model.set_pack_formats(pack_formats)
     vocab = loaded.hf_config.vocab_size
-    max_b = max(args.decode_batches + [1])
-    max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1])
+    warm_len, warm_batch = 32, 2  # the warm-up's prefill length and decode batch (below)
+    max_b = max(args.decode_batches + [warm_batch])
+    max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1, warm_len])
     ours = _Ours(loaded, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend)
     hf = _HF(loaded.hf_dir, torch.float32)
     quant = {}
@@ -195,11 +196,11 @@ def main() -> None:
     )
     print(f"{'measure':<34}{'radixkv':>12}{'transformers':>14}{'ratio':>8}{'generate()':>12}{'ratio':>8}")
 
-    warm = _tokens(32, 1, vocab, 0)
+    warm = _tokens(warm_len, 1, vocab, 0)
     ours.prefill(warm), hf.prefill(warm)
     for qo in quant.values():
         qo.prefill(warm)
-    ours.decode(_tokens(8, 2, vocab, 1), 1)  # builds the packed weights
+    ours.decode(_tokens(8, warm_batch, vocab, 1), 1)  # builds the packed weights
     packed = loaded.model.packed_weight_bytes()
     if packed:
         print(
