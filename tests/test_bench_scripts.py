@@ -1,0 +1,86 @@
+"""bench/*.py: every script imports against the current code and its argparse answers ``--help``.
+
+The benchmarks are not run here (they take minutes); this catches the rot that a renamed import,
+a removed module or a broken parser causes, in one subprocess (a few seconds: the imports are
+shared, and no script's import-time setup leaks into the test process). Flags named by the docs
+are tests/test_docs_refs.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.stem for p in (ROOT / "bench").glob("*.py") if p.stem != "__init__")
+LIBRARIES = {"results_io"}  # imported by the scripts, no command line of its own
+
+pytestmark = pytest.mark.timeout(120)
+
+_PROBE = r"""
+import contextlib, importlib, inspect, io, json, sys, traceback
+out = {}
+for name in sys.argv[1:]:
+    buf, row = io.StringIO(), {}
+    try:
+        mod = importlib.import_module("bench." + name)
+        main = getattr(mod, "main", None)
+        row["main"] = main is not None
+        if main is not None:
+            argv0, sys.argv = sys.argv, ["bench/%s.py" % name, "--help"]
+            try:
+                with contextlib.redirect_stdout(buf):
+                    main(["--help"]) if inspect.signature(main).parameters else main()
+                row["exit"] = "returned"
+            except SystemExit as e:
+                row["exit"] = e.code
+            finally:
+                sys.argv = argv0
+    except BaseException:
+        row["error"] = traceback.format_exc()
+    row["help"] = buf.getvalue()
+    out[name] = row
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def probed() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *SCRIPTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_bench_folder_has_its_scripts():
+    # a glob that found nothing (a moved folder) would make the parametrized tests vacuous
+    assert {"sim_cache", "sim_routing", "e2e_workloads", "model_speed", "results_io"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_imports_and_answers_help(probed, name):
+    row = probed[name]
+    assert "error" not in row, row.get("error")
+    if name in LIBRARIES:
+        assert row["main"] is False
+        return
+    assert row["main"], f"bench/{name}.py has no main()"
+    assert row["exit"] == 0, f"bench/{name}.py --help exited {row['exit']!r}"
+    assert row["help"].startswith(f"usage: {name}.py"), row["help"][:200]
+    assert "--help" in row["help"]
+
+
+def test_sim_routing_reuse_records_a_path_outside_the_repository(tmp_path):
+    # --reuse /tmp/x.json crashed after the whole simulation (Path.relative_to ValueError)
+    from bench.sim_routing import _shown
+
+    outside = tmp_path / "sim_routing_x.json"
+    assert _shown(outside) == str(outside)
+    assert _shown(ROOT / "bench" / "results" / "x.json") == "bench/results/x.json"
