@@ -84,3 +84,23 @@ def test_sim_routing_reuse_records_a_path_outside_the_repository(tmp_path):
     outside = tmp_path / "sim_routing_x.json"
     assert _shown(outside) == str(outside)
     assert _shown(ROOT / "bench" / "results" / "x.json") == "bench/results/x.json"
+
+
+def test_sglang_bench_serving_writes_its_sharegpt_subset(tmp_path):
+    # it imported iter_sharegpt from radixkv.replay after the function moved to radixkv.datasets:
+    # the script started its server, then died on the ImportError
+    from bench.sglang_bench_serving import sharegpt_subset
+
+    path = sharegpt_subset(tmp_path / "sharegpt_3.json", count=3)
+    recs = json.loads(path.read_text())
+    assert len(recs) == 3
+    assert all(r["conversations"] and {"from", "value"} <= set(r["conversations"][0]) for r in recs)
+
+
+def test_sglang_bench_serving_refuses_a_missing_sglang_python_before_starting_a_server(tmp_path):
+    from bench.sglang_bench_serving import main
+
+    missing = tmp_path / "no-sglang" / "python"
+    with pytest.raises(SystemExit, match="--sglang-python .*no-sglang/python is not an executable"):
+        main(["--sglang-python", str(missing), "--work-dir", str(tmp_path / "w")])
+    assert not (tmp_path / "w").exists()
