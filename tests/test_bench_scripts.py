@@ -8,6 +8,8 @@ are tests/test_docs_refs.py's.
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import subprocess
@@ -75,6 +77,38 @@ def test_script_imports_and_answers_help(probed, name):
     assert row["exit"] == 0, f"bench/{name}.py --help exited {row['exit']!r}"
     assert row["help"].startswith(f"usage: {name}.py"), row["help"][:200]
     assert "--help" in row["help"]
+
+
+def _project_imports(path: Path):
+    """(line, module, name or None) of every ``radixkv`` / ``bench`` import in ``path``, the ones
+    inside functions included (a script imports most of its heavy parts lazily)."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in ("radixkv", "bench"):
+            yield from ((node.lineno, node.module, a.name) for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] in ("radixkv", "bench"))
+
+
+def test_every_lazy_project_import_in_the_scripts_resolves():
+    # --help reaches only the module-level imports; the ones inside functions rot unseen
+    # (sglang_bench_serving's radixkv.replay.iter_sharegpt did)
+    missing, seen = [], 0
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        for line, module, name in _project_imports(path):
+            seen += 1
+            where = f"{path.relative_to(ROOT)}:{line}"
+            try:
+                mod = importlib.import_module(module)
+            except ImportError as e:
+                missing.append(f"{where}: {module} ({e})")
+                continue
+            if name is not None and not hasattr(mod, name):
+                try:
+                    importlib.import_module(f"{module}.{name}")
+                except ImportError:
+                    missing.append(f"{where}: {module}.{name}")
+    assert seen > 50  # the walk found the scripts' imports
+    assert missing == []
 
 
 def test_sim_routing_reuse_records_a_path_outside_the_repository(tmp_path):
