@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout's radixkv, not whichever one is installed
+    sys.path.insert(0, str(ROOT))
 
-import torch
+import torch  # noqa: E402
 
-from radixkv.executor.model_runner import ModelRunner
-from radixkv.models import load_model
+from radixkv.executor.model_runner import ModelRunner  # noqa: E402
+from radixkv.models import load_model  # noqa: E402
 
 
 def _tokens(n: int, batch: int, vocab: int, seed: int) -> torch.Tensor:

@@ -25,12 +25,17 @@ LIBRARIES = {"results_io"}  # imported by the scripts, no command line of its ow
 pytestmark = pytest.mark.timeout(120)
 
 _PROBE = r"""
-import contextlib, importlib, inspect, io, json, sys, traceback
-out = {}
+import contextlib, importlib.util, inspect, io, json, os, sys, traceback
+root, out = os.getcwd(), {}
+base = [p for p in sys.path if p not in ("", root)]
 for name in sys.argv[1:]:
     buf, row = io.StringIO(), {}
+    sys.path[:] = [os.path.join(root, "bench")] + base  # as `python bench/<name>.py` starts
     try:
-        mod = importlib.import_module("bench." + name)
+        spec = importlib.util.spec_from_file_location("_bench_" + name, os.path.join(root, "bench", name + ".py"))
+        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        row["root_on_path"] = root in sys.path
         main = getattr(mod, "main", None)
         row["main"] = main is not None
         if main is not None:
@@ -53,7 +58,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def probed() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, *SCRIPTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=100
     )
@@ -79,14 +84,19 @@ def test_script_imports_and_answers_help(probed, name):
     assert "--help" in row["help"]
 
 
+def _project_imports_of(node: ast.AST):
+    """(line, module, name or None) of the ``radixkv`` / ``bench`` imports of one statement."""
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in ("radixkv", "bench"):
+        yield from ((node.lineno, node.module, a.name) for a in node.names)
+    elif isinstance(node, ast.Import):
+        yield from ((node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] in ("radixkv", "bench"))
+
+
 def _project_imports(path: Path):
-    """(line, module, name or None) of every ``radixkv`` / ``bench`` import in ``path``, the ones
-    inside functions included (a script imports most of its heavy parts lazily)."""
+    """Every project import in ``path``, the ones inside functions included (a script imports
+    most of its heavy parts lazily)."""
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module.split(".")[0] in ("radixkv", "bench"):
-            yield from ((node.lineno, node.module, a.name) for a in node.names)
-        elif isinstance(node, ast.Import):
-            yield from ((node.lineno, a.name, None) for a in node.names if a.name.split(".")[0] in ("radixkv", "bench"))
+        yield from _project_imports_of(node)
 
 
 def test_every_lazy_project_import_in_the_scripts_resolves():
@@ -109,6 +119,19 @@ def test_every_lazy_project_import_in_the_scripts_resolves():
                     missing.append(f"{where}: {module}.{name}")
     assert seen > 50  # the walk found the scripts' imports
     assert missing == []
+
+
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - LIBRARIES))
+def test_a_script_that_imports_the_project_at_load_imports_this_checkouts(probed, name):
+    # python puts bench/ on sys.path, not the repository: a script that imports radixkv without
+    # putting the repository first measured whichever radixkv is installed (model_speed.py did, so
+    # from a second checkout sharing one venv it timed the other checkout's code)
+    tree = ast.parse((ROOT / "bench" / f"{name}.py").read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    if any(True for n in top for _ in _project_imports_of(n)):
+        assert probed[name]["root_on_path"], (
+            f"bench/{name}.py imports radixkv without putting the repository on sys.path"
+        )
 
 
 def test_sim_routing_reuse_records_a_path_outside_the_repository(tmp_path):
