@@ -684,6 +684,8 @@ class Engine:
         for r in group.samples:
             if r is not None and r.status != RequestStatus.FINISHED:
                 self.scheduler.abort(r)
+        if self._compiling and group.samples[0] is not None:  # ended while its grammar compiled
+            self._compiling = [r for r in self._compiling if r is not group.samples[0]]
         if reason is not None:
             group.abort(reason)
         group.metrics.finished_time = time.perf_counter() if now is None else now
