@@ -251,6 +251,24 @@ def test_tier_writes_are_cache_events_with_their_medium():
     assert all(ev.block_digests == device.block_digests for ev in seen if ev.medium != "device")
 
 
+def test_a_finished_write_keeps_no_copy_of_its_blocks_on_an_idle_engine():
+    """A write the I/O thread finished waits for the engine's next step to be announced, and an
+    idle engine (AsyncLLM steps none) runs none: each kept the K/V rows it had copied out of the
+    pool, so after a burst an idle server held a second copy of every block written since its last
+    step (up to the 1 GiB write backlog) that ``write_pending`` 0 said was gone."""
+    e = kv_engine(stores=[MemoryStore("disk")])
+    generate(e, [prompt(16, 64)], greedy(1))  # its 4 blocks are written in its one step
+    assert e.kv.tiers.drain(60)
+    done = e.kv.tiers.io._done_writes
+    assert [len(j.keys) for j in done] == [4] and e.cache_stats().tiers["disk"]["write_pending"] == 0
+    assert [tuple(j.rows.shape) for j in done] == [(0, e.kv.tiers.layout.token_bytes)]
+    seen = []
+    e.events.subscribe(seen.append, (CacheInserted,))
+    e.step()  # announced all the same
+    assert [(ev.medium, ev.first_block, len(ev.block_digests)) for ev in seen] == [("disk", 0, 4)]
+    assert e.kv.tiers.io._done_writes == []
+
+
 def test_a_full_write_backlog_drops_writes_and_counts_them():
     e = kv_engine(stores=[MemoryStore("disk")])
     e.kv.tiers.io.max_pending_bytes = 0

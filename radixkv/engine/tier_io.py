@@ -470,6 +470,9 @@ class TierIO:
                     self.pending_bytes -= job.nbytes
                     self._count_pending(job, -1)
                     self._mark_queued(job, -1)
+                    # NOTE: the stores hold copies now; a done write waits for the engine's next
+                    # step (its events), which an idle engine never runs: keep no K/V with it
+                    job.rows = job.rows.new_empty((0, *job.rows.shape[1:]))
                     self._done_writes.append(job)
                 self._cv.notify_all()
             if isinstance(job, LoadJob) and self.on_load_done is not None:
