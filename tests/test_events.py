@@ -78,6 +78,31 @@ def test_abort_is_finished_with_abort_and_a_failing_subscriber_does_not_stop_the
     assert len(seen) == 2
 
 
+def test_a_subscriber_leaving_inside_its_callback_costs_the_next_one_nothing():
+    """A one-shot subscriber that unsubscribes inside its callback (on the engine thread, where
+    ``AsyncLLM.subscribe``'s ``off()`` acts at once) removed itself from the list the bus was
+    iterating, so the subscriber after it missed that event: the server's metrics, subscribed
+    after such a listener, never saw a RequestFinished, kept the request's missed-token record
+    forever and did not count its finish."""
+    eng = make_engine()
+    first, rest = [], []
+
+    def once(ev):
+        first.append(ev.request_id)
+        off_once()
+        off_once()  # idempotent inside the callback too
+
+    off_once = eng.events.subscribe(once, (RequestFinished,))
+    eng.events.subscribe(lambda ev: rest.append(ev.request_id), (RequestFinished,))
+    late = []
+    eng.events.subscribe(lambda ev: late.append(ev.request_id), (RequestFinished,))
+    a = eng.add_request([1, 2, 3], greedy(2))
+    b = eng.add_request([4, 5], greedy(3))
+    run_all(eng)
+    assert first == [a] and rest == [a, b] and late == [a, b]
+    assert not eng.events.wants(StepFinished) and eng.events.wants(RequestFinished)
+
+
 def test_bus_rejects_bad_subscriptions_and_filters_by_kind():
     bus = EventBus()
     with pytest.raises(ValueError, match="callable"):

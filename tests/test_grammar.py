@@ -802,3 +802,54 @@ def test_a_compiled_grammar_is_never_shared_across_namespaces(llm):
     assert compiles(alice, salt="end-user-7") == 1  # a salt splits it within a tenant, as the prefix cache
     assert compiles(None) == 1  # the shared default namespace (no keys) is one more
     assert_idle(llm)
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind(llm, monkeypatch):
+    """A constrained request whose consumer leaves (or that is aborted by id) while its grammar
+    still compiles is released at once on AsyncLLM (the abort is applied between steps and no
+    step follows on an idle engine); the engine kept it in its list of compiling requests until
+    some later request made a step run, so an idle server held every such request (its prompt,
+    its generator) after the clients had gone."""
+    import asyncio
+    from concurrent.futures import Future
+
+    from radixkv.async_llm import AsyncLLM
+
+    never: Future = Future()  # a compile that is still running
+    monkeypatch.setattr(llm.engine.grammars, "compile", lambda structured, namespace=None: never)
+    prompt = chat(llm, "Give me a JSON object.")
+    params = SamplingParams(temperature=0, max_tokens=8, json_object=True)
+
+    async def held(a) -> tuple:
+        deadline = asyncio.get_running_loop().time() + 60
+        while not await a.call_in_engine_thread(lambda e: len(e._compiling)):
+            assert asyncio.get_running_loop().time() < deadline, "the request never reached the engine"
+        return await a.call_in_engine_thread(lambda e: ([r.request_id for r in e._compiling], len(e._groups)))
+
+    async def run(a) -> list:
+        seen = []
+        by_id = a.generate(prompt_token_ids=prompt, sampling_params=params, request_id="by-id")
+        first = asyncio.ensure_future(by_id.__anext__())
+        seen.append(await held(a))
+        await a.abort("by-id")
+        out = await first
+        seen.append((out.finished, out.outputs[0].finish_reason))
+        seen.append(
+            await a.call_in_engine_thread(lambda e: ([r.request_id for r in e._compiling], e.has_unfinished_requests()))
+        )
+        left = a.generate(prompt_token_ids=prompt, sampling_params=params, request_id="left")
+        first = asyncio.ensure_future(left.__anext__())
+        seen.append(await held(a))
+        first.cancel()  # its consumer leaves: the stream's finally posts the abort
+        await asyncio.gather(first, return_exceptions=True)
+        await left.aclose()
+        seen.append(
+            await a.call_in_engine_thread(lambda e: ([r.request_id for r in e._compiling], e.has_unfinished_requests()))
+        )
+        return seen
+
+    with AsyncLLM(engine=llm.engine) as a:
+        seen = asyncio.run(run(a))
+        assert a.num_unfinished_requests() == 0
+    assert seen == [(["by-id"], 1), (True, "abort"), ([], False), (["left"], 1), ([], False)]
+    assert_idle(llm)

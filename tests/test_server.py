@@ -23,6 +23,7 @@ from server_helpers import assert_pool_whole, scrape, serve_process, wait_idle  
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
 from radixkv.engine import StepFinished  # noqa: E402
+from radixkv.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -510,6 +511,70 @@ def test_a_body_over_max_request_bytes_is_a_413_with_or_without_content_length(l
         create_app(llm, max_request_bytes=0)
     wait_idle(llm)
     assert_pool_whole(llm)
+
+
+def test_apps_whose_lifespan_never_runs_leave_no_subscriber_on_the_engine(llm):
+    """An app served through httpx's ``ASGITransport`` (which runs no lifespan), or built and
+    dropped, is collected; each one's metrics stayed subscribed to the engine's events for good
+    (the engine held them strongly, and only the lifespan's end unsubscribed), so an engine
+    embedded in a framework that builds an app per agent or per test kept every app's metrics
+    and called all of them on every finished request."""
+    import gc
+    import weakref
+
+    from radixkv.server.app import create_app
+
+    def subscribers() -> int:
+        return asyncio.run(llm.call_in_engine_thread(lambda e: len(e.events._subs)))
+
+    async def complete(app) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 1})
+        return r.status_code
+
+    async def one_request() -> None:  # its events let go of the dropped apps' subscriptions
+        async for _ in llm.generate("Hi", SamplingParams(max_tokens=1)):
+            pass
+
+    gc.collect()
+    asyncio.run(one_request())
+    before = subscribers()
+    apps = [create_app(llm, served_model_name=MODEL) for _ in range(3)]
+    metrics = [weakref.ref(a.state.metrics) for a in apps]
+    assert asyncio.run(complete(apps[0])) == 200
+    assert scrape_app(apps[0])[("radixkv_requests_finished_total", (("finish_reason", "length"),))] == 1
+    assert subscribers() == before + 3
+    del apps
+    forget_fastapi_route_cache()
+    gc.collect()
+    assert [m() for m in metrics] == [None, None, None]
+    asyncio.run(one_request())
+    assert subscribers() == before
+    assert_pool_whole(llm)
+
+
+def forget_fastapi_route_cache() -> None:
+    """Empty FastAPI's own caches of route callables (``functools.lru_cache`` s of 4096 entries in
+    ``fastapi.dependencies.models``): they hold the last apps' handlers, and with them their
+    metrics, until newer routes push them out."""
+    from fastapi.dependencies import models
+
+    caches = [f for f in vars(models).values() if callable(getattr(f, "cache_clear", None))]
+    assert caches, "FastAPI keeps no route cache here any more: drop this helper"
+    for f in caches:
+        f.cache_clear()
+
+
+def scrape_app(app) -> dict:
+    """:func:`server_helpers.scrape` of an app without a server (its ``/metrics`` over ASGI)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def get() -> str:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+            return (await c.get("/metrics")).text
+
+    fams = text_string_to_metric_families(asyncio.run(get()))
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in fams for s in fam.samples}
 
 
 def test_structured_output_spellings_constrain_the_output(server, llm):

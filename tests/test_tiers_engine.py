@@ -226,6 +226,27 @@ def test_abort_while_waiting_for_blocks_releases_the_lock():
     assert s.protected == 0 and e.kv.tiers.held_tokens == 0 and s.free + s.evictable == s.capacity
 
 
+def test_a_load_finished_for_a_request_aborted_between_steps_is_let_go_at_once():
+    """A request aborted between steps (AsyncLLM's abort, a client that left) whose blocks had
+    finished loading: the finished load, with the K/V rows it read from the tier, waited for the
+    engine's next step to be dropped, and an idle engine runs none, so an idle server held the
+    loaded prefix of every such request (up to a whole prompt's K/V) until the next request."""
+    shared: OrderedDict = OrderedDict()
+    p = prompt(12, 100)
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    rid = e.add_request(p, greedy())
+    e.step()
+    assert e.kv.tiers.drain(60)
+    assert [tuple(j.rows.shape) for j in e.kv.tiers.io._done_loads] == [(99, e.kv.tiers.layout.token_bytes)]
+    out = e.abort_now(rid, report=False)
+    assert out.outputs[0].finish_reason == "abort" and not e.has_unfinished_requests()
+    assert e.kv.tiers.io._done_loads == []
+    e.check_integrity()
+    s = e.cache_stats()
+    assert s.protected == 0 and e.kv.tiers.held_tokens == 0 and s.free + s.evictable == s.capacity
+
+
 def test_flush_with_tiers_empties_the_owned_ones_only():
     stores = [MemoryStore("host"), MemoryStore("disk"), MemoryStore("remote")]
     e = kv_engine(stores=stores, kv_tier_write_policy="write_through")
@@ -249,6 +270,24 @@ def test_tier_writes_are_cache_events_with_their_medium():
     assert [ev.seq for ev in seen] == list(range(1, len(seen) + 1))
     device = next(ev for ev in seen if ev.medium == "device")
     assert all(ev.block_digests == device.block_digests for ev in seen if ev.medium != "device")
+
+
+def test_a_finished_write_keeps_no_copy_of_its_blocks_on_an_idle_engine():
+    """A write the I/O thread finished waits for the engine's next step to be announced, and an
+    idle engine (AsyncLLM steps none) runs none: each kept the K/V rows it had copied out of the
+    pool, so after a burst an idle server held a second copy of every block written since its last
+    step (up to the 1 GiB write backlog) that ``write_pending`` 0 said was gone."""
+    e = kv_engine(stores=[MemoryStore("disk")])
+    generate(e, [prompt(16, 64)], greedy(1))  # its 4 blocks are written in its one step
+    assert e.kv.tiers.drain(60)
+    done = e.kv.tiers.io._done_writes
+    assert [len(j.keys) for j in done] == [4] and e.cache_stats().tiers["disk"]["write_pending"] == 0
+    assert [tuple(j.rows.shape) for j in done] == [(0, e.kv.tiers.layout.token_bytes)]
+    seen = []
+    e.events.subscribe(seen.append, (CacheInserted,))
+    e.step()  # announced all the same
+    assert [(ev.medium, ev.first_block, len(ev.block_digests)) for ev in seen] == [("disk", 0, 4)]
+    assert e.kv.tiers.io._done_writes == []
 
 
 def test_a_full_write_backlog_drops_writes_and_counts_them():

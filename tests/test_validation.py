@@ -373,6 +373,31 @@ def test_queue_is_bounded_by_max_queued_requests(tokenizer):
         asyncio.run(a.call_in_engine_thread(assert_idle))
 
 
+def test_a_refused_constrained_request_starts_no_grammar_compile(tokenizer):
+    """A constrained request refused for a full queue (or a duplicate request id) started its
+    grammar's compile first: an overloaded server answering 429 kept its one grammar thread
+    compiling, in an unbounded queue, a schema for every request it refused, ahead of the
+    compiles of the requests it accepted."""
+    from radixkv.engine import Engine
+
+    runner = NullRunner(len(tokenizer), 1, 8, max_context_len=CTX)
+    cfg = EngineConfig(device="cpu", max_total_tokens=4096, max_queued_requests=1)
+    engine = Engine(cfg, model_runner=runner, tokenizer=tokenizer, eos_token_ids=[])
+    free = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request([5, 6], free, request_id="waiting")
+    for i in range(3):
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        p = SamplingParams(max_tokens=3, json_schema=schema)
+        refused(lambda p=p: engine.add_request([7, 8], p), "max_queued_requests", "max_queued_requests is 1")
+    engine.step()  # admitted: the queue is empty again
+    p = SamplingParams(max_tokens=3, json_object=True)
+    refused(lambda: engine.add_request([9], p, request_id="waiting"), "request_id", "already in use")
+    assert engine.grammars._compiled == {} and engine.grammars._executor is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_idle(engine)
+
+
 def test_a_batch_larger_than_the_queue_is_a_400_not_a_429(tokenizer):
     """A completions prompt list or a /generate text list of more prompts than
     ``max_queued_requests`` can never be queued, even by an idle server: a 400 naming the prompt

@@ -511,12 +511,15 @@ class Engine:
         """
         ids, params = validate_request(prompt_token_ids, sampling_params, self._limits())
         namespace = with_salt(namespace, params.cache_salt)
+        if params.structured_output is not None:
+            with self._work:  # NOTE: a request refused here must start no compile on the grammar thread
+                self._check_queue_bound()
+                self._check_id_free(request_id)
         compiled = self._start_grammar(params, namespace)
         with self._work:
             self._check_queue_bound()
             rid = str(request_id) if request_id is not None else str(next(self._ids))
-            if rid in self._groups:
-                raise RequestError(f"request_id {rid!r} is already in use by an unfinished request", "request_id")
+            self._check_id_free(rid)
             group = RequestGroup(rid, prompt, ids, params, namespace, time.perf_counter())
             group.grammar = compiled
             self._groups[rid] = group
@@ -551,6 +554,14 @@ class Engine:
         compiled = self.grammars.compile(params.structured_output, namespace)
         compiled.add_done_callback(self._wake)  # outside the lock: it may run right here
         return compiled
+
+    def _check_id_free(self, request_id: Any) -> None:
+        """Raise RequestError when ``request_id`` (None: none asked for) is an unfinished
+        request's (called holding the inbox lock)."""
+        if request_id is not None and str(request_id) in self._groups:
+            raise RequestError(
+                f"request_id {str(request_id)!r} is already in use by an unfinished request", "request_id"
+            )
 
     def _check_queue_bound(self) -> None:
         """Raise QueueFullError when ``max_queued_requests`` requests wait for admission (called
@@ -684,6 +695,8 @@ class Engine:
         for r in group.samples:
             if r is not None and r.status != RequestStatus.FINISHED:
                 self.scheduler.abort(r)
+        if self._compiling and group.samples[0] is not None:  # ended while its grammar compiled
+            self._compiling = [r for r in self._compiling if r is not group.samples[0]]
         if reason is not None:
             group.abort(reason)
         group.metrics.finished_time = time.perf_counter() if now is None else now

@@ -235,12 +235,14 @@ class EventBus:
             if bad:
                 raise ValueError(f"subscribe: kinds must be Event classes, got {bad!r}")
         entry = (fn, kinds)
-        self._subs.append(entry)
+        # NOTE: the list is replaced, never changed in place: a subscriber that (un)subscribes
+        # inside its callback must not shift the list emit() is iterating
+        self._subs = [*self._subs, entry]
         self._refresh()
 
         def unsubscribe() -> None:
             if entry in self._subs:
-                self._subs.remove(entry)
+                self._subs = [e for e in self._subs if e is not entry]
                 self._refresh()
 
         return unsubscribe

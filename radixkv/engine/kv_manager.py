@@ -674,7 +674,7 @@ class KVManager:
         if hold is None:
             return
         if cancel and hold.job is not None:
-            hold.job.cancelled = True
+            self.tiers.io.cancel_load(hold.job)
             hold.job = None
         if hold.node is not None:
             self.cache.dec_lock_ref(hold.node)

@@ -395,6 +395,15 @@ class TierIO:
             self._probes.append(store)
             self._cv.notify_all()
 
+    def cancel_load(self, job: LoadJob) -> None:
+        """Give up ``job`` (engine thread): not run if still queued, and dropped with the K/V it
+        loaded if done (a finished load otherwise waits for the engine's next step, which an idle
+        engine never runs)."""
+        with self._cv:
+            job.cancelled = True
+            if job.done:
+                self._done_loads = [j for j in self._done_loads if j is not job]
+
     def take_done(self) -> tuple:
         """``(loads, writes)`` finished since the last call."""
         with self._cv:
@@ -470,6 +479,9 @@ class TierIO:
                     self.pending_bytes -= job.nbytes
                     self._count_pending(job, -1)
                     self._mark_queued(job, -1)
+                    # NOTE: the stores hold copies now; a done write waits for the engine's next
+                    # step (its events), which an idle engine never runs: keep no K/V with it
+                    job.rows = job.rows.new_empty((0, *job.rows.shape[1:]))
                     self._done_writes.append(job)
                 self._cv.notify_all()
             if isinstance(job, LoadJob) and self.on_load_done is not None:

@@ -749,8 +749,12 @@ class RemoteLLM:
         """``RequestAdmitted`` (with the cache outcome) and ``RequestFinished`` events, rebuilt
         at the ingress from each request's final output (or, for an abort, its last output)."""
         entry = (fn, tuple(kinds) if kinds is not None else None)
-        self._subs.append(entry)
-        return lambda: entry in self._subs and self._subs.remove(entry)
+        self._subs = [*self._subs, entry]  # NOTE: replaced, never changed in place (EventBus.subscribe)
+
+        def unsubscribe() -> None:
+            self._subs = [e for e in self._subs if e is not entry]
+
+        return unsubscribe
 
     async def cache_stats(self, check: bool = False) -> Any:
         """The replicas' ``cache_stats`` summed (ratios recomputed): as each last reported it to

@@ -37,8 +37,9 @@ thread, and concurrent requests batch together in the engine.
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -159,7 +160,7 @@ def create_app(
     check_max_request_bytes(max_request_bytes)
     backend = as_backend(llm)
     metrics = ServerMetrics()
-    unsubscribe = backend.subscribe(metrics.on_event, (RequestFinished, RequestAdmitted))
+    unsubscribe = _subscribe_weakly(backend, metrics)
     request_log = TraceWriter(log_requests) if log_requests else None
 
     @asynccontextmanager
@@ -194,6 +195,25 @@ def create_app(
     app.include_router(sglang_router)
     app.include_router(vllm_router)
     return app
+
+
+def _subscribe_weakly(backend: EngineBackend, metrics: ServerMetrics) -> Callable[[], None]:
+    """Subscribe ``metrics`` to the engine's request events, holding it weakly; returns the
+    unsubscribe. The lifespan's end unsubscribes, but an app whose lifespan never runs (served
+    through httpx's ``ASGITransport``, or built and dropped) is collected with its metrics, and
+    the next event lets go of the subscription (an engine outlives many such apps)."""
+    ref = weakref.ref(metrics)
+    off: list[Callable[[], None]] = []
+
+    def on_event(event: Any) -> None:
+        m = ref()
+        if m is not None:
+            m.on_event(event)
+        elif off:  # NOTE: on the thread delivering events: unsubscribing there is immediate
+            off[0]()
+
+    off.append(backend.subscribe(on_event, (RequestFinished, RequestAdmitted)))
+    return off[0]
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
