@@ -395,6 +395,23 @@ def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, 
     assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err
 
 
+def test_a_top_miss_names_the_line_of_the_file_its_body_is_on(tok, tmp_path, capsys):
+    """Blank lines are skipped in a trace (a hand-edited one, or two logs joined): each top miss
+    names the file line its body is on (it named the body's position: 'line 1' and 'line 2' for
+    bodies on lines 3 and 5); ``radixkv plan`` names why it skipped a body, as explain does."""
+    from radixkv.cli import main
+
+    path = tmp_path / "t.jsonl"
+    body = '{"prompt": [5, 6, 7, 8, 9]}'
+    path.write_text("\n\n" + body + "\n\n" + body.replace("9", "10") + "\n" + '{"model": "m"}' + "\n")
+    assert main(["explain", str(path), "--json", "--no-what-if"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert sorted((m["index"], m["line"]) for m in rep["top_misses"]) == [(0, 3), (1, 5)]
+    assert main(["plan", "--trace", str(path), "--policies", "radix-p1"]) == 0
+    why = "a body needs 'messages' (chat) or 'prompt' (completions)"
+    assert f"skipped 1 invalid request bodies of the trace (first: request 3: {why})" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "extra, why",
     [

@@ -36,7 +36,15 @@ from radixkv.namespace import Namespace, check_cache_salt
 from radixkv.sim import SimRequest
 from radixkv.text import encode_text
 
-__all__ = ["TraceRequest", "read_trace", "tokenize_trace", "TraceWriter", "write_trace", "message_text"]
+__all__ = [
+    "TraceRequest",
+    "read_trace",
+    "read_trace_lines",
+    "tokenize_trace",
+    "TraceWriter",
+    "write_trace",
+    "message_text",
+]
 
 
 @dataclass
@@ -80,7 +88,17 @@ def read_trace(path: str | Path) -> list[dict]:
     Raises:
         ValueError: a line that is not UTF-8 text or not a JSON object (naming the line).
     """
-    bodies = []
+    return read_trace_lines(path)[0]
+
+
+def read_trace_lines(path: str | Path) -> tuple[list[dict], list[int]]:
+    """The bodies of a JSONL trace file and the line of the file each is on (blank lines are
+    skipped, so a body's position is not its line; :func:`tokenize_trace` takes them as ``lines``).
+
+    Raises:
+        ValueError: as :func:`read_trace`.
+    """
+    bodies, lines = [], []
     with open(path, "rb") as f:
         for no, raw in enumerate(f, 1):
             try:
@@ -96,7 +114,8 @@ def read_trace(path: str | Path) -> list[dict]:
             if not isinstance(body, dict):
                 raise ValueError(f"{path}:{no}: a request body must be a JSON object")
             bodies.append(body)
-    return bodies
+            lines.append(no)
+    return bodies, lines
 
 
 def message_text(content: Any) -> str:
@@ -159,7 +178,11 @@ def _token_ids(item: Any, vocab: Optional[int]) -> list:
 
 
 def tokenize_trace(
-    bodies: Iterable[dict], tokenizer: Any, infer_replies: bool = True, invalid: Optional[list] = None
+    bodies: Iterable[dict],
+    tokenizer: Any,
+    infer_replies: bool = True,
+    invalid: Optional[list] = None,
+    lines: Optional[Sequence[int]] = None,
 ) -> list[TraceRequest]:
     """Tokenize request bodies (module docstring).
 
@@ -167,6 +190,8 @@ def tokenize_trace(
         invalid: None: a malformed body raises. A list: malformed bodies are skipped and
             ``(position, reason)`` appended to it for each (a server's ``--log-requests`` trace
             also holds the bodies it answered with a 400).
+        lines: the file line of each body (:func:`read_trace_lines`), the requests' ``line``;
+            None: the body's position (from 1).
 
     Raises:
         ValueError: (``invalid`` None) a body with neither ``messages`` nor ``prompt``, or
@@ -178,6 +203,7 @@ def tokenize_trace(
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     for no, body in enumerate(bodies, 1):
         mark = len(out)
+        line = lines[no - 1] if lines is not None else no
         try:
             ns = _namespace(body)
             if "messages" in body:
@@ -188,7 +214,7 @@ def tokenize_trace(
                 text = render_chat(tokenizer, conv, tools=tools)
                 ids = encode_text(tokenizer, text, "messages", "the rendered conversation")
                 msgs = [{"role": str(m["role"]), "content": message_text(m["content"])} for m in conv]
-                req = TraceRequest(len(out), no, "chat", ids, text=text, messages=msgs, max_tokens=_max_tokens(body))
+                req = TraceRequest(len(out), line, "chat", ids, text=text, messages=msgs, max_tokens=_max_tokens(body))
                 if infer_replies and len(conv) >= 3 and conv[-2]["role"] == "assistant":
                     j = by_history.get(repr(ns) + _key(conv[:-2], tools))
                     if j is not None:
@@ -203,9 +229,9 @@ def tokenize_trace(
                 for item in items:
                     if isinstance(item, str):
                         ids = encode_text(tokenizer, item, "prompt")
-                        out.append(TraceRequest(len(out), no, "completions", ids, text=item))
+                        out.append(TraceRequest(len(out), line, "completions", ids, text=item))
                     elif isinstance(item, list):
-                        out.append(TraceRequest(len(out), no, "completions", _token_ids(item, vocab)))
+                        out.append(TraceRequest(len(out), line, "completions", _token_ids(item, vocab)))
                     else:
                         raise ValueError(f"prompt must be a string, a token list, or a list of those, got {item!r:.40}")
             else:
