@@ -44,6 +44,22 @@ def test_tier_model_takes_inserted_or_evicted_blocks_lru_within_capacity():
         TierModel({"tape": 16})
 
 
+def test_a_tail_takes_its_own_tokens_of_a_tiers_capacity():
+    """The engine's stores count a record's bytes, and a tail of ``c`` tokens is about ``c / 16``
+    of a block's; the model counted every tail as a whole block, so a tier that fills up dropped
+    blocks the engine keeps (a 256-token disk tier written back: 240 tokens served in the replay,
+    308 in the engine, now 300)."""
+    tm = TierModel({"host": 32})  # 2 blocks' worth, written back
+    toks = list(range(1, 41))
+    tm.write("write_back", None, toks, 0, 1, tail=4)  # block 0 and the 4-token tail after it
+    tm.write("write_back", None, toks[16:], 0, 0, tail=8)  # another path's 8-token tail
+    assert tm.used == {"host": 16 + 4 + 8} and len(tm.held["host"]) == 3
+    assert tm.lookup(None, toks, 0, 39, 1) == [(0, 20, "host")]  # block 0 and its tail
+    # block 1 (16 tokens): the least recently used go, the other path's tail, then block 0
+    tm.write("write_back", None, toks, 1, 2, tail=0)
+    assert tm.used == {"host": 4 + 16} and tm.lookup(None, toks, 0, 39, 1) == []
+
+
 def _conversations(seed=0, n=6, turns=3, first=60, step=40, reply=3):
     """Turns of ``n`` conversations; each reply is the fake model's (tier_fakes.reference)."""
     rng = random.Random(seed)
@@ -164,11 +180,11 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     other = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20})  # the default: through
     assert (sim.cached_tokens == other.cached_tokens) == (policy == "write_through")
     # the CLI: token-id prompts (completions bodies), no replies: the same replay without them; a
-    # disk tier of 256 tokens serves 240 tokens written back, 40 written through (it keeps the latest)
+    # disk tier of 256 tokens serves 300 tokens written back, 40 written through (it keeps the latest)
     trace = write_trace(tmp_path / "t.jsonl", [{"prompt": list(r.tokens)} for r in reqs])
     bare = [SimRequest(r.tokens) for r in reqs]
     want = simulate(bare, "radix", 1, 200, tiers={"disk": 256}, tier_write_policy={"disk": policy})
-    assert want.cached_tokens_by_tier == {"disk": {"write_back": 240, "write_through": 40}[policy]}
+    assert want.cached_tokens_by_tier == {"disk": {"write_back": 300, "write_through": 40}[policy]}
     args = ["explain", str(trace), "--capacity", "200", "--disk-cache-tokens", "256", "--json", "--no-what-if"]
     assert main(args + ["--kv-tier-write-policy", f"disk={policy}"]) == 0
     rep = json.loads(capsys.readouterr().out)
