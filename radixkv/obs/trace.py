@@ -65,6 +65,8 @@ class TraceRequest:
         max_tokens: the body's ``max_completion_tokens`` or ``max_tokens`` (an int; else None):
             a reply of exactly that many tokens was cut off, so the end-of-turn token after it
             in the next turn was never generated (:func:`_set_reply`).
+        max_prefix_len: the most tokens it may take from the cache, when the body asks for
+            prompt logprobs (:func:`_prompt_logprobs_limit`); else None.
     """
 
     index: int
@@ -76,10 +78,11 @@ class TraceRequest:
     messages: Optional[list] = None
     namespace: Hashable = None
     max_tokens: Optional[int] = None
+    max_prefix_len: Optional[int] = None
 
     def sim_request(self) -> SimRequest:
         """This request for :mod:`radixkv.sim`."""
-        return SimRequest(self.tokens, self.reply, self.namespace)
+        return SimRequest(self.tokens, self.reply, self.namespace, self.max_prefix_len)
 
 
 def read_trace(path: str | Path) -> list[dict]:
@@ -239,7 +242,7 @@ def tokenize_trace(
             if any(not r.tokens for r in out[mark:]):
                 raise ValueError("the prompt has no tokens")
             for r in out[mark:]:
-                r.namespace = ns
+                r.namespace, r.max_prefix_len = ns, _prompt_logprobs_limit(body)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if invalid is None:
                 raise ValueError(f"trace request {no}: {exc}") from exc
@@ -275,6 +278,21 @@ def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: 
     if earlier.max_tokens is not None and end - 1 == earlier.max_tokens:
         end -= 1  # cut off at max_tokens: the template closed the turn, the model never generated it
     earlier.reply = rest[:end]
+
+
+def _prompt_logprobs_limit(body: dict) -> Optional[int]:
+    """The most prompt tokens a body's request may take from the cache when it asks for prompt
+    logprobs (``prompt_logprobs``, or a completions ``echo`` with ``logprobs``, as the server maps
+    them): ``max(logprob_start_len, 1) - 1`` (docs/sampling.md); None when it does not ask."""
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    echoed = "prompt" in body and body.get("echo") is True and count(body.get("logprobs"))
+    if not (count(body.get("prompt_logprobs")) or echoed):
+        return None
+    start = body.get("logprob_start_len")
+    return max(start if count(start) else 0, 1) - 1
 
 
 def _max_tokens(body: dict) -> Optional[int]:

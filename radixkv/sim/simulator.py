@@ -110,11 +110,15 @@ class SimRequest:
             last one's, as in the engine); empty: one token whose K/V is never computed.
         namespace: its prefix-cache namespace: None, a :class:`~radixkv.namespace.Namespace`,
             or any hashable (normalized by ``Namespace.of``, as ``Engine.add_request`` does).
+        max_prefix_len: the most tokens it may take from the cache (None: no limit): a request
+            with prompt logprobs from position ``s`` takes at most ``max(s, 1) - 1``
+            (``Request.max_prefix_len``; none when that is the prompt's last position or past it).
     """
 
     tokens: Sequence[int]
     reply: Sequence[int] = ()
     namespace: Hashable = None
+    max_prefix_len: Optional[int] = None
 
 
 @dataclass
@@ -316,6 +320,8 @@ class CacheSimulator:
             self._ctx = max(kv.pages(final), 2 * self._ctx)  # whole pages: a page may pass the prompt's end
             kv.replace_block_table(ReqToTokenPool(1, self._ctx))
         r = Request(str(i), 0, tokens, self._params, Namespace.of(req.namespace))
+        if req.max_prefix_len is not None and req.max_prefix_len < n - 1:  # as Engine's prompt logprobs
+            r.prompt_lp_pos = req.max_prefix_len
         prefix = kv.lock_prefix(r)
         if self.tracker is not None:
             self.tracker.on_admit(r, prefix.length, ())
