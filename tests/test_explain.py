@@ -33,6 +33,35 @@ from radixkv.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
+
+def test_a_body_asking_for_prompt_logprobs_is_replayed_with_the_engines_match_limit(default_model, tok):
+    """A request with prompt logprobs from ``logprob_start_len`` s matches at most ``max(s, 1) - 1``
+    tokens (their logits must be computed); a completions ``echo`` with ``logprobs`` asks for
+    them (s 0). The replay of the trace ignored it and counted the whole cached prompt: 40 and
+    40 where the engine reused 0 and 9."""
+    from radixkv.llm import LLM
+    from radixkv.sim import simulate
+
+    llm = LLM(loaded_model=default_model, device="cpu", max_total_tokens=4096)
+    text = "The quick brown fox jumps over the lazy dog. " * 4
+    bodies = [
+        {"prompt": text, "max_tokens": 1},
+        {"prompt": text, "max_tokens": 1, "echo": True, "logprobs": 0},
+        {"prompt": text, "max_tokens": 1, "prompt_logprobs": 1, "logprob_start_len": 10},
+        {"prompt": text, "max_tokens": 1, "echo": True},  # no logprobs: nothing to compute
+    ]
+    params = [{}, {"prompt_logprobs": 0}, {"prompt_logprobs": 1, "logprob_start_len": 10}, {}]
+    got = []
+    for p in params:
+        out = llm.generate([text], SamplingParams(max_tokens=1, temperature=0.0, **p), use_tqdm=False)[0]
+        got.append(out.num_cached_tokens)
+    reqs = tokenize_trace(bodies, tok)
+    assert [r.max_prefix_len for r in reqs] == [None, 0, 9, None]
+    sim = simulate([r.sim_request() for r in reqs], "radix", 1, 4096)
+    assert [r.num_cached_tokens for r in sim.requests] == got == [0, 0, 9, len(reqs[0].tokens) - 1]
+    llm.close()
+
+
 N = 40
 KIND_NAMES = {"timestamp": "timestamp", "uuid": "uuid", "user": "name", "tools": "reordered list"}
 LINES = {"timestamp": 1, "uuid": 3, "user": 3}  # line of the system message the value is on
@@ -393,6 +422,23 @@ def test_token_id_prompts_out_of_the_vocabulary_are_invalid_bodies(prompt, why, 
     cap = capsys.readouterr()
     assert json.loads(cap.out)["requests"] == 2
     assert f"skipped 1 invalid request bodies (first: request 2: {why})" in cap.err
+
+
+def test_a_top_miss_names_the_line_of_the_file_its_body_is_on(tok, tmp_path, capsys):
+    """Blank lines are skipped in a trace (a hand-edited one, or two logs joined): each top miss
+    names the file line its body is on (it named the body's position: 'line 1' and 'line 2' for
+    bodies on lines 3 and 5); ``radixkv plan`` names why it skipped a body, as explain does."""
+    from radixkv.cli import main
+
+    path = tmp_path / "t.jsonl"
+    body = '{"prompt": [5, 6, 7, 8, 9]}'
+    path.write_text("\n\n" + body + "\n\n" + body.replace("9", "10") + "\n" + '{"model": "m"}' + "\n")
+    assert main(["explain", str(path), "--json", "--no-what-if"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert sorted((m["index"], m["line"]) for m in rep["top_misses"]) == [(0, 3), (1, 5)]
+    assert main(["plan", "--trace", str(path), "--policies", "radix-p1"]) == 0
+    why = "a body needs 'messages' (chat) or 'prompt' (completions)"
+    assert f"skipped 1 invalid request bodies of the trace (first: request 3: {why})" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -44,11 +44,31 @@ def test_tier_model_takes_inserted_or_evicted_blocks_lru_within_capacity():
         TierModel({"tape": 16})
 
 
-def _conversations(seed=0, n=6, turns=3):
+def test_a_tail_takes_its_own_tokens_of_a_tiers_capacity():
+    """The engine's stores count a record's bytes, and a tail of ``c`` tokens is about ``c / 16``
+    of a block's; the model counted every tail as a whole block, so a tier that fills up dropped
+    blocks the engine keeps (a 256-token disk tier written back: 240 tokens served in the replay,
+    308 in the engine, now 300)."""
+    tm = TierModel({"host": 32})  # 2 blocks' worth, written back
+    toks = list(range(1, 41))
+    tm.write("write_back", None, toks, 0, 1, tail=4)  # block 0 and the 4-token tail after it
+    tm.write("write_back", None, toks[16:], 0, 0, tail=8)  # another path's 8-token tail
+    assert tm.used == {"host": 16 + 4 + 8} and len(tm.held["host"]) == 3
+    assert tm.lookup(None, toks, 0, 39, 1) == [(0, 20, "host")]  # block 0 and its tail
+    # block 1 (16 tokens): the least recently used go, the other path's tail, then block 0
+    tm.write("write_back", None, toks, 1, 2, tail=0)
+    assert tm.used == {"host": 4 + 16} and tm.lookup(None, toks, 0, 39, 1) == []
+
+
+def _conversations(seed=0, n=6, turns=3, first=60, step=40, reply=3):
     """Turns of ``n`` conversations; each reply is the fake model's (tier_fakes.reference)."""
     rng = random.Random(seed)
-    convs = [[rng.randrange(1, VOCAB) for _ in range(150)] for _ in range(n)]
-    return [SimRequest(c[: 60 + 40 * t], reply=reference(c[: 60 + 40 * t], 3)) for t in range(turns) for c in convs]
+    convs = [[rng.randrange(1, VOCAB) for _ in range(first + step * turns)] for _ in range(n)]
+    return [
+        SimRequest(c[: first + step * t], reply=reference(c[: first + step * t], reply))
+        for t in range(turns)
+        for c in convs
+    ]
 
 
 def test_simulated_tiers_raise_the_hit_rate_to_the_infinite_pools():
@@ -80,6 +100,24 @@ def test_simulator_and_engine_agree_on_cached_tokens_by_tier(tier):
         e.kv.tiers.drain()
     want = [(x.num_cached_tokens, x.tier_tokens.get(tier, 0)) for x in sim.requests]
     assert got == want and sum(t for _, t in want) > 0
+
+
+@pytest.mark.parametrize("capacity", [120, 200])
+def test_a_written_back_tier_holds_the_tails_the_engines_evictions_leave(capacity):
+    """A write-back tier stores the tail of each evicted path, replacing the one held after the
+    same block: what it holds depends on how the evictions are cut. The engine evicts one page
+    per decode step and installs a tier load (evicting for it) before admitting the prefill; the
+    simulator evicted a reply's whole shortfall, and the load's slots with the prefill's, at once,
+    so it kept other tails: with 12-token replies it served 32 cached tokens where the engine
+    served 37 (``radixkv plan --trace`` / ``explain`` with a host tier, written back by default,
+    differed from the engine fed the same requests)."""
+    reqs = _conversations(seed=0, n=4, first=40, step=30, reply=12)
+    sim = simulate(reqs, "radix", 1, capacity, outcomes=False, tiers={"host": 1 << 20}, keep_requests=True)
+    e = kv_engine(capacity=capacity, stores=[MemoryStore("host")], chunk=2048)
+    assert [s.medium for s in e.kv.tiers.back] == ["host"]  # the engine's default for host: written back
+    got = _engine_tokens(e, reqs, "host")
+    assert got == [(x.num_cached_tokens, x.tier_tokens.get("host", 0)) for x in sim.requests]
+    assert sum(t for _, t in got) > 0
 
 
 def test_plan_trace_shows_the_hit_rate_with_tiers(tmp_path, capsys):
@@ -142,11 +180,11 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     other = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20})  # the default: through
     assert (sim.cached_tokens == other.cached_tokens) == (policy == "write_through")
     # the CLI: token-id prompts (completions bodies), no replies: the same replay without them; a
-    # disk tier of 256 tokens serves 236 tokens written back, 40 written through (it keeps the latest)
+    # disk tier of 256 tokens serves 300 tokens written back, 40 written through (it keeps the latest)
     trace = write_trace(tmp_path / "t.jsonl", [{"prompt": list(r.tokens)} for r in reqs])
     bare = [SimRequest(r.tokens) for r in reqs]
     want = simulate(bare, "radix", 1, 200, tiers={"disk": 256}, tier_write_policy={"disk": policy})
-    assert want.cached_tokens_by_tier == {"disk": {"write_back": 236, "write_through": 40}[policy]}
+    assert want.cached_tokens_by_tier == {"disk": {"write_back": 300, "write_through": 40}[policy]}
     args = ["explain", str(trace), "--capacity", "200", "--disk-cache-tokens", "256", "--json", "--no-what-if"]
     assert main(args + ["--kv-tier-write-policy", f"disk={policy}"]) == 0
     rep = json.loads(capsys.readouterr().out)

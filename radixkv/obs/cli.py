@@ -33,14 +33,15 @@ def _kv_dtype_flag(value: str) -> str:
     return value.strip().lower()
 
 
-def load_bodies(trace: str) -> list[dict]:
-    """The request bodies of TRACE (module docstring).
+def load_bodies(trace: str) -> tuple[list[dict], Optional[list[int]]]:
+    """The request bodies of TRACE (module docstring) and, for a file, the line each is on
+    (None for a built-in trace).
 
     Raises:
         ValueError: an unknown built-in trace or a malformed file. FileNotFoundError: no such file.
     """
     from radixkv.obs import synthetic
-    from radixkv.obs.trace import read_trace
+    from radixkv.obs.trace import read_trace_lines
 
     if trace.startswith("synthetic:"):
         parts = trace.split(":")[1:]
@@ -49,7 +50,7 @@ def load_bodies(trace: str) -> list[dict]:
         kind = parts[0]
         n = _count(trace, "N", parts[1]) if len(parts) > 1 and parts[1] else 40
         try:
-            return synthetic.agent_trace(kind, n, fixed=len(parts) == 3)
+            return synthetic.agent_trace(kind, n, fixed=len(parts) == 3), None
         except RuntimeError as exc:  # fewer ShareGPT questions than N
             raise ValueError(f"trace {trace!r}: {exc}") from None
     if trace.startswith("sharegpt:"):
@@ -58,10 +59,10 @@ def load_bodies(trace: str) -> list[dict]:
             raise ValueError(f"built-in ShareGPT traces: sharegpt:multi_turn[:CONVERSATIONS[:TURNS]], got {trace!r}")
         convs = _count(trace, "CONVERSATIONS", parts[1]) if len(parts) > 1 else 24
         turns = _count(trace, "TURNS", parts[2]) if len(parts) > 2 else 4
-        return synthetic.sharegpt_multi_turn_trace(convs, turns)
+        return synthetic.sharegpt_multi_turn_trace(convs, turns), None
     if not Path(trace).is_file():
         raise FileNotFoundError(f"trace file {trace!r} not found")
-    return read_trace(trace)
+    return read_trace_lines(trace)
 
 
 def _count(trace: str, name: str, text: str) -> int:
@@ -194,10 +195,10 @@ def run_explain(args: argparse.Namespace) -> int:
             )
         _check_tier_blocks({f"--{m}-cache-tokens": (t, BLOCK_TOKENS, 1) for m, t in tiers.items()})
         write_policy = _write_policy(args, tiers)
-        bodies = load_bodies(args.trace)
+        bodies, lines = load_bodies(args.trace)
         tok = load_tokenizer(args.model)
         invalid: list = []
-        reqs = tokenize_trace(bodies, tok, invalid=invalid)
+        reqs = tokenize_trace(bodies, tok, invalid=invalid, lines=lines)
         if invalid:
             no, why = invalid[0]
             print(
@@ -411,10 +412,14 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
             "radix-p1,radix-p16"
         )
     invalid: list = []
-    bodies = load_bodies(args.trace)
+    bodies, _ = load_bodies(args.trace)
     reqs = [r.sim_request() for r in tokenize_trace(bodies, load_tokenizer(args.tokenizer), invalid=invalid)]
     if invalid:
-        print(f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace", file=sys.stderr)
+        no, why = invalid[0]
+        print(
+            f"radixkv plan: skipped {len(invalid)} invalid request bodies of the trace (first: request {no}: {why})",
+            file=sys.stderr,
+        )
     if not reqs:
         raise ValueError("the trace has no valid request")
     out: dict = dict(trace=dict(source=args.trace, requests=len(reqs), tokenizer=args.tokenizer))

@@ -310,7 +310,7 @@ def _span_report(k, sp, requests, tokens, sims, rows, tokenizer, what_if, sim_kw
             lines = expand_to_lines(regions, tokens, is_newline)
         for how in ("removed", "moved", "static"):
             new = rewrite(sp, tokens, how, regions if how == "static" else lines)
-            new_sims = [SimRequest(t, s.reply, s.namespace) for t, s in zip(new, sims)]
+            new_sims = [SimRequest(t, s.reply, s.namespace, s.max_prefix_len) for t, s in zip(new, sims)]
             cap = _sim_capacity(new_sims, sim_kw["capacity"], sim_kw["page_size"])
             res = simulate(new_sims, outcomes=False, keep_requests=k == 0, **dict(sim_kw, capacity=cap))
             out["what_if"][how] = dict(

@@ -36,7 +36,15 @@ from radixkv.namespace import Namespace, check_cache_salt
 from radixkv.sim import SimRequest
 from radixkv.text import encode_text
 
-__all__ = ["TraceRequest", "read_trace", "tokenize_trace", "TraceWriter", "write_trace", "message_text"]
+__all__ = [
+    "TraceRequest",
+    "read_trace",
+    "read_trace_lines",
+    "tokenize_trace",
+    "TraceWriter",
+    "write_trace",
+    "message_text",
+]
 
 
 @dataclass
@@ -57,6 +65,8 @@ class TraceRequest:
         max_tokens: the body's ``max_completion_tokens`` or ``max_tokens`` (an int; else None):
             a reply of exactly that many tokens was cut off, so the end-of-turn token after it
             in the next turn was never generated (:func:`_set_reply`).
+        max_prefix_len: the most tokens it may take from the cache, when the body asks for
+            prompt logprobs (:func:`_prompt_logprobs_limit`); else None.
     """
 
     index: int
@@ -68,10 +78,11 @@ class TraceRequest:
     messages: Optional[list] = None
     namespace: Hashable = None
     max_tokens: Optional[int] = None
+    max_prefix_len: Optional[int] = None
 
     def sim_request(self) -> SimRequest:
         """This request for :mod:`radixkv.sim`."""
-        return SimRequest(self.tokens, self.reply, self.namespace)
+        return SimRequest(self.tokens, self.reply, self.namespace, self.max_prefix_len)
 
 
 def read_trace(path: str | Path) -> list[dict]:
@@ -80,7 +91,17 @@ def read_trace(path: str | Path) -> list[dict]:
     Raises:
         ValueError: a line that is not UTF-8 text or not a JSON object (naming the line).
     """
-    bodies = []
+    return read_trace_lines(path)[0]
+
+
+def read_trace_lines(path: str | Path) -> tuple[list[dict], list[int]]:
+    """The bodies of a JSONL trace file and the line of the file each is on (blank lines are
+    skipped, so a body's position is not its line; :func:`tokenize_trace` takes them as ``lines``).
+
+    Raises:
+        ValueError: as :func:`read_trace`.
+    """
+    bodies, lines = [], []
     with open(path, "rb") as f:
         for no, raw in enumerate(f, 1):
             try:
@@ -96,7 +117,8 @@ def read_trace(path: str | Path) -> list[dict]:
             if not isinstance(body, dict):
                 raise ValueError(f"{path}:{no}: a request body must be a JSON object")
             bodies.append(body)
-    return bodies
+            lines.append(no)
+    return bodies, lines
 
 
 def message_text(content: Any) -> str:
@@ -159,7 +181,11 @@ def _token_ids(item: Any, vocab: Optional[int]) -> list:
 
 
 def tokenize_trace(
-    bodies: Iterable[dict], tokenizer: Any, infer_replies: bool = True, invalid: Optional[list] = None
+    bodies: Iterable[dict],
+    tokenizer: Any,
+    infer_replies: bool = True,
+    invalid: Optional[list] = None,
+    lines: Optional[Sequence[int]] = None,
 ) -> list[TraceRequest]:
     """Tokenize request bodies (module docstring).
 
@@ -167,6 +193,8 @@ def tokenize_trace(
         invalid: None: a malformed body raises. A list: malformed bodies are skipped and
             ``(position, reason)`` appended to it for each (a server's ``--log-requests`` trace
             also holds the bodies it answered with a 400).
+        lines: the file line of each body (:func:`read_trace_lines`), the requests' ``line``;
+            None: the body's position (from 1).
 
     Raises:
         ValueError: (``invalid`` None) a body with neither ``messages`` nor ``prompt``, or
@@ -178,6 +206,7 @@ def tokenize_trace(
     vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
     for no, body in enumerate(bodies, 1):
         mark = len(out)
+        line = lines[no - 1] if lines is not None else no
         try:
             ns = _namespace(body)
             if "messages" in body:
@@ -188,7 +217,7 @@ def tokenize_trace(
                 text = render_chat(tokenizer, conv, tools=tools)
                 ids = encode_text(tokenizer, text, "messages", "the rendered conversation")
                 msgs = [{"role": str(m["role"]), "content": message_text(m["content"])} for m in conv]
-                req = TraceRequest(len(out), no, "chat", ids, text=text, messages=msgs, max_tokens=_max_tokens(body))
+                req = TraceRequest(len(out), line, "chat", ids, text=text, messages=msgs, max_tokens=_max_tokens(body))
                 if infer_replies and len(conv) >= 3 and conv[-2]["role"] == "assistant":
                     j = by_history.get(repr(ns) + _key(conv[:-2], tools))
                     if j is not None:
@@ -203,9 +232,9 @@ def tokenize_trace(
                 for item in items:
                     if isinstance(item, str):
                         ids = encode_text(tokenizer, item, "prompt")
-                        out.append(TraceRequest(len(out), no, "completions", ids, text=item))
+                        out.append(TraceRequest(len(out), line, "completions", ids, text=item))
                     elif isinstance(item, list):
-                        out.append(TraceRequest(len(out), no, "completions", _token_ids(item, vocab)))
+                        out.append(TraceRequest(len(out), line, "completions", _token_ids(item, vocab)))
                     else:
                         raise ValueError(f"prompt must be a string, a token list, or a list of those, got {item!r:.40}")
             else:
@@ -213,7 +242,7 @@ def tokenize_trace(
             if any(not r.tokens for r in out[mark:]):
                 raise ValueError("the prompt has no tokens")
             for r in out[mark:]:
-                r.namespace = ns
+                r.namespace, r.max_prefix_len = ns, _prompt_logprobs_limit(body)
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             if invalid is None:
                 raise ValueError(f"trace request {no}: {exc}") from exc
@@ -249,6 +278,21 @@ def _set_reply(earlier: TraceRequest, later_ids: list, tokenizer: Any, content: 
     if earlier.max_tokens is not None and end - 1 == earlier.max_tokens:
         end -= 1  # cut off at max_tokens: the template closed the turn, the model never generated it
     earlier.reply = rest[:end]
+
+
+def _prompt_logprobs_limit(body: dict) -> Optional[int]:
+    """The most prompt tokens a body's request may take from the cache when it asks for prompt
+    logprobs (``prompt_logprobs``, or a completions ``echo`` with ``logprobs``, as the server maps
+    them): ``max(logprob_start_len, 1) - 1`` (docs/sampling.md); None when it does not ask."""
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    echoed = "prompt" in body and body.get("echo") is True and count(body.get("logprobs"))
+    if not (count(body.get("prompt_logprobs")) or echoed):
+        return None
+    start = body.get("logprob_start_len")
+    return max(start if count(start) else 0, 1) - 1
 
 
 def _max_tokens(body: dict) -> Optional[int]:

@@ -110,11 +110,15 @@ class SimRequest:
             last one's, as in the engine); empty: one token whose K/V is never computed.
         namespace: its prefix-cache namespace: None, a :class:`~radixkv.namespace.Namespace`,
             or any hashable (normalized by ``Namespace.of``, as ``Engine.add_request`` does).
+        max_prefix_len: the most tokens it may take from the cache (None: no limit): a request
+            with prompt logprobs from position ``s`` takes at most ``max(s, 1) - 1``
+            (``Request.max_prefix_len``; none when that is the prompt's last position or past it).
     """
 
     tokens: Sequence[int]
     reply: Sequence[int] = ()
     namespace: Hashable = None
+    max_prefix_len: Optional[int] = None
 
 
 @dataclass
@@ -293,7 +297,9 @@ class CacheSimulator:
         first prefill chunk admitted on the locked prefix (``reserve``), every chunk handed to
         the cache after it is computed (``hand_over``), each decode page made free when needed
         (``ensure_free``; the engine evicts one page's worth per decode step, the replay the
-        whole shortfall at once: the same pages, as eviction is page-granular), ``release``.
+        whole shortfall at once: the same pages, as eviction is page-granular; page by page with
+        a write-back tier, :meth:`_decode_slots`), ``release``. A tier load's slots are made free
+        before the prefill's, as the engine installs it first.
         A request whose prompt + reply is larger than the pool is not served.
 
         Raises:
@@ -314,6 +320,8 @@ class CacheSimulator:
             self._ctx = max(kv.pages(final), 2 * self._ctx)  # whole pages: a page may pass the prompt's end
             kv.replace_block_table(ReqToTokenPool(1, self._ctx))
         r = Request(str(i), 0, tokens, self._params, Namespace.of(req.namespace))
+        if req.max_prefix_len is not None and req.max_prefix_len < n - 1:  # as Engine's prompt logprobs
+            r.prompt_lp_pos = req.max_prefix_len
         prefix = kv.lock_prefix(r)
         if self.tracker is not None:
             self.tracker.on_admit(r, prefix.length, ())
@@ -325,6 +333,10 @@ class CacheSimulator:
                 loaded[m] = loaded.get(m, 0) + b - a
             if spans and r.cache_outcome is not None:
                 r.cache_outcome = dataclasses.replace(r.cache_outcome, tier_spans=tuple(spans))
+            # the engine installs a load before the prefill is admitted: slots for it made free
+            # first (its own eviction, which a write-back tier's tails depend on)
+            if spans and not kv.ensure_free(spans[-1][1] - prefix.length):
+                raise AssertionError("a lone request that fits the pool could not install its load")
         extend = min(n - prefix.length, self.chunk)
         if not kv.reserve(kv.pages(prefix.length + extend) - prefix.length, 0):
             raise AssertionError("a lone request that fits the pool could not be admitted")
@@ -340,16 +352,25 @@ class CacheSimulator:
             kv.hand_over(r, r.kv_len)
         r.output_token_ids = reply
         if r.kv_len < final:  # decode: free pages first, then the rest evicted
-            # The engine evicts one page's worth per decode step when the pool is full; evicting
-            # the whole shortfall in one call frees the same pages in the same order (eviction is
-            # page-granular, and nothing else touches the cache meanwhile), without one call per
-            # generated token.
-            if not kv.ensure_free(kv.pages(final) - len(r.slots)):
-                raise AssertionError("a lone request that fits the pool ran out of memory")
-            kv.grow(r, final)
-            r.kv_len = final
+            self._decode_slots(r, final)
         kv.release(r)
         return RequestResult(i, n, prefix.length + sum(loaded.values()), r.cache_outcome, tier_tokens=loaded)
+
+    def _decode_slots(self, r: Request, final: int) -> None:
+        """Slots for ``r``'s decode positions up to ``final``. The engine evicts one page's worth
+        per decode step when the pool is full; evicting the whole shortfall in one call frees the
+        same pages in the same order (eviction is page-granular, and nothing else touches the
+        cache meanwhile), without one call per generated token. Not with a write-back tier: each
+        eviction writes the tail of the path it evicted, replacing the one held after the same
+        block, so the engine's page-by-page evictions leave the shortest of those tails held
+        (the replay evicting at once kept others and served other tokens than the engine)."""
+        kv = self.kv
+        step = self.page_size if self.tiers is not None and self.tiers.writes_back else kv.pages(final)
+        while len(r.slots) < kv.pages(final):
+            if not kv.ensure_free(min(step, kv.pages(final) - len(r.slots))):
+                raise AssertionError("a lone request that fits the pool ran out of memory")
+            kv.grow(r, min(final, len(r.slots) + step))
+        r.kv_len = final
 
     def run(self, requests: Iterable[SimRequest], keep_requests: bool = True) -> SimResult:
         """Serve every request in order; returns the totals (and per-request results).

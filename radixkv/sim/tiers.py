@@ -3,7 +3,8 @@ first, fed by the simulated pool's cache events (docs/tiers.md).
 
 A tier holds block digests (:mod:`radixkv.cache.digests`: chained, namespace-seeded) and tails
 (the partial block after a sequence's whole blocks, under its
-:func:`~radixkv.cache.digests.tail_digest`, with its tokens; one entry of the capacity each). The
+:func:`~radixkv.cache.digests.tail_digest`, with its tokens; a block takes 16 tokens of the
+capacity, a tail its own, as the engine's stores count a record's bytes). The
 simulator hands the model to its KV manager as its tiers, so the model hears the engine's own
 writes (:meth:`TierModel.write`): a write-through tier takes every block that becomes fully
 cached in the pool and the tail after them, a write-back tier every block the pool evicts and
@@ -53,6 +54,7 @@ class TierModel:
         self.through = [m for m in self.held if policy[m] == "write_through"]
         self.back = [m for m in self.held if policy[m] == "write_back"]
         self.held_tokens = 0  # the KV manager's view: nothing is ever installed and held
+        self.used = dict.fromkeys(self.held, 0)  # tokens held per tier (a tail its own)
 
     @property
     def writes_back(self) -> bool:
@@ -87,13 +89,23 @@ class TierModel:
         events.subscribe(self._on_event, (CacheInserted, CacheEvicted))
 
     def _put(self, media: Sequence[str], digests: Sequence[bytes], value: Any = None) -> None:
+        """Hold ``digests`` (blocks, or one tail: ``value`` its tokens) in ``media``, dropping the
+        least recently used entries past the capacity: a block costs its 16 tokens, a tail its
+        own (the engine's stores count a record's bytes: a tail's are about ``c / 16`` of a
+        block's)."""
+        cost = BLOCK_TOKENS if value is None else len(value)
         for m in media:
-            held, cap = self.held[m], self.blocks[m]
+            held, cap = self.held[m], self.blocks[m] * BLOCK_TOKENS
             for d in digests:
+                if d in held:
+                    prev = held[d]
+                    self.used[m] -= BLOCK_TOKENS if prev is None else len(prev)
                 held[d] = value
                 held.move_to_end(d)
-            while len(held) > cap:
-                held.popitem(last=False)
+                self.used[m] += cost
+            while self.used[m] > cap:
+                _, v = held.popitem(last=False)
+                self.used[m] -= BLOCK_TOKENS if v is None else len(v)
 
     def _on_event(self, ev: Event) -> None:
         if isinstance(ev, CacheInserted) and ev.medium == "device":
