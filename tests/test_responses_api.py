@@ -374,6 +374,25 @@ def test_text_format_json_schema_and_refusals_naming_the_field(server, client):
             assert err["code"] == code, (extra, err)
 
 
+@pytest.mark.parametrize(
+    "output, says",
+    [(None, "input[1].output must be a string"), (5, "input[1].output must be a string"),
+     ([{"type": "input_text"}], "input[1].output[0]: a input_text part needs its 'text'"),
+     ([{"type": "input_image", "image_url": "http://x/a.png"}], "input[1].output[0]: input_image parts")],
+    ids=["missing", "a number", "a part without text", "an image part"],
+)  # fmt: skip
+def test_a_bad_function_call_output_names_its_output(server, output, says):
+    # a function_call_output without 'output' (or with a number) said "input[1].content must be a string or
+    # a list of content parts": a field the item does not have, so the client could not find its mistake
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    answer = {"type": "function_call_output", "call_id": "c1", **({} if output is None else {"output": output})}
+    body = {"model": MODEL, "input": [call, answer], "tools": [{"type": "function", "name": "f"}], "store": False}
+    r = httpx.post(server.base_url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "input" and says in err["message"], err
+
+
 def test_openai_agents_default_responses_model_runs_a_function_tool(server, llm):
     from agents import Agent, ModelSettings, RunConfig, Runner, function_tool, set_tracing_disabled
     from agents.models.openai_provider import OpenAIProvider

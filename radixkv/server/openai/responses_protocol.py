@@ -88,24 +88,26 @@ _ITEM_KEYS = {
 }
 
 
-def _text_of(content: Any, where: str, allowed: tuple[str, ...]) -> str:
-    """The text of a message's ``content`` (a string or a list of text parts)."""
+def _text_of(content: Any, where: str, allowed: tuple[str, ...], key: str = "content") -> str:
+    """The text of a message's ``content`` (a string or a list of text parts); ``key``: the
+    item's field holding it, as errors name it (a ``function_call_output``'s ``output``)."""
     if isinstance(content, str):
         return content
+    where = f"{where}.{key}"
     if not isinstance(content, list):
-        raise APIError(f"{where}.content must be a string or a list of content parts", "input")
+        raise APIError(f"{where} must be a string or a list of content parts, got {content!r:.80}", "input")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_image", "input_file", "input_audio"):
-            raise unsupported("input", f"{where}.content[{j}]: {kind} parts are not supported (text only)")
+            raise unsupported("input", f"{where}[{j}]: {kind} parts are not supported (text only)")
         if kind not in allowed:
-            raise APIError(f"{where}.content[{j}]: a part of type {kind!r} is not valid here ({allowed})", "input")
-        key = "refusal" if kind == "refusal" else "text"
-        if not isinstance(part.get(key), str):
-            raise APIError(f"{where}.content[{j}]: a {kind} part needs its {key!r} string", "input")
-        check_keys(part, _PART_KEYS[kind], f"{where}.content[{j}]", "input")
-        texts.append(part[key])
+            raise APIError(f"{where}[{j}]: a part of type {kind!r} is not valid here ({allowed})", "input")
+        own = "refusal" if kind == "refusal" else "text"
+        if not isinstance(part.get(own), str):
+            raise APIError(f"{where}[{j}]: a {kind} part needs its {own!r} string", "input")
+        check_keys(part, _PART_KEYS[kind], f"{where}[{j}]", "input")
+        texts.append(part[own])
     return "".join(texts)
 
 
@@ -165,8 +167,7 @@ def input_messages(items: Union[str, list], earlier_calls: Iterable[str] = ()) -
                     f"(the conversation's function calls: {calls})",
                     "input",
                 )
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text_of(output, where, ("input_text",))
+            text = _text_of(item.get("output"), where, ("input_text",), "output")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         elif kind in ("reasoning", "item_reference") or isinstance(kind, str):
             raise unsupported("input", f"{where}: items of type {kind!r} are not supported")
