@@ -160,6 +160,24 @@ def _calls_of(m: Mapping[str, Any], where: str) -> list[tuple[str, Any]]:
     return calls
 
 
+def _refusal_or(content: str, m: Mapping[str, Any], where: str) -> str:
+    """An assistant message's text: its ``content``, else its ``refusal`` (as the server's
+    :meth:`~radixkv.server.openai.protocol.ChatMessage.to_template` renders a response message
+    sent back, ``{"content": None, "refusal": ...}``).
+
+    Raises:
+        RequestError: (param ``messages``) a refusal beside non-empty content, or on another role.
+    """
+    refusal = m.get("refusal")
+    if refusal is None:
+        return content
+    if m["role"] != "assistant" or not isinstance(refusal, str):
+        raise RequestError(f"{where}.refusal: only assistant messages carry a refusal (a string)", "messages")
+    if content and refusal:
+        raise RequestError(f"{where}: an assistant message carries content or a refusal, not both", "messages")
+    return content or refusal
+
+
 def _normalize(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence], native: bool) -> list[dict]:
     """The conversation as the template gets it (see the module docstring)."""
     out: list[dict] = []
@@ -175,8 +193,8 @@ def _normalize(messages: Sequence[Mapping[str, Any]], tools: Optional[Sequence],
         calls = _calls_of(m, where) if role == "assistant" else []
         if "content" not in m and not calls:
             raise RequestError(f"chat: every message needs 'role' and 'content', got {m!r}", "messages")
-        content = _text(m.get("content"), where)
-        msg = {k: v for k, v in m.items() if k not in ("content", "tool_calls") and v is not None}
+        content = _refusal_or(_text(m.get("content"), where), m, where)
+        msg = {k: v for k, v in m.items() if k not in ("content", "tool_calls", "refusal") and v is not None}
         msg["content"] = content
         if native:
             if calls:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 
 import pytest
 import xgrammar
@@ -140,6 +141,28 @@ def test_render_errors_name_the_field(tok):
     with pytest.raises(RequestError) as e:
         render_chat(tok, [{"role": "user"}])
     assert e.value.param == "messages"
+
+
+def test_an_assistant_refusal_renders_as_the_server_renders_it(tok):
+    # LLM.chat (and every Python caller of render_chat) dropped a refusal: a response message sent back as
+    # {"content": None, "refusal": ...} became an empty assistant turn, where the server renders its text, so
+    # the one conversation gave two prompts (and missed the cache the other door filled)
+    from radixkv.server.openai.protocol import ChatMessage
+
+    user = {"role": "user", "content": "hi"}
+    said = encode_chat(tok, [user, {"role": "assistant", "content": "I cannot."}, user])
+    for refused in ({"content": None, "refusal": "I cannot."}, {"content": "", "refusal": "I cannot."}):
+        conv = [user, {"role": "assistant", **refused}, user]
+        assert encode_chat(tok, conv) == said
+        assert encode_chat(tok, [ChatMessage(**m).to_template() for m in conv]) == said  # the server's door
+    assert encode_chat(tok, [user, {"role": "assistant", "content": "I cannot.", "refusal": ""}, user]) == said
+    for bad, says in (
+        ({"role": "assistant", "content": "ok", "refusal": "no"}, "not both"),
+        ({"role": "user", "content": "ok", "refusal": "no"}, "messages[1].refusal"),
+    ):
+        with pytest.raises(RequestError, match=re.escape(says)) as e:
+            render_chat(tok, [user, bad, user])
+        assert e.value.param == "messages"
 
 
 # ---------------------------------------------------------------------------------- parsing
