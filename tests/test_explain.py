@@ -383,6 +383,8 @@ def test_a_tool_agent_trace_is_tokenized_as_the_server_renders_it(tok):
         {"messages": first, "tools": [WEATHER], "max_tokens": 32},
         {"messages": second, "tools": [WEATHER], "tool_choice": "none", "n": 2},
         {"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}, first[1]]},
+        # a refusal beside empty content is the message (the server's); the trace rendered an empty turn
+        {"messages": [first[1], {"role": "assistant", "content": "", "refusal": "I cannot."}, first[1]]},
         {
             "messages": [{"role": "user", "content": "Wetter in Köln? 天気 🌦"}],
             "response_format": {"type": "json_object"},

@@ -149,14 +149,15 @@ def _key(messages: Sequence[dict], tools: Optional[list]) -> str:
 
 def _template_message(m: Any, i: int) -> dict:
     """A body's message as the server hands it to the chat template (``ChatMessage.to_template``):
-    role, content (None: the refusal, else ""), and ``name``, ``tool_calls``, ``tool_call_id``."""
+    role, content, and ``refusal`` (an assistant's text when its content is empty, as
+    :func:`~radixkv.chat_template.render_chat` reads it), ``name``, ``tool_calls``, ``tool_call_id``."""
     if not isinstance(m, dict):
         raise ValueError(f"messages[{i}] must be an object, got {m!r:.80}")
     content = m.get("content")
     if content is None and not (m.get("role") == "assistant" and (m.get("tool_calls") or m.get("refusal"))):
         raise ValueError(f"messages[{i}]: content is required")
-    out = {"role": m.get("role"), "content": content if content is not None else (m.get("refusal") or "")}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    out = {"role": m.get("role"), "content": content}
+    for key in ("refusal", "name", "tool_calls", "tool_call_id"):
         if m.get(key) is not None:
             out[key] = m[key]
     return out
