@@ -261,8 +261,19 @@ def test_stats_after_shutdown_show_the_aborted_request_released():
     assert st["free"] + st["evictable"] == st["capacity"] == 4096
 
 
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test: a shell's background job (``cmd &``, nohup)
+    starts Python with SIGINT ignored, and Ctrl-C is then no KeyboardInterrupt at all."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.parametrize("kind", [CacheEvicted, CacheInserted], ids=lambda k: k.__name__)
-def test_ctrl_c_in_the_middle_of_a_step_leaves_the_engine_whole(kind):
+def test_ctrl_c_in_the_middle_of_a_step_leaves_the_engine_whole(kind, default_sigint):
     """A SIGINT (Ctrl-C) arriving while ``LLM.generate`` is inside a step (here: while the radix
     tree evicts or inserts, where an event subscriber raises it) is held until the step returns;
     then KeyboardInterrupt ends the call, its requests aborted, and the engine is whole and gives
