@@ -132,7 +132,8 @@ def format_tool_call(name: str, arguments: Any) -> str:
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's content as one string (None -> "", text parts joined)."""
+    """A message's content as one string (None -> "", text parts joined by newlines, as vLLM
+    joins them)."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -146,7 +147,7 @@ def _text(content: Any, where: str) -> str:
             if not isinstance(text, str):
                 raise RequestError(f"{where}: a text part needs a string 'text', got {part!r}", "messages")
             parts.append(text)
-        return "".join(parts)
+        return "\n".join(parts)
     raise RequestError(f"{where}: content must be a string or a list of text parts, got {content!r}", "messages")
 
 

@@ -108,7 +108,7 @@ def _text_of(content: Any, where: str, allowed: tuple[str, ...], key: str = "con
             raise APIError(f"{where}[{j}]: a {kind} part needs its {own!r} string", "input")
         check_keys(part, _PART_KEYS[kind], f"{where}[{j}]", "input")
         texts.append(part[own])
-    return "".join(texts)
+    return "\n".join(texts)  # NOTE: text parts joined by newlines, as vLLM and chat's messages
 
 
 def input_messages(items: Union[str, list], earlier_calls: Iterable[str] = ()) -> list[dict]:
