@@ -314,3 +314,18 @@ def test_random_requests_keep_invariants(page_size, capacity_pages, reqs):
             assert h.match(t, ns).length == len(t) // page_size * page_size
     h.alloc.free(h.cache.reset())
     assert h.alloc.available_size() == h.num_slots
+
+
+@pytest.mark.parametrize("algo", ["sha256", "builtin"])
+def test_a_block_key_chains_its_parent(algo):
+    """The same block after a different first block is another block: both sequences stay
+    cached whole (4 blocks), each matching its own slots (the Harness checks every slot's
+    content), and equal blocks under different parents get different keys."""
+    h = Harness(HashBlockCache(4, hash_algo=algo), 64)
+    a, b = toks((100, 4), (500, 4)), toks((200, 4), (500, 4))
+    assert h.run(a) == 0 and h.run(b) == 0
+    assert h.cache.total_size() == 16 and h.cache.evictable_size() == 16
+    assert h.match(a).length == 8 and h.match(b).length == 8
+    ka, kb = h.cache.block_keys(a), h.cache.block_keys(b)
+    assert len(ka) == len(kb) == 2 and ka[0] != kb[0] and ka[1] != kb[1]
+    assert len(set(ka) | set(kb)) == 4

@@ -509,3 +509,28 @@ def test_the_callers_config_is_not_changed():
     assert eng.config is not cfg and eng.config.max_context_len == eng.max_context_len > 0
     again = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
     assert dataclasses.asdict(again.config) == dataclasses.asdict(eng.config)
+
+
+def test_memory_short_decode_retracts_the_newest_admitted_request():
+    """Out of slots while decoding, the request admitted last is retracted (not the oldest), it
+    goes back to the front of the queue, and both still produce the reference tokens."""
+    eng = make_engine(capacity=64, cache="none", chunk=64)
+    a, b = [1, 2, 3, 4] * 5, [9, 8, 7, 6] * 5  # 20 tokens each, nothing shared
+    rid_a, rid_b = eng.add_request(a, greedy(30)), eng.add_request(b, greedy(30))
+    retracted = []
+    plan = eng.scheduler.schedule
+
+    def spy():
+        batch = plan()
+        if batch is not None:
+            retracted.extend((r.request_id, r.admit_seq) for r in batch.retracted)
+        return batch
+
+    eng.scheduler.schedule = spy
+    done = run_all(eng)
+    assert done[rid_a].outputs[0].token_ids == reference(a, 30)
+    assert done[rid_b].outputs[0].token_ids == reference(b, 30)
+    # a and b are admitted together (seq 1, 2); 40 prompt + 2 x 12 decode slots fill the pool
+    assert retracted[0] == (rid_b, 2)
+    assert all(rid == rid_b for rid, _ in retracted)
+    assert_no_leak(eng)

@@ -52,6 +52,23 @@ def test_a_tenant_above_its_quota_loses_its_own_pages_first(kind):
     assert c.match_prefix(victim, A).length == 0 and c.match_prefix(floods[3], F).length == 16
 
 
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_the_quota_phase_frees_only_a_tenants_excess_then_plain_lru(kind):
+    """f is 16 over its quota and asks for 24: the quota phase takes exactly f's 16 excess tokens
+    (its tail pages), the other 8 go by LRU order, from b's older prefix, not from f."""
+    ps = 4
+    c = RadixCache(ps, tenant_quotas={"f": 16}) if kind == "radix" else HashBlockCache(ps, tenant_quotas={"f": 16})
+    c.insert(list(range(100, 132)), _slots(0, 32), B)  # oldest
+    c.insert(list(range(200, 232)), _slots(32, 32), F)
+    assert c.tenant_sizes() == {"b": 32, "f": 32}
+    freed = sorted(c.evict(24).tolist())
+    assert freed == list(range(24, 32)) + list(range(48, 64))
+    assert c.tenant_sizes() == {"b": 24, "f": 16}
+    c.check_integrity()
+    assert c.match_prefix(list(range(200, 232)), F).length == 16
+    assert c.match_prefix(list(range(100, 132)), B).length == 24
+
+
 def test_quotas_set_later_refile_the_tree_and_count_every_namespace_of_a_tenant():
     c = RadixCache(1)
     c.insert(list(range(10)), _slots(0, 10), A)
