@@ -165,6 +165,19 @@ def test_an_assistant_refusal_renders_as_the_server_renders_it(tok):
         assert e.value.param == "messages"
 
 
+def test_text_parts_are_joined_by_newlines_as_vllm_joins_them(tok):
+    # they ran together ("Hello" + "world" rendered "Helloworld"); vLLM joins a message's text parts with "\n"
+    from radixkv.server.openai.responses_protocol import input_messages
+
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    joined = [{"role": "user", "content": "Hello\nworld"}]
+    assert render_chat(tok, [{"role": "user", "content": parts}]) == render_chat(tok, joined)
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}, {"type": "input_text", "text": "world"}]}
+    ]
+    assert [m["content"] for m in input_messages(items, [])] == ["Hello\nworld"]  # Responses input alike
+
+
 # ---------------------------------------------------------------------------------- parsing
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo \\"}\\" x", "days": 3}}\n</tool_call>'
