@@ -38,6 +38,7 @@ __all__ = [
     "encode_chat",
     "format_tool_call",
     "render_chat",
+    "request_template_options",
     "template_takes_tools",
 ]
 
@@ -281,6 +282,23 @@ def render_chat(
         raise RequestError(f"messages could not be rendered with the chat template: {exc}", "messages") from exc
 
 
+def request_template_options(
+    add_generation_prompt: Any, continue_final_message: Any, chat_template_kwargs: Any
+) -> dict:
+    """:func:`render_chat`'s keywords of a chat request's vLLM fields (None: not sent;
+    ``add_generation_prompt`` then True, as vLLM's server defaults it, so continuing the final
+    message needs ``add_generation_prompt: false`` there as here). The server's chat route and a
+    trace's chat bodies (radixkv explain) read a request alike; :func:`render_chat` checks them."""
+    if add_generation_prompt is None:
+        add_generation_prompt = True
+    opts: dict[str, Any] = {"add_generation_prompt": add_generation_prompt}
+    if continue_final_message is not None:
+        opts["continue_final_message"] = continue_final_message
+    if chat_template_kwargs is not None:
+        opts["chat_template_kwargs"] = chat_template_kwargs
+    return opts
+
+
 _RESERVED_TEMPLATE_KWARGS = frozenset(
     ("conversation", "messages", "tools", "add_generation_prompt", "continue_final_message", "tokenize")
     + ("chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs")
@@ -337,12 +355,14 @@ def encode_chat(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
     tools: Optional[Sequence[Mapping[str, Any]]] = None,
+    **options: Any,
 ) -> list[int]:
-    """Token ids of :func:`render_chat`'s text. The template already holds the special tokens,
-    so none are added when encoding. Raises :class:`~radixkv.errors.RequestError` as it does."""
+    """Token ids of :func:`render_chat`'s text (``options``: its keyword-only arguments). The
+    template already holds the special tokens, so none are added when encoding. Raises
+    :class:`~radixkv.errors.RequestError` as it does."""
     return encode_text(
         tokenizer,
-        render_chat(tokenizer, messages, add_generation_prompt, tools),
+        render_chat(tokenizer, messages, add_generation_prompt, tools, **options),
         "messages",
         "the rendered conversation",
     )

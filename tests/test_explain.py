@@ -359,12 +359,13 @@ WEATHER = {
 
 def server_prompt_ids(tok, body):
     """The prompt token ids ``/v1/chat/completions`` computes for ``body`` (its own code path)."""
-    from radixkv.chat_template import encode_chat
+    from radixkv.chat_template import encode_chat, request_template_options
     from radixkv.server.openai.params import tool_plan
     from radixkv.server.openai.protocol import ChatCompletionRequest
 
     req = ChatCompletionRequest(model="smollm2-135m", **body)
-    return encode_chat(tok, [m.to_template() for m in req.messages], tools=tool_plan(req).tools or None)
+    opts = request_template_options(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
+    return encode_chat(tok, [m.to_template() for m in req.messages], tools=tool_plan(req).tools or None, **opts)
 
 
 def test_a_tool_agent_trace_is_tokenized_as_the_server_renders_it(tok):
@@ -389,8 +390,13 @@ def test_a_tool_agent_trace_is_tokenized_as_the_server_renders_it(tok):
             "messages": [{"role": "user", "content": "Wetter in Köln? 天気 🌦"}],
             "response_format": {"type": "json_object"},
         },
-    ]
+        # vLLM's template fields: a prefilled assistant message continued, no new turn (the trace ignored them)
+        {"messages": [first[1], {"role": "assistant", "content": "It is"}], "continue_final_message": True,
+         "add_generation_prompt": False},
+        {"messages": first, "add_generation_prompt": False, "chat_template_kwargs": {"x": 1}},
+    ]  # fmt: skip
     reqs = tokenize_trace(bodies, tok)
+    assert tok.decode(reqs[5].tokens).endswith("assistant\nIt is")
     assert [r.tokens for r in reqs] == [server_prompt_ids(tok, b) for b in bodies]
     assert "get_weather" in reqs[0].text and "<tool_call>" in reqs[1].text and "No." in reqs[2].text
     n0 = len(reqs[0].tokens)

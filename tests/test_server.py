@@ -95,6 +95,41 @@ def test_chat_completion(client, llm):
     assert_pool_whole(llm)
 
 
+def test_chat_template_fields_are_vllms(server, client, llm):
+    """``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` render
+    the prompt as transformers' ``apply_chat_template`` with those options (the server refused
+    them as unknown while ``LLM.chat`` took them); the continuation is the greedy completion of
+    those ids; a request's own ``chat_template`` is refused."""
+    tok = llm.tokenizer
+    conv = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    ids = tok.apply_chat_template(conv, continue_final_message=True, tokenize=True, return_dict=False)
+    go = dict(model=MODEL, messages=conv, max_tokens=4, temperature=0)
+    r = client.chat.completions.create(
+        **go, extra_body={"continue_final_message": True, "add_generation_prompt": False}
+    )
+    assert r.usage.prompt_tokens == len(ids)
+    ref = client.completions.create(model=MODEL, prompt=list(ids), max_tokens=4, temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].text
+    assert ref.usage.prompt_tokens_details.cached_tokens == len(ids) - 1  # the chat's prompt, cached
+    no_turn = tok.apply_chat_template(conv[:1], add_generation_prompt=False, tokenize=True, return_dict=False)
+    r = client.chat.completions.create(**{**go, "messages": conv[:1]}, extra_body={"add_generation_prompt": False})
+    full = prompt_ids(llm, conv[:1])
+    assert r.usage.prompt_tokens == len(no_turn) < len(full) and full[: len(no_turn)] == list(no_turn)  # no new turn
+    r = client.chat.completions.create(**{**go, "messages": conv[:1]}, extra_body={"chat_template_kwargs": {"x": 1}})
+    assert r.usage.prompt_tokens == len(prompt_ids(llm, conv[:1]))  # a variable SmolLM2's template never reads
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        for extra, param, code in (
+            ({"continue_final_message": True}, "continue_final_message", "invalid_value"),
+            ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "invalid_value"),
+            ({"chat_template": "{{ messages }}"}, "chat_template", "unsupported_parameter"),
+        ):
+            r = http.post("/v1/chat/completions", json={**go, **extra})
+            assert r.status_code == 400, (extra, r.text)
+            err = r.json()["error"]
+            assert err["param"] == param and (code == "invalid_value" or err["code"] == code), err
+    assert_pool_whole(llm)
+
+
 def test_stream_joins_to_the_greedy_answer_with_the_same_usage(client, llm):
     messages = chat_messages("Do you sell garden hoses?")
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)

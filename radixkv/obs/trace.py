@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Hashable, Iterable, Optional, Sequence
 
-from radixkv.chat_template import render_chat
+from radixkv.chat_template import render_chat, request_template_options
 from radixkv.namespace import Namespace, check_cache_salt
 from radixkv.sim import SimRequest
 from radixkv.text import encode_text
@@ -83,6 +83,10 @@ class TraceRequest:
     def sim_request(self) -> SimRequest:
         """This request for :mod:`radixkv.sim`."""
         return SimRequest(self.tokens, self.reply, self.namespace, self.max_prefix_len)
+
+
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+"""A chat body's chat-template fields (vLLM's), rendered as the server renders them."""
 
 
 def read_trace(path: str | Path) -> list[dict]:
@@ -215,7 +219,8 @@ def tokenize_trace(
                     raise ValueError("messages must be a non-empty list of messages")
                 conv = [_template_message(m, i) for i, m in enumerate(body["messages"])]
                 tools = _chat_tools(body.get("tools"))
-                text = render_chat(tokenizer, conv, tools=tools)
+                opts = request_template_options(*(body.get(k) for k in _TEMPLATE_FIELDS))
+                text = render_chat(tokenizer, conv, tools=tools, **opts)
                 ids = encode_text(tokenizer, text, "messages", "the rendered conversation")
                 msgs = [{"role": str(m["role"]), "content": message_text(m["content"])} for m in conv]
                 req = TraceRequest(len(out), line, "chat", ids, text=text, messages=msgs, max_tokens=_max_tokens(body))

@@ -10,7 +10,7 @@ from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
 
-from radixkv.chat_template import encode_chat
+from radixkv.chat_template import encode_chat, request_template_options
 from radixkv.errors import RequestError
 from radixkv.server.auth import request_namespace
 from radixkv.server.body import tokenize_off_loop
@@ -82,7 +82,12 @@ class Chat:
         plan = tool_plan(req)
         messages = [m.to_template() for m in req.messages or []]
         try:
-            ids = await tokenize_off_loop(raw, encode_chat, self.client.tokenizer, messages, tools=plan.tools or None)
+            opts = request_template_options(
+                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs
+            )
+            ids = await tokenize_off_loop(
+                raw, encode_chat, self.client.tokenizer, messages, tools=plan.tools or None, **opts
+            )
         except RequestError as exc:
             raise request_error_to_api(exc, "messages") from exc
         params = sampling_params(req, [len(ids)], self.client.max_context_len, None, "messages", plan)

@@ -454,6 +454,11 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    # vLLM's chat-template extensions (radixkv.chat_template.request_template_options)
+    add_generation_prompt: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[Any] = None  # refused: a client's Jinja runs in the server
     # accepted, no effect (NO_EFFECT_FIELDS)
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
@@ -513,6 +518,11 @@ class ChatCompletionRequest(_SamplingFields):
                 raise unsupported("tools", "only function tools are supported")
             if tool.custom is not None:
                 raise APIError(f"tools[{i}].custom: a function tool has no 'custom'", "tools")
+        if self.chat_template is not None:
+            raise unsupported(
+                "chat_template",
+                "a request's own chat template is not run (as vLLM without --trust-request-chat-template)",
+            )
 
     def num_top_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
