@@ -476,9 +476,13 @@ class AsyncLLM:
 
     def subscribe(self, fn: Callable[[Any], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
         """Subscribe ``fn`` to the engine's events (:meth:`radixkv.engine.events.EventBus.subscribe`);
-        ``fn`` runs on the engine thread. Blocks until subscribed; returns the unsubscribe
+        ``fn`` runs on the engine thread. Blocks until subscribed (on the engine thread itself, a
+        finish hook or a subscriber, it subscribes at once); returns the unsubscribe
         function (which, called from any thread, takes effect between two steps)."""
-        unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
+        if threading.current_thread() is self._thread:  # a hook or subscriber: waiting would block itself
+            unsubscribe = self.engine.events.subscribe(fn, kinds)
+        else:
+            unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
 
         def off() -> None:
             if threading.current_thread() is self._thread or self._dead is not None:

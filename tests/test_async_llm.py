@@ -311,6 +311,31 @@ def test_a_forked_child_is_told_the_engine_thread_did_not_come_along(llm):
     assert asyncio.run(collect(llm, PROMPTS[0], greedy(2, ignore_eos=True)))[-1].finished  # the parent's
 
 
+@pytest.mark.timeout(120)
+def test_subscribe_from_the_engine_thread_subscribes_at_once(llm):
+    """``subscribe`` called on the engine thread (a finish hook or an event subscriber)
+    subscribes there: it posted the subscription to that same thread and waited for it, so the
+    engine stood still 60 s and the hook got a bare TimeoutError."""
+    seen: list = []
+    offs: list = []
+
+    def hook(engine, out):
+        offs.append(llm.subscribe(lambda ev: seen.append(ev.num_reqs), (StepFinished,)))
+
+    async def run():
+        async for _ in llm.generate(PROMPTS[0], greedy(1), on_finish=hook):
+            pass
+        return await collect(llm, PROMPTS[1], greedy(3, ignore_eos=True))
+
+    done = threading.Event()
+    result: list = []
+    threading.Thread(target=lambda: (result.append(asyncio.run(run())), done.set()), daemon=True).start()
+    assert done.wait(30), "the engine thread stood still"
+    assert len(offs) == 1 and result[0][-1].finished
+    assert seen == [1, 1, 1]  # the 3 steps of the request after it, one request each
+    offs[0]()
+
+
 def test_shutdown_fails_unfinished_streams_and_refuses_new_requests(engine, llm):
     async def run():
         gen = llm.generate(PROMPTS[2], greedy(400, ignore_eos=True), "shutdown-1")
