@@ -103,7 +103,8 @@ class AsyncLLM:
     without :meth:`shutdown` (and no stream of it left), it is collected: its thread then closes
     the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool. One still
     running at interpreter exit is shut down then (its requests aborted, its tiers' writes done),
-    before the interpreter finalizes.
+    before the interpreter finalizes. A process forked after it was made has no engine thread
+    (a fork copies only the forking thread): there its calls raise EngineDeadError.
 
     Raises:
         ValueError: an unknown keyword, keywords together with ``engine``, an ``engine`` that is
@@ -475,9 +476,13 @@ class AsyncLLM:
 
     def subscribe(self, fn: Callable[[Any], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
         """Subscribe ``fn`` to the engine's events (:meth:`radixkv.engine.events.EventBus.subscribe`);
-        ``fn`` runs on the engine thread. Blocks until subscribed; returns the unsubscribe
+        ``fn`` runs on the engine thread. Blocks until subscribed (on the engine thread itself, a
+        finish hook or a subscriber, it subscribes at once); returns the unsubscribe
         function (which, called from any thread, takes effect between two steps)."""
-        unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
+        if threading.current_thread() is self._thread:  # a hook or subscriber: waiting would block itself
+            unsubscribe = self.engine.events.subscribe(fn, kinds)
+        else:
+            unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
 
         def off() -> None:
             if threading.current_thread() is self._thread or self._dead is not None:
@@ -540,6 +545,11 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine thread has stopped: {self._dead!r}") from self._dead
         if self._closing:
             raise EngineDeadError("AsyncLLM is shut down")
+        if not self._thread.is_alive():  # a fork's child: only the forking thread came along
+            raise EngineDeadError(
+                "the engine thread is not running in this process (an AsyncLLM made before a fork has none in "
+                "the child: make a new AsyncLLM there, or use the 'spawn' start method)"
+            )
 
     def submit(self, fn: Callable[[Any], Any]) -> concurrent.futures.Future:
         """Post ``fn(engine)`` to the engine thread now, from any thread (no event loop needed),

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -427,9 +428,16 @@ class LLM:
         """Finish the writes queued for the KV tiers and close them (docs/tiers.md), so that a
         restart or another engine finds every block; idempotent (also done on ``with LLM(...)``
         exit and at interpreter exit). Returns whether every write was done within ``timeout``
-        seconds (None: no limit)."""
-        with self._lock:
-            return self.engine.close(timeout)
+        seconds (None: no limit); a call of another thread running meanwhile counts in it (False
+        when it has not returned by then: nothing closed)."""
+        start = time.monotonic()
+        if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+            return self.engine.close(left)
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "LLM":
         return self

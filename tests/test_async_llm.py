@@ -273,6 +273,69 @@ def test_usable_from_another_threads_event_loop(llm):
     assert result["out"].finished and len(result["out"].outputs[0].token_ids) == 4
 
 
+@pytest.mark.timeout(120)
+def test_a_forked_child_is_told_the_engine_thread_did_not_come_along(llm):
+    """``multiprocessing`` with the 'fork' start method after an AsyncLLM exists: the child's copy
+    has no engine thread (a fork copies only the forking thread). Its requests and posted calls
+    were queued to nobody: ``generate`` and ``call_in_engine_thread`` waited forever; now they
+    raise EngineDeadError saying so (the parent's AsyncLLM goes on)."""
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork start method on this platform")
+
+    async def in_child():
+        got = []
+        for call in (collect(llm, PROMPTS[0], greedy(2)), llm.call_in_engine_thread(lambda e: 1)):
+            try:
+                await asyncio.wait_for(call, 20)
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                got.append(f"{type(exc).__name__}: {exc}")
+        return got, llm.is_running
+
+    def child(queue):
+        queue.put(asyncio.run(in_child()))
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    try:
+        got = queue.get(timeout=60)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    told = "EngineDeadError: the engine thread is not running in this process (an AsyncLLM made before a fork"
+    assert [m[: len(told)] for m in got[0]] == [told, told] and got[1] is False
+    assert asyncio.run(collect(llm, PROMPTS[0], greedy(2, ignore_eos=True)))[-1].finished  # the parent's
+
+
+@pytest.mark.timeout(120)
+def test_subscribe_from_the_engine_thread_subscribes_at_once(llm):
+    """``subscribe`` called on the engine thread (a finish hook or an event subscriber)
+    subscribes there: it posted the subscription to that same thread and waited for it, so the
+    engine stood still 60 s and the hook got a bare TimeoutError."""
+    seen: list = []
+    offs: list = []
+
+    def hook(engine, out):
+        offs.append(llm.subscribe(lambda ev: seen.append(ev.num_reqs), (StepFinished,)))
+
+    async def run():
+        async for _ in llm.generate(PROMPTS[0], greedy(1), on_finish=hook):
+            pass
+        return await collect(llm, PROMPTS[1], greedy(3, ignore_eos=True))
+
+    done = threading.Event()
+    result: list = []
+    threading.Thread(target=lambda: (result.append(asyncio.run(run())), done.set()), daemon=True).start()
+    assert done.wait(30), "the engine thread stood still"
+    assert len(offs) == 1 and result[0][-1].finished
+    assert seen == [1, 1, 1]  # the 3 steps of the request after it, one request each
+    offs[0]()
+
+
 def test_shutdown_fails_unfinished_streams_and_refuses_new_requests(engine, llm):
     async def run():
         gen = llm.generate(PROMPTS[2], greedy(400, ignore_eos=True), "shutdown-1")

@@ -353,6 +353,39 @@ def test_a_close_that_times_out_leaves_the_stores_open_for_the_writes_still_queu
     again.close()
 
 
+def test_a_close_with_a_timeout_returns_in_time_while_another_thread_generates(tiny, tmp_path):
+    """``LLM.close(timeout)`` from another thread while a ``generate`` runs (a cleanup thread, a
+    watchdog): it waited for the LLM's lock without the timeout, so it returned only when that
+    whole generate had; now it returns False once ``timeout`` passes, and the generate is whole."""
+    import threading
+    import time
+
+    from radixkv.engine import StepFinished
+
+    llm = LLM(loaded_model=tiny, max_total_tokens=256, disk_cache_dir=str(tmp_path))
+    stepping, gate = threading.Event(), threading.Event()
+
+    def hold(ev):
+        stepping.set()
+        gate.wait(60)
+
+    off = llm.engine.events.subscribe(hold, (StepFinished,))
+    outs: list = []
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    worker = threading.Thread(target=lambda: outs.extend(llm.generate([[1, 2, 3]], greedy, use_tqdm=False)))
+    worker.start()
+    assert stepping.wait(60)
+    start = time.monotonic()
+    closed = llm.close(timeout=0.2)
+    waited = time.monotonic() - start
+    off()
+    gate.set()
+    worker.join(60)
+    assert closed is False and waited < 10
+    assert len(outs[0].outputs[0].token_ids) == 3
+    assert llm.close() is True
+
+
 def test_a_pool_too_small_for_any_request_is_refused_at_start(tiny):
     """``max_total_tokens=1`` (or a ``kv_cache_memory_bytes`` of one token) built an engine whose
     context was 1 token, so every request was refused ("prompt has 1 tokens; max_context_len is

@@ -853,3 +853,40 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing_behind(llm,
         assert a.num_unfinished_requests() == 0
     assert seen == [(["by-id"], 1), (True, "abort"), ([], False), (["left"], 1), ([], False)]
     assert_idle(llm)
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_compiles_grammars_after_its_parent_did():
+    """``multiprocessing`` with the 'fork' start method after an engine compiled a grammar: the
+    child's copy of the compile thread pool has no thread (a fork copies only the forking one),
+    and the pool, believing its thread idle, started none: the child's constrained request waited
+    forever for its compile (``_wait_for_grammars`` every step)."""
+    import multiprocessing as mp
+
+    from transformers import AutoTokenizer
+
+    from radixkv.models.loader import resolve_hf_dir
+    from radixkv.sampling.grammar import GrammarBackend
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork start method on this platform")
+    tok = AutoTokenizer.from_pretrained(str(resolve_hf_dir("smollm2-135m")), local_files_only=True)
+    backend = GrammarBackend(tok, len(tok), [tok.eos_token_id])
+    assert backend.compile(("regex", "[ab]+")).result(60) is not None and backend.num_compiles == 1
+
+    def child(queue):
+        fut = backend.compile(("regex", "[cd]+"))
+        queue.put((fut.result(30) is not None, backend.num_compiles))
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    try:
+        got = queue.get(timeout=40)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert got == (True, 2) and proc.exitcode == 0
+    assert backend.compile(("regex", "[cd]+")).result(60) is not None and backend.num_compiles == 2  # the parent's

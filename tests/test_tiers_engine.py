@@ -638,3 +638,42 @@ def test_write_back_beside_the_hash_cache_is_refused_with_stores_given_too():
     with pytest.raises(ValueError, match="write_back needs prefix_cache='radix'"):
         kv_engine(stores=[MemoryStore("disk")], cache="hash", kv_tier_write_policy={"disk": "write_back"})
     assert kv_engine(stores=[MemoryStore("host")], cache="hash").kv.tiers is not None  # the default: through
+
+
+@pytest.mark.timeout(120)
+def test_a_forked_child_loads_from_the_tiers_of_an_engine_its_parent_made():
+    """``multiprocessing`` with the 'fork' start method after an engine with KV tiers exists: the
+    child's engine needs its own I/O thread (a fork copies only the thread that forked). The
+    child's request waiting for its blocks from the tier waited forever (``_wait_for_tiers`` in
+    every step: no I/O thread ran the load), and so did its ``close()`` with writes queued."""
+    import multiprocessing as mp
+
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork start method on this platform")
+    e = kv_engine(stores=[MemoryStore("host")], kv_tier_write_policy="write_through")
+    p = prompt(26, 70)
+    generate(e, [p])
+    assert e.kv.tiers.drain(timeout=60) and e.reset_prefix_cache()  # p's blocks now only in the tier
+
+    def child(queue):
+        import torch
+
+        # NOTE: torch's OpenMP pool does not survive a fork either: a parallel op in the child of a
+        # parent that ran one hangs (torch's own limitation; the child must use one thread)
+        torch.set_num_threads(1)
+        out = generate(e, [p, prompt(27, 40)])  # p loads its blocks; the other request is written
+        queue.put((out[0].cached_tokens_by_tier["host"], out[0].outputs[0].token_ids, e.close(timeout=60)))
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=child, args=(queue,))
+    proc.start()
+    try:
+        got = queue.get(timeout=30)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    assert got == (69, reference(p, 6), True)
+    assert proc.exitcode == 0
+    assert generate(e, [p])[0].cached_tokens_by_tier["host"] == 69  # the parent's I/O goes on

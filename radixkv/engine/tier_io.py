@@ -25,8 +25,10 @@ Nothing here touches the pool, the cache or a request: the KV manager installs a
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -313,8 +315,25 @@ class TierIO:
         self._busy = False
         self._closed = False
         self.on_load_done: Optional[Callable[[], None]] = None
+        self._current: Any = None  # the job the thread runs (a fork's child runs it again)
         self._thread = threading.Thread(target=self._run, name="radixkv-kv-tiers", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child (``os.register_at_fork``): a fork copies only the thread that forked,
+        so the child's copy has no I/O thread and its loads, writes and ``close`` waited forever.
+        Start the child's own, over the queue as copied (the job the parent's thread was running
+        queued again at its head, if the fork did not wait for it to end) and a fresh lock."""
+        self._cv = threading.Condition()
+        job, self._current, self._busy = self._current, None, False
+        if isinstance(job, LoadJob):
+            self._loads.appendleft(job)
+        elif isinstance(job, WriteJob):
+            self._writes.appendleft(job)
+        if not self._closed:
+            self._thread = threading.Thread(target=self._run, name="radixkv-kv-tiers", daemon=True)
+            self._thread.start()
 
     # ------------------------------------------------------------------ engine thread
     def submit_load(self, job: LoadJob) -> None:
@@ -458,6 +477,7 @@ class TierIO:
                 else:
                     job = self._probes[0]  # left queued while it runs: no second probe of it
                 self._busy = True
+                self._current = job
             if not isinstance(job, (LoadJob, WriteJob)):
                 self._probe(job)
                 continue
@@ -470,7 +490,7 @@ class TierIO:
             except Exception:  # noqa: BLE001 - a failing tier is a miss; the thread goes on
                 logger.exception("KV tier I/O failed")
             with self._cv:
-                self._busy = False
+                self._busy, self._current = False, None
                 if isinstance(job, LoadJob):
                     job.done = True
                     if not job.cancelled:
@@ -558,7 +578,7 @@ class TierIO:
             logger.exception("KV tier probe failed")
         with self._cv:
             self._probes.popleft()
-            self._busy = False
+            self._busy, self._current = False, None
             self._cv.notify_all()
 
     def _load(self, job: LoadJob) -> None:
@@ -643,3 +663,35 @@ class TierIO:
                 job.stored.append(store.medium)
             except Exception:  # noqa: BLE001 - a store that fails loses the write (counted by it)
                 logger.exception("KV tier %s: put failed", store.medium)
+
+
+_LIVE: "weakref.WeakSet[TierIO]" = weakref.WeakSet()  # every TierIO, for a fork's child to restart
+_FORKING: List[TierIO] = []  # the TierIOs held across a fork (their locks taken, no job running)
+_FORK_WAIT_S = 10.0  # how long a fork waits for each I/O thread's job in progress
+
+
+def _before_fork() -> None:
+    """Take every TierIO's lock once its thread is between two jobs, so the child's copy holds no
+    lock of a store (a disk write's) that a job in progress held: the child's restarted thread
+    waited on it forever."""
+    _FORKING[:] = list(_LIVE)
+    for io in _FORKING:
+        io._cv.acquire()
+        io._cv.wait_for(lambda io=io: not io._busy, _FORK_WAIT_S)
+
+
+def _after_fork_in_parent() -> None:
+    for io in _FORKING:
+        io._cv.release()
+    _FORKING.clear()
+
+
+def _after_fork_in_child() -> None:
+    for io in _FORKING:
+        io._cv.release()
+        io._after_fork()
+    _FORKING.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

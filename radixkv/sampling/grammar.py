@@ -202,6 +202,7 @@ class GrammarBackend:
         self._parsed: "OrderedDict[Tuple[bytes, str, str], Any]" = OrderedDict()
         self._compiled: "OrderedDict[Tuple[bytes, str, str], Future]" = OrderedDict()
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._pid = os.getpid()  # the process whose thread the executor's is (a fork's child has none)
         self._compiler: Any = None  # xgrammar.GrammarCompiler, built on the compile thread
         self.num_compiles = 0  # grammars actually compiled (cache misses)
 
@@ -237,6 +238,8 @@ class GrammarBackend:
         a ``Namespace`` or any hashable ``Namespace.of`` accepts), or a compile queued on the
         background thread."""
         key = _key(structured, namespace)
+        if self._pid != os.getpid():
+            self._after_fork()
         with self._lock:
             fut = self._compiled.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):
@@ -254,6 +257,15 @@ class GrammarBackend:
             while len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
         return fut
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fork copies only the forking thread, so the copied executor has
+        no thread and (believing it idle) starts none: a compile queued on it never ran. Drop it,
+        and the compiles it had not finished (never to finish here); the next starts a new one."""
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+        self._executor, self._pid = None, os.getpid()
+        for key in [k for k, f in self._compiled.items() if not f.done()]:
+            del self._compiled[key]
 
     def _compile(self, grammar: Any) -> Any:
         """Compile on the background thread (the tokenizer info is built at the first call)."""
