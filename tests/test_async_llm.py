@@ -16,6 +16,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from process_helpers import run_in_fork
 from server_helpers import assert_pool_whole  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM, EngineDeadError  # noqa: E402
@@ -296,16 +297,7 @@ def test_a_forked_child_is_told_the_engine_thread_did_not_come_along(llm):
     def child(queue):
         queue.put(asyncio.run(in_child()))
 
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(queue,))
-    proc.start()
-    try:
-        got = queue.get(timeout=60)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    got, exitcode = run_in_fork(child, 60)
     told = "EngineDeadError: the engine thread is not running in this process (an AsyncLLM made before a fork"
     assert [m[: len(told)] for m in got[0]] == [told, told] and got[1] is False
     assert asyncio.run(collect(llm, PROMPTS[0], greedy(2, ignore_eos=True)))[-1].finished  # the parent's

@@ -17,6 +17,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from process_helpers import run_in_fork
+
 from radixkv import LLM, SamplingParams  # noqa: E402
 from radixkv.engine import RequestAdmitted, RequestFinished, StepFinished  # noqa: E402
 from radixkv.errors import RequestError  # noqa: E402
@@ -878,15 +880,6 @@ def test_a_forked_child_compiles_grammars_after_its_parent_did():
         fut = backend.compile(("regex", "[cd]+"))
         queue.put((fut.result(30) is not None, backend.num_compiles))
 
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(queue,))
-    proc.start()
-    try:
-        got = queue.get(timeout=40)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-    assert got == (True, 2) and proc.exitcode == 0
+    got, exitcode = run_in_fork(child, 40)
+    assert got == (True, 2) and exitcode == 0
     assert backend.compile(("regex", "[cd]+")).result(60) is not None and backend.num_compiles == 2  # the parent's

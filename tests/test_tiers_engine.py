@@ -12,6 +12,7 @@ import random
 from collections import OrderedDict
 
 import pytest
+from process_helpers import run_in_fork
 from tier_fakes import VOCAB, KVRunner, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
 
 from radixkv.config import EngineConfig, resolve_write_policy
@@ -208,13 +209,20 @@ def test_prompt_logprobs_limit_what_is_loaded():
     assert out.cached_tokens_by_tier["disk"] == 39
 
 
-def test_abort_while_waiting_for_blocks_releases_the_lock():
+def _engine_loading_a_written_prompt() -> tuple:
+    """``(engine, request id)``: an engine one step into a 100-token prompt whose blocks another
+    engine wrote to their shared disk store (its load queued or running)."""
     shared: OrderedDict = OrderedDict()
     p = prompt(12, 100)
     generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     e = kv_engine(stores=[MemoryStore("disk", data=shared)])
     rid = e.add_request(p, greedy())
     e.step()
+    return e, rid
+
+
+def test_abort_while_waiting_for_blocks_releases_the_lock():
+    e, rid = _engine_loading_a_written_prompt()
     assert e.kv.tier_waiting(e.scheduler.waiting[0])
     assert e.kv.tiers.held_tokens == 0 and e.cache_stats().protected == 0  # the pool holds nothing for it
     e.abort_request(rid)
@@ -231,12 +239,7 @@ def test_a_load_finished_for_a_request_aborted_between_steps_is_let_go_at_once()
     finished loading: the finished load, with the K/V rows it read from the tier, waited for the
     engine's next step to be dropped, and an idle engine runs none, so an idle server held the
     loaded prefix of every such request (up to a whole prompt's K/V) until the next request."""
-    shared: OrderedDict = OrderedDict()
-    p = prompt(12, 100)
-    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
-    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
-    rid = e.add_request(p, greedy())
-    e.step()
+    e, rid = _engine_loading_a_written_prompt()
     assert e.kv.tiers.drain(60)
     assert [tuple(j.rows.shape) for j in e.kv.tiers.io._done_loads] == [(99, e.kv.tiers.layout.token_bytes)]
     out = e.abort_now(rid, report=False)
@@ -664,16 +667,7 @@ def test_a_forked_child_loads_from_the_tiers_of_an_engine_its_parent_made():
         out = generate(e, [p, prompt(27, 40)])  # p loads its blocks; the other request is written
         queue.put((out[0].cached_tokens_by_tier["host"], out[0].outputs[0].token_ids, e.close(timeout=60)))
 
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=child, args=(queue,))
-    proc.start()
-    try:
-        got = queue.get(timeout=30)
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+    got, exitcode = run_in_fork(child, 30)
     assert got == (69, reference(p, 6), True)
-    assert proc.exitcode == 0
+    assert exitcode == 0
     assert generate(e, [p])[0].cached_tokens_by_tier["host"] == 69  # the parent's I/O goes on

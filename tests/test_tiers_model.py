@@ -285,17 +285,22 @@ def test_the_same_weights_under_another_config_never_read_each_others_blocks(tmp
     _greedy(a, ids)
     a.close()
     for config in ({"rope_theta": 500000.0}, {"rms_norm_eps": 1e-3}):
-        other = tiny_model(**config)
-        alone = _greedy(_tiny_llm(other, "float32"), ids)
-        llm = _tiny_llm(other, "float32", str(tmp_path))
-        got = _greedy(llm, ids)
-        assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
-        assert llm.cache_stats().tiers["disk"]["found"] == 0
-        llm.close()
+        _reads_none_of_the_blocks(tiny_model(**config), ids, tmp_path)
     copy = tiny_model()
     copy.model.config._name_or_path = "/elsewhere/the-same-model"
     again = _greedy(_tiny_llm(copy, "float32", str(tmp_path)), ids)
     assert again.cached_tokens_by_tier["disk"] == len(ids) - 1
+
+
+def _reads_none_of_the_blocks(model, ids, tmp_path) -> None:
+    """An engine of ``model`` over the disk tier at ``tmp_path`` finds none of its blocks for
+    ``ids`` and gives the tokens it gives with no tier."""
+    alone = _greedy(_tiny_llm(model, "float32"), ids)
+    llm = _tiny_llm(model, "float32", str(tmp_path))
+    got = _greedy(llm, ids)
+    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert llm.cache_stats().tiers["disk"]["found"] == 0
+    llm.close()
 
 
 def test_int8_models_of_other_projection_weights_never_read_each_others_blocks(tmp_path):
@@ -317,12 +322,7 @@ def test_int8_models_of_other_projection_weights_never_read_each_others_blocks(t
     a = _tiny_llm(base, "float32", str(tmp_path))
     _greedy(a, ids)
     a.close()
-    alone = _greedy(_tiny_llm(tuned, "float32"), ids)
-    b = _tiny_llm(tuned, "float32", str(tmp_path))
-    got = _greedy(b, ids)
-    assert got.num_cached_tokens == 0 and got.outputs[0].token_ids == alone.outputs[0].token_ids
-    assert b.cache_stats().tiers["disk"]["found"] == 0
-    b.close()
+    _reads_none_of_the_blocks(tuned, ids, tmp_path)
     again = _greedy(_tiny_llm(base, "float32", str(tmp_path)), ids)  # the same int8 weights share
     assert again.cached_tokens_by_tier["disk"] == len(ids) - 1
 
