@@ -198,8 +198,18 @@ class EngineConfig:
     ``Engine.add_request`` refuses a new request (:class:`~radixkv.errors.QueueFullError`, a
     ``RequestError`` naming ``max_queued_requests``; the server answers 429 ``queue_full``)."""
 
+    max_queued_requests_per_tenant: Optional[int] = None
+    """Most requests of one tenant (``Namespace.tenant``; every request without a tenant counts
+    as one tenant) waiting for admission at once, so that one tenant cannot fill the whole queue
+    and leave every other tenant with 429s. Default None: no per-tenant bound. Beyond it
+    ``Engine.add_request`` refuses the tenant's new request (:class:`~radixkv.errors.QueueFullError`
+    naming ``max_queued_requests_per_tenant``; the server answers 429 ``queue_full``) while other
+    tenants are still accepted. ``radixkv serve --max-queued-requests-per-tenant``."""
+
     schedule_policy: str = "lpm"
-    """"lpm" (longest cached prefix first, as SGLang) or "fcfs"."""
+    """"lpm" (longest cached prefix first, as SGLang) or "fcfs". Either way, when requests of
+    several tenants wait, admission takes the tenants in turn (round robin, in the order of each
+    tenant's best-placed request), each tenant's own requests in policy order."""
 
     seed: int = 0
     """Seed of the engine's generator, used by requests without their own seed: an integer in
@@ -393,6 +403,9 @@ class EngineConfig:
         v = self.max_queued_requests
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ValueError(f"max_queued_requests must be None or an integer >= 0, got {v!r}")
+        v = self.max_queued_requests_per_tenant
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"max_queued_requests_per_tenant must be None or an integer >= 1, got {v!r}")
         if self.max_total_tokens is not None and (
             not isinstance(self.max_total_tokens, int)
             or isinstance(self.max_total_tokens, bool)

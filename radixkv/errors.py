@@ -49,10 +49,11 @@ class RequestFailed(RuntimeError):
 
 
 class QueueFullError(RequestError):
-    """The engine's waiting queue is full (``EngineConfig.max_queued_requests``): the request is
+    """The engine's waiting queue is full (``EngineConfig.max_queued_requests``, or the request's
+    tenant's share, ``max_queued_requests_per_tenant``, the ``param``): the request is
     valid but refused for now; retry later. The server answers it with HTTP 429 (code
     ``queue_full``): the server is healthy but saturated, so the client should back off and retry
     (OpenAI's clients retry 429s), while 503 keeps meaning that the engine has stopped."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "max_queued_requests")
+    def __init__(self, message: str, param: str = "max_queued_requests") -> None:
+        super().__init__(message, param)

@@ -166,6 +166,72 @@ def test_a_request_of_another_tenant_in_the_same_forward_is_no_one_to_share_with
     assert all(done[r].outputs[0].token_ids == reference(prompt, 4) for r in (ra, rb, rb2))
 
 
+# ---------------------------------------------------------------------------- fairness
+@pytest.mark.parametrize("policy", ["lpm", "fcfs"])
+def test_admission_takes_the_tenants_in_turn(policy):
+    """Tenant f's burst of six prompts comes first, then b's two and a's one, while one prompt's
+    budget fits per step (chunk 48): admission takes the tenants in turn (f, b, a, f, b, f, ...),
+    not f's whole burst before b's and a's; each request's outputs are the reference's."""
+    prompts = {f"f{i}": [40 + i] + [1 + (i * 7 + t) % 39 for t in range(47)] for i in range(6)}
+    prompts.update({f"b{i}": [50 + i] + [1 + (i * 5 + t) % 30 for t in range(47)] for i in range(2)})
+    prompts["a0"] = [60] + [2 + t % 20 for t in range(47)]
+    tenant = {"f": F, "b": B, "a": A}
+    batch = [(name, toks, tenant[name[0]]) for name, toks in prompts.items()]
+    eng = make_engine(capacity=2048, chunk=48, policy=policy)
+    order, cached = _admission_order(eng, batch)
+    assert order == ["f0", "b0", "a0", "f1", "b1", "f2", "f3", "f4", "f5"] and cached == [0] * 9
+    eng.check_integrity()
+
+
+def test_the_tenants_turns_keep_each_tenants_own_longest_prefix_first():
+    """With in-batch sharing, "lpm" re-ranks after each admission among the requests of the
+    tenant whose turn it is: b's request on top of b's cached prefix goes first among b's, and f's
+    burst still waits for b's turn."""
+    shared = [7 + t % 30 for t in range(40)]
+    eng = make_engine(capacity=2048, chunk=48)
+    eng.add_request(shared + [60], greedy(2), namespace=B)
+    run_all(eng)
+    batch = [(f"f{i}", [40 + i] + [1 + (i * 7 + t) % 39 for t in range(47)], F) for i in range(3)]
+    batch += [("b_new", [51] + [1 + t % 33 for t in range(47)], B), ("b_hit", shared + [61, 62], B)]
+    order, cached = _admission_order(eng, batch)
+    assert order == ["b_hit", "f0", "b_new", "f1", "f2"]
+    assert cached == [0, 0, 0, 0, len(shared)]
+    eng.check_integrity()
+
+
+def test_a_tenant_share_of_the_queue_refuses_only_that_tenant():
+    """``max_queued_requests_per_tenant`` 2: a's third waiting request is refused (a
+    QueueFullError naming the field and the tenant) while b's and the tenant-less requests are
+    still accepted; a request that finishes or is aborted gives its place back."""
+    from radixkv.errors import QueueFullError
+
+    eng = make_engine(capacity=512, chunk=48)
+    eng.config.max_queued_requests_per_tenant = 2
+    p = greedy(2)
+    for ns in (A, A2, B, B, None, None):  # A2: another salt of tenant a
+        eng.add_request([5, 6, 7], p, namespace=ns)
+    with pytest.raises(QueueFullError) as info:
+        eng.add_request([5, 6, 8], p, namespace=A)
+    assert info.value.param == "max_queued_requests_per_tenant"
+    assert "2 of tenant 'a'" in str(info.value) and "max_queued_requests_per_tenant is 2" in str(info.value)
+    with pytest.raises(QueueFullError, match="2 of requests without a tenant"):
+        eng.add_request([5, 6, 8], p)
+    eng.abort_request(eng.add_request([9], p, namespace=Namespace(tenant="c")))
+    run_all(eng)
+    assert eng._unfinished_by_tenant == {}
+    rid = eng.add_request([5, 6, 9], p, namespace=A)  # accepted again
+    eng.add_request([5, 6, 10], p, namespace=A)
+    eng.abort_request(rid)
+    eng.step()
+    eng.add_request([5, 6, 11], p, namespace=A)  # the aborted one's place
+    run_all(eng)
+    assert eng._unfinished_by_tenant == {}
+    eng.check_integrity()
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="max_queued_requests_per_tenant must be None or an integer >= 1"):
+            EngineConfig(max_queued_requests_per_tenant=bad).resolve()
+
+
 # ---------------------------------------------------------------------------- Python API
 def _llm(**kw) -> LLM:
     return LLM(model_runner=FakeRunner(512, 1), tokenizer=None, eos_token_ids=[], device="cpu",

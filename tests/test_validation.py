@@ -427,3 +427,28 @@ def test_a_batch_larger_than_the_queue_is_a_400_not_a_429(tokenizer):
 
         asyncio.run(run())
         asyncio.run(a.call_in_engine_thread(assert_idle))
+
+
+def test_a_batch_larger_than_a_tenants_share_of_the_queue_is_a_400(tokenizer):
+    """``max_queued_requests_per_tenant`` bounds a batch as ``max_queued_requests`` does: a
+    completions prompt list of more prompts than one tenant may queue is a 400 naming the prompt
+    field and the limit; at the limit it runs."""
+    from radixkv.server.app import create_app
+
+    runner = NullRunner(len(tokenizer), 1, 8, max_context_len=CTX)
+    kw = dict(model_runner=runner, tokenizer=tokenizer, eos_token_ids=[], device="cpu", max_total_tokens=4096)
+    with AsyncLLM(**kw, max_queued_requests=10, max_queued_requests_per_tenant=2) as a:
+        app = create_app(a, served_model_name="m")
+
+        async def run():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+                r = await http.post("/v1/completions", json={"model": "m", "prompt": ["a", "b", "c"], "max_tokens": 1})
+                assert r.status_code == 400, r.text
+                e = r.json()["error"]
+                assert e["param"] == "prompt" and "max_queued_requests_per_tenant 2" in e["message"], e
+                r = await http.post("/v1/completions", json={"model": "m", "prompt": ["a", "b"], "max_tokens": 1})
+                assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+        asyncio.run(run())
+        asyncio.run(a.call_in_engine_thread(assert_idle))

@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence
 import torch
 
 from radixkv.cache import HashBlockCache, NoPrefixCache, RadixCache
+from radixkv.cache.tenants import tenant_of
 from radixkv.config import EngineConfig, asks_write_back, write_back_refused
 from radixkv.engine.events import EventBus, RequestAdmitted, RequestFinished, StepFinished
 from radixkv.engine.kv_manager import KVManager
@@ -399,6 +400,7 @@ class Engine:
         self.outcomes = OutcomeTracker(cache, self.events) if cfg.cache_outcome else None
         self.scheduler.outcomes = self.outcomes
         self._groups: Dict[str, RequestGroup] = {}
+        self._unfinished_by_tenant: Dict[Optional[str], int] = {}  # tenant -> its groups in _groups
         self._inbox: List[Callable[["Engine"], None]] = []
         # NOTE: re-entrant, so a finalizer that posts (a dropped session's pin release) cannot
         # deadlock when garbage collection runs it inside post() on the same thread
@@ -511,18 +513,20 @@ class Engine:
         """
         ids, params = validate_request(prompt_token_ids, sampling_params, self._limits())
         namespace = with_salt(namespace, params.cache_salt)
+        tenant = tenant_of(namespace)
         if params.structured_output is not None:
             with self._work:  # NOTE: a request refused here must start no compile on the grammar thread
-                self._check_queue_bound()
+                self._check_queue_bound(tenant)
                 self._check_id_free(request_id)
         compiled = self._start_grammar(params, namespace)
         with self._work:
-            self._check_queue_bound()
+            self._check_queue_bound(tenant)
             rid = str(request_id) if request_id is not None else str(next(self._ids))
             self._check_id_free(rid)
             group = RequestGroup(rid, prompt, ids, params, namespace, time.perf_counter())
             group.grammar = compiled
             self._groups[rid] = group
+            self._unfinished_by_tenant[tenant] = self._unfinished_by_tenant.get(tenant, 0) + 1
             self._inbox.append(lambda e: e._queue(group))
             self._work.notify_all()
         return rid
@@ -563,18 +567,28 @@ class Engine:
                 f"request_id {str(request_id)!r} is already in use by an unfinished request", "request_id"
             )
 
-    def _check_queue_bound(self) -> None:
-        """Raise QueueFullError when ``max_queued_requests`` requests wait for admission (called
-        holding the inbox lock)."""
-        limit = self.config.max_queued_requests
-        if limit is None:
-            return
-        queued = len(self._groups) - len({r.request_id for r in list(self.scheduler.running)})
-        if queued >= limit:
-            raise QueueFullError(
-                f"the engine's queue is full: {queued} requests wait for admission, "
-                f"max_queued_requests is {limit}; retry later"
-            )
+    def _check_queue_bound(self, tenant: Optional[str]) -> None:
+        """Raise QueueFullError when ``max_queued_requests`` requests wait for admission, or
+        ``max_queued_requests_per_tenant`` of ``tenant``'s (called holding the inbox lock)."""
+        limit, share = self.config.max_queued_requests, self.config.max_queued_requests_per_tenant
+        running = list(self.scheduler.running) if limit is not None or share is not None else []
+        if limit is not None:
+            queued = len(self._groups) - len({r.request_id for r in running})
+            if queued >= limit:
+                raise QueueFullError(
+                    f"the engine's queue is full: {queued} requests wait for admission, "
+                    f"max_queued_requests is {limit}; retry later"
+                )
+        if share is not None:
+            mine = {r.request_id for r in running if tenant_of(r.namespace) == tenant}
+            queued = self._unfinished_by_tenant.get(tenant, 0) - len(mine)
+            if queued >= share:
+                who = "requests without a tenant" if tenant is None else f"tenant {tenant!r}'s requests"
+                raise QueueFullError(
+                    f"the tenant's share of the queue is full: {queued} of {who} wait for admission, "
+                    f"max_queued_requests_per_tenant is {share}; retry later",
+                    "max_queued_requests_per_tenant",
+                )
 
     def abort_request(self, request_id: str) -> None:
         """Abort a request (any thread); unknown or finished ids are ignored. Its outputs end with
@@ -702,6 +716,12 @@ class Engine:
         group.metrics.finished_time = time.perf_counter() if now is None else now
         with self._work:
             del self._groups[group.request_id]
+            tenant = tenant_of(group.namespace)
+            left = self._unfinished_by_tenant[tenant] - 1
+            if left:
+                self._unfinished_by_tenant[tenant] = left
+            else:
+                del self._unfinished_by_tenant[tenant]
         if self.events.wants(RequestFinished):
             outs = group.outputs
             self.events.emit(

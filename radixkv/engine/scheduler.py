@@ -31,6 +31,9 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    row's logits. With KV tiers (docs/tiers.md), before admissions the KV manager installs the
    tier loads that finished and starts lookups (``KVManager.tier_step``); a request whose blocks
    are still on their way is skipped (it waits in the queue; the step runs the others).
+   Tenants (``Namespace.tenant``): when several tenants' requests wait, admission takes the
+   tenants in turn (:func:`tenants_in_turn`; re-ranking picks among the requests of the tenant
+   whose turn it is), so one tenant's burst never holds back another tenant's request.
 
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
@@ -42,11 +45,29 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Deque, List, Optional
 
+from radixkv.cache.tenants import tenant_of
 from radixkv.engine.kv_manager import KVManager
 from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.request import Request, RequestStatus
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+def tenants_in_turn(reqs: List[Request], last_turn: dict) -> List[Request]:
+    """``reqs`` (in policy order) interleaved by tenant, round robin: the tenants ordered by their
+    last admission (``last_turn``: tenant -> admission number; a tenant without one first; ties in
+    the order of their first requests), then the first request of each, the second of each, and
+    so on, so that one tenant's many waiting requests never hold back another tenant's. One
+    tenant: ``reqs`` unchanged. O(n log tenants)."""
+    queues: dict = {}
+    for r in reqs:
+        queues.setdefault(tenant_of(r.namespace), []).append(r)
+    if len(queues) < 2:
+        return reqs
+    lists = [queues[t] for t in sorted(queues, key=lambda t: last_turn.get(t, -1))]  # stable
+    return [q[j] for j in range(max(map(len, lists))) for q in lists if j < len(q)]
+
+
 _LPM_MAX_QUEUE = 128  # above this many waiting requests "lpm" falls back to "fcfs" (as SGLang)
 
 
@@ -158,6 +179,7 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()
         self.running: List[Request] = []
         self._admit_counter = 0
+        self._last_turn: dict = {}  # tenant -> its last admission number (waiting tenants only)
         self.outcomes: Optional[OutcomeTracker] = None  # set by the engine (cache_outcome=True)
         self.prefill_tokens = 0
         self.num_retractions = 0
@@ -216,7 +238,10 @@ class Scheduler:
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
             reqs.sort(key=lambda r: -lens[id(r)])  # stable: ties keep queue order
-        return reqs, lens
+        if self._last_turn:  # forget the tenants with nothing waiting (a new request starts a new turn)
+            tenants = {tenant_of(r.namespace) for r in reqs}
+            self._last_turn = {t: n for t, n in self._last_turn.items() if t in tenants}
+        return tenants_in_turn(reqs, self._last_turn), lens
 
     def _admit(self, req: Request, budget: int, reserve: int) -> Optional[int]:
         """Try to admit ``req`` with at most ``budget`` new tokens (its prefix cached or borrowed
@@ -243,6 +268,7 @@ class Scheduler:
             req.num_cached_tokens = prefix.length if req.index == 0 else 0
         self._admit_counter += 1
         req.admit_seq = self._admit_counter
+        self._last_turn[tenant_of(req.namespace)] = self._admit_counter
         req.status = RequestStatus.PREFILL
         self.waiting.remove(req)
         self.running.append(req)
@@ -262,8 +288,15 @@ class Scheduler:
                     reserve += self.page_size
                 return
             if rerank and batch.reqs:  # longest reusable prefix now, the plan's rows included
-                lens = [max(cached[id(r)], kv.batch_prefix_len(r)) for r in cands]
-                r = cands.pop(lens.index(max(lens)))
+                turn = tenant_of(cands[0].namespace)  # among the requests of the tenant whose turn it is
+                lens = [
+                    max(cached[id(r)], kv.batch_prefix_len(r)) if tenant_of(r.namespace) == turn else -1 for r in cands
+                ]
+                i = lens.index(max(lens))
+                if i and -1 in lens:  # several tenants wait: the chosen one takes the head's turn
+                    cands[0], cands[i] = cands[i], cands[0]  # and the head the chosen one's
+                    i = 0
+                r = cands.pop(i)
             else:
                 r = cands.pop(0)
             extend = self._admit_one(batch, r, budget, reserve)

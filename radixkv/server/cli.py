@@ -92,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which radix-tree leaf is evicted first, page by page from its tail (default: %(default)s)",
     )  # fmt: skip
     add_tier_arguments(parser)
+    _add_serving_arguments(parser)
+
+
+def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags of replicas, HTTP, and API keys and tenants."""
     r = parser.add_argument_group("replicas (Ray Serve, extra radixkv[ray]; docs/routing.md)")
     r.add_argument(
         "--replicas",
@@ -133,6 +138,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file", default=None, metavar="FILE",
         help='JSON {"<key>": {"tenant": NAME, "admin": false, "kv_quota_tokens": N}, ...}: a cache namespace '
         "per tenant, admin-only stats and flushes, soft KV quotas",
+    )  # fmt: skip
+    a.add_argument(
+        "--max-queued-requests-per-tenant", type=int, default=None,
+        help="most requests of one tenant (API key's tenant) waiting for admission; beyond it that tenant's "
+        "request gets 429 queue_full while other tenants are still queued (default: no per-tenant bound)",
     )  # fmt: skip
 
 
@@ -318,6 +328,7 @@ def engine_kwargs_from_args(args: argparse.Namespace, api_keys: Optional[Any] = 
         "chunked_prefill_size",
         "max_n",
         "max_queued_requests",
+        "max_queued_requests_per_tenant",
         "max_context_len",
     ):
         if getattr(args, name, None) is not None:

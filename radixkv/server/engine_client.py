@@ -232,15 +232,18 @@ class EngineClient:
 
     def _check_batch(self, n: int, prompt_param: str) -> None:
         """A 400 naming ``prompt_param`` for a batch of more prompts than the engine queues at
-        once (``max_queued_requests``): each prompt waits as one request, so such a batch is
-        refused whole even by an idle server, and a 429 would ask for a retry that never works."""
-        limit = self.backend.model_facts().config.get("max_queued_requests")
-        if isinstance(limit, int) and n > max(limit, 1):  # NOTE: 0 refuses every request with a 429
-            raise APIError(
-                f"a batch of {n} prompts is more than the server queues at once (max_queued_requests {limit}); "
-                f"send at most {limit} per request",
-                prompt_param,
-            )
+        once (``max_queued_requests``, or one tenant's ``max_queued_requests_per_tenant``): each
+        prompt waits as one request, so such a batch is refused whole even by an idle server, and
+        a 429 would ask for a retry that never works."""
+        config = self.backend.model_facts().config
+        for name in ("max_queued_requests", "max_queued_requests_per_tenant"):
+            limit = config.get(name)
+            if isinstance(limit, int) and n > max(limit, 1):  # NOTE: 0 refuses every request with a 429
+                raise APIError(
+                    f"a batch of {n} prompts is more than the server queues at once ({name} {limit}); "
+                    f"send at most {limit} per request",
+                    prompt_param,
+                )
 
     async def collect(self, raw: Request, run: Run) -> list:
         """Run to completion for a non-streamed answer; a client that disconnects aborts it.
