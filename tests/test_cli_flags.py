@@ -297,3 +297,47 @@ def test_replay_fails_on_different_replies_only_with_a_float32_pool():
     assert ok and line.startswith("greedy replies identical across modes: NO (possible with bfloat16 K/V")
     assert identical_verdict(same, ["radix", "off"], bf16) == ("greedy replies identical across modes: yes", True)
     assert identical_verdict(diff, ["radix"], f32) == ("", True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from model_helpers import tiny_loaded_model
+
+    return tiny_loaded_model()
+
+
+@pytest.fixture
+def tiny_replay(tiny, monkeypatch):
+    """``main(["replay", ...])`` runs in-process on the tiny random model (its context: 4,096
+    tokens) instead of loading the default model."""
+    import radixkv.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **kw: tiny)
+
+
+TINY_REPLAY = [
+    "replay",
+    "--conversations",
+    "2",
+    "--turns",
+    "2",
+    "--max-tokens",
+    "2",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
+
+
+def test_replay_refuses_a_page_longer_than_any_sequence(tiny, tiny_replay, capsys):
+    # --page-size 5000 over the model's 4,096-token context: no prompt fills a page and only whole
+    # pages are cached, so the radix mode ran and cached nothing (0.0%, as off), exit 0
+    line = refused([*TINY_REPLAY, "--page-size", "5000"], capsys)
+    assert line == (
+        "radixkv replay: page_size 5000 is larger than the model's max_position_embeddings 4096, the longest "
+        "sequence: no prompt would fill a page and only whole pages are cached; give a page_size of at most 4096"
+    )
+    from radixkv import LLM
+
+    with pytest.raises(ValueError, match="^page_size 3000 is larger than max_context_len 2048, the longest sequence"):
+        LLM(loaded_model=tiny, device="cpu", page_size=3000, max_context_len=2048)
