@@ -192,6 +192,7 @@ def _row(rp: _Replay, before, after, wall: float) -> Dict[str, object]:
         },
         "spec_draft_tokens": after["spec_draft_tokens"] - before["spec_draft_tokens"],
         "spec_accepted_tokens": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
+        "retractions": after["num_retractions"] - before["num_retractions"],
         "replies": rp.replies,
     }
 
@@ -292,6 +293,17 @@ def identical_verdict(replies: Dict[str, list], modes: List[str], rows: List[dic
         return "", True
     note = f" (possible with {lossy} K/V, not a failure: docs/model.md)" if lossy and not same else ""
     return f"greedy replies identical across modes: {'yes' if same else 'NO'}{note}", same or lossy is not None
+
+
+def _print_retractions(rows: List[dict]) -> None:
+    """A line per mode whose engine retracted (preempted) requests for KV room: how many times (the
+    tokens a retracted request computes again count in its prefill tokens)."""
+    for r in rows:
+        if r["retractions"]:
+            print(
+                f"[{r['mode']}] {r['retractions']} retractions: requests preempted for KV room and resumed "
+                "(what they computed again counts in prefill tok)"
+            )
 
 
 def _print_tier_rows(rows: List[dict]) -> None:
@@ -458,6 +470,7 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
     print(format_table(rows))
     _print_tier_rows(rows)
+    _print_retractions(rows)
     _print_spec_rows(rows, spec)
     line, ok = identical_verdict(replies, modes, rows)
     if line:

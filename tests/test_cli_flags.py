@@ -341,3 +341,15 @@ def test_replay_refuses_a_page_longer_than_any_sequence(tiny, tiny_replay, capsy
 
     with pytest.raises(ValueError, match="^page_size 3000 is larger than max_context_len 2048, the longest sequence"):
         LLM(loaded_model=tiny, device="cpu", page_size=3000, max_context_len=2048)
+
+
+def test_replay_reports_its_retractions(tiny_replay, tmp_path, capsys):
+    """A pool of 700 tokens for 4 conversations of 64-token replies: the engine retracts requests
+    for KV room; the replay's row and summary say how often (they did not say it at all)."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY_REPLAY, "--conversations", "4", "--max-tokens", "64", "--max-total-tokens", "700", "--modes", "off"]
+    assert main([*argv, "--output", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["retractions"] == 2
+    assert row["prefill_tokens"] > row["prompt_tokens"]  # recomputed after retraction (no cache: nothing cached)
+    assert "[off] 2 retractions: requests preempted for KV room and resumed" in capsys.readouterr().out
