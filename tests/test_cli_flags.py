@@ -353,3 +353,32 @@ def test_replay_reports_its_retractions(tiny_replay, tmp_path, capsys):
     assert row["retractions"] == 2
     assert row["prefill_tokens"] > row["prompt_tokens"]  # recomputed after retraction (no cache: nothing cached)
     assert "[off] 2 retractions: requests preempted for KV room and resumed" in capsys.readouterr().out
+
+
+def test_replay_refuses_a_first_prompt_the_engine_cannot_take_before_any_mode_runs(tiny_replay, capsys):
+    # the radix mode started and the run stopped at this request with exit 2 (on a long run: hours in)
+    assert main([*TINY_REPLAY, "--conversations", "4", "--max-tokens", "64", "--max-total-tokens", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "[radix] engine:" not in err and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "radixkv replay: conversation 1's first prompt (145 tokens) + --max-tokens 64 exceeds the 200 tokens a "
+        "request may take (max_context_len 200, the KV pool's 200 slots): lower --max-tokens or --max-user-chars, "
+        "or give a larger --max-total-tokens / --kv-cache-memory-bytes"
+    )
+
+
+@pytest.mark.parametrize("loop", [[], ["--concurrency", "2"]])
+def test_replay_ends_a_conversation_whose_history_outgrows_the_engine(loop, tiny_replay, tmp_path, capsys):
+    """4 conversations x 3 turns in requests of at most 300 tokens: two histories outgrow it at a
+    later turn (their length depends on the replies). Those conversations end there, counted and
+    reported, in waves and in a closed loop alike; the replay failed at that request (exit 2)."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY_REPLAY, "--conversations", "4", "--turns", "3", "--max-tokens", "64", "--max-total-tokens", "300"]
+    assert main([*argv, "--modes", "radix", *loop, "--output", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["requests"], row["prompt_tokens"], row["conversations_ended_early"]) == (10, 1370, 2)
+    assert (row["max_request_tokens"], row["max_prompt_tokens"]) == (300, 225)  # 225 + 64 <= 300
+    assert (
+        "[radix] 2 of 4 conversations ended before their last turn: the next prompt + --max-tokens 64 exceeded the "
+        "300 tokens a request may take" in capsys.readouterr().out
+    )
