@@ -382,3 +382,20 @@ def test_replay_ends_a_conversation_whose_history_outgrows_the_engine(loop, tiny
         "[radix] 2 of 4 conversations ended before their last turn: the next prompt + --max-tokens 64 exceeded the "
         "300 tokens a request may take" in capsys.readouterr().out
     )
+
+
+def test_serve_refuses_a_port_in_use_before_loading(capsys):
+    # uvicorn failed to bind only after the model load and the app's startup (exit 3, its log
+    # lines); --replicas checked it up front. The engine's settings and the model's path are
+    # checked first: a taken port does not hide their errors
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--device", "cpu"]) == 1  # the default model, not loaded
+        err = capsys.readouterr().err.strip()
+        assert err == f"radixkv serve: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
+        line = refused(["serve", "--port", str(port), "--device", "tpu"], capsys)
+        assert line == "radixkv serve: device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"
