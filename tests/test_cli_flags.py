@@ -399,3 +399,11 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
         assert err == f"radixkv serve: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
         line = refused(["serve", "--port", str(port), "--device", "tpu"], capsys)
         assert line == "radixkv serve: device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"
+
+
+def test_serve_refuses_an_unknown_attention_backend_before_loading(capsys):
+    # EngineConfig does not check it: the model runner refused it once the model had loaded
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--attention-backend", "triton", "--model", "/nonexistent/model"])
+    assert exc.value.code == 2
+    assert "argument --attention-backend: invalid choice: 'triton'" in capsys.readouterr().err

@@ -78,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)"
     )
-    g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
+    g.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flashinfer"],
+        help="attention kernels (default: %(default)s)",
+    )  # fmt: skip
     g.add_argument(
         "--prefix-cache", choices=["radix", "hash", "none"], default=None,
         help="prefix cache: radix tree, hashed blocks, or none (default: radix)",
