@@ -376,7 +376,10 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     """What is wrong with the replay's ``modes`` and counts (None: nothing)."""
     if not modes or any(m not in MODES for m in modes):
         return f"--modes must list some of {sorted(MODES)}, got {args.modes!r}"
-    for name in ("conversations", "turns", "max_tokens", "page_size", "concurrency"):
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        return f"--modes lists {', '.join(twice)} more than once, got {args.modes!r} (a mode's row is its own run)"
+    for name in ("conversations", "turns", "max_tokens", "page_size", "concurrency", "max_user_chars"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     if getattr(args, "skip", 0) < 0:

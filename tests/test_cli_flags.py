@@ -407,3 +407,16 @@ def test_serve_refuses_an_unknown_attention_backend_before_loading(capsys):
         main(["serve", "--attention-backend", "triton", "--model", "/nonexistent/model"])
     assert exc.value.code == 2
     assert "argument --attention-backend: invalid choice: 'triton'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        # radix was replayed twice, two rows named radix (the replies of the second kept)
+        (["--modes", "radix,off,radix"], "--modes lists radix more than once, got 'radix,off,radix'"),
+        # refused by the dataset reader after the engine's settings, as 'max_user_chars must be >= 1, got 0'
+        (["--max-user-chars", "0"], "--max-user-chars must be >= 1"),
+    ],
+)
+def test_replay_names_a_bad_modes_or_max_user_chars_flag(flags, line, capsys):
+    assert refused(["replay", *flags, "--model", "/nonexistent/model"], capsys).startswith(f"radixkv replay: {line}")
