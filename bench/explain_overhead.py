@@ -32,6 +32,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench.results_io import write_result  # noqa: E402
 from bench.workloads import multi_turn  # noqa: E402
 from radixkv.attention.metadata import ForwardBatch  # noqa: E402
 from radixkv.config import EngineConfig  # noqa: E402
@@ -79,7 +80,9 @@ def run(prompts, on: bool, capacity: int, batch: int, max_tokens: int, loaded=No
     return spent, steps, eng.cache_stats().as_dict()
 
 
-def compare(prompts, capacity, batch, max_tokens, repeats, loaded=None, label="null runner") -> float:
+def compare(prompts, capacity, batch, max_tokens, repeats, loaded=None, label="null runner") -> dict:
+    """On / off step-time ratios of ``repeats`` alternating pairs (printed); returns them and their
+    median."""
     ratios = []
     for k in range(repeats):
         order = (True, False) if k % 2 == 0 else (False, True)
@@ -96,7 +99,7 @@ def compare(prompts, capacity, batch, max_tokens, repeats, loaded=None, label="n
     print(
         f"[{label}] step time with cache_outcome on / off: median {med:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f})"
     )
-    return med
+    return dict(requests=len(prompts), batch=batch, max_tokens=max_tokens, median_ratio=med, ratios=ratios)
 
 
 def main(argv=None) -> int:
@@ -107,20 +110,28 @@ def main(argv=None) -> int:
     ap.add_argument("--capacity", type=int, default=24576, help="KV slots (small enough to evict)")
     ap.add_argument("--repeats", type=int, default=4)
     ap.add_argument("--model", action="store_true", help="also on the default model (fewer requests)")
+    ap.add_argument("--out", default=None, help="result JSON path (default bench/results/explain_overhead_<time>.json)")
     args = ap.parse_args(argv)
+    t0 = time.time()
     from radixkv.sim.sharegpt import load_conversations
 
     data = load_conversations()
     wl = multi_turn(n_conversations=args.conversations, concurrency=args.batch, max_context=4096, seed=0, data=data)
     prompts = [wl.full_prompt(i) for i in range(len(wl.requests))]
     print(f"{len(prompts)} requests, {sum(map(len, prompts)):,} prompt tokens, capacity {args.capacity:,}")
-    compare(prompts, args.capacity, args.batch, args.max_tokens, args.repeats)
+    fields = dict(
+        capacity=args.capacity, null_runner=compare(prompts, args.capacity, args.batch, args.max_tokens, args.repeats)
+    )
     if args.model:
         from radixkv.models.loader import load_model
 
         loaded = load_model("smollm2-135m", "cpu", torch.float32)
         few = prompts[:48]
-        compare(few, args.capacity, 8, 4, 2, loaded, label="default model")
+        fields["default_model"] = compare(few, args.capacity, 8, 4, 2, loaded, label="default model")
+    path = write_result(
+        "explain_overhead", fields, args.out, argv=argv, started=t0, machine={"torch": torch.__version__}
+    )
+    print(f"wrote {path}")
     return 0
 
 

@@ -7,7 +7,8 @@ other in alternating order; a child loads the model, warms up, then runs ``--rep
 (``bench/vs_llamacpp.py``'s ``RadixkvStream``: ``add_request`` / ``step``, prefix cache off) and
 reports its median decode tok/s (the ``gen - 1`` tokens after the first over their time) and
 tokens per CPU second. The parent prints per-variant medians over the trials and each variant's
-ratio to the first one, per trial and of the medians.
+ratio to the first one, per trial and of the medians, and writes them to
+``bench/results/isa_decode_<UTC time>.json`` (``--out``; bench/results_io.py).
 
     python bench/isa_decode.py                         # default ISA vs avx2, 5 trials
     python bench/isa_decode.py --trials 7 --threads 2
@@ -25,6 +26,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -95,10 +97,12 @@ def main(argv=None) -> int:
         default=None,
         help="NAME=VAR=VAL,VAR=VAL (repeatable; the first is the baseline). Default: default= avx2=RADIXKV_KERNELS_ISA=avx2",
     )
+    ap.add_argument("--out", default=None, help="result JSON path (default bench/results/isa_decode_<time>.json)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return child(args)
+    t0 = time.time()
     variants = [parse_variant(v) for v in (args.variant or ["default=", "avx2=RADIXKV_KERNELS_ISA=avx2"])]
     print(
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, load average {os.getloadavg()[0]:.2f}, "
@@ -127,6 +131,7 @@ def main(argv=None) -> int:
     med = {n: statistics.median(r["decode_tok_s"] for r in v) for n, v in rows.items()}
     med_cpu = {n: statistics.median(r["decode_tok_per_cpu_s"] for r in v) for n, v in rows.items()}
     print(f"load average after {os.getloadavg()[0]:.2f}")
+    result = {}
     for n, v in rows.items():
         per = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(v, rows[base])]
         same = all(a["tokens"] == b["tokens"] for a, b in zip(v, rows[base]))
@@ -134,7 +139,25 @@ def main(argv=None) -> int:
             f"{n}: decode median {med[n]:.1f} tok/s ({med_cpu[n]:.1f} per CPU-s); vs {base}: {med[n] / med[base]:.3f}x "
             f"(per trial {', '.join(f'{x:.3f}' for x in per)}); greedy tokens equal to {base}'s: {same}"
         )
+        trials = [{k: x for k, x in r.items() if k != "tokens"} for r in v]
+        result[n] = dict(env=dict(variants)[n], decode_tok_s_median=med[n], decode_tok_per_cpu_s_median=med_cpu[n])
+        result[n].update(
+            ratio_to_base=med[n] / med[base], ratio_per_trial=per, tokens_equal_to_base=same, trials=trials
+        )
+    _write(args, argv, base, result, t0)
     return 0
+
+
+def _write(args: argparse.Namespace, argv, base: str, variants: dict, started: float) -> None:
+    """The result JSON (bench/results_io.py; ``--out``, default ``bench/results/isa_decode_<time>.json``).
+    Imported here, not at load: a child imports radixkv from the checkout its variant names."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from bench.results_io import write_result
+
+    fields = dict(model=args.model, threads=args.threads, prompt_len=args.prompt_len, gen=args.gen, base=base)
+    path = write_result("isa_decode", {**fields, "variants": variants}, args.out, argv=argv, started=started)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # this checkout's radixkv, not whichever one is i
 
 import torch  # noqa: E402
 
+from bench.results_io import write_result  # noqa: E402
 from radixkv.executor.model_runner import ModelRunner  # noqa: E402
 from radixkv.models import load_model  # noqa: E402
 
@@ -145,7 +146,67 @@ class _HF:
         return stamp.t[-1] - stamp.t[0]
 
 
-def main() -> None:
+def _prefill_rows(ours, hf, quant: dict, prefill_lens: list, vocab: int, repeats: int) -> list:
+    """Prefill tok/s of one prompt per length, radixkv (and its quantized copies) vs transformers:
+    printed, and returned as rows."""
+    rows = []
+    for n in prefill_lens:
+        ids = _tokens(n, 1, vocab, n)
+        ta, tb = float("inf"), float("inf")
+        tq = {q: float("inf") for q in quant}
+        for _ in range(repeats):  # alternate them and keep each one's best run
+            ta, tb = min(ta, ours.prefill(ids)), min(tb, hf.prefill(ids))
+            for q, qo in quant.items():
+                tq[q] = min(tq[q], qo.prefill(ids))
+        a, b = n / ta, n / tb
+        print(f"{f'prefill {n} tokens (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x")
+        row = dict(tokens=n, radixkv_tok_s=a, transformers_tok_s=b, quantized_tok_s={})
+        for q in quant:
+            aq = row["quantized_tok_s"][q] = n / tq[q]
+            print(f"{f'  radixkv {q}, prefill {n}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x")
+        rows.append(row)
+    return rows
+
+
+def _decode_rows(ours, hf, quant: dict, args: argparse.Namespace, vocab: int) -> list:
+    """Decode tok/s per batch size, radixkv (and its quantized copies) vs transformers' loop and
+    ``generate()``, with the share of equal greedy tokens: printed, and returned as rows."""
+    rows = []
+    for bs in args.decode_batches:
+        ids = _tokens(args.context, bs, vocab, 1000 + bs)
+        ta = tb = tc = float("inf")
+        tq = {q: float("inf") for q in quant}
+        toks_q = {}
+        for _ in range(max(1, args.repeats)):
+            t, toks_a = ours.decode(ids, args.decode_steps)
+            ta = min(ta, t)
+            for q, qo in quant.items():
+                t, toks_q[q] = qo.decode(ids, args.decode_steps)
+                tq[q] = min(tq[q], t)
+            t, toks_b = hf.decode(ids, args.decode_steps)
+            tb = min(tb, t)
+            tc = min(tc, hf.decode_generate(ids, args.decode_steps))
+        a, b, c = (bs * args.decode_steps / x for x in (ta, tb, tc))
+        same = (toks_a == toks_b).float().mean().item()
+        print(
+            f"{f'decode batch {bs} (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x{c:>12.1f}{a / c:>7.2f}x"
+            f"   same greedy tokens {same:.0%}"
+        )
+        row = dict(batch=bs, radixkv_tok_s=a, transformers_tok_s=b, generate_tok_s=c, same_greedy_tokens=same)
+        row["quantized"] = {}
+        for q in quant:
+            aq = bs * args.decode_steps / tq[q]
+            sq = (toks_q[q] == toks_a).float().mean().item()
+            row["quantized"][q] = dict(tok_s=aq, greedy_tokens_equal_to_fp32=sq)
+            print(
+                f"{f'  radixkv {q}, decode batch {bs}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x{c:>12.1f}{aq / c:>7.2f}x"
+                f"   greedy tokens equal to fp32 {sq:.0%}"
+            )
+        rows.append(row)
+    return rows
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 2048])
@@ -168,7 +229,13 @@ def main() -> None:
         default=["int8"],
         help="also time radixkv with these weight quantizations (rows 'radixkv int8'); none: fp32 only",
     )
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="result JSON path (default bench/results/model_speed_<time>.json)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    t0 = time.time()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -191,9 +258,10 @@ def main() -> None:
         )
     from radixkv.kernels import cpu as cpu_kernels
 
+    formats = (pack_formats or cpu_kernels.DEFAULT_PACK_FORMATS) if cpu_kernels.AVAILABLE else None
     print(
         f"model {args.model}, fp32, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"native GEMM weight formats {(pack_formats or cpu_kernels.DEFAULT_PACK_FORMATS) if cpu_kernels.AVAILABLE else 'n/a'}"
+        f"native GEMM weight formats {formats or 'n/a'}"
     )
     print(
         "transformers = its own KV cache loop (DynamicCache, logits_to_keep=1); "
@@ -212,47 +280,13 @@ def main() -> None:
             "packed weights for the native GEMM: "
             + ", ".join(f"{f} {b / 1e6:.0f} MB" for f, b in sorted(packed.items()))
         )
-    r = max(1, args.repeats)
-    for n in args.prefill_lens:
-        ids = _tokens(n, 1, vocab, n)
-        ta, tb = float("inf"), float("inf")
-        tq = {q: float("inf") for q in quant}
-        for _ in range(r):  # alternate them and keep each one's best run
-            ta, tb = min(ta, ours.prefill(ids)), min(tb, hf.prefill(ids))
-            for q, qo in quant.items():
-                tq[q] = min(tq[q], qo.prefill(ids))
-        a, b = n / ta, n / tb
-        print(f"{f'prefill {n} tokens (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x")
-        for q in quant:
-            aq = n / tq[q]
-            print(f"{f'  radixkv {q}, prefill {n}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x")
-    for bs in args.decode_batches:
-        ids = _tokens(args.context, bs, vocab, 1000 + bs)
-        ta = tb = tc = float("inf")
-        tq = {q: float("inf") for q in quant}
-        toks_q = {}
-        for _ in range(r):
-            t, toks_a = ours.decode(ids, args.decode_steps)
-            ta = min(ta, t)
-            for q, qo in quant.items():
-                t, toks_q[q] = qo.decode(ids, args.decode_steps)
-                tq[q] = min(tq[q], t)
-            t, toks_b = hf.decode(ids, args.decode_steps)
-            tb = min(tb, t)
-            tc = min(tc, hf.decode_generate(ids, args.decode_steps))
-        a, b, c = (bs * args.decode_steps / x for x in (ta, tb, tc))
-        same = (toks_a == toks_b).float().mean().item()
-        print(
-            f"{f'decode batch {bs} (tok/s)':<34}{a:>12.1f}{b:>14.1f}{a / b:>7.2f}x{c:>12.1f}{a / c:>7.2f}x"
-            f"   same greedy tokens {same:.0%}"
-        )
-        for q in quant:
-            aq = bs * args.decode_steps / tq[q]
-            sq = (toks_q[q] == toks_a).float().mean().item()
-            print(
-                f"{f'  radixkv {q}, decode batch {bs}':<34}{aq:>12.1f}{b:>14.1f}{aq / b:>7.2f}x{c:>12.1f}{aq / c:>7.2f}x"
-                f"   greedy tokens equal to fp32 {sq:.0%}"
-            )
+    prefill = _prefill_rows(ours, hf, quant, args.prefill_lens, vocab, max(1, args.repeats))
+    decode = _decode_rows(ours, hf, quant, args, vocab)
+    fields = dict(model=args.model, pack_formats=list(formats) if formats else None, packed_weight_bytes=packed)
+    fields.update(prefill=prefill, decode=decode)
+    machine = dict(torch=torch.__version__, threads=torch.get_num_threads())
+    path = write_result("model_speed", fields, args.out, argv=argv, started=t0, machine=machine)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ For each run the server is flushed first, and radixkv's ``radixkv_cached_tokens_
 ``radixkv_prompt_tokens_total`` are scraped before and after: the report's "Total cached tokens"
 must equal the cached-token delta (the warmup request runs on the flushed cache, so it adds
 none), and its "Total prompt tokens" the prompt-token delta less the warmup request's prompt.
-Writes ``bench/results/sglang_bench_serving_<UTC time>.json`` (with every run's output).
+Writes ``bench/results/sglang_bench_serving_<UTC time>.json`` (or ``--out``), with every run's output.
 
 Usage::
 
@@ -114,6 +114,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=16, help="sharegpt prompts per run")
     ap.add_argument("--request-rate", default="4", help="bench_serving's --request-rate (requests/s)")
     ap.add_argument("--work-dir", default=str(Path.home() / ".cache/radixkv/bench_serving"))
+    ap.add_argument(
+        "--out", default=None, help="result JSON path (default bench/results/sglang_bench_serving_<time>.json)"
+    )
     args = ap.parse_args(argv)
     if not os.access(args.sglang_python, os.X_OK):
         raise SystemExit(
@@ -188,7 +191,7 @@ def main(argv=None) -> int:
     finally:
         server.terminate()
         server.wait(60)
-    out_path = write_result("sglang_bench_serving", {"runs": runs})
+    out_path = write_result("sglang_bench_serving", {"runs": runs}, args.out, argv=argv)
     print(f"wrote {out_path}")
     return 0 if all(r["returncode"] == 0 and r["cached_equal"] for r in runs) else 1
 

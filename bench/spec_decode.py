@@ -651,7 +651,10 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--chat-max-tokens", type=int, default=64)
     ap.add_argument("--gguf", default=None, help="llama.cpp's GGUF (default: the default model's)")
-    ap.add_argument("--output", default=None, help="result JSON path (default bench/results/spec_decode_<time>.json)")
+    ap.add_argument(
+        "--out", "--output", dest="output", default=None,
+        help="result JSON path (default bench/results/spec_decode_<time>.json)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",")}
     if "llamacpp" in parts and "agent" not in parts:

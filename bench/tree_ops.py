@@ -24,14 +24,14 @@ interleaved so that they share the machine's load) for each block of 50 calls. P
 Python loop, eviction by collecting every leaf into a heap), and (c) radixkv with its C helper
 turned off (pure Python path), to show what the extension buys.
 
-Usage: ``python bench/tree_ops.py [--json PATH]``
+Usage: ``python bench/tree_ops.py [--out PATH]`` (default ``bench/results/tree_ops_<UTC time>.json``;
+bench/results_io.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import os
 import random
 import sys
@@ -45,7 +45,8 @@ import torch
 # Runs from a checkout whether or not radixkv is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from radixkv.cache import RadixCache, SlotAllocator, token_keys
+from bench.results_io import write_result  # noqa: E402
+from radixkv.cache import RadixCache, SlotAllocator, token_keys  # noqa: E402
 
 REFERENCE_US = {"insert": 25.0, "match": 21.0, "split_match": 87.0, "evict_140k": 10_000.0}
 REFERENCE_EVICT_TOKENS = 140_000
@@ -277,8 +278,12 @@ def merge_min(runs):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="also write the numbers to this file")
+    ap.add_argument(
+        "--out", "--json", dest="out", default=None,
+        help="result JSON path (default bench/results/tree_ops_<time>.json)",
+    )  # fmt: skip
     args = ap.parse_args()
+    t_wall = time.time()
     seqs, fresh, split_q = make_workload()
     slots = [torch.arange(i * 512, (i + 1) * 512, dtype=torch.int64) for i in range(len(seqs))]
     rng = random.Random(1)
@@ -369,9 +374,8 @@ def main() -> None:
         + ", ".join(f"alloc({n}) {a:.2f} / free({n}) {f:.2f}" for n, (a, f) in alloc.items())
     )
     print(f"(bench took {time.perf_counter() - t_start:.1f} s wall)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    path = write_result("tree_ops", results, args.out, started=t_wall)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

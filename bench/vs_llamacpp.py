@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import os
 import statistics
 import subprocess
@@ -55,6 +54,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `python bench/vs_llamacpp.py` imports this checkout's radixkv
     sys.path.insert(0, str(ROOT))
+
+from bench.results_io import write_result  # noqa: E402
 
 
 def llama_dir() -> Path:
@@ -484,7 +485,10 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="server replay rounds (servers alternate)")
     ap.add_argument("--port", type=int, default=30871, help="radixkv's port; llama-server gets the next one")
-    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    ap.add_argument(
+        "--out", "--output", dest="output", default=None,
+        help="result JSON path (default bench/results/vs_llamacpp_<time>.json)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.gguf is None:
         from radixkv.models.loader import default_gguf_path
@@ -509,8 +513,8 @@ def main(argv=None) -> int:
     server = server_replay(args) if "server" in parts else None
     meta["load_after"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
     print(table(single, server, meta))
-    if args.output:
-        Path(args.output).write_text(json.dumps({"meta": meta, "single": single, "server": server}, indent=2))
+    path = write_result("vs_llamacpp", {"meta": meta, "single": single, "server": server}, args.output, argv=argv)
+    print(f"wrote {path}")
     return 0
 
 

@@ -132,7 +132,8 @@ class EngineConfig:
     ValueError."""
 
     page_size: int = 1
-    """Tokens per KV page (>= 1). Prefix matches are floored to whole pages when > 1."""
+    """Tokens per KV page (>= 1, at most the longest sequence: ``max_context_len``, else the model's
+    ``max_position_embeddings``). Prefix matches are floored to whole pages when > 1."""
 
     max_total_tokens: Optional[int] = None
     """KV pool capacity in tokens (rounded down to whole pages). Give it or
@@ -305,6 +306,8 @@ class EngineConfig:
             ValueError: naming the field and its limit.
         """
         self._resolve_device()
+        if max_position_embeddings is not None:  # before the pool is sized from the page
+            self._check_page_fits_context(int(max_position_embeddings))
         given = f"max_total_tokens {self.max_total_tokens}"
         if kv_bytes_per_token is not None and self.max_total_tokens is None:
             self.max_total_tokens = self._tokens_of_memory(
@@ -329,6 +332,23 @@ class EngineConfig:
                     f"max_position_embeddings {max_position_embeddings}"
                 )
         return self
+
+    def _check_page_fits_context(self, max_position_embeddings: int) -> None:
+        """Refuse a page longer than the longest sequence (``max_context_len`` when given, else the
+        model's ``max_position_embeddings``): no prompt would fill it, and only whole pages are
+        cached, so the prefix cache would never hit (and the default pool would grow to hold it).
+
+        Raises:
+            ValueError: naming ``page_size`` and the limit.
+        """
+        longest, what = max_position_embeddings, "the model's max_position_embeddings"
+        if self.max_context_len is not None and self.max_context_len < longest:
+            longest, what = self.max_context_len, "max_context_len"
+        if self.page_size > longest:
+            raise ValueError(
+                f"page_size {self.page_size} is larger than {what} {longest}, the longest sequence: no prompt "
+                f"would fill a page and only whole pages are cached; give a page_size of at most {longest}"
+            )
 
     def _tokens_of_memory(self, bytes_per_token: int, float32_bytes_per_token: int) -> int:
         """``max_total_tokens`` from ``kv_cache_memory_bytes``, or the default memory (the

@@ -54,6 +54,31 @@ ROW_KEYS = (
 _KV_KEYS = ("capacity", "kv_cache_dtype", "kv_bytes_per_token", "kv_cache_bytes")
 
 
+def room_of(llm) -> int:
+    """The most tokens a request (prompt + ``max_tokens``) may take in ``llm``'s engine: its
+    ``max_context_len``, and the KV pool's whole pages."""
+    cfg = llm.engine.config
+    return min(llm.engine.max_context_len, cfg.max_total_tokens // cfg.page_size * cfg.page_size)
+
+
+def first_turn_error(llm, conversations: List[List[str]], max_tokens: int) -> Optional[str]:
+    """Why the replay cannot start (None: it can): a conversation whose first prompt (no reply in
+    it yet: its exact length) and ``max_tokens`` exceed what ``llm``'s engine takes, said with the
+    flags that change it. Later turns that outgrow the engine end their conversation early (counted
+    and reported), since their length depends on the replies."""
+    room = room_of(llm)
+    for k, c in enumerate(conversations):
+        n = len(llm.tokenizer.encode(llm.render_chat([{"role": "user", "content": c[0]}]), add_special_tokens=False))
+        if n + max_tokens > room:
+            return (
+                f"conversation {k}'s first prompt ({n} tokens) + --max-tokens {max_tokens} exceeds the {room} tokens a "
+                f"request may take (max_context_len {llm.engine.max_context_len}, the KV pool's "
+                f"{llm.engine.config.max_total_tokens} slots): lower --max-tokens or --max-user-chars, or give a "
+                "larger --max-total-tokens / --kv-cache-memory-bytes"
+            )
+    return None
+
+
 class _Replay:
     """One replay's state: each conversation's history and replies, the requests' TTFTs; builds
     a conversation's next prompt and takes its reply."""
@@ -65,13 +90,20 @@ class _Replay:
         self.ttfts: List[float] = []
         self.out_tokens = 0
         self.longest = 0
+        self.room = room_of(llm)
+        self.ended: set = set()  # conversations ended before their last turn (their next prompt did not fit)
 
-    def prompt(self, i: int) -> List[int]:
+    def prompt(self, i: int) -> Optional[List[int]]:
         """Conversation ``i``'s next turn: the chat template over its history plus its next user
-        message (token ids); logged as the chat body a client would send."""
+        message (token ids); logged as the chat body a client would send. None, and the
+        conversation ends there, when the prompt and ``max_tokens`` exceed what the engine takes
+        (``self.room``: its replies made the history too long)."""
         h = self.histories[i]
         h.append({"role": "user", "content": self.conversations[i][len(self.replies[i])]})
         ids = self.llm.tokenizer.encode(self.llm.render_chat(h), add_special_tokens=False)
+        if len(ids) + self.max_tokens > self.room:
+            self.ended.add(i)
+            return None
         self.longest = max(self.longest, len(ids))
         if self.log is not None:
             self.log.write(
@@ -92,9 +124,12 @@ class _Replay:
 def _waves(rp: _Replay, params, bar) -> None:
     """Every active conversation's next turn submitted together; the next wave once all replied."""
     for t in range(max(len(c) for c in rp.conversations)):
-        active = [i for i, c in enumerate(rp.conversations) if t < len(c)]
-        prompts = [rp.prompt(i) for i in active]
-        outs = rp.llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        active = [i for i, c in enumerate(rp.conversations) if t < len(c) and i not in rp.ended]
+        prompts = {i: rp.prompt(i) for i in active}
+        active = [i for i in active if prompts[i] is not None]
+        if not active:
+            break
+        outs = rp.llm.generate(prompt_token_ids=[prompts[i] for i in active], sampling_params=params, use_tqdm=False)
         for i, o in zip(active, outs):
             rp.reply(i, o)
         bar.update(len(active))
@@ -112,7 +147,9 @@ def _closed_loop(rp: _Replay, params, concurrency: int, bar) -> None:
             while queue or running:
                 while queue and len(running) < concurrency:
                     i = queue.popleft()
-                    running[engine.add_request(rp.prompt(i), params)] = i
+                    ids = rp.prompt(i)
+                    if ids is not None:  # else the conversation ends here
+                        running[engine.add_request(ids, params)] = i
                 for out in engine.step():
                     if out.finished and out.request_id in running:
                         i = running.pop(out.request_id)
@@ -147,8 +184,12 @@ def replay_mode(
     included). ``log``: a :class:`~radixkv.obs.trace.TraceWriter` that gets each request as the
     chat body a client would send (``model`` in it), the trace ``radixkv explain`` reads.
 
+    A conversation whose next prompt and ``max_tokens`` outgrow what the engine takes ends there
+    (the row's ``conversations_ended_early``).
+
     Raises:
-        ValueError: ``concurrency`` below 1.
+        ValueError: ``concurrency`` below 1, or a first prompt the engine cannot take
+            (:func:`first_turn_error`).
     """
     from tqdm.auto import tqdm
 
@@ -156,6 +197,9 @@ def replay_mode(
 
     if concurrency is not None and concurrency < 1:
         raise ValueError(f"concurrency must be >= 1 (or None: waves), got {concurrency}")
+    why = first_turn_error(llm, conversations, max_tokens)
+    if why is not None:
+        raise ValueError(why)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     rp = _Replay(llm, conversations, max_tokens, log, model)
     before = llm.cache_stats()
@@ -192,6 +236,9 @@ def _row(rp: _Replay, before, after, wall: float) -> Dict[str, object]:
         },
         "spec_draft_tokens": after["spec_draft_tokens"] - before["spec_draft_tokens"],
         "spec_accepted_tokens": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
+        "retractions": after["num_retractions"] - before["num_retractions"],
+        "conversations_ended_early": len(rp.ended),
+        "max_request_tokens": rp.room,
         "replies": rp.replies,
     }
 
@@ -294,6 +341,30 @@ def identical_verdict(replies: Dict[str, list], modes: List[str], rows: List[dic
     return f"greedy replies identical across modes: {'yes' if same else 'NO'}{note}", same or lossy is not None
 
 
+def _print_retractions(rows: List[dict]) -> None:
+    """A line per mode whose engine retracted (preempted) requests for KV room: how many times (the
+    tokens a retracted request computes again count in its prefill tokens)."""
+    for r in rows:
+        if r["retractions"]:
+            print(
+                f"[{r['mode']}] {r['retractions']} retractions: requests preempted for KV room and resumed "
+                "(what they computed again counts in prefill tok)"
+            )
+
+
+def _print_ended_early(rows: List[dict], args: argparse.Namespace) -> None:
+    """A line per mode in which conversations ended before their last turn (their history outgrew
+    what a request may take)."""
+    for r in rows:
+        if r["conversations_ended_early"]:
+            print(
+                f"[{r['mode']}] {r['conversations_ended_early']} of {args.conversations} conversations ended before "
+                f"their last turn: the next prompt + --max-tokens {args.max_tokens} exceeded the "
+                f"{r['max_request_tokens']} tokens a request may take (give a larger --max-total-tokens / "
+                "--kv-cache-memory-bytes, or fewer --turns / --max-tokens)"
+            )
+
+
 def _print_tier_rows(rows: List[dict]) -> None:
     """A line per mode whose KV tiers served tokens: its cached tokens by tier."""
     for r in rows:
@@ -305,7 +376,10 @@ def _bad_args(args: argparse.Namespace, modes: List[str]) -> Optional[str]:
     """What is wrong with the replay's ``modes`` and counts (None: nothing)."""
     if not modes or any(m not in MODES for m in modes):
         return f"--modes must list some of {sorted(MODES)}, got {args.modes!r}"
-    for name in ("conversations", "turns", "max_tokens", "page_size", "concurrency"):
+    twice = sorted({m for m in modes if modes.count(m) > 1})
+    if twice:
+        return f"--modes lists {', '.join(twice)} more than once, got {args.modes!r} (a mode's row is its own run)"
+    for name in ("conversations", "turns", "max_tokens", "page_size", "concurrency", "max_user_chars"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     if getattr(args, "skip", 0) < 0:
@@ -413,6 +487,10 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
         prefix_cache="none",
         loaded_model=loaded,
     )
+    why = first_turn_error(warm, convs, args.max_tokens)
+    if why is not None:  # before any mode replays
+        print(f"radixkv replay: {why}", file=sys.stderr)
+        return 2
     replay_mode(warm, [c[:1] for c in convs], 2, progress=False)
     del warm
     log = None
@@ -456,14 +534,22 @@ def run(args: argparse.Namespace, loaded_model=None) -> int:
     if log is not None:
         log.close()
         print(f"wrote {log.count} requests to {args.log_requests}", file=sys.stderr)
-    print(format_table(rows))
-    _print_tier_rows(rows)
-    _print_spec_rows(rows, spec)
-    line, ok = identical_verdict(replies, modes, rows)
-    if line:
-        print(line)
+    ok = _report(args, rows, replies, modes, spec)
     print(f"total time {time.perf_counter() - t_setup:.1f} s (dataset, model loads and replays)")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(rows, f, indent=2)
     return 0 if ok else 1
+
+
+def _report(args: argparse.Namespace, rows: List[dict], replies: Dict[str, list], modes: List[str], spec) -> bool:
+    """Print the table and the lines below it; whether the run passes (:func:`identical_verdict`)."""
+    print(format_table(rows))
+    _print_tier_rows(rows)
+    _print_ended_early(rows, args)
+    _print_retractions(rows)
+    _print_spec_rows(rows, spec)
+    line, ok = identical_verdict(replies, modes, rows)
+    if line:
+        print(line)
+    return ok

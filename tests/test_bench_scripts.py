@@ -161,3 +161,27 @@ def test_sglang_bench_serving_refuses_a_missing_sglang_python_before_starting_a_
     with pytest.raises(SystemExit, match="--sglang-python .*no-sglang/python is not an executable"):
         main(["--sglang-python", str(missing), "--work-dir", str(tmp_path / "w")])
     assert not (tmp_path / "w").exists()
+
+
+WRITES_NO_RESULT = {
+    "gpu_check": "the GPU box's check: gpu_check.json and gpu_check.md into its --out folder, carried back",
+    "plot": "reads bench/results/ and draws PNGs",
+    "prepare_gpu_carry": "builds the GPU box's carry: measures nothing",
+}
+"""The scripts that write no result JSON of their own through bench/results_io.py, and why."""
+
+
+def _calls_write_result(path: Path) -> bool:
+    return any(
+        isinstance(n, ast.Call) and getattr(n.func, "id", None) == "write_result"
+        for n in ast.walk(ast.parse(path.read_text()))
+    )
+
+
+@pytest.mark.parametrize("name", sorted(set(SCRIPTS) - LIBRARIES - set(WRITES_NO_RESULT)))
+def test_a_benchmark_writes_its_result_json_through_results_io_and_takes_out(probed, name):
+    # model_speed.py and isa_decode.py (and explain_overhead.py) printed their figures and wrote no
+    # file; sglang_bench_serving.py always wrote to the default path; tree_ops.py and vs_llamacpp.py
+    # dumped their own JSON without the run metadata, under --json / --output
+    assert _calls_write_result(ROOT / "bench" / f"{name}.py"), f"bench/{name}.py does not call write_result"
+    assert "--out " in probed[name]["help"] or "--out," in probed[name]["help"], f"bench/{name}.py has no --out"

@@ -297,3 +297,126 @@ def test_replay_fails_on_different_replies_only_with_a_float32_pool():
     assert ok and line.startswith("greedy replies identical across modes: NO (possible with bfloat16 K/V")
     assert identical_verdict(same, ["radix", "off"], bf16) == ("greedy replies identical across modes: yes", True)
     assert identical_verdict(diff, ["radix"], f32) == ("", True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from model_helpers import tiny_loaded_model
+
+    return tiny_loaded_model()
+
+
+@pytest.fixture
+def tiny_replay(tiny, monkeypatch):
+    """``main(["replay", ...])`` runs in-process on the tiny random model (its context: 4,096
+    tokens) instead of loading the default model."""
+    import radixkv.models.loader as loader
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **kw: tiny)
+
+
+TINY_REPLAY = [
+    "replay",
+    "--conversations",
+    "2",
+    "--turns",
+    "2",
+    "--max-tokens",
+    "2",
+    "--device",
+    "cpu",
+    "--no-progress",
+]
+
+
+def test_replay_refuses_a_page_longer_than_any_sequence(tiny, tiny_replay, capsys):
+    # --page-size 5000 over the model's 4,096-token context: no prompt fills a page and only whole
+    # pages are cached, so the radix mode ran and cached nothing (0.0%, as off), exit 0
+    line = refused([*TINY_REPLAY, "--page-size", "5000"], capsys)
+    assert line == (
+        "radixkv replay: page_size 5000 is larger than the model's max_position_embeddings 4096, the longest "
+        "sequence: no prompt would fill a page and only whole pages are cached; give a page_size of at most 4096"
+    )
+    from radixkv import LLM
+
+    with pytest.raises(ValueError, match="^page_size 3000 is larger than max_context_len 2048, the longest sequence"):
+        LLM(loaded_model=tiny, device="cpu", page_size=3000, max_context_len=2048)
+
+
+def test_replay_reports_its_retractions(tiny_replay, tmp_path, capsys):
+    """A pool of 700 tokens for 4 conversations of 64-token replies: the engine retracts requests
+    for KV room; the replay's row and summary say how often (they did not say it at all)."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY_REPLAY, "--conversations", "4", "--max-tokens", "64", "--max-total-tokens", "700", "--modes", "off"]
+    assert main([*argv, "--output", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["retractions"] == 2
+    assert row["prefill_tokens"] > row["prompt_tokens"]  # recomputed after retraction (no cache: nothing cached)
+    assert "[off] 2 retractions: requests preempted for KV room and resumed" in capsys.readouterr().out
+
+
+def test_replay_refuses_a_first_prompt_the_engine_cannot_take_before_any_mode_runs(tiny_replay, capsys):
+    # the radix mode started and the run stopped at this request with exit 2 (on a long run: hours in)
+    assert main([*TINY_REPLAY, "--conversations", "4", "--max-tokens", "64", "--max-total-tokens", "200"]) == 2
+    err = capsys.readouterr().err
+    assert "[radix] engine:" not in err and "Traceback" not in err
+    assert err.splitlines()[-1] == (
+        "radixkv replay: conversation 1's first prompt (145 tokens) + --max-tokens 64 exceeds the 200 tokens a "
+        "request may take (max_context_len 200, the KV pool's 200 slots): lower --max-tokens or --max-user-chars, "
+        "or give a larger --max-total-tokens / --kv-cache-memory-bytes"
+    )
+
+
+@pytest.mark.parametrize("loop", [[], ["--concurrency", "2"]])
+def test_replay_ends_a_conversation_whose_history_outgrows_the_engine(loop, tiny_replay, tmp_path, capsys):
+    """4 conversations x 3 turns in requests of at most 300 tokens: two histories outgrow it at a
+    later turn (their length depends on the replies). Those conversations end there, counted and
+    reported, in waves and in a closed loop alike; the replay failed at that request (exit 2)."""
+    out = tmp_path / "rows.json"
+    argv = [*TINY_REPLAY, "--conversations", "4", "--turns", "3", "--max-tokens", "64", "--max-total-tokens", "300"]
+    assert main([*argv, "--modes", "radix", *loop, "--output", str(out)]) == 0
+    (row,) = json.loads(out.read_text())
+    assert (row["requests"], row["prompt_tokens"], row["conversations_ended_early"]) == (10, 1370, 2)
+    assert (row["max_request_tokens"], row["max_prompt_tokens"]) == (300, 225)  # 225 + 64 <= 300
+    assert (
+        "[radix] 2 of 4 conversations ended before their last turn: the next prompt + --max-tokens 64 exceeded the "
+        "300 tokens a request may take" in capsys.readouterr().out
+    )
+
+
+def test_serve_refuses_a_port_in_use_before_loading(capsys):
+    # uvicorn failed to bind only after the model load and the app's startup (exit 3, its log
+    # lines); --replicas checked it up front. The engine's settings and the model's path are
+    # checked first: a taken port does not hide their errors
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--device", "cpu"]) == 1  # the default model, not loaded
+        err = capsys.readouterr().err.strip()
+        assert err == f"radixkv serve: --port {port}: cannot listen on 127.0.0.1:{port}: Address already in use"
+        line = refused(["serve", "--port", str(port), "--device", "tpu"], capsys)
+        assert line == "radixkv serve: device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"
+
+
+def test_serve_refuses_an_unknown_attention_backend_before_loading(capsys):
+    # EngineConfig does not check it: the model runner refused it once the model had loaded
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--attention-backend", "triton", "--model", "/nonexistent/model"])
+    assert exc.value.code == 2
+    assert "argument --attention-backend: invalid choice: 'triton'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        # radix was replayed twice, two rows named radix (the replies of the second kept)
+        (["--modes", "radix,off,radix"], "--modes lists radix more than once, got 'radix,off,radix'"),
+        # refused by the dataset reader after the engine's settings, as 'max_user_chars must be >= 1, got 0'
+        (["--max-user-chars", "0"], "--max-user-chars must be >= 1"),
+    ],
+)
+def test_replay_names_a_bad_modes_or_max_user_chars_flag(flags, line, capsys):
+    assert refused(["replay", *flags, "--model", "/nonexistent/model"], capsys).startswith(f"radixkv replay: {line}")

@@ -78,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)"
     )
-    g.add_argument("--attention-backend", default="auto", help="auto, torch, cpu or flashinfer (default: %(default)s)")
+    g.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flashinfer"],
+        help="attention kernels (default: %(default)s)",
+    )  # fmt: skip
     g.add_argument(
         "--prefix-cache", choices=["radix", "hash", "none"], default=None,
         help="prefix cache: radix tree, hashed blocks, or none (default: radix)",
@@ -368,6 +371,22 @@ def replica_flags_error(args: Any) -> Optional[str]:
     return None
 
 
+def _listen_error_before_loading(args: argparse.Namespace, engine_kwargs: dict[str, Any]) -> Optional[str]:
+    """Why nothing can listen on ``--host:--port`` (:func:`listen_error`), checked once the engine's
+    settings and the model's path are (so that their own errors come first, also while the port
+    is taken), and before the model loads.
+
+    Raises:
+        ValueError: a refused engine setting, naming it. FileNotFoundError: no such ``--model``.
+    """
+    from radixkv.config import EngineConfig
+    from radixkv.models.loader import resolve_hf_dir
+
+    EngineConfig(**engine_kwargs).resolve()
+    resolve_hf_dir(engine_kwargs["model"])
+    return listen_error(args.host, args.port)
+
+
 def run(args: argparse.Namespace) -> int:
     """Load one engine, then serve until interrupted; returns the exit code. (``--replicas N > 1``
     is dispatched by the ``radixkv`` console script to :func:`radixkv.router.ray.run`.)"""
@@ -383,13 +402,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     check_host(args.host, args.port)
     check_log_file(args.log_requests)
+    engine_kwargs = engine_kwargs_from_args(args, keys)
+    bad = _listen_error_before_loading(args, engine_kwargs)
+    if bad is not None:  # uvicorn failed to bind only after the model load (exit 3); as the replicas' check
+        print(f"radixkv serve: {bad}", file=sys.stderr)
+        return 1
     import uvicorn
 
     from radixkv.async_llm import AsyncLLM
     from radixkv.server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    llm = AsyncLLM(**engine_kwargs_from_args(args, keys))
+    llm = AsyncLLM(**engine_kwargs)
     app = create_app(
         llm,
         served_model_name=served,
