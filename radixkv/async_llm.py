@@ -32,6 +32,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import uuid
@@ -135,7 +136,8 @@ class AsyncLLM:
         self._stop = False  # set on the engine thread by the posted stop command
         self._pending: set[concurrent.futures.Future] = set()  # futures of posted calls not run yet
         self._abandoned: collections.deque = collections.deque()  # (rid, stream) dropped by consumers
-        self._stats: EngineStats = engine.cache_stats()  # published by the engine thread
+        # published by the engine thread, one pair: the stats without the per-tenant rows, and those
+        self._stats: tuple[EngineStats, Any] = (engine.cache_stats(tenants=False), engine.tenant_snapshot())
         self._refresh_posted = False  # a stats refresh is posted and has not run yet (KV tiers)
         self._lock = threading.Lock()  # orders "check alive + post" against "stop + fail the rest"
         # NOTE: the thread holds this AsyncLLM weakly, so one dropped without shutdown() is
@@ -426,7 +428,7 @@ class AsyncLLM:
 
         def abort_all(engine: Any) -> None:
             finals = [f for f in (self._abort_in_thread(rid, None) for rid in ids) if f is not None]
-            self._stats = engine.cache_stats()  # before any consumer sees a final output
+            self._publish_stats()  # before any consumer sees a final output
             for stream, out in finals:
                 stream.put(out)
 
@@ -446,7 +448,14 @@ class AsyncLLM:
         the read after the probe's ``PING`` answers."""
         if getattr(getattr(self.engine, "kv", None), "tiers", None) is not None:
             self._post_refresh()
-        return self._stats
+        stats, tenants = self._stats  # NOTE: the per-tenant rows are built here, on the reader's thread
+        return dataclasses.replace(stats, tenants=tenants.rows())
+
+    def _publish_stats(self) -> None:
+        """The engine thread publishes its stats (O(1) of the number of tenants: their rows are a
+        :class:`~radixkv.engine.stats.TenantSnapshot`, built when read)."""
+        engine = self.engine
+        self._stats = (engine.cache_stats(tenants=False), engine.tenant_snapshot())
 
     def _post_refresh(self) -> None:
         def refreshed(engine: Any) -> None:  # _apply publishes the stats after it
@@ -629,7 +638,7 @@ class AsyncLLM:
                     except Exception:  # noqa: BLE001 - a caller's hook must not stop the engine
                         logger.exception("finish hook of %s failed", out.request_id)
             deliveries.append((stream, out))
-        self._stats = self.engine.cache_stats()  # after the hooks, before any consumer sees an output
+        self._publish_stats()  # after the hooks, before any consumer sees an output
         for stream, out in deliveries:
             stream.put(out)  # the engine builds a fresh RequestOutput every step
 
@@ -643,7 +652,7 @@ class AsyncLLM:
                 return
         try:
             result = fn(self.engine)
-            self._stats = self.engine.cache_stats()  # before the caller sees the result
+            self._publish_stats()  # before the caller sees the result
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             if fut is None:
                 logger.exception("engine command failed")
@@ -675,7 +684,7 @@ class AsyncLLM:
             self._dead = EngineDeadError("AsyncLLM is shut down")
         _close_engine(engine)
         try:  # the stats a reader sees from now on: the aborted requests released, the tiers closed
-            self._stats = engine.cache_stats()
+            self._publish_stats()
         except Exception:  # noqa: BLE001 - a failed engine may not report; the last snapshot stays
             logger.exception("reading the stats of the stopped engine failed")
         return False
