@@ -488,13 +488,13 @@ class AsyncLLM:
         ``fn`` runs on the engine thread. Blocks until subscribed (on the engine thread itself, a
         finish hook or a subscriber, it subscribes at once); returns the unsubscribe
         function (which, called from any thread, takes effect between two steps)."""
-        if threading.current_thread() is self._thread:  # a hook or subscriber: waiting would block itself
+        if self._on_engine_thread():  # a hook or subscriber: waiting would block itself
             unsubscribe = self.engine.events.subscribe(fn, kinds)
         else:
             unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
 
         def off() -> None:
-            if threading.current_thread() is self._thread or self._dead is not None:
+            if self._on_engine_thread() or self._dead is not None:
                 unsubscribe()
             else:
                 self.submit(lambda e: unsubscribe())
@@ -532,7 +532,7 @@ class AsyncLLM:
             if not self._closing:
                 self._closing = True
                 self.engine.post(self._request_stop)
-        if threading.current_thread() is not self._thread:
+        if not self._on_engine_thread():
             self._thread.join(timeout)
 
     def __enter__(self) -> "AsyncLLM":
@@ -548,6 +548,11 @@ class AsyncLLM:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 
     # ------------------------------------------------------------------ internals
+
+    def _on_engine_thread(self) -> bool:
+        """Whether the caller runs on the engine thread (a finish hook, an event subscriber, a
+        posted call): there, waiting for anything posted to that thread would wait forever."""
+        return threading.current_thread() is self._thread
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -565,8 +570,11 @@ class AsyncLLM:
         and return a :class:`concurrent.futures.Future` of its result or exception
         (:meth:`call_in_engine_thread` awaits one). The future fails with
         :class:`EngineDeadError` when the engine thread is not running; cancelling it before the
-        call starts skips the call."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call starts skips the call. On the engine thread itself (a finish hook, an event
+        subscriber, a posted call) the call is posted as well, to run after the caller returns,
+        so waiting there for its result (``result()``, ``exception()``) raises RuntimeError
+        instead of waiting forever: use the hook's own ``engine`` argument."""
+        fut: concurrent.futures.Future = _EngineFuture(self._on_engine_thread)
         with self._lock:
             try:
                 self._check_alive()
@@ -709,6 +717,33 @@ class AsyncLLM:
                 self.engine.step()
             except Exception:  # noqa: BLE001 - shutting down; the streams are told already
                 logger.exception("releasing aborted requests at shutdown failed")
+
+
+class _EngineFuture(concurrent.futures.Future):
+    """What :meth:`AsyncLLM.submit` returns: a future of a call posted to the engine thread,
+    whose ``result()`` / ``exception()`` raise RuntimeError, rather than wait forever, when the
+    call has not run yet and the waiter is the engine thread itself (the call runs only after
+    the waiter returns)."""
+
+    def __init__(self, on_engine_thread: Callable[[], bool]) -> None:
+        super().__init__()
+        self._on_engine_thread = on_engine_thread
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._refuse_to_wait_on_engine_thread()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._refuse_to_wait_on_engine_thread()
+        return super().exception(timeout)
+
+    def _refuse_to_wait_on_engine_thread(self) -> None:
+        if not self.done() and self._on_engine_thread():
+            raise RuntimeError(
+                "AsyncLLM.submit(...).result() on the engine thread (in a finish hook, an event subscriber or a "
+                "posted call) would wait forever: the call runs on that thread after the caller returns; use the "
+                "engine the hook is given, or post without waiting"
+            )
 
 
 class RequestStream:

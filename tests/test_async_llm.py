@@ -328,6 +328,46 @@ def test_subscribe_from_the_engine_thread_subscribes_at_once(llm):
     offs[0]()
 
 
+@pytest.mark.timeout(120)
+def test_waiting_for_a_submitted_call_on_the_engine_thread_raises(llm):
+    """``submit(fn).result()`` in a finish hook or an event subscriber waited for a call posted to
+    the engine thread from that thread: it could never run, so the engine stood still (forever,
+    or until the wait's timeout). It raises a RuntimeError saying so; the call itself still runs
+    after the hook returns, its future done for any other thread to read."""
+    got: list = []
+
+    def wait_in_engine_thread(tag):
+        fut = llm.submit(lambda e: tag)
+        for wait in (fut.result, fut.exception):
+            try:
+                wait(2)
+            except RuntimeError as exc:
+                got.append((tag, "would wait forever" in str(exc)))
+            except Exception as exc:  # noqa: BLE001 - the failure this test reports
+                got.append((tag, repr(exc)))
+        got.append(fut)
+
+    def on_step(ev):
+        if not got:  # the first step's event only
+            off()
+            wait_in_engine_thread("subscriber")
+
+    off = llm.subscribe(on_step, (StepFinished,))
+
+    async def run():
+        async for _ in llm.generate(PROMPTS[0], greedy(2), on_finish=lambda e, o: wait_in_engine_thread("hook")):
+            pass
+        return await llm.call_in_engine_thread(lambda e: None)
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (asyncio.run(run()), done.set()), daemon=True).start()
+    assert done.wait(30), "the engine thread stood still"
+    futs = [x for x in got if not isinstance(x, tuple)]
+    assert [x for x in got if isinstance(x, tuple)] == [("subscriber", True)] * 2 + [("hook", True)] * 2
+    assert [f.result(5) for f in futs] == ["subscriber", "hook"]  # posted all the same, run after
+    assert_pool_whole(llm)
+
+
 def test_shutdown_fails_unfinished_streams_and_refuses_new_requests(engine, llm):
     async def run():
         gen = llm.generate(PROMPTS[2], greedy(400, ignore_eos=True), "shutdown-1")
