@@ -117,6 +117,40 @@ def test_close_from_another_thread_mid_turn_on_llm(when):
     assert_no_leak(llm.engine)
 
 
+def test_a_turn_from_another_thread_while_one_builds_its_prompt_is_refused():
+    """Thread B's ``generate`` on a Session is still building its prompt (from the context as
+    it was) when thread A's ``generate`` on the same Session runs: the session was marked busy
+    only after the prompt was built, so A's whole turn ran, then B's ran on the old context and
+    the session kept B's: A's turn was lost from the context, with no error. A turn now claims
+    the session before it reads the context: A gets the RequestError naming ``session``."""
+    llm = make_llm()
+    ctx = list(range(1, 20))
+    s = llm.session(ctx)
+    inside, go = threading.Event(), threading.Event()
+
+    class Slow(list):  # B's prompt_token_ids: read while B builds its prompt
+        def __iter__(self):
+            inside.set()
+            go.wait(30)
+            return super().__iter__()
+
+    got: list = []
+    b = threading.Thread(target=lambda: got.append(s.generate(prompt_token_ids=Slow([6]), sampling_params=greedy(4))))
+    b.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RequestError, match="one at a time") as refused:
+            s.generate(prompt_token_ids=[5], sampling_params=greedy(4))
+        assert refused.value.param == "session"
+    finally:
+        go.set()
+        b.join(60)
+    assert got[0].outputs[0].token_ids == reference(ctx + [6], 4)
+    assert s.tokens == ctx + [6] + got[0].outputs[0].token_ids
+    s.close()
+    idle_invariant(llm)
+
+
 def test_wrong_types_are_refused_naming_the_argument():
     """``select``'s ``append`` must be a bool (``append="no"`` used to append: any truthy value
     did); a numpy array as a fork batch's ``prompt_token_ids`` is a RequestError naming it (it
