@@ -23,7 +23,9 @@ class EngineStats(Mapping):
         cached: tokens held by the prefix cache (``evictable + protected``).
         in_use: tokens held by requests outside the cache (``capacity - free - cached``).
         prompt_tokens, cached_tokens: summed over requests at first admission (cached = served
-            from the prefix cache); hit_rate: ``cached_tokens / prompt_tokens`` (0.0 before any).
+            from the prefix cache; a request aborted after that counts, one aborted while it
+            waited does not, as vLLM's prefix-cache queries and hits count a request when the
+            scheduler looks it up); hit_rate: ``cached_tokens / prompt_tokens`` (0.0 before any).
         prefill_tokens: prompt/history tokens computed (recomputation after retraction included).
         generated_tokens: tokens sampled.
         evicted_tokens: tokens evicted from the prefix cache.
