@@ -16,7 +16,7 @@ from test_scheduler import FakeRunner, assert_no_leak, greedy, reference
 from test_sessions import idle_invariant, make_llm
 
 from radixkv import AsyncLLM
-from radixkv.engine import StepFinished
+from radixkv.engine import RequestAdmitted, RequestFinished, StepFinished
 from radixkv.errors import RequestError
 
 pytestmark = pytest.mark.timeout(120)
@@ -322,6 +322,34 @@ def test_random_concurrent_turns_forks_selects_cancels_and_closes(seed):
         asyncio.run(main())
     finally:
         alm.shutdown()
+
+
+@pytest.mark.parametrize("kind", [StepFinished, RequestAdmitted, RequestFinished])
+def test_call_in_engine_thread_from_inside_a_step_is_refused(kind):
+    """An event subscriber's ``LLM.call_in_engine_thread(fn)`` (the RLock lets the stepping
+    thread in) ran ``fn`` in the middle of the step, though documented "never during a step":
+    aborting the batch's requests there made the outer ``generate`` die with a KeyError. It
+    raises a RuntimeError saying why; a finish hook (between steps) still runs it."""
+    llm = make_llm()
+    got: list = []
+
+    def call_back(_event) -> None:
+        try:
+            got.append(llm.call_in_engine_thread(lambda e: [e.abort_now(rid) for rid in list(e._groups)]))
+        except RuntimeError as exc:
+            got.append("inside this LLM's own step" in str(exc))
+
+    off = llm.engine.events.subscribe(call_back, (kind,))
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 5], [7, 8, 9]]
+    outs = llm.generate(prompts, greedy(4))
+    off()
+    assert [o.outputs[0].token_ids for o in outs] == [reference(p, 4) for p in prompts]
+    assert got and set(got) == {True}
+    hooked: list = []
+    hook = lambda e, out: hooked.append(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests()))  # noqa: E731
+    llm.generate_batch([([5, 6, 7], greedy(3), None)], [hook])
+    assert hooked == [False]
+    idle_invariant(llm)
 
 
 def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():
