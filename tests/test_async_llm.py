@@ -96,6 +96,42 @@ def test_concurrent_requests_batch_and_match_sequential(llm, engine):
     assert_pool_whole(llm)
 
 
+def test_an_abort_storm_among_cancels_and_threads_leaves_exact_survivors(llm):
+    """Three threads, each with its own event loop, stream 24 requests on one AsyncLLM: a third
+    are cancelled after their second output, a third aborted by id after their first (with 50
+    aborts of unknown ids in the same calls); the rest finish with exactly the token ids a
+    request alone gets, and the pool is whole afterwards."""
+    params = greedy(6, ignore_eos=True)
+    alone = {p: asyncio.run(collect(llm, p, params))[-1].outputs[0].token_ids for p in PROMPTS}
+    got: dict = {}
+
+    async def one(k: int, i: int) -> None:
+        p, rid, seen = PROMPTS[i % 4], f"storm-{k}-{i}", 0
+        async for out in llm.generate(p, params, rid):
+            seen, last = seen + 1, out
+            if i % 3 == 1 and seen == 2:
+                raise asyncio.CancelledError  # as a cancelled consumer leaves
+            if i % 3 == 2 and seen == 1:
+                await llm.abort([rid] + [f"none-{k}-{j}" for j in range(50)])
+        got[(k, i)] = (last.outputs[0].finish_reason, last.outputs[0].token_ids, alone[p])
+
+    async def loop(k: int) -> None:
+        results = await asyncio.gather(*(one(k, i) for i in range(8)), return_exceptions=True)
+        got.update({(k, i, "raised"): type(r).__name__ for i, r in enumerate(results) if r is not None})
+
+    threads = [threading.Thread(target=asyncio.run, args=(loop(k),)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    finished = {key: v for key, v in got.items() if len(key) == 2}
+    assert {key[:2] for key in got if len(key) == 3} == {(k, i) for k in range(3) for i in range(8) if i % 3 == 1}
+    assert sorted(finished) == [(k, i) for k in range(3) for i in range(8) if i % 3 != 1]
+    for (k, i), (reason, ids, ref) in finished.items():
+        assert (reason, ids) == (("length", ref) if i % 3 == 0 else ("abort", ref[: len(ids)])), (k, i)
+    assert_pool_whole(llm)
+
+
 def test_token_id_prompt_and_n_samples(llm):
     ids = list(llm.tokenizer.encode(PROMPTS[1], add_special_tokens=False))
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=3, ignore_eos=True)
