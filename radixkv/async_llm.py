@@ -32,6 +32,7 @@ import asyncio
 import atexit
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import uuid
@@ -135,7 +136,8 @@ class AsyncLLM:
         self._stop = False  # set on the engine thread by the posted stop command
         self._pending: set[concurrent.futures.Future] = set()  # futures of posted calls not run yet
         self._abandoned: collections.deque = collections.deque()  # (rid, stream) dropped by consumers
-        self._stats: EngineStats = engine.cache_stats()  # published by the engine thread
+        # published by the engine thread, one pair: the stats without the per-tenant rows, and those
+        self._stats: tuple[EngineStats, Any] = (engine.cache_stats(tenants=False), engine.tenant_snapshot())
         self._refresh_posted = False  # a stats refresh is posted and has not run yet (KV tiers)
         self._lock = threading.Lock()  # orders "check alive + post" against "stop + fail the rest"
         # NOTE: the thread holds this AsyncLLM weakly, so one dropped without shutdown() is
@@ -426,7 +428,7 @@ class AsyncLLM:
 
         def abort_all(engine: Any) -> None:
             finals = [f for f in (self._abort_in_thread(rid, None) for rid in ids) if f is not None]
-            self._stats = engine.cache_stats()  # before any consumer sees a final output
+            self._publish_stats()  # before any consumer sees a final output
             for stream, out in finals:
                 stream.put(out)
 
@@ -446,7 +448,14 @@ class AsyncLLM:
         the read after the probe's ``PING`` answers."""
         if getattr(getattr(self.engine, "kv", None), "tiers", None) is not None:
             self._post_refresh()
-        return self._stats
+        stats, tenants = self._stats  # NOTE: the per-tenant rows are built here, on the reader's thread
+        return dataclasses.replace(stats, tenants=tenants.rows())
+
+    def _publish_stats(self) -> None:
+        """The engine thread publishes its stats (O(1) of the number of tenants: their rows are a
+        :class:`~radixkv.engine.stats.TenantSnapshot`, built when read)."""
+        engine = self.engine
+        self._stats = (engine.cache_stats(tenants=False), engine.tenant_snapshot())
 
     def _post_refresh(self) -> None:
         def refreshed(engine: Any) -> None:  # _apply publishes the stats after it
@@ -479,13 +488,13 @@ class AsyncLLM:
         ``fn`` runs on the engine thread. Blocks until subscribed (on the engine thread itself, a
         finish hook or a subscriber, it subscribes at once); returns the unsubscribe
         function (which, called from any thread, takes effect between two steps)."""
-        if threading.current_thread() is self._thread:  # a hook or subscriber: waiting would block itself
+        if self._on_engine_thread():  # a hook or subscriber: waiting would block itself
             unsubscribe = self.engine.events.subscribe(fn, kinds)
         else:
             unsubscribe = self.submit(lambda e: e.events.subscribe(fn, kinds)).result(60.0)
 
         def off() -> None:
-            if threading.current_thread() is self._thread or self._dead is not None:
+            if self._on_engine_thread() or self._dead is not None:
                 unsubscribe()
             else:
                 self.submit(lambda e: unsubscribe())
@@ -523,7 +532,7 @@ class AsyncLLM:
             if not self._closing:
                 self._closing = True
                 self.engine.post(self._request_stop)
-        if threading.current_thread() is not self._thread:
+        if not self._on_engine_thread():
             self._thread.join(timeout)
 
     def __enter__(self) -> "AsyncLLM":
@@ -539,6 +548,11 @@ class AsyncLLM:
         await asyncio.get_running_loop().run_in_executor(None, self.shutdown)
 
     # ------------------------------------------------------------------ internals
+
+    def _on_engine_thread(self) -> bool:
+        """Whether the caller runs on the engine thread (a finish hook, an event subscriber, a
+        posted call): there, waiting for anything posted to that thread would wait forever."""
+        return threading.current_thread() is self._thread
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -556,8 +570,11 @@ class AsyncLLM:
         and return a :class:`concurrent.futures.Future` of its result or exception
         (:meth:`call_in_engine_thread` awaits one). The future fails with
         :class:`EngineDeadError` when the engine thread is not running; cancelling it before the
-        call starts skips the call."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
+        call starts skips the call. On the engine thread itself (a finish hook, an event
+        subscriber, a posted call) the call is posted as well, to run after the caller returns,
+        so waiting there for its result (``result()``, ``exception()``) raises RuntimeError
+        instead of waiting forever: use the hook's own ``engine`` argument."""
+        fut: concurrent.futures.Future = _EngineFuture(self._on_engine_thread)
         with self._lock:
             try:
                 self._check_alive()
@@ -629,7 +646,7 @@ class AsyncLLM:
                     except Exception:  # noqa: BLE001 - a caller's hook must not stop the engine
                         logger.exception("finish hook of %s failed", out.request_id)
             deliveries.append((stream, out))
-        self._stats = self.engine.cache_stats()  # after the hooks, before any consumer sees an output
+        self._publish_stats()  # after the hooks, before any consumer sees an output
         for stream, out in deliveries:
             stream.put(out)  # the engine builds a fresh RequestOutput every step
 
@@ -643,7 +660,7 @@ class AsyncLLM:
                 return
         try:
             result = fn(self.engine)
-            self._stats = self.engine.cache_stats()  # before the caller sees the result
+            self._publish_stats()  # before the caller sees the result
         except BaseException as exc:  # noqa: BLE001 - delivered to the caller
             if fut is None:
                 logger.exception("engine command failed")
@@ -675,7 +692,7 @@ class AsyncLLM:
             self._dead = EngineDeadError("AsyncLLM is shut down")
         _close_engine(engine)
         try:  # the stats a reader sees from now on: the aborted requests released, the tiers closed
-            self._stats = engine.cache_stats()
+            self._publish_stats()
         except Exception:  # noqa: BLE001 - a failed engine may not report; the last snapshot stays
             logger.exception("reading the stats of the stopped engine failed")
         return False
@@ -700,6 +717,33 @@ class AsyncLLM:
                 self.engine.step()
             except Exception:  # noqa: BLE001 - shutting down; the streams are told already
                 logger.exception("releasing aborted requests at shutdown failed")
+
+
+class _EngineFuture(concurrent.futures.Future):
+    """What :meth:`AsyncLLM.submit` returns: a future of a call posted to the engine thread,
+    whose ``result()`` / ``exception()`` raise RuntimeError, rather than wait forever, when the
+    call has not run yet and the waiter is the engine thread itself (the call runs only after
+    the waiter returns)."""
+
+    def __init__(self, on_engine_thread: Callable[[], bool]) -> None:
+        super().__init__()
+        self._on_engine_thread = on_engine_thread
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._refuse_to_wait_on_engine_thread()
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._refuse_to_wait_on_engine_thread()
+        return super().exception(timeout)
+
+    def _refuse_to_wait_on_engine_thread(self) -> None:
+        if not self.done() and self._on_engine_thread():
+            raise RuntimeError(
+                "AsyncLLM.submit(...).result() on the engine thread (in a finish hook, an event subscriber or a "
+                "posted call) would wait forever: the call runs on that thread after the caller returns; use the "
+                "engine the hook is given, or post without waiting"
+            )
 
 
 class RequestStream:

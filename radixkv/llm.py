@@ -84,6 +84,7 @@ class LLM:
         self.engine = build_engine("LLM", model, kwargs)
         self._lock = threading.RLock()  # one caller drives the engine at a time
         self._stepping = False  # a _run_locked is stepping the engine (on the thread holding _lock)
+        self._in_step = False  # inside Engine.step() (its event subscribers run there)
 
     def _ns(self, namespace: Any) -> Any:
         """A call's namespace: its own, else this LLM's."""
@@ -248,8 +249,19 @@ class LLM:
     def call_in_engine_thread(self, fn: Callable[[Any], Any]) -> Any:
         """Run ``fn(engine)`` as the engine's driver and return its result: in this thread, under
         the LLM's lock (between two other calls, never during a step); the same method as
-        :meth:`radixkv.async_llm.AsyncLLM.call_in_engine_thread` (there awaited)."""
+        :meth:`radixkv.async_llm.AsyncLLM.call_in_engine_thread` (there awaited).
+
+        Raises:
+            RuntimeError: called from inside this LLM's own step (an event subscriber: the RLock
+                lets the stepping thread in again), where ``fn`` would change the engine in the
+                middle of its step; a finish hook runs between steps and may call it.
+        """
         with self._lock, _sigint_between_steps():
+            if self._in_step:
+                raise RuntimeError(
+                    "LLM.call_in_engine_thread (or a session's close or fork) was made from inside this LLM's own "
+                    "step (an event subscriber); call it after the step returns, e.g. from a finish hook"
+                )
             return fn(self.engine)
 
     def _run_locked(
@@ -298,7 +310,7 @@ class LLM:
                     hooks[rids[-1]] = on_finish[i]
             wanted = set(rids)
             while len(results) < len(rids) and engine.has_unfinished_requests():
-                for out in engine.step():
+                for out in self._step(engine):
                     if out.finished and out.request_id in wanted:
                         results[out.request_id] = out
                         _finish_hook(hooks.pop(out.request_id, None), engine, out)
@@ -309,11 +321,18 @@ class LLM:
                 if rid not in results:
                     engine.abort_request(rid)
             while engine.has_unfinished_requests():
-                engine.step()
+                self._step(engine)
             raise
         finally:
             bar.close()
         return [results[r] for r in rids]
+
+    def _step(self, engine: Any) -> List[RequestOutput]:
+        self._in_step = True  # the subscribers its events call run inside it
+        try:
+            return engine.step()
+        finally:
+            self._in_step = False
 
     def explain(
         self,

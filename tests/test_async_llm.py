@@ -96,6 +96,42 @@ def test_concurrent_requests_batch_and_match_sequential(llm, engine):
     assert_pool_whole(llm)
 
 
+def test_an_abort_storm_among_cancels_and_threads_leaves_exact_survivors(llm):
+    """Three threads, each with its own event loop, stream 24 requests on one AsyncLLM: a third
+    are cancelled after their second output, a third aborted by id after their first (with 50
+    aborts of unknown ids in the same calls); the rest finish with exactly the token ids a
+    request alone gets, and the pool is whole afterwards."""
+    params = greedy(6, ignore_eos=True)
+    alone = {p: asyncio.run(collect(llm, p, params))[-1].outputs[0].token_ids for p in PROMPTS}
+    got: dict = {}
+
+    async def one(k: int, i: int) -> None:
+        p, rid, seen = PROMPTS[i % 4], f"storm-{k}-{i}", 0
+        async for out in llm.generate(p, params, rid):
+            seen, last = seen + 1, out
+            if i % 3 == 1 and seen == 2:
+                raise asyncio.CancelledError  # as a cancelled consumer leaves
+            if i % 3 == 2 and seen == 1:
+                await llm.abort([rid] + [f"none-{k}-{j}" for j in range(50)])
+        got[(k, i)] = (last.outputs[0].finish_reason, last.outputs[0].token_ids, alone[p])
+
+    async def loop(k: int) -> None:
+        results = await asyncio.gather(*(one(k, i) for i in range(8)), return_exceptions=True)
+        got.update({(k, i, "raised"): type(r).__name__ for i, r in enumerate(results) if r is not None})
+
+    threads = [threading.Thread(target=asyncio.run, args=(loop(k),)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    finished = {key: v for key, v in got.items() if len(key) == 2}
+    assert {key[:2] for key in got if len(key) == 3} == {(k, i) for k in range(3) for i in range(8) if i % 3 == 1}
+    assert sorted(finished) == [(k, i) for k in range(3) for i in range(8) if i % 3 != 1]
+    for (k, i), (reason, ids, ref) in finished.items():
+        assert (reason, ids) == (("length", ref) if i % 3 == 0 else ("abort", ref[: len(ids)])), (k, i)
+    assert_pool_whole(llm)
+
+
 def test_token_id_prompt_and_n_samples(llm):
     ids = list(llm.tokenizer.encode(PROMPTS[1], add_special_tokens=False))
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=7, n=3, ignore_eos=True)
@@ -326,6 +362,46 @@ def test_subscribe_from_the_engine_thread_subscribes_at_once(llm):
     assert len(offs) == 1 and result[0][-1].finished
     assert seen == [1, 1, 1]  # the 3 steps of the request after it, one request each
     offs[0]()
+
+
+@pytest.mark.timeout(120)
+def test_waiting_for_a_submitted_call_on_the_engine_thread_raises(llm):
+    """``submit(fn).result()`` in a finish hook or an event subscriber waited for a call posted to
+    the engine thread from that thread: it could never run, so the engine stood still (forever,
+    or until the wait's timeout). It raises a RuntimeError saying so; the call itself still runs
+    after the hook returns, its future done for any other thread to read."""
+    got: list = []
+
+    def wait_in_engine_thread(tag):
+        fut = llm.submit(lambda e: tag)
+        for wait in (fut.result, fut.exception):
+            try:
+                wait(2)
+            except RuntimeError as exc:
+                got.append((tag, "would wait forever" in str(exc)))
+            except Exception as exc:  # noqa: BLE001 - the failure this test reports
+                got.append((tag, repr(exc)))
+        got.append(fut)
+
+    def on_step(ev):
+        if not got:  # the first step's event only
+            off()
+            wait_in_engine_thread("subscriber")
+
+    off = llm.subscribe(on_step, (StepFinished,))
+
+    async def run():
+        async for _ in llm.generate(PROMPTS[0], greedy(2), on_finish=lambda e, o: wait_in_engine_thread("hook")):
+            pass
+        return await llm.call_in_engine_thread(lambda e: None)
+
+    done = threading.Event()
+    threading.Thread(target=lambda: (asyncio.run(run()), done.set()), daemon=True).start()
+    assert done.wait(30), "the engine thread stood still"
+    futs = [x for x in got if not isinstance(x, tuple)]
+    assert [x for x in got if isinstance(x, tuple)] == [("subscriber", True)] * 2 + [("hook", True)] * 2
+    assert [f.result(5) for f in futs] == ["subscriber", "hook"]  # posted all the same, run after
+    assert_pool_whole(llm)
 
 
 def test_shutdown_fails_unfinished_streams_and_refuses_new_requests(engine, llm):

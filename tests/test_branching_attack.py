@@ -16,7 +16,7 @@ from test_scheduler import FakeRunner, assert_no_leak, greedy, reference
 from test_sessions import idle_invariant, make_llm
 
 from radixkv import AsyncLLM
-from radixkv.engine import StepFinished
+from radixkv.engine import RequestAdmitted, RequestFinished, StepFinished
 from radixkv.errors import RequestError
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,6 +115,40 @@ def test_close_from_another_thread_mid_turn_on_llm(when):
     assert s.closed and s.pinned_tokens == 0
     idle_invariant(llm)
     assert_no_leak(llm.engine)
+
+
+def test_a_turn_from_another_thread_while_one_builds_its_prompt_is_refused():
+    """Thread B's ``generate`` on a Session is still building its prompt (from the context as
+    it was) when thread A's ``generate`` on the same Session runs: the session was marked busy
+    only after the prompt was built, so A's whole turn ran, then B's ran on the old context and
+    the session kept B's: A's turn was lost from the context, with no error. A turn now claims
+    the session before it reads the context: A gets the RequestError naming ``session``."""
+    llm = make_llm()
+    ctx = list(range(1, 20))
+    s = llm.session(ctx)
+    inside, go = threading.Event(), threading.Event()
+
+    class Slow(list):  # B's prompt_token_ids: read while B builds its prompt
+        def __iter__(self):
+            inside.set()
+            go.wait(30)
+            return super().__iter__()
+
+    got: list = []
+    b = threading.Thread(target=lambda: got.append(s.generate(prompt_token_ids=Slow([6]), sampling_params=greedy(4))))
+    b.start()
+    assert inside.wait(30)
+    try:
+        with pytest.raises(RequestError, match="one at a time") as refused:
+            s.generate(prompt_token_ids=[5], sampling_params=greedy(4))
+        assert refused.value.param == "session"
+    finally:
+        go.set()
+        b.join(60)
+    assert got[0].outputs[0].token_ids == reference(ctx + [6], 4)
+    assert s.tokens == ctx + [6] + got[0].outputs[0].token_ids
+    s.close()
+    idle_invariant(llm)
 
 
 def test_wrong_types_are_refused_naming_the_argument():
@@ -288,6 +322,34 @@ def test_random_concurrent_turns_forks_selects_cancels_and_closes(seed):
         asyncio.run(main())
     finally:
         alm.shutdown()
+
+
+@pytest.mark.parametrize("kind", [StepFinished, RequestAdmitted, RequestFinished])
+def test_call_in_engine_thread_from_inside_a_step_is_refused(kind):
+    """An event subscriber's ``LLM.call_in_engine_thread(fn)`` (the RLock lets the stepping
+    thread in) ran ``fn`` in the middle of the step, though documented "never during a step":
+    aborting the batch's requests there made the outer ``generate`` die with a KeyError. It
+    raises a RuntimeError saying why; a finish hook (between steps) still runs it."""
+    llm = make_llm()
+    got: list = []
+
+    def call_back(_event) -> None:
+        try:
+            got.append(llm.call_in_engine_thread(lambda e: [e.abort_now(rid) for rid in list(e._groups)]))
+        except RuntimeError as exc:
+            got.append("inside this LLM's own step" in str(exc))
+
+    off = llm.engine.events.subscribe(call_back, (kind,))
+    prompts = [[1, 2, 3, 4], [1, 2, 3, 5], [7, 8, 9]]
+    outs = llm.generate(prompts, greedy(4))
+    off()
+    assert [o.outputs[0].token_ids for o in outs] == [reference(p, 4) for p in prompts]
+    assert got and set(got) == {True}
+    hooked: list = []
+    hook = lambda e, out: hooked.append(llm.call_in_engine_thread(lambda e: e.has_unfinished_requests()))  # noqa: E731
+    llm.generate_batch([([5, 6, 7], greedy(3), None)], [hook])
+    assert hooked == [False]
+    idle_invariant(llm)
 
 
 def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():

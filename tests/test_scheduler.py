@@ -383,6 +383,26 @@ def test_abort_running_and_waiting(cache):
     assert_no_leak(eng)
 
 
+def test_hit_rate_counts_a_request_at_its_first_admission_aborted_or_not():
+    """``prompt_tokens`` / ``cached_tokens`` (``hit_rate``, ``radixkv_cache_hit_rate``) count a
+    request when it is first admitted, as vLLM's PrefixCacheStats counts a query when the
+    scheduler looks its prefix up: one aborted after that counts, one aborted while it waited
+    (never looked up) does not."""
+    eng = make_engine(max_running=1, policy="fcfs")
+    p = list(range(1, 30))
+    run_all_one(eng, p)
+    a = eng.add_request(p, greedy(50))
+    w = eng.add_request(p + [3], greedy(5))
+    eng.step()  # a admitted (28 cached tokens), w waits for the one row
+    assert eng.cache_stats()["waiting"] == 1
+    eng.abort_request(w)
+    eng.abort_request(a)
+    run_all(eng)
+    s = eng.cache_stats()
+    assert (s.prompt_tokens, s.cached_tokens, s.hit_rate) == (58, 28, 28 / 58)
+    assert_no_leak(eng)
+
+
 def test_bad_inputs_raise_and_engine_stays_usable():
     eng = make_engine(capacity=256)
     with pytest.raises(ValueError, match="empty"):

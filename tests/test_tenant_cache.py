@@ -18,6 +18,7 @@ from radixkv import LLM, AsyncLLM, SamplingParams
 from radixkv.cache import HashBlockCache, RadixCache
 from radixkv.config import EngineConfig
 from radixkv.engine import RequestAdmitted
+from radixkv.engine.stats import tenant_row
 from radixkv.errors import RequestError
 from radixkv.namespace import Namespace, check_cache_salt, with_salt
 
@@ -111,6 +112,93 @@ def test_the_engine_reports_each_tenant():
     }
     with pytest.raises(ValueError, match="tenant_kv_quota_tokens"):
         EngineConfig(tenant_kv_quota_tokens={"a": True}).resolve()
+
+
+def _tenants_recomputed(eng, counts) -> dict:
+    """``cache_stats().tenants`` from scratch: the cache's sizes, the quotas, and ``counts`` (tenant
+    -> [prompt tokens, cached tokens], summed from first admissions' RequestAdmitted events)."""
+    sizes, quotas = eng.kv.cache.tenant_sizes(), eng.config.tenant_kv_quota_tokens or {}
+    names = sorted({t for t in sizes if t is not None} | set(counts) | set(quotas))
+    return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *counts.get(t, (0, 0))) for t in names}
+
+
+def _count_admissions(counts):
+    def on(e):
+        if e.index == 0 and not e.readmission and e.namespace is not None and e.namespace.tenant is not None:
+            c = counts.setdefault(e.namespace.tenant, [0, 0])
+            c[0], c[1] = c[0] + e.num_prompt_tokens, c[1] + e.num_cached_tokens
+
+    return on
+
+
+@pytest.mark.parametrize("cache", ["radix", "hash"])
+def test_per_tenant_rows_kept_incrementally_match_a_recount(cache):
+    """Tenants come and go from the cache (evictions under quotas and a small pool, a reset): after
+    every step the engine's incremental rows equal a recount from scratch."""
+    cfg = EngineConfig(device="cpu", max_total_tokens=96, page_size=2, prefix_cache=cache,
+                       tenant_kv_quota_tokens={"t1": 8, "t9": 4})  # fmt: skip
+    from radixkv.engine import Engine
+
+    eng = Engine(cfg, model_runner=FakeRunner(96, 2), tokenizer=None, eos_token_ids=[])
+    counts: dict = {}
+    eng.events.subscribe(_count_admissions(counts), (RequestAdmitted,))
+    rng = np.random.default_rng(7)
+    for rnd in range(3):
+        for i in range(12):
+            t = int(rng.integers(0, 6))
+            ns = None if t == 5 else Namespace(tenant=f"t{t}", salt="s" if i % 3 else None)
+            eng.add_request([3 + t, 4, *rng.integers(5, 9, int(rng.integers(2, 12))).tolist()], greedy(3), namespace=ns)
+        while eng.has_unfinished_requests():
+            eng.step()
+            assert eng.cache_stats().tenants == _tenants_recomputed(eng, counts)
+        assert eng.kv.evicted_tokens > 0
+        if rnd == 1:
+            assert eng.reset_prefix_cache() and eng.cache_stats().tenants == _tenants_recomputed(eng, counts)
+    assert set(eng.cache_stats().tenants) == {"t0", "t1", "t2", "t3", "t4", "t9"}
+
+
+def test_async_llm_steps_never_walk_every_tenant(monkeypatch):
+    """With many tenants, AsyncLLM published every step's stats with a row per tenant ever seen
+    (0.27 s a step at 100k tenants): a step now costs what its own tenants changed. The rows are
+    built when read, and read exactly as before."""
+    import radixkv.engine.engine as engine_mod
+    import radixkv.engine.stats as stats_mod
+    from radixkv.engine import Engine
+
+    eng = Engine(EngineConfig(device="cpu", max_total_tokens=2048, max_running_requests=64),
+                 model_runner=FakeRunner(2048, 1, 64), tokenizer=None, eos_token_ids=[])  # fmt: skip
+    counts: dict = {}
+    eng.events.subscribe(_count_admissions(counts), (RequestAdmitted,))
+    n = 300
+    for i in range(n):
+        eng.add_request([3 + i % 40, 5, 7], greedy(1), namespace=Namespace(tenant=f"t{i:03d}"))
+    run_all(eng, check_every_step=False)
+    rows_built = [0]
+
+    def counted(*a):
+        rows_built[0] += 1
+        return tenant_row(*a)
+
+    monkeypatch.setattr(stats_mod, "tenant_row", counted)
+    monkeypatch.setattr(engine_mod, "tenant_row", counted, raising=False)
+
+    async def main():
+        alm = AsyncLLM(engine=eng)
+        try:
+            built_before = rows_built[0]
+            final = None
+            async for out in alm.generate(list(range(20, 40)), greedy(8), namespace=Namespace(tenant="t007")):
+                final = out
+            during = rows_built[0] - built_before
+            return final, during, alm.cache_stats().tenants, rows_built[0] - built_before - during
+        finally:
+            alm.shutdown()
+
+    final, during, tenants, on_read = asyncio.run(main())
+    assert final.outputs[0].token_ids == reference(list(range(20, 40)), 8)
+    assert during == 0 and on_read == n  # 8 steps: none walked the tenants; one read: one row each
+    assert tenants == _tenants_recomputed(eng, counts) and len(tenants) == n
+    assert tenants["t007"]["prompt_tokens"] == 3 + 20
 
 
 # ---------------------------------------------------------------------------- side channels

@@ -43,7 +43,9 @@ class Context:
     """A growing, pinned context on an ``LLM`` or ``AsyncLLM`` (``owner``), made by
     ``owner.session(prompt, namespace=...)``: the base of :class:`~radixkv.branching.Session` and
     :class:`~radixkv.branching.AsyncSession`, which only choose the driver (``_run``). One turn
-    at a time per session; a session is not thread-safe on its own.
+    (or appending ``select``) at a time per session: another one, from any task or thread, while
+    one runs is a RequestError naming ``session`` (a call claims its sessions atomically before
+    it reads their context); ``close`` may come from any thread at any time.
 
     Args:
         owner: the ``LLM`` / ``AsyncLLM`` whose engine runs the turns.
@@ -184,7 +186,7 @@ class Context:
     # -------------------------------------------------------------- programs
     def _turn_program(self, make_prompt: Any, sampling_params: Any) -> Program:
         self._check_open()
-        outs = yield from turns_program([self], [make_prompt()], [sampling_params])
+        outs = yield from turns_program([self], [make_prompt], [sampling_params])
         return outs[0]
 
     def _fork_program(self, n: Any) -> Program:
@@ -208,9 +210,15 @@ class Context:
         self._check_open()
         if not isinstance(append, bool):
             raise RequestError(f"append must be a bool, got {append!r}", "append")
-        prompt, new = self._select_prompt(text, message)
-        owner = self._owner
-        return (yield from _scored(owner, prompt, choices, method, self.namespace, self if append else None, new))
+        if not append:  # reads the context only
+            prompt, new = self._select_prompt(text, message)
+            return (yield from _scored(self._owner, prompt, choices, method, self.namespace, None, new))
+        _claim([self])  # before the context is read: it is this call's until it returns
+        try:
+            prompt, new = self._select_prompt(text, message)
+            return (yield from _scored(self._owner, prompt, choices, method, self.namespace, self, new))
+        finally:
+            self._busy = False
 
     def _close_program(self) -> Program:
         if self._closed:
@@ -242,7 +250,9 @@ class Context:
         if self._closed:
             raise RequestError("the session is closed", "session")
         if self._busy:
-            raise RequestError("the session is running a turn already (one at a time)", "session")
+            raise RequestError(
+                "the session is running a turn already (one at a time: another call, task or thread uses it)", "session"
+            )
 
     def _generate_prompt(self, text: Any, prompt_token_ids: Any) -> List[int]:
         if text is not None and prompt_token_ids is not None:
@@ -367,12 +377,26 @@ class _Batch:
         for i, (s, (prompt, new)) in enumerate(zip(self.sessions, self.prompts)):
             if i in self.done:
                 s._advance(prompt, self.done[i], new, self.params[i])
-            s._busy = False
 
 
-def turns_program(sessions: List[Context], prompts: List[tuple], params: List[Any]) -> Program:
-    """One turn of each session (``prompts[i]``: ``(prompt token ids, new chat messages or
-    None)``) submitted as one batch, so their common context is computed at most once; returns
+def _claim(sessions: List[Context]) -> None:
+    """Mark every session busy, at once for all (another thread may be claiming them too): each
+    open and idle, or none marked and a RequestError naming ``session``. A call claims its
+    sessions before it reads their context, so a turn never runs on a context another call is
+    advancing."""
+    with _CLAIM_LOCK:
+        for s in sessions:
+            s._check_open()
+        for s in sessions:
+            s._busy = True
+
+
+_CLAIM_LOCK = threading.Lock()
+
+
+def turns_program(sessions: List[Context], make_prompts: List[Any], params: List[Any]) -> Program:
+    """One turn of each session (``make_prompts[i]()``: ``(prompt token ids, new chat messages
+    or None)``, built once the sessions are claimed) submitted as one batch, so their common context is computed at most once; returns
     the outputs in order. A turn runs (and its context is pinned) in its session's namespace with
     its ``cache_salt`` joined, as ``Engine.add_request`` does. Every turn that finished advances its session and moves its pin (also
     when another of the batch failed); the others keep their context and pin.
@@ -386,22 +410,26 @@ def turns_program(sessions: List[Context], prompts: List[tuple], params: List[An
         s._check_open()
     if len({id(s) for s in sessions}) != len(sessions):
         raise RequestError("a session appears twice in one batch", "sessions")
-    # a turn's cache_salt joins its namespace (as Engine.add_request does): its context is pinned there
-    spaces = [
-        s.namespace if sp.cache_salt is None else with_salt(s.namespace, sp.cache_salt)
-        for s, sp in zip(sessions, checked)
-    ]
-    batch = _Batch(sessions, prompts, spaces, checked)
-    for s in sessions:
-        s._busy = True
+    _claim(sessions)
+    batch = None
     try:
+        prompts = [make() for make in make_prompts]
+        # a turn's cache_salt joins its namespace (as Engine.add_request does): its context is pinned there
+        spaces = [
+            s.namespace if sp.cache_salt is None else with_salt(s.namespace, sp.cache_salt)
+            for s, sp in zip(sessions, checked)
+        ]
+        batch = _Batch(sessions, prompts, spaces, checked)
         pins = [s._pin for s in sessions if s._pin is not None]
         if pins:  # the sessions in use become the most recently used pins
             yield EngineCall(lambda e: [e.touch_pin(p) for p in pins])
         requests = [(p, sp, ns) for (p, _), sp, ns in zip(prompts, checked, spaces)]
         return (yield Submit(requests, [batch.hook(i) for i in range(len(sessions))]))
     finally:
-        batch.settle()
+        if batch is not None:
+            batch.settle()
+        for s in sessions:
+            s._busy = False
 
 
 def _scored(
@@ -420,23 +448,17 @@ def _scored(
                 "choices",
             )
     params = select_params(len(prompt))
-    if session is not None:
-        session._busy = True
     try:
-        try:
-            outs = yield Submit([(prompt + c, params, namespace) for c in ids])
-        except RequestError as exc:
-            if exc.param != "max_tokens":
-                raise
-            # select's own max_tokens is 1: what does not fit the KV pool is the prompt + a choice
-            raise RequestError(f"the prompt + a choice does not fit the KV pool: {exc}", "choices") from exc
-        result = score_choices(list(choices), len(prompt), ids, outs, method)
-        if session is not None:
-            session._append_choice(prompt, ids[result.index], result.choice, new)
-            yield EngineCall(session._repin())
-    finally:
-        if session is not None:
-            session._busy = False
+        outs = yield Submit([(prompt + c, params, namespace) for c in ids])
+    except RequestError as exc:
+        if exc.param != "max_tokens":
+            raise
+        # select's own max_tokens is 1: what does not fit the KV pool is the prompt + a choice
+        raise RequestError(f"the prompt + a choice does not fit the KV pool: {exc}", "choices") from exc
+    result = score_choices(list(choices), len(prompt), ids, outs, method)
+    if session is not None:  # claimed by the caller
+        session._append_choice(prompt, ids[result.index], result.choice, new)
+        yield EngineCall(session._repin())
     return result
 
 
@@ -518,7 +540,7 @@ class ForkList(list):
         params = per_child(sampling_params, n, "sampling_params", _one_params)
         for s in self:
             s._check_open()
-        prompts = [(s._generate_prompt(t, i), None) for s, t, i in zip(self, texts, ids)]
+        prompts = [lambda s=s, t=t, i=i: (s._generate_prompt(t, i), None) for s, t, i in zip(self, texts, ids)]
         return (yield from turns_program(list(self), prompts, params)) if n else []
 
     def _chat_program(self, message: Any, sampling_params: Any) -> Program:
@@ -527,7 +549,7 @@ class ForkList(list):
         params = per_child(sampling_params, n, "sampling_params", _one_params)
         for s in self:
             s._check_open()
-        prompts = [s._chat_prompt(m) for s, m in zip(self, msgs)]
+        prompts = [lambda s=s, m=m: s._chat_prompt(m) for s, m in zip(self, msgs)]
         return (yield from turns_program(list(self), prompts, params)) if n else []
 
     def _close_program(self) -> Program:

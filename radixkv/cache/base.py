@@ -112,6 +112,14 @@ class PrefixCache(Protocol):
         """Tokens cached per tenant (:mod:`radixkv.cache.tenants`), kept incrementally."""
         ...
 
+    def tenant_count(self, tenant: str) -> int:
+        """Tokens cached in ``tenant``'s namespaces (O(1))."""
+        ...
+
+    def take_changed_tenants(self) -> set:
+        """The named tenants whose cached tokens changed since the last call (O(them))."""
+        ...
+
     def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
         """Soft per-tenant quotas that :meth:`evict` applies first (tenant -> tokens)."""
         ...

@@ -80,5 +80,11 @@ class NoPrefixCache:
     def tenant_sizes(self) -> dict:
         return {}
 
+    def tenant_count(self, tenant: str) -> int:
+        return 0
+
+    def take_changed_tenants(self) -> set:
+        return set()
+
     def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
         check_quotas(quotas)  # nothing is ever cached, so no quota ever applies

@@ -790,6 +790,14 @@ class RadixCache:
         evictable and protected alike; tenants with none are absent. O(tenants)."""
         return self.tenants.sizes()
 
+    def tenant_count(self, tenant: str) -> int:
+        """Tokens cached in ``tenant``'s namespaces (O(1))."""
+        return self.tenants.tokens.get(tenant, 0)
+
+    def take_changed_tenants(self) -> set:
+        """The named tenants whose cached tokens changed since the last call (O(them))."""
+        return self.tenants.take_changed()
+
     def set_tenant_quotas(self, quotas: Optional[dict]) -> None:
         """Replace the tenants' soft quotas (tenant -> ``kv_quota_tokens``; None: none). Refiles
         every node once (O(tree size)): meant for configuration, not for the request path.

@@ -57,16 +57,21 @@ class TenantLedger:
         tokens: tenant -> tokens cached in its namespaces (tenants with none are absent; the
             shared default and namespaces without a tenant are under None).
         quotas: tenant -> kv_quota_tokens (tenants without a quota are absent).
+        changed: the named tenants whose count changed since :meth:`take_changed` (the engine's
+            per-tenant stats follow them instead of walking every tenant).
     """
 
-    __slots__ = ("tokens", "quotas")
+    __slots__ = ("tokens", "quotas", "changed")
 
     def __init__(self, quotas: Optional[Mapping[str, int]] = None) -> None:
         self.tokens: dict[Optional[str], int] = {}
         self.quotas: dict[str, int] = check_quotas(quotas)
+        self.changed: set[str] = set()
 
     def add(self, tenant: Optional[str], n: int) -> None:
         """``n`` more (or, negative, fewer) cached tokens of ``tenant``."""
+        if tenant is not None:
+            self.changed.add(tenant)
         v = self.tokens.get(tenant, 0) + n
         if v:
             self.tokens[tenant] = v
@@ -87,7 +92,13 @@ class TenantLedger:
 
     def clear(self) -> None:
         """The cache was emptied."""
+        self.changed.update(t for t in self.tokens if t is not None)
         self.tokens.clear()
+
+    def take_changed(self) -> set[str]:
+        """:attr:`changed`, emptied."""
+        out, self.changed = self.changed, set()
+        return out
 
     def sizes(self) -> dict[Optional[str], int]:
         """A copy of :attr:`tokens`."""

@@ -46,7 +46,7 @@ from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.output import NO_TEXT, RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
-from radixkv.engine.stats import EngineStats, tenant_row
+from radixkv.engine.stats import EngineStats, TenantSnapshot, TenantTable
 from radixkv.engine.tiers import (
     TierManager,
     build_stores,
@@ -413,6 +413,8 @@ class Engine:
         self.cached_tokens = 0
         self.cached_by_tier = {m: 0 for m in CACHE_MEDIA}  # cached_tokens by where they came from
         self._tenant_counts: Dict[str, List[int]] = {}  # tenant -> [prompt tokens, cached tokens]
+        self._tenant_rows = TenantTable()  # EngineStats.tenants, kept incrementally
+        self._tenants_changed: set = set(cfg.tenant_kv_quota_tokens or ())  # rows to refresh (with the cache's)
         self.generated_tokens = 0
         self.num_steps = 0
         self.num_failed_requests = 0  # requests ended with "error" (their sampling raised)
@@ -819,6 +821,7 @@ class Engine:
                     counts = self._tenant_counts.setdefault(tenant, [0, 0])
                     counts[0] += len(g.prompt_ids)
                     counts[1] += r.num_cached_tokens
+                    self._tenants_changed.add(tenant)
             if emit and r.admit_seq > self._last_admit_seq:
                 first = r.num_retractions == 0
                 self.events.emit(
@@ -1055,9 +1058,11 @@ class Engine:
         spans = tiers.where(ns, list(prompt_token_ids), outcome.num_cached_tokens, limit, self.kv.page_size)
         return dataclasses.replace(outcome, tier_spans=tuple(spans))
 
-    def cache_stats(self) -> EngineStats:
+    def cache_stats(self, tenants: bool = True) -> EngineStats:
         """KV pool and prefix-cache statistics (sizes in tokens): an
-        :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``)."""
+        :class:`~radixkv.engine.stats.EngineStats`, also readable as a dict (``stats["free"]``).
+        ``tenants=False``: its ``tenants`` left empty (the rest in O(1) of the number of
+        tenants; :meth:`tenant_snapshot` has them, as AsyncLLM takes them after every step)."""
         kv, cache = self.kv, self.kv.cache
         kv.expire_pins()
         cap = kv.capacity
@@ -1084,7 +1089,7 @@ class Engine:
             prefix_cache=self.config.prefix_cache,
             cached_tokens_by_tier=dict(self.cached_by_tier),
             tiers=kv.tiers.stats() if kv.tiers is not None else {},
-            tenants=self._tenant_stats(),
+            tenants=self.tenant_snapshot().rows() if tenants else {},
             spec_draft_tokens=self.spec.num_draft_tokens if self.spec is not None else 0,
             spec_accepted_tokens=self.spec.num_accepted_tokens if self.spec is not None else 0,
             **self._kv_facts(),
@@ -1102,13 +1107,19 @@ class Engine:
             )
         return dict(kv_cache_dtype=str(self.config.kv_cache_dtype), kv_bytes_per_token=0, kv_cache_bytes=0)
 
-    def _tenant_stats(self) -> Dict[str, Dict[str, Any]]:
-        """``EngineStats.tenants``: every named tenant that has a quota, sent a request or holds
-        cached tokens."""
-        sizes = self.kv.cache.tenant_sizes()
+    def tenant_snapshot(self) -> TenantSnapshot:
+        """``EngineStats.tenants`` as of now, in O(tenants changed since the last call) (driver
+        thread): every named tenant that has a quota, sent a request or holds cached tokens;
+        its ``rows()`` builds them (any thread)."""
+        changed = self._tenants_changed
+        changed |= self.kv.cache.take_changed_tenants()
         quotas = self.config.tenant_kv_quota_tokens or {}
-        names = sorted({t for t in sizes if t is not None} | set(self._tenant_counts) | set(quotas))
-        return {t: tenant_row(sizes.get(t, 0), quotas.get(t), *self._tenant_counts.get(t, (0, 0))) for t in names}
+        for t in changed:
+            cached, quota, counts = self.kv.cache.tenant_count(t), quotas.get(t), self._tenant_counts.get(t)
+            listed = cached or quota is not None or counts is not None
+            self._tenant_rows.set(t, (cached, quota, *(counts or (0, 0))) if listed else None)
+        changed.clear()
+        return self._tenant_rows.snapshot()
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Empty the prefix cache (and speculative decoding's index of finished sequences); False

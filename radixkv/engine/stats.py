@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterator
 
-__all__ = ["EngineStats", "tenant_row", "merge_tenants"]
+__all__ = ["EngineStats", "tenant_row", "merge_tenants", "TenantTable", "TenantSnapshot"]
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,9 @@ class EngineStats(Mapping):
         cached: tokens held by the prefix cache (``evictable + protected``).
         in_use: tokens held by requests outside the cache (``capacity - free - cached``).
         prompt_tokens, cached_tokens: summed over requests at first admission (cached = served
-            from the prefix cache); hit_rate: ``cached_tokens / prompt_tokens`` (0.0 before any).
+            from the prefix cache; a request aborted after that counts, one aborted while it
+            waited does not, as vLLM's prefix-cache queries and hits count a request when the
+            scheduler looks it up); hit_rate: ``cached_tokens / prompt_tokens`` (0.0 before any).
         prefill_tokens: prompt/history tokens computed (recomputation after retraction included).
         generated_tokens: tokens sampled.
         evicted_tokens: tokens evicted from the prefix cache.
@@ -111,6 +113,60 @@ def tenant_row(cached: int, quota: Any, prompt_tokens: int, cached_tokens: int) 
         cached_tokens=cached_tokens,
         hit_rate=cached_tokens / prompt_tokens if prompt_tokens else 0.0,
     )
+
+
+class TenantSnapshot:
+    """The per-tenant rows of :class:`TenantTable` at one moment, taken in O(1): :meth:`rows`
+    builds :attr:`EngineStats.tenants` from them (O(tenants), on the reader's thread; the
+    table's later changes are not seen)."""
+
+    __slots__ = ("_base", "_log", "_n", "_rows")
+
+    def __init__(self, base: dict, log: list, n: int) -> None:
+        self._base, self._log, self._n = base, log, n
+        self._rows: Dict[str, Dict[str, Any]] | None = None
+
+    def rows(self) -> Dict[str, Dict[str, Any]]:
+        """``EngineStats.tenants``: one :func:`tenant_row` per tenant, sorted by name (a fresh
+        dict each call)."""
+        if self._rows is None:  # NOTE: two threads may both build it; they build the same
+            table = _replay(self._base, self._log, self._n)
+            self._rows = {t: tenant_row(*table[t]) for t in sorted(table)}
+        return {t: dict(row) for t, row in self._rows.items()}
+
+
+def _replay(base: dict, log: list, n: int) -> dict:
+    out = dict(base)
+    for tenant, row in log[:n]:
+        if row is None:
+            out.pop(tenant, None)
+        else:
+            out[tenant] = row
+    return out
+
+
+class TenantTable:
+    """The rows of :attr:`EngineStats.tenants` kept incrementally by the engine (its thread
+    only): :meth:`set` replaces one tenant's row in O(1), :meth:`snapshot` is O(1) amortized, so
+    a step's bookkeeping costs what its own tenants changed, never a walk over every tenant
+    (an AsyncLLM takes a snapshot after every step). Internally a base dict and an append-only
+    log of changes since it; a snapshot holds both and its log length; the log is folded into a
+    new base once it outgrows the base (never changing a base or log a snapshot holds)."""
+
+    __slots__ = ("_base", "_log")
+
+    def __init__(self) -> None:
+        self._base: dict = {}
+        self._log: list = []
+
+    def set(self, tenant: str, row: tuple | None) -> None:
+        """``tenant``'s row: ``(cached, quota, prompt_tokens, cached_tokens)``; None: not listed."""
+        self._log.append((tenant, row))
+
+    def snapshot(self) -> TenantSnapshot:
+        if len(self._log) > 64 + len(self._base):
+            self._base, self._log = _replay(self._base, self._log, len(self._log)), []
+        return TenantSnapshot(self._base, self._log, len(self._log))
 
 
 def merge_tenants(per_engine: Any) -> Dict[str, Dict[str, Any]]:

@@ -17,7 +17,8 @@ Two sources, both exposed with the ``radixkv_`` prefix:
   the causes sum to ``prompt_tokens - cached_tokens``).
 - A snapshot of the engine taken on the engine thread at scrape time
   (:class:`~radixkv.engine.stats.EngineStats`): ``radixkv_cache_hit_rate`` (the
-  engine's cached_tokens / prompt_tokens), ``radixkv_evicted_tokens_total``,
+  engine's cached_tokens / prompt_tokens of every request admitted, aborted ones included, as
+  vLLM's prefix-cache hit rate; the token counters above count completed requests only), ``radixkv_evicted_tokens_total``,
   ``radixkv_num_requests_running``, ``radixkv_num_requests_waiting``,
   ``radixkv_kv_capacity_tokens``, ``radixkv_kv_free_tokens``, ``radixkv_kv_evictable_tokens``,
   ``radixkv_kv_protected_tokens``, ``radixkv_kv_usage_ratio`` ((capacity - free) / capacity),
