@@ -222,3 +222,41 @@ def test_the_kv_manager_gives_back_what_a_dying_pin_held():
     kv.release(parent)
     assert (pin.live, kv.free_size(), kv.num_pins, kv.pinned_size()) == (False, 16, 0, 0)
     kv.check_integrity([])
+
+
+def test_the_idle_timeout_looks_only_at_the_pins_that_expire(monkeypatch):
+    """Each step's ``expire`` read every live pin's ``last_used`` (10,000 stored Responses: 10,000
+    reads a step); it now walks the soft pins least recently used first and stops at the first
+    one still in use: the reads are the expired pins plus one, whatever the number of pins, and
+    the same pins go (touched ones stay)."""
+    import radixkv.engine.pins as pins_mod
+
+    reads = [0]
+
+    class CountingPin(pins_mod.Pin):
+        @property
+        def last_used(self):
+            reads[0] += 1
+            return self._last_used
+
+        @last_used.setter
+        def last_used(self, v):
+            self._last_used = v
+
+    monkeypatch.setattr(pins_mod, "Pin", CountingPin)
+    table, clock, died = make(idle_timeout=10.0)
+    pins = []
+    for i in range(1000):
+        clock.t = float(i // 100)  # 100 pins per second
+        pins.append(table.add([i], None, 1, soft=True))
+    table.add([5000], None, 1, soft=False)  # a hard pin never expires
+    clock.t = 10.5
+    table.touch(pins[0])  # used again: stays
+    reads[0] = 0
+    assert table.expire() == 99 and reads[0] == 100  # pins[1:100] idle 10.5 s; pins[100] idle 9.5 s
+    assert died == pins[1:100] and pins[0].live and pins[100].live
+    reads[0] = 0
+    assert table.expire() == 0 and reads[0] == 1
+    clock.t = 30.0
+    assert table.expire() == 901 and len(table) == 1 and table.has_hard()
+    table.check_integrity()

@@ -24,6 +24,7 @@ API keys) that is plain least recently used first.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Iterator, List, Optional
 
 __all__ = ["Pin", "PinTable"]
@@ -96,6 +97,10 @@ class PinTable:
         self._pins: dict[int, Pin] = {}  # id(pin) -> pin, every live pin
         self._counts: dict[int, int] = {}  # slot -> live pins holding it (distinct pinned tokens)
         self._soft: dict[int, int] = {}  # slot -> live soft pins holding it (what max_tokens bounds)
+        # NOTE: the live soft pins least recently used first (``last_used`` only grows on a
+        # monotonic clock), so the idle timeout looks at the pins that expire, not at every pin
+        self._lru: OrderedDict[int, Pin] = OrderedDict()
+        self._hard = 0  # live hard pins
 
     # ------------------------------------------------------------------ sizes
     def __len__(self) -> int:
@@ -117,7 +122,7 @@ class PinTable:
 
     def has_hard(self) -> bool:
         """True while a hard pin (``n > 1`` samples) is live."""
-        return any(not p.soft for p in self._pins.values())
+        return self._hard > 0
 
     # ------------------------------------------------------------------ holders
     def add(self, slots: List[int], node: Any, refs: int, *, soft: bool, owner: Any = None) -> Pin:
@@ -128,6 +133,9 @@ class PinTable:
         _count(self._counts, slots, 1)
         if soft:
             _count(self._soft, slots, 1)
+            self._lru[id(pin)] = pin
+        else:
+            self._hard += 1
         return pin
 
     def retain(self, pin: Pin) -> bool:
@@ -136,12 +144,14 @@ class PinTable:
         if not pin.live:
             return False
         pin.refs += 1
-        pin.last_used = self.clock()
+        self.touch(pin)
         return True
 
     def touch(self, pin: Pin) -> None:
         """A holder uses ``pin`` now (it becomes the most recently used)."""
         pin.last_used = self.clock()
+        if pin.soft and pin.live:
+            self._lru.move_to_end(id(pin))
 
     def release(self, pin: Pin) -> None:
         """A holder lets go of ``pin``; the last one kills it (``unhold``). No-op on a dead pin."""
@@ -158,6 +168,9 @@ class PinTable:
         _count(self._counts, pin.slots, -1)
         if pin.soft:
             _count(self._soft, pin.slots, -1)
+            del self._lru[id(pin)]
+        else:
+            self._hard -= 1
         self._unhold(pin)
 
     # ------------------------------------------------------------------ soft pins
@@ -190,7 +203,10 @@ class PinTable:
         dropped = 0
         if self.idle_timeout is not None:
             now = self.clock()
-            for p in [p for p in self._pins.values() if p.soft and now - p.last_used >= self.idle_timeout]:
+            while self._lru:
+                p = next(iter(self._lru.values()))  # the least recently used soft pin
+                if now - p.last_used < self.idle_timeout:
+                    break
                 self.drop(p)
                 dropped += 1
         while self.max_tokens is not None and len(self._soft) > self.max_tokens:
@@ -219,6 +235,13 @@ class PinTable:
                 _count(soft, pin.slots, 1)
         if counts != self._counts or soft != self._soft:
             raise AssertionError("the pinned-token counts disagree with the live pins")
+        lru = list(self._lru.values())
+        if {id(p) for p in lru} != {id(p) for p in self._pins.values() if p.soft} or self._hard != len(
+            self._pins
+        ) - len(lru):
+            raise AssertionError("the soft pins' LRU order or the hard pins' count disagrees with the live pins")
+        if any(a.last_used > b.last_used for a, b in zip(lru, lru[1:])):
+            raise AssertionError("the soft pins' LRU order is not least recently used first")
 
 
 def _count(counts: dict, slots: List[int], d: int) -> None:
