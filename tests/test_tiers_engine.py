@@ -671,3 +671,36 @@ def test_a_forked_child_loads_from_the_tiers_of_an_engine_its_parent_made():
     assert got == (69, reference(p, 6), True)
     assert exitcode == 0
     assert generate(e, [p])[0].cached_tokens_by_tier["host"] == 69  # the parent's I/O goes on
+
+
+def forge_first_block(engine, store, tokens) -> tuple:
+    """Put a record of another layout (a forged or damaged one that passes the store's checks)
+    under the key of ``tokens``' first block in ``store``; ``(key, its 16 tokens)``."""
+    from radixkv.tiers import Block
+
+    tiers = engine.kv.tiers
+    keys, toks, _, _, _ = tiers._keys(None, tokens, 0, 1)
+    store.put(keys, [Block(toks[0], bytes(16 * tiers.layout.token_bytes), b"another layout")])
+    return keys[0], toks[0]
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_block_of_another_layout_is_dropped_so_a_good_one_replaces_it(tmp_path, medium):
+    """A record under the right key whose layout is not the pool's is rejected by the load, and
+    dropped from its store: the write of the block computed instead stores a good one (it stayed,
+    every read renewing it, every write skipping the key it held: the tier never served it)."""
+    from radixkv.tiers import DiskStore, HostStore
+
+    store = HostStore(1 << 30) if medium == "host" else DiskStore(str(tmp_path), 1 << 30)
+    e = kv_engine(stores=[store], kv_tier_write_policy="write_through")
+    p = prompt(22, 40)
+    key, toks = forge_first_block(e, store, p)
+    out = generate(e, [p])[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(p, 6)
+    assert e.cache_stats().tiers[medium]["load_rejected"] == 1
+    assert e.kv.tiers.drain(60)
+    assert store.get([key], [toks])[0].meta == e.kv.tiers.layout.meta  # the computed block replaced it
+    assert e.reset_prefix_cache()
+    again = generate(e, [p])[0]
+    assert again.cached_tokens_by_tier[medium] == 39 and again.outputs[0].token_ids == reference(p, 6)
+    assert e.cache_stats().tiers[medium]["load_rejected"] == 1

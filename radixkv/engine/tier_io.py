@@ -539,14 +539,15 @@ class TierIO:
             logger.exception("KV tier %s: get failed", store.medium)
             got = [None] * len(idx)
         size = BLOCK_TOKENS * self.token_bytes
-        out, bad = [], 0
+        out, bad = [], []
         for i, b in zip(idx, got):
             if b is not None and (
                 tuple(b.tokens) != tuple(job.tokens[i])
                 or bytes(b.meta) != self.meta
                 or memoryview(b.payload).nbytes != size
             ):
-                b, bad = None, bad + 1
+                b = None
+                bad.append(job.keys[i])
             out.append(b)
         dt = time.perf_counter() - t0
         ok = sum(b is not None for b in out)
@@ -555,7 +556,8 @@ class TierIO:
         with self._cv:
             c.observe(dt)
             c.loaded += ok
-            c.load_rejected += bad
+            c.load_rejected += len(bad)
+        _drop(store, bad)
         return out
 
     def _fetch(self, job: LoadJob, where: list, k: int) -> list:
@@ -637,6 +639,8 @@ class TierIO:
                 self.costs.note_load(store.medium, dt, 1)
                 if c:
                     return b, c, store.medium
+            else:
+                _drop(store, [job.tail_keys[n]])
         return None
 
     def _write(self, job: WriteJob) -> None:
@@ -663,6 +667,20 @@ class TierIO:
                 job.stored.append(store.medium)
             except Exception:  # noqa: BLE001 - a store that fails loses the write (counted by it)
                 logger.exception("KV tier %s: put failed", store.medium)
+
+
+def _drop(store: Any, keys: list) -> None:
+    """Have ``store`` remove the records of ``keys``, which it returned but the engine refused
+    (tokens, layout or length: a forged or damaged record that passed the store's checks): a miss,
+    dropped and counted (``load_rejected``), so that the write of the block computed instead
+    stores a good one (kept, each read renewed it and each write skipped the key it held). A
+    store without ``drop`` keeps them."""
+    drop = getattr(store, "drop", None)
+    if keys and drop is not None:
+        try:
+            drop(keys)
+        except Exception:  # noqa: BLE001 - a store that fails keeps them (a miss each time)
+            logger.exception("KV tier %s: drop failed", store.medium)
 
 
 _LIVE: "weakref.WeakSet[TierIO]" = weakref.WeakSet()  # every TierIO, for a fork's child to restart

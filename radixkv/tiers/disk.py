@@ -167,6 +167,16 @@ class DiskStore:
         self._touch(name, path, len(data))
         return block
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """Remove each key's record (one the engine side refused after this store's checks: its
+        layout or length is not the pool's), so that a later ``put`` writes a new one."""
+        for key in keys:
+            if self._closed:
+                return
+            name = key.hex()
+            files.drop_entry(files.layout_path(self.path, name))
+            self._forget(name)
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key's record used now (a missing one stays missing; nothing is written)."""
         for key in keys:

@@ -88,6 +88,15 @@ class HostStore:
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """Remove each key's block (one the engine side refused after this store's checks: its
+        layout or length is not the pool's), so that a later ``put`` stores a new one."""
+        with self._lock:
+            for key in keys:
+                b = self._blocks.pop(key, None)
+                if b is not None:
+                    self._used -= block_nbytes(b)
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
         """Hold each block (an already held key: only made the most recently used, or with
         ``replace`` given the new block)."""

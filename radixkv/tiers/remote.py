@@ -298,6 +298,14 @@ class RedisStore:
         done = [d for (_, d), ok in zip(records, res) if ok is True]
         self._stats.add(blocks_written=len(done), bytes_written=sum(map(len, done)))
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """``UNLINK`` each key (a record the engine side refused after this store's checks: its
+        layout or length is not the pool's), so that a later ``put`` stores a new one (one round
+        trip; never raises for the server)."""
+        if keys and not self._closed:
+            names = self._names(keys)
+            self._call(lambda r: r.unlink(*names))
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key used now: ``TOUCH`` (the server's LRU clock) and, with a TTL, ``EXPIRE``
         (one pipelined round trip; a missing key stays missing; never raises for the server)."""
