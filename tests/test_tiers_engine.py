@@ -704,3 +704,32 @@ def test_a_block_of_another_layout_is_dropped_so_a_good_one_replaces_it(tmp_path
     again = generate(e, [p])[0]
     assert again.cached_tokens_by_tier[medium] == 39 and again.outputs[0].token_ids == reference(p, 6)
     assert e.cache_stats().tiers[medium]["load_rejected"] == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_close_writes_the_pools_blocks_to_a_persistent_write_back_tier(tmp_path, page_size):
+    """A disk tier written back gets the pool's blocks when the pool evicts them, so whatever the
+    pool still held at close was lost to a restart (docs/tiers.md: pending writes drain at close).
+    Close writes every cached sequence's blocks and tail there (not to the host tier, which the
+    process takes with it); a new engine on the directory serves every token below the last."""
+    from radixkv.tiers import DiskStore, HostStore
+
+    host = HostStore(1 << 30)
+    e = kv_engine(
+        page_size=page_size, stores=[host, DiskStore(str(tmp_path), 1 << 30)], kv_tier_write_policy="write_back"
+    )
+    a, b = prompt(23, 40), prompt(23, 40)[:20] + prompt(24, 30)  # 20 tokens in common
+    generate(e, [a, b])
+    assert e.cache_stats().tiers["disk"]["blocks_written"] == 0  # nothing evicted
+    assert e.close() and host.stats()["blocks_written"] == 0
+    other = kv_engine(page_size=page_size, stores=[DiskStore(str(tmp_path), 1 << 30)])
+    for p in (a, b):
+        out = generate(other, [p])[0]
+        want = (len(p) - 1) // page_size * page_size
+        assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}
+        assert out.outputs[0].token_ids == reference(p, 6)
+        assert other.reset_prefix_cache()
+    # pages of 1: a (45 tokens cached) blocks 0, 1 and 7 of its 13-token tail, b (55) blocks 0 (a's), 1, 2 and
+    # 1 of its 7-token tail; pages of 4 (44 and 52 cached, limits 36 and 48): a 4 tokens of its tail, b none
+    st = other.cache_stats().tiers["disk"]
+    assert (st["loaded"], st["tails_loaded"], st["tail_tokens"]) == ((5, 2, 8) if page_size == 1 else (5, 1, 4))
