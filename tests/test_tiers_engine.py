@@ -733,3 +733,25 @@ def test_close_writes_the_pools_blocks_to_a_persistent_write_back_tier(tmp_path,
     # 1 of its 7-token tail; pages of 4 (44 and 52 cached, limits 36 and 48): a 4 tokens of its tail, b none
     st = other.cache_stats().tiers["disk"]
     assert (st["loaded"], st["tails_loaded"], st["tail_tokens"]) == ((5, 2, 8) if page_size == 1 else (5, 1, 4))
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_path_evicted_page_by_page_keeps_its_longest_tail(tmp_path, medium):
+    """The pool evicts one page per decode step, so a written-back path's end goes in pieces, each
+    writing the tail after its last whole block: 13 tokens, then 12, then 11, each replacing the
+    one before (the last writer won). A tail whose tokens the held one starts with is not written
+    over: the next turn gets the whole previous sequence (45 tokens, not 42)."""
+    from radixkv.tiers import DiskStore, HostStore
+
+    store = HostStore(1 << 30) if medium == "host" else DiskStore(str(tmp_path), 1 << 30)
+    e = kv_engine(capacity=64, stores=[store], kv_tier_write_policy="write_back")
+    a = prompt(30, 40)
+    seq = a + generate(e, [a])[0].outputs[0].token_ids  # 45 of its 46 tokens cached
+    generate(e, [prompt(31, 15)], greedy(8))  # its decode steps evict a's last 3 tokens, one at a time
+    generate(e, [prompt(32, 45)], greedy(4))  # evicts the rest of a
+    assert e.reset_prefix_cache()
+    nxt = seq + prompt(33, 3)
+    out = generate(e, [nxt], greedy(2))[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 0, medium: 45}
+    assert out.outputs[0].token_ids == reference(nxt, 2)
+    assert e.cache_stats().tiers[medium]["tail_tokens"] == 13

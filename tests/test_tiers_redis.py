@@ -104,6 +104,11 @@ def test_a_tail_record_round_trips_is_replaced_and_a_corrupt_one_is_a_miss(redis
     s.put([key], [short], replace=True)  # the exact check dropped it (corrupt for those tokens): again
     s.put([key], [long], replace=True)
     assert s.get([key], [None])[0].tokens == long.tokens  # the last writer wins
+    s.put([key], [short], replace=True)  # the held tail starts with all its tokens: kept (one GETRANGE)
+    assert s.get([key], [None])[0].tokens == long.tokens and s.stats()["blocks_written"] == 3
+    other = Block((1, 2, 99), payload_for(key, (3,), 64 * 3), b"m")
+    s.put([key], [other], replace=True)  # another continuation: the last writer wins
+    assert s.get([key], [None])[0].tokens == other.tokens
     assert s.get([BlockKey(FP2, key.namespace, key.digest)], [None]) == [None]
     assert s.get([BlockKey(FP, b"\x01other", key.digest)], [None]) == [None]
     rclient.set(_name(key), rclient.get(_name(key))[:-3])

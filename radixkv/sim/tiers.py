@@ -27,6 +27,7 @@ from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, t
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
 from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
 from radixkv.engine.tier_io import lookup_stop, merge_spans, shared_len
+from radixkv.tiers.base import keeps_held
 
 __all__ = ["TierModel"]
 
@@ -89,7 +90,8 @@ class TierModel:
         events.subscribe(self._on_event, (CacheInserted, CacheEvicted))
 
     def _put(self, media: Sequence[str], digests: Sequence[bytes], value: Any = None) -> None:
-        """Hold ``digests`` (blocks, or one tail: ``value`` its tokens) in ``media``, dropping the
+        """Hold ``digests`` (blocks, or one tail: ``value`` its tokens, kept where the held tail
+        starts with all of them, as the engine's stores do) in ``media``, dropping the
         least recently used entries past the capacity: a block costs its 16 tokens, a tail its
         own (the engine's stores count a record's bytes: a tail's are about ``c / 16`` of a
         block's)."""
@@ -99,6 +101,9 @@ class TierModel:
             for d in digests:
                 if d in held:
                     prev = held[d]
+                    if value is not None and keeps_held(prev, value):  # a longer tail of its tokens: kept
+                        held.move_to_end(d)
+                        continue
                     self.used[m] -= BLOCK_TOKENS if prev is None else len(prev)
                 held[d] = value
                 held.move_to_end(d)
