@@ -133,7 +133,8 @@ def test_plan_trace_shows_the_hit_rate_with_tiers(tmp_path, capsys):
                 body = {"model": "m", "messages": [{"role": "user", "content": " ".join(c[: 50 + 35 * t])}]}
                 f.write(json.dumps(body) + "\n")
     rc = main(
-        ["plan", "--model", "smollm2-135m", "--trace", str(trace), "--policies", "radix-p1", "--json"]
+        ["plan", "--model", "smollm2-135m", "--trace", str(trace), "--policies", "radix-p1", "--kv-dtype", "bf16"]
+        + ["--json"]
         + ["--disk-cache-bytes", "1GiB"]
     )
     assert rc == 0
