@@ -67,6 +67,28 @@ def load_bodies(trace: str) -> tuple[list[dict], Optional[list[int]]]:
     return read_trace_lines(trace)
 
 
+def model_mismatch(bodies: list, model: str, flag: str) -> Optional[str]:
+    """A warning when bodies of the trace name a ``model`` other than ``model``, the one whose
+    tokenizer and chat template the replay uses (``flag`` sets it), or None. A warning, not an
+    error: a server's ``--served-model-name`` is any alias, so a trace of the same model may name
+    another; but a trace of another model is counted in this one's tokens, its volatile spans and
+    hit rates are not the server's, and nothing else would say so."""
+    names: dict = {}
+    for b in bodies:
+        name = b.get("model") if isinstance(b, dict) else None
+        if isinstance(name, str) and name not in (model, os.path.basename(model.rstrip("/\\"))):
+            names[name] = names.get(name, 0) + 1
+    if not names:
+        return None
+    listed = ", ".join(f"{n!r} ({c:,} requests)" for n, c in sorted(names.items(), key=lambda x: -x[1])[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"the trace names model {listed}{more}, not {model!r}, whose tokenizer and chat template the replay "
+        f"uses: give {flag} (a model name, a .gguf or a Hugging Face directory) when it is another model "
+        "(a --served-model-name alias of this one: nothing to do)"
+    )
+
+
 def _count(trace: str, name: str, text: str) -> int:
     """A count of a built-in trace's spec: an integer >= 1 (ValueError naming the trace)."""
     if not text.isdigit() or int(text) < 1:
@@ -198,6 +220,9 @@ def run_explain(args: argparse.Namespace) -> int:
         _check_tier_blocks({f"--{m}-cache-tokens": (t, BLOCK_TOKENS, 1) for m, t in tiers.items()})
         write_policy = _write_policy(args, tiers)
         bodies, lines = load_bodies(args.trace)
+        note = model_mismatch(bodies, args.model, "--model")
+        if note:
+            print(f"radixkv explain: warning: {note}", file=sys.stderr)
         tok = load_tokenizer(args.model)
         invalid: list = []
         reqs = tokenize_trace(bodies, tok, invalid=invalid, lines=lines)
@@ -452,6 +477,9 @@ def _plan_trace(args: argparse.Namespace, spec: Any, pool: Optional[dict] = None
         )
     invalid: list = []
     bodies, _ = load_bodies(args.trace)
+    note = model_mismatch(bodies, args.tokenizer, "--tokenizer")
+    if note:
+        print(f"radixkv plan: warning: {note}", file=sys.stderr)
     reqs = [r.sim_request() for r in tokenize_trace(bodies, load_tokenizer(args.tokenizer), invalid=invalid)]
     if invalid:
         no, why = invalid[0]
