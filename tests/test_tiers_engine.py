@@ -169,7 +169,7 @@ def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
     p = prompt(9, 100)
     generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     disk = MemoryStore("disk", data=shared)
-    disk.corrupt(list(shared)[2])
+    disk.corrupt(next(k for k, b in shared.items() if b.tokens == tuple(p[32:48])))  # block 2
     e = kv_engine(stores=[disk])
     out = generate(e, [p])[0]
     assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == reference(p, 6)
@@ -755,3 +755,27 @@ def test_a_path_evicted_page_by_page_keeps_its_longest_tail(tmp_path, medium):
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 0, medium: 45}
     assert out.outputs[0].token_ids == reference(nxt, 2)
     assert e.cache_stats().tiers[medium]["tail_tokens"] == 13
+
+
+def test_a_tier_smaller_than_a_sequence_keeps_its_head_not_its_unreachable_end():
+    """A lookup loads a sequence's blocks from block 0 on, up to the first one missing. A write put
+    them in order, block 0 first, so it was each tier's least recently used of them: a tier too
+    small for the whole sequence evicted its head and kept its end, which no lookup reaches (3
+    blocks' room, an 80-token prompt written through in one prefill: 0 tokens served). Written
+    deepest first (the tail, then the last block), a tier keeps the head, as the pool evicts a
+    path's end first. (A later write after that head, the reply's tail, still evicts the head's
+    least recent block to make its room: an LRU store cannot refuse a newer record.)"""
+    from radixkv.tiers import Block, HostStore, block_nbytes
+
+    probe = kv_engine(stores=[HostStore(1 << 30)])
+    lay = probe.kv.tiers.layout
+    blk = block_nbytes(Block((0,) * 16, bytes(16 * lay.token_bytes), lay.meta))
+    host = HostStore(3 * blk)
+    p = prompt(40, 80)
+    first = kv_engine(stores=[host], chunk=128, kv_tier_write_policy="write_through")
+    generate(first, [p], greedy(1))  # one write: its 5 blocks (80 tokens cached, no tail)
+    assert first.kv.tiers.drain(60)
+    other = kv_engine(stores=[host])
+    out = generate(other, [p], greedy(1))[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 48, "disk": 0, "remote": 0}
+    assert out.outputs[0].token_ids == reference(p, 1)

@@ -644,15 +644,23 @@ class TierIO:
         return None
 
     def _write(self, job: WriteJob) -> None:
+        """Put ``job`` in each store, deepest first (the tail, then the blocks from the last):
+        a lookup reads a sequence from its first block on, so the blocks written last, the most
+        recently used, must be its head; the head the pool held is marked used before the puts
+        (so they do not evict it) and after (so it stays more recent than what they added)."""
         view = job.rows.numpy()
         n = len(job.keys)
         for store in job.stores:
             try:
                 touch = getattr(store, "touch", None)
-                if job.touch_keys and touch is not None:
-                    touch(job.touch_keys)  # NOTE: before the puts evict: the head is in use
+                head = job.touch_keys[::-1]  # deepest first too: block 0 the most recent
+                if head and touch is not None:
+                    touch(head)  # NOTE: before the puts evict: the head is in use
+                if job.tail_key is not None:
+                    tail = Block(job.tail_tokens, view[BLOCK_TOKENS * n :].tobytes(), self.meta)
+                    store.put([job.tail_key], [tail], replace=True)
                 present = list(store.contains(job.keys)) if n else []
-                idx = [i for i in range(n) if not present[i]]
+                idx = [i for i in reversed(range(n)) if not present[i]]
                 if idx:
                     blocks = [
                         Block(
@@ -661,9 +669,8 @@ class TierIO:
                         for i in idx
                     ]
                     store.put([job.keys[i] for i in idx], blocks)
-                if job.tail_key is not None:
-                    tail = Block(job.tail_tokens, view[BLOCK_TOKENS * n :].tobytes(), self.meta)
-                    store.put([job.tail_key], [tail], replace=True)
+                if head and touch is not None and (idx or job.tail_key is not None):
+                    touch(head)
                 job.stored.append(store.medium)
             except Exception:  # noqa: BLE001 - a store that fails loses the write (counted by it)
                 logger.exception("KV tier %s: put failed", store.medium)

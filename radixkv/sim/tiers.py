@@ -79,11 +79,11 @@ class TierModel:
         media = [m for m in (self.through if policy == "write_through" else self.back) if m not in skip]
         if isinstance(tokens, (bytes, bytearray)):
             tokens = array("i", tokens)
-        if stop > first:
-            self._put(media, block_digests(tokens, namespace, first, stop))
-        if tail:
+        if tail:  # deepest first, as the engine's I/O thread puts them: the head is the most recent
             key = _tail_key(namespace, tokens, stop)
             self._put(media, [key], tuple(tokens[BLOCK_TOKENS * stop : BLOCK_TOKENS * stop + tail]))
+        if stop > first:
+            self._put(media, block_digests(tokens, namespace, first, stop)[::-1])
 
     def attach(self, events: EventBus) -> None:
         """Follow the pool's cache events on ``events``."""
