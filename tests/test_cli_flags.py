@@ -206,12 +206,20 @@ def test_serve_refuses_a_radix_eviction_policy_without_the_radix_tree(capsys):
             "give at least that (or 0: no tier)",
         ),
         (
-            ["plan", "--trace", "synthetic:control:2", "--host-cache-bytes", "368640"],  # a block's K/V alone
+            [
+                "plan",
+                "--trace",
+                "synthetic:control:2",
+                "--host-cache-bytes",
+                "368640",
+                "--kv-dtype",
+                "bf16",
+            ],  # a block's K/V alone
             "radixkv plan: --host-cache-bytes 368,640 holds no block: a KV tier holds whole blocks of 370,564 "
             "bytes (16 tokens x 23,040 bytes of KV and 1,924 of its record); give at least that (or 0: no tier)",
         ),
         (
-            ["plan", "--trace", "synthetic:control:2", "--disk-cache-bytes", "370703"],
+            ["plan", "--trace", "synthetic:control:2", "--disk-cache-bytes", "370703", "--kv-dtype", "bf16"],
             "radixkv plan: --disk-cache-bytes 370,703 holds no block: a KV tier holds whole blocks of 370,704 "
             "bytes (16 tokens x 23,040 bytes of KV and 2,064 of its record); give at least that (or 0: no tier)",
         ),
@@ -224,7 +232,17 @@ def test_explain_and_plan_refuse_a_tier_below_one_block(argv, line, capsys):
 
 
 def test_plan_takes_a_tier_of_exactly_one_block(capsys):
-    argv = ["plan", "--trace", "synthetic:control:2", "--policies", "radix-p16", "--host-cache-bytes", "370564"]
+    argv = [
+        "plan",
+        "--trace",
+        "synthetic:control:2",
+        "--policies",
+        "radix-p16",
+        "--host-cache-bytes",
+        "370564",
+        "--kv-dtype",
+        "bf16",
+    ]
     assert main(argv + ["--json"]) == 0
     assert json.loads(capsys.readouterr().out)["curve"]["tiers"] == {"host": {"bytes": 370564, "tokens": 16}}
 

@@ -617,3 +617,26 @@ def test_no_capacity_curve_without_a_prefix_cache():
     assert "hit rate vs capacity" not in explain_text_report(rep) and "too large" not in explain_text_report(rep)
     radix = explain_trace(reqs, spans=False, sweep=(1.0,))["capacity_curve"]
     assert [(p["capacity"], p["skipped"], p["hit_rate"]) for p in radix] == [(30, 0, 58 / 90)]
+
+
+def test_a_trace_of_another_model_is_named_in_a_warning(tmp_path, capsys):
+    """explain (and plan --trace) tokenize a trace with --model (--tokenizer): a trace logged from
+    a server of another model was replayed in SmolLM2's tokens without a word. It is a warning, not
+    an error (a server's --served-model-name may be any alias of the same model); the replay runs."""
+    from radixkv.cli import main
+
+    path = tmp_path / "t.jsonl"
+    bodies = [{"model": "llama-3-8b", "prompt": [5, 6, 7, 8]}, {"model": "llama-3-8b", "prompt": [5, 6, 7, 9]}]
+    bodies.append({"model": "smollm2-135m", "prompt": [5, 6, 1]})
+    path.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    assert main(["explain", str(path), "--json", "--no-what-if"]) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["requests"] == 3
+    assert cap.err.startswith(
+        "radixkv explain: warning: the trace names model 'llama-3-8b' (2 requests), not 'smollm2-135m', whose "
+        "tokenizer and chat template the replay uses: give --model"
+    )
+    assert main(["plan", "--trace", str(path), "--policies", "radix-p1"]) == 0
+    assert "radixkv plan: warning: the trace names model 'llama-3-8b' (2 requests)" in capsys.readouterr().err
+    path.write_text(json.dumps(bodies[2]) + "\n")
+    assert main(["explain", str(path), "--no-what-if"]) == 0 and capsys.readouterr().err == ""

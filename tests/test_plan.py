@@ -263,5 +263,48 @@ def test_cli_plan_refuses_a_config_json_it_cannot_size(config, why, tmp_path, ca
     err = capsys.readouterr().err
     assert why in err and "Traceback" not in err
     path.write_text(json.dumps(base))  # the same config, sound: 2 layers x 2 x 4 heads x 16 x 2 bytes
-    assert main(["plan", "--model", str(path), "--json"]) == 0
+    assert main(["plan", "--model", str(path), "--kv-dtype", "bf16", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 512
+
+
+def test_plan_defaults_to_the_engines_kv_dtype_and_takes_its_pool_options(monkeypatch, capsys):
+    """``radixkv plan`` priced K/V in bfloat16 by default where the engine on the CPU stores float32
+    (``kv_cache_dtype="auto"``: its compute dtype), so ``plan --trace`` put twice the tokens the
+    engine holds into each byte; and it took no pool size in the engine's own terms. Its default is
+    now the engine's (bfloat16 on a GPU: with --gpu-memory, or where CUDA is), and it takes
+    ``--max-total-tokens`` / ``--kv-cache-memory-bytes`` (one of them, as radixkv serve)."""
+    import torch
+
+    from radixkv.cli import main
+    from radixkv.models.loader import load_tokenizer
+    from radixkv.obs.cli import load_bodies
+    from radixkv.obs.trace import tokenize_trace
+    from radixkv.sim import simulate
+
+    def plan(*argv):
+        assert main(["plan", *argv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rep = plan()
+    assert (rep["kv_dtype"], rep["kv_bytes_per_token"], rep["kv_dtype_auto"]) == ("float32", 46080, True)
+    assert plan("--gpu-memory", "8")["kv_dtype"] == "bfloat16"
+    assert plan("--kv-dtype", "fp8")["kv_dtype_auto"] is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert plan()["kv_dtype"] == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pool = plan("--kv-cache-memory-bytes", "1GiB", "--page-size", "16", "--context", "4096")["pool"]
+    assert (pool["tokens"], pool["kv_bytes"], pool["sequences_of_context"]) == (23296, 23296 * 46080, 5)
+    assert plan("--max-total-tokens", "3001", "--page-size", "16")["pool"]["tokens"] == 2992
+    rep = plan("--trace", "synthetic:control:8", "--max-total-tokens", "1500", "--policies", "radix-p1,radix-p16")
+    reqs = [
+        r.sim_request() for r in tokenize_trace(load_bodies("synthetic:control:8")[0], load_tokenizer("smollm2-135m"))
+    ]
+    for label, ps, cap in (("radix-p1", 1, 1500), ("radix-p16", 16, 1488)):
+        want = simulate(reqs, "radix", ps, cap, outcomes=False)
+        got = rep["pool_hit_rate"][label]
+        assert (got["tokens"], got["hit_rate"], got["skipped"]) == (cap, want.hit_rate, want.skipped)
+    assert main(["plan", "--max-total-tokens", "100", "--kv-cache-memory-bytes", "1GiB"]) == 2
+    assert "give --kv-cache-memory-bytes or --max-total-tokens, not both" in capsys.readouterr().err
+    assert main(["plan", "--page-size", "4"]) == 2
+    assert "--page-size needs --gpu-memory, --max-total-tokens or --kv-cache-memory-bytes" in capsys.readouterr().err

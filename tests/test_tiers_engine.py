@@ -169,7 +169,7 @@ def test_a_corrupt_block_ends_the_run_and_a_failing_tier_is_a_miss():
     p = prompt(9, 100)
     generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
     disk = MemoryStore("disk", data=shared)
-    disk.corrupt(list(shared)[2])
+    disk.corrupt(next(k for k, b in shared.items() if b.tokens == tuple(p[32:48])))  # block 2
     e = kv_engine(stores=[disk])
     out = generate(e, [p])[0]
     assert out.num_cached_tokens == 32 and out.outputs[0].token_ids == reference(p, 6)
@@ -671,3 +671,111 @@ def test_a_forked_child_loads_from_the_tiers_of_an_engine_its_parent_made():
     assert got == (69, reference(p, 6), True)
     assert exitcode == 0
     assert generate(e, [p])[0].cached_tokens_by_tier["host"] == 69  # the parent's I/O goes on
+
+
+def forge_first_block(engine, store, tokens) -> tuple:
+    """Put a record of another layout (a forged or damaged one that passes the store's checks)
+    under the key of ``tokens``' first block in ``store``; ``(key, its 16 tokens)``."""
+    from radixkv.tiers import Block
+
+    tiers = engine.kv.tiers
+    keys, toks, _, _, _ = tiers._keys(None, tokens, 0, 1)
+    store.put(keys, [Block(toks[0], bytes(16 * tiers.layout.token_bytes), b"another layout")])
+    return keys[0], toks[0]
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_block_of_another_layout_is_dropped_so_a_good_one_replaces_it(tmp_path, medium):
+    """A record under the right key whose layout is not the pool's is rejected by the load, and
+    dropped from its store: the write of the block computed instead stores a good one (it stayed,
+    every read renewing it, every write skipping the key it held: the tier never served it)."""
+    from radixkv.tiers import DiskStore, HostStore
+
+    store = HostStore(1 << 30) if medium == "host" else DiskStore(str(tmp_path), 1 << 30)
+    e = kv_engine(stores=[store], kv_tier_write_policy="write_through")
+    p = prompt(22, 40)
+    key, toks = forge_first_block(e, store, p)
+    out = generate(e, [p])[0]
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference(p, 6)
+    assert e.cache_stats().tiers[medium]["load_rejected"] == 1
+    assert e.kv.tiers.drain(60)
+    assert store.get([key], [toks])[0].meta == e.kv.tiers.layout.meta  # the computed block replaced it
+    assert e.reset_prefix_cache()
+    again = generate(e, [p])[0]
+    assert again.cached_tokens_by_tier[medium] == 39 and again.outputs[0].token_ids == reference(p, 6)
+    assert e.cache_stats().tiers[medium]["load_rejected"] == 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_close_writes_the_pools_blocks_to_a_persistent_write_back_tier(tmp_path, page_size):
+    """A disk tier written back gets the pool's blocks when the pool evicts them, so whatever the
+    pool still held at close was lost to a restart (docs/tiers.md: pending writes drain at close).
+    Close writes every cached sequence's blocks and tail there (not to the host tier, which the
+    process takes with it); a new engine on the directory serves every token below the last."""
+    from radixkv.tiers import DiskStore, HostStore
+
+    host = HostStore(1 << 30)
+    e = kv_engine(
+        page_size=page_size, stores=[host, DiskStore(str(tmp_path), 1 << 30)], kv_tier_write_policy="write_back"
+    )
+    a, b = prompt(23, 40), prompt(23, 40)[:20] + prompt(24, 30)  # 20 tokens in common
+    generate(e, [a, b])
+    assert e.cache_stats().tiers["disk"]["blocks_written"] == 0  # nothing evicted
+    assert e.close() and host.stats()["blocks_written"] == 0
+    other = kv_engine(page_size=page_size, stores=[DiskStore(str(tmp_path), 1 << 30)])
+    for p in (a, b):
+        out = generate(other, [p])[0]
+        want = (len(p) - 1) // page_size * page_size
+        assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": want, "remote": 0}
+        assert out.outputs[0].token_ids == reference(p, 6)
+        assert other.reset_prefix_cache()
+    # pages of 1: a (45 tokens cached) blocks 0, 1 and 7 of its 13-token tail, b (55) blocks 0 (a's), 1, 2 and
+    # 1 of its 7-token tail; pages of 4 (44 and 52 cached, limits 36 and 48): a 4 tokens of its tail, b none
+    st = other.cache_stats().tiers["disk"]
+    assert (st["loaded"], st["tails_loaded"], st["tail_tokens"]) == ((5, 2, 8) if page_size == 1 else (5, 1, 4))
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_path_evicted_page_by_page_keeps_its_longest_tail(tmp_path, medium):
+    """The pool evicts one page per decode step, so a written-back path's end goes in pieces, each
+    writing the tail after its last whole block: 13 tokens, then 12, then 11, each replacing the
+    one before (the last writer won). A tail whose tokens the held one starts with is not written
+    over: the next turn gets the whole previous sequence (45 tokens, not 42)."""
+    from radixkv.tiers import DiskStore, HostStore
+
+    store = HostStore(1 << 30) if medium == "host" else DiskStore(str(tmp_path), 1 << 30)
+    e = kv_engine(capacity=64, stores=[store], kv_tier_write_policy="write_back")
+    a = prompt(30, 40)
+    seq = a + generate(e, [a])[0].outputs[0].token_ids  # 45 of its 46 tokens cached
+    generate(e, [prompt(31, 15)], greedy(8))  # its decode steps evict a's last 3 tokens, one at a time
+    generate(e, [prompt(32, 45)], greedy(4))  # evicts the rest of a
+    assert e.reset_prefix_cache()
+    nxt = seq + prompt(33, 3)
+    out = generate(e, [nxt], greedy(2))[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 0, "remote": 0, medium: 45}
+    assert out.outputs[0].token_ids == reference(nxt, 2)
+    assert e.cache_stats().tiers[medium]["tail_tokens"] == 13
+
+
+def test_a_tier_smaller_than_a_sequence_keeps_its_head_not_its_unreachable_end():
+    """A lookup loads a sequence's blocks from block 0 on, up to the first one missing. A write put
+    them in order, block 0 first, so it was each tier's least recently used of them: a tier too
+    small for the whole sequence evicted its head and kept its end, which no lookup reaches (3
+    blocks' room, an 80-token prompt written through in one prefill: 0 tokens served). Written
+    deepest first (the tail, then the last block), a tier keeps the head, as the pool evicts a
+    path's end first. (A later write after that head, the reply's tail, still evicts the head's
+    least recent block to make its room: an LRU store cannot refuse a newer record.)"""
+    from radixkv.tiers import Block, HostStore, block_nbytes
+
+    probe = kv_engine(stores=[HostStore(1 << 30)])
+    lay = probe.kv.tiers.layout
+    blk = block_nbytes(Block((0,) * 16, bytes(16 * lay.token_bytes), lay.meta))
+    host = HostStore(3 * blk)
+    p = prompt(40, 80)
+    first = kv_engine(stores=[host], chunk=128, kv_tier_write_policy="write_through")
+    generate(first, [p], greedy(1))  # one write: its 5 blocks (80 tokens cached, no tail)
+    assert first.kv.tiers.drain(60)
+    other = kv_engine(stores=[host])
+    out = generate(other, [p], greedy(1))[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 48, "disk": 0, "remote": 0}
+    assert out.outputs[0].token_ids == reference(p, 1)

@@ -104,6 +104,11 @@ def test_a_tail_record_round_trips_is_replaced_and_a_corrupt_one_is_a_miss(redis
     s.put([key], [short], replace=True)  # the exact check dropped it (corrupt for those tokens): again
     s.put([key], [long], replace=True)
     assert s.get([key], [None])[0].tokens == long.tokens  # the last writer wins
+    s.put([key], [short], replace=True)  # the held tail starts with all its tokens: kept (one GETRANGE)
+    assert s.get([key], [None])[0].tokens == long.tokens and s.stats()["blocks_written"] == 3
+    other = Block((1, 2, 99), payload_for(key, (3,), 64 * 3), b"m")
+    s.put([key], [other], replace=True)  # another continuation: the last writer wins
+    assert s.get([key], [None])[0].tokens == other.tokens
     assert s.get([BlockKey(FP2, key.namespace, key.digest)], [None]) == [None]
     assert s.get([BlockKey(FP, b"\x01other", key.digest)], [None]) == [None]
     rclient.set(_name(key), rclient.get(_name(key))[:-3])
@@ -590,3 +595,28 @@ def test_an_idle_async_engines_stats_reads_see_redis_come_back(redis_server):
     alm.cache_stats()  # the next read's refresh reports it
     assert computed.get(timeout=60).tiers["remote"]["degraded"] is False
     alm.shutdown()
+
+
+@pytest.mark.timeout(600)
+def test_a_block_of_another_layout_is_unlinked_so_a_good_one_replaces_it(redis_server):
+    """A record under the right key whose layout is not the pool's (it passes the store's own
+    checks) is a rejected load, unlinked from Redis: the block computed instead is written there
+    (it stayed, its TTL renewed by each read, each write skipping the key it held)."""
+    from radixkv.tiers import Block
+
+    store = RedisStore(redis_server.url)
+    e = kv_engine(stores=[store])
+    p = _prompt(3, 40)
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    tiers = e.kv.tiers
+    keys, toks, _, _, _ = tiers._keys(None, p, 0, 1)
+    store.put(keys, [Block(toks[0], bytes(16 * tiers.layout.token_bytes), b"another layout")])
+    rid = e.add_request(p, params)
+    assert run_all(e)[rid].num_cached_tokens == 0
+    assert e.cache_stats().tiers["remote"]["load_rejected"] == 1 and e.kv.tiers.drain(60)
+    assert store.get(keys, toks)[0].meta == tiers.layout.meta  # the computed block replaced it
+    assert e.reset_prefix_cache()
+    rid = e.add_request(p, params)
+    out = run_all(e)[rid]
+    assert out.cached_tokens_by_tier["remote"] == 39 and out.outputs[0].token_ids == reference(p, 2)
+    e.close()

@@ -133,7 +133,8 @@ def test_plan_trace_shows_the_hit_rate_with_tiers(tmp_path, capsys):
                 body = {"model": "m", "messages": [{"role": "user", "content": " ".join(c[: 50 + 35 * t])}]}
                 f.write(json.dumps(body) + "\n")
     rc = main(
-        ["plan", "--model", "smollm2-135m", "--trace", str(trace), "--policies", "radix-p1", "--json"]
+        ["plan", "--model", "smollm2-135m", "--trace", str(trace), "--policies", "radix-p1", "--kv-dtype", "bf16"]
+        + ["--json"]
         + ["--disk-cache-bytes", "1GiB"]
     )
     assert rc == 0
@@ -178,13 +179,21 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
         (x.num_cached_tokens, x.tier_tokens.get("disk", 0)) for x in sim.requests
     ]
     other = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20})  # the default: through
-    assert (sim.cached_tokens == other.cached_tokens) == (policy == "write_through")
+    # a tier that never fills serves the same either way: what the pool evicts, a written-back tier
+    # gets, the longest tail of each path included (the last, shortest one written replaced it: 634)
+    assert sim.cached_tokens == other.cached_tokens == 640
     # the CLI: token-id prompts (completions bodies), no replies: the same replay without them; a
-    # disk tier of 256 tokens serves 300 tokens written back, 40 written through (it keeps the latest)
+    # disk tier of 256 tokens serves 336 tokens written back, 72 written through (it keeps the latest),
+    # as the engine's does: each write puts a sequence deepest first, so a tier too small keeps its head
+    # (the head first: 300 and 40 in the replay, 308 and 40 in the engine)
     trace = write_trace(tmp_path / "t.jsonl", [{"prompt": list(r.tokens)} for r in reqs])
     bare = [SimRequest(r.tokens) for r in reqs]
     want = simulate(bare, "radix", 1, 200, tiers={"disk": 256}, tier_write_policy={"disk": policy})
-    assert want.cached_tokens_by_tier == {"disk": {"write_back": 300, "write_through": 40}[policy]}
+    assert want.cached_tokens_by_tier == {"disk": {"write_back": 336, "write_through": 72}[policy]}
+    small = MemoryStore("disk", capacity_bytes=256 * layout_of(e.runner.kv_pool).token_bytes)  # payload bytes
+    e = kv_engine(capacity=200, stores=[small], chunk=2048, kv_tier_write_policy=policy)
+    e.kv.tiers.costs.prefill_token_s = 1.0
+    assert sum(t for _, t in _engine_tokens(e, bare, "disk", max_tokens=1)) == want.cached_tokens_by_tier["disk"]
     args = ["explain", str(trace), "--capacity", "200", "--disk-cache-tokens", "256", "--json", "--no-what-if"]
     assert main(args + ["--kv-tier-write-policy", f"disk={policy}"]) == 0
     rep = json.loads(capsys.readouterr().out)
@@ -195,12 +204,13 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     assert "--kv-tier-write-policy needs a KV tier" in capsys.readouterr().err
 
 
-def _engine_tokens(e, reqs, medium: str) -> list:
-    """Each of ``reqs`` run on engine ``e`` in turn (greedy, its reply's length), the tier's
-    writes drained after each: ``(num_cached_tokens, cached from medium)`` per request."""
+def _engine_tokens(e, reqs, medium: str, max_tokens=None) -> list:
+    """Each of ``reqs`` run on engine ``e`` in turn (greedy, its reply's length or ``max_tokens``),
+    the tier's writes drained after each: ``(num_cached_tokens, cached from medium)`` per request."""
     got = []
     for r in reqs:
-        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=len(r.reply)))
+        n = max_tokens or len(r.reply)
+        rid = e.add_request(list(r.tokens), SamplingParams(temperature=0.0, max_tokens=n))
         out = run_all(e)[rid]
         got.append((out.num_cached_tokens, out.cached_tokens_by_tier[medium]))
         e.kv.tiers.drain()

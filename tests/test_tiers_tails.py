@@ -49,6 +49,9 @@ def test_a_tail_record_round_trips_is_replaced_and_counts_in_the_budget(tmp_path
     assert store.get([key], [None])[0].tokens == tail.tokens
     store.put([key], [longer], replace=True)  # the last writer wins
     assert store.get([key], [None])[0].tokens == longer.tokens and store.used_bytes == size(longer)
+    start = Block(longer.tokens[:7], bytes(longer.payload)[: 64 * 7], b"meta")
+    store.put([key], [start], replace=True)  # the held tail starts with all its tokens: kept
+    assert store.get([key], [None])[0].tokens == longer.tokens and store.used_bytes == size(longer)
     s = store.stats()
     assert (s["blocks"], s["corrupt"], s["blocks_written"]) == (1, 0, 2)
     assert store.get([BlockKey(FP2, key.namespace, key.digest)], [None]) == [None]  # another model's key

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from radixkv.tiers import Block
+from radixkv.tiers.base import keeps_held
 
 
 class MemoryStore:
@@ -85,6 +86,10 @@ class MemoryStore:
                 self.counts["errors"] += 1
                 return
             for k, b in zip(keys, blocks):
+                held = self.data.get(k)
+                if held is not None and (not replace or keeps_held(held.tokens, b.tokens)):
+                    self.data.move_to_end(k)  # as the stores: held, only marked used
+                    continue
                 self.data[k] = b
                 self.data.move_to_end(k)
                 self.puts.append(k)

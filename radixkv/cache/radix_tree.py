@@ -840,6 +840,21 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
+    def cached_paths(self) -> Iterator[tuple]:
+        """Every node as ``(namespace, path, slots, start, leaf)``: ``path`` the int32 token bytes
+        from its namespace root to the end of its edge, ``slots`` the int64 slot bytes of all of
+        ``path``'s positions, ``start`` the position of its edge's first token, ``leaf`` whether
+        no node continues it (the KV tiers write the pool's blocks at close with it). Read-only
+        (nothing split, refreshed or locked); O(tree size x depth)."""
+        stack = [(n, b"", b"") for n in self.root.children.values()]
+        while stack:
+            node, path, slots = stack.pop()
+            start = len(path) >> TOKEN_SHIFT
+            path, slots = path + node.key, slots + node.value
+            if node.key:
+                yield node.namespace, path, slots, start, not node.children
+            stack.extend((c, path, slots) for c in node.children.values())
+
     def block_digests(self) -> list:
         """The chained digests (:mod:`radixkv.cache.digests`) of every fully cached 16-token
         block, all namespaces: what a consumer of the cache events holds after all of them (a

@@ -1141,12 +1141,18 @@ class Engine:
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Write what is queued for the KV tiers and close them (driver thread; idempotent;
-        afterwards the engine runs without its tiers). Returns whether every queued write was
-        done within ``timeout`` seconds (None: no limit). ``LLM.close``, ``AsyncLLM.shutdown``
-        and their context exits call it; interpreter exit drains too."""
+        afterwards the engine runs without its tiers); a persistent tier written back (disk,
+        remote) first gets the blocks the pool still caches, which it would get only once
+        evicted (``KVManager.write_back_pool``). Returns whether every write was done within
+        ``timeout`` seconds (None: no limit). ``LLM.close``, ``AsyncLLM.shutdown`` and their
+        context exits call it; interpreter exit drains the queued writes too (not the pool's)."""
         if self.kv.tiers is None:
             return True
-        return self.kv.tiers.close(timeout)
+        start = time.monotonic()
+        if not self.kv.write_back_pool(timeout):
+            return False
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return self.kv.tiers.close(left)
 
     def check_integrity(self) -> None:
         """Raise AssertionError when slot ownership is inconsistent: the cache's own check, and

@@ -60,6 +60,7 @@ and ``protected == pinned``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, List, Optional
 
@@ -72,7 +73,7 @@ from radixkv.engine.drafts import DraftSlots
 from radixkv.engine.events import CacheEvicted, CacheInserted, CacheReset, EventBus
 from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
-from radixkv.engine.tiers import TierHold, TierManager
+from radixkv.engine.tiers import SHARED_MEDIA, TierHold, TierManager
 from radixkv.memory.allocator import SlotAllocator
 from radixkv.memory.kv_io import scatter_rows
 from radixkv.memory.kv_pool import ReqToTokenPool
@@ -395,6 +396,35 @@ class KVManager:
             h = head(ns, path, lo, start) if lo < start else own[:0]
             if h is not None:
                 self.tiers.write("write_back", ns, path, first, stop, torch.cat([torch.as_tensor(h), own]), tail=r)
+
+    def write_back_pool(self, timeout: Optional[float] = None) -> bool:
+        """Queue every block the pool caches, and the tail of each cached sequence, for the
+        persistent tiers written back (disk, remote): they get blocks only when the pool evicts
+        them, so what it still holds at close was lost to a restart. Not the host tier (the
+        process takes it along). The blocks a tier holds already are not put again (the I/O
+        thread asks it). The backlog is drained as it grows past half its bound (no write
+        dropped); False when that drain outlasted ``timeout`` seconds (the rest not queued)."""
+        tiers = self.tiers
+        paths = getattr(self.cache, "cached_paths", None)
+        if tiers is None or tiers.closed or paths is None:
+            return True
+        skip = tuple(s.medium for s in tiers.back if s.medium not in SHARED_MEDIA)
+        if len(skip) == len(tiers.back):
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for ns, path, slots, start, leaf in paths():
+            end = len(path) >> 2
+            first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
+            r = end - stop * BLOCK_TOKENS if leaf else 0  # a node continued mid-block: its children write it
+            if stop <= first and not r:
+                continue
+            own = torch.frombuffer(bytearray(slots), dtype=torch.int64)[first * BLOCK_TOKENS :]
+            tiers.write("write_back", ns, path, first, stop, own, skip=skip, tail=r)
+            if tiers.io.pending_bytes > tiers.io.max_pending_bytes // 2:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not tiers.drain(left):
+                    return False
+        return True
 
     # ------------------------------------------------------------------ in-batch sharing
     def begin_batch(self) -> None:

@@ -539,14 +539,15 @@ class TierIO:
             logger.exception("KV tier %s: get failed", store.medium)
             got = [None] * len(idx)
         size = BLOCK_TOKENS * self.token_bytes
-        out, bad = [], 0
+        out, bad = [], []
         for i, b in zip(idx, got):
             if b is not None and (
                 tuple(b.tokens) != tuple(job.tokens[i])
                 or bytes(b.meta) != self.meta
                 or memoryview(b.payload).nbytes != size
             ):
-                b, bad = None, bad + 1
+                b = None
+                bad.append(job.keys[i])
             out.append(b)
         dt = time.perf_counter() - t0
         ok = sum(b is not None for b in out)
@@ -555,7 +556,8 @@ class TierIO:
         with self._cv:
             c.observe(dt)
             c.loaded += ok
-            c.load_rejected += bad
+            c.load_rejected += len(bad)
+        _drop(store, bad)
         return out
 
     def _fetch(self, job: LoadJob, where: list, k: int) -> list:
@@ -637,18 +639,28 @@ class TierIO:
                 self.costs.note_load(store.medium, dt, 1)
                 if c:
                     return b, c, store.medium
+            else:
+                _drop(store, [job.tail_keys[n]])
         return None
 
     def _write(self, job: WriteJob) -> None:
+        """Put ``job`` in each store, deepest first (the tail, then the blocks from the last):
+        a lookup reads a sequence from its first block on, so the blocks written last, the most
+        recently used, must be its head; the head the pool held is marked used before the puts
+        (so they do not evict it) and after (so it stays more recent than what they added)."""
         view = job.rows.numpy()
         n = len(job.keys)
         for store in job.stores:
             try:
                 touch = getattr(store, "touch", None)
-                if job.touch_keys and touch is not None:
-                    touch(job.touch_keys)  # NOTE: before the puts evict: the head is in use
+                head = job.touch_keys[::-1]  # deepest first too: block 0 the most recent
+                if head and touch is not None:
+                    touch(head)  # NOTE: before the puts evict: the head is in use
+                if job.tail_key is not None:
+                    tail = Block(job.tail_tokens, view[BLOCK_TOKENS * n :].tobytes(), self.meta)
+                    store.put([job.tail_key], [tail], replace=True)
                 present = list(store.contains(job.keys)) if n else []
-                idx = [i for i in range(n) if not present[i]]
+                idx = [i for i in reversed(range(n)) if not present[i]]
                 if idx:
                     blocks = [
                         Block(
@@ -657,12 +669,25 @@ class TierIO:
                         for i in idx
                     ]
                     store.put([job.keys[i] for i in idx], blocks)
-                if job.tail_key is not None:
-                    tail = Block(job.tail_tokens, view[BLOCK_TOKENS * n :].tobytes(), self.meta)
-                    store.put([job.tail_key], [tail], replace=True)
+                if head and touch is not None and (idx or job.tail_key is not None):
+                    touch(head)
                 job.stored.append(store.medium)
             except Exception:  # noqa: BLE001 - a store that fails loses the write (counted by it)
                 logger.exception("KV tier %s: put failed", store.medium)
+
+
+def _drop(store: Any, keys: list) -> None:
+    """Have ``store`` remove the records of ``keys``, which it returned but the engine refused
+    (tokens, layout or length: a forged or damaged record that passed the store's checks): a miss,
+    dropped and counted (``load_rejected``), so that the write of the block computed instead
+    stores a good one (kept, each read renewed it and each write skipped the key it held). A
+    store without ``drop`` keeps them."""
+    drop = getattr(store, "drop", None)
+    if keys and drop is not None:
+        try:
+            drop(keys)
+        except Exception:  # noqa: BLE001 - a store that fails keeps them (a miss each time)
+            logger.exception("KV tier %s: drop failed", store.medium)
 
 
 _LIVE: "weakref.WeakSet[TierIO]" = weakref.WeakSet()  # every TierIO, for a fork's child to restart

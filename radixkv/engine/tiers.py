@@ -271,6 +271,11 @@ class TierManager:
         return tuple(s.medium for s in self.stores)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (nothing is written or loaded since)."""
+        return self._closed
+
+    @property
     def writes_back(self) -> bool:
         """Whether some tier is written when the pool evicts."""
         return bool(self.back)

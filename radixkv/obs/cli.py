@@ -23,8 +23,10 @@ __all__ = ["add_explain_arguments", "run_explain", "add_plan_arguments", "run_pl
 
 
 def _kv_dtype_flag(value: str) -> str:
-    """``--kv-dtype``: the spellings ``radixkv serve --kv-cache-dtype`` takes (but ``auto``: the
-    table's models have no loaded dtype), lower-cased."""
+    """``--kv-dtype``: the spellings ``radixkv serve --kv-cache-dtype`` takes, lower-cased
+    (``auto``: the engine's default, :func:`engine_kv_dtype`)."""
+    if value.strip().lower() == "auto":
+        return "auto"
     try:
         canonical_kv_dtype(value)
     except ValueError:
@@ -63,6 +65,28 @@ def load_bodies(trace: str) -> tuple[list[dict], Optional[list[int]]]:
     if not Path(trace).is_file():
         raise FileNotFoundError(f"trace file {trace!r} not found")
     return read_trace_lines(trace)
+
+
+def model_mismatch(bodies: list, model: str, flag: str) -> Optional[str]:
+    """A warning when bodies of the trace name a ``model`` other than ``model``, the one whose
+    tokenizer and chat template the replay uses (``flag`` sets it), or None. A warning, not an
+    error: a server's ``--served-model-name`` is any alias, so a trace of the same model may name
+    another; but a trace of another model is counted in this one's tokens, its volatile spans and
+    hit rates are not the server's, and nothing else would say so."""
+    names: dict = {}
+    for b in bodies:
+        name = b.get("model") if isinstance(b, dict) else None
+        if isinstance(name, str) and name not in (model, os.path.basename(model.rstrip("/\\"))):
+            names[name] = names.get(name, 0) + 1
+    if not names:
+        return None
+    listed = ", ".join(f"{n!r} ({c:,} requests)" for n, c in sorted(names.items(), key=lambda x: -x[1])[:3])
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return (
+        f"the trace names model {listed}{more}, not {model!r}, whose tokenizer and chat template the replay "
+        f"uses: give {flag} (a model name, a .gguf or a Hugging Face directory) when it is another model "
+        "(a --served-model-name alias of this one: nothing to do)"
+    )
 
 
 def _count(trace: str, name: str, text: str) -> int:
@@ -196,6 +220,9 @@ def run_explain(args: argparse.Namespace) -> int:
         _check_tier_blocks({f"--{m}-cache-tokens": (t, BLOCK_TOKENS, 1) for m, t in tiers.items()})
         write_policy = _write_policy(args, tiers)
         bodies, lines = load_bodies(args.trace)
+        note = model_mismatch(bodies, args.model, "--model")
+        if note:
+            print(f"radixkv explain: warning: {note}", file=sys.stderr)
         tok = load_tokenizer(args.model)
         invalid: list = []
         reqs = tokenize_trace(bodies, tok, invalid=invalid, lines=lines)
@@ -247,9 +274,19 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         dest="kv_dtype",
         type=_kv_dtype_flag,
-        default="bfloat16",
-        help="float32, bfloat16/bf16, float16/fp16, fp8 (= fp8_e4m3) or fp8_e5m2 (default %(default)s)",
+        default=None,
+        help="float32, bfloat16/bf16, float16/fp16, fp8 (= fp8_e4m3), fp8_e5m2 or auto (default: auto, the engine's: "
+        "its compute dtype, bfloat16 on a GPU (with --gpu-memory, or where CUDA is), else float32)",
     )
+    p.add_argument(
+        "--max-total-tokens", type=int, default=None, metavar="TOKENS",
+        help="the engine's KV pool in tokens (as radixkv serve's flag): its bytes, and with --trace its hit rate",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-memory-bytes", type=_tier_bytes, default=None, metavar="BYTES",
+        help="the engine's KV pool in bytes, e.g. 2GiB (as radixkv serve's flag, instead of --max-total-tokens): "
+        "its tokens, and with --trace its hit rate",
+    )  # fmt: skip
     p.add_argument(
         "--weight-dtype",
         default=None,
@@ -265,7 +302,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--page-size", type=int, default=None,
-        help="with --gpu-memory: the KV page size radixkv serve will run with; tokens fit in whole pages (default 1)",
+        help="with --gpu-memory or a pool size: the KV page size radixkv serve will run with; tokens fit in whole "
+        "pages (default 1)",
     )  # fmt: skip
     p.add_argument(
         "--context", type=int, default=None, metavar="TOKENS", help="KV memory of one sequence of this length"
@@ -335,6 +373,7 @@ def list_architectures(kv_dtypes=("bfloat16", "fp8")) -> str:
 
 PLAN_DEFAULTS = dict(
     model="smollm2-135m",
+    kv_dtype="auto",
     weight_dtype="bfloat16",
     memory_fraction=0.9,
     page_size=1,
@@ -348,7 +387,6 @@ PLAN_NEEDS = dict(
     memory_fraction="gpu_memory",
     weights_gb="gpu_memory",
     weight_dtype="gpu_memory",
-    page_size="gpu_memory",
     target_hit_rate="trace",
     policies="trace",
     tokenizer="trace",
@@ -373,24 +411,50 @@ def plan_flags_error(args: argparse.Namespace) -> Optional[str]:
         return v is not None and v is not False  # 0 is given (and then refused by its own check)
 
     if args.list:
-        others = [_flag(d) for d in ("model", "gpu_memory", "context", "json", "html", *PLAN_NEEDS) if given(d)]
+        pool = ("page_size", "max_total_tokens", "kv_cache_memory_bytes")
+        others = [_flag(d) for d in ("model", "gpu_memory", "context", "json", "html", *PLAN_NEEDS, *pool) if given(d)]
         if others:
             return f"--list prints the architecture table only (with --kv-dtype); not with {', '.join(others)}"
     for dest, needs in PLAN_NEEDS.items():
         if given(dest) and not given(needs):
             return f"{_flag(dest)} needs {_flag(needs)}"
+    sized = [d for d in ("gpu_memory", "max_total_tokens", "kv_cache_memory_bytes") if given(d)]
+    if given("page_size") and not sized:
+        return "--page-size needs --gpu-memory, --max-total-tokens or --kv-cache-memory-bytes"
+    if given("max_total_tokens") and given("kv_cache_memory_bytes"):
+        return "give --kv-cache-memory-bytes or --max-total-tokens, not both (as radixkv serve)"
     for dest, default in PLAN_DEFAULTS.items():
         if getattr(args, dest, None) is None:
             setattr(args, dest, default)
+    args.kv_dtype_auto = args.kv_dtype == "auto"
+    if args.kv_dtype_auto:  # --list: a table of GPU architectures (the engine's default there)
+        args.kv_dtype = engine_kv_dtype(args.gpu_memory is not None or args.list)
     return None
 
 
-def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
+def engine_kv_dtype(gpu: bool) -> str:
+    """``--kv-dtype auto``: the engine's default K/V dtype (``kv_cache_dtype="auto"``: its compute
+    dtype, ``dtype="auto"``): bfloat16 on CUDA (a plan with ``--gpu-memory``, or run where CUDA
+    is), float32 on the CPU."""
+    if not gpu:
+        import torch
+
+        gpu = torch.cuda.is_available()
+    return "bfloat16" if gpu else "float32"
+
+
+def _plan_trace(args: argparse.Namespace, spec: Any, pool: Optional[dict] = None) -> dict:
     """``radixkv plan --trace``'s part of the report: the flags checked first (ValueError naming
     one), then the trace tokenized and replayed: ``{"trace", "curve"[, "target"]}``."""
     from radixkv.config import asks_write_back
     from radixkv.models.loader import load_tokenizer
-    from radixkv.obs.plan import hit_rate_curve, memory_for_hit_rate, pool_bytes_per_token, tier_block_bytes
+    from radixkv.obs.plan import (
+        hit_rate_curve,
+        memory_for_hit_rate,
+        pool_bytes_per_token,
+        pool_hit_rates,
+        tier_block_bytes,
+    )
     from radixkv.obs.trace import tokenize_trace
 
     pols = _policies(args.policies)
@@ -413,6 +477,9 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
         )
     invalid: list = []
     bodies, _ = load_bodies(args.trace)
+    note = model_mismatch(bodies, args.tokenizer, "--tokenizer")
+    if note:
+        print(f"radixkv plan: warning: {note}", file=sys.stderr)
     reqs = [r.sim_request() for r in tokenize_trace(bodies, load_tokenizer(args.tokenizer), invalid=invalid)]
     if invalid:
         no, why = invalid[0]
@@ -426,6 +493,9 @@ def _plan_trace(args: argparse.Namespace, spec: Any) -> dict:
     out["curve"] = hit_rate_curve(reqs, spec, args.kv_dtype, pols, tiers=tiers or None, write_policy=policy)
     if args.target_hit_rate is not None:
         out["target"] = [memory_for_hit_rate(reqs, spec, args.target_hit_rate, args.kv_dtype, p, ps) for p, ps in pols]
+    if pool is not None:  # the engine's pool as --max-total-tokens / --kv-cache-memory-bytes size it
+        t = {m: v["tokens"] for m, v in out["curve"].get("tiers", {}).items()}
+        out["pool_hit_rate"] = pool_hit_rates(reqs, pool["tokens"], pols, t or None, policy)
     return out
 
 
@@ -452,10 +522,11 @@ def run_plan(args: argparse.Namespace) -> int:
         spec = load_spec(model)
         rep = plan_memory(
             spec, args.kv_dtype, args.weight_dtype, args.gpu_memory, args.memory_fraction, args.weights_gb, args.context,
-            args.page_size,
+            args.page_size, args.max_total_tokens, args.kv_cache_memory_bytes,
         )  # fmt: skip
+        rep["kv_dtype_auto"] = args.kv_dtype_auto
         if args.trace:
-            rep.update(_plan_trace(args, spec))
+            rep.update(_plan_trace(args, spec, rep.get("pool")))
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixkv plan: {exc}", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ __all__ = [
     "plan_memory",
     "hit_rate_curve",
     "memory_for_hit_rate",
+    "pool_hit_rates",
     "GB",
 ]
 
@@ -325,6 +326,8 @@ def plan_memory(
     weights_gb: Optional[float] = None,
     context: Optional[int] = None,
     page_size: int = 1,
+    pool_tokens: Optional[int] = None,
+    pool_bytes: Optional[int] = None,
 ) -> dict:
     """The static answers of ``radixkv plan`` as a JSON-ready dict.
 
@@ -337,6 +340,9 @@ def plan_memory(
         context: a sequence length to size (None: skip).
         page_size: the engine's KV page size (``--page-size``): the tokens that fit are whole
             pages, as the engine's pool (:func:`radixkv.config.kv_tokens_for_bytes`).
+        pool_tokens, pool_bytes: the engine's pool as its options size it (``max_total_tokens``
+            or ``kv_cache_memory_bytes``, not both): ``out["pool"]`` its tokens (whole pages) and
+            bytes, and the sequences of ``context`` it holds.
 
     Raises:
         ValueError: bad dtype, a fraction outside (0, 1], a size that is not a finite number
@@ -387,6 +393,60 @@ def plan_memory(
             seq = context * pool_bpt if pool_bpt else spec.sequence_bytes(context, kv_dtype)
             fit["sequences_of_context"] = budget // seq if seq else None
         out["fit"] = fit
+    if pool_tokens is not None or pool_bytes is not None:
+        out["pool"] = _pool(spec, kv_dtype, out["engine_kv_bytes_per_token"] or bpt, page_size, pool_tokens, pool_bytes)
+        if context is not None:
+            seq = context * out["engine_kv_bytes_per_token"] if out["engine_kv_bytes_per_token"] else None
+            seq = seq or spec.sequence_bytes(context, kv_dtype)
+            out["pool"]["sequences_of_context"] = out["pool"]["kv_bytes"] // seq if seq else None
+    return out
+
+
+def _pool(
+    spec: KVSpec, kv_dtype: str, pool_bpt: int, page_size: int, tokens: Optional[int], nbytes: Optional[int]
+) -> dict:
+    """The engine's pool as ``max_total_tokens`` (``tokens``) or ``kv_cache_memory_bytes``
+    (``nbytes``) sizes it: whole pages of ``pool_bpt`` bytes per token (EngineConfig.resolve)."""
+    from radixkv.config import kv_tokens_for_bytes
+
+    if tokens is not None and nbytes is not None:
+        raise ValueError(
+            f"give kv_cache_memory_bytes ({nbytes}) or max_total_tokens ({tokens}), not both "
+            "(--kv-cache-memory-bytes, --max-total-tokens)"
+        )
+    for name, v in (("max_total_tokens", tokens), ("kv_cache_memory_bytes", nbytes)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if tokens is not None:
+        n = tokens - tokens % page_size
+        given = "max_total_tokens"
+    else:
+        n = kv_tokens_for_bytes(nbytes, pool_bpt, page_size)
+        given = "kv_cache_memory_bytes"
+    if n < 1:
+        raise ValueError(f"{given} {tokens if tokens is not None else nbytes} holds no page of {page_size} tokens")
+    return dict(given=given, tokens=n, kv_bytes=n * pool_bpt, kv_gb=n * pool_bpt / GB, page_size=page_size)
+
+
+def pool_hit_rates(requests: Sequence[Any], tokens: int, policies: Sequence[tuple[str, int]], tiers: Optional[dict] = None,
+                   write_policy: Any = None) -> dict:  # fmt: skip
+    """The replay's hit rate of ``requests`` in a pool of ``tokens`` (each policy's page-floored),
+    ``{label: {"tokens", "hit_rate", "skipped"[, "hit_rate_tiers"]}}`` (``tiers``: tokens per
+    medium, as :func:`hit_rate_curve` turns their bytes into)."""
+    from radixkv.sim import simulate
+
+    out: dict = {}
+    for policy, ps in policies:
+        cap = tokens - tokens % ps
+        row: dict = dict(tokens=cap, hit_rate=None, skipped=len(requests))
+        if cap >= ps:
+            r = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False)
+            row.update(hit_rate=r.hit_rate, skipped=r.skipped)
+            if tiers and policy != "none":
+                t = simulate(requests, policy, ps, cap, outcomes=False, keep_requests=False, tiers=tiers,
+                             tier_write_policy=write_policy)  # fmt: skip
+                row["hit_rate_tiers"] = t.hit_rate
+        out[_label(policy, ps)] = row
     return out
 
 

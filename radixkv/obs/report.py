@@ -32,6 +32,15 @@ TOO_LARGE = (
 )
 
 
+_AUTO = ", the engine's default here: --kv-cache-dtype auto"
+
+
+def _pool_rate(row: dict, requests: Optional[int]) -> str:
+    """A pool's hit rate (``plan --max-total-tokens``): as a curve's point, ``-`` when the pool
+    holds no page of that policy."""
+    return "-" if row["hit_rate"] is None else _rate(row, requests)
+
+
 def _rate(point: dict, requests: Optional[int]) -> str:
     """A hit-rate-vs-capacity point: its hit rate (``->`` the rate with tiers), and the requests
     too large for that pool (all of them: no hit rate, ``-``)."""
@@ -138,7 +147,8 @@ def plan_text_report(rep: dict) -> str:
     m = rep["model"]
     out = [
         f"radixkv plan: {m['name']} ({m['attention']}, {m['num_layers']} layers) - source: {m['source']}",
-        f"KV cache per token ({rep['kv_dtype']}): {rep['kv_bytes_per_token']:,} bytes "
+        f"KV cache per token ({rep['kv_dtype']}{_AUTO if rep.get('kv_dtype_auto') else ''}): "
+        f"{rep['kv_bytes_per_token']:,} bytes "
         f"({rep['kv_bytes_per_token_per_layer']:,} per layer x {m['num_layers']})",
     ]
     engine = rep.get("engine_kv_bytes_per_token")
@@ -170,6 +180,14 @@ def plan_text_report(rep: dict) -> str:
             )
         if f.get("sequences_of_context") is not None:
             out.append(f"  = {f['sequences_of_context']:,} sequences of {rep['context']['tokens']:,} tokens")
+    if "pool" in rep:
+        pl = rep["pool"]
+        flag = "--" + pl["given"].replace("_", "-")
+        out.append(f"KV pool ({flag}): {pl['tokens']:,} tokens = {format_bytes(pl['kv_bytes'])} of KV")
+        if pl.get("page_size", 1) > 1:
+            out[-1] += f" (whole pages of {pl['page_size']})"
+        if pl.get("sequences_of_context") is not None:
+            out.append(f"  = {pl['sequences_of_context']:,} sequences of {rep['context']['tokens']:,} tokens")
     if "curve" in rep:
         cv = rep["curve"]
         out.append(
@@ -186,7 +204,14 @@ def plan_text_report(rep: dict) -> str:
             total = rep.get("trace", {}).get("requests")
             pts = "  ".join(f"{format_bytes(r['kv_gb'] * GB)} {_rate(r, total)}" for r in shown)
             out.append(f"  {label:<10} infinite {_pct(cv['infinite'][label])}; {pts}")
-        if any(r.get("skipped") for rows in cv["curves"].values() for r in rows):
+        if "pool_hit_rate" in rep:
+            total = rep.get("trace", {}).get("requests")
+            pts = "  ".join(f"{label} {_pool_rate(r, total)}" for label, r in rep["pool_hit_rate"].items())
+            out.append(f"  in the KV pool of {rep['pool']['tokens']:,} tokens: {pts}")
+        pool_rows = rep.get("pool_hit_rate", {}).values()
+        if any(r.get("skipped") for rows in cv["curves"].values() for r in rows) or any(
+            r.get("skipped") for r in pool_rows
+        ):
             out.append(f"  {TOO_LARGE}")
     if "target" in rep:
         for t in rep["target"]:

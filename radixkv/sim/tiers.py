@@ -27,6 +27,7 @@ from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, t
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
 from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
 from radixkv.engine.tier_io import lookup_stop, merge_spans, shared_len
+from radixkv.tiers.base import keeps_held
 
 __all__ = ["TierModel"]
 
@@ -78,18 +79,19 @@ class TierModel:
         media = [m for m in (self.through if policy == "write_through" else self.back) if m not in skip]
         if isinstance(tokens, (bytes, bytearray)):
             tokens = array("i", tokens)
-        if stop > first:
-            self._put(media, block_digests(tokens, namespace, first, stop))
-        if tail:
+        if tail:  # deepest first, as the engine's I/O thread puts them: the head is the most recent
             key = _tail_key(namespace, tokens, stop)
             self._put(media, [key], tuple(tokens[BLOCK_TOKENS * stop : BLOCK_TOKENS * stop + tail]))
+        if stop > first:
+            self._put(media, block_digests(tokens, namespace, first, stop)[::-1])
 
     def attach(self, events: EventBus) -> None:
         """Follow the pool's cache events on ``events``."""
         events.subscribe(self._on_event, (CacheInserted, CacheEvicted))
 
     def _put(self, media: Sequence[str], digests: Sequence[bytes], value: Any = None) -> None:
-        """Hold ``digests`` (blocks, or one tail: ``value`` its tokens) in ``media``, dropping the
+        """Hold ``digests`` (blocks, or one tail: ``value`` its tokens, kept where the held tail
+        starts with all of them, as the engine's stores do) in ``media``, dropping the
         least recently used entries past the capacity: a block costs its 16 tokens, a tail its
         own (the engine's stores count a record's bytes: a tail's are about ``c / 16`` of a
         block's)."""
@@ -99,6 +101,9 @@ class TierModel:
             for d in digests:
                 if d in held:
                     prev = held[d]
+                    if value is not None and keeps_held(prev, value):  # a longer tail of its tokens: kept
+                        held.move_to_end(d)
+                        continue
                     self.used[m] -= BLOCK_TOKENS if prev is None else len(prev)
                 held[d] = value
                 held.move_to_end(d)

@@ -30,6 +30,7 @@ __all__ = [
     "StoreStats",
     "ThrottledLog",
     "block_nbytes",
+    "keeps_held",
 ]
 
 DEFAULT_DISK_CACHE_BYTES = 8 << 30
@@ -139,6 +140,14 @@ def block_nbytes(block: Block) -> int:
     return block.payload_nbytes + len(block.meta) + 4 * len(block.tokens)
 
 
+def keeps_held(held: Optional[Sequence[int]], new: Sequence[int]) -> bool:
+    """Whether a ``put(..., replace=True)`` of a record of tokens ``new`` keeps the one held under
+    its key, of tokens ``held`` (None: none): when ``held`` starts with all of ``new``, it serves
+    every request ``new`` would, and more (a tail: a shorter one of the same sequence, such as a
+    write-back of the rest of a path whose end was evicted first, replaced the longer one)."""
+    return held is not None and len(held) >= len(new) and tuple(held[: len(new)]) == tuple(new)
+
+
 @runtime_checkable
 class PageStore(Protocol):
     """A KV tier below the pool (host RAM, local disk, a shared Redis): the engine side's only view.
@@ -175,7 +184,8 @@ class PageStore(Protocol):
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
         """Store each block under its key, evicting the tier's least recently used to fit. A key
         already held is only marked used, or with ``replace`` overwritten (tails: the last writer
-        wins)."""
+        wins) unless the held record's tokens start with all of the new one's (:func:`keeps_held`:
+        only marked used)."""
         ...
 
     def delete_all(self) -> None:

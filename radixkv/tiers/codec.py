@@ -38,13 +38,26 @@ import xxhash
 
 from radixkv.tiers.base import BLOCK_TOKENS, Block, BlockKey
 
-__all__ = ["ALIGN", "HEADER_SIZE", "MAGIC", "VERSION", "decode", "encode", "encoded_size", "why_corrupt"]
+__all__ = [
+    "ALIGN",
+    "HEAD_SIZE",
+    "HEADER_SIZE",
+    "MAGIC",
+    "VERSION",
+    "decode",
+    "encode",
+    "encoded_size",
+    "head_tokens",
+    "why_corrupt",
+]
 
 MAGIC = b"RKVB"
 VERSION = 2
 ALIGN = 64
 _HEADER = struct.Struct("<4sHH48sIIQ")
 HEADER_SIZE = _HEADER.size  # 72
+HEAD_SIZE = HEADER_SIZE + 4 * BLOCK_TOKENS
+"""The bytes of a record's start that hold its header and token ids (:func:`head_tokens`)."""
 _SUM = 16
 
 
@@ -127,6 +140,22 @@ def _check(key: BlockKey, view: memoryview, tokens: Optional[Sequence[int]]) -> 
     if _CHECKSUMS[version]((view[:-_SUM],)) != view[-_SUM:]:
         return "checksum", none, none
     return None, slice(meta_at, meta_at + m), slice(pay_at, pay_at + p)
+
+
+def head_tokens(key: BlockKey, head: bytes | bytearray | memoryview) -> tuple[int, ...] | None:
+    """The token ids the record starting with ``head`` (its first :data:`HEAD_SIZE` bytes or
+    more) holds, read from its header, or None when that is not a header of ``key``'s record.
+    Unverified (no checksum: the rest is not read): what a tail's write consults to keep a longer
+    tail of the same tokens (docs/tiers.md, "Tails"), never what a load trusts."""
+    view = memoryview(head).cast("B")
+    if len(view) < HEADER_SIZE:
+        return None
+    magic, version, flags, kb, n, _, _ = _HEADER.unpack_from(view)
+    if magic != MAGIC or version not in _CHECKSUMS or flags or kb != key.to_bytes() or not 1 <= n <= BLOCK_TOKENS:
+        return None
+    if len(view) < HEADER_SIZE + 4 * n:
+        return None
+    return struct.unpack_from(f"<{n}i", view, HEADER_SIZE)
 
 
 def why_corrupt(key: BlockKey, data: bytes | bytearray | memoryview, tokens: Optional[Sequence[int]]) -> str | None:

@@ -13,8 +13,16 @@ from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
 from radixkv.tiers import disk_files as files
-from radixkv.tiers.base import DEFAULT_DISK_CACHE_BYTES, Backoff, Block, BlockKey, StoreStats, ThrottledLog
-from radixkv.tiers.codec import decode, encode, why_corrupt
+from radixkv.tiers.base import (
+    DEFAULT_DISK_CACHE_BYTES,
+    Backoff,
+    Block,
+    BlockKey,
+    StoreStats,
+    ThrottledLog,
+    keeps_held,
+)
+from radixkv.tiers.codec import HEAD_SIZE, decode, encode, head_tokens, why_corrupt
 
 __all__ = ["DiskStore"]
 
@@ -167,6 +175,16 @@ class DiskStore:
         self._touch(name, path, len(data))
         return block
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """Remove each key's record (one the engine side refused after this store's checks: its
+        layout or length is not the pool's), so that a later ``put`` writes a new one."""
+        for key in keys:
+            if self._closed:
+                return
+            name = key.hex()
+            files.drop_entry(files.layout_path(self.path, name))
+            self._forget(name)
+
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key's record used now (a missing one stays missing; nothing is written)."""
         for key in keys:
@@ -218,7 +236,8 @@ class DiskStore:
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
         """Write each block not yet stored (a stored one is only marked used now; with ``replace``
-        written again, atomically), evicting the least recently used records to stay within
+        written again, atomically, unless the stored one's tokens start with all of the new
+        one's: ``keeps_held``), evicting the least recently used records to stay within
         ``capacity_bytes``. Never raises for the disk's failures (counted: ``errors``, ``full``;
         later writes ``skipped`` during the backoff)."""
         with self._put_lock:
@@ -234,6 +253,9 @@ class DiskStore:
         path = files.layout_path(self.path, name)
         if not replace and self._touch(name, path, None):
             return  # stored already (by this process or another): only marked used now
+        if replace and keeps_held(head_tokens(key, files.read_head(path, HEAD_SIZE) or b""), block.tokens):
+            self._touch(name, path, None)  # a longer tail of the same tokens: kept, marked used
+            return
         if not self._backoff.ready():
             self._stats.add(skipped=1)
             return

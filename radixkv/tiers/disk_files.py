@@ -33,6 +33,7 @@ __all__ = [
     "drop_entry",
     "layout_path",
     "prepare",
+    "read_head",
     "read_record",
     "remove_records",
     "scan",
@@ -338,6 +339,21 @@ def read_record(path: str, limit: int) -> tuple[bytes | None, int, int]:
             chunks.append(chunk)
             left -= len(chunk)
         return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), st.st_ino, st.st_size
+    finally:
+        os.close(fd)
+
+
+def read_head(path: str, size: int) -> bytes | None:
+    """Up to the first ``size`` bytes of the regular file at ``path`` (opened as
+    :func:`read_record` opens it), or None: no such file, not a regular file, unreadable."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except OSError:
+        return None
     finally:
         os.close(fd)
 

@@ -6,7 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
-from radixkv.tiers.base import Block, BlockKey, StoreStats, block_nbytes
+from radixkv.tiers.base import Block, BlockKey, StoreStats, block_nbytes, keeps_held
 
 __all__ = ["HostStore"]
 
@@ -88,17 +88,27 @@ class HostStore:
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
 
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """Remove each key's block (one the engine side refused after this store's checks: its
+        layout or length is not the pool's), so that a later ``put`` stores a new one."""
+        with self._lock:
+            for key in keys:
+                b = self._blocks.pop(key, None)
+                if b is not None:
+                    self._used -= block_nbytes(b)
+
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
         """Hold each block (an already held key: only made the most recently used, or with
-        ``replace`` given the new block)."""
+        ``replace`` given the new block, unless the held one's tokens start with all of its own)."""
         written = nbytes = rejected = 0
         evicted: list[tuple[BlockKey, Block]] = []
         with self._lock:
             for key, block in zip(keys, blocks, strict=True):
                 if self._closed:
                     break
-                if key in self._blocks:
-                    if not replace:
+                held = self._blocks.get(key)
+                if held is not None:
+                    if not replace or keeps_held(held.tokens, block.tokens):
                         self._blocks.move_to_end(key)
                         continue
                     self._used -= block_nbytes(self._blocks.pop(key))

@@ -15,8 +15,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from radixkv.tiers.base import Backoff, Block, BlockKey, StoreStats, ThrottledLog
-from radixkv.tiers.codec import decode, encode, why_corrupt
+from radixkv.tiers.base import Backoff, Block, BlockKey, StoreStats, ThrottledLog, keeps_held
+from radixkv.tiers.codec import HEAD_SIZE, decode, encode, head_tokens, why_corrupt
 from radixkv.tiers.redis_url import RedisURL, parse_redis_url
 
 __all__ = ["DEFAULT_TTL_S", "RedisStore", "RedisURL", "parse_redis_url"]
@@ -272,7 +272,8 @@ class RedisStore:
 
     def put(self, keys: Sequence[BlockKey], blocks: Sequence[Block], replace: bool = False) -> None:
         """Write each block (one pipelined round trip of ``SET ... EX ttl``: a held key is always
-        overwritten, ``replace`` or not); never raises for the server's failures (``errors``;
+        overwritten; with ``replace``, first one of ``GETRANGE``: not one whose held record's
+        tokens start with all of the block's, ``keeps_held``); never raises for the server's failures (``errors``;
         while backing off the blocks are ``skipped``)."""
         if len(keys) != len(blocks):
             raise ValueError(f"put: {len(keys)} keys but {len(blocks)} blocks")
@@ -283,6 +284,10 @@ class RedisStore:
         if backing_off:
             self._stats.add(skipped=len(keys))
             return
+        if replace:
+            keys, blocks = self._not_kept(keys, blocks)
+            if not keys:
+                return
         records = list(zip(self._names(keys), (encode(k, b) for k, b in zip(keys, blocks))))
         ttl = self.ttl_s or None
 
@@ -297,6 +302,34 @@ class RedisStore:
             return
         done = [d for (_, d), ok in zip(records, res) if ok is True]
         self._stats.add(blocks_written=len(done), bytes_written=sum(map(len, done)))
+
+    def _not_kept(self, keys: Sequence[BlockKey], blocks: Sequence[Block]) -> tuple[list, list]:
+        """The ``(keys, blocks)`` a ``replace`` writes: not those whose held record's tokens
+        start with all of the block's (``keeps_held``: marked used instead). One round trip of
+        ``GETRANGE`` (the records' headers and token ids); a failure writes them all."""
+        names = self._names(keys)
+
+        def heads(r: Any) -> list:
+            p = r.pipeline(transaction=False)
+            for n in names:
+                p.getrange(n, 0, HEAD_SIZE - 1)
+            # NOTE: a key of another type (WRONGTYPE) is that key's damage: SET replaces it
+            return [None if _wrong_type(v) else v for v in p.execute(raise_on_error=False)]
+
+        got = self._call(heads)
+        if got is _FAIL:
+            return list(keys), list(blocks)
+        kept = [isinstance(h, bytes) and keeps_held(head_tokens(k, h), b.tokens) for k, b, h in zip(keys, blocks, got)]
+        self.touch([k for k, keep in zip(keys, kept) if keep])
+        return [k for k, keep in zip(keys, kept) if not keep], [b for b, keep in zip(blocks, kept) if not keep]
+
+    def drop(self, keys: Sequence[BlockKey]) -> None:
+        """``UNLINK`` each key (a record the engine side refused after this store's checks: its
+        layout or length is not the pool's), so that a later ``put`` stores a new one (one round
+        trip; never raises for the server)."""
+        if keys and not self._closed:
+            names = self._names(keys)
+            self._call(lambda r: r.unlink(*names))
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark each key used now: ``TOUCH`` (the server's LRU clock) and, with a TTL, ``EXPIRE``
