@@ -402,7 +402,12 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
 
 
 def test_serve_refuses_an_unknown_attention_backend_before_loading(capsys):
-    # EngineConfig does not check it: the model runner refused it once the model had loaded
+    # the model runner refused it once the model had loaded; serve, EngineConfig and the
+    # backends take the same names
+    from radixkv.attention import BACKEND_NAMES
+    from radixkv.config import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKEND_NAMES
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--attention-backend", "triton", "--model", "/nonexistent/model"])
     assert exc.value.code == 2
