@@ -9,9 +9,11 @@ The engine runs the fake model of tests/test_scheduler.py (exact token-level ref
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 import pytest
+from random_drive import assert_outputs
 from test_scheduler import FakeRunner, greedy, make_engine, reference, run_all
 
 from radixkv import LLM, AsyncLLM, SamplingParams
@@ -230,6 +232,50 @@ def test_a_tenant_share_of_the_queue_refuses_only_that_tenant():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="max_queued_requests_per_tenant must be None or an integer >= 1"):
             EngineConfig(max_queued_requests_per_tenant=bad).resolve()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_tenants_salts_aborts_forks_and_retractions_keep_the_counts_and_outputs(seed):
+    """Random arrivals of tenants, salts, requests without a tenant and other namespaces, n > 1,
+    aborts and a pool small enough to retract, under a share of 2: a request is refused exactly
+    when 2 or more of its tenant's wait, the per-tenant counts match the unfinished requests after every
+    step (``check_integrity``) and end empty, and every request not aborted equals the reference."""
+    from radixkv.cache.tenants import tenant_of
+    from radixkv.errors import QueueFullError
+
+    rng = random.Random(seed)
+    spaces = [None, A, A2, B, Namespace(salt="x"), "other", Namespace(tenant="c", extra_key="k")]
+    eng = make_engine(capacity=64, page_size=[1, 4][seed], chunk=24, max_running=4, policy=["lpm", "fcfs"][seed])
+    eng.config.max_queued_requests_per_tenant = 2
+    stems = [[rng.randrange(1, 64) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
+    expected, aborted, done, refused = {}, set(), {}, 0
+    for _ in range(600):
+        for ns in [rng.choice(spaces) for _ in range(rng.randrange(3))] if len(expected) + refused < 60 else []:
+            t, running = tenant_of(ns), {r.request_id for r in eng.scheduler.running}
+            queued = sum(tenant_of(g.namespace) == t and g.request_id not in running for g in eng._groups.values())
+            prompt, mt = rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(1, 64)], rng.randrange(1, 16)
+            try:
+                expected[eng.add_request(prompt, greedy(mt, n=rng.choice([1, 2])), namespace=ns)] = reference(
+                    prompt, mt
+                )
+            except QueueFullError:
+                refused += 1
+                assert queued >= 2  # more than 2 when retracted requests went back to the queue
+            else:
+                assert queued < 2
+        if expected and rng.random() < 0.08:
+            rid = rng.choice(sorted(expected))
+            eng.abort_request(rid)
+            aborted.add(rid)
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        eng.check_integrity()
+        if len(expected) + refused >= 60 and not eng.has_unfinished_requests():
+            break
+    assert refused > 0 and eng.cache_stats()["num_retractions"] > 0 and eng._unfinished_by_tenant == {}
+    assert_outputs(expected, aborted, done)
+    eng._unfinished_by_tenant["a"] = 1  # a leaked count is caught
+    with pytest.raises(AssertionError, match="per-tenant counts"):
+        eng.check_integrity()
 
 
 # ---------------------------------------------------------------------------- Python API
