@@ -201,6 +201,33 @@ def test_the_tenants_turns_keep_each_tenants_own_longest_prefix_first():
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("tier_load", [True, False])
+def test_a_request_waiting_for_the_kv_tiers_keeps_its_tenants_turn(tier_load):
+    """Two rows: c0 then f0 are admitted, c1 waits (c's turn: admitted before f). f1 arrives and,
+    with ``tier_load``, waits a step for its blocks from the KV tiers (the scheduler skips it).
+    When c0 finishes, c's turn comes first either way: f1 waits in the queue, so f is no new
+    tenant (first in turn); with the tier load f was forgotten and f1 went before c1."""
+    eng = make_engine(capacity=2048, chunk=48, max_running=2)
+    C = Namespace(tenant="c")
+    got, loading = [], set()
+    eng.events.subscribe(got.append, (RequestAdmitted,))
+    eng.kv.tier_waiting = lambda r: r.request_id in loading  # as KVManager's: a tier load under way
+    prompt = {n: [60 + i] + [1 + (i * 7 + t) % 39 for t in range(47)] for i, n in enumerate(("c0", "f0", "c1", "f1"))}
+    tokens = {"c0": 3, "f0": 8, "c1": 2, "f1": 2}
+    for name, ns in (("c0", C), ("f0", F), ("c1", C)):
+        eng.add_request(prompt[name], greedy(tokens[name]), request_id=name, namespace=ns)
+    outs = eng.step() + eng.step()  # c0, then f0 (f: a new tenant): both rows taken, c1 waits
+    if tier_load:
+        loading.add("f1")
+    eng.add_request(prompt["f1"], greedy(tokens["f1"]), request_id="f1", namespace=F)
+    outs += eng.step()  # no row free: nothing admitted (f1's blocks on their way); c0 finishes
+    loading.clear()
+    done = {o.request_id: o for o in outs if o.finished} | run_all(eng)
+    assert [e.request_id for e in got] == ["c0", "f0", "c1", "f1"]
+    assert {n: done[n].outputs[0].token_ids for n in done} == {n: reference(prompt[n], k) for n, k in tokens.items()}
+    eng.check_integrity()
+
+
 def test_a_tenant_share_of_the_queue_refuses_only_that_tenant():
     """``max_queued_requests_per_tenant`` 2: a's third waiting request is refused (a
     QueueFullError naming the field and the tenant) while b's and the tenant-less requests are
