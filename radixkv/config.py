@@ -16,6 +16,7 @@ from radixkv.spec.config import SpeculativeConfig, parse_speculative_config
 
 PREFIX_CACHES = ("radix", "hash", "none")
 EVICTION_POLICIES = ("lru", "lfu", "gdf", "reuse-odds")  # radixkv.cache.evict_policy (config stays a leaf)
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "flashinfer")  # radixkv.attention.BACKEND_NAMES (config stays a leaf)
 TIER_MEDIA = ("host", "disk", "remote")  # the KV tiers below the pool, in lookup order (docs/tiers.md)
 TIER_WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_WRITE_POLICY = {"host": "write_back", "disk": "write_through", "remote": "write_through"}
@@ -174,7 +175,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"auto", "torch", "cpu" (native CPU kernels) or "flashinfer"; "auto" picks flashinfer on CUDA (a
     bfloat16 / float16 KV pool), cpu on an AVX2 CPU with a K/V dtype of
-    ``radixkv.attention.CPU_AUTO_KV_DTYPES``, else torch."""
+    ``radixkv.attention.CPU_AUTO_KV_DTYPES``, else torch. Another name, or "flashinfer" off CUDA,
+    is a ValueError naming the field, before the model loads."""
 
     quantization: Optional[str] = None
     """None (exact weights) or "int8": CPU-only, lossy int8 linear layers for decode speed
@@ -462,7 +464,8 @@ class EngineConfig:
 
     def _check_plain_fields(self) -> None:
         """The fields nothing else checks: ``model``'s type, ``seed``, the bool switches, ``hash_algo``,
-        ``quantization`` (its device and dtype too, before the model loads)."""
+        ``attention_backend`` (flashinfer's device too) and ``quantization`` (its device and dtype
+        too), before the model loads."""
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model).strip():
             raise ValueError(f"model must be a model name or path (a non-empty str), got {self.model!r}")
         s = self.seed
@@ -473,6 +476,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:  # else the model runner refused it once the model loaded
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "flashinfer" and torch.device(self.device).type != "cuda":
+            raise ValueError(f"attention_backend 'flashinfer' needs a CUDA device, got device={self.device!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantization is not None and (torch.device(self.device).type != "cpu" or self.dtype != torch.float32):

@@ -181,6 +181,15 @@ def test_explain_refuses_kv_tiers_without_a_prefix_cache(capsys):
     )
 
 
+def test_explain_and_plan_say_a_trace_that_is_a_directory_is_one(tmp_path, capsys):
+    # `radixkv explain /etc` said "trace file '/etc' not found"
+    line = f"trace {str(tmp_path)!r} is a directory, not a trace file (a JSONL file of request bodies)"
+    assert refused(["explain", str(tmp_path)], capsys) == f"radixkv explain: {line}"
+    assert refused(["plan", "--trace", str(tmp_path)], capsys) == f"radixkv plan: {line}"
+    missing = str(tmp_path / "missing.jsonl")
+    assert refused(["explain", missing], capsys) == f"radixkv explain: trace file {missing!r} not found"
+
+
 def test_serve_checks_the_request_log_as_the_log_creates_it(tmp_path, capsys):
     """The check at start creates the file as the request log does: private (0600), since it
     holds every tenant's prompts (the check's own open left it 0644 for the log to reuse)."""
@@ -420,7 +429,12 @@ def test_serve_refuses_a_port_in_use_before_loading(capsys):
 
 
 def test_serve_refuses_an_unknown_attention_backend_before_loading(capsys):
-    # EngineConfig does not check it: the model runner refused it once the model had loaded
+    # the model runner refused it once the model had loaded; serve, EngineConfig and the
+    # backends take the same names
+    from radixkv.attention import BACKEND_NAMES
+    from radixkv.config import ATTENTION_BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKEND_NAMES
     with pytest.raises(SystemExit) as exc:
         main(["serve", "--attention-backend", "triton", "--model", "/nonexistent/model"])
     assert exc.value.code == 2

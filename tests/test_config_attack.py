@@ -51,6 +51,13 @@ def tiny():
         ("quantization", "int4", "quantization must be one of (None, 'int8'), got 'int4'"),
         ("quantization", "", "quantization must be one of (None, 'int8')"),
         ("max_total_tokens", True, "max_total_tokens must be an integer >= page_size (1), got True"),
+        (
+            "attention_backend",
+            "foo",
+            "attention_backend must be one of ('auto', 'torch', 'cpu', 'flashinfer'), got 'foo'",
+        ),
+        ("attention_backend", None, "attention_backend must be one of"),
+        ("attention_backend", "flashinfer", "attention_backend 'flashinfer' needs a CUDA device, got device='cpu'"),
     ],
 )
 def test_a_bad_setting_is_a_value_error_naming_it(field, value, words):
@@ -72,7 +79,13 @@ def test_both_fronts_refuse_a_bad_setting_before_loading(front, monkeypatch):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(engine_mod, "_load", no_load)
-    for kw in ({"seed": "1"}, {"device": "tpu"}, {"hash_algo": "md5"}, {"quantization": "int4"}):
+    for kw in (
+        {"seed": "1"},
+        {"device": "tpu"},
+        {"hash_algo": "md5"},
+        {"quantization": "int4"},
+        {"attention_backend": "foo"},
+    ):
         with pytest.raises(ValueError, match=next(iter(kw))):
             front(**kw)
 

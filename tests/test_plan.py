@@ -72,6 +72,26 @@ def test_sliding_windows_and_the_1m_token_figures():
         load_spec("llama-3-8b").bytes_per_token("int3")
 
 
+def test_sizes_past_a_petabyte_are_refused_naming_the_flag(capsys):
+    """`radixkv plan --gpu-memory 1e30` printed a 39-digit token count (and float noise in the KV
+    budget's digits): sizes are at most MAX_GB (bytes exact in a float), the error names the flag."""
+    from radixkv.cli import main
+    from radixkv.obs.plan import MAX_GB
+
+    s = load_spec("llama-3-8b")
+    assert MAX_GB * GB < 2**53 and plan_memory(s, gpu_memory_gb=MAX_GB)["fit"]["tokens"] == (
+        (int(MAX_GB * GB * 0.9) - 2 * 8_030_261_248) // 131072
+    )
+    for kw, flag in (("gpu_memory_gb", "--gpu-memory"), ("weights_gb", "--weights-gb")):
+        with pytest.raises(ValueError) as e:
+            plan_memory(s, **{"gpu_memory_gb": 80, kw: 1e30})
+        assert str(e.value) == f"{kw} ({flag}) must be at most 1,000,000 GB (a petabyte), got 1e+30"
+    assert main(["plan", "--gpu-memory", "1e30"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "radixkv plan: gpu_memory_gb (--gpu-memory) must be at most 1,000,000 GB (a petabyte), got 1e+30"
+    )
+
+
 def test_tokens_that_fit_after_the_weights():
     s = load_spec("llama-3-8b")
     rep = plan_memory(s, "fp8", "bf16", gpu_memory_gb=80, memory_fraction=0.9, context=131072)

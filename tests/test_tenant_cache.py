@@ -9,9 +9,11 @@ The engine runs the fake model of tests/test_scheduler.py (exact token-level ref
 from __future__ import annotations
 
 import asyncio
+import random
 
 import numpy as np
 import pytest
+from random_drive import assert_outputs
 from test_scheduler import FakeRunner, greedy, make_engine, reference, run_all
 
 from radixkv import LLM, AsyncLLM, SamplingParams
@@ -287,6 +289,33 @@ def test_the_tenants_turns_keep_each_tenants_own_longest_prefix_first():
     eng.check_integrity()
 
 
+@pytest.mark.parametrize("tier_load", [True, False])
+def test_a_request_waiting_for_the_kv_tiers_keeps_its_tenants_turn(tier_load):
+    """Two rows: c0 then f0 are admitted, c1 waits (c's turn: admitted before f). f1 arrives and,
+    with ``tier_load``, waits a step for its blocks from the KV tiers (the scheduler skips it).
+    When c0 finishes, c's turn comes first either way: f1 waits in the queue, so f is no new
+    tenant (first in turn); with the tier load f was forgotten and f1 went before c1."""
+    eng = make_engine(capacity=2048, chunk=48, max_running=2)
+    C = Namespace(tenant="c")
+    got, loading = [], set()
+    eng.events.subscribe(got.append, (RequestAdmitted,))
+    eng.kv.tier_waiting = lambda r: r.request_id in loading  # as KVManager's: a tier load under way
+    prompt = {n: [60 + i] + [1 + (i * 7 + t) % 39 for t in range(47)] for i, n in enumerate(("c0", "f0", "c1", "f1"))}
+    tokens = {"c0": 3, "f0": 8, "c1": 2, "f1": 2}
+    for name, ns in (("c0", C), ("f0", F), ("c1", C)):
+        eng.add_request(prompt[name], greedy(tokens[name]), request_id=name, namespace=ns)
+    outs = eng.step() + eng.step()  # c0, then f0 (f: a new tenant): both rows taken, c1 waits
+    if tier_load:
+        loading.add("f1")
+    eng.add_request(prompt["f1"], greedy(tokens["f1"]), request_id="f1", namespace=F)
+    outs += eng.step()  # no row free: nothing admitted (f1's blocks on their way); c0 finishes
+    loading.clear()
+    done = {o.request_id: o for o in outs if o.finished} | run_all(eng)
+    assert [e.request_id for e in got] == ["c0", "f0", "c1", "f1"]
+    assert {n: done[n].outputs[0].token_ids for n in done} == {n: reference(prompt[n], k) for n, k in tokens.items()}
+    eng.check_integrity()
+
+
 def test_a_tenant_share_of_the_queue_refuses_only_that_tenant():
     """``max_queued_requests_per_tenant`` 2: a's third waiting request is refused (a
     QueueFullError naming the field and the tenant) while b's and the tenant-less requests are
@@ -318,6 +347,50 @@ def test_a_tenant_share_of_the_queue_refuses_only_that_tenant():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="max_queued_requests_per_tenant must be None or an integer >= 1"):
             EngineConfig(max_queued_requests_per_tenant=bad).resolve()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_tenants_salts_aborts_forks_and_retractions_keep_the_counts_and_outputs(seed):
+    """Random arrivals of tenants, salts, requests without a tenant and other namespaces, n > 1,
+    aborts and a pool small enough to retract, under a share of 2: a request is refused exactly
+    when 2 or more of its tenant's wait, the per-tenant counts match the unfinished requests after every
+    step (``check_integrity``) and end empty, and every request not aborted equals the reference."""
+    from radixkv.cache.tenants import tenant_of
+    from radixkv.errors import QueueFullError
+
+    rng = random.Random(seed)
+    spaces = [None, A, A2, B, Namespace(salt="x"), "other", Namespace(tenant="c", extra_key="k")]
+    eng = make_engine(capacity=64, page_size=[1, 4][seed], chunk=24, max_running=4, policy=["lpm", "fcfs"][seed])
+    eng.config.max_queued_requests_per_tenant = 2
+    stems = [[rng.randrange(1, 64) for _ in range(rng.randrange(3, 30))] for _ in range(3)]
+    expected, aborted, done, refused = {}, set(), {}, 0
+    for _ in range(600):
+        for ns in [rng.choice(spaces) for _ in range(rng.randrange(3))] if len(expected) + refused < 60 else []:
+            t, running = tenant_of(ns), {r.request_id for r in eng.scheduler.running}
+            queued = sum(tenant_of(g.namespace) == t and g.request_id not in running for g in eng._groups.values())
+            prompt, mt = rng.choice(stems)[: rng.randrange(1, 30)] + [rng.randrange(1, 64)], rng.randrange(1, 16)
+            try:
+                expected[eng.add_request(prompt, greedy(mt, n=rng.choice([1, 2])), namespace=ns)] = reference(
+                    prompt, mt
+                )
+            except QueueFullError:
+                refused += 1
+                assert queued >= 2  # more than 2 when retracted requests went back to the queue
+            else:
+                assert queued < 2
+        if expected and rng.random() < 0.08:
+            rid = rng.choice(sorted(expected))
+            eng.abort_request(rid)
+            aborted.add(rid)
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+        eng.check_integrity()
+        if len(expected) + refused >= 60 and not eng.has_unfinished_requests():
+            break
+    assert refused > 0 and eng.cache_stats()["num_retractions"] > 0 and eng._unfinished_by_tenant == {}
+    assert_outputs(expected, aborted, done)
+    eng._unfinished_by_tenant["a"] = 1  # a leaked count is caught
+    with pytest.raises(AssertionError, match="per-tenant counts"):
+        eng.check_integrity()
 
 
 # ---------------------------------------------------------------------------- Python API

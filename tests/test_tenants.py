@@ -6,7 +6,8 @@ cache and never reach another tenant's, ``cache_salt`` validation on every endpo
 Responses that belong to their tenant (another tenant's id answers as an unknown one), per-tenant
 metrics without keys in them, the request log's tenant, and soft quotas: a tenant flooding 10x
 its quota leaves another tenant's hot prefix cached (exact ``cached_tokens``), while a tenant
-without a quota flooding as much evicts it (the control). Also the start-up errors of the keys
+without a quota flooding as much evicts it (the control); a tenant's share of the queue: its
+extra request is a 429 ``queue_full`` while another tenant's is accepted and served. Also the start-up errors of the keys
 flags (both at once, a malformed file) and the keys file's parser."""
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import os
 import random
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -49,12 +52,13 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """``python -m radixkv serve --api-keys-file`` on a free port; its base URL, log and trace."""
+    """``python -m radixkv serve --api-keys-file`` on a free port; its base URL, log and trace. One
+    request runs at a time and one of each tenant may wait (the other tests send one at a time)."""
     d = tmp_path_factory.mktemp("tenants")
     (d / "keys.json").write_text(json.dumps(KEYS))
     trace, log = d / "trace.jsonl", d / "serve.log"
     args = ["--api-keys-file", d / "keys.json", "--max-total-tokens", CAPACITY, "--log-requests", trace,
-            "--log-level", "info"]  # fmt: skip
+            "--log-level", "info", "--max-running-requests", 1, "--max-queued-requests-per-tenant", 1]  # fmt: skip
     with serve_process(args, log) as (base, proc):
         yield dict(base=base, log=log, trace=trace, proc=proc)
 
@@ -256,6 +260,51 @@ def test_a_flood_over_its_quota_leaves_another_tenants_hot_prefix(served):
     assert stats(served)["tenants"].get("victim", {}).get("cached", 0) < n
     n2, c2 = chat(served, "victim", q)
     assert n2 == n and c2 < n - 1
+
+
+# ---------------------------------------------------------------------------- queue shares
+def _waiting(served, n: int, timeout: float = 120.0) -> None:
+    """Until exactly ``n`` requests wait for admission (``/cache_stats``' ``waiting``)."""
+    deadline = time.monotonic() + timeout
+    while stats(served)["waiting"] != n:
+        assert time.monotonic() < deadline, f"never {n} waiting requests"
+        time.sleep(0.02)
+
+
+def test_a_tenants_share_of_the_queue_refuses_only_that_tenant(served):
+    """One running request at a time, one waiting request per tenant (the fixture): bob's long
+    stream runs and his second request waits, so his third is a 429 ``queue_full`` naming
+    ``max_queued_requests_per_tenant``; alice's request is still accepted, and once bob's stream
+    is closed (aborted) both waiting requests complete."""
+    bob, alice = client(served, "bob"), client(served, "alice")
+    done: dict = {}
+
+    def send(name: str, c, prompt: str) -> None:
+        done[name] = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+
+    long = bob.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2000, temperature=0,
+                                  stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    threads = []
+    try:
+        next(iter(long))  # bob's first request runs (its first output came)
+        threads.append(threading.Thread(target=send, args=("bob", bob, "Name a colour.")))
+        threads[-1].start()
+        _waiting(served, 1)  # bob's second waits
+        with pytest.raises(openai.RateLimitError) as e:
+            bob.completions.create(model=MODEL, prompt="Name a fruit.", max_tokens=2)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        assert "1 of tenant 'bob'" in e.value.body["message"]
+        assert "max_queued_requests_per_tenant is 1" in e.value.body["message"]
+        threads.append(threading.Thread(target=send, args=("alice", alice, "Name a tree.")))
+        threads[-1].start()
+        _waiting(served, 2)  # alice's is accepted beside bob's waiting one
+    finally:
+        long.close()  # the client goes away: bob's first request is aborted
+        for t in threads:
+            t.join(timeout=300)
+    assert done["alice"].usage.completion_tokens == done["bob"].usage.completion_tokens == 2
+    s = stats(served)
+    assert (s["running"], s["waiting"]) == (0, 0)
 
 
 # ---------------------------------------------------------------------------- start-up errors

@@ -22,6 +22,7 @@ message into the inbox, which the driver applies in order at the start of its ne
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -1156,5 +1157,10 @@ class Engine:
 
     def check_integrity(self) -> None:
         """Raise AssertionError when slot ownership is inconsistent: the cache's own check, and
-        every slot counted exactly once among free, cached, held by requests and pins."""
+        every slot counted exactly once among free, cached, held by requests and pins; or when
+        the unfinished requests counted per tenant (``max_queued_requests_per_tenant``'s count)
+        differ from the unfinished requests' own tenants (a leaked or a lost count)."""
         self.kv.check_integrity(itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        with self._work:
+            counts = dict(collections.Counter(tenant_of(g.namespace) for g in self._groups.values()))
+            assert self._unfinished_by_tenant == counts, f"per-tenant counts {self._unfinished_by_tenant} != {counts}"

@@ -238,8 +238,9 @@ class Scheduler:
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
             reqs.sort(key=lambda r: -lens[id(r)])  # stable: ties keep queue order
-        if self._last_turn:  # forget the tenants with nothing waiting (a new request starts a new turn)
-            tenants = {tenant_of(r.namespace) for r in reqs}
+        if self._last_turn:  # forget the tenants with nothing waiting (a new request starts a new turn);
+            # NOTE: a request waiting for its tier blocks waits too (its tenant keeps its turn)
+            tenants = {tenant_of(r.namespace) for r in self.waiting}
             self._last_turn = {t: n for t, n in self._last_turn.items() if t in tenants}
         return tenants_in_turn(reqs, self._last_turn), lens
 

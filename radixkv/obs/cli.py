@@ -40,7 +40,8 @@ def load_bodies(trace: str) -> tuple[list[dict], Optional[list[int]]]:
     (None for a built-in trace).
 
     Raises:
-        ValueError: an unknown built-in trace or a malformed file. FileNotFoundError: no such file.
+        ValueError: an unknown built-in trace, a directory or a malformed file. FileNotFoundError:
+            no such file.
     """
     from radixkv.obs import synthetic
     from radixkv.obs.trace import read_trace_lines
@@ -62,6 +63,8 @@ def load_bodies(trace: str) -> tuple[list[dict], Optional[list[int]]]:
         convs = _count(trace, "CONVERSATIONS", parts[1]) if len(parts) > 1 else 24
         turns = _count(trace, "TURNS", parts[2]) if len(parts) > 2 else 4
         return synthetic.sharegpt_multi_turn_trace(convs, turns), None
+    if Path(trace).is_dir():
+        raise ValueError(f"trace {trace!r} is a directory, not a trace file (a JSONL file of request bodies)")
     if not Path(trace).is_file():
         raise FileNotFoundError(f"trace file {trace!r} not found")
     return read_trace_lines(trace)

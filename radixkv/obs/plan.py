@@ -55,6 +55,11 @@ __all__ = [
 GB = 10**9
 """Memory sizes are decimal gigabytes (as GPU vendors count them)."""
 
+MAX_GB = 1_000_000
+"""The largest ``gpu_memory_gb`` / ``weights_gb`` (``--gpu-memory`` / ``--weights-gb``): a
+petabyte, far past any GPU, and still below 2**53 bytes, so that every byte count computed from
+it in floating point is exact (``1e30`` printed a 39-digit token count with float noise in it)."""
+
 DTYPE_BYTES = {
     "float32": 4,
     "fp32": 4,
@@ -346,7 +351,8 @@ def plan_memory(
 
     Raises:
         ValueError: bad dtype, a fraction outside (0, 1], a size that is not a finite number
-            (``gpu_memory_gb`` > 0, ``weights_gb`` >= 0), or unknown weights with a GPU size.
+            (``gpu_memory_gb`` > 0, ``weights_gb`` >= 0) or one above :data:`MAX_GB`, or unknown
+            weights with a GPU size.
     """
     if not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
@@ -360,6 +366,12 @@ def plan_memory(
         raise ValueError(f"gpu_memory_gb must be a finite number > 0 (GB), got {gpu_memory_gb!r}")
     if weights_gb is not None and not (math.isfinite(weights_gb * GB) and weights_gb >= 0):
         raise ValueError(f"weights_gb must be a finite number >= 0 (GB), got {weights_gb!r}")
+    for name, flag, size in (
+        ("gpu_memory_gb", "--gpu-memory", gpu_memory_gb),
+        ("weights_gb", "--weights-gb", weights_gb),
+    ):
+        if size is not None and size > MAX_GB:
+            raise ValueError(f"{name} ({flag}) must be at most {MAX_GB:,} GB (a petabyte), got {size!r}")
     dtype_bytes(weight_dtype, "weight dtype")
     bpt = spec.bytes_per_token(kv_dtype)
     out: dict = dict(

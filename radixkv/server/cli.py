@@ -19,7 +19,7 @@ import logging
 import sys
 from typing import Any, Optional
 
-from radixkv.config import parse_bytes, parse_memory_bytes
+from radixkv.config import ATTENTION_BACKENDS, parse_bytes, parse_memory_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
 from radixkv.server.body import DEFAULT_MAX_REQUEST_BYTES
 from radixkv.spec import config as spec_config
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--schedule-policy", choices=["lpm", "fcfs"], default="lpm", help="admission order (default: %(default)s)"
     )
     g.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flashinfer"],
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
         help="attention kernels (default: %(default)s)",
     )  # fmt: skip
     g.add_argument(
