@@ -293,7 +293,7 @@ def test_a_tenants_share_of_the_queue_refuses_only_that_tenant(served):
         with pytest.raises(openai.RateLimitError) as e:
             bob.completions.create(model=MODEL, prompt="Name a fruit.", max_tokens=2)
         assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
-        assert "1 of tenant 'bob'" in e.value.body["message"]
+        assert "1 requests of tenant 'bob' wait" in e.value.body["message"]
         assert "max_queued_requests_per_tenant is 1" in e.value.body["message"]
         threads.append(threading.Thread(target=send, args=("alice", alice, "Name a tree.")))
         threads[-1].start()

@@ -586,9 +586,9 @@ class Engine:
             mine = {r.request_id for r in running if tenant_of(r.namespace) == tenant}
             queued = self._unfinished_by_tenant.get(tenant, 0) - len(mine)
             if queued >= share:
-                who = "requests without a tenant" if tenant is None else f"tenant {tenant!r}'s requests"
+                who = "without a tenant" if tenant is None else f"of tenant {tenant!r}"
                 raise QueueFullError(
-                    f"the tenant's share of the queue is full: {queued} of {who} wait for admission, "
+                    f"the tenant's share of the queue is full: {queued} requests {who} wait for admission, "
                     f"max_queued_requests_per_tenant is {share}; retry later",
                     "max_queued_requests_per_tenant",
                 )
