@@ -330,7 +330,8 @@ def test_a_tenant_share_of_the_queue_refuses_only_that_tenant():
     with pytest.raises(QueueFullError) as info:
         eng.add_request([5, 6, 8], p, namespace=A)
     assert info.value.param == "max_queued_requests_per_tenant"
-    assert "2 requests of tenant 'a' wait" in str(info.value) and "max_queued_requests_per_tenant is 2" in str(info.value)
+    msg = str(info.value)
+    assert "2 requests of tenant 'a' wait" in msg and "max_queued_requests_per_tenant is 2" in msg
     with pytest.raises(QueueFullError, match="2 requests without a tenant wait"):
         eng.add_request([5, 6, 8], p)
     eng.abort_request(eng.add_request([9], p, namespace=Namespace(tenant="c")))
