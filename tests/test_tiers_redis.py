@@ -561,8 +561,8 @@ def test_an_idle_async_engines_stats_reads_see_redis_come_back(redis_server):
     computed: queue.Queue = queue.Queue()  # every stats the engine computes, in order
     own = engine.cache_stats
 
-    def counted():
-        s = own()
+    def counted(**kw):
+        s = own(**kw)
         computed.put(s)
         return s
 
