@@ -211,8 +211,8 @@ class EngineConfig:
 
     schedule_policy: str = "lpm"
     """"lpm" (longest cached prefix first, as SGLang) or "fcfs". Either way, when requests of
-    several tenants wait, admission takes the tenants in turn (round robin, in the order of each
-    tenant's best-placed request), each tenant's own requests in policy order."""
+    several tenants wait, admission takes the tenants in turn (round robin, the tenant admitted
+    longest ago first), each tenant's own requests in policy order."""
 
     seed: int = 0
     """Seed of the engine's generator, used by requests without their own seed: an integer in
