@@ -1,5 +1,5 @@
 """KV tiers in the cache simulator (radixkv/sim/tiers.py) and `radixkv plan --trace` with them:
-tiers by capacity fed by the pool's cache events, lookups as the engine's, the same cached tokens
+tiers by capacity written as the engine writes them, lookups as the engine's, the same cached tokens
 by tier as the engine over the same requests, and the plan's hit rate without and with tiers."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from tier_fakes import VOCAB, MemoryStore, kv_engine, reference, run_all
 
 from radixkv import LLM
 from radixkv.cache.digests import block_digests
-from radixkv.engine.events import CacheEvicted, CacheInserted, EventBus
 from radixkv.memory.kv_io import layout_of
 from radixkv.obs.plan import hit_rate_curve
 from radixkv.sampling_params import SamplingParams
@@ -22,23 +21,23 @@ from radixkv.sim.tiers import TierModel
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_tier_model_takes_inserted_or_evicted_blocks_lru_within_capacity():
-    bus = EventBus()
+def test_tier_model_takes_written_blocks_lru_within_capacity():
+    """The engine's writes (``TierModel.write``): write-through blocks go to the write-through
+    tiers, evicted ones to the write-back tiers, each least recently used first within its
+    capacity; lookups as the engine's, in whole pages."""
     tm = TierModel({"host": 32, "disk": 48})  # host: write-back, 2 blocks; disk: write-through, 3 blocks
-    tm.attach(bus)
     toks = list(range(1, 81))
     d = block_digests(toks, None, 0, 5)
-    bus.emit(CacheInserted(seq=1, namespace=None, num_tokens=80, first_block=0, block_digests=tuple(d)))
-    assert list(tm.held["disk"]) == d[2:] and not tm.held["host"]  # the last 3 (LRU beyond capacity)
-    bus.emit(CacheEvicted(seq=2, namespace=None, num_tokens=32, block_digests=tuple(d[:2])))
-    assert list(tm.held["host"]) == d[:2]
-    bus.emit(CacheInserted(seq=3, namespace=None, num_tokens=16, first_block=0, block_digests=(d[0],), medium="disk"))
-    assert list(tm.held["disk"]) == d[2:]  # a tier's own event is not the pool's
-    # lookup after 5 pool tokens, below position 79: host holds blocks 0-1, disk 2-4
-    assert tm.lookup(None, toks, 5, 79 // 16 * 16, 1) == [(5, 32, "host"), (32, 64, "disk")]
-    assert tm.lookup(None, toks, 0, 64, 32) == [(0, 32, "host"), (32, 64, "disk")]  # pages of 32
-    assert tm.lookup(None, toks, 0, 64, 64) == [(0, 32, "host"), (32, 64, "disk")]
-    assert tm.lookup(None, toks, 0, 48, 32) == [(0, 32, "host")]  # the run floored to whole pages
+    tm.write("write_through", None, toks, 0, 5)
+    assert set(tm.held["disk"]) == set(d[:3]) and not tm.held["host"]  # deepest first: the head stays
+    tm.write("write_back", None, toks, 3, 5)
+    assert set(tm.held["host"]) == set(d[3:5])
+    tm.write("write_through", None, toks, 0, 1, skip=("disk",))  # a tier the block came from: skipped
+    assert set(tm.held["disk"]) == set(d[:3])
+    # lookup after 5 pool tokens, below position 79: disk holds blocks 0-2, host 3-4
+    assert tm.lookup(None, toks, 5, 79 // 16 * 16, 1) == [(5, 48, "disk"), (48, 64, "host")]
+    assert tm.lookup(None, toks, 0, 64, 32) == [(0, 48, "disk"), (48, 64, "host")]  # pages of 32
+    assert tm.lookup(None, toks, 0, 48, 32) == [(0, 32, "disk")]  # the run floored to whole pages
     assert tm.lookup("other", toks, 0, 64, 1) == []  # another namespace: other digests
     with pytest.raises(ValueError, match="tier"):
         TierModel({"tape": 16})

@@ -1,5 +1,5 @@
 """KV tiers in the cache simulator: each tier a capacity of 16-token blocks, least recently used
-first, fed by the simulated pool's cache events (docs/tiers.md).
+first, written as the engine writes its tiers (docs/tiers.md).
 
 A tier holds block digests (:mod:`radixkv.cache.digests`: chained, namespace-seeded) and tails
 (the partial block after a sequence's whole blocks, under its
@@ -8,8 +8,7 @@ capacity, a tail its own, as the engine's stores count a record's bytes). The
 simulator hands the model to its KV manager as its tiers, so the model hears the engine's own
 writes (:meth:`TierModel.write`): a write-through tier takes every block that becomes fully
 cached in the pool and the tail after them, a write-back tier every block the pool evicts and
-the tail of each evicted path. (:meth:`TierModel.attach` follows the pool's cache events instead:
-blocks only.) A request's lookup, after the pool's match, takes the longest run of following
+the tail of each evicted path. A request's lookup, after the pool's match, takes the longest run of following
 whole blocks that some tier holds (in tier order, each block from the first tier holding it; the
 run refreshed there), then the part of the tail after them that the first tier holding one
 shares with the request's tokens, page-floored, below its last token: what the engine would
@@ -25,7 +24,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from radixkv.cache.digests import BLOCK_TOKENS, block_digests, namespace_seed, tail_digest
 from radixkv.config import DEFAULT_WRITE_POLICY, TIER_MEDIA
-from radixkv.engine.events import CacheEvicted, CacheInserted, Event, EventBus
 from radixkv.engine.tier_io import lookup_stop, merge_spans, shared_len
 from radixkv.tiers.base import keeps_held
 
@@ -85,10 +83,6 @@ class TierModel:
         if stop > first:
             self._put(media, block_digests(tokens, namespace, first, stop)[::-1])
 
-    def attach(self, events: EventBus) -> None:
-        """Follow the pool's cache events on ``events``."""
-        events.subscribe(self._on_event, (CacheInserted, CacheEvicted))
-
     def _put(self, media: Sequence[str], digests: Sequence[bytes], value: Any = None) -> None:
         """Hold ``digests`` (blocks, or one tail: ``value`` its tokens, kept where the held tail
         starts with all of them, as the engine's stores do) in ``media``, dropping the
@@ -111,12 +105,6 @@ class TierModel:
             while self.used[m] > cap:
                 _, v = held.popitem(last=False)
                 self.used[m] -= BLOCK_TOKENS if v is None else len(v)
-
-    def _on_event(self, ev: Event) -> None:
-        if isinstance(ev, CacheInserted) and ev.medium == "device":
-            self._put(self.through, ev.block_digests)
-        elif isinstance(ev, CacheEvicted) and ev.block_digests:
-            self._put(self.back, ev.block_digests)
 
     def lookup(self, namespace: Any, tokens: Sequence[int], start: int, limit: int, page_size: int) -> List[tuple]:
         """``(lo, hi, medium)`` spans of ``tokens`` after the ``start`` the pool holds, up to
