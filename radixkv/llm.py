@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import signal
@@ -297,6 +298,7 @@ class LLM:
         """The body of :meth:`_run_locked`: submit, step until done, abort what is left on error
         (``interrupted()``, between two steps, raises a held Ctrl-C)."""
         engine = self.engine
+        _check_batch(engine.config, spaces)
         rids: List[str] = []
         results: Dict[str, RequestOutput] = {}
         hooks: Dict[str, FinishHook] = {}
@@ -477,6 +479,27 @@ class LLM:
         another thread runs (read without waiting for it; the same method as
         :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
         return self.engine.num_unfinished_requests()
+
+
+def _check_batch(config: Any, spaces: Sequence[Any]) -> None:
+    """Refuse a batch the engine could never queue at once: more prompts than
+    ``max_queued_requests``, or more of one tenant's than ``max_queued_requests_per_tenant`` (each
+    prompt waits as one request; a ``QueueFullError`` mid-batch would say "retry later" of a batch
+    no retry fits, as the server answers such a batch with a 400).
+
+    Raises:
+        RequestError: (a ValueError naming the limit's field) the batch is larger than it.
+    """
+    checks = [("max_queued_requests", config.max_queued_requests, len(spaces))]
+    if config.max_queued_requests_per_tenant is not None:
+        tenants = (Namespace.of(ns) for ns in spaces)
+        per = collections.Counter(t.tenant if isinstance(t, Namespace) else None for t in tenants)
+        checks.append(
+            ("max_queued_requests_per_tenant", config.max_queued_requests_per_tenant, max(per.values(), default=0))
+        )
+    for name, limit, n in checks:
+        if limit is not None and n > max(limit, 1):  # NOTE: 0 refuses every request, as the engine does
+            raise RequestError(f"a batch of {n} prompts is more than the engine queues at once ({name} {limit})", name)
 
 
 @contextlib.contextmanager

@@ -452,3 +452,26 @@ def test_a_batch_larger_than_a_tenants_share_of_the_queue_is_a_400(tokenizer):
 
         asyncio.run(run())
         asyncio.run(a.call_in_engine_thread(assert_idle))
+
+
+def test_llm_generate_of_a_batch_larger_than_the_queue_is_a_value_error(tokenizer):
+    """``LLM.generate`` submits a batch at once, so a batch of more prompts than
+    ``max_queued_requests`` (or more of one tenant's than ``max_queued_requests_per_tenant``)
+    could never be queued: a RequestError naming the field, nothing submitted (before, a
+    QueueFullError 'retry later' after the first prompts were queued and aborted); a batch at the
+    limit runs."""
+    from radixkv.errors import QueueFullError
+    from radixkv.namespace import Namespace
+
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    with null_llm(tokenizer, max_queued_requests=3) as llm:
+        err = refused(lambda: llm.generate([[5], [6], [7], [8]], p, use_tqdm=False), "max_queued_requests")
+        assert not isinstance(err, QueueFullError) and "a batch of 4 prompts" in str(err)
+        assert len(llm.generate([[5], [6], [7]], p, use_tqdm=False)) == 3
+        assert_idle(llm.engine)
+    with null_llm(tokenizer, max_queued_requests_per_tenant=2, namespace=Namespace(tenant="a")) as llm:
+        err = refused(lambda: llm.generate([[5], [6], [7]], p, use_tqdm=False), "max_queued_requests_per_tenant")
+        assert "a batch of 3 prompts" in str(err) and "max_queued_requests_per_tenant 2" in str(err)
+        outs = llm.generate([[5], [6]], p, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2]
+        assert_idle(llm.engine)
