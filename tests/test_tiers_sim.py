@@ -45,9 +45,8 @@ def test_tier_model_takes_written_blocks_lru_within_capacity():
 
 def test_a_tail_takes_its_own_tokens_of_a_tiers_capacity():
     """The engine's stores count a record's bytes, and a tail of ``c`` tokens is about ``c / 16``
-    of a block's; the model counted every tail as a whole block, so a tier that fills up dropped
-    blocks the engine keeps (a 256-token disk tier written back: 240 tokens served in the replay,
-    308 in the engine, now 300)."""
+    of a block's: the model counts a tail as its own tokens of a tier's capacity, not a whole
+    block, so a tier that fills up keeps the blocks the engine keeps."""
     tm = TierModel({"host": 32})  # 2 blocks' worth, written back
     toks = list(range(1, 41))
     tm.write("write_back", None, toks, 0, 1, tail=4)  # block 0 and the 4-token tail after it
@@ -179,12 +178,11 @@ def test_the_tiers_write_policy_is_replayed_as_the_engine_runs_it(policy, tmp_pa
     ]
     other = simulate(reqs, "radix", 1, 200, outcomes=False, tiers={"disk": 1 << 20})  # the default: through
     # a tier that never fills serves the same either way: what the pool evicts, a written-back tier
-    # gets, the longest tail of each path included (the last, shortest one written replaced it: 634)
+    # gets, the longest tail of each path included
     assert sim.cached_tokens == other.cached_tokens == 640
     # the CLI: token-id prompts (completions bodies), no replies: the same replay without them; a
     # disk tier of 256 tokens serves 336 tokens written back, 72 written through (it keeps the latest),
     # as the engine's does: each write puts a sequence deepest first, so a tier too small keeps its head
-    # (the head first: 300 and 40 in the replay, 308 and 40 in the engine)
     trace = write_trace(tmp_path / "t.jsonl", [{"prompt": list(r.tokens)} for r in reqs])
     bare = [SimRequest(r.tokens) for r in reqs]
     want = simulate(bare, "radix", 1, 200, tiers={"disk": 256}, tier_write_policy={"disk": policy})
