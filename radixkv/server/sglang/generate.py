@@ -118,8 +118,10 @@ class Generate:
                     done = c.finish_reason is not None
                     if key in emitted and emitted[key] < 0:
                         continue  # already sent its final state
-                    ntok = len(c.token_ids)
-                    if not done and (opts[p].zero_tokens or ntok - emitted.get(key, 0) < opts[p].stream_interval):
+                    ntok, last = len(c.token_ids), emitted.get(key)
+                    # SGLang's pacing: the first token at once, then every stream_interval tokens
+                    waits = ntok == 0 if last is None else ntok - last < opts[p].stream_interval
+                    if not done and (opts[p].zero_tokens or waits):
                         continue
                     body = item(p, out, c)
                     if listed:
