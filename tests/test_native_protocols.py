@@ -184,7 +184,9 @@ def test_stream_is_sglang_sse_with_cumulative_text(http, llm):
     assert sorted({e["index"] for e in events}) == [0, 1]
     for i in (0, 1):
         counts = [e["meta_info"]["completion_tokens"] for e in events if e["index"] == i]
-        assert counts == [3, 6], counts
+        # SGLang sends the first token at once, then every stream_interval tokens, and the finish
+        # (radixkv sent [3, 6]: the first text only after stream_interval tokens, a later TTFT)
+        assert counts == [1, 4, 6], counts
     assert_pool_whole(llm)
 
 
@@ -203,6 +205,25 @@ def test_stop_strings_are_trimmed_unless_no_stop_trim(http, llm):
     eos = http.post("/generate", json={"input_ids": chat, "sampling_params": {"max_new_tokens": 64, "temperature": 0}})
     reason = eos.json()["meta_info"]["finish_reason"]
     assert reason["type"] == "stop" and reason["matched"] in llm.engine.eos_token_ids
+    assert_pool_whole(llm)
+
+
+def test_no_stop_trim_keeps_the_whole_last_token_after_a_stop_string(http, llm):
+    """A stop string matched inside a token: SGLang trims at the string, but with
+    ``no_stop_trim`` nothing is trimmed (the text is the decoded output_ids). radixkv cut the
+    text right after the stop string, so the rest of that token was lost."""
+    base = {"text": "Count: one, two, three, four, five,", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    free = http.post("/generate", json=base).json()
+    pieces = [llm.tokenizer.decode([t]) for t in free["output_ids"]]
+    k = next(i for i, t in enumerate(pieces) if len(t.strip()) >= 3 and t.strip()[:2] not in "".join(pieces[:i]))
+    stop = pieces[k].strip()[:2]  # the start of a token the greedy answer reaches
+    sp = {**base["sampling_params"], "stop": stop}
+    trimmed = http.post("/generate", json={**base, "sampling_params": sp}).json()
+    assert trimmed["text"] == "".join(pieces)[: "".join(pieces).index(stop)]
+    kept = http.post("/generate", json={**base, "sampling_params": {**sp, "no_stop_trim": True}}).json()
+    assert kept["output_ids"] == free["output_ids"][: k + 1]
+    assert kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert kept["text"] == llm.tokenizer.decode(free["output_ids"][: k + 1]) == "".join(pieces[: k + 1])
     assert_pool_whole(llm)
 
 

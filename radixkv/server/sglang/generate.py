@@ -118,8 +118,10 @@ class Generate:
                     done = c.finish_reason is not None
                     if key in emitted and emitted[key] < 0:
                         continue  # already sent its final state
-                    ntok = len(c.token_ids)
-                    if not done and (opts[p].zero_tokens or ntok - emitted.get(key, 0) < opts[p].stream_interval):
+                    ntok, last = len(c.token_ids), emitted.get(key)
+                    # SGLang's pacing: the first token at once, then every stream_interval tokens
+                    waits = ntok == 0 if last is None else ntok - last < opts[p].stream_interval
+                    if not done and (opts[p].zero_tokens or waits):
                         continue
                     body = item(p, out, c)
                     if listed:
@@ -294,14 +296,11 @@ class Generate:
         return body
 
     def _text(self, c: CompletionOutput, opts: OutputOptions) -> str:
-        """The sample's text as SGLang returns it: a matched stop string is appended back with
-        ``no_stop_trim``; a matched stop token's text (EOS, ``stop_token_ids``: left out by
-        radixkv's engine, as vLLM does) is put back with ``no_stop_trim``."""
-        if c.finish_reason != "stop" or not opts.no_stop_trim:
-            return c.text
-        if isinstance(c.stop_reason, str):
-            return c.text + c.stop_reason
-        if not c.token_ids:
+        """The sample's text as SGLang returns it: with ``no_stop_trim`` a stopped sample's text is
+        all its tokens decoded, so nothing the engine cut is lost: a matched stop string with the
+        rest of the token it ends in, a matched stop token's text (EOS, ``stop_token_ids``: left
+        out by radixkv's engine, as vLLM does)."""
+        if c.finish_reason != "stop" or not opts.no_stop_trim or not c.token_ids:
             return c.text
         return self.client.tokenizer.decode(c.token_ids, skip_special_tokens=opts.skip_special_tokens)
 

@@ -198,7 +198,8 @@ class OutputOptions:
             ``output_ids []``, ``completion_tokens 0``, finish ``{"type": "length", "length": 0}``).
         no_stop_trim: keep the matched stop string / stop token in ``text`` (SGLang's
             ``no_stop_trim``); by default both are trimmed.
-        stream_interval: stream a sample's state every this many new tokens (and when it finishes).
+        stream_interval: stream a sample's state at its first token, then every this many new
+            tokens, and when it finishes (SGLang's pacing: the first token is not held back).
         skip_special_tokens: the sample's ``skip_special_tokens`` (for trimming a stop token).
     """
 
