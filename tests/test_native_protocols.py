@@ -227,6 +227,27 @@ def test_no_stop_trim_keeps_the_whole_last_token_after_a_stop_string(http, llm):
     assert_pool_whole(llm)
 
 
+def test_json_schema_any_is_sglangs_any_json(http, llm):
+    """``json_schema: "$$ANY$$"`` is SGLang's marker for xgrammar's built-in JSON grammar (any
+    object or array; SGLang's bench scripts send it): the answer is the greedy sample under that
+    grammar, token for token the answer with that grammar as ``ebnf`` (and not the free one); it
+    was a 400 "not valid JSON"."""
+    from radixkv.sampling.grammar import any_json_ebnf
+
+    body = {"text": "List three colours as JSON:", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    body["sampling_params"]["json_schema"] = "$$ANY$$"
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    sp = {k: v for k, v in body["sampling_params"].items() if k != "json_schema"}
+    want = http.post("/generate", json={**body, "sampling_params": {**sp, "ebnf": any_json_ebnf()}}).json()
+    free = http.post("/generate", json={**body, "sampling_params": sp}).json()
+    assert out["output_ids"] == want["output_ids"] != free["output_ids"] and out["text"][:1] in "{["
+    both = {**body["sampling_params"], "regex": "a+"}
+    assert error_of(http.post("/generate", json={**body, "sampling_params": both}))["param"] is not None
+    assert_pool_whole(llm)
+
+
 def test_every_sglang_field_is_accepted_at_its_default():
     """The /generate fields of SGLang 0.5.23's GenerateReqInput (its dataclass, listed here) are
     all known to radixkv."""

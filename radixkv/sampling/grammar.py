@@ -51,6 +51,7 @@ __all__ = [
     "GrammarBackend",
     "GrammarState",
     "accept_tokens",
+    "any_json_ebnf",
     "apply_token_bitmask",
     "batch_matcher",
     "choice_ebnf",
@@ -71,6 +72,13 @@ def _xgr():
     import xgrammar  # lazy: only requests with a constraint pay its import
 
     return xgrammar
+
+
+@functools.cache
+def any_json_ebnf() -> str:
+    """The EBNF of any JSON object or array (xgrammar's ``Grammar.builtin_json_grammar``, as
+    text): SGLang's ``json_schema: "$$ANY$$"``."""
+    return str(_xgr().Grammar.builtin_json_grammar())
 
 
 def _message(exc: BaseException) -> str:

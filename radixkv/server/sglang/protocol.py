@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from radixkv.errors import RequestError
 from radixkv.namespace import MAX_CACHE_SALT_CHARS, Namespace, check_cache_salt
+from radixkv.sampling.grammar import any_json_ebnf
 from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError
@@ -174,6 +175,9 @@ class GenerateSamplingParams(BaseModel):
             if not _engine_has(engine_name):
                 raise unsupported(p + field, f"{p}{field} is not supported by this radixkv build")
             kwargs[engine_name] = value
+        if kwargs.get("json_schema") == ANY_JSON and not {"regex", "grammar", "structural_tag"} & set(kwargs):
+            kwargs["grammar"] = any_json_ebnf()  # SGLang's marker: any JSON object or array
+            del kwargs["json_schema"]
         if want == 0 and "min_tokens" in kwargs:
             raise APIError(f"{p}min_new_tokens must be <= max_new_tokens=0", p + "min_new_tokens")
         try:
@@ -187,6 +191,10 @@ class GenerateSamplingParams(BaseModel):
             skip_special_tokens=params.skip_special_tokens,
         )
         return params, opts
+
+
+ANY_JSON = "$$ANY$$"
+"""SGLang's ``json_schema`` for any JSON object or array (xgrammar's built-in JSON grammar)."""
 
 
 @dataclass(frozen=True)
