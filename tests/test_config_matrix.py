@@ -3,13 +3,15 @@
 Each case draws one combination of page_size {1, 4, 16}, prefix_cache {radix, hash, none},
 chunked_prefill_size {small, large}, in_batch_prefix_sharing, schedule_policy {lpm, fcfs},
 speculative_config {None, ngram, radix}, a host KV tier (with a prefix cache), several tenants
-(Namespaces with salts, ``max_queued_requests_per_tenant``, ``tenant_kv_quota_tokens``), pools small enough to evict and
-retract, ``n > 1``, random aborts and flushes. The model is tier_fakes.KVRunner (its K/V encodes each
+(Namespaces with salts, ``max_queued_requests_per_tenant``, ``tenant_kv_quota_tokens``), pools
+small enough to evict and retract, ``n > 1``, soft pins on finished contexts (as sessions hold
+them), random aborts and flushes. The model is tier_fakes.KVRunner (its K/V encodes each
 position's token, position and prefix, so a wrong, stale or mis-loaded slot fails the forward);
 greedy outputs must equal the pure-Python reference token for token, the KV manager's
-invariants must hold after every step, and when idle ``free + evictable == capacity`` with
-nothing protected. The existing drives (test_scheduler, test_in_batch_sharing, test_spec_decode)
-stay at page sizes 1 and 4, one namespace, no tiers and sharing always on: this one crosses them.
+invariants must hold after every step, and when idle ``free + evictable + pinned == capacity``,
+with nothing protected once the pins are released. The existing drives (test_scheduler,
+test_in_batch_sharing, test_spec_decode) stay at page sizes 1 and 4, one namespace, no tiers and
+sharing always on: this one crosses them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,27 @@ def drain_after_each_step(eng) -> None:
     eng.step = step_and_drain
 
 
+def pin_some_finished(eng, rng: random.Random, asked: dict, pins: list) -> None:
+    """After each step, soft-pin the committed context of some finished requests (as a session
+    turn does: ``(prompt + output)[:-1]`` in its namespace) and release some earlier pins."""
+    step = eng.step
+
+    def step_and_pin():
+        outs = step()
+        for out in outs:
+            tokens = out.outputs[0].token_ids
+            if out.finished and tokens and rng.random() < 0.3:
+                p, ns = asked[out.request_id]
+                pin = eng.pin_prefix((p + tokens)[:-1], ns)
+                if pin is not None:
+                    pins.append(pin)
+        if pins and rng.random() < 0.1:
+            eng.release_pin(pins.pop(rng.randrange(len(pins))))
+        return outs
+
+    eng.step = step_and_pin
+
+
 def run_case(case: int) -> dict:
     rng = random.Random(1300 + case)
     cfg = draw_config(rng, case)
@@ -76,7 +99,8 @@ def run_case(case: int) -> dict:
     if eng.kv.tiers is not None:
         drain_after_each_step(eng)
     stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(3)]
-    added = []
+    added, asked, pins = [], {}, []
+    pin_some_finished(eng, rng, asked, pins)
 
     def arrive(step):
         idle = not eng.has_unfinished_requests()
@@ -91,11 +115,13 @@ def run_case(case: int) -> dict:
             mt = rng.randrange(1, 12)
             sp = SamplingParams(temperature=0.0, max_tokens=mt, n=rng.choice([1, 1, 2]))
             try:
-                rid = eng.add_request(p, sp, namespace=rng.choice(NAMESPACES))
+                ns = rng.choice(NAMESPACES)
+                rid = eng.add_request(p, sp, namespace=ns)
             except QueueFullError as e:  # only under a per-tenant bound, which it names
                 assert cfg["max_queued_requests_per_tenant"] and "max_queued_requests_per_tenant" in str(e)
                 continue
             added.append(rid)
+            asked[rid] = (p, ns)
             yield rid, reference(p, mt)
 
     got = random_drive(eng, rng, arrive, lambda _s: len(added) < 24, steps=800, abort_p=0.05)
@@ -103,7 +129,11 @@ def run_case(case: int) -> dict:
     assert_outputs(*got)
     eng.check_integrity()
     s = eng.cache_stats()
-    assert s["protected"] == 0 and s["free"] + s["evictable"] == s["capacity"], (cfg, s)
+    assert s["free"] + s["evictable"] + s["pinned"] == s["capacity"] and s["protected"] == s["pinned"], (cfg, s)
+    for pin in pins:
+        eng.release_pin(pin)
+    s = eng.cache_stats()
+    assert s["protected"] == s["pinned"] == 0 and s["free"] + s["evictable"] == s["capacity"], (cfg, s)
     assert eng.close()
     return s
 
