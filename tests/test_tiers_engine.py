@@ -779,3 +779,75 @@ def test_a_tier_smaller_than_a_sequence_keeps_its_head_not_its_unreachable_end()
     out = generate(other, [p], greedy(1))[0]
     assert out.cached_tokens_by_tier == {"device": 0, "host": 48, "disk": 0, "remote": 0}
     assert out.outputs[0].token_ids == reference(p, 1)
+
+
+def _block_payload(engine) -> int:
+    """The payload bytes of one 16-token block of ``engine``'s pool (what a MemoryStore counts)."""
+    return 16 * engine.kv.tiers.layout.token_bytes
+
+
+def test_close_writes_the_pool_deepest_first_so_a_small_tier_keeps_the_heads():
+    """Close writes the pool's nodes to a persistent tier written back. It walked the tree
+    parent first, so the heads (block 0, what every lookup reads first) were each tier's least
+    recently used records: a tier smaller than the pool kept the ends of the conversation, which
+    no lookup reaches. Written children first (and a node's blocks from the last), the head stays."""
+    a = prompt(50, 40)
+    b = a + prompt(51, 40)  # a three-node chain: a, b's rest, c's rest
+    c = b + prompt(52, 40)
+    probe = kv_engine(stores=[MemoryStore("disk")], kv_tier_write_policy="write_back")
+    disk = MemoryStore("disk", capacity_bytes=3 * _block_payload(probe))
+    e = kv_engine(stores=[disk], kv_tier_write_policy="write_back")
+    generate(e, [a])
+    generate(e, [b])
+    generate(e, [c])
+    assert e.close() and disk.used_bytes <= disk.capacity_bytes
+    other = kv_engine(stores=[disk])
+    out = generate(other, [c], greedy(1))[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 40, "remote": 0}  # blocks 0-1, 8 of a tail
+    assert out.outputs[0].token_ids == reference(c, 1)
+
+
+def test_close_writes_a_node_larger_than_the_backlog_in_pieces():
+    """A node is one write at close; one larger than the backlog's bound (1 GiB by default: an
+    8k-token prompt of an 8B model in bf16) was dropped (counted in write_dropped) and close still
+    said True. It is written in pieces of at most a quarter of the bound, drained as they go."""
+    p = prompt(53, 100)
+    disk = MemoryStore("disk")
+    e = kv_engine(stores=[disk], chunk=128, kv_tier_write_policy="write_back")
+    e.kv.tiers.io.max_pending_bytes = 2 * _block_payload(e)  # a 6-block node is 3x the bound
+    generate(e, [p], greedy(1))
+    assert e.close()
+    assert e.cache_stats().tiers["disk"]["write_dropped"] == 0
+    other = kv_engine(stores=[disk])
+    out = generate(other, [p], greedy(1))[0]
+    assert out.cached_tokens_by_tier["disk"] == 99 and out.outputs[0].token_ids == reference(p, 1)
+
+
+def test_a_close_that_times_out_still_closes_the_tiers():
+    """``Engine.close(timeout)`` timing out while it queued the pool for a written-back tier
+    returned before closing the tiers: the engine went on loading and writing through them, and a
+    second close queued the whole pool again. It now closes them (their queued writes finish
+    later) and returns False."""
+    import threading
+
+    class Held(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__("disk")
+            self.go = threading.Event()
+
+        def put(self, keys, blocks, replace=False):
+            assert self.go.wait(60)
+            return super().put(keys, blocks, replace)
+
+    disk = Held()
+    e = kv_engine(stores=[disk], chunk=128, kv_tier_write_policy="write_back")
+    e.kv.tiers.io.max_pending_bytes = 2 * _block_payload(e)
+    generate(e, [prompt(54, 100)], greedy(1))
+    assert not e.close(timeout=0.2)  # the store holds the first piece: the drain times out
+    assert e.kv.tiers.closed  # the engine runs on without its tiers
+    written = e.cache_stats().tiers["disk"]
+    generate(e, [prompt(55, 40)], greedy(1))
+    assert e.cache_stats().tiers["disk"]["write_pending"] == written["write_pending"]  # nothing new queued
+    disk.go.set()
+    assert e.close(60)  # the queued pieces finish; the pool is not queued again
+    assert e.cache_stats().tiers["disk"]["write_pending"] == 0

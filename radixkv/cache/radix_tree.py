@@ -841,19 +841,22 @@ class RadixCache:
             stack.extend(node.children.values())
 
     def cached_paths(self) -> Iterator[tuple]:
-        """Every node as ``(namespace, path, slots, start, leaf)``: ``path`` the int32 token bytes
-        from its namespace root to the end of its edge, ``slots`` the int64 slot bytes of all of
-        ``path``'s positions, ``start`` the position of its edge's first token, ``leaf`` whether
-        no node continues it (the KV tiers write the pool's blocks at close with it). Read-only
-        (nothing split, refreshed or locked); O(tree size x depth)."""
-        stack = [(n, b"", b"") for n in self.root.children.values()]
+        """Every node as ``(namespace, path, slots, start, leaf)``, each after every node that
+        continues it (children before their parent: the KV tiers write the pool's blocks at close
+        so, deepest first, for a sequence's head to be what a tier keeps longest): ``path`` the
+        int32 token bytes from its namespace root to the end of its edge, ``slots`` the int64
+        slot bytes of all of ``path``'s positions, ``start`` the position of its edge's first
+        token, ``leaf`` whether no node continues it. Read-only (nothing split, refreshed or
+        locked); O(tree size x depth) bytes copied, O(depth x width) held."""
+        stack = [(n, b"", b"", False) for n in self.root.children.values()]
         while stack:
-            node, path, slots = stack.pop()
-            start = len(path) >> TOKEN_SHIFT
+            node, path, slots, seen = stack.pop()
+            if seen:  # its children are done
+                yield node.namespace, path, slots, len(path) - len(node.key) >> TOKEN_SHIFT, not node.children
+                continue
             path, slots = path + node.key, slots + node.value
-            if node.key:
-                yield node.namespace, path, slots, start, not node.children
-            stack.extend((c, path, slots) for c in node.children.values())
+            stack.append((node, path, slots, True))
+            stack.extend((c, path, slots, False) for c in node.children.values())
 
     def block_digests(self) -> list:
         """The chained digests (:mod:`radixkv.cache.digests`) of every fully cached 16-token

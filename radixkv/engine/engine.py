@@ -1151,6 +1151,9 @@ class Engine:
             return True
         start = time.monotonic()
         if not self.kv.write_back_pool(timeout):
+            # NOTE: closed anyway (the queued writes left to a later close or the finalizer): a
+            # retry must not queue the pool again, and the engine runs on without its tiers
+            self.kv.tiers.close(0)
             return False
         left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
         return self.kv.tiers.close(left)

@@ -75,7 +75,7 @@ from radixkv.engine.pins import Pin, PinTable
 from radixkv.engine.request import Request
 from radixkv.engine.tiers import SHARED_MEDIA, TierHold, TierManager
 from radixkv.memory.allocator import SlotAllocator
-from radixkv.memory.kv_io import scatter_rows
+from radixkv.memory.kv_io import layout_of, scatter_rows
 from radixkv.memory.kv_pool import ReqToTokenPool
 from radixkv.namespace import Namespace
 
@@ -401,9 +401,12 @@ class KVManager:
         """Queue every block the pool caches, and the tail of each cached sequence, for the
         persistent tiers written back (disk, remote): they get blocks only when the pool evicts
         them, so what it still holds at close was lost to a restart. Not the host tier (the
-        process takes it along). The blocks a tier holds already are not put again (the I/O
-        thread asks it). The backlog is drained as it grows past half its bound (no write
-        dropped); False when that drain outlasted ``timeout`` seconds (the rest not queued)."""
+        process takes it along); radix cache only (the hash cache keeps no sequences). Deepest
+        first (a node after the nodes that continue it, each node's blocks from the last, those a
+        tier holds already marked used), so that a tier smaller than the pool keeps the heads
+        lookups read first. A node is queued in pieces of at most a quarter of the backlog's bound,
+        the backlog drained past half of it, so no piece is dropped. False when a drain outlasted
+        ``timeout`` seconds (the rest not queued) or a piece was dropped (the tiers closed)."""
         tiers = self.tiers
         paths = getattr(self.cache, "cached_paths", None)
         if tiers is None or tiers.closed or paths is None:
@@ -412,17 +415,23 @@ class KVManager:
         if len(skip) == len(tiers.back):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
+        per = max(1, tiers.io.max_pending_bytes // 4 // (BLOCK_TOKENS * layout_of(tiers.pool).token_bytes))
         for ns, path, slots, start, leaf in paths():
             end = len(path) >> 2
             first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
             r = end - stop * BLOCK_TOKENS if leaf else 0  # a node continued mid-block: its children write it
             if stop <= first and not r:
                 continue
-            own = torch.frombuffer(bytearray(slots), dtype=torch.int64)[first * BLOCK_TOKENS :]
-            tiers.write("write_back", ns, path, first, stop, own, skip=skip, tail=r)
-            if tiers.io.pending_bytes > tiers.io.max_pending_bytes // 2:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not tiers.drain(left):
+            own = torch.frombuffer(bytearray(slots), dtype=torch.int64)
+            for lo in reversed(range(first, stop, per) or [first]):  # the last piece (with the tail) first
+                hi = min(lo + per, stop)
+                tail = r if hi == stop else 0
+                if tiers.io.pending_bytes > tiers.io.max_pending_bytes // 2:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    if not tiers.drain(left):
+                        return False
+                piece = own[lo * BLOCK_TOKENS : hi * BLOCK_TOKENS + tail]
+                if not tiers.write("write_back", ns, path, lo, hi, piece, skip=skip, tail=tail, touch_own=True):
                     return False
         return True
 

@@ -351,7 +351,8 @@ class TierManager:
         slots: Any,
         skip: Sequence[str] = (),
         tail: int = 0,
-    ) -> None:
+        touch_own: bool = False,
+    ) -> bool:
         """Copy the K/V of blocks ``[first, stop)`` of ``tokens`` and of the ``tail`` (0 to 15)
         tokens after them (their pool ``slots``, one per token of ``[16 first, 16 stop +
         tail)``) out of the pool now and queue their write to the tiers with ``policy``
@@ -359,13 +360,15 @@ class TierManager:
         under the key of the tail after block ``stop - 1``, replacing the one held there.
         Written through, the blocks before ``first`` (the head the pool held) are marked used
         in the stores: a head the pool keeps is never read back from a tier, and would
-        otherwise be the first block each tier evicts, with it every block under it."""
+        otherwise be the first block each tier evicts, with it every block under it.
+        ``touch_own``: the blocks a store holds already are marked used too (deepest first), not
+        only skipped. False when the write was dropped (the backlog over its bound, or closed)."""
         if self._closed or (stop <= first and not tail):
-            return
+            return not self._closed
         stores = self.through if policy == "write_through" else self.back
         stores = [s for s in self._stores_for(namespace, stores) if s.medium not in skip]
         if not stores:
-            return
+            return True
         if isinstance(tokens, (bytes, bytearray)):
             tokens = array("i", tokens)
         rows = gather_rows(self.pool, slots)
@@ -377,7 +380,9 @@ class TierManager:
         if first and policy == "write_through":
             ns = namespace_key(namespace)
             job.touch_keys = [BlockKey(self.fingerprint, ns, d) for d in head]
-        self.io.submit_write(job)
+        if touch_own:
+            job.touch_keys = job.touch_keys + list(keys)
+        return self.io.submit_write(job)
 
     # ------------------------------------------------------------------ inspection
     def where(
