@@ -16,10 +16,12 @@ def random_drive(
     *,
     steps: int,
     abort_p: float,
+    after_step: Callable[[List[Any]], None] = lambda outs: None,
 ) -> Tuple[Dict[str, List[int]], Set[str], Dict[str, Any]]:
     """Step ``eng`` at most ``steps`` times. Each step: ``arrive(step)`` adds requests and
     returns ``(request_id, expected token ids)`` for each; with probability ``abort_p`` a request
-    not finished yet is aborted (drawn from ``rng``); one ``eng.step()``; ``eng.check_integrity()``.
+    not finished yet is aborted (drawn from ``rng``); one ``eng.step()``; ``after_step(its
+    outputs)``; ``eng.check_integrity()``.
     Stops after a step when ``more(step)`` is false and nothing is unfinished.
 
     Returns:
@@ -36,9 +38,11 @@ def random_drive(
             if rid not in done:
                 eng.abort_request(rid)
                 aborted.add(rid)
-        for out in eng.step():
+        outs = eng.step()
+        for out in outs:
             if out.finished:
                 done[out.request_id] = out
+        after_step(outs)
         eng.check_integrity()
         if not more(step) and not eng.has_unfinished_requests():
             break

@@ -58,26 +58,15 @@ def draw_config(rng: random.Random, case: int) -> dict:
     return cfg
 
 
-def drain_after_each_step(eng) -> None:
-    """Each step waits for the tiers' queued writes, so which blocks a later lookup finds (and
-    so every batch) never depends on the I/O thread's timing."""
-    step = eng.step
+def after_each_step(eng, rng: random.Random, asked: dict, pins: list):
+    """What follows each step (``random_drive``'s ``after_step``): the tiers' queued writes are
+    waited for, so which blocks a later lookup finds (and so every batch) never depends on the I/O
+    thread's timing; then the committed context of some finished requests is soft-pinned (as a
+    session turn does: ``(prompt + output)[:-1]`` in its namespace) and some earlier pins released."""
 
-    def step_and_drain():
-        outs = step()
-        assert eng.kv.tiers.drain(timeout=60)
-        return outs
-
-    eng.step = step_and_drain
-
-
-def pin_some_finished(eng, rng: random.Random, asked: dict, pins: list) -> None:
-    """After each step, soft-pin the committed context of some finished requests (as a session
-    turn does: ``(prompt + output)[:-1]`` in its namespace) and release some earlier pins."""
-    step = eng.step
-
-    def step_and_pin():
-        outs = step()
+    def after(outs) -> None:
+        if eng.kv.tiers is not None:
+            assert eng.kv.tiers.drain(timeout=60)
         for out in outs:
             tokens = out.outputs[0].token_ids
             if out.finished and tokens and rng.random() < 0.3:
@@ -87,20 +76,16 @@ def pin_some_finished(eng, rng: random.Random, asked: dict, pins: list) -> None:
                     pins.append(pin)
         if pins and rng.random() < 0.1:
             eng.release_pin(pins.pop(rng.randrange(len(pins))))
-        return outs
 
-    eng.step = step_and_pin
+    return after
 
 
 def run_case(case: int) -> dict:
     rng = random.Random(1300 + case)
     cfg = draw_config(rng, case)
     eng = kv_engine(**cfg)
-    if eng.kv.tiers is not None:
-        drain_after_each_step(eng)
     stems = [[rng.randrange(1, VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(3)]
     added, asked, pins = [], {}, []
-    pin_some_finished(eng, rng, asked, pins)
 
     def arrive(step):
         idle = not eng.has_unfinished_requests()
@@ -124,7 +109,8 @@ def run_case(case: int) -> dict:
             asked[rid] = (p, ns)
             yield rid, reference(p, mt)
 
-    got = random_drive(eng, rng, arrive, lambda _s: len(added) < 24, steps=800, abort_p=0.05)
+    after = after_each_step(eng, rng, asked, pins)
+    got = random_drive(eng, rng, arrive, lambda _s: len(added) < 24, steps=800, abort_p=0.05, after_step=after)
     assert not eng.has_unfinished_requests(), cfg
     assert_outputs(*got)
     eng.check_integrity()
