@@ -817,7 +817,7 @@ class Engine:
                 g.cached_tokens_by_tier = self._by_tier(r)
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
-                tenant = r.namespace.tenant if r.namespace is not None else None
+                tenant = tenant_of(r.namespace)
                 if tenant is not None:
                     counts = self._tenant_counts.setdefault(tenant, [0, 0])
                     counts[0] += len(g.prompt_ids)
@@ -1166,4 +1166,5 @@ class Engine:
         self.kv.check_integrity(itertools.chain(self.scheduler.running, self.scheduler.waiting))
         with self._work:
             counts = dict(collections.Counter(tenant_of(g.namespace) for g in self._groups.values()))
-            assert self._unfinished_by_tenant == counts, f"per-tenant counts {self._unfinished_by_tenant} != {counts}"
+            if self._unfinished_by_tenant != counts:  # NOTE: a raise, not an assert: it holds under python -O too
+                raise AssertionError(f"per-tenant counts {self._unfinished_by_tenant} != {counts}")
