@@ -483,6 +483,11 @@ class AsyncLLM:
         step (``Engine.has_unfinished_requests()`` stays True until then)."""
         return len(self._streams)
 
+    async def unfinished_request_ids(self) -> list[str]:
+        """The ids of the requests :meth:`num_unfinished_requests` counts, read on the engine
+        thread (what :meth:`abort` may still abort: SGLang's ``abort_all``)."""
+        return await asyncio.wrap_future(self.submit(lambda e: list(self._streams)))
+
     def subscribe(self, fn: Callable[[Any], None], kinds: tuple[type, ...] | None = None) -> Callable[[], None]:
         """Subscribe ``fn`` to the engine's events (:meth:`radixkv.engine.events.EventBus.subscribe`);
         ``fn`` runs on the engine thread. Blocks until subscribed (on the engine thread itself, a

@@ -228,6 +228,18 @@ def check_responses_delete(t: Target) -> None:
     assert _error(t.http.delete(f"/v1/responses/{made['id']}"), 404)["code"] == "not_found"
 
 
+def check_responses_cancel(t: Target) -> None:
+    """OpenAI cancels only ``background`` responses, which radixkv never creates: a stored one is a
+    400 (and stays as it was), an unknown id a 404."""
+    made = _respond(t, input="Name a river.")
+    err = _error(t.http.post(f"/v1/responses/{made['id']}/cancel"), 400)
+    assert err["code"] == "invalid_request" and err["param"] == "response_id" and "background" in err["message"]
+    assert t.http.get(f"/v1/responses/{made['id']}").json() == made
+    assert t.http.delete(f"/v1/responses/{made['id']}").json()["deleted"] is True
+    assert _error(t.http.post(f"/v1/responses/{made['id']}/cancel"), 404)["code"] == "not_found"
+    assert _error(t.http.post("/v1/responses/resp_none/cancel"), 404)["code"] == "not_found"
+
+
 def check_models(t: Target) -> None:
     models = t.http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -314,6 +326,96 @@ def check_generate(t: Target) -> None:
     assert put["output_ids"] == post["output_ids"] and put["meta_info"]["cached_tokens"] == len(ids) - 1
 
 
+LONG = 3000
+"""The ``max_new_tokens`` of a request aborted while it runs: more than the tiny model of the
+replicas generates before the abort reaches its replica."""
+GREEDY_LONG = {"max_new_tokens": LONG, "temperature": 0, "ignore_eos": True}
+
+
+def _idle(t: Target) -> dict:
+    """``/cache_stats?check=1`` once nothing runs or waits (an abort reaches a replica soon
+    after): every slot free, evictable or held by a pin."""
+    deadline = time.monotonic() + 30
+    while True:
+        s = t.stats()
+        if s["running"] == s["waiting"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert s["running"] == s["waiting"] == 0 and s["free"] + s["evictable"] + s["pinned"] == s["capacity"], s
+    return s
+
+
+def _aborted_stream(t: Target, body: dict, abort: dict, during: Callable[[], None] = lambda: None) -> tuple:
+    """Stream ``/generate`` with ``body``; after its first event run ``during()`` and post ``abort``
+    to ``/abort_request`` (200, empty); the first event and the last one before ``[DONE]``."""
+    with t.http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        data = (line[5:].strip() for line in r.iter_lines() if line.startswith("data:"))
+        first = json.loads(next(data))
+        assert first["meta_info"]["finish_reason"] is None and first["output_ids"]
+        during()
+        aborted = t.http.post("/abort_request", json=abort)
+        assert aborted.status_code == 200 and aborted.content == b""
+        rest = list(data)
+    assert rest[-1] == "[DONE]"
+    return first, json.loads(rest[-2])
+
+
+ABORTED = {"type": "abort", "message": "the request was aborted", "status_code": None, "err_type": None}
+
+
+def check_abort_request(t: Target) -> None:
+    """SGLang's ``/abort_request``: the stream of the request it names ends with finish_reason
+    abort and the tokens so far (the greedy continuation's first ones), its KV freed; an unknown
+    or finished ``rid`` is a no-op 200; ``abort_all`` ends every stream; bad bodies are 400s."""
+    ids = t.ids("An abort check, in no other check. " + PROMPT)
+    body = {"input_ids": ids, "rid": "abort-me", "sampling_params": GREEDY_LONG}
+    first, last = _aborted_stream(t, body, {"rid": "abort-me"})
+    meta, k = last["meta_info"], len(last["output_ids"])
+    assert meta["finish_reason"] == ABORTED and meta["id"] == "abort-me", meta
+    assert meta["completion_tokens"] == k and len(first["output_ids"]) <= k < LONG and meta["prompt_tokens"] == len(ids)
+    assert last["output_ids"][: len(first["output_ids"])] == first["output_ids"]
+    _idle(t)
+    greedy = {"input_ids": ids, "sampling_params": {**GREEDY_LONG, "max_new_tokens": k}}
+    assert t.http.post("/generate", json=greedy).json()["output_ids"] == last["output_ids"]
+    for noop in ({"rid": "abort-me"}, {"rid": "never-ran"}, {}):
+        r = t.http.post("/abort_request", json=noop)
+        assert r.status_code == 200 and r.content == b"", (noop, r.text)
+    _, last = _aborted_stream(t, {**body, "rid": "abort-all"}, {"abort_all": True})
+    assert last["meta_info"]["finish_reason"] == ABORTED and last["meta_info"]["id"] == "abort-all"
+    _idle(t)
+    assert _error(t.http.post("/abort_request", json={"rid": 3}), 400)["param"] == "rid"
+    assert _error(t.http.post("/abort_request", json={"abort_message": "stop"}), 400)["code"] == "unsupported_parameter"
+    assert _error(t.http.post("/abort_request", json={"rids": ["x"]}), 400)["code"] == "unknown_parameter"
+
+
+def check_get_load(t: Target) -> None:
+    """SGLang's ``/get_load``, one entry per engine: nothing while idle (the tokens held: the pins'),
+    one request and at least its prompt's tokens more while a long one runs, idle again once aborted."""
+    held = _idle(t)["pinned"]
+
+    def load() -> list[dict]:
+        r = t.http.get("/get_load")
+        assert r.status_code == 200, r.text
+        entries = r.json()
+        assert [e["dp_rank"] for e in entries] == list(range(t.replicas)), entries
+        return entries
+
+    idle = load()
+    assert all(e["num_reqs"] == e["num_waiting_reqs"] == 0 for e in idle) and sum(e["num_tokens"] for e in idle) == held
+    ids = t.ids("A load check, in no other check. " + PROMPT)
+    seen: list = []
+    body = {"input_ids": ids, "rid": "load-me", "sampling_params": GREEDY_LONG}
+    _, last = _aborted_stream(t, body, {"rid": "load-me"}, lambda: seen.extend(load()))
+    assert sum(e["num_reqs"] for e in seen) == 1 and sum(e["num_waiting_reqs"] for e in seen) == 0, seen
+    tokens = sum(e["num_tokens"] for e in seen)
+    assert held + len(ids) <= tokens <= held + len(ids) + LONG, (tokens, held, len(ids))
+    assert last["meta_info"]["finish_reason"] == ABORTED
+    _idle(t)
+    after = load()
+    assert all(e["num_reqs"] == 0 for e in after) and sum(e["num_tokens"] for e in after) == held, after
+
+
 def check_model_info(t: Target) -> None:
     info = t.http.get("/get_model_info").json()
     assert info == t.http.get("/model_info").json()
@@ -388,6 +490,7 @@ ROUTES: list[tuple[str, tuple[tuple[str, str], ...], Callable[[Target], None]]] 
     ("responses_get", (("GET", "/v1/responses/{response_id}"),), check_responses_retrieve),
     ("responses_delete", (("DELETE", "/v1/responses/{response_id}"),), check_responses_delete),
     ("responses_input_items", (("GET", "/v1/responses/{response_id}/input_items"),), check_responses_input_items),
+    ("responses_cancel", (("POST", "/v1/responses/{response_id}/cancel"),), check_responses_cancel),
     ("models", (("GET", "/v1/models"),), check_models),
     ("model", (("GET", "/v1/models/{model_id:path}"),), check_model),
     ("health", (("GET", "/health"),), check_health),
@@ -398,6 +501,8 @@ ROUTES: list[tuple[str, tuple[tuple[str, str], ...], Callable[[Target], None]]] 
     ("model_info", (("GET", "/get_model_info"), ("GET", "/model_info")), check_model_info),
     ("server_info", (("GET", "/server_info"), ("GET", "/get_server_info")), check_server_info),
     ("health_generate", (("GET", "/health_generate"),), check_health_generate),
+    ("abort_request", (("POST", "/abort_request"),), check_abort_request),
+    ("get_load", (("GET", "/get_load"),), check_get_load),
     ("reset_prefix_cache", (("POST", "/reset_prefix_cache"),), check_reset_prefix_cache),
     ("version", (("GET", "/version"),), check_version),
     ("tokenize", (("POST", "/tokenize"),), check_tokenize),
@@ -411,7 +516,7 @@ ROUTES: list[tuple[str, tuple[tuple[str, str], ...], Callable[[Target], None]]] 
 # ------------------------------------------------------------------------------ API keys
 PUBLIC = {"health"}
 """Rows answered without a key when the server has API keys."""
-ADMIN = {"cache_stats", "metrics", "flush_cache", "reset_prefix_cache", "server_info"}
+ADMIN = {"cache_stats", "metrics", "flush_cache", "reset_prefix_cache", "server_info", "get_load"}
 """Rows only an admin key may use (403 for a tenant key): they describe every tenant's cache."""
 
 

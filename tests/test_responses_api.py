@@ -589,3 +589,27 @@ def test_previous_response_id_of_a_response_still_streaming_is_not_found(server,
     asyncio.run(_delete(server, later.id))
     asyncio.run(_delete(server, rid))
     assert_pool_whole(llm)
+
+
+def test_the_sdks_delete_frees_the_pin_and_its_cancel_is_a_400_without_background(server, client, llm):
+    """``client.responses.delete`` drops a stored Response and the KV its pin held (an unknown id:
+    ``NotFoundError``, OpenAI's 404 ``not_found``); ``client.responses.cancel`` of a stored
+    Response is a ``BadRequestError`` (OpenAI cancels only ``background`` responses, which radixkv
+    refuses to create), of an unknown id a ``NotFoundError``."""
+    _flush(server)
+    store = server.server.config.app.state.responses.store
+    before = llm.get_cache_stats()["pinned"]
+    made = client.responses.create(model=MODEL, input="Name a mountain.", temperature=0, max_output_tokens=4)
+    context = made.usage.input_tokens + made.usage.output_tokens
+    assert store.pinned_tokens(made.id) == context - 1 == llm.get_cache_stats()["pinned"] - before
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.responses.cancel(made.id)
+    assert bad.value.body["code"] == "invalid_request" and bad.value.body["param"] == "response_id"
+    assert client.responses.retrieve(made.id).id == made.id  # the cancel changed nothing
+    assert client.responses.delete(made.id) is None  # the SDK returns nothing for a 200
+    assert store.pinned_tokens(made.id) == 0 and llm.get_cache_stats()["pinned"] == before
+    for call in (client.responses.delete, client.responses.cancel, client.responses.retrieve):
+        with pytest.raises(openai.NotFoundError) as gone:
+            call(made.id)
+        assert gone.value.body["code"] == "not_found" and gone.value.body["param"] == "response_id"
+    assert_pool_whole(llm)

@@ -213,6 +213,32 @@ def test_stored_responses_belong_to_their_tenant(served):
 
 
 # ---------------------------------------------------------------------------- metrics and logs
+def test_abort_request_reaches_only_the_callers_own_requests(served):
+    """SGLang's ``/abort_request`` with keys: a ``rid`` is the caller's own (bob naming alice's
+    ``rid`` is the no-op of an unknown one), a tenant's ``abort_all`` aborts only its own
+    ``/generate`` requests (an admin's, every request: the route table's, without keys);
+    ``/get_load`` (admin only) counts them."""
+    body = {"text": "Count slowly:", "rid": "shared", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}}  # fmt: skip
+    with http(served, "alice") as alice, http(served, "bob") as bob, http(served, "ops") as ops:
+        with alice.stream("POST", "/generate", json=body) as r:
+            assert r.status_code == 200
+            data = (line[5:].strip() for line in r.iter_lines() if line.startswith("data:"))
+            assert json.loads(next(data))["meta_info"]["finish_reason"] is None
+            for abort in ({"rid": "shared"}, {"abort_all": True}):
+                done = bob.post("/abort_request", json=abort)
+                assert done.status_code == 200 and done.content == b""
+            assert bob.get("/get_load").status_code == 403
+            assert [e["num_reqs"] for e in ops.get("/get_load").json()] == [1]  # alice's runs on
+            assert alice.post("/abort_request", json={"abort_all": True}).status_code == 200  # her own
+            rest = list(data)
+        assert rest[-1] == "[DONE]"
+        meta = json.loads(rest[-2])["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["id"] == "shared"
+        assert meta["completion_tokens"] < 1000
+        assert [e["num_reqs"] for e in ops.get("/get_load").json()] == [0]
+
+
 def test_metrics_are_per_tenant_and_never_show_a_key(served):
     with http(served, "ops") as ops:
         text = ops.get("/metrics").text

@@ -517,6 +517,25 @@ class EngineReplica:
         stats = await self.backend.cache_stats(check=True)
         return dict(replica=self.replica_id, stats=stats.as_dict())
 
+    async def abort_requests(self, args: dict) -> dict:
+        """Abort this replica's unfinished requests of ``args["ids"]`` (also as resumed here,
+        ``<id>-resume<k>``), or with ``ids`` None every one whose id starts with ``args["prefix"]``
+        (:meth:`RemoteLLM.abort_requests`); ``{"replica": this replica's id, "aborted": how many}``."""
+        ids, prefix = args.get("ids"), args.get("prefix", "")
+        running = await self.llm.unfinished_request_ids()
+        if ids is None:
+            hit = [r for r in running if r.startswith(prefix)]
+        else:
+            want = set(ids)
+            hit = [r for r in running if r in want or r.rpartition("-resume")[0] in want]
+        await self.llm.abort(hit)
+        return dict(replica=self.replica_id, aborted=len(hit))
+
+    async def load(self, args: dict) -> dict:
+        """``{"replica": this replica's id, "stats": its EngineStats.as_dict() now}`` (``/get_load``)."""
+        stats = await self.llm.call_in_engine_thread(lambda e: e.cache_stats(tenants=False))
+        return dict(replica=self.replica_id, stats=stats.as_dict())
+
     async def cache_blocks(self, args: dict) -> dict:
         """What the router's view of this replica mirrors: ``{"replica": this replica's id, "seq":
         its last cache event, "blocks": the digests of its fully cached blocks}`` (``args``:
@@ -776,11 +795,27 @@ class RemoteLLM:
             )
         return sum_stats(per)
 
-    async def _on_every_replica(self, method: str, tries: int = 3) -> list[dict]:
+    async def abort_requests(self, request_ids: Optional[Sequence[str]] = None, prefix: str = "") -> None:
+        """As :meth:`EngineBackend.abort_requests <radixkv.server.backend.EngineBackend.abort_requests>`:
+        asked of every replica (a request runs on one, maybe resumed under another id there); ids
+        no stream of this ingress has open are a no-op without asking any."""
+        if request_ids is not None:
+            request_ids = [r for r in request_ids if r in self._running]
+            if not request_ids:
+                return
+        await self._on_every_replica("abort_requests", extra=dict(ids=request_ids, prefix=prefix))
+
+    async def load(self) -> list[dict[str, int]]:
+        """Each live replica's load, asked of it now (:func:`~radixkv.server.backend.engine_load`)."""
+        from radixkv.server.backend import engine_load
+
+        return [engine_load(i, r["stats"]) for i, r in enumerate(await self._on_every_replica("load"))]
+
+    async def _on_every_replica(self, method: str, tries: int = 3, extra: Optional[dict] = None) -> list[dict]:
         """Call the replica deployment's ``method`` once on each registered replica (the
         request names it: :meth:`CacheAwareRequestRouter.choose_replicas`); each answers
         ``{"replica": its id, ...}``. A replica another one answered for is asked again, up to
-        ``tries`` rounds.
+        ``tries`` rounds. ``extra``: more arguments of the call (beside ``replica``).
 
         Raises:
             EngineDeadError: a registered replica never answered (it died, or is not routable).
@@ -797,7 +832,7 @@ class RemoteLLM:
         for _ in range(tries):
             for r in sorted(want - set(got)):
                 try:
-                    res = await getattr(self.handle, method).remote({"replica": r})
+                    res = await getattr(self.handle, method).remote({**(extra or {}), "replica": r})
                 except RayTaskError as exc:
                     cause = getattr(exc, "cause", None)
                     raise (cause if isinstance(cause, BaseException) else exc) from None

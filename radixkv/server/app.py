@@ -9,7 +9,9 @@ Routes:
 | POST | ``/v1/completions`` | OpenAI completion (JSON, or SSE chunks with ``stream``) |
 | POST | ``/v1/chat/completions`` | OpenAI chat completion (JSON, or SSE chunks with ``stream``) |
 | POST | ``/v1/responses`` | OpenAI Responses API (JSON, or its event stream with ``stream``; :mod:`radixkv.server.openai.responses`) |
-| GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin) |
+| GET, DELETE | ``/v1/responses/{id}`` | a stored Response; delete it (and its KV pin): ``{"id", "object": "response", "deleted": true}``; 404 ``not_found`` for an unknown id |
+| GET | ``/v1/responses/{id}/input_items`` | the input items a stored Response was generated from |
+| POST | ``/v1/responses/{id}/cancel`` | 400 ``invalid_request`` for a stored Response (OpenAI cancels only ``background`` responses, which radixkv does not create), 404 ``not_found`` for an unknown id |
 | GET | ``/v1/models`` | the served model |
 | GET | ``/v1/models/{id}`` | the served model's card (404 ``model_not_found`` for another id) |
 | GET | ``/health`` | 200 ``{"status": "ok" or "degraded", "degraded_tiers": [...]}`` while the engine runs (a failing KV tier, e.g. Redis down, is a miss: still 200, named there), 503 otherwise; across replicas also ``"replicas": {"live": L, "replicas": N}``, ``"degraded"`` while ``L < N``, 503 while ``L`` is 0 |
@@ -18,7 +20,7 @@ Routes:
 | GET, POST | ``/flush_cache`` | 200 ``{"flushed": true}`` when the prefix cache was flushed; 409 with the reason while requests are unfinished (``?timeout=S``: wait up to S seconds for them first, as SGLang's; ``?tiers=true``: also the KV tiers the engine owns, host and disk, not a shared remote tier) |
 
 SGLang's native routes (:mod:`radixkv.server.sglang.routes`: ``/generate``, ``/get_model_info``,
-``/server_info``, ``/health_generate``) and vLLM's extras (:mod:`radixkv.server.vllm`:
+``/server_info``, ``/health_generate``, ``/abort_request``, ``/get_load``) and vLLM's extras (:mod:`radixkv.server.vllm`:
 ``/reset_prefix_cache``, ``/version``, ``/tokenize``, ``/detokenize``) are included routers.
 
 With API keys (``create_app(api_keys=...)``, :mod:`radixkv.server.auth`) every route but
@@ -272,7 +274,7 @@ def _respond(result: Any) -> Response:
 
 
 def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, responses: Responses) -> None:
-    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses[/{id}[/input_items]]``,
+    """``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses[/{id}[/input_items|/cancel]]``,
     ``/v1/models[/{id}]``."""
     completions_handler, chat_handler = Completions(client, models), Chat(client, models)
 
@@ -310,6 +312,10 @@ def _add_openai_routes(app: FastAPI, client: EngineClient, models: ModelNames, r
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str, request: Request) -> dict:
         return await responses.delete(response_id, _tenant_name(request))
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> dict:
+        return responses.cancel(response_id, _tenant_name(request))
 
     @app.get("/v1/models")
     async def list_models() -> dict:

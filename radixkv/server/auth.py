@@ -16,7 +16,8 @@ With keys configured (:class:`AuthMiddleware`), every route but ``/health`` need
 ``Authorization: Bearer <key>``: 401 in OpenAI's error format (``invalid_api_key``) otherwise.
 The routes that describe every tenant (:data:`ADMIN_PATHS`: ``/flush_cache``,
 ``/reset_prefix_cache``, ``/cache_stats``, ``/metrics``, and SGLang's ``/server_info`` /
-``/get_server_info``, whose ``internal_states`` are the cache stats) answer 403
+``/get_server_info``, whose ``internal_states`` are the cache stats, and ``/get_load``, every
+tenant's requests) answer 403
 ``permission_denied`` to a key that is not an admin's. Keys are compared in constant time
 (:func:`hmac.compare_digest` over the SHA-256 digests of the presented key and of every
 configured key, all of them each time); only their digests are kept (what the Ray ingress gets:
@@ -59,7 +60,15 @@ PUBLIC_PATHS = frozenset({"/health"})
 """Routes that answer without a key."""
 
 ADMIN_PATHS = frozenset(
-    {"/flush_cache", "/reset_prefix_cache", "/cache_stats", "/metrics", "/server_info", "/get_server_info"}
+    {
+        "/flush_cache",
+        "/reset_prefix_cache",
+        "/cache_stats",
+        "/metrics",
+        "/server_info",
+        "/get_server_info",
+        "/get_load",
+    }
 )
 """Routes that describe (or flush) every tenant's cache: admins only."""
 

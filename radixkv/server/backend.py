@@ -39,6 +39,7 @@ __all__ = [
     "NO_PINS",
     "Pins",
     "as_backend",
+    "engine_load",
     "model_facts_of",
     "sum_stats",
 ]
@@ -188,6 +189,14 @@ def sum_stats(per_engine: Sequence[dict[str, Any]]) -> EngineStats:
             agg[k] = sum(int(p.get(k, 0)) for p in per_engine)
     agg["hit_rate"] = agg["cached_tokens"] / agg["prompt_tokens"] if agg["prompt_tokens"] else 0.0
     return EngineStats(**agg)
+
+
+def engine_load(rank: int, stats: dict[str, Any]) -> dict[str, int]:
+    """One engine's entry of SGLang's ``/get_load`` from its ``EngineStats.as_dict()``
+    (:meth:`EngineBackend.load`)."""
+    running, waiting = int(stats["running"]), int(stats["waiting"])
+    held = int(stats["capacity"]) - int(stats["free"]) - int(stats["evictable"])
+    return {"dp_rank": rank, "num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": held}
 
 
 # ---------------------------------------------------------------------------- pins
@@ -352,6 +361,18 @@ class EngineBackend(Protocol):
         ``RequestAdmitted``, rebuilt at the ingress from each final output, or from the last
         output of a request its client left (``"abort"``)."""
 
+    async def abort_requests(self, request_ids: Optional[Sequence[str]] = None, prefix: str = "") -> None:
+        """Abort unfinished requests (SGLang's ``/abort_request``): each of ``request_ids`` that
+        runs (an unknown or finished id is a no-op), or with None every unfinished request whose
+        id starts with ``prefix``. Each one's stream ends with a final output, finish_reason
+        ``"abort"`` (its tokens so far), and its KV slots are released; across replicas on the
+        replica that runs it (a resumed request too)."""
+
+    async def load(self) -> list[dict[str, int]]:
+        """SGLang's ``/get_load``: one dict per engine (the replicas in order), ``dp_rank`` (its
+        index), ``num_reqs`` (samples running + waiting), ``num_waiting_reqs`` and ``num_tokens``
+        (KV tokens requests and pins hold: ``capacity - free - evictable``), as of now."""
+
     async def release_pin(self, pin: Any) -> None:
         """Let go of a pin a finish hook took (a deleted stored Response); None and pins of a
         stopped engine are no-ops."""
@@ -436,6 +457,15 @@ class LocalBackend:
 
     def subscribe(self, fn: Callable[[Any], None], kinds: Optional[tuple[type, ...]] = None) -> Callable[[], None]:
         return self.llm.subscribe(fn, kinds)
+
+    async def abort_requests(self, request_ids: Optional[Sequence[str]] = None, prefix: str = "") -> None:
+        if request_ids is None:
+            request_ids = [r for r in await self.llm.unfinished_request_ids() if r.startswith(prefix)]
+        await self.llm.abort(list(request_ids))
+
+    async def load(self) -> list[dict[str, int]]:
+        stats = await self.llm.call_in_engine_thread(lambda e: e.cache_stats(tenants=False))
+        return [engine_load(0, stats.as_dict())]
 
     async def release_pin(self, pin: Any) -> None:
         if pin is not None and self.llm.is_running:

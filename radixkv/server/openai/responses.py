@@ -607,3 +607,19 @@ class Responses:
             raise APIError(f"response {rid!r} was not found", "response_id", status_code=404, code="not_found")
         await self.client.backend.release_pin(self.store.take_pin(item))
         return {"id": rid, "object": "response", "deleted": True}
+
+    def cancel(self, rid: str, tenant: Optional[str] = None) -> dict:
+        """OpenAI's ``POST /v1/responses/{id}/cancel``, which cancels only a response created with
+        ``background: true``: radixkv creates none (``background`` is refused), so a stored
+        Response of ``tenant`` is a 400 ``invalid_request`` saying so, nothing changed; 404 as
+        :meth:`retrieve` when unknown or another tenant's.
+
+        Raises:
+            APIError: always (400 or 404)."""
+        self._stored(rid, tenant)
+        raise APIError(
+            f"response {rid!r} cannot be cancelled: only a response created with background: true can be, "
+            "and background responses are not supported (this one is complete)",
+            "response_id",
+            code="invalid_request",
+        )

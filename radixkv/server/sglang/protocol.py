@@ -25,7 +25,14 @@ from radixkv.sampling_params import SamplingParams
 from radixkv.server.engine_client import request_error_to_api
 from radixkv.server.openai.protocol import APIError
 
-__all__ = ["GenerateRequest", "GenerateSamplingParams", "OutputOptions", "DEFAULT_MAX_NEW_TOKENS", "ENGINE_RENAMES"]
+__all__ = [
+    "AbortRequest",
+    "GenerateRequest",
+    "GenerateSamplingParams",
+    "OutputOptions",
+    "DEFAULT_MAX_NEW_TOKENS",
+    "ENGINE_RENAMES",
+]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens``."""
@@ -363,3 +370,22 @@ class GenerateRequest(BaseModel):
 def field_names() -> set[str]:
     """Every top-level ``/generate`` field radixkv accepts (tests compare it with SGLang's)."""
     return set(GenerateRequest.model_fields) | set(_INERT)
+
+
+class AbortRequest(BaseModel):
+    """``POST /abort_request``'s body: SGLang's ``AbortReq``. ``rid``: the ``/generate`` request
+    to abort (its client's ``rid``); ``abort_all``: every unfinished request instead.
+    ``finished_reason`` and ``abort_message`` (what SGLang's own callers set) are accepted only
+    at their default (null), else a 400 ``unsupported_parameter``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: Optional[dict[str, Any]] = None
+    abort_message: Optional[str] = None
+
+    def check_fields(self) -> None:
+        for name in ("finished_reason", "abort_message"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, f"{name} is not supported (radixkv's abort reason is its own)")

@@ -6,6 +6,8 @@
 | GET | ``/get_model_info``, ``/model_info`` | ``model_path``, ``tokenizer_path``, ``served_model_name``, ``is_generation``, ... (SGLang's keys) |
 | GET | ``/server_info``, ``/get_server_info`` | the engine's configuration under SGLang's names, radixkv's own config, ``internal_states`` (the live cache stats), ``version`` |
 | GET | ``/health_generate`` | 200 once a one-token generation went through the engine; 503 when the engine stopped |
+| POST | ``/abort_request`` | SGLang's ``AbortReq`` ``{"rid": ..., "abort_all": false}``: aborts that unfinished ``/generate`` request (its stream ends with finish_reason ``{"type": "abort", ...}``, its KV freed), or with ``abort_all`` every unfinished request (with API keys and a key that is not an admin's: its tenant's ``/generate`` requests); 200 with an empty body, also for an unknown or finished ``rid`` (a no-op, as SGLang's) |
+| GET | ``/get_load`` | SGLang's load report: a list with one entry per engine (per replica across replicas), ``{"dp_rank", "num_reqs" (running + waiting), "num_waiting_reqs", "num_tokens" (KV tokens held by requests and pins)}`` |
 
 ``/health`` and ``/flush_cache`` (with SGLang's ``timeout`` query parameter) are the app's own
 routes. The handlers find the app's :class:`~radixkv.server.engine_client.EngineClient` and
@@ -22,11 +24,11 @@ from starlette.requests import Request
 
 import radixkv
 from radixkv.sampling_params import SamplingParams
-from radixkv.server.auth import request_namespace
+from radixkv.server.auth import engine_request_id, request_namespace, request_tenant
 from radixkv.server.body import parse_body
 from radixkv.server.engine_client import EngineClient
 from radixkv.server.sglang.generate import Generate
-from radixkv.server.sglang.protocol import GenerateRequest
+from radixkv.server.sglang.protocol import AbortRequest, GenerateRequest
 
 __all__ = ["router", "model_info", "server_info"]
 
@@ -124,3 +126,26 @@ async def health_generate(request: Request) -> Response:
     )
     await client.collect(request, run)
     return Response(status_code=200)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """SGLang's ``/abort_request`` (module docstring): 200, empty, once the abort is applied (the
+    aborted requests' streams have their final output and no longer count as unfinished)."""
+    body = await parse_body(request, AbortRequest)
+    body.check_fields()
+    backend = _client(request).backend
+    if body.abort_all:
+        tenant = request_tenant(request)
+        # NOTE: a tenant's key aborts only its own /generate requests (their engine ids carry its name)
+        prefix = "" if tenant is None or tenant.admin else engine_request_id(request, "")
+        await backend.abort_requests(None, prefix)
+    elif body.rid:
+        await backend.abort_requests([engine_request_id(request, body.rid)])
+    return Response(status_code=200)
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list:
+    """SGLang's ``/get_load`` (what sglang-router polls): each engine's requests and KV tokens."""
+    return await _client(request).backend.load()
