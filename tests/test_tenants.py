@@ -239,6 +239,38 @@ def test_abort_request_reaches_only_the_callers_own_requests(served):
         assert [e["num_reqs"] for e in ops.get("/get_load").json()] == [0]
 
 
+def test_abort_request_of_a_waiting_non_streamed_generate(served):
+    """One request runs at a time here: a second ``/generate`` waits; ``/abort_request`` of it
+    answers its (non-streamed) client SGLang's body, finish_reason abort and no token, and the
+    running one goes on until aborted in turn."""
+    sp = {"max_new_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    answers: list = []
+    with http(served, "alice") as alice, http(served, "ops") as ops:
+        with alice.stream("POST", "/generate", json={"text": "Count:", "rid": "runs", "stream": True,
+                                                     "sampling_params": sp}) as r:  # fmt: skip
+            data = (line[5:].strip() for line in r.iter_lines() if line.startswith("data:"))
+            assert json.loads(next(data))["meta_info"]["finish_reason"] is None
+            waiting = threading.Thread(target=lambda: answers.append(
+                alice.post("/generate", json={"text": "Wait:", "rid": "waits", "sampling_params": sp})))  # fmt: skip
+            waiting.start()
+            deadline = time.monotonic() + 60
+            while ops.get("/get_load").json()[0]["num_waiting_reqs"] != 1:
+                assert time.monotonic() < deadline, "the second request never waited"
+                time.sleep(0.05)
+            assert ops.get("/get_load").json()[0]["num_reqs"] == 2
+            assert alice.post("/abort_request", json={"rid": "waits"}).status_code == 200
+            waiting.join(60)
+            assert [e["num_reqs"] for e in ops.get("/get_load").json()] == [1]  # the running one goes on
+            assert alice.post("/abort_request", json={"rid": "runs"}).status_code == 200
+            last = json.loads([d for d in data][-2])
+    (answer,) = answers
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["output_ids"] == [] and body["text"] == "" and body["meta_info"]["completion_tokens"] == 0
+    assert body["meta_info"]["finish_reason"]["type"] == "abort" and body["meta_info"]["id"] == "waits"
+    assert last["meta_info"]["finish_reason"]["type"] == "abort" and 0 < last["meta_info"]["completion_tokens"] < 1000
+
+
 def test_metrics_are_per_tenant_and_never_show_a_key(served):
     with http(served, "ops") as ops:
         text = ops.get("/metrics").text
