@@ -258,12 +258,17 @@ class LLM:
                 middle of its step; a finish hook runs between steps and may call it.
         """
         with self._lock, _sigint_between_steps():
-            if self._in_step:
-                raise RuntimeError(
-                    "LLM.call_in_engine_thread (or a session's close or fork) was made from inside this LLM's own "
-                    "step (an event subscriber); call it after the step returns, e.g. from a finish hook"
-                )
+            self._refuse_in_step("LLM.call_in_engine_thread (or a session's close or fork)")
             return fn(self.engine)
+
+    def _refuse_in_step(self, what: str) -> None:
+        """RuntimeError when called from inside this LLM's own step (an event subscriber; the
+        caller holds the lock, which the stepping thread re-enters)."""
+        if self._in_step:
+            raise RuntimeError(
+                f"{what} was made from inside this LLM's own step (an event subscriber); call it after the "
+                "step returns, e.g. from a finish hook"
+            )
 
     def _run_locked(
         self,
@@ -441,8 +446,10 @@ class LLM:
 
     def reset_prefix_cache(self, tiers: bool = False) -> bool:
         """Empty the prefix cache (False while requests run); ``tiers``: also the KV tiers this
-        engine owns (host, disk; not a shared remote tier)."""
+        engine owns (host, disk; not a shared remote tier). RuntimeError from an event
+        subscriber (inside a step)."""
         with self._lock, _sigint_between_steps():
+            self._refuse_in_step("LLM.reset_prefix_cache")
             return self.engine.reset_prefix_cache(tiers=tiers)
 
     def close(self, timeout: Optional[float] = None) -> bool:
@@ -450,11 +457,13 @@ class LLM:
         restart or another engine finds every block; idempotent (also done on ``with LLM(...)``
         exit and at interpreter exit). Returns whether every write was done within ``timeout``
         seconds (None: no limit); a call of another thread running meanwhile counts in it (False
-        when it has not returned by then: nothing closed)."""
+        when it has not returned by then: nothing closed). RuntimeError from an event subscriber
+        (inside a step: the tiers would close under it)."""
         start = time.monotonic()
         if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
         try:
+            self._refuse_in_step("LLM.close")
             left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
             return self.engine.close(left)
         finally:
@@ -469,8 +478,9 @@ class LLM:
     def cache_stats(self) -> EngineStats:
         """See :meth:`radixkv.engine.Engine.cache_stats` (also readable as a dict); messages
         posted to the engine since its last step (e.g. a dropped session's pin release) are
-        applied first."""
+        applied first. RuntimeError from an event subscriber (inside a step)."""
         with self._lock, _sigint_between_steps():
+            self._refuse_in_step("LLM.cache_stats")  # it would run posted calls mid-step
             self.engine.run_posted()
             return self.engine.cache_stats()
 

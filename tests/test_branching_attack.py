@@ -372,3 +372,27 @@ def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():
     assert errors and all("inside this LLM's own step" in e for e in errors)
     assert llm.generate([[5, 6, 7]], greedy(3))[0].outputs[0].token_ids == reference([5, 6, 7], 3)
     idle_invariant(llm)
+
+
+@pytest.mark.parametrize("method", ["close", "cache_stats", "reset_prefix_cache"])
+def test_other_llm_calls_from_inside_a_step_are_refused(method):
+    """``close`` (closing the KV tiers mid-step), ``cache_stats`` (running posted calls and
+    expiring pins mid-step) and ``reset_prefix_cache`` from an event subscriber ran inside the
+    step (the RLock lets the stepping thread in): each raises a RuntimeError saying why, the outer
+    ``generate`` completes, and after the step each works."""
+    llm = make_llm()
+    errors: list = []
+
+    def call_back(_event) -> None:
+        try:
+            getattr(llm, method)()
+        except RuntimeError as exc:
+            errors.append(str(exc))
+
+    off = llm.engine.events.subscribe(call_back, (StepFinished,))
+    out = llm.generate([[1, 2, 3, 4]], greedy(4))[0]
+    off()
+    assert out.outputs[0].token_ids == reference([1, 2, 3, 4], 4)
+    assert errors and all(f"LLM.{method} was made from inside this LLM's own step" in e for e in errors)
+    assert llm.cache_stats()["prompt_tokens"] == 4 and llm.reset_prefix_cache() and llm.close()
+    idle_invariant(llm)

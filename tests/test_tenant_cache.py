@@ -467,3 +467,29 @@ def test_async_llm_namespace_and_prompt_salt():
     got, tenants = asyncio.run(main())
     assert got == [0, 26, 0, 0, 26]
     assert set(tenants) == {"a", "b"} and tenants["b"]["cached"] == 2 * 28
+
+
+def test_lifetime_counters_of_the_least_recently_admitted_tenants_are_forgotten(monkeypatch):
+    """At most TENANT_COUNTERS_KEPT tenants keep their counters (a tenant per end user must not grow
+    the engine without bound): the least recently admitted beyond it loses them; a tenant still
+    holding cached tokens stays listed with counters from 0, one holding none is dropped."""
+    import radixkv.engine.engine as engine_mod
+    from radixkv.engine import Engine
+
+    monkeypatch.setattr(engine_mod, "TENANT_COUNTERS_KEPT", 2)
+    cfg = EngineConfig(device="cpu", max_total_tokens=256)
+    eng = Engine(cfg, model_runner=FakeRunner(256, 1), tokenizer=None, eos_token_ids=[])
+    counts: dict = {}
+    eng.events.subscribe(_count_admissions(counts), (RequestAdmitted,))
+    for name in ("t0", "t1", "t0", "t2"):  # t1 is now the least recently admitted
+        eng.add_request(list(range(1, 30)), greedy(3), namespace=Namespace(tenant=name))
+        run_all(eng)
+    t = eng.cache_stats().tenants
+    assert t["t0"] == tenant_row(31, None, 58, 28) and t["t2"] == tenant_row(31, None, 29, 0)
+    assert t["t1"] == tenant_row(31, None, 0, 0)  # its pages are still cached: listed, counters forgotten
+    assert eng.reset_prefix_cache()
+    assert set(eng.cache_stats().tenants) == {"t0", "t2"}
+    eng.add_request(list(range(1, 30)), greedy(3), namespace=Namespace(tenant="t1"))
+    run_all(eng)
+    t = eng.cache_stats().tenants  # t1 back, from 0; t0 (now least recent) forgotten and holds nothing
+    assert set(t) == {"t1", "t2"} and t["t1"] == tenant_row(31, None, 29, 0) and counts["t1"] == [58, 0]

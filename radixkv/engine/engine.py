@@ -47,7 +47,7 @@ from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.output import NO_TEXT, RequestGroup
 from radixkv.engine.request import Request, RequestStatus
 from radixkv.engine.scheduler import ScheduledBatch, Scheduler
-from radixkv.engine.stats import EngineStats, TenantSnapshot, TenantTable
+from radixkv.engine.stats import TENANT_COUNTERS_KEPT, EngineStats, TenantSnapshot, TenantTable
 from radixkv.engine.tiers import (
     TierManager,
     build_stores,
@@ -413,7 +413,7 @@ class Engine:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.cached_by_tier = {m: 0 for m in CACHE_MEDIA}  # cached_tokens by where they came from
-        self._tenant_counts: Dict[str, List[int]] = {}  # tenant -> [prompt tokens, cached tokens]
+        self._tenant_counts: Dict[str, List[int]] = {}  # tenant -> [prompt, cached], least recent first
         self._tenant_rows = TenantTable()  # EngineStats.tenants, kept incrementally
         self._tenants_changed: set = set(cfg.tenant_kv_quota_tokens or ())  # rows to refresh (with the cache's)
         self.generated_tokens = 0
@@ -817,12 +817,7 @@ class Engine:
                 g.cached_tokens_by_tier = self._by_tier(r)
                 self.prompt_tokens += len(g.prompt_ids)
                 self.cached_tokens += r.num_cached_tokens
-                tenant = tenant_of(r.namespace)
-                if tenant is not None:
-                    counts = self._tenant_counts.setdefault(tenant, [0, 0])
-                    counts[0] += len(g.prompt_ids)
-                    counts[1] += r.num_cached_tokens
-                    self._tenants_changed.add(tenant)
+                self._count_tenant(tenant_of(r.namespace), len(g.prompt_ids), r.num_cached_tokens)
             if emit and r.admit_seq > self._last_admit_seq:
                 first = r.num_retractions == 0
                 self.events.emit(
@@ -1107,6 +1102,24 @@ class Engine:
                 kv_cache_bytes=pool.kv_cache_bytes,
             )
         return dict(kv_cache_dtype=str(self.config.kv_cache_dtype), kv_bytes_per_token=0, kv_cache_bytes=0)
+
+    def _count_tenant(self, tenant: Optional[str], prompt_tokens: int, cached_tokens: int) -> None:
+        """Add a first admission to ``tenant``'s lifetime counters (none for no tenant). The
+        counters of at most :data:`~radixkv.engine.stats.TENANT_COUNTERS_KEPT` tenants are kept,
+        the least recently admitted forgotten beyond it (its row stays listed while it holds
+        cached tokens or has a quota, counting from 0 again)."""
+        if tenant is None:
+            return
+        # NOTE: popped and put back, so the dict's order is least recently admitted first
+        counts = self._tenant_counts.pop(tenant, None) or [0, 0]
+        counts[0] += prompt_tokens
+        counts[1] += cached_tokens
+        self._tenant_counts[tenant] = counts
+        self._tenants_changed.add(tenant)
+        if len(self._tenant_counts) > TENANT_COUNTERS_KEPT:
+            oldest = next(iter(self._tenant_counts))
+            del self._tenant_counts[oldest]
+            self._tenants_changed.add(oldest)
 
     def tenant_snapshot(self) -> TenantSnapshot:
         """``EngineStats.tenants`` as of now, in O(tenants changed since the last call) (driver

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, Iterator
 
-__all__ = ["EngineStats", "tenant_row", "merge_tenants", "TenantTable", "TenantSnapshot"]
+__all__ = ["TENANT_COUNTERS_KEPT", "EngineStats", "tenant_row", "merge_tenants", "TenantTable", "TenantSnapshot"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class EngineStats(Mapping):
             ``cached`` (tokens its namespaces hold in the prefix cache now, pinned and locked
             included), ``quota`` (its ``kv_quota_tokens``, or None), ``prompt_tokens`` /
             ``cached_tokens`` (summed as above, over its requests) and ``hit_rate``. Every tenant
-            with a quota is listed from the start; others once a request names them.
+            with a quota is listed from the start; others once a request names them, while
+            they hold cached tokens or are among the :data:`TENANT_COUNTERS_KEPT` tenants
+            admitted most recently.
         spec_draft_tokens: draft tokens verified so far (speculative decoding; 0 when off).
         spec_accepted_tokens: those of them accepted (each saved a forward of its own).
     """
@@ -102,6 +104,15 @@ class EngineStats(Mapping):
 
 
 _KEYS = tuple(f.name for f in fields(EngineStats))
+
+
+TENANT_COUNTERS_KEPT = 10_000
+"""Most tenants whose lifetime ``prompt_tokens`` / ``cached_tokens`` counters an engine keeps
+(:attr:`EngineStats.tenants`). Beyond it the least recently admitted tenant's counters are
+forgotten: its row stays while it holds cached tokens or has a KV quota, and counts from 0 if it
+comes back (a Prometheus counter reset). It bounds the memory and the cost of each read of
+``cache_stats()`` / ``/metrics`` (O(tenants listed)) when the Python API names a tenant per end
+user; the server's tenants are its API keys."""
 
 
 def tenant_row(cached: int, quota: Any, prompt_tokens: int, cached_tokens: int) -> Dict[str, Any]:
