@@ -18,8 +18,12 @@ and a ``{"role": "tool", "tool_call_id", "content"}`` message answers one call.
   each run of consecutive tool results as one user turn of ``<tool_response>`` blocks.
 
 Rendering is deterministic: the same tools and history give the same text (JSON is written with
-``json.dumps`` in the order given; arguments are re-serialized from their parsed value), so each
-turn of a tool loop extends the previous turn's prompt and hits the prefix cache.
+``json.dumps`` in the order given), so each turn of a tool loop extends the previous turn's prompt
+and hits the prefix cache. A call's ``arguments`` JSON text is written as sent (only text that is
+not JSON, or a value, goes through ``json.dumps``): the server returns the model's own argument
+text (:mod:`radixkv.server.parsers.tool_calls`), so a call sent back renders the tokens the model
+generated and the next turn reuses the reply's KV too, whatever whitespace the grammar let the
+model write.
 """
 
 from __future__ import annotations
@@ -125,10 +129,24 @@ def _arguments_value(arguments: Any) -> Any:
     return {} if arguments is None else arguments
 
 
+def _arguments_json(arguments: Any) -> str:
+    """A call's arguments as JSON text: JSON text as it is (the model's own spacing, which the
+    server returned: re-serializing it would change the tokens the model generated), anything
+    else (text that is not JSON, a value) written by ``json.dumps``."""
+    if isinstance(arguments, str):
+        try:
+            json.loads(arguments)
+        except json.JSONDecodeError:
+            return _dumps(arguments)
+        return arguments
+    return _dumps({} if arguments is None else arguments)
+
+
 def format_tool_call(name: str, arguments: Any) -> str:
     """One call in the built-in format: ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
-    (``arguments``: JSON text or a value; re-serialized with ``json.dumps``)."""
-    body = _dumps({"name": name, "arguments": _arguments_value(arguments)})
+    (``arguments``: JSON text, written verbatim, or a value, written by ``json.dumps``; the text
+    the call grammar of :func:`radixkv.server.openai.params.forced_calls` makes the model write)."""
+    body = '{"name": ' + _dumps(name) + ', "arguments": ' + _arguments_json(arguments) + "}"
     return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
 
 

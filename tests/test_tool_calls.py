@@ -76,7 +76,7 @@ def test_tool_history_is_rendered_deterministically_and_extends_the_previous_tur
     ]
     text = render_chat(tok, turn2, tools=[WEATHER])
     assert (
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n'
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Oslo", "days":1}}\n'
         '</tool_call><tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
         "<|im_end|>\n<|im_start|>user\n<tool_response>\ncold\n</tool_response>\n<tool_response>\nwarm\n"
         "</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -84,10 +84,39 @@ def test_tool_history_is_rendered_deterministically_and_extends_the_previous_tur
     ids1, ids2 = encode_chat(tok, turn1, tools=[WEATHER]), encode_chat(tok, turn2, tools=[WEATHER])
     assert ids2[: len(ids1)] == ids1  # turn 2's prompt extends turn 1's: a prefix-cache hit
     assert encode_chat(tok, copy.deepcopy(turn2), tools=copy.deepcopy([WEATHER])) == ids2
-    # arguments are re-serialized: spacing differences in the client's JSON do not change tokens
+    # arguments' JSON text is rendered as sent (the model's own text, which the server returned)
     spaced = copy.deepcopy(turn2)
     spaced[1]["tool_calls"][0]["function"]["arguments"] = '{ "city" : "Oslo" ,"days":1 }'
-    assert encode_chat(tok, spaced, tools=[WEATHER]) == ids2
+    assert '{"name": "get_weather", "arguments": { "city" : "Oslo" ,"days":1 }}' in render_chat(tok, spaced)
+    # a value is written by json.dumps, text that is not JSON as a JSON string
+    assert (
+        format_tool_call("f", {"a": [1, "é"]})
+        == '<tool_call>\n{"name": "f", "arguments": {"a": [1, "é"]}}\n</tool_call>'
+    )
+    assert format_tool_call("f", "{oops") == '<tool_call>\n{"name": "f", "arguments": "{oops"}\n</tool_call>'
+    assert format_tool_call("f", None) == '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{\n    "city": "Oslo",\n    "days": 1\n}', '{"city":"Zürich","days":2}', '{ "city": "a\\"b}" , "days": 10 }'],
+)
+def test_a_call_sent_back_renders_the_tokens_the_model_generated(tok, arguments):
+    """A tool loop's turn 2 must extend turn 1's prompt plus the reply's tokens (all cached but
+    the end of turn, whose K/V is never computed). The arguments the grammar let the model write
+    (SmolLM2 writes them indented) were re-serialized as json.dumps does, so turn 2 diverged from
+    the reply inside the arguments and recomputed the rest of it (tests/test_agent_clients.py: 331
+    of the 346 tokens a text prompt can reuse)."""
+    turn1 = [{"role": "user", "content": "Weather in Oslo?"}]
+    reply = f'Checking.\n<tool_call>\n{{"name": "get_weather", "arguments": {arguments}}}\n</tool_call>'
+    content, (call,) = parse_tool_calls(reply)
+    assert call.arguments == arguments  # the model's own text, byte for byte
+    msg = {"role": "assistant", "content": content, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]}  # fmt: skip
+    turn2 = turn1 + [msg, {"role": "tool", "tool_call_id": call.id, "content": "cold"}]
+    generated = encode_chat(tok, turn1, tools=[WEATHER]) + tok.encode(reply, add_special_tokens=False)
+    ids2 = encode_chat(tok, turn2, tools=[WEATHER])
+    assert ids2[: len(generated)] == generated and ids2[len(generated)] == tok.convert_tokens_to_ids("<|im_end|>")
 
 
 def test_a_template_that_takes_tools_renders_them_itself(tok):
