@@ -116,6 +116,10 @@ def _replay_one(args, loaded, convs, concurrency) -> dict:
     try:
         if "disk" in want:
             runs["disk"] = run("disk", pool, disk_cache_dir=d)
+        if "disk_preempt" in want:  # the same, its burst's first tokens first (a fresh directory)
+            d2 = tempfile.mkdtemp(prefix="radixkv-bench-disk-", dir=d)
+            runs["disk_preempt"] = run("disk, first-token preemption", pool, disk_cache_dir=d2,
+                                       first_token_preemption=True)  # fmt: skip
         if "host" in want:
             runs["host"] = run("host", pool, host_cache_bytes=8 << 30)
         if "remote" in want:
@@ -143,13 +147,17 @@ def _replay_one(args, loaded, convs, concurrency) -> dict:
         hit_ratio_disk_vs_unbounded=runs["disk"]["hit_rate"] / inf["hit_rate"],
         ttft_p50_ratio_disk_vs_no_tier=runs["disk"]["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
         ttft_p50_ratio_unbounded_vs_no_tier=inf["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"],
+        ttft_p50_ratio_disk_preempt_vs_no_tier=(
+            runs["disk_preempt"]["ttft_p50_s"] / runs["no_tier"]["ttft_p50_s"] if "disk_preempt" in runs else None
+        ),
         load_cost_vs_prefill_per_token=costs,
     )
     print(
         f"replay ({tag}): pool {pool} tokens ({args.pool_fraction:.0%} of {inf['working_set_tokens']}); hit rate disk "
         f"{runs['disk']['hit_rate']:.1%} / unbounded {inf['hit_rate']:.1%} = {out['hit_ratio_disk_vs_unbounded']:.3f} "
         f"(no tier {runs['no_tier']['hit_rate']:.1%}); TTFT p50 disk / no tier = "
-        f"{out['ttft_p50_ratio_disk_vs_no_tier']:.3f} (unbounded / no tier {out['ttft_p50_ratio_unbounded_vs_no_tier']:.3f}); "
+        f"{out['ttft_p50_ratio_disk_vs_no_tier']:.3f} (unbounded / no tier {out['ttft_p50_ratio_unbounded_vs_no_tier']:.3f}"
+        f"; disk with first-token preemption / no tier {out['ttft_p50_ratio_disk_preempt_vs_no_tier'] or float('nan'):.3f}); "
         f"load/prefill per token {costs}; replies identical: {same}",
         flush=True,
     )
@@ -412,7 +420,10 @@ def main(argv=None) -> int:
         help="replay: comma-separated arrival patterns, 'waves' (every conversation's turn at once) or a closed "
         "loop's concurrency C (at most C requests in flight; a reply queues the next turn; default waves,4)",
     )
-    ap.add_argument("--replay-tiers", default="disk,host,remote", help="replay: the tier runs (default all three)")
+    ap.add_argument(
+        "--replay-tiers", default="disk,disk_preempt,host,remote",
+        help="replay: the tier runs (disk_preempt: disk with first_token_preemption; default all four)",
+    )  # fmt: skip
     ap.add_argument("--burst", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=4, help="overhead: rounds")
     ap.add_argument("--requests", type=int, default=16, help="overhead: requests per round")

@@ -266,6 +266,17 @@ class EngineConfig:
     (``{"host": "write_back", "disk": "write_through"}``). Default: write-back for host,
     write-through for disk and remote (so restarts and other engines see blocks before eviction).
     Resolved into a dict with one entry per tier."""
+
+    first_token_preemption: bool = False
+    """With KV tiers: when a request that has produced no token yet cannot be admitted for lack
+    of pool memory, running requests that have are retracted to make room (the newest admitted
+    first, each at most once). Their K/V stays in the prefix cache and reaches the tiers before
+    the pool reuses it (written through, or back on eviction), so resuming loads it instead of
+    recomputing it: the pool works as the tiers' swap space. It lowers time to first token under
+    bursts at the cost of the retracted requests' inter-token latency; a retracted request waits
+    only behind the requests that arrived before its retraction (none starves). Default False.
+    Without a tier it is a ValueError (it would do nothing). ``--first-token-preemption``."""
+
     tenant_kv_quota_tokens: Optional[Dict[str, int]] = None
     """Soft KV quotas: tenant name (``Namespace.tenant``, set by the server from the API key) ->
     cached tokens. When the pool must evict, tenants holding more than their quota lose their
@@ -514,6 +525,13 @@ class EngineConfig:
             field = {"host": "host_cache_bytes", "disk": "disk_cache_dir", "remote": "remote_cache_url"}[tier]
             raise ValueError(f"kv_tier_write_policy names the {tier} tier, which is not configured (set {field})")
         self.kv_tier_write_policy = resolve_write_policy(self.kv_tier_write_policy)
+        if not isinstance(self.first_token_preemption, bool):
+            raise ValueError(f"first_token_preemption must be True or False, got {self.first_token_preemption!r}")
+        if self.first_token_preemption and not self.kv_tiers:
+            raise ValueError(
+                "first_token_preemption needs a KV tier (host_cache_bytes, disk_cache_dir or remote_cache_url): "
+                "without one a retracted request's K/V would be recomputed"
+            )
 
     @property
     def kv_tiers(self) -> tuple:

@@ -57,6 +57,7 @@ def test_an_unknown_model_is_named(command, tmp_path, capsys):
         (["--disk-cache-bytes", "1GiB"], "--disk-cache-bytes applies only with --disk-cache-dir"),
         (["--kv-tier-write-policy", "write_back"], "--kv-tier-write-policy needs a KV tier"),
         (["--kv-tier-write-policy", "write_back", "--host-cache-bytes", "0"], "--kv-tier-write-policy needs a KV tier"),
+        (["--first-token-preemption"], "--first-token-preemption needs a KV tier"),
     ],
 )
 def test_tier_flags_without_their_tier_are_refused(command, flags, why, capsys):

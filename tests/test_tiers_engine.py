@@ -16,7 +16,7 @@ from process_helpers import run_in_fork
 from tier_fakes import VOCAB, KVRunner, MemoryStore, kv_engine, pool_holds_its_tokens, reference, run_all
 
 from radixkv.config import EngineConfig, resolve_write_policy
-from radixkv.engine.events import CacheInserted
+from radixkv.engine.events import CacheInserted, RequestAdmitted
 from radixkv.memory.kv_io import layout_of
 from radixkv.namespace import Namespace
 from radixkv.sampling_params import SamplingParams
@@ -851,3 +851,94 @@ def test_a_close_that_times_out_still_closes_the_tiers():
     disk.go.set()
     assert e.close(60)  # the queued pieces finish; the pool is not queued again
     assert e.cache_stats().tiers["disk"]["write_pending"] == 0
+
+
+def _burst(engine, prompts, max_tokens=12, arrivals=None):
+    """Step ``engine`` through ``prompts`` (all at once, or ``arrivals[i]`` of them added before
+    step ``i``), checking its invariants after every step; the step of each request's first
+    token, of each finish, and each output, in prompt order."""
+    ids, first, done, step = [], {}, {}, 0
+    queue = list(prompts)
+    for n in arrivals or [len(queue)]:
+        ids += [engine.add_request(p, greedy(max_tokens)) for p in queue[:n]]
+        queue = queue[n:]
+        if engine.has_unfinished_requests() or queue:
+            step += 1
+            _note(engine.step(), step, first, done)
+            engine.check_integrity()
+    while engine.has_unfinished_requests():
+        step += 1
+        assert step < 500, "a livelock"
+        _note(engine.step(), step, first, done)
+        engine.check_integrity()
+    pool_holds_its_tokens(engine)
+    return [first[i] for i in ids], [done[i][0] for i in ids], [done[i][1] for i in ids]
+
+
+def _note(outs, step, first, done):
+    for o in outs:
+        if o.outputs[0].token_ids and o.request_id not in first:
+            first[o.request_id] = step
+        if o.finished:
+            done[o.request_id] = (step, list(o.outputs[0].token_ids))
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])  # written back on eviction / through at insert
+def test_first_token_preemption_gives_a_bursts_first_tokens_before_any_finish(medium):
+    """A burst of 8 into a pool that holds 3: without preemption the last 3 requests produce their
+    first token only after the first ones finished (their slots); with it, running requests are
+    retracted (their K/V kept by the tier, loaded back on readmission, never recomputed wrong) and
+    every first token comes before any request finishes; outputs are the reference's."""
+    prompts = [prompt(i, 30) for i in range(8)]
+    off = _burst(kv_engine(capacity=160, stores=[MemoryStore(medium)]), prompts)
+    store = MemoryStore(medium)
+    e = kv_engine(capacity=160, stores=[store], first_token_preemption=True)
+    on = _burst(e, prompts)
+    for _, _, outs in (off, on):
+        assert outs == [reference(p, 12) for p in prompts]
+    assert max(off[0]) > min(off[1])  # without it a newcomer waited for a finish
+    assert max(on[0]) < min(on[1]) and max(on[0]) < max(off[0])
+    assert 0 < e.scheduler.num_first_token_preemptions <= len(prompts)
+    assert store.counts["blocks_read"] > 0  # the preempted requests' K/V came back from the tier
+
+
+def test_first_token_preemption_under_a_stream_of_arrivals_starves_no_one():
+    """Two newcomers before every step for 10 steps into a pool of 4 requests: every request
+    finishes with the reference output (the preempted ones are readmitted before anything that
+    arrived after their retraction), each preempted at most once."""
+    prompts = [prompt(100 + i, 24) for i in range(20)]
+    e = kv_engine(capacity=160, stores=[MemoryStore("host")], first_token_preemption=True)
+    firsts, finishes, outs = _burst(e, prompts, max_tokens=10, arrivals=[2] * 10)
+    assert outs == [reference(p, 10) for p in prompts]
+    assert 0 < e.scheduler.num_first_token_preemptions <= len(prompts)
+    assert all(f <= d for f, d in zip(firsts, finishes))
+
+
+def test_first_token_preemption_needs_a_tier():
+    with pytest.raises(ValueError, match="^first_token_preemption needs a KV tier"):
+        EngineConfig(first_token_preemption=True).resolve()
+    with pytest.raises(ValueError, match="^first_token_preemption must be True or False, got 1"):
+        EngineConfig(first_token_preemption=1, host_cache_bytes=1 << 20).resolve()
+
+
+@pytest.mark.parametrize("medium", ["host", "disk"])
+def test_a_retracted_request_resumes_from_the_tier_what_the_pool_lost(medium):
+    """A request retracted mid-decode, whose K/V the pool then evicts (to the tier: written back
+    on eviction, or through at insert), loads it back on readmission. Its tier lookup was made
+    once, at its first admission, so it recomputed all it had computed."""
+    store = MemoryStore(medium)
+    e = kv_engine(capacity=256, stores=[store])
+    p = prompt(7, 40)
+    rid = e.add_request(p, greedy(30))
+    while not e.scheduler.running or len(e.scheduler.running[0].output_token_ids) < 12:
+        e.step()
+    (req,) = e.scheduler.running
+    e.scheduler.retract(req)  # as the decode reservation does when short of memory
+    e.kv.tiers.drain()
+    e.kv.ensure_free(e.kv.capacity)  # the pool loses all of it (host: written back now)
+    e.kv.tiers.drain()
+    admitted: list = []
+    e.events.subscribe(lambda ev: admitted.append(ev.prefix_len), (RequestAdmitted,))
+    done = run_all(e)
+    assert done[rid].outputs[0].token_ids == reference(p, 30)
+    assert admitted == [51] and store.counts["blocks_read"] >= 3  # the 51 computed: 3 blocks and a tail

@@ -5,7 +5,8 @@ Hypothesis drives random requests (prompts from a few shared stems, so prefixes 
 namespaces), evictions of everything evictable to the tiers (write-back), pool flushes, drains of
 the write queue, a new engine over the same stores (a restart: the host tier is gone, the disk
 directory and the remote store stay), corrupting or truncating a stored disk file, and the remote
-tier going down and up again. Page sizes 1, 4 and 16; all three tiers, or one or two of them.
+tier going down and up again. Page sizes 1, 4 and 16; all three tiers, or one or two of them; with
+and without first-token preemption (running requests retracted for newcomers, their K/V loaded back).
 Tails (the partial block after a sequence's whole blocks) are written and loaded like blocks, and
 the run must load some from every tier; a damaged disk file may be a tail's.
 
@@ -86,11 +87,12 @@ class TiersMachine(RuleBasedStateMachine):
             "disk": lambda: DiskStore(self.dir, DISK_BYTES),
             "remote": lambda: self.remote,
         }
-        self.engine = kv_engine(CAPACITY, self.page_size, [make[m]() for m in self.tiers], chunk=48)
+        stores = [make[m]() for m in self.tiers]
+        self.engine = kv_engine(CAPACITY, self.page_size, stores, chunk=48, first_token_preemption=self.preempt)
 
-    @initialize(page_size=st.sampled_from([1, 4, 16]), tiers=st.sampled_from(TIER_SETS))
-    def start(self, page_size: int, tiers: tuple) -> None:
-        self.page_size, self.tiers = page_size, tiers
+    @initialize(page_size=st.sampled_from([1, 4, 16]), tiers=st.sampled_from(TIER_SETS), preempt=st.booleans())
+    def start(self, page_size: int, tiers: tuple, preempt: bool) -> None:
+        self.page_size, self.tiers, self.preempt = page_size, tiers, preempt
         self._new_engine()
 
     @rule(

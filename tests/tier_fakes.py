@@ -261,11 +261,20 @@ def loading_always_pays(engine) -> None:
 
 
 def kv_engine(
-    capacity=256, page_size=1, stores=(), chunk=64, max_running=16, cache="radix", measured_costs=False, **cfg
+    capacity=256,
+    page_size=1,
+    stores=(),
+    chunk=64,
+    max_running=16,
+    cache="radix",
+    measured_costs=False,
+    first_token_preemption=False,
+    **cfg,
 ):
     """An ``Engine`` over a :class:`KVRunner` of ``capacity`` slots with the KV tier ``stores``;
     unless ``measured_costs``, with :func:`loading_always_pays` (its tests' counts never depend
-    on timing)."""
+    on timing). ``first_token_preemption`` is set on the scheduler (``EngineConfig`` refuses it
+    without a configured tier: it does not see injected stores)."""
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
 
@@ -283,6 +292,7 @@ def kv_engine(
     engine = Engine(config, model_runner=runner, tokenizer=None, eos_token_ids=[], tier_stores=list(stores) or None)
     if engine.kv.tiers is not None and not measured_costs:
         loading_always_pays(engine)
+    engine.scheduler.first_token_preemption = first_token_preemption and engine.kv.tiers is not None
     return engine
 
 

@@ -395,9 +395,8 @@ class Engine:
         )
         if self.kv.tiers is not None:
             self.kv.tiers.io.on_load_done = _weak_call(self._wake)  # the I/O thread must not keep the engine
-        self.scheduler = Scheduler(
-            self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy
-        )
+        self.scheduler = Scheduler(self.kv, chunked_prefill_size=cfg.chunked_prefill_size, schedule_policy=cfg.schedule_policy,
+                                   first_token_preemption=cfg.first_token_preemption)  # fmt: skip
         self.outcomes = OutcomeTracker(cache, self.events) if cfg.cache_outcome else None
         self.scheduler.outcomes = self.outcomes
         self._groups: Dict[str, RequestGroup] = {}

@@ -535,8 +535,10 @@ class KVManager:
         self._tier_unhold(req)  # its own lock covers what a tier load installed for it
 
     # ------------------------------------------------------------------ hand-over and release
-    def release(self, req: Request) -> None:
+    def release(self, req: Request, retracted: bool = False) -> None:
         """Hand ``req``'s computed K/V to the prefix cache, free the rest, unlock, drop its row.
+        ``retracted``: it waits to be readmitted, so the KV tiers are asked again for what the
+        pool loses of it meanwhile (its lookup was for a shorter sequence, or found nothing).
 
         Ranges (``a = kv_len`` floored to pages, ``k`` = what ``insert`` found already cached):
         ``[prefix_len, k)`` freed (duplicates), ``[k, a)`` handed to the cache, ``[a, len(slots))``
@@ -561,6 +563,8 @@ class KVManager:
             req.prefix_node = None
         self.drop_pin(req)
         self._tier_unhold(req)
+        if retracted:  # NOTE: the spans served were counted at its first admission
+            req.tier = None
         req.slots = []
         req.prefix_len = 0
         req.kv_len = 0

@@ -72,6 +72,10 @@ class Request:
         cache_outcome: why sample 0's match stopped at its first admission
             (:class:`~radixkv.cache.outcome.CacheOutcome`), or None.
         num_retractions: how many times it was retracted.
+        arrival_seq: its place in the order of the scheduler's arrivals and first-token
+            preemptions (0 for a fork's sample, which never waited on its own).
+        preempted_seq: when it was retracted to let a request produce its first token
+            (``EngineConfig.first_token_preemption``), its place in the same order, else None.
         fork_pending: samples still to fork from this one once its prompt is computed (n > 1).
         sampling_state: the sample's :class:`~radixkv.sampling.pipeline.SampleState` (grammar
             matcher, processor tensors), or None; owned by the sampling package.
@@ -116,6 +120,8 @@ class Request:
         self.num_cached_tokens: Optional[int] = None
         self.cache_outcome: Any = None
         self.num_retractions = 0
+        self.arrival_seq = 0
+        self.preempted_seq: Optional[int] = None
         self.fork_pending = 0
         self.finish_reason: Optional[str] = None
         self.sampling_state: Any = None

@@ -35,6 +35,14 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    tenants in turn (:func:`tenants_in_turn`; re-ranking picks among the requests of the tenant
    whose turn it is), so one tenant's burst never holds back another tenant's request.
 
+0. First-token preemption (``EngineConfig.first_token_preemption``, with KV tiers only): when the
+   first request in policy order that has produced no token yet (and whose tier lookup is done)
+   cannot fit, the newest admitted decoding requests are retracted until it can, each at most
+   once; their K/V stays cached and goes to the tiers before the pool reuses it, so they load it
+   back when readmitted. A request so retracted is not readmitted while a request that arrived
+   before its retraction still waits for its first token (so a burst's first tokens come first,
+   and later arrivals never overtake it: nothing starves). Step 2 admits in the same step.
+
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
 """
@@ -51,6 +59,11 @@ from radixkv.engine.outcome import OutcomeTracker
 from radixkv.engine.request import Request, RequestStatus
 
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+def first_token_pending(r: Request) -> bool:
+    """True for a request that has produced no token and was never retracted (a burst's newcomer)."""
+    return not r.output_token_ids and r.num_retractions == 0
 
 
 def tenants_in_turn(reqs: List[Request], last_turn: dict) -> List[Request]:
@@ -167,7 +180,14 @@ class Scheduler:
         ValueError: bad ``chunked_prefill_size`` / ``schedule_policy``.
     """
 
-    def __init__(self, kv: KVManager, *, chunked_prefill_size: int, schedule_policy: str = "lpm") -> None:
+    def __init__(
+        self,
+        kv: KVManager,
+        *,
+        chunked_prefill_size: int,
+        schedule_policy: str = "lpm",
+        first_token_preemption: bool = False,
+    ) -> None:
         if schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {schedule_policy!r}")
         if chunked_prefill_size < 1:
@@ -183,11 +203,16 @@ class Scheduler:
         self.outcomes: Optional[OutcomeTracker] = None  # set by the engine (cache_outcome=True)
         self.prefill_tokens = 0
         self.num_retractions = 0
+        self.first_token_preemption = first_token_preemption and kv.tiers is not None
+        self.num_first_token_preemptions = 0
+        self._seq = 0  # arrivals and first-token preemptions, in order
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
         """Append a new request to the waiting queue."""
         req.status = RequestStatus.WAITING
+        self._seq += 1
+        req.arrival_seq = self._seq
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -209,9 +234,9 @@ class Scheduler:
 
     def retract(self, req: Request) -> None:
         """Release an admitted request and put it back at the front of the waiting queue; it keeps
-        its output tokens and recomputes (or re-matches) their K/V when readmitted."""
+        its output tokens and re-matches, loads from the KV tiers or recomputes their K/V when readmitted."""
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req, retracted=True)
         req.status = RequestStatus.WAITING
         req.draft_tokens = []
         req.num_retractions += 1
@@ -238,6 +263,11 @@ class Scheduler:
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
             reqs.sort(key=lambda r: -lens[id(r)])  # stable: ties keep queue order
+        if self.first_token_preemption:  # step 0's order: a preempted request after the older newcomers
+            pending = [r.arrival_seq for r in self.waiting if first_token_pending(r)]
+            if pending:
+                oldest = min(pending)
+                reqs = [r for r in reqs if r.preempted_seq is None or r.preempted_seq < oldest]
         if self._last_turn:  # forget the tenants with nothing waiting (a new request starts a new turn);
             # NOTE: a request waiting for its tier blocks waits too (its tenant keeps its turn)
             tenants = {tenant_of(r.namespace) for r in self.waiting}
@@ -358,6 +388,9 @@ class Scheduler:
         kv = self.kv
         batch = ScheduledBatch()
         ps = self.page_size
+        if self.first_token_preemption:
+            self._preempt_for_first_token(batch)
+        preempted = len(batch.retracted)
         # 1. decode reservation, retracting the newest admitted request while short.
         while self.running:
             decodes = [r for r in self.running if r.status == RequestStatus.DECODE]
@@ -389,7 +422,7 @@ class Scheduler:
             kv.publish(r, r.kv_len + extend)
             budget -= extend
         kv.tier_step(self.waiting, idle=not self.running)  # finished tier loads enter the cache
-        if not batch.retracted:
+        if len(batch.retracted) == preempted:  # no retraction for memory (step 1)
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()
         if not batch.reqs:
@@ -397,6 +430,27 @@ class Scheduler:
         batch.prefill_tokens = batch.num_prefill_tokens
         self.prefill_tokens += batch.prefill_tokens
         return batch
+
+    def _preempt_for_first_token(self, batch: ScheduledBatch) -> None:
+        """Step 0 (module docstring): retract the newest admitted decoding requests not preempted
+        before until the first newcomer in policy order fits (its pages beyond its cached prefix,
+        plus a page for each running request), or none is left to retract."""
+        kv, ps = self.kv, self.page_size
+        if any(r.status == RequestStatus.PREFILL for r in self.running):
+            return  # a chunked prefill goes first; nothing is admitted beside it
+        cands, _ = self._ordered_waiting()
+        new = next((r for r in cands if first_token_pending(r) and r.tier is not None), None)
+        while new is not None:  # NOTE: r.tier is set once its tier lookup is done (else it waits anyway)
+            need = kv.pages(new.seq_len) - kv.prefix_len(new) + ps * (len(self.running) + 1)
+            victims = [r for r in self.running if r.status == RequestStatus.DECODE and r.preempted_seq is None]
+            if kv.headroom() >= need or not victims:
+                return
+            victim = max(victims, key=lambda r: r.admit_seq)
+            self._seq += 1
+            victim.preempted_seq = self._seq
+            self.retract(victim)
+            self.num_first_token_preemptions += 1
+            batch.retracted.append(victim)
 
     def after_forward(self, batch: ScheduledBatch) -> None:
         """Advance ``kv_len`` of every request of ``batch``; finished prefills start decoding.

@@ -173,6 +173,11 @@ def add_tier_arguments(parser: argparse.ArgumentParser) -> None:
         help="write_through or write_back for every tier, or per tier as host=write_back,disk=write_through "
         "(default: write_back for host, write_through for disk and remote)",
     )  # fmt: skip
+    t.add_argument(
+        "--first-token-preemption", action="store_true", default=None,
+        help="under memory pressure, retract running requests (their K/V kept by the tiers) so that waiting "
+        "requests get their first token sooner (EngineConfig.first_token_preemption; default off)",
+    )  # fmt: skip
 
 
 def _at_least(kind: type, low: float) -> Any:
@@ -241,6 +246,8 @@ def tier_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
             kw[name] = getattr(args, name)
     if getattr(args, "kv_tier_write_policy", None) is not None:
         kw["kv_tier_write_policy"] = _write_policy(args.kv_tier_write_policy)
+    if getattr(args, "first_token_preemption", None):
+        kw["first_token_preemption"] = True
     return kw
 
 
@@ -252,6 +259,8 @@ def tier_flags_error(args: argparse.Namespace) -> Optional[str]:
     tiers = args.host_cache_bytes or args.disk_cache_dir is not None or args.remote_cache_url is not None
     if getattr(args, "kv_tier_write_policy", None) is not None and not tiers:
         return "--kv-tier-write-policy needs a KV tier (--host-cache-bytes, --disk-cache-dir or --remote-cache-url)"
+    if getattr(args, "first_token_preemption", None) and not tiers:
+        return "--first-token-preemption needs a KV tier (--host-cache-bytes, --disk-cache-dir or --remote-cache-url)"
     return None
 
 
