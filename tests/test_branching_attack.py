@@ -352,16 +352,14 @@ def test_call_in_engine_thread_from_inside_a_step_is_refused(kind):
     idle_invariant(llm)
 
 
-def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():
-    """An event subscriber calling back into ``LLM.generate`` (the RLock lets the stepping thread
-    in again) gets a RuntimeError saying why; before, it stepped the engine inside its own step
-    and the outer call died with a KeyError."""
-    llm = make_llm()
+def _errors_from_a_subscriber(llm, call) -> list:
+    """Run ``generate([1, 2, 3, 4])`` with ``call()`` made from a ``StepFinished`` subscriber
+    (inside each step); the outer output must be the reference; the RuntimeError messages."""
     errors: list = []
 
     def call_back(_event) -> None:
         try:
-            llm.generate([[5, 6, 7]], greedy(3))
+            call()
         except RuntimeError as exc:
             errors.append(str(exc))
 
@@ -369,6 +367,15 @@ def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():
     out = llm.generate([[1, 2, 3, 4]], greedy(4))[0]
     off()
     assert out.outputs[0].token_ids == reference([1, 2, 3, 4], 4)
+    return errors
+
+
+def test_generate_from_inside_a_step_is_refused_and_the_outer_call_completes():
+    """An event subscriber calling back into ``LLM.generate`` (the RLock lets the stepping thread
+    in again) gets a RuntimeError saying why; before, it stepped the engine inside its own step
+    and the outer call died with a KeyError."""
+    llm = make_llm()
+    errors = _errors_from_a_subscriber(llm, lambda: llm.generate([[5, 6, 7]], greedy(3)))
     assert errors and all("inside this LLM's own step" in e for e in errors)
     assert llm.generate([[5, 6, 7]], greedy(3))[0].outputs[0].token_ids == reference([5, 6, 7], 3)
     idle_invariant(llm)
@@ -381,18 +388,7 @@ def test_other_llm_calls_from_inside_a_step_are_refused(method):
     step (the RLock lets the stepping thread in): each raises a RuntimeError saying why, the outer
     ``generate`` completes, and after the step each works."""
     llm = make_llm()
-    errors: list = []
-
-    def call_back(_event) -> None:
-        try:
-            getattr(llm, method)()
-        except RuntimeError as exc:
-            errors.append(str(exc))
-
-    off = llm.engine.events.subscribe(call_back, (StepFinished,))
-    out = llm.generate([[1, 2, 3, 4]], greedy(4))[0]
-    off()
-    assert out.outputs[0].token_ids == reference([1, 2, 3, 4], 4)
+    errors = _errors_from_a_subscriber(llm, getattr(llm, method))
     assert errors and all(f"LLM.{method} was made from inside this LLM's own step" in e for e in errors)
     assert llm.cache_stats()["prompt_tokens"] == 4 and llm.reset_prefix_cache() and llm.close()
     idle_invariant(llm)
