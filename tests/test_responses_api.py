@@ -12,8 +12,10 @@ computed), held by the stored response's pin in the KV manager.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
+import time
 
 import httpx
 import jsonschema
@@ -612,4 +614,64 @@ def test_the_sdks_delete_frees_the_pin_and_its_cancel_is_a_400_without_backgroun
         with pytest.raises(openai.NotFoundError) as gone:
             call(made.id)
         assert gone.value.body["code"] == "not_found" and gone.value.body["param"] == "response_id"
+    assert_pool_whole(llm)
+
+
+def _abort_all_once_running(server) -> None:
+    """``POST /abort_request`` ``abort_all`` once ``/get_load`` shows a request in the engine."""
+    deadline = time.monotonic() + 300
+    while httpx.get(server.base_url + "/get_load", timeout=60).json()[0]["num_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    assert httpx.post(server.base_url + "/abort_request", json={"abort_all": True}, timeout=60).status_code == 200
+
+
+def test_an_aborted_response_is_cancelled_and_not_stored(server, client, llm):
+    """A Response whose request is aborted (``/abort_request`` ``abort_all``) has status
+    ``cancelled`` (OpenAI's status, vLLM's for an aborted request), its message ``incomplete``,
+    the tokens generated before the abort in ``usage``; streamed, it ends with
+    ``response.incomplete`` (OpenAI has no cancelled event), which the SDK parses. It was
+    ``response.completed`` / ``completed``: a client took the cut reply for a whole one. It is not
+    stored: a GET and a ``previous_response_id`` find no such id."""
+    _flush(server)
+    ask = dict(model=MODEL, input="Tell me a long story.", temperature=0)
+    full = client.responses.create(**ask, max_output_tokens=200, store=False)
+    assert full.status == "completed" or full.incomplete_details.reason == "max_output_tokens"
+    assert full.usage.output_tokens > 50  # long enough that the abort comes before its end
+
+    events = []
+    for event in client.responses.create(**ask, max_output_tokens=200, stream=True):
+        events.append(event)
+        if [e.type for e in events].count("response.output_text.delta") == 1:
+            _abort_all_once_running(server)
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds.count("response.completed") == 0
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]  # fmt: skip
+    cut = events[-1].response
+    assert cut.status == "cancelled" and cut.incomplete_details is None and cut.error is None
+    assert events[-2].item.status == cut.output[0].status == "incomplete"
+    k = cut.usage.output_tokens
+    assert 1 <= k < full.usage.output_tokens and full.output_text.startswith(cut.output_text)
+    assert cut.usage.total_tokens == cut.usage.input_tokens + k == full.usage.input_tokens + k
+    # its k output tokens are the greedy reply's first k: the same text as a reply cut at k
+    assert client.responses.create(**ask, max_output_tokens=k, store=False).output_text == cut.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == cut.output_text
+
+    # non-streamed: the same, as the body
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.responses.create, **ask, max_output_tokens=200)
+        _abort_all_once_running(server)
+        body = pending.result(300)
+    assert body.status == "cancelled" and body.output[0].status == "incomplete" and body.incomplete_details is None
+    assert body.usage.output_tokens < full.usage.output_tokens and full.output_text.startswith(body.output_text)
+
+    store = server.server.config.app.state.responses.store
+    for rid in (cut.id, body.id):
+        assert store.get(rid) is None
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(rid)
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.responses.create(**ask, max_output_tokens=2, previous_response_id=rid)
+        assert gone.value.body["code"] == "previous_response_not_found"
     assert_pool_whole(llm)

@@ -8,8 +8,10 @@ can be read directly through the AsyncLLM). ``max_tokens`` stays small to keep t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
+import time
 
 import httpx
 import openai
@@ -993,3 +995,87 @@ def test_serve_cli_starts_and_answers(tmp_path):
         stats = httpx.get(base + "/cache_stats", timeout=30).json()
         assert stats["capacity"] == 2048 and stats["page_size"] == 4
     assert proc.returncode is not None
+
+
+# ---------------------------------------------------------------------------------- aborts
+
+
+def _abort_all_once_running(server) -> None:
+    """``POST /abort_request`` ``abort_all`` once ``/get_load`` shows a request in the engine."""
+    deadline = time.monotonic() + 300
+    while httpx.get(server.base_url + "/get_load", timeout=60).json()[0]["num_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    assert httpx.post(server.base_url + "/abort_request", json={"abort_all": True}, timeout=60).status_code == 200
+
+
+LONG_STORY = "Tell me a long story about a dragon and a knight."
+
+
+def test_an_aborted_chat_or_completion_ends_with_finish_reason_abort_and_its_usage(server, client, llm):
+    """``/abort_request`` ``abort_all`` ends every choice of a running chat completion or
+    completion (``n`` 2), streamed or not, with vLLM's finish_reason ``abort``; ``usage`` counts the
+    tokens each choice generated before the abort (one logprob each), and the engine is idle after
+    (every slot owned once, none protected)."""
+    ask = dict(model=MODEL, max_tokens=300, temperature=0, n=2, extra_body={"ignore_eos": True})
+    messages = chat_messages(LONG_STORY)
+    stream = client.chat.completions.create(
+        messages=messages, stream=True, logprobs=True, stream_options={"include_usage": True}, **ask
+    )
+    tokens, reasons, usage, aborted = [0, 0], [None, None], None, False
+    for chunk in stream:
+        for c in chunk.choices:
+            tokens[c.index] += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if min(tokens) >= 1 and not aborted:
+            _abort_all_once_running(server)
+            aborted = True
+    assert reasons == ["abort", "abort"] and 1 <= min(tokens) and max(tokens) < 300
+    assert usage.completion_tokens == sum(tokens) and usage.prompt_tokens == len(prompt_ids(llm, messages))
+    assert_pool_whole(llm)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(client.completions.create, prompt=LONG_STORY, logprobs=0, **ask)
+        _abort_all_once_running(server)
+        body = pending.result(300)
+    assert [c.finish_reason for c in body.choices] == ["abort", "abort"]
+    counts = [len(c.logprobs.tokens) for c in body.choices]
+    assert body.usage.completion_tokens == sum(counts) and max(counts) < 300
+    short, long = sorted((c.text for c in body.choices), key=len)
+    assert long.startswith(short)  # greedy: the same tokens, each sample as far as it got
+    assert_pool_whole(llm)
+
+
+def test_abort_request_ends_every_sample_of_its_rid_and_matches_no_prefix(server, llm):
+    """``/abort_request`` ``{"rid": R}`` of a ``/generate`` with ``n`` 2 ends both samples
+    (``R-0``, ``R-1``) with finish_reason abort and their tokens so far. A ``rid`` that only
+    starts another's is no match: SGLang's tokenizer manager drops a ``rid`` it does not run (its
+    scheduler's prefix match only reaches that rid's own sub-requests, and ``X_1`` would abort
+    ``X_10``), so radixkv matches the id exactly."""
+    ids = llm.tokenizer.encode(LONG_STORY)
+    sp = {"max_new_tokens": 300, "temperature": 0, "ignore_eos": True, "n": 2}
+    body = {"input_ids": ids, "rid": "story-1", "sampling_params": sp, "stream": True}
+    last: dict = {}
+    with httpx.stream("POST", server.base_url + "/generate", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        data = (line[5:].strip() for line in r.iter_lines() if line.startswith("data:"))
+        first = json.loads(next(data))
+        assert first["meta_info"]["finish_reason"] is None
+        for rid in ("story-", "story", "story-10", "story-1-0"):  # none of them runs
+            assert httpx.post(server.base_url + "/abort_request", json={"rid": rid}, timeout=60).status_code == 200
+        assert httpx.get(server.base_url + "/get_load", timeout=60).json()[0]["num_reqs"] == 2
+        assert httpx.post(server.base_url + "/abort_request", json={"rid": "story-1"}, timeout=60).status_code == 200
+        for line in data:
+            if line != "[DONE]":
+                event = json.loads(line)
+                last[event["index"]] = event
+    assert sorted(last) == [0, 1]
+    for i, event in last.items():
+        meta = event["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and meta["id"] == f"story-1-{i}"
+        assert meta["completion_tokens"] == len(event["output_ids"]) < 300
+    short, long = sorted((e["output_ids"] for e in last.values()), key=len)
+    assert long[: len(short)] == short  # greedy: the same tokens, each sample as far as it got
+    assert_pool_whole(llm)

@@ -9,13 +9,16 @@ KV stays pinned, so ``previous_response_id`` computes only the new input.
   ``response.output_item.added``, for a message ``response.content_part.added``,
   ``response.output_text.delta`` ... ``.done``, ``response.content_part.done``, for a call
   ``response.function_call_arguments.delta`` ... ``.done``, then ``response.output_item.done``,
-  and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it) carrying
-  the same Response a non-streamed request returns. A forced call (``tool_choice`` required or
+  and ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut it, status
+  ``incomplete``, or when it was aborted, status ``cancelled``: OpenAI has no cancelled event)
+  carrying the same Response a non-streamed request returns. A forced call (``tool_choice`` required or
   named) cut by ``max_output_tokens`` is still a ``function_call`` item, status ``incomplete``,
   with the argument text generated so far.
 * ``store`` (default true, as OpenAI's) keeps the Response in the :class:`ResponseStore`:
   ``GET /v1/responses/{id}`` returns it, ``GET /v1/responses/{id}/input_items`` lists the items
-  it was generated from (:mod:`.response_items`), ``DELETE`` removes it (and its pin).
+  it was generated from (:mod:`.response_items`), ``DELETE`` removes it (and its pin). A
+  cancelled (aborted) Response is never stored: its reply was cut, and a follow-up must not
+  build on it unawares (its id is not found, as an unknown one).
 * ``previous_response_id``: the stored conversation (its input and output; not its
   ``instructions``, as in OpenAI) continues with the new ``input``. When the instructions and
   tools are the same, the prompt is the stored context token for token (the previous prompt +
@@ -244,6 +247,13 @@ def stored_size(item: StoredResponse) -> int:
     return len(json.dumps(parts, default=str)) + 36 * len(item.tokens)
 
 
+def _status(finish_reason: Optional[str]) -> str:
+    """The Response status of an engine finish reason: ``incomplete`` when ``max_output_tokens``
+    cut it, ``cancelled`` when it was aborted (``/abort_request``, or the engine ended it: vLLM's
+    Responses server answers ``cancelled`` for an aborted request too), else ``completed``."""
+    return {"length": "incomplete", "abort": "cancelled"}.get(finish_reason or "", "completed")
+
+
 class _EventWriter:
     """The Responses event stream of one response, as SSE events (numbered in order): the output
     items opened, streamed and closed one after the other.
@@ -367,7 +377,9 @@ class _EventWriter:
             out.append(self.ev("response.output_item.done", output_index=0, item=item))
         else:
             out += self.close_open(final["output"][min(self.index, len(final["output"]) - 1)]["status"])
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        # NOTE: OpenAI defines no response.cancelled event: a cancelled Response (aborted) ends with
+        # response.incomplete, the lifecycle event of a response that ended without completing
+        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
         return out + [self.ev(kind, response=final)]
 
 
@@ -409,7 +421,7 @@ class Responses:
     # ---------------------------------------------------------------- output
     @staticmethod
     def _items(text: str, plan: Any, reason: Optional[str], msg_id: str, call_ids: list[str] | None) -> list[dict]:
-        status = "incomplete" if reason == "length" else "completed"
+        status = "completed" if _status(reason) == "completed" else "incomplete"
         content, calls = parse_tool_calls(text, plan.cut, plan.forced, plan.max_calls) if plan.parse else (text, [])
         items: list[dict] = []
         if content or not calls:
@@ -531,7 +543,7 @@ class Responses:
         def finish(out: Any, call_ids: list[str] | None) -> dict:
             c = out.outputs[0]
             items = self._items(c.text, plan, c.finish_reason, msg_id, call_ids)
-            status = "incomplete" if c.finish_reason == "length" else "completed"
+            status = _status(c.finish_reason)
             body = self._body(rid, created, req, status, items, run.usage([out]))
             body["completed_at"] = time.time()
             item = holder.get("item")
