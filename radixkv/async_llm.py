@@ -104,7 +104,7 @@ class AsyncLLM:
     without :meth:`shutdown` (and no stream of it left), it is collected: its thread then closes
     the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool. One still
     running at interpreter exit is shut down then (its requests aborted, its tiers' writes done),
-    before the interpreter finalizes. A process forked after it was made has no engine thread
+    before the interpreter finalizes; the exit also waits for a dropped one's close still running. A process forked after it was made has no engine thread
     (a fork copies only the forking thread): there its calls raise EngineDeadError.
 
     Raises:
@@ -804,6 +804,9 @@ class _Iteration:
 
 
 _RUNNING: "weakref.WeakSet[AsyncLLM]" = weakref.WeakSet()  # AsyncLLMs for the exit hook to stop
+# their engine threads, for the exit hook to wait on: one whose AsyncLLM was collected (dropped
+# without shutdown) goes on closing its engine, the KV tiers' writes, after _RUNNING forgot it
+_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _EXIT_HOOK: list = []  # [True] once _shutdown_at_exit is registered
 _EXIT_TIMEOUT_S = 30.0  # how long the exit hook waits for each engine thread's current step
 
@@ -816,6 +819,7 @@ def _stop_at_exit(llm: AsyncLLM) -> None:
         atexit.register(_shutdown_at_exit)
         _EXIT_HOOK.append(True)
     _RUNNING.add(llm)
+    _THREADS.add(llm._thread)
 
 
 def _shutdown_at_exit() -> None:
@@ -825,6 +829,9 @@ def _shutdown_at_exit() -> None:
     active exception", exit code 134)."""
     for llm in list(_RUNNING):
         llm.shutdown(_EXIT_TIMEOUT_S)
+    for thread in list(_THREADS):  # those of AsyncLLMs dropped without shutdown, still closing
+        if thread.is_alive() and thread is not threading.current_thread():
+            thread.join(_EXIT_TIMEOUT_S)
 
 
 def _nothing(engine: Any) -> None:

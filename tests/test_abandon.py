@@ -398,3 +398,54 @@ def test_interpreter_exit_stops_a_running_engine_thread_first():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == ["running: 1", "engine threads alive at exit: 0"], proc.stdout
     assert proc.stderr == ""
+
+
+DROPPED_EXIT_SCRIPT = """
+import atexit, sys, threading, weakref
+sys.path.insert(0, "tests")
+from obs_helpers import NullRunner
+from radixkv import AsyncLLM
+
+def report():  # registered first, so it runs last at exit
+    alive = [t for t in threading.enumerate() if t.name == "radixkv-engine" and t.is_alive()]
+    print("engine threads alive at exit:", len(alive), flush=True)
+
+atexit.register(report)
+a = AsyncLLM(model_runner=NullRunner(1000, 1, 8, max_context_len=8192), tokenizer=None, eos_token_ids=[],
+             device="cpu", max_total_tokens=16384)
+engine, gate, close = a.engine, threading.Event(), a.engine.close
+
+def gated_close(timeout=None):  # the dropped AsyncLLM's thread closes the engine once the exit has begun
+    assert gate.wait(60)
+    close(timeout)
+    print("engine closed", flush=True)
+
+engine.close = gated_close
+ref = weakref.ref(a)
+del a  # dropped without shutdown(): collected, its thread goes on to close the engine
+print("collected:", ref() is None, flush=True)
+atexit.register(gate.set)  # registered last, so it runs first at exit
+"""
+
+
+def test_interpreter_exit_waits_for_a_dropped_async_llm_closing_its_engine():
+    """An AsyncLLM dropped without shutdown closes its engine (the KV tiers' queued writes) on
+    its own thread; a script that then ends waits for that close. The exit hook stopped only the
+    AsyncLLMs still alive, so the interpreter finalized while the daemon thread was still inside
+    the close: the tiers' last writes were cut off and the process aborted now and then
+    ("terminate called without an active exception", exit code 134; seen with a disk tier and
+    the default model, AsyncLLM made inside ``asyncio.run`` with no shutdown)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run(
+        [sys.executable, "-c", DROPPED_EXIT_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["collected: True", "engine closed", "engine threads alive at exit: 0"], (
+        proc.stdout
+    )
+    assert proc.stderr == ""

@@ -942,3 +942,22 @@ def test_a_retracted_request_resumes_from_the_tier_what_the_pool_lost(medium):
     done = run_all(e)
     assert done[rid].outputs[0].token_ids == reference(p, 30)
     assert admitted == [51] and store.counts["blocks_read"] >= 3  # the 51 computed: 3 blocks and a tail
+
+
+def test_close_writes_the_tail_of_a_prompt_its_reply_continues_past_a_block(tmp_path):
+    """A 28-token prompt and its 6-token reply: the reply completes the prompt's second block
+    (16-31). Close wrote that whole block and the reply's tail, not the prompt's own 12-token tail
+    (a node continued mid-block was left to its children), so a restart asking the same prompt
+    again got its first block only: 16 tokens, not 27 (the default model, serve --kv-tier-write-
+    policy disk=write_back, SIGTERM and a restart: 976 of 989; written through: 989)."""
+    from radixkv.tiers import DiskStore
+
+    e = kv_engine(stores=[DiskStore(str(tmp_path), 1 << 30)], kv_tier_write_policy="write_back")
+    p = prompt(25, 28)
+    assert generate(e, [p])[0].outputs[0].token_ids == reference(p, 6)
+    assert e.close()
+    other = kv_engine(stores=[DiskStore(str(tmp_path), 1 << 30)])
+    out = generate(other, [p])[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 27, "remote": 0}
+    assert out.outputs[0].token_ids == reference(p, 6)
+    assert other.cache_stats().tiers["disk"]["tail_tokens"] == 11

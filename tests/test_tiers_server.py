@@ -6,13 +6,15 @@ degraded tier (a Redis nobody listens on), ``/flush_cache`` empties the pool and
 
 from __future__ import annotations
 
+import json
 import random
+import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
-from server_helpers import Server, assert_pool_whole, wait_idle
+from server_helpers import Server, assert_pool_whole, serve_process, wait_idle
 from tier_fakes import loading_always_pays, tiny_model
 
 from radixkv.async_llm import AsyncLLM
@@ -129,6 +131,39 @@ def test_serve_refuses_an_unwritable_disk_dir(tmp_path):
         timeout=280,
     )
     assert r.returncode == 2 and "disk_cache_dir" in r.stderr.splitlines()[-1], r.stderr[-2000:]
+
+
+def test_serve_sigterm_ends_the_stream_in_flight_exits_0_and_keeps_the_disk_tier(tmp_path):
+    """``radixkv serve`` (default model, a disk tier) gets SIGTERM while a stream runs: the stream
+    ends whole (its ``[DONE]``), the server exits with status 0, as on Ctrl-C and as ``serve
+    --replicas`` on SIGTERM, and a restart on the same directory serves every prompt token but
+    the last from the disk tier. It exited -15 (143 in a shell: docker stop, systemd and
+    Kubernetes stops read as failures): uvicorn re-raised the SIGTERM after its graceful
+    shutdown, under the default handler, which killed the process."""
+    args = ["--device", "cpu", "--max-total-tokens", "2048", "--disk-cache-dir", tmp_path / "kv", "--log-level",
+            "warning"]  # fmt: skip
+    prompt = " ".join(f"w{i}" for i in range(60))
+
+    def completion(base):
+        body = {"model": "smollm2-135m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+        r = httpx.post(base + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    with serve_process(args, tmp_path / "serve.log") as (base, proc):
+        n = completion(base)["prompt_tokens"]
+        body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 8, "stream": True,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    with serve_process(args, tmp_path / "serve2.log") as (base, proc):
+        assert completion(base)["prompt_tokens_details"] == {"cached_tokens": n - 1}
 
 
 def test_serve_flags_reach_every_replica_as_engine_fields():

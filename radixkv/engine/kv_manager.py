@@ -398,7 +398,7 @@ class KVManager:
                 self.tiers.write("write_back", ns, path, first, stop, torch.cat([torch.as_tensor(h), own]), tail=r)
 
     def write_back_pool(self, timeout: Optional[float] = None) -> bool:
-        """Queue every block the pool caches, and the tail of each cached sequence, for the
+        """Queue every block the pool caches, and the tail of each cached node, for the
         persistent tiers written back (disk, remote): they get blocks only when the pool evicts
         them, so what it still holds at close was lost to a restart. Not the host tier (the
         process takes it along); radix cache only (the hash cache keeps no sequences). Deepest
@@ -416,10 +416,12 @@ class KVManager:
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         per = max(1, tiers.io.max_pending_bytes // 4 // (BLOCK_TOKENS * layout_of(tiers.pool).token_bytes))
-        for ns, path, slots, start, leaf in paths():
+        for ns, path, slots, start, _leaf in paths():
             end = len(path) >> 2
             first, stop = start // BLOCK_TOKENS, end // BLOCK_TOKENS
-            r = end - stop * BLOCK_TOKENS if leaf else 0  # a node continued mid-block: its children write it
+            # the tail after its last whole block, also where a node is continued mid-block: the
+            # children write that block whole, which a lookup of this node's path cannot read
+            r = end - stop * BLOCK_TOKENS
             if stop <= first and not r:
                 continue
             own = torch.frombuffer(bytearray(slots), dtype=torch.int64)

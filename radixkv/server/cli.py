@@ -15,9 +15,12 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
-from typing import Any, Optional
+import threading
+from typing import Any, Iterator, Optional
 
 from radixkv.config import ATTENTION_BACKENDS, parse_bytes, parse_memory_bytes
 from radixkv.server.app import DEFAULT_SERVED_MODEL_NAME
@@ -435,7 +438,36 @@ def run(args: argparse.Namespace) -> int:
     auth = f", API keys of {len(keys.tenants())} tenant(s)" if keys is not None else ""
     print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1{auth}", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        with _sigterm_ends_serving():
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         llm.shutdown()
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is: it ends ``radixkv serve`` as Ctrl-C does."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated(f"signal {signum}")
+
+
+@contextlib.contextmanager
+def _sigterm_ends_serving() -> Iterator[None]:
+    """SIGTERM ends serving with exit status 0, as Ctrl-C and ``serve --replicas`` do. uvicorn
+    shuts down gracefully on it (the requests in flight end, then the app's lifespan closes the
+    engine), then re-raises it under the handler found at start: the default one killed the
+    process (status -15). Here that handler raises :class:`_Terminated`, which ends the block
+    (also before uvicorn took the signal over). Main thread only (elsewhere signals cannot be
+    handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    except _Terminated:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
