@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
 import signal
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -86,6 +88,8 @@ class LLM:
         self._lock = threading.RLock()  # one caller drives the engine at a time
         self._stepping = False  # a _run_locked is stepping the engine (on the thread holding _lock)
         self._in_step = False  # inside Engine.step() (its event subscribers run there)
+        if self.engine.kv.tiers is not None:
+            _close_at_exit(self)
 
     def _ns(self, namespace: Any) -> Any:
         """A call's namespace: its own, else this LLM's."""
@@ -455,7 +459,7 @@ class LLM:
     def close(self, timeout: Optional[float] = None) -> bool:
         """Finish the writes queued for the KV tiers and close them (docs/tiers.md), so that a
         restart or another engine finds every block; idempotent (also done on ``with LLM(...)``
-        exit and at interpreter exit). Returns whether every write was done within ``timeout``
+        exit and at interpreter exit, within 30 s). Returns whether every write was done within ``timeout``
         seconds (None: no limit); a call of another thread running meanwhile counts in it (False
         when it has not returned by then: nothing closed). RuntimeError from an event subscriber
         (inside a step: the tiers would close under it)."""
@@ -489,6 +493,30 @@ class LLM:
         another thread runs (read without waiting for it; the same method as
         :meth:`radixkv.async_llm.AsyncLLM.num_unfinished_requests`)."""
         return self.engine.num_unfinished_requests()
+
+
+_OPEN: "weakref.WeakSet[LLM]" = weakref.WeakSet()  # LLMs with KV tiers, for the exit hook to close
+_EXIT_HOOK: list = []  # [True] once _close_open_at_exit is registered
+_EXIT_TIMEOUT_S = 30.0  # how long the exit hook gives each LLM's close
+
+
+def _close_at_exit(llm: LLM) -> None:
+    """Close ``llm`` at interpreter exit if still open (:func:`_close_open_at_exit`)."""
+    # NOTE: registered once, after weakref.finalize's own exit hook (the KV tiers made a
+    # finalizer already), so it runs first, while the tiers are still open
+    if not _EXIT_HOOK:
+        atexit.register(_close_open_at_exit)
+        _EXIT_HOOK.append(True)
+    _OPEN.add(llm)
+
+
+def _close_open_at_exit() -> None:
+    """At interpreter exit, close every ``LLM`` with KV tiers still alive, as ``AsyncLLM``'s
+    exit hook shuts its engines down: a write-back tier written to disk or Redis then gets the
+    blocks the pool still caches, which a script that just returns used to lose (the tiers'
+    own finalizers only finish the writes already queued)."""
+    for llm in list(_OPEN):
+        llm.close(_EXIT_TIMEOUT_S)
 
 
 def _check_batch(config: Any, spaces: Sequence[Any]) -> None:

@@ -449,3 +449,45 @@ def test_interpreter_exit_waits_for_a_dropped_async_llm_closing_its_engine():
         proc.stdout
     )
     assert proc.stderr == ""
+
+
+LLM_EXIT_SCRIPT = """
+import sys
+sys.path.insert(0, "tests")
+from tier_fakes import KVRunner, prompt_of
+from radixkv import LLM, SamplingParams
+from radixkv.tiers import DiskStore
+
+llm = LLM("kv-runner", model_runner=KVRunner(256, 1, 16), tokenizer=None, eos_token_ids=[], device="cpu",
+          max_total_tokens=256, tier_stores=[DiskStore(sys.argv[1], 1 << 30)], kv_tier_write_policy="write_back")
+out = llm.generate([prompt_of(40)], SamplingParams(temperature=0.0, max_tokens=6))[0]
+print("generated", len(out.outputs[0].token_ids), flush=True)
+# no close(): the script just returns
+"""
+
+
+def test_interpreter_exit_closes_an_llm_so_a_write_back_disk_tier_gets_the_pool(tmp_path):
+    """A script that makes an ``LLM`` with a disk tier written back, generates and just returns:
+    its exit closes the LLM, so the disk gets what the pool still caches (as ``AsyncLLM``'s
+    exit hook does). The tiers' finalizers finished only the writes already queued, and a
+    write-back tier gets none before eviction: the next process found 0 tokens on disk."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tier_fakes import kv_engine, prompt_of, reference, run_all
+
+    from radixkv.sampling_params import SamplingParams
+    from radixkv.tiers import DiskStore
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", LLM_EXIT_SCRIPT, str(tmp_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["generated 6"]
+    e = kv_engine(stores=[DiskStore(str(tmp_path), 1 << 30)])
+    rid = e.add_request(prompt_of(40), SamplingParams(temperature=0.0, max_tokens=6))
+    out = run_all(e)[rid]
+    assert out.outputs[0].token_ids == reference(prompt_of(40), 6)
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 39, "remote": 0}

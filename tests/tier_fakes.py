@@ -11,6 +11,7 @@ runs the engine over the real ``HostStore`` / ``DiskStore``.
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import OrderedDict
 from typing import Optional, Sequence
@@ -150,6 +151,12 @@ def next_token(tokens) -> int:
     import zlib
 
     return 1 + zlib.crc32(bytes(str(list(tokens)), "ascii")) % (VOCAB - 1)
+
+
+def prompt_of(n: int, seed: int = 0) -> list:
+    """A deterministic prompt of ``n`` tokens of the fake vocabulary (the same in every process)."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
 
 
 def reference(prompt, max_tokens):
