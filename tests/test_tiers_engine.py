@@ -961,3 +961,34 @@ def test_close_writes_the_tail_of_a_prompt_its_reply_continues_past_a_block(tmp_
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 27, "remote": 0}
     assert out.outputs[0].token_ids == reference(p, 6)
     assert other.cache_stats().tiers["disk"]["tail_tokens"] == 11
+
+
+def test_a_preempted_request_held_back_does_not_lock_its_load_against_an_older_newcomers():
+    """A newcomer whose 176 prompt tokens come back from the tier cannot install them while two
+    requests decode; a second newcomer preempts the newest of them, which the pool then evicts and
+    which loads its K/V back, held back behind the first newcomer (it arrived before the
+    preemption). Installed, that load locked over 80 slots: the first newcomer's install was
+    crowded out for good (80 + 176 tokens above 3/4 of the pool) and, the held-back one's lock
+    being a tier install, never given up either: both waited forever, the engine stepping idle.
+    A held-back request's finished load now waits uninstalled until it may be admitted."""
+    store = MemoryStore("disk")
+    e = kv_engine(capacity=256, stores=[store], chunk=256, first_token_preemption=True)
+    first = prompt(1, 177)
+    run_all(e.add_request(first, greedy(1)) and e)
+    assert e.kv.tiers.drain(60)
+    e.kv.ensure_free(256)  # the tier keeps the newcomer's prompt, the pool forgets it
+    prompts = [(prompt(2, 80), 60), (prompt(3, 80), 60)]
+    ids = [e.add_request(p, greedy(n)) for p, n in prompts]
+    for _ in range(3):
+        e.step()
+    prompts += [(first + [5], 2), (prompt(4, 100), 5)]
+    ids += [e.add_request(p, greedy(n)) for p, n in prompts[2:]]
+    done = {}
+    for _ in range(200):
+        if not e.has_unfinished_requests():
+            break
+        done.update((o.request_id, o) for o in e.step() if o.finished)
+        assert e.kv.tiers.drain(60)  # each load lands in the step after it (a fixed run)
+        e.check_integrity()
+    assert [done[i].outputs[0].token_ids if i in done else None for i in ids] == [reference(p, n) for p, n in prompts]
+    assert e.scheduler.num_first_token_preemptions == 1 and store.counts["blocks_read"] >= 11 + 5

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Container, Iterable, List, Optional
 
 import torch
 
@@ -602,11 +602,13 @@ class KVManager:
         t = req.tier
         return t is not None and t.job is not None
 
-    def tier_step(self, waiting: Iterable[Request], idle: bool = False) -> None:
+    def tier_step(self, waiting: Iterable[Request], idle: bool = False, defer: Container[int] = ()) -> None:
         """The KV tiers' part of a step: announce the writes the I/O thread finished, install
         the finished loads of waiting requests (:meth:`_tier_install`; ``idle``: nothing runs,
         so a load that finds no room now never will: given up), and start a lookup for each
-        waiting request not looked up yet, or whose cached prefix shrank since its lookup."""
+        waiting request not looked up yet, or whose cached prefix shrank since its lookup.
+        ``defer``: the ids of waiting requests whose finished loads stay uninstalled for now (the
+        scheduler does not admit them yet: what an install locked for them would stay locked)."""
         tiers = self.tiers
         if tiers is None:
             return
@@ -629,7 +631,7 @@ class KVManager:
                 continue
             t = r.tier
             if t is not None and t.job is not None:
-                if t.job.done:
+                if t.job.done and id(r) not in defer:
                     self._tier_install(r, idle)
             elif t is None or (t.node is None and self._cached_len(r) < t.start):
                 self._tier_lookup(r)

@@ -263,16 +263,25 @@ class Scheduler:
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
             reqs.sort(key=lambda r: -lens[id(r)])  # stable: ties keep queue order
-        if self.first_token_preemption:  # step 0's order: a preempted request after the older newcomers
-            pending = [r.arrival_seq for r in self.waiting if first_token_pending(r)]
-            if pending:
-                oldest = min(pending)
-                reqs = [r for r in reqs if r.preempted_seq is None or r.preempted_seq < oldest]
+        held = self._held_back()  # step 0's order: a preempted request after the older newcomers
+        if held:
+            reqs = [r for r in reqs if id(r) not in held]
         if self._last_turn:  # forget the tenants with nothing waiting (a new request starts a new turn);
             # NOTE: a request waiting for its tier blocks waits too (its tenant keeps its turn)
             tenants = {tenant_of(r.namespace) for r in self.waiting}
             self._last_turn = {t: n for t, n in self._last_turn.items() if t in tenants}
         return tenants_in_turn(reqs, self._last_turn), lens
+
+    def _held_back(self) -> set:
+        """The ids of the waiting requests first-token preemption holds back (step 0): those
+        retracted after the arrival of the oldest newcomer still waiting."""
+        if not self.first_token_preemption:
+            return set()
+        pending = [r.arrival_seq for r in self.waiting if first_token_pending(r)]
+        if not pending:
+            return set()
+        oldest = min(pending)
+        return {id(r) for r in self.waiting if r.preempted_seq is not None and r.preempted_seq > oldest}
 
     def _admit(self, req: Request, budget: int, reserve: int) -> Optional[int]:
         """Try to admit ``req`` with at most ``budget`` new tokens (its prefix cached or borrowed
@@ -421,7 +430,9 @@ class Scheduler:
             batch.add(r, extend, r.kv_len + extend == r.seq_len)
             kv.publish(r, r.kv_len + extend)
             budget -= extend
-        kv.tier_step(self.waiting, idle=not self.running)  # finished tier loads enter the cache
+        # finished tier loads enter the cache; not a held-back request's: its install's lock would
+        # hold slots that no admission frees, and a newcomer's load would never find room
+        kv.tier_step(self.waiting, idle=not self.running, defer=self._held_back())
         if len(batch.retracted) == preempted:  # no retraction for memory (step 1)
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()
