@@ -992,3 +992,37 @@ def test_a_preempted_request_held_back_does_not_lock_its_load_against_an_older_n
         e.check_integrity()
     assert [done[i].outputs[0].token_ids if i in done else None for i in ids] == [reference(p, n) for p, n in prompts]
     assert e.scheduler.num_first_token_preemptions == 1 and store.counts["blocks_read"] >= 11 + 5
+
+
+def test_first_token_preemption_drops_soft_pins_first_and_takes_only_its_own_tenants_requests():
+    """Step 0 gives way as step 1 does: a session's soft pin is dropped before any running request
+    is retracted (it kept the pin and retracted a decoder); and a newcomer retracts only running
+    requests of its own tenant (another tenant's burst took them, and their requests then
+    counted against their own tenant's queue share)."""
+    from radixkv.namespace import Namespace
+
+    a, b = Namespace(tenant="a"), Namespace(tenant="b")
+    e = kv_engine(capacity=160, stores=[MemoryStore("host")], first_token_preemption=True)
+    ctx = prompt(40, 60)
+    generate(e, [ctx], greedy(2))
+    pin = e.pin_prefix(ctx)
+    assert pin is not None and pin.live
+    ids = [e.add_request(prompt(41 + i, 40), greedy(20)) for i in range(2)]
+    while any(len(r.output_token_ids) < 2 for r in e.scheduler.running) or len(e.scheduler.running) < 2:
+        e.step()
+    late = e.add_request(prompt(50, 30), greedy(4))
+    done = run_all(e)
+    assert not pin.live and e.scheduler.num_first_token_preemptions == 0  # the pin gave way
+    assert [done[i].outputs[0].token_ids for i in ids + [late]] == [
+        reference(prompt(41 + i, 40), 20) for i in range(2)
+    ] + [reference(prompt(50, 30), 4)]
+    # tenants: b's decoders are never retracted for a's newcomer; a's own are
+    for owner, want in ((b, 0), (a, 1)):
+        e = kv_engine(capacity=160, stores=[MemoryStore("host")], first_token_preemption=True)
+        for i in range(3):
+            e.add_request(prompt(60 + i, 40), greedy(16), namespace=owner)
+        while len(e.scheduler.running) < 3 or any(not r.output_token_ids for r in e.scheduler.running):
+            e.step()
+        e.add_request(prompt(70, 40), greedy(4), namespace=a)
+        run_all(e)
+        assert min(e.scheduler.num_first_token_preemptions, 1) == want

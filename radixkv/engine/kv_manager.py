@@ -818,6 +818,16 @@ class KVManager:
         were dropped. Their tokens stay cached, evictable."""
         return self.pins.expire()
 
+    def yield_soft_pins(self, need: int) -> bool:
+        """Drop soft pins (:meth:`PinTable.victim` first) until ``need`` slots could be made free
+        (:meth:`headroom`), evicting nothing yet; False when they are all dropped first."""
+        while self.headroom() < need:
+            victim = self.pins.victim()
+            if victim is None:
+                return False
+            self.pins.drop(victim)
+        return True
+
     def yield_pins(self, need: int) -> bool:
         """Make ``need`` slots free for a running request (or the one being admitted while
         nothing runs), dropping soft pins (:meth:`PinTable.victim` first), then the locks on what the

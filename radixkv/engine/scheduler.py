@@ -37,11 +37,12 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
 
 0. First-token preemption (``EngineConfig.first_token_preemption``, with KV tiers only): when the
    first request in policy order that has produced no token yet (and whose tier lookup is done)
-   cannot fit, the newest admitted decoding requests are retracted until it can, each at most
-   once; their K/V stays cached and goes to the tiers before the pool reuses it, so they load it
-   back when readmitted. A request so retracted is not readmitted while a request that arrived
-   before its retraction still waits for its first token (so a burst's first tokens come first,
-   and later arrivals never overtake it: nothing starves). Step 2 admits in the same step.
+   cannot fit, soft pins are dropped, then the newest admitted decoding requests of its own
+   tenant are retracted until it can, each at most once; their K/V stays cached and goes to the
+   tiers before the pool reuses it, so they load it back when readmitted. A request so retracted
+   is not readmitted while a request that arrived before its retraction still waits for its
+   first token (so a burst's first tokens come first, and later arrivals never overtake it).
+   Step 2 admits in the same step.
 
 The scheduler decides; every slot it implies moves through the
 :class:`~radixkv.engine.kv_manager.KVManager` (docs/engine.md has the slot-range table).
@@ -443,18 +444,24 @@ class Scheduler:
         return batch
 
     def _preempt_for_first_token(self, batch: ScheduledBatch) -> None:
-        """Step 0 (module docstring): retract the newest admitted decoding requests not preempted
-        before until the first newcomer in policy order fits (its pages beyond its cached prefix,
-        plus a page for each running request), or none is left to retract."""
+        """Step 0 (module docstring): retract the newest admitted decoding requests of the first
+        newcomer's own tenant, not preempted before, until that newcomer fits (its pages beyond
+        its cached prefix, plus a page for each running request), after dropping soft pins
+        (sessions give way first, as for a decode); or until none is left to retract."""
         kv, ps = self.kv, self.page_size
         if any(r.status == RequestStatus.PREFILL for r in self.running):
             return  # a chunked prefill goes first; nothing is admitted beside it
         cands, _ = self._ordered_waiting()
         new = next((r for r in cands if first_token_pending(r) and r.tier is not None), None)
+        tenant = None if new is None else tenant_of(new.namespace)
         while new is not None:  # NOTE: r.tier is set once its tier lookup is done (else it waits anyway)
             need = kv.pages(new.seq_len) - kv.prefix_len(new) + ps * (len(self.running) + 1)
-            victims = [r for r in self.running if r.status == RequestStatus.DECODE and r.preempted_seq is None]
-            if kv.headroom() >= need or not victims:
+            victims = [
+                r
+                for r in self.running
+                if r.status == RequestStatus.DECODE and r.preempted_seq is None and tenant_of(r.namespace) == tenant
+            ]  # NOTE: never another tenant's: a tenant's burst must not push others out of the pool
+            if kv.headroom() >= need or not victims or kv.yield_soft_pins(need):
                 return
             victim = max(victims, key=lambda r: r.admit_seq)
             self._seq += 1
