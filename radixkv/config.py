@@ -269,13 +269,15 @@ class EngineConfig:
 
     first_token_preemption: bool = False
     """With KV tiers: when a request that has produced no token yet cannot be admitted for lack
-    of pool memory, running requests that have are retracted to make room (the newest admitted
-    first, each at most once). Their K/V stays in the prefix cache and reaches the tiers before
-    the pool reuses it (written through, or back on eviction), so resuming loads it instead of
-    recomputing it: the pool works as the tiers' swap space. It lowers time to first token under
-    bursts at the cost of the retracted requests' inter-token latency; a retracted request waits
-    only behind the requests that arrived before its retraction (none starves). Default False.
-    Without a tier it is a ValueError (it would do nothing). ``--first-token-preemption``."""
+    of pool memory, sessions' soft pins give way, then running requests of its own tenant that
+    have produced tokens are retracted to make room (the newest admitted first, each at most
+    once). Their K/V stays in the prefix cache and reaches the tiers before the pool reuses it
+    (written through, or back on eviction), so resuming loads it instead of recomputing it: the
+    pool works as the tiers' swap space. It lowers time to first token under bursts at the cost
+    of the retracted requests' latency; a retracted request waits only behind the requests that
+    arrived before its retraction (under sustained overload that backlog can still make its
+    latency larger than without it: docs/tiers.md). Default False. Without a tier (configured
+    or ``tier_stores``) the engine refuses it (ValueError). ``--first-token-preemption``."""
 
     tenant_kv_quota_tokens: Optional[Dict[str, int]] = None
     """Soft KV quotas: tenant name (``Namespace.tenant``, set by the server from the API key) ->
@@ -527,11 +529,6 @@ class EngineConfig:
         self.kv_tier_write_policy = resolve_write_policy(self.kv_tier_write_policy)
         if not isinstance(self.first_token_preemption, bool):
             raise ValueError(f"first_token_preemption must be True or False, got {self.first_token_preemption!r}")
-        if self.first_token_preemption and not self.kv_tiers:
-            raise ValueError(
-                "first_token_preemption needs a KV tier (host_cache_bytes, disk_cache_dir or remote_cache_url): "
-                "without one a retracted request's K/V would be recomputed"
-            )
 
     @property
     def kv_tiers(self) -> tuple:

@@ -516,7 +516,10 @@ def _close_open_at_exit() -> None:
     blocks the pool still caches, which a script that just returns used to lose (the tiers'
     own finalizers only finish the writes already queued)."""
     for llm in list(_OPEN):
-        llm.close(_EXIT_TIMEOUT_S)
+        try:
+            llm.close(_EXIT_TIMEOUT_S)
+        except Exception:  # NOTE: one LLM's failing close must not cost the others their writes
+            logging.getLogger(__name__).exception("closing an LLM at interpreter exit failed")
 
 
 def _check_batch(config: Any, spaces: Sequence[Any]) -> None:

@@ -493,3 +493,7 @@ def test_lifetime_counters_of_the_least_recently_admitted_tenants_are_forgotten(
     run_all(eng)
     t = eng.cache_stats().tenants  # t1 back, from 0; t0 (now least recent) forgotten and holds nothing
     assert set(t) == {"t1", "t2"} and t["t1"] == tenant_row(31, None, 29, 0) and counts["t1"] == [58, 0]
+    for i in range(20):  # no reader of cache_stats() meanwhile (an LLM, a bare Engine)
+        eng.add_request(list(range(1, 30)), greedy(3), namespace=Namespace(tenant=f"n{i}"))
+        run_all(eng)
+        assert len(eng._tenants_changed) <= 2 * 2 + 1 and len(eng._tenant_counts) <= 2

@@ -280,8 +280,7 @@ def kv_engine(
 ):
     """An ``Engine`` over a :class:`KVRunner` of ``capacity`` slots with the KV tier ``stores``;
     unless ``measured_costs``, with :func:`loading_always_pays` (its tests' counts never depend
-    on timing). ``first_token_preemption`` is set on the scheduler (``EngineConfig`` refuses it
-    without a configured tier: it does not see injected stores)."""
+    on timing)."""
     from radixkv.config import EngineConfig
     from radixkv.engine import Engine
 
@@ -293,13 +292,13 @@ def kv_engine(
         prefix_cache=cache,
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
+        first_token_preemption=first_token_preemption,
         **cfg,
     )
     runner = KVRunner(capacity, page_size, max_running)
     engine = Engine(config, model_runner=runner, tokenizer=None, eos_token_ids=[], tier_stores=list(stores) or None)
     if engine.kv.tiers is not None and not measured_costs:
         loading_always_pays(engine)
-    engine.scheduler.first_token_preemption = first_token_preemption and engine.kv.tiers is not None
     return engine
 
 

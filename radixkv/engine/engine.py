@@ -1119,6 +1119,8 @@ class Engine:
             oldest = next(iter(self._tenant_counts))
             del self._tenant_counts[oldest]
             self._tenants_changed.add(oldest)
+        if len(self._tenants_changed) > 2 * TENANT_COUNTERS_KEPT:  # no reader took them (LLM, Engine)
+            self.tenant_snapshot()
 
     def tenant_snapshot(self) -> TenantSnapshot:
         """``EngineStats.tenants`` as of now, in O(tenants changed since the last call) (driver

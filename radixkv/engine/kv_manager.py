@@ -818,10 +818,24 @@ class KVManager:
         were dropped. Their tokens stay cached, evictable."""
         return self.pins.expire()
 
-    def yield_soft_pins(self, need: int) -> bool:
+    def headroom_for(self, req: Request) -> tuple[int, int]:
+        """``(prefix, room)``: the cached prefix ``req`` would be admitted on now, and the slots
+        that could be made free while it is locked (:meth:`headroom` less what of that prefix
+        is evictable: admitting it takes that memory out of the evictable)."""
+        if req.pin is not None:
+            return len(req.pin), self.headroom()
+        m = self.match(req)
+        self.cache.inc_lock_ref(m.node)
+        try:
+            return m.length, self.headroom()
+        finally:
+            self.cache.dec_lock_ref(m.node)
+
+    def yield_soft_pins(self, need: int, req: Request) -> bool:
         """Drop soft pins (:meth:`PinTable.victim` first) until ``need`` slots could be made free
-        (:meth:`headroom`), evicting nothing yet; False when they are all dropped first."""
-        while self.headroom() < need:
+        for ``req`` (:meth:`headroom_for`), evicting nothing yet; False when they are all
+        dropped first."""
+        while self.headroom_for(req)[1] < need:
             victim = self.pins.victim()
             if victim is None:
                 return False

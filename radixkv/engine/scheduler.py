@@ -63,8 +63,9 @@ SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
 def first_token_pending(r: Request) -> bool:
-    """True for a request that has produced no token and was never retracted (a burst's newcomer)."""
-    return not r.output_token_ids and r.num_retractions == 0
+    """True for a request that has produced no token yet (a burst's newcomer; also one retracted
+    for memory in the middle of its chunked prefill)."""
+    return not r.output_token_ids
 
 
 def tenants_in_turn(reqs: List[Request], last_turn: dict) -> List[Request]:
@@ -204,7 +205,12 @@ class Scheduler:
         self.outcomes: Optional[OutcomeTracker] = None  # set by the engine (cache_outcome=True)
         self.prefill_tokens = 0
         self.num_retractions = 0
-        self.first_token_preemption = first_token_preemption and kv.tiers is not None
+        if first_token_preemption and kv.tiers is None:
+            raise ValueError(
+                "first_token_preemption needs a KV tier (host_cache_bytes, disk_cache_dir or remote_cache_url): "
+                "without one a retracted request's K/V would be recomputed"
+            )
+        self.first_token_preemption = first_token_preemption
         self.num_first_token_preemptions = 0
         self._seq = 0  # arrivals and first-token preemptions, in order
 
@@ -256,10 +262,10 @@ class Scheduler:
     def _lpm(self, n: int) -> bool:
         return self.policy == "lpm" and self.kv.shares and 1 < n <= _LPM_MAX_QUEUE
 
-    def _ordered_waiting(self) -> tuple[List[Request], dict]:
+    def _ordered_waiting(self, include_tier_waiting: bool = False) -> tuple[List[Request], dict]:
         """The waiting queue in policy order, and (lpm) each one's reusable prefix length; not
-        the requests waiting for their blocks from the KV tiers."""
-        reqs = [r for r in self.waiting if not self.kv.tier_waiting(r)]
+        the requests waiting for their blocks from the KV tiers (unless ``include_tier_waiting``)."""
+        reqs = [r for r in self.waiting if include_tier_waiting or not self.kv.tier_waiting(r)]
         lens: dict = {}
         if self._lpm(len(reqs)):
             lens = {id(r): self.kv.prefix_len(r) for r in reqs}
@@ -451,17 +457,22 @@ class Scheduler:
         kv, ps = self.kv, self.page_size
         if any(r.status == RequestStatus.PREFILL for r in self.running):
             return  # a chunked prefill goes first; nothing is admitted beside it
-        cands, _ = self._ordered_waiting()
-        new = next((r for r in cands if first_token_pending(r) and r.tier is not None), None)
+        if not any(first_token_pending(r) for r in self.waiting):
+            return
+        # NOTE: not only a newcomer whose tier lookup is done: one whose cached prefix the decoders
+        # keep evicting is looked up again at every step (the preempted wait behind it anyway)
+        cands = self._ordered_waiting(include_tier_waiting=True)[0]
+        new = next((r for r in cands if first_token_pending(r)), None)
         tenant = None if new is None else tenant_of(new.namespace)
-        while new is not None:  # NOTE: r.tier is set once its tier lookup is done (else it waits anyway)
-            need = kv.pages(new.seq_len) - kv.prefix_len(new) + ps * (len(self.running) + 1)
+        while new is not None:
+            prefix, room = kv.headroom_for(new)
+            need = kv.pages(new.seq_len) - prefix + ps * (len(self.running) + 1)
             victims = [
                 r
                 for r in self.running
                 if r.status == RequestStatus.DECODE and r.preempted_seq is None and tenant_of(r.namespace) == tenant
             ]  # NOTE: never another tenant's: a tenant's burst must not push others out of the pool
-            if kv.headroom() >= need or not victims or kv.yield_soft_pins(need):
+            if room >= need or not victims or kv.yield_soft_pins(need, new):
                 return
             victim = max(victims, key=lambda r: r.admit_seq)
             self._seq += 1
