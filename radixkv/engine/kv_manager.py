@@ -818,24 +818,10 @@ class KVManager:
         were dropped. Their tokens stay cached, evictable."""
         return self.pins.expire()
 
-    def headroom_for(self, req: Request) -> tuple[int, int]:
-        """``(prefix, room)``: the cached prefix ``req`` would be admitted on now, and the slots
-        that could be made free while it is locked (:meth:`headroom` less what of that prefix
-        is evictable: admitting it takes that memory out of the evictable)."""
-        if req.pin is not None:
-            return len(req.pin), self.headroom()
-        m = self.match(req)
-        self.cache.inc_lock_ref(m.node)
-        try:
-            return m.length, self.headroom()
-        finally:
-            self.cache.dec_lock_ref(m.node)
-
-    def yield_soft_pins(self, need: int, req: Request) -> bool:
+    def yield_soft_pins(self, need: int) -> bool:
         """Drop soft pins (:meth:`PinTable.victim` first) until ``need`` slots could be made free
-        for ``req`` (:meth:`headroom_for`), evicting nothing yet; False when they are all
-        dropped first."""
-        while self.headroom_for(req)[1] < need:
+        (:meth:`headroom`), evicting nothing yet; False when they are all dropped first."""
+        while self.headroom() < need:
             victim = self.pins.victim()
             if victim is None:
                 return False

@@ -450,36 +450,59 @@ class Scheduler:
         return batch
 
     def _preempt_for_first_token(self, batch: ScheduledBatch) -> None:
-        """Step 0 (module docstring): retract the newest admitted decoding requests of the first
-        newcomer's own tenant, not preempted before, until that newcomer fits (its pages beyond
-        its cached prefix, plus a page for each running request), after dropping soft pins
-        (sessions give way first, as for a decode); or until none is left to retract."""
-        kv, ps = self.kv, self.page_size
+        """Step 0 (module docstring): make room for the newcomers step 2 can admit in this step
+        (in policy order, those of the first one's tenant, within the prefill budget
+        ``chunked_prefill_size``; the first always): each one's pages beyond its cached prefix
+        (locked meanwhile, so it is not counted as room), plus a page for each running request.
+        Soft pins give way first (as for a decode), then the newest admitted decoding requests
+        of that tenant, not preempted before, are retracted; it stops at the first newcomer no
+        retraction is left for."""
+        kv = self.kv
         if any(r.status == RequestStatus.PREFILL for r in self.running):
             return  # a chunked prefill goes first; nothing is admitted beside it
         if not any(first_token_pending(r) for r in self.waiting):
             return
-        # NOTE: not only a newcomer whose tier lookup is done: one whose cached prefix the decoders
+        # NOTE: not only newcomers whose tier lookup is done: one whose cached prefix the decoders
         # keep evicting is looked up again at every step (the preempted wait behind it anyway)
-        cands = self._ordered_waiting(include_tier_waiting=True)[0]
-        new = next((r for r in cands if first_token_pending(r)), None)
-        tenant = None if new is None else tenant_of(new.namespace)
-        while new is not None:
-            prefix, room = kv.headroom_for(new)
-            need = kv.pages(new.seq_len) - prefix + ps * (len(self.running) + 1)
+        news = [r for r in self._ordered_waiting(include_tier_waiting=True)[0] if first_token_pending(r)]
+        tenant = tenant_of(news[0].namespace) if news else None
+        locked: list = []
+        need, budget = self.page_size * (len(self.running) + 1), self.chunked_prefill_size
+        try:
+            for new in [r for r in news if tenant_of(r.namespace) == tenant]:
+                prefix = kv.lock_prefix(new)
+                locked.append(prefix)
+                extend = new.seq_len - prefix.length
+                if len(locked) > 1 and extend > budget:
+                    return
+                budget -= extend
+                need += kv.pages(new.seq_len) - prefix.length
+                if not self._retract_for_room(need, tenant, batch):
+                    return
+        finally:
+            for prefix in locked:
+                kv.unlock_prefix(prefix)
+
+    def _retract_for_room(self, need: int, tenant, batch: ScheduledBatch) -> bool:
+        """Step 0's retractions until ``need`` slots could be made free (:meth:`KVManager.headroom`):
+        soft pins dropped first, then ``tenant``'s newest admitted decoding requests not
+        preempted before. False when none is left to retract and it is still short."""
+        kv = self.kv
+        while kv.headroom() < need and not kv.yield_soft_pins(need):
             victims = [
                 r
                 for r in self.running
                 if r.status == RequestStatus.DECODE and r.preempted_seq is None and tenant_of(r.namespace) == tenant
             ]  # NOTE: never another tenant's: a tenant's burst must not push others out of the pool
-            if room >= need or not victims or kv.yield_soft_pins(need, new):
-                return
+            if not victims:
+                return False
             victim = max(victims, key=lambda r: r.admit_seq)
             self._seq += 1
             victim.preempted_seq = self._seq
             self.retract(victim)
             self.num_first_token_preemptions += 1
             batch.retracted.append(victim)
+        return True
 
     def after_forward(self, batch: ScheduledBatch) -> None:
         """Advance ``kv_len`` of every request of ``batch``; finished prefills start decoding.
