@@ -95,7 +95,7 @@ def replay_part(args, loaded) -> dict:
     """The replay under each ``--arrivals`` pattern (module docstring)."""
     from radixkv.datasets import load_conversations
 
-    convs = load_conversations(args.conversations, args.turns, args.max_user_chars)
+    convs = load_conversations(args.conversations, args.turns, args.max_user_chars, args.skip)
     return {a: _replay_one(args, loaded, convs, _arrival(a)) for a in args.arrivals.split(",")}
 
 
@@ -138,6 +138,7 @@ def _replay_one(args, loaded, convs, concurrency) -> dict:
         arrivals=tag,
         concurrency=concurrency,
         conversations=args.conversations,
+        skip=args.skip,
         turns=args.turns,
         max_tokens=args.max_tokens,
         working_set_tokens=inf["working_set_tokens"],
@@ -404,6 +405,10 @@ def main(argv=None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated among {', '.join(PARTS)}")
     ap.add_argument("--conversations", type=int, default=48, help="replay: conversations (default 48)")
     ap.add_argument("--http-conversations", type=int, default=8, help="restart/shared: conversations (default 8)")
+    ap.add_argument(
+        "--skip", type=int, default=0,
+        help="replay: skip this many eligible conversations first (held-out data; default 0)",
+    )  # fmt: skip
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-user-chars", type=int, default=1200)
