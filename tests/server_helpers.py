@@ -151,3 +151,15 @@ def new_async_llm(loaded_model, max_total_tokens: int = 16384, **config) -> Asyn
 
     cfg = EngineConfig(model="smollm2-135m", device="cpu", page_size=1, max_total_tokens=max_total_tokens, **config)
     return AsyncLLM(engine=Engine(cfg, loaded_model=loaded_model))
+
+
+def abort_all_once_running(server) -> None:
+    """``POST /abort_request`` ``abort_all`` once ``/get_load`` shows a request in ``server``'s
+    engine (polled with a deadline)."""
+    import httpx
+
+    deadline = time.monotonic() + 300
+    while httpx.get(server.base_url + "/get_load", timeout=60).json()[0]["num_reqs"] == 0:
+        assert time.monotonic() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    assert httpx.post(server.base_url + "/abort_request", json={"abort_all": True}, timeout=60).status_code == 200

@@ -355,12 +355,7 @@ def test_a_request_id_is_free_again_once_its_consumer_left(alm, leave):
     assert_whole(alm)
 
 
-EXIT_SCRIPT = """
-import asyncio, atexit, sys, threading
-sys.path.insert(0, "tests")
-from obs_helpers import NullRunner
-from radixkv import AsyncLLM, SamplingParams
-
+_EXIT_HEADER = """
 def report():  # registered first, so it runs last at exit
     alive = [t for t in threading.enumerate() if t.name == "radixkv-engine" and t.is_alive()]
     print("engine threads alive at exit:", len(alive), flush=True)
@@ -368,7 +363,19 @@ def report():  # registered first, so it runs last at exit
 atexit.register(report)
 a = AsyncLLM(model_runner=NullRunner(1000, 1, 8, max_context_len=8192), tokenizer=None, eos_token_ids=[],
              device="cpu", max_total_tokens=16384)
+"""  # the two exit scripts' start: an AsyncLLM, and a report of the engine threads alive at exit
 
+
+EXIT_SCRIPT = (
+    """
+import asyncio, atexit, sys, threading
+sys.path.insert(0, "tests")
+from obs_helpers import NullRunner
+from radixkv import AsyncLLM, SamplingParams
+
+"""
+    + _EXIT_HEADER
+    + """
 async def start():
     stream = a.generate([1, 2, 3], SamplingParams(max_tokens=8000, ignore_eos=True), "in-flight")
     assert not (await stream.__anext__()).finished
@@ -378,6 +385,7 @@ loop = asyncio.new_event_loop()
 stream = loop.run_until_complete(start())  # still running when the script ends
 print("running:", a.num_unfinished_requests(), flush=True)
 """
+)
 
 
 def test_interpreter_exit_stops_a_running_engine_thread_first():
@@ -400,20 +408,16 @@ def test_interpreter_exit_stops_a_running_engine_thread_first():
     assert proc.stderr == ""
 
 
-DROPPED_EXIT_SCRIPT = """
+DROPPED_EXIT_SCRIPT = (
+    """
 import atexit, sys, threading, weakref
 sys.path.insert(0, "tests")
 from obs_helpers import NullRunner
 from radixkv import AsyncLLM
 
-def report():  # registered first, so it runs last at exit
-    alive = [t for t in threading.enumerate() if t.name == "radixkv-engine" and t.is_alive()]
-    print("engine threads alive at exit:", len(alive), flush=True)
-
-atexit.register(report)
-a = AsyncLLM(model_runner=NullRunner(1000, 1, 8, max_context_len=8192), tokenizer=None, eos_token_ids=[],
-             device="cpu", max_total_tokens=16384)
-engine, gate, close = a.engine, threading.Event(), a.engine.close
+"""
+    + _EXIT_HEADER
+    + """engine, gate, close = a.engine, threading.Event(), a.engine.close
 
 def gated_close(timeout=None):  # the dropped AsyncLLM's thread closes the engine once the exit has begun
     assert gate.wait(60)
@@ -426,6 +430,7 @@ del a  # dropped without shutdown(): collected, its thread goes on to close the 
 print("collected:", ref() is None, flush=True)
 atexit.register(gate.set)  # registered last, so it runs first at exit
 """
+)
 
 
 def test_interpreter_exit_waits_for_a_dropped_async_llm_closing_its_engine():

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import time
 
 import httpx
 import jsonschema
@@ -25,7 +24,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 
-from server_helpers import assert_pool_whole  # noqa: E402
+from server_helpers import abort_all_once_running, assert_pool_whole  # noqa: E402
 
 from radixkv.chat_template import encode_chat  # noqa: E402
 
@@ -617,15 +616,6 @@ def test_the_sdks_delete_frees_the_pin_and_its_cancel_is_a_400_without_backgroun
     assert_pool_whole(llm)
 
 
-def _abort_all_once_running(server) -> None:
-    """``POST /abort_request`` ``abort_all`` once ``/get_load`` shows a request in the engine."""
-    deadline = time.monotonic() + 300
-    while httpx.get(server.base_url + "/get_load", timeout=60).json()[0]["num_reqs"] == 0:
-        assert time.monotonic() < deadline, "the request never reached the engine"
-        time.sleep(0.01)
-    assert httpx.post(server.base_url + "/abort_request", json={"abort_all": True}, timeout=60).status_code == 200
-
-
 def test_an_aborted_response_is_cancelled_and_not_stored(server, client, llm):
     """A Response whose request is aborted (``/abort_request`` ``abort_all``) has status
     ``cancelled`` (OpenAI's status, vLLM's for an aborted request), its message ``incomplete``,
@@ -643,7 +633,7 @@ def test_an_aborted_response_is_cancelled_and_not_stored(server, client, llm):
     for event in client.responses.create(**ask, max_output_tokens=200, stream=True):
         events.append(event)
         if [e.type for e in events].count("response.output_text.delta") == 1:
-            _abort_all_once_running(server)
+            abort_all_once_running(server)
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds.count("response.completed") == 0
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
@@ -661,7 +651,7 @@ def test_an_aborted_response_is_cancelled_and_not_stored(server, client, llm):
     # non-streamed: the same, as the body
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(client.responses.create, **ask, max_output_tokens=200)
-        _abort_all_once_running(server)
+        abort_all_once_running(server)
         body = pending.result(300)
     assert body.status == "cancelled" and body.output[0].status == "incomplete" and body.incomplete_details is None
     assert body.usage.output_tokens < full.usage.output_tokens and full.output_text.startswith(body.output_text)

@@ -11,7 +11,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import time
 
 import httpx
 import openai
@@ -20,7 +19,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from route_table import ROUTES, Target, uncovered  # noqa: E402
-from server_helpers import assert_pool_whole, scrape, serve_process, wait_idle  # noqa: E402
+from server_helpers import abort_all_once_running, assert_pool_whole, scrape, serve_process, wait_idle  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
@@ -1000,15 +999,6 @@ def test_serve_cli_starts_and_answers(tmp_path):
 # ---------------------------------------------------------------------------------- aborts
 
 
-def _abort_all_once_running(server) -> None:
-    """``POST /abort_request`` ``abort_all`` once ``/get_load`` shows a request in the engine."""
-    deadline = time.monotonic() + 300
-    while httpx.get(server.base_url + "/get_load", timeout=60).json()[0]["num_reqs"] == 0:
-        assert time.monotonic() < deadline, "the request never reached the engine"
-        time.sleep(0.01)
-    assert httpx.post(server.base_url + "/abort_request", json={"abort_all": True}, timeout=60).status_code == 200
-
-
 LONG_STORY = "Tell me a long story about a dragon and a knight."
 
 
@@ -1030,7 +1020,7 @@ def test_an_aborted_chat_or_completion_ends_with_finish_reason_abort_and_its_usa
         if chunk.usage is not None:
             usage = chunk.usage
         if min(tokens) >= 1 and not aborted:
-            _abort_all_once_running(server)
+            abort_all_once_running(server)
             aborted = True
     assert reasons == ["abort", "abort"] and 1 <= min(tokens) and max(tokens) < 300
     assert usage.completion_tokens == sum(tokens) and usage.prompt_tokens == len(prompt_ids(llm, messages))
@@ -1038,7 +1028,7 @@ def test_an_aborted_chat_or_completion_ends_with_finish_reason_abort_and_its_usa
 
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pending = pool.submit(client.completions.create, prompt=LONG_STORY, logprobs=0, **ask)
-        _abort_all_once_running(server)
+        abort_all_once_running(server)
         body = pending.result(300)
     assert [c.finish_reason for c in body.choices] == ["abort", "abort"]
     counts = [len(c.logprobs.tokens) for c in body.choices]
