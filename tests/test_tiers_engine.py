@@ -1055,3 +1055,52 @@ def test_first_token_preemption_fires_for_a_returning_turn_and_a_chunked_newcome
     assert firsts[late] <= 2 and e.scheduler.num_first_token_preemptions >= 1
     assert finishes[late][1] == reference(ctx + prompt(99, 20), 4)
     assert [finishes[i][1] for i in ids] == [reference(prompt(41 + i, 40), 60) for i in range(2)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 4])
+def test_first_token_preemption_counts_a_prefix_its_newcomers_share_once(k):
+    """Six decoders fill the pool; ``k`` newcomers share a 48-token uncached prefix (a system
+    prompt), which step 2 computes once for all. One retraction makes room for them; each
+    newcomer's whole uncached prompt was counted (4 retractions for 3 newcomers, 5 for 4), and
+    every retraction is reported by a StepFinished (a step that retracted and ran no forward
+    reported none)."""
+    from radixkv.engine.events import StepFinished
+
+    e = kv_engine(capacity=256, stores=[MemoryStore("host")], first_token_preemption=True, chunk=256)
+    reported: list = []
+    e.events.subscribe(lambda ev: reported.extend(ev.retracted), (StepFinished,))
+    s = e.scheduler
+    ids = [e.add_request(prompt(400 + i, 30), greedy(40)) for i in range(6)]
+    while len(s.running) < 6 or not all(r.output_token_ids for r in s.running):
+        e.step()
+    for _ in range(6):
+        e.step()
+    system = prompt(500, 48)
+    news = [e.add_request(system + prompt(600 + j, 4), greedy(3)) for j in range(k)]
+    e.step()
+    assert s.num_first_token_preemptions == 1
+    assert sum(1 for r in s.running if r.request_id in news) == min(k, 3)
+    done = run_all(e)
+    assert [done[i].outputs[0].token_ids for i in ids] == [reference(prompt(400 + i, 30), 40) for i in range(6)]
+    assert [done[i].outputs[0].token_ids for i in news] == [reference(system + prompt(600 + j, 4), 3) for j in range(k)]
+    assert len(reported) == s.num_retractions
+
+
+def test_first_token_preemption_retracts_nothing_for_a_newcomer_that_cannot_fit():
+    """Another tenant's long request holds most of the pool; a newcomer of tenant a that could
+    not fit even with all of a's decoders retracted used to retract them all (a newcomer that
+    fits among them too), and they waited behind it: nothing gained."""
+    from radixkv.namespace import Namespace
+
+    a, b = Namespace(tenant="a"), Namespace(tenant="b")
+    e = kv_engine(capacity=160, stores=[MemoryStore("host")], first_token_preemption=True, chunk=256)
+    e.add_request(prompt(80, 60), greedy(95), namespace=b)
+    mine = [e.add_request(prompt(81 + i, 25), greedy(60), namespace=a) for i in range(2)]
+    while len(e.scheduler.running) < 3 or not all(r.output_token_ids for r in e.scheduler.running):
+        e.step()
+    big = e.add_request(prompt(90, 100), greedy(3), namespace=a)
+    e.step()
+    assert e.scheduler.num_first_token_preemptions == 0
+    done = run_all(e)
+    assert done[big].outputs[0].token_ids == reference(prompt(90, 100), 3)
+    assert [done[i].outputs[0].token_ids for i in mine] == [reference(prompt(81 + i, 25), 60) for i in range(2)]

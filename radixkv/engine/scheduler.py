@@ -36,9 +36,12 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    whose turn it is), so one tenant's burst never holds back another tenant's request.
 
 0. First-token preemption (``EngineConfig.first_token_preemption``, with KV tiers only): when the
-   first request in policy order that has produced no token yet (and whose tier lookup is done)
-   cannot fit, soft pins are dropped, then the newest admitted decoding requests of its own
-   tenant are retracted until it can, each at most once; their K/V stays cached and goes to the
+   requests that have produced no token yet ("newcomers"), those step 2 can admit now (in
+   policy order, within the prefill budget, of the first one's tenant; only the first when
+   several tenants' newcomers wait), cannot fit, soft pins are dropped, then the newest
+   admitted decoding requests of that tenant are retracted until they can (a shared uncached
+   prefix counted once; nothing retracted for a newcomer that even all of them would not make
+   room for), each at most once; their K/V stays cached and goes to the
    tiers before the pool reuses it, so they load it back when readmitted. A request so retracted
    is not readmitted while a request that arrived before its retraction still waits for its
    first token (so a burst's first tokens come first, and later arrivals never overtake it).
@@ -66,6 +69,24 @@ def first_token_pending(r: Request) -> bool:
     """True for a request that has produced no token yet (a burst's newcomer; also one retracted
     for memory in the middle of its chunked prefill)."""
     return not r.output_token_ids
+
+
+def locked_reqs(locked: list) -> List[Request]:
+    """The requests of step 0's ``(request, prefix)`` pairs."""
+    return [r for r, _ in locked]
+
+
+def _common(a: Request, b: Request) -> int:
+    """The tokens ``a`` may borrow from ``b`` computed in the same forward: their common prefix
+    in one namespace (in-batch sharing's rule), else 0."""
+    if a.namespace != b.namespace:
+        return 0
+    x, y = a.all_token_ids, b.all_token_ids
+    n = min(len(x), len(y))
+    i = 0
+    while i < n and x[i] == y[i]:
+        i += 1
+    return i
 
 
 def tenants_in_turn(reqs: List[Request], last_turn: dict) -> List[Request]:
@@ -213,6 +234,7 @@ class Scheduler:
         self.first_token_preemption = first_token_preemption
         self.num_first_token_preemptions = 0
         self._seq = 0  # arrivals and first-token preemptions, in order
+        self._unreported: List[Request] = []  # retracted in a step that planned no forward
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Request) -> None:
@@ -256,6 +278,7 @@ class Scheduler:
         self.kv.fork(parent, children)
         for c in reversed(children):
             c.status = RequestStatus.WAITING
+            c.arrival_seq = parent.arrival_seq  # a sample arrived with its request (step 0's order)
             self.waiting.appendleft(c)
 
     # ------------------------------------------------------------------ planning
@@ -403,6 +426,7 @@ class Scheduler:
         """Plan the next forward pass; None when nothing can run. See the module docstring."""
         kv = self.kv
         batch = ScheduledBatch()
+        batch.retracted, self._unreported = self._unreported, []  # those of a step that ran nothing
         ps = self.page_size
         if self.first_token_preemption:
             self._preempt_for_first_token(batch)
@@ -444,19 +468,22 @@ class Scheduler:
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()
         if not batch.reqs:
+            self._unreported = batch.retracted  # NOTE: the next forward's StepFinished reports them
             return None
         batch.prefill_tokens = batch.num_prefill_tokens
         self.prefill_tokens += batch.prefill_tokens
         return batch
 
     def _preempt_for_first_token(self, batch: ScheduledBatch) -> None:
-        """Step 0 (module docstring): make room for the newcomers step 2 can admit in this step
-        (in policy order, those of the first one's tenant, within the prefill budget
-        ``chunked_prefill_size``; the first always): each one's pages beyond its cached prefix
-        (locked meanwhile, so it is not counted as room), plus a page for each running request.
-        Soft pins give way first (as for a decode), then the newest admitted decoding requests
-        of that tenant, not preempted before, are retracted; it stops at the first newcomer no
-        retraction is left for."""
+        """Step 0 (module docstring): make room for the newcomers step 2 can admit in this step:
+        in policy order, within the prefill budget ``chunked_prefill_size`` (the first always),
+        those of the first one's tenant (only the first when several tenants' newcomers wait:
+        step 2 takes tenants in turn, and another tenant's must not take the room). Each needs
+        its pages beyond its cached prefix (locked meanwhile, so it is not counted as room) and
+        beyond what an earlier one of them computes for it (in-batch sharing), plus a page for
+        each running request. Soft pins give way first (as for a decode), then the newest
+        admitted decoding requests of that tenant, not preempted before, are retracted; it
+        stops at the first newcomer for which even all of them would not be enough."""
         kv = self.kv
         if any(r.status == RequestStatus.PREFILL for r in self.running):
             return  # a chunked prefill goes first; nothing is admitted beside it
@@ -466,37 +493,46 @@ class Scheduler:
         # keep evicting is looked up again at every step (the preempted wait behind it anyway)
         news = [r for r in self._ordered_waiting(include_tier_waiting=True)[0] if first_token_pending(r)]
         tenant = tenant_of(news[0].namespace) if news else None
+        mine = [r for r in news if tenant_of(r.namespace) == tenant]
+        if len(mine) < len(news):
+            mine = mine[:1]
         locked: list = []
         need, budget = self.page_size * (len(self.running) + 1), self.chunked_prefill_size
         try:
-            for new in [r for r in news if tenant_of(r.namespace) == tenant]:
+            for new in mine:
                 prefix = kv.lock_prefix(new)
-                locked.append(prefix)
-                extend = new.seq_len - prefix.length
+                shared = max([prefix.length] + [_common(new, o) for o in locked_reqs(locked)])
+                locked.append((new, prefix))
+                extend = new.seq_len - shared
                 if len(locked) > 1 and extend > budget:
                     return
                 budget -= extend
-                need += kv.pages(new.seq_len) - prefix.length
+                need += kv.pages(new.seq_len) - shared
                 if not self._retract_for_room(need, tenant, batch):
                     return
         finally:
-            for prefix in locked:
+            for _, prefix in locked:
                 kv.unlock_prefix(prefix)
 
     def _retract_for_room(self, need: int, tenant, batch: ScheduledBatch) -> bool:
         """Step 0's retractions until ``need`` slots could be made free (:meth:`KVManager.headroom`):
         soft pins dropped first, then ``tenant``'s newest admitted decoding requests not
-        preempted before. False when none is left to retract and it is still short."""
+        preempted before. False (nothing done) when even all of that would not be enough."""
         kv = self.kv
-        while kv.headroom() < need and not kv.yield_soft_pins(need):
-            victims = [
-                r
-                for r in self.running
-                if r.status == RequestStatus.DECODE and r.preempted_seq is None and tenant_of(r.namespace) == tenant
-            ]  # NOTE: never another tenant's: a tenant's burst must not push others out of the pool
+        victims = [
+            r
+            for r in self.running
+            if r.status == RequestStatus.DECODE and r.preempted_seq is None and tenant_of(r.namespace) == tenant
+        ]  # NOTE: never another tenant's: a tenant's burst must not push others out of the pool
+        if kv.headroom() >= need:
+            return True
+        if kv.headroom() + kv.pinned_size() + sum(len(r.slots) for r in victims) < need:
+            return False
+        while not kv.yield_soft_pins(need):
             if not victims:
                 return False
             victim = max(victims, key=lambda r: r.admit_seq)
+            victims.remove(victim)
             self._seq += 1
             victim.preempted_seq = self._seq
             self.retract(victim)
