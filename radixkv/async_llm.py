@@ -104,7 +104,8 @@ class AsyncLLM:
     without :meth:`shutdown` (and no stream of it left), it is collected: its thread then closes
     the engine (the KV tiers' writes) and ends, freeing the engine and its KV pool. One still
     running at interpreter exit is shut down then (its requests aborted, its tiers' writes done),
-    before the interpreter finalizes; the exit also waits for a dropped one's close still running. A process forked after it was made has no engine thread
+    before the interpreter finalizes; the exit also waits for a dropped one's close still running.
+    A process forked after it was made has no engine thread
     (a fork copies only the forking thread): there its calls raise EngineDeadError.
 
     Raises:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 from tqdm.auto import tqdm
 
 from radixkv.branching import Prompt, SelectResult, Session, drive, select_program
+from radixkv.cache.tenants import tenant_of
 from radixkv.chat_template import render_chat
 from radixkv.engine import EngineStats
 from radixkv.engine.outcome import Explanation, explain_text
@@ -533,8 +534,7 @@ def _check_batch(config: Any, spaces: Sequence[Any]) -> None:
     """
     checks = [("max_queued_requests", config.max_queued_requests, len(spaces))]
     if config.max_queued_requests_per_tenant is not None:
-        tenants = (Namespace.of(ns) for ns in spaces)
-        per = collections.Counter(t.tenant if isinstance(t, Namespace) else None for t in tenants)
+        per = collections.Counter(tenant_of(Namespace.of(ns)) for ns in spaces)
         checks.append(
             ("max_queued_requests_per_tenant", config.max_queued_requests_per_tenant, max(per.values(), default=0))
         )
