@@ -9,6 +9,8 @@ tier, namespaces, corrupt and failing tiers, the cost rule, aborts while waiting
 from __future__ import annotations
 
 import random
+import threading
+import time
 from collections import OrderedDict
 
 import pytest
@@ -142,6 +144,58 @@ def test_requests_wait_for_their_blocks_without_stalling_others():
     done = run_all(e)
     assert done[r1].cached_tokens_by_tier["disk"] == 89 and done[r1].outputs[0].token_ids == reference(p, 6)
     assert done[r2].outputs[0].token_ids == reference(other, 6)
+
+
+class GatedStore(MemoryStore):
+    """A :class:`MemoryStore` whose ``get`` blocks until ``gate`` is set (a slow tier)."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.gate = threading.Event()
+
+    def get(self, keys, tokens):
+        assert self.gate.wait(60), "the test never opened the gate"
+        return super().get(keys, tokens)
+
+
+def test_a_lone_request_whose_load_is_quick_is_admitted_in_the_step_that_looked_it_up():
+    """The step that starts the lookups of every waiting request waits for them up to half a step
+    (CostModel.lookup_wait_s) and installs them: no step of delay for a load of milliseconds."""
+    shared: OrderedDict = OrderedDict()
+    p = prompt(5, 90)
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
+    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    e.kv.tiers.costs.step_s = 120.0  # up to a minute: the in-memory load is done long before
+    rid = e.add_request(p, greedy())
+    first = e.step()
+    assert [o.request_id for o in first] == [rid] and not e.scheduler.waiting  # admitted at once
+    assert first[0].num_cached_tokens == 89 and first[0].cached_tokens_by_tier["disk"] == 89
+    done = run_all(e)
+    assert done[rid].outputs[0].token_ids == reference(p, 6)
+
+
+def test_a_slow_load_is_waited_for_at_most_half_a_step_and_not_when_others_wait():
+    shared: OrderedDict = OrderedDict()
+    p, q = prompt(5, 90), prompt(7, 90)
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p, q])
+    store = GatedStore("disk", data=shared)
+    e = kv_engine(stores=[store])
+    costs = e.kv.tiers.costs
+    costs.step_s = 0.02  # a 10 ms wait at most
+    r1 = e.add_request(p, greedy())
+    t0 = time.perf_counter()
+    assert e.step() == []  # alone, but its load is held: the step waited 10 ms, then went on
+    assert time.perf_counter() - t0 >= 0.01 and e.kv.tier_waiting(e.scheduler.waiting[0])
+    costs.step_s = 120.0  # a minute's wait were r2 alone; r1 waits too, so no wait at all
+    r2 = e.add_request(q, greedy())
+    t0 = time.perf_counter()
+    assert e.step() == []
+    assert time.perf_counter() - t0 < 30 and all(e.kv.tier_waiting(r) for r in e.scheduler.waiting)
+    assert len(e.scheduler.waiting) == 2
+    store.gate.set()
+    done = run_all(e)
+    for rid, x in ((r1, p), (r2, q)):
+        assert done[rid].cached_tokens_by_tier["disk"] == 89 and done[rid].outputs[0].token_ids == reference(x, 6)
 
 
 def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():

@@ -261,9 +261,11 @@ def loading_always_pays(engine) -> None:
     beats recomputing it". The rule decides from measured seconds: a load timed while the I/O
     thread waited for the GIL or the CPU (a loaded 2-core CI machine) looks dearer than a prefill
     and the blocks after it are recomputed, so a test asserting what is served from a tier would
-    pass or fail by timing. A test of the rule itself sets ``costs`` by hand."""
+    pass or fail by timing. A test of the rule itself sets ``costs`` by hand. For the same reason
+    a step never waits for the lookups it starts (``CostModel.lookup_wait_s`` is 0: no step time
+    is measured) unless a test sets ``step_s`` itself."""
     costs = engine.kv.tiers.costs
-    costs.note_load = costs.note_prefill = lambda *_: None
+    costs.note_load = costs.note_prefill = costs.note_step = lambda *_: None
     costs.prefill_token_s = 1.0
 
 

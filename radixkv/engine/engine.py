@@ -783,6 +783,8 @@ class Engine:
             logits, samplers, self._rng, sample_index, [seg for _, seg in segments] if segments else ()
         )
         now = time.perf_counter()
+        if self.kv.tiers is not None:
+            self.kv.tiers.costs.note_step(now - t0)
         failed: Dict[str, BaseException] = {}  # request id -> what its row raised (that request fails)
         self._take_prompt_logprobs(segments, result, failed)
         touched = self._take_tokens(samplers, result, failed, now)

@@ -608,7 +608,9 @@ class KVManager:
         so a load that finds no room now never will: given up), and start a lookup for each
         waiting request not looked up yet, or whose cached prefix shrank since its lookup.
         ``defer``: the ids of waiting requests whose finished loads stay uninstalled for now (the
-        scheduler does not admit them yet: what an install locked for them would stay locked)."""
+        scheduler does not admit them yet: what an install locked for them would stay locked).
+        When every waiting request's lookup starts now, the step waits for them up to half a step
+        (:meth:`_tier_wait`)."""
         tiers = self.tiers
         if tiers is None:
             return
@@ -626,15 +628,33 @@ class KVManager:
                             medium=medium,
                         )
                     )
+        fresh, queued = [], 0  # requests whose lookup starts now; waiting requests considered
         for r in list(waiting):
             if r.row is not None or r.pin is not None:
                 continue
+            queued += 1
             t = r.tier
             if t is not None and t.job is not None:
                 if t.job.done and id(r) not in defer:
                     self._tier_install(r, idle)
             elif t is None or (t.node is None and self._cached_len(r) < t.start):
                 self._tier_lookup(r)
+                if r.tier.job is not None and id(r) not in defer:
+                    fresh.append(r)
+        if fresh and len(fresh) == queued:
+            self._tier_wait(fresh, idle)
+
+    def _tier_wait(self, fresh: List[Request], idle: bool) -> None:
+        """Wait up to half a step (``CostModel.lookup_wait_s``) for the lookups of ``fresh`` (just
+        started; nothing else waits) and install those done by then, so that they are admitted in
+        this step rather than the next: a load from host memory or a warm disk takes milliseconds.
+        NOTE: only when no other request waits: one queued behind others would most likely not be
+        admitted in this step anyway, and the running requests would wait for nothing."""
+        tiers = self.tiers
+        tiers.io.wait_loads([r.tier.job for r in fresh], tiers.costs.lookup_wait_s())
+        for r in fresh:
+            if r.tier is not None and r.tier.job is not None and r.tier.job.done:
+                self._tier_install(r, idle)
 
     def _reusable(self, req: Request) -> int:
         """How many of ``req``'s tokens it may take from caches: all but its last, at most

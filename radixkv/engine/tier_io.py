@@ -41,6 +41,7 @@ from radixkv.tiers import Block
 
 __all__ = [
     "LATENCY_BUCKETS",
+    "LOOKUP_WAIT_STEPS",
     "CostModel",
     "LoadJob",
     "TierCounters",
@@ -55,6 +56,9 @@ logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 """Upper bounds (seconds) of the load-latency histogram of each tier (one ``get`` call)."""
+
+LOOKUP_WAIT_STEPS = 0.5
+"""The most a step waits for the lookups it started, in steps (:meth:`CostModel.lookup_wait_s`)."""
 
 
 def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -216,6 +220,7 @@ class CostModel:
         self.reprobe_blocks = reprobe_blocks
         self.block_s: Dict[str, float] = {}
         self.prefill_token_s: Optional[float] = None
+        self.step_s: Optional[float] = None
         self.skipped: Dict[str, int] = {}  # blocks a tier's cost kept from loading since it was measured
         self._lock = threading.Lock()
 
@@ -235,6 +240,20 @@ class CostModel:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 self.prefill_token_s = self._ewma(self.prefill_token_s, seconds / tokens)
+
+    def note_step(self, seconds: float) -> None:
+        """A step that ran a forward took ``seconds`` (forward and sampling, wall clock)."""
+        if seconds > 0:
+            with self._lock:
+                self.step_s = self._ewma(self.step_s, seconds)
+
+    def lookup_wait_s(self) -> float:
+        """How long a step may wait for the lookups it has just started before it runs without
+        them: half a step (``step_s``; 0 before one is measured). A load done in time is admitted
+        in this step instead of the next, saving its request a whole step for at most half of one
+        for the others; a slower one (a Redis round trip, a cold disk) is installed at a later step
+        as before."""
+        return 0.0 if self.step_s is None else LOOKUP_WAIT_STEPS * self.step_s
 
     def token_s(self, medium: str) -> Optional[float]:
         """Seconds per token to load from ``medium`` (None: not measured yet)."""
@@ -413,6 +432,13 @@ class TierIO:
                 return
             self._probes.append(store)
             self._cv.notify_all()
+
+    def wait_loads(self, jobs: Sequence[LoadJob], timeout: float) -> None:
+        """Block the calling (engine) thread until every one of ``jobs`` is done or cancelled, or
+        ``timeout`` seconds have passed (the I/O lock is released meanwhile)."""
+        if jobs and timeout > 0:
+            with self._cv:
+                self._cv.wait_for(lambda: all(j.done or j.cancelled for j in jobs), timeout)
 
     def cancel_load(self, job: LoadJob) -> None:
         """Give up ``job`` (engine thread): not run if still queued, and dropped with the K/V it
