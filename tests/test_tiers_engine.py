@@ -158,44 +158,97 @@ class GatedStore(MemoryStore):
         return super().get(keys, tokens)
 
 
-def test_a_lone_request_whose_load_is_quick_is_admitted_in_the_step_that_looked_it_up():
-    """The step that starts the lookups of every waiting request waits for them up to half a step
-    (CostModel.lookup_wait_s) and installs them: no step of delay for a load of milliseconds."""
+def record_waits(engine) -> list:
+    """Wrap ``engine``'s ``TierIO.wait_loads``: the list gets ``(timeout, seconds waited)`` per call."""
+    io, calls = engine.kv.tiers.io, []
+    wait = io.wait_loads
+
+    def recorded(jobs, timeout):
+        t0 = time.perf_counter()
+        wait(jobs, timeout)
+        calls.append((timeout, time.perf_counter() - t0))
+
+    io.wait_loads = recorded
+    return calls
+
+
+def stored(prompts, **kw):
+    """A dict of blocks a first engine wrote through for ``prompts`` (closed: all written)."""
     shared: OrderedDict = OrderedDict()
+    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)], **kw), prompts)
+    return shared
+
+
+def test_a_lone_request_whose_load_is_quick_is_admitted_in_the_step_that_looked_it_up(monkeypatch):
+    """The step that starts the first lookup of every waiting request waits for it a little
+    (CostModel.lookup_wait_s: half a step, at most 50 ms; here raised to a minute so a loaded
+    machine cannot make the test flaky) and installs it: no step of delay for a quick load."""
+    from radixkv.engine import tier_io
+
+    monkeypatch.setattr(tier_io, "LOOKUP_WAIT_MAX_S", 60.0)
     p = prompt(5, 90)
-    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
-    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
-    e.kv.tiers.costs.step_s = 120.0  # up to a minute: the in-memory load is done long before
+    e = kv_engine(stores=[MemoryStore("disk", data=stored([p]))])
+    e.kv.tiers.costs.step_s = 120.0
+    waits = record_waits(e)
     rid = e.add_request(p, greedy())
     first = e.step()
     assert [o.request_id for o in first] == [rid] and not e.scheduler.waiting  # admitted at once
     assert first[0].num_cached_tokens == 89 and first[0].cached_tokens_by_tier["disk"] == 89
+    assert len(waits) == 1 and waits[0][0] == 60.0 and waits[0][1] < 60.0
     done = run_all(e)
     assert done[rid].outputs[0].token_ids == reference(p, 6)
 
 
-def test_a_slow_load_is_waited_for_at_most_half_a_step_and_not_when_others_wait():
-    shared: OrderedDict = OrderedDict()
+def test_a_slow_load_is_waited_for_at_most_half_a_step_and_not_when_others_wait(monkeypatch):
+    from radixkv.engine import tier_io
+
     p, q = prompt(5, 90), prompt(7, 90)
-    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p, q])
-    store = GatedStore("disk", data=shared)
+    store = GatedStore("disk", data=stored([p, q]))
     e = kv_engine(stores=[store])
     costs = e.kv.tiers.costs
+    waits = record_waits(e)
     costs.step_s = 0.02  # a 10 ms wait at most
     r1 = e.add_request(p, greedy())
-    t0 = time.perf_counter()
     assert e.step() == []  # alone, but its load is held: the step waited 10 ms, then went on
-    assert time.perf_counter() - t0 >= 0.01 and e.kv.tier_waiting(e.scheduler.waiting[0])
+    assert len(waits) == 1 and waits[0][0] == 0.01 and 0.01 <= waits[0][1] < 5.0
+    assert e.kv.tier_waiting(e.scheduler.waiting[0])
+    monkeypatch.setattr(tier_io, "LOOKUP_WAIT_MAX_S", 60.0)
     costs.step_s = 120.0  # a minute's wait were r2 alone; r1 waits too, so no wait at all
     r2 = e.add_request(q, greedy())
-    t0 = time.perf_counter()
-    assert e.step() == []
-    assert time.perf_counter() - t0 < 30 and all(e.kv.tier_waiting(r) for r in e.scheduler.waiting)
-    assert len(e.scheduler.waiting) == 2
+    assert e.step() == [] and len(waits) == 1 and len(e.scheduler.waiting) == 2
+    assert all(e.kv.tier_waiting(r) for r in e.scheduler.waiting)
     store.gate.set()
     done = run_all(e)
+    assert len(waits) == 1
     for rid, x in ((r1, p), (r2, q)):
         assert done[rid].cached_tokens_by_tier["disk"] == 89 and done[rid].outputs[0].token_ids == reference(x, 6)
+
+
+def test_no_wait_for_a_lookup_in_a_step_that_cannot_admit_it(monkeypatch):
+    """While a long prompt is prefilled chunk by chunk nothing else is admitted: a newcomer's
+    lookup is not waited for then (the running chunk would wait for nothing), only in the step
+    whose chunk is the last one, if its load is not in by then."""
+    from radixkv.engine import tier_io
+
+    monkeypatch.setattr(tier_io, "LOOKUP_WAIT_MAX_S", 60.0)
+    p, long = prompt(5, 90), prompt(8, 300)
+    store = GatedStore("disk", data=stored([p], capacity=512))
+    e = kv_engine(stores=[store], capacity=512)
+    e.kv.tiers.costs.step_s = 120.0
+    waits = record_waits(e)
+    r_long = e.add_request(long, greedy())
+    e.step()  # its first 64-token chunk
+    r1 = e.add_request(p, greedy())
+    chunks = 0
+    while e.scheduler.running[0].kv_len + 64 < len(long):
+        e.step()  # a chunk in progress: nothing is admitted, nothing waited for
+        chunks += 1
+        assert waits == [] and e.kv.tier_waiting(e.scheduler.waiting[0])
+    assert chunks == 3  # 64 + 3 x 64 of 300 computed; the last chunk's step may admit
+    store.gate.set()
+    done = run_all(e)
+    assert done[r1].cached_tokens_by_tier["disk"] == 89 and done[r1].outputs[0].token_ids == reference(p, 6)
+    assert done[r_long].outputs[0].token_ids == reference(long, 6)
 
 
 def test_namespaces_are_isolated_in_every_tier_and_local_ones_stay_in_host():

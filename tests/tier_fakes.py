@@ -266,7 +266,7 @@ def loading_always_pays(engine) -> None:
     is measured) unless a test sets ``step_s`` itself."""
     costs = engine.kv.tiers.costs
     costs.note_load = costs.note_prefill = costs.note_step = lambda *_: None
-    costs.prefill_token_s = 1.0
+    costs.prefill_token_s, costs.step_s = 1.0, None
 
 
 def kv_engine(

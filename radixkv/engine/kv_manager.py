@@ -602,15 +602,18 @@ class KVManager:
         t = req.tier
         return t is not None and t.job is not None
 
-    def tier_step(self, waiting: Iterable[Request], idle: bool = False, defer: Container[int] = ()) -> None:
+    def tier_step(
+        self, waiting: Iterable[Request], idle: bool = False, defer: Container[int] = (), may_wait: bool = False
+    ) -> None:
         """The KV tiers' part of a step: announce the writes the I/O thread finished, install
         the finished loads of waiting requests (:meth:`_tier_install`; ``idle``: nothing runs,
         so a load that finds no room now never will: given up), and start a lookup for each
         waiting request not looked up yet, or whose cached prefix shrank since its lookup.
         ``defer``: the ids of waiting requests whose finished loads stay uninstalled for now (the
         scheduler does not admit them yet: what an install locked for them would stay locked).
-        When every waiting request's lookup starts now, the step waits for them up to half a step
-        (:meth:`_tier_wait`)."""
+        ``may_wait``: this step can admit a new request (the scheduler's prefill budget, a row, no
+        retraction for memory); then, when every waiting request's first lookup starts now, the
+        step waits a little for the first of them (:meth:`_tier_wait`)."""
         tiers = self.tiers
         if tiers is None:
             return
@@ -639,19 +642,22 @@ class KVManager:
                     self._tier_install(r, idle)
             elif t is None or (t.node is None and self._cached_len(r) < t.start):
                 self._tier_lookup(r)
-                if r.tier.job is not None and id(r) not in defer:
+                if t is None and r.tier.job is not None and id(r) not in defer:
                     fresh.append(r)
-        if fresh and len(fresh) == queued:
+        if may_wait and fresh and len(fresh) == queued:
             self._tier_wait(fresh, idle)
 
     def _tier_wait(self, fresh: List[Request], idle: bool) -> None:
-        """Wait up to half a step (``CostModel.lookup_wait_s``) for the lookups of ``fresh`` (just
-        started; nothing else waits) and install those done by then, so that they are admitted in
-        this step rather than the next: a load from host memory or a warm disk takes milliseconds.
-        NOTE: only when no other request waits: one queued behind others would most likely not be
-        admitted in this step anyway, and the running requests would wait for nothing."""
+        """Wait up to ``CostModel.lookup_wait_s()`` (half a step, at most 50 ms) for the load of
+        the first of ``fresh`` (first lookups started in this step, in queue order; nothing else
+        waits), then install every one of them that is done, so that they are admitted in this
+        step rather than the next: a load from host memory or a warm disk takes milliseconds.
+        NOTE: not when another request waits (one queued behind others would most likely not be
+        admitted in this step anyway, and the running requests would wait for nothing), not for a
+        lookup started again (a request whose prefix the pool keeps losing would make every step
+        wait), and not for the slowest of a burst (the quick ones would wait for it)."""
         tiers = self.tiers
-        tiers.io.wait_loads([r.tier.job for r in fresh], tiers.costs.lookup_wait_s())
+        tiers.io.wait_loads([fresh[0].tier.job], tiers.costs.lookup_wait_s())
         for r in fresh:
             if r.tier is not None and r.tier.job is not None and r.tier.job.done:
                 self._tier_install(r, idle)

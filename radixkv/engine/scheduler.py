@@ -457,8 +457,10 @@ class Scheduler:
             budget -= extend
         # finished tier loads enter the cache; not a held-back request's: its install's lock would
         # hold slots that no admission frees, and a newcomer's load would never find room
-        kv.tier_step(self.waiting, idle=not self.running, defer=self._held_back())
-        if len(batch.retracted) == preempted:  # no retraction for memory (step 1)
+        admits = len(batch.retracted) == preempted  # no retraction for memory (step 1)
+        may_admit = admits and budget > 0 and not partial and kv.has_free_row()
+        kv.tier_step(self.waiting, idle=not self.running, defer=self._held_back(), may_wait=may_admit)
+        if admits:
             self._admit_waiting(batch, budget, reserve, partial)
         kv.end_batch()
         if not batch.reqs:

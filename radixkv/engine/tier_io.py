@@ -41,6 +41,7 @@ from radixkv.tiers import Block
 
 __all__ = [
     "LATENCY_BUCKETS",
+    "LOOKUP_WAIT_MAX_S",
     "LOOKUP_WAIT_STEPS",
     "CostModel",
     "LoadJob",
@@ -58,7 +59,10 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 """Upper bounds (seconds) of the load-latency histogram of each tier (one ``get`` call)."""
 
 LOOKUP_WAIT_STEPS = 0.5
-"""The most a step waits for the lookups it started, in steps (:meth:`CostModel.lookup_wait_s`)."""
+"""The most a step waits for a lookup it started, in steps (:meth:`CostModel.lookup_wait_s`)."""
+
+LOOKUP_WAIT_MAX_S = 0.05
+"""... and in seconds, whatever the steps take."""
 
 
 def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -221,6 +225,7 @@ class CostModel:
         self.block_s: Dict[str, float] = {}
         self.prefill_token_s: Optional[float] = None
         self.step_s: Optional[float] = None
+        self._steps = 0
         self.skipped: Dict[str, int] = {}  # blocks a tier's cost kept from loading since it was measured
         self._lock = threading.Lock()
 
@@ -242,18 +247,21 @@ class CostModel:
                 self.prefill_token_s = self._ewma(self.prefill_token_s, seconds / tokens)
 
     def note_step(self, seconds: float) -> None:
-        """A step that ran a forward took ``seconds`` (forward and sampling, wall clock)."""
+        """A step that ran a forward took ``seconds`` (forward and sampling, wall clock). The
+        first step is not counted: it pays for warm-up (allocations, lazy compilation)."""
         if seconds > 0:
             with self._lock:
-                self.step_s = self._ewma(self.step_s, seconds)
+                self._steps += 1
+                if self._steps > 1:
+                    self.step_s = self._ewma(self.step_s, seconds)
 
     def lookup_wait_s(self) -> float:
-        """How long a step may wait for the lookups it has just started before it runs without
-        them: half a step (``step_s``; 0 before one is measured). A load done in time is admitted
-        in this step instead of the next, saving its request a whole step for at most half of one
-        for the others; a slower one (a Redis round trip, a cold disk) is installed at a later step
-        as before."""
-        return 0.0 if self.step_s is None else LOOKUP_WAIT_STEPS * self.step_s
+        """How long a step may wait for a lookup it has just started before it runs without it:
+        half a step (``step_s``), at most :data:`LOOKUP_WAIT_MAX_S`; 0 before a step is measured.
+        A load done in time is admitted in this step instead of the next, saving its request a
+        whole step for at most half of one for the others; a slower one (a Redis round trip, a
+        cold disk) is installed at a later step as before."""
+        return 0.0 if self.step_s is None else min(LOOKUP_WAIT_STEPS * self.step_s, LOOKUP_WAIT_MAX_S)
 
     def token_s(self, medium: str) -> Optional[float]:
         """Seconds per token to load from ``medium`` (None: not measured yet)."""
