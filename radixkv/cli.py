@@ -40,9 +40,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"radixkv serve: {why}", file=sys.stderr)
         return 2
     if getattr(args, "replicas", 1) > 1:  # N engines on Ray Serve (the ray extra)
-        if args.log_requests:
-            print("radixkv serve: --log-requests is not supported with --replicas > 1", file=sys.stderr)
-            return 2
         from radixkv.router.ray import run as run_replicas
         from radixkv.server.auth import KeysFileError
 

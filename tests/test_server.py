@@ -996,6 +996,41 @@ def test_serve_cli_starts_and_answers(tmp_path):
     assert proc.returncode is not None
 
 
+def test_serve_shutdown_timeout_aborts_what_still_runs_and_exits_0(tmp_path):
+    """``radixkv serve --shutdown-timeout 0.5`` (vLLM's flag) on SIGTERM: a stream that would run
+    for seconds more ends half a second later with finish_reason "abort" and its ``[DONE]`` (not a
+    cut connection), and the server exits with status 0. Without the flag the stream runs to its
+    end (tests/test_tiers_server.py). With ``--replicas`` the flag is refused before anything starts."""
+    import signal
+
+    args = ["--device", "cpu", "--max-total-tokens", "2048", "--served-model-name", "tiny", "--log-level",
+            "warning", "--shutdown-timeout", "0.5"]  # fmt: skip
+    with serve_process(args, tmp_path / "serve.log") as (base, proc):
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "stream": True, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    import argparse
+
+    from radixkv.server.cli import add_arguments, replica_flags_error
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    why = replica_flags_error(ap.parse_args(["--replicas", "2", "--shutdown-timeout", "5"]))
+    assert why == "--shutdown-timeout is not supported with --replicas > 1"
+    assert replica_flags_error(ap.parse_args(["--replicas", "2", "--log-requests", "x.jsonl"])).startswith(
+        "--log-requests"
+    )
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--shutdown-timeout", "-1"])
+
+
 # ---------------------------------------------------------------------------------- aborts
 
 

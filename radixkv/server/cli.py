@@ -127,6 +127,11 @@ def _add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         help="uvicorn and radixkv log level (default: %(default)s)",
     )  # fmt: skip
     h.add_argument(
+        "--shutdown-timeout", type=_at_least(float, 0), default=None, metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long the requests in flight may run before they are aborted (their "
+        "responses end with finish_reason \"abort\"; vLLM's flag; 0: at once; default: no limit)",
+    )  # fmt: skip
+    h.add_argument(
         "--log-requests", default=None, metavar="FILE",
         help="append every completions / chat request body to FILE (JSONL: the trace `radixkv explain` reads)",
     )  # fmt: skip
@@ -368,13 +373,18 @@ REPLICA_FLAGS["ray_address"] = ("--ray-address", None)
 
 def replica_flags_error(args: Any) -> Optional[str]:
     """Why ``args`` cannot be served as given: a replicas-only flag set with ``--replicas 1``
-    (it would do nothing), or ``--disable-prefix-caching`` beside ``--prefix-cache radix|hash``
+    (it would do nothing), a one-engine flag (``--log-requests``, ``--shutdown-timeout``) with
+    ``--replicas N > 1``, or ``--disable-prefix-caching`` beside ``--prefix-cache radix|hash``
     (one of them would be ignored). Otherwise None, with the unset replicas flags given their
     defaults."""
     if getattr(args, "replicas", 1) <= 1:
         for dest, (flag, _) in REPLICA_FLAGS.items():
             if getattr(args, dest, None) is not None:
                 return f"{flag} applies only with --replicas N > 1 (one engine has nothing to route or place)"
+    else:
+        for dest in ("log_requests", "shutdown_timeout"):
+            if getattr(args, dest, None) is not None:
+                return f"--{dest.replace('_', '-')} is not supported with --replicas > 1"
     if getattr(args, "disable_prefix_caching", False) and getattr(args, "prefix_cache", None) not in (None, "none"):
         return f"--disable-prefix-caching contradicts --prefix-cache {args.prefix_cache}: give one of them"
     for dest, (_, default) in REPLICA_FLAGS.items():
@@ -437,12 +447,18 @@ def run(args: argparse.Namespace) -> int:
     )
     auth = f", API keys of {len(keys.tenants())} tenant(s)" if keys is not None else ""
     print(f"radixkv: serving {served!r} at http://{args.host}:{args.port}/v1{auth}", flush=True)
+    from radixkv.server.draining import DrainingServer
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = DrainingServer(config, args.shutdown_timeout, lambda: app.state.backend.abort_requests(None))
     try:
         with _sigterm_ends_serving():
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+            server.run()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C (re-raised by uvicorn after its graceful shutdown), as uvicorn.run takes it
     finally:
         llm.shutdown()
-    return 0
+    return 0 if server.started else 3  # 3: uvicorn's own status when it could not start
 
 
 class _Terminated(KeyboardInterrupt):
