@@ -109,6 +109,25 @@ def serve_process(args: list, log: Path, timeout: float = 300.0) -> Iterator[tup
         _stop(proc)
 
 
+def sigterm_mid_stream(base: str, proc: subprocess.Popen, body: dict, log: Path) -> str:
+    """Stream a completion ``body`` from the server at ``base``, SIGTERM ``proc`` once its first
+    chunk came, read the rest: assert it ended with ``[DONE]`` and the process with status 0;
+    the last choice's finish_reason."""
+    import json
+    import signal
+
+    import httpx
+
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
+        proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert proc.wait(60) == 0, log.read_text()[-3000:]
+    return json.loads(rest[-2][6:])["choices"][0]["finish_reason"]
+
+
 def scrape(server) -> dict:
     """GET /metrics of ``server`` (its ``base_url``) parsed with prometheus_client's parser:
     ``{(sample name, sorted label pairs): value}``."""

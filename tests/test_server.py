@@ -19,7 +19,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from route_table import ROUTES, Target, uncovered  # noqa: E402
-from server_helpers import abort_all_once_running, assert_pool_whole, scrape, serve_process, wait_idle  # noqa: E402
+from server_helpers import (  # noqa: E402
+    abort_all_once_running,
+    assert_pool_whole,
+    scrape,
+    serve_process,
+    sigterm_mid_stream,
+    wait_idle,
+)
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat as render_chat  # noqa: E402
@@ -1001,21 +1008,12 @@ def test_serve_shutdown_timeout_aborts_what_still_runs_and_exits_0(tmp_path):
     for seconds more ends half a second later with finish_reason "abort" and its ``[DONE]`` (not a
     cut connection), and the server exits with status 0. Without the flag the stream runs to its
     end (tests/test_tiers_server.py). With ``--replicas`` the flag is refused before anything starts."""
-    import signal
-
     args = ["--device", "cpu", "--max-total-tokens", "2048", "--served-model-name", "tiny", "--log-level",
             "warning", "--shutdown-timeout", "0.5"]  # fmt: skip
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "stream": True, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
     with serve_process(args, tmp_path / "serve.log") as (base, proc):
-        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "stream": True, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
-        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert sigterm_mid_stream(base, proc, body, tmp_path / "serve.log") == "abort"
     import argparse
 
     from radixkv.server.cli import add_arguments, replica_flags_error

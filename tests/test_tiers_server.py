@@ -6,15 +6,13 @@ degraded tier (a Redis nobody listens on), ``/flush_cache`` empties the pool and
 
 from __future__ import annotations
 
-import json
 import random
-import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
-from server_helpers import Server, assert_pool_whole, serve_process, wait_idle
+from server_helpers import Server, assert_pool_whole, serve_process, sigterm_mid_stream, wait_idle
 from tier_fakes import loading_always_pays, tiny_model
 
 from radixkv.async_llm import AsyncLLM
@@ -154,14 +152,7 @@ def test_serve_sigterm_ends_the_stream_in_flight_exits_0_and_keeps_the_disk_tier
         n = completion(base)["prompt_tokens"]
         body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 8, "stream": True,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
-        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(line for line in lines if line.startswith("data: ")) != "data: [DONE]"
-            proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
-        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+        assert sigterm_mid_stream(base, proc, body, tmp_path / "serve.log") == "length"
     with serve_process(args, tmp_path / "serve2.log") as (base, proc):
         assert completion(base)["prompt_tokens_details"] == {"cached_tokens": n - 1}
 
