@@ -109,10 +109,10 @@ def serve_process(args: list, log: Path, timeout: float = 300.0) -> Iterator[tup
         _stop(proc)
 
 
-def sigterm_mid_stream(base: str, proc: subprocess.Popen, body: dict, log: Path) -> str:
+def sigterm_mid_stream(base: str, proc: subprocess.Popen, body: dict, log: Path) -> tuple[str, int]:
     """Stream a completion ``body`` from the server at ``base``, SIGTERM ``proc`` once its first
     chunk came, read the rest: assert it ended with ``[DONE]`` and the process with status 0;
-    the last choice's finish_reason."""
+    ``(the last choice's finish_reason, chunks after the signal, [DONE] left out)``."""
     import json
     import signal
 
@@ -125,7 +125,7 @@ def sigterm_mid_stream(base: str, proc: subprocess.Popen, body: dict, log: Path)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     assert proc.wait(60) == 0, log.read_text()[-3000:]
-    return json.loads(rest[-2][6:])["choices"][0]["finish_reason"]
+    return json.loads(rest[-2][6:])["choices"][0]["finish_reason"], len(rest) - 1
 
 
 def scrape(server) -> dict:

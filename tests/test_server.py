@@ -1004,16 +1004,18 @@ def test_serve_cli_starts_and_answers(tmp_path):
 
 
 def test_serve_shutdown_timeout_aborts_what_still_runs_and_exits_0(tmp_path):
-    """``radixkv serve --shutdown-timeout 0.5`` (vLLM's flag) on SIGTERM: a stream that would run
-    for seconds more ends half a second later with finish_reason "abort" and its ``[DONE]`` (not a
-    cut connection), and the server exits with status 0. Without the flag the stream runs to its
-    end (tests/test_tiers_server.py). With ``--replicas`` the flag is refused before anything starts."""
-    args = ["--device", "cpu", "--max-total-tokens", "2048", "--served-model-name", "tiny", "--log-level",
-            "warning", "--shutdown-timeout", "0.5"]  # fmt: skip
-    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 2000, "stream": True, "temperature": 0,
+    """``radixkv serve --shutdown-timeout 3`` (vLLM's flag) on SIGTERM: a stream that would run for
+    much longer goes on for those 3 s (tokens keep coming), then ends with finish_reason "abort"
+    and its ``[DONE]`` (not a cut connection), and the server exits with status 0. Without the flag
+    the stream runs to its end (tests/test_tiers_server.py). With ``--replicas`` the flag is
+    refused before anything starts."""
+    args = ["--device", "cpu", "--max-total-tokens", "8192", "--served-model-name", "tiny", "--log-level",
+            "warning", "--shutdown-timeout", "3"]  # fmt: skip
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8000, "stream": True, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     with serve_process(args, tmp_path / "serve.log") as (base, proc):
-        assert sigterm_mid_stream(base, proc, body, tmp_path / "serve.log") == "abort"
+        reason, chunks = sigterm_mid_stream(base, proc, body, tmp_path / "serve.log")
+    assert reason == "abort" and 10 <= chunks < 8000  # 3 s of tokens (a 2-core CI machine makes dozens a second)
     import argparse
 
     from radixkv.server.cli import add_arguments, replica_flags_error

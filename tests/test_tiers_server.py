@@ -152,7 +152,7 @@ def test_serve_sigterm_ends_the_stream_in_flight_exits_0_and_keeps_the_disk_tier
         n = completion(base)["prompt_tokens"]
         body = {"model": "smollm2-135m", "prompt": "Once upon a time", "max_tokens": 8, "stream": True,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip
-        assert sigterm_mid_stream(base, proc, body, tmp_path / "serve.log") == "length"
+        assert sigterm_mid_stream(base, proc, body, tmp_path / "serve.log")[0] == "length"
     with serve_process(args, tmp_path / "serve2.log") as (base, proc):
         assert completion(base)["prompt_tokens_details"] == {"cached_tokens": n - 1}
 
