@@ -960,6 +960,20 @@ def test_a_close_that_times_out_still_closes_the_tiers():
     assert e.cache_stats().tiers["disk"]["write_pending"] == 0
 
 
+def test_a_close_with_a_load_stuck_in_a_store_takes_its_timeout_once():
+    """``Engine.close(timeout)`` while the I/O thread is stuck in a store's ``get``: the drain
+    and the thread's stop share the one ``timeout`` (each took a whole one: 2 s for 1 s)."""
+    p = prompt(5, 90)
+    store = GatedStore("disk", data=stored([p]))
+    e = kv_engine(stores=[store])
+    e.add_request(p, greedy())
+    assert e.step() == [] and e.kv.tier_waiting(e.scheduler.waiting[0])  # its load is held
+    t0 = time.perf_counter()
+    assert not e.close(timeout=1.0)
+    assert time.perf_counter() - t0 < 1.8
+    store.gate.set()
+
+
 def _burst(engine, prompts, max_tokens=12, arrivals=None):
     """Step ``engine`` through ``prompts`` (all at once, or ``arrivals[i]`` of them added before
     step ``i``), checking its invariants after every step; the step of each request's first

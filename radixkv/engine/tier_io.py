@@ -479,8 +479,9 @@ class TierIO:
 
     def close(self, timeout: Optional[float] = None) -> bool:
         """Drain the writes (loads still queued are dropped), then stop the thread; idempotent.
-        Returns whether everything queued was written. Called on the I/O thread itself (a
-        garbage collection there finalizing its TierManager) it only stops it, after the queue."""
+        Returns whether everything queued was written. ``timeout`` bounds the whole of it (the
+        drain and the thread's stop together). Called on the I/O thread itself (a garbage
+        collection there finalizing its TierManager) it only stops it, after the queue."""
         if threading.current_thread() is self._thread:
             with self._cv:
                 self._closed = True
@@ -490,11 +491,12 @@ class TierIO:
             for job in self._loads:
                 job.cancelled = True
             self._loads.clear()
+        deadline = None if timeout is None else time.monotonic() + timeout
         drained = self.drain(timeout)
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return drained
 
     # ------------------------------------------------------------------ the thread
