@@ -611,9 +611,10 @@ class KVManager:
         waiting request not looked up yet, or whose cached prefix shrank since its lookup.
         ``defer``: the ids of waiting requests whose finished loads stay uninstalled for now (the
         scheduler does not admit them yet: what an install locked for them would stay locked).
-        ``may_wait``: this step can admit a new request (the scheduler's prefill budget, a row, no
-        retraction for memory); then, when every waiting request's first lookup starts now, the
-        step waits a little for the first of them (:meth:`_tier_wait`)."""
+        ``may_wait``: this step can admit a new request (prefill budget left, a free row, no
+        chunked prefill in progress, no retraction for memory); then, when every waiting
+        request's first lookup starts now, the step waits a little for the first of them
+        (:meth:`_tier_wait`)."""
         tiers = self.tiers
         if tiers is None:
             return

@@ -29,9 +29,9 @@ Zheng et al. 2024, with its "lpm" policy and one chunked request at a time):
    row follow it), as SGLang's longest-prefix-match; "fcfs" keeps queue order. A request whose
    whole sequence a row computes (an identical prompt) takes no budget: it samples from that
    row's logits. With KV tiers (docs/tiers.md), before admissions the KV manager installs the
-   tier loads that finished and starts lookups (``KVManager.tier_step``, which waits up to half
-   a step for the lookups it starts); a request whose blocks are still on their way is skipped
-   (it waits in the queue; the step runs the others).
+   tier loads that finished and starts lookups (``KVManager.tier_step``; when the step can admit
+   and only new lookups wait, it waits a little for the first: docs/tiers.md); a request whose
+   blocks are still on their way is skipped (it waits in the queue; the step runs the others).
    Tenants (``Namespace.tenant``): when several tenants' requests wait, admission takes the
    tenants in turn (:func:`tenants_in_turn`; re-ranking picks among the requests of the tenant
    whose turn it is), so one tenant's burst never holds back another tenant's request.
