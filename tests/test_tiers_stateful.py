@@ -89,10 +89,15 @@ class TiersMachine(RuleBasedStateMachine):
         }
         stores = [make[m]() for m in self.tiers]
         self.engine = kv_engine(CAPACITY, self.page_size, stores, chunk=48, first_token_preemption=self.preempt)
+        if self.wait:  # a step waits up to 10 ms for a lone new lookup (docs/tiers.md): installs move earlier
+            self.engine.kv.tiers.costs.step_s = 0.02
 
-    @initialize(page_size=st.sampled_from([1, 4, 16]), tiers=st.sampled_from(TIER_SETS), preempt=st.booleans())
-    def start(self, page_size: int, tiers: tuple, preempt: bool) -> None:
-        self.page_size, self.tiers, self.preempt = page_size, tiers, preempt
+    @initialize(
+        page_size=st.sampled_from([1, 4, 16]), tiers=st.sampled_from(TIER_SETS), preempt=st.booleans(),
+        wait=st.booleans(),
+    )  # fmt: skip
+    def start(self, page_size: int, tiers: tuple, preempt: bool, wait: bool) -> None:
+        self.page_size, self.tiers, self.preempt, self.wait = page_size, tiers, preempt, wait
         self._new_engine()
 
     @rule(
