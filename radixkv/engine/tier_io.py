@@ -59,10 +59,11 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 """Upper bounds (seconds) of the load-latency histogram of each tier (one ``get`` call)."""
 
 LOOKUP_WAIT_STEPS = 0.5
-"""The most a step waits for a lookup it started, in steps (:meth:`CostModel.lookup_wait_s`)."""
+"""The most a step waits for a lookup it started, as a fraction of the average step's wall time
+(:meth:`CostModel.lookup_wait_s`)."""
 
 LOOKUP_WAIT_MAX_S = 0.05
-"""... and in seconds, whatever the steps take."""
+"""The most a step waits for a lookup it started, in seconds, however long the steps take."""
 
 
 def shared_len(a: Sequence[int], b: Sequence[int]) -> int:
