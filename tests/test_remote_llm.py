@@ -238,6 +238,23 @@ def test_a_restarted_index_learns_its_replicas_from_their_pushes():
     assert index.push("r1", None, stats, info) is False and index.replica_ids() == ["r0"]  # died: stays out
 
 
+def test_a_replica_serve_cannot_route_to_yet_is_not_asked_for_its_stats():
+    """A replica registers with the index from its constructor, seconds before Serve's request
+    router can send it a call (a replacement for a killed replica: a check fanned out over
+    ``replica_ids`` then had one replica nobody answered for, a 503). ``replica_ids`` is the
+    registered replicas the request router said it can reach (all of them until it said)."""
+    index = ray_mod.CacheIndex.__ray_metadata__.modified_class()
+    info = dict(epoch=1, actor_name="a0", pid=1)
+    for r in ("r0", "r1"):
+        assert index.push(r, None, {"capacity": 64}, info) is True
+    assert index.replica_ids() == ["r0", "r1"]  # the router has not said: every registered one
+    index.routable(["r0", "r9"])  # r1 starting; r9 not registered yet
+    assert index.replica_ids() == ["r0"]
+    index.routable(["r0", "r1", "r9"])
+    assert index.replica_ids() == ["r0", "r1"]
+    assert index.remove("r0") is True and index.replica_ids() == ["r1"]
+
+
 def test_a_reply_takes_its_request_off_its_replicas_load():
     """The ingress's ``replied`` (sent before the client has its answer) ends the request's load
     on its replica; Serve's completion callback (at the replica stream's end, after the ingress

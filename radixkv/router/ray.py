@@ -101,6 +101,7 @@ class CacheIndex:
         self.replicas: dict[str, dict] = {}
         self.stats: dict[str, dict] = {}
         self.removed: list[str] = []
+        self._routable: Optional[set[str]] = None  # the request router's replicas (None: not told yet)
         self._requests: dict[str, RouteRequest] = {}  # internal id -> request
         self._keys: dict[str, str] = {}  # the request's own id -> its last routing key
         self._log: list[dict] = []
@@ -120,6 +121,12 @@ class CacheIndex:
         """A replica started (or restarted: a new epoch starts its view over)."""
         self.replicas[replica] = dict(info, resync=False)
         self.policy.add_replica(replica)
+
+    def routable(self, replicas: Sequence[str]) -> None:
+        """The replicas Serve's request router can send calls to now (it says so on every
+        change). NOTE: a replica registers here from its constructor, seconds before Serve marks
+        it running; until then a call naming it is answered by another replica."""
+        self._routable = set(replicas)
 
     def remove(self, replica: str) -> bool:
         """Forget a dead or removed replica: its cache view, its load, its requests."""
@@ -224,8 +231,11 @@ class CacheIndex:
 
     # -- inspection
     def replica_ids(self) -> list[str]:
-        """The replicas registered and not removed."""
-        return list(self.replicas)
+        """The replicas registered, not removed and routable (:meth:`routable`; all registered
+        ones until the request router has said)."""
+        if self._routable is None:
+            return list(self.replicas)
+        return [r for r in self.replicas if r in self._routable]
 
     def view(self, replica: str) -> Optional[dict]:
         """The policy's view of ``replica``'s cache (``cache_events``): ``{"seq": the last event
@@ -376,8 +386,10 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         old = set(self._replica_id_set)
         super().update_replicas(replicas)
+        idx = self._idx()
         for gone in old - set(self._replica_id_set):
-            self._idx().remove.remote(gone.unique_id)
+            idx.remove.remote(gone.unique_id)
+        idx.routable.remote([r.unique_id for r in self._replica_id_set])
 
 
 # ---------------------------------------------------------------------------- the engine replicas
