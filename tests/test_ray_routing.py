@@ -481,6 +481,15 @@ def test_the_router_holds_no_load_once_idle(cluster):
     assert len(loads) == 2 and all(v == (0, 0) for v in loads.values()), loads
 
 
+def test_the_ingress_router_tells_the_index_which_replicas_it_reaches(cluster):
+    """The ingress's request router (keyed by its actor's id; a driver's by node and pid) says
+    which replicas it can send calls to: the fan-outs (``/cache_stats?check=1``, ``/get_load``,
+    ``/health``'s live count) ask exactly those, never one still starting."""
+    state = ray.get(cluster["index"].state.remote())
+    actors = {k: v for k, v in state["routable"].items() if ":" not in k}
+    assert list(actors.values()) == [sorted(state["replicas"])], state["routable"]
+
+
 def test_a_new_deployment_gets_the_policy_it_asks_for(cluster):
     """``build_app(policy=...)`` on a cluster where the (detached) index actor already exists,
     as a second ``radixkv serve --replicas --ray-address`` finds the one an earlier deployment

@@ -247,12 +247,13 @@ def test_a_replica_serve_cannot_route_to_yet_is_not_asked_for_its_stats():
     info = dict(epoch=1, actor_name="a0", pid=1)
     for r in ("r0", "r1"):
         assert index.push(r, None, {"capacity": 64}, info) is True
-    assert index.replica_ids() == ["r0", "r1"]  # the router has not said: every registered one
-    index.routable(["r0", "r9"])  # r1 starting; r9 not registered yet
-    assert index.replica_ids() == ["r0"]
-    index.routable(["r0", "r1", "r9"])
-    assert index.replica_ids() == ["r0", "r1"]
-    assert index.remove("r0") is True and index.replica_ids() == ["r1"]
+    assert index.replica_ids("ingress") == ["r0", "r1"]  # the router has not said: every registered one
+    index.routable("ingress", ["r0", "r9"])  # r1 starting; r9 not registered yet
+    index.routable("driver", ["r0", "r1"])  # another process's router learned of r1 first
+    assert index.replica_ids("ingress") == ["r0"] and index.replica_ids("driver") == ["r0", "r1"]
+    index.routable("ingress", ["r0", "r1", "r9"])
+    assert index.replica_ids("ingress") == ["r0", "r1"] and index.replica_ids() == ["r0", "r1"]
+    assert index.remove("r0") is True and index.replica_ids("ingress") == ["r1"]
 
 
 def test_a_reply_takes_its_request_off_its_replicas_load():

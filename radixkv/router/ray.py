@@ -101,7 +101,7 @@ class CacheIndex:
         self.replicas: dict[str, dict] = {}
         self.stats: dict[str, dict] = {}
         self.removed: list[str] = []
-        self._routable: Optional[set[str]] = None  # the request router's replicas (None: not told yet)
+        self._routable: dict[str, set[str]] = {}  # router_key() -> the replicas that router can reach
         self._requests: dict[str, RouteRequest] = {}  # internal id -> request
         self._keys: dict[str, str] = {}  # the request's own id -> its last routing key
         self._log: list[dict] = []
@@ -122,11 +122,12 @@ class CacheIndex:
         self.replicas[replica] = dict(info, resync=False)
         self.policy.add_replica(replica)
 
-    def routable(self, replicas: Sequence[str]) -> None:
-        """The replicas Serve's request router can send calls to now (it says so on every
-        change). NOTE: a replica registers here from its constructor, seconds before Serve marks
-        it running; until then a call naming it is answered by another replica."""
-        self._routable = set(replicas)
+    def routable(self, router: str, replicas: Sequence[str]) -> None:
+        """The replicas the request router of process ``router`` (:func:`router_key`) can send
+        calls to now (it says so on every change). NOTE: a replica registers here from its
+        constructor, seconds before Serve marks it running, and each process's router learns it
+        at its own time; until then a call naming it is answered by another replica."""
+        self._routable[router] = set(replicas)
 
     def remove(self, replica: str) -> bool:
         """Forget a dead or removed replica: its cache view, its load, its requests."""
@@ -230,12 +231,14 @@ class CacheIndex:
         self.completed(key)
 
     # -- inspection
-    def replica_ids(self) -> list[str]:
-        """The replicas registered, not removed and routable (:meth:`routable`; all registered
-        ones until the request router has said)."""
-        if self._routable is None:
+    def replica_ids(self, router: Optional[str] = None) -> list[str]:
+        """The replicas registered and not removed; with ``router``, those of them that router
+        can reach (:meth:`routable`; all registered ones while it has not said, e.g. after this
+        index restarted)."""
+        reach = self._routable.get(router) if router is not None else None
+        if reach is None:
             return list(self.replicas)
-        return [r for r in self.replicas if r in self._routable]
+        return [r for r in self.replicas if r in reach]
 
     def view(self, replica: str) -> Optional[dict]:
         """The policy's view of ``replica``'s cache (``cache_events``): ``{"seq": the last event
@@ -252,6 +255,7 @@ class CacheIndex:
         out = self.policy.stats()
         out.update(replicas={r: {k: v for k, v in i.items() if k != "resync"} for r, i in self.replicas.items()})
         out.update(removed=list(self.removed), replica_stats=dict(self.stats))
+        out.update(routable={k: sorted(v) for k, v in self._routable.items()})
         return out
 
 
@@ -306,6 +310,15 @@ def get_index(create: bool = False, policy: str = "cache_events", policy_kwargs:
 
 
 # ---------------------------------------------------------------------------- the request router
+def router_key() -> str:
+    """This process's name for its request router in :meth:`CacheIndex.routable`: its actor's
+    id (the ingress), else its node and pid (a driver)."""
+    if not ray.is_initialized():  # NOTE: get_runtime_context() would start a local Ray
+        return f"local:{os.getpid()}"
+    ctx = ray.get_runtime_context()
+    return ctx.get_actor_id() or f"{ctx.get_node_id()}:{os.getpid()}"
+
+
 class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router asking the :class:`CacheIndex` (module docstring).
 
@@ -320,6 +333,9 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def _idx(self):
         if self._index is None:
             self._index = ray.get_actor(self._index_name, namespace=self._index_ns)
+            # NOTE: a new handle follows a failed call (the index restarting, empty): say again
+            # which replicas this router reaches
+            self._index.routable.remote(router_key(), [r.unique_id for r in self._replica_id_set])
         return self._index
 
     @staticmethod
@@ -386,10 +402,14 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         old = set(self._replica_id_set)
         super().update_replicas(replicas)
-        idx = self._idx()
-        for gone in old - set(self._replica_id_set):
-            idx.remove.remote(gone.unique_id)
-        idx.routable.remote([r.unique_id for r in self._replica_id_set])
+        try:  # NOTE: an exception here would stop Serve's updates of every router of this process
+            idx = self._idx()
+            for gone in old - set(self._replica_id_set):
+                idx.remove.remote(gone.unique_id)
+            idx.routable.remote(router_key(), [r.unique_id for r in self._replica_id_set])
+        except Exception:  # noqa: BLE001 - the index restarting: told again through _idx()
+            logger.exception("cache index unavailable; replica update not passed on")
+            self._index = None
 
 
 # ---------------------------------------------------------------------------- the engine replicas
@@ -824,8 +844,9 @@ class RemoteLLM:
         return [engine_load(i, r["stats"]) for i, r in enumerate(await self._on_every_replica("load"))]
 
     async def _on_every_replica(self, method: str, tries: int = 3, extra: Optional[dict] = None) -> list[dict]:
-        """Call the replica deployment's ``method`` once on each registered replica (the
-        request names it: :meth:`CacheAwareRequestRouter.choose_replicas`); each answers
+        """Call the replica deployment's ``method`` once on each registered replica this
+        process's request router reaches (:meth:`CacheIndex.replica_ids`; the call names it:
+        :meth:`CacheAwareRequestRouter.choose_replicas`); each answers
         ``{"replica": its id, ...}``. A replica another one answered for is asked again, up to
         ``tries`` rounds. ``extra``: more arguments of the call (beside ``replica``).
 
@@ -839,9 +860,9 @@ class RemoteLLM:
 
         # NOTE: who answered is checked because Serve's FIFO matching (FIFOMixin) may hand the
         # replica chosen for one request to an older pending one.
-        want = set(await self._ask_index("replica_ids"))
+        want = set(await self._ask_index("replica_ids", router_key()))
         got: dict[str, dict] = {}
-        for _ in range(tries):
+        for attempt in range(tries):
             for r in sorted(want - set(got)):
                 try:
                     res = await getattr(self.handle, method).remote({**(extra or {}), "replica": r})
@@ -851,25 +872,27 @@ class RemoteLLM:
                 got.setdefault(res["replica"], res)
             if want <= set(got):
                 break
-            want &= set(await self._ask_index("replica_ids"))  # the dead are removed
+            await asyncio.sleep(0.05 * 2**attempt)  # Serve's view of the replicas may be changing
+            want &= set(await self._ask_index("replica_ids", router_key()))  # the dead are removed
         missing = sorted(want - set(got))
         if missing:
             raise EngineDeadError(f"{method}: replicas {missing} did not answer")
         return [got[r] for r in sorted(got)]
 
     async def replica_health(self) -> dict[str, int]:
-        """``{"live": replicas registered with the index and not seen dead, "replicas": deployed}``."""
-        return dict(live=len(await self._ask_index("replica_ids")), replicas=self.replicas)
+        """``{"live": replicas registered with the index, not seen dead and reachable by this
+        process's request router (a replica starting is not live yet), "replicas": deployed}``."""
+        return dict(live=len(await self._ask_index("replica_ids", router_key())), replicas=self.replicas)
 
-    async def _ask_index(self, method: str) -> Any:
-        """The index actor's ``method()``; an :class:`EngineDeadError` (503) while the actor is
+    async def _ask_index(self, method: str, *args: Any) -> Any:
+        """The index actor's ``method(*args)``; an :class:`EngineDeadError` (503) while the actor is
         down or restarting (Ray restarts it; requests are routed without it meanwhile)."""
         from ray.exceptions import ActorUnavailableError, RayActorError
 
         from radixkv.async_llm import EngineDeadError
 
         try:
-            return await getattr(self.index, method).remote()
+            return await getattr(self.index, method).remote(*args)
         except (ActorUnavailableError, RayActorError) as exc:
             raise EngineDeadError(f"the router's cache index is unavailable (restarting): {exc}") from None
 

@@ -343,7 +343,8 @@ class EngineBackend(Protocol):
 
     async def replica_health(self) -> Optional[dict[str, int]]:
         """None for one engine; across replicas ``{"live": L, "replicas": N}``: the replicas
-        registered with the router and not seen dead (``L``), of the ``N`` deployed. ``/health``
+        registered with the router, not seen dead and routable (``L``; a replica still starting
+        is not), of the ``N`` deployed. ``/health``
         answers 503 when ``L`` is 0 and ``"degraded"`` while ``L < N``."""
 
     def hold_partials(self, request_id: str) -> None:
