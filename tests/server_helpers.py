@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from radixkv.async_llm import AsyncLLM
 
@@ -52,23 +52,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_serving(cmd: list, env: dict, log: Path, timeout: float) -> tuple[str, subprocess.Popen]:
-    """``cmd`` plus ``--port P`` on a free port, until ``/health`` answers 200. The port is free
-    when asked and the server binds it only after loading the model: another process may take it
-    meanwhile, and the server exits saying "address already in use"; then again on another port
-    (3 tries)."""
+LOST_PORT = ("address already in use", "failed to bind to address")
+"""What a server that lost its port says (lower case): uvicorn's bind and ``radixkv serve``'s own
+check (``address already in use``), Ray Serve's proxy (``Failed to bind to address``)."""
+
+
+def start_serving(
+    cmd: list, env: dict, log: Path, timeout: float, ready: str = "/health", **popen: Any
+) -> tuple[str, subprocess.Popen]:
+    """``cmd`` plus ``--port P`` on a free port, until ``ready`` (a path) answers 200. The port is
+    free when asked and the server binds it only after loading the model (or starting Ray): another
+    process may take it meanwhile, and the server exits saying so (:data:`LOST_PORT`); then again
+    on another port (3 tries). ``popen``: more ``subprocess.Popen`` arguments."""
     import httpx
 
     for attempt in range(3):
         port = free_port()
         with open(log, "w") as out:
-            proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([*cmd, "--port", str(port)], env=env, stdout=out, stderr=subprocess.STDOUT, **popen)
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + timeout
         try:
             while proc.poll() is None:
                 try:
-                    if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    if httpx.get(base + ready, timeout=5).status_code == 200:
                         return base, proc
                 except httpx.HTTPError:
                     pass
@@ -78,7 +85,7 @@ def start_serving(cmd: list, env: dict, log: Path, timeout: float) -> tuple[str,
             _stop(proc)
             raise
         text = log.read_text()
-        if "address already in use" not in text.lower() or attempt == 2:
+        if not any(m in text.lower() for m in LOST_PORT) or attempt == 2:
             raise AssertionError(text[-3000:])
     raise AssertionError("unreachable")
 

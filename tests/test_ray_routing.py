@@ -25,7 +25,6 @@ import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 from route_table import ROUTES, Target
+from server_helpers import LOST_PORT, free_port, start_serving
 
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
@@ -62,12 +62,6 @@ KEYS = {  # the ingress's API keys: "x" (the key every other test uses) is the a
 }
 ADMIN = {"Authorization": "Bearer x"}
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_both_backends_implement_the_whole_engine_interface():
@@ -264,25 +258,14 @@ def test_sigterm_shuts_the_whole_deployment_down(tmp_path):
     send it: the process exits 0 and no process of its Ray instance survives, Ray's
     DashboardAgent and RuntimeEnvAgent included (they ignore SIGTERM; before the fix they stayed)."""
     tmpdir = tempfile.mkdtemp(prefix="rkv", dir="/tmp")  # short: Ray's socket paths live under it
-    port = _free_port()
     env = dict(os.environ, RAY_TMPDIR=tmpdir, PYTHONPATH=str(ROOT), RAY_SERVE_LOG_TO_STDERR="0")
-    cmd = [sys.executable, "-c", SERVE_TINY % (TINY,), "serve", "--replicas", "2", "--port", str(port),
-           "--max-total-tokens", "4096"]  # fmt: skip
+    cmd = [sys.executable, "-c", SERVE_TINY % (TINY,), "serve", "--replicas", "2", "--max-total-tokens", "4096"]
     log_path = tmp_path / "serve.log"
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = None
     try:
-        deadline = time.monotonic() + 150
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/get_model_info", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve --replicas did not come up: " + log_path.read_text()[-3000:]
-            time.sleep(0.5)
+        # on a free port, again on another if Serve's proxy lost it while Ray started (start_serving)
+        _, proc = start_serving(cmd, env, log_path, 150, ready="/get_model_info", start_new_session=True)
         up = time.perf_counter() - t0
         running = _ray_processes(tmpdir, proc.pid)
         names = " ".join(running.values())
@@ -297,10 +280,10 @@ def test_sigterm_shuts_the_whole_deployment_down(tmp_path):
         assert left == {} and rc == 0, (rc, left, log_path.read_text()[-2000:])
         print(f"\nserve --replicas 2: up in {up:.1f}s, SIGTERM to no process left {time.perf_counter() - t0 - up:.1f}s")
     finally:  # nothing of it may outlive the test (a stray would load the machine for the rest of CI)
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(30)
-        for pid in _ray_processes(tmpdir, proc.pid):
+        for pid in _ray_processes(tmpdir, -1 if proc is None else proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -309,6 +292,24 @@ def test_sigterm_shuts_the_whole_deployment_down(tmp_path):
 
 
 # ---------------------------------------------------------------------------- the module's cluster
+def _serve_start() -> int:
+    """``serve.start`` on a free port; its port. The port is free when picked and Serve's proxy
+    binds it once Serve's controller started (seconds on a loaded machine, while Ray's processes
+    take ports of their own): a proxy that lost it fails ``serve.start`` ("Failed to bind to
+    address"); then again on another port (3 tries), after ``serve.shutdown`` (the controller
+    would otherwise keep the first port)."""
+    for attempt in range(3):
+        port = free_port()
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except ray.exceptions.RayTaskError as exc:
+            if not any(m in str(exc).lower() for m in LOST_PORT) or attempt == 2:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from radixkv.router import ray as rr
@@ -316,8 +317,7 @@ def cluster():
     t0 = time.perf_counter()
     os.environ.setdefault("RAY_SERVE_LOG_TO_STDERR", "0")
     rr.start_ray(num_cpus=2)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port = _serve_start()
     from radixkv.server.auth import APIKeys
 
     keys = APIKeys.from_mapping(KEYS)
