@@ -312,6 +312,19 @@ def _serve_start() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
+    # start_ray sets OMP_NUM_THREADS=1 and the like in this process's environment (for Ray's
+    # workers), ray.init a few more (RAY_*, PYTHONBREAKPOINT): put back at teardown, or the
+    # subprocesses of every later module (radixkv serve) inherit them
+    saved = dict(os.environ)
+    try:
+        yield from _cluster()
+    finally:
+        for name in set(os.environ) - set(saved):
+            del os.environ[name]
+        os.environ.update(saved)
+
+
+def _cluster():
     from radixkv.router import ray as rr
 
     t0 = time.perf_counter()
