@@ -678,7 +678,10 @@ def test_a_replica_killed_mid_run_is_dropped_and_its_requests_go_on_elsewhere(cl
     client.completions.create(model="smollm2-135m", prompt=conv, max_tokens=2, temperature=0)
     log = {d["prompt"]: d for d in ray.get(index.decisions.remote())}
     victim = log[prompt_key(conv)]["replica"]
-    state = ray.get(index.state.remote())
+    # its blocks reach the router from the replica's pusher thread (events pushed as they happen): polled
+    deadline = time.monotonic() + 60
+    while (state := ray.get(index.state.remote()))["blocks"].get(victim, 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert state["blocks"][victim] > 0
     actor = ray.get_actor(state["replicas"][victim]["actor_name"], namespace="serve")
     prompts = [conv + [i + 1] for i in range(len(KILL_CASES))]
