@@ -45,12 +45,17 @@ class Target:
         tokenizer: the served model's tokenizer.
         replicas: 1 (one engine, ``radixkv serve``) or the number of Ray Serve replicas.
         capacity: KV pool tokens of each engine.
+        settle: called before a follow-up that must find the earlier request's prefix cached:
+            across replicas it waits until the router took in what the earlier requests left
+            (their completions, the replicas' cache events), so that the follow-up is routed to
+            the replica that caches it; nothing to wait for on one engine.
     """
 
     http: httpx.Client
     tokenizer: Any
     replicas: int = 1
     capacity: int = 16384
+    settle: Callable[[], None] = lambda: None
 
     def ids(self, text: str = PROMPT) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -87,6 +92,7 @@ def check_completions(t: Target) -> None:
     first = t.http.post("/v1/completions", json=body).json()
     assert first["choices"][0]["finish_reason"] == "length"
     assert (first["usage"]["prompt_tokens"], first["usage"]["completion_tokens"]) == (len(ids), 4)
+    t.settle()
     again = t.http.post("/v1/completions", json=body).json()  # all but its last token cached (same replica)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
@@ -166,6 +172,7 @@ def check_responses_create(t: Target) -> None:
     context = first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
     # the follow-up continues the stored context token for token: all of it but the last token is
     # cached (pinned on one engine; on the replica the follow-up is routed to across replicas)
+    t.settle()
     follow = _respond(t, input="Again.", previous_response_id=first["id"])
     assert follow["usage"]["input_tokens_details"]["cached_tokens"] == context - 1
     with t.http.stream("POST", "/v1/responses", json={"model": MODEL, "input": "Say hi.", "stream": True,
@@ -178,6 +185,7 @@ def check_responses_create(t: Target) -> None:
     assert events[-1]["response"]["output"][0]["content"] == first["output"][0]["content"]
     # a streamed third turn continues the follow-up as the follow-up continued the first (across
     # replicas: routed to the replica that caches the chain)
+    t.settle()
     with t.http.stream("POST", "/v1/responses", json={"model": MODEL, "input": "Once more.", "stream": True,
                                                      "previous_response_id": follow["id"],
                                                      "max_output_tokens": 4, "temperature": 0}) as r:  # fmt: skip
@@ -322,6 +330,7 @@ def check_generate(t: Target) -> None:
     assert post["meta_info"]["prompt_tokens"] == len(ids) and post["meta_info"]["completion_tokens"] == 3
     assert post["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     assert post["text"] == t.tokenizer.decode(post["output_ids"])
+    t.settle()
     put = t.http.put("/generate", json=body).json()
     assert put["output_ids"] == post["output_ids"] and put["meta_info"]["cached_tokens"] == len(ids) - 1
 

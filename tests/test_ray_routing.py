@@ -472,7 +472,8 @@ def test_every_route_answers_on_the_replicas(cluster, check):
     """The single engine's route table (tests/route_table.py) through the ingress: the same
     answers, the stats summed over both replicas, the flushes 409 ``flush_not_offered``."""
     with httpx.Client(base_url=cluster["base_url"], headers=ADMIN, timeout=120) as http:
-        check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"]))
+        settle = functools.partial(_settle, cluster["index"])  # each follow-up routed by what the router took in
+        check(Target(http, _tokenizer(), replicas=2, capacity=ENGINE["max_total_tokens"], settle=settle))
 
 
 def _router_loads(index, deadline_s: float = 60.0) -> dict:
