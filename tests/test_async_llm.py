@@ -99,21 +99,27 @@ def test_concurrent_requests_batch_and_match_sequential(llm, engine):
 def test_an_abort_storm_among_cancels_and_threads_leaves_exact_survivors(llm):
     """Three threads, each with its own event loop, stream 24 requests on one AsyncLLM: a third
     are cancelled after their second output, a third aborted by id after their first (with 50
-    aborts of unknown ids in the same calls); the rest finish with exactly the token ids a
-    request alone gets, and the pool is whole afterwards."""
+    aborts of unknown ids in the same calls), both of 200 tokens; the rest finish with exactly the
+    token ids a request alone gets, and the pool is whole afterwards."""
     params = greedy(6, ignore_eos=True)
+    # the cancelled and aborted ones run long: a stalled consumer must not see them end before it
+    # leaves (6 tokens may all be generated meanwhile, and then read as one output)
+    long = greedy(200, ignore_eos=True)
     alone = {p: asyncio.run(collect(llm, p, params))[-1].outputs[0].token_ids for p in PROMPTS}
+    aborted = {PROMPTS[i % 4] for i in range(8) if i % 3 == 2}
+    alone_long = {p: asyncio.run(collect(llm, p, long))[-1].outputs[0].token_ids for p in aborted}
     got: dict = {}
 
     async def one(k: int, i: int) -> None:
         p, rid, seen = PROMPTS[i % 4], f"storm-{k}-{i}", 0
-        async for out in llm.generate(p, params, rid):
+        ref = alone_long[p] if i % 3 == 2 else alone[p]
+        async for out in llm.generate(p, long if i % 3 else params, rid):
             seen, last = seen + 1, out
             if i % 3 == 1 and seen == 2:
                 raise asyncio.CancelledError  # as a cancelled consumer leaves
             if i % 3 == 2 and seen == 1:
                 await llm.abort([rid] + [f"none-{k}-{j}" for j in range(50)])
-        got[(k, i)] = (last.outputs[0].finish_reason, last.outputs[0].token_ids, alone[p])
+        got[(k, i)] = (last.outputs[0].finish_reason, last.outputs[0].token_ids, ref)
 
     async def loop(k: int) -> None:
         results = await asyncio.gather(*(one(k, i) for i in range(8)), return_exceptions=True)
