@@ -11,6 +11,8 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import threading
+import time
 
 import httpx
 import openai
@@ -247,9 +249,15 @@ def test_flush_cache_is_refused_while_a_request_runs(server, llm):
 # ---------------------------------------------------------------------------------- load and aborts
 
 
-def test_32_concurrent_streaming_clients(server, llm):
+def test_32_concurrent_streaming_clients(server, llm, monkeypatch):
     aclient = openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=600)
     llm.batch_sizes.clear()
+    # the engine thread waits (a posted call) until the 32 requests are queued behind it: they share
+    # its batches however slowly they arrive (on a loaded machine the first could finish before the
+    # last came)
+    gate, queued, submit = threading.Event(), [], llm.submit
+    submit(lambda e: gate.wait(120))
+    monkeypatch.setattr(llm, "submit", lambda fn: queued.append(fn) or submit(fn))
 
     async def one(i: int):
         stream = await aclient.chat.completions.create(
@@ -267,7 +275,15 @@ def test_32_concurrent_streaming_clients(server, llm):
 
     async def all_of_them():
         try:
-            return await asyncio.gather(*(one(i) for i in range(32)))
+            answers = asyncio.gather(*(one(i) for i in range(32)))
+            try:
+                deadline = time.monotonic() + 120
+                while len(queued) < 32:  # each request's engine call
+                    assert time.monotonic() < deadline, f"{len(queued)} of 32 requests queued"
+                    await asyncio.sleep(0.01)
+            finally:
+                gate.set()
+            return await answers
         finally:
             await aclient.close()
 
