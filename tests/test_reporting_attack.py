@@ -6,9 +6,11 @@ aborts, refused requests, flushes), and the Prometheus exposition parsed by prom
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import threading
 import time
 
 import httpx
@@ -19,6 +21,7 @@ from server_helpers import Server, scrape
 from tier_fakes import loading_always_pays
 
 from radixkv import LLM, AsyncLLM, SamplingParams
+from radixkv.engine import StepFinished
 from radixkv.server.app import create_app
 
 pytestmark = pytest.mark.timeout(600)
@@ -379,17 +382,58 @@ def _post(server, path: str, body: dict) -> dict:
     return r.json()
 
 
-def _stream_usage(server, path: str, body: dict, stop_after: int | None = None):
-    """The usage of a streamed request (None when it was left after ``stop_after`` chunks)."""
+def _stream_usage(server, path: str, body: dict, stop_after: int | None = None, on_chunk=lambda: None):
+    """The usage of a streamed request (None when it was left after ``stop_after`` chunks);
+    ``on_chunk()`` is called as each chunk is read."""
     chunks = []
     with httpx.stream("POST", server.base_url + path, json={**body, "stream": True}, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 chunks.append(json.loads(line[6:]))
+                on_chunk()
                 if stop_after is not None and len(chunks) >= stop_after:
                     return None  # leaving closes the connection mid-stream: an abort
     assert all(c["usage"] is None for c in chunks[:-1]) and chunks[-1]["choices"] == []
     return chunks[-1]["usage"]
+
+
+@contextlib.contextmanager
+def _paced_by_the_client(llm: AsyncLLM, monkeypatch, lead: int = 8):
+    """While inside, the engine thread runs at most ``lead`` steps ahead of the chunks a client
+    read (it calls the yielded function as it reads each): after each step a posted call waits for
+    a read not yet matched by a step. However slow the client, a stream it leaves after a few
+    chunks is then a few steps in; on leaving, the engine is let go once the abort of that stream
+    was posted (the first ``Engine.post`` from another thread after a step), so the abort lands
+    before the engine's next step."""
+    reads, armed, stalled = threading.Semaphore(lead), [True], []
+    stepping, aborted = [], threading.Event()
+
+    def brake(engine) -> None:
+        if armed[0] and not reads.acquire(timeout=120):
+            stalled.append(True)
+
+    def stepped(ev) -> None:  # on the engine thread
+        stepping[:] = [threading.current_thread()]
+        if armed[0]:
+            llm.submit(brake)  # runs after this step, before the next
+
+    post = llm.engine.post
+
+    def watched(fn) -> None:
+        if stepping and threading.current_thread() is not stepping[0]:
+            aborted.set()
+        post(fn)
+
+    off = llm.subscribe(stepped, (StepFinished,))
+    monkeypatch.setattr(llm.engine, "post", watched)
+    try:
+        yield reads.release
+        assert aborted.wait(120), "the dropped stream's abort was not posted"
+    finally:
+        armed[0] = False
+        reads.release()
+        off()
+    assert not stalled, "the engine waited 120 s for the client"
 
 
 def _check_exposition(text: str) -> None:
@@ -408,7 +452,7 @@ def _check_exposition(text: str) -> None:
             assert buckets == sorted(buckets) and buckets[-1] == (float("inf"), count), fam.name
 
 
-def test_usage_and_metrics_agree_through_the_server(tiny_server, tiny_llm, tiny):
+def test_usage_and_metrics_agree_through_the_server(tiny_server, tiny_llm, tiny, monkeypatch):
     """n > 1 chat (non-streamed and streamed with usage), two identical prompts in one request (the
     second computes nothing), aborted streams: /metrics moves by exactly the usage the clients
     got, the missed causes sum to the uncached prompt tokens, the gauges are back to idle and the
@@ -436,7 +480,8 @@ def test_usage_and_metrics_agree_through_the_server(tiny_server, tiny_llm, tiny)
     assert twice["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # 0 + the whole prompt (a rider)
     assert twice["choices"][0]["text"] == twice["choices"][1]["text"]
     long = {"model": MODEL, "prompt": ids + [1], "max_tokens": 500, "ignore_eos": True, "n": 2}
-    assert _stream_usage(tiny_server, "/v1/completions", long, stop_after=3) is None
+    with _paced_by_the_client(tiny_llm, monkeypatch) as read:  # the abort lands long before the 500th token
+        assert _stream_usage(tiny_server, "/v1/completions", long, stop_after=3, on_chunk=read) is None
     wait_idle(tiny_llm)
     text = httpx.get(tiny_server.base_url + "/metrics", timeout=60).text
     _check_exposition(text)
