@@ -71,11 +71,23 @@ class RedisServer:
 
     def start(self) -> None:
         """Start the server (on the same port again after :meth:`kill`) and wait until it is ready.
+        A port another process took meanwhile (it is free while the server is down) is tried again
+        until ``ready_timeout``: the URL stays the same.
 
         Raises:
             RuntimeError: it exited or did not become ready within ``ready_timeout`` (its log).
         """
         assert self.proc is None, "already running"
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            try:
+                return self._start()
+            except RuntimeError:
+                if b"Address already in use" not in self.log or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)  # NOTE: nothing tells when another process lets go of a port
+
+    def _start(self) -> None:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.dir]
         args += ["--save", "", "--appendonly", "no", "--logfile", "", "--daemonize", "no", *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
