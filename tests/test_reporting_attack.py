@@ -6,22 +6,20 @@ aborts, refused requests, flushes), and the Prometheus exposition parsed by prom
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
-import threading
 import time
 
 import httpx
 import pytest
 from model_helpers import tiny_loaded_model
+from pacing import paced_by_the_client
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import Server, scrape
 from tier_fakes import loading_always_pays
 
 from radixkv import LLM, AsyncLLM, SamplingParams
-from radixkv.engine import StepFinished
 from radixkv.server.app import create_app
 
 pytestmark = pytest.mark.timeout(600)
@@ -397,45 +395,6 @@ def _stream_usage(server, path: str, body: dict, stop_after: int | None = None, 
     return chunks[-1]["usage"]
 
 
-@contextlib.contextmanager
-def _paced_by_the_client(llm: AsyncLLM, monkeypatch, lead: int = 8):
-    """While inside, the engine thread runs at most ``lead`` steps ahead of the chunks a client
-    read (it calls the yielded function as it reads each): after each step a posted call waits for
-    a read not yet matched by a step. However slow the client, a stream it leaves after a few
-    chunks is then a few steps in; on leaving, the engine is let go once the abort of that stream
-    was posted (the first ``Engine.post`` from another thread after a step), so the abort lands
-    before the engine's next step."""
-    reads, armed, stalled = threading.Semaphore(lead), [True], []
-    stepping, aborted = [], threading.Event()
-
-    def brake(engine) -> None:
-        if armed[0] and not reads.acquire(timeout=120):
-            stalled.append(True)
-
-    def stepped(ev) -> None:  # on the engine thread
-        stepping[:] = [threading.current_thread()]
-        if armed[0]:
-            llm.submit(brake)  # runs after this step, before the next
-
-    post = llm.engine.post
-
-    def watched(fn) -> None:
-        if stepping and threading.current_thread() is not stepping[0]:
-            aborted.set()
-        post(fn)
-
-    off = llm.subscribe(stepped, (StepFinished,))
-    monkeypatch.setattr(llm.engine, "post", watched)
-    try:
-        yield reads.release
-        assert aborted.wait(120), "the dropped stream's abort was not posted"
-    finally:
-        armed[0] = False
-        reads.release()
-        off()
-    assert not stalled, "the engine waited 120 s for the client"
-
-
 def _check_exposition(text: str) -> None:
     """Every sample non-negative; each histogram's buckets cumulative, ``+Inf`` equal to its count."""
     for fam in text_string_to_metric_families(text):
@@ -480,7 +439,7 @@ def test_usage_and_metrics_agree_through_the_server(tiny_server, tiny_llm, tiny,
     assert twice["usage"]["prompt_tokens_details"]["cached_tokens"] == 48  # 0 + the whole prompt (a rider)
     assert twice["choices"][0]["text"] == twice["choices"][1]["text"]
     long = {"model": MODEL, "prompt": ids + [1], "max_tokens": 500, "ignore_eos": True, "n": 2}
-    with _paced_by_the_client(tiny_llm, monkeypatch) as read:  # the abort lands long before the 500th token
+    with paced_by_the_client(tiny_llm, monkeypatch=monkeypatch) as read:  # the abort lands long before the 500th token
         assert _stream_usage(tiny_server, "/v1/completions", long, stop_after=3, on_chunk=read) is None
     wait_idle(tiny_llm)
     text = httpx.get(tiny_server.base_url + "/metrics", timeout=60).text

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 from model_helpers import tiny_loaded_model
+from pacing import paced_by_the_client
 from test_spec_decode import (
     NGRAM,
     RADIX,
@@ -138,10 +139,15 @@ def test_async_cancel_mid_draft_stream_and_flush_between_requests(tiny):
             first = await llm.generate_batch([(prompt, params, None)])
             seen = []
             agen = llm.generate({"prompt_token_ids": prompt}, params)
-            async for out in agen:
-                seen.append(list(out.outputs[0].token_ids))
-                if len(seen) == 2:
-                    break
+            # NOTE: paced, so that the second chunk comes before the end on a loaded machine (the 48
+            # tokens took a few steps: a slow consumer got them all in its first chunk); let go
+            # before the cancel, so the engine's next verify races it
+            with paced_by_the_client(llm, lead=1) as read:
+                async for out in agen:
+                    seen.append(list(out.outputs[0].token_ids))
+                    read()
+                    if len(seen) == 2:
+                        break
             await agen.aclose()
             flushed = await llm.reset_prefix_cache()
             again = await llm.generate_batch([(prompt, params, None)])
