@@ -37,9 +37,9 @@ def paced_by_the_client(llm: AsyncLLM, lead: int = 8, monkeypatch=None):
     post = llm.engine.post
 
     def watched(fn) -> None:
+        post(fn)  # NOTE: posted before it is said to be: the abort lands before the next step
         if stepping and threading.current_thread() is not stepping[0]:
             aborted.set()
-        post(fn)
 
     off = llm.subscribe(stepped, (StepFinished,))
     if monkeypatch is not None:

@@ -310,7 +310,7 @@ async def load(srv: Served, qs: list[str], bodies: list, tally: Tally, rss: list
             rss.append(srv.rss())
         # idle: an explicit flush must succeed now (a dropped stream's abort is applied after its
         # client left: ?timeout= has the route wait up to 120 s for requests still unfinished)
-        assert (await http.post("/flush_cache", params={"timeout": 120})).status_code == 200
+        assert (await http.post("/flush_cache", params={"timeout": 30})).status_code == 200
         tally.flushes += 1
         # every greedy request alone on the idle server, once per distinct question
         for q in sorted({q for q, _, _ in tally.greedy}):

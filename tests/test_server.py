@@ -278,7 +278,7 @@ def test_32_concurrent_streaming_clients(server, llm, monkeypatch):
             answers = asyncio.gather(*(one(i) for i in range(32)))
             try:
                 deadline = time.monotonic() + 120
-                while len(queued) < 32:  # each request's engine call
+                while len(queued) < 32 and not answers.done():  # each request's engine call
                     assert time.monotonic() < deadline, f"{len(queued)} of 32 requests queued"
                     await asyncio.sleep(0.01)
             finally:

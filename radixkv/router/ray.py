@@ -310,6 +310,9 @@ def get_index(create: bool = False, policy: str = "cache_events", policy_kwargs:
 
 
 # ---------------------------------------------------------------------------- the request router
+ROUTABLE_RESEND_S = 5.0  # a request router tells the index what it reaches at least this often when busy
+
+
 def router_key() -> str:
     """This process's name for its request router in :meth:`CacheIndex.routable`: its actor's
     id (the ingress), else its node and pid (a driver)."""
@@ -328,15 +331,22 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, index_name: str = INDEX_NAME, index_namespace: str = NAMESPACE, **_: Any) -> None:
         self._index_name, self._index_ns = index_name, index_namespace
         self._index = None
+        self._said = float("-inf")  # when this router last told the index what it reaches
         self._tries: dict[str, int] = {}  # routing attempts per request not yet routed
 
     def _idx(self):
         if self._index is None:
             self._index = ray.get_actor(self._index_name, namespace=self._index_ns)
-            # NOTE: a new handle follows a failed call (the index restarting, empty): say again
-            # which replicas this router reaches
-            self._index.routable.remote(router_key(), [r.unique_id for r in self._replica_id_set])
+            self._said = float("-inf")
+        if time.monotonic() - self._said > ROUTABLE_RESEND_S:
+            # NOTE: said again from time to time: an index that restarted (empty) learns it
+            # without waiting for the next change of replicas
+            self._say_routable()
         return self._index
+
+    def _say_routable(self) -> None:
+        self._said = time.monotonic()
+        self._index.routable.remote(router_key(), [r.unique_id for r in self._replica_id_set])
 
     @staticmethod
     def _route_args(pending_request: Optional[PendingRequest]) -> Optional[dict]:
@@ -406,7 +416,7 @@ class CacheAwareRequestRouter(FIFOMixin, RequestRouter):
             idx = self._idx()
             for gone in old - set(self._replica_id_set):
                 idx.remove.remote(gone.unique_id)
-            idx.routable.remote(router_key(), [r.unique_id for r in self._replica_id_set])
+            self._say_routable()
         except Exception:  # noqa: BLE001 - the index restarting: told again through _idx()
             logger.exception("cache index unavailable; replica update not passed on")
             self._index = None
