@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from typing import Literal
 
 import jsonschema
@@ -27,6 +26,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # litellm: no cost-map download at import
 os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
 
+
+from server_helpers import assert_pool_whole  # noqa: E402
 
 from radixkv.async_llm import AsyncLLM  # noqa: E402
 from radixkv.chat_template import encode_chat, render_chat  # noqa: E402
@@ -92,13 +93,7 @@ def check_call(call, names=None) -> dict:
 
 
 def assert_idle(llm: AsyncLLM) -> None:
-    deadline = time.time() + 60
-    while llm.num_unfinished_requests():
-        assert time.time() < deadline
-        time.sleep(0.05)
-    asyncio.run(llm.call_in_engine_thread(lambda e: e.check_integrity()))
-    stats = llm.get_cache_stats()
-    assert stats["free"] + stats["evictable"] == stats["capacity"] and stats["protected"] == 0, stats
+    assert_pool_whole(llm)  # waits for the engine too (an aborted stream frees its slots after)
 
 
 # ---------------------------------------------------------------------------------- openai SDK
