@@ -317,22 +317,23 @@ def test_prompt_logprobs_limit_what_is_loaded():
 
 
 def _engine_loading_a_written_prompt() -> tuple:
-    """``(engine, request id)``: an engine one step into a 100-token prompt whose blocks another
-    engine wrote to their shared disk store (its load queued or running)."""
-    shared: OrderedDict = OrderedDict()
+    """``(engine, request id, store)``: an engine one step into a 100-token prompt whose blocks
+    another engine wrote to their shared disk store; its load is held until ``store.gate`` is set
+    (NOTE: else a load done within the step, a slow engine thread's, would be installed in it)."""
     p = prompt(12, 100)
-    generate_closed(kv_engine(stores=[MemoryStore("disk", data=shared)]), [p])
-    e = kv_engine(stores=[MemoryStore("disk", data=shared)])
+    store = GatedStore("disk", data=stored([p]))
+    e = kv_engine(stores=[store])
     rid = e.add_request(p, greedy())
     e.step()
-    return e, rid
+    return e, rid, store
 
 
 def test_abort_while_waiting_for_blocks_releases_the_lock():
-    e, rid = _engine_loading_a_written_prompt()
+    e, rid, store = _engine_loading_a_written_prompt()
     assert e.kv.tier_waiting(e.scheduler.waiting[0])
     assert e.kv.tiers.held_tokens == 0 and e.cache_stats().protected == 0  # the pool holds nothing for it
     e.abort_request(rid)
+    store.gate.set()
     run_all(e)
     e.kv.tiers.drain()
     e.step()  # a finished load of the aborted request is dropped, not installed
@@ -346,7 +347,9 @@ def test_a_load_finished_for_a_request_aborted_between_steps_is_let_go_at_once()
     finished loading: the finished load, with the K/V rows it read from the tier, waited for the
     engine's next step to be dropped, and an idle engine runs none, so an idle server held the
     loaded prefix of every such request (up to a whole prompt's K/V) until the next request."""
-    e, rid = _engine_loading_a_written_prompt()
+    e, rid, store = _engine_loading_a_written_prompt()
+    assert e.kv.tier_waiting(e.scheduler.waiting[0])  # its load is held
+    store.gate.set()
     assert e.kv.tiers.drain(60)
     assert [tuple(j.rows.shape) for j in e.kv.tiers.io._done_loads] == [(99, e.kv.tiers.layout.token_bytes)]
     out = e.abort_now(rid, report=False)
